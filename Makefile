@@ -1,0 +1,43 @@
+# Everything a fresh machine needs: `make demo` runs the main job, `make test`
+# runs the suite (what .ci/run runs). Both set up the virtual environment and
+# build the C libraries first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: all setup build demo test lint clean
+
+all: build
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+setup: $(STAMP)
+
+CUDA_INCLUDE = $$($(BIN)/python -c 'import cuda.pathfinder as p; print(p.find_nvidia_header_directory("cudart"))')
+
+# build/ is the release build (demo, GPU runs); build-asan/ the ASan+UBSan
+# build that the suite's C-facing tests run against.
+build: $(STAMP)
+	cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUINTERPOSE_CUDA_INCLUDE=$(CUDA_INCLUDE) >/dev/null
+	cmake --build build -j2
+	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUINTERPOSE_SANITIZE=ON -DCUINTERPOSE_CUDA_INCLUDE=$(CUDA_INCLUDE) >/dev/null
+	cmake --build build-asan -j2
+
+lint: $(STAMP)
+	$(BIN)/ruff check engine phases tests pkg
+	$(BIN)/ruff format --check engine phases pkg
+	$(BIN)/mypy --strict engine phases
+
+demo: build
+	$(BIN)/cuinterpose demo
+
+test: build lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf build build-asan $(VENV)

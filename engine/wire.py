@@ -1,0 +1,494 @@
+"""The control protocol's codec: messages and records as frozen attrs classes.
+
+``shim_c/protocol.h`` is the single source of truth; ``tests/engine/test_wire_pin.py``
+compiles a program printing every size and offset there and compares them with
+the layouts below. Encoding refuses values that do not fit; decoding refuses
+anything that is not exactly a well-formed message, naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import ClassVar, Final
+
+import attrs
+
+MAGIC: Final = 0x50495543
+VERSION: Final = 1
+HEADER_SIZE: Final = 128
+RECORD_SIZE: Final = 288
+PARTICIPANT_LEN: Final = 32
+ID_LEN: Final = 16
+AUTH_LEN: Final = 16
+MESSAGE_MAX: Final = 1024
+RECORDS_MAX: Final = 65536
+ACCESS_MAX: Final = 8
+SOCKET_PREFIX: Final = "cuinterpose-"
+SOCKET_SUFFIX: Final = ".sock"
+
+HEADER_STRUCT: Final = struct.Struct("<IHHiI32s16s16sIIIHHQQQQ")
+ACCESS_STRUCT: Final = struct.Struct("<iiQ")
+RECORD_STRUCT: Final = struct.Struct("<HHI16s16s32sQQQQQQQiiiiIBBHII" + "iiQ" * ACCESS_MAX)
+
+ZERO_PARTICIPANT: Final = b"\0" * PARTICIPANT_LEN
+ZERO_ID: Final = b"\0" * ID_LEN
+_HEX_DIGITS: Final = frozenset("0123456789abcdef")
+
+
+class Op(enum.IntEnum):
+    HANDSHAKE = 1
+    INSPECT = 2
+    PREPARE_MULTICAST = 3
+    SAVE_ALLOCATIONS = 4
+    PREPARE_UNICAST = 5
+    LOAD_ALLOCATIONS = 6
+    RESTORE_UNICAST = 7
+    RESTORE_MULTICAST_CREATORS = 8
+    RESTORE_MULTICAST_IMPORTERS = 9
+    RESTORE_MULTICAST_DEVICES = 10
+    RESTORE_MULTICAST_BINDINGS = 11
+    EXPORT = 12
+
+
+class Phase(enum.IntEnum):
+    ACTIVE = 1
+    MULTICAST_DETACHED = 2
+    ALLOCATIONS_SAVED = 3
+    PREPARED = 4
+    ALLOCATIONS_LOADED = 5
+    UNICAST_RESTORED = 6
+    MULTICAST_CREATED = 7
+    MULTICAST_IMPORTED = 8
+    MULTICAST_JOINED = 9
+    FAILED = 15
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    BAD_REQUEST = 1
+    WRONG_PARTICIPANT = 2
+    WRONG_PHASE = 3
+    CUDA_FAILED = 4
+    REFUSED = 5
+    UNAUTHORIZED = 6
+    NOT_FOUND = 7
+    INTERNAL = 8
+
+
+class ResourceKind(enum.IntEnum):
+    NONE = 0
+    UNICAST = 1
+    MULTICAST = 2
+
+
+class RecordKind(enum.IntEnum):
+    ALLOCATION = 1
+    MAPPING = 2
+    MC_OBJECT = 3
+    MC_DEVICE = 4
+    MC_BINDING = 5
+    MC_MAPPING = 6
+    RAW_IMPORT = 7
+    UNSUPPORTED_EXPORTABLE = 8
+
+
+class RecordFlag(enum.IntFlag):
+    CREATOR = 1
+    HANDLE_LIVE = 2
+    CONTENT = 4
+
+
+class BindingKind(enum.IntEnum):
+    NONE = 0
+    BIND_MEM = 1
+    BIND_ADDR = 2
+
+
+class WireError(ValueError):
+    """Bytes that are not a well-formed message, or values that cannot be encoded."""
+
+
+def is_participant_id(value: str) -> bool:
+    """32 lowercase hex digits: the only form a participant id takes."""
+    return len(value) == PARTICIPANT_LEN and set(value) <= _HEX_DIGITS
+
+
+def _participant_bytes(value: str, field: str) -> bytes:
+    if value == "":
+        return ZERO_PARTICIPANT
+    if not is_participant_id(value):
+        raise WireError(f"{field} {value!r} is not 32 lowercase hex digits")
+    return value.encode("ascii")
+
+
+def _participant_text(raw: bytes, field: str) -> str:
+    if raw == ZERO_PARTICIPANT:
+        return ""
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise WireError(f"{field} is not ASCII: {raw!r}") from exc
+    if not is_participant_id(text):
+        raise WireError(f"{field} {text!r} is not 32 lowercase hex digits")
+    return text
+
+
+def _fixed(value: bytes, length: int, field: str) -> bytes:
+    if len(value) != length:
+        raise WireError(f"{field} must be {length} bytes, got {len(value)}")
+    return value
+
+
+@attrs.frozen
+class Access:
+    """One access descriptor: a location and the access flags granted to it."""
+
+    location_type: int
+    location_id: int
+    flags: int
+
+
+_NO_ACCESS: Final = Access(0, 0, 0)
+
+
+@attrs.frozen
+class Record:
+    """One topology record (288 bytes on the wire); unused fields stay zero."""
+
+    kind: RecordKind
+    flags: RecordFlag = attrs.field(default=RecordFlag(0), converter=RecordFlag)
+    id: bytes = ZERO_ID
+    member_id: bytes = ZERO_ID
+    creator: str = ""
+    address: int = 0
+    size: int = 0
+    offset: int = 0
+    member_offset: int = 0
+    op_flags: int = 0
+    handle_types: int = 0
+    object_flags: int = 0
+    allocation_type: int = 0
+    location_type: int = 0
+    location_id: int = 0
+    device: int = 0
+    num_devices: int = 0
+    binding_kind: BindingKind = BindingKind.NONE
+    api_version: int = 0
+    handle_count: int = 0
+    access: tuple[Access, ...] = ()
+
+    SIZE: ClassVar[int] = RECORD_SIZE
+
+    def encode(self) -> bytes:
+        if len(self.access) > ACCESS_MAX:
+            raise WireError(
+                f"record has {len(self.access)} access descriptors, at most {ACCESS_MAX}"
+            )
+        slots = list(self.access) + [_NO_ACCESS] * (ACCESS_MAX - len(self.access))
+        flat = [v for a in slots for v in (a.location_type, a.location_id, a.flags)]
+        try:
+            return RECORD_STRUCT.pack(
+                int(self.kind),
+                int(self.flags),
+                len(self.access),
+                _fixed(self.id, ID_LEN, "record id"),
+                _fixed(self.member_id, ID_LEN, "record member_id"),
+                _participant_bytes(self.creator, "record creator"),
+                self.address,
+                self.size,
+                self.offset,
+                self.member_offset,
+                self.op_flags,
+                self.handle_types,
+                self.object_flags,
+                self.allocation_type,
+                self.location_type,
+                self.location_id,
+                self.device,
+                self.num_devices,
+                int(self.binding_kind),
+                self.api_version,
+                0,
+                self.handle_count,
+                0,
+                *flat,
+            )
+        except struct.error as exc:
+            raise WireError(f"record field out of range: {exc}") from exc
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Record:
+        if len(raw) != RECORD_SIZE:
+            raise WireError(f"record must be {RECORD_SIZE} bytes, got {len(raw)}")
+        (
+            kind, flags, access_count, id_, member_id, creator, address, size, offset,
+            member_offset, op_flags, handle_types, object_flags, allocation_type,
+            location_type, location_id, device, num_devices, binding_kind, api_version,
+            reserved0, handle_count, reserved1, *flat,
+        ) = RECORD_STRUCT.unpack(raw)  # fmt: skip
+        try:
+            kind = RecordKind(kind)
+        except ValueError as exc:
+            raise WireError(f"unknown record kind {kind}") from exc
+        if flags & ~int(RecordFlag.CREATOR | RecordFlag.HANDLE_LIVE | RecordFlag.CONTENT):
+            raise WireError(f"{kind.name} record has unknown flags {flags:#x}")
+        if access_count > ACCESS_MAX:
+            raise WireError(f"{kind.name} record has access_count {access_count} > {ACCESS_MAX}")
+        try:
+            binding_kind = BindingKind(binding_kind)
+        except ValueError as exc:
+            raise WireError(f"{kind.name} record has unknown binding_kind {binding_kind}") from exc
+        if reserved0 or reserved1:
+            raise WireError(f"{kind.name} record has non-zero reserved fields")
+        slots = [Access(*flat[i : i + 3]) for i in range(0, len(flat), 3)]
+        if any(a != _NO_ACCESS for a in slots[access_count:]):
+            raise WireError(f"{kind.name} record has non-zero unused access slots")
+        return cls(
+            kind=kind,
+            flags=RecordFlag(flags),
+            id=id_,
+            member_id=member_id,
+            creator=_participant_text(creator, f"{kind.name} record creator"),
+            address=address,
+            size=size,
+            offset=offset,
+            member_offset=member_offset,
+            op_flags=op_flags,
+            handle_types=handle_types,
+            object_flags=object_flags,
+            allocation_type=allocation_type,
+            location_type=location_type,
+            location_id=location_id,
+            device=device,
+            num_devices=num_devices,
+            binding_kind=binding_kind,
+            api_version=api_version,
+            handle_count=handle_count,
+            access=tuple(slots[:access_count]),
+        )
+
+
+@attrs.frozen
+class Stats:
+    """What SAVE/LOAD_ALLOCATIONS report: allocations and bytes moved, times in ns."""
+
+    count: int = 0
+    bytes: int = 0
+    elapsed_ns: int = 0
+    copy_ns: int = 0
+
+
+@attrs.frozen
+class Header:
+    """The fixed 128-byte header, decoded; ``message`` and records follow it."""
+
+    op: int
+    status: int = 0
+    count: int = 0
+    participant: str = ""
+    resource_id: bytes = ZERO_ID
+    authorization: bytes = ZERO_ID
+    resource_kind: int = 0
+    message_length: int = 0
+    pid: int = 0
+    phase: int = 0
+    stats: Stats = attrs.field(factory=Stats)
+
+    def encode(self) -> bytes:
+        try:
+            return HEADER_STRUCT.pack(
+                MAGIC,
+                VERSION,
+                self.op,
+                self.status,
+                self.count,
+                _participant_bytes(self.participant, "participant"),
+                _fixed(self.resource_id, ID_LEN, "resource_id"),
+                _fixed(self.authorization, AUTH_LEN, "authorization"),
+                self.resource_kind,
+                self.message_length,
+                self.pid,
+                self.phase,
+                0,
+                self.stats.count,
+                self.stats.bytes,
+                self.stats.elapsed_ns,
+                self.stats.copy_ns,
+            )
+        except struct.error as exc:
+            raise WireError(f"header field out of range: {exc}") from exc
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Header:
+        if len(raw) != HEADER_SIZE:
+            raise WireError(f"header must be {HEADER_SIZE} bytes, got {len(raw)}")
+        (
+            magic, version, op, status, count, participant, resource_id, authorization,
+            resource_kind, message_length, pid, phase, reserved, *stats,
+        ) = HEADER_STRUCT.unpack(raw)  # fmt: skip
+        if magic != MAGIC:
+            raise WireError(f"bad magic {magic:#010x}, expected {MAGIC:#010x}")
+        if version != VERSION:
+            raise WireError(f"unsupported protocol version {version}, expected {VERSION}")
+        if reserved:
+            raise WireError("header reserved field is not zero")
+        if message_length > MESSAGE_MAX:
+            raise WireError(f"message_length {message_length} exceeds {MESSAGE_MAX}")
+        if count > RECORDS_MAX:
+            raise WireError(f"record count {count} exceeds {RECORDS_MAX}")
+        return cls(
+            op=op,
+            status=status,
+            count=count,
+            participant=_participant_text(participant, "participant"),
+            resource_id=resource_id,
+            authorization=authorization,
+            resource_kind=resource_kind,
+            message_length=message_length,
+            pid=pid,
+            phase=phase,
+            stats=Stats(*stats),
+        )
+
+
+@attrs.frozen
+class Request:
+    """What the coordinator (or a peer shim, for EXPORT) sends."""
+
+    op: Op
+    participant: str = ""
+    resource_id: bytes = ZERO_ID
+    authorization: bytes = ZERO_ID
+    resource_kind: ResourceKind = ResourceKind.NONE
+
+    def encode(self) -> bytes:
+        exporting = self.op is Op.EXPORT
+        if not exporting and (
+            self.resource_id != ZERO_ID
+            or self.authorization != ZERO_ID
+            or self.resource_kind is not ResourceKind.NONE
+        ):
+            raise WireError(f"{self.op.name} request carries EXPORT-only fields")
+        if self.op is Op.HANDSHAKE and self.participant:
+            raise WireError("HANDSHAKE request must not name a participant")
+        return Header(
+            op=int(self.op),
+            participant=self.participant,
+            resource_id=self.resource_id,
+            authorization=self.authorization,
+            resource_kind=int(self.resource_kind),
+        ).encode()
+
+
+@attrs.frozen
+class Reply:
+    """What a shim answers: status, its identity and phase, text, stats, records."""
+
+    op: Op
+    status: Status
+    participant: str
+    pid: int
+    phase: Phase
+    message: str = ""
+    stats: Stats = attrs.field(factory=Stats)
+    records: tuple[Record, ...] = ()
+
+    def encode(self) -> bytes:
+        text = self.message.encode("utf-8")
+        if len(text) > MESSAGE_MAX:
+            raise WireError(f"message of {len(text)} bytes exceeds {MESSAGE_MAX}")
+        if len(self.records) > RECORDS_MAX:
+            raise WireError(f"{len(self.records)} records exceed {RECORDS_MAX}")
+        header = Header(
+            op=int(self.op),
+            status=int(self.status),
+            count=len(self.records),
+            participant=self.participant,
+            message_length=len(text),
+            pid=self.pid,
+            phase=int(self.phase),
+            stats=self.stats,
+        )
+        return b"".join([header.encode(), text, *(r.encode() for r in self.records)])
+
+    @classmethod
+    def from_parts(cls, header: Header, message: bytes, records: bytes) -> Reply:
+        """Build a reply from a decoded header and the bytes that followed it."""
+        try:
+            op = Op(header.op)
+        except ValueError as exc:
+            raise WireError(f"reply names unknown op {header.op}") from exc
+        try:
+            status = Status(header.status)
+        except ValueError as exc:
+            raise WireError(f"reply has unknown status {header.status}") from exc
+        try:
+            phase = Phase(header.phase)
+        except ValueError as exc:
+            raise WireError(f"reply has unknown phase {header.phase}") from exc
+        if len(message) != header.message_length:
+            raise WireError(f"message is {len(message)} bytes, header says {header.message_length}")
+        if len(records) != header.count * RECORD_SIZE:
+            raise WireError(
+                f"records are {len(records)} bytes, header says {header.count} x {RECORD_SIZE}"
+            )
+        if not header.participant:
+            raise WireError("reply carries no participant id")
+        try:
+            text = message.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise WireError("reply message is not UTF-8") from exc
+        return cls(
+            op=op,
+            status=status,
+            participant=header.participant,
+            pid=header.pid,
+            phase=phase,
+            message=text,
+            stats=header.stats,
+            records=tuple(
+                Record.decode(records[i : i + RECORD_SIZE])
+                for i in range(0, len(records), RECORD_SIZE)
+            ),
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Reply:
+        """Decode one whole reply (header, text, records) held in memory."""
+        if len(raw) < HEADER_SIZE:
+            raise WireError(f"reply of {len(raw)} bytes is shorter than the header")
+        header = Header.decode(raw[:HEADER_SIZE])
+        text_end = HEADER_SIZE + header.message_length
+        return cls.from_parts(header, raw[HEADER_SIZE:text_end], raw[text_end:])
+
+
+def decode_request(raw: bytes) -> tuple[Request, Header]:
+    """Decode a request as a shim must: anything non-zero where zero is required is refused."""
+    header = Header.decode(raw)
+    try:
+        op = Op(header.op)
+    except ValueError as exc:
+        raise WireError(f"unknown op {header.op}") from exc
+    if header.status or header.count or header.message_length or header.pid or header.phase:
+        raise WireError(f"{op.name} request has reply-only fields set")
+    if header.stats != Stats():
+        raise WireError(f"{op.name} request has stats set")
+    try:
+        kind = ResourceKind(header.resource_kind)
+    except ValueError as exc:
+        raise WireError(f"unknown resource_kind {header.resource_kind}") from exc
+    request = Request(
+        op=op,
+        participant=header.participant,
+        resource_id=header.resource_id,
+        authorization=header.authorization,
+        resource_kind=kind,
+    )
+    request.encode()  # the same field rules as for sending
+    return request, header
+
+
+def socket_name(namespace_pid: int) -> str:
+    """The control socket's file name for a shim whose getpid() is ``namespace_pid``."""
+    return f"{SOCKET_PREFIX}{namespace_pid}{SOCKET_SUFFIX}"

@@ -1,0 +1,1 @@
+"""Declarative capture and restore machines: states, ops, guards."""

@@ -1,0 +1,7 @@
+"""``python -m cuinterpose``: the same entry point as the console script."""
+
+import sys
+
+from cuinterpose.engine.cli import main
+
+sys.exit(main())

@@ -1,0 +1,185 @@
+/*
+ * cuinterpose control protocol, version 1: the single source of truth.
+ *
+ * The coordinator engine (engine/wire.py) is pinned to this header by a test
+ * that compiles a program printing every size and offset below. Any change to
+ * a layout or a value bumps CUIP_VERSION. All integers are little-endian;
+ * strings are ASCII, fixed width, no NUL terminator needed.
+ */
+#ifndef CUINTERPOSE_PROTOCOL_H
+#define CUINTERPOSE_PROTOCOL_H
+
+#include <stdint.h>
+
+#define CUIP_MAGIC 0x50495543u   /* bytes "CUIP" */
+#define CUIP_VERSION 1u
+
+/* Limits. */
+#define CUIP_PARTICIPANT_LEN 32      /* lowercase hex, no NUL */
+#define CUIP_ID_LEN 16               /* resource ids: random, never all zero */
+#define CUIP_AUTH_LEN 16
+#define CUIP_MESSAGE_MAX 1024u       /* UTF-8 text after the header */
+#define CUIP_RECORDS_MAX 65536u      /* records in one reply */
+#define CUIP_ACCESS_MAX 8u           /* access descriptors in one record */
+#define CUIP_SOCKET_PREFIX "cuinterpose-"
+#define CUIP_SOCKET_SUFFIX ".sock"
+#define CUIP_CONTROL_DIR_DEFAULT "/snapshot-control"
+#define CUIP_CONTROL_DIR_ENV "SNAPSHOT_CONTROL_DIR"
+#define CUIP_PARTICIPANT_ENV "SNAPSHOT_PARTICIPANT_ID"
+
+/* Ops: every op goes to every participant; one with nothing to do answers OK. */
+enum cuip_op {
+    CUIP_OP_HANDSHAKE = 1,
+    CUIP_OP_INSPECT = 2,
+    CUIP_OP_PREPARE_MULTICAST = 3,
+    CUIP_OP_SAVE_ALLOCATIONS = 4,
+    CUIP_OP_PREPARE_UNICAST = 5,
+    CUIP_OP_LOAD_ALLOCATIONS = 6,
+    CUIP_OP_RESTORE_UNICAST = 7,
+    CUIP_OP_RESTORE_MULTICAST_CREATORS = 8,
+    CUIP_OP_RESTORE_MULTICAST_IMPORTERS = 9,
+    CUIP_OP_RESTORE_MULTICAST_DEVICES = 10,
+    CUIP_OP_RESTORE_MULTICAST_BINDINGS = 11,
+    CUIP_OP_EXPORT = 12,
+};
+#define CUIP_OP_MAX CUIP_OP_EXPORT
+
+/* The shim's phase, reported in every reply. */
+enum cuip_phase {
+    CUIP_PHASE_ACTIVE = 1,
+    CUIP_PHASE_MULTICAST_DETACHED = 2,
+    CUIP_PHASE_ALLOCATIONS_SAVED = 3,
+    CUIP_PHASE_PREPARED = 4,
+    CUIP_PHASE_ALLOCATIONS_LOADED = 5,
+    CUIP_PHASE_UNICAST_RESTORED = 6,
+    CUIP_PHASE_MULTICAST_CREATED = 7,
+    CUIP_PHASE_MULTICAST_IMPORTED = 8,
+    CUIP_PHASE_MULTICAST_JOINED = 9,
+    CUIP_PHASE_FAILED = 15,
+};
+
+enum cuip_status {
+    CUIP_STATUS_OK = 0,
+    CUIP_STATUS_BAD_REQUEST = 1,
+    CUIP_STATUS_WRONG_PARTICIPANT = 2,
+    CUIP_STATUS_WRONG_PHASE = 3,
+    CUIP_STATUS_CUDA_FAILED = 4,     /* message names the CUDA call and the CUresult name */
+    CUIP_STATUS_REFUSED = 5,
+    CUIP_STATUS_UNAUTHORIZED = 6,
+    CUIP_STATUS_NOT_FOUND = 7,
+    CUIP_STATUS_INTERNAL = 8,
+};
+
+/* EXPORT's resource_kind. */
+enum cuip_resource_kind {
+    CUIP_RESOURCE_UNICAST = 1,
+    CUIP_RESOURCE_MULTICAST = 2,
+};
+
+/* Header: 128 bytes, followed by message_length bytes of text, then count records. */
+struct cuip_header {
+    uint32_t magic;
+    uint16_t version;
+    uint16_t op;
+    int32_t status;                          /* 0 in requests */
+    uint32_t count;                          /* records following; 0 in requests */
+    char participant[CUIP_PARTICIPANT_LEN];  /* all zero in a HANDSHAKE request */
+    uint8_t resource_id[CUIP_ID_LEN];        /* EXPORT only */
+    uint8_t authorization[CUIP_AUTH_LEN];    /* EXPORT only */
+    uint32_t resource_kind;                  /* EXPORT only: enum cuip_resource_kind */
+    uint32_t message_length;                 /* <= CUIP_MESSAGE_MAX; 0 in requests */
+    uint32_t pid;                            /* reply: the shim's getpid() */
+    uint16_t phase;                          /* reply: enum cuip_phase after the op */
+    uint16_t reserved;
+    uint64_t stat_count;                     /* SAVE/LOAD_ALLOCATIONS: allocations moved */
+    uint64_t stat_bytes;                     /* bytes moved */
+    uint64_t stat_elapsed_ns;                /* time inside the shim for the whole op */
+    uint64_t stat_copy_ns;                   /* time spent in device copies */
+};
+
+/* Record kinds. */
+enum cuip_record_kind {
+    CUIP_RECORD_ALLOCATION = 1,
+    CUIP_RECORD_MAPPING = 2,
+    CUIP_RECORD_MC_OBJECT = 3,
+    CUIP_RECORD_MC_DEVICE = 4,
+    CUIP_RECORD_MC_BINDING = 5,
+    CUIP_RECORD_MC_MAPPING = 6,
+    CUIP_RECORD_RAW_IMPORT = 7,
+    CUIP_RECORD_UNSUPPORTED_EXPORTABLE = 8,
+};
+
+/* Record flags. */
+#define CUIP_FLAG_CREATOR 0x1u
+#define CUIP_FLAG_HANDLE_LIVE 0x2u
+#define CUIP_FLAG_CONTENT 0x4u          /* this participant saves and loads the bytes */
+
+/* MC_BINDING's binding_kind. */
+enum cuip_binding_kind {
+    CUIP_BIND_MEM = 1,
+    CUIP_BIND_ADDR = 2,
+};
+
+struct cuip_access {
+    int32_t location_type;
+    int32_t location_id;
+    uint64_t flags;
+};
+
+/* Record: 288 bytes. Unused fields and access slots are zero so that records
+ * compare bytewise between a capture and a restore. */
+struct cuip_record {
+    uint16_t kind;
+    uint16_t flags;
+    uint32_t access_count;                   /* <= CUIP_ACCESS_MAX */
+    uint8_t id[CUIP_ID_LEN];
+    uint8_t member_id[CUIP_ID_LEN];
+    char creator[CUIP_PARTICIPANT_LEN];
+    uint64_t address;
+    uint64_t size;
+    uint64_t offset;
+    uint64_t member_offset;
+    uint64_t op_flags;
+    uint64_t handle_types;
+    uint64_t object_flags;
+    int32_t allocation_type;
+    int32_t location_type;
+    int32_t location_id;
+    int32_t device;
+    uint32_t num_devices;
+    uint8_t binding_kind;
+    uint8_t api_version;                     /* 1, or 2 for the device-explicit _v2 binds */
+    uint16_t reserved0;
+    uint32_t handle_count;                   /* live application handles */
+    uint32_t reserved1;
+    struct cuip_access access[CUIP_ACCESS_MAX];
+};
+
+/* Capability: what the application holds instead of a raw CUDA FD. A sealed
+ * memfd carries exactly these 128 bytes; it never crosses to the coordinator. */
+#define CUIP_CAP_MAGIC 0x43495543u       /* bytes "CUIC" */
+#define CUIP_CAP_VERSION 1u
+#define CUIP_CAP_ENDPOINT_LEN 40
+
+struct cuip_capability {
+    uint32_t magic;
+    uint16_t version;
+    uint16_t resource_kind;                  /* enum cuip_resource_kind */
+    char creator[CUIP_PARTICIPANT_LEN];
+    uint8_t resource_id[CUIP_ID_LEN];
+    uint8_t authorization[CUIP_AUTH_LEN];
+    /* The creator's socket name within the control dir (not a full path, so a
+     * capability stays valid when the control dir is mounted elsewhere). */
+    char endpoint[CUIP_CAP_ENDPOINT_LEN];
+    uint64_t size;
+    uint32_t handle_types;
+    uint16_t flags;
+    uint16_t num_devices;
+};
+
+_Static_assert(sizeof(struct cuip_header) == 128, "header is 128 bytes");
+_Static_assert(sizeof(struct cuip_access) == 16, "access is 16 bytes");
+_Static_assert(sizeof(struct cuip_record) == 288, "record is 288 bytes");
+_Static_assert(sizeof(struct cuip_capability) == 128, "capability is 128 bytes");
+
+#endif
