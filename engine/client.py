@@ -1,0 +1,411 @@
+"""The participant client: one request per connection to a shim's control socket.
+
+Every exchange is bounded: reads are sized by the header (header, then
+``message_length`` bytes, then ``count`` records) and the whole exchange, connect
+included, runs against one deadline. :func:`call_all` multiplexes non-blocking
+sockets in the calling thread so that a phase costs about one round trip however
+many participants there are; :func:`call` is the same machinery for one.
+
+A reply is returned whatever its status: deciding what a non-OK status means is
+the caller's business. What is raised (or returned, by :func:`call_all`) is a
+:class:`ParticipantError` naming the endpoint, the op and the reason.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import selectors
+import socket
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+import attrs
+
+from .wire import (
+    HEADER_SIZE,
+    RECORD_SIZE,
+    Header,
+    Op,
+    Reply,
+    Request,
+    WireError,
+    socket_name,
+)
+
+# sun_path is 108 bytes including the terminating NUL on Linux.
+_SUN_PATH_MAX: Final = 107
+# A full listen backlog makes a non-blocking AF_UNIX connect fail with EAGAIN
+# (it never returns EINPROGRESS), so such connects are retried on this schedule.
+_RETRY_FIRST_S: Final = 0.001
+_RETRY_MAX_S: Final = 0.02
+
+
+def _positive_pid(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+@attrs.frozen
+class Endpoint:
+    """Where one participant listens, and the two PIDs it is known by."""
+
+    observed_pid: int = attrs.field(validator=_positive_pid)
+    namespace_pid: int = attrs.field(validator=_positive_pid)
+    path: Path = attrs.field(converter=Path)
+
+    def describe(self) -> str:
+        return f"pid {self.observed_pid} (ns pid {self.namespace_pid}) at {self.path}"
+
+
+def endpoint_for(
+    observed_pid: int,
+    namespace_pid: int,
+    *,
+    control_dir: Path,
+    proc_root: Path | None = None,
+) -> Endpoint:
+    """The endpoint of the shim in process ``observed_pid``.
+
+    Without ``proc_root`` the control dir is reached directly (the coordinator
+    shares the shim's mount namespace). With it, the path goes through the
+    process's own root (``<proc-root>/<observed>/root<control-dir>``), so a
+    coordinator outside the container reaches the socket the shim bound inside.
+    """
+    _positive_pid(None, attrs.fields(Endpoint).observed_pid, observed_pid)
+    _positive_pid(None, attrs.fields(Endpoint).namespace_pid, namespace_pid)
+    control_dir = Path(control_dir)
+    name = socket_name(namespace_pid)
+    if proc_root is None:
+        return Endpoint(observed_pid, namespace_pid, control_dir / name)
+    if not control_dir.is_absolute():
+        raise ValueError(f"control_dir must be absolute with proc_root, got {control_dir}")
+    path = Path(proc_root) / str(observed_pid) / "root" / control_dir.relative_to("/") / name
+    return Endpoint(observed_pid, namespace_pid, path)
+
+
+class ParticipantError(Exception):
+    """A participant did not answer ``op`` with a well-formed, matching reply.
+
+    ``participant`` is the id the endpoint is bound to when the caller named
+    one, else the id the reply claimed, else None.
+    """
+
+    def __init__(
+        self, endpoint: Endpoint, op: Op, reason: str, participant: str | None = None
+    ) -> None:
+        # Passing every field to Exception keeps the error picklable.
+        super().__init__(endpoint, op, reason, participant)
+        self.endpoint = endpoint
+        self.op = op
+        self.reason = reason
+        self.participant = participant
+
+    def __str__(self) -> str:
+        who = f"participant {self.participant}, " if self.participant else ""
+        return f"{who}{self.endpoint.describe()}: {self.op.name}: {self.reason}"
+
+
+class ParticipantTimeout(ParticipantError):
+    """No complete reply arrived before the deadline."""
+
+
+class ParticipantHangup(ParticipantError):
+    """The socket was missing, refused or reset, or closed before a whole reply."""
+
+
+class BadReply(ParticipantError):
+    """The reply was malformed, echoed another op or came from another participant."""
+
+
+def call(
+    endpoint: Endpoint, request: Request, *, timeout: float, expect_participant: str | None
+) -> Reply:
+    """Send ``request`` to one participant and return its reply (whatever its status).
+
+    ``expect_participant`` is the id the endpoint is bound to (None for
+    HANDSHAKE, whose reply establishes the binding). Raises a
+    :class:`ParticipantError` subclass on any transport or reply failure.
+    """
+    (result,) = call_all([(endpoint, request, expect_participant)], timeout=timeout)
+    if isinstance(result, ParticipantError):
+        raise result
+    return result
+
+
+def call_all(
+    calls: Sequence[tuple[Endpoint, Request, str | None]], *, timeout: float
+) -> list[Reply | ParticipantError]:
+    """Send every request, then collect every reply, all against one deadline.
+
+    Results come back in input order; a participant's failure is its entry in
+    the list and does not stop the others from being collected. A request that
+    cannot be encoded is the caller's bug and raises :class:`WireError` before
+    anything is sent.
+    """
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout}")
+    payloads = [request.encode() for _, request, _ in calls]
+    deadline = time.monotonic() + timeout
+    exchanges = [
+        _Exchange(endpoint, request, expect, payload, timeout)
+        for (endpoint, request, expect), payload in zip(calls, payloads, strict=True)
+    ]
+    with selectors.DefaultSelector() as selector:
+        try:
+            for exchange in exchanges:
+                exchange.start(selector)
+            _drive(exchanges, selector, deadline)
+        finally:
+            for exchange in exchanges:
+                exchange.close(selector)
+    return [exchange.result() for exchange in exchanges]
+
+
+def _drive(exchanges: list[_Exchange], selector: selectors.BaseSelector, deadline: float) -> None:
+    while True:
+        waiting = [x for x in exchanges if x.outcome is None]
+        if not waiting:
+            return
+        now = time.monotonic()
+        if now >= deadline:
+            for exchange in waiting:
+                exchange.expire()
+            return
+        wait = deadline - now
+        retries = [x.retry_at for x in waiting if x.retry_at is not None]
+        if retries:
+            wait = max(0.0, min(wait, min(retries) - now))
+        for key, _ in selector.select(wait):
+            exchange = key.data
+            assert isinstance(exchange, _Exchange)
+            exchange.on_readable(selector)
+        now = time.monotonic()
+        for exchange in waiting:
+            if exchange.retry_at is not None and exchange.retry_at <= now:
+                exchange.start(selector)
+
+
+class _Exchange:
+    """One request/reply on its own connection: mutable, private to one call_all."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        request: Request,
+        expect: str | None,
+        payload: bytes,
+        timeout: float,
+    ) -> None:
+        self.endpoint = endpoint
+        self.request = request
+        self.expect = expect
+        self.payload = payload
+        self.timeout = timeout
+        self.sock: socket.socket | None = None
+        self.dir_fd: int | None = None
+        self.retry_at: float | None = None
+        self.retry_delay = _RETRY_FIRST_S
+        self.connected = False
+        self.registered = False
+        self.header: Header | None = None
+        self.buffer = bytearray(HEADER_SIZE)
+        self.filled = 0
+        self.outcome: Reply | ParticipantError | None = None
+
+    # -- outcomes -------------------------------------------------------------
+
+    def fail(self, kind: type[ParticipantError], reason: str, participant: str | None) -> None:
+        self.outcome = kind(self.endpoint, self.request.op, reason, participant or self.expect)
+
+    def result(self) -> Reply | ParticipantError:
+        assert self.outcome is not None
+        return self.outcome
+
+    def expire(self) -> None:
+        if not self.connected:
+            reason = f"could not connect within {self.timeout:g} s (listen backlog full)"
+        elif self.header is None and self.filled == 0:
+            reason = f"no reply within {self.timeout:g} s"
+        else:
+            reason = (
+                f"incomplete reply within {self.timeout:g} s "
+                f"({self._received()} of {self._expected()} bytes)"
+            )
+        self.fail(ParticipantTimeout, reason, self._claimed())
+
+    # -- connection -----------------------------------------------------------
+
+    def start(self, selector: selectors.BaseSelector) -> None:
+        """Connect (or retry a connect) and send the request: never blocks."""
+        self.retry_at = None
+        try:
+            if self.sock is None:
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.setblocking(False)
+            code = self.sock.connect_ex(self._address())
+        except OSError as exc:
+            self.fail(ParticipantHangup, _connect_reason(exc.errno, exc.strerror), None)
+            return
+        if code in (errno.EAGAIN, errno.EINPROGRESS):
+            self.retry_at = time.monotonic() + self.retry_delay
+            self.retry_delay = min(self.retry_delay * 2, _RETRY_MAX_S)
+            return
+        if code != 0:
+            self.fail(ParticipantHangup, _connect_reason(code, os.strerror(code)), None)
+            return
+        self.connected = True
+        self._close_dir_fd()
+        try:
+            # 128 bytes always fit an empty AF_UNIX send buffer; a short send
+            # would mean the peer is not a shim, and is reported as a hang-up.
+            sent = self.sock.send(self.payload, socket.MSG_NOSIGNAL)
+        except OSError as exc:
+            self.fail(ParticipantHangup, f"sending the request failed: {exc.strerror}", None)
+            return
+        if sent != len(self.payload):
+            self.fail(ParticipantHangup, f"sent {sent} of {len(self.payload)} bytes", None)
+            return
+        selector.register(self.sock, selectors.EVENT_READ, self)
+        self.registered = True
+
+    def _address(self) -> str:
+        path = os.fsencode(self.endpoint.path)
+        if len(path) <= _SUN_PATH_MAX:
+            return os.fsdecode(path)
+        # A path through /proc/<pid>/root easily outgrows sun_path: reach the
+        # socket through a descriptor of its directory instead.
+        if self.dir_fd is None:
+            self.dir_fd = os.open(
+                self.endpoint.path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+            )
+        return f"/proc/self/fd/{self.dir_fd}/{self.endpoint.path.name}"
+
+    def _close_dir_fd(self) -> None:
+        if self.dir_fd is not None:
+            os.close(self.dir_fd)
+            self.dir_fd = None
+
+    def close(self, selector: selectors.BaseSelector) -> None:
+        self._close_dir_fd()
+        if self.sock is not None:
+            if self.registered:
+                selector.unregister(self.sock)
+                self.registered = False
+            self.sock.close()
+            self.sock = None
+
+    # -- reading ----------------------------------------------------------------
+
+    def on_readable(self, selector: selectors.BaseSelector) -> None:
+        assert self.sock is not None
+        view = memoryview(self.buffer)[self.filled :]
+        try:
+            got = self.sock.recv_into(view)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._finish(selector)
+            self.fail(
+                ParticipantHangup,
+                f"connection failed after {self._received()} reply bytes: {exc.strerror}",
+                self._claimed(),
+            )
+            return
+        finally:
+            view.release()
+        if got == 0:
+            self._finish(selector)
+            self.fail(
+                ParticipantHangup,
+                f"closed the connection after {self._received()} of {self._expected()} reply bytes",
+                self._claimed(),
+            )
+            return
+        self.filled += got
+        if self.filled < len(self.buffer):
+            return
+        if self.header is None:
+            self._on_header(selector)
+            if self.outcome is not None or self.filled < len(self.buffer):
+                return
+        self._on_body(selector)
+
+    def _on_header(self, selector: selectors.BaseSelector) -> None:
+        try:
+            header = Header.decode(bytes(self.buffer))
+        except WireError as exc:
+            self._finish(selector)
+            self.fail(BadReply, f"malformed reply: {exc}", None)
+            return
+        claimed = header.participant or None
+        if header.op != self.request.op:
+            self._finish(selector)
+            self.fail(
+                BadReply,
+                f"reply echoes op {_op_name(header.op)}, expected {self.request.op.name}",
+                claimed,
+            )
+            return
+        if self.expect is not None and header.participant != self.expect:
+            self._finish(selector)
+            self.fail(
+                BadReply,
+                f"reply comes from participant {header.participant or '(none)'}, "
+                f"expected {self.expect}",
+                self.expect,
+            )
+            return
+        self.header = header
+        self.buffer = bytearray(header.message_length + header.count * RECORD_SIZE)
+        self.filled = 0
+
+    def _on_body(self, selector: selectors.BaseSelector) -> None:
+        header = self.header
+        assert header is not None
+        self._finish(selector)
+        body = bytes(self.buffer)
+        try:
+            reply = Reply.from_parts(
+                header, body[: header.message_length], body[header.message_length :]
+            )
+        except WireError as exc:
+            self.fail(BadReply, f"malformed reply: {exc}", self._claimed())
+            return
+        self.outcome = reply
+
+    def _finish(self, selector: selectors.BaseSelector) -> None:
+        # Close as soon as the exchange is decided: one request per connection.
+        self.close(selector)
+
+    # -- progress, for messages -------------------------------------------------
+
+    def _claimed(self) -> str | None:
+        return self.header.participant if self.header is not None else None
+
+    def _received(self) -> int:
+        return self.filled + (HEADER_SIZE if self.header is not None else 0)
+
+    def _expected(self) -> str:
+        if self.header is None:
+            return f"at least {HEADER_SIZE}"
+        return str(HEADER_SIZE + len(self.buffer))
+
+
+def _op_name(value: int) -> str:
+    try:
+        return Op(value).name
+    except ValueError:
+        return f"unknown op {value}"
+
+
+def _connect_reason(code: int | None, text: str | None) -> str:
+    if code == errno.ENOENT:
+        return "control socket does not exist"
+    if code == errno.ECONNREFUSED:
+        return "connection refused (nothing is listening on the control socket)"
+    name = errno.errorcode.get(code or 0, "error")
+    return f"could not connect: {name} {text or ''}".rstrip()
