@@ -143,9 +143,7 @@ def vmm_cases() -> None:
     check("retain_unmapped_va", lambda: cu.cuMemRetainAllocationHandle(int(va) + size))
     p = cu.cuMemGetAllocationPropertiesFromHandle(h)
     out("props_from_handle", [res(p), int(p[1].requestedHandleTypes) if p[0] == 0 else None])
-    check("props_bogus_handle", lambda: cu.cuMemGetAllocationPropertiesFromHandle(0xDEAD0000))
     check("export_posix", lambda: cu.cuMemExportToShareableHandle(h, POSIX, 0))
-    check("release_bogus", lambda: cu.cuMemRelease(0xDEAD0000))
     free1 = ok(cu.cuMemGetInfo())
     check("release_while_mapped", lambda: cu.cuMemRelease(h))
     check("release_second_ref(retain)", lambda: cu.cuMemRelease(h))
@@ -246,9 +244,30 @@ def checkpoint_cases() -> None:
     check("state_self", lambda: cu.cuCheckpointProcessGetState(os.getpid()))
 
 
+def bogus_handle(call: str) -> None:
+    """A handle value the driver never gave out: observed to crash the process."""
+    ok(cu.cuInit(0))
+    ok(cu.cuCtxSetCurrent(ok(cu.cuDevicePrimaryCtxRetain(ok(cu.cuDeviceGet(0))))))
+    if call == "props":
+        check("props_bogus_handle", lambda: cu.cuMemGetAllocationPropertiesFromHandle(0xDEAD0000))
+    else:
+        check("release_bogus", lambda: cu.cuMemRelease(0xDEAD0000))
+
+
+def bogus_handle_cases() -> None:
+    for call in ("props", "release"):
+        p = subprocess.run(
+            [sys.executable, __file__, "bogus", call], capture_output=True, text=True
+        )
+        out(f"bogus_handle_{call}_process", {"returncode": p.returncode, "stdout": p.stdout})
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["child"]:
         child()
+    elif sys.argv[1:2] == ["bogus"]:
+        bogus_handle(sys.argv[2])
     else:
         vmm_cases()
+        bogus_handle_cases()
         checkpoint_cases()
