@@ -1,0 +1,632 @@
+"""A fake participant: a real Unix-socket server speaking the wire protocol like a shim.
+
+For the engine's tests and for embedders' tests (``cuinterpose.engine.fake``). It
+validates every request as a shim must (``wire.decode_request``, participant
+binding), follows the protocol's phase table, and answers from a scripted
+topology. Per-op faults inject failures, delays, hangs, hang-ups, foreign ids,
+wrong op echoes and garbage. An ``arrival`` barrier shared by several fakes
+holds every reply until all of them have received the op, which only a
+coordinator that dispatches concurrently can satisfy.
+
+One selector thread per fake serves every connection without blocking; only a
+request that must wait (a barrier, a delay or a hang) gets a thread of its own,
+so the common path costs no thread start and a fake with 1000 records answers
+from bytes encoded once.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import re
+import secrets
+import selectors
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Final, Literal
+
+import attrs
+
+from .client import Endpoint
+from .wire import (
+    HEADER_SIZE,
+    MESSAGE_MAX,
+    SOCKET_PREFIX,
+    SOCKET_SUFFIX,
+    Header,
+    Op,
+    Phase,
+    Record,
+    Request,
+    Stats,
+    Status,
+    WireError,
+    decode_request,
+)
+
+FaultKind = Literal["fail", "delay", "hang", "hangup", "wrong_participant", "wrong_op", "garbage"]
+FAULT_KINDS: Final[frozenset[str]] = frozenset(
+    ("fail", "delay", "hang", "hangup", "wrong_participant", "wrong_op", "garbage")
+)
+
+# What a shim may do in which phase (shared/PROTOCOL.md, "Ops").
+_RESTORE_PHASES: Final = frozenset(
+    {
+        Phase.ALLOCATIONS_LOADED,
+        Phase.UNICAST_RESTORED,
+        Phase.MULTICAST_CREATED,
+        Phase.MULTICAST_IMPORTED,
+        Phase.MULTICAST_JOINED,
+    }
+)
+_TRANSITIONS: Final[Mapping[Op, tuple[Phase, Phase]]] = {
+    Op.PREPARE_MULTICAST: (Phase.ACTIVE, Phase.MULTICAST_DETACHED),
+    Op.SAVE_ALLOCATIONS: (Phase.MULTICAST_DETACHED, Phase.ALLOCATIONS_SAVED),
+    Op.PREPARE_UNICAST: (Phase.ALLOCATIONS_SAVED, Phase.PREPARED),
+    Op.LOAD_ALLOCATIONS: (Phase.PREPARED, Phase.ALLOCATIONS_LOADED),
+    Op.RESTORE_UNICAST: (Phase.ALLOCATIONS_LOADED, Phase.UNICAST_RESTORED),
+    Op.RESTORE_MULTICAST_CREATORS: (Phase.UNICAST_RESTORED, Phase.MULTICAST_CREATED),
+    Op.RESTORE_MULTICAST_IMPORTERS: (Phase.MULTICAST_CREATED, Phase.MULTICAST_IMPORTED),
+    Op.RESTORE_MULTICAST_DEVICES: (Phase.MULTICAST_IMPORTED, Phase.MULTICAST_JOINED),
+    Op.RESTORE_MULTICAST_BINDINGS: (Phase.MULTICAST_JOINED, Phase.ACTIVE),
+}
+_STATS_OPS: Final = frozenset({Op.SAVE_ALLOCATIONS, Op.LOAD_ALLOCATIONS})
+
+_GARBAGE: Final = b"\xff" * HEADER_SIZE
+# A connection that has not finished its exchange by then is dropped, so a
+# client that connects and goes silent cannot pin resources until stop().
+_IDLE_S: Final = 30.0
+# Granularity at which a delayed or hanging request notices stop() or a hang-up.
+_POLL_S: Final = 0.02
+_SEND_TIMEOUT_S: Final = 5.0
+_UCRED: Final = struct.Struct("3i")
+_SUN_PATH_MAX: Final = 107
+
+
+def allowed_phases(op: Op) -> frozenset[Phase]:
+    """The shim phases in which ``op`` is served (anything else is WRONG_PHASE)."""
+    if op is Op.HANDSHAKE:
+        return frozenset(Phase)
+    if op is Op.INSPECT:
+        return frozenset({Phase.ACTIVE})
+    if op is Op.EXPORT:
+        return frozenset({Phase.ACTIVE}) | _RESTORE_PHASES
+    return frozenset({_TRANSITIONS[op][0]})
+
+
+def is_destructive(op: Op) -> bool:
+    """Ops that change the shim's phase; failing one leaves the shim FAILED."""
+    return op in _TRANSITIONS
+
+
+def _check_kind(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if value not in FAULT_KINDS:
+        raise ValueError(f"fault kind {value!r} is not one of {sorted(FAULT_KINDS)}")
+
+
+def _check_seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"fault seconds must be >= 0, got {value}")
+
+
+@attrs.frozen
+class Fault:
+    """What a fake does instead of (or on top of) answering an op normally.
+
+    - ``fail``: answer ``status`` with ``message`` (after the phase check, like a
+      shim whose CUDA work failed); a destructive op leaves the fake FAILED.
+    - ``delay``: wait ``seconds``, then answer normally.
+    - ``hang``: never answer (until the client hangs up or the fake stops).
+    - ``hangup``: close the connection without answering.
+    - ``wrong_participant`` / ``wrong_op``: answer normally, but with another
+      participant id / another op in the reply.
+    - ``garbage``: answer bytes that are not a message.
+    """
+
+    kind: FaultKind = attrs.field(validator=_check_kind)
+    status: Status = Status.CUDA_FAILED
+    message: str = "injected failure"
+    seconds: float = attrs.field(default=0.0, validator=_check_seconds)
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind == "fail" and self.status is Status.OK:
+            raise ValueError("a 'fail' fault needs a non-OK status")
+
+
+class FakeParticipantError(RuntimeError):
+    """The fake itself went wrong (a bug in the fake, not in what it was sent)."""
+
+
+def _default_pid(socket_path: Path) -> int:
+    """The PID in a ``cuinterpose-<pid>.sock`` name, so the endpoint and the fake agree."""
+    pattern = re.escape(SOCKET_PREFIX) + r"([1-9][0-9]{0,9})" + re.escape(SOCKET_SUFFIX)
+    match = re.fullmatch(pattern, socket_path.name)
+    if match and int(match.group(1)) < 2**32:
+        return int(match.group(1))
+    return 1 + secrets.randbelow(4_000_000)
+
+
+def _text(message: str) -> bytes:
+    raw = message.encode("utf-8")
+    if len(raw) <= MESSAGE_MAX:
+        return raw
+    return raw[:MESSAGE_MAX].decode("utf-8", "ignore").encode("utf-8")
+
+
+class _Conn:
+    """One accepted connection in the selector loop: read 128 bytes, write the reply."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.started = time.monotonic()
+        self.request = bytearray(HEADER_SIZE)
+        self.filled = 0
+        self.out: memoryview | None = None
+
+
+class FakeParticipant:
+    """A participant that answers like a shim, from a scripted topology."""
+
+    def __init__(
+        self,
+        socket_path: Path,
+        *,
+        participant: str | None = None,
+        pid: int | None = None,
+        phase: Phase = Phase.ACTIVE,
+        records: Sequence[Record] = (),
+        restored_records: Sequence[Record] | None = None,
+        stats: Mapping[Op, Stats] | None = None,
+        script: Mapping[Op, Fault] | None = None,
+        arrival: threading.Barrier | None = None,
+    ) -> None:
+        self.socket_path = Path(socket_path)
+        self.participant = participant if participant is not None else secrets.token_hex(16)
+        # Encoding once validates the id and every record up front, and spares
+        # each INSPECT reply from re-encoding them.
+        Header(op=int(Op.HANDSHAKE), participant=self.participant).encode()
+        self.pid = pid if pid is not None else _default_pid(self.socket_path)
+        if not 0 < self.pid < 2**32:
+            raise ValueError(f"pid must fit a u32 and be positive, got {self.pid}")
+        self.records = tuple(records)
+        self.restored_records = (
+            self.records if restored_records is None else tuple(restored_records)
+        )
+        self._blob = b"".join(r.encode() for r in self.records)
+        self._restored_blob = b"".join(r.encode() for r in self.restored_records)
+        self.stats: Mapping[Op, Stats] = dict(stats or {})
+        self.script: Mapping[Op, Fault] = dict(script or {})
+        self.arrival = arrival
+
+        self._lock = threading.Lock()
+        self._phase = Phase(phase)
+        self._reason = ""
+        self._restored = False
+        self._received: list[Op] = []
+        self._errors: list[BaseException] = []
+        self._barrier_waiters = 0
+        self._stopping = threading.Event()
+        self._listener: socket.socket | None = None
+        self._inode: tuple[int, int] | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._loop: threading.Thread | None = None
+        self._workers: set[threading.Thread] = set()
+
+    # -- public state -----------------------------------------------------------
+
+    @property
+    def received(self) -> list[Op]:
+        """The ops of every well-formed request received so far, in order."""
+        with self._lock:
+            return list(self._received)
+
+    @property
+    def phase(self) -> Phase:
+        with self._lock:
+            return self._phase
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """This fake as the coordinator addresses it (observed and ns pid alike)."""
+        return Endpoint(self.pid, self.pid, self.socket_path)
+
+    def describe(self) -> str:
+        return f"fake participant {self.participant} (pid {self.pid}) at {self.socket_path}"
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> FakeParticipant:
+        if self._loop is not None or self._stopping.is_set():
+            raise FakeParticipantError(f"{self.describe()} can be started only once")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            _bind(listener, self.socket_path)
+            os.chmod(self.socket_path, 0o600)
+            info = os.stat(self.socket_path)
+            self._inode = (info.st_dev, info.st_ino)
+            listener.listen(128)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._loop = threading.Thread(target=self._serve, name=f"fake-{self.pid}", daemon=True)
+        self._loop.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving, join every thread, close every socket and remove the socket file.
+
+        Raises :class:`FakeParticipantError` if the fake hit a bug of its own
+        while serving, so that such a bug fails the test that used it.
+        """
+        if self._loop is None:
+            return
+        self._stopping.set()
+        assert self._wake_w is not None
+        self._wake_w.send(b"x")
+        with self._lock:
+            waiting = self._barrier_waiters
+        if waiting and self.arrival is not None:
+            # Our own requests would otherwise sit out the barrier's timeout.
+            self.arrival.abort()
+        self._loop.join()
+        # The loop has ended, so no new worker can appear.
+        with self._lock:
+            workers = list(self._workers)
+        for worker in workers:
+            worker.join()
+        self._loop = None
+        for sock in (self._wake_r, self._wake_w):
+            if sock is not None:
+                sock.close()
+        self._wake_r = self._wake_w = None
+        with self._lock:
+            errors = list(self._errors)
+        if errors:
+            raise FakeParticipantError(f"{self.describe()} failed: {errors[0]!r}") from errors[0]
+
+    def __enter__(self) -> FakeParticipant:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- the selector loop --------------------------------------------------------
+
+    def _serve(self) -> None:
+        listener, wake = self._listener, self._wake_r
+        assert listener is not None and wake is not None
+        conns: dict[int, _Conn] = {}
+        with selectors.DefaultSelector() as selector:
+            selector.register(listener, selectors.EVENT_READ, None)
+            selector.register(wake, selectors.EVENT_READ, None)
+            try:
+                while not self._stopping.is_set():
+                    for key, events in selector.select(1.0):
+                        if key.fileobj is listener:
+                            self._accept(listener, selector, conns)
+                        elif isinstance(key.data, _Conn):
+                            self._service(key.data, events, selector, conns)
+                    self._drop_idle(selector, conns)
+            except Exception as exc:  # a bug in the fake: reported by stop()
+                with self._lock:
+                    self._errors.append(exc)
+            finally:
+                for conn in conns.values():
+                    conn.sock.close()
+                self._close_listener()
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        try:
+            info = os.stat(self.socket_path)
+        except FileNotFoundError:
+            return
+        # Only our own socket file: another server may have taken the path since.
+        if (info.st_dev, info.st_ino) == self._inode and stat.S_ISSOCK(info.st_mode):
+            self.socket_path.unlink()
+
+    def _accept(
+        self, listener: socket.socket, selector: selectors.BaseSelector, conns: dict[int, _Conn]
+    ) -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.ECONNABORTED, errno.EMFILE, errno.ENFILE):
+                    return
+                raise
+            _, uid, _ = _UCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            )
+            # As a shim: serve only root and our own user.
+            if uid not in (0, os.getuid()):
+                sock.close()
+                continue
+            sock.setblocking(False)
+            conn = _Conn(sock)
+            conns[sock.fileno()] = conn
+            selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _drop(self, conn: _Conn, selector: selectors.BaseSelector, conns: dict[int, _Conn]) -> None:
+        selector.unregister(conn.sock)
+        del conns[conn.sock.fileno()]
+        conn.sock.close()
+
+    def _drop_idle(self, selector: selectors.BaseSelector, conns: dict[int, _Conn]) -> None:
+        now = time.monotonic()
+        for conn in [c for c in conns.values() if now - c.started > _IDLE_S]:
+            self._drop(conn, selector, conns)
+
+    def _service(
+        self,
+        conn: _Conn,
+        events: int,
+        selector: selectors.BaseSelector,
+        conns: dict[int, _Conn],
+    ) -> None:
+        try:
+            if conn.out is not None:
+                if events & selectors.EVENT_WRITE:
+                    self._write(conn, selector, conns)
+                elif events & selectors.EVENT_READ and not conn.sock.recv(1):
+                    # The client gave up while we were still writing.
+                    self._drop(conn, selector, conns)
+                return
+            got = conn.sock.recv_into(memoryview(conn.request)[conn.filled :])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn, selector, conns)
+            return
+        if got == 0:
+            self._drop(conn, selector, conns)
+            return
+        conn.filled += got
+        if conn.filled == HEADER_SIZE:
+            self._dispatch(conn, selector, conns)
+
+    def _dispatch(
+        self, conn: _Conn, selector: selectors.BaseSelector, conns: dict[int, _Conn]
+    ) -> None:
+        raw = bytes(conn.request)
+        try:
+            request, _ = decode_request(raw)
+        except WireError as exc:
+            self._reply_now(conn, self._refusal(raw, str(exc)), selector, conns)
+            return
+        with self._lock:
+            self._received.append(request.op)
+        fault = self.script.get(request.op)
+        if self.arrival is None and (fault is None or fault.kind not in ("delay", "hang")):
+            self._reply_now(conn, self._answer(request, fault), selector, conns)
+            return
+        # This request must wait: give its socket to a thread of its own.
+        selector.unregister(conn.sock)
+        del conns[conn.sock.fileno()]
+        worker = threading.Thread(
+            target=self._slow_path, args=(conn.sock, request, fault), daemon=True
+        )
+        with self._lock:
+            self._workers.add(worker)
+        worker.start()
+
+    def _reply_now(
+        self,
+        conn: _Conn,
+        reply: bytes | None,
+        selector: selectors.BaseSelector,
+        conns: dict[int, _Conn],
+    ) -> None:
+        if reply is None:
+            self._drop(conn, selector, conns)
+            return
+        conn.out = memoryview(reply)
+        self._write(conn, selector, conns)
+
+    def _write(
+        self, conn: _Conn, selector: selectors.BaseSelector, conns: dict[int, _Conn]
+    ) -> None:
+        assert conn.out is not None
+        try:
+            sent = conn.sock.send(conn.out, socket.MSG_NOSIGNAL)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._drop(conn, selector, conns)
+            return
+        conn.out = conn.out[sent:]
+        if not conn.out:
+            self._drop(conn, selector, conns)
+        else:
+            selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+
+    # -- requests that wait ---------------------------------------------------------
+
+    def _slow_path(self, sock: socket.socket, request: Request, fault: Fault | None) -> None:
+        try:
+            with sock:
+                reply = self._slow_reply(sock, request, fault)
+                if reply is not None and not self._stopping.is_set():
+                    sock.setblocking(True)
+                    sock.settimeout(_SEND_TIMEOUT_S)
+                    sock.sendall(reply, socket.MSG_NOSIGNAL)
+        except OSError:
+            pass  # the client went away: nothing to answer
+        except Exception as exc:  # a bug in the fake: reported by stop()
+            with self._lock:
+                self._errors.append(exc)
+        finally:
+            with self._lock:
+                self._workers.discard(threading.current_thread())
+
+    def _slow_reply(
+        self, sock: socket.socket, request: Request, fault: Fault | None
+    ) -> bytes | None:
+        if self.arrival is not None and not self._await_arrival(request.op):
+            return self._encode(
+                request.op,
+                Status.INTERNAL,
+                f"arrival barrier broken: not every participant received {request.op.name}",
+            )
+        if fault is not None and fault.kind == "delay" and not self._pause(sock, fault.seconds):
+            return None
+        if fault is not None and fault.kind == "hang":
+            self._pause(sock, math.inf)
+            return None
+        return self._answer(request, fault)
+
+    def _await_arrival(self, op: Op) -> bool:
+        assert self.arrival is not None
+        with self._lock:
+            # stop() aborts the barrier if it sees a waiter; one that comes
+            # after stop() began must not start waiting at all.
+            if self._stopping.is_set():
+                return False
+            self._barrier_waiters += 1
+        try:
+            # The barrier's own timeout applies; without one, stop() ends the wait.
+            self.arrival.wait()
+            return True
+        except threading.BrokenBarrierError:
+            return False
+        finally:
+            with self._lock:
+                self._barrier_waiters -= 1
+
+    def _pause(self, sock: socket.socket, seconds: float) -> bool:
+        """Wait ``seconds``; False if the client hung up or the fake is stopping first."""
+        deadline = time.monotonic() + seconds
+        with selectors.DefaultSelector() as selector:
+            selector.register(sock, selectors.EVENT_READ)
+            while not self._stopping.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return True
+                # The request was read whole, so anything readable now is the
+                # client closing (or misbehaving): either way it is gone.
+                if selector.select(min(left, _POLL_S)):
+                    return False
+        return False
+
+    # -- answers ------------------------------------------------------------------
+
+    def _answer(self, request: Request, fault: Fault | None) -> bytes | None:
+        """The reply bytes for a well-formed request (None: hang up without one)."""
+        op = request.op
+        if op is not Op.HANDSHAKE and request.participant != self.participant:
+            return self._encode(
+                op,
+                Status.WRONG_PARTICIPANT,
+                f"request names participant {request.participant or '(none)'}, "
+                f"this is {self.participant}",
+            )
+        kind = fault.kind if fault is not None else None
+        if kind == "hangup":
+            return None
+        if kind == "garbage":
+            return _GARBAGE
+        participant = secrets.token_hex(16) if kind == "wrong_participant" else self.participant
+        echoed = Op(op % len(Op) + 1) if kind == "wrong_op" else op
+        with self._lock:
+            phase = self._phase
+            if phase not in allowed_phases(op):
+                return self._encode(
+                    echoed,
+                    Status.WRONG_PHASE,
+                    f"{op.name} is not allowed in phase {phase.name}",
+                    participant=participant,
+                )
+            if kind == "fail":
+                assert fault is not None
+                if is_destructive(op):
+                    self._phase = Phase.FAILED
+                    self._reason = f"{op.name} failed: {fault.message}"
+                return self._encode(echoed, fault.status, fault.message, participant=participant)
+            return self._succeed(op, echoed, participant)
+
+    def _succeed(self, op: Op, echoed: Op, participant: str) -> bytes:
+        # Called with the lock held: the phase changes with the answer.
+        if op is Op.HANDSHAKE:
+            message = self._reason if self._phase is Phase.FAILED else ""
+            return self._encode(echoed, Status.OK, message, participant=participant)
+        if op is Op.INSPECT:
+            blob = self._restored_blob if self._restored else self._blob
+            count = len(self.restored_records if self._restored else self.records)
+            return self._encode(echoed, Status.OK, "", participant=participant, count=count) + blob
+        if op is Op.EXPORT:
+            return self._encode(
+                echoed,
+                Status.NOT_FOUND,
+                "fake participant exports nothing",
+                participant=participant,
+            )
+        self._phase = _TRANSITIONS[op][1]
+        if op is Op.RESTORE_MULTICAST_BINDINGS:
+            self._restored = True
+        stats = self.stats.get(op, Stats()) if op in _STATS_OPS else Stats()
+        return self._encode(echoed, Status.OK, "", participant=participant, stats=stats)
+
+    def _encode(
+        self,
+        op: int,
+        status: Status,
+        message: str,
+        *,
+        participant: str | None = None,
+        count: int = 0,
+        stats: Stats | None = None,
+    ) -> bytes:
+        text = _text(message)
+        header = Header(
+            op=op,
+            status=int(status),
+            count=count,
+            participant=participant if participant is not None else self.participant,
+            message_length=len(text),
+            pid=self.pid,
+            # Reading one attribute is atomic; a caller that changes the phase
+            # holds the lock, so the reply reports the phase after the op.
+            phase=int(self._phase),
+            stats=stats if stats is not None else Stats(),
+        )
+        return header.encode() + text
+
+    def _refusal(self, raw: bytes, reason: str) -> bytes:
+        """BAD_REQUEST for bytes decode_request refused, echoing their op field."""
+        (op,) = struct.unpack_from("<H", raw, 6)
+        return self._encode(op, Status.BAD_REQUEST, f"bad request: {reason}")
+
+
+def _bind(sock: socket.socket, path: Path) -> None:
+    if path.exists() or path.is_symlink():
+        raise FileExistsError(errno.EEXIST, "refusing to replace an existing file", str(path))
+    if len(os.fsencode(path)) <= _SUN_PATH_MAX:
+        sock.bind(os.fspath(path))
+        return
+    # Too long for sun_path: bind through a descriptor of the directory.
+    dir_fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        sock.bind(f"/proc/self/fd/{dir_fd}/{path.name}")
+    finally:
+        os.close(dir_fd)
