@@ -37,8 +37,8 @@ MEMBER_WINDOW = 0xC000_0000  # BIND_ADDR members are mapped here
 
 
 def participant(n: int) -> str:
-    """A readable participant id: participant(1) == "0101...01" (32 hex digits)."""
-    return f"{n:02x}" * 16
+    """A readable participant id: participant(1) == "a1a1...a1" (32 hex digits)."""
+    return f"{0xA0 + n:02x}" * 16
 
 
 def resource(n: int) -> bytes:

@@ -1,0 +1,461 @@
+"""The state file ``cuinterpose.state``: the durable record of one capture.
+
+Capture writes it last, into the checkpoint directory; restore reads it first, to
+check that the same participants came back and, at the end, that the rebuilt
+topology equals the captured one. ``specs/state-file.md`` describes the format.
+
+It is versioned JSON produced and read through a dedicated cattrs converter that
+refuses anything it does not know (keys, enum names, versions) instead of guessing.
+It holds ids, sizes, addresses and flags only: never file descriptors, memory bytes
+or authorization tokens (none of those is in a :class:`~.wire.Record`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final, Literal, NoReturn, TypeVar, get_args
+
+import attrs
+import cattrs
+from cattrs.gen import make_dict_unstructure_fn
+from cattrs.v import format_exception, transform_error
+
+from . import wire
+from .topology import ParticipantTopology, Topology
+from .wire import Access, BindingKind, Record, RecordFlag, RecordKind
+
+STATE_FILE_NAME: Final = "cuinterpose.state"
+STATE_FORMAT: Final = "cuinterpose.state"
+STATE_VERSION: Final = 1
+# A team of 32 participants with 65536 records each stays under this; anything bigger
+# is not a state file this engine wrote.
+MAX_STATE_BYTES: Final = 64 * 1024 * 1024
+
+ContentMode = Literal["host", "native"]
+CONTENT_MODES: Final[tuple[str, ...]] = get_args(ContentMode)
+
+_PID_MAX: Final = (1 << 32) - 1
+_E = TypeVar("_E", RecordKind, BindingKind)
+
+
+class StateFileError(Exception):
+    """A state file that cannot be written or read, naming the file and what is wrong."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"state file {path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+def _sorted_state_participants(
+    participants: Iterable[StateParticipant],
+) -> tuple[StateParticipant, ...]:
+    return tuple(sorted(participants, key=lambda p: (p.participant, p.pid)))
+
+
+@attrs.frozen
+class StateParticipant:
+    """A participant's durable id and the pid it had at capture."""
+
+    participant: str
+    pid: int
+
+
+@attrs.frozen
+class CheckpointState:
+    """Everything the state file holds (``format`` and ``version`` frame it on disk)."""
+
+    protocol_version: int
+    content_mode: ContentMode
+    created_at: str
+    participants: tuple[StateParticipant, ...] = attrs.field(converter=_sorted_state_participants)
+    topology: Topology
+
+    @classmethod
+    def from_topology(
+        cls,
+        topology: Topology,
+        content_mode: ContentMode,
+        *,
+        protocol_version: int = wire.VERSION,
+        now: datetime | None = None,
+    ) -> CheckpointState:
+        """The state of a capture of ``topology``: participants taken from it, time now."""
+        return cls(
+            protocol_version=protocol_version,
+            content_mode=content_mode,
+            created_at=utc_timestamp(now),
+            participants=tuple(
+                StateParticipant(p.participant, p.pid) for p in topology.participants
+            ),
+            topology=topology,
+        )
+
+
+def utc_timestamp(now: datetime | None = None) -> str:
+    """ISO 8601 in UTC with a ``Z``, to the millisecond."""
+    moment = (now or datetime.now(UTC)).astimezone(UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+# --- the converter ------------------------------------------------------------------
+
+
+class _Invalid(ValueError):
+    """A value a hook refused; its text is what the error message shows."""
+
+
+def _structure_int(value: object, _: type) -> int:
+    # cattrs would call int(value): "12", 1.5 and true would all pass silently.
+    if type(value) is not int:
+        raise _Invalid(f"expected an integer, got {value!r}")
+    return value
+
+
+def _structure_str(value: object, _: type) -> str:
+    if not isinstance(value, str):
+        raise _Invalid(f"expected a string, got {value!r}")
+    return value
+
+
+def _structure_resource_id(value: object, _: type) -> bytes:
+    # Every bytes field in the state is a 16-byte resource id.
+    if (
+        not isinstance(value, str)
+        or len(value) != 2 * wire.ID_LEN
+        or not set(value) <= set("0123456789abcdef")
+    ):
+        raise _Invalid(f"resource id {value!r} is not {2 * wire.ID_LEN} lowercase hex digits")
+    return bytes.fromhex(value)
+
+
+def _structure_enum(value: object, enum_type: type[_E]) -> _E:
+    if not isinstance(value, str) or value not in enum_type.__members__:
+        names = ", ".join(enum_type.__members__)
+        raise _Invalid(f"unknown {enum_type.__name__} {value!r} (known: {names})")
+    return enum_type[value]
+
+
+def _unstructure_flags(flags: RecordFlag) -> list[str]:
+    return [f.name for f in RecordFlag if f in flags and f.name]
+
+
+def _structure_flags(value: object, _: type) -> RecordFlag:
+    if not isinstance(value, list):
+        raise _Invalid(f"flags must be a list of names, got {value!r}")
+    flags = RecordFlag(0)
+    for name in value:
+        if not isinstance(name, str) or name not in RecordFlag.__members__:
+            known = ", ".join(RecordFlag.__members__)
+            raise _Invalid(f"unknown record flag {name!r} (known: {known})")
+        if RecordFlag[name] in flags:
+            raise _Invalid(f"record flag {name!r} listed twice")
+        flags |= RecordFlag[name]
+    return flags
+
+
+def _structure_content_mode(value: object, _: object) -> str:
+    if value not in CONTENT_MODES:
+        raise _Invalid(f"content_mode {value!r} is not one of {', '.join(CONTENT_MODES)}")
+    assert isinstance(value, str)
+    return value
+
+
+def _lists_only(hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    # cattrs structures a tuple from any iterable; a dict or a string where a list
+    # belongs is a corrupt file, not something to iterate.
+    def structure(value: object, type_: Any) -> Any:
+        if not isinstance(value, list):
+            raise _Invalid(f"expected a list, got {type(value).__name__}")
+        return hook(value, type_)
+
+    return structure
+
+
+def _is_type(expected: object) -> Callable[[Any], bool]:
+    # Generic aliases (tuple[X, ...], Literal[...]) are not classes: dispatch by equality.
+    return lambda candidate: bool(candidate == expected)
+
+
+def make_converter() -> cattrs.Converter:
+    """The converter for the state file: strict in, readable out.
+
+    Enums by name, flags as a list of names, resource ids as hex, records without
+    their zero/default fields; unknown keys, names and non-integer numbers refused.
+    A new converter per call, so no caller can change another's.
+    """
+    conv = cattrs.Converter(forbid_extra_keys=True)
+    conv.register_structure_hook(int, _structure_int)
+    conv.register_structure_hook(str, _structure_str)
+    conv.register_unstructure_hook(bytes, bytes.hex)
+    conv.register_structure_hook(bytes, _structure_resource_id)
+    for enum_type in (RecordKind, BindingKind):
+        conv.register_unstructure_hook(enum_type, lambda e: e.name)
+        conv.register_structure_hook(enum_type, _structure_enum)
+    conv.register_unstructure_hook(RecordFlag, _unstructure_flags)
+    conv.register_structure_hook(RecordFlag, _structure_flags)
+    conv.register_structure_hook_func(_is_type(ContentMode), _structure_content_mode)
+    # A record lists only the fields its kind uses (the rest are zero by the protocol).
+    conv.register_unstructure_hook(
+        Record, make_dict_unstructure_fn(Record, conv, _cattrs_omit_if_default=True)
+    )
+    # Innermost first: an outer class's hook captures its fields' hooks when made.
+    for sequence in (
+        tuple[Access, ...],
+        tuple[Record, ...],
+        tuple[ParticipantTopology, ...],
+        tuple[StateParticipant, ...],
+    ):
+        conv.register_structure_hook_func(
+            _is_type(sequence), _lists_only(conv.get_structure_hook(sequence))
+        )
+    return conv
+
+
+# --- encoding and decoding ----------------------------------------------------------
+
+
+def state_problems(state: CheckpointState) -> list[str]:
+    """What makes ``state`` unfit to be written or trusted after reading (empty if fine)."""
+    problems: list[str] = []
+    if state.protocol_version != wire.VERSION:
+        problems.append(
+            f"protocol_version {state.protocol_version}; this engine speaks {wire.VERSION}"
+        )
+    if state.content_mode not in CONTENT_MODES:
+        problems.append(f"content_mode {state.content_mode!r} is not one of {CONTENT_MODES}")
+    try:
+        created = datetime.fromisoformat(state.created_at)
+    except ValueError:
+        problems.append(f"created_at {state.created_at!r} is not an ISO 8601 time")
+    else:
+        offset = created.utcoffset()
+        if offset is None or offset.total_seconds() != 0:
+            problems.append(f"created_at {state.created_at!r} is not in UTC")
+    problems.extend(_participant_problems("participants", state.participants))
+    problems.extend(_participant_problems("topology participant", state.topology.participants))
+    listed = {(p.participant, p.pid) for p in state.participants}
+    in_topology = {(p.participant, p.pid) for p in state.topology.participants}
+    if listed != in_topology:
+        problems.append(
+            "participants and topology disagree:"
+            f" only in participants {sorted(listed - in_topology)},"
+            f" only in topology {sorted(in_topology - listed)}"
+        )
+    for member in state.topology.participants:
+        for n, record in enumerate(member.records):
+            try:
+                record.encode()
+            except wire.WireError as exc:
+                problems.append(
+                    f"participant {member.participant} record {n} ({record.kind.name}): {exc}"
+                )
+    return problems
+
+
+def _participant_problems(
+    where: str, participants: Iterable[StateParticipant | ParticipantTopology]
+) -> list[str]:
+    problems: list[str] = []
+    seen: set[str] = set()
+    for p in participants:
+        if not wire.is_participant_id(p.participant):
+            problems.append(f"{where} id {p.participant!r} is not 32 lowercase hex digits")
+        elif p.participant in seen:
+            problems.append(f"{where} id {p.participant} is listed twice")
+        seen.add(p.participant)
+        if not 0 < p.pid <= _PID_MAX:
+            problems.append(f"{where} {p.participant} has pid {p.pid}, not a process id")
+    return problems
+
+
+def _is_compact(value: object) -> bool:
+    return isinstance(value, dict) and ("kind" in value or value.keys() == {"participant", "pid"})
+
+
+def _render(value: object, depth: int = 0) -> str:
+    """Indented JSON, except that records and participant entries take one line each,
+    so a reviewer (or diff) reads the topology one record per line."""
+    inner, outer = "  " * (depth + 1), "  " * depth
+    if isinstance(value, dict) and value and not _is_compact(value):
+        items = [f"{inner}{json.dumps(k)}: {_render(v, depth + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{outer}}}"
+    if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
+        items = [inner + _render(v, depth + 1) for v in value]
+        return "[\n" + ",\n".join(items) + f"\n{outer}]"
+    return json.dumps(value, allow_nan=False)
+
+
+def encode_state(state: CheckpointState) -> bytes:
+    """The file's bytes; ValueError if ``state`` is not something read_state would accept."""
+    problems = state_problems(state)
+    if problems:
+        raise ValueError("; ".join(problems))
+    body = make_converter().unstructure(state)
+    document = {"format": STATE_FORMAT, "version": STATE_VERSION, **body}
+    data = (_render(document) + "\n").encode("ascii")
+    if len(data) > MAX_STATE_BYTES:
+        raise ValueError(f"{len(data)} bytes exceed the {MAX_STATE_BYTES}-byte cap")
+    return data
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _Invalid(f"key {key!r} appears twice in one object")
+        result[key] = value
+    return result
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise _Invalid(f"{name} is not a number JSON allows")
+
+
+def _format_error(exc: BaseException, type_: type | None) -> str:
+    if isinstance(exc, _Invalid):
+        return str(exc)
+    return format_exception(exc, type_)
+
+
+def decode_state(data: bytes, path: Path) -> CheckpointState:
+    """Parse and check a state file's bytes; StateFileError (naming ``path``) if unfit."""
+    if not data.strip():
+        raise StateFileError(path, "is empty (the capture that wrote it did not finish?)")
+    if len(data) > MAX_STATE_BYTES:
+        raise StateFileError(path, f"is over the {MAX_STATE_BYTES}-byte cap")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise StateFileError(path, f"is corrupt: not UTF-8 text (byte {exc.start})") from exc
+    try:
+        document = json.loads(
+            text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant
+        )
+    except json.JSONDecodeError as exc:
+        if exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string"):
+            raise StateFileError(
+                path,
+                f"is truncated: the JSON ends early ({exc.msg} at line {exc.lineno}"
+                f" column {exc.colno})",
+            ) from exc
+        raise StateFileError(
+            path, f"is corrupt: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from exc
+    except _Invalid as exc:
+        raise StateFileError(path, f"is corrupt: {exc}") from exc
+    if not isinstance(document, dict):
+        raise StateFileError(path, f"is not a JSON object but a {type(document).__name__}")
+    if "format" not in document:
+        raise StateFileError(path, 'has no "format" key: not a cuinterpose state file')
+    if document["format"] != STATE_FORMAT:
+        raise StateFileError(
+            path,
+            f"has format {document['format']!r}, not {STATE_FORMAT!r}: not a cuinterpose"
+            " state file",
+        )
+    version = document.get("version")
+    if type(version) is not int:
+        raise StateFileError(path, f"has no integer version (got {version!r})")
+    if version != STATE_VERSION:
+        raise StateFileError(
+            path, f"has version {version}; this cuinterpose reads version {STATE_VERSION} only"
+        )
+    body = {k: v for k, v in document.items() if k not in ("format", "version")}
+    try:
+        state = make_converter().structure(body, CheckpointState)
+    except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
+        details = transform_error(exc, path="$", format_exception=_format_error)
+        raise StateFileError(path, "is malformed: " + "; ".join(details)) from exc
+    problems = state_problems(state)
+    if problems:
+        raise StateFileError(path, "is inconsistent: " + "; ".join(problems))
+    return state
+
+
+# --- the file -----------------------------------------------------------------------
+
+
+def write_state(directory: Path, state: CheckpointState) -> Path:
+    """Write the state file into ``directory`` atomically and durably; returns its path.
+
+    A temporary file in the same directory is written and fsynced, renamed over the
+    state file, and the directory fsynced so the rename survives a crash. On any
+    failure the temporary file is removed and the old state file (if any) is intact.
+    """
+    directory = Path(directory)
+    target = directory / STATE_FILE_NAME
+    try:
+        data = encode_state(state)
+    except ValueError as exc:
+        raise StateFileError(target, f"not written: {exc}") from exc
+    try:
+        fd, temp_name = tempfile.mkstemp(
+            prefix=f".{STATE_FILE_NAME}.", suffix=".tmp", dir=directory
+        )
+    except OSError as exc:
+        raise StateFileError(
+            target, f"not written: cannot create a temporary file in {directory}: {exc}"
+        ) from exc
+    temp = Path(temp_name)
+    try:
+        with open(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, target)
+    except BaseException as exc:
+        temp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise StateFileError(target, f"not written: {exc}") from exc
+        raise
+    try:
+        _fsync_directory(directory)
+    except OSError as exc:
+        raise StateFileError(
+            target, f"written, but syncing {directory} failed (may not survive a crash): {exc}"
+        ) from exc
+    return target
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_state(directory: Path) -> CheckpointState:
+    """Read and check the state file in ``directory``; StateFileError says what is wrong."""
+    path = Path(directory) / STATE_FILE_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError as exc:
+        raise StateFileError(
+            path, "is missing: no cuinterpose capture was completed into this directory"
+        ) from exc
+    except OSError as exc:
+        raise StateFileError(path, f"cannot be opened: {exc}") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise StateFileError(path, "is not a regular file")
+        if info.st_size > MAX_STATE_BYTES:
+            raise StateFileError(
+                path, f"is {info.st_size} bytes, over the {MAX_STATE_BYTES}-byte cap"
+            )
+        # Read one byte past the cap: a file that grew since fstat is refused too.
+        with open(fd, "rb", closefd=False) as handle:
+            data = handle.read(MAX_STATE_BYTES + 1)
+    except OSError as exc:
+        raise StateFileError(path, f"cannot be read: {exc}") from exc
+    finally:
+        os.close(fd)
+    return decode_state(data, path)
