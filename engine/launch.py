@@ -1,0 +1,126 @@
+"""Start a program with the shim preloaded: ``cuinterpose launch [--driver sim|system] -- CMD``.
+
+The environment: ``LD_PRELOAD`` gets the built ``libcuinterpose.so`` (after any
+preload already there, so that a sanitizer runtime stays first); with the
+simulated driver, its directory comes first on ``LD_LIBRARY_PATH``;
+``SNAPSHOT_CONTROL_DIR`` names the control directory, created with mode 0700
+when missing. Nothing is compiled here: the libraries come from ``make build``
+(:mod:`cuinterpose.engine.artifacts`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from . import artifacts
+
+DRIVERS: Final = ("sim", "system")
+DEFAULT_CONTROL_DIR: Final = Path("/snapshot-control")
+CONTROL_DIR_ENV: Final = "SNAPSHOT_CONTROL_DIR"
+
+
+class LaunchError(RuntimeError):
+    """The command could not be started as asked (bad driver, control dir, command)."""
+
+
+def _check_driver(driver: str) -> None:
+    if driver not in DRIVERS:
+        raise LaunchError(f"unknown driver {driver!r}: use one of {', '.join(DRIVERS)}")
+
+
+def control_dir_for(control_dir: Path | None, base: Mapping[str, str]) -> Path:
+    """The control directory: the one given, else ``$SNAPSHOT_CONTROL_DIR``, else the default."""
+    if control_dir is not None:
+        return Path(control_dir)
+    value = base.get(CONTROL_DIR_ENV, "")
+    return Path(value) if value else DEFAULT_CONTROL_DIR
+
+
+def ensure_control_dir(path: Path) -> Path:
+    """Create ``path`` with mode 0700 if it is missing; refuse anything but a directory."""
+    if path.exists() and not path.is_dir():
+        raise LaunchError(f"control directory {path} exists and is not a directory")
+    if not path.exists():
+        try:
+            path.mkdir(mode=0o700, parents=True)
+        except FileExistsError:
+            if not path.is_dir():
+                raise LaunchError(f"control directory {path} is not a directory") from None
+            return path
+        except OSError as exc:
+            raise LaunchError(f"cannot create control directory {path}: {exc}") from exc
+        path.chmod(0o700)  # mkdir's mode is filtered by the umask
+    return path
+
+
+def _prepend(value: str, existing: str) -> str:
+    parts = [value, *(p for p in existing.split(":") if p and p != value)]
+    return ":".join(parts)
+
+
+def _append(value: str, existing: str) -> str:
+    """``LD_PRELOAD`` takes colons or spaces; keep what is there first, ``value`` last."""
+    parts = [p for p in existing.replace(" ", ":").split(":") if p and p != value]
+    return ":".join([*parts, value])
+
+
+def launch_env(
+    *,
+    driver: str,
+    control_dir: Path | None,
+    base: Mapping[str, str] | None = None,
+    preload_shim: bool = True,
+) -> dict[str, str]:
+    """The environment a program needs to run under the shim.
+
+    ``base`` defaults to this process's environment. ``preload_shim=False`` gives
+    the same driver setup without the shim (for a native-checkpoint controller or
+    a process that must stay outside the topology). The control directory is only
+    named here, not created (see :func:`ensure_control_dir`).
+    """
+    _check_driver(driver)
+    env = dict(os.environ if base is None else base)
+    if preload_shim:
+        env["LD_PRELOAD"] = _append(str(artifacts.shim_library()), env.get("LD_PRELOAD", ""))
+    if driver == "sim":
+        env["LD_LIBRARY_PATH"] = _prepend(
+            str(artifacts.sim_library_dir()), env.get("LD_LIBRARY_PATH", "")
+        )
+    env[CONTROL_DIR_ENV] = str(control_dir_for(control_dir, env))
+    return env
+
+
+def launch(command: Sequence[str], *, driver: str, control_dir: Path | None) -> int:
+    """Run ``command`` under the shim and return its exit status.
+
+    A child killed by a signal gives 128 + the signal number, as a shell does.
+    SIGINT and SIGTERM reaching this process are passed on to the child, and the
+    child's own status is still what is returned.
+    """
+    if not command:
+        raise LaunchError("no command to launch")
+    env = launch_env(driver=driver, control_dir=control_dir)
+    ensure_control_dir(Path(env[CONTROL_DIR_ENV]))
+    try:
+        child = subprocess.Popen(list(command), env=env)
+    except OSError as exc:
+        raise LaunchError(f"cannot start {command[0]!r}: {exc}") from exc
+
+    def forward(signum: int, _frame: object) -> None:
+        child.send_signal(signum)
+
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 - status if status < 0 else status
