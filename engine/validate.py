@@ -263,7 +263,7 @@ def check_allocation_size(topology: Topology) -> tuple[Violation, ...]:
 def _handle_type(
     topology: Topology, kind: RecordKind, rule: str, noun: str
 ) -> tuple[Violation, ...]:
-    found: list[Violation] = list(_field_agreement(topology, kind, "handle_types", rule))
+    found: list[Violation] = []
     for group in _by_resource(topology, kind).values():
         shared = len({p for p, _ in group}) > 1
         for participant, record in group:
@@ -293,7 +293,9 @@ def _handle_type(
 
 def check_allocation_handle_type(topology: Topology) -> tuple[Violation, ...]:
     """Handle types agree and are POSIX FD (0 only for an allocation no one imported)."""
-    return _handle_type(topology, RecordKind.ALLOCATION, "unicast.handle_type", "allocation")
+    return _field_agreement(
+        topology, RecordKind.ALLOCATION, "handle_types", "unicast.handle_type"
+    ) + _handle_type(topology, RecordKind.ALLOCATION, "unicast.handle_type", "allocation")
 
 
 def check_creator_holds(topology: Topology) -> tuple[Violation, ...]:
@@ -610,12 +612,12 @@ def check_multicast_device_bindings(topology: Topology) -> tuple[Violation, ...]
 
 
 def _inside_object(
-    topology: Topology, kind: RecordKind, rule: str, noun: str
+    topology: Topology, kind: RecordKind, rule: str, noun: str, *, check_empty: bool
 ) -> tuple[Violation, ...]:
     objects = _own(topology, RecordKind.MC_OBJECT)
     found: list[Violation] = []
     for p, r in _of_kind(topology, kind):
-        if r.size == 0:
+        if check_empty and r.size == 0:
             found.append(_violation(rule, p, r, f"{noun} has size 0"))
         mc = objects.get((p, r.id))
         if mc is not None and r.offset + r.size > mc.size:
@@ -633,12 +635,16 @@ def _inside_object(
 
 def check_multicast_binding_bounds(topology: Topology) -> tuple[Violation, ...]:
     """Bindings are non-empty and lie inside the multicast object."""
-    return _inside_object(topology, RecordKind.MC_BINDING, "multicast.binding_bounds", "binding")
+    return _inside_object(
+        topology, RecordKind.MC_BINDING, "multicast.binding_bounds", "binding", check_empty=True
+    )
 
 
 def check_multicast_mapping_bounds(topology: Topology) -> tuple[Violation, ...]:
-    """MC_MAPPINGs lie inside the multicast object."""
-    return _inside_object(topology, RecordKind.MC_MAPPING, "multicast.mapping_bounds", "mapping")
+    """MC_MAPPINGs lie inside the multicast object (mapping.empty covers their size)."""
+    return _inside_object(
+        topology, RecordKind.MC_MAPPING, "multicast.mapping_bounds", "mapping", check_empty=False
+    )
 
 
 def check_binding_kind(topology: Topology) -> tuple[Violation, ...]:

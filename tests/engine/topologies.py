@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 from cuinterpose.engine.topology import ParticipantTopology, Topology
 from cuinterpose.engine.wire import Access, BindingKind, Record, RecordFlag, RecordKind
+from hypothesis import strategies as st
 
 MiB = 1 << 20
 GRANULARITY = 2 * MiB
@@ -362,3 +363,55 @@ def pid_of(topology: Topology, who: str) -> int:
 def inspect_replies(topology: Topology) -> list[tuple[str, int, tuple[Record, ...]]]:
     """The (participant, pid, records) triples Topology.from_inspect takes, for fakes."""
     return [(p.participant, p.pid, p.records) for p in topology.participants]
+
+
+# --- hypothesis strategies ------------------------------------------------------------
+
+_U64 = st.integers(0, (1 << 64) - 1)
+_U32 = st.integers(0, (1 << 32) - 1)
+_I32 = st.integers(-(1 << 31), (1 << 31) - 1)
+
+
+def accesses() -> st.SearchStrategy[Access]:
+    return st.builds(Access, _I32, _I32, _U64)
+
+
+def records(ids: int = 3) -> st.SearchStrategy[Record]:
+    """Any record the wire can carry; ids drawn from a few values so they collide."""
+    resource_ids = st.sampled_from([resource(n) for n in range(1, ids + 1)])
+    return st.builds(
+        Record,
+        kind=st.sampled_from(RecordKind),
+        flags=st.integers(0, 7).map(RecordFlag),
+        id=resource_ids,
+        member_id=st.one_of(st.just(bytes(16)), resource_ids),
+        creator=st.sampled_from(["", participant(0), participant(1)]),
+        address=_U64,
+        size=_U64,
+        offset=_U64,
+        member_offset=_U64,
+        op_flags=_U64,
+        handle_types=_U64,
+        object_flags=_U64,
+        allocation_type=_I32,
+        location_type=_I32,
+        location_id=_I32,
+        device=_I32,
+        num_devices=_U32,
+        binding_kind=st.sampled_from(BindingKind),
+        api_version=st.integers(0, 255),
+        handle_count=_U32,
+        access=st.lists(accesses(), max_size=8).map(tuple),
+    )
+
+
+def topologies(max_participants: int = 4, max_records: int = 8) -> st.SearchStrategy[Topology]:
+    """Arbitrary (mostly invalid) topologies with distinct, well-formed participant ids."""
+    member = st.tuples(
+        st.integers(0, 0x5F),
+        st.integers(1, (1 << 32) - 1),
+        st.lists(records(), max_size=max_records),
+    )
+    return st.lists(member, max_size=max_participants, unique_by=lambda m: m[0]).map(
+        lambda ms: Topology.from_inspect((participant(n), pid, rs) for n, pid, rs in ms)
+    )
