@@ -1,0 +1,570 @@
+"""``cuinterpose demo``: three CUDA processes sharing memory, checkpointed and restored.
+
+On the simulated driver by default (no GPU needed), with the shim preloaded and a
+temporary control directory: a creator makes two exportable allocations and a
+private one, an importer maps one allocation twice, another imports both. They
+fill memory; then ``cuinterpose prepare``, the native lock + checkpoint of all,
+the native restore + unlock of all, ``cuinterpose restore``; every byte is
+checked at its original address. Exit status 0 only if everything matched.
+
+The processes are the scriptable worker application
+``tests/shim/workers/vmm_worker.py`` (``cuda.bindings.driver`` only); the
+:class:`Worker` client and :class:`Scenario` here are what the end-to-end tests,
+the GPU tests and ``bench/checkpoint.py`` use too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import select
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, Final
+
+import attrs
+
+from . import launch, native
+
+REPO_ROOT: Final = Path(__file__).resolve().parent.parent
+WORKER_SCRIPT: Final = REPO_ROOT / "tests" / "shim" / "workers" / "vmm_worker.py"
+PATTERN_CHUNK: Final = 32 << 20
+DEFAULT_CALL_TIMEOUT_S: Final = 120.0
+
+
+class DemoError(RuntimeError):
+    """Something in the demo scenario did not go as it must (names process and step)."""
+
+
+class WorkerError(DemoError):
+    """A worker answered an error, died, or did not answer in time."""
+
+    def __init__(self, worker: str, op: str, reply: Mapping[str, Any], stderr: str = "") -> None:
+        self.worker = worker
+        self.op = op
+        self.reply = dict(reply)
+        self.result = str(reply.get("result", ""))
+        text = f"{worker}: {op} failed: {reply.get('error', reply)}"
+        if stderr:
+            text += f"\n--- {worker} stderr (tail) ---\n{stderr}"
+        super().__init__(text)
+
+
+# --------------------------------------------------------------- the fill pattern
+def pattern(seed: int, size: int) -> Iterator[bytes]:
+    """The bytes the worker's ``fill`` writes (the same code as ``vmm_worker.pattern``)."""
+    tile = bytearray(random.Random(seed).randbytes(min(size, PATTERN_CHUNK)))
+    for index, off in enumerate(range(0, size, PATTERN_CHUNK)):
+        n = min(PATTERN_CHUNK, size - off)
+        head = struct.pack("<QQ", seed, index)[: min(16, n)]
+        tile[: len(head)] = head
+        yield bytes(tile[:n])
+
+
+def pattern_digest(seed: int, size: int, offset: int = 0, length: int | None = None) -> str:
+    """sha256 of ``length`` bytes at ``offset`` of the pattern of ``size`` bytes."""
+    end = size if length is None else offset + length
+    if not 0 <= offset <= end <= size:
+        raise ValueError(f"range {offset}+{end - offset} outside a pattern of {size} bytes")
+    digest = hashlib.sha256()
+    pos = 0
+    for chunk in pattern(seed, size):
+        lo, hi = max(offset, pos), min(end, pos + len(chunk))
+        if lo < hi:
+            digest.update(chunk[lo - pos : hi - pos])
+        pos += len(chunk)
+        if pos >= end:
+            break
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------- the worker client
+class Worker:
+    """One worker process: JSON commands in, JSON replies out, FDs over a socketpair."""
+
+    def __init__(
+        self,
+        name: str,
+        env: Mapping[str, str],
+        *,
+        device: int = 0,
+        python: str | None = None,
+        log_dir: Path | None = None,
+        timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+    ) -> None:
+        if not WORKER_SCRIPT.is_file():
+            raise DemoError(f"the worker application is missing: {WORKER_SCRIPT}")
+        self.name = name
+        self.timeout_s = timeout_s
+        self._chan, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        log_dir = (
+            Path(tempfile.mkdtemp(prefix="cuinterpose-worker-")) if log_dir is None else log_dir
+        )
+        self.stderr_path = log_dir / f"{name}.stderr"
+        self._stderr: IO[bytes] = self.stderr_path.open("wb")
+        argv = [python or sys.executable, str(WORKER_SCRIPT), "--channel", str(child_end.fileno())]
+        argv += ["--device", str(device)]
+        try:
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._stderr,
+                env=dict(env),
+                pass_fds=(child_end.fileno(),),
+                text=True,
+            )
+        finally:
+            child_end.close()
+        ready = self._read("startup")
+        if not ready.get("ok"):
+            self.kill()
+            raise WorkerError(name, "startup", ready, self.stderr_tail())
+        self.pid = int(ready["pid"])
+
+    def __repr__(self) -> str:
+        return f"Worker({self.name}, pid {getattr(self, 'pid', '?')})"
+
+    def stderr_tail(self, limit: int = 4000) -> str:
+        try:
+            return self.stderr_path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return ""
+
+    def _read(self, op: str, timeout_s: float | None = None) -> dict[str, Any]:
+        out = self.proc.stdout
+        assert out is not None
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        ready, _, _ = select.select([out], [], [], wait)
+        if not ready:
+            raise WorkerError(self.name, op, {"error": f"no reply in {wait} s"}, self.stderr_tail())
+        line = out.readline()
+        if not line:
+            status = self.proc.wait(timeout=10)
+            raise WorkerError(
+                self.name, op, {"error": f"worker exited with status {status}"}, self.stderr_tail()
+            )
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def call(self, op: str, *, timeout_s: float | None = None, **args: Any) -> dict[str, Any]:
+        """Send one command; return the reply, ``ok`` true or not."""
+        stdin = self.proc.stdin
+        assert stdin is not None
+        try:
+            stdin.write(json.dumps({"op": op, **args}) + "\n")
+            stdin.flush()
+        except BrokenPipeError:
+            status = self.proc.wait(timeout=10)
+            raise WorkerError(
+                self.name, op, {"error": f"worker exited with status {status}"}, self.stderr_tail()
+            ) from None
+        return self._read(op, timeout_s)
+
+    def check(self, op: str, **args: Any) -> dict[str, Any]:
+        """Like :meth:`call`, but an error reply raises :class:`WorkerError`."""
+        reply = self.call(op, **args)
+        if not reply.get("ok"):
+            raise WorkerError(self.name, op, reply)
+        return reply
+
+    def send_fd_to(self, other: Worker, fd: int, *, close: bool = False) -> int:
+        """Pass ``fd`` (a number in this worker) to ``other``; returns its number there."""
+        self.check("send_fd", fd=fd, close=close)
+        self._chan.settimeout(self.timeout_s)
+        _, fds, _, _ = socket.recv_fds(self._chan, 1, 4)
+        if len(fds) != 1:
+            for extra in fds:
+                os.close(extra)
+            raise DemoError(f"{self.name}: expected one FD from send_fd, got {len(fds)}")
+        try:
+            socket.send_fds(other._chan, [b"F"], fds)
+        finally:
+            os.close(fds[0])
+        return int(other.check("recv_fd")["fd"])
+
+    # convenience wrappers -------------------------------------------------
+    def create_mapped(
+        self, size: int, *, handle_type: str = "posix", seed: int | None = None
+    ) -> tuple[int, int]:
+        """Create, reserve, map, grant read-write access, optionally fill: (handle, va)."""
+        handle = int(self.check("create", size=size, handle_type=handle_type)["handle"])
+        va = int(self.check("reserve", size=size)["va"])
+        self.check("map", va=va, size=size, handle=handle)
+        self.check("set_access", va=va, size=size)
+        if seed is not None:
+            self.check("fill", va=va, size=size, seed=seed)
+        return handle, va
+
+    def map_at_new_va(self, handle: int, size: int, *, offset: int = 0) -> int:
+        va = int(self.check("reserve", size=size)["va"])
+        self.check("map", va=va, size=size, handle=handle, offset=offset)
+        self.check("set_access", va=va, size=size)
+        return va
+
+    def digest(self, va: int, size: int) -> str:
+        return str(self.check("digest", va=va, size=size)["digest"])
+
+    def close(self, timeout_s: float = 30.0) -> int:
+        """Ask the worker to quit; returns its exit status (killed if it does not quit)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(WorkerError, OSError, ValueError):
+                self.call("quit", timeout_s=timeout_s)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._cleanup()
+        return int(self.proc.returncode)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        self._chan.close()
+        self._stderr.close()
+
+
+# --------------------------------------------------------------- the scenario
+@attrs.define
+class Region:
+    """A range some worker has mapped, and the sha256 its bytes must have."""
+
+    worker: Worker
+    label: str
+    va: int
+    size: int
+    expect: str
+
+
+@attrs.define
+class Scenario:
+    """The three-process sharing topology of the shim issue.
+
+    - ``creator``: X (exportable, ``x_size``), Y (exportable, ``y_size``), P (private,
+      ``p_size``), each mapped and filled; it keeps one more export of X (``late_fd``)
+      for a process that arrives after the restore.
+    - ``twice``: imports X and maps it twice: whole at one VA, its second half at another.
+    - ``both``: imports X and Y, maps both, and overwrites Y with its own pattern.
+    """
+
+    creator: Worker
+    twice: Worker
+    both: Worker
+    x_size: int
+    y_size: int
+    p_size: int
+    handles: dict[str, int] = attrs.field(factory=dict)
+    vas: dict[str, int] = attrs.field(factory=dict)
+    late_fd: int = -1
+    regions: list[Region] = attrs.field(factory=list)
+
+    SEED_X: Final = 11
+    SEED_Y_CREATOR: Final = 12
+    SEED_P: Final = 13
+    SEED_Y_BOTH: Final = 21
+
+    @property
+    def workers(self) -> tuple[Worker, Worker, Worker]:
+        return (self.creator, self.twice, self.both)
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers]
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.x_size + self.y_size
+
+    def build(self) -> None:
+        c, t, b = self.creator, self.twice, self.both
+        x, y, p = self.x_size, self.y_size, self.p_size
+        half = x // 2
+        hx, vx = c.create_mapped(x, seed=self.SEED_X)
+        hy, vy = c.create_mapped(y, seed=self.SEED_Y_CREATOR)
+        hp, vp = c.create_mapped(p, handle_type="none", seed=self.SEED_P)
+        self.handles.update(creator_x=hx, creator_y=hy, creator_p=hp)
+        self.vas.update(creator_x=vx, creator_y=vy, creator_p=vp)
+
+        def share(handle: int, to: Worker) -> int:
+            fd = int(c.check("export", handle=handle)["fd"])
+            theirs = c.send_fd_to(to, fd, close=True)
+            return int(to.check("import", fd=theirs)["handle"])
+
+        hx_t = share(hx, t)
+        self.handles["twice_x"] = hx_t
+        self.vas["twice_x"] = t.map_at_new_va(hx_t, x)
+        self.vas["twice_x_half"] = t.map_at_new_va(hx_t, x - half, offset=half)
+
+        hx_b, hy_b = share(hx, b), share(hy, b)
+        self.handles.update(both_x=hx_b, both_y=hy_b)
+        self.vas["both_x"] = b.map_at_new_va(hx_b, x)
+        self.vas["both_y"] = b.map_at_new_va(hy_b, y)
+        b.check("fill", va=self.vas["both_y"], size=y, seed=self.SEED_Y_BOTH)
+
+        self.late_fd = int(c.check("export", handle=hx)["fd"])
+
+        dx = pattern_digest(self.SEED_X, x)
+        dy = pattern_digest(self.SEED_Y_BOTH, y)
+        self.regions = [
+            Region(c, "creator X", vx, x, dx),
+            Region(c, "creator Y", vy, y, dy),
+            Region(c, "creator P (private)", vp, p, pattern_digest(self.SEED_P, p)),
+            Region(t, "importer X", self.vas["twice_x"], x, dx),
+            Region(
+                t,
+                "importer X 2nd half, 2nd map",
+                self.vas["twice_x_half"],
+                x - half,
+                pattern_digest(self.SEED_X, x, half, x - half),
+            ),
+            Region(b, "importer X", self.vas["both_x"], x, dx),
+            Region(b, "importer Y", self.vas["both_y"], y, dy),
+        ]
+
+    def mismatches(self) -> list[str]:
+        """Every region whose bytes are not what they must be, or cannot be read."""
+        bad: list[str] = []
+        for r in self.regions:
+            reply = r.worker.call("digest", va=r.va, size=r.size)
+            if not reply.get("ok"):
+                bad.append(
+                    f"{r.worker.name} (pid {r.worker.pid}) {r.label} at {r.va:#x}: "
+                    f"{reply.get('error')}"
+                )
+            elif reply["digest"] != r.expect:
+                bad.append(
+                    f"{r.worker.name} (pid {r.worker.pid}) {r.label} at {r.va:#x}: bytes differ"
+                )
+        return bad
+
+    @property
+    def region_bytes(self) -> int:
+        return sum(r.size for r in self.regions)
+
+
+# --------------------------------------------------------------- the coordinator CLI
+@attrs.frozen
+class CliRun:
+    """One ``cuinterpose prepare|restore`` run: exit status, JSON events, stderr, time."""
+
+    returncode: int
+    events: tuple[dict[str, Any], ...]
+    stderr: str
+    seconds: float
+
+    def phase(self, name: str) -> dict[str, Any]:
+        for event in self.events:
+            if event.get("event") == "phase" and event.get("phase") == name:
+                return event
+        return {}
+
+
+def run_cli(
+    command: str,
+    *,
+    pids: Sequence[int],
+    checkpoint_dir: Path,
+    control_dir: Path,
+    env: Mapping[str, str] | None = None,
+    trace: Path | None = None,
+    timeout_s: float = 300.0,
+) -> CliRun:
+    """Run ``python -m cuinterpose COMMAND`` for ``pids`` (same PID namespace)."""
+    argv = [sys.executable, "-m", "cuinterpose", command, "--checkpoint-dir", str(checkpoint_dir)]
+    argv += ["--control-dir", str(control_dir), "--progress", "json"]
+    for pid in pids:
+        argv += ["--process", str(pid), str(pid)]
+    if trace is not None:
+        argv += ["--trace", str(trace)]
+    start = time.perf_counter()
+    proc = subprocess.run(
+        argv,
+        env=dict(os.environ if env is None else env),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    seconds = time.perf_counter() - start
+    events: list[dict[str, Any]] = []
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(json.JSONDecodeError):
+                events.append(json.loads(line))
+    return CliRun(proc.returncode, tuple(events), proc.stderr, seconds)
+
+
+def coordinator_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The coordinator's own environment: no shim, no sanitizer runtime preloaded."""
+    env = dict(os.environ if base is None else base)
+    env.pop("LD_PRELOAD", None)
+    return env
+
+
+# --------------------------------------------------------------- the demo
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _gbps(event: Mapping[str, Any], key: str, nbytes: int, seconds: float) -> str:
+    value = event.get(key)
+    if isinstance(value, int | float) and value > 0:
+        return f"{value:.2f} GB/s"
+    return f"{nbytes / seconds / 1e9:.2f} GB/s (demo clock)" if seconds > 0 else "n/a"
+
+
+def run_demo(*, driver: str = "sim", out: Callable[[str], None] = print) -> int:
+    """Run the three-process checkpoint/restore demo; 0 only if every byte matched."""
+    if driver not in launch.DRIVERS:
+        out(f"demo: unknown driver {driver!r}")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="cuinterpose-demo-") as tmp:
+        root = Path(tmp)
+        control = launch.ensure_control_dir(root / "control")
+        ckpt = root / "checkpoint"
+        ckpt.mkdir()
+        try:
+            shim_env = launch.launch_env(driver=driver, control_dir=control)
+            plain_env = launch.launch_env(driver=driver, control_dir=control, preload_shim=False)
+        except Exception as exc:  # ArtifactMissingError, LaunchError
+            out(f"demo: {exc}")
+            return 1
+        workers: list[Worker] = []
+        try:
+            return _demo(driver, root, control, ckpt, shim_env, plain_env, workers, out)
+        except (DemoError, native.NativeError, native.NativeUnavailableError) as exc:
+            out(f"FAILED: {exc}")
+            return 1
+        finally:
+            for w in workers:
+                w.kill()
+
+
+def _demo(
+    driver: str,
+    root: Path,
+    control: Path,
+    ckpt: Path,
+    shim_env: dict[str, str],
+    plain_env: dict[str, str],
+    workers: list[Worker],
+    out: Callable[[str], None],
+) -> int:
+    t_start = time.perf_counter()
+    observer = Worker("observer", plain_env, log_dir=root)
+    workers.append(observer)
+    names = ("creator", "importer-twice", "importer-both")
+    for name in names:
+        workers.append(Worker(name, shim_env, log_dir=root))
+    gran = int(observer.check("granularity")["granularity"])
+    scen = Scenario(workers[1], workers[2], workers[3], 4 * gran, 2 * gran, gran)
+    out(f"cuinterpose demo: {driver} driver, control dir {control}")
+    out("  processes: " + ", ".join(f"{w.name} pid {w.pid}" for w in scen.workers))
+
+    def used() -> int:
+        info = observer.check("mem_info")
+        return int(info["total"]) - int(info["free"])
+
+    used_idle = used()
+    scen.build()
+    used_before = used()
+    out(
+        f"  allocations: X {_mib(scen.x_size)} exportable, shared by all 3 (mapped twice in "
+        f"{scen.twice.name}); Y {_mib(scen.y_size)} exportable, shared by 2; "
+        f"P {_mib(scen.p_size)} private"
+    )
+    out(
+        f"  filled {_mib(scen.region_bytes)} in {len(scen.regions)} mapped ranges; GPU memory "
+        f"used {_mib(used_before - used_idle)} (cuMemGetInfo)"
+    )
+    bad = scen.mismatches()
+    if bad:
+        raise DemoError("before checkpoint: " + "; ".join(bad))
+
+    cli_env = coordinator_env()
+    prep = run_cli("prepare", pids=scen.pids, checkpoint_dir=ckpt, control_dir=control, env=cli_env)
+    if prep.returncode != 0:
+        raise DemoError(f"cuinterpose prepare exited {prep.returncode}: {prep.stderr.strip()}")
+    save = prep.phase("SAVE_ALLOCATIONS")
+    used_prepared = used()
+    out(
+        f"prepare: {prep.seconds:.3f} s; saved {save.get('allocation_count', '?')} allocations, "
+        f"{_mib(int(save.get('allocation_bytes', 0)))}, SAVE "
+        f"{_gbps(save, 'gb_per_s', scen.shared_bytes, prep.seconds)}; "
+        f"GPU used now {_mib(used_prepared - used_idle)}"
+    )
+
+    ck = native.run_in_subprocess("checkpoint-all", scen.pids, env=plain_env)
+    ck_t = native.GroupTimings.from_json(ck["timings"])
+    used_ckpt = used()
+    out(
+        f"native checkpoint: lock {ck_t.first_s:.3f} s, checkpoint {ck_t.second_s:.3f} s; "
+        f"states {sorted(set(ck['states'].values()))}; "
+        f"GPU used while checkpointed {_mib(used_ckpt - used_idle)}"
+    )
+    rs = native.run_in_subprocess("restore-all", scen.pids, env=plain_env)
+    rs_t = native.GroupTimings.from_json(rs["timings"])
+    out(
+        f"native restore: restore {rs_t.first_s:.3f} s, unlock {rs_t.second_s:.3f} s; "
+        f"states {sorted(set(rs['states'].values()))}"
+    )
+
+    rest = run_cli("restore", pids=scen.pids, checkpoint_dir=ckpt, control_dir=control, env=cli_env)
+    if rest.returncode != 0:
+        raise DemoError(f"cuinterpose restore exited {rest.returncode}: {rest.stderr.strip()}")
+    load = rest.phase("LOAD_ALLOCATIONS")
+    used_after = used()
+    out(
+        f"restore: {rest.seconds:.3f} s; loaded {load.get('allocation_count', '?')} allocations, "
+        f"{_mib(int(load.get('allocation_bytes', 0)))}, LOAD "
+        f"{_gbps(load, 'gb_per_s', scen.shared_bytes, rest.seconds)}; "
+        f"GPU used now {_mib(used_after - used_idle)}"
+    )
+
+    problems = scen.mismatches()
+    freed = used_before - used_ckpt
+    expected_freed = scen.x_size + scen.y_size + scen.p_size
+    if freed < expected_freed:
+        problems.append(
+            f"only {_mib(freed)} of GPU memory freed while checkpointed, "
+            f"expected at least {_mib(expected_freed)}"
+        )
+    if used_after < used_before:
+        problems.append(
+            f"GPU memory used after restore {_mib(used_after - used_idle)} is less "
+            f"than before {_mib(used_before - used_idle)}"
+        )
+    if problems:
+        for p in problems:
+            out(f"  MISMATCH {p}")
+        out("FAILED")
+        return 1
+    out(
+        f"verified: {len(scen.regions)} ranges, {_mib(scen.region_bytes)}, every byte at its "
+        f"original VA in all 3 processes; total {time.perf_counter() - t_start:.2f} s"
+    )
+    for w in workers:
+        status = w.close()
+        if status != 0:
+            out(f"FAILED: {w.name} exited with status {status}: {w.stderr_tail()}")
+            return 1
+    out("OK")
+    return 0

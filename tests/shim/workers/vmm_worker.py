@@ -1,0 +1,317 @@
+"""A scriptable CUDA VMM application: one JSON command per line on stdin, one JSON reply
+per line on stdout.
+
+It uses nothing but ``cuda.bindings.driver`` and the standard library, so it runs the
+same on the simulated driver, on a real GPU, with or without the shim preloaded. File
+descriptors (capabilities, or raw FDs) travel over the socket given by ``--channel``
+(SCM_RIGHTS); the controller relays them between workers.
+
+Every reply has ``ok``; a failed CUDA call answers ``{"ok": false, "call": NAME,
+"result": "CUDA_ERROR_...", "error": TEXT}`` and the worker keeps running.
+
+Commands (``op`` plus arguments; integers for handles, addresses and FDs):
+  granularity                         -> granularity (minimum, device 0 or ``device``)
+  create size [handle_type posix|none|fabric] [device]      -> handle
+  reserve size [align] [addr]         -> va
+  map va size handle [offset] [flags]
+  set_access va size [devices [0]] [access rw|r|none]
+  fill va size seed                   writes the seeded pattern (see ``pattern``)
+  digest va size                      -> digest (sha256 hex of the bytes)
+  export handle [handle_type posix]   -> fd
+  send_fd fd [close]                  sends fd over the channel
+  recv_fd                             -> fd received over the channel
+  import fd [handle_type posix] [close true]  -> handle
+  unmap va size | release handle | retain va -> handle | address_free va size
+  close fd | sync | pid -> pid | mem_info -> free, total
+  host_copy va size                   DtoH and HtoD through pinned memory -> seconds, GB/s
+  quit
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import random
+import socket
+import struct
+import sys
+import time
+from typing import Any
+
+from cuda.bindings import driver as cu
+
+CHUNK = 32 << 20
+
+
+class CudaCallError(Exception):
+    def __init__(self, call: str, result: str) -> None:
+        super().__init__(f"{call} failed: {result}")
+        self.call = call
+        self.result = result
+
+
+def _name(err: Any) -> str:
+    name = getattr(err, "name", None)
+    return name if isinstance(name, str) else f"CUresult {int(err)}"
+
+
+def check(call: str, result: Any) -> Any:
+    err = result[0] if isinstance(result, tuple) else result
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise CudaCallError(call, _name(err))
+    if isinstance(result, tuple):
+        rest = result[1:]
+        return rest[0] if len(rest) == 1 else rest
+    return None
+
+
+def pattern(seed: int, size: int) -> list[bytes]:
+    """The bytes ``fill`` writes, as chunks: a seeded random tile of up to 32 MiB whose
+    first 16 bytes are replaced, chunk by chunk, by (seed, chunk index)."""
+    tile = bytearray(random.Random(seed).randbytes(min(size, CHUNK)))
+    chunks = []
+    for index, off in enumerate(range(0, size, CHUNK)):
+        n = min(CHUNK, size - off)
+        head = struct.pack("<QQ", seed, index)[: min(16, n)]
+        tile[: len(head)] = head
+        chunks.append(bytes(tile[:n]))
+    return chunks
+
+
+HANDLE_TYPES = {
+    "none": cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE,
+    "posix": cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+    "fabric": cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC,
+}
+ACCESS = {
+    "rw": cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    "r": cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ,
+    "none": cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_NONE,
+}
+
+
+class Worker:
+    def __init__(self, channel: socket.socket | None, device: int) -> None:
+        self.channel = channel
+        check("cuInit", cu.cuInit(0))
+        self.device = check("cuDeviceGet", cu.cuDeviceGet(device))
+        self.device_index = device
+        ctx = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self.device))
+        check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
+
+    # ---------------------------------------------------------------- helpers
+    def _prop(self, handle_type: str, device: int) -> Any:
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        prop.requestedHandleTypes = HANDLE_TYPES[handle_type]
+        return prop
+
+    @staticmethod
+    def _h(value: int) -> Any:
+        return cu.CUmemGenericAllocationHandle(int(value))
+
+    @staticmethod
+    def _va(value: int) -> Any:
+        return cu.CUdeviceptr(int(value))
+
+    # ---------------------------------------------------------------- commands
+    def do_granularity(self, device: int | None = None) -> dict[str, Any]:
+        prop = self._prop("posix", self.device_index if device is None else device)
+        option = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        gran = check(
+            "cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(prop, option)
+        )
+        return {"granularity": int(gran)}
+
+    def do_create(
+        self, size: int, handle_type: str = "posix", device: int | None = None
+    ) -> dict[str, Any]:
+        prop = self._prop(handle_type, self.device_index if device is None else device)
+        handle = check("cuMemCreate", cu.cuMemCreate(size, prop, 0))
+        return {"handle": int(handle)}
+
+    def do_reserve(self, size: int, align: int = 0, addr: int = 0) -> dict[str, Any]:
+        va = check("cuMemAddressReserve", cu.cuMemAddressReserve(size, align, self._va(addr), 0))
+        return {"va": int(va)}
+
+    def do_map(
+        self, va: int, size: int, handle: int, offset: int = 0, flags: int = 0
+    ) -> dict[str, Any]:
+        check("cuMemMap", cu.cuMemMap(self._va(va), size, offset, self._h(handle), flags))
+        return {}
+
+    def do_set_access(
+        self, va: int, size: int, devices: list[int] | None = None, access: str = "rw"
+    ) -> dict[str, Any]:
+        descs = []
+        for dev in [self.device_index] if devices is None else devices:
+            desc = cu.CUmemAccessDesc()
+            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = dev
+            desc.flags = ACCESS[access]
+            descs.append(desc)
+        check("cuMemSetAccess", cu.cuMemSetAccess(self._va(va), size, descs, len(descs)))
+        return {}
+
+    def do_fill(self, va: int, size: int, seed: int) -> dict[str, Any]:
+        off = 0
+        for chunk in pattern(seed, size):
+            buf = bytearray(chunk)
+            host = (ctypes.c_char * len(buf)).from_buffer(buf)
+            check(
+                "cuMemcpyHtoD",
+                cu.cuMemcpyHtoD(self._va(va + off), ctypes.addressof(host), len(buf)),
+            )
+            del host
+            off += len(chunk)
+        check("cuCtxSynchronize", cu.cuCtxSynchronize())
+        return {}
+
+    def do_digest(self, va: int, size: int) -> dict[str, Any]:
+        digest = hashlib.sha256()
+        buf = bytearray(min(size, CHUNK))
+        host = (ctypes.c_char * len(buf)).from_buffer(buf)
+        for off in range(0, size, CHUNK):
+            n = min(CHUNK, size - off)
+            check("cuMemcpyDtoH", cu.cuMemcpyDtoH(ctypes.addressof(host), self._va(va + off), n))
+            digest.update(memoryview(buf)[:n])
+        del host
+        return {"digest": digest.hexdigest()}
+
+    def do_export(self, handle: int, handle_type: str = "posix") -> dict[str, Any]:
+        fd = check(
+            "cuMemExportToShareableHandle",
+            cu.cuMemExportToShareableHandle(self._h(handle), HANDLE_TYPES[handle_type], 0),
+        )
+        return {"fd": int(fd)}
+
+    def _channel(self) -> socket.socket:
+        if self.channel is None:
+            raise RuntimeError("this worker was started without --channel")
+        return self.channel
+
+    def do_send_fd(self, fd: int, close: bool = False) -> dict[str, Any]:
+        socket.send_fds(self._channel(), [b"F"], [fd])
+        if close:
+            os.close(fd)
+        return {}
+
+    def do_recv_fd(self) -> dict[str, Any]:
+        _, fds, _, _ = socket.recv_fds(self._channel(), 1, 4)
+        if len(fds) != 1:
+            for extra in fds:
+                os.close(extra)
+            raise RuntimeError(f"expected one FD on the channel, got {len(fds)}")
+        return {"fd": fds[0]}
+
+    def do_import(self, fd: int, handle_type: str = "posix", close: bool = True) -> dict[str, Any]:
+        try:
+            handle = check(
+                "cuMemImportFromShareableHandle",
+                cu.cuMemImportFromShareableHandle(fd, HANDLE_TYPES[handle_type]),
+            )
+        finally:
+            if close:
+                os.close(fd)
+        return {"handle": int(handle)}
+
+    def do_unmap(self, va: int, size: int) -> dict[str, Any]:
+        check("cuMemUnmap", cu.cuMemUnmap(self._va(va), size))
+        return {}
+
+    def do_release(self, handle: int) -> dict[str, Any]:
+        check("cuMemRelease", cu.cuMemRelease(self._h(handle)))
+        return {}
+
+    def do_retain(self, va: int) -> dict[str, Any]:
+        handle = check("cuMemRetainAllocationHandle", cu.cuMemRetainAllocationHandle(va))
+        return {"handle": int(handle)}
+
+    def do_address_free(self, va: int, size: int) -> dict[str, Any]:
+        check("cuMemAddressFree", cu.cuMemAddressFree(self._va(va), size))
+        return {}
+
+    def do_close(self, fd: int) -> dict[str, Any]:
+        os.close(fd)
+        return {}
+
+    def do_sync(self) -> dict[str, Any]:
+        check("cuCtxSynchronize", cu.cuCtxSynchronize())
+        return {}
+
+    def do_pid(self) -> dict[str, Any]:
+        return {"pid": os.getpid()}
+
+    def do_mem_info(self) -> dict[str, Any]:
+        free, total = check("cuMemGetInfo", cu.cuMemGetInfo())
+        return {"free": int(free), "total": int(total)}
+
+    def do_host_copy(self, va: int, size: int) -> dict[str, Any]:
+        host = check("cuMemHostAlloc", cu.cuMemHostAlloc(size, 0))
+        try:
+            check("cuCtxSynchronize", cu.cuCtxSynchronize())
+            start = time.perf_counter()
+            check("cuMemcpyDtoH", cu.cuMemcpyDtoH(host, self._va(va), size))
+            mid = time.perf_counter()
+            check("cuMemcpyHtoD", cu.cuMemcpyHtoD(self._va(va), host, size))
+            check("cuCtxSynchronize", cu.cuCtxSynchronize())
+            end = time.perf_counter()
+        finally:
+            check("cuMemFreeHost", cu.cuMemFreeHost(host))
+        return {
+            "dtoh_s": mid - start,
+            "htod_s": end - mid,
+            "dtoh_gbps": size / (mid - start) / 1e9,
+            "htod_gbps": size / (end - mid) / 1e9,
+        }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--channel", type=int, default=-1, help="socket FD for SCM_RIGHTS")
+    parser.add_argument("--device", type=int, default=0)
+    args = parser.parse_args()
+    channel = socket.socket(fileno=args.channel) if args.channel >= 0 else None
+    out = sys.stdout
+    try:
+        worker = Worker(channel, args.device)
+    except CudaCallError as exc:
+        out.write(
+            json.dumps({"ok": False, "call": exc.call, "result": exc.result, "error": str(exc)})
+            + "\n"
+        )
+        out.flush()
+        return 1
+    out.write(json.dumps({"ok": True, "pid": os.getpid(), "ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        reply: dict[str, Any]
+        try:
+            cmd = json.loads(line)
+            op = cmd.pop("op")
+            if op == "quit":
+                out.write(json.dumps({"ok": True}) + "\n")
+                out.flush()
+                return 0
+            method = getattr(worker, f"do_{op}", None)
+            if method is None:
+                raise ValueError(f"unknown op {op!r}")
+            reply = {"ok": True, **method(**cmd)}
+        except CudaCallError as exc:
+            reply = {"ok": False, "call": exc.call, "result": exc.result, "error": str(exc)}
+        except Exception as exc:
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
