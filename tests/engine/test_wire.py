@@ -1,0 +1,356 @@
+"""Codec properties: round-trips of records, replies and requests, and refusals."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from cuinterpose.engine import wire
+from cuinterpose.engine.wire import (
+    HEADER_SIZE,
+    MESSAGE_MAX,
+    RECORD_SIZE,
+    RECORDS_MAX,
+    Access,
+    BindingKind,
+    Header,
+    Op,
+    Phase,
+    Record,
+    RecordFlag,
+    RecordKind,
+    Reply,
+    Request,
+    ResourceKind,
+    Stats,
+    Status,
+    WireError,
+    decode_request,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+U8 = st.integers(0, 2**8 - 1)
+U16 = st.integers(0, 2**16 - 1)
+U32 = st.integers(0, 2**32 - 1)
+U64 = st.integers(0, 2**64 - 1)
+I32 = st.integers(-(2**31), 2**31 - 1)
+PARTICIPANTS = st.text("0123456789abcdef", min_size=32, max_size=32)
+IDS = st.binary(min_size=16, max_size=16)
+
+ACCESSES = st.builds(Access, location_type=I32, location_id=I32, flags=U64)
+RECORDS = st.builds(
+    Record,
+    kind=st.sampled_from(RecordKind),
+    flags=st.integers(0, 7).map(RecordFlag),
+    id=IDS,
+    member_id=IDS,
+    creator=st.just("") | PARTICIPANTS,
+    address=U64,
+    size=U64,
+    offset=U64,
+    member_offset=U64,
+    op_flags=U64,
+    handle_types=U64,
+    object_flags=U64,
+    allocation_type=I32,
+    location_type=I32,
+    location_id=I32,
+    device=I32,
+    num_devices=U32,
+    binding_kind=st.sampled_from(BindingKind),
+    api_version=U8,
+    handle_count=U32,
+    access=st.lists(ACCESSES, max_size=wire.ACCESS_MAX).map(tuple),
+)
+STATS = st.builds(Stats, count=U64, bytes=U64, elapsed_ns=U64, copy_ns=U64)
+MESSAGES = st.text(max_size=300).filter(lambda t: len(t.encode("utf-8")) <= MESSAGE_MAX)
+REPLIES = st.builds(
+    Reply,
+    op=st.sampled_from(Op),
+    status=st.sampled_from(Status),
+    participant=PARTICIPANTS,
+    pid=U32,
+    phase=st.sampled_from(Phase),
+    message=MESSAGES,
+    stats=STATS,
+    records=st.lists(RECORDS, max_size=4).map(tuple),
+)
+PLAIN_REQUESTS = st.builds(
+    Request,
+    op=st.sampled_from([op for op in Op if op not in (Op.HANDSHAKE, Op.EXPORT)]),
+    participant=PARTICIPANTS,
+)
+EXPORT_REQUESTS = st.builds(
+    Request,
+    op=st.just(Op.EXPORT),
+    participant=PARTICIPANTS,
+    resource_id=IDS,
+    authorization=IDS,
+    resource_kind=st.sampled_from(ResourceKind),
+)
+REQUESTS = st.just(Request(Op.HANDSHAKE)) | PLAIN_REQUESTS | EXPORT_REQUESTS
+
+OK_REPLY = Reply(
+    op=Op.INSPECT,
+    status=Status.OK,
+    participant="ab" * 16,
+    pid=7,
+    phase=Phase.ACTIVE,
+    message="hello",
+    records=(Record(kind=RecordKind.MAPPING, id=b"\x01" * 16, size=4096),),
+)
+
+
+def patched(raw: bytes, fmt: str, offset: int, *values: int) -> bytes:
+    out = bytearray(raw)
+    struct.pack_into(fmt, out, offset, *values)
+    return bytes(out)
+
+
+# -- round trips ------------------------------------------------------------------
+
+
+@given(RECORDS)
+def test_record_round_trip(record: Record) -> None:
+    raw = record.encode()
+    assert len(raw) == RECORD_SIZE
+    assert Record.decode(raw) == record
+
+
+@settings(max_examples=50)
+@given(REPLIES)
+def test_reply_round_trip(reply: Reply) -> None:
+    raw = reply.encode()
+    assert len(raw) == HEADER_SIZE + len(reply.message.encode()) + RECORD_SIZE * len(reply.records)
+    assert Reply.decode(raw) == reply
+
+
+@given(REQUESTS)
+def test_request_round_trip(request: Request) -> None:
+    raw = request.encode()
+    assert len(raw) == HEADER_SIZE
+    decoded, header = decode_request(raw)
+    assert decoded == request
+    assert header.op == request.op and header.participant == request.participant
+
+
+@given(RECORDS)
+def test_unused_record_fields_encode_as_zero(record: Record) -> None:
+    raw = record.encode()
+    (reserved0,) = struct.unpack_from("<H", raw, 150)
+    (reserved1,) = struct.unpack_from("<I", raw, 156)
+    assert reserved0 == reserved1 == 0
+    unused = raw[160 + 16 * len(record.access) :]
+    assert unused == bytes(len(unused))
+
+
+# -- refusals: header -----------------------------------------------------------------
+
+
+@given(U32.filter(lambda m: m != wire.MAGIC))
+def test_bad_magic_is_refused(magic: int) -> None:
+    raw = patched(OK_REPLY.encode(), "<I", 0, magic)
+    with pytest.raises(WireError, match="bad magic"):
+        Reply.decode(raw)
+    with pytest.raises(WireError, match="bad magic"):
+        decode_request(patched(Request(Op.HANDSHAKE).encode(), "<I", 0, magic))
+
+
+@given(U16.filter(lambda v: v != wire.VERSION))
+def test_other_versions_are_refused(version: int) -> None:
+    with pytest.raises(WireError, match=f"unsupported protocol version {version}"):
+        Reply.decode(patched(OK_REPLY.encode(), "<H", 4, version))
+    with pytest.raises(WireError, match="unsupported protocol version"):
+        decode_request(patched(Request(Op.HANDSHAKE).encode(), "<H", 4, version))
+
+
+@given(U16.filter(lambda v: v not in set(Op)))
+def test_unknown_ops_are_refused(op: int) -> None:
+    with pytest.raises(WireError, match=f"unknown op {op}"):
+        Reply.decode(patched(OK_REPLY.encode(), "<H", 6, op))
+    with pytest.raises(WireError, match=f"unknown op {op}"):
+        decode_request(patched(Request(Op.HANDSHAKE).encode(), "<H", 6, op))
+
+
+@given(I32.filter(lambda v: v not in set(Status)))
+def test_unknown_statuses_are_refused(status: int) -> None:
+    with pytest.raises(WireError, match=f"unknown status {status}"):
+        Reply.decode(patched(OK_REPLY.encode(), "<i", 8, status))
+
+
+@given(U16.filter(lambda v: v not in set(Phase)))
+def test_unknown_phases_are_refused(phase: int) -> None:
+    with pytest.raises(WireError, match=f"unknown phase {phase}"):
+        Reply.decode(patched(OK_REPLY.encode(), "<H", 92, phase))
+
+
+@given(st.integers(1, 2**16 - 1))
+def test_non_zero_header_reserved_is_refused(value: int) -> None:
+    with pytest.raises(WireError, match="reserved field is not zero"):
+        Reply.decode(patched(OK_REPLY.encode(), "<H", 94, value))
+    with pytest.raises(WireError, match="reserved field is not zero"):
+        decode_request(patched(Request(Op.HANDSHAKE).encode(), "<H", 94, value))
+
+
+@given(st.integers(RECORDS_MAX + 1, 2**32 - 1))
+def test_record_count_over_the_limit_is_refused(count: int) -> None:
+    with pytest.raises(WireError, match=f"record count {count} exceeds {RECORDS_MAX}"):
+        Reply.decode(patched(OK_REPLY.encode(), "<I", 12, count))
+
+
+@given(st.integers(MESSAGE_MAX + 1, 2**32 - 1))
+def test_message_length_over_the_limit_is_refused(length: int) -> None:
+    with pytest.raises(WireError, match=f"message_length {length} exceeds {MESSAGE_MAX}"):
+        Reply.decode(patched(OK_REPLY.encode(), "<I", 84, length))
+
+
+@settings(max_examples=50)
+@given(REPLIES, st.data())
+def test_truncated_replies_are_refused(reply: Reply, data: st.DataObject) -> None:
+    raw = reply.encode()
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    with pytest.raises(WireError):
+        Reply.decode(raw[:cut])
+
+
+@settings(max_examples=50)
+@given(REPLIES, st.binary(min_size=1, max_size=300))
+def test_trailing_bytes_are_refused(reply: Reply, extra: bytes) -> None:
+    with pytest.raises(WireError, match="records are"):
+        Reply.decode(reply.encode() + extra)
+
+
+@given(st.integers(0, HEADER_SIZE - 1))
+def test_truncated_requests_are_refused(cut: int) -> None:
+    with pytest.raises(WireError, match=f"header must be {HEADER_SIZE} bytes, got {cut}"):
+        decode_request(Request(Op.HANDSHAKE).encode()[:cut])
+
+
+@pytest.mark.parametrize(
+    "participant", [b"AB" * 16, b"zz" * 16, b"ab" * 15 + b"\0\0", b"\xff" * 32, b" " * 32]
+)
+def test_participants_that_are_not_lowercase_hex_are_refused(participant: bytes) -> None:
+    with pytest.raises(WireError, match="participant"):
+        Reply.decode(patched(OK_REPLY.encode(), "<32s", 16, participant))
+
+
+def test_reply_without_participant_is_refused() -> None:
+    with pytest.raises(WireError, match="no participant"):
+        Reply.decode(patched(OK_REPLY.encode(), "<32s", 16, bytes(32)))
+
+
+def test_reply_message_that_is_not_utf8_is_refused() -> None:
+    raw = OK_REPLY.encode()
+    broken = raw[:HEADER_SIZE] + b"\xff\xfe\xfd\xfc\xfb" + raw[HEADER_SIZE + 5 :]
+    with pytest.raises(WireError, match="not UTF-8"):
+        Reply.decode(broken)
+
+
+# -- refusals: requests -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fmt", "offset", "value", "what"),
+    [
+        ("<i", 8, 1, "reply-only"),  # status
+        ("<I", 12, 1, "reply-only"),  # count
+        ("<I", 84, 1, "reply-only"),  # message_length
+        ("<I", 88, 1, "reply-only"),  # pid
+        ("<H", 92, 1, "reply-only"),  # phase
+        ("<Q", 96, 1, "stats"),
+        ("<Q", 120, 1, "stats"),
+        ("<I", 80, 3, "unknown resource_kind 3"),
+        ("<I", 80, 1, "EXPORT-only"),
+        ("<16s", 48, b"\x01" * 16, "EXPORT-only"),
+        ("<16s", 64, b"\x01" * 16, "EXPORT-only"),
+    ],
+)
+def test_requests_with_fields_that_must_be_zero_are_refused(
+    fmt: str, offset: int, value: int | bytes, what: str
+) -> None:
+    raw = Request(Op.INSPECT, participant="cd" * 16).encode()
+    with pytest.raises(WireError, match=what):
+        decode_request(patched(raw, fmt, offset, value))  # type: ignore[arg-type]
+
+
+def test_handshake_naming_a_participant_is_refused() -> None:
+    raw = patched(Request(Op.HANDSHAKE).encode(), "<32s", 16, b"cd" * 16)
+    with pytest.raises(WireError, match="HANDSHAKE request must not name a participant"):
+        decode_request(raw)
+
+
+def test_encoding_refuses_values_that_do_not_fit() -> None:
+    with pytest.raises(WireError, match="EXPORT-only"):
+        Request(Op.INSPECT, participant="cd" * 16, resource_kind=ResourceKind.UNICAST).encode()
+    with pytest.raises(WireError, match="not 32 lowercase hex"):
+        Request(Op.INSPECT, participant="CD" * 16).encode()
+    with pytest.raises(WireError, match="out of range"):
+        Record(kind=RecordKind.MAPPING, size=2**64).encode()
+    with pytest.raises(WireError, match="at most 8"):
+        Record(kind=RecordKind.MAPPING, access=(Access(1, 0, 3),) * 9).encode()
+    with pytest.raises(WireError, match="exceeds 1024"):
+        Reply(Op.HANDSHAKE, Status.OK, "ab" * 16, 1, Phase.ACTIVE, message="x" * 1025).encode()
+    with pytest.raises(WireError, match="must be 16 bytes"):
+        Record(kind=RecordKind.MAPPING, id=b"short").encode()
+
+
+# -- refusals: records -------------------------------------------------------------------
+
+RECORD = Record(kind=RecordKind.MAPPING, id=b"\x02" * 16, access=(Access(1, 0, 3),))
+
+
+@given(U16.filter(lambda v: v not in set(RecordKind)))
+def test_unknown_record_kinds_are_refused(kind: int) -> None:
+    with pytest.raises(WireError, match=f"unknown record kind {kind}"):
+        Record.decode(patched(RECORD.encode(), "<H", 0, kind))
+
+
+@given(U16.filter(lambda v: v & ~7))
+def test_unknown_record_flags_are_refused(flags: int) -> None:
+    with pytest.raises(WireError, match="unknown flags"):
+        Record.decode(patched(RECORD.encode(), "<H", 2, flags))
+
+
+@given(st.integers(wire.ACCESS_MAX + 1, 2**32 - 1))
+def test_access_count_over_the_limit_is_refused(count: int) -> None:
+    with pytest.raises(WireError, match=f"access_count {count} > {wire.ACCESS_MAX}"):
+        Record.decode(patched(RECORD.encode(), "<I", 4, count))
+
+
+@given(U8.filter(lambda v: v not in set(BindingKind)))
+def test_unknown_binding_kinds_are_refused(kind: int) -> None:
+    with pytest.raises(WireError, match=f"unknown binding_kind {kind}"):
+        Record.decode(patched(RECORD.encode(), "<B", 148, kind))
+
+
+@pytest.mark.parametrize(("fmt", "offset"), [("<H", 150), ("<I", 156)])
+def test_non_zero_record_reserved_is_refused(fmt: str, offset: int) -> None:
+    with pytest.raises(WireError, match="non-zero reserved"):
+        Record.decode(patched(RECORD.encode(), fmt, offset, 1))
+
+
+@given(st.integers(1, wire.ACCESS_MAX - 1), st.integers(0, 15))
+def test_non_zero_unused_access_slots_are_refused(slot: int, byte: int) -> None:
+    # RECORD uses one slot; any byte of any later slot must stay zero.
+    raw = patched(RECORD.encode(), "<B", 160 + 16 * slot + byte, 1)
+    with pytest.raises(WireError, match="unused access slots"):
+        Record.decode(raw)
+
+
+@given(st.integers(0, RECORD_SIZE * 2).filter(lambda n: n != RECORD_SIZE))
+def test_records_of_the_wrong_size_are_refused(size: int) -> None:
+    with pytest.raises(WireError, match=f"record must be {RECORD_SIZE} bytes, got {size}"):
+        Record.decode(bytes(size))
+
+
+def test_refusals_inside_a_reply_name_the_record() -> None:
+    raw = OK_REPLY.encode()
+    bad = patched(raw, "<H", HEADER_SIZE + len(OK_REPLY.message) + 150, 9)
+    with pytest.raises(WireError, match="MAPPING record has non-zero reserved"):
+        Reply.decode(bad)
+
+
+def test_header_decode_rejects_wrong_length() -> None:
+    with pytest.raises(WireError, match="header must be 128 bytes, got 129"):
+        Header.decode(bytes(129))
