@@ -1,0 +1,447 @@
+/* Checkpoint API: the controller's calls and the per-process service.
+ *
+ * cuInit starts a thread listening on the abstract Unix socket
+ * "cuinterpose-sim-ckpt-<pid>"; a controller's cuCheckpointProcess*(pid)
+ * connects to it, sends one request, reads one reply. The service drives
+ * this process's state machine:
+ *
+ *   RUNNING --lock--> LOCKED --checkpoint--> CHECKPOINTED
+ *   CHECKPOINTED --restore--> LOCKED --unlock--> RUNNING
+ *
+ * Any other transition is CUDA_ERROR_ILLEGAL_STATE. A lock that cannot
+ * drain the calls in flight within its timeout returns CUDA_ERROR_NOT_READY
+ * and leaves the process RUNNING (the driver documents both).
+ *
+ * Owned memory is every allocation this process created (cuMemCreate,
+ * cuMemAlloc). Checkpoint copies each aside and releases its pages (the
+ * memfd keeps its identity, so an exported FD still names the same
+ * allocation after restore), and makes every mapped VA inaccessible.
+ * An allocation that another process imported is still in use there: its
+ * pages stay (releasing them would corrupt the importer), only this
+ * process's view is taken away, and restore maps it back as it is.
+ * Imports and multicast objects are not owned: their VAs are taken away
+ * too, and restore refuses with CUDA_ERROR_NOT_SUPPORTED, leaving the
+ * process CHECKPOINTED, as observed on the real driver for imports. */
+#include "sim.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#define CK_MAGIC 0x4b435343u /* "CSCK" */
+
+enum ck_op { CK_LOCK = 1, CK_CHECKPOINT, CK_RESTORE, CK_UNLOCK, CK_STATE, CK_TID };
+
+struct ck_req {
+    uint32_t magic;
+    uint32_t op;
+    uint32_t timeout_ms;
+    uint32_t pad;
+};
+
+struct ck_rep {
+    int32_t result;
+    int32_t state;
+    int32_t tid;
+    int32_t pad;
+};
+
+static socklen_t ck_addr(struct sockaddr_un *a, int pid)
+{
+    int n;
+
+    memset(a, 0, sizeof(*a));
+    a->sun_family = AF_UNIX;
+    /* Abstract name: nothing to clean up when the process dies. */
+    n = snprintf(a->sun_path + 1, sizeof(a->sun_path) - 1, "cuinterpose-sim-ckpt-%d", pid);
+    return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+/* ---- the target's side (sim.mu held for the memory work) -------------- */
+
+static int any_unrestorable(void)
+{
+    for (int i = 0; i < SIM_MAX_OBJS; i++) {
+        const struct sim_obj *o = &sim.objs[i];
+
+        if (o->used && (o->foreign || o->kind == SIM_KIND_MULTICAST))
+            return 1;
+    }
+    return 0;
+}
+
+static int io_all(int fd, void *buf, size_t n, int write_it)
+{
+    size_t done = 0;
+
+    while (done < n) {
+        ssize_t k = write_it ? pwrite(fd, (char *)buf + done, n - done, (off_t)done)
+                             : pread(fd, (char *)buf + done, n - done, (off_t)done);
+
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return -1;
+        done += (size_t)k;
+    }
+    return 0;
+}
+
+static CUresult give_back_obj(struct sim_obj *o)
+{
+    if (!o->released)
+        return CUDA_SUCCESS;
+    if (io_all(o->fd, o->saved, o->size, 1) != 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    munmap(o->saved, o->size);
+    o->saved = NULL;
+    o->released = 0;
+    sim_acct_add(o->meta->loc_id, (long long)o->size);
+    return CUDA_SUCCESS;
+}
+
+static CUresult take_obj(struct sim_obj *o)
+{
+    void *saved;
+
+    if (o->kind != SIM_KIND_ALLOC || o->imported || atomic_load(&o->meta->importers) > 0)
+        return CUDA_SUCCESS;
+    saved = mmap(NULL, o->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (saved == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (io_all(o->fd, saved, o->size, 0) != 0 ||
+        fallocate(o->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)o->size) != 0) {
+        munmap(saved, o->size);
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    o->saved = saved;
+    o->released = 1;
+    sim_acct_add(o->meta->loc_id, -(long long)o->size);
+    return CUDA_SUCCESS;
+}
+
+static CUresult remap(struct sim_map *m)
+{
+    struct sim_obj *o = &sim.objs[m->obj];
+    void *p;
+
+    if (!m->taken)
+        return CUDA_SUCCESS;
+    p = mmap((void *)m->va, m->size, PROT_NONE, MAP_SHARED | MAP_FIXED, o->fd, (off_t)m->offset);
+    if (p == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    m->taken = 0;
+    return sim_map_apply_prot(m);
+}
+
+static CUresult restore_memory(void)
+{
+    CUresult r = CUDA_SUCCESS;
+
+    for (int i = 0; i < SIM_MAX_OBJS && r == CUDA_SUCCESS; i++)
+        if (sim.objs[i].used)
+            r = give_back_obj(&sim.objs[i]);
+    for (int i = 0; i < SIM_MAX_MAPS && r == CUDA_SUCCESS; i++)
+        if (sim.maps[i].used)
+            r = remap(&sim.maps[i]);
+    return r;
+}
+
+static CUresult checkpoint_memory(void)
+{
+    CUresult r = CUDA_SUCCESS;
+
+    for (int i = 0; i < SIM_MAX_OBJS && r == CUDA_SUCCESS; i++)
+        if (sim.objs[i].used)
+            r = take_obj(&sim.objs[i]);
+    for (int i = 0; i < SIM_MAX_MAPS && r == CUDA_SUCCESS; i++) {
+        struct sim_map *m = &sim.maps[i];
+
+        if (!m->used || m->taken)
+            continue;
+        if (mmap((void *)m->va, m->size, PROT_NONE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED)
+            r = CUDA_ERROR_OPERATING_SYSTEM;
+        else
+            m->taken = 1;
+    }
+    if (r != CUDA_SUCCESS)
+        restore_memory(); /* back to LOCKED as it was */
+    return r;
+}
+
+/* gate_mu held. */
+static CUresult do_lock(unsigned timeout_ms)
+{
+    struct timespec dl;
+
+    if (sim.ck_state != CU_PROCESS_STATE_RUNNING || sim.lock_pending)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    sim.lock_pending = 1;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += timeout_ms / 1000;
+    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (dl.tv_nsec >= 1000000000L) {
+        dl.tv_sec++;
+        dl.tv_nsec -= 1000000000L;
+    }
+    while (sim.in_flight > 0) {
+        int e = timeout_ms ? pthread_cond_timedwait(&sim.gate_cv, &sim.gate_mu, &dl)
+                           : pthread_cond_wait(&sim.gate_cv, &sim.gate_mu);
+
+        if (e == ETIMEDOUT && sim.in_flight > 0) {
+            sim.lock_pending = 0;
+            pthread_cond_broadcast(&sim.gate_cv);
+            return CUDA_ERROR_NOT_READY;
+        }
+    }
+    sim.lock_pending = 0;
+    sim.ck_state = CU_PROCESS_STATE_LOCKED;
+    return CUDA_SUCCESS;
+}
+
+static CUresult do_op(const struct ck_req *q)
+{
+    CUresult r = CUDA_SUCCESS;
+
+    switch (q->op) {
+    case CK_LOCK:
+        return do_lock(q->timeout_ms);
+    case CK_CHECKPOINT:
+        if (sim.ck_state != CU_PROCESS_STATE_LOCKED)
+            return CUDA_ERROR_ILLEGAL_STATE;
+        sim_lock();
+        r = checkpoint_memory();
+        sim_unlock();
+        if (r == CUDA_SUCCESS)
+            sim.ck_state = CU_PROCESS_STATE_CHECKPOINTED;
+        return r;
+    case CK_RESTORE:
+        if (sim.ck_state != CU_PROCESS_STATE_CHECKPOINTED)
+            return CUDA_ERROR_ILLEGAL_STATE;
+        sim_lock();
+        r = any_unrestorable() ? CUDA_ERROR_NOT_SUPPORTED : restore_memory();
+        sim_unlock();
+        if (r == CUDA_SUCCESS)
+            sim.ck_state = CU_PROCESS_STATE_LOCKED;
+        return r;
+    case CK_UNLOCK:
+        if (sim.ck_state != CU_PROCESS_STATE_LOCKED)
+            return CUDA_ERROR_ILLEGAL_STATE;
+        sim.ck_state = CU_PROCESS_STATE_RUNNING;
+        pthread_cond_broadcast(&sim.gate_cv);
+        return CUDA_SUCCESS;
+    case CK_STATE:
+    case CK_TID:
+        return CUDA_SUCCESS;
+    default:
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+static int peer_allowed(int fd)
+{
+    struct ucred cred;
+    socklen_t len = sizeof(cred);
+
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
+        return 0;
+    return cred.uid == 0 || cred.uid == getuid();
+}
+
+static void serve_one(int fd)
+{
+    struct ck_req q;
+    struct ck_rep p = {0};
+    ssize_t n;
+
+    n = recv(fd, &q, sizeof(q), MSG_WAITALL);
+    if (n != (ssize_t)sizeof(q) || q.magic != CK_MAGIC || !peer_allowed(fd))
+        return;
+    pthread_mutex_lock(&sim.gate_mu);
+    p.result = (int32_t)do_op(&q);
+    p.state = sim.ck_state;
+    pthread_mutex_unlock(&sim.gate_mu);
+    p.tid = (int32_t)sim.service_tid;
+    /* A controller that hung up must not kill us. */
+    (void)!send(fd, &p, sizeof(p), MSG_NOSIGNAL);
+}
+
+static void *service_main(void *arg)
+{
+    sigset_t all;
+
+    (void)arg;
+    /* Signals belong to the application's threads. */
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);
+    sim.service_tid = (pid_t)syscall(SYS_gettid);
+    for (;;) {
+        int c = accept4(sim.service_fd, NULL, NULL, SOCK_CLOEXEC);
+
+        if (c < 0) {
+            if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE)
+                continue;
+            return NULL;
+        }
+        serve_one(c);
+        close(c);
+    }
+}
+
+/* A forked child has no service thread and a different pid: like the real
+ * driver, it cannot use the parent's CUDA state. */
+static void atfork_child(void)
+{
+    sim.initialized = 0;
+}
+
+int sim_service_start(void)
+{
+    struct sockaddr_un a;
+    socklen_t len = ck_addr(&a, (int)getpid());
+    pthread_attr_t attr;
+    pthread_t t;
+    int fd;
+
+    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    if (bind(fd, (struct sockaddr *)&a, len) != 0 || listen(fd, 16) != 0)
+        goto fail;
+    sim.service_fd = fd;
+    if (pthread_attr_init(&attr) != 0)
+        goto fail;
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, service_main, NULL) != 0) {
+        pthread_attr_destroy(&attr);
+        goto fail;
+    }
+    pthread_attr_destroy(&attr);
+    pthread_atfork(NULL, NULL, atfork_child);
+    return 0;
+fail:
+    sim.service_fd = -1;
+    close(fd);
+    return -1;
+}
+
+/* ---- the controller's side -------------------------------------------- */
+
+static CUresult call(int pid, uint32_t op, uint32_t timeout_ms, struct ck_rep *p)
+{
+    struct ck_req q = {CK_MAGIC, op, timeout_ms, 0};
+    struct sockaddr_un a;
+    socklen_t len;
+    int fd;
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+
+    if (pid <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    len = ck_addr(&a, pid);
+    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    /* No service: not a (simulated) CUDA process. */
+    if (connect(fd, (struct sockaddr *)&a, len) != 0)
+        goto out;
+    if (send(fd, &q, sizeof(q), MSG_NOSIGNAL) != (ssize_t)sizeof(q))
+        goto out;
+    if (recv(fd, p, sizeof(*p), MSG_WAITALL) != (ssize_t)sizeof(*p))
+        goto out;
+    r = (CUresult)p->result;
+out:
+    close(fd);
+    return r;
+}
+
+static int zero(const void *p, size_t n)
+{
+    const unsigned char *b = p;
+
+    for (size_t i = 0; i < n; i++)
+        if (b[i])
+            return 0;
+    return 1;
+}
+
+CUresult CUDAAPI cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
+{
+    struct ck_rep p;
+
+    if (args && (args->reserved0 || !zero(args->reserved1, sizeof(args->reserved1))))
+        return CUDA_ERROR_INVALID_VALUE;
+    return call(pid, CK_LOCK, args ? args->timeoutMs : 0, &p);
+}
+
+CUresult CUDAAPI cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args)
+{
+    struct ck_rep p;
+
+    if (args && !zero(args->reserved, sizeof(args->reserved)))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (args && args->customStorageInfo_out)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    return call(pid, CK_CHECKPOINT, 0, &p);
+}
+
+CUresult CUDAAPI cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
+{
+    struct ck_rep p;
+
+    if (args && !zero(args->reserved, sizeof(args->reserved)))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (args && args->customStorageInfo_out)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if (args && args->gpuPairsCount) {
+        /* Simulated GPUs are interchangeable only with themselves. */
+        if (!args->gpuPairs)
+            return CUDA_ERROR_INVALID_VALUE;
+        for (unsigned i = 0; i < args->gpuPairsCount; i++)
+            if (memcmp(&args->gpuPairs[i].oldUuid, &args->gpuPairs[i].newUuid, sizeof(CUuuid)))
+                return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    return call(pid, CK_RESTORE, 0, &p);
+}
+
+CUresult CUDAAPI cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
+{
+    struct ck_rep p;
+
+    if (args && !zero(args->reserved, sizeof(args->reserved)))
+        return CUDA_ERROR_INVALID_VALUE;
+    return call(pid, CK_UNLOCK, 0, &p);
+}
+
+CUresult CUDAAPI cuCheckpointProcessGetState(int pid, CUprocessState *state)
+{
+    struct ck_rep p;
+    CUresult r;
+
+    if (!state)
+        return CUDA_ERROR_INVALID_VALUE;
+    r = call(pid, CK_STATE, 0, &p);
+    if (r == CUDA_SUCCESS)
+        *state = (CUprocessState)p.state;
+    return r;
+}
+
+CUresult CUDAAPI cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
+{
+    struct ck_rep p;
+    CUresult r;
+
+    if (!tid)
+        return CUDA_ERROR_INVALID_VALUE;
+    r = call(pid, CK_TID, 0, &p);
+    if (r == CUDA_SUCCESS)
+        *tid = p.tid;
+    return r;
+}

@@ -1,0 +1,858 @@
+/* Devices, contexts, streams, events and cuMemGetInfo.
+ *
+ * Devices are identical simulated H200-like GPUs that say what they are in
+ * their name. Streams and events exist for API compatibility: every
+ * operation completes before its call returns. */
+#include "sim.h"
+
+#include <stdio.h>
+#include <string.h>
+
+/* The calling thread's context stack (cuCtxPush/Pop, cuCtxSetCurrent). */
+static _Thread_local struct {
+    struct sim_ctx *stack[SIM_CTX_STACK];
+    int depth;
+} tls;
+
+int sim_dev_valid(CUdevice dev)
+{
+    return dev >= 0 && dev < sim.ndev;
+}
+
+static struct sim_ctx *current(void)
+{
+    return tls.depth > 0 ? tls.stack[tls.depth - 1] : NULL;
+}
+
+/* A context handle is the address of one of our table entries; anything
+ * else is rejected without being dereferenced. */
+struct sim_ctx *sim_ctx_check(CUcontext c)
+{
+    struct sim_ctx *p = (struct sim_ctx *)c;
+
+    if (p >= &sim.primary[0] && p < &sim.primary[SIM_MAX_DEVICES] && p->used)
+        return p;
+    if (p >= &sim.ctxs[0] && p < &sim.ctxs[SIM_MAX_CTXS] && p->used)
+        return p;
+    return NULL;
+}
+
+CUresult sim_current_dev(int *dev)
+{
+    struct sim_ctx *c = current();
+
+    if (!c || !c->used)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *dev = c->dev;
+    return CUDA_SUCCESS;
+}
+
+static int stream_valid(CUstream s)
+{
+    struct sim_stream *p = (struct sim_stream *)s;
+
+    if (s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD)
+        return 1;
+    return p >= &sim.streams[0] && p < &sim.streams[SIM_MAX_STREAMS] && p->used;
+}
+
+CUresult sim_stream_check(CUstream s)
+{
+    int ok;
+
+    sim_lock();
+    ok = stream_valid(s);
+    sim_unlock();
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+/* ---- devices ---------------------------------------------------------- */
+
+static CUresult device_get(CUdevice *device, int ordinal)
+{
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_dev_valid(ordinal))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *device = ordinal;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceGet(CUdevice *device, int ordinal)
+{
+    SIM_API(device_get(device, ordinal));
+}
+
+static CUresult device_count(int *count)
+{
+    if (!count)
+        return CUDA_ERROR_INVALID_VALUE;
+    *count = sim.ndev;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceGetCount(int *count)
+{
+    SIM_API(device_count(count));
+}
+
+static CUresult device_name(char *name, int len, CUdevice dev)
+{
+    if (!name || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_dev_valid(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(name, (size_t)len, "%s", SIM_DEVICE_NAME);
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceGetName(char *name, int len, CUdevice dev)
+{
+    SIM_API(device_name(name, len, dev));
+}
+
+/* Stable per ordinal and recognisable: "cuipsim" then the ordinal. */
+static CUresult device_uuid(CUuuid *uuid, CUdevice dev)
+{
+    static const char tag[] = "cuipsim";
+
+    if (!uuid)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_dev_valid(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    memset(uuid->bytes, 0, sizeof(uuid->bytes));
+    memcpy(uuid->bytes, tag, sizeof(tag) - 1);
+    uuid->bytes[15] = (char)dev;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
+{
+    SIM_API(device_uuid(uuid, dev));
+}
+
+static CUresult device_attr(int *pi, CUdevice_attribute attrib, CUdevice dev)
+{
+    if (!pi)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_dev_valid(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    if ((int)attrib <= 0 || attrib >= CU_DEVICE_ATTRIBUTE_MAX)
+        return CUDA_ERROR_INVALID_VALUE;
+    switch (attrib) {
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *pi = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_WARP_SIZE: *pi = 32; break;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *pi = 132; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *pi = 9; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *pi = 0; break;
+    case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: *pi = 0x18 + dev; break;
+    case CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: *pi = 0; break;
+    case CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: *pi = 0; break;
+    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: *pi = 1; break;
+    case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: *pi = 1; break;
+    case CU_DEVICE_ATTRIBUTE_INTEGRATED: *pi = 0; break;
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: *pi = 1; break;
+    case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: *pi = 1; break;
+    case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: *pi = 0; break;
+    case CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED: *pi = 1; break;
+    case CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: *pi = 1; break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: *pi = 0; break;
+    case CU_DEVICE_ATTRIBUTE_GENERIC_COMPRESSION_SUPPORTED: *pi = 0; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: *pi = 49152; break;
+    case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY: *pi = 65536; break;
+    case CU_DEVICE_ATTRIBUTE_CLOCK_RATE: *pi = 1980000; break;
+    case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: *pi = 5120; break;
+    case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS: *pi = 1; break;
+    default: *pi = 0; break;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)
+{
+    SIM_API(device_attr(pi, attrib, dev));
+}
+
+static CUresult device_total_mem(size_t *bytes, CUdevice dev)
+{
+    if (!bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_dev_valid(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = sim.mem_total;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
+{
+    SIM_API(device_total_mem(bytes, dev));
+}
+
+static CUresult device_cc(int *major, int *minor, CUdevice dev)
+{
+    if (!major || !minor)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_dev_valid(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *major = 9;
+    *minor = 0;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceComputeCapability(int *major, int *minor, CUdevice dev)
+{
+    SIM_API(device_cc(major, minor, dev));
+}
+
+static CUresult device_pci(char *busid, int len, CUdevice dev)
+{
+    if (!busid || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_dev_valid(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(busid, (size_t)len, "0000:%02x:00.0", 0x18 + dev);
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)
+{
+    SIM_API(device_pci(pciBusId, len, dev));
+}
+
+static CUresult can_access_peer(int *can, CUdevice dev, CUdevice peer)
+{
+    if (!can)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_dev_valid(dev) || !sim_dev_valid(peer))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *can = dev != peer; /* NVLink-connected peers, like an HGX board */
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev)
+{
+    SIM_API(can_access_peer(canAccessPeer, dev, peerDev));
+}
+
+/* ---- primary contexts ------------------------------------------------- */
+
+static CUresult primary_retain(CUcontext *pctx, CUdevice dev)
+{
+    struct sim_ctx *c;
+
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_dev_valid(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    sim_lock();
+    c = &sim.primary[dev];
+    if (!c->used) {
+        c->used = 1;
+        c->primary = 1;
+        c->dev = dev;
+        c->id = sim.next_ctx_id++;
+    }
+    c->refs++;
+    sim_unlock();
+    *pctx = (CUcontext)c;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+    SIM_API(primary_retain(pctx, dev));
+}
+
+static CUresult primary_release(CUdevice dev)
+{
+    CUresult r = CUDA_SUCCESS;
+
+    if (!sim_dev_valid(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    sim_lock();
+    /* The context object stays valid (the handle is stable per device);
+     * only its retain count drops, as on the real driver. */
+    if (sim.primary[dev].refs <= 0)
+        r = CUDA_ERROR_INVALID_CONTEXT;
+    else
+        sim.primary[dev].refs--;
+    sim_unlock();
+    return r;
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+{
+    SIM_API(primary_release(dev));
+}
+
+static CUresult primary_state(CUdevice dev, unsigned int *flags, int *active)
+{
+    if (!flags || !active)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_dev_valid(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    sim_lock();
+    *flags = sim.primary[dev].flags;
+    *active = sim.primary[dev].refs > 0;
+    sim_unlock();
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
+{
+    SIM_API(primary_state(dev, flags, active));
+}
+
+static CUresult primary_set_flags(CUdevice dev, unsigned int flags)
+{
+    if (!sim_dev_valid(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    sim_lock();
+    sim.primary[dev].flags = flags;
+    sim_unlock();
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags)
+{
+    SIM_API(primary_set_flags(dev, flags));
+}
+
+static CUresult primary_reset(CUdevice dev)
+{
+    return sim_dev_valid(dev) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    SIM_API(primary_reset(dev));
+}
+
+/* ---- contexts --------------------------------------------------------- */
+
+static CUresult ctx_push(struct sim_ctx *c)
+{
+    if (tls.depth >= SIM_CTX_STACK)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    tls.stack[tls.depth++] = c;
+    return CUDA_SUCCESS;
+}
+
+static CUresult ctx_create(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    struct sim_ctx *c = NULL;
+    CUresult r;
+
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_dev_valid(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    sim_lock();
+    for (int i = 0; i < SIM_MAX_CTXS && !c; i++)
+        if (!sim.ctxs[i].used)
+            c = &sim.ctxs[i];
+    if (c) {
+        memset(c, 0, sizeof(*c));
+        c->used = 1;
+        c->dev = dev;
+        c->flags = flags;
+        c->refs = 1;
+        c->id = sim.next_ctx_id++;
+    }
+    sim_unlock();
+    if (!c)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    r = ctx_push(c);
+    if (r != CUDA_SUCCESS) {
+        sim_lock();
+        c->used = 0;
+        sim_unlock();
+        return r;
+    }
+    *pctx = (CUcontext)c;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    SIM_API(ctx_create(pctx, flags, dev));
+}
+
+CUresult CUDAAPI cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, unsigned int flags,
+                                CUdevice dev)
+{
+    /* Execution affinity and CIG need MPS or graphics interop. */
+    if (params && (params->execAffinityParams || params->cigParams))
+        return CUDA_ERROR_NOT_SUPPORTED;
+    SIM_API(ctx_create(pctx, flags, dev));
+}
+
+static CUresult ctx_destroy(CUcontext ctx)
+{
+    struct sim_ctx *c;
+
+    sim_lock();
+    c = sim_ctx_check(ctx);
+    if (c && !c->primary)
+        c->used = 0;
+    sim_unlock();
+    if (!c || c->primary)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    /* Only this thread's stack can be cleaned; other threads find the
+     * context invalid on their next use. */
+    for (int i = 0; i < tls.depth; i++)
+        if (tls.stack[i] == c)
+            tls.stack[i] = NULL;
+    while (tls.depth > 0 && tls.stack[tls.depth - 1] == NULL)
+        tls.depth--;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuCtxDestroy_v2(CUcontext ctx)
+{
+    SIM_API(ctx_destroy(ctx));
+}
+
+static CUresult ctx_set_current(CUcontext ctx)
+{
+    struct sim_ctx *c = NULL;
+
+    if (ctx) {
+        sim_lock();
+        c = sim_ctx_check(ctx);
+        sim_unlock();
+        if (!c)
+            return CUDA_ERROR_INVALID_CONTEXT;
+    }
+    if (!c) {
+        if (tls.depth > 0)
+            tls.depth--;
+        return CUDA_SUCCESS;
+    }
+    if (tls.depth == 0)
+        return ctx_push(c);
+    tls.stack[tls.depth - 1] = c;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx)
+{
+    SIM_API(ctx_set_current(ctx));
+}
+
+static CUresult ctx_get_current(CUcontext *pctx)
+{
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pctx = (CUcontext)current();
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuCtxGetCurrent(CUcontext *pctx)
+{
+    SIM_API(ctx_get_current(pctx));
+}
+
+static CUresult ctx_push_api(CUcontext ctx)
+{
+    struct sim_ctx *c;
+
+    sim_lock();
+    c = sim_ctx_check(ctx);
+    sim_unlock();
+    if (!c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    return ctx_push(c);
+}
+
+CUresult CUDAAPI cuCtxPushCurrent_v2(CUcontext ctx)
+{
+    SIM_API(ctx_push_api(ctx));
+}
+
+static CUresult ctx_pop(CUcontext *pctx)
+{
+    if (tls.depth == 0)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    tls.depth--;
+    if (pctx)
+        *pctx = (CUcontext)tls.stack[tls.depth];
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuCtxPopCurrent_v2(CUcontext *pctx)
+{
+    SIM_API(ctx_pop(pctx));
+}
+
+/* ctx NULL means the current one (the 13.0 _v2 forms take it explicitly). */
+static CUresult ctx_device(CUdevice *device, CUcontext ctx)
+{
+    struct sim_ctx *c;
+
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_lock();
+    c = ctx ? sim_ctx_check(ctx) : current();
+    if (c && !c->used)
+        c = NULL;
+    if (c)
+        *device = c->dev;
+    sim_unlock();
+    return c ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+
+CUresult CUDAAPI cuCtxGetDevice(CUdevice *device)
+{
+    SIM_API(ctx_device(device, NULL));
+}
+
+CUresult CUDAAPI cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx)
+{
+    SIM_API(ctx_device(device, ctx));
+}
+
+static CUresult ctx_sync(CUcontext ctx)
+{
+    CUdevice d;
+
+    return ctx_device(&d, ctx);
+}
+
+CUresult CUDAAPI cuCtxSynchronize(void)
+{
+    SIM_API(ctx_sync(NULL));
+}
+
+CUresult CUDAAPI cuCtxSynchronize_v2(CUcontext ctx)
+{
+    SIM_API(ctx_sync(ctx));
+}
+
+static CUresult ctx_api_version(CUcontext ctx, unsigned int *version)
+{
+    CUdevice d;
+    CUresult r;
+
+    if (!version)
+        return CUDA_ERROR_INVALID_VALUE;
+    r = ctx_device(&d, ctx);
+    if (r == CUDA_SUCCESS)
+        *version = 3020;
+    return r;
+}
+
+CUresult CUDAAPI cuCtxGetApiVersion(CUcontext ctx, unsigned int *version)
+{
+    SIM_API(ctx_api_version(ctx, version));
+}
+
+static CUresult ctx_flags(unsigned int *flags)
+{
+    struct sim_ctx *c = current();
+
+    if (!flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *flags = c->flags;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuCtxGetFlags(unsigned int *flags)
+{
+    SIM_API(ctx_flags(flags));
+}
+
+static CUresult ctx_id(CUcontext ctx, unsigned long long *id)
+{
+    struct sim_ctx *c;
+
+    if (!id)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_lock();
+    c = ctx ? sim_ctx_check(ctx) : current();
+    if (c)
+        *id = c->id;
+    sim_unlock();
+    return c ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+
+CUresult CUDAAPI cuCtxGetId(CUcontext ctx, unsigned long long *ctxId)
+{
+    SIM_API(ctx_id(ctx, ctxId));
+}
+
+/* ---- memory info ------------------------------------------------------ */
+
+static CUresult mem_info(size_t *free_b, size_t *total_b)
+{
+    unsigned long long used;
+    int dev;
+    CUresult r;
+
+    if (!free_b || !total_b)
+        return CUDA_ERROR_INVALID_VALUE;
+    r = sim_current_dev(&dev);
+    if (r != CUDA_SUCCESS)
+        return r;
+    used = sim_acct_used(dev);
+    *total_b = sim.mem_total;
+    *free_b = used >= sim.mem_total ? 0 : (size_t)(sim.mem_total - used);
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemGetInfo_v2(size_t *free, size_t *total)
+{
+    SIM_API(mem_info(free, total));
+}
+
+/* ---- streams ---------------------------------------------------------- */
+
+static CUresult stream_create(CUstream *ph, unsigned int flags, int priority)
+{
+    struct sim_ctx *c = current();
+    struct sim_stream *s = NULL;
+
+    if (!ph || (flags & ~(unsigned)CU_STREAM_NON_BLOCKING))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    sim_lock();
+    for (int i = 0; i < SIM_MAX_STREAMS && !s; i++)
+        if (!sim.streams[i].used)
+            s = &sim.streams[i];
+    if (s) {
+        s->used = 1;
+        s->ctx = c;
+        s->flags = flags;
+        s->priority = priority;
+    }
+    sim_unlock();
+    if (!s)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *ph = (CUstream)s;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags)
+{
+    SIM_API(stream_create(phStream, Flags, 0));
+}
+
+CUresult CUDAAPI cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority)
+{
+    SIM_API(stream_create(phStream, flags, priority));
+}
+
+static CUresult stream_destroy(CUstream h)
+{
+    struct sim_stream *s = (struct sim_stream *)h;
+    CUresult r = CUDA_ERROR_INVALID_HANDLE;
+
+    sim_lock();
+    if (h && stream_valid(h) && h != CU_STREAM_LEGACY && h != CU_STREAM_PER_THREAD) {
+        s->used = 0;
+        r = CUDA_SUCCESS;
+    }
+    sim_unlock();
+    return r;
+}
+
+CUresult CUDAAPI cuStreamDestroy_v2(CUstream hStream)
+{
+    SIM_API(stream_destroy(hStream));
+}
+
+CUresult CUDAAPI cuStreamSynchronize(CUstream hStream)
+{
+    SIM_API(sim_stream_check(hStream));
+}
+
+CUresult CUDAAPI cuStreamQuery(CUstream hStream)
+{
+    SIM_API(sim_stream_check(hStream));
+}
+
+CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
+{
+    (void)hEvent;
+    (void)Flags;
+    SIM_API(sim_stream_check(hStream));
+}
+
+static CUresult stream_ctx(CUstream h, CUcontext *pctx)
+{
+    struct sim_stream *s = (struct sim_stream *)h;
+    CUresult r;
+
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    r = sim_stream_check(h);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (h == NULL || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD) {
+        if (!current())
+            return CUDA_ERROR_INVALID_CONTEXT;
+        *pctx = (CUcontext)current();
+    } else {
+        *pctx = (CUcontext)s->ctx;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuStreamGetCtx(CUstream hStream, CUcontext *pctx)
+{
+    SIM_API(stream_ctx(hStream, pctx));
+}
+
+static CUresult stream_flags(CUstream h, unsigned int *flags, int *prio)
+{
+    struct sim_stream *s = (struct sim_stream *)h;
+    CUresult r = sim_stream_check(h);
+    int special = h == NULL || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD;
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (flags)
+        *flags = special ? 0 : s->flags;
+    if (prio)
+        *prio = special ? 0 : s->priority;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuStreamGetFlags(CUstream hStream, unsigned int *flags)
+{
+    if (!flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    SIM_API(stream_flags(hStream, flags, NULL));
+}
+
+CUresult CUDAAPI cuStreamGetPriority(CUstream hStream, int *priority)
+{
+    if (!priority)
+        return CUDA_ERROR_INVALID_VALUE;
+    SIM_API(stream_flags(hStream, NULL, priority));
+}
+
+/* ---- events ----------------------------------------------------------- */
+
+static struct sim_event *event_check(CUevent h)
+{
+    struct sim_event *e = (struct sim_event *)h;
+
+    if (e >= &sim.events[0] && e < &sim.events[SIM_MAX_EVENTS] && e->used)
+        return e;
+    return NULL;
+}
+
+static CUresult event_create(CUevent *ph, unsigned int flags)
+{
+    struct sim_event *e = NULL;
+
+    if (!ph)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!current())
+        return CUDA_ERROR_INVALID_CONTEXT;
+    sim_lock();
+    for (int i = 0; i < SIM_MAX_EVENTS && !e; i++)
+        if (!sim.events[i].used)
+            e = &sim.events[i];
+    if (e) {
+        e->used = 1;
+        e->flags = flags;
+        e->t_ms = -1;
+    }
+    sim_unlock();
+    if (!e)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *ph = (CUevent)e;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags)
+{
+    SIM_API(event_create(phEvent, Flags));
+}
+
+static CUresult event_destroy(CUevent h)
+{
+    struct sim_event *e;
+
+    sim_lock();
+    e = event_check(h);
+    if (e)
+        e->used = 0;
+    sim_unlock();
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+CUresult CUDAAPI cuEventDestroy_v2(CUevent hEvent)
+{
+    SIM_API(event_destroy(hEvent));
+}
+
+static CUresult event_record(CUevent h, CUstream s)
+{
+    struct sim_event *e;
+    CUresult r = sim_stream_check(s);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    sim_lock();
+    e = event_check(h);
+    if (e)
+        e->t_ms = sim_now_ms();
+    sim_unlock();
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream)
+{
+    SIM_API(event_record(hEvent, hStream));
+}
+
+static CUresult event_query(CUevent h)
+{
+    struct sim_event *e;
+
+    sim_lock();
+    e = event_check(h);
+    sim_unlock();
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+CUresult CUDAAPI cuEventQuery(CUevent hEvent)
+{
+    SIM_API(event_query(hEvent));
+}
+
+CUresult CUDAAPI cuEventSynchronize(CUevent hEvent)
+{
+    SIM_API(event_query(hEvent));
+}
+
+static CUresult event_elapsed(float *ms, CUevent a, CUevent b)
+{
+    struct sim_event *ea, *eb;
+    CUresult r = CUDA_SUCCESS;
+
+    if (!ms)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_lock();
+    ea = event_check(a);
+    eb = event_check(b);
+    if (!ea || !eb)
+        r = CUDA_ERROR_INVALID_HANDLE;
+    else if (ea->t_ms < 0 || eb->t_ms < 0)
+        r = CUDA_ERROR_INVALID_HANDLE;
+    else
+        *ms = (float)(eb->t_ms - ea->t_ms);
+    sim_unlock();
+    return r;
+}
+
+CUresult CUDAAPI cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUevent hEnd)
+{
+    SIM_API(event_elapsed(pMilliseconds, hStart, hEnd));
+}

@@ -1,0 +1,245 @@
+/* Internal interface of the simulated CUDA driver (libcuda.so.1).
+ *
+ * Model: device memory is host memory. A physical allocation is a memfd
+ * whose last page (SIM_META_SIZE) holds its metadata, so that an exported
+ * FD carries everything an importing process needs. Virtual address ranges
+ * are real reservations of this process's address space (PROT_NONE), and a
+ * mapping is the memfd mapped MAP_SHARED|MAP_FIXED over them: two processes
+ * that map the same memfd share the same pages for real.
+ *
+ * All process-local bookkeeping lives in one struct (struct sim_state) of
+ * fixed-size tables guarded by one mutex: no allocation in the hot paths. */
+#ifndef CUINTERPOSE_SIM_H
+#define CUINTERPOSE_SIM_H
+
+/* Every function cuda.h declares is part of our exported ABI. */
+#define __CUDA_API_PUSH_VISIBILITY_DEFAULT 1
+#include <cuda.h>
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#define SIM_EXPORT __attribute__((visibility("default")))
+#define SIM_HIDDEN __attribute__((visibility("hidden")))
+
+#define SIM_DRIVER_VERSION 13000
+#define SIM_DEVICE_NAME "cuinterpose simulated GPU"
+#define SIM_MAX_DEVICES 8
+#define SIM_DEFAULT_DEVICES 2
+#define SIM_GRANULARITY ((size_t)2 << 20)
+#define SIM_META_SIZE ((size_t)4096)
+#define SIM_DEFAULT_MEM_MIB 143771ULL /* one H200, as in shared/records */
+
+#define SIM_MAX_OBJS 1024
+#define SIM_MAX_RESV 1024
+#define SIM_MAX_MAPS 4096
+#define SIM_MAX_HOST 512
+#define SIM_MAX_STREAMS 256
+#define SIM_MAX_EVENTS 1024
+#define SIM_MAX_CTXS 64
+#define SIM_CTX_STACK 16
+#define SIM_MC_MAX_BINDS 64
+
+#define SIM_META_MAGIC 0x4d495350u /* "PSIM" */
+enum sim_kind { SIM_KIND_ALLOC = 1, SIM_KIND_MULTICAST = 2 };
+
+/* Lives in the last page of every memfd; shared by every process holding
+ * the memfd. Fields after `lock` are guarded by it (a robust,
+ * process-shared mutex) except the atomics. */
+struct sim_meta {
+    uint32_t magic;
+    uint32_t kind;
+    uint64_t size;       /* bytes of data before this page */
+    int32_t creator_pid; /* process that created the object */
+    uint32_t alloc_type;
+    int32_t loc_type;
+    int32_t loc_id;
+    uint64_t handle_types;
+    uint8_t compression;
+    uint8_t rdma;
+    uint16_t usage;
+    atomic_int importers; /* live imports held by processes other than the creator */
+    /* multicast team */
+    pthread_mutex_t lock;
+    uint32_t num_devices;
+    uint32_t added_mask; /* bit per device ordinal */
+    uint32_t added_count;
+    uint32_t nbinds;
+    uint64_t mc_flags;
+    struct sim_bind {
+        int32_t dev;
+        int32_t pid;
+        uint64_t offset;
+        uint64_t size;
+    } binds[SIM_MC_MAX_BINDS];
+};
+_Static_assert(sizeof(struct sim_meta) <= SIM_META_SIZE, "meta must fit its page");
+
+/* A generic allocation handle: a physical allocation or a multicast object. */
+struct sim_obj {
+    int used;
+    int kind;
+    int fd;                     /* our own reference on the memfd */
+    int imported;               /* came from cuMemImportFromShareableHandle */
+    int foreign;                /* imported from another process (counted in importers) */
+    int legacy;                 /* made by cuMemAlloc: freed by cuMemFree */
+    int handle_refs;            /* create/import/retain minus release */
+    int map_count;              /* mappings referencing it */
+    CUmemGenericAllocationHandle handle;
+    uint64_t size;
+    struct sim_meta *meta;      /* shared page of the memfd */
+    /* checkpoint: bytes copied aside, backing released */
+    void *saved;
+    int released;
+};
+
+struct sim_resv {
+    int used;
+    uintptr_t base;
+    size_t size;
+};
+
+struct sim_map {
+    int used;
+    uintptr_t va;
+    size_t size;
+    int obj;                  /* index in objs */
+    size_t offset;
+    int taken;                /* checkpoint took the pages away */
+    uint8_t access[SIM_MAX_DEVICES]; /* CUmemAccess_flags per device */
+};
+
+struct sim_host {
+    int used;
+    int registered; /* cuMemHostRegister (not ours to free) */
+    void *p;
+    size_t size;
+    unsigned flags;
+};
+
+struct sim_ctx {
+    int used;
+    int primary;
+    int dev;
+    int refs;     /* primary: retain count */
+    unsigned flags;
+    unsigned long long id;
+};
+
+struct sim_stream {
+    int used;
+    struct sim_ctx *ctx;
+    unsigned flags;
+    int priority;
+};
+
+struct sim_event {
+    int used;
+    unsigned flags;
+    double t_ms;
+};
+
+/* Device-wide memory use, shared between every simulated process of one
+ * namespace so that cuMemGetInfo shows memory a checkpoint freed. One slot
+ * per process; a dead process's slot is reclaimed. */
+#define SIM_ACCT_SLOTS 512
+struct sim_acct_slot {
+    atomic_int pid;
+    int pad;
+    atomic_ullong used[SIM_MAX_DEVICES];
+};
+struct sim_acct {
+    struct sim_acct_slot slot[SIM_ACCT_SLOTS];
+};
+
+struct sim_state {
+    pthread_mutex_t mu; /* tables below */
+    int initialized;
+    int ndev;
+    uint64_t mem_total;
+    unsigned long long next_handle;
+    unsigned long long next_ctx_id;
+    struct sim_obj objs[SIM_MAX_OBJS];
+    struct sim_resv resv[SIM_MAX_RESV];
+    struct sim_map maps[SIM_MAX_MAPS];
+    struct sim_host host[SIM_MAX_HOST];
+    struct sim_ctx primary[SIM_MAX_DEVICES];
+    struct sim_ctx ctxs[SIM_MAX_CTXS];
+    struct sim_stream streams[SIM_MAX_STREAMS];
+    struct sim_event events[SIM_MAX_EVENTS];
+    /* accounting */
+    struct sim_acct *acct;
+    struct sim_acct_slot *my_slot;
+    unsigned long long local_used[SIM_MAX_DEVICES]; /* when the shared table is unavailable */
+    /* checkpoint gate */
+    pthread_mutex_t gate_mu;
+    pthread_cond_t gate_cv;
+    int ck_state;        /* CUprocessState */
+    int lock_pending;    /* a lock is waiting for calls in flight */
+    int in_flight;       /* API calls inside the driver */
+    pid_t service_tid;
+    int service_fd;
+};
+
+extern struct sim_state sim SIM_HIDDEN;
+
+/* util.c */
+SIM_HIDDEN CUresult sim_enter(void);
+SIM_HIDDEN void sim_leave(void);
+SIM_HIDDEN void sim_lock(void);
+SIM_HIDDEN void sim_unlock(void);
+SIM_HIDDEN long sim_env_long(const char *name, long def, long lo, long hi);
+SIM_HIDDEN double sim_now_ms(void);
+SIM_HIDDEN int sim_is_aligned(uint64_t v, uint64_t a);
+SIM_HIDDEN void sim_acct_init(void);
+SIM_HIDDEN void sim_acct_add(int dev, long long delta);
+SIM_HIDDEN unsigned long long sim_acct_used(int dev);
+
+/* The body of every gated entry point: wait while the process is locked by
+ * a checkpoint controller, count the call in flight, run it. */
+#define SIM_API(call)                    \
+    do {                                 \
+        CUresult sim_r_ = sim_enter();   \
+        if (sim_r_ != CUDA_SUCCESS)      \
+            return sim_r_;               \
+        sim_r_ = (call);                 \
+        sim_leave();                     \
+        return sim_r_;                   \
+    } while (0)
+
+/* device.c */
+SIM_HIDDEN int sim_dev_valid(CUdevice dev);
+SIM_HIDDEN CUresult sim_current_dev(int *dev);
+SIM_HIDDEN struct sim_ctx *sim_ctx_check(CUcontext c);
+SIM_HIDDEN CUresult sim_stream_check(CUstream s);
+
+/* vmm.c (called with sim.mu held unless noted) */
+SIM_HIDDEN struct sim_obj *sim_obj_find(CUmemGenericAllocationHandle h);
+SIM_HIDDEN struct sim_map *sim_map_find(uintptr_t va);
+SIM_HIDDEN void sim_obj_unref(struct sim_obj *o);
+SIM_HIDDEN CUresult sim_obj_new(int kind, int fd, struct sim_meta *meta, uint64_t size,
+                                struct sim_obj **out);
+SIM_HIDDEN CUresult sim_memfd_new(const char *name, uint64_t size, int *fd_out,
+                                  struct sim_meta **meta_out);
+SIM_HIDDEN CUresult sim_range_check(uintptr_t p, size_t n, int dev, int want_write);
+SIM_HIDDEN int sim_is_device_ptr(uintptr_t p);
+SIM_HIDDEN CUresult sim_map_apply_prot(struct sim_map *m);
+
+/* multicast.c */
+SIM_HIDDEN CUresult sim_mc_wait_complete(struct sim_obj *mc);
+SIM_HIDDEN void sim_mc_drop_binds(struct sim_obj *mc);
+SIM_HIDDEN int sim_meta_lock(struct sim_meta *m);
+SIM_HIDDEN void sim_meta_unlock(struct sim_meta *m);
+
+/* checkpoint.c */
+SIM_HIDDEN int sim_service_start(void);
+
+/* Entry points whose ABI the 13.x header only declares for the driver's own
+ * build (legacy versions still handed out by cuGetProcAddress). */
+SIM_EXPORT CUresult CUDAAPI cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
+SIM_EXPORT int cuinterposeSimIsSimulated(void);
+
+#endif

@@ -1,0 +1,908 @@
+/* Virtual memory management: reserve, create, map, access, release,
+ * export and import, with the real driver's rules.
+ *
+ * Error codes: argument errors are CUDA_ERROR_INVALID_VALUE, bad device
+ * ordinals CUDA_ERROR_INVALID_DEVICE, as the driver documents them. A handle
+ * that is not live (never created, or released) is CUDA_ERROR_INVALID_VALUE:
+ * generic allocation handles are plain integers the driver validates as
+ * arguments. */
+#include "sim.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define HANDLE_TYPES_KNOWN                                                        \
+    ((uint64_t)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_WIN32 | \
+     CU_MEM_HANDLE_TYPE_WIN32_KMT | CU_MEM_HANDLE_TYPE_FABRIC)
+
+/* ---- tables (sim.mu held) --------------------------------------------- */
+
+struct sim_obj *sim_obj_find(CUmemGenericAllocationHandle h)
+{
+    for (int i = 0; i < SIM_MAX_OBJS; i++)
+        if (sim.objs[i].used && sim.objs[i].handle == h && sim.objs[i].handle_refs > 0)
+            return &sim.objs[i];
+    return NULL;
+}
+
+struct sim_map *sim_map_find(uintptr_t va)
+{
+    for (int i = 0; i < SIM_MAX_MAPS; i++) {
+        struct sim_map *m = &sim.maps[i];
+
+        if (m->used && va >= m->va && va - m->va < m->size)
+            return m;
+    }
+    return NULL;
+}
+
+static struct sim_resv *resv_find(uintptr_t va, size_t size)
+{
+    for (int i = 0; i < SIM_MAX_RESV; i++) {
+        struct sim_resv *r = &sim.resv[i];
+
+        if (r->used && va >= r->base && va - r->base < r->size && size <= r->size - (va - r->base))
+            return r;
+    }
+    return NULL;
+}
+
+int sim_is_device_ptr(uintptr_t p)
+{
+    return resv_find(p, 1) != NULL;
+}
+
+static struct sim_map *map_alloc(void)
+{
+    for (int i = 0; i < SIM_MAX_MAPS; i++)
+        if (!sim.maps[i].used)
+            return &sim.maps[i];
+    return NULL;
+}
+
+static int alloc_dev(const struct sim_obj *o)
+{
+    return o->meta->loc_id;
+}
+
+/* The physical memory is gone once nothing in this process refers to it:
+ * no handle and no mapping. Other processes keep their own references (the
+ * kernel keeps the memfd alive for them). */
+void sim_obj_unref(struct sim_obj *o)
+{
+    if (o->handle_refs > 0 || o->map_count > 0)
+        return;
+    if (o->kind == SIM_KIND_ALLOC && !o->imported && !o->released)
+        sim_acct_add(alloc_dev(o), -(long long)o->size);
+    if (o->foreign)
+        atomic_fetch_sub(&o->meta->importers, 1);
+    if (o->kind == SIM_KIND_MULTICAST)
+        sim_mc_drop_binds(o);
+    if (o->saved)
+        munmap(o->saved, o->size);
+    munmap(o->meta, SIM_META_SIZE);
+    close(o->fd);
+    memset(o, 0, sizeof(*o));
+}
+
+CUresult sim_memfd_new(const char *name, uint64_t size, int *fd_out, struct sim_meta **meta_out)
+{
+    struct sim_meta *meta;
+    int fd;
+
+    fd = memfd_create(name, MFD_CLOEXEC);
+    if (fd < 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (ftruncate(fd, (off_t)(size + SIM_META_SIZE)) != 0)
+        goto fail;
+    meta = mmap(NULL, SIM_META_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)size);
+    if (meta == MAP_FAILED)
+        goto fail;
+    meta->magic = SIM_META_MAGIC;
+    meta->size = size;
+    meta->creator_pid = (int32_t)getpid();
+    *fd_out = fd;
+    *meta_out = meta;
+    return CUDA_SUCCESS;
+fail:
+    close(fd);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CUresult sim_obj_new(int kind, int fd, struct sim_meta *meta, uint64_t size, struct sim_obj **out)
+{
+    for (int i = 0; i < SIM_MAX_OBJS; i++) {
+        struct sim_obj *o = &sim.objs[i];
+
+        if (o->used)
+            continue;
+        memset(o, 0, sizeof(*o));
+        o->used = 1;
+        o->kind = kind;
+        o->fd = fd;
+        o->meta = meta;
+        o->size = size;
+        o->handle_refs = 1;
+        o->handle = sim.next_handle;
+        sim.next_handle += 0x10;
+        *out = o;
+        return CUDA_SUCCESS;
+    }
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+/* Host protection is the union of what the devices may do: the CPU stands
+ * in for every device. Copies check the calling device's own access. */
+CUresult sim_map_apply_prot(struct sim_map *m)
+{
+    int prot = PROT_NONE;
+
+    for (int d = 0; d < SIM_MAX_DEVICES; d++) {
+        if (m->access[d] == CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            prot |= PROT_READ | PROT_WRITE;
+        else if (m->access[d] == CU_MEM_ACCESS_FLAGS_PROT_READ)
+            prot |= PROT_READ;
+    }
+    if (mprotect((void *)m->va, m->size, prot) != 0)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    return CUDA_SUCCESS;
+}
+
+/* [p, p+n) must be mapped throughout, with the access the calling device
+ * needs. A copy from or to anything else is refused with
+ * CUDA_ERROR_INVALID_VALUE before any byte moves: never a fault. */
+CUresult sim_range_check(uintptr_t p, size_t n, int dev, int want_write)
+{
+    uintptr_t cur = p, end;
+
+    if (n == 0)
+        return CUDA_SUCCESS;
+    if (p + n < p)
+        return CUDA_ERROR_INVALID_VALUE;
+    end = p + n;
+    while (cur < end) {
+        struct sim_map *m = sim_map_find(cur);
+        unsigned acc;
+
+        if (!m || m->taken)
+            return CUDA_ERROR_INVALID_VALUE;
+        acc = m->access[dev];
+        if (acc == CU_MEM_ACCESS_FLAGS_PROT_NONE)
+            return CUDA_ERROR_INVALID_VALUE;
+        if (want_write && acc != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            return CUDA_ERROR_INVALID_VALUE;
+        cur = m->va + m->size;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* ---- granularity and properties --------------------------------------- */
+
+static CUresult prop_check(const CUmemAllocationProp *prop)
+{
+    if (!prop)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (prop->type != CU_MEM_ALLOCATION_TYPE_PINNED)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_dev_valid(prop->location.id))
+        return CUDA_ERROR_INVALID_DEVICE;
+    if ((uint64_t)prop->requestedHandleTypes & ~HANDLE_TYPES_KNOWN)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* Windows handle types do not exist on Linux. */
+    if (prop->requestedHandleTypes & (CU_MEM_HANDLE_TYPE_WIN32 | CU_MEM_HANDLE_TYPE_WIN32_KMT))
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+static CUresult granularity(size_t *g, const CUmemAllocationProp *prop,
+                            CUmemAllocationGranularity_flags option)
+{
+    CUresult r;
+
+    if (!g)
+        return CUDA_ERROR_INVALID_VALUE;
+    r = prop_check(prop);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM &&
+        option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+        return CUDA_ERROR_INVALID_VALUE;
+    *g = SIM_GRANULARITY;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemGetAllocationGranularity(size_t *granularity_out,
+                                               const CUmemAllocationProp *prop,
+                                               CUmemAllocationGranularity_flags option)
+{
+    SIM_API(granularity(granularity_out, prop, option));
+}
+
+/* ---- reserve ---------------------------------------------------------- */
+
+static CUresult reserve(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr addr,
+                        unsigned long long flags)
+{
+    struct sim_resv *slot = NULL;
+    uint8_t *raw = MAP_FAILED;
+    uintptr_t base;
+    size_t span;
+
+    if (!ptr || size == 0 || !sim_is_aligned(size, SIM_GRANULARITY) || flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (align == 0)
+        align = SIM_GRANULARITY;
+    if ((align & (align - 1)) != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (align < SIM_GRANULARITY)
+        align = SIM_GRANULARITY;
+    sim_lock();
+    for (int i = 0; i < SIM_MAX_RESV && !slot; i++)
+        if (!sim.resv[i].used)
+            slot = &sim.resv[i];
+    if (!slot)
+        goto oom;
+    /* The address is a hint, as on the real driver: honoured when free. */
+    if (addr && sim_is_aligned(addr, align))
+        raw = mmap((void *)addr, size, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+    if (raw != MAP_FAILED) {
+        base = (uintptr_t)raw;
+    } else {
+        span = size + align;
+        raw = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (raw == MAP_FAILED)
+            goto oom;
+        base = ((uintptr_t)raw + align - 1) & ~(uintptr_t)(align - 1);
+        /* Trim to the aligned range so that free is exact. */
+        if (base > (uintptr_t)raw)
+            munmap(raw, base - (uintptr_t)raw);
+        if ((uintptr_t)raw + span > base + size)
+            munmap((void *)(base + size), (uintptr_t)raw + span - (base + size));
+    }
+    slot->used = 1;
+    slot->base = base;
+    slot->size = size;
+    sim_unlock();
+    *ptr = (CUdeviceptr)base;
+    return CUDA_SUCCESS;
+oom:
+    sim_unlock();
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
+                                     CUdeviceptr addr, unsigned long long flags)
+{
+    SIM_API(reserve(ptr, size, alignment, addr, flags));
+}
+
+static CUresult address_free(CUdeviceptr ptr, size_t size)
+{
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+
+    sim_lock();
+    for (int i = 0; i < SIM_MAX_RESV; i++) {
+        struct sim_resv *v = &sim.resv[i];
+
+        if (!v->used || v->base != ptr || v->size != size)
+            continue;
+        /* Mapped ranges must be unmapped first. */
+        for (int j = 0; j < SIM_MAX_MAPS; j++)
+            if (sim.maps[j].used && sim.maps[j].va >= v->base && sim.maps[j].va - v->base < v->size)
+                goto out;
+        if (munmap((void *)v->base, v->size) != 0) {
+            r = CUDA_ERROR_OPERATING_SYSTEM;
+            goto out;
+        }
+        memset(v, 0, sizeof(*v));
+        r = CUDA_SUCCESS;
+        break;
+    }
+out:
+    sim_unlock();
+    return r;
+}
+
+CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size)
+{
+    SIM_API(address_free(ptr, size));
+}
+
+/* ---- create / release ------------------------------------------------- */
+
+static CUresult create_alloc(struct sim_obj **out, size_t size, const CUmemAllocationProp *prop)
+{
+    struct sim_meta *meta = NULL;
+    struct sim_obj *o;
+    int fd = -1;
+    CUresult r;
+
+    if (sim_acct_used(prop->location.id) + size > sim.mem_total)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    r = sim_memfd_new("cuinterpose-sim-alloc", size, &fd, &meta);
+    if (r != CUDA_SUCCESS)
+        return r;
+    meta->kind = SIM_KIND_ALLOC;
+    meta->alloc_type = prop->type;
+    meta->loc_type = prop->location.type;
+    meta->loc_id = prop->location.id;
+    meta->handle_types = (uint64_t)prop->requestedHandleTypes;
+    meta->compression = prop->allocFlags.compressionType;
+    meta->rdma = prop->allocFlags.gpuDirectRDMACapable;
+    meta->usage = prop->allocFlags.usage;
+    r = sim_obj_new(SIM_KIND_ALLOC, fd, meta, size, &o);
+    if (r != CUDA_SUCCESS)
+        goto fail;
+    sim_acct_add(prop->location.id, (long long)size);
+    *out = o;
+    return CUDA_SUCCESS;
+fail:
+    munmap(meta, SIM_META_SIZE);
+    close(fd);
+    return r;
+}
+
+static CUresult mem_create(CUmemGenericAllocationHandle *h, size_t size,
+                           const CUmemAllocationProp *prop, unsigned long long flags)
+{
+    struct sim_obj *o;
+    CUresult r;
+
+    if (!h || size == 0 || !sim_is_aligned(size, SIM_GRANULARITY) || flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    r = prop_check(prop);
+    if (r != CUDA_SUCCESS)
+        return r;
+    sim_lock();
+    r = create_alloc(&o, size, prop);
+    if (r == CUDA_SUCCESS)
+        *h = o->handle;
+    sim_unlock();
+    return r;
+}
+
+CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                             const CUmemAllocationProp *prop, unsigned long long flags)
+{
+    SIM_API(mem_create(handle, size, prop, flags));
+}
+
+static CUresult mem_release(CUmemGenericAllocationHandle h)
+{
+    struct sim_obj *o;
+
+    sim_lock();
+    o = sim_obj_find(h);
+    if (o) {
+        o->handle_refs--;
+        sim_obj_unref(o);
+    }
+    sim_unlock();
+    return o ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    SIM_API(mem_release(handle));
+}
+
+static CUresult retain(CUmemGenericAllocationHandle *h, void *addr)
+{
+    struct sim_map *m;
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+
+    if (!h)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_lock();
+    m = sim_map_find((uintptr_t)addr);
+    if (m && !sim.objs[m->obj].legacy) {
+        /* Same value as the creating handle: the driver counts references
+         * on one handle rather than minting a new one. */
+        sim.objs[m->obj].handle_refs++;
+        *h = sim.objs[m->obj].handle;
+        r = CUDA_SUCCESS;
+    }
+    sim_unlock();
+    return r;
+}
+
+CUresult CUDAAPI cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
+{
+    SIM_API(retain(handle, addr));
+}
+
+static CUresult get_props(CUmemAllocationProp *prop, CUmemGenericAllocationHandle h)
+{
+    struct sim_obj *o;
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+
+    if (!prop)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_lock();
+    o = sim_obj_find(h);
+    if (o && o->kind == SIM_KIND_ALLOC) {
+        memset(prop, 0, sizeof(*prop));
+        prop->type = (CUmemAllocationType)o->meta->alloc_type;
+        prop->location.type = (CUmemLocationType)o->meta->loc_type;
+        prop->location.id = o->meta->loc_id;
+        prop->requestedHandleTypes = (CUmemAllocationHandleType)o->meta->handle_types;
+        prop->allocFlags.compressionType = o->meta->compression;
+        prop->allocFlags.gpuDirectRDMACapable = o->meta->rdma;
+        prop->allocFlags.usage = o->meta->usage;
+        r = CUDA_SUCCESS;
+    }
+    sim_unlock();
+    return r;
+}
+
+CUresult CUDAAPI cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
+                                                        CUmemGenericAllocationHandle handle)
+{
+    SIM_API(get_props(prop, handle));
+}
+
+/* ---- map / unmap ------------------------------------------------------ */
+
+static int overlaps_mapping(uintptr_t va, size_t size)
+{
+    for (int i = 0; i < SIM_MAX_MAPS; i++) {
+        struct sim_map *m = &sim.maps[i];
+
+        if (m->used && va < m->va + m->size && m->va < va + size)
+            return 1;
+    }
+    return 0;
+}
+
+/* sim.mu held. */
+static CUresult map_locked(uintptr_t va, size_t size, size_t offset, struct sim_obj *o)
+{
+    struct sim_map *m;
+    void *p;
+
+    if (offset > o->size || size > o->size - offset)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!resv_find(va, size) || overlaps_mapping(va, size))
+        return CUDA_ERROR_INVALID_VALUE;
+    m = map_alloc();
+    if (!m)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    /* Without cuMemSetAccess the range stays inaccessible, as on a GPU. */
+    p = mmap((void *)va, size, PROT_NONE, MAP_SHARED | MAP_FIXED, o->fd, (off_t)offset);
+    if (p == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    memset(m, 0, sizeof(*m));
+    m->used = 1;
+    m->va = va;
+    m->size = size;
+    m->obj = (int)(o - sim.objs);
+    m->offset = offset;
+    o->map_count++;
+    return CUDA_SUCCESS;
+}
+
+static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset,
+                        CUmemGenericAllocationHandle h, unsigned long long flags)
+{
+    struct sim_obj *o;
+    CUresult r;
+
+    if (size == 0 || flags != 0 || !sim_is_aligned(ptr, SIM_GRANULARITY) ||
+        !sim_is_aligned(size, SIM_GRANULARITY) || !sim_is_aligned(offset, SIM_GRANULARITY))
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_lock();
+    o = sim_obj_find(h);
+    if (!o) {
+        sim_unlock();
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (o->kind == SIM_KIND_MULTICAST) {
+        /* Mapping a multicast object waits for the whole team; the wait
+         * must not hold the tables (another thread may be adding a device).
+         * A temporary reference keeps the object alive meanwhile. */
+        o->handle_refs++;
+        sim_unlock();
+        r = sim_mc_wait_complete(o);
+        sim_lock();
+        o->handle_refs--;
+        if (r == CUDA_SUCCESS && o->handle_refs <= 0)
+            r = CUDA_ERROR_INVALID_VALUE;
+        if (r != CUDA_SUCCESS) {
+            sim_obj_unref(o);
+            sim_unlock();
+            return r;
+        }
+    }
+    r = map_locked((uintptr_t)ptr, size, offset, o);
+    sim_unlock();
+    return r;
+}
+
+CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                          CUmemGenericAllocationHandle handle, unsigned long long flags)
+{
+    SIM_API(mem_map(ptr, size, offset, handle, flags));
+}
+
+/* Does [va, va+size) consist exactly of whole mappings, without gaps? */
+static int whole_mappings(uintptr_t va, size_t size)
+{
+    uintptr_t cur = va;
+
+    while (cur < va + size) {
+        struct sim_map *m = sim_map_find(cur);
+
+        if (!m || m->va != cur || m->va + m->size > va + size)
+            return 0;
+        cur += m->size;
+    }
+    return 1;
+}
+
+static void unmap_one(struct sim_map *m)
+{
+    struct sim_obj *o = &sim.objs[m->obj];
+
+    /* Back to reserved, inaccessible address space. A failure here would
+     * leave the pages mapped; the reservation is ours, so it cannot. */
+    mmap((void *)m->va, m->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
+         -1, 0);
+    memset(m, 0, sizeof(*m));
+    o->map_count--;
+    sim_obj_unref(o);
+}
+
+/* sim.mu held. */
+static CUresult unmap_locked(uintptr_t va, size_t size)
+{
+    if (!whole_mappings(va, size))
+        return CUDA_ERROR_INVALID_VALUE;
+    for (uintptr_t cur = va; cur < va + size;) {
+        struct sim_map *m = sim_map_find(cur);
+
+        cur += m->size;
+        unmap_one(m);
+    }
+    return CUDA_SUCCESS;
+}
+
+static CUresult mem_unmap(CUdeviceptr ptr, size_t size)
+{
+    CUresult r;
+
+    if (size == 0 || !sim_is_aligned(ptr, SIM_GRANULARITY) || !sim_is_aligned(size, SIM_GRANULARITY))
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_lock();
+    r = unmap_locked((uintptr_t)ptr, size);
+    sim_unlock();
+    return r;
+}
+
+CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    SIM_API(mem_unmap(ptr, size));
+}
+
+/* ---- access ----------------------------------------------------------- */
+
+/* Split the mapping holding `at` so that a mapping starts there. */
+static CUresult split_at(uintptr_t at)
+{
+    struct sim_map *m = sim_map_find(at), *n;
+
+    if (!m || m->va == at)
+        return CUDA_SUCCESS;
+    n = map_alloc();
+    if (!n)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *n = *m;
+    n->va = at;
+    n->size = m->va + m->size - at;
+    n->offset = m->offset + (at - m->va);
+    m->size = at - m->va;
+    sim.objs[m->obj].map_count++;
+    return CUDA_SUCCESS;
+}
+
+static int covered(uintptr_t va, size_t size)
+{
+    for (uintptr_t cur = va; cur < va + size;) {
+        struct sim_map *m = sim_map_find(cur);
+
+        if (!m)
+            return 0;
+        cur = m->va + m->size;
+    }
+    return 1;
+}
+
+static CUresult set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
+{
+    uintptr_t va = (uintptr_t)ptr;
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+
+    if (!desc || count == 0 || size == 0 || !sim_is_aligned(va, SIM_GRANULARITY) ||
+        !sim_is_aligned(size, SIM_GRANULARITY))
+        return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < count; i++) {
+        if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+            return CUDA_ERROR_INVALID_VALUE;
+        if (!sim_dev_valid(desc[i].location.id))
+            return CUDA_ERROR_INVALID_DEVICE;
+        if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE &&
+            desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+            desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            return CUDA_ERROR_INVALID_VALUE;
+    }
+    sim_lock();
+    if (!covered(va, size))
+        goto out;
+    r = split_at(va);
+    if (r == CUDA_SUCCESS)
+        r = split_at(va + size);
+    for (uintptr_t cur = va; r == CUDA_SUCCESS && cur < va + size;) {
+        struct sim_map *m = sim_map_find(cur);
+
+        for (size_t i = 0; i < count; i++)
+            m->access[desc[i].location.id] = (uint8_t)desc[i].flags;
+        r = sim_map_apply_prot(m);
+        cur = m->va + m->size;
+    }
+out:
+    sim_unlock();
+    return r;
+}
+
+CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+                                size_t count)
+{
+    SIM_API(set_access(ptr, size, desc, count));
+}
+
+static CUresult get_access(unsigned long long *flags, const CUmemLocation *loc, CUdeviceptr ptr)
+{
+    struct sim_map *m;
+
+    if (!flags || !loc || loc->type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_dev_valid(loc->id))
+        return CUDA_ERROR_INVALID_DEVICE;
+    sim_lock();
+    m = sim_map_find((uintptr_t)ptr);
+    if (m)
+        *flags = m->access[loc->id];
+    sim_unlock();
+    return m ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult CUDAAPI cuMemGetAccess(unsigned long long *flags, const CUmemLocation *location,
+                                CUdeviceptr ptr)
+{
+    SIM_API(get_access(flags, location, ptr));
+}
+
+/* ---- export / import -------------------------------------------------- */
+
+static CUresult export_handle(void *out, CUmemGenericAllocationHandle h,
+                              CUmemAllocationHandleType type, unsigned long long flags)
+{
+    struct sim_obj *o;
+    CUresult r = CUDA_SUCCESS;
+    int fd;
+
+    if (!out || flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_lock();
+    o = sim_obj_find(h);
+    if (!o || !(o->meta->handle_types & (uint64_t)type) || (type & (type - 1)) != 0) {
+        r = CUDA_ERROR_INVALID_VALUE;
+        goto out;
+    }
+    if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
+        /* Fabric handles need an IMEX channel: not on this machine. */
+        r = CUDA_ERROR_NOT_SUPPORTED;
+        goto out;
+    }
+    fd = fcntl(o->fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) {
+        r = CUDA_ERROR_OPERATING_SYSTEM;
+        goto out;
+    }
+    *(int *)out = fd;
+out:
+    sim_unlock();
+    return r;
+}
+
+CUresult CUDAAPI cuMemExportToShareableHandle(void *shareableHandle,
+                                              CUmemGenericAllocationHandle handle,
+                                              CUmemAllocationHandleType handleType,
+                                              unsigned long long flags)
+{
+    SIM_API(export_handle(shareableHandle, handle, handleType, flags));
+}
+
+/* Read and check the metadata page of an FD someone handed us. */
+static CUresult open_meta(int fd, uint64_t *size, struct sim_meta **meta_out)
+{
+    struct sim_meta *meta;
+    struct stat st;
+
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size <= SIM_META_SIZE)
+        return CUDA_ERROR_INVALID_VALUE;
+    *size = (uint64_t)st.st_size - SIM_META_SIZE;
+    if (!sim_is_aligned(*size, SIM_GRANULARITY))
+        return CUDA_ERROR_INVALID_VALUE;
+    meta = mmap(NULL, SIM_META_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)*size);
+    if (meta == MAP_FAILED)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (meta->magic != SIM_META_MAGIC || meta->size != *size ||
+        (meta->kind != SIM_KIND_ALLOC && meta->kind != SIM_KIND_MULTICAST)) {
+        munmap(meta, SIM_META_SIZE);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    *meta_out = meta;
+    return CUDA_SUCCESS;
+}
+
+static CUresult import_handle(CUmemGenericAllocationHandle *h, void *os_handle,
+                              CUmemAllocationHandleType type)
+{
+    struct sim_meta *meta = NULL;
+    struct sim_obj *o;
+    uint64_t size;
+    int fd = -1;
+    CUresult r;
+
+    if (!h)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (type == CU_MEM_HANDLE_TYPE_FABRIC)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* The POSIX FD travels in the pointer-sized argument itself. */
+    fd = fcntl((int)(intptr_t)os_handle, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    r = open_meta(fd, &size, &meta);
+    if (r != CUDA_SUCCESS)
+        goto fail;
+    sim_lock();
+    r = sim_obj_new((int)meta->kind, fd, meta, size, &o);
+    if (r == CUDA_SUCCESS) {
+        o->imported = 1;
+        o->foreign = meta->creator_pid != (int32_t)getpid();
+        if (o->foreign)
+            atomic_fetch_add(&meta->importers, 1);
+        *h = o->handle;
+    }
+    sim_unlock();
+    if (r != CUDA_SUCCESS)
+        goto fail;
+    return CUDA_SUCCESS;
+fail:
+    if (meta)
+        munmap(meta, SIM_META_SIZE);
+    close(fd);
+    return r;
+}
+
+CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
+                                                void *osHandle,
+                                                CUmemAllocationHandleType shHandleType)
+{
+    SIM_API(import_handle(handle, osHandle, shHandleType));
+}
+
+/* ---- cuMemAlloc: a private VMM allocation with full access ------------ */
+
+static CUresult mem_alloc(CUdeviceptr *dptr, size_t bytes)
+{
+    CUmemAllocationProp prop = {0};
+    CUdeviceptr va = 0;
+    struct sim_obj *o = NULL;
+    struct sim_map *m;
+    size_t size;
+    int dev;
+    CUresult r;
+
+    if (!dptr || bytes == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    r = sim_current_dev(&dev);
+    if (r != CUDA_SUCCESS)
+        return r;
+    size = (bytes + SIM_GRANULARITY - 1) & ~(SIM_GRANULARITY - 1);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = dev;
+    r = reserve(&va, size, 0, 0, 0);
+    if (r != CUDA_SUCCESS)
+        return r;
+    sim_lock();
+    r = create_alloc(&o, size, &prop);
+    if (r != CUDA_SUCCESS)
+        goto fail;
+    o->legacy = 1;
+    r = map_locked((uintptr_t)va, size, 0, o);
+    if (r != CUDA_SUCCESS)
+        goto fail;
+    m = sim_map_find((uintptr_t)va);
+    for (int d = 0; d < sim.ndev; d++)
+        m->access[d] = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    r = sim_map_apply_prot(m);
+    if (r != CUDA_SUCCESS) {
+        unmap_one(m);
+        o = NULL;
+        goto fail;
+    }
+    sim_unlock();
+    *dptr = va;
+    return CUDA_SUCCESS;
+fail:
+    if (o) {
+        o->handle_refs = 0;
+        sim_obj_unref(o);
+    }
+    sim_unlock();
+    address_free(va, size);
+    return r;
+}
+
+CUresult CUDAAPI cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    SIM_API(mem_alloc(dptr, bytesize));
+}
+
+static CUresult mem_free(CUdeviceptr dptr)
+{
+    struct sim_map *m;
+    struct sim_obj *o;
+    size_t size;
+
+    sim_lock();
+    m = sim_map_find((uintptr_t)dptr);
+    if (!m || m->va != (uintptr_t)dptr || !sim.objs[m->obj].legacy) {
+        sim_unlock();
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    o = &sim.objs[m->obj];
+    size = m->size;
+    o->handle_refs = 0;
+    unmap_one(m);
+    sim_unlock();
+    return address_free(dptr, size);
+}
+
+CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr)
+{
+    SIM_API(mem_free(dptr));
+}
+
+static CUresult address_range(CUdeviceptr *base, size_t *size, CUdeviceptr dptr)
+{
+    struct sim_map *m;
+
+    sim_lock();
+    m = sim_map_find((uintptr_t)dptr);
+    if (m) {
+        if (base)
+            *base = m->va - m->offset;
+        if (size)
+            *size = sim.objs[m->obj].size;
+    }
+    sim_unlock();
+    return m ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
+CUresult CUDAAPI cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
+{
+    SIM_API(address_range(pbase, psize, dptr));
+}
