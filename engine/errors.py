@@ -1,0 +1,114 @@
+"""Why a capture or restore stopped: refused before anything changed, or failed.
+
+Every error names the machine and the phase (the op, or the local step) and
+carries one :class:`Problem` per participant that caused it, each with the
+participant id, its pid and the reason. The first problem is the primary one
+(``participant``, ``pid``, ``reason``); all of them reach stderr and the
+``failed`` progress event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+
+@attrs.frozen
+class Problem:
+    """One thing wrong: with whom (when it is about one participant) and why."""
+
+    reason: str
+    participant: str | None = None
+    pid: int | None = None
+
+    def __str__(self) -> str:
+        who = []
+        if self.participant:
+            who.append(f"participant {self.participant}")
+        if self.pid is not None:
+            who.append(f"pid {self.pid}")
+        return f"{', '.join(who)}: {self.reason}" if who else self.reason
+
+
+class CoordinatorError(Exception):
+    """A machine stopped. ``phase`` is the op or local step it stopped at."""
+
+    kind = "failed"
+
+    def __init__(self, machine: str, phase: str, problems: Sequence[Problem]) -> None:
+        if not problems:
+            raise ValueError("a coordinator error needs at least one problem")
+        super().__init__(machine, phase, tuple(problems))
+        self.machine = machine
+        self.phase = phase
+        self.problems: tuple[Problem, ...] = tuple(problems)
+
+    @property
+    def participant(self) -> str | None:
+        return self.problems[0].participant
+
+    @property
+    def pid(self) -> int | None:
+        return self.problems[0].pid
+
+    @property
+    def reason(self) -> str:
+        return self.problems[0].reason
+
+    def lines(self) -> tuple[str, ...]:
+        """One line per problem, each naming the machine, phase, participant, pid, reason."""
+        return tuple(f"{self.machine} {self.kind} at {self.phase}: {p}" for p in self.problems)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+class Refused(CoordinatorError):
+    """A guard failed before the first destructive op: nothing was changed.
+
+    ``guard`` names the predicate that refused (as declared in ``phases``).
+    """
+
+    kind = "refused"
+
+    def __init__(self, machine: str, phase: str, guard: str, problems: Sequence[Problem]) -> None:
+        super().__init__(machine, phase, problems)
+        self.guard = guard
+
+    def lines(self) -> tuple[str, ...]:
+        return tuple(
+            f"{self.machine} refused at {self.phase} ({self.guard}): {p}" for p in self.problems
+        )
+
+
+class TopologyRefused(Refused):
+    """The inspected topology violates a validation predicate."""
+
+
+class PreflightRefused(Refused):
+    """A participant holds something that cannot be checkpointed (raw import, foreign export)."""
+
+
+class ParticipantsRefused(Refused):
+    """The participants are not the expected ones, or not in the expected phase."""
+
+
+class PhaseFailed(CoordinatorError):
+    """A participant failed, timed out, hung up or answered wrongly; or a local step failed.
+
+    Fail-stop: no later op was sent to anyone, and nothing was rolled back.
+    """
+
+
+class VerificationFailed(PhaseFailed):
+    """After the destructive ops, a guard failed (restored topology invalid or not equal)."""
+
+    def __init__(self, machine: str, phase: str, guard: str, problems: Sequence[Problem]) -> None:
+        super().__init__(machine, phase, problems)
+        self.guard = guard
+
+    def lines(self) -> tuple[str, ...]:
+        return tuple(
+            f"{self.machine} failed at {self.phase} ({self.guard}): {p}" for p in self.problems
+        )

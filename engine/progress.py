@@ -1,0 +1,235 @@
+"""Progress events, and the callback API embedders receive them through.
+
+One :class:`PhaseEvent` per wire op, once every participant has answered; the
+phases that move bytes (SAVE/LOAD_ALLOCATIONS) add a :class:`Transfer`. A run
+ends with exactly one :class:`DoneEvent` or :class:`FailedEvent`.
+
+Throughput figures, in GB/s (10**9 bytes per second):
+
+- ``gb_per_s``: all bytes moved over the phase's elapsed time on the
+  coordinator's clock: end to end, as a user waiting for the phase sees it.
+- ``copy_gb_per_s``: all bytes over the shims' summed copy time. Each
+  participant reports its own bytes and copy time; the figures are summed over
+  participants and divided, so a participant that copied nothing does not
+  dilute it. Per-participant rates are kept in ``per_participant``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import attrs
+
+from .wire import Stats
+
+_GB = 1e9
+_NS = 1e9
+
+
+def _rate(nbytes: int, seconds: float) -> float:
+    # JSON has no infinity: a phase that moved nothing, or took no measurable
+    # time, reports 0.0 rather than a division by zero.
+    return nbytes / seconds / _GB if nbytes and seconds > 0 else 0.0
+
+
+@attrs.frozen
+class ParticipantTransfer:
+    """What one participant reported moving in SAVE/LOAD_ALLOCATIONS."""
+
+    participant: str
+    pid: int
+    allocation_count: int
+    allocation_bytes: int
+    shim_elapsed_s: float
+    copy_s: float
+
+    @property
+    def copy_gb_per_s(self) -> float:
+        return _rate(self.allocation_bytes, self.copy_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "participant": self.participant,
+            "pid": self.pid,
+            "allocation_count": self.allocation_count,
+            "allocation_bytes": self.allocation_bytes,
+            "shim_elapsed_s": self.shim_elapsed_s,
+            "copy_s": self.copy_s,
+            "copy_gb_per_s": self.copy_gb_per_s,
+        }
+
+
+@attrs.frozen
+class Transfer:
+    """The team's figures for one SAVE/LOAD_ALLOCATIONS phase."""
+
+    allocation_count: int
+    allocation_bytes: int
+    gb_per_s: float
+    copy_gb_per_s: float
+    per_participant: tuple[ParticipantTransfer, ...] = ()
+
+    @classmethod
+    def from_stats(cls, stats: Sequence[tuple[str, int, Stats]], elapsed_s: float) -> Transfer:
+        """Aggregate (participant, pid, stats) of every reply; ``elapsed_s`` is the phase's."""
+        per = tuple(
+            ParticipantTransfer(
+                participant=participant,
+                pid=pid,
+                allocation_count=s.count,
+                allocation_bytes=s.bytes,
+                shim_elapsed_s=s.elapsed_ns / _NS,
+                copy_s=s.copy_ns / _NS,
+            )
+            for participant, pid, s in stats
+        )
+        total = sum(p.allocation_bytes for p in per)
+        return cls(
+            allocation_count=sum(p.allocation_count for p in per),
+            allocation_bytes=total,
+            gb_per_s=_rate(total, elapsed_s),
+            copy_gb_per_s=_rate(total, sum(p.copy_s for p in per if p.allocation_bytes)),
+            per_participant=per,
+        )
+
+
+@attrs.frozen
+class PhaseEvent:
+    """A wire op completed on every participant."""
+
+    machine: str
+    phase: str
+    elapsed_s: float
+    participants: int
+    transfer: Transfer | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "event": "phase",
+            "machine": self.machine,
+            "phase": self.phase,
+            "elapsed_s": self.elapsed_s,
+            "participants": self.participants,
+        }
+        if self.transfer is not None:
+            t = self.transfer
+            out.update(
+                allocation_count=t.allocation_count,
+                allocation_bytes=t.allocation_bytes,
+                gb_per_s=t.gb_per_s,
+                copy_gb_per_s=t.copy_gb_per_s,
+                per_participant=[p.to_json() for p in t.per_participant],
+            )
+        return out
+
+
+@attrs.frozen
+class DoneEvent:
+    """The machine reached its final state."""
+
+    machine: str
+    elapsed_s: float
+    participants: int
+    checkpoint_dir: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "event": "done",
+            "machine": self.machine,
+            "elapsed_s": self.elapsed_s,
+            "participants": self.participants,
+            "checkpoint_dir": self.checkpoint_dir,
+        }
+
+
+@attrs.frozen
+class FailedEvent:
+    """The machine stopped: ``kind`` is "refused" (nothing changed) or "failed"."""
+
+    machine: str
+    kind: str
+    phase: str
+    participant: str | None
+    pid: int | None
+    reason: str
+    elapsed_s: float
+    problems: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "event": "failed",
+            "machine": self.machine,
+            "kind": self.kind,
+            "phase": self.phase,
+            "participant": self.participant,
+            "pid": self.pid,
+            "reason": self.reason,
+            "elapsed_s": self.elapsed_s,
+            "problems": list(self.problems),
+        }
+
+
+Event = PhaseEvent | DoneEvent | FailedEvent
+ProgressCallback = Callable[[Event], None]
+
+
+def json_line(event: Event) -> str:
+    return json.dumps(event.to_json(), sort_keys=False, allow_nan=False)
+
+
+def _size(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_line(event: Event) -> str:
+    if isinstance(event, PhaseEvent):
+        text = (
+            f"{event.machine} {event.phase}: {event.elapsed_s * 1e3:.1f} ms, "
+            f"{event.participants} participant{'s' if event.participants != 1 else ''}"
+        )
+        if event.transfer is not None:
+            t = event.transfer
+            text += (
+                f", {t.allocation_count} allocation{'s' if t.allocation_count != 1 else ''}"
+                f" ({_size(t.allocation_bytes)}), {t.gb_per_s:.2f} GB/s end to end,"
+                f" {t.copy_gb_per_s:.2f} GB/s copying"
+            )
+        return text
+    if isinstance(event, DoneEvent):
+        return (
+            f"{event.machine} done in {event.elapsed_s:.3f} s "
+            f"({event.participants} participants, {event.checkpoint_dir})"
+        )
+    who = ""
+    if event.participant:
+        who += f" participant {event.participant}"
+    if event.pid is not None:
+        who += f" (pid {event.pid})"
+    return f"{event.machine} {event.kind} at {event.phase}:{who} {event.reason}"
+
+
+def json_printer(stream: TextIO) -> ProgressCallback:
+    """A callback printing one JSON object per line to ``stream``, flushed per event."""
+
+    def emit(event: Event) -> None:
+        stream.write(json_line(event) + "\n")
+        stream.flush()
+
+    return emit
+
+
+def human_printer(stream: TextIO) -> ProgressCallback:
+    """A callback printing one readable line per event to ``stream``."""
+
+    def emit(event: Event) -> None:
+        stream.write(human_line(event) + "\n")
+        stream.flush()
+
+    return emit

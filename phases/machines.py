@@ -1,0 +1,203 @@
+"""The capture and restore machines of DESIGN.md, declared as data.
+
+Why this order: multicast sits on top of unicast members, so it is torn down
+first on capture and rebuilt last on restore. LOAD_ALLOCATIONS is the creator
+barrier (every creator's allocation and export endpoint is ready before any
+importer asks for it). All devices join a multicast team before any binding,
+because the driver's bind spins until the team is complete.
+"""
+
+from __future__ import annotations
+
+from .model import Guard, MachineSpec, ProgressKind, Step
+
+_TOPOLOGY_VALID = Guard(
+    "topology_valid",
+    "the inspected topology satisfies every validation predicate",
+)
+
+CAPTURE = MachineSpec(
+    name="capture",
+    title="cuinterpose capture",
+    initial="start",
+    final="captured",
+    guards=(
+        Guard("all_active", "every participant reported phase ACTIVE at HANDSHAKE"),
+        _TOPOLOGY_VALID,
+        Guard("preflight_clean", "no RAW_IMPORT or UNSUPPORTED_EXPORTABLE record"),
+        Guard(
+            "checkpoint_dir_writable",
+            "the state file can be written once the destructive ops are done",
+        ),
+    ),
+    steps=(
+        Step(
+            "HANDSHAKE",
+            "start",
+            "handshaken",
+            "bind every endpoint to its participant id and pid",
+            op="HANDSHAKE",
+        ),
+        Step(
+            "INSPECT",
+            "handshaken",
+            "inspected",
+            "collect every participant's topology records",
+            op="INSPECT",
+            reply_phase="ACTIVE",
+            guards=("all_active",),
+        ),
+        Step(
+            "PREPARE_MULTICAST",
+            "inspected",
+            "multicast_detached",
+            "unbind, unmap and release every multicast object",
+            op="PREPARE_MULTICAST",
+            reply_phase="MULTICAST_DETACHED",
+            guards=("topology_valid", "preflight_clean", "checkpoint_dir_writable"),
+            destructive=True,
+        ),
+        Step(
+            "SAVE_ALLOCATIONS",
+            "multicast_detached",
+            "allocations_saved",
+            "creators copy every shared allocation into host storage",
+            op="SAVE_ALLOCATIONS",
+            reply_phase="ALLOCATIONS_SAVED",
+            destructive=True,
+            progress=ProgressKind.TRANSFER,
+        ),
+        Step(
+            "PREPARE_UNICAST",
+            "allocations_saved",
+            "prepared",
+            "importers release imports, creators release allocations; VA kept",
+            op="PREPARE_UNICAST",
+            reply_phase="PREPARED",
+            destructive=True,
+        ),
+        Step(
+            "WRITE_STATE",
+            "prepared",
+            "captured",
+            "write the state file into the checkpoint directory",
+            progress=ProgressKind.NONE,
+        ),
+    ),
+)
+
+RESTORE = MachineSpec(
+    name="restore",
+    title="cuinterpose restore",
+    initial="start",
+    final="restored",
+    guards=(
+        Guard(
+            "participants_match_state",
+            "the participant ids from HANDSHAKE equal the state file's exactly",
+        ),
+        Guard("all_prepared", "every participant reported phase PREPARED at HANDSHAKE"),
+        _TOPOLOGY_VALID,
+        Guard(
+            "topology_matches_capture",
+            "the restored topology equals the captured normalized topology",
+        ),
+    ),
+    steps=(
+        Step(
+            "READ_STATE",
+            "start",
+            "state_read",
+            "read and check the state file in the checkpoint directory",
+            progress=ProgressKind.NONE,
+        ),
+        Step(
+            "HANDSHAKE",
+            "state_read",
+            "handshaken",
+            "bind every endpoint to its participant id and pid",
+            op="HANDSHAKE",
+        ),
+        Step(
+            "LOAD_ALLOCATIONS",
+            "handshaken",
+            "allocations_loaded",
+            "creators re-create, map and refill every shared allocation",
+            op="LOAD_ALLOCATIONS",
+            reply_phase="ALLOCATIONS_LOADED",
+            guards=("participants_match_state", "all_prepared"),
+            destructive=True,
+            progress=ProgressKind.TRANSFER,
+        ),
+        Step(
+            "RESTORE_UNICAST",
+            "allocations_loaded",
+            "unicast_restored",
+            "importers re-import at their original addresses",
+            op="RESTORE_UNICAST",
+            reply_phase="UNICAST_RESTORED",
+            destructive=True,
+        ),
+        Step(
+            "RESTORE_MULTICAST_CREATORS",
+            "unicast_restored",
+            "multicast_created",
+            "creators re-create every multicast object",
+            op="RESTORE_MULTICAST_CREATORS",
+            reply_phase="MULTICAST_CREATED",
+            destructive=True,
+        ),
+        Step(
+            "RESTORE_MULTICAST_IMPORTERS",
+            "multicast_created",
+            "multicast_imported",
+            "importers import every multicast object",
+            op="RESTORE_MULTICAST_IMPORTERS",
+            reply_phase="MULTICAST_IMPORTED",
+            destructive=True,
+        ),
+        Step(
+            "RESTORE_MULTICAST_DEVICES",
+            "multicast_imported",
+            "multicast_joined",
+            "every participant adds its devices to each team",
+            op="RESTORE_MULTICAST_DEVICES",
+            reply_phase="MULTICAST_JOINED",
+            destructive=True,
+        ),
+        Step(
+            "RESTORE_MULTICAST_BINDINGS",
+            "multicast_joined",
+            "multicast_bound",
+            "bind members and addresses, map and re-apply access",
+            op="RESTORE_MULTICAST_BINDINGS",
+            reply_phase="ACTIVE",
+            destructive=True,
+        ),
+        Step(
+            "INSPECT",
+            "multicast_bound",
+            "inspected",
+            "collect the restored topology",
+            op="INSPECT",
+            reply_phase="ACTIVE",
+        ),
+        Step(
+            "VERIFY",
+            "inspected",
+            "restored",
+            "validate the restored topology and compare it with the captured one",
+            guards=("topology_valid", "topology_matches_capture"),
+            progress=ProgressKind.NONE,
+        ),
+    ),
+)
+
+MACHINES: dict[str, MachineSpec] = {CAPTURE.name: CAPTURE, RESTORE.name: RESTORE}
+
+
+def machine_spec(name: str) -> MachineSpec:
+    try:
+        return MACHINES[name]
+    except KeyError:
+        raise KeyError(f"no machine {name!r}; known: {', '.join(sorted(MACHINES))}") from None

@@ -1,0 +1,147 @@
+"""The vocabulary the machines are declared in: guards, steps, machine specs.
+
+Plain frozen data; the only behaviour is lookups and the consistency checks a
+declaration must pass (a malformed machine is refused when it is declared, not
+when the engine is half way through a checkpoint).
+
+Ops and shim phases are named as the wire protocol names them (``Op`` and
+``Phase`` member names in ``cuinterpose.engine.wire``): this package depends on
+nothing, and the engine resolves the names when it builds a machine.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+# Triggers the engine adds to every machine: a guard that fails before the
+# first destructive op refuses; anything else that goes wrong fails.
+REFUSE_TRIGGER = "REFUSE"
+FAIL_TRIGGER = "FAIL"
+REFUSED_STATE = "refused"
+FAILED_STATE = "failed"
+
+
+class ProgressKind(enum.Enum):
+    """What progress a step reports when it completes."""
+
+    NONE = "none"  # local bookkeeping (state file, final checks): no event of its own
+    PHASE = "phase"  # elapsed time and participant count
+    TRANSFER = "transfer"  # PHASE plus allocations, bytes and throughput
+
+
+@attrs.frozen
+class Guard:
+    """A named predicate the engine evaluates before a step's op is sent."""
+
+    name: str
+    description: str
+
+
+@attrs.frozen
+class Step:
+    """One transition: the wire op it sends to every participant (or a local action)."""
+
+    trigger: str
+    source: str
+    dest: str
+    description: str
+    op: str | None = None
+    # The shim phase every reply must report after the op; None when any phase is
+    # acceptable at this point (HANDSHAKE reports whatever phase the shim is in).
+    reply_phase: str | None = None
+    guards: tuple[str, ...] = ()
+    destructive: bool = False
+    progress: ProgressKind = ProgressKind.PHASE
+
+    def __attrs_post_init__(self) -> None:
+        if self.op is not None and self.trigger != self.op:
+            raise ValueError(f"step {self.trigger}: a wire step's trigger must be its op's name")
+        if self.op is None and (self.reply_phase is not None or self.destructive):
+            raise ValueError(f"step {self.trigger}: a local step sends nothing to check or destroy")
+        if self.op is None and self.progress is not ProgressKind.NONE:
+            raise ValueError(f"step {self.trigger}: a local step reports no phase progress")
+        if self.op is not None and self.progress is ProgressKind.NONE:
+            raise ValueError(f"step {self.trigger}: every wire op reports progress")
+        if len(set(self.guards)) != len(self.guards):
+            raise ValueError(f"step {self.trigger}: a guard is listed twice")
+
+
+@attrs.frozen
+class MachineSpec:
+    """A linear machine: ``steps`` lead from ``initial`` to ``final`` one after another."""
+
+    name: str
+    title: str
+    initial: str
+    final: str
+    guards: tuple[Guard, ...]
+    steps: tuple[Step, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if not self.steps:
+            raise ValueError(f"machine {self.name} has no steps")
+        state = self.initial
+        for step in self.steps:
+            if step.source != state:
+                raise ValueError(
+                    f"machine {self.name}: step {step.trigger} leaves {step.source}, "
+                    f"but the previous step ends in {state}"
+                )
+            state = step.dest
+        if state != self.final:
+            raise ValueError(f"machine {self.name}: the steps end in {state}, not {self.final}")
+        triggers = [s.trigger for s in self.steps]
+        if len(set(triggers)) != len(triggers):
+            raise ValueError(f"machine {self.name}: a trigger is used twice")
+        if {REFUSE_TRIGGER, FAIL_TRIGGER} & set(triggers):
+            raise ValueError(f"machine {self.name}: {REFUSE_TRIGGER}/{FAIL_TRIGGER} are reserved")
+        states = self.states
+        if len(set(states)) != len(states) or {REFUSED_STATE, FAILED_STATE} & set(states):
+            raise ValueError(f"machine {self.name}: states repeat or use a reserved name")
+        declared = {g.name for g in self.guards}
+        used = {g for s in self.steps for g in s.guards}
+        if used - declared:
+            raise ValueError(f"machine {self.name}: undeclared guards {sorted(used - declared)}")
+        if declared - used:
+            raise ValueError(f"machine {self.name}: unused guards {sorted(declared - used)}")
+
+    @property
+    def states(self) -> tuple[str, ...]:
+        """The states in the order the steps visit them, without the terminal failures."""
+        return (self.initial, *(s.dest for s in self.steps))
+
+    @property
+    def all_states(self) -> tuple[str, ...]:
+        return (*self.states, REFUSED_STATE, FAILED_STATE)
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """The wire ops in the order they are sent."""
+        return tuple(s.op for s in self.steps if s.op is not None)
+
+    def step(self, trigger: str) -> Step:
+        for step in self.steps:
+            if step.trigger == trigger:
+                return step
+        raise KeyError(f"machine {self.name} has no step {trigger!r}")
+
+    def guard(self, name: str) -> Guard:
+        for guard in self.guards:
+            if guard.name == name:
+                return guard
+        raise KeyError(f"machine {self.name} has no guard {name!r}")
+
+    def first_destructive(self) -> int | None:
+        """Index of the first step whose op changes a participant, or None."""
+        for index, step in enumerate(self.steps):
+            if step.destructive:
+                return index
+        return None
+
+    def is_refusal(self, trigger: str) -> bool:
+        """Whether a guard failing on this step refuses (nothing destroyed yet) or fails."""
+        index = self.steps.index(self.step(trigger))
+        first = self.first_destructive()
+        return first is None or index <= first

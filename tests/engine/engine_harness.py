@@ -1,0 +1,108 @@
+"""Shared set-up for the driver, CLI, trace and progress tests: teams of fake participants.
+
+Sockets live in a short directory under /tmp: pytest's tmp_path can outgrow
+sun_path's 108 bytes with a long test name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import attrs
+from cuinterpose.engine.client import Endpoint
+from cuinterpose.engine.fake import FakeParticipant, Fault
+from cuinterpose.engine.topology import Topology
+from cuinterpose.engine.wire import Op, Phase, Record, Stats, socket_name
+
+SAVE_STATS = Stats(count=1, bytes=4 << 20, elapsed_ns=2_000_000, copy_ns=1_000_000)
+LOAD_STATS = Stats(count=1, bytes=4 << 20, elapsed_ns=3_000_000, copy_ns=2_000_000)
+DESTRUCTIVE_OPS = frozenset(
+    {
+        Op.PREPARE_MULTICAST,
+        Op.SAVE_ALLOCATIONS,
+        Op.PREPARE_UNICAST,
+        Op.LOAD_ALLOCATIONS,
+        Op.RESTORE_UNICAST,
+        Op.RESTORE_MULTICAST_CREATORS,
+        Op.RESTORE_MULTICAST_IMPORTERS,
+        Op.RESTORE_MULTICAST_DEVICES,
+        Op.RESTORE_MULTICAST_BINDINGS,
+    }
+)
+
+
+@contextlib.contextmanager
+def short_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cuip-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@attrs.frozen
+class Team:
+    control_dir: Path
+    fakes: tuple[FakeParticipant, ...]
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        return [f.endpoint for f in self.fakes]
+
+    @property
+    def processes(self) -> list[str]:
+        """``--process OBSERVED NAMESPACE`` arguments for the CLI."""
+        args: list[str] = []
+        for fake in self.fakes:
+            args += ["--process", str(fake.pid), str(fake.pid)]
+        return args
+
+    def received(self) -> list[list[Op]]:
+        return [f.received for f in self.fakes]
+
+
+@contextlib.contextmanager
+def team_of(
+    topology: Topology,
+    control_dir: Path,
+    *,
+    phase: Phase = Phase.ACTIVE,
+    scripts: Mapping[int, Mapping[Op, Fault]] | None = None,
+    restored: Mapping[int, Sequence[Record]] | None = None,
+    barrier: bool = False,
+    barrier_timeout: float = 10.0,
+    pids: Mapping[int, int] | None = None,
+) -> Iterator[Team]:
+    """One started fake per participant of ``topology``, serving its records.
+
+    ``scripts``/``restored``/``pids`` are keyed by the participant's index.
+    With ``barrier``, no fake answers an op until every fake has received it.
+    """
+    control_dir.mkdir(parents=True, exist_ok=True)
+    count = len(topology.participants)
+    arrival = threading.Barrier(count, timeout=barrier_timeout) if barrier else None
+    fakes = []
+    for i, member in enumerate(topology.participants):
+        pid = (pids or {}).get(i, member.pid)
+        fakes.append(
+            FakeParticipant(
+                control_dir / socket_name(pid),
+                participant=member.participant,
+                pid=pid,
+                phase=phase,
+                records=member.records,
+                restored_records=(restored or {}).get(i),
+                stats={Op.SAVE_ALLOCATIONS: SAVE_STATS, Op.LOAD_ALLOCATIONS: LOAD_STATS},
+                script=(scripts or {}).get(i),
+                arrival=arrival,
+            )
+        )
+    with contextlib.ExitStack() as stack:
+        for fake in fakes:
+            stack.enter_context(fake)
+        yield Team(control_dir, tuple(fakes))

@@ -1,0 +1,401 @@
+"""The lockstep driver through real sockets and fake participants."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import pytest
+from cuinterpose.engine import driver
+from cuinterpose.engine.client import Endpoint, ParticipantError, call_all
+from cuinterpose.engine.errors import (
+    ParticipantsRefused,
+    PhaseFailed,
+    PreflightRefused,
+    Refused,
+    TopologyRefused,
+    VerificationFailed,
+)
+from cuinterpose.engine.fake import Fault
+from cuinterpose.engine.progress import DoneEvent, Event, FailedEvent, PhaseEvent
+from cuinterpose.engine.state import STATE_FILE_NAME, read_state
+from cuinterpose.engine.wire import Op, Phase, RecordKind, Reply, Request, Status
+from engine_harness import DESTRUCTIVE_OPS, Team, short_dir, team_of
+from topologies import (
+    allocation_id,
+    participant,
+    raw_import,
+    replace_records,
+    team,
+    with_records,
+)
+
+CAPTURE_OPS = [
+    Op.HANDSHAKE,
+    Op.INSPECT,
+    Op.PREPARE_MULTICAST,
+    Op.SAVE_ALLOCATIONS,
+    Op.PREPARE_UNICAST,
+]
+RESTORE_OPS = [
+    Op.HANDSHAKE,
+    Op.LOAD_ALLOCATIONS,
+    Op.RESTORE_UNICAST,
+    Op.RESTORE_MULTICAST_CREATORS,
+    Op.RESTORE_MULTICAST_IMPORTERS,
+    Op.RESTORE_MULTICAST_DEVICES,
+    Op.RESTORE_MULTICAST_BINDINGS,
+    Op.INSPECT,
+]
+TOPOLOGY = team(participants=3, allocations=2, multicast=True)
+
+
+@pytest.fixture
+def work() -> Path:  # type: ignore[misc]
+    with short_dir() as path:
+        (path / "ckpt").mkdir()
+        yield path
+
+
+def options(
+    events: list[Event] | None = None,
+    *,
+    phase_timeout: float = 5.0,
+    transport: driver.Transport = call_all,
+) -> driver.Options:
+    sink = events.append if events is not None else None
+    return driver.Options(phase_timeout=phase_timeout, on_progress=sink, transport=transport)
+
+
+def assert_nothing_destroyed(team_: Team) -> None:
+    for received in team_.received():
+        assert not DESTRUCTIVE_OPS & set(received), received
+
+
+def capture(
+    team_: Team, ckpt: Path, *, phase_timeout: float = 5.0, transport: driver.Transport = call_all
+) -> driver.CaptureResult:
+    return driver.capture(
+        team_.endpoints, ckpt, options(phase_timeout=phase_timeout, transport=transport)
+    )
+
+
+# -- happy paths -----------------------------------------------------------------------
+
+
+def test_capture_then_restore_unicast_and_multicast(work: Path) -> None:
+    events: list[Event] = []
+    with team_of(TOPOLOGY, work / "control") as t:
+        result = driver.capture(t.endpoints, work / "ckpt", options(events))
+        assert t.received() == [CAPTURE_OPS] * 3
+        assert all(f.phase is Phase.PREPARED for f in t.fakes)
+        state = read_state(work / "ckpt")
+        assert state == result.state
+        assert state.topology == TOPOLOGY
+        assert {p.participant for p in state.participants} == set(TOPOLOGY.participant_ids)
+        assert state.content_mode == "host"
+
+        restored = driver.restore(t.endpoints, work / "ckpt", options(events))
+        assert t.received() == [CAPTURE_OPS + RESTORE_OPS] * 3
+        assert all(f.phase is Phase.ACTIVE for f in t.fakes)
+        assert restored.topology.same_shape(TOPOLOGY)
+    phases = [(e.machine, e.phase) for e in events if isinstance(e, PhaseEvent)]
+    assert phases == [("capture", op.name) for op in CAPTURE_OPS] + [
+        ("restore", op.name) for op in RESTORE_OPS
+    ]
+    assert [type(e) for e in events if not isinstance(e, PhaseEvent)] == [DoneEvent, DoneEvent]
+
+
+def test_each_phase_is_dispatched_to_all_participants_at_once(work: Path) -> None:
+    # The fakes answer an op only once every one of them has received it: a
+    # coordinator that awaited one reply before sending the next request would hang.
+    with team_of(TOPOLOGY, work / "control", barrier=True, barrier_timeout=3.0) as t:
+        driver.capture(t.endpoints, work / "ckpt", options())
+        driver.restore(t.endpoints, work / "ckpt", options())
+        assert all(f.phase is Phase.ACTIVE for f in t.fakes)
+
+
+def test_transfer_figures_on_save_and_load(work: Path) -> None:
+    events: list[Event] = []
+    with team_of(TOPOLOGY, work / "control") as t:
+        driver.capture(t.endpoints, work / "ckpt", options(events))
+    save = next(e for e in events if isinstance(e, PhaseEvent) and e.phase == "SAVE_ALLOCATIONS")
+    assert save.transfer is not None
+    assert save.transfer.allocation_count == 3  # one per fake (SAVE_STATS)
+    assert save.transfer.allocation_bytes == 3 * (4 << 20)
+    # bytes over summed copy time: 12 MiB over 3 ms
+    assert save.transfer.copy_gb_per_s == pytest.approx(3 * (4 << 20) / 3e-3 / 1e9)
+    assert save.transfer.gb_per_s == pytest.approx(3 * (4 << 20) / save.elapsed_s / 1e9)
+    others = [e for e in events if isinstance(e, PhaseEvent) and e.phase != "SAVE_ALLOCATIONS"]
+    assert all(e.transfer is None and e.participants == 3 for e in others)
+
+
+# -- refusals: nothing destructive is sent -----------------------------------------------
+
+
+def test_invalid_topology_is_refused_before_any_destructive_op(work: Path) -> None:
+    broken = replace_records(TOPOLOGY, participant(1), kind=RecordKind.MAPPING, size=0)
+    with team_of(broken, work / "control") as t:
+        with pytest.raises(TopologyRefused) as caught:
+            capture(t, work / "ckpt")
+        assert_nothing_destroyed(t)
+        assert all(f.phase is Phase.ACTIVE for f in t.fakes)
+    assert caught.value.phase == "PREPARE_MULTICAST"
+    assert caught.value.guard == "topology_valid"
+    assert any(p.participant == participant(1) for p in caught.value.problems)
+    assert not (work / "ckpt" / STATE_FILE_NAME).exists()
+
+
+def test_preflight_refusal_names_participant_and_sends_nothing_destructive(work: Path) -> None:
+    tainted = with_records(TOPOLOGY, participant(2), raw_import())
+    with team_of(tainted, work / "control") as t:
+        with pytest.raises(PreflightRefused) as caught:
+            capture(t, work / "ckpt")
+        assert_nothing_destroyed(t)
+        pid = t.fakes[2].pid
+    error = caught.value
+    assert (error.participant, error.pid) == (participant(2), pid)
+    assert "RAW_IMPORT" in error.reason
+
+
+def test_missing_checkpoint_dir_is_refused_before_any_destructive_op(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        with pytest.raises(Refused) as caught:
+            capture(t, work / "missing")
+        assert_nothing_destroyed(t)
+    assert caught.value.guard == "checkpoint_dir_writable"
+    assert "does not exist" in caught.value.reason
+
+
+def test_capture_refuses_a_participant_not_active(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        # A first capture leaves everyone PREPARED: a second must refuse.
+        capture(t, work / "ckpt")
+        with pytest.raises(ParticipantsRefused) as caught:
+            capture(t, work / "ckpt")
+        assert [ops[len(CAPTURE_OPS) :] for ops in t.received()] == [[Op.HANDSHAKE]] * 3
+    assert caught.value.phase == "INSPECT"
+    assert "phase PREPARED, expected ACTIVE" in caught.value.reason
+    assert len(caught.value.problems) == 3
+
+
+def test_a_failed_participant_is_refused_with_its_stored_reason(work: Path) -> None:
+    script = {1: {Op.SAVE_ALLOCATIONS: Fault("fail", message="cuMemcpyDtoH: CUDA_ERROR_X")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        with pytest.raises(PhaseFailed):
+            capture(t, work / "ckpt")
+        with pytest.raises(ParticipantsRefused) as caught:
+            capture(t, work / "ckpt")
+        pid = t.fakes[1].pid
+    failed = next(p for p in caught.value.problems if p.participant == participant(1))
+    assert failed.pid == pid
+    assert "phase FAILED" in failed.reason and "CUDA_ERROR_X" in failed.reason
+
+
+# -- failures: fail-stop, nothing later is sent ---------------------------------------------
+
+
+def test_participant_failing_mid_phase_stops_everyone(work: Path) -> None:
+    events: list[Event] = []
+    script = {1: {Op.SAVE_ALLOCATIONS: Fault("fail", message="cuMemcpyDtoH: CUDA_ERROR_X")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        with pytest.raises(PhaseFailed) as caught:
+            driver.capture(t.endpoints, work / "ckpt", options(events))
+        assert t.received() == [CAPTURE_OPS[:4]] * 3
+        pid = t.fakes[1].pid
+    error = caught.value
+    assert (error.phase, error.participant, error.pid) == ("SAVE_ALLOCATIONS", participant(1), pid)
+    assert "CUDA_FAILED" in error.reason and "CUDA_ERROR_X" in error.reason
+    assert not (work / "ckpt" / STATE_FILE_NAME).exists()
+    failed = events[-1]
+    assert isinstance(failed, FailedEvent)
+    assert (failed.kind, failed.phase, failed.participant) == (
+        "failed",
+        "SAVE_ALLOCATIONS",
+        participant(1),
+    )
+
+
+def test_a_hanging_participant_is_bounded_by_the_timeout(work: Path) -> None:
+    script = {0: {Op.PREPARE_MULTICAST: Fault("hang")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        began = time.monotonic()
+        with pytest.raises(PhaseFailed) as caught:
+            capture(t, work / "ckpt", phase_timeout=0.3)
+        assert time.monotonic() - began < 3.0
+        assert t.received() == [CAPTURE_OPS[:3]] * 3
+    assert caught.value.phase == "PREPARE_MULTICAST"
+    assert caught.value.participant == participant(0)
+    assert caught.value.reason.startswith("timed out")
+
+
+def test_a_participant_hanging_up_mid_restore_stops_everyone(work: Path) -> None:
+    script = {2: {Op.RESTORE_MULTICAST_CREATORS: Fault("hangup")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        capture(t, work / "ckpt")
+        with pytest.raises(PhaseFailed) as caught:
+            driver.restore(t.endpoints, work / "ckpt", options())
+        assert t.received() == [CAPTURE_OPS + RESTORE_OPS[:4]] * 3
+    assert (caught.value.phase, caught.value.participant) == (
+        "RESTORE_MULTICAST_CREATORS",
+        participant(2),
+    )
+    assert caught.value.reason.startswith("hung up")
+
+
+@pytest.mark.parametrize("kind", ["wrong_participant", "wrong_op", "garbage"])
+def test_a_mismatched_reply_fails_the_phase(work: Path, kind: str) -> None:
+    script = {1: {Op.INSPECT: Fault(kind)}}  # type: ignore[arg-type]
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        with pytest.raises(PhaseFailed) as caught:
+            capture(t, work / "ckpt")
+        assert t.received() == [CAPTURE_OPS[:2]] * 3
+    assert caught.value.phase == "INSPECT"
+    assert caught.value.participant == participant(1)
+    assert caught.value.reason.startswith("bad reply")
+    if kind == "wrong_participant":
+        assert f"expected {participant(1)}" in caught.value.reason
+
+
+def test_a_missing_socket_fails_the_handshake(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        ghost = Endpoint(4242, 4242, work / "control" / "cuinterpose-4242.sock")
+        with pytest.raises(PhaseFailed) as caught:
+            driver.capture([*t.endpoints, ghost], work / "ckpt", options())
+        assert t.received() == [[Op.HANDSHAKE]] * 3
+    assert (caught.value.phase, caught.value.pid) == ("HANDSHAKE", 4242)
+    assert "does not exist" in caught.value.reason
+
+
+def test_a_socket_served_by_another_pid_fails_the_handshake(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        fake = t.fakes[0]
+        impostor = Endpoint(777, 777, fake.socket_path)
+        with pytest.raises(PhaseFailed) as caught:
+            driver.capture([impostor, *t.endpoints[1:]], work / "ckpt", options())
+    assert caught.value.pid == 777
+    assert f"served by pid {fake.pid}" in caught.value.reason
+
+
+def test_same_socket_twice_is_a_caller_error(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t, pytest.raises(ValueError, match="same control"):
+        driver.capture([t.endpoints[0], t.endpoints[0]], work / "ckpt", options())
+
+
+def test_a_reply_in_an_unexpected_phase_fails(work: Path) -> None:
+    def lying(
+        calls: Sequence[tuple[Endpoint, Request, str | None]], *, timeout: float
+    ) -> list[Reply | ParticipantError]:
+        results = call_all(calls, timeout=timeout)
+        if calls[0][1].op is Op.SAVE_ALLOCATIONS:
+            reply = results[0]
+            assert isinstance(reply, Reply)
+            results[0] = attrs.evolve(reply, phase=Phase.MULTICAST_DETACHED)
+        return results
+
+    with team_of(TOPOLOGY, work / "control") as t:
+        with pytest.raises(PhaseFailed) as caught:
+            capture(t, work / "ckpt", transport=lying)
+        assert t.received() == [CAPTURE_OPS[:4]] * 3
+    assert "reported phase MULTICAST_DETACHED after SAVE_ALLOCATIONS" in caught.value.reason
+
+
+# -- restore's own checks ---------------------------------------------------------------
+
+
+def test_restore_refuses_a_participant_set_other_than_the_state_files(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        capture(t, work / "ckpt")
+        with pytest.raises(ParticipantsRefused) as caught:
+            driver.restore(t.endpoints[:2], work / "ckpt", options())
+        assert_nothing_destroyed_since_capture(t)
+    assert caught.value.guard == "participants_match_state"
+    assert caught.value.participant == participant(2)
+    assert "no given process answers as it" in caught.value.reason
+
+
+def test_restore_refuses_an_unknown_participant(work: Path) -> None:
+    others = team(participants=4, allocations=2, multicast=True, pid_base=3000)
+    with team_of(TOPOLOGY, work / "control") as t:
+        capture(t, work / "ckpt")
+    with team_of(others, work / "control4", phase=Phase.PREPARED) as t:
+        with pytest.raises(ParticipantsRefused) as caught:
+            driver.restore(t.endpoints, work / "ckpt", options())
+        assert_nothing_destroyed(t)
+    assert caught.value.participant == participant(3)
+    assert "not in the state file" in caught.value.reason
+
+
+def test_restore_refuses_participants_not_prepared(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        capture(t, work / "ckpt")
+    with team_of(TOPOLOGY, work / "control2") as t:  # ACTIVE: never prepared
+        with pytest.raises(ParticipantsRefused) as caught:
+            driver.restore(t.endpoints, work / "ckpt", options())
+        assert_nothing_destroyed(t)
+    assert caught.value.guard == "all_prepared"
+    assert "phase ACTIVE, expected PREPARED" in caught.value.reason
+
+
+def test_restore_without_a_state_file_fails_before_sending_anything(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control", phase=Phase.PREPARED) as t:
+        with pytest.raises(PhaseFailed) as caught:
+            driver.restore(t.endpoints, work / "ckpt", options())
+        assert t.received() == [[]] * 3
+    assert caught.value.phase == "READ_STATE"
+    assert "missing" in caught.value.reason
+
+
+@pytest.mark.parametrize(
+    "content", [b"", b"{not json", b'{"format": "cuinterpose.state", "version": 99}']
+)
+def test_restore_with_a_corrupt_state_file_fails_before_sending_anything(
+    work: Path, content: bytes
+) -> None:
+    (work / "ckpt" / STATE_FILE_NAME).write_bytes(content)
+    with team_of(TOPOLOGY, work / "control", phase=Phase.PREPARED) as t:
+        with pytest.raises(PhaseFailed) as caught:
+            driver.restore(t.endpoints, work / "ckpt", options())
+        assert t.received() == [[]] * 3
+    assert caught.value.phase == "READ_STATE"
+    assert STATE_FILE_NAME in caught.value.reason
+
+
+def test_restore_fails_when_the_restored_topology_differs(work: Path) -> None:
+    moved = replace_records(
+        TOPOLOGY, participant(1), kind=RecordKind.ALLOCATION, id=allocation_id(0), handle_count=5
+    )
+    restored = {1: moved.records_by_participant()[participant(1)]}
+    with team_of(TOPOLOGY, work / "control", restored=restored) as t:
+        capture(t, work / "ckpt")
+        with pytest.raises(VerificationFailed) as caught:
+            driver.restore(t.endpoints, work / "ckpt", options())
+        assert t.received() == [CAPTURE_OPS + RESTORE_OPS] * 3
+    assert (caught.value.phase, caught.value.guard) == ("VERIFY", "topology_matches_capture")
+    assert participant(1) in caught.value.reason and "handle_count" in caught.value.reason
+
+
+def test_restore_fails_when_a_participant_reports_failure(work: Path) -> None:
+    script = {0: {Op.LOAD_ALLOCATIONS: Fault("fail", Status.CUDA_FAILED, "cuMemCreate: OOM")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        capture(t, work / "ckpt")
+        with pytest.raises(PhaseFailed) as caught:
+            driver.restore(t.endpoints, work / "ckpt", options())
+        assert t.received() == [CAPTURE_OPS + RESTORE_OPS[:2]] * 3
+        assert t.fakes[0].phase is Phase.FAILED
+    assert (caught.value.phase, caught.value.participant) == ("LOAD_ALLOCATIONS", participant(0))
+
+
+def assert_nothing_destroyed_since_capture(team_: Team) -> None:
+    for received in team_.received():
+        assert not DESTRUCTIVE_OPS & set(received[len(CAPTURE_OPS) :]), received
+
+
+def test_inspect_changes_nothing(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        bound, topology = driver.inspect(t.endpoints, timeout=5.0)
+        assert t.received() == [[Op.HANDSHAKE, Op.INSPECT]] * 3
+    assert topology == TOPOLOGY
+    assert [b.participant for b in bound] == [f.participant for f in t.fakes]
