@@ -230,6 +230,9 @@ def _bind(
     for endpoint, result in zip(endpoints, results, strict=True):
         problem = _reply_problem(Op.HANDSHAKE, None, endpoint, result)
         if problem is not None:
+            if isinstance(result, ParticipantError):
+                # No participant id to go by yet: the socket path says who it was.
+                problem = attrs.evolve(problem, reason=f"{problem.reason} ({endpoint.path})")
             problems.append(problem)
             continue
         assert isinstance(result, Reply)

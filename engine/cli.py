@@ -1,0 +1,355 @@
+"""The ``cuinterpose`` command line.
+
+Exit status: 0 on success, 1 on a refusal or failure (stderr names the
+participant, its pid, the phase and the reason), 2 on a usage error (argparse's
+own convention, kept for every bad option or environment value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Final, NoReturn, TextIO
+
+from . import artifacts, driver
+from .client import Endpoint, endpoint_for
+from .errors import CoordinatorError
+from .machine import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
+from .progress import Event, FailedEvent, ProgressCallback, human_line, json_printer
+from .topology import describe_record
+from .trace import TraceError, TraceWriter, read_trace, replay
+
+CONTROL_DIR_ENV: Final = "SNAPSHOT_CONTROL_DIR"
+DEFAULT_CONTROL_DIR: Final = Path("/snapshot-control")
+PHASE_TIMEOUT_ENV: Final = "SNAPSHOT_PHASE_TIMEOUT_S"
+PROG: Final = "cuinterpose"
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors raise instead of exiting, so main() returns 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        raise _UsageError(f"{self.prog}: error: {message}")
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _pid(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a pid") from None
+    if not 0 < value < 2**32:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive pid")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def _add_endpoints(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--control-dir",
+        type=Path,
+        help=f"the shims' control directory "
+        f"(default ${CONTROL_DIR_ENV}, else {DEFAULT_CONTROL_DIR})",
+    )
+    where.add_argument(
+        "--proc-root",
+        type=Path,
+        help="reach each process's control directory through PROC_ROOT/<observed pid>/root",
+    )
+    parser.add_argument(
+        "--process",
+        nargs=2,
+        action="append",
+        required=True,
+        type=_pid,
+        metavar=("OBSERVED_PID", "NAMESPACE_PID"),
+        help="a participant: its pid as seen here and inside its pid namespace (repeatable)",
+    )
+
+
+def _add_machine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint-dir", type=Path, required=True)
+    _add_endpoints(parser)
+    parser.add_argument("--progress", choices=("human", "json", "none"), default="human")
+    parser.add_argument(
+        "--phase-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help=f"per-phase timeout (default ${PHASE_TIMEOUT_ENV}, else "
+        f"{driver.DEFAULT_PHASE_TIMEOUT_S:g})",
+    )
+    parser.add_argument("--trace", type=Path, metavar="FILE", help="record the run as JSON lines")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Checkpoint/restore of CUDA processes sharing memory")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def sub(name: str, text: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=text, description=text)
+
+    _add_machine_options(sub("prepare", "run the capture machine; writes the state file"))
+    _add_machine_options(sub("restore", "run the restore machine against the state file"))
+    inspect = sub("inspect", "show the participants' topology (changes nothing)")
+    _add_endpoints(inspect)
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
+    diagram = sub("diagram", "print a machine's mermaid state diagram")
+    diagram.add_argument("--machine", choices=sorted(MACHINES), required=True)
+    replay_cmd = sub("replay", "replay a trace against fake participants; report divergence")
+    replay_cmd.add_argument("trace", type=Path, metavar="TRACE")
+    sub("sim-path", "print the directory of the simulated libcuda.so.1")
+    sub("shim-path", "print the path of libcuinterpose.so")
+    launch = sub("launch", "run COMMAND under the shim")
+    launch.add_argument("--driver", choices=("sim", "system"), default="sim")
+    launch.add_argument("--control-dir", type=Path)
+    launch.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND...")
+    demo = sub("demo", "run the end-to-end demo")
+    demo.add_argument("--driver", choices=("sim", "system"), default="sim")
+    return parser
+
+
+# -- helpers ----------------------------------------------------------------------
+
+
+def _env_control_dir() -> Path:
+    value = os.environ.get(CONTROL_DIR_ENV, "")
+    return Path(value) if value else DEFAULT_CONTROL_DIR
+
+
+def _phase_timeout(given: float | None) -> float:
+    if given is not None:
+        return given
+    value = os.environ.get(PHASE_TIMEOUT_ENV, "")
+    if not value:
+        return driver.DEFAULT_PHASE_TIMEOUT_S
+    try:
+        return _seconds(value)
+    except argparse.ArgumentTypeError as exc:
+        raise _UsageError(f"{PROG}: error: ${PHASE_TIMEOUT_ENV}: {exc}") from None
+
+
+def _endpoints(args: argparse.Namespace) -> list[Endpoint]:
+    control_dir = args.control_dir if args.control_dir is not None else _env_control_dir()
+    pairs = [tuple(p) for p in args.process]
+    for pair in pairs:
+        if pairs.count(pair) > 1:
+            raise _UsageError(f"{PROG}: error: --process {pair[0]} {pair[1]} is given twice")
+    try:
+        return [
+            endpoint_for(observed, namespace, control_dir=control_dir, proc_root=args.proc_root)
+            for observed, namespace in pairs
+        ]
+    except ValueError as exc:
+        raise _UsageError(f"{PROG}: error: {exc}") from None
+
+
+def _fail(lines: Sequence[str], stderr: TextIO) -> int:
+    for line in lines:
+        stderr.write(f"{PROG}: {line}\n")
+    stderr.flush()
+    return EXIT_FAILED
+
+
+def _progress(mode: str, stdout: TextIO) -> ProgressCallback | None:
+    if mode == "json":
+        return json_printer(stdout)
+    if mode == "none":
+        return None
+
+    def human(event: Event) -> None:
+        # A failure is reported on stderr, in full, by the command itself.
+        if not isinstance(event, FailedEvent):
+            stdout.write(human_line(event) + "\n")
+            stdout.flush()
+
+    return human
+
+
+# -- commands -----------------------------------------------------------------------
+
+
+def _run_machine(
+    spec: MachineSpec, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
+) -> int:
+    endpoints = _endpoints(args)
+    timeout = _phase_timeout(args.phase_timeout)
+    checkpoint_dir: Path = args.checkpoint_dir
+    if spec is CAPTURE:
+        try:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return _fail([f"cannot create checkpoint directory {checkpoint_dir}: {exc}"], stderr)
+    writer = None
+    if args.trace is not None:
+        try:
+            writer = TraceWriter(args.trace)
+        except OSError as exc:
+            raise _UsageError(f"{PROG}: error: cannot write trace {args.trace}: {exc}") from None
+    options = driver.Options(
+        phase_timeout=timeout, on_progress=_progress(args.progress, stdout), trace=writer
+    )
+    try:
+        driver.run_machine(spec, endpoints, checkpoint_dir, options)
+    except CoordinatorError as error:
+        return _fail(error.lines(), stderr)
+    except ValueError as exc:
+        raise _UsageError(f"{PROG}: error: {exc}") from None
+    finally:
+        if writer is not None:
+            writer.close()
+    return EXIT_OK
+
+
+def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from .state import make_converter
+
+    endpoints = _endpoints(args)
+    try:
+        bound, topology = driver.inspect(endpoints, timeout=_phase_timeout(None))
+    except CoordinatorError as error:
+        return _fail(error.lines(), stderr)
+    records = topology.records_by_participant()
+    if args.json:
+        converter = make_converter()
+        document: dict[str, Any] = {
+            "participants": [
+                {
+                    "participant": b.participant,
+                    "pid": b.pid,
+                    "observed_pid": b.endpoint.observed_pid,
+                    "phase": b.phase.name,
+                    "records": [converter.unstructure(r) for r in records[b.participant]],
+                }
+                for b in bound
+            ]
+        }
+        stdout.write(json.dumps(document, indent=2) + "\n")
+        return EXIT_OK
+    for b in bound:
+        mine = records[b.participant]
+        stdout.write(
+            f"participant {b.participant} pid {b.endpoint.observed_pid} "
+            f"(ns pid {b.pid}) phase {b.phase.name}: {len(mine)} records\n"
+        )
+        for record in mine:
+            stdout.write(f"  {describe_record(record)}\n")
+    return EXIT_OK
+
+
+def _replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    try:
+        report = replay(read_trace(args.trace))
+    except TraceError as exc:
+        return _fail([str(exc)], stderr)
+    if report.clean:
+        stdout.write(
+            f"{args.trace}: {report.machine} trace of {report.entries} entries replays clean "
+            f"(outcome {report.outcome})\n"
+        )
+        return EXIT_OK
+    stdout.write(
+        f"{args.trace}: {report.machine} replay diverges in {len(report.divergences)} place(s)\n"
+    )
+    for divergence in report.divergences:
+        stdout.write(f"{divergence}\n")
+    return EXIT_FAILED
+
+
+def _artifact(find: Callable[[], Path], stdout: TextIO, stderr: TextIO) -> int:
+    try:
+        stdout.write(f"{find()}\n")
+    except artifacts.ArtifactMissingError as exc:
+        return _fail([str(exc)], stderr)
+    return EXIT_OK
+
+
+def _delegate(module: str, stderr: TextIO) -> Any | None:
+    # launch and demo pull in process management the coordinator itself never needs.
+    try:
+        return importlib.import_module(f"{__package__}.{module}")
+    except ImportError as exc:
+        _fail([f"{module} is not available in this installation: {exc}"], stderr)
+        return None
+
+
+def _launch(args: argparse.Namespace, stderr: TextIO) -> int:
+    command = list(args.argv)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise _UsageError(f"{PROG} launch: error: no COMMAND given after --")
+    module = _delegate("launch", stderr)
+    if module is None:
+        return EXIT_FAILED
+    try:
+        return int(module.launch(command, driver=args.driver, control_dir=args.control_dir))
+    except module.LaunchError as exc:
+        return _fail([f"launch: {exc}"], stderr)
+
+
+def _demo(args: argparse.Namespace, stderr: TextIO) -> int:
+    module = _delegate("demo", stderr)
+    if module is None:
+        return EXIT_FAILED
+    return int(module.run_demo(driver=args.driver))
+
+
+def main(
+    argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None
+) -> int:
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    parser = build_parser()
+    try:
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exit_:  # --help, or argparse's own exit
+            return int(exit_.code or 0) if isinstance(exit_.code, int | None) else EXIT_USAGE
+        command: str = args.command
+        if command == "prepare":
+            return _run_machine(CAPTURE, args, out, err)
+        if command == "restore":
+            return _run_machine(RESTORE, args, out, err)
+        if command == "inspect":
+            return _inspect(args, out, err)
+        if command == "diagram":
+            out.write(mermaid(MACHINES[args.machine]))
+            return EXIT_OK
+        if command == "replay":
+            return _replay(args, out, err)
+        if command == "sim-path":
+            return _artifact(artifacts.sim_library_dir, out, err)
+        if command == "shim-path":
+            return _artifact(artifacts.shim_library, out, err)
+        if command == "launch":
+            return _launch(args, err)
+        if command == "demo":
+            return _demo(args, err)
+        raise AssertionError(f"unhandled command {command}")
+    except _UsageError as exc:
+        err.write(f"{exc}\n")
+        return EXIT_USAGE

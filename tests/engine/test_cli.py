@@ -1,0 +1,321 @@
+"""The ``cuinterpose`` command line: exit codes, messages, progress output."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cuinterpose.engine import cli
+from cuinterpose.engine.fake import Fault
+from cuinterpose.engine.machine import CAPTURE, RESTORE, mermaid
+from cuinterpose.engine.state import STATE_FILE_NAME
+from cuinterpose.engine.wire import Op, Phase, RecordKind
+from engine_harness import DESTRUCTIVE_OPS, Team, short_dir, team_of
+from topologies import participant, replace_records, team, unsupported_exportable, with_records
+
+TOPOLOGY = team(participants=2, allocations=2, multicast=True)
+FIGURES = {"allocation_count", "allocation_bytes", "gb_per_s", "copy_gb_per_s"}
+
+
+@pytest.fixture
+def work() -> Iterator[Path]:
+    with short_dir() as path:
+        yield path
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SNAPSHOT_CONTROL_DIR", raising=False)
+    monkeypatch.delenv("SNAPSHOT_PHASE_TIMEOUT_S", raising=False)
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(list(argv), stdout=out, stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def machine_args(command: str, t: Team, work: Path, *extra: str) -> list[str]:
+    return [
+        command,
+        "--checkpoint-dir",
+        str(work / "ckpt"),
+        "--control-dir",
+        str(t.control_dir),
+        *t.processes,
+        *extra,
+    ]
+
+
+def json_lines(text: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_prepare_and_restore_with_json_progress(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        code, out, err = run(*machine_args("prepare", t, work, "--progress", "json"))
+        assert (code, err) == (0, "")
+        assert (work / "ckpt" / STATE_FILE_NAME).is_file()
+        events = json_lines(out)
+        assert [e["event"] for e in events] == ["phase"] * 5 + ["done"]
+        assert [e["phase"] for e in events[:-1]] == [s.op for s in CAPTURE.steps if s.op]
+        for event in events[:-1]:
+            assert event["machine"] == "capture" and event["participants"] == 2
+            assert isinstance(event["elapsed_s"], float)
+            assert (event["phase"] == "SAVE_ALLOCATIONS") == (event.keys() >= FIGURES)
+
+        code, out, err = run(*machine_args("restore", t, work, "--progress", "json"))
+        assert (code, err) == (0, "")
+        events = json_lines(out)
+        assert [e["phase"] for e in events[:-1]] == [s.op for s in RESTORE.steps if s.op]
+        load = next(e for e in events if e.get("phase") == "LOAD_ALLOCATIONS")
+        assert load.keys() >= FIGURES and load["machine"] == "restore"
+        assert events[-1]["event"] == "done"
+        assert all(f.phase is Phase.ACTIVE for f in t.fakes)
+
+
+def test_human_progress_is_one_line_per_phase(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        code, out, _ = run(*machine_args("prepare", t, work))
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines) == 6
+    assert lines[0].startswith("capture HANDSHAKE: ") and "2 participants" in lines[0]
+    assert "GB/s" in lines[3] and lines[3].startswith("capture SAVE_ALLOCATIONS")
+    assert lines[-1].startswith("capture done")
+
+
+def test_progress_none_prints_nothing(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        assert run(*machine_args("prepare", t, work, "--progress", "none")) == (0, "", "")
+
+
+def test_preflight_refusal_exits_1_naming_participant_pid_phase_reason(work: Path) -> None:
+    tainted = with_records(TOPOLOGY, participant(1), unsupported_exportable())
+    with team_of(tainted, work / "control") as t:
+        code, out, err = run(*machine_args("prepare", t, work, "--progress", "json"))
+        assert all(not DESTRUCTIVE_OPS & set(ops) for ops in t.received())
+        pid = t.fakes[1].pid
+    assert code == 1
+    assert "refused at PREPARE_MULTICAST (preflight_clean)" in err
+    assert f"participant {participant(1)}, pid {pid}" in err
+    assert "UNSUPPORTED_EXPORTABLE" in err
+    failed = json_lines(out)[-1]
+    assert failed["event"] == "failed"
+    assert (failed["phase"], failed["participant"], failed["pid"]) == (
+        "PREPARE_MULTICAST",
+        participant(1),
+        pid,
+    )
+    assert "UNSUPPORTED_EXPORTABLE" in str(failed["reason"])
+
+
+def test_invalid_topology_exits_1(work: Path) -> None:
+    broken = replace_records(TOPOLOGY, participant(0), kind=RecordKind.MAPPING, size=0)
+    with team_of(broken, work / "control") as t:
+        code, _, err = run(*machine_args("prepare", t, work))
+    assert code == 1
+    assert "(topology_valid)" in err and participant(0) in err
+
+
+def test_a_failing_participant_exits_1_with_the_reason(work: Path) -> None:
+    script = {0: {Op.PREPARE_UNICAST: Fault("fail", message="cuMemRelease: CUDA_ERROR_INVALID")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        code, out, err = run(*machine_args("prepare", t, work))
+        pid = t.fakes[0].pid
+    assert code == 1
+    assert f"capture failed at PREPARE_UNICAST: participant {participant(0)}, pid {pid}" in err
+    assert "CUDA_ERROR_INVALID" in err
+    assert "done" not in out
+
+
+def test_a_hang_is_bounded_by_the_phase_timeout_option(work: Path) -> None:
+    script = {1: {Op.INSPECT: Fault("hang")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        code, _, err = run(*machine_args("prepare", t, work, "--phase-timeout", "0.2"))
+    assert code == 1
+    assert "no reply within 0.2 s" in err
+
+
+def test_the_phase_timeout_comes_from_the_environment(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SNAPSHOT_PHASE_TIMEOUT_S", "0.25")
+    script = {1: {Op.HANDSHAKE: Fault("hang")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        code, _, err = run(*machine_args("prepare", t, work))
+    assert code == 1 and "no reply within 0.25 s" in err
+
+
+def test_restore_without_state_file_exits_1(work: Path) -> None:
+    (work / "ckpt").mkdir()
+    with team_of(TOPOLOGY, work / "control", phase=Phase.PREPARED) as t:
+        code, out, err = run(*machine_args("restore", t, work, "--progress", "json"))
+        assert t.received() == [[], []]
+    assert code == 1
+    assert "restore failed at READ_STATE" in err and "missing" in err
+    assert json_lines(out)[-1]["phase"] == "READ_STATE"
+
+
+def test_restore_with_corrupt_state_file_exits_1(work: Path) -> None:
+    (work / "ckpt").mkdir()
+    (work / "ckpt" / STATE_FILE_NAME).write_text("{]")
+    with team_of(TOPOLOGY, work / "control", phase=Phase.PREPARED) as t:
+        code, _, err = run(*machine_args("restore", t, work))
+    assert code == 1 and STATE_FILE_NAME in err
+
+
+def test_control_dir_defaults_to_the_environment(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        monkeypatch.setenv("SNAPSHOT_CONTROL_DIR", str(t.control_dir))
+        code, _, err = run("prepare", "--checkpoint-dir", str(work / "ckpt"), *t.processes)
+    assert (code, err) == (0, "")
+
+
+def test_proc_root_reaches_sockets_through_each_process_root(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # <proc-root>/<observed>/root stands for the process's root: here the real "/".
+    proc = work / "proc"
+    with team_of(TOPOLOGY, work / "control") as t:
+        monkeypatch.setenv("SNAPSHOT_CONTROL_DIR", str(t.control_dir))
+        args = ["prepare", "--checkpoint-dir", str(work / "ckpt"), "--proc-root", str(proc)]
+        for i, fake in enumerate(t.fakes):
+            observed = 70000 + i
+            (proc / str(observed)).mkdir(parents=True)
+            (proc / str(observed) / "root").symlink_to("/")
+            args += ["--process", str(observed), str(fake.pid)]
+        code, out, err = run(*args)
+    assert (code, err) == (0, ""), err
+    assert out.splitlines()[-1].startswith("capture done")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "prepare --checkpoint-dir /tmp/x",
+        "prepare --process 1 2",
+        "prepare --checkpoint-dir /x --process 1 2 --control-dir /a --proc-root /b",
+        "prepare --checkpoint-dir /x --process one 2",
+        "prepare --checkpoint-dir /x --process 0 2",
+        "prepare --checkpoint-dir /x --process 1",
+        "prepare --checkpoint-dir /x --process 1 2 --process 1 2",
+        "prepare --checkpoint-dir /x --process 1 2 --phase-timeout -1",
+        "prepare --checkpoint-dir /x --process 1 2 --phase-timeout nan",
+        "prepare --checkpoint-dir /x --process 1 2 --progress xml",
+        "inspect",
+        "diagram --machine teardown",
+        "replay",
+        "launch",
+        "launch --",
+        "frobnicate",
+        "",
+    ],
+)
+def test_usage_errors_exit_2(argv: str) -> None:
+    code, out, err = run(*argv.split())
+    assert code == 2
+    assert "error" in err and out == ""
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "inf"])
+def test_a_bad_timeout_in_the_environment_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("SNAPSHOT_PHASE_TIMEOUT_S", value)
+    code, _, err = run("prepare", "--checkpoint-dir", "/x", "--process", "1", "2")
+    assert code == 2 and "SNAPSHOT_PHASE_TIMEOUT_S" in err
+
+
+def test_a_relative_control_dir_with_proc_root_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SNAPSHOT_CONTROL_DIR", "relative/dir")
+    code, _, err = run("inspect", "--proc-root", "/proc", "--process", "1", "2")
+    assert code == 2 and "absolute" in err
+
+
+def test_inspect_text_and_json(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        args = ["inspect", "--control-dir", str(t.control_dir), *t.processes]
+        code, out, _ = run(*args)
+        assert code == 0
+        assert f"participant {participant(0)}" in out and "MC_BINDING" in out
+        code, out, _ = run(*args, "--json")
+        assert t.received() == [[Op.HANDSHAKE, Op.INSPECT] * 2] * 2
+    assert code == 0
+    document = json.loads(out)
+    assert [p["participant"] for p in document["participants"]] == [participant(0), participant(1)]
+    first = document["participants"][0]
+    assert first["phase"] == "ACTIVE"
+    assert len(first["records"]) == len(TOPOLOGY.participants[0].records)
+
+
+def test_inspect_of_a_missing_process_exits_1(work: Path) -> None:
+    (work / "control").mkdir()
+    code, _, err = run("inspect", "--control-dir", str(work / "control"), "--process", "9", "9")
+    assert code == 1 and "pid 9" in err and "does not exist" in err
+
+
+@pytest.mark.parametrize("spec", [CAPTURE, RESTORE])
+def test_diagram_prints_the_generated_mermaid(spec: object) -> None:
+    code, out, _ = run("diagram", "--machine", spec.name)  # type: ignore[attr-defined]
+    assert code == 0
+    assert out == mermaid(spec)  # type: ignore[arg-type]
+    assert out.startswith("---") and "stateDiagram-v2" in out
+
+
+def test_artifact_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUINTERPOSE_BUILD_DIR", str(tmp_path))
+    assert run("shim-path")[0] == 1
+    code, _, err = run("sim-path")
+    assert code == 1 and "make build" in err
+    (tmp_path / "shim_c" / "sim").mkdir(parents=True)
+    (tmp_path / "shim_c" / "libcuinterpose.so").write_bytes(b"")
+    (tmp_path / "shim_c" / "sim" / "libcuda.so.1").write_bytes(b"")
+    assert run("shim-path") == (0, f"{tmp_path / 'shim_c' / 'libcuinterpose.so'}\n", "")
+    assert run("sim-path") == (0, f"{tmp_path / 'shim_c' / 'sim'}\n", "")
+
+
+def test_launch_and_demo_delegate(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cuinterpose.engine import demo, launch
+
+    calls: list[object] = []
+
+    def fake_launch(command: list[str], *, driver: str, control_dir: Path | None) -> int:
+        calls.append((command, driver, control_dir))
+        return 7
+
+    def fake_demo(*, driver: str = "sim") -> int:
+        calls.append(driver)
+        return 0
+
+    monkeypatch.setattr(launch, "launch", fake_launch)
+    monkeypatch.setattr(demo, "run_demo", fake_demo)
+    assert run("launch", "--driver", "system", "--control-dir", "/c", "--", "app", "-x")[0] == 7
+    assert run("demo")[0] == 0
+    assert calls == [(["app", "-x"], "system", Path("/c")), "sim"]
+
+
+def test_python_dash_m_and_exit_status() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "cuinterpose", "diagram", "--machine", "restore"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0 and "RESTORE_MULTICAST_BINDINGS" in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "cuinterpose", "prepare"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2 and "required" in bad.stderr
