@@ -33,8 +33,10 @@ from .wire import Access, BindingKind, Record, RecordFlag, RecordKind
 STATE_FILE_NAME: Final = "cuinterpose.state"
 STATE_FORMAT: Final = "cuinterpose.state"
 STATE_VERSION: Final = 1
-# A team of 32 participants with 65536 records each stays under this; anything bigger
-# is not a state file this engine wrote.
+# A record takes about 150-300 bytes, so this holds a quarter million records: far more
+# than real teams report, small enough that a corrupt or hostile file is never read
+# into memory whole. encode_state() lets a caller learn before any destructive op
+# that the capture's state will fit.
 MAX_STATE_BYTES: Final = 64 * 1024 * 1024
 
 ContentMode = Literal["host", "native"]
@@ -239,7 +241,7 @@ def state_problems(state: CheckpointState) -> list[str]:
         if offset is None or offset.total_seconds() != 0:
             problems.append(f"created_at {state.created_at!r} is not in UTC")
     problems.extend(_participant_problems("participants", state.participants))
-    problems.extend(_participant_problems("topology participant", state.topology.participants))
+    problems.extend(_participant_problems("topology", state.topology.participants))
     listed = {(p.participant, p.pid) for p in state.participants}
     in_topology = {(p.participant, p.pid) for p in state.topology.participants}
     if listed != in_topology:
@@ -250,13 +252,55 @@ def state_problems(state: CheckpointState) -> list[str]:
         )
     for member in state.topology.participants:
         for n, record in enumerate(member.records):
+            where = f"participant {member.participant} record {n} ({record.kind.name})"
+            unfit = _out_of_range(record)
+            if unfit:
+                problems.extend(f"{where}: {text}" for text in unfit)
+                continue
             try:
-                record.encode()
+                record.encode()  # the codec's own rules (ids, creator, access count)
             except wire.WireError as exc:
-                problems.append(
-                    f"participant {member.participant} record {n} ({record.kind.name}): {exc}"
-                )
+                problems.append(f"{where}: {exc}")
     return problems
+
+
+def _bits(width: int, signed: bool) -> tuple[str, int, int]:
+    if signed:
+        return (f"i{width}", -(1 << (width - 1)), (1 << (width - 1)) - 1)
+    return (f"u{width}", 0, (1 << width) - 1)
+
+
+# The wire widths of the record's integer fields (shim_c/protocol.h), so that a value
+# that cannot be encoded is named by field instead of by the struct module.
+_RECORD_WIDTHS: Final = {
+    **dict.fromkeys(
+        ("address", "size", "offset", "member_offset", "op_flags", "handle_types", "object_flags"),
+        _bits(64, False),
+    ),
+    **dict.fromkeys(("allocation_type", "location_type", "location_id", "device"), _bits(32, True)),
+    "num_devices": _bits(32, False),
+    "handle_count": _bits(32, False),
+    "api_version": _bits(8, False),
+}
+_ACCESS_WIDTHS: Final = {
+    "location_type": _bits(32, True),
+    "location_id": _bits(32, True),
+    "flags": _bits(64, False),
+}
+
+
+def _out_of_range(record: Record) -> list[str]:
+    unfit: list[str] = []
+    fields = [(name, getattr(record, name), width) for name, width in _RECORD_WIDTHS.items()]
+    for n, access in enumerate(record.access):
+        fields.extend(
+            (f"access[{n}].{name}", getattr(access, name), width)
+            for name, width in _ACCESS_WIDTHS.items()
+        )
+    for name, value, (type_name, low, high) in fields:
+        if not low <= value <= high:
+            unfit.append(f"{name} {value} does not fit {type_name}")
+    return unfit
 
 
 def _participant_problems(
@@ -266,12 +310,14 @@ def _participant_problems(
     seen: set[str] = set()
     for p in participants:
         if not wire.is_participant_id(p.participant):
-            problems.append(f"{where} id {p.participant!r} is not 32 lowercase hex digits")
+            problems.append(
+                f"{where}: participant id {p.participant!r} is not 32 lowercase hex digits"
+            )
         elif p.participant in seen:
-            problems.append(f"{where} id {p.participant} is listed twice")
+            problems.append(f"{where}: participant {p.participant} is listed twice")
         seen.add(p.participant)
         if not 0 < p.pid <= _PID_MAX:
-            problems.append(f"{where} {p.participant} has pid {p.pid}, not a process id")
+            problems.append(f"{where}: participant {p.participant} has pid {p.pid}, not a pid")
     return problems
 
 
@@ -342,11 +388,11 @@ def decode_state(data: bytes, path: Path) -> CheckpointState:
         if exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string"):
             raise StateFileError(
                 path,
-                f"is truncated: the JSON ends early ({exc.msg} at line {exc.lineno}"
+                f"is truncated: the JSON ends early ({exc.msg}: line {exc.lineno},"
                 f" column {exc.colno})",
             ) from exc
         raise StateFileError(
-            path, f"is corrupt: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+            path, f"is corrupt: not valid JSON ({exc.msg}: line {exc.lineno}, column {exc.colno})"
         ) from exc
     except _Invalid as exc:
         raise StateFileError(path, f"is corrupt: {exc}") from exc
