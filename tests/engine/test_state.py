@@ -479,3 +479,11 @@ def test_a_refused_capture_topology_still_round_trips(tmp_path: Path) -> None:
     )
     write_state(tmp_path, state)
     assert read_state(tmp_path) == state
+
+
+def test_the_example_in_the_spec_reads_back_and_is_what_the_engine_writes(tmp_path: Path) -> None:
+    spec = Path(__file__).resolve().parents[2] / "specs" / "state-file.md"
+    example = spec.read_text().split("```json\n", 1)[1].split("```", 1)[0]
+    state = st.decode_state(example.encode(), spec)
+    assert state.topology == team(participants=2, allocations=1, multicast=False)
+    assert st.encode_state(state).decode() == example
