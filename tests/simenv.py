@@ -174,6 +174,7 @@ class Worker:
         os.close(w)
         child.close()
         self._replies = os.fdopen(r, "r")
+        self._done = False
 
     @property
     def pid(self) -> int:
@@ -211,6 +212,9 @@ class Worker:
 
     def close(self) -> None:
         """Stop the worker; a crash or a sanitizer report fails the test."""
+        if self._done:
+            return
+        self._done = True
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
             try:
@@ -230,6 +234,9 @@ class Worker:
 
     def kill(self) -> None:
         """Stop the worker without judging how it ended."""
+        if self._done:
+            return
+        self._done = True
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()

@@ -349,9 +349,13 @@ static CUresult call(int pid, uint32_t op, uint32_t timeout_ms, struct ck_rep *p
     fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return CUDA_ERROR_OPERATING_SYSTEM;
-    /* No service: not a (simulated) CUDA process. */
-    if (connect(fd, (struct sockaddr *)&a, len) != 0)
+    /* No service: a live process without CUDA is NOT_INITIALIZED, a pid
+     * that does not exist OPERATING_SYSTEM (specs/records). */
+    if (connect(fd, (struct sockaddr *)&a, len) != 0) {
+        r = (kill(pid, 0) != 0 && errno == ESRCH) ? CUDA_ERROR_OPERATING_SYSTEM
+                                                    : CUDA_ERROR_NOT_INITIALIZED;
         goto out;
+    }
     if (send(fd, &q, sizeof(q), MSG_NOSIGNAL) != (ssize_t)sizeof(q))
         goto out;
     if (recv(fd, p, sizeof(*p), MSG_WAITALL) != (ssize_t)sizeof(*p))

@@ -108,6 +108,7 @@ struct sim_map {
     size_t size;
     int obj;                  /* index in objs */
     size_t offset;
+    int group;                /* the cuMemMap call it came from (splits share it) */
     int taken;                /* checkpoint took the pages away */
     uint8_t access[SIM_MAX_DEVICES]; /* CUmemAccess_flags per device */
 };
@@ -162,6 +163,7 @@ struct sim_state {
     uint64_t mem_total;
     unsigned long long next_handle;
     unsigned long long next_ctx_id;
+    int next_map_group;
     struct sim_obj objs[SIM_MAX_OBJS];
     struct sim_resv resv[SIM_MAX_RESV];
     struct sim_map maps[SIM_MAX_MAPS];

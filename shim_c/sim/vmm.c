@@ -481,6 +481,7 @@ static CUresult map_locked(uintptr_t va, size_t size, size_t offset, struct sim_
         return CUDA_ERROR_OUT_OF_MEMORY;
     memset(m, 0, sizeof(*m));
     m->used = 1;
+    m->group = ++sim.next_map_group;
     m->va = va;
     m->size = size;
     m->obj = (int)(o - sim.objs);
@@ -495,14 +496,20 @@ static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset,
     struct sim_obj *o;
     CUresult r;
 
-    if (size == 0 || flags != 0 || !sim_is_aligned(ptr, SIM_GRANULARITY) ||
-        !sim_is_aligned(size, SIM_GRANULARITY) || !sim_is_aligned(offset, SIM_GRANULARITY))
+    if (size == 0 || flags != 0 || !sim_is_aligned(ptr, SIM_GRANULARITY))
         return CUDA_ERROR_INVALID_VALUE;
     sim_lock();
     o = sim_obj_find(h);
     if (!o) {
         sim_unlock();
         return CUDA_ERROR_INVALID_VALUE;
+    }
+    /* Offsets and sizes the allocation cannot provide: the real driver
+     * answers NOT_SUPPORTED here (specs/records). */
+    if (!sim_is_aligned(size, SIM_GRANULARITY) || !sim_is_aligned(offset, SIM_GRANULARITY) ||
+        offset >= o->size || size > o->size - offset) {
+        sim_unlock();
+        return CUDA_ERROR_NOT_SUPPORTED;
     }
     if (o->kind == SIM_KIND_MULTICAST) {
         /* Mapping a multicast object waits for the whole team; the wait
@@ -532,17 +539,23 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
     SIM_API(mem_map(ptr, size, offset, handle, flags));
 }
 
-/* Does [va, va+size) consist exactly of whole mappings, without gaps? */
-static int whole_mappings(uintptr_t va, size_t size)
+/* The real driver unmaps whole cuMemMap ranges only: a range that cuts
+ * through one is refused, while parts with nothing mapped are ignored
+ * (specs/records: unmap of an unmapped range succeeds). A cuMemMap range
+ * split by cuMemSetAccess is still one group. */
+static int whole_groups(uintptr_t va, size_t size)
 {
-    uintptr_t cur = va;
+    for (int i = 0; i < SIM_MAX_MAPS; i++) {
+        const struct sim_map *m = &sim.maps[i];
 
-    while (cur < va + size) {
-        struct sim_map *m = sim_map_find(cur);
+        if (!m->used || !(m->va < va + size && va < m->va + m->size))
+            continue;
+        for (int j = 0; j < SIM_MAX_MAPS; j++) {
+            const struct sim_map *n = &sim.maps[j];
 
-        if (!m || m->va != cur || m->va + m->size > va + size)
-            return 0;
-        cur += m->size;
+            if (n->used && n->group == m->group && (n->va < va || n->va + n->size > va + size))
+                return 0;
+        }
     }
     return 1;
 }
@@ -563,13 +576,13 @@ static void unmap_one(struct sim_map *m)
 /* sim.mu held. */
 static CUresult unmap_locked(uintptr_t va, size_t size)
 {
-    if (!whole_mappings(va, size))
+    if (!whole_groups(va, size))
         return CUDA_ERROR_INVALID_VALUE;
-    for (uintptr_t cur = va; cur < va + size;) {
-        struct sim_map *m = sim_map_find(cur);
+    for (int i = 0; i < SIM_MAX_MAPS; i++) {
+        struct sim_map *m = &sim.maps[i];
 
-        cur += m->size;
-        unmap_one(m);
+        if (m->used && m->va >= va && m->va + m->size <= va + size)
+            unmap_one(m);
     }
     return CUDA_SUCCESS;
 }
@@ -671,9 +684,10 @@ static CUresult get_access(unsigned long long *flags, const CUmemLocation *loc, 
 {
     struct sim_map *m;
 
-    if (!flags || !loc || loc->type != CU_MEM_LOCATION_TYPE_DEVICE)
+    if (!flags || !loc)
         return CUDA_ERROR_INVALID_VALUE;
-    if (!sim_dev_valid(loc->id))
+    /* A location that names no device is INVALID_DEVICE (specs/records). */
+    if (loc->type != CU_MEM_LOCATION_TYPE_DEVICE || !sim_dev_valid(loc->id))
         return CUDA_ERROR_INVALID_DEVICE;
     sim_lock();
     m = sim_map_find((uintptr_t)ptr);
@@ -737,17 +751,17 @@ static CUresult open_meta(int fd, uint64_t *size, struct sim_meta **meta_out)
     struct stat st;
 
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size <= SIM_META_SIZE)
-        return CUDA_ERROR_INVALID_VALUE;
+        return CUDA_ERROR_UNKNOWN;
     *size = (uint64_t)st.st_size - SIM_META_SIZE;
     if (!sim_is_aligned(*size, SIM_GRANULARITY))
-        return CUDA_ERROR_INVALID_VALUE;
+        return CUDA_ERROR_UNKNOWN;
     meta = mmap(NULL, SIM_META_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)*size);
     if (meta == MAP_FAILED)
-        return CUDA_ERROR_INVALID_VALUE;
+        return CUDA_ERROR_UNKNOWN;
     if (meta->magic != SIM_META_MAGIC || meta->size != *size ||
         (meta->kind != SIM_KIND_ALLOC && meta->kind != SIM_KIND_MULTICAST)) {
         munmap(meta, SIM_META_SIZE);
-        return CUDA_ERROR_INVALID_VALUE;
+        return CUDA_ERROR_UNKNOWN;
     }
     *meta_out = meta;
     return CUDA_SUCCESS;
@@ -768,10 +782,12 @@ static CUresult import_handle(CUmemGenericAllocationHandle *h, void *os_handle,
         return CUDA_ERROR_NOT_SUPPORTED;
     if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
         return CUDA_ERROR_INVALID_VALUE;
-    /* The POSIX FD travels in the pointer-sized argument itself. */
+    /* The POSIX FD travels in the pointer-sized argument itself. A closed
+     * FD or one that is no allocation is CUDA_ERROR_UNKNOWN on the real
+     * driver (specs/records: bogus FD, /dev/null). */
     fd = fcntl((int)(intptr_t)os_handle, F_DUPFD_CLOEXEC, 0);
     if (fd < 0)
-        return CUDA_ERROR_INVALID_VALUE;
+        return CUDA_ERROR_UNKNOWN;
     r = open_meta(fd, &size, &meta);
     if (r != CUDA_SUCCESS)
         goto fail;

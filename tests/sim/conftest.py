@@ -1,0 +1,114 @@
+"""Fixtures for the simulated-driver suite: worker processes that use
+cuda.bindings.driver against the driver chosen by CUINTERPOSE_TEST_DRIVER
+(default: the ASan build of the simulator)."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import simenv  # noqa: E402
+from simenv import Worker  # noqa: E402
+
+MiB = 1 << 20
+
+# Loaded into every worker: context on device 0 and small helpers, all
+# through cuda.bindings.driver only.
+PRELUDE = r"""
+import ctypes
+MiB = 1 << 20
+POSIX = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+NONE_H = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+DEVICE = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+RW = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+RO = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+check(cu.cuInit(0))
+ctx = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(DEV))))
+check(cu.cuCtxSetCurrent(ctx))
+
+def prop(htype=POSIX, dev=DEV):
+    p = cu.CUmemAllocationProp()
+    p.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.location.type = DEVICE
+    p.location.id = dev
+    p.requestedHandleTypes = htype
+    return p
+
+def desc(flags=RW, dev=DEV):
+    d = cu.CUmemAccessDesc()
+    d.location.type = DEVICE
+    d.location.id = dev
+    d.flags = flags
+    return d
+
+def access(va, size, flags=RW, dev=DEV):
+    check(cu.cuMemSetAccess(va, size, [desc(flags, dev)], 1))
+
+def alloc(size, htype=POSIX):
+    h = check(cu.cuMemCreate(size, prop(htype), 0))
+    va = check(cu.cuMemAddressReserve(size, 0, 0, 0))
+    check(cu.cuMemMap(va, size, 0, h, 0))
+    access(va, size)
+    return h, va
+
+def write(va, data, off=0):
+    buf = ctypes.create_string_buffer(bytes(data), len(data))
+    return err(cu.cuMemcpyHtoD(int(va) + off, ctypes.addressof(buf), len(data)))
+
+def read(va, n, off=0):
+    buf = ctypes.create_string_buffer(n)
+    check(cu.cuMemcpyDtoH(ctypes.addressof(buf), int(va) + off, n))
+    return buf.raw.hex()
+
+def pattern(seed, n):
+    return bytes((seed * 131 + i * 7) & 0xFF for i in range(n))
+
+def free_mem():
+    return int(check(cu.cuMemGetInfo())[0])
+"""
+
+
+def pattern(seed: int, n: int) -> str:
+    return bytes((seed * 131 + i * 7) & 0xFF for i in range(n)).hex()
+
+
+@pytest.fixture
+def namespace() -> str:
+    """One simulated node per test: its processes share cuMemGetInfo."""
+    return uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+def spawn(namespace: str) -> Iterator[Callable[..., Worker]]:
+    """spawn(dev=0, extra=None) starts a worker with a context on `dev`."""
+    workers: list[Worker] = []
+
+    def make(dev: int = 0, extra: dict[str, str] | None = None) -> Worker:
+        env = simenv.sim_env(namespace=namespace, extra=extra)
+        w = Worker(env)
+        workers.append(w)
+        w(f"DEV = {dev}\n" + PRELUDE)
+        return w
+
+    yield make
+    errors = []
+    for w in workers:
+        try:
+            w.close()
+        except Exception as e:  # report every worker, not only the first
+            errors.append(str(e))
+    if errors:
+        pytest.fail("\n".join(errors))
+
+
+sim_only = pytest.mark.skipif(not simenv.is_simulated(), reason="simulator-specific")
+needs_multicast = pytest.mark.skipif(
+    not simenv.multicast_allowed(),
+    reason="multicast on a real GPU needs CUINTERPOSE_ALLOW_MULTICAST=1",
+)
