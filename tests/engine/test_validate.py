@@ -4,6 +4,7 @@ participant, record kind and resource."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import attrs
 import pytest
@@ -544,3 +545,10 @@ def test_validate_is_deterministic_and_collects_all() -> None:
     first = v.validate(topology)
     assert first == v.validate(topology)
     assert {"mapping.empty", "multicast.devices"} <= {f.rule for f in first}
+
+
+def test_every_rule_is_documented() -> None:
+    spec = (Path(__file__).resolve().parents[2] / "specs" / "validation.md").read_text()
+    rules = {p.values[0].rule for p in CASES}  # type: ignore[attr-defined]
+    rules |= {"preflight.raw_import", "preflight.unsupported_exportable"}
+    assert {rule for rule in rules if f"`{rule}`" not in spec} == set()
