@@ -268,7 +268,20 @@ def _bind(
 def _violation_problems(
     violations: Sequence[Violation], observed: Mapping[str, int]
 ) -> list[Problem]:
-    return [Problem(str(v), v.participant or None, observed.get(v.participant)) for v in violations]
+    return [
+        Problem(_violation_text(v), v.participant or None, observed.get(v.participant))
+        for v in violations
+    ]
+
+
+def _violation_text(violation: Violation) -> str:
+    # The problem names the participant already; a team-wide violation keeps its own text.
+    if not violation.participant:
+        return str(violation)
+    kind = violation.kind.name if violation.kind is not None else ""
+    where = " ".join(part for part in (kind, violation.resource) if part)
+    text = f"{violation.reason} [{violation.rule}]"
+    return f"{where}: {text}" if where else text
 
 
 class _Run:

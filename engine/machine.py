@@ -163,7 +163,9 @@ def mermaid(spec: MachineSpec) -> str:
         initial=spec.initial,
         transitions=transition_table(spec),
         auto_transitions=False,
-        title=spec.title,
+        # transitions writes the title verbatim into the front matter; as a YAML
+        # key it becomes the diagram's title when mermaid renders it.
+        title=f"title: {spec.title}",
         show_conditions=True,
         graph_engine="mermaid",
     )
