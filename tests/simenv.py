@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -196,6 +197,12 @@ class Worker:
         if not msg["ok"]:
             raise WorkerError(msg["error"] + "\n" + msg.get("trace", ""))
         return msg["result"]
+
+    def answered(self, timeout: float) -> bool:
+        """Has the snippet started with ``send`` answered within ``timeout`` s?
+        (Used to show that a call blocks.)"""
+        ready, _, _ = select.select([self._replies], [], [], timeout)
+        return bool(ready)
 
     def __call__(self, code: str) -> Any:
         self.send(code)

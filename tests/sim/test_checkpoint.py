@@ -1,0 +1,245 @@
+"""Checkpoint API across processes: a controller worker drives a target
+worker's state machine through cuCheckpointProcess*(pid), as the agent does.
+Expected codes are the real driver's (specs/records)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import MiB, needs_multicast, pattern, sim_only
+
+import simenv
+
+CTL = r"""
+def lock(pid, t=5000):
+    a = cu.CUcheckpointLockArgs(); a.timeoutMs = t
+    return err(cu.cuCheckpointProcessLock(pid, a))
+def ckpt(pid):
+    return err(cu.cuCheckpointProcessCheckpoint(pid, cu.CUcheckpointCheckpointArgs()))
+def restore(pid):
+    return err(cu.cuCheckpointProcessRestore(pid, cu.CUcheckpointRestoreArgs()))
+def unlock(pid):
+    return err(cu.cuCheckpointProcessUnlock(pid, cu.CUcheckpointUnlockArgs()))
+def state(pid):
+    r = cu.cuCheckpointProcessGetState(pid)
+    return r[1].name.replace("CU_PROCESS_STATE_", "") if r[0] == 0 else err(r)
+"""
+
+
+def controller(spawn):
+    c = spawn()
+    c(CTL)
+    return c
+
+
+def maps_of(pid: int, va: int) -> str:
+    """The /proc/<pid>/maps line covering va."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= va < hi:
+            return line
+    return ""
+
+
+def test_state_machine_and_wrong_state_calls(spawn):
+    t, c = spawn(), controller(spawn)
+    t("d = check(cu.cuMemAlloc(64 * MiB))")
+    pid = t.pid
+    r = c(f"""
+pid = {pid}
+seq = [("state", state(pid)), ("ckpt_running", ckpt(pid)), ("restore_running", restore(pid)),
+       ("unlock_running", unlock(pid)), ("lock", lock(pid)), ("state", state(pid)),
+       ("lock_twice", lock(pid)), ("restore_locked", restore(pid)),
+       ("tid", err(cu.cuCheckpointProcessGetRestoreThreadId(pid))),
+       ("ckpt", ckpt(pid)), ("state", state(pid)), ("ckpt_twice", ckpt(pid)),
+       ("lock_ckpted", lock(pid)), ("unlock_ckpted", unlock(pid)), ("restore", restore(pid)),
+       ("state", state(pid)), ("unlock", unlock(pid)), ("state", state(pid)),
+       ("state_self", state(os.getpid()))]
+result = seq
+""")
+    ok, ill = "CUDA_SUCCESS", "CUDA_ERROR_ILLEGAL_STATE"
+    assert r == [
+        ["state", "RUNNING"], ["ckpt_running", ill], ["restore_running", ill],
+        ["unlock_running", ill], ["lock", ok], ["state", "LOCKED"], ["lock_twice", ill],
+        ["restore_locked", ill], ["tid", ok], ["ckpt", ok], ["state", "CHECKPOINTED"],
+        ["ckpt_twice", ill], ["lock_ckpted", ill], ["unlock_ckpted", ill], ["restore", ok],
+        ["state", "LOCKED"], ["unlock", ok], ["state", "RUNNING"], ["state_self", "RUNNING"],
+    ]
+    # The target runs normally afterwards.
+    assert t("result = err(cu.cuMemsetD8(d, 7, 16))") == ok
+
+
+def test_pids_without_cuda(spawn):
+    c = controller(spawn)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(gone.stdout)
+    r = c(f"result = [state({simenv.os.getpid()}), lock({simenv.os.getpid()}), state({dead_pid})]")
+    assert r == ["CUDA_ERROR_NOT_INITIALIZED", "CUDA_ERROR_NOT_INITIALIZED",
+                 "CUDA_ERROR_OPERATING_SYSTEM"]
+
+
+def test_checkpoint_frees_memory_and_restore_preserves_vas_and_handles(spawn):
+    t, c, other = spawn(), controller(spawn), spawn()
+    size = 8 * MiB
+    info = t(f"""
+h, va = alloc({size})
+write(va, pattern(5, {size}))
+hn, van = alloc(2 * MiB, NONE_H)
+write(van, pattern(6, 2 * MiB))
+d = check(cu.cuMemAlloc(4 * MiB))
+check(cu.cuMemsetD8(d, 0x5A, 4 * MiB))
+kept_fd = check(cu.cuMemExportToShareableHandle(h, POSIX, 0))  # held open across
+result = [int(h), int(va), int(hn), int(van), int(d)]
+""")
+    h, va, hn, van, d = info
+    pid = t.pid
+    free0 = c("result = free_mem()")
+    if simenv.is_simulated():
+        assert "cuinterpose-sim-alloc" in maps_of(pid, va)
+    assert c(f"result = [lock({pid}), ckpt({pid}), state({pid})]") == [
+        "CUDA_SUCCESS", "CUDA_SUCCESS", "CHECKPOINTED"]
+    free_ckpt = c("result = free_mem()")
+    assert free_ckpt - free0 == size + 2 * MiB + 4 * MiB  # all of it handed back
+    if simenv.is_simulated():
+        line = maps_of(pid, va)
+        assert "memfd" not in line and "---p" in line, line  # VA kept, pages gone
+    assert c(f"result = [restore({pid}), state({pid})]") == ["CUDA_SUCCESS", "LOCKED"]
+    assert c("result = free_mem()") == free0
+    assert c(f"result = [unlock({pid}), state({pid})]") == ["CUDA_SUCCESS", "RUNNING"]
+    r = t(f"""
+p = check(cu.cuMemGetAllocationPropertiesFromHandle({h}))
+result = [read({va}, {size}), read({van}, 2 * MiB), read({d}, 16),
+          int(check(cu.cuMemRetainAllocationHandle({va}))) == {h}, int(p.requestedHandleTypes)]
+check(cu.cuMemRelease({h}))
+send_fd(kept_fd)
+""")
+    assert r[0] == pattern(5, size) and r[1] == pattern(6, 2 * MiB)
+    assert r[2] == "5a" * 16 and r[3] is True and r[4] == 1
+    # The FD exported before the checkpoint still names the same allocation.
+    fd = t.take_fd()
+    other.give_fd(fd)
+    simenv.os.close(fd)
+    got = other(f"""
+fd = recv_fd(); hi = check(cu.cuMemImportFromShareableHandle(fd, POSIX)); os.close(fd)
+v = check(cu.cuMemAddressReserve({size}, 0, 0, 0)); check(cu.cuMemMap(v, {size}, 0, hi, 0)); access(v, {size})
+result = read(v, {size})
+""")
+    assert got == pattern(5, size)
+
+
+def test_lock_blocks_driver_calls_until_unlock(spawn):
+    t, c = spawn(), controller(spawn)
+    t("h, va = alloc(2 * MiB)")
+    assert c(f"result = lock({t.pid})") == "CUDA_SUCCESS"
+    t.send("result = write(va, b'after unlock')")
+    assert not t.answered(0.7), "a driver call ran while the process was locked"
+    assert c(f"result = unlock({t.pid})") == "CUDA_SUCCESS"
+    assert t.answered(10)
+    assert t.reply() == "CUDA_SUCCESS"
+    assert bytes.fromhex(t("result = read(va, 12)")) == b"after unlock"
+
+
+@needs_multicast
+def test_lock_times_out_on_a_call_in_flight(spawn):
+    """A multicast bind waiting for its team is a call in flight: lock gives up
+    after its timeout with NOT_READY and leaves the process RUNNING."""
+    t = spawn(extra={"CUINTERPOSE_SIM_MC_WAIT_MS": "4000"})
+    c = controller(spawn)
+    t("""
+mp = cu.CUmulticastObjectProp(); mp.numDevices = 2; mp.size = 2 * MiB; mp.handleTypes = 0; mp.flags = 0
+mc = check(cu.cuMulticastCreate(mp))
+check(cu.cuMulticastAddDevice(mc, 0))
+hm = check(cu.cuMemCreate(2 * MiB, prop(NONE_H), 0))
+""")
+    t.send("result = err(cu.cuMulticastBindMem(mc, 0, hm, 0, 2 * MiB, 0))")
+    assert not t.answered(0.3)
+    assert c(f"result = [lock({t.pid}, 300), state({t.pid})]") == [
+        "CUDA_ERROR_NOT_READY", "RUNNING"]
+    assert t.answered(10)
+    assert t.reply() == "CUDA_ERROR_TIMEOUT"  # the simulator's cap on a team that never completes
+    assert c(f"result = [lock({t.pid}, 300), unlock({t.pid})]") == ["CUDA_SUCCESS"] * 2
+
+
+def test_importer_restore_not_supported_creator_restores(spawn):
+    creator, importer, c = spawn(), spawn(), controller(spawn)
+    size = 4 * MiB
+    creator(f"""
+h, va = alloc({size}); write(va, pattern(9, {size}))
+fd = check(cu.cuMemExportToShareableHandle(h, POSIX, 0)); send_fd(fd); os.close(fd)
+""")
+    fd = creator.take_fd()
+    importer.give_fd(fd)
+    simenv.os.close(fd)
+    importer(f"""
+fd = recv_fd(); h = check(cu.cuMemImportFromShareableHandle(fd, POSIX)); os.close(fd)
+va = check(cu.cuMemAddressReserve({size}, 0, 0, 0)); check(cu.cuMemMap(va, {size}, 0, h, 0)); access(va, {size})
+""")
+    pids = [creator.pid, importer.pid]
+    free0 = c("result = free_mem()")
+    r = c(f"""
+pids = {pids}
+out = [lock(p) for p in pids] + [ckpt(p) for p in pids] + [state(p) for p in pids]
+out += [free_mem()]
+out += [restore(pids[0]), restore(pids[1]), state(pids[0]), state(pids[1])]
+out += [unlock(pids[0]), state(pids[0]), unlock(pids[1]), restore(pids[1]), state(pids[1])]
+result = out
+""")
+    ok = "CUDA_SUCCESS"
+    assert r[:6] == [ok, ok, ok, ok, "CHECKPOINTED", "CHECKPOINTED"]
+    if simenv.is_simulated():
+        # The shared allocation stays in use by the importer: nothing freed.
+        assert r[6] == free0
+    assert r[7:] == [ok, "CUDA_ERROR_NOT_SUPPORTED", "LOCKED", "CHECKPOINTED",
+                     ok, "RUNNING", "CUDA_ERROR_ILLEGAL_STATE", "CUDA_ERROR_NOT_SUPPORTED",
+                     "CHECKPOINTED"]
+    assert creator(f"result = read(va, {size})") == pattern(9, size)
+    importer.kill()  # stuck CHECKPOINTED, as on the real driver
+
+
+@sim_only
+def test_importer_that_released_restores(spawn):
+    """The teardown the shim automates: importer unmaps and releases, keeps its VA."""
+    creator, importer, c = spawn(), spawn(), controller(spawn)
+    creator("h, va = alloc(2 * MiB); write(va, pattern(4, 2 * MiB)); send_fd(check(cu.cuMemExportToShareableHandle(h, POSIX, 0)))")
+    fd = creator.take_fd()
+    importer.give_fd(fd)
+    simenv.os.close(fd)
+    importer("""
+fd = recv_fd(); h = check(cu.cuMemImportFromShareableHandle(fd, POSIX)); os.close(fd)
+va = check(cu.cuMemAddressReserve(2 * MiB, 0, 0, 0)); check(cu.cuMemMap(va, 2 * MiB, 0, h, 0)); access(va, 2 * MiB)
+check(cu.cuMemUnmap(va, 2 * MiB)); check(cu.cuMemRelease(h))
+""")
+    pids = [creator.pid, importer.pid]
+    r = c(f"result = [f(p) for f in (lock, ckpt, restore, unlock) for p in {pids}]")
+    assert r == ["CUDA_SUCCESS"] * 8
+    assert creator("result = read(va, 2 * MiB)") == pattern(4, 2 * MiB)
+
+
+@sim_only
+def test_restore_onto_another_gpu_is_refused(spawn):
+    """Simulated GPUs only restore onto themselves; the refusal leaves the
+    process CHECKPOINTED, and a plain restore still works."""
+    t, c = spawn(), controller(spawn)
+    t("d = check(cu.cuMemAlloc(2 * MiB))")
+    r = c(f"""
+pid = {t.pid}
+out = [lock(pid), ckpt(pid)]
+pair = cu.CUcheckpointGpuPair()
+pair.oldUuid = check(cu.cuDeviceGetUuid(0)); pair.newUuid = check(cu.cuDeviceGetUuid(1))
+a = cu.CUcheckpointRestoreArgs(); a.gpuPairs = [pair]; a.gpuPairsCount = 1
+out += [err(cu.cuCheckpointProcessRestore(pid, a)), state(pid), restore(pid), unlock(pid)]
+result = out
+""")
+    ok = "CUDA_SUCCESS"
+    assert r == [ok, ok, "CUDA_ERROR_NOT_SUPPORTED", "CHECKPOINTED", ok, ok]
+
+
+def test_restore_thread_id_is_a_thread_of_the_target(spawn):
+    t, c = spawn(), controller(spawn)
+    tid = c(f"result = int(check(cu.cuCheckpointProcessGetRestoreThreadId({t.pid})))")
+    if simenv.is_simulated():
+        assert Path(f"/proc/{t.pid}/task/{tid}").exists()
+    assert tid > 0
