@@ -53,7 +53,7 @@ class Violation:
         return f"{where}: {self.reason} [{self.rule}]"
 
 
-Check = Callable[[Topology], tuple["Violation", ...]]
+Check = Callable[[Topology], tuple[Violation, ...]]
 
 
 def _violation(rule: str, participant: str, record: Record, reason: str) -> Violation:
