@@ -1,0 +1,149 @@
+"""The machines as declared in phases/: their order, their ops, their refusals."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from cuinterpose.engine.wire import Op, Phase
+from cuinterpose.phases import (
+    CAPTURE,
+    FAIL_TRIGGER,
+    RESTORE,
+    Guard,
+    MachineSpec,
+    ProgressKind,
+    Step,
+    machine_spec,
+)
+
+# shared/PROTOCOL.md, "Ops": the shim phase after each op succeeds.
+PHASE_AFTER = {
+    Op.INSPECT: Phase.ACTIVE,
+    Op.PREPARE_MULTICAST: Phase.MULTICAST_DETACHED,
+    Op.SAVE_ALLOCATIONS: Phase.ALLOCATIONS_SAVED,
+    Op.PREPARE_UNICAST: Phase.PREPARED,
+    Op.LOAD_ALLOCATIONS: Phase.ALLOCATIONS_LOADED,
+    Op.RESTORE_UNICAST: Phase.UNICAST_RESTORED,
+    Op.RESTORE_MULTICAST_CREATORS: Phase.MULTICAST_CREATED,
+    Op.RESTORE_MULTICAST_IMPORTERS: Phase.MULTICAST_IMPORTED,
+    Op.RESTORE_MULTICAST_DEVICES: Phase.MULTICAST_JOINED,
+    Op.RESTORE_MULTICAST_BINDINGS: Phase.ACTIVE,
+}
+PHASE_CHANGING = set(PHASE_AFTER) - {Op.INSPECT}
+
+
+def test_capture_sends_the_design_order() -> None:
+    assert CAPTURE.ops == (
+        "HANDSHAKE",
+        "INSPECT",
+        "PREPARE_MULTICAST",
+        "SAVE_ALLOCATIONS",
+        "PREPARE_UNICAST",
+    )
+    assert CAPTURE.steps[-1].trigger == "WRITE_STATE"
+
+
+def test_restore_sends_the_design_order() -> None:
+    assert RESTORE.steps[0].trigger == "READ_STATE"
+    assert RESTORE.ops == (
+        "HANDSHAKE",
+        "LOAD_ALLOCATIONS",
+        "RESTORE_UNICAST",
+        "RESTORE_MULTICAST_CREATORS",
+        "RESTORE_MULTICAST_IMPORTERS",
+        "RESTORE_MULTICAST_DEVICES",
+        "RESTORE_MULTICAST_BINDINGS",
+        "INSPECT",
+    )
+    assert RESTORE.steps[-1].trigger == "VERIFY"
+
+
+@pytest.mark.parametrize("spec", [CAPTURE, RESTORE], ids=lambda s: s.name)
+def test_ops_and_phases_are_the_protocols(spec: MachineSpec) -> None:
+    for step in spec.steps:
+        if step.op is None:
+            assert step.reply_phase is None and not step.destructive
+            continue
+        op = Op[step.op]
+        assert step.destructive == (op in PHASE_CHANGING), step.trigger
+        if op is Op.HANDSHAKE:
+            assert step.reply_phase is None  # reports whatever phase the shim is in
+        else:
+            assert Phase[step.reply_phase or ""] is PHASE_AFTER[op], step.trigger
+
+
+def test_refusals_come_before_the_first_destructive_op() -> None:
+    assert CAPTURE.step("PREPARE_MULTICAST").guards == (
+        "topology_valid",
+        "preflight_clean",
+        "checkpoint_dir_writable",
+    )
+    assert CAPTURE.is_refusal("INSPECT") and CAPTURE.is_refusal("PREPARE_MULTICAST")
+    assert not CAPTURE.is_refusal("SAVE_ALLOCATIONS")
+    assert RESTORE.step("LOAD_ALLOCATIONS").guards == ("participants_match_state", "all_prepared")
+    assert RESTORE.is_refusal("LOAD_ALLOCATIONS")
+    # VERIFY's guards come after destruction: they fail rather than refuse.
+    assert RESTORE.step("VERIFY").guards == ("topology_valid", "topology_matches_capture")
+    assert not RESTORE.is_refusal("VERIFY")
+
+
+def test_transfer_progress_only_where_bytes_move() -> None:
+    steps = [*CAPTURE.steps, *RESTORE.steps]
+    transfers = [s.trigger for s in steps if s.progress is ProgressKind.TRANSFER]
+    assert transfers == ["SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS"]
+
+
+def test_lookups() -> None:
+    assert machine_spec("capture") is CAPTURE and machine_spec("restore") is RESTORE
+    assert CAPTURE.guard("all_active").name == "all_active"
+    assert CAPTURE.first_destructive() == 2
+    assert CAPTURE.states[0] == "start" and CAPTURE.states[-1] == "captured"
+    assert CAPTURE.all_states[-2:] == ("refused", "failed")
+    with pytest.raises(KeyError, match="no machine 'teardown'"):
+        machine_spec("teardown")
+    with pytest.raises(KeyError, match="no step 'EXPORT'"):
+        CAPTURE.step("EXPORT")
+    with pytest.raises(KeyError, match="no guard"):
+        CAPTURE.guard("nope")
+
+
+def _spec(*steps: Step, guards: tuple[Guard, ...] = (), final: str = "b") -> MachineSpec:
+    return MachineSpec("m", "m", "a", final, guards, steps)
+
+
+def test_malformed_steps_are_refused() -> None:
+    with pytest.raises(ValueError, match="trigger must be its op's name"):
+        Step("X", "a", "b", "", op="INSPECT")
+    with pytest.raises(ValueError, match="local step sends nothing"):
+        Step("X", "a", "b", "", reply_phase="ACTIVE", progress=ProgressKind.NONE)
+    with pytest.raises(ValueError, match="local step reports no phase progress"):
+        Step("X", "a", "b", "")
+    with pytest.raises(ValueError, match="every wire op reports progress"):
+        Step("INSPECT", "a", "b", "", op="INSPECT", progress=ProgressKind.NONE)
+    with pytest.raises(ValueError, match="guard is listed twice"):
+        Step("INSPECT", "a", "b", "", op="INSPECT", guards=("g", "g"))
+
+
+def test_malformed_machines_are_refused() -> None:
+    inspect = Step("INSPECT", "a", "b", "", op="INSPECT")
+    with pytest.raises(ValueError, match="no steps"):
+        _spec()
+    with pytest.raises(ValueError, match="previous step ends in b"):
+        _spec(inspect, attrs.evolve(inspect, trigger="HANDSHAKE", op="HANDSHAKE", source="x"))
+    with pytest.raises(ValueError, match="end in b, not z"):
+        _spec(inspect, final="z")
+    with pytest.raises(ValueError, match="trigger is used twice"):
+        _spec(inspect, attrs.evolve(inspect, source="b", dest="c"), final="c")
+    with pytest.raises(ValueError, match="reserved"):
+        _spec(attrs.evolve(inspect, trigger=FAIL_TRIGGER, op=None, progress=ProgressKind.NONE))
+    with pytest.raises(ValueError, match="reserved name"):
+        _spec(attrs.evolve(inspect, dest="failed"), final="failed")
+    with pytest.raises(ValueError, match="undeclared guards"):
+        _spec(attrs.evolve(inspect, guards=("g",)))
+    with pytest.raises(ValueError, match="unused guards"):
+        _spec(inspect, guards=(Guard("g", ""),))
+
+
+def test_specs_are_frozen() -> None:
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        CAPTURE.steps[0].op = "EXPORT"  # type: ignore[misc]
