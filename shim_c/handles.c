@@ -1,0 +1,179 @@
+/*
+ * The logical handle table.
+ *
+ * The application never holds a real driver handle for a tracked resource:
+ * it holds SHIM_TAG | generation | slot. The real driver crashes on a handle
+ * value it never gave out (shared/records: SIGSEGV in cuMemRelease), so a
+ * tagged value that is unknown or dead is rejected here and never reaches
+ * the driver. Slots are reused with a new generation, so a stale handle to a
+ * reused slot stays dead. All functions run under g.lock.
+ */
+#include "shim.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static struct obj **slots;
+static uint32_t nslots;   /* slots in use or free: the table's length */
+static uint32_t capslots;
+static uint16_t gens_seed = 1;
+
+static uint16_t next_gen(uint16_t prev)
+{
+    uint16_t g2 = (uint16_t)(prev + 1);
+    return g2 ? g2 : 1; /* generation 0 never appears in a handle */
+}
+
+struct obj *obj_new(enum obj_kind kind)
+{
+    uint32_t i;
+    struct obj *o = calloc(1, sizeof *o);
+    if (!o)
+        return NULL;
+    for (i = 0; i < nslots; i++)
+        if (!slots[i])
+            break;
+    if (i == nslots) {
+        if (nslots == capslots) {
+            uint32_t nc = capslots ? capslots * 2 : 64;
+            struct obj **ns;
+            if (nc > 0x7fffffffu) {
+                free(o);
+                return NULL;
+            }
+            ns = realloc(slots, nc * sizeof *ns);
+            if (!ns) {
+                free(o);
+                return NULL;
+            }
+            memset(ns + capslots, 0, (nc - capslots) * sizeof *ns);
+            slots = ns;
+            capslots = nc;
+        }
+        nslots++;
+    }
+    o->slot = i;
+    /* Generations differ per use of a slot; start from a rolling seed so a
+     * fresh slot does not always hand out the same first value. */
+    gens_seed = next_gen(gens_seed);
+    o->gen = gens_seed;
+    o->kind = (uint8_t)kind;
+    shim_random_id(o->id);
+    slots[i] = o;
+    return o;
+}
+
+void obj_free(struct obj *o)
+{
+    if (!o)
+        return;
+    if (o->slot < nslots && slots[o->slot] == o)
+        slots[o->slot] = NULL;
+    free(o->maps);
+    free(o);
+}
+
+CUmemGenericAllocationHandle obj_handle(const struct obj *o)
+{
+    return (CUmemGenericAllocationHandle)((SHIM_TAG << SHIM_TAG_SHIFT) |
+                                          ((uint64_t)o->gen << 32) | o->slot);
+}
+
+struct obj *obj_lookup(CUmemGenericAllocationHandle h, bool need_ref)
+{
+    uint64_t v = (uint64_t)h;
+    uint32_t slot = (uint32_t)v;
+    uint16_t gen = (uint16_t)(v >> 32);
+    struct obj *o;
+
+    if (!SHIM_IS_TAGGED(v) || slot >= nslots)
+        return NULL;
+    o = slots[slot];
+    if (!o || o->gen != gen)
+        return NULL;
+    if (need_ref && o->refs == 0)
+        return NULL;
+    return o;
+}
+
+struct obj *obj_by_id(const uint8_t id[CUIP_ID_LEN])
+{
+    for (uint32_t i = 0; i < nslots; i++)
+        if (slots[i] && !memcmp(slots[i]->id, id, CUIP_ID_LEN))
+            return slots[i];
+    return NULL;
+}
+
+struct obj *obj_by_address(CUdeviceptr va, uint32_t *map_index)
+{
+    for (uint32_t i = 0; i < nslots; i++) {
+        struct obj *o = slots[i];
+        if (!o)
+            continue;
+        for (uint32_t k = 0; k < o->nmaps; k++) {
+            const struct mapping *m = &o->maps[k];
+            if (va >= m->va && va - m->va < m->size) {
+                if (map_index)
+                    *map_index = k;
+                return o;
+            }
+        }
+    }
+    return NULL;
+}
+
+uint32_t obj_count(void)
+{
+    return nslots;
+}
+
+struct obj *obj_at(uint32_t i)
+{
+    return i < nslots ? slots[i] : NULL;
+}
+
+int obj_add_mapping(struct obj *o, const struct mapping *m)
+{
+    if (o->nmaps == o->capmaps) {
+        uint32_t nc = o->capmaps ? o->capmaps * 2 : 4;
+        struct mapping *nm = realloc(o->maps, nc * sizeof *nm);
+        if (!nm)
+            return -1;
+        o->maps = nm;
+        o->capmaps = nc;
+    }
+    o->maps[o->nmaps++] = *m;
+    return 0;
+}
+
+void obj_del_mapping(struct obj *o, uint32_t i)
+{
+    if (i >= o->nmaps)
+        return;
+    memmove(&o->maps[i], &o->maps[i + 1], (o->nmaps - i - 1) * sizeof *o->maps);
+    o->nmaps--;
+}
+
+void obj_drop_all(void)
+{
+    for (uint32_t i = 0; i < nslots; i++) {
+        if (slots[i]) {
+            free(slots[i]->maps);
+            free(slots[i]);
+        }
+    }
+    free(slots);
+    slots = NULL;
+    nslots = capslots = 0;
+}
+
+bool obj_unused(const struct obj *o)
+{
+    return o->refs == 0 && o->nmaps == 0;
+}
+
+bool obj_shared(const struct obj *o)
+{
+    return o->kind == OBJ_ALLOC && !o->raw_import && !o->unsupported &&
+           (o->exported || o->imported || o->mc_member);
+}

@@ -1,0 +1,254 @@
+/*
+ * Internal interface of libcuinterpose.so (the LD_PRELOAD shim).
+ *
+ * One state struct (struct shim_state, `g`) guarded by one mutex (g.lock).
+ * Rules that every file follows:
+ *  - g.lock is never held across a call to a peer (EXPORT) or across a
+ *    driver call that may block (copies, synchronization). The application's
+ *    own tracked calls hold it across their short, non-blocking driver call
+ *    so that a phase change cannot interleave with them.
+ *  - Outside ACTIVE the application cannot change tracked state (its tracked
+ *    calls answer CUDA_ERROR_NOT_READY), so the control thread may work on
+ *    objects without the lock; it still takes the lock to flip fields that
+ *    the EXPORT server reads (live, real).
+ *  - Only exported functions carry SHIM_EXPORT; everything else is hidden so
+ *    the shim never interposes anything by accident.
+ */
+#ifndef CUINTERPOSE_SHIM_H
+#define CUINTERPOSE_SHIM_H
+
+/* Every driver function the shim defines (cuMemCreate, cuGetProcAddress_v2,
+ * ...) is exported with default visibility, as in libcuda itself. */
+#define __CUDA_API_PUSH_VISIBILITY_DEFAULT 1
+#include <cuda.h>
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "protocol.h"
+
+#define SHIM_EXPORT __attribute__((visibility("default")))
+#define SHIM_HIDDEN __attribute__((visibility("hidden")))
+
+/* Headers older than CUDA 13.1 lack the device-explicit binds; cuda.h 13.5
+ * has them, but declare the types here so the shim never depends on it. */
+typedef CUresult (*shim_bind_mem_v2_fn)(CUmemGenericAllocationHandle, CUdevice, size_t,
+                                        CUmemGenericAllocationHandle, size_t, size_t,
+                                        unsigned long long);
+typedef CUresult (*shim_bind_addr_v2_fn)(CUmemGenericAllocationHandle, CUdevice, size_t,
+                                         CUdeviceptr, size_t, unsigned long long);
+
+/* ---------------------------------------------------------------- util.c */
+enum { LOG_ERROR = 0, LOG_WARN = 1, LOG_INFO = 2, LOG_DEBUG = 3 };
+SHIM_HIDDEN void shim_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+SHIM_HIDDEN uint64_t shim_now_ns(void);
+SHIM_HIDDEN int shim_random(void *buf, size_t len);
+SHIM_HIDDEN void shim_random_id(uint8_t id[CUIP_ID_LEN]);
+SHIM_HIDDEN void shim_hex(char *out, const uint8_t *in, size_t len);
+SHIM_HIDDEN bool shim_is_participant(const char *p);
+SHIM_HIDDEN bool shim_is_zero(const void *p, size_t len);
+SHIM_HIDDEN bool shim_ct_equal(const void *a, const void *b, size_t len);
+/* Integer from the environment: `def` when unset or empty, `def` and a
+ * warning when the value is not a decimal in [min, max]. */
+SHIM_HIDDEN long shim_env_long(const char *name, long def, long min, long max);
+SHIM_HIDDEN bool shim_env_flag(const char *name);
+SHIM_HIDDEN const char *shim_cu_name(CUresult r);
+
+/* ---------------------------------------------------------------- interpose.c */
+struct shim_real {
+    CUresult (*cuInit)(unsigned int);
+    CUresult (*gpa_v1)(const char *, void **, int, cuuint64_t); /* cuGetProcAddress, old ABI */
+    CUresult (*cuGetProcAddress_v2)(const char *, void **, int, cuuint64_t,
+                                    CUdriverProcAddressQueryResult *);
+    CUresult (*cuGetErrorName)(CUresult, const char **);
+    CUresult (*cuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                            unsigned long long);
+    CUresult (*cuMemRelease)(CUmemGenericAllocationHandle);
+    CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                         unsigned long long);
+    CUresult (*cuMemUnmap)(CUdeviceptr, size_t);
+    CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+    CUresult (*cuMemRetainAllocationHandle)(CUmemGenericAllocationHandle *, void *);
+    CUresult (*cuMemGetAllocationPropertiesFromHandle)(CUmemAllocationProp *,
+                                                       CUmemGenericAllocationHandle);
+    CUresult (*cuMemExportToShareableHandle)(void *, CUmemGenericAllocationHandle,
+                                             CUmemAllocationHandleType, unsigned long long);
+    CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *,
+                                               CUmemAllocationHandleType);
+    CUresult (*cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr,
+                                    unsigned long long);
+    CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
+    CUresult (*cuMemHostAlloc)(void **, size_t, unsigned int);
+    CUresult (*cuMemFreeHost)(void *);
+    CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
+    CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*cuStreamCreate)(CUstream *, unsigned int);
+    CUresult (*cuStreamSynchronize)(CUstream);
+    CUresult (*cuStreamDestroy)(CUstream);
+    CUresult (*cuCtxGetCurrent)(CUcontext *);
+    CUresult (*cuCtxPushCurrent)(CUcontext);
+    CUresult (*cuCtxPopCurrent)(CUcontext *);
+    CUresult (*cuCtxGetDevice)(CUdevice *);
+    CUresult (*cuMulticastCreate)(CUmemGenericAllocationHandle *, const CUmulticastObjectProp *);
+    CUresult (*cuMulticastAddDevice)(CUmemGenericAllocationHandle, CUdevice);
+    CUresult (*cuMulticastBindMem)(CUmemGenericAllocationHandle, size_t,
+                                   CUmemGenericAllocationHandle, size_t, size_t,
+                                   unsigned long long);
+    shim_bind_mem_v2_fn cuMulticastBindMem_v2;
+    CUresult (*cuMulticastBindAddr)(CUmemGenericAllocationHandle, size_t, CUdeviceptr, size_t,
+                                    unsigned long long);
+    shim_bind_addr_v2_fn cuMulticastBindAddr_v2;
+    CUresult (*cuMulticastUnbind)(CUmemGenericAllocationHandle, CUdevice, size_t, size_t);
+};
+extern SHIM_HIDDEN struct shim_real real;
+/* Resolves `real` from libcuda.so.1 (never linked); false if the driver is
+ * not loadable. Safe to call repeatedly and from any thread. */
+SHIM_HIDDEN bool shim_resolve_real(void);
+
+/* ---------------------------------------------------------------- handles.c */
+/* A logical handle: bits 63..48 the tag, 47..32 the slot's generation,
+ * 31..0 the slot. Real driver handles observed on the H200 are small
+ * (e.g. 0x204b0840); one with this tag is refused at creation. */
+#define SHIM_TAG 0xC1F0ull
+#define SHIM_TAG_SHIFT 48
+#define SHIM_IS_TAGGED(h) (((uint64_t)(h) >> SHIM_TAG_SHIFT) == SHIM_TAG)
+
+enum obj_kind { OBJ_FREE = 0, OBJ_ALLOC = 1, OBJ_MC = 2 };
+
+struct mapping {
+    CUdeviceptr va;
+    size_t size;
+    size_t offset;
+    unsigned long long flags;
+    uint32_t access_count;                   /* merged per location, sorted */
+    struct cuip_access access[CUIP_ACCESS_MAX];
+};
+
+struct obj {
+    uint32_t slot;
+    uint16_t gen;
+    uint8_t kind;                 /* enum obj_kind */
+    uint8_t id[CUIP_ID_LEN];      /* random, never zero; survives restore */
+    char creator[CUIP_PARTICIPANT_LEN];
+    bool is_creator;
+    bool exported;                /* a capability was handed out */
+    bool imported;                /* imported from a capability */
+    bool mc_member;               /* bound into a multicast object */
+    bool raw_import;              /* imported from an FD that is not a capability */
+    bool unsupported;             /* exportable through a handle type other than POSIX FD */
+    bool live;                    /* `real` is a valid driver handle */
+    CUmemGenericAllocationHandle real;
+    CUcontext ctx;                /* current at creation; the control thread enters it */
+    CUmemAllocationProp prop;     /* original properties (win32 metadata cleared) */
+    CUmulticastObjectProp mcprop; /* OBJ_MC */
+    uint64_t size;
+    uint64_t handle_types;
+    uint32_t refs;                /* application handles (create/import/retain) */
+    uint8_t auth[CUIP_AUTH_LEN];  /* capability authorization (creator: generated) */
+    bool has_auth;
+    char endpoint[CUIP_CAP_ENDPOINT_LEN]; /* importer: creator's socket name */
+    struct mapping *maps;
+    uint32_t nmaps, capmaps;
+    void *host;                   /* SAVE_ALLOCATIONS copy (pinned) */
+};
+
+/* Allocate a fresh object and its logical handle; NULL on ENOMEM. */
+SHIM_HIDDEN struct obj *obj_new(enum obj_kind kind);
+SHIM_HIDDEN void obj_free(struct obj *o);
+SHIM_HIDDEN CUmemGenericAllocationHandle obj_handle(const struct obj *o);
+/* Tagged value → live object (refs > 0 required when `need_ref`). */
+SHIM_HIDDEN struct obj *obj_lookup(CUmemGenericAllocationHandle h, bool need_ref);
+SHIM_HIDDEN struct obj *obj_by_id(const uint8_t id[CUIP_ID_LEN]);
+/* Object whose mapping contains `va`, and that mapping's index. */
+SHIM_HIDDEN struct obj *obj_by_address(CUdeviceptr va, uint32_t *map_index);
+SHIM_HIDDEN uint32_t obj_count(void);
+SHIM_HIDDEN struct obj *obj_at(uint32_t i); /* slot i, or NULL if free */
+SHIM_HIDDEN int obj_add_mapping(struct obj *o, const struct mapping *m);
+SHIM_HIDDEN void obj_del_mapping(struct obj *o, uint32_t i);
+/* Free every object (fork child): no driver calls. */
+SHIM_HIDDEN void obj_drop_all(void);
+/* True when `o` no longer has handles nor mappings: the caller releases it. */
+SHIM_HIDDEN bool obj_unused(const struct obj *o);
+SHIM_HIDDEN bool obj_shared(const struct obj *o);
+
+/* ---------------------------------------------------------------- state */
+struct shim_state {
+    pthread_mutex_t lock;          /* tables, phase, reason */
+    pthread_mutex_t init_lock;     /* lazy start */
+    pid_t started_pid;             /* the pid that owns the listener; 0 = not started */
+    bool resolved;
+    char participant[CUIP_PARTICIPANT_LEN + 1];
+    bool pinned;                   /* id from SNAPSHOT_PARTICIPANT_ID */
+    uint16_t phase;                /* enum cuip_phase */
+    bool busy;                     /* a phase op is running */
+    char reason[CUIP_MESSAGE_MAX + 1];
+    int listen_fd;
+    char control_dir[108];
+    char sock_name[CUIP_CAP_ENDPOINT_LEN];
+    char sock_path[108];
+    char claim_path[160];
+    long io_timeout_ms;
+    long peer_timeout_ms;
+};
+extern SHIM_HIDDEN struct shim_state g;
+
+/* Start the control server once per process (fork children included). */
+SHIM_HIDDEN void shim_ensure_started(void);
+/* Every tracked application call starts with this: resolves the driver and
+ * starts the control server. Returns CUDA_SUCCESS or an error to hand back. */
+SHIM_HIDDEN CUresult shim_enter(void);
+
+/* A CUDA_FAILED message: "<call> failed: <CUresult name>". */
+SHIM_HIDDEN void shim_fail(char *msg, size_t n, const char *call, CUresult r);
+
+/* Enter the object's context on the calling (control) thread. */
+SHIM_HIDDEN CUresult shim_ctx_enter(CUcontext ctx, bool *pushed);
+SHIM_HIDDEN void shim_ctx_leave(bool pushed);
+
+/* ---------------------------------------------------------------- control.c */
+struct reply {
+    struct cuip_header h;
+    char msg[CUIP_MESSAGE_MAX];
+    struct cuip_record *records;   /* malloc'd, count in h.count */
+    int fd;                        /* EXPORT: sent with SCM_RIGHTS, -1 otherwise */
+};
+SHIM_HIDDEN void reply_msg(struct reply *r, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Bounded helpers shared with capability.c. */
+SHIM_HIDDEN int io_write_all(int fd, const void *buf, size_t len, uint64_t deadline_ns);
+SHIM_HIDDEN int io_read_all(int fd, void *buf, size_t len, uint64_t deadline_ns, int *fd_out);
+
+/* ---------------------------------------------------------------- unicast.c */
+SHIM_HIDDEN int unicast_inspect(struct reply *r);
+SHIM_HIDDEN int unicast_prepare(struct reply *r);
+SHIM_HIDDEN int unicast_load_mappings(struct obj *o, char *msg, size_t n);
+SHIM_HIDDEN int unicast_restore(struct reply *r);
+SHIM_HIDDEN void access_merge(struct mapping *m, const CUmemAccessDesc *d, size_t count);
+SHIM_HIDDEN CUresult map_apply(struct obj *o, const struct mapping *m, char *msg, size_t n);
+
+/* ---------------------------------------------------------------- content.c */
+SHIM_HIDDEN int content_save(struct reply *r);
+SHIM_HIDDEN int content_load(struct reply *r);
+
+/* ---------------------------------------------------------------- multicast.c */
+SHIM_HIDDEN uint32_t multicast_live(void);
+SHIM_HIDDEN int multicast_inspect(struct reply *r, uint32_t *n);
+SHIM_HIDDEN int multicast_prepare(struct reply *r);
+
+/* ---------------------------------------------------------------- capability.c */
+/* Build a sealed memfd capability for `o`; returns the FD or -1. */
+SHIM_HIDDEN int cap_create(const struct obj *o);
+/* Parse `fd` as a capability: 1 yes (cap filled), 0 not one, -1 malformed. */
+SHIM_HIDDEN int cap_parse(int fd, struct cuip_capability *cap);
+/* Ask the creator's endpoint for a fresh raw FD (EXPORT); -1 and msg on error. */
+SHIM_HIDDEN int cap_fetch(const char creator[CUIP_PARTICIPANT_LEN],
+                          const uint8_t id[CUIP_ID_LEN], const uint8_t auth[CUIP_AUTH_LEN],
+                          const char endpoint[CUIP_CAP_ENDPOINT_LEN], char *msg, size_t n);
+/* Serve EXPORT for a peer. */
+SHIM_HIDDEN void cap_serve_export(const struct cuip_header *req, struct reply *r);
+
+#endif

@@ -1,0 +1,593 @@
+/*
+ * Unicast tracking (the application's VMM calls) and the unicast phase work
+ * (INSPECT records, PREPARE_UNICAST teardown, RESTORE_UNICAST re-import).
+ *
+ * Reference model: while an object exists (the application holds a handle
+ * or a mapping) the shim holds exactly one real driver reference to it.
+ * Application handles are counted in obj->refs; a retain's extra real
+ * reference is dropped at once (the driver may return the same value for a
+ * create and a retain, so values are never counted). Teardown therefore
+ * releases one reference after unmapping, and rebuild takes one back.
+ */
+#include "shim.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* ------------------------------------------------------------ helpers */
+static int access_cmp(const void *a, const void *b)
+{
+    const struct cuip_access *x = a, *y = b;
+    if (x->location_type != y->location_type)
+        return x->location_type < y->location_type ? -1 : 1;
+    if (x->location_id != y->location_id)
+        return x->location_id < y->location_id ? -1 : 1;
+    return 0;
+}
+
+/* Merge per location: a later call for the same location replaces its
+ * flags, other locations keep theirs; PROT_NONE removes the location. */
+void access_merge(struct mapping *m, const CUmemAccessDesc *d, size_t count)
+{
+    for (size_t i = 0; i < count; i++) {
+        uint32_t k;
+        for (k = 0; k < m->access_count; k++)
+            if (m->access[k].location_type == (int32_t)d[i].location.type &&
+                m->access[k].location_id == (int32_t)d[i].location.id)
+                break;
+        if (d[i].flags == CU_MEM_ACCESS_FLAGS_PROT_NONE) {
+            if (k < m->access_count) {
+                m->access[k] = m->access[m->access_count - 1];
+                memset(&m->access[m->access_count - 1], 0, sizeof m->access[0]);
+                m->access_count--;
+            }
+            continue;
+        }
+        if (k == m->access_count) {
+            if (m->access_count == CUIP_ACCESS_MAX) {
+                shim_log(LOG_WARN, "more than %u access locations on one mapping; dropped",
+                         CUIP_ACCESS_MAX);
+                continue;
+            }
+            m->access_count++;
+            m->access[k].location_type = (int32_t)d[i].location.type;
+            m->access[k].location_id = (int32_t)d[i].location.id;
+        }
+        m->access[k].flags = (uint64_t)d[i].flags;
+    }
+    qsort(m->access, m->access_count, sizeof m->access[0], access_cmp);
+}
+
+/* Map `m` for `o` and re-apply its access: remapping does not restore it. */
+CUresult map_apply(struct obj *o, const struct mapping *m, char *msg, size_t n)
+{
+    CUmemAccessDesc d[CUIP_ACCESS_MAX];
+    CUresult r = real.cuMemMap(m->va, m->size, m->offset, o->real, m->flags);
+    if (r != CUDA_SUCCESS) {
+        shim_fail(msg, n, "cuMemMap", r);
+        return r;
+    }
+    if (m->access_count == 0)
+        return CUDA_SUCCESS;
+    memset(d, 0, sizeof d);
+    for (uint32_t i = 0; i < m->access_count; i++) {
+        d[i].location.type = (CUmemLocationType)m->access[i].location_type;
+        d[i].location.id = m->access[i].location_id;
+        d[i].flags = (CUmemAccess_flags)m->access[i].flags;
+    }
+    r = real.cuMemSetAccess(m->va, m->size, d, m->access_count);
+    if (r != CUDA_SUCCESS)
+        shim_fail(msg, n, "cuMemSetAccess", r);
+    return r;
+}
+
+/* Lock and check that the application may change tracked state. */
+static CUresult app_lock(void)
+{
+    CUresult r = shim_enter();
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&g.lock);
+    if (g.phase != CUIP_PHASE_ACTIVE) {
+        pthread_mutex_unlock(&g.lock);
+        return CUDA_ERROR_NOT_READY;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* Drop the shim's real reference once nothing of the application's is left. */
+static void obj_maybe_release(struct obj *o)
+{
+    if (!obj_unused(o))
+        return;
+    if (o->live) {
+        CUresult r = real.cuMemRelease(o->real);
+        if (r != CUDA_SUCCESS)
+            shim_log(LOG_WARN, "cuMemRelease of a dead object failed: %s", shim_cu_name(r));
+    }
+    obj_free(o);
+}
+
+/* ------------------------------------------------------------ application calls */
+CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                             const CUmemAllocationProp *prop, unsigned long long flags)
+{
+    CUmemGenericAllocationHandle h;
+    struct obj *o;
+    CUresult r;
+
+    if (!handle || !prop) {
+        r = shim_enter();
+        return r != CUDA_SUCCESS ? r : real.cuMemCreate(handle, size, prop, flags);
+    }
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    r = real.cuMemCreate(&h, size, prop, flags);
+    if (r != CUDA_SUCCESS)
+        goto out;
+    if (SHIM_IS_TAGGED(h)) {
+        shim_log(LOG_ERROR, "driver handle %#llx collides with the shim's tag range; refused",
+                 (unsigned long long)h);
+        real.cuMemRelease(h);
+        r = CUDA_ERROR_NOT_SUPPORTED;
+        goto out;
+    }
+    o = obj_new(OBJ_ALLOC);
+    if (!o) {
+        real.cuMemRelease(h);
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+        goto out;
+    }
+    o->is_creator = true;
+    memcpy(o->creator, g.participant, CUIP_PARTICIPANT_LEN);
+    o->live = true;
+    o->real = h;
+    o->refs = 1;
+    o->size = size;
+    o->prop = *prop;
+    o->prop.win32HandleMetaData = NULL; /* a pointer into the caller: never kept */
+    o->handle_types = (uint64_t)prop->requestedHandleTypes;
+    o->unsupported =
+        (prop->requestedHandleTypes & ~CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != 0;
+    if (real.cuCtxGetCurrent(&o->ctx) != CUDA_SUCCESS)
+        o->ctx = NULL;
+    *handle = obj_handle(o);
+out:
+    pthread_mutex_unlock(&g.lock);
+    return r;
+}
+
+CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    struct obj *o;
+    CUresult r;
+
+    if (!SHIM_IS_TAGGED(handle)) {
+        r = shim_enter();
+        return r != CUDA_SUCCESS ? r : real.cuMemRelease(handle);
+    }
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    o = obj_lookup(handle, true);
+    if (!o) {
+        r = CUDA_ERROR_INVALID_VALUE;
+        goto out;
+    }
+    o->refs--;
+    obj_maybe_release(o);
+out:
+    pthread_mutex_unlock(&g.lock);
+    return r;
+}
+
+CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                          CUmemGenericAllocationHandle handle, unsigned long long flags)
+{
+    struct mapping m;
+    struct obj *o;
+    CUresult r;
+
+    if (!SHIM_IS_TAGGED(handle)) {
+        r = shim_enter();
+        return r != CUDA_SUCCESS ? r : real.cuMemMap(ptr, size, offset, handle, flags);
+    }
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    o = obj_lookup(handle, true);
+    if (!o) {
+        r = CUDA_ERROR_INVALID_VALUE;
+        goto out;
+    }
+    r = real.cuMemMap(ptr, size, offset, o->real, flags);
+    if (r != CUDA_SUCCESS)
+        goto out;
+    memset(&m, 0, sizeof m);
+    m.va = ptr;
+    m.size = size;
+    m.offset = offset;
+    m.flags = flags;
+    if (obj_add_mapping(o, &m) != 0) {
+        real.cuMemUnmap(ptr, size);
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+out:
+    pthread_mutex_unlock(&g.lock);
+    return r;
+}
+
+CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    CUresult r;
+
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    r = real.cuMemUnmap(ptr, size);
+    if (r != CUDA_SUCCESS)
+        goto out;
+    /* The driver refuses a partial unmap, so whole mappings inside the range
+     * are what went away. */
+    for (uint32_t i = 0; i < obj_count(); i++) {
+        struct obj *o = obj_at(i);
+        if (!o)
+            continue;
+        for (uint32_t k = 0; k < o->nmaps;) {
+            const struct mapping *m = &o->maps[k];
+            if (m->va >= ptr && m->va - ptr < size && m->size <= size - (m->va - ptr))
+                obj_del_mapping(o, k);
+            else
+                k++;
+        }
+        obj_maybe_release(o);
+    }
+out:
+    pthread_mutex_unlock(&g.lock);
+    return r;
+}
+
+CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+                                size_t count)
+{
+    CUresult r;
+
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    r = real.cuMemSetAccess(ptr, size, desc, count);
+    if (r != CUDA_SUCCESS || !desc)
+        goto out;
+    for (uint32_t i = 0; i < obj_count(); i++) {
+        struct obj *o = obj_at(i);
+        if (!o)
+            continue;
+        for (uint32_t k = 0; k < o->nmaps; k++) {
+            struct mapping *m = &o->maps[k];
+            if (m->va < ptr + size && ptr < m->va + m->size)
+                access_merge(m, desc, count);
+        }
+    }
+out:
+    pthread_mutex_unlock(&g.lock);
+    return r;
+}
+
+CUresult CUDAAPI cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
+{
+    CUmemGenericAllocationHandle h;
+    struct obj *o;
+    CUresult r;
+
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    if (!handle) {
+        r = real.cuMemRetainAllocationHandle(handle, addr);
+        goto out;
+    }
+    r = real.cuMemRetainAllocationHandle(&h, addr);
+    if (r != CUDA_SUCCESS)
+        goto out;
+    o = obj_by_address((CUdeviceptr)(uintptr_t)addr, NULL);
+    if (!o) {
+        /* Not a mapping the shim made: hand the driver's answer back. */
+        *handle = h;
+        goto out;
+    }
+    /* The shim already holds its one reference: drop the driver's extra. */
+    real.cuMemRelease(h);
+    o->refs++;
+    *handle = obj_handle(o);
+out:
+    pthread_mutex_unlock(&g.lock);
+    return r;
+}
+
+CUresult CUDAAPI cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
+                                                        CUmemGenericAllocationHandle handle)
+{
+    struct obj *o;
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!SHIM_IS_TAGGED(handle))
+        return real.cuMemGetAllocationPropertiesFromHandle(prop, handle);
+    pthread_mutex_lock(&g.lock);
+    o = obj_lookup(handle, true);
+    if (!o)
+        r = CUDA_ERROR_INVALID_VALUE;
+    else if (!o->live)
+        r = CUDA_ERROR_NOT_READY;
+    else
+        r = real.cuMemGetAllocationPropertiesFromHandle(prop, o->real);
+    pthread_mutex_unlock(&g.lock);
+    return r;
+}
+
+/* ------------------------------------------------------------ INSPECT */
+static int id_cmp(const void *a, const void *b)
+{
+    const struct obj *const *x = a, *const *y = b;
+    return memcmp((*x)->id, (*y)->id, CUIP_ID_LEN);
+}
+
+static int map_cmp(const void *a, const void *b)
+{
+    const struct mapping *x = a, *y = b;
+    return x->va < y->va ? -1 : x->va > y->va;
+}
+
+static void rec_allocation(struct cuip_record *rec, const struct obj *o)
+{
+    memset(rec, 0, sizeof *rec);
+    rec->kind = CUIP_RECORD_ALLOCATION;
+    rec->flags = (uint16_t)((o->is_creator ? CUIP_FLAG_CREATOR | CUIP_FLAG_CONTENT : 0) |
+                            (o->refs > 0 ? CUIP_FLAG_HANDLE_LIVE : 0));
+    memcpy(rec->id, o->id, CUIP_ID_LEN);
+    memcpy(rec->creator, o->creator, CUIP_PARTICIPANT_LEN);
+    rec->size = o->size;
+    rec->handle_types = o->handle_types;
+    rec->allocation_type = (int32_t)o->prop.type;
+    rec->location_type = (int32_t)o->prop.location.type;
+    rec->location_id = o->prop.location.id;
+    rec->handle_count = o->refs;
+}
+
+static void rec_mapping(struct cuip_record *rec, const struct obj *o, const struct mapping *m)
+{
+    memset(rec, 0, sizeof *rec);
+    rec->kind = CUIP_RECORD_MAPPING;
+    memcpy(rec->id, o->id, CUIP_ID_LEN);
+    rec->address = m->va;
+    rec->size = m->size;
+    rec->offset = m->offset;
+    rec->op_flags = m->flags;
+    rec->access_count = m->access_count;
+    memcpy(rec->access, m->access, m->access_count * sizeof m->access[0]);
+}
+
+static uint64_t known_size(const struct obj *o)
+{
+    uint64_t s = o->size;
+    for (uint32_t k = 0; k < o->nmaps; k++)
+        if (o->maps[k].offset + o->maps[k].size > s)
+            s = o->maps[k].offset + o->maps[k].size;
+    return s;
+}
+
+static void rec_refusal(struct cuip_record *rec, const struct obj *o, uint16_t kind)
+{
+    memset(rec, 0, sizeof *rec);
+    rec->kind = kind;
+    rec->handle_types = o->handle_types;
+    rec->size = known_size(o);
+    if (kind == CUIP_RECORD_UNSUPPORTED_EXPORTABLE) {
+        rec->location_type = (int32_t)o->prop.location.type;
+        rec->location_id = o->prop.location.id;
+    }
+}
+
+/* Called with g.lock held; no driver calls. */
+int unicast_inspect(struct reply *r)
+{
+    uint32_t n = obj_count(), nobj = 0, nrec = 0, nraw = 0, nuns = 0, mc = 0;
+    struct obj **list = NULL;
+    struct cuip_record *recs = NULL;
+
+    list = calloc(n ? n : 1, sizeof *list);
+    if (!list)
+        goto nomem;
+    for (uint32_t i = 0; i < n; i++) {
+        struct obj *o = obj_at(i);
+        if (!o || o->kind != OBJ_ALLOC || obj_unused(o))
+            continue;
+        if (obj_shared(o)) {
+            list[nobj++] = o;
+            nrec += 1 + o->nmaps;
+        } else if (o->raw_import) {
+            nrec++;
+            nraw++;
+        } else if (o->unsupported) {
+            nrec++;
+            nuns++;
+        }
+    }
+    mc = multicast_live();
+    nrec += mc;
+    if (nrec > CUIP_RECORDS_MAX) {
+        reply_msg(r, CUIP_STATUS_INTERNAL, "%u records exceed the limit of %u", nrec,
+                  CUIP_RECORDS_MAX);
+        free(list);
+        return -1;
+    }
+    recs = calloc(nrec ? nrec : 1, sizeof *recs);
+    if (!recs)
+        goto nomem;
+    qsort(list, nobj, sizeof *list, id_cmp);
+    nrec = 0;
+    for (uint32_t i = 0; i < nobj; i++) {
+        struct obj *o = list[i];
+        rec_allocation(&recs[nrec++], o);
+        qsort(o->maps, o->nmaps, sizeof *o->maps, map_cmp);
+        for (uint32_t k = 0; k < o->nmaps; k++)
+            rec_mapping(&recs[nrec++], o, &o->maps[k]);
+    }
+    /* Refusal records after the topology, in slot order. */
+    for (uint32_t i = 0; i < n; i++) {
+        struct obj *o = obj_at(i);
+        if (!o || o->kind != OBJ_ALLOC || obj_unused(o) || obj_shared(o))
+            continue;
+        if (o->raw_import)
+            rec_refusal(&recs[nrec++], o, CUIP_RECORD_RAW_IMPORT);
+        else if (o->unsupported)
+            rec_refusal(&recs[nrec++], o, CUIP_RECORD_UNSUPPORTED_EXPORTABLE);
+    }
+    r->records = recs;
+    r->h.count = nrec;
+    {
+        uint32_t got = 0;
+        multicast_inspect(r, &got);
+    }
+    if (nraw || nuns || mc)
+        reply_msg(r, CUIP_STATUS_OK,
+                  "not capturable: %u raw import(s) (an FD that is not a cuinterpose "
+                  "capability), %u allocation(s) exportable through a handle type other than "
+                  "POSIX FD, %u multicast object(s) (not captured yet)",
+                  nraw, nuns, mc);
+    free(list);
+    return 0;
+nomem:
+    free(list);
+    reply_msg(r, CUIP_STATUS_INTERNAL, "out of memory building INSPECT records");
+    return -1;
+}
+
+/* ------------------------------------------------------------ PREPARE_UNICAST */
+static void set_live(struct obj *o, bool live, CUmemGenericAllocationHandle h)
+{
+    pthread_mutex_lock(&g.lock);
+    o->live = live;
+    o->real = h;
+    pthread_mutex_unlock(&g.lock);
+}
+
+/* Unmap every mapping of `o` and release the shim's reference; the VA
+ * reservations stay (graphs and kernels hold those pointers). */
+static int teardown(struct obj *o, struct reply *r)
+{
+    char msg[256];
+    bool pushed;
+    CUmemGenericAllocationHandle h = o->real;
+    CUresult cr = shim_ctx_enter(o->ctx, &pushed);
+
+    if (cr != CUDA_SUCCESS) {
+        shim_fail(msg, sizeof msg, "cuCtxPushCurrent", cr);
+        goto fail;
+    }
+    set_live(o, false, 0); /* EXPORT stops serving it before it goes away */
+    for (uint32_t k = 0; k < o->nmaps; k++) {
+        cr = real.cuMemUnmap(o->maps[k].va, o->maps[k].size);
+        if (cr != CUDA_SUCCESS) {
+            shim_fail(msg, sizeof msg, "cuMemUnmap", cr);
+            goto fail_ctx;
+        }
+    }
+    cr = real.cuMemRelease(h);
+    if (cr != CUDA_SUCCESS) {
+        shim_fail(msg, sizeof msg, "cuMemRelease", cr);
+        goto fail_ctx;
+    }
+    shim_ctx_leave(pushed);
+    return 0;
+fail_ctx:
+    shim_ctx_leave(pushed);
+fail:
+    reply_msg(r, CUIP_STATUS_CUDA_FAILED, "PREPARE_UNICAST: %s", msg);
+    return -1;
+}
+
+int unicast_prepare(struct reply *r)
+{
+    for (uint32_t i = 0; i < obj_count(); i++) {
+        struct obj *o = obj_at(i);
+        if (!o || !obj_shared(o) || !o->live)
+            continue;
+        if (o->is_creator && !o->host) {
+            reply_msg(r, CUIP_STATUS_INTERNAL,
+                      "PREPARE_UNICAST: allocation content was not saved");
+            return -1;
+        }
+        if (teardown(o, r) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------ rebuild */
+/* Map every recorded mapping of `o` again (creator after LOAD, importer
+ * after RESTORE). Offsets, sizes and flags are the application's own. */
+int unicast_load_mappings(struct obj *o, char *msg, size_t n)
+{
+    for (uint32_t k = 0; k < o->nmaps; k++)
+        if (map_apply(o, &o->maps[k], msg, n) != CUDA_SUCCESS)
+            return -1;
+    return 0;
+}
+
+static int reimport(struct obj *o, struct reply *r)
+{
+    char msg[512];
+    CUmemGenericAllocationHandle h = 0;
+    bool pushed = false;
+    CUresult cr;
+    int fd = cap_fetch(o->creator, o->id, o->auth, o->endpoint, msg, sizeof msg);
+
+    if (fd < 0) {
+        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "RESTORE_UNICAST: %s", msg);
+        return -1;
+    }
+    cr = shim_ctx_enter(o->ctx, &pushed);
+    if (cr != CUDA_SUCCESS) {
+        shim_fail(msg, sizeof msg, "cuCtxPushCurrent", cr);
+        goto fail;
+    }
+    cr = real.cuMemImportFromShareableHandle(&h, (void *)(intptr_t)fd,
+                                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    close(fd);
+    fd = -1;
+    if (cr != CUDA_SUCCESS) {
+        shim_fail(msg, sizeof msg, "cuMemImportFromShareableHandle", cr);
+        goto fail;
+    }
+    if (SHIM_IS_TAGGED(h)) {
+        real.cuMemRelease(h);
+        snprintf(msg, sizeof msg, "driver handle collides with the shim's tag range");
+        goto fail;
+    }
+    o->real = h;
+    if (unicast_load_mappings(o, msg, sizeof msg) != 0) {
+        real.cuMemRelease(h);
+        goto fail;
+    }
+    shim_ctx_leave(pushed);
+    set_live(o, true, h);
+    return 0;
+fail:
+    if (fd >= 0)
+        close(fd);
+    shim_ctx_leave(pushed);
+    reply_msg(r, CUIP_STATUS_CUDA_FAILED, "RESTORE_UNICAST: %s", msg);
+    return -1;
+}
+
+int unicast_restore(struct reply *r)
+{
+    for (uint32_t i = 0; i < obj_count(); i++) {
+        struct obj *o = obj_at(i);
+        if (!o || !obj_shared(o) || o->is_creator || o->live)
+            continue;
+        if (reimport(o, r) != 0)
+            return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,158 @@
+/* Small helpers: logging, time, randomness, hex, environment parsing. */
+#include "shim.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+static int log_level(void)
+{
+    /* Read once; a data race on an int initialised to the same value is
+     * benign, but keep it simple with a static computed lazily. */
+    static int level = -1;
+    if (level < 0)
+        level = shim_env_flag("SNAPSHOT_SHIM_DEBUG") ? LOG_DEBUG : LOG_WARN;
+    return level;
+}
+
+void shim_log(int level, const char *fmt, ...)
+{
+    static const char *names[] = {"error", "warning", "info", "debug"};
+    char buf[1400];
+    int n, m;
+    va_list ap;
+
+    if (level > log_level())
+        return;
+    n = snprintf(buf, sizeof buf, "cuinterpose[%d]: %s: ", (int)getpid(), names[level]);
+    if (n < 0)
+        return;
+    va_start(ap, fmt);
+    m = vsnprintf(buf + n, sizeof buf - (size_t)n - 1, fmt, ap);
+    va_end(ap);
+    if (m < 0)
+        return;
+    n += m;
+    if ((size_t)n > sizeof buf - 2)
+        n = (int)sizeof buf - 2;
+    buf[n++] = '\n';
+    /* One write so that lines from several threads do not interleave. */
+    ssize_t w = write(2, buf, (size_t)n);
+    (void)w;
+}
+
+uint64_t shim_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+int shim_random(void *buf, size_t len)
+{
+    uint8_t *p = buf;
+    while (len > 0) {
+        ssize_t n = getrandom(p, len, 0);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+void shim_random_id(uint8_t id[CUIP_ID_LEN])
+{
+    do {
+        if (shim_random(id, CUIP_ID_LEN) != 0) {
+            /* getrandom cannot fail on Linux >= 3.17 with a small buffer;
+             * abort rather than hand out predictable ids. */
+            shim_log(LOG_ERROR, "getrandom failed: %s", strerror(errno));
+            abort();
+        }
+    } while (shim_is_zero(id, CUIP_ID_LEN));
+}
+
+void shim_hex(char *out, const uint8_t *in, size_t len)
+{
+    static const char digits[] = "0123456789abcdef";
+    for (size_t i = 0; i < len; i++) {
+        out[2 * i] = digits[in[i] >> 4];
+        out[2 * i + 1] = digits[in[i] & 15];
+    }
+}
+
+bool shim_is_participant(const char *p)
+{
+    for (int i = 0; i < CUIP_PARTICIPANT_LEN; i++) {
+        char c = p[i];
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
+            return false;
+    }
+    return true;
+}
+
+bool shim_is_zero(const void *p, size_t len)
+{
+    const uint8_t *b = p;
+    uint8_t acc = 0;
+    for (size_t i = 0; i < len; i++)
+        acc |= b[i];
+    return acc == 0;
+}
+
+bool shim_ct_equal(const void *a, const void *b, size_t len)
+{
+    const uint8_t *x = a, *y = b;
+    uint8_t acc = 0;
+    for (size_t i = 0; i < len; i++)
+        acc |= (uint8_t)(x[i] ^ y[i]);
+    return acc == 0;
+}
+
+long shim_env_long(const char *name, long def, long min, long max)
+{
+    const char *v = getenv(name);
+    char *end;
+    long x;
+
+    if (!v || !*v)
+        return def;
+    errno = 0;
+    x = strtol(v, &end, 10);
+    if (errno || *end || x < min || x > max) {
+        shim_log(LOG_WARN, "%s=%s is not an integer in [%ld, %ld]; using %ld", name, v, min,
+                 max, def);
+        return def;
+    }
+    return x;
+}
+
+bool shim_env_flag(const char *name)
+{
+    const char *v = getenv(name);
+    if (!v)
+        return false;
+    return !strcmp(v, "1") || !strcasecmp(v, "true") || !strcasecmp(v, "yes") ||
+           !strcasecmp(v, "on");
+}
+
+const char *shim_cu_name(CUresult r)
+{
+    const char *s = NULL;
+    if (real.cuGetErrorName && real.cuGetErrorName(r, &s) == CUDA_SUCCESS && s)
+        return s;
+    return "CUDA_ERROR_(unnamed)";
+}
+
+void shim_fail(char *msg, size_t n, const char *call, CUresult r)
+{
+    snprintf(msg, n, "%s failed: %s (%d)", call, shim_cu_name(r), (int)r);
+}

@@ -1,0 +1,144 @@
+"""Environment for child processes that run with the shim preloaded.
+
+``shim_env()`` extends ``simenv.sim_env()`` (the simulated driver on the library
+path, libasan first for the sanitizer build) with ``libcuinterpose.so`` in
+``LD_PRELOAD`` and ``SNAPSHOT_CONTROL_DIR``. ``shim_library()`` and
+``test_program()`` locate the built artifacts. Also a tiny control-protocol client
+(``request``) for tests that talk to a shim directly.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent)]
+
+import simenv  # noqa: E402
+from cuinterpose.engine import wire  # noqa: E402
+
+REPO = simenv.REPO
+
+
+def build_kind(build: str | None = None) -> str:
+    """``asan`` or ``release``; ``system`` (the real driver) uses the release shim."""
+    kind = build or simenv.driver_kind()
+    return "release" if kind == "system" else kind
+
+
+def shim_library(build: str | None = None) -> Path:
+    path = simenv.BUILD_DIRS[build_kind(build)] / "shim_c" / "libcuinterpose.so"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing: run `make build`")
+    return path
+
+
+def test_program(name: str, build: str | None = None) -> Path:
+    """A C test program built from tests/shim/c (e.g. ``shim_direct``)."""
+    path = simenv.BUILD_DIRS[build_kind(build)] / "tests" / "shim" / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing: run `make build`")
+    return path
+
+
+def shim_env(
+    build: str | None = None,
+    control_dir: Path | str | None = None,
+    driver: str | None = None,
+    namespace: str | None = None,
+    devices: int = 2,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Environment of an application process with the shim preloaded.
+
+    ``build``: ``asan`` (default, from CUINTERPOSE_TEST_DRIVER) or ``release``.
+    ``driver``: ``sim`` (default unless CUINTERPOSE_TEST_DRIVER=system) or ``system``.
+    ``control_dir`` becomes SNAPSHOT_CONTROL_DIR (the shim creates it if missing).
+    """
+    kind = build_kind(build)
+    drv = driver or ("system" if simenv.driver_kind() == "system" else "sim")
+    base = simenv.sim_env(build=kind if drv == "sim" else "system", devices=devices,
+                          namespace=namespace)
+    if drv == "system" and kind == "asan":
+        base["LD_PRELOAD"] = simenv.asan_runtime() + (
+            " " + base["LD_PRELOAD"] if base.get("LD_PRELOAD") else ""
+        )
+        base["ASAN_OPTIONS"] = "detect_leaks=0:abort_on_error=1:verify_asan_link_order=0"
+    shim = str(shim_library(kind))
+    preload = base.get("LD_PRELOAD", "")
+    # After the sanitizer runtime (which must come first), before anything else.
+    parts = preload.split()
+    if parts and "libasan" in parts[0]:
+        parts.insert(1, shim)
+    else:
+        parts.insert(0, shim)
+    base["LD_PRELOAD"] = " ".join(parts)
+    if control_dir is not None:
+        base["SNAPSHOT_CONTROL_DIR"] = str(control_dir)
+    if extra:
+        base.update(extra)
+    return base
+
+
+# ---------------------------------------------------------------- a tiny client
+def socket_path(control_dir: Path | str, pid: int) -> Path:
+    return Path(control_dir) / wire.socket_name(pid)
+
+
+def wait_socket(control_dir: Path | str, pid: int, timeout: float = 20.0) -> Path:
+    path = socket_path(control_dir, pid)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path
+        time.sleep(0.02)
+    raise TimeoutError(f"no control socket {path}")
+
+
+def raw_exchange(path: Path | str, payload: bytes, timeout: float = 10.0) -> bytes:
+    """Send raw bytes, read until the shim closes; returns what came back."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        s.sendall(payload)
+        chunks = []
+        while True:
+            try:
+                b = s.recv(65536)
+            except ConnectionResetError:
+                break
+            if not b:
+                break
+            chunks.append(b)
+    return b"".join(chunks)
+
+
+def request(
+    path: Path | str, req: wire.Request, timeout: float = 30.0
+) -> tuple[wire.Reply, list[int]]:
+    """One request; returns the decoded reply and any FDs it carried (caller closes)."""
+    fds: list[int] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        s.sendall(req.encode())
+        data = b""
+        while True:
+            msg, got, _, _ = socket.recv_fds(s, 1 << 20, 4)
+            fds.extend(got)
+            if not msg:
+                break
+            data += msg
+    return wire.Reply.decode(data), fds
+
+
+def handshake(path: Path | str) -> wire.Reply:
+    reply, fds = request(path, wire.Request(op=wire.Op.HANDSHAKE))
+    for fd in fds:
+        os.close(fd)
+    return reply
