@@ -96,3 +96,16 @@ def test_a_change_in_phases_changes_the_diagram() -> None:
 def test_the_mermaid_engine_needs_no_graphviz() -> None:
     machine = GraphMachine(states=["a", "b"], initial="a", graph_engine="mermaid")
     assert machine.graph_cls.__module__ == "transitions.extensions.diagrams_mermaid"
+
+
+def test_protocol_spec_lists_the_codecs_values() -> None:
+    from cuinterpose.engine.wire import HEADER_STRUCT, RECORD_STRUCT, Op, Phase, Status
+
+    text = (SPECS / "protocol.md").read_text(encoding="utf-8")
+    rows = set(re.findall(r"^\| (\d+) \| (\w+) \|", text, re.MULTILINE))
+    for enum_type in (Op, Phase, Status):
+        for member in enum_type:
+            assert (str(member.value), member.name) in rows, f"{enum_type.__name__}.{member.name}"
+    assert f"`'{HEADER_STRUCT.format}'`" in text
+    assert "'<HHI16s16s32sQQQQQQQiiiiIBBHII' + 'iiQ' * 8" in text
+    assert RECORD_STRUCT.size == 288 and HEADER_STRUCT.size == 128
