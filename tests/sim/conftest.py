@@ -4,6 +4,7 @@ cuda.bindings.driver against the driver chosen by CUINTERPOSE_TEST_DRIVER
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -66,16 +67,32 @@ def read(va, n, off=0):
     check(cu.cuMemcpyDtoH(ctypes.addressof(buf), int(va) + off, n))
     return buf.raw.hex()
 
+import hashlib
 def pattern(seed, n):
-    return bytes((seed * 131 + i * 7) & 0xFF for i in range(n))
+    return hashlib.shake_256(seed.to_bytes(4, "little")).digest(n)
+
+def sha(va, n, off=0):
+    buf = ctypes.create_string_buffer(n)
+    check(cu.cuMemcpyDtoH(ctypes.addressof(buf), int(va) + off, n))
+    return hashlib.sha256(buf.raw).hexdigest()
 
 def free_mem():
     return int(check(cu.cuMemGetInfo())[0])
 """
 
 
+def pattern_bytes(seed: int, n: int) -> bytes:
+    """Non-periodic test bytes (the workers' pattern())."""
+    return hashlib.shake_256(seed.to_bytes(4, "little")).digest(n)
+
+
 def pattern(seed: int, n: int) -> str:
-    return bytes((seed * 131 + i * 7) & 0xFF for i in range(n)).hex()
+    return pattern_bytes(seed, n).hex()
+
+
+def psha(seed: int, n: int) -> str:
+    """sha256 of pattern(seed, n): what the workers' sha() returns for it."""
+    return hashlib.sha256(pattern_bytes(seed, n)).hexdigest()
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import MiB, needs_multicast, pattern, sim_only
+from conftest import MiB, needs_multicast, psha, sim_only
 
 import simenv
 
@@ -111,12 +111,12 @@ result = [int(h), int(va), int(hn), int(van), int(d)]
     assert c(f"result = [unlock({pid}), state({pid})]") == ["CUDA_SUCCESS", "RUNNING"]
     r = t(f"""
 p = check(cu.cuMemGetAllocationPropertiesFromHandle({h}))
-result = [read({va}, {size}), read({van}, 2 * MiB), read({d}, 16),
+result = [sha({va}, {size}), sha({van}, 2 * MiB), read({d}, 16),
           int(check(cu.cuMemRetainAllocationHandle({va}))) == {h}, int(p.requestedHandleTypes)]
 check(cu.cuMemRelease({h}))
 send_fd(kept_fd)
 """)
-    assert r[0] == pattern(5, size) and r[1] == pattern(6, 2 * MiB)
+    assert r[0] == psha(5, size) and r[1] == psha(6, 2 * MiB)
     assert r[2] == "5a" * 16 and r[3] is True and r[4] == 1
     # The FD exported before the checkpoint still names the same allocation.
     fd = t.take_fd()
@@ -125,9 +125,9 @@ send_fd(kept_fd)
     got = other(f"""
 fd = recv_fd(); hi = check(cu.cuMemImportFromShareableHandle(fd, POSIX)); os.close(fd)
 v = check(cu.cuMemAddressReserve({size}, 0, 0, 0)); check(cu.cuMemMap(v, {size}, 0, hi, 0)); access(v, {size})
-result = read(v, {size})
+result = sha(v, {size})
 """)
-    assert got == pattern(5, size)
+    assert got == psha(5, size)
 
 
 def test_lock_blocks_driver_calls_until_unlock(spawn):
@@ -146,7 +146,7 @@ def test_lock_blocks_driver_calls_until_unlock(spawn):
 def test_lock_times_out_on_a_call_in_flight(spawn):
     """A multicast bind waiting for its team is a call in flight: lock gives up
     after its timeout with NOT_READY and leaves the process RUNNING."""
-    t = spawn(extra={"CUINTERPOSE_SIM_MC_WAIT_MS": "4000"})
+    t = spawn(extra={"CUINTERPOSE_SIM_MC_WAIT_MS": "1500"})
     c = controller(spawn)
     t("""
 mp = cu.CUmulticastObjectProp(); mp.numDevices = 2; mp.size = 2 * MiB; mp.handleTypes = 0; mp.flags = 0
@@ -195,7 +195,7 @@ result = out
     assert r[7:] == [ok, "CUDA_ERROR_NOT_SUPPORTED", "LOCKED", "CHECKPOINTED",
                      ok, "RUNNING", "CUDA_ERROR_ILLEGAL_STATE", "CUDA_ERROR_NOT_SUPPORTED",
                      "CHECKPOINTED"]
-    assert creator(f"result = read(va, {size})") == pattern(9, size)
+    assert creator(f"result = sha(va, {size})") == psha(9, size)
     importer.kill()  # stuck CHECKPOINTED, as on the real driver
 
 
@@ -215,7 +215,7 @@ check(cu.cuMemUnmap(va, 2 * MiB)); check(cu.cuMemRelease(h))
     pids = [creator.pid, importer.pid]
     r = c(f"result = [f(p) for f in (lock, ckpt, restore, unlock) for p in {pids}]")
     assert r == ["CUDA_SUCCESS"] * 8
-    assert creator("result = read(va, 2 * MiB)") == pattern(4, 2 * MiB)
+    assert creator("result = sha(va, 2 * MiB)") == psha(4, 2 * MiB)
 
 
 @sim_only
