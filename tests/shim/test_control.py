@@ -1,0 +1,455 @@
+"""The shim's control server under protocol use and abuse (simulated driver).
+
+Hostile input (random and truncated requests, wrong participant, bad authorization,
+unknown op, non-zero reserved fields, peers that hang up or stall, floods of
+connections) must get an error reply or a dropped connection, never a crash, and
+the application must keep working. Also the phase machine: a whole unicast cycle
+(without the native checkpoint, which tests/shim/test_e2e.py adds), WRONG_PHASE,
+NOT_READY for the application outside ACTIVE, FAILED with its reason.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import stat
+import struct
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path[:0] = [str(Path(__file__).resolve().parent)]
+
+import shimenv  # noqa: E402
+import simenv  # noqa: E402
+from cuinterpose.engine import wire  # noqa: E402
+
+Op, Status, Phase = wire.Op, wire.Status, wire.Phase
+
+pytestmark = pytest.mark.skipif(not simenv.is_simulated(), reason="simulated driver only")
+
+
+@pytest.fixture
+def cdir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cip-"))
+    path.chmod(0o700)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def spawn(cdir: Path) -> Iterator[Callable[..., simenv.Worker]]:
+    workers: list[simenv.Worker] = []
+    namespace = f"shimctl-{cdir.name}"
+
+    def start(**extra: str) -> simenv.Worker:
+        env = shimenv.shim_env(control_dir=cdir, namespace=namespace, extra=extra)
+        w = simenv.Worker(env)
+        workers.append(w)
+        w(shimenv.WORKER_SETUP)
+        return w
+
+    yield start
+    for w in workers:
+        w.close()  # a crash or a sanitizer report fails the test
+    Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-{namespace}").unlink(missing_ok=True)
+
+
+class Shim:
+    """One application's control endpoint."""
+
+    def __init__(self, cdir: Path, pid: int) -> None:
+        self.path = shimenv.wait_socket(cdir, pid)
+        self.participant = shimenv.handshake(self.path).participant
+
+    def call(self, op: Op, **kw: object) -> wire.Reply:
+        who = "" if op == Op.HANDSHAKE else self.participant
+        reply, fds = shimenv.request(self.path, wire.Request(op=op, participant=who, **kw))  # type: ignore[arg-type]
+        for fd in fds:
+            os.close(fd)
+        assert reply.op == op and reply.participant == self.participant
+        return reply
+
+    def ok(self, op: Op) -> wire.Reply:
+        reply = self.call(op)
+        assert reply.status == Status.OK, (op, reply.status, reply.message)
+        return reply
+
+
+def header(op: int = 1, participant: bytes = b"\0" * 32, **fields: int) -> bytearray:
+    raw = bytearray(wire.Header(op=op).encode())
+    raw[16:48] = participant
+    for name, (off, fmt) in {
+        "status": (8, "<i"), "count": (12, "<I"), "resource_kind": (80, "<I"),
+        "message_length": (84, "<I"), "pid": (88, "<I"), "phase": (92, "<H"),
+        "reserved": (94, "<H"), "stat_count": (96, "<Q"), "stat_copy_ns": (120, "<Q"),
+    }.items():
+        if name in fields:
+            struct.pack_into(fmt, raw, off, fields[name])
+    return raw
+
+
+def reply_of(raw: bytes) -> wire.Reply:
+    return wire.Reply.decode(raw)
+
+
+def app_still_works(w: simenv.Worker, seed: int = 5) -> None:
+    got = w(
+        f"""
+h = check(cu.cuMemCreate(gran, prop(), 0))
+va = map_rw(h, gran)
+fill(va, gran, {seed})
+result = digest(va, gran) == expected({seed}, gran)
+check(cu.cuMemUnmap(va, gran)); check(cu.cuMemRelease(h)); check(cu.cuMemAddressFree(va, gran))
+"""
+    )
+    assert got is True
+
+
+# ---------------------------------------------------------------- transport
+def test_socket_mode_and_handshake(spawn: Callable[..., simenv.Worker], cdir: Path) -> None:
+    w = spawn()
+    shim = Shim(cdir, w.pid)
+    assert stat.S_IMODE(shim.path.stat().st_mode) == 0o600
+    reply = shimenv.handshake(shim.path)
+    assert reply.status == Status.OK and reply.pid == w.pid and reply.phase == Phase.ACTIVE
+    assert wire.is_participant_id(reply.participant)
+    assert not [p for p in cdir.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_hostile_requests_get_errors(spawn: Callable[..., simenv.Worker], cdir: Path) -> None:
+    w = spawn()
+    shim = Shim(cdir, w.pid)
+    me = shim.participant.encode()
+    other = ("0" * 31 + "1").encode() if me != b"0" * 31 + b"1" else b"f" * 32
+    cases: list[tuple[bytes, Status]] = [
+        (bytes(header(op=13, participant=me)), Status.BAD_REQUEST),        # unknown op
+        (bytes(header(op=0, participant=me)), Status.BAD_REQUEST),
+        (bytes(header(op=0xFFFF, participant=me)), Status.BAD_REQUEST),
+        (bytes(header(op=Op.INSPECT, participant=other)), Status.WRONG_PARTICIPANT),
+        (bytes(header(op=Op.INSPECT, participant=b"G" * 32)), Status.BAD_REQUEST),
+        (bytes(header(op=Op.INSPECT, participant=b"\0" * 32)), Status.BAD_REQUEST),
+        (bytes(header(op=Op.HANDSHAKE, participant=me)), Status.BAD_REQUEST),
+        (bytes(header(op=Op.INSPECT, participant=me, reserved=1)), Status.BAD_REQUEST),
+        (bytes(header(op=Op.INSPECT, participant=me, status=3)), Status.BAD_REQUEST),
+        (bytes(header(op=Op.INSPECT, participant=me, count=1)), Status.BAD_REQUEST),
+        (bytes(header(op=Op.INSPECT, participant=me, pid=7)), Status.BAD_REQUEST),
+        (bytes(header(op=Op.INSPECT, participant=me, phase=1)), Status.BAD_REQUEST),
+        (bytes(header(op=Op.INSPECT, participant=me, message_length=4)), Status.BAD_REQUEST),
+        (bytes(header(op=Op.INSPECT, participant=me, stat_count=1)), Status.BAD_REQUEST),
+        (bytes(header(op=Op.INSPECT, participant=me, stat_copy_ns=1)), Status.BAD_REQUEST),
+        (bytes(header(op=Op.INSPECT, participant=me, resource_kind=1)), Status.BAD_REQUEST),
+        (bytes(header(op=Op.EXPORT, participant=me)), Status.BAD_REQUEST),   # no kind, no id
+        (bytes(header(op=Op.SAVE_ALLOCATIONS, participant=me)), Status.WRONG_PHASE),
+        (bytes(header(op=Op.RESTORE_UNICAST, participant=me)), Status.WRONG_PHASE),
+    ]
+    bad_magic = header(op=Op.HANDSHAKE)
+    bad_magic[0] ^= 0xFF
+    bad_version = header(op=Op.HANDSHAKE)
+    bad_version[4] = 9
+    for raw in (bad_magic, bad_version):
+        got = shimenv.raw_exchange(shim.path, bytes(raw))
+        assert struct.unpack_from("<i", got, 8)[0] == Status.BAD_REQUEST
+    for raw, status in cases:
+        got = shimenv.raw_exchange(shim.path, raw)
+        assert len(got) >= 128, raw[:8]
+        assert struct.unpack_from("<i", got, 8)[0] == status, (raw[4:8], got[128:])
+        assert struct.unpack_from("<H", got, 92)[0] == Phase.ACTIVE
+    # A valid request followed by trailing garbage is still one request.
+    got = shimenv.raw_exchange(shim.path, wire.Request(op=Op.HANDSHAKE).encode() + b"junk")
+    assert reply_of(got).status == Status.OK
+    app_still_works(w)
+
+
+def test_random_truncated_and_hung_up(spawn: Callable[..., simenv.Worker], cdir: Path) -> None:
+    w = spawn(SNAPSHOT_SHIM_IO_TIMEOUT_MS="300")
+    shim = Shim(cdir, w.pid)
+    rng = random.Random(1234)
+    valid = wire.Request(op=Op.INSPECT, participant=shim.participant).encode()
+    for i in range(150):
+        kind = i % 3
+        if kind == 0:
+            payload = rng.randbytes(rng.randrange(0, 300))
+        elif kind == 1:
+            payload = valid[: rng.randrange(0, 128)]
+        else:  # a valid request with one byte flipped
+            b = bytearray(valid)
+            pos = rng.randrange(0, 128)
+            b[pos] ^= 1 << rng.randrange(8)
+            payload = bytes(b)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(str(shim.path))
+            s.sendall(payload)
+            if len(payload) < 128:
+                s.shutdown(socket.SHUT_WR)  # hang up mid-request
+            try:
+                got = s.recv(1 << 20)
+            except (ConnectionResetError, TimeoutError):
+                got = b""
+        if got:
+            assert len(got) >= 128
+    # A client that stalls mid-request is dropped after the I/O timeout.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(str(shim.path))
+        s.sendall(valid[:40])
+        t0 = time.monotonic()
+        assert s.recv(10) == b""
+        assert time.monotonic() - t0 < 4
+    # A client that sends a full request and hangs up before the reply (SIGPIPE).
+    for _ in range(20):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(str(shim.path))
+            s.sendall(valid)
+    assert shim.ok(Op.INSPECT).phase == Phase.ACTIVE
+    app_still_works(w)
+
+
+def test_many_concurrent_connections(spawn: Callable[..., simenv.Worker], cdir: Path) -> None:
+    w = spawn()
+    shim = Shim(cdir, w.pid)
+    answers: list[int] = []
+    lock = threading.Lock()
+
+    def hammer() -> None:
+        for _ in range(5):
+            try:
+                reply = shimenv.handshake(shim.path)
+                with lock:
+                    answers.append(int(reply.status))
+            except (OSError, wire.WireError):
+                pass  # dropped under load: allowed
+
+    # Idle connections that never send anything hold threads until the timeout.
+    idle = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(30)]
+    for s in idle:
+        s.connect(str(shim.path))
+    threads = [threading.Thread(target=hammer) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in idle:
+        s.close()
+    assert answers and set(answers) == {Status.OK}
+    assert shimenv.handshake(shim.path).status == Status.OK
+    app_still_works(w)
+
+
+# ---------------------------------------------------------------- EXPORT
+def read_capability(fd: int) -> dict[str, object]:
+    raw = os.pread(fd, 128, 0)
+    magic, version, kind = struct.unpack_from("<IHH", raw, 0)
+    return {
+        "magic": magic, "version": version, "kind": kind,
+        "creator": raw[8:40].decode(), "id": raw[40:56], "auth": raw[56:72],
+        "endpoint": raw[72:112].rstrip(b"\0").decode(),
+        "size": struct.unpack_from("<Q", raw, 112)[0],
+    }
+
+
+def test_export_authorization(spawn: Callable[..., simenv.Worker], cdir: Path) -> None:
+    w = spawn()
+    shim = Shim(cdir, w.pid)
+    w("H['a'] = check(cu.cuMemCreate(2 * gran, prop(), 0)); send_fd(export(H['a']))")
+    fd = w.take_fd()
+    cap = read_capability(fd)
+    os.close(fd)
+    assert cap["magic"] == 0x43495543 and cap["creator"] == shim.participant
+    assert cap["endpoint"] == shim.path.name and cap["size"] == 2 * int(w("result = gran"))
+
+    def export(rid: bytes, auth: bytes, kind: wire.ResourceKind = wire.ResourceKind.UNICAST
+               ) -> tuple[wire.Reply, list[int]]:
+        return shimenv.request(shim.path, wire.Request(
+            op=Op.EXPORT, participant=shim.participant, resource_id=rid, authorization=auth,
+            resource_kind=kind))
+
+    reply, fds = export(cap["id"], bytes(16))  # type: ignore[arg-type]
+    assert reply.status == Status.UNAUTHORIZED and not fds
+    wrong = bytes(b ^ 1 for b in cap["auth"])  # type: ignore[union-attr]
+    reply, fds = export(cap["id"], wrong)  # type: ignore[arg-type]
+    assert reply.status == Status.UNAUTHORIZED and not fds
+    reply, fds = export(os.urandom(16), cap["auth"])  # type: ignore[arg-type]
+    assert reply.status == Status.NOT_FOUND and not fds
+    reply, fds = export(cap["id"], cap["auth"], wire.ResourceKind.MULTICAST)  # type: ignore[arg-type]
+    assert reply.status == Status.NOT_FOUND and not fds
+    reply, fds = export(cap["id"], cap["auth"])  # type: ignore[arg-type]
+    assert reply.status == Status.OK and len(fds) == 1
+    for fd in fds:
+        os.close(fd)
+    app_still_works(w)
+
+
+# ---------------------------------------------------------------- INSPECT
+def test_inspect_records(spawn: Callable[..., simenv.Worker], cdir: Path) -> None:
+    creator, importer = spawn(), spawn()
+    c, i = Shim(cdir, creator.pid), Shim(cdir, importer.pid)
+    assert c.ok(Op.INSPECT).records == ()  # nothing shared yet
+    creator(
+        """
+H['x'] = check(cu.cuMemCreate(2 * gran, prop(), 0))
+H['va'] = map_rw(H['x'], 2 * gran)
+H['p'] = check(cu.cuMemCreate(gran, prop(), 0))      # private: never reported
+H['pva'] = map_rw(H['p'], gran)
+send_fd(export(H['x']))
+"""
+    )
+    importer.give_fd(creator.take_fd())
+    importer(
+        """
+fd = recv_fd()
+H['y'] = import_fd(fd); os.close(fd)
+H['va1'] = map_rw(H['y'], 2 * gran)
+H['va2'] = reserve(gran)
+check(cu.cuMemMap(H['va2'], gran, gran, H['y'], 0))
+check(access(H['va2'], gran, 0))
+check(access(H['va2'], gran, 1, cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ))
+H['r'] = check(cu.cuMemRetainAllocationHandle(H['va1']))
+result = [int(H['r']) == int(H['y'])]
+"""
+    )
+    gran = int(creator("result = gran"))
+    cr = c.ok(Op.INSPECT).records
+    ir = i.ok(Op.INSPECT).records
+    assert [r.kind for r in cr] == [wire.RecordKind.ALLOCATION, wire.RecordKind.MAPPING]
+    alloc = cr[0]
+    assert alloc.flags == wire.RecordFlag.CREATOR | wire.RecordFlag.HANDLE_LIVE | wire.RecordFlag.CONTENT
+    assert alloc.creator == c.participant and alloc.handle_count == 1
+    assert alloc.handle_types == 1 and alloc.size == 2 * int(creator("result = gran"))
+    assert [r.kind for r in ir] == [wire.RecordKind.ALLOCATION] + [wire.RecordKind.MAPPING] * 2
+    assert ir[0].id == alloc.id and ir[0].creator == c.participant
+    assert ir[0].flags == wire.RecordFlag.HANDLE_LIVE and ir[0].handle_count == 2  # import+retain
+    assert ir[1].address < ir[2].address  # mappings sorted by address
+    whole, second = sorted(ir[1:], key=lambda r: r.offset)
+    assert (whole.offset, second.offset, second.size) == (0, gran, gran)
+    # Access merged per location, not last-call-wins, sorted by location.
+    assert second.access == (wire.Access(1, 0, 3), wire.Access(1, 1, 1))
+    assert whole.access == (wire.Access(1, 0, 3),)
+    # Records are deterministic: asking twice gives the same bytes.
+    assert i.ok(Op.INSPECT).records == ir
+
+
+def test_raw_import_and_unsupported_exportable_reported(
+    spawn: Callable[..., simenv.Worker], cdir: Path
+) -> None:
+    app = spawn()
+    shim = Shim(cdir, app.pid)
+    plain = simenv.Worker(simenv.sim_env(namespace=f"shimctl-{cdir.name}"))
+    try:
+        plain(shimenv.WORKER_SETUP)
+        plain("H['x'] = check(cu.cuMemCreate(gran, prop(), 0)); send_fd(export(H['x']))")
+        app.give_fd(plain.take_fd())
+        app("fd = recv_fd(); H['raw'] = import_fd(fd); os.close(fd); H['rva'] = map_rw(H['raw'], gran)")
+        fabric = "cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC"
+        app(f"H['u'] = check(cu.cuMemCreate(gran, prop(POSIX | {fabric}), 0)); H['uva'] = map_rw(H['u'], gran)")
+        reply = shim.ok(Op.INSPECT)
+        kinds = sorted(r.kind for r in reply.records)
+        assert kinds == [wire.RecordKind.RAW_IMPORT, wire.RecordKind.UNSUPPORTED_EXPORTABLE]
+        assert "raw import" in reply.message
+        # The application keeps using both.
+        assert app("fill(H['rva'], gran, 3); fill(H['uva'], gran, 4); result = digest(H['uva'], gran) == expected(4, gran)")
+        # Released and unmapped: nothing left to refuse.
+        app("""
+for k, v in (('raw', 'rva'), ('u', 'uva')):
+    check(cu.cuMemUnmap(H[v], gran)); check(cu.cuMemRelease(H[k]))
+""")
+        assert shim.ok(Op.INSPECT).records == ()
+    finally:
+        plain.close()
+
+
+# ---------------------------------------------------------------- the phase machine
+CAPTURE = [Op.PREPARE_MULTICAST, Op.SAVE_ALLOCATIONS, Op.PREPARE_UNICAST]
+RESTORE = [Op.LOAD_ALLOCATIONS, Op.RESTORE_UNICAST, Op.RESTORE_MULTICAST_CREATORS,
+           Op.RESTORE_MULTICAST_IMPORTERS, Op.RESTORE_MULTICAST_DEVICES,
+           Op.RESTORE_MULTICAST_BINDINGS]
+
+
+def test_unicast_cycle(spawn: Callable[..., simenv.Worker], cdir: Path) -> None:
+    creator, importer = spawn(), spawn()
+    c, i = Shim(cdir, creator.pid), Shim(cdir, importer.pid)
+    creator(
+        """
+H['x'] = check(cu.cuMemCreate(2 * gran, prop(), 0))
+H['va'] = map_rw(H['x'], 2 * gran)
+fill(H['va'], 2 * gran, 11)
+H['p'] = check(cu.cuMemCreate(gran, prop(), 0))
+H['pva'] = map_rw(H['p'], gran)
+fill(H['pva'], gran, 12)
+send_fd(export(H['x']))
+"""
+    )
+    cap = creator.take_fd()
+    importer.give_fd(cap)
+    importer(
+        """
+fd = recv_fd()
+H['y'] = import_fd(fd); os.close(fd)
+H['va1'] = map_rw(H['y'], 2 * gran)
+H['va2'] = map_rw(H['y'], gran, offset=gran)
+"""
+    )
+    captured = {p.participant: p.ok(Op.INSPECT).records for p in (c, i)}
+    for op in CAPTURE:
+        replies = [p.ok(op) for p in (c, i)]
+        if op == Op.SAVE_ALLOCATIONS:
+            assert replies[0].stats.count == 1 and replies[0].stats.bytes == 2 * int(creator("result = gran"))
+            assert replies[1].stats.count == 0
+    assert {p.ok(Op.HANDSHAKE).phase for p in (c, i)} == {Phase.PREPARED}
+    # Outside ACTIVE the application's tracked calls answer NOT_READY.
+    assert importer("result = err(cu.cuMemRelease(H['y']))") == "CUDA_ERROR_NOT_READY"
+    assert creator("result = err(cu.cuMemCreate(gran, prop(), 0))") == "CUDA_ERROR_NOT_READY"
+    assert c.call(Op.INSPECT).status == Status.WRONG_PHASE
+    for op in RESTORE:
+        for p in (c, i):
+            p.ok(op)
+    assert {p.ok(Op.HANDSHAKE).phase for p in (c, i)} == {Phase.ACTIVE}
+    assert {p.participant: p.ok(Op.INSPECT).records for p in (c, i)} == captured
+    # Same bytes at the same VAs, sharing is live again, old handles work.
+    assert creator("result = [digest(H['va'], 2 * gran) == expected(11, 2 * gran), digest(H['pva'], gran) == expected(12, gran)]") == [True, True]
+    importer("fill(H['va2'], gran, 13)")
+    assert creator("result = digest(H['va'] + gran, gran) == expected(13, gran)")
+    importer("""
+check(cu.cuMemUnmap(H['va2'], gran)); check(cu.cuMemMap(H['va2'], gran, gran, H['y'], 0)); check(access(H['va2'], gran))
+result = digest(H['va2'], gran)
+""")
+    # A capability exported before the cycle still imports afterwards.
+    late = spawn()
+    late.give_fd(cap)
+    assert late("fd = recv_fd(); h = import_fd(fd); os.close(fd); va = map_rw(h, 2 * gran); result = digest(va, gran) == expected(11, gran)")
+    importer("""
+for va, size in ((H['va1'], 2 * gran), (H['va2'], gran)):
+    check(cu.cuMemUnmap(va, size))
+check(cu.cuMemRelease(H['y']))
+result = err(cu.cuMemRelease(H['y']))
+""")
+    os.close(cap)
+
+
+def test_failed_is_sticky_and_reported(spawn: Callable[..., simenv.Worker], cdir: Path) -> None:
+    creator, importer = spawn(), spawn()
+    c, i = Shim(cdir, creator.pid), Shim(cdir, importer.pid)
+    creator("H['x'] = check(cu.cuMemCreate(gran, prop(), 0)); H['va'] = map_rw(H['x'], gran); send_fd(export(H['x']))")
+    importer.give_fd(creator.take_fd())
+    importer("fd = recv_fd(); H['y'] = import_fd(fd); os.close(fd); H['va'] = map_rw(H['y'], gran)")
+    for op in CAPTURE:
+        for p in (c, i):
+            p.ok(op)
+    creator.kill()  # the creator is gone: the importer cannot re-import
+    i.ok(Op.LOAD_ALLOCATIONS)
+    reply = i.call(Op.RESTORE_UNICAST)
+    assert reply.status == Status.CUDA_FAILED and reply.phase == Phase.FAILED
+    assert "RESTORE_UNICAST" in reply.message
+    hs = i.ok(Op.HANDSHAKE)
+    assert hs.phase == Phase.FAILED and hs.message == reply.message
+    assert i.call(Op.INSPECT).status == Status.WRONG_PHASE
+    assert i.call(Op.RESTORE_UNICAST).status == Status.WRONG_PHASE
+    assert importer("result = err(cu.cuMemUnmap(H['va'], gran))") == "CUDA_ERROR_NOT_READY"
