@@ -29,16 +29,17 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, Any, ClassVar, Final
 
 import attrs
 
-from . import launch, native
+from . import artifacts, launch, native
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 WORKER_SCRIPT: Final = REPO_ROOT / "tests" / "shim" / "workers" / "vmm_worker.py"
 PATTERN_CHUNK: Final = 32 << 20
 DEFAULT_CALL_TIMEOUT_S: Final = 120.0
+SIM_NAMESPACE_ENV: Final = "CUINTERPOSE_SIM_NAMESPACE"
 
 
 class DemoError(RuntimeError):
@@ -100,7 +101,10 @@ class Worker:
         python: str | None = None,
         log_dir: Path | None = None,
         timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        wait: bool = True,
     ) -> None:
+        """Start the worker; with ``wait=False``, call :meth:`wait_ready` before using it
+        (several workers then start in parallel)."""
         if not WORKER_SCRIPT.is_file():
             raise DemoError(f"the worker application is missing: {WORKER_SCRIPT}")
         self.name = name
@@ -125,11 +129,21 @@ class Worker:
             )
         finally:
             child_end.close()
-        ready = self._read("startup")
-        if not ready.get("ok"):
-            self.kill()
-            raise WorkerError(name, "startup", ready, self.stderr_tail())
-        self.pid = int(ready["pid"])
+        self.pid = self.proc.pid
+        self._ready = False
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> Worker:
+        """Wait for the worker's startup line (it has initialized CUDA)."""
+        if not self._ready:
+            ready = self._read("startup")
+            if not ready.get("ok"):
+                self.kill()
+                raise WorkerError(self.name, "startup", ready, self.stderr_tail())
+            self.pid = int(ready["pid"])
+            self._ready = True
+        return self
 
     def __repr__(self) -> str:
         return f"Worker({self.name}, pid {getattr(self, 'pid', '?')})"
@@ -276,10 +290,10 @@ class Scenario:
     late_fd: int = -1
     regions: list[Region] = attrs.field(factory=list)
 
-    SEED_X: Final = 11
-    SEED_Y_CREATOR: Final = 12
-    SEED_P: Final = 13
-    SEED_Y_BOTH: Final = 21
+    SEED_X: ClassVar[int] = 11
+    SEED_Y_CREATOR: ClassVar[int] = 12
+    SEED_P: ClassVar[int] = 13
+    SEED_Y_BOTH: ClassVar[int] = 21
 
     @property
     def workers(self) -> tuple[Worker, Worker, Worker]:
@@ -441,10 +455,19 @@ def run_demo(*, driver: str = "sim", out: Callable[[str], None] = print) -> int:
         control = launch.ensure_control_dir(root / "control")
         ckpt = root / "checkpoint"
         ckpt.mkdir()
+        base = dict(os.environ)
+        shm: Path | None = None
+        if driver == "sim":
+            # A private simulated device: its memory accounting sees only this demo.
+            namespace = f"demo-{os.getpid()}-{root.name}"
+            base[SIM_NAMESPACE_ENV] = namespace
+            shm = Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-{namespace}")
         try:
-            shim_env = launch.launch_env(driver=driver, control_dir=control)
-            plain_env = launch.launch_env(driver=driver, control_dir=control, preload_shim=False)
-        except Exception as exc:  # ArtifactMissingError, LaunchError
+            shim_env = launch.launch_env(driver=driver, control_dir=control, base=base)
+            plain_env = launch.launch_env(
+                driver=driver, control_dir=control, base=base, preload_shim=False
+            )
+        except (artifacts.ArtifactMissingError, launch.LaunchError) as exc:
             out(f"demo: {exc}")
             return 1
         workers: list[Worker] = []
@@ -456,6 +479,8 @@ def run_demo(*, driver: str = "sim", out: Callable[[str], None] = print) -> int:
         finally:
             for w in workers:
                 w.kill()
+            if shm is not None:
+                shm.unlink(missing_ok=True)
 
 
 def _demo(
@@ -469,13 +494,15 @@ def _demo(
     out: Callable[[str], None],
 ) -> int:
     t_start = time.perf_counter()
-    observer = Worker("observer", plain_env, log_dir=root)
-    workers.append(observer)
-    names = ("creator", "importer-twice", "importer-both")
-    for name in names:
-        workers.append(Worker(name, shim_env, log_dir=root))
+    workers.append(Worker("observer", plain_env, log_dir=root, wait=False))
+    for name in ("creator", "importer-twice", "importer-both"):
+        workers.append(Worker(name, shim_env, log_dir=root, wait=False))
+    observer = workers[0]
+    for w in workers:
+        w.wait_ready()
     gran = int(observer.check("granularity")["granularity"])
-    scen = Scenario(workers[1], workers[2], workers[3], 4 * gran, 2 * gran, gran)
+    unit = 2 * gran
+    scen = Scenario(workers[1], workers[2], workers[3], 4 * unit, 2 * unit, unit)
     out(f"cuinterpose demo: {driver} driver, control dir {control}")
     out("  processes: " + ", ".join(f"{w.name} pid {w.pid}" for w in scen.workers))
 
@@ -492,8 +519,9 @@ def _demo(
         f"P {_mib(scen.p_size)} private"
     )
     out(
-        f"  filled {_mib(scen.region_bytes)} in {len(scen.regions)} mapped ranges; GPU memory "
-        f"used {_mib(used_before - used_idle)} (cuMemGetInfo)"
+        f"  filled {_mib(scen.x_size + scen.y_size + scen.p_size)}, seen through "
+        f"{len(scen.regions)} mapped ranges ({_mib(scen.region_bytes)}); GPU memory used "
+        f"{_mib(used_before - used_idle)} (cuMemGetInfo, device-wide)"
     )
     bad = scen.mismatches()
     if bad:
@@ -508,7 +536,8 @@ def _demo(
     out(
         f"prepare: {prep.seconds:.3f} s; saved {save.get('allocation_count', '?')} allocations, "
         f"{_mib(int(save.get('allocation_bytes', 0)))}, SAVE "
-        f"{_gbps(save, 'gb_per_s', scen.shared_bytes, prep.seconds)}; "
+        f"{_gbps(save, 'gb_per_s', scen.shared_bytes, prep.seconds)} (copy "
+        f"{_gbps(save, 'copy_gb_per_s', scen.shared_bytes, 0.0)}); "
         f"GPU used now {_mib(used_prepared - used_idle)}"
     )
 
@@ -535,7 +564,8 @@ def _demo(
     out(
         f"restore: {rest.seconds:.3f} s; loaded {load.get('allocation_count', '?')} allocations, "
         f"{_mib(int(load.get('allocation_bytes', 0)))}, LOAD "
-        f"{_gbps(load, 'gb_per_s', scen.shared_bytes, rest.seconds)}; "
+        f"{_gbps(load, 'gb_per_s', scen.shared_bytes, rest.seconds)} (copy "
+        f"{_gbps(load, 'copy_gb_per_s', scen.shared_bytes, 0.0)}); "
         f"GPU used now {_mib(used_after - used_idle)}"
     )
 

@@ -7,6 +7,8 @@ simulated driver, ``shimenv``/``simenv``, the CLI's prepare/restore).
 
 from __future__ import annotations
 
+import inspect
+import os
 import shutil
 import subprocess
 import sys
@@ -25,13 +27,15 @@ from cuinterpose.engine.demo import Worker, coordinator_env  # noqa: E402
 
 def _missing_stack() -> str | None:
     try:
+        import simenv
+    except ImportError as exc:
+        return f"tests/simenv.py is not there yet ({exc})"
+    if not simenv.is_simulated():
+        return "CUINTERPOSE_TEST_DRIVER=system: tests/gpu runs this scenario on the real GPU"
+    try:
         import shimenv  # noqa: F401
     except ImportError as exc:
         return f"tests/shim/shimenv.py is not there yet ({exc})"
-    try:
-        import simenv  # noqa: F401
-    except ImportError as exc:
-        return f"tests/simenv.py is not there yet ({exc})"
     cli = subprocess.run(
         [sys.executable, "-m", "cuinterpose", "prepare", "--help"],
         env=coordinator_env(),
@@ -60,30 +64,45 @@ def control_dir(stack: None) -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _env(factory: Callable[..., Any], control_dir: Path) -> dict[str, str]:
+@pytest.fixture
+def sim_namespace(control_dir: Path) -> Iterator[str]:
+    """One simulated-driver namespace per test (device-wide memory accounting), shared by
+    the shim processes and the plain ones, and removed afterwards."""
+    name = f"e2e-{control_dir.name}"
+    yield name
+    Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-{name}").unlink(missing_ok=True)
+
+
+def _env(factory: Callable[..., Any], control_dir: Path, namespace: str) -> dict[str, str]:
+    params = inspect.signature(factory).parameters
+    kwargs: dict[str, Any] = {}
+    if "namespace" in params:
+        kwargs["namespace"] = namespace
+    if "control_dir" in params:
+        kwargs["control_dir"] = control_dir
     try:
-        env = factory(control_dir=control_dir)
-    except Exception as exc:  # a build missing: say so instead of erroring
+        env = dict(factory(**kwargs))
+    except FileNotFoundError as exc:  # a build missing: say so instead of erroring
         pytest.skip(f"{factory.__module__}.{factory.__name__}: {exc}")
-    env = dict(env)
     env["SNAPSHOT_CONTROL_DIR"] = str(control_dir)
+    env["CUINTERPOSE_SIM_NAMESPACE"] = namespace
     return env
 
 
 @pytest.fixture
-def shim_env(control_dir: Path) -> dict[str, str]:
+def shim_env(control_dir: Path, sim_namespace: str) -> dict[str, str]:
     """Environment of an application process: shim preloaded on the simulated driver."""
     import shimenv
 
-    return _env(shimenv.shim_env, control_dir)
+    return _env(shimenv.shim_env, control_dir, sim_namespace)
 
 
 @pytest.fixture
-def plain_env(control_dir: Path) -> dict[str, str]:
+def plain_env(control_dir: Path, sim_namespace: str) -> dict[str, str]:
     """The simulated driver without the shim: native-checkpoint controller, raw exporter."""
     import simenv
 
-    return _env(simenv.sim_env, control_dir)
+    return _env(simenv.sim_env, control_dir, sim_namespace)
 
 
 @pytest.fixture

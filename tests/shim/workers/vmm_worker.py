@@ -22,7 +22,7 @@ Commands (``op`` plus arguments; integers for handles, addresses and FDs):
   recv_fd                             -> fd received over the channel
   import fd [handle_type posix] [close true]  -> handle
   unmap va size | release handle | retain va -> handle | address_free va size
-  close fd | sync | pid -> pid | mem_info -> free, total
+  close fd | sync | pid -> pid | mem_info -> free, total | device -> name, driver_version
   host_copy va size                   DtoH and HtoD through pinned memory -> seconds, GB/s
   quit
 """
@@ -39,6 +39,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from cuda.bindings import driver as cu
@@ -68,17 +69,20 @@ def check(call: str, result: Any) -> Any:
     return None
 
 
-def pattern(seed: int, size: int) -> list[bytes]:
-    """The bytes ``fill`` writes, as chunks: a seeded random tile of up to 32 MiB whose
-    first 16 bytes are replaced, chunk by chunk, by (seed, chunk index)."""
+def _tiles(seed: int, size: int) -> Iterator[tuple[bytearray, int]]:
+    """(tile, length) per chunk of the pattern; the same tile is rewritten in place."""
     tile = bytearray(random.Random(seed).randbytes(min(size, CHUNK)))
-    chunks = []
     for index, off in enumerate(range(0, size, CHUNK)):
         n = min(CHUNK, size - off)
         head = struct.pack("<QQ", seed, index)[: min(16, n)]
         tile[: len(head)] = head
-        chunks.append(bytes(tile[:n]))
-    return chunks
+        yield tile, n
+
+
+def pattern(seed: int, size: int) -> list[bytes]:
+    """The bytes ``fill`` writes, as chunks: a seeded random tile of up to 32 MiB whose
+    first 16 bytes are replaced, chunk by chunk, by (seed, chunk index)."""
+    return [bytes(tile[:n]) for tile, n in _tiles(seed, size)]
 
 
 HANDLE_TYPES = {
@@ -160,15 +164,15 @@ class Worker:
 
     def do_fill(self, va: int, size: int, seed: int) -> dict[str, Any]:
         off = 0
-        for chunk in pattern(seed, size):
-            buf = bytearray(chunk)
-            host = (ctypes.c_char * len(buf)).from_buffer(buf)
-            check(
-                "cuMemcpyHtoD",
-                cu.cuMemcpyHtoD(self._va(va + off), ctypes.addressof(host), len(buf)),
-            )
-            del host
-            off += len(chunk)
+        for tile, n in _tiles(seed, size):
+            host = (ctypes.c_char * len(tile)).from_buffer(tile)
+            try:
+                check(
+                    "cuMemcpyHtoD", cu.cuMemcpyHtoD(self._va(va + off), ctypes.addressof(host), n)
+                )
+            finally:
+                del host
+            off += n
         check("cuCtxSynchronize", cu.cuCtxSynchronize())
         return {}
 
@@ -243,6 +247,12 @@ class Worker:
     def do_sync(self) -> dict[str, Any]:
         check("cuCtxSynchronize", cu.cuCtxSynchronize())
         return {}
+
+    def do_device(self) -> dict[str, Any]:
+        raw = check("cuDeviceGetName", cu.cuDeviceGetName(256, self.device))
+        name = bytes(raw).split(b"\0", 1)[0].decode(errors="replace")
+        version = check("cuDriverGetVersion", cu.cuDriverGetVersion())
+        return {"name": name, "driver_version": int(version)}
 
     def do_pid(self) -> dict[str, Any]:
         return {"pid": os.getpid()}
