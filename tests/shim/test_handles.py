@@ -1,0 +1,208 @@
+"""Logical handles and participant identity.
+
+Tagged values that are unknown or dead are rejected (CUDA_ERROR_INVALID_VALUE) and
+never reach the driver (the real one crashes on a handle it never gave out). Handles
+are counted explicitly (create, import and retain add one; release drops one).
+A fork child gets a fresh participant id and its own socket on its first tracked
+call; a pinned id is never shared by two live processes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path[:0] = [str(Path(__file__).resolve().parent)]
+
+import shimenv  # noqa: E402
+import simenv  # noqa: E402
+from cuinterpose.engine import wire  # noqa: E402
+
+
+@pytest.fixture
+def cdir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cip-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def worker(cdir: Path) -> Iterator[simenv.Worker]:
+    w = simenv.Worker(shimenv.shim_env(control_dir=cdir))
+    w(shimenv.WORKER_SETUP)
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("program", ["shim_direct", "shim_dlsym"])
+def test_c_program_bogus_handles(program: str, cdir: Path) -> None:
+    env = shimenv.shim_env(control_dir=cdir)
+    out = subprocess.run([str(shimenv.test_program(program)), "bogus"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_unknown_and_dead_handles_rejected(worker: simenv.Worker) -> None:
+    got = worker(
+        """
+Handle = cu.CUmemGenericAllocationHandle
+unknown = Handle(0xC1F0123400005678)
+h = check(cu.cuMemCreate(gran, prop(), 0))
+dead = Handle(int(h))
+check(cu.cuMemRelease(h))
+va = reserve(gran)
+result = {
+    "unknown_release": err(cu.cuMemRelease(unknown)),
+    "unknown_props": err(cu.cuMemGetAllocationPropertiesFromHandle(unknown)),
+    "unknown_export": err(cu.cuMemExportToShareableHandle(unknown, POSIX, 0)),
+    "unknown_add_device": err(cu.cuMulticastAddDevice(unknown, 0)),
+    "dead_release": err(cu.cuMemRelease(dead)),
+    "dead_map": err(cu.cuMemMap(va, gran, 0, dead, 0)),
+    "dead_props": err(cu.cuMemGetAllocationPropertiesFromHandle(dead)),
+    # a reused slot gets a new generation: the old value stays dead
+    "reused_is_new": int(check(cu.cuMemCreate(gran, prop(), 0))) != int(dead),
+    "dead_still_dead": err(cu.cuMemRelease(dead)),
+}
+"""
+    )
+    assert got.pop("reused_is_new") is True
+    assert set(got.values()) == {"CUDA_ERROR_INVALID_VALUE"}, got
+
+
+def test_references_are_counted(worker: simenv.Worker) -> None:
+    got = worker(
+        """
+h = check(cu.cuMemCreate(gran, prop(), 0))
+va = map_rw(h, gran)
+fill(va, gran, 21)
+r = check(cu.cuMemRetainAllocationHandle(va))
+same = int(r) == int(h)
+rel = [err(cu.cuMemRelease(h)), err(cu.cuMemRelease(r)), err(cu.cuMemRelease(h))]
+alive = digest(va, gran) == expected(21, gran)      # the mapping keeps it alive
+again = check(cu.cuMemRetainAllocationHandle(va))   # retain through the mapping revives it
+revived = int(again) == int(h)
+check(cu.cuMemRelease(again))
+check(cu.cuMemUnmap(va, gran))
+gone = err(cu.cuMemRetainAllocationHandle(va))
+result = [same, rel, alive, revived, gone, err(cu.cuMemRelease(h))]
+"""
+    )
+    assert got == [
+        True,
+        ["CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE"],
+        True,
+        True,
+        "CUDA_ERROR_INVALID_VALUE",
+        "CUDA_ERROR_INVALID_VALUE",
+    ]
+
+
+FORK = r"""
+import time
+flag = FLAG
+r, wfd = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(r)
+    # The first tracked call in the child starts its own control server.
+    e = cu.cuMemRelease(cu.CUmemGenericAllocationHandle(int(H['x'])))
+    os.write(wfd, (err(e) + "\n").encode())
+    deadline = time.time() + 20
+    while not os.path.exists(flag) and time.time() < deadline:
+        time.sleep(0.02)
+    os._exit(0)
+os.close(wfd)
+line = os.read(r, 100).decode().strip()
+os.close(r)
+H['child'] = pid
+result = {"child": pid, "err": line}
+"""
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_fork_child_gets_fresh_id_and_socket(cdir: Path, pinned: bool) -> None:
+    pin = os.urandom(16).hex()
+    extra = {"SNAPSHOT_PARTICIPANT_ID": pin} if pinned else {}
+    w = simenv.Worker(shimenv.shim_env(control_dir=cdir, extra=extra))
+    try:
+        w(shimenv.WORKER_SETUP)
+        w("H['x'] = check(cu.cuMemCreate(gran, prop(), 0))")
+        parent_sock = shimenv.wait_socket(cdir, w.pid)
+        parent = shimenv.handshake(parent_sock)
+        if pinned:
+            assert parent.participant == pin
+        flag = cdir / "child-may-exit"
+        w(f"FLAG = {str(flag)!r}")
+        got = w(FORK)
+        # The inherited bookkeeping is gone: the parent's handle means nothing there.
+        assert got["err"] == "CUDA_ERROR_INVALID_VALUE"
+        child = shimenv.handshake(shimenv.wait_socket(cdir, got["child"]))
+        assert child.pid == got["child"] and child.phase == wire.Phase.ACTIVE
+        assert wire.is_participant_id(child.participant)
+        assert child.participant != parent.participant
+        # The parent's socket is untouched and still answers.
+        assert parent_sock.exists()
+        assert shimenv.handshake(parent_sock).participant == parent.participant
+        flag.touch()
+        w("os.waitpid(H['child'], 0)")
+        assert w("result = err(cu.cuMemRelease(H['x']))") == "CUDA_SUCCESS"
+    finally:
+        w.close()
+
+
+def test_pinned_participant_id(cdir: Path) -> None:
+    pin = os.urandom(16).hex()
+    start = "check(cu.cuInit(0)); result = os.getpid()"
+    first = simenv.Worker(shimenv.shim_env(control_dir=cdir,
+                                           extra={"SNAPSHOT_PARTICIPANT_ID": pin}))
+    # An exec'd process that inherits the pin while its owner lives: fresh id.
+    second = simenv.Worker(shimenv.shim_env(control_dir=cdir,
+                                            extra={"SNAPSHOT_PARTICIPANT_ID": pin}))
+    bad = simenv.Worker(shimenv.shim_env(control_dir=cdir,
+                                         extra={"SNAPSHOT_PARTICIPANT_ID": pin.upper()}))
+    try:
+        ids = []
+        for w in (first, second, bad):
+            pid = w(start)
+            ids.append(shimenv.handshake(shimenv.wait_socket(cdir, pid)).participant)
+            time.sleep(0.05)  # keep the order: first claims, second finds it taken
+        assert ids[0] == pin
+        assert ids[1] != pin and wire.is_participant_id(ids[1])
+        assert ids[2] != pin and wire.is_participant_id(ids[2])
+    finally:
+        for w in (first, second, bad):
+            w.close()
+    # Once its owner is gone, the pin is free again.
+    third = simenv.Worker(shimenv.shim_env(control_dir=cdir,
+                                           extra={"SNAPSHOT_PARTICIPANT_ID": pin}))
+    try:
+        pid = third(start)
+        assert shimenv.handshake(shimenv.wait_socket(cdir, pid)).participant == pin
+    finally:
+        third.close()
+
+
+def test_no_control_dir_app_still_works(tmp_path: Path) -> None:
+    """An unusable control directory costs the checkpoint, never the application."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    w = simenv.Worker(shimenv.shim_env(control_dir=blocker / "sub"))
+    try:
+        w(shimenv.WORKER_SETUP)
+        assert w(
+            """
+h = check(cu.cuMemCreate(gran, prop(), 0)); va = map_rw(h, gran); fill(va, gran, 2)
+fd = export(h); h2 = import_fd(fd); os.close(fd)
+result = digest(va, gran) == expected(2, gran)
+"""
+        )
+    finally:
+        w.close()

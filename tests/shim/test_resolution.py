@@ -1,0 +1,154 @@
+"""Every way a program reaches the driver ends in the shim.
+
+A C program linked directly against libcuda.so.1, a C program using dlopen + dlsym,
+and cuda.bindings (which resolves everything through cuGetProcAddress_v2) must all
+get a cuinterpose capability, not a raw FD, when they export an allocation. The
+resolvers must hand back the shim's wrapper of the right ABI for a tracked name,
+and leave everything else alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path[:0] = [str(Path(__file__).resolve().parent)]
+
+import shimenv  # noqa: E402
+import simenv  # noqa: E402
+
+
+@pytest.fixture
+def cdir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cip-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def is_capability(fd: int) -> bool:
+    import fcntl
+
+    seals = fcntl.fcntl(fd, 1034)  # F_GET_SEALS
+    if seals & 0xF != 0xF:
+        return False
+    return os.fstat(fd).st_size == 128 and struct.unpack("<I", os.pread(fd, 4, 0))[0] == 0x43495543
+
+
+@pytest.mark.parametrize("program", ["shim_direct", "shim_dlsym"])
+def test_c_program_gets_capability(program: str, cdir: Path) -> None:
+    exe = shimenv.test_program(program)
+    env = shimenv.shim_env(control_dir=cdir)
+    env["ASAN_OPTIONS"] = "detect_leaks=1:abort_on_error=1:verify_asan_link_order=0"
+    out = subprocess.run([str(exe), "export"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "capability=1 tagged=1 own_import_same_bytes=1" in out.stdout
+    assert "Sanitizer" not in out.stderr
+    assert not list(cdir.glob("*.sock"))  # the socket goes away with the process
+
+
+@pytest.mark.skipif(not simenv.is_simulated(), reason="compares with the simulated driver")
+def test_c_program_without_shim_gets_raw_fd(cdir: Path) -> None:
+    exe = shimenv.test_program("shim_direct")
+    out = subprocess.run([str(exe), "export"], env=simenv.sim_env(), capture_output=True,
+                         text=True, timeout=60)
+    # Without the shim the FD is the driver's own and the handle is untagged.
+    assert "capability=0 tagged=0" in out.stdout, out.stdout + out.stderr
+
+
+def test_cuda_bindings_export_is_capability(cdir: Path) -> None:
+    w = simenv.Worker(shimenv.shim_env(control_dir=cdir))
+    try:
+        w(shimenv.WORKER_SETUP)
+        handle = w("H['x'] = check(cu.cuMemCreate(gran, prop(), 0)); send_fd(export(H['x'])); result = int(H['x'])")
+        assert handle >> 48 == 0xC1F0
+        fd = w.take_fd()
+        assert is_capability(fd)
+        os.close(fd)
+    finally:
+        w.close()
+
+
+RESOLVER_PROBE = r"""
+import ctypes
+shim = ctypes.CDLL(SHIM)
+def ours(name):
+    return ctypes.cast(getattr(shim, name), ctypes.c_void_p).value
+def gpa(name, version, flags=0):
+    e, p, st = cu.cuGetProcAddress(name.encode(), version, flags)
+    return (err(e), int(st), int(p) if p else 0)
+def via_dlsym(name):
+    lib = ctypes.CDLL("libcuda.so.1")
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+result = {
+    "create": gpa("cuMemCreate", 10020)[2] == ours("cuMemCreate"),
+    "create_ptds": gpa("cuMemCreate", 12000, 2)[2] == ours("cuMemCreate"),
+    "import": gpa("cuMemImportFromShareableHandle", 10020)[2] == ours("cuMemImportFromShareableHandle"),
+    "gpa_v2": gpa("cuGetProcAddress", 12000)[2] == ours("cuGetProcAddress_v2"),
+    "gpa_v1": gpa("cuGetProcAddress", 11030)[2] == ours("cuGetProcAddress"),
+    "bind_v1": gpa("cuMulticastBindMem", 12010)[2] == ours("cuMulticastBindMem"),
+    "bind_13010": gpa("cuMulticastBindMem", 13010)[2] in (ours("cuMulticastBindMem"), ours("cuMulticastBindMem_v2")),
+    "untracked_real": gpa("cuMemcpyDtoH", 3020)[2] not in (0, ours("cuMemCreate")),
+    "unknown": gpa("cuNoSuchFunction", 12000),
+    "too_old": gpa("cuMemCreate", 9000)[2] != ours("cuMemCreate"),
+    "dlsym_handle": via_dlsym("cuMemCreate") == ours("cuMemCreate"),
+    "dlsym_handle_v2": via_dlsym("cuMulticastBindMem_v2") == ours("cuMulticastBindMem_v2"),
+    "dlsym_untracked": via_dlsym("cuMemcpyDtoH_v2") != 0,
+}
+"""
+
+
+def test_resolvers_select_the_shim_and_the_abi(cdir: Path) -> None:
+    w = simenv.Worker(shimenv.shim_env(control_dir=cdir))
+    try:
+        w(shimenv.WORKER_SETUP)
+        w(f"SHIM = {str(shimenv.shim_library())!r}")
+        got = w(RESOLVER_PROBE)
+    finally:
+        w.close()
+    unknown = got.pop("unknown")
+    assert unknown[0] == "CUDA_SUCCESS" and unknown[1] == 1 and unknown[2] == 0
+    assert got == dict.fromkeys(got, True), got
+
+
+def test_runtime_entry_point(cdir: Path) -> None:
+    """cudaGetDriverEntryPoint*: needs a runtime that initialises on this driver (the
+    real GPU; the simulated driver does not satisfy libcudart)."""
+    try:
+        import cuda.pathfinder as pf
+
+        cudart = pf.load_nvidia_dynamic_lib("cudart").abs_path
+    except Exception as exc:  # pragma: no cover - depends on the wheel set
+        pytest.skip(f"libcudart not available: {exc}")
+    w = simenv.Worker(shimenv.shim_env(control_dir=cdir))
+    try:
+        w(shimenv.WORKER_SETUP)
+        got = w(
+            f"""
+import ctypes
+rt = ctypes.CDLL({cudart!r})
+shim = ctypes.CDLL({str(shimenv.shim_library())!r})
+ours = lambda n: ctypes.cast(getattr(shim, n), ctypes.c_void_p).value
+p = ctypes.c_void_p(); st = ctypes.c_int(-1)
+r1 = rt.cudaGetDriverEntryPointByVersion(b"cuMemCreate", ctypes.byref(p), 12000,
+                                         ctypes.c_ulonglong(0), ctypes.byref(st))
+by_version = (r1, st.value, p.value == ours("cuMemCreate"))
+r2 = rt.cudaGetDriverEntryPoint(b"cuGetProcAddress", ctypes.byref(p), ctypes.c_ulonglong(0),
+                                ctypes.byref(st))
+plain = (r2, st.value, p.value == ours("cuGetProcAddress_v2"))
+result = [by_version, plain]
+"""
+        )
+    finally:
+        w.close()
+    if got[0][0] != 0:
+        pytest.skip(f"libcudart does not initialise on this driver (cudaError {got[0][0]})")
+    assert got == [[0, 0, True], [0, 0, True]]
