@@ -204,7 +204,11 @@ def main() -> int:
             for f in Path(tmp).glob("*.stderr"):
                 shutil.copy(f, args.keep / f"bench-{f.name}")
     c, n, cp, r = result["cuinterpose"], result["native"], result["copy"], result["ratios"]
-    print(f"device: {result['device']}, {size / 2**30:.2f} GiB shared by 2 processes")
+    dev = result["device"]
+    print(
+        f"device: {dev['name']} (driver {dev['driver_version']}), "
+        f"{size / 2**30:.2f} GiB shared by 2 processes"
+    )
     print(
         f"cuinterpose SAVE {_f(c['save_gbps'])} GB/s (copy {_f(c['save_copy_gbps'])}), "
         f"LOAD {_f(c['load_gbps'])} GB/s (copy {_f(c['load_copy_gbps'])}); verified {c['verified']}"

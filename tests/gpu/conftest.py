@@ -114,11 +114,11 @@ def trace_out() -> Path | None:
 
 
 @pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[[str, dict[str, str]], Worker]]:
+def spawn(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
     started: list[Worker] = []
 
-    def start(name: str, env: dict[str, str]) -> Worker:
-        worker = Worker(name, env, log_dir=tmp_path, timeout_s=300.0)
+    def start(name: str, env: dict[str, str], *, wait: bool = True) -> Worker:
+        worker = Worker(name, env, log_dir=tmp_path, timeout_s=300.0, wait=wait)
         started.append(worker)
         return worker
 

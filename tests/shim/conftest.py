@@ -106,12 +106,12 @@ def plain_env(control_dir: Path, sim_namespace: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[[str, dict[str, str]], Worker]]:
+def spawn(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
     """Start named workers; any still running at teardown are killed."""
     started: list[Worker] = []
 
-    def start(name: str, env: dict[str, str]) -> Worker:
-        worker = Worker(name, env, log_dir=tmp_path, timeout_s=60.0)
+    def start(name: str, env: dict[str, str], *, wait: bool = True) -> Worker:
+        worker = Worker(name, env, log_dir=tmp_path, timeout_s=60.0, wait=wait)
         started.append(worker)
         return worker
 

@@ -13,10 +13,16 @@ with the application still running.
 
 from __future__ import annotations
 
+import json
+import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from cuinterpose.engine.demo import pattern_digest
+from cuinterpose.engine import artifacts, launch, native
+from cuinterpose.engine.demo import coordinator_env, pattern_digest
 from workers.cycle import (
     Spawn,
     assert_refused,
@@ -94,3 +100,75 @@ def test_pattern_digest_slices(seed: int, size: int, offset: int, length: int | 
     assert (
         pattern_digest(seed, size, offset, length) == hashlib.sha256(data[offset:end]).hexdigest()
     )
+
+
+def test_native_errors_name_pid_call_and_result(
+    spawn: Spawn, plain_env: dict[str, str], control_dir: Path
+) -> None:
+    app = spawn("app", plain_env)
+    stranger = os.getpid()  # not a CUDA process of the simulated driver
+    with pytest.raises(native.NativeError) as info:
+        native.run_in_subprocess("checkpoint-all", [app.pid, stranger], env=plain_env)
+    err = info.value
+    assert (err.pid, err.call) == (stranger, "cuCheckpointProcessLock")
+    assert err.result.startswith("CUDA_ERROR_"), err
+    assert f"pid {stranger}" in str(err) and err.result in str(err)
+    # The lock that had succeeded was undone: the application runs on.
+    assert f"unlocked again: {app.pid}" in str(err)
+    states = native.run_in_subprocess("state", [app.pid], env=plain_env)["states"]
+    assert states == {str(app.pid): "RUNNING"}
+    assert app.check("granularity")["granularity"] > 0
+
+    with pytest.raises(native.NativeError) as info:
+        native.run_in_subprocess("restore-all", [app.pid], env=plain_env)
+    assert (info.value.pid, info.value.call) == (app.pid, "cuCheckpointProcessRestore")
+    assert info.value.result.startswith("CUDA_ERROR_")
+    close_clean(app)
+
+
+def test_launch_preloads_the_shim_and_creates_the_control_dir(tmp_path: Path) -> None:
+    try:
+        shim, sim = artifacts.shim_library(), artifacts.sim_library_dir()
+    except artifacts.ArtifactMissingError as exc:
+        pytest.skip(str(exc))
+    control = tmp_path / "new" / "control"
+    probe = (
+        "import json, os, sys; "
+        "print(json.dumps({k: os.environ.get(k, '') for k in "
+        "('LD_PRELOAD', 'LD_LIBRARY_PATH', 'SNAPSHOT_CONTROL_DIR')})); sys.exit(3)"
+    )
+    env = coordinator_env()
+    env["LD_PRELOAD"] = ""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cuinterpose",
+            "launch",
+            "--driver",
+            "sim",
+            "--control-dir",
+            str(control),
+            "--",
+            sys.executable,
+            "-c",
+            probe,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 3, run.stderr
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["LD_PRELOAD"].split(":")[-1] == str(shim)
+    assert seen["LD_LIBRARY_PATH"].split(":")[0] == str(sim)
+    assert seen["SNAPSHOT_CONTROL_DIR"] == str(control)
+    assert control.is_dir() and stat.S_IMODE(control.stat().st_mode) == 0o700
+
+    system = launch.launch_env(driver="system", control_dir=None, base={"LD_LIBRARY_PATH": "/x"})
+    assert system["LD_LIBRARY_PATH"] == "/x"
+    assert system["SNAPSHOT_CONTROL_DIR"] == "/snapshot-control"
+    with pytest.raises(launch.LaunchError, match="unknown driver"):
+        launch.launch_env(driver="gpu", control_dir=None)

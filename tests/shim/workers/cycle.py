@@ -25,7 +25,7 @@ from cuinterpose.engine.demo import (
     run_cli,
 )
 
-Spawn = Callable[[str, dict[str, str]], Worker]
+Spawn = Callable[..., Worker]
 DESTRUCTIVE = {"SAVE_ALLOCATIONS", "PREPARE_UNICAST", "PREPARE_MULTICAST"}
 
 
@@ -94,14 +94,19 @@ def three_process_cycle(
     timeout_s: float = 120.0,
 ) -> dict[str, Any]:
     """Run the cycle; ``unit`` (a multiple of the granularity) sizes X = 4u, Y = 2u, P = u."""
-    observer = spawn("observer", plain_env)
+    observer = spawn("observer", plain_env, wait=False)
+    creator = spawn("creator", shim_env, wait=False)
+    twice = spawn("importer-twice", shim_env, wait=False)
+    both = spawn("importer-both", shim_env, wait=False)
+    for worker in (observer, creator, twice, both):
+        worker.wait_ready()
     gran = int(observer.check("granularity")["granularity"])
     unit = gran if unit is None else unit
     assert unit % gran == 0, f"unit {unit} is not a multiple of the granularity {gran}"
     scen = Scenario(
-        spawn("creator", shim_env),
-        spawn("importer-twice", shim_env),
-        spawn("importer-both", shim_env),
+        creator,
+        twice,
+        both,
         x_size=4 * unit,
         y_size=2 * unit,
         p_size=unit,
