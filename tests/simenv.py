@@ -13,6 +13,7 @@ machine's own libcuda, for running the same tests on a real GPU).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -100,7 +101,9 @@ def sim_env(
     return env
 
 
-def run_python(code: str, env: Mapping[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run_python(
+    code: str, env: Mapping[str, str], timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     """Run a Python program in a child process; returns the completed process."""
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -176,18 +179,26 @@ class Worker:
         child.close()
         self._replies = os.fdopen(r, "r")
         self._done = False
+        self._backlog = 0
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def send(self, code: str) -> None:
-        """Start a snippet without waiting for its answer (see ``reply``)."""
+        """Start a snippet without waiting for its answer (see ``reply``).
+        An earlier snippet still unanswered is waited for first, so workers
+        can start up concurrently and still run in order."""
         assert self.proc.stdin is not None
+        while self._backlog:
+            self.reply()
         self.proc.stdin.write(json.dumps(textwrap.dedent(code)) + "\n")
         self.proc.stdin.flush()
+        self._backlog = 1
 
     def reply(self) -> Any:
+        """The answer of the snippet started last."""
+        self._backlog = 0
         line = self._replies.readline()
         if not line:
             self.proc.wait(timeout=10)
@@ -224,10 +235,8 @@ class Worker:
         self._done = True
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
-            try:
+            with contextlib.suppress(BrokenPipeError):
                 self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
             try:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:

@@ -5,6 +5,7 @@ cuda.bindings.driver against the driver chosen by CUINTERPOSE_TEST_DRIVER
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -14,8 +15,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import simenv  # noqa: E402
-from simenv import Worker  # noqa: E402
+import simenv
+from simenv import Worker
 
 MiB = 1 << 20
 
@@ -76,6 +77,15 @@ def sha(va, n, off=0):
     check(cu.cuMemcpyDtoH(ctypes.addressof(buf), int(va) + off, n))
     return hashlib.sha256(buf.raw).hexdigest()
 
+def import_map(fd, size):
+    # import an FD (closing it), map it at a fresh VA with read-write access
+    h = check(cu.cuMemImportFromShareableHandle(fd, POSIX))
+    os.close(fd)
+    va = check(cu.cuMemAddressReserve(size, 0, 0, 0))
+    check(cu.cuMemMap(va, size, 0, h, 0))
+    access(va, size)
+    return h, va
+
 def free_mem():
     return int(check(cu.cuMemGetInfo())[0])
 """
@@ -110,7 +120,7 @@ def spawn(namespace: str) -> Iterator[Callable[..., Worker]]:
         env = simenv.sim_env(namespace=namespace, extra=extra)
         w = Worker(env)
         workers.append(w)
-        w(f"DEV = {dev}\n" + PRELUDE)
+        w.send(f"DEV = {dev}\n" + PRELUDE)  # answered before its first use
         return w
 
     yield make
@@ -122,6 +132,15 @@ def spawn(namespace: str) -> Iterator[Callable[..., Worker]]:
             errors.append(str(e))
     if errors:
         pytest.fail("\n".join(errors))
+
+
+def hand_over(src: Worker, dst: Worker) -> None:
+    """Move the FD that `src` sent (send_fd) to `dst` (for its recv_fd)."""
+    fd = src.take_fd()
+    try:
+        dst.give_fd(fd)
+    finally:
+        os.close(fd)
 
 
 sim_only = pytest.mark.skipif(not simenv.is_simulated(), reason="simulator-specific")

@@ -8,9 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import MiB, needs_multicast, psha, sim_only
-
 import simenv
+from conftest import MiB, hand_over, needs_multicast, psha, sim_only
 
 CTL = r"""
 def lock(pid, t=5000):
@@ -61,11 +60,25 @@ result = seq
 """)
     ok, ill = "CUDA_SUCCESS", "CUDA_ERROR_ILLEGAL_STATE"
     assert r == [
-        ["state", "RUNNING"], ["ckpt_running", ill], ["restore_running", ill],
-        ["unlock_running", ill], ["lock", ok], ["state", "LOCKED"], ["lock_twice", ill],
-        ["restore_locked", ill], ["tid", ok], ["ckpt", ok], ["state", "CHECKPOINTED"],
-        ["ckpt_twice", ill], ["lock_ckpted", ill], ["unlock_ckpted", ill], ["restore", ok],
-        ["state", "LOCKED"], ["unlock", ok], ["state", "RUNNING"], ["state_self", "RUNNING"],
+        ["state", "RUNNING"],
+        ["ckpt_running", ill],
+        ["restore_running", ill],
+        ["unlock_running", ill],
+        ["lock", ok],
+        ["state", "LOCKED"],
+        ["lock_twice", ill],
+        ["restore_locked", ill],
+        ["tid", ok],
+        ["ckpt", ok],
+        ["state", "CHECKPOINTED"],
+        ["ckpt_twice", ill],
+        ["lock_ckpted", ill],
+        ["unlock_ckpted", ill],
+        ["restore", ok],
+        ["state", "LOCKED"],
+        ["unlock", ok],
+        ["state", "RUNNING"],
+        ["state_self", "RUNNING"],
     ]
     # The target runs normally afterwards.
     assert t("result = err(cu.cuMemsetD8(d, 7, 16))") == ok
@@ -73,12 +86,19 @@ result = seq
 
 def test_pids_without_cuda(spawn):
     c = controller(spawn)
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     dead_pid = int(gone.stdout)
     r = c(f"result = [state({simenv.os.getpid()}), lock({simenv.os.getpid()}), state({dead_pid})]")
-    assert r == ["CUDA_ERROR_NOT_INITIALIZED", "CUDA_ERROR_NOT_INITIALIZED",
-                 "CUDA_ERROR_OPERATING_SYSTEM"]
+    assert r == [
+        "CUDA_ERROR_NOT_INITIALIZED",
+        "CUDA_ERROR_NOT_INITIALIZED",
+        "CUDA_ERROR_OPERATING_SYSTEM",
+    ]
 
 
 def test_checkpoint_frees_memory_and_restore_preserves_vas_and_handles(spawn):
@@ -94,13 +114,16 @@ check(cu.cuMemsetD8(d, 0x5A, 4 * MiB))
 kept_fd = check(cu.cuMemExportToShareableHandle(h, POSIX, 0))  # held open across
 result = [int(h), int(va), int(hn), int(van), int(d)]
 """)
-    h, va, hn, van, d = info
+    h, va, _hn, van, d = info
     pid = t.pid
     free0 = c("result = free_mem()")
     if simenv.is_simulated():
         assert "cuinterpose-sim-alloc" in maps_of(pid, va)
     assert c(f"result = [lock({pid}), ckpt({pid}), state({pid})]") == [
-        "CUDA_SUCCESS", "CUDA_SUCCESS", "CHECKPOINTED"]
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS",
+        "CHECKPOINTED",
+    ]
     free_ckpt = c("result = free_mem()")
     assert free_ckpt - free0 == size + 2 * MiB + 4 * MiB  # all of it handed back
     if simenv.is_simulated():
@@ -119,14 +142,8 @@ send_fd(kept_fd)
     assert r[0] == psha(5, size) and r[1] == psha(6, 2 * MiB)
     assert r[2] == "5a" * 16 and r[3] is True and r[4] == 1
     # The FD exported before the checkpoint still names the same allocation.
-    fd = t.take_fd()
-    other.give_fd(fd)
-    simenv.os.close(fd)
-    got = other(f"""
-fd = recv_fd(); hi = check(cu.cuMemImportFromShareableHandle(fd, POSIX)); os.close(fd)
-v = check(cu.cuMemAddressReserve({size}, 0, 0, 0)); check(cu.cuMemMap(v, {size}, 0, hi, 0)); access(v, {size})
-result = sha(v, {size})
-""")
+    hand_over(t, other)
+    got = other(f"hi, v = import_map(recv_fd(), {size}); result = sha(v, {size})")
     assert got == psha(5, size)
 
 
@@ -149,7 +166,8 @@ def test_lock_times_out_on_a_call_in_flight(spawn):
     t = spawn(extra={"CUINTERPOSE_SIM_MC_WAIT_MS": "1500"})
     c = controller(spawn)
     t("""
-mp = cu.CUmulticastObjectProp(); mp.numDevices = 2; mp.size = 2 * MiB; mp.handleTypes = 0; mp.flags = 0
+mp = cu.CUmulticastObjectProp()
+mp.numDevices = 2; mp.size = 2 * MiB; mp.handleTypes = 0; mp.flags = 0
 mc = check(cu.cuMulticastCreate(mp))
 check(cu.cuMulticastAddDevice(mc, 0))
 hm = check(cu.cuMemCreate(2 * MiB, prop(NONE_H), 0))
@@ -157,7 +175,9 @@ hm = check(cu.cuMemCreate(2 * MiB, prop(NONE_H), 0))
     t.send("result = err(cu.cuMulticastBindMem(mc, 0, hm, 0, 2 * MiB, 0))")
     assert not t.answered(0.3)
     assert c(f"result = [lock({t.pid}, 300), state({t.pid})]") == [
-        "CUDA_ERROR_NOT_READY", "RUNNING"]
+        "CUDA_ERROR_NOT_READY",
+        "RUNNING",
+    ]
     assert t.answered(10)
     assert t.reply() == "CUDA_ERROR_TIMEOUT"  # the simulator's cap on a team that never completes
     assert c(f"result = [lock({t.pid}, 300), unlock({t.pid})]") == ["CUDA_SUCCESS"] * 2
@@ -170,13 +190,8 @@ def test_importer_restore_not_supported_creator_restores(spawn):
 h, va = alloc({size}); write(va, pattern(9, {size}))
 fd = check(cu.cuMemExportToShareableHandle(h, POSIX, 0)); send_fd(fd); os.close(fd)
 """)
-    fd = creator.take_fd()
-    importer.give_fd(fd)
-    simenv.os.close(fd)
-    importer(f"""
-fd = recv_fd(); h = check(cu.cuMemImportFromShareableHandle(fd, POSIX)); os.close(fd)
-va = check(cu.cuMemAddressReserve({size}, 0, 0, 0)); check(cu.cuMemMap(va, {size}, 0, h, 0)); access(va, {size})
-""")
+    hand_over(creator, importer)
+    importer(f"h, va = import_map(recv_fd(), {size})")
     pids = [creator.pid, importer.pid]
     free0 = c("result = free_mem()")
     r = c(f"""
@@ -192,9 +207,17 @@ result = out
     if simenv.is_simulated():
         # The shared allocation stays in use by the importer: nothing freed.
         assert r[6] == free0
-    assert r[7:] == [ok, "CUDA_ERROR_NOT_SUPPORTED", "LOCKED", "CHECKPOINTED",
-                     ok, "RUNNING", "CUDA_ERROR_ILLEGAL_STATE", "CUDA_ERROR_NOT_SUPPORTED",
-                     "CHECKPOINTED"]
+    assert r[7:] == [
+        ok,
+        "CUDA_ERROR_NOT_SUPPORTED",
+        "LOCKED",
+        "CHECKPOINTED",
+        ok,
+        "RUNNING",
+        "CUDA_ERROR_ILLEGAL_STATE",
+        "CUDA_ERROR_NOT_SUPPORTED",
+        "CHECKPOINTED",
+    ]
     assert creator(f"result = sha(va, {size})") == psha(9, size)
     importer.kill()  # stuck CHECKPOINTED, as on the real driver
 
@@ -203,13 +226,13 @@ result = out
 def test_importer_that_released_restores(spawn):
     """The teardown the shim automates: importer unmaps and releases, keeps its VA."""
     creator, importer, c = spawn(), spawn(), controller(spawn)
-    creator("h, va = alloc(2 * MiB); write(va, pattern(4, 2 * MiB)); send_fd(check(cu.cuMemExportToShareableHandle(h, POSIX, 0)))")
-    fd = creator.take_fd()
-    importer.give_fd(fd)
-    simenv.os.close(fd)
+    creator("""
+h, va = alloc(2 * MiB); write(va, pattern(4, 2 * MiB))
+send_fd(check(cu.cuMemExportToShareableHandle(h, POSIX, 0)))
+""")
+    hand_over(creator, importer)
     importer("""
-fd = recv_fd(); h = check(cu.cuMemImportFromShareableHandle(fd, POSIX)); os.close(fd)
-va = check(cu.cuMemAddressReserve(2 * MiB, 0, 0, 0)); check(cu.cuMemMap(va, 2 * MiB, 0, h, 0)); access(va, 2 * MiB)
+h, va = import_map(recv_fd(), 2 * MiB)
 check(cu.cuMemUnmap(va, 2 * MiB)); check(cu.cuMemRelease(h))
 """)
     pids = [creator.pid, importer.pid]

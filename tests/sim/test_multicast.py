@@ -6,9 +6,8 @@ CUINTERPOSE_SIM_DEVICES devices."""
 from __future__ import annotations
 
 import pytest
-from conftest import MiB, needs_multicast, psha, sim_only
-
 import simenv
+from conftest import MiB, hand_over, needs_multicast, psha, sim_only
 
 pytestmark = needs_multicast
 
@@ -31,9 +30,7 @@ def team(spawn, n_devices_env=None):
 mc = check(cu.cuMulticastCreate(mcprop(2, 8 * MiB)))
 send_fd(check(cu.cuMemExportToShareableHandle(mc, POSIX, 0)))
 """)
-    fd = a.take_fd()
-    b.give_fd(fd)
-    simenv.os.close(fd)
+    hand_over(a, b)
     b("fd = recv_fd(); mc = check(cu.cuMemImportFromShareableHandle(fd, POSIX)); os.close(fd)")
     return a, b
 
@@ -74,8 +71,10 @@ hm = check(cu.cuMemCreate(2 * MiB, prop(), 0))
 def test_map_waits_for_the_whole_team_and_is_shared(spawn):
     a, b = team(spawn)
     a("check(cu.cuMulticastAddDevice(mc, 0)); va = check(cu.cuMemAddressReserve(8 * MiB, 0, 0, 0))")
-    a.send("check(cu.cuMemMap(va, 8 * MiB, 0, mc, 0)); access(va, 8 * MiB); write(va, pattern(2, 4 * MiB))")
-    assert not a.answered(0.7), "cuMemMap of a multicast object returned before the team was complete"
+    a.send("""
+check(cu.cuMemMap(va, 8 * MiB, 0, mc, 0)); access(va, 8 * MiB); write(va, pattern(2, 4 * MiB))
+""")
+    assert not a.answered(0.7), "cuMemMap of a multicast object returned before the team was full"
     b("check(cu.cuMulticastAddDevice(mc, 1))")
     assert a.answered(10)
     a.reply()
@@ -89,9 +88,9 @@ result = sha(va, 4 * MiB)
 
 def test_add_device_rules(spawn):
     a, b = team(spawn, THREE)
-    r = a("result = [err(cu.cuMulticastAddDevice(mc, 0)), err(cu.cuMulticastAddDevice(mc, 0)), err(cu.cuMulticastAddDevice(mc, 7))]")
+    r = a("result = [err(cu.cuMulticastAddDevice(mc, d)) for d in (0, 0, 7)]")
     assert r == ["CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_INVALID_DEVICE"]
-    r = b("result = [err(cu.cuMulticastAddDevice(mc, 0)), err(cu.cuMulticastAddDevice(mc, 1)), err(cu.cuMulticastAddDevice(mc, 2))]")
+    r = b("result = [err(cu.cuMulticastAddDevice(mc, d)) for d in (0, 1, 2)]")
     # Twice across processes, then the team is full.
     assert r == ["CUDA_ERROR_INVALID_VALUE", "CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE"]
 
@@ -138,10 +137,13 @@ result = out
     assert r["v1"] == ok and r["addr_v2"] == ok
     assert r["addr_unmapped"] == iv
     # Device 0's process binds at the same offset: bindings are per device.
-    assert a("""
+    assert (
+        a("""
 hm = check(cu.cuMemCreate(2 * MiB, prop(), 0))
 result = err(cu.cuMulticastBindMem_v2(mc, 0, 0, hm, 0, 2 * MiB, 0))
-""") == ok
+""")
+        == ok
+    )
 
 
 @sim_only
@@ -166,17 +168,19 @@ def test_release_ends_own_bindings(spawn):
     a, b = team(spawn)
     a("check(cu.cuMulticastAddDevice(mc, 0))")
     b("check(cu.cuMulticastAddDevice(mc, 1)); hm = check(cu.cuMemCreate(2 * MiB, prop(), 0))")
-    assert b("result = err(cu.cuMulticastBindMem_v2(mc, 1, 0, hm, 0, 2 * MiB, 0))") == "CUDA_SUCCESS"
+    bind = "result = err(cu.cuMulticastBindMem_v2(mc, 1, 0, hm, 0, 2 * MiB, 0))"
+    assert b(bind) == "CUDA_SUCCESS"
     b("check(cu.cuMemRelease(mc))")
     # The team outlives b's handle (a holds it); b's binding is gone with b's last reference.
     r = a("""
 fd = check(cu.cuMemExportToShareableHandle(mc, POSIX, 0)); send_fd(fd); os.close(fd)
 """)
     assert r is None
-    fd = a.take_fd()
-    b.give_fd(fd)
-    simenv.os.close(fd)
-    assert b("""
+    hand_over(a, b)
+    assert (
+        b("""
 fd = recv_fd(); mc = check(cu.cuMemImportFromShareableHandle(fd, POSIX)); os.close(fd)
 result = err(cu.cuMulticastBindMem_v2(mc, 1, 0, hm, 0, 2 * MiB, 0))
-""") == "CUDA_SUCCESS"
+""")
+        == "CUDA_SUCCESS"
+    )

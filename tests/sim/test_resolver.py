@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from conftest import sim_only
-
 import simenv
+from conftest import sim_only
 
 
 def test_driver_loads_and_announces_itself(spawn):
@@ -13,7 +12,8 @@ def test_driver_loads_and_announces_itself(spawn):
 name = check(cu.cuDeviceGetName(64, 0)).split(b"\\0")[0].decode()
 result = dict(version=check(cu.cuDriverGetVersion()), count=check(cu.cuDeviceGetCount()),
               name=name, uuid0=bytes(check(cu.cuDeviceGetUuid(0)).bytes).hex(),
-              uuid1=bytes(check(cu.cuDeviceGetUuid(1)).bytes).hex() if check(cu.cuDeviceGetCount()) > 1 else None)
+              uuid1=bytes(check(cu.cuDeviceGetUuid(1)).bytes).hex()
+              if check(cu.cuDeviceGetCount()) > 1 else None)
 """)
     assert r["version"] >= 13000
     if simenv.is_simulated():
@@ -79,7 +79,8 @@ def q(name, ver):
     return [res[0].name, res[2].name if res[0] == 0 else None, int(res[1]) if res[0] == 0 else None]
 result = dict(unknown=q(b"cuNoSuchFunction", 13000), dtoh=q(b"cuMemcpyDtoH", 3020),
               future=q(b"cuMemcpyDtoH", 99999), bind12=q(b"cuMulticastBindMem", 12010),
-              bind13=q(b"cuMulticastBindMem", 13010), ptds=[cu.cuGetProcAddress(b"cuMemcpy", 4000, 2)[0].name],
+              bind13=q(b"cuMulticastBindMem", 13010),
+              ptds=[cu.cuGetProcAddress(b"cuMemcpy", 4000, 2)[0].name],
               names=[cu.cuGetErrorName(cu.CUresult.CUDA_ERROR_INVALID_VALUE)[1].decode(),
                      cu.cuGetErrorString(cu.CUresult.CUDA_ERROR_INVALID_VALUE)[1].decode()])
 """)
@@ -120,7 +121,8 @@ result = [q(b"cuMemcpyDtoH", 3020) == addr("cuMemcpyDtoH_v2"),
 def test_every_resolver_request_is_answered_without_crash(spawn):
     """All 526 requests cuda.bindings 13.5 makes: each resolves or is not found."""
     path = simenv.REPO.parent / "shared" / "records" / "cuda-bindings-13.5-resolver-requests.txt"
-    reqs = [ln.split() for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    lines = path.read_text().splitlines() if path.exists() else []
+    reqs = [ln.split() for ln in lines if ln.strip()]
     reqs = reqs or [["cuMemMap", "v10020"], ["cuNope", "v13000"]]
     w = spawn()
     r = w(f"""

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import hashlib
 
-from conftest import MiB, pattern_bytes, psha, sim_only
-
 import simenv
+from conftest import MiB, hand_over, pattern_bytes, psha, sim_only
 
 
 def test_three_processes_share_bytes(spawn):
@@ -20,18 +19,8 @@ send_fd(check(cu.cuMemExportToShareableHandle(h, POSIX, 0)))
 send_fd(check(cu.cuMemExportToShareableHandle(h, POSIX, 0)))
 """)
     for w in (b, c):
-        fd = a.take_fd()
-        w.give_fd(fd)
-        simenv.os.close(fd)
-        got = w(f"""
-fd = recv_fd()
-h = check(cu.cuMemImportFromShareableHandle(fd, POSIX))
-os.close(fd)
-va = check(cu.cuMemAddressReserve({size}, 0, 0, 0))
-check(cu.cuMemMap(va, {size}, 0, h, 0))
-access(va, {size})
-result = sha(va, {size})
-""")
+        hand_over(a, w)
+        got = w(f"h, va = import_map(recv_fd(), {size}); result = sha(va, {size})")
         assert got == psha(1, size)
     # A write in any process is seen by the other two.
     b("assert write(va, bytes([0xAB] * 4096), off=MiB) == 'CUDA_SUCCESS'")
@@ -45,20 +34,20 @@ result = sha(va, {size})
 
 def test_memory_outlives_creator_while_imported(spawn):
     a, b = spawn(), spawn()
-    a(f"""
+    a("""
 h, va = alloc(2 * MiB)
 write(va, pattern(7, 2 * MiB))
 send_fd(check(cu.cuMemExportToShareableHandle(h, POSIX, 0)))
 """)
-    fd = a.take_fd()
-    b.give_fd(fd)
-    simenv.os.close(fd)
+    hand_over(a, b)
     b("""
-fd = recv_fd(); h = check(cu.cuMemImportFromShareableHandle(fd, POSIX)); os.close(fd)
-va = check(cu.cuMemAddressReserve(2 * MiB, 0, 0, 0)); check(cu.cuMemMap(va, 2 * MiB, 0, h, 0)); access(va, 2 * MiB)
+h, va = import_map(recv_fd(), 2 * MiB)
 check(cu.cuMemRelease(h))  # the mapping alone keeps it
 """)
-    a("check(cu.cuMemUnmap(va, 2 * MiB)); check(cu.cuMemRelease(h)); check(cu.cuMemAddressFree(va, 2 * MiB))")
+    a("""
+check(cu.cuMemUnmap(va, 2 * MiB)); check(cu.cuMemRelease(h))
+check(cu.cuMemAddressFree(va, 2 * MiB))
+""")
     a.close()
     assert b("result = sha(va, 2 * MiB)") == psha(7, 2 * MiB)
 
@@ -72,7 +61,8 @@ h, va = alloc(size)
 free1 = free_mem()
 write(va, pattern(3, size))
 h2 = check(cu.cuMemRetainAllocationHandle(va))
-out = dict(same=int(h2) == int(h), retain_unmapped=err(cu.cuMemRetainAllocationHandle(int(va) + size + 1024)))
+out = dict(same=int(h2) == int(h),
+           retain_unmapped=err(cu.cuMemRetainAllocationHandle(int(va) + size + 1024)))
 out["rel1"] = err(cu.cuMemRelease(h))
 out["rel2"] = err(cu.cuMemRelease(h))
 out["readable"] = sha(va, size) == hashlib.sha256(pattern(3, size)).hexdigest()
@@ -83,7 +73,8 @@ out["free_unmap_partial"] = err(cu.cuMemUnmap(va, 2 * MiB))
 out["unmap"] = err(cu.cuMemUnmap(va, size))
 out["unmap_twice"] = err(cu.cuMemUnmap(va, size))
 free3 = free_mem()
-out["copy_after_unmap"] = err(cu.cuMemcpyDtoH(ctypes.addressof(ctypes.create_string_buffer(16)), va, 16))
+small = ctypes.create_string_buffer(16)
+out["copy_after_unmap"] = err(cu.cuMemcpyDtoH(ctypes.addressof(small), va, 16))
 out["free"] = [free0 - free1, free0 - free2, free0 - free3]
 check(cu.cuMemAddressFree(va, size))
 result = out
@@ -133,7 +124,8 @@ out["straddling"] = err(cu.cuMemcpyDtoH(hp, int(va) + size - MiB, 2 * MiB))
 out["sync"] = err(cu.cuCtxSynchronize())
 # Access on device 1 only: device 0's context may not copy.
 if check(cu.cuDeviceGetCount()) > 1:
-    check(cu.cuMemSetAccess(va, size, [desc(cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_NONE, 0), desc(RW, 1)], 2))
+    no = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_NONE
+    check(cu.cuMemSetAccess(va, size, [desc(no, 0), desc(RW, 1)], 2))
     out["other_device_only"] = err(cu.cuMemcpyDtoH(hp, va, 16))
 check(cu.cuMemUnmap(va, size)); check(cu.cuMemRelease(h)); check(cu.cuMemAddressFree(va, 2 * size))
 result = out
