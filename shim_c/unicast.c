@@ -428,7 +428,8 @@ int unicast_inspect(struct reply *r)
     for (uint32_t i = 0; i < nobj; i++) {
         struct obj *o = list[i];
         rec_allocation(&recs[nrec++], o);
-        qsort(o->maps, o->nmaps, sizeof *o->maps, map_cmp);
+        if (o->nmaps > 1)
+            qsort(o->maps, o->nmaps, sizeof *o->maps, map_cmp);
         for (uint32_t k = 0; k < o->nmaps; k++)
             rec_mapping(&recs[nrec++], o, &o->maps[k]);
     }

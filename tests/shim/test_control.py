@@ -453,3 +453,46 @@ def test_failed_is_sticky_and_reported(spawn: Callable[..., simenv.Worker], cdir
     assert i.call(Op.INSPECT).status == Status.WRONG_PHASE
     assert i.call(Op.RESTORE_UNICAST).status == Status.WRONG_PHASE
     assert importer("result = err(cu.cuMemUnmap(H['va'], gran))") == "CUDA_ERROR_NOT_READY"
+
+
+def test_live_multicast_is_reported_and_refused(
+    spawn: Callable[..., simenv.Worker], cdir: Path
+) -> None:
+    """Multicast is passed through but not captured yet: a live object must make
+    INSPECT report it (UNSUPPORTED_EXPORTABLE) and PREPARE_MULTICAST refuse, with
+    the shim still ACTIVE and the application unaffected."""
+    app = spawn()
+    shim = Shim(cdir, app.pid)
+    got = app(
+        """
+mp = cu.CUmulticastObjectProp()
+mp.numDevices = 1
+mp.handleTypes = POSIX
+mg = int(check(cu.cuMulticastGetGranularity(mp, cu.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM)))
+mp.size = mg
+H['mc'] = check(cu.cuMulticastCreate(mp))
+check(cu.cuMulticastAddDevice(H['mc'], 0))
+H['m'] = check(cu.cuMemCreate(mg, prop(), 0))
+check(cu.cuMulticastBindMem(H['mc'], 0, H['m'], 0, mg, 0))
+H['mg'] = mg
+result = [int(H['mc']) >> 48 == 0xC1F0, mg]
+"""
+    )
+    assert got[0] is True
+    reply = shim.ok(Op.INSPECT)
+    kinds = [r.kind for r in reply.records]
+    # The bound member counts as shared; the multicast object is a refusal record.
+    assert kinds == [wire.RecordKind.ALLOCATION, wire.RecordKind.UNSUPPORTED_EXPORTABLE]
+    assert "multicast" in reply.message
+    refused = shim.call(Op.PREPARE_MULTICAST)
+    assert refused.status == Status.REFUSED and refused.phase == Phase.ACTIVE
+    app_still_works(app)
+    app(
+        """
+check(cu.cuMulticastUnbind(H['mc'], 0, 0, H['mg']))
+check(cu.cuMemRelease(H['mc'])); check(cu.cuMemRelease(H['m']))
+"""
+    )
+    assert shim.ok(Op.INSPECT).records == ()
+    shim.ok(Op.PREPARE_MULTICAST)
+    assert shim.ok(Op.HANDSHAKE).phase == Phase.MULTICAST_DETACHED
