@@ -169,6 +169,42 @@ class _Conn:
         self.request = bytearray(HEADER_SIZE)
         self.filled = 0
         self.out: memoryview | None = None
+        self.registered = False
+
+
+class _Conns:
+    """The loop's open connections; touched by the loop thread only."""
+
+    def __init__(self, selector: selectors.BaseSelector) -> None:
+        self.selector = selector
+        self.open: dict[int, _Conn] = {}
+
+    def add(self, conn: _Conn) -> None:
+        self.open[conn.sock.fileno()] = conn
+
+    def watch(self, conn: _Conn, events: int) -> None:
+        # Registered lazily: most requests are read and answered at accept
+        # time, without ever going through the selector.
+        if conn.registered:
+            self.selector.modify(conn.sock, events, conn)
+        else:
+            self.selector.register(conn.sock, events, conn)
+            conn.registered = True
+
+    def release(self, conn: _Conn) -> socket.socket:
+        """Stop tracking ``conn`` and hand its socket over (to a worker, or to close)."""
+        if conn.registered:
+            self.selector.unregister(conn.sock)
+            conn.registered = False
+        del self.open[conn.sock.fileno()]
+        return conn.sock
+
+    def drop(self, conn: _Conn) -> None:
+        self.release(conn).close()
+
+    def close_all(self) -> None:
+        for conn in list(self.open.values()):
+            self.drop(conn)
 
 
 class FakeParticipant:
@@ -260,7 +296,12 @@ class FakeParticipant:
         self._listener = listener
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
-        self._loop = threading.Thread(target=self._serve, name=f"fake-{self.pid}", daemon=True)
+        # Made here, not in the thread, so that a started fake holds all its
+        # descriptors when start() returns.
+        selector = selectors.DefaultSelector()
+        self._loop = threading.Thread(
+            target=self._serve, args=(selector,), name=f"fake-{self.pid}", daemon=True
+        )
         self._loop.start()
         return self
 
@@ -309,27 +350,26 @@ class FakeParticipant:
 
     # -- the selector loop --------------------------------------------------------
 
-    def _serve(self) -> None:
+    def _serve(self, selector: selectors.BaseSelector) -> None:
         listener, wake = self._listener, self._wake_r
         assert listener is not None and wake is not None
-        conns: dict[int, _Conn] = {}
-        with selectors.DefaultSelector() as selector:
+        with selector:
+            conns = _Conns(selector)
             selector.register(listener, selectors.EVENT_READ, None)
             selector.register(wake, selectors.EVENT_READ, None)
             try:
                 while not self._stopping.is_set():
                     for key, events in selector.select(1.0):
                         if key.fileobj is listener:
-                            self._accept(listener, selector, conns)
+                            self._accept(listener, conns)
                         elif isinstance(key.data, _Conn):
-                            self._service(key.data, events, selector, conns)
-                    self._drop_idle(selector, conns)
+                            self._service(key.data, events, conns)
+                    self._drop_idle(conns)
             except Exception as exc:  # a bug in the fake: reported by stop()
                 with self._lock:
                     self._errors.append(exc)
             finally:
-                for conn in conns.values():
-                    conn.sock.close()
+                conns.close_all()
                 self._close_listener()
 
     def _close_listener(self) -> None:
@@ -344,9 +384,7 @@ class FakeParticipant:
         if (info.st_dev, info.st_ino) == self._inode and stat.S_ISSOCK(info.st_mode):
             self.socket_path.unlink()
 
-    def _accept(
-        self, listener: socket.socket, selector: selectors.BaseSelector, conns: dict[int, _Conn]
-    ) -> None:
+    def _accept(self, listener: socket.socket, conns: _Conns) -> None:
         while True:
             try:
                 sock, _ = listener.accept()
@@ -365,101 +403,83 @@ class FakeParticipant:
                 continue
             sock.setblocking(False)
             conn = _Conn(sock)
-            conns[sock.fileno()] = conn
-            selector.register(sock, selectors.EVENT_READ, conn)
+            conns.add(conn)
+            # A client sends its request right after connecting: it is usually
+            # here already, and answering now saves a trip through the selector.
+            self._service(conn, selectors.EVENT_READ, conns)
 
-    def _drop(self, conn: _Conn, selector: selectors.BaseSelector, conns: dict[int, _Conn]) -> None:
-        selector.unregister(conn.sock)
-        del conns[conn.sock.fileno()]
-        conn.sock.close()
-
-    def _drop_idle(self, selector: selectors.BaseSelector, conns: dict[int, _Conn]) -> None:
+    def _drop_idle(self, conns: _Conns) -> None:
         now = time.monotonic()
-        for conn in [c for c in conns.values() if now - c.started > _IDLE_S]:
-            self._drop(conn, selector, conns)
+        for conn in [c for c in conns.open.values() if now - c.started > _IDLE_S]:
+            conns.drop(conn)
 
-    def _service(
-        self,
-        conn: _Conn,
-        events: int,
-        selector: selectors.BaseSelector,
-        conns: dict[int, _Conn],
-    ) -> None:
+    def _service(self, conn: _Conn, events: int, conns: _Conns) -> None:
         try:
             if conn.out is not None:
                 if events & selectors.EVENT_WRITE:
-                    self._write(conn, selector, conns)
+                    self._write(conn, conns)
                 elif events & selectors.EVENT_READ and not conn.sock.recv(1):
                     # The client gave up while we were still writing.
-                    self._drop(conn, selector, conns)
+                    conns.drop(conn)
                 return
             got = conn.sock.recv_into(memoryview(conn.request)[conn.filled :])
         except (BlockingIOError, InterruptedError):
+            conns.watch(conn, selectors.EVENT_READ)
             return
         except OSError:
-            self._drop(conn, selector, conns)
+            conns.drop(conn)
             return
         if got == 0:
-            self._drop(conn, selector, conns)
+            conns.drop(conn)
             return
         conn.filled += got
-        if conn.filled == HEADER_SIZE:
-            self._dispatch(conn, selector, conns)
+        if conn.filled < HEADER_SIZE:
+            conns.watch(conn, selectors.EVENT_READ)
+            return
+        self._dispatch(conn, conns)
 
-    def _dispatch(
-        self, conn: _Conn, selector: selectors.BaseSelector, conns: dict[int, _Conn]
-    ) -> None:
+    def _dispatch(self, conn: _Conn, conns: _Conns) -> None:
         raw = bytes(conn.request)
         try:
             request, _ = decode_request(raw)
         except WireError as exc:
-            self._reply_now(conn, self._refusal(raw, str(exc)), selector, conns)
+            self._reply_now(conn, self._refusal(raw, str(exc)), conns)
             return
         with self._lock:
             self._received.append(request.op)
         fault = self.script.get(request.op)
         if self.arrival is None and (fault is None or fault.kind not in ("delay", "hang")):
-            self._reply_now(conn, self._answer(request, fault), selector, conns)
+            self._reply_now(conn, self._answer(request, fault), conns)
             return
         # This request must wait: give its socket to a thread of its own.
-        selector.unregister(conn.sock)
-        del conns[conn.sock.fileno()]
         worker = threading.Thread(
-            target=self._slow_path, args=(conn.sock, request, fault), daemon=True
+            target=self._slow_path, args=(conns.release(conn), request, fault), daemon=True
         )
         with self._lock:
             self._workers.add(worker)
         worker.start()
 
-    def _reply_now(
-        self,
-        conn: _Conn,
-        reply: bytes | None,
-        selector: selectors.BaseSelector,
-        conns: dict[int, _Conn],
-    ) -> None:
+    def _reply_now(self, conn: _Conn, reply: bytes | None, conns: _Conns) -> None:
         if reply is None:
-            self._drop(conn, selector, conns)
+            conns.drop(conn)
             return
         conn.out = memoryview(reply)
-        self._write(conn, selector, conns)
+        self._write(conn, conns)
 
-    def _write(
-        self, conn: _Conn, selector: selectors.BaseSelector, conns: dict[int, _Conn]
-    ) -> None:
+    def _write(self, conn: _Conn, conns: _Conns) -> None:
         assert conn.out is not None
         try:
             sent = conn.sock.send(conn.out, socket.MSG_NOSIGNAL)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:
-            self._drop(conn, selector, conns)
+            conns.drop(conn)
             return
         conn.out = conn.out[sent:]
-        if not conn.out:
-            self._drop(conn, selector, conns)
+        if conn.out:
+            conns.watch(conn, selectors.EVENT_READ | selectors.EVENT_WRITE)
         else:
-            selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+            conns.drop(conn)
 
     # -- requests that wait ---------------------------------------------------------
 

@@ -484,7 +484,7 @@ def test_call_all_leaves_no_descriptor_open(start_fake: StartFake, control_dir: 
     garbage = start_fake(script={Op.INSPECT: Fault("garbage")})
     calls = [bound(f, Op.INSPECT) for f in [*fakes, garbage]]
     calls.append((endpoint_for(998, 998, control_dir=control_dir), Request(Op.HANDSHAKE), None))
-    before = open_descriptors()
+    before = open_descriptors()  # the fakes hold theirs from start() on
     for _ in range(5):
         call_all(calls, timeout=0.5)
     # The fakes live in this process and close their side a moment after
