@@ -125,12 +125,13 @@ class Worker:
                 stderr=self._stderr,
                 env=dict(env),
                 pass_fds=(child_end.fileno(),),
-                text=True,
+                bufsize=0,
             )
         finally:
             child_end.close()
         self.pid = self.proc.pid
         self._ready = False
+        self._pending = b""
         if wait:
             self.wait_ready()
 
@@ -154,34 +155,49 @@ class Worker:
         except OSError:
             return ""
 
+    def _exited(self, op: str) -> WorkerError:
+        try:
+            status: int | str = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            status = "unknown (still running)"
+        return WorkerError(
+            self.name, op, {"error": f"worker exited with status {status}"}, self.stderr_tail()
+        )
+
     def _read(self, op: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """The next JSON line from the worker; other lines on its stdout are skipped."""
         out = self.proc.stdout
         assert out is not None
         wait = self.timeout_s if timeout_s is None else timeout_s
-        ready, _, _ = select.select([out], [], [], wait)
-        if not ready:
-            raise WorkerError(self.name, op, {"error": f"no reply in {wait} s"}, self.stderr_tail())
-        line = out.readline()
-        if not line:
-            status = self.proc.wait(timeout=10)
-            raise WorkerError(
-                self.name, op, {"error": f"worker exited with status {status}"}, self.stderr_tail()
-            )
-        reply: dict[str, Any] = json.loads(line)
-        return reply
+        deadline = time.monotonic() + wait
+        while True:
+            line, sep, rest = self._pending.partition(b"\n")
+            if sep:
+                self._pending = rest
+                if line.startswith(b"{"):
+                    reply: dict[str, Any] = json.loads(line)
+                    return reply
+                continue
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([out], [], [], max(left, 0.0))
+            if not ready:
+                raise WorkerError(
+                    self.name, op, {"error": f"no reply in {wait} s"}, self.stderr_tail()
+                )
+            chunk = os.read(out.fileno(), 1 << 16)
+            if not chunk:
+                raise self._exited(op)
+            self._pending += chunk
 
     def call(self, op: str, *, timeout_s: float | None = None, **args: Any) -> dict[str, Any]:
         """Send one command; return the reply, ``ok`` true or not."""
         stdin = self.proc.stdin
         assert stdin is not None
         try:
-            stdin.write(json.dumps({"op": op, **args}) + "\n")
+            stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
             stdin.flush()
         except BrokenPipeError:
-            status = self.proc.wait(timeout=10)
-            raise WorkerError(
-                self.name, op, {"error": f"worker exited with status {status}"}, self.stderr_tail()
-            ) from None
+            raise self._exited(op) from None
         return self._read(op, timeout_s)
 
     def check(self, op: str, **args: Any) -> dict[str, Any]:
