@@ -443,10 +443,11 @@ class _Run:
         began = self.options.clock()
         results = self.options.transport(calls, timeout=self.options.phase_timeout)
         elapsed = self.options.clock() - began
-        self.step_record["exchanges"] = [
-            tracing.exchange_entry(endpoint, request, result)
-            for (endpoint, request, _), result in zip(calls, results, strict=True)
-        ]
+        if self.options.trace is not None:  # hex-encoding every record is not free
+            self.step_record["exchanges"] = [
+                tracing.exchange_entry(endpoint, request, result)
+                for (endpoint, request, _), result in zip(calls, results, strict=True)
+            ]
         if op is Op.HANDSHAKE:
             self.bound = _bind(self.spec.name, self.endpoints, results)
             self.replies = tuple(r for r in results if isinstance(r, Reply))
@@ -504,7 +505,8 @@ class _Run:
         self.step_record["state_path"] = str(self.state_path)
 
     def _read_state(self) -> None:
-        self.step_record["state_file"] = tracing.read_state_text(self.checkpoint_dir)
+        if self.options.trace is not None:
+            self.step_record["state_file"] = tracing.read_state_text(self.checkpoint_dir)
         try:
             state = read_state(self.checkpoint_dir)
         except StateFileError as exc:
