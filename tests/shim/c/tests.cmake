@@ -15,3 +15,16 @@ target_compile_definitions(shim_dlsym PRIVATE VIA_DLSYM=1)
 target_include_directories(shim_dlsym PRIVATE ${CUINTERPOSE_CUDA_INCLUDE})
 target_link_libraries(shim_dlsym PRIVATE dl)
 set_target_properties(shim_dlsym PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${_shim_tests_dir})
+
+# A stand-in driver whose handles collide with the shim's tag range, in its own
+# directory as libcuda.so.1, and a program that calls it through the shim.
+add_library(collide_driver SHARED ${CMAKE_SOURCE_DIR}/tests/shim/c/collide_driver.c)
+target_include_directories(collide_driver PRIVATE ${CUINTERPOSE_CUDA_INCLUDE})
+target_compile_options(collide_driver PRIVATE -fvisibility=hidden)
+set_target_properties(collide_driver PROPERTIES OUTPUT_NAME cuda PREFIX lib SUFFIX .so.1
+                      LIBRARY_OUTPUT_DIRECTORY ${_shim_tests_dir}/collide)
+target_link_options(collide_driver PRIVATE -Wl,-soname,libcuda.so.1)
+add_executable(shim_collide ${CMAKE_SOURCE_DIR}/tests/shim/c/collide_prog.c)
+target_include_directories(shim_collide PRIVATE ${CUINTERPOSE_CUDA_INCLUDE})
+target_link_libraries(shim_collide PRIVATE dl)
+set_target_properties(shim_collide PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${_shim_tests_dir})
