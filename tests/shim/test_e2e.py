@@ -26,6 +26,7 @@ from cuinterpose.engine.demo import coordinator_env, pattern_digest
 from workers.cycle import (
     Spawn,
     assert_refused,
+    assert_replays,
     assert_still_active,
     cli,
     close_clean,
@@ -64,6 +65,7 @@ def test_live_raw_import_refuses_capture(
     assert app.digest(raw_va, gran) == pattern_digest(32, gran)
 
     assert_refused(cli("prepare", [app.pid], control_dir, tmp_path), "RAW_IMPORT", app.pid)
+    assert_replays(tmp_path / "prepare.trace.jsonl")
     assert_still_active(app, mine, my_va, 2 * gran, 31)
     assert app.digest(raw_va, gran) == pattern_digest(32, gran)
     close_clean(app)
@@ -172,3 +174,18 @@ def test_launch_preloads_the_shim_and_creates_the_control_dir(tmp_path: Path) ->
     assert system["SNAPSHOT_CONTROL_DIR"] == "/snapshot-control"
     with pytest.raises(launch.LaunchError, match="unknown driver"):
         launch.launch_env(driver="gpu", control_dir=None)
+
+
+def test_native_group_arguments_and_timings_round_trip() -> None:
+    for bad in ([], [5, 5], [0]):
+        with pytest.raises(ValueError):
+            native.run_in_subprocess("state", bad, env={})
+    with pytest.raises(ValueError, match="unknown native action"):
+        native.run_in_subprocess("freeze", [1], env={})
+    timings = native.GroupTimings(
+        "checkpoint", (3, 4), 0.5, 1.5, 2.0, (native.CallTiming(3, "lock", 0.25),)
+    )
+    assert native.GroupTimings.from_json(json.loads(json.dumps(timings.to_json()))) == timings
+    assert str(native.NativeError(7, "cuCheckpointProcessLock", "CUDA_ERROR_TIMEOUT")) == (
+        "pid 7: cuCheckpointProcessLock failed: CUDA_ERROR_TIMEOUT"
+    )

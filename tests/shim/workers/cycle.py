@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,19 @@ def close_clean(worker: Worker) -> None:
     status = worker.close()
     tail = worker.stderr_tail()
     assert status == 0 and "Sanitizer" not in tail, f"{worker.name} exited {status}: {tail}"
+
+
+def assert_replays(trace: Path) -> None:
+    """A trace recorded from real shims replays clean against fake participants."""
+    run = subprocess.run(
+        [sys.executable, "-m", "cuinterpose", "replay", str(trace)],
+        env=coordinator_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, f"replay of {trace}: {run.stdout}{run.stderr}"
 
 
 def used(observer: Worker) -> int:
@@ -202,6 +217,8 @@ def three_process_cycle(
     }
     for worker in (*scen.workers, fourth, observer):
         close_clean(worker)
+    for command in ("prepare", "restore"):
+        assert_replays(work_dir / f"{command}.trace.jsonl")
 
     if trace_out is not None:
         trace_out.mkdir(parents=True, exist_ok=True)
