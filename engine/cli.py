@@ -8,6 +8,7 @@ own convention, kept for every bad option or environment value).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -175,10 +176,9 @@ def _fail(lines: Sequence[str], stderr: TextIO) -> int:
 
 
 def _progress(mode: str, stdout: TextIO) -> ProgressCallback | None:
-    if mode == "json":
-        return json_printer(stdout)
     if mode == "none":
         return None
+    printer = json_printer(stdout)
 
     def human(event: Event) -> None:
         # A failure is reported on stderr, in full, by the command itself.
@@ -186,7 +186,15 @@ def _progress(mode: str, stdout: TextIO) -> ProgressCallback | None:
             stdout.write(human_line(event) + "\n")
             stdout.flush()
 
-    return human
+    emit = printer if mode == "json" else human
+
+    def guarded(event: Event) -> None:
+        # A closed stdout must not stop a checkpoint half way: the outcome still
+        # reaches stderr and the exit status.
+        with contextlib.suppress(OSError):
+            emit(event)
+
+    return guarded
 
 
 # -- commands -----------------------------------------------------------------------

@@ -10,7 +10,6 @@ refuse, later ones fail.
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -57,6 +56,7 @@ from .state import (
     StateFileError,
     StateParticipant,
     read_state,
+    utc_timestamp,
     write_state,
 )
 from .topology import Topology
@@ -339,6 +339,15 @@ class _Run:
                 self._trace_step(step, source, began, "failed", failure)
                 self._stop(FAIL_TRIGGER, failure)
                 raise
+            except Exception as exc:
+                # A bug or an unforeseen OS error: still fail-stop, with the trace
+                # and the progress stream closed properly, and the cause chained.
+                internal = PhaseFailed(
+                    self.spec.name, step.trigger, [Problem(f"internal error: {exc!r}")]
+                )
+                self._trace_step(step, source, began, "failed", internal)
+                self._stop(FAIL_TRIGGER, internal)
+                raise internal from exc
             if moved:
                 self._trace_step(step, source, began, "ok", None)
                 continue
@@ -486,7 +495,7 @@ class _Run:
         state = CheckpointState(
             protocol_version=VERSION,
             content_mode=self.options.content_mode,
-            created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            created_at=utc_timestamp(),
             participants=tuple(
                 sorted(
                     (StateParticipant(b.participant, b.pid) for b in self.bound),

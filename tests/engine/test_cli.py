@@ -319,3 +319,17 @@ def test_python_dash_m_and_exit_status() -> None:
         check=False,
     )
     assert bad.returncode == 2 and "required" in bad.stderr
+
+
+def test_a_closed_stdout_does_not_stop_a_capture(work: Path) -> None:
+    class Closed(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    with team_of(TOPOLOGY, work / "control") as t:
+        err = io.StringIO()
+        code = cli.main(machine_args("prepare", t, work, "--progress", "json"), stdout=Closed(),
+                        stderr=err)  # fmt: skip
+        assert all(f.phase is Phase.PREPARED for f in t.fakes)
+    assert (code, err.getvalue()) == (0, "")
+    assert (work / "ckpt" / STATE_FILE_NAME).is_file()

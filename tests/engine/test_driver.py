@@ -399,3 +399,29 @@ def test_inspect_changes_nothing(work: Path) -> None:
         assert t.received() == [[Op.HANDSHAKE, Op.INSPECT]] * 3
     assert topology == TOPOLOGY
     assert [b.participant for b in bound] == [f.participant for f in t.fakes]
+
+
+def test_an_unexpected_exception_still_fails_stop_and_closes_the_trace(work: Path) -> None:
+    from cuinterpose.engine.trace import TraceRecorder
+
+    def broken(
+        calls: Sequence[tuple[Endpoint, Request, str | None]], *, timeout: float
+    ) -> list[Reply | ParticipantError]:
+        if calls[0][1].op is Op.SAVE_ALLOCATIONS:
+            raise RuntimeError("transport bug")
+        return call_all(calls, timeout=timeout)
+
+    recorder = TraceRecorder()
+    events: list[Event] = []
+    with team_of(TOPOLOGY, work / "control") as t:
+        opts = driver.Options(phase_timeout=5.0, on_progress=events.append, transport=broken,
+                              trace=recorder)  # fmt: skip
+        with pytest.raises(PhaseFailed) as caught:
+            driver.capture(t.endpoints, work / "ckpt", opts)
+        assert t.received() == [CAPTURE_OPS[:3]] * 3
+    assert caught.value.phase == "SAVE_ALLOCATIONS"
+    assert "internal error: RuntimeError('transport bug')" in caught.value.reason
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert recorder.entries[-1]["outcome"] == "failed"
+    assert recorder.entries[-2]["trigger"] == "FAIL"
+    assert isinstance(events[-1], FailedEvent)
