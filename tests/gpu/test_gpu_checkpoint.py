@@ -43,6 +43,7 @@ def test_three_processes_on_gpu(
         trace_out=trace_out,
         trace_prefix="gpu-three-process",
         timeout_s=600.0,
+        slack=64 << 20,
     )
     print(json.dumps({k: result[k] for k in ("device", "sizes", "gpu_used")}, indent=2))
     for machine, phase in (("prepare", "SAVE_ALLOCATIONS"), ("restore", "LOAD_ALLOCATIONS")):

@@ -107,8 +107,12 @@ def three_process_cycle(
     trace_out: Path | None = None,
     trace_prefix: str = "three-process",
     timeout_s: float = 120.0,
+    slack: int = 0,
 ) -> dict[str, Any]:
-    """Run the cycle; ``unit`` (a multiple of the granularity) sizes X = 4u, Y = 2u, P = u."""
+    """Run the cycle; ``unit`` (a multiple of the granularity) sizes X = 4u, Y = 2u, P = u.
+
+    ``slack``: device memory the shim may itself take while prepared (a real driver
+    can place its copy streams there); 0 on the simulated driver, where it is exact."""
     observer = spawn("observer", plain_env, wait=False)
     creator = spawn("creator", shim_env, wait=False)
     twice = spawn("importer-twice", shim_env, wait=False)
@@ -142,7 +146,7 @@ def three_process_cycle(
     # Prepared: the shared allocations are off the device, and the application's
     # tracked calls are held off with NOT_READY.
     used_prepared = used(observer)
-    assert used_before - used_prepared >= scen.shared_bytes, (used_before, used_prepared)
+    assert used_before - used_prepared >= scen.shared_bytes - slack, (used_before, used_prepared)
     refused = scen.creator.call("export", handle=scen.handles["creator_x"])
     assert not refused["ok"] and refused.get("result") == "CUDA_ERROR_NOT_READY", refused
 
