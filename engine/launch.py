@@ -105,7 +105,10 @@ def launch(command: Sequence[str], *, driver: str, control_dir: Path | None) -> 
     """
     if not command:
         raise LaunchError("no command to launch")
-    env = launch_env(driver=driver, control_dir=control_dir)
+    try:
+        env = launch_env(driver=driver, control_dir=control_dir)
+    except artifacts.ArtifactMissingError as exc:
+        raise LaunchError(str(exc)) from exc
     ensure_control_dir(Path(env[CONTROL_DIR_ENV]))
     try:
         child = subprocess.Popen(list(command), env=env)
