@@ -26,6 +26,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -269,7 +270,7 @@ static void serve_one(int fd)
     p.result = (int32_t)do_op(&q);
     p.state = sim.ck_state;
     pthread_mutex_unlock(&sim.gate_mu);
-    p.tid = (int32_t)sim.service_tid;
+    p.tid = (int32_t)atomic_load(&sim.service_tid);
     /* A controller that hung up must not kill us. */
     (void)!send(fd, &p, sizeof(p), MSG_NOSIGNAL);
 }
@@ -282,7 +283,7 @@ static void *service_main(void *arg)
     /* Signals belong to the application's threads. */
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL);
-    sim.service_tid = (pid_t)syscall(SYS_gettid);
+    atomic_store(&sim.service_tid, (int)syscall(SYS_gettid));
     for (;;) {
         int c = accept4(sim.service_fd, NULL, NULL, SOCK_CLOEXEC);
 
@@ -325,6 +326,10 @@ int sim_service_start(void)
         goto fail;
     }
     pthread_attr_destroy(&attr);
+    /* cuInit returns with the service answering: a controller may ask for
+     * the restore thread's id right away. */
+    while (atomic_load(&sim.service_tid) == 0)
+        sched_yield();
     pthread_atfork(NULL, NULL, atfork_child);
     return 0;
 fail:

@@ -182,7 +182,7 @@ struct sim_state {
     int ck_state;        /* CUprocessState */
     int lock_pending;    /* a lock is waiting for calls in flight */
     int in_flight;       /* API calls inside the driver */
-    pid_t service_tid;
+    atomic_int service_tid; /* published by the service thread once running */
     int service_fd;
 };
 

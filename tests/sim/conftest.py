@@ -106,9 +106,11 @@ def psha(seed: int, n: int) -> str:
 
 
 @pytest.fixture
-def namespace() -> str:
+def namespace() -> Iterator[str]:
     """One simulated node per test: its processes share cuMemGetInfo."""
-    return uuid.uuid4().hex[:12]
+    name = uuid.uuid4().hex[:12]
+    yield name
+    Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-{name}").unlink(missing_ok=True)
 
 
 @pytest.fixture
