@@ -38,6 +38,7 @@ from .client import Endpoint
 from .wire import (
     HEADER_SIZE,
     MESSAGE_MAX,
+    RECORDS_MAX,
     SOCKET_PREFIX,
     SOCKET_SUFFIX,
     Header,
@@ -128,6 +129,10 @@ class Fault:
     - ``wrong_participant`` / ``wrong_op``: answer normally, but with another
       participant id / another op in the reply.
     - ``garbage``: answer bytes that are not a message.
+
+    Faults apply to well-formed requests for this participant (a malformed or
+    misaddressed one is refused first, as a shim refuses it); ``hang``,
+    ``hangup`` and ``garbage`` change no phase.
     """
 
     kind: FaultKind = attrs.field(validator=_check_kind)
@@ -232,6 +237,9 @@ class FakeParticipant:
         if not 0 < self.pid < 2**32:
             raise ValueError(f"pid must fit a u32 and be positive, got {self.pid}")
         self.records = tuple(records)
+        for name, group in (("records", records), ("restored_records", restored_records or ())):
+            if len(group) > RECORDS_MAX:
+                raise ValueError(f"{len(group)} {name} exceed the protocol's {RECORDS_MAX}")
         self.restored_records = (
             self.records if restored_records is None else tuple(restored_records)
         )

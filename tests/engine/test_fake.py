@@ -20,6 +20,7 @@ from cuinterpose.engine.fake import (
 )
 from cuinterpose.engine.wire import (
     HEADER_SIZE,
+    RECORDS_MAX,
     Header,
     Op,
     Phase,
@@ -439,3 +440,16 @@ def test_many_fakes_with_many_records_answer_quickly(start_fake: StartFake) -> N
     # Generous: decoding 8000 records dominates; this guards against the
     # fake re-encoding or copying per record (seconds, not milliseconds).
     assert time.monotonic() - started < 5
+
+
+def test_restored_records_default_to_the_captured_ones(start_fake: StartFake) -> None:
+    fake = start_fake(phase=Phase.MULTICAST_JOINED, records=CAPTURED)
+    assert ask(fake, Op.RESTORE_MULTICAST_BINDINGS).phase is Phase.ACTIVE
+    assert ask(fake, Op.INSPECT).records == CAPTURED
+
+
+def test_more_records_than_the_protocol_allows_are_refused(control_dir: Path) -> None:
+    with pytest.raises(ValueError, match=f"{RECORDS_MAX + 1} records exceed"):
+        FakeParticipant(control_dir / "x.sock", records=CAPTURED * (RECORDS_MAX + 1))
+    with pytest.raises(ValueError, match="restored_records exceed"):
+        FakeParticipant(control_dir / "x.sock", restored_records=CAPTURED * (RECORDS_MAX + 1))
