@@ -631,8 +631,10 @@ void shim_ensure_started(void)
         return;
     pthread_mutex_lock(&g.init_lock);
     if (g.started_pid != me) {
-        g.io_timeout_ms = shim_env_long("SNAPSHOT_SHIM_IO_TIMEOUT_MS", 5000, 1, 600000);
-        g.peer_timeout_ms = shim_env_long("SNAPSHOT_PEER_TIMEOUT_MS", 10000, 1, 600000);
+        /* The coordinator's SNAPSHOT_PHASE_TIMEOUT_S (120 s) must exceed the
+         * peer-export timeout, or its wait expires with ours. */
+        g.io_timeout_ms = shim_env_seconds_ms("SNAPSHOT_SHIM_IO_TIMEOUT_S", 5000);
+        g.peer_timeout_ms = shim_env_seconds_ms("SNAPSHOT_PEER_TIMEOUT_S", 10000);
         control_dir_init();
         pthread_mutex_lock(&g.lock);
         participant_init(fork_child_flag);

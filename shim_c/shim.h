@@ -52,9 +52,8 @@ SHIM_HIDDEN void shim_hex(char *out, const uint8_t *in, size_t len);
 SHIM_HIDDEN bool shim_is_participant(const char *p);
 SHIM_HIDDEN bool shim_is_zero(const void *p, size_t len);
 SHIM_HIDDEN bool shim_ct_equal(const void *a, const void *b, size_t len);
-/* Integer from the environment: `def` when unset or empty, `def` and a
- * warning when the value is not a decimal in [min, max]. */
-SHIM_HIDDEN long shim_env_long(const char *name, long def, long min, long max);
+/* Seconds (a decimal, e.g. "2.5") from the environment, in milliseconds. */
+SHIM_HIDDEN long shim_env_seconds_ms(const char *name, long def_ms);
 SHIM_HIDDEN bool shim_env_flag(const char *name);
 SHIM_HIDDEN const char *shim_cu_name(CUresult r);
 

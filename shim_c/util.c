@@ -117,22 +117,22 @@ bool shim_ct_equal(const void *a, const void *b, size_t len)
     return acc == 0;
 }
 
-long shim_env_long(const char *name, long def, long min, long max)
+long shim_env_seconds_ms(const char *name, long def_ms)
 {
     const char *v = getenv(name);
     char *end;
-    long x;
+    double x;
 
     if (!v || !*v)
-        return def;
+        return def_ms;
     errno = 0;
-    x = strtol(v, &end, 10);
-    if (errno || *end || x < min || x > max) {
-        shim_log(LOG_WARN, "%s=%s is not an integer in [%ld, %ld]; using %ld", name, v, min,
-                 max, def);
-        return def;
+    x = strtod(v, &end);
+    if (errno || *end || !(x > 0.0) || x > 3600.0) {
+        shim_log(LOG_WARN, "%s=%s is not a number of seconds in (0, 3600]; using %ld ms", name,
+                 v, def_ms);
+        return def_ms;
     }
-    return x;
+    return x * 1000.0 < 1.0 ? 1 : (long)(x * 1000.0);
 }
 
 bool shim_env_flag(const char *name)

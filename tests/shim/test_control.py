@@ -168,7 +168,7 @@ def test_hostile_requests_get_errors(spawn: Callable[..., simenv.Worker], cdir: 
 
 
 def test_random_truncated_and_hung_up(spawn: Callable[..., simenv.Worker], cdir: Path) -> None:
-    w = spawn(SNAPSHOT_SHIM_IO_TIMEOUT_MS="300")
+    w = spawn(SNAPSHOT_SHIM_IO_TIMEOUT_S="0.3")
     shim = Shim(cdir, w.pid)
     rng = random.Random(1234)
     valid = wire.Request(op=Op.INSPECT, participant=shim.participant).encode()
