@@ -72,7 +72,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         "(cuMulticastCreate can take a shared host's GPUs out of service)"
     )
     for item in items:
-        if Path(str(item.fspath)).is_relative_to(HERE) and "multicast" in item.nodeid.lower():
+        if item.path.is_relative_to(HERE) and "multicast" in item.nodeid.lower():
             item.add_marker(guard)
 
 

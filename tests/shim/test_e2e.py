@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cuinterpose.engine import artifacts, launch, native
+from cuinterpose.engine import artifacts, demo, launch, native
 from cuinterpose.engine.demo import coordinator_env, pattern_digest
 from workers.cycle import (
     Spawn,
@@ -189,3 +189,15 @@ def test_native_group_arguments_and_timings_round_trip() -> None:
     assert str(native.NativeError(7, "cuCheckpointProcessLock", "CUDA_ERROR_TIMEOUT")) == (
         "pid 7: cuCheckpointProcessLock failed: CUDA_ERROR_TIMEOUT"
     )
+
+
+def test_demo_runs_clean(stack: None) -> None:
+    """``make demo``'s job, on the release build: exit 0 and every byte verified."""
+    try:
+        artifacts.shim_library(), artifacts.sim_library_dir()
+    except artifacts.ArtifactMissingError as exc:
+        pytest.skip(str(exc))
+    lines: list[str] = []
+    assert demo.run_demo(driver="sim", out=lines.append) == 0, "\n".join(lines)
+    assert lines[-1] == "OK"
+    assert any(line.startswith("verified: 7 ranges") for line in lines), lines
