@@ -121,25 +121,42 @@ class RestoreResult:
     elapsed_s: float
 
 
-def capture(endpoints: Sequence[Endpoint], checkpoint_dir: Path, options: Options) -> CaptureResult:
-    """Run the capture machine; the state file is written into ``checkpoint_dir``."""
-    run = _Run(CAPTURE, endpoints, Path(checkpoint_dir), options)
+def capture(
+    endpoints: Sequence[Endpoint], checkpoint_dir: Path, options: Options | None = None
+) -> CaptureResult:
+    """Run the capture machine; the state file is written into ``checkpoint_dir``.
+
+    Raises a :class:`~.errors.Refused` subclass when a guard refuses (nothing was
+    changed), :class:`~.errors.PhaseFailed` when anything else stops the machine,
+    and ValueError for endpoints that cannot be a team (none, or one socket twice).
+    """
+    run = _Run(CAPTURE, endpoints, Path(checkpoint_dir), options or Options())
     run.execute()
     assert run.state_file is not None and run.state_path is not None
     return CaptureResult(run.state_file, run.state_path, tuple(run.events), run.elapsed())
 
 
-def restore(endpoints: Sequence[Endpoint], checkpoint_dir: Path, options: Options) -> RestoreResult:
-    """Run the restore machine against the state file in ``checkpoint_dir``."""
-    run = _Run(RESTORE, endpoints, Path(checkpoint_dir), options)
+def restore(
+    endpoints: Sequence[Endpoint], checkpoint_dir: Path, options: Options | None = None
+) -> RestoreResult:
+    """Run the restore machine against the state file in ``checkpoint_dir``.
+
+    Raises as :func:`capture` does; :class:`~.errors.VerificationFailed` when the
+    rebuilt topology is invalid or differs from the captured one.
+    """
+    run = _Run(RESTORE, endpoints, Path(checkpoint_dir), options or Options())
     run.execute()
     assert run.state_file is not None and run.topology is not None
     return RestoreResult(run.state_file, run.topology, tuple(run.events), run.elapsed())
 
 
 def run_machine(
-    spec: MachineSpec, endpoints: Sequence[Endpoint], checkpoint_dir: Path, options: Options
+    spec: MachineSpec,
+    endpoints: Sequence[Endpoint],
+    checkpoint_dir: Path,
+    options: Options | None = None,
 ) -> CaptureResult | RestoreResult:
+    """Run ``spec`` (CAPTURE or RESTORE) by name, as the CLI and trace replay do."""
     if spec is CAPTURE:
         return capture(endpoints, checkpoint_dir, options)
     if spec is RESTORE:
