@@ -301,38 +301,47 @@ class _Exchange:
     # -- reading ----------------------------------------------------------------
 
     def on_readable(self, selector: selectors.BaseSelector) -> None:
+        # Keep reading while bytes are there: a body usually arrives with its
+        # header, and going back to the selector for it would cost a round.
+        while self.outcome is None and self._read_some(selector):
+            pass
+
+    def _read_some(self, selector: selectors.BaseSelector) -> bool:
+        """Read into the current part (header or body); False when nothing is there yet."""
         assert self.sock is not None
-        view = memoryview(self.buffer)[self.filled :]
-        try:
-            got = self.sock.recv_into(view)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            self._finish(selector)
-            self.fail(
-                ParticipantHangup,
-                f"connection failed after {self._received()} reply bytes: {exc.strerror}",
-                self._claimed(),
-            )
-            return
-        finally:
-            view.release()
-        if got == 0:
-            self._finish(selector)
-            self.fail(
-                ParticipantHangup,
-                f"closed the connection after {self._received()} of {self._expected()} reply bytes",
-                self._claimed(),
-            )
-            return
-        self.filled += got
         if self.filled < len(self.buffer):
-            return
+            view = memoryview(self.buffer)[self.filled :]
+            try:
+                got = self.sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError as exc:
+                self._finish(selector)
+                self.fail(
+                    ParticipantHangup,
+                    f"connection failed after {self._received()} reply bytes: {exc.strerror}",
+                    self._claimed(),
+                )
+                return False
+            finally:
+                view.release()
+            if got == 0:
+                self._finish(selector)
+                self.fail(
+                    ParticipantHangup,
+                    f"closed the connection after {self._received()} of "
+                    f"{self._expected()} reply bytes",
+                    self._claimed(),
+                )
+                return False
+            self.filled += got
+            if self.filled < len(self.buffer):
+                return True
         if self.header is None:
-            self._on_header(selector)
-            if self.outcome is not None or self.filled < len(self.buffer):
-                return
-        self._on_body(selector)
+            self._on_header(selector)  # sizes the body, which may be empty
+        else:
+            self._on_body(selector)
+        return True
 
     def _on_header(self, selector: selectors.BaseSelector) -> None:
         try:
