@@ -2,6 +2,8 @@
 
 Regenerate the committed traces (after a deliberate change of behaviour) with
 ``CUINTERPOSE_REGENERATE_TRACES=1 .venv/bin/pytest tests/engine/test_trace.py -k regenerate``.
+Most come from fake participants; ``shim-sim-*`` were recorded from the real shim
+on the simulated driver (the three-process demo), which needs ``make build``.
 """
 
 from __future__ import annotations
@@ -180,8 +182,11 @@ SCENARIOS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
     "restore-failed-hangup": _failed_hangup,
     "restore-failed-mismatch": _failed_mismatch,
 }
+# Recorded by the demo (real shim, simulated driver): see test_regenerate_shim_traces.
+SHIM_TRACES = {"shim-sim-capture": "prepare", "shim-sim-restore": "restore"}
 EXPECTED_OUTCOMES = {name: name.split("-")[1] for name in SCENARIOS}
 EXPECTED_OUTCOMES.update({"capture-happy": "done", "restore-happy": "done"})
+EXPECTED_OUTCOMES.update(dict.fromkeys(SHIM_TRACES, "done"))
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -196,7 +201,7 @@ def test_each_scenario_records_and_replays_clean(work: Path, name: str) -> None:
 
 def test_committed_traces_replay_clean() -> None:
     paths = sorted(TRACES.glob("*.jsonl"))
-    assert {p.stem for p in paths} == set(SCENARIOS), "regenerate the committed traces"
+    assert {p.stem for p in paths} == set(SCENARIOS) | set(SHIM_TRACES), "regenerate the traces"
     for path in paths:
         entries = read_trace(path)
         assert entries[-1]["outcome"] == EXPECTED_OUTCOMES[path.stem], path
@@ -217,6 +222,23 @@ def test_regenerate_committed_traces() -> None:
         with TraceWriter(TRACES / f"{name}.jsonl") as writer:
             for entry in entries:
                 writer.write(entry)
+
+
+@pytest.mark.skipif(
+    os.environ.get("CUINTERPOSE_REGENERATE_TRACES") != "1",
+    reason="set CUINTERPOSE_REGENERATE_TRACES=1 (after make build) to rewrite the shim traces",
+)
+def test_regenerate_shim_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cuinterpose.engine import demo
+
+    original = demo.run_cli
+
+    def traced(command: str, **kwargs: Any) -> Any:
+        name = next(n for n, c in SHIM_TRACES.items() if c == command)
+        return original(command, trace=TRACES / f"{name}.jsonl", **kwargs)
+
+    monkeypatch.setattr(demo, "run_cli", traced)
+    assert demo.run_demo(out=lambda _: None) == 0
 
 
 # -- what a trace holds -----------------------------------------------------------------
