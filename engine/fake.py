@@ -371,7 +371,7 @@ class FakeParticipant:
                         if key.fileobj is listener:
                             self._accept(listener, conns)
                         elif isinstance(key.data, _Conn):
-                            self._service(key.data, events, conns)
+                            self._guarded(key.data, events, conns)
                     self._drop_idle(conns)
             except Exception as exc:  # a bug in the fake: reported by stop()
                 with self._lock:
@@ -414,12 +414,22 @@ class FakeParticipant:
             conns.add(conn)
             # A client sends its request right after connecting: it is usually
             # here already, and answering now saves a trip through the selector.
-            self._service(conn, selectors.EVENT_READ, conns)
+            self._guarded(conn, selectors.EVENT_READ, conns)
 
     def _drop_idle(self, conns: _Conns) -> None:
         now = time.monotonic()
         for conn in [c for c in conns.open.values() if now - c.started > _IDLE_S]:
             conns.drop(conn)
+
+    def _guarded(self, conn: _Conn, events: int, conns: _Conns) -> None:
+        """Serve one connection; a bug while doing so costs that connection only."""
+        try:
+            self._service(conn, events, conns)
+        except Exception as exc:  # reported by stop(), so the test using the fake fails
+            with self._lock:
+                self._errors.append(exc)
+            if conns.open.get(conn.sock.fileno()) is conn:
+                conns.drop(conn)
 
     def _service(self, conn: _Conn, events: int, conns: _Conns) -> None:
         try:

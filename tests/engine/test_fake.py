@@ -453,3 +453,20 @@ def test_more_records_than_the_protocol_allows_are_refused(control_dir: Path) ->
         FakeParticipant(control_dir / "x.sock", records=CAPTURED * (RECORDS_MAX + 1))
     with pytest.raises(ValueError, match="restored_records exceed"):
         FakeParticipant(control_dir / "x.sock", restored_records=CAPTURED * (RECORDS_MAX + 1))
+
+
+def test_a_bug_in_the_fake_costs_one_connection_and_fails_stop(
+    control_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeParticipant(control_dir / socket_name(3)).start()
+
+    def broken(request: Request, fault: Fault | None) -> bytes:
+        raise RuntimeError("bug in the fake")
+
+    monkeypatch.setattr(fake, "_answer", broken)
+    raw = exchange(fake.socket_path, Request(Op.HANDSHAKE).encode())
+    assert raw == b""  # that connection is dropped, the fake keeps serving
+    monkeypatch.undo()
+    assert ask(fake, Op.HANDSHAKE).status is Status.OK
+    with pytest.raises(FakeParticipantError, match="bug in the fake"):
+        fake.stop()
