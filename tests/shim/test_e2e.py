@@ -120,6 +120,9 @@ def test_native_errors_name_pid_call_and_result(
     states = native.run_in_subprocess("state", [app.pid], env=plain_env)["states"]
     assert states == {str(app.pid): "RUNNING"}
     assert app.check("granularity")["granularity"] > 0
+    tids = native.run_in_subprocess("restore-thread-id", [app.pid], env=plain_env)
+    tid = tids["restore_thread_ids"][str(app.pid)]
+    assert Path(f"/proc/{app.pid}/task/{tid}").is_dir(), tids  # a thread of that process
 
     with pytest.raises(native.NativeError) as info:
         native.run_in_subprocess("restore-all", [app.pid], env=plain_env)
