@@ -8,7 +8,8 @@
 #include <stdio.h>
 #include <string.h>
 
-/* The calling thread's context stack (cuCtxPush/Pop, cuCtxSetCurrent). */
+/* The calling thread's context stack (cuCtxPush/Pop, cuCtxSetCurrent):
+ * per-thread by definition, so it cannot live in struct sim_state. */
 static _Thread_local struct {
     struct sim_ctx *stack[SIM_CTX_STACK];
     int depth;

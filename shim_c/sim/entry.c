@@ -18,9 +18,6 @@ int cuinterposeSimIsSimulated(void)
     return 1;
 }
 
-static pthread_once_t init_once = PTHREAD_ONCE_INIT;
-static CUresult init_result = CUDA_ERROR_NOT_INITIALIZED;
-
 static void init_once_fn(void)
 {
     sim.ndev = (int)sim_env_long("CUINTERPOSE_SIM_DEVICES", SIM_DEFAULT_DEVICES, 0, SIM_MAX_DEVICES);
@@ -29,24 +26,24 @@ static void init_once_fn(void)
     sim.next_handle = 0x5100000000ULL; /* recognisable, never a small integer */
     sim.next_ctx_id = 1;
     if (sim.ndev == 0) {
-        init_result = CUDA_ERROR_NO_DEVICE;
+        sim.init_result = CUDA_ERROR_NO_DEVICE;
         return;
     }
     sim_acct_init();
     if (sim_service_start() != 0) {
-        init_result = CUDA_ERROR_OPERATING_SYSTEM;
+        sim.init_result = CUDA_ERROR_OPERATING_SYSTEM;
         return;
     }
     sim.initialized = 1;
-    init_result = CUDA_SUCCESS;
+    sim.init_result = CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuInit(unsigned int Flags)
 {
     if (Flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
-    pthread_once(&init_once, init_once_fn);
-    return init_result;
+    pthread_once(&sim.init_once, init_once_fn);
+    return sim.init_result;
 }
 
 CUresult CUDAAPI cuDriverGetVersion(int *driverVersion)

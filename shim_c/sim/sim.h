@@ -158,7 +158,9 @@ struct sim_acct {
 
 struct sim_state {
     pthread_mutex_t mu; /* tables below */
-    int initialized;
+    pthread_once_t init_once;
+    CUresult init_result;
+    atomic_int initialized; /* read by every entry point, written once by cuInit */
     int ndev;
     uint64_t mem_total;
     unsigned long long next_handle;

@@ -18,6 +18,8 @@ struct sim_state sim = {
     .mu = PTHREAD_MUTEX_INITIALIZER,
     .gate_mu = PTHREAD_MUTEX_INITIALIZER,
     .gate_cv = PTHREAD_COND_INITIALIZER,
+    .init_once = PTHREAD_ONCE_INIT,
+    .init_result = CUDA_ERROR_NOT_INITIALIZED,
     .ck_state = CU_PROCESS_STATE_RUNNING,
     .service_fd = -1,
 };
