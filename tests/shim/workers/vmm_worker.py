@@ -291,10 +291,13 @@ def main() -> int:
     try:
         worker = Worker(channel, args.device)
     except CudaCallError as exc:
-        out.write(
-            json.dumps({"ok": False, "call": exc.call, "result": exc.result, "error": str(exc)})
-            + "\n"
-        )
+        failed = {"ok": False, "call": exc.call, "result": exc.result, "error": str(exc)}
+    except Exception as exc:  # the driver library could not be loaded, for one
+        failed = {"ok": False, "error": f"CUDA setup: {type(exc).__name__}: {exc}"}
+    else:
+        failed = {}
+    if failed:
+        out.write(json.dumps(failed) + "\n")
         out.flush()
         return 1
     out.write(json.dumps({"ok": True, "pid": os.getpid(), "ready": True}) + "\n")
