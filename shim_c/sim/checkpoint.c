@@ -112,7 +112,7 @@ static CUresult take_obj(struct sim_obj *o)
 {
     void *saved;
 
-    if (o->kind != SIM_KIND_ALLOC || o->imported || atomic_load(&o->meta->importers) > 0)
+    if (o->kind != SIM_KIND_ALLOC || o->imported || sim_importer_live(o->meta))
         return CUDA_SUCCESS;
     saved = mmap(NULL, o->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (saved == MAP_FAILED)

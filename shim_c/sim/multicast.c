@@ -50,6 +50,69 @@ static int team_complete(struct sim_meta *m)
     return done;
 }
 
+/* ---- importers of an allocation ---------------------------------------- */
+
+CUresult sim_importer_add(struct sim_meta *m)
+{
+    int32_t me = (int32_t)getpid();
+    struct sim_importer *slot = NULL;
+    CUresult r = CUDA_SUCCESS;
+
+    if (sim_meta_lock(m) != 0)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    for (int i = 0; i < SIM_MAX_IMPORTERS; i++) {
+        struct sim_importer *e = &m->importers[i];
+
+        if (e->pid == me) {
+            slot = e;
+            break;
+        }
+        if (!slot && (e->count == 0 || !sim_pid_alive(e->pid)))
+            slot = e;
+    }
+    if (!slot)
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    else if (slot->pid != me) {
+        slot->pid = me;
+        slot->count = 1;
+    } else {
+        slot->count++;
+    }
+    sim_meta_unlock(m);
+    return r;
+}
+
+void sim_importer_drop(struct sim_meta *m)
+{
+    int32_t me = (int32_t)getpid();
+
+    if (sim_meta_lock(m) != 0)
+        return;
+    for (int i = 0; i < SIM_MAX_IMPORTERS; i++) {
+        struct sim_importer *e = &m->importers[i];
+
+        if (e->pid == me && --e->count <= 0) {
+            e->pid = 0;
+            e->count = 0;
+        }
+    }
+    sim_meta_unlock(m);
+}
+
+int sim_importer_live(struct sim_meta *m)
+{
+    int live = 0;
+
+    if (sim_meta_lock(m) != 0)
+        return 1; /* unknown: keep the pages, the safe side */
+    for (int i = 0; i < SIM_MAX_IMPORTERS && !live; i++)
+        live = m->importers[i].count > 0 && sim_pid_alive(m->importers[i].pid);
+    sim_meta_unlock(m);
+    return live;
+}
+
+/* ---- teams ------------------------------------------------------------ */
+
 /* Called without sim.mu: the devices are added by other processes (or
  * other threads of this one). */
 CUresult sim_mc_wait_complete(struct sim_obj *mc)
@@ -100,7 +163,7 @@ CUresult CUDAAPI cuMulticastGetGranularity(size_t *granularity, const CUmulticas
     SIM_API(mc_granularity(granularity, prop, option));
 }
 
-static CUresult init_team_lock(struct sim_meta *m)
+CUresult sim_meta_init_lock(struct sim_meta *m)
 {
     pthread_mutexattr_t a;
     int e;
@@ -137,9 +200,6 @@ static CUresult mc_create(CUmemGenericAllocationHandle *h, const CUmulticastObje
     meta->handle_types = prop->handleTypes;
     meta->num_devices = prop->numDevices;
     meta->mc_flags = prop->flags;
-    r = init_team_lock(meta);
-    if (r != CUDA_SUCCESS)
-        goto fail;
     sim_lock();
     r = sim_obj_new(SIM_KIND_MULTICAST, fd, meta, prop->size, &o);
     if (r == CUDA_SUCCESS)

@@ -42,6 +42,7 @@
 #define SIM_MAX_CTXS 64
 #define SIM_CTX_STACK 16
 #define SIM_MC_MAX_BINDS 64
+#define SIM_MAX_IMPORTERS 64
 
 #define SIM_META_MAGIC 0x4d495350u /* "PSIM" */
 enum sim_kind { SIM_KIND_ALLOC = 1, SIM_KIND_MULTICAST = 2 };
@@ -61,9 +62,15 @@ struct sim_meta {
     uint8_t compression;
     uint8_t rdma;
     uint16_t usage;
-    atomic_int importers; /* live imports held by processes other than the creator */
-    /* multicast team */
+    /* Everything below is guarded by `lock`. */
     pthread_mutex_t lock;
+    /* Processes other than the creator holding an import, with how many:
+     * a process that died holding one no longer counts (pid liveness). */
+    struct sim_importer {
+        int32_t pid;
+        int32_t count;
+    } importers[SIM_MAX_IMPORTERS];
+    /* multicast team */
     uint32_t num_devices;
     uint32_t added_mask; /* bit per device ordinal */
     uint32_t added_count;
@@ -200,6 +207,7 @@ SIM_HIDDEN double sim_now_ms(void);
 SIM_HIDDEN int sim_is_aligned(uint64_t v, uint64_t a);
 SIM_HIDDEN void sim_acct_init(void);
 SIM_HIDDEN void sim_acct_add(int dev, long long delta);
+SIM_HIDDEN int sim_pid_alive(int pid);
 SIM_HIDDEN unsigned long long sim_acct_used(int dev);
 
 /* The body of every gated entry point: wait while the process is locked by
@@ -237,6 +245,10 @@ SIM_HIDDEN CUresult sim_mc_wait_complete(struct sim_obj *mc);
 SIM_HIDDEN void sim_mc_drop_binds(struct sim_obj *mc);
 SIM_HIDDEN int sim_meta_lock(struct sim_meta *m);
 SIM_HIDDEN void sim_meta_unlock(struct sim_meta *m);
+SIM_HIDDEN CUresult sim_meta_init_lock(struct sim_meta *m);
+SIM_HIDDEN CUresult sim_importer_add(struct sim_meta *m);
+SIM_HIDDEN void sim_importer_drop(struct sim_meta *m);
+SIM_HIDDEN int sim_importer_live(struct sim_meta *m);
 
 /* checkpoint.c */
 SIM_HIDDEN int sim_service_start(void);

@@ -91,7 +91,7 @@ int sim_is_aligned(uint64_t v, uint64_t a)
 
 /* ---- device-wide accounting ------------------------------------------ */
 
-static int pid_alive(int pid)
+int sim_pid_alive(int pid)
 {
     return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM);
 }
@@ -130,7 +130,7 @@ void sim_acct_init(void)
         struct sim_acct_slot *s = &a->slot[i];
         int old = atomic_load(&s->pid);
 
-        if (old == me || (old != 0 && pid_alive(old)))
+        if (old == me || (old != 0 && sim_pid_alive(old)))
             continue;
         if (!atomic_compare_exchange_strong(&s->pid, &old, me))
             continue;
@@ -170,7 +170,7 @@ unsigned long long sim_acct_used(int dev)
         struct sim_acct_slot *s = &sim.acct->slot[i];
         int pid = atomic_load(&s->pid);
 
-        if (pid != 0 && pid_alive(pid))
+        if (pid != 0 && sim_pid_alive(pid))
             sum += atomic_load(&s->used[dev]);
     }
     return sum;

@@ -80,7 +80,7 @@ void sim_obj_unref(struct sim_obj *o)
     if (o->kind == SIM_KIND_ALLOC && !o->imported && !o->released)
         sim_acct_add(alloc_dev(o), -(long long)o->size);
     if (o->foreign)
-        atomic_fetch_sub(&o->meta->importers, 1);
+        sim_importer_drop(o->meta);
     if (o->kind == SIM_KIND_MULTICAST)
         sim_mc_drop_binds(o);
     if (o->saved)
@@ -103,6 +103,10 @@ CUresult sim_memfd_new(const char *name, uint64_t size, int *fd_out, struct sim_
     meta = mmap(NULL, SIM_META_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)size);
     if (meta == MAP_FAILED)
         goto fail;
+    if (sim_meta_init_lock(meta) != CUDA_SUCCESS) {
+        munmap(meta, SIM_META_SIZE);
+        goto fail;
+    }
     meta->magic = SIM_META_MAGIC;
     meta->size = size;
     meta->creator_pid = (int32_t)getpid();
@@ -791,16 +795,21 @@ static CUresult import_handle(CUmemGenericAllocationHandle *h, void *os_handle,
     r = open_meta(fd, &size, &meta);
     if (r != CUDA_SUCCESS)
         goto fail;
+    if (meta->creator_pid != (int32_t)getpid()) {
+        r = sim_importer_add(meta);
+        if (r != CUDA_SUCCESS)
+            goto fail;
+    }
     sim_lock();
     r = sim_obj_new((int)meta->kind, fd, meta, size, &o);
     if (r == CUDA_SUCCESS) {
         o->imported = 1;
         o->foreign = meta->creator_pid != (int32_t)getpid();
-        if (o->foreign)
-            atomic_fetch_add(&meta->importers, 1);
         *h = o->handle;
     }
     sim_unlock();
+    if (r != CUDA_SUCCESS && meta->creator_pid != (int32_t)getpid())
+        sim_importer_drop(meta);
     if (r != CUDA_SUCCESS)
         goto fail;
     return CUDA_SUCCESS;

@@ -272,3 +272,35 @@ def test_restore_thread_id_is_a_thread_of_the_target(spawn):
     if simenv.is_simulated():
         assert Path(f"/proc/{t.pid}/task/{tid}").exists()
     assert tid > 0
+
+
+@sim_only
+def test_shared_pages_kept_only_while_an_importer_lives(spawn):
+    """Owned memory another process imported stays in place at checkpoint (the
+    importer uses it); once that importer is gone, checkpoint releases it."""
+    creator, importer, c = spawn(), spawn(), controller(spawn)
+    size = 4 * MiB
+    creator(f"""
+h, va = alloc({size}); write(va, pattern(11, {size}))
+fd = check(cu.cuMemExportToShareableHandle(h, POSIX, 0)); send_fd(fd); os.close(fd)
+""")
+    hand_over(creator, importer)
+    importer(f"h, va = import_map(recv_fd(), {size})")
+    pid = creator.pid
+    free0 = c("result = free_mem()")
+    assert c(f"result = [lock({pid}), ckpt({pid}), free_mem(), restore({pid}), unlock({pid})]") == [
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS",
+        free0,
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS",
+    ]
+    importer.kill()
+    assert c(f"result = [lock({pid}), ckpt({pid}), free_mem(), restore({pid}), unlock({pid})]") == [
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS",
+        free0 + size,
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS",
+    ]
+    assert creator(f"result = sha(va, {size})") == psha(11, size)
