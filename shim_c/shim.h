@@ -34,6 +34,7 @@
 #define SHIM_EXPORT __attribute__((visibility("default")))
 #define SHIM_HIDDEN __attribute__((visibility("hidden")))
 
+
 /* Headers older than CUDA 13.1 lack the device-explicit binds; cuda.h 13.5
  * has them, but declare the types here so the shim never depends on it. */
 typedef CUresult (*shim_bind_mem_v2_fn)(CUmemGenericAllocationHandle, CUdevice, size_t,
@@ -41,6 +42,17 @@ typedef CUresult (*shim_bind_mem_v2_fn)(CUmemGenericAllocationHandle, CUdevice, 
                                         unsigned long long);
 typedef CUresult (*shim_bind_addr_v2_fn)(CUmemGenericAllocationHandle, CUdevice, size_t,
                                          CUdeviceptr, size_t, unsigned long long);
+/* The shim's own device-explicit binds: declared here (and exported) because
+ * cuda.h before 13.1 does not declare them; the real H200 runs driver 13.0. */
+SHIM_EXPORT CUresult CUDAAPI cuMulticastBindMem_v2(CUmemGenericAllocationHandle mcHandle,
+                                                   CUdevice dev, size_t mcOffset,
+                                                   CUmemGenericAllocationHandle memHandle,
+                                                   size_t memOffset, size_t size,
+                                                   unsigned long long flags);
+SHIM_EXPORT CUresult CUDAAPI cuMulticastBindAddr_v2(CUmemGenericAllocationHandle mcHandle,
+                                                    CUdevice dev, size_t mcOffset,
+                                                    CUdeviceptr memptr, size_t size,
+                                                    unsigned long long flags);
 
 /* ---------------------------------------------------------------- util.c */
 enum { LOG_ERROR = 0, LOG_WARN = 1, LOG_INFO = 2, LOG_DEBUG = 3 };

@@ -212,8 +212,8 @@ def test_driver_handle_in_tag_range_refused(cdir: Path) -> None:
     """A driver handle that collides with the tag range is released and refused
     (CUDA_ERROR_NOT_SUPPORTED), never handed out (stand-in driver, any machine)."""
     exe = shimenv.test_program("shim_collide")
-    env = shimenv.shim_env(control_dir=cdir, driver="sim")
-    env["LD_LIBRARY_PATH"] = str(exe.parent / "collide")
+    env = shimenv.shim_env(control_dir=cdir)
+    env["LD_LIBRARY_PATH"] = str(exe.parent / "collide")  # ahead of any real driver
     out = subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "collides with the shim's tag range" in out.stderr

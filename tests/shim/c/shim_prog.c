@@ -11,6 +11,9 @@
  *
  * Prints one line "key=value ..." and exits 0 when every check passed.
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* F_GET_SEALS */
+#endif
 #include <cuda.h>
 
 #include <dlfcn.h>
