@@ -9,6 +9,7 @@ anything that is not exactly a well-formed message, naming what is wrong.
 from __future__ import annotations
 
 import enum
+import re
 import struct
 from typing import ClassVar, Final
 
@@ -34,6 +35,7 @@ RECORD_STRUCT: Final = struct.Struct("<HHI16s16s32sQQQQQQQiiiiIBBHII" + "iiQ" * 
 ZERO_PARTICIPANT: Final = b"\0" * PARTICIPANT_LEN
 ZERO_ID: Final = b"\0" * ID_LEN
 _HEX_DIGITS: Final = frozenset("0123456789abcdef")
+_HEX_BYTES: Final = re.compile(rb"[0-9a-f]{32}")
 
 
 class Op(enum.IntEnum):
@@ -105,6 +107,12 @@ class BindingKind(enum.IntEnum):
     BIND_ADDR = 2
 
 
+_RECORD_KINDS: Final = {int(k): k for k in RecordKind}
+_BINDING_KINDS: Final = {int(k): k for k in BindingKind}
+_KNOWN_FLAGS: Final = int(RecordFlag.CREATOR | RecordFlag.HANDLE_LIVE | RecordFlag.CONTENT)
+_RECORD_FLAGS: Final = tuple(RecordFlag(v) for v in range(_KNOWN_FLAGS + 1))
+
+
 class WireError(ValueError):
     """Bytes that are not a well-formed message, or values that cannot be encoded."""
 
@@ -125,6 +133,8 @@ def _participant_bytes(value: str, field: str) -> bytes:
 def _participant_text(raw: bytes, field: str) -> str:
     if raw == ZERO_PARTICIPANT:
         return ""
+    if _HEX_BYTES.fullmatch(raw):
+        return raw.decode("ascii")
     try:
         text = raw.decode("ascii")
     except UnicodeDecodeError as exc:
@@ -227,29 +237,32 @@ class Record:
             location_type, location_id, device, num_devices, binding_kind, api_version,
             reserved0, handle_count, reserved1, *flat,
         ) = RECORD_STRUCT.unpack(raw)  # fmt: skip
-        try:
-            kind = RecordKind(kind)
-        except ValueError as exc:
-            raise WireError(f"unknown record kind {kind}") from exc
-        if flags & ~int(RecordFlag.CREATOR | RecordFlag.HANDLE_LIVE | RecordFlag.CONTENT):
-            raise WireError(f"{kind.name} record has unknown flags {flags:#x}")
+        # A reply can carry 65536 records: plain dict lookups instead of enum
+        # construction, and Access objects only for the slots in use.
+        record_kind = _RECORD_KINDS.get(kind)
+        if record_kind is None:
+            raise WireError(f"unknown record kind {kind}")
+        if flags & ~_KNOWN_FLAGS:
+            raise WireError(f"{record_kind.name} record has unknown flags {flags:#x}")
         if access_count > ACCESS_MAX:
-            raise WireError(f"{kind.name} record has access_count {access_count} > {ACCESS_MAX}")
-        try:
-            binding_kind = BindingKind(binding_kind)
-        except ValueError as exc:
-            raise WireError(f"{kind.name} record has unknown binding_kind {binding_kind}") from exc
+            raise WireError(
+                f"{record_kind.name} record has access_count {access_count} > {ACCESS_MAX}"
+            )
+        binding = _BINDING_KINDS.get(binding_kind)
+        if binding is None:
+            raise WireError(f"{record_kind.name} record has unknown binding_kind {binding_kind}")
         if reserved0 or reserved1:
-            raise WireError(f"{kind.name} record has non-zero reserved fields")
-        slots = [Access(*flat[i : i + 3]) for i in range(0, len(flat), 3)]
-        if any(a != _NO_ACCESS for a in slots[access_count:]):
-            raise WireError(f"{kind.name} record has non-zero unused access slots")
+            raise WireError(f"{record_kind.name} record has non-zero reserved fields")
+        used = 3 * access_count
+        if any(flat[used:]):
+            raise WireError(f"{record_kind.name} record has non-zero unused access slots")
+        access = tuple(Access(*flat[i : i + 3]) for i in range(0, used, 3))
         return cls(
-            kind=kind,
-            flags=RecordFlag(flags),
+            kind=record_kind,
+            flags=_RECORD_FLAGS[flags],
             id=id_,
             member_id=member_id,
-            creator=_participant_text(creator, f"{kind.name} record creator"),
+            creator=_participant_text(creator, f"{record_kind.name} record creator"),
             address=address,
             size=size,
             offset=offset,
@@ -262,10 +275,10 @@ class Record:
             location_id=location_id,
             device=device,
             num_devices=num_devices,
-            binding_kind=binding_kind,
+            binding_kind=binding,
             api_version=api_version,
             handle_count=handle_count,
-            access=tuple(slots[:access_count]),
+            access=access,
         )
 
 
