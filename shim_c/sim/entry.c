@@ -3,6 +3,7 @@
  * function (records/cuda-bindings-13.5-resolver-requests.txt). */
 #include "sim.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -255,9 +256,13 @@ static const struct proc procs[] = {
     P("cuDeviceGetPCIBusId", 4010, cuDeviceGetPCIBusId),
     P("cuDeviceCanAccessPeer", 4000, cuDeviceCanAccessPeer),
     P("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain),
+    /* The 7.0 primary-context calls share the 11.0 ABI. */
+    P("cuDevicePrimaryCtxRelease", 7000, cuDevicePrimaryCtxRelease_v2),
     P("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease_v2),
     P("cuDevicePrimaryCtxGetState", 7000, cuDevicePrimaryCtxGetState),
+    P("cuDevicePrimaryCtxSetFlags", 7000, cuDevicePrimaryCtxSetFlags_v2),
     P("cuDevicePrimaryCtxSetFlags", 11000, cuDevicePrimaryCtxSetFlags_v2),
+    P("cuDevicePrimaryCtxReset", 7000, cuDevicePrimaryCtxReset_v2),
     P("cuDevicePrimaryCtxReset", 11000, cuDevicePrimaryCtxReset_v2),
     /* contexts */
     P("cuCtxCreate", 3020, cuCtxCreate_v2),
@@ -380,6 +385,9 @@ static CUresult resolve(const char *symbol, void **pfn, int version, cuuint64_t 
     /* Measured on the real driver (specs/records): an unknown symbol is
      * CUDA_SUCCESS with a NULL pointer and the status saying why. */
     if (!best) {
+        /* Debug aid: which functions a program wanted that we lack. */
+        if (getenv("CUINTERPOSE_SIM_TRACE"))
+            fprintf(stderr, "cuinterpose-sim: no %s at %d\n", symbol, version);
         if (status)
             *status = seen ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT
                            : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
