@@ -252,17 +252,27 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
         if not isinstance(entry, dict) or entry.get("type") not in ("start", "transition", "end"):
             raise TraceError(f"{path}:{number}: not a trace entry (no start/transition/end type)")
         entries.append(entry)
-    if not entries or entries[0]["type"] != "start":
-        raise TraceError(f"{path}: a trace begins with a start entry")
-    if entries[0].get("format") != TRACE_FORMAT:
-        raise TraceError(
-            f"{path}: trace format {entries[0].get('format')!r}, this engine reads {TRACE_FORMAT}"
-        )
-    if entries[-1]["type"] != "end":
-        raise TraceError(f"{path}: the trace has no end entry (the run was interrupted?)")
-    if entries[0].get("machine") not in ("capture", "restore"):
-        raise TraceError(f"{path}: unknown machine {entries[0].get('machine')!r}")
+    check_entries(entries, str(path))
     return entries
+
+
+def check_entries(entries: Sequence[Mapping[str, Any]], source: str = "trace") -> None:
+    """Refuse entries that are not a whole trace: start first, end last, a known machine."""
+    if not entries or entries[0].get("type") != "start":
+        raise TraceError(f"{source}: a trace begins with a start entry")
+    start = entries[0]
+    if start.get("format") != TRACE_FORMAT:
+        raise TraceError(
+            f"{source}: trace format {start.get('format')!r}, this engine reads {TRACE_FORMAT}"
+        )
+    if entries[-1].get("type") != "end":
+        raise TraceError(f"{source}: the trace has no end entry (the run was interrupted?)")
+    if start.get("machine") not in ("capture", "restore"):
+        raise TraceError(f"{source}: unknown machine {start.get('machine')!r}")
+    if not isinstance(start.get("phase_timeout_s"), int | float) or not isinstance(
+        start.get("processes"), list
+    ):
+        raise TraceError(f"{source}: the start entry lacks phase_timeout_s or processes")
 
 
 # -- replay ------------------------------------------------------------------------
@@ -376,7 +386,8 @@ class _TraceParticipant:
 
     def _answer(self, conn: socket.socket, request: Request, answer: _Answer) -> None:
         if answer.reply is not None:
-            conn.sendall(answer.reply.encode())
+            with contextlib.suppress(OSError):  # the client may have given up already
+                conn.sendall(answer.reply.encode())
         elif answer.error_kind == "ParticipantTimeout":
             while not self._stop.is_set():  # hold the connection until the client gives up
                 try:
@@ -387,7 +398,8 @@ class _TraceParticipant:
                 except OSError:
                     return
         elif answer.error_kind == "BadReply":
-            conn.sendall(self._bad_reply(request, answer.error_reason))
+            with contextlib.suppress(OSError):
+                conn.sendall(self._bad_reply(request, answer.error_reason))
         # ParticipantHangup: close without a reply (the ``with`` does).
 
     def _bad_reply(self, request: Request, reason: str) -> bytes:
@@ -485,6 +497,7 @@ def replay(entries: Sequence[Mapping[str, Any]]) -> ReplayReport:
     from .machine import MACHINES
     from .state import STATE_FILE_NAME
 
+    check_entries(entries)
     start = entries[0]
     machine = str(start["machine"])
     recorder = TraceRecorder()

@@ -341,6 +341,7 @@ def test_a_shorter_replay_is_reported(work: Path) -> None:
         ('{"type": "start", "format": 9, "machine": "capture"}\n{"type": "end"}\n', "format 9"),
         ('{"type": "start", "format": 1, "machine": "x"}\n{"type": "end"}\n', "unknown machine"),
         ('{"type": "end"}\n', "begins with a start entry"),
+        ('{"type": "start", "format": 1, "machine": "restore"}\n{"type": "end"}\n', "lacks"),
     ],
 )
 def test_malformed_traces_are_refused(tmp_path: Path, text: str, message: str) -> None:
@@ -348,6 +349,13 @@ def test_malformed_traces_are_refused(tmp_path: Path, text: str, message: str) -
     path.write_text(text)
     with pytest.raises(TraceError, match=message):
         read_trace(path)
+
+
+def test_replay_refuses_entries_that_are_not_a_trace() -> None:
+    with pytest.raises(TraceError, match="begins with a start entry"):
+        replay([])
+    with pytest.raises(TraceError, match="no end entry"):
+        replay([{"type": "start", "format": 1, "machine": "capture"}])
 
 
 def test_a_missing_trace_is_refused(tmp_path: Path) -> None:
