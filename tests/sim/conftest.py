@@ -4,7 +4,6 @@ cuda.bindings.driver against the driver chosen by CUINTERPOSE_TEST_DRIVER
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import uuid
@@ -13,96 +12,12 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import simenv
 from simenv import Worker
-
-MiB = 1 << 20
-
-# Loaded into every worker: context on device 0 and small helpers, all
-# through cuda.bindings.driver only.
-PRELUDE = r"""
-import ctypes
-MiB = 1 << 20
-POSIX = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-NONE_H = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
-DEVICE = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-RW = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-RO = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
-check(cu.cuInit(0))
-ctx = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(DEV))))
-check(cu.cuCtxSetCurrent(ctx))
-
-def prop(htype=POSIX, dev=DEV):
-    p = cu.CUmemAllocationProp()
-    p.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    p.location.type = DEVICE
-    p.location.id = dev
-    p.requestedHandleTypes = htype
-    return p
-
-def desc(flags=RW, dev=DEV):
-    d = cu.CUmemAccessDesc()
-    d.location.type = DEVICE
-    d.location.id = dev
-    d.flags = flags
-    return d
-
-def access(va, size, flags=RW, dev=DEV):
-    check(cu.cuMemSetAccess(va, size, [desc(flags, dev)], 1))
-
-def alloc(size, htype=POSIX):
-    h = check(cu.cuMemCreate(size, prop(htype), 0))
-    va = check(cu.cuMemAddressReserve(size, 0, 0, 0))
-    check(cu.cuMemMap(va, size, 0, h, 0))
-    access(va, size)
-    return h, va
-
-def write(va, data, off=0):
-    buf = ctypes.create_string_buffer(bytes(data), len(data))
-    return err(cu.cuMemcpyHtoD(int(va) + off, ctypes.addressof(buf), len(data)))
-
-def read(va, n, off=0):
-    buf = ctypes.create_string_buffer(n)
-    check(cu.cuMemcpyDtoH(ctypes.addressof(buf), int(va) + off, n))
-    return buf.raw.hex()
-
-import hashlib
-def pattern(seed, n):
-    return hashlib.shake_256(seed.to_bytes(4, "little")).digest(n)
-
-def sha(va, n, off=0):
-    buf = ctypes.create_string_buffer(n)
-    check(cu.cuMemcpyDtoH(ctypes.addressof(buf), int(va) + off, n))
-    return hashlib.sha256(buf.raw).hexdigest()
-
-def import_map(fd, size):
-    # import an FD (closing it), map it at a fresh VA with read-write access
-    h = check(cu.cuMemImportFromShareableHandle(fd, POSIX))
-    os.close(fd)
-    va = check(cu.cuMemAddressReserve(size, 0, 0, 0))
-    check(cu.cuMemMap(va, size, 0, h, 0))
-    access(va, size)
-    return h, va
-
-def free_mem():
-    return int(check(cu.cuMemGetInfo())[0])
-"""
-
-
-def pattern_bytes(seed: int, n: int) -> bytes:
-    """Non-periodic test bytes (the workers' pattern())."""
-    return hashlib.shake_256(seed.to_bytes(4, "little")).digest(n)
-
-
-def pattern(seed: int, n: int) -> str:
-    return pattern_bytes(seed, n).hex()
-
-
-def psha(seed: int, n: int) -> str:
-    """sha256 of pattern(seed, n): what the workers' sha() returns for it."""
-    return hashlib.sha256(pattern_bytes(seed, n)).hexdigest()
+from simtest import PRELUDE
 
 
 @pytest.fixture
@@ -134,19 +49,3 @@ def spawn(namespace: str) -> Iterator[Callable[..., Worker]]:
             errors.append(str(e))
     if errors:
         pytest.fail("\n".join(errors))
-
-
-def hand_over(src: Worker, dst: Worker) -> None:
-    """Move the FD that `src` sent (send_fd) to `dst` (for its recv_fd)."""
-    fd = src.take_fd()
-    try:
-        dst.give_fd(fd)
-    finally:
-        os.close(fd)
-
-
-sim_only = pytest.mark.skipif(not simenv.is_simulated(), reason="simulator-specific")
-needs_multicast = pytest.mark.skipif(
-    not simenv.multicast_allowed(),
-    reason="multicast on a real GPU needs CUINTERPOSE_ALLOW_MULTICAST=1",
-)

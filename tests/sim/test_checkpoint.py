@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import simenv
-from conftest import MiB, hand_over, needs_multicast, psha, sim_only
+from simtest import MiB, hand_over, needs_multicast, psha, sim_only
 
 CTL = r"""
 def lock(pid, t=5000):

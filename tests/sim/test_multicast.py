@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import simenv
-from conftest import MiB, hand_over, needs_multicast, psha, sim_only
+from simtest import MiB, hand_over, needs_multicast, psha, sim_only
 
 pytestmark = needs_multicast
 

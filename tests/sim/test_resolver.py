@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import simenv
-from conftest import sim_only
+from simtest import sim_only
 
 
 def test_driver_loads_and_announces_itself(spawn):

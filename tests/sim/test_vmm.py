@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 
 import simenv
-from conftest import MiB, hand_over, pattern_bytes, psha, sim_only
+from simtest import MiB, hand_over, pattern_bytes, psha, sim_only
 
 
 def test_three_processes_share_bytes(spawn):
