@@ -10,6 +10,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -257,6 +258,12 @@ static CUresult reserve(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr
     if (addr && sim_is_aligned(addr, align))
         raw = mmap((void *)addr, size, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+    /* Kernels before 4.17 take the flag as a plain hint and may place the
+     * range elsewhere, unaligned: then reserve as if there were no hint. */
+    if (raw != MAP_FAILED && (uintptr_t)raw != addr) {
+        munmap(raw, size);
+        raw = MAP_FAILED;
+    }
     if (raw != MAP_FAILED) {
         base = (uintptr_t)raw;
     } else {
@@ -568,10 +575,13 @@ static void unmap_one(struct sim_map *m)
 {
     struct sim_obj *o = &sim.objs[m->obj];
 
-    /* Back to reserved, inaccessible address space. A failure here would
-     * leave the pages mapped; the reservation is ours, so it cannot. */
-    mmap((void *)m->va, m->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
-         -1, 0);
+    /* Back to reserved, inaccessible address space. Replacing a mapping of
+     * our own reservation can only fail for lack of kernel memory; the
+     * pages would then stay mapped, so say so rather than stay silent. */
+    if (mmap((void *)m->va, m->size, PROT_NONE,
+             MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED)
+        fprintf(stderr, "cuinterpose-sim: unmap of %#lx failed: %s\n", (unsigned long)m->va,
+                strerror(errno));
     memset(m, 0, sizeof(*m));
     o->map_count--;
     sim_obj_unref(o);
