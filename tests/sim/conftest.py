@@ -37,7 +37,9 @@ def spawn(namespace: str) -> Iterator[Callable[..., Worker]]:
         env = simenv.sim_env(namespace=namespace, extra=extra)
         w = Worker(env)
         workers.append(w)
-        w.send(f"DEV = {dev}\n" + PRELUDE)  # answered before its first use
+        w.send(
+            f"DEV = {dev}\nSIM = {simenv.is_simulated()}\n" + PRELUDE
+        )  # answered before its first use
         return w
 
     yield make
