@@ -2,6 +2,7 @@
 #include "shim.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +18,30 @@ static int log_level(void)
     if (level < 0)
         level = shim_env_flag("SNAPSHOT_SHIM_DEBUG") ? LOG_DEBUG : LOG_WARN;
     return level;
+}
+
+/* One write, so that lines from several threads do not interleave, and no
+ * SIGPIPE: stderr may be a pipe whose reader is gone, and a log line must
+ * never kill the application. SIGPIPE is blocked around the write and a
+ * SIGPIPE it raised is consumed (one that was already pending stays). */
+static void write_stderr(const char *buf, size_t n)
+{
+    sigset_t pipe_set, old, pending;
+    bool was_pending;
+    ssize_t w;
+
+    sigemptyset(&pipe_set);
+    sigaddset(&pipe_set, SIGPIPE);
+    if (pthread_sigmask(SIG_BLOCK, &pipe_set, &old) != 0)
+        return;
+    was_pending = sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE);
+    w = write(2, buf, n);
+    if (w < 0 && errno == EPIPE && !was_pending) {
+        struct timespec zero = {0, 0};
+        while (sigtimedwait(&pipe_set, NULL, &zero) < 0 && errno == EINTR)
+            ;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
 
 void shim_log(int level, const char *fmt, ...)
@@ -40,9 +65,7 @@ void shim_log(int level, const char *fmt, ...)
     if ((size_t)n > sizeof buf - 2)
         n = (int)sizeof buf - 2;
     buf[n++] = '\n';
-    /* One write so that lines from several threads do not interleave. */
-    ssize_t w = write(2, buf, (size_t)n);
-    (void)w;
+    write_stderr(buf, (size_t)n);
 }
 
 uint64_t shim_now_ns(void)

@@ -217,3 +217,19 @@ def test_driver_handle_in_tag_range_refused(cdir: Path) -> None:
     out = subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "collides with the shim's tag range" in out.stderr
+
+
+def test_logging_into_a_closed_pipe_never_kills(tmp_path: Path) -> None:
+    """The shim warns on stderr (here: no usable control dir); stderr being a pipe
+    nobody reads must not raise SIGPIPE in a C program that does not ignore it."""
+    env = shimenv.shim_env(control_dir="relative/not-absolute")
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        out = subprocess.run([str(shimenv.test_program("shim_direct")), "export"], env=env,
+                             stdout=subprocess.PIPE, stderr=w, text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert out.returncode != -13  # SIGPIPE
+    # Without a control server the export is the driver's raw FD, the rest works.
+    assert "capability=0 tagged=1 own_import_same_bytes=1" in out.stdout
