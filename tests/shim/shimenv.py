@@ -62,8 +62,9 @@ def shim_env(
     """
     kind = build_kind(build)
     drv = driver or ("system" if simenv.driver_kind() == "system" else "sim")
-    base = simenv.sim_env(build=kind if drv == "sim" else "system", devices=devices,
-                          namespace=namespace)
+    base = simenv.sim_env(
+        build=kind if drv == "sim" else "system", devices=devices, namespace=namespace
+    )
     if drv == "system" and kind == "asan":
         base["LD_PRELOAD"] = simenv.asan_runtime() + (
             " " + base["LD_PRELOAD"] if base.get("LD_PRELOAD") else ""

@@ -45,8 +45,13 @@ def worker(cdir: Path) -> Iterator[simenv.Worker]:
 @pytest.mark.parametrize("program", ["shim_direct", "shim_dlsym"])
 def test_c_program_bogus_handles(program: str, cdir: Path) -> None:
     env = shimenv.shim_env(control_dir=cdir)
-    out = subprocess.run([str(shimenv.test_program(program)), "bogus"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(shimenv.test_program(program)), "bogus"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -161,13 +166,16 @@ def test_fork_child_gets_fresh_id_and_socket(cdir: Path, pinned: bool) -> None:
 def test_pinned_participant_id(cdir: Path) -> None:
     pin = os.urandom(16).hex()
     start = "check(cu.cuInit(0)); result = os.getpid()"
-    first = simenv.Worker(shimenv.shim_env(control_dir=cdir,
-                                           extra={"SNAPSHOT_PARTICIPANT_ID": pin}))
+    first = simenv.Worker(
+        shimenv.shim_env(control_dir=cdir, extra={"SNAPSHOT_PARTICIPANT_ID": pin})
+    )
     # An exec'd process that inherits the pin while its owner lives: fresh id.
-    second = simenv.Worker(shimenv.shim_env(control_dir=cdir,
-                                            extra={"SNAPSHOT_PARTICIPANT_ID": pin}))
-    bad = simenv.Worker(shimenv.shim_env(control_dir=cdir,
-                                         extra={"SNAPSHOT_PARTICIPANT_ID": pin.upper()}))
+    second = simenv.Worker(
+        shimenv.shim_env(control_dir=cdir, extra={"SNAPSHOT_PARTICIPANT_ID": pin})
+    )
+    bad = simenv.Worker(
+        shimenv.shim_env(control_dir=cdir, extra={"SNAPSHOT_PARTICIPANT_ID": pin.upper()})
+    )
     try:
         ids = []
         for w in (first, second, bad):
@@ -181,8 +189,9 @@ def test_pinned_participant_id(cdir: Path) -> None:
         for w in (first, second, bad):
             w.close()
     # Once its owner is gone, the pin is free again.
-    third = simenv.Worker(shimenv.shim_env(control_dir=cdir,
-                                           extra={"SNAPSHOT_PARTICIPANT_ID": pin}))
+    third = simenv.Worker(
+        shimenv.shim_env(control_dir=cdir, extra={"SNAPSHOT_PARTICIPANT_ID": pin})
+    )
     try:
         pid = third(start)
         assert shimenv.handshake(shimenv.wait_socket(cdir, pid)).participant == pin
@@ -226,8 +235,14 @@ def test_logging_into_a_closed_pipe_never_kills(tmp_path: Path) -> None:
     r, w = os.pipe()
     os.close(r)
     try:
-        out = subprocess.run([str(shimenv.test_program("shim_direct")), "export"], env=env,
-                             stdout=subprocess.PIPE, stderr=w, text=True, timeout=60)
+        out = subprocess.run(
+            [str(shimenv.test_program("shim_direct")), "export"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=w,
+            text=True,
+            timeout=60,
+        )
     finally:
         os.close(w)
     assert out.returncode != -13  # SIGPIPE

@@ -47,8 +47,7 @@ def test_c_program_gets_capability(program: str, cdir: Path) -> None:
     exe = shimenv.test_program(program)
     env = shimenv.shim_env(control_dir=cdir)
     env["ASAN_OPTIONS"] = "detect_leaks=1:abort_on_error=1:verify_asan_link_order=0"
-    out = subprocess.run([str(exe), "export"], env=env, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([str(exe), "export"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "capability=1 tagged=1 own_import_same_bytes=1" in out.stdout
     assert "Sanitizer" not in out.stderr
@@ -58,8 +57,9 @@ def test_c_program_gets_capability(program: str, cdir: Path) -> None:
 @pytest.mark.skipif(not simenv.is_simulated(), reason="compares with the simulated driver")
 def test_c_program_without_shim_gets_raw_fd(cdir: Path) -> None:
     exe = shimenv.test_program("shim_direct")
-    out = subprocess.run([str(exe), "export"], env=simenv.sim_env(), capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [str(exe), "export"], env=simenv.sim_env(), capture_output=True, text=True, timeout=60
+    )
     # Without the shim the FD is the driver's own and the handle is untagged.
     assert "capability=0 tagged=0" in out.stdout, out.stdout + out.stderr
 
@@ -68,7 +68,8 @@ def test_cuda_bindings_export_is_capability(cdir: Path) -> None:
     w = simenv.Worker(shimenv.shim_env(control_dir=cdir))
     try:
         w(shimenv.WORKER_SETUP)
-        handle = w("H['x'] = check(cu.cuMemCreate(gran, prop(), 0)); send_fd(export(H['x'])); result = int(H['x'])")
+        w("H['x'] = check(cu.cuMemCreate(gran, prop(), 0)); send_fd(export(H['x']))")
+        handle = w("result = int(H['x'])")
         assert handle >> 48 == 0xC1F0
         fd = w.take_fd()
         assert is_capability(fd)
@@ -94,13 +95,15 @@ def via_dlsym(name):
 result = {
     "create": gpa("cuMemCreate", 10020)[2] == ours("cuMemCreate"),
     "create_ptds": gpa("cuMemCreate", 12000, 2)[2] == ours("cuMemCreate"),
-    "import": gpa("cuMemImportFromShareableHandle", 10020)[2] == ours("cuMemImportFromShareableHandle"),
+    "import": gpa("cuMemImportFromShareableHandle", 10020)[2]
+    == ours("cuMemImportFromShareableHandle"),
     "gpa_v2": gpa("cuGetProcAddress", 12000)[2] == ours("cuGetProcAddress_v2"),
     "gpa_v1": gpa("cuGetProcAddress", 11030)[2] == ours("cuGetProcAddress"),
     "bind_v1": gpa("cuMulticastBindMem", 12010)[2] == ours("cuMulticastBindMem"),
     # A 13.0 driver refuses a version above its own; else one of our two ABIs.
     "bind_13010": (lambda r: r[0] != "CUDA_SUCCESS" or r[2] in (
-        ours("cuMulticastBindMem"), ours("cuMulticastBindMem_v2")))(gpa("cuMulticastBindMem", 13010)),
+        ours("cuMulticastBindMem"), ours("cuMulticastBindMem_v2")))(
+        gpa("cuMulticastBindMem", 13010)),
     "untracked_real": gpa("cuMemcpyDtoH", 3020)[2] not in (0, ours("cuMemCreate")),
     "unknown": gpa("cuNoSuchFunction", 12000),
     "too_old": gpa("cuMemCreate", 9000)[2] != ours("cuMemCreate"),
