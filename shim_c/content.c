@@ -185,6 +185,8 @@ int content_save(struct reply *r)
     struct stats st = {0, 0, 0};
     char msg[256];
 
+    if (g.native_content)
+        return 0; /* the native checkpoint moves the bytes */
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
         if (!creator_shared(o) || !o->live || o->host)
@@ -257,6 +259,8 @@ int content_load(struct reply *r)
     struct stats st = {0, 0, 0};
     char msg[256];
 
+    if (g.native_content)
+        return 0; /* creators kept their allocations */
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
         if (!creator_shared(o) || o->live)

@@ -624,6 +624,17 @@ static int start_thread(void *(*fn)(void *), void *arg)
 
 static bool fork_child_flag;
 
+static bool content_mode_native(void)
+{
+    const char *v = getenv("SNAPSHOT_CONTENT_MODE");
+    if (!v || !*v || !strcmp(v, "host"))
+        return false;
+    if (!strcmp(v, "native"))
+        return true;
+    shim_log(LOG_WARN, "SNAPSHOT_CONTENT_MODE=%s is neither host nor native; using host", v);
+    return false;
+}
+
 void shim_ensure_started(void)
 {
     pid_t me = getpid();
@@ -635,6 +646,7 @@ void shim_ensure_started(void)
          * peer-export timeout, or its wait expires with ours. */
         g.io_timeout_ms = shim_env_seconds_ms("SNAPSHOT_SHIM_IO_TIMEOUT_S", 5000);
         g.peer_timeout_ms = shim_env_seconds_ms("SNAPSHOT_PEER_TIMEOUT_S", 10000);
+        g.native_content = content_mode_native();
         control_dir_init();
         pthread_mutex_lock(&g.lock);
         participant_init(fork_child_flag);

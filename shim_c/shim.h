@@ -204,6 +204,10 @@ struct shim_state {
     char claim_path[160];
     long io_timeout_ms;
     long peer_timeout_ms;
+    /* SNAPSHOT_CONTENT_MODE=native: creators keep their shared allocations
+     * through the native checkpoint (which moves the bytes); nothing is
+     * copied. Importers tear down and rebuild the same in both modes. */
+    bool native_content;
 };
 extern SHIM_HIDDEN struct shim_state g;
 

@@ -513,6 +513,8 @@ int unicast_prepare(struct reply *r)
         struct obj *o = obj_at(i);
         if (!o || !obj_shared(o) || !o->live)
             continue;
+        if (o->is_creator && g.native_content)
+            continue; /* kept: the native checkpoint saves it */
         if (o->is_creator && !o->host) {
             reply_msg(r, CUIP_STATUS_INTERNAL,
                       "PREPARE_UNICAST: allocation content was not saved");
