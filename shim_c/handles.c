@@ -14,13 +14,13 @@
 #include <string.h>
 
 static struct obj **slots;
-static uint32_t nslots;   /* slots in use or free: the table's length */
+static uint32_t *slot_gen; /* last generation handed out per slot */
+static uint32_t nslots;    /* slots in use or free: the table's length */
 static uint32_t capslots;
-static uint16_t gens_seed = 1;
 
-static uint16_t next_gen(uint16_t prev)
+static uint32_t next_gen(uint32_t prev)
 {
-    uint16_t g2 = (uint16_t)(prev + 1);
+    uint32_t g2 = (prev + 1) & SHIM_GEN_MASK;
     return g2 ? g2 : 1; /* generation 0 never appears in a handle */
 }
 
@@ -37,30 +37,35 @@ struct obj *obj_new(enum obj_kind kind)
         if (nslots == capslots) {
             uint32_t nc = capslots ? capslots * 2 : 64;
             struct obj **ns;
-            if (nc > 0x7fffffffu) {
-                free(o);
-                return NULL;
-            }
+            uint32_t *ng;
+            if (nc > SHIM_SLOT_MASK + 1u)
+                goto fail;
             ns = realloc(slots, nc * sizeof *ns);
-            if (!ns) {
-                free(o);
-                return NULL;
-            }
-            memset(ns + capslots, 0, (nc - capslots) * sizeof *ns);
+            if (!ns)
+                goto fail;
             slots = ns;
+            ng = realloc(slot_gen, nc * sizeof *ng);
+            if (!ng)
+                goto fail;
+            slot_gen = ng;
+            memset(slots + capslots, 0, (nc - capslots) * sizeof *slots);
+            memset(slot_gen + capslots, 0, (nc - capslots) * sizeof *slot_gen);
             capslots = nc;
         }
         nslots++;
     }
     o->slot = i;
-    /* Generations differ per use of a slot; start from a rolling seed so a
-     * fresh slot does not always hand out the same first value. */
-    gens_seed = next_gen(gens_seed);
-    o->gen = gens_seed;
+    /* Each reuse of a slot gets the next generation: a stale handle to a
+     * reused slot stays dead for 2^24 reuses of that very slot. */
+    slot_gen[i] = next_gen(slot_gen[i]);
+    o->gen = slot_gen[i];
     o->kind = (uint8_t)kind;
     shim_random_id(o->id);
     slots[i] = o;
     return o;
+fail:
+    free(o);
+    return NULL;
 }
 
 void obj_free(struct obj *o)
@@ -76,14 +81,14 @@ void obj_free(struct obj *o)
 CUmemGenericAllocationHandle obj_handle(const struct obj *o)
 {
     return (CUmemGenericAllocationHandle)((SHIM_TAG << SHIM_TAG_SHIFT) |
-                                          ((uint64_t)o->gen << 32) | o->slot);
+                                          ((uint64_t)o->gen << SHIM_GEN_SHIFT) | o->slot);
 }
 
 struct obj *obj_lookup(CUmemGenericAllocationHandle h, bool need_ref)
 {
     uint64_t v = (uint64_t)h;
-    uint32_t slot = (uint32_t)v;
-    uint16_t gen = (uint16_t)(v >> 32);
+    uint32_t slot = (uint32_t)(v & SHIM_SLOT_MASK);
+    uint32_t gen = (uint32_t)(v >> SHIM_GEN_SHIFT) & SHIM_GEN_MASK;
     struct obj *o;
 
     if (!SHIM_IS_TAGGED(v) || slot >= nslots)
@@ -163,7 +168,9 @@ void obj_drop_all(void)
         }
     }
     free(slots);
+    free(slot_gen);
     slots = NULL;
+    slot_gen = NULL;
     nslots = capslots = 0;
 }
 

@@ -121,11 +121,14 @@ extern SHIM_HIDDEN struct shim_real real;
 SHIM_HIDDEN bool shim_resolve_real(void);
 
 /* ---------------------------------------------------------------- handles.c */
-/* A logical handle: bits 63..48 the tag, 47..32 the slot's generation,
- * 31..0 the slot. Real driver handles observed on the H200 are small
+/* A logical handle: bits 63..48 the tag, 47..24 the slot's generation,
+ * 23..0 the slot. Real driver handles observed on the H200 are small
  * (e.g. 0x204b0840); one with this tag is refused at creation. */
 #define SHIM_TAG 0xC1F0ull
 #define SHIM_TAG_SHIFT 48
+#define SHIM_GEN_SHIFT 24
+#define SHIM_GEN_MASK 0xFFFFFFu
+#define SHIM_SLOT_MASK 0xFFFFFFu
 #define SHIM_IS_TAGGED(h) (((uint64_t)(h) >> SHIM_TAG_SHIFT) == SHIM_TAG)
 
 enum obj_kind { OBJ_FREE = 0, OBJ_ALLOC = 1, OBJ_MC = 2 };
@@ -141,7 +144,7 @@ struct mapping {
 
 struct obj {
     uint32_t slot;
-    uint16_t gen;
+    uint32_t gen;
     uint8_t kind;                 /* enum obj_kind */
     uint8_t id[CUIP_ID_LEN];      /* random, never zero; survives restore */
     char creator[CUIP_PARTICIPANT_LEN];
