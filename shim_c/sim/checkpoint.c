@@ -13,15 +13,18 @@
  * and leaves the process RUNNING (the driver documents both).
  *
  * Owned memory is every allocation this process created (cuMemCreate,
- * cuMemAlloc). Checkpoint copies each aside and releases its pages (the
- * memfd keeps its identity, so an exported FD still names the same
- * allocation after restore), and makes every mapped VA inaccessible.
- * An allocation that another process imported is still in use there: its
- * pages stay (releasing them would corrupt the importer), only this
- * process's view is taken away, and restore maps it back as it is.
- * Imports and multicast objects are not owned: their VAs are taken away
- * too, and restore refuses with CUDA_ERROR_NOT_SUPPORTED, leaving the
- * process CHECKPOINTED, as observed on the real driver for imports. */
+ * cuMemAlloc). Checkpoint copies each aside, makes every mapped VA
+ * inaccessible, and drops the process's references (its memfds): memory
+ * nobody else holds is freed; memory an exported FD or another process's
+ * import still holds lives on there, detached. Restore gives each owned
+ * allocation new memory with the saved bytes at the same VAs under the same
+ * handle; an FD exported before the checkpoint still names the old memory.
+ * All of this is what the real driver was measured to do (an H200 with
+ * driver 580: free memory during the checkpoint, bytes behind an old FD).
+ * Imports from other processes are dropped too and are not owned: restore
+ * refuses with CUDA_ERROR_NOT_SUPPORTED (then OPERATING_SYSTEM on every
+ * later attempt), leaving the process CHECKPOINTED, as measured; a process
+ * holding a multicast object is refused the same way. */
 #include "sim.h"
 
 #include <errno.h>
@@ -67,6 +70,8 @@ static socklen_t ck_addr(struct sockaddr_un *a, int pid)
 
 /* ---- the target's side (sim.mu held for the memory work) -------------- */
 
+/* A process holding memory of another process (an import) or a multicast
+ * object cannot be restored, as observed on the real driver for imports. */
 static int any_unrestorable(void)
 {
     for (int i = 0; i < SIM_MAX_OBJS; i++) {
@@ -95,36 +100,114 @@ static int io_all(int fd, void *buf, size_t n, int write_it)
     return 0;
 }
 
-static CUresult give_back_obj(struct sim_obj *o)
+static int owned(const struct sim_obj *o)
 {
-    if (!o->released)
-        return CUDA_SUCCESS;
-    if (io_all(o->fd, o->saved, o->size, 1) != 0)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    munmap(o->saved, o->size);
-    o->saved = NULL;
-    o->released = 0;
-    sim_acct_add(o->meta->loc_id, (long long)o->size);
+    return o->used && o->kind == SIM_KIND_ALLOC && !o->imported;
+}
+
+/* Phase 1 of a checkpoint, undoable: copy every owned allocation aside. */
+static CUresult save_owned(void)
+{
+    for (int i = 0; i < SIM_MAX_OBJS; i++) {
+        struct sim_obj *o = &sim.objs[i];
+        void *p;
+
+        if (!owned(o) || o->saved)
+            continue;
+        p = mmap(NULL, o->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED)
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        o->saved = p;
+        if (io_all(o->fd, p, o->size, 0) != 0)
+            return CUDA_ERROR_OPERATING_SYSTEM;
+    }
     return CUDA_SUCCESS;
 }
 
-static CUresult take_obj(struct sim_obj *o)
+static void discard_saved(void)
 {
-    void *saved;
+    for (int i = 0; i < SIM_MAX_OBJS; i++) {
+        struct sim_obj *o = &sim.objs[i];
 
-    if (o->kind != SIM_KIND_ALLOC || o->imported || sim_importer_live(o->meta))
-        return CUDA_SUCCESS;
-    saved = mmap(NULL, o->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (saved == MAP_FAILED)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    if (io_all(o->fd, saved, o->size, 0) != 0 ||
-        fallocate(o->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)o->size) != 0) {
-        munmap(saved, o->size);
-        return CUDA_ERROR_OPERATING_SYSTEM;
+        if (o->used && o->saved && !o->released) {
+            munmap(o->saved, o->size);
+            o->saved = NULL;
+        }
     }
-    o->saved = saved;
+}
+
+/* This process lets go of the memory: what it owned is freed unless some
+ * other reference (an exported FD, another process's import) keeps it, in
+ * which case that memory lives on there, detached from this process, as
+ * on the real driver. Its own imports from other processes go too. */
+static void drop_reference(struct sim_obj *o)
+{
+    if (!o->used || o->released || o->kind != SIM_KIND_ALLOC || (o->imported && !o->foreign))
+        return;
+    munmap(o->meta, SIM_META_SIZE);
+    close(o->fd);
+    o->meta = NULL;
+    o->fd = -1;
     o->released = 1;
-    sim_acct_add(o->meta->loc_id, -(long long)o->size);
+    if (!o->imported)
+        sim_acct_add(o->props.loc_id, -(long long)o->size);
+}
+
+static CUresult restore_memory(void);
+
+static CUresult checkpoint_memory(void)
+{
+    CUresult r = save_owned();
+
+    if (r != CUDA_SUCCESS) {
+        discard_saved(); /* nothing was taken: still LOCKED as before */
+        return r;
+    }
+    /* Every mapped VA becomes inaccessible reserved space. Replacing our
+     * own reservation's pages does not fail but for lack of kernel memory. */
+    for (int i = 0; i < SIM_MAX_MAPS; i++) {
+        struct sim_map *m = &sim.maps[i];
+
+        if (!m->used || m->taken)
+            continue;
+        if (mmap((void *)m->va, m->size, PROT_NONE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED) {
+            restore_memory(); /* nothing dropped yet: map back, still LOCKED */
+            discard_saved();
+            return CUDA_ERROR_OPERATING_SYSTEM;
+        }
+        m->taken = 1;
+    }
+    for (int i = 0; i < SIM_MAX_OBJS; i++)
+        drop_reference(&sim.objs[i]);
+    return CUDA_SUCCESS;
+}
+
+/* Restore gives each owned allocation new memory holding its saved bytes,
+ * under the same handle. An FD exported before the checkpoint still names
+ * the old memory (measured on the real driver). */
+static CUresult recreate(struct sim_obj *o)
+{
+    struct sim_meta *meta;
+    int fd;
+    CUresult r;
+
+    if (!o->used || !o->released || o->imported)
+        return CUDA_SUCCESS;
+    r = sim_alloc_memfd(o->size, &o->props, &fd, &meta);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (io_all(fd, o->saved, o->size, 1) != 0) {
+        munmap(meta, SIM_META_SIZE);
+        close(fd);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    munmap(o->saved, o->size);
+    o->saved = NULL;
+    o->fd = fd;
+    o->meta = meta;
+    o->released = 0;
+    sim_acct_add(o->props.loc_id, (long long)o->size);
     return CUDA_SUCCESS;
 }
 
@@ -142,39 +225,16 @@ static CUresult remap(struct sim_map *m)
     return sim_map_apply_prot(m);
 }
 
+/* Idempotent: a restore that failed half-way can be asked again. */
 static CUresult restore_memory(void)
 {
     CUresult r = CUDA_SUCCESS;
 
     for (int i = 0; i < SIM_MAX_OBJS && r == CUDA_SUCCESS; i++)
-        if (sim.objs[i].used)
-            r = give_back_obj(&sim.objs[i]);
+        r = recreate(&sim.objs[i]);
     for (int i = 0; i < SIM_MAX_MAPS && r == CUDA_SUCCESS; i++)
         if (sim.maps[i].used)
             r = remap(&sim.maps[i]);
-    return r;
-}
-
-static CUresult checkpoint_memory(void)
-{
-    CUresult r = CUDA_SUCCESS;
-
-    for (int i = 0; i < SIM_MAX_OBJS && r == CUDA_SUCCESS; i++)
-        if (sim.objs[i].used)
-            r = take_obj(&sim.objs[i]);
-    for (int i = 0; i < SIM_MAX_MAPS && r == CUDA_SUCCESS; i++) {
-        struct sim_map *m = &sim.maps[i];
-
-        if (!m->used || m->taken)
-            continue;
-        if (mmap((void *)m->va, m->size, PROT_NONE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED)
-            r = CUDA_ERROR_OPERATING_SYSTEM;
-        else
-            m->taken = 1;
-    }
-    if (r != CUDA_SUCCESS)
-        restore_memory(); /* back to LOCKED as it was */
     return r;
 }
 
@@ -228,7 +288,12 @@ static CUresult do_op(const struct ck_req *q)
         if (sim.ck_state != CU_PROCESS_STATE_CHECKPOINTED)
             return CUDA_ERROR_ILLEGAL_STATE;
         sim_lock();
-        r = any_unrestorable() ? CUDA_ERROR_NOT_SUPPORTED : restore_memory();
+        /* The real driver refuses the first restore of such a process with
+         * NOT_SUPPORTED and every later attempt with OPERATING_SYSTEM. */
+        if (any_unrestorable())
+            r = sim.restore_refused++ ? CUDA_ERROR_OPERATING_SYSTEM : CUDA_ERROR_NOT_SUPPORTED;
+        else
+            r = restore_memory();
         sim_unlock();
         if (r == CUDA_SUCCESS)
             sim.ck_state = CU_PROCESS_STATE_LOCKED;

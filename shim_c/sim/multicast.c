@@ -50,67 +50,6 @@ static int team_complete(struct sim_meta *m)
     return done;
 }
 
-/* ---- importers of an allocation ---------------------------------------- */
-
-CUresult sim_importer_add(struct sim_meta *m)
-{
-    int32_t me = (int32_t)getpid();
-    struct sim_importer *slot = NULL;
-    CUresult r = CUDA_SUCCESS;
-
-    if (sim_meta_lock(m) != 0)
-        return CUDA_ERROR_OPERATING_SYSTEM;
-    for (int i = 0; i < SIM_MAX_IMPORTERS; i++) {
-        struct sim_importer *e = &m->importers[i];
-
-        if (e->pid == me) {
-            slot = e;
-            break;
-        }
-        if (!slot && (e->count == 0 || !sim_pid_alive(e->pid)))
-            slot = e;
-    }
-    if (!slot)
-        r = CUDA_ERROR_OUT_OF_MEMORY;
-    else if (slot->pid != me) {
-        slot->pid = me;
-        slot->count = 1;
-    } else {
-        slot->count++;
-    }
-    sim_meta_unlock(m);
-    return r;
-}
-
-void sim_importer_drop(struct sim_meta *m)
-{
-    int32_t me = (int32_t)getpid();
-
-    if (sim_meta_lock(m) != 0)
-        return;
-    for (int i = 0; i < SIM_MAX_IMPORTERS; i++) {
-        struct sim_importer *e = &m->importers[i];
-
-        if (e->pid == me && --e->count <= 0) {
-            e->pid = 0;
-            e->count = 0;
-        }
-    }
-    sim_meta_unlock(m);
-}
-
-int sim_importer_live(struct sim_meta *m)
-{
-    int live = 0;
-
-    if (sim_meta_lock(m) != 0)
-        return 1; /* unknown: keep the pages, the safe side */
-    for (int i = 0; i < SIM_MAX_IMPORTERS && !live; i++)
-        live = m->importers[i].count > 0 && sim_pid_alive(m->importers[i].pid);
-    sim_meta_unlock(m);
-    return live;
-}
-
 /* ---- teams ------------------------------------------------------------ */
 
 /* Called without sim.mu: the devices are added by other processes (or
@@ -312,17 +251,17 @@ static CUresult bind_prepare(struct bind_req *q, struct sim_obj **mc_out, struct
     if (!mem || mem->kind != SIM_KIND_ALLOC)
         return CUDA_ERROR_INVALID_VALUE;
     if (q->dev < 0)
-        q->dev = mem->meta->loc_id;
+        q->dev = mem->props.loc_id;
     else if (!sim_dev_valid(q->dev))
         return CUDA_ERROR_INVALID_DEVICE;
-    else if (mem->meta->loc_id != q->dev)
+    else if (mem->props.loc_id != q->dev)
         return CUDA_ERROR_INVALID_DEVICE;
     if (q->mc_offset > mc->size || q->size > mc->size - q->mc_offset)
         return CUDA_ERROR_INVALID_VALUE;
     if (q->mem_offset > mem->size || q->size > mem->size - q->mem_offset)
         return CUDA_ERROR_INVALID_VALUE;
     /* Shareable or imported teams bind only shareable memory. */
-    if ((mc->meta->handle_types || mc->imported) && !mem->meta->handle_types)
+    if ((mc->props.handle_types || mc->imported) && !mem->props.handle_types)
         return CUDA_ERROR_INVALID_VALUE;
     mc->handle_refs++;
     mem->handle_refs++;

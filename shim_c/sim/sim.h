@@ -42,7 +42,6 @@
 #define SIM_MAX_CTXS 64
 #define SIM_CTX_STACK 16
 #define SIM_MC_MAX_BINDS 64
-#define SIM_MAX_IMPORTERS 64
 
 #define SIM_META_MAGIC 0x4d495350u /* "PSIM" */
 enum sim_kind { SIM_KIND_ALLOC = 1, SIM_KIND_MULTICAST = 2 };
@@ -62,15 +61,8 @@ struct sim_meta {
     uint8_t compression;
     uint8_t rdma;
     uint16_t usage;
-    /* Everything below is guarded by `lock`. */
+    /* multicast team, guarded by `lock` */
     pthread_mutex_t lock;
-    /* Processes other than the creator holding an import, with how many:
-     * a process that died holding one no longer counts (pid liveness). */
-    struct sim_importer {
-        int32_t pid;
-        int32_t count;
-    } importers[SIM_MAX_IMPORTERS];
-    /* multicast team */
     uint32_t num_devices;
     uint32_t added_mask; /* bit per device ordinal */
     uint32_t added_count;
@@ -91,16 +83,26 @@ struct sim_obj {
     int kind;
     int fd;                     /* our own reference on the memfd */
     int imported;               /* came from cuMemImportFromShareableHandle */
-    int foreign;                /* imported from another process (counted in importers) */
+    int foreign;                /* imported from another process */
     int legacy;                 /* made by cuMemAlloc: freed by cuMemFree */
     int handle_refs;            /* create/import/retain minus release */
     int map_count;              /* mappings referencing it */
     CUmemGenericAllocationHandle handle;
     uint64_t size;
     struct sim_meta *meta;      /* shared page of the memfd */
-    /* checkpoint: bytes copied aside, backing released */
+    /* checkpoint: this process's reference dropped (fd -1, meta NULL);
+     * owned allocations keep their bytes and properties for restore */
     void *saved;
     int released;
+    struct sim_props {
+        uint32_t alloc_type;
+        int32_t loc_type;
+        int32_t loc_id;
+        uint64_t handle_types;
+        uint8_t compression;
+        uint8_t rdma;
+        uint16_t usage;
+    } props;
 };
 
 struct sim_resv {
@@ -193,6 +195,7 @@ struct sim_state {
     int in_flight;       /* API calls inside the driver */
     atomic_int service_tid; /* published by the service thread once running */
     int service_fd;
+    int restore_refused; /* restores refused so far (NOT_SUPPORTED once) */
 };
 
 extern struct sim_state sim SIM_HIDDEN;
@@ -234,6 +237,8 @@ SIM_HIDDEN struct sim_map *sim_map_find(uintptr_t va);
 SIM_HIDDEN void sim_obj_unref(struct sim_obj *o);
 SIM_HIDDEN CUresult sim_obj_new(int kind, int fd, struct sim_meta *meta, uint64_t size,
                                 struct sim_obj **out);
+SIM_HIDDEN CUresult sim_alloc_memfd(uint64_t size, const struct sim_props *p, int *fd,
+                                    struct sim_meta **meta_out);
 SIM_HIDDEN CUresult sim_memfd_new(const char *name, uint64_t size, int *fd_out,
                                   struct sim_meta **meta_out);
 SIM_HIDDEN CUresult sim_range_check(uintptr_t p, size_t n, int dev, int want_write);
@@ -246,9 +251,7 @@ SIM_HIDDEN void sim_mc_drop_binds(struct sim_obj *mc);
 SIM_HIDDEN int sim_meta_lock(struct sim_meta *m);
 SIM_HIDDEN void sim_meta_unlock(struct sim_meta *m);
 SIM_HIDDEN CUresult sim_meta_init_lock(struct sim_meta *m);
-SIM_HIDDEN CUresult sim_importer_add(struct sim_meta *m);
-SIM_HIDDEN void sim_importer_drop(struct sim_meta *m);
-SIM_HIDDEN int sim_importer_live(struct sim_meta *m);
+
 
 /* checkpoint.c */
 SIM_HIDDEN int sim_service_start(void);

@@ -66,11 +66,6 @@ static struct sim_map *map_alloc(void)
     return NULL;
 }
 
-static int alloc_dev(const struct sim_obj *o)
-{
-    return o->meta->loc_id;
-}
-
 /* The physical memory is gone once nothing in this process refers to it:
  * no handle and no mapping. Other processes keep their own references (the
  * kernel keeps the memfd alive for them). */
@@ -79,15 +74,16 @@ void sim_obj_unref(struct sim_obj *o)
     if (o->handle_refs > 0 || o->map_count > 0)
         return;
     if (o->kind == SIM_KIND_ALLOC && !o->imported && !o->released)
-        sim_acct_add(alloc_dev(o), -(long long)o->size);
-    if (o->foreign)
-        sim_importer_drop(o->meta);
-    if (o->kind == SIM_KIND_MULTICAST)
+        sim_acct_add(o->props.loc_id, -(long long)o->size);
+    if (o->kind == SIM_KIND_MULTICAST && o->meta)
         sim_mc_drop_binds(o);
     if (o->saved)
         munmap(o->saved, o->size);
-    munmap(o->meta, SIM_META_SIZE);
-    close(o->fd);
+    /* A checkpointed process has already dropped its reference. */
+    if (o->meta)
+        munmap(o->meta, SIM_META_SIZE);
+    if (o->fd >= 0)
+        close(o->fd);
     memset(o, 0, sizeof(*o));
 }
 
@@ -119,6 +115,28 @@ fail:
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
+/* The memfd of a physical allocation, its properties in the metadata page
+ * for whoever imports it. */
+CUresult sim_alloc_memfd(uint64_t size, const struct sim_props *p, int *fd,
+                         struct sim_meta **meta_out)
+{
+    struct sim_meta *meta;
+    CUresult r = sim_memfd_new("cuinterpose-sim-alloc", size, fd, &meta);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    meta->kind = SIM_KIND_ALLOC;
+    meta->alloc_type = p->alloc_type;
+    meta->loc_type = p->loc_type;
+    meta->loc_id = p->loc_id;
+    meta->handle_types = p->handle_types;
+    meta->compression = p->compression;
+    meta->rdma = p->rdma;
+    meta->usage = p->usage;
+    *meta_out = meta;
+    return CUDA_SUCCESS;
+}
+
 CUresult sim_obj_new(int kind, int fd, struct sim_meta *meta, uint64_t size, struct sim_obj **out)
 {
     for (int i = 0; i < SIM_MAX_OBJS; i++) {
@@ -133,6 +151,13 @@ CUresult sim_obj_new(int kind, int fd, struct sim_meta *meta, uint64_t size, str
         o->meta = meta;
         o->size = size;
         o->handle_refs = 1;
+        o->props.alloc_type = meta->alloc_type;
+        o->props.loc_type = meta->loc_type;
+        o->props.loc_id = meta->loc_id;
+        o->props.handle_types = meta->handle_types;
+        o->props.compression = meta->compression;
+        o->props.rdma = meta->rdma;
+        o->props.usage = meta->usage;
         o->handle = sim.next_handle;
         sim.next_handle += 0x10;
         *out = o;
@@ -335,20 +360,21 @@ static CUresult create_alloc(struct sim_obj **out, size_t size, const CUmemAlloc
     struct sim_obj *o;
     int fd = -1;
     CUresult r;
+    const struct sim_props p = {
+        .alloc_type = prop->type,
+        .loc_type = prop->location.type,
+        .loc_id = prop->location.id,
+        .handle_types = (uint64_t)prop->requestedHandleTypes,
+        .compression = prop->allocFlags.compressionType,
+        .rdma = prop->allocFlags.gpuDirectRDMACapable,
+        .usage = prop->allocFlags.usage,
+    };
 
     if (sim_acct_used(prop->location.id) + size > sim.mem_total)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    r = sim_memfd_new("cuinterpose-sim-alloc", size, &fd, &meta);
+    r = sim_alloc_memfd(size, &p, &fd, &meta);
     if (r != CUDA_SUCCESS)
         return r;
-    meta->kind = SIM_KIND_ALLOC;
-    meta->alloc_type = prop->type;
-    meta->loc_type = prop->location.type;
-    meta->loc_id = prop->location.id;
-    meta->handle_types = (uint64_t)prop->requestedHandleTypes;
-    meta->compression = prop->allocFlags.compressionType;
-    meta->rdma = prop->allocFlags.gpuDirectRDMACapable;
-    meta->usage = prop->allocFlags.usage;
     r = sim_obj_new(SIM_KIND_ALLOC, fd, meta, size, &o);
     if (r != CUDA_SUCCESS)
         goto fail;
@@ -441,13 +467,13 @@ static CUresult get_props(CUmemAllocationProp *prop, CUmemGenericAllocationHandl
     o = sim_obj_find(h);
     if (o && o->kind == SIM_KIND_ALLOC) {
         memset(prop, 0, sizeof(*prop));
-        prop->type = (CUmemAllocationType)o->meta->alloc_type;
-        prop->location.type = (CUmemLocationType)o->meta->loc_type;
-        prop->location.id = o->meta->loc_id;
-        prop->requestedHandleTypes = (CUmemAllocationHandleType)o->meta->handle_types;
-        prop->allocFlags.compressionType = o->meta->compression;
-        prop->allocFlags.gpuDirectRDMACapable = o->meta->rdma;
-        prop->allocFlags.usage = o->meta->usage;
+        prop->type = (CUmemAllocationType)o->props.alloc_type;
+        prop->location.type = (CUmemLocationType)o->props.loc_type;
+        prop->location.id = o->props.loc_id;
+        prop->requestedHandleTypes = (CUmemAllocationHandleType)o->props.handle_types;
+        prop->allocFlags.compressionType = o->props.compression;
+        prop->allocFlags.gpuDirectRDMACapable = o->props.rdma;
+        prop->allocFlags.usage = o->props.usage;
         r = CUDA_SUCCESS;
     }
     sim_unlock();
@@ -730,7 +756,7 @@ static CUresult export_handle(void *out, CUmemGenericAllocationHandle h,
         return CUDA_ERROR_INVALID_VALUE;
     sim_lock();
     o = sim_obj_find(h);
-    if (!o || !(o->meta->handle_types & (uint64_t)type) || (type & (type - 1)) != 0) {
+    if (!o || !(o->props.handle_types & (uint64_t)type) || (type & (type - 1)) != 0) {
         r = CUDA_ERROR_INVALID_VALUE;
         goto out;
     }
@@ -805,11 +831,6 @@ static CUresult import_handle(CUmemGenericAllocationHandle *h, void *os_handle,
     r = open_meta(fd, &size, &meta);
     if (r != CUDA_SUCCESS)
         goto fail;
-    if (meta->creator_pid != (int32_t)getpid()) {
-        r = sim_importer_add(meta);
-        if (r != CUDA_SUCCESS)
-            goto fail;
-    }
     sim_lock();
     r = sim_obj_new((int)meta->kind, fd, meta, size, &o);
     if (r == CUDA_SUCCESS) {
@@ -818,8 +839,6 @@ static CUresult import_handle(CUmemGenericAllocationHandle *h, void *os_handle,
         *h = o->handle;
     }
     sim_unlock();
-    if (r != CUDA_SUCCESS && meta->creator_pid != (int32_t)getpid())
-        sim_importer_drop(meta);
     if (r != CUDA_SUCCESS)
         goto fail;
     return CUDA_SUCCESS;
