@@ -224,7 +224,9 @@ static int load_one(struct obj *o, struct stats *st, char *msg, size_t n)
         real.cuMemRelease(h);
         goto fail;
     }
+    pthread_mutex_lock(&g.lock); /* readers check `live` first, but keep it clean */
     o->real = h;
+    pthread_mutex_unlock(&g.lock);
     if (unicast_load_mappings(o, msg, n) != 0)
         goto fail_h;
     if (temp_map(o, h, &va, msg, n) != 0)

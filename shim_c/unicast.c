@@ -567,7 +567,9 @@ static int reimport(struct obj *o, struct reply *r)
         snprintf(msg, sizeof msg, "driver handle collides with the shim's tag range");
         goto fail;
     }
+    pthread_mutex_lock(&g.lock);
     o->real = h;
+    pthread_mutex_unlock(&g.lock);
     if (unicast_load_mappings(o, msg, sizeof msg) != 0) {
         real.cuMemRelease(h);
         goto fail;
