@@ -47,8 +47,9 @@
 enum sim_kind { SIM_KIND_ALLOC = 1, SIM_KIND_MULTICAST = 2 };
 
 /* Lives in the last page of every memfd; shared by every process holding
- * the memfd. Fields after `lock` are guarded by it (a robust,
- * process-shared mutex) except the atomics. */
+ * the memfd. The fields before `lock` are written once by the creator
+ * before any export; those after it (the multicast team) are guarded by it,
+ * a robust, process-shared mutex. */
 struct sim_meta {
     uint32_t magic;
     uint32_t kind;
