@@ -402,6 +402,34 @@ for k, v in (('raw', 'rva'), ('u', 'uva')):
 
 
 # ---------------------------------------------------------------- the phase machine
+NATIVE = r"""
+check(cu.cuInit(0))
+states = []
+for pid in PIDS:
+    a = cu.CUcheckpointLockArgs()
+    a.timeoutMs = 10000
+    check(cu.cuCheckpointProcessLock(pid, a))
+for pid in PIDS:
+    check(cu.cuCheckpointProcessCheckpoint(pid, cu.CUcheckpointCheckpointArgs()))
+states = [int(check(cu.cuCheckpointProcessGetState(pid))) for pid in PIDS]
+for pid in PIDS:
+    check(cu.cuCheckpointProcessRestore(pid, cu.CUcheckpointRestoreArgs()))
+for pid in PIDS:
+    check(cu.cuCheckpointProcessUnlock(pid, cu.CUcheckpointUnlockArgs()))
+result = states
+"""
+
+
+def native_checkpoint_restore(cdir: Path, pids: list[int]) -> list[int]:
+    """Native lock, checkpoint, restore, unlock of ``pids``; their states once checkpointed."""
+    controller = simenv.Worker(simenv.sim_env(namespace=f"shimctl-{cdir.name}"))
+    try:
+        controller(f"PIDS = {pids!r}")
+        return list(controller(NATIVE))
+    finally:
+        controller.close()
+
+
 CAPTURE = [Op.PREPARE_MULTICAST, Op.SAVE_ALLOCATIONS, Op.PREPARE_UNICAST]
 RESTORE = [
     Op.LOAD_ALLOCATIONS,
@@ -456,6 +484,9 @@ H['va2'] = map_rw(H['y'], SZ2, offset=OFF)
     assert importer("result = err(cu.cuMemRelease(H['y']))") == "CUDA_ERROR_NOT_READY"
     assert creator("result = err(cu.cuMemCreate(gran, prop(), 0))") == "CUDA_ERROR_NOT_READY"
     assert c.call(Op.INSPECT).status == Status.WRONG_PHASE
+    # The native checkpoint and restore of both, from a controller without the shim.
+    states = native_checkpoint_restore(cdir, [creator.pid, importer.pid])
+    assert states == [2, 2]  # CHECKPOINTED
     for op in RESTORE:
         for p in (c, i):
             p.ok(op)
