@@ -189,7 +189,7 @@ def test_lock_blocks_driver_calls_until_unlock(spawn):
 def test_lock_times_out_on_a_call_in_flight(spawn):
     """A multicast bind waiting for its team is a call in flight: lock gives up
     after its timeout with NOT_READY and leaves the process RUNNING."""
-    t = spawn(extra={"CUINTERPOSE_SIM_MC_WAIT_MS": "1500"})
+    t = spawn(extra={"CUINTERPOSE_SIM_MC_WAIT_MS": "2000"})
     c = controller(spawn)
     t("""
 mp = cu.CUmulticastObjectProp()
@@ -200,10 +200,14 @@ hm = check(cu.cuMemCreate(2 * MiB, prop(NONE_H), 0))
 """)
     t.send("result = err(cu.cuMulticastBindMem(mc, 0, hm, 0, 2 * MiB, 0))")
     assert not t.answered(0.3)
-    assert c(f"result = [lock({t.pid}, 300), state({t.pid})]") == [
-        "CUDA_ERROR_NOT_READY",
-        "RUNNING",
-    ]
+    for _ in range(5):
+        r = c(f"result = [lock({t.pid}, 300), state({t.pid})]")
+        if r[0] != "CUDA_SUCCESS":
+            break
+        # A loaded machine had not started the bind yet: the lock held it
+        # back at the gate; let it in and try again.
+        c(f"unlock({t.pid})")
+    assert r == ["CUDA_ERROR_NOT_READY", "RUNNING"]
     assert t.answered(10)
     assert t.reply() == "CUDA_ERROR_TIMEOUT"  # the simulator's cap on a team that never completes
     assert c(f"result = [lock({t.pid}, 300), unlock({t.pid})]") == ["CUDA_SUCCESS"] * 2
