@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import re
 import struct
-from typing import ClassVar, Final
+from typing import Any, ClassVar, Final
 
 import attrs
 
@@ -150,6 +150,14 @@ def _fixed(value: bytes, length: int, field: str) -> bytes:
     return value
 
 
+def _record_flag(value: object) -> RecordFlag:
+    # Record's converter: what RecordFlag(value) gives, without the enum machinery
+    # when the value already is one (every decoded record's is).
+    if type(value) is RecordFlag:
+        return value
+    return RecordFlag(value)  # type: ignore[arg-type]
+
+
 @attrs.frozen
 class Access:
     """One access descriptor: a location and the access flags granted to it."""
@@ -167,7 +175,7 @@ class Record:
     """One topology record (288 bytes on the wire); unused fields stay zero."""
 
     kind: RecordKind
-    flags: RecordFlag = attrs.field(default=RecordFlag(0), converter=RecordFlag)
+    flags: RecordFlag = attrs.field(default=RecordFlag(0), converter=_record_flag)
     id: bytes = ZERO_ID
     member_id: bytes = ZERO_ID
     creator: str = ""
@@ -231,55 +239,100 @@ class Record:
     def decode(cls, raw: bytes) -> Record:
         if len(raw) != RECORD_SIZE:
             raise WireError(f"record must be {RECORD_SIZE} bytes, got {len(raw)}")
-        (
-            kind, flags, access_count, id_, member_id, creator, address, size, offset,
-            member_offset, op_flags, handle_types, object_flags, allocation_type,
-            location_type, location_id, device, num_devices, binding_kind, api_version,
-            reserved0, handle_count, reserved1, *flat,
-        ) = RECORD_STRUCT.unpack(raw)  # fmt: skip
-        # A reply can carry 65536 records: plain dict lookups instead of enum
-        # construction, and Access objects only for the slots in use.
-        record_kind = _RECORD_KINDS.get(kind)
-        if record_kind is None:
-            raise WireError(f"unknown record kind {kind}")
-        if flags & ~_KNOWN_FLAGS:
-            raise WireError(f"{record_kind.name} record has unknown flags {flags:#x}")
-        if access_count > ACCESS_MAX:
-            raise WireError(
-                f"{record_kind.name} record has access_count {access_count} > {ACCESS_MAX}"
-            )
-        binding = _BINDING_KINDS.get(binding_kind)
-        if binding is None:
-            raise WireError(f"{record_kind.name} record has unknown binding_kind {binding_kind}")
-        if reserved0 or reserved1:
-            raise WireError(f"{record_kind.name} record has non-zero reserved fields")
-        used = 3 * access_count
-        if any(flat[used:]):
-            raise WireError(f"{record_kind.name} record has non-zero unused access slots")
-        access = tuple(Access(*flat[i : i + 3]) for i in range(0, used, 3))
-        return cls(
-            kind=record_kind,
-            flags=_RECORD_FLAGS[flags],
-            id=id_,
-            member_id=member_id,
-            creator=_participant_text(creator, f"{record_kind.name} record creator"),
-            address=address,
-            size=size,
-            offset=offset,
-            member_offset=member_offset,
-            op_flags=op_flags,
-            handle_types=handle_types,
-            object_flags=object_flags,
-            allocation_type=allocation_type,
-            location_type=location_type,
-            location_id=location_id,
-            device=device,
-            num_devices=num_devices,
-            binding_kind=binding,
-            api_version=api_version,
-            handle_count=handle_count,
-            access=access,
-        )
+        return _record_from_fields(RECORD_STRUCT.unpack(raw), {}, {})
+
+
+# The positions of RECORD_STRUCT's fields (see Record.encode for their order).
+_R_KIND, _R_FLAGS, _R_ACCESS_COUNT, _R_CREATOR, _R_BINDING = 0, 1, 2, 5, 18
+_R_RESERVED0, _R_RESERVED1, _R_ACCESS = 20, 22, 23
+
+
+def _record_from_fields(
+    fields: tuple[Any, ...],
+    creators: dict[bytes, str],
+    accesses: dict[tuple[int, ...], Access],
+) -> Record:
+    """One record from RECORD_STRUCT's unpacked fields, checked as the protocol demands.
+
+    A reply can carry 65536 records: plain dict lookups instead of enum
+    construction, Access objects only for the slots in use, and ``creators`` and
+    ``accesses`` (caches the caller keeps for one block of records) so that a
+    creator id is checked, and an access descriptor built, once per block.
+    """
+    kind = fields[_R_KIND]
+    record_kind = _RECORD_KINDS.get(kind)
+    if record_kind is None:
+        raise WireError(f"unknown record kind {kind}")
+    flags = fields[_R_FLAGS]
+    if flags & ~_KNOWN_FLAGS:
+        raise WireError(f"{record_kind.name} record has unknown flags {flags:#x}")
+    access_count = fields[_R_ACCESS_COUNT]
+    if access_count > ACCESS_MAX:
+        raise WireError(f"{record_kind.name} record has access_count {access_count} > {ACCESS_MAX}")
+    binding_kind = fields[_R_BINDING]
+    binding = _BINDING_KINDS.get(binding_kind)
+    if binding is None:
+        raise WireError(f"{record_kind.name} record has unknown binding_kind {binding_kind}")
+    if fields[_R_RESERVED0] or fields[_R_RESERVED1]:
+        raise WireError(f"{record_kind.name} record has non-zero reserved fields")
+    used = _R_ACCESS + 3 * access_count
+    if any(fields[used:]):
+        raise WireError(f"{record_kind.name} record has non-zero unused access slots")
+    access: tuple[Access, ...] = ()
+    if access_count:
+        slots = []
+        for i in range(_R_ACCESS, used, 3):
+            key = fields[i : i + 3]
+            descriptor = accesses.get(key)
+            if descriptor is None:
+                descriptor = accesses[key] = Access(*key)
+            slots.append(descriptor)
+        access = tuple(slots)
+    raw_creator = fields[_R_CREATOR]
+    creator = creators.get(raw_creator)
+    if creator is None:
+        creator = _participant_text(raw_creator, f"{record_kind.name} record creator")
+        creators[raw_creator] = creator
+    # Positional, in field order (keywords cost a third more per record).
+    return Record(
+        record_kind,
+        _RECORD_FLAGS[flags],
+        fields[3],  # id
+        fields[4],  # member_id
+        creator,
+        fields[6],  # address
+        fields[7],  # size
+        fields[8],  # offset
+        fields[9],  # member_offset
+        fields[10],  # op_flags
+        fields[11],  # handle_types
+        fields[12],  # object_flags
+        fields[13],  # allocation_type
+        fields[14],  # location_type
+        fields[15],  # location_id
+        fields[16],  # device
+        fields[17],  # num_devices
+        binding,
+        fields[19],  # api_version
+        fields[21],  # handle_count
+        access,
+    )
+
+
+def decode_records(block: bytes, count: int) -> tuple[Record, ...]:
+    """``count`` records packed back to back in ``block``, decoded in one pass.
+
+    Refuses exactly what :meth:`Record.decode` refuses, record by record, with the
+    same messages; ``block`` must hold exactly ``count`` records.
+    """
+    if len(block) != count * RECORD_SIZE:
+        raise WireError(f"records are {len(block)} bytes, header says {count} x {RECORD_SIZE}")
+    creators: dict[bytes, str] = {}
+    accesses: dict[tuple[int, ...], Access] = {}
+    return tuple(
+        _record_from_fields(fields, creators, accesses)
+        for fields in RECORD_STRUCT.iter_unpack(block)
+    )
 
 
 @attrs.frozen
@@ -460,10 +513,7 @@ class Reply:
             phase=phase,
             message=text,
             stats=header.stats,
-            records=tuple(
-                Record.decode(records[i : i + RECORD_SIZE])
-                for i in range(0, len(records), RECORD_SIZE)
-            ),
+            records=decode_records(records, header.count),
         )
 
     @classmethod
