@@ -13,6 +13,7 @@ machine's own libcuda, for running the same tests on a real GPU).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -28,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+# Namespaces made here carry the test runner's pid, so that the accounting
+# files the simulator leaves in /dev/shm are removed when the runner exits.
+_RUN_PREFIX = f"t{os.getpid()}"
 BUILD_DIRS = {"asan": REPO / "build-asan", "release": REPO / "build"}
 
 
@@ -89,7 +93,7 @@ def sim_env(
         old = env.get("LD_LIBRARY_PATH", "")
         env["LD_LIBRARY_PATH"] = str(lib) + (":" + old if old else "")
         env["CUINTERPOSE_SIM_DEVICES"] = str(devices)
-        env["CUINTERPOSE_SIM_NAMESPACE"] = namespace or uuid.uuid4().hex[:12]
+        env["CUINTERPOSE_SIM_NAMESPACE"] = namespace or f"{_RUN_PREFIX}-{uuid.uuid4().hex[:12]}"
         if kind == "asan":
             preload = env.get("LD_PRELOAD", "")
             env["LD_PRELOAD"] = asan_runtime() + (" " + preload if preload else "")
@@ -99,6 +103,12 @@ def sim_env(
     if extra:
         env.update(extra)
     return env
+
+
+@atexit.register
+def _remove_namespaces() -> None:
+    for path in Path("/dev/shm").glob(f"cuinterpose-sim-{os.getuid()}-{_RUN_PREFIX}-*"):
+        path.unlink(missing_ok=True)
 
 
 def run_python(

@@ -110,6 +110,8 @@ def vmm_cases() -> None:
     check("map_unaligned_size", lambda: cu.cuMemMap(va, MiB, 0, h, 0))
     check("map_past_end", lambda: cu.cuMemMap(va, 2 * size, 0, h, 0))
     check("map_offset_past_end", lambda: cu.cuMemMap(va, 2 * MiB, size, h, 0))
+    check("map_partial_aligned_offset", lambda: cu.cuMemMap(va, 2 * MiB, 2 * MiB, h, 0))
+    check("map_partial_aligned_size", lambda: cu.cuMemMap(va, 2 * MiB, 0, h, 0))
     check("map_flags_nonzero", lambda: cu.cuMemMap(va, size, 0, h, 1))
     check("map", lambda: cu.cuMemMap(va, size, 0, h, 0))
     check("map_twice_same_va", lambda: cu.cuMemMap(va, size, 0, h, 0))

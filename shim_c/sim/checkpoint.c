@@ -461,8 +461,10 @@ CUresult CUDAAPI cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointAr
 
     if (args && !zero(args->reserved, sizeof(args->reserved)))
         return CUDA_ERROR_INVALID_VALUE;
+#if CUDA_VERSION >= 13040 /* custom storage came with cuCheckpointOperationComplete */
     if (args && args->customStorageInfo_out)
         return CUDA_ERROR_NOT_SUPPORTED;
+#endif
     return call(pid, CK_CHECKPOINT, 0, &p);
 }
 
@@ -472,8 +474,10 @@ CUresult CUDAAPI cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *ar
 
     if (args && !zero(args->reserved, sizeof(args->reserved)))
         return CUDA_ERROR_INVALID_VALUE;
+#if CUDA_VERSION >= 13040 /* custom storage came with cuCheckpointOperationComplete */
     if (args && args->customStorageInfo_out)
         return CUDA_ERROR_NOT_SUPPORTED;
+#endif
     if (args && args->gpuPairsCount) {
         /* Simulated GPUs are interchangeable only with themselves. */
         if (!args->gpuPairs)

@@ -290,7 +290,7 @@ static CUresult bind_record(struct sim_meta *m, const struct bind_req *q)
         }
     }
     if (m->nbinds >= SIM_MC_MAX_BINDS) {
-        r = CUDA_ERROR_MULTICAST_RESOURCE_FULL;
+        r = SIM_ERROR_MULTICAST_RESOURCE_FULL;
         goto out;
     }
     m->binds[m->nbinds].dev = q->dev;

@@ -16,6 +16,23 @@
 #define __CUDA_API_PUSH_VISIBILITY_DEFAULT 1
 #include <cuda.h>
 
+/* Codes that CUDA 13.0's cuda.h (the real H200's toolkit) does not declare yet:
+ * named by value so that the simulator builds against any 13.x header. */
+#define SIM_ERROR_MULTICAST_RESOURCE_FULL ((CUresult)47)
+#define SIM_ERROR_INSUFFICIENT_LOADER_VERSION ((CUresult)227)
+#define SIM_ERROR_STREAM_DETACHED ((CUresult)917)
+#define SIM_ERROR_GRAPH_RECAPTURE_FAILURE ((CUresult)918)
+#define SIM_ERROR_FABRIC_NOT_READY ((CUresult)919)
+
+/* The device-explicit binds arrived in CUDA 13.1's header; a matching
+ * redeclaration is harmless where the header already has them. */
+CUresult CUDAAPI cuMulticastBindMem_v2(CUmemGenericAllocationHandle mcHandle, CUdevice dev,
+                                       size_t mcOffset, CUmemGenericAllocationHandle memHandle,
+                                       size_t memOffset, size_t size, unsigned long long flags);
+CUresult CUDAAPI cuMulticastBindAddr_v2(CUmemGenericAllocationHandle mcHandle, CUdevice dev,
+                                        size_t mcOffset, CUdeviceptr memptr, size_t size,
+                                        unsigned long long flags);
+
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>

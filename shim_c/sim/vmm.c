@@ -548,6 +548,12 @@ static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset,
         sim_unlock();
         return CUDA_ERROR_NOT_SUPPORTED;
     }
+    /* The real driver maps only a whole allocation, even at aligned partial
+     * offsets and sizes (seen on the H200: map_partial_* in specs/records). */
+    if (o->kind != SIM_KIND_MULTICAST && (offset != 0 || size != o->size)) {
+        sim_unlock();
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
     if (o->kind == SIM_KIND_MULTICAST) {
         /* Mapping a multicast object waits for the whole team; the wait
          * must not hold the tables (another thread may be adding a device).
