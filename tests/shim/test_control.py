@@ -319,9 +319,9 @@ send_fd(export(H['x']))
 """
     )
     importer.give_fd(creator.take_fd())
-    # The real driver maps only whole allocations and this H200 has one device:
-    # there the second mapping is whole too and the second location is the device again.
-    off, sz2, other = (1, 1, 1) if simenv.is_simulated() else (0, 2, 0)
+    # Drivers map only whole allocations (the simulator as the H200); the H200
+    # has one device, so there the second location is the device again.
+    off, sz2, other = (0, 2, 1) if simenv.is_simulated() else (0, 2, 0)
     importer(f"OFF = {off} * gran; SZ2 = {sz2} * gran; OTHER = {other}")
     importer(
         """
@@ -460,8 +460,8 @@ send_fd(export(H['x']))
     )
     cap = creator.take_fd()
     importer.give_fd(cap)
-    # The real driver maps whole allocations only: there the second mapping is whole.
-    off, sz2 = (1, 1) if simenv.is_simulated() else (0, 2)
+    # Drivers map whole allocations only (the simulator as the H200).
+    off, sz2 = 0, 2
     importer(f"OFF = {off} * gran; SZ2 = {sz2} * gran")
     importer(
         """

@@ -171,16 +171,11 @@ def three_process_cycle(
 
     # The old logical handles keep working: remap the second map, retain, release.
     twice, both, creator = scen.twice, scen.both, scen.creator
-    half = scen.x_size // 2
-    va_half = scen.vas["twice_x_half"]
-    twice.check("unmap", va=va_half, size=scen.x_size - half)
-    twice.check(
-        "map", va=va_half, size=scen.x_size - half, handle=scen.handles["twice_x"], offset=half
-    )
-    twice.check("set_access", va=va_half, size=scen.x_size - half)
-    assert twice.digest(va_half, scen.x_size - half) == pattern_digest(
-        Scenario.SEED_X, scen.x_size, half, scen.x_size - half
-    )
+    va_second = scen.vas["twice_x_second"]
+    twice.check("unmap", va=va_second, size=scen.x_size)
+    twice.check("map", va=va_second, size=scen.x_size, handle=scen.handles["twice_x"])
+    twice.check("set_access", va=va_second, size=scen.x_size)
+    assert twice.digest(va_second, scen.x_size) == pattern_digest(Scenario.SEED_X, scen.x_size)
     both.check("unmap", va=scen.vas["both_y"], size=scen.y_size)
     both.check("release", handle=scen.handles["both_y"])
     retained = int(creator.check("retain", va=scen.vas["creator_x"])["handle"])
