@@ -187,6 +187,14 @@ SHIM_TRACES = {"shim-sim-capture": "prepare", "shim-sim-restore": "restore"}
 EXPECTED_OUTCOMES = {name: name.split("-")[1] for name in SCENARIOS}
 EXPECTED_OUTCOMES.update({"capture-happy": "done", "restore-happy": "done"})
 EXPECTED_OUTCOMES.update(dict.fromkeys(SHIM_TRACES, "done"))
+# Recorded on a real H200 (driver 580.159.04) by tests/gpu/run_h200.sh: never regenerated
+# here, replayed so that CI checks the engine against real runs.
+H200_TRACES = {
+    "h200-three-process-capture": "done",
+    "h200-three-process-restore": "done",
+    "h200-refusal-raw-import": "refused",
+}
+EXPECTED_OUTCOMES.update(H200_TRACES)
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -201,7 +209,8 @@ def test_each_scenario_records_and_replays_clean(work: Path, name: str) -> None:
 
 def test_committed_traces_replay_clean() -> None:
     paths = sorted(TRACES.glob("*.jsonl"))
-    assert {p.stem for p in paths} == set(SCENARIOS) | set(SHIM_TRACES), "regenerate the traces"
+    expected = set(SCENARIOS) | set(SHIM_TRACES) | set(H200_TRACES)
+    assert {p.stem for p in paths} == expected, "regenerate the traces"
     for path in paths:
         entries = read_trace(path)
         assert entries[-1]["outcome"] == EXPECTED_OUTCOMES[path.stem], path
