@@ -112,7 +112,28 @@ def main() -> None:
 
         return release
 
+    def touch_only() -> Callable[[], None]:
+        m = mmap.mmap(-1, TOTAL, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        in_threads(ctx, lambda k: libc.memset(base + k * CHUNK, 0, CHUNK), THREADS)
+        return lambda: None
+
+    def register_chunks_parallel() -> Callable[[], None]:
+        m = mmap.mmap(-1, TOTAL, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+        def touch_and_register(k: int) -> None:
+            libc.memset(base + k * CHUNK, 0, CHUNK)
+            ok(cu.cuMemHostRegister(base + k * CHUNK, CHUNK, 0))
+
+        in_threads(ctx, touch_and_register, THREADS)
+        return lambda: in_threads(
+            ctx, lambda k: ok(cu.cuMemHostUnregister(base + k * CHUNK)), THREADS
+        )
+
     for name, body in (
+        ("touch_only", touch_only),
+        ("register_chunks_parallel", register_chunks_parallel),
         ("parallel_chunks", parallel),
         ("one_allocation", whole),
         ("serial_chunks", serial),
