@@ -120,10 +120,9 @@ result = [q(b"cuMemcpyDtoH", 3020) == addr("cuMemcpyDtoH_v2"),
 @sim_only
 def test_every_resolver_request_is_answered_without_crash(spawn):
     """All 526 requests cuda.bindings 13.5 makes: each resolves or is not found."""
-    path = simenv.REPO.parent / "shared" / "records" / "cuda-bindings-13.5-resolver-requests.txt"
-    lines = path.read_text().splitlines() if path.exists() else []
-    reqs = [ln.split() for ln in lines if ln.strip()]
-    reqs = reqs or [["cuMemMap", "v10020"], ["cuNope", "v13000"]]
+    path = simenv.REPO / "specs" / "records" / "cuda-bindings-13.5-resolver-requests.txt"
+    reqs = [ln.split() for ln in path.read_text().splitlines() if ln.strip()]
+    assert len(reqs) == 526, f"{path} should list cuda.bindings 13.5's 526 requests"
     w = spawn()
     r = w(f"""
 reqs = {[(n, int(v[1:])) for n, v in reqs]!r}
