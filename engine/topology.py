@@ -8,14 +8,16 @@ them. Restore relies on that: its final INSPECT must equal the captured topology
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Final
+from typing import Final, TypeVar, cast
 
 import attrs
 
-from .wire import Access, BindingKind, Record, RecordFlag, RecordKind
+from .wire import BindingKind, Record, RecordFlag, RecordKind
 
 # The fields that tell two records of one kind and one resource apart, so that
 # differences() pairs a captured record with its restored counterpart and reports
@@ -30,45 +32,49 @@ _IDENTITY_FIELDS: Final[Mapping[RecordKind, tuple[str, ...]]] = {
     RecordKind.RAW_IMPORT: ("address", "size"),
     RecordKind.UNSUPPORTED_EXPORTABLE: ("size",),
 }
+_T = TypeVar("_T")
 _HEX_FIELDS: Final = frozenset({"address", "offset", "member_offset", "op_flags", "object_flags"})
 
 
-def _access_key(access: Access) -> tuple[int, int, int]:
-    return (access.location_type, access.location_id, access.flags)
+# _record_key's fields, in order; attrgetter builds the tuple in C. Enum and flag
+# values compare as the integers they are, so the order is the integers' order.
+_RECORD_KEY_FIELDS: Final = operator.attrgetter(
+    "kind",
+    "id",
+    "address",
+    "offset",
+    "device",
+    "member_id",
+    "member_offset",
+    "size",
+    "flags",
+    "creator",
+    "op_flags",
+    "handle_types",
+    "object_flags",
+    "allocation_type",
+    "location_type",
+    "location_id",
+    "num_devices",
+    "binding_kind",
+    "api_version",
+    "handle_count",
+)
+_ACCESS_KEY: Final = operator.attrgetter("location_type", "location_id", "flags")
 
 
 def _record_key(record: Record) -> tuple[object, ...]:
-    """A total order over records: kind, resource, then every other field."""
-    return (
-        int(record.kind),
-        record.id,
-        record.address,
-        record.offset,
-        record.device,
-        record.member_id,
-        record.member_offset,
-        record.size,
-        int(record.flags),
-        record.creator,
-        record.op_flags,
-        record.handle_types,
-        record.object_flags,
-        record.allocation_type,
-        record.location_type,
-        record.location_id,
-        record.num_devices,
-        int(record.binding_kind),
-        record.api_version,
-        record.handle_count,
-        tuple(_access_key(a) for a in record.access),
-    )
+    """A total order over records: kind, resource, then every other field, then access."""
+    return (_RECORD_KEY_FIELDS(record), tuple(map(_ACCESS_KEY, record.access)))
 
 
 def _normalize_record(record: Record) -> Record:
     # The shim merges access per location, so the order of descriptors carries no
     # meaning; sorting it keeps a re-applied (reordered) access list from reading
     # as a restore mismatch.
-    ordered = tuple(sorted(record.access, key=_access_key))
+    if len(record.access) < 2:
+        return record
+    ordered = tuple(sorted(record.access, key=_ACCESS_KEY))
     if ordered == record.access:
         return record
     return attrs.evolve(record, access=ordered)
@@ -76,7 +82,7 @@ def _normalize_record(record: Record) -> Record:
 
 def normalize(records: Iterable[Record]) -> tuple[Record, ...]:
     """Records in canonical order (duplicates kept: validation reports them)."""
-    return tuple(sorted((_normalize_record(r) for r in records), key=_record_key))
+    return tuple(sorted(map(_normalize_record, records), key=_record_key))
 
 
 def resource_hex(resource_id: bytes) -> str:
@@ -165,6 +171,26 @@ class Topology:
             for record in p.records:
                 yield p.participant, record
 
+    def of_kind(self, *kinds: RecordKind) -> tuple[tuple[str, Record], ...]:
+        """The (participant id, record) pairs of :meth:`records` whose kind is one of
+        ``kinds``, in the same order; computed once per set of kinds, so that each
+        predicate can ask without walking every record."""
+        wanted = frozenset(kinds)
+        return self.derived(("of_kind", wanted), lambda t: _of_kind(t, wanted))
+
+    def derived(self, key: Hashable, build: Callable[[Topology], _T]) -> _T:
+        """``build(self)``, computed once per ``key`` and kept: a topology is immutable, so
+        whatever is derived from it stays true. Callers must not mutate what they get."""
+        cache = self._derived
+        if key in cache:
+            return cast(_T, cache[key])
+        value = cache[key] = build(self)
+        return value
+
+    @functools.cached_property
+    def _derived(self) -> dict[Hashable, object]:
+        return {}
+
     @property
     def record_count(self) -> int:
         return sum(len(p.records) for p in self.participants)
@@ -215,6 +241,8 @@ class Topology:
                 lines.append(f"participant {participant}: in {other_name}, not in {this_name}")
                 continue
             mine_entries, theirs_entries = mine[participant], theirs[participant]
+            if mine_entries == theirs_entries:
+                continue  # what the field-by-field comparison below would conclude
             if len(mine_entries) == len(theirs_entries) == 1:
                 lines.extend(
                     _record_differences(
@@ -229,6 +257,29 @@ class Topology:
                     f" {this_name}, {len(theirs_entries)} times in {other_name}, entries differ"
                 )
         return tuple(lines)
+
+
+def _kind_groups(topology: Topology) -> tuple[tuple[str, dict[RecordKind, list[Record]]], ...]:
+    groups = []
+    for p in topology.participants:
+        by_kind: dict[RecordKind, list[Record]] = {}
+        for record in p.records:
+            by_kind.setdefault(record.kind, []).append(record)
+        groups.append((p.participant, by_kind))
+    return tuple(groups)
+
+
+def _of_kind(topology: Topology, kinds: frozenset[RecordKind]) -> tuple[tuple[str, Record], ...]:
+    # Records are sorted by kind first: within one participant the records of each
+    # kind are contiguous and come in ascending kind order, so walking each
+    # participant's groups in kind order gives exactly records() filtered.
+    ordered = sorted(kinds)
+    return tuple(
+        (participant, record)
+        for participant, by_kind in topology.derived("kind_groups", _kind_groups)
+        for kind in ordered
+        for record in by_kind.get(kind, ())
+    )
 
 
 def _group_by_participant(topology: Topology) -> dict[str, list[tuple[Record, ...]]]:

@@ -11,7 +11,8 @@ allocation. ``specs/validation.md`` says what each rule guards against.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Final
 
 import attrs
@@ -61,23 +62,39 @@ def _violation(rule: str, participant: str, record: Record, reason: str) -> Viol
 
 
 def _of_kind(topology: Topology, *kinds: RecordKind) -> Iterator[tuple[str, Record]]:
-    return ((p, r) for p, r in topology.records() if r.kind in kinds)
+    return iter(topology.of_kind(*kinds))
 
 
-def _by_resource(topology: Topology, kind: RecordKind) -> dict[bytes, list[tuple[str, Record]]]:
-    """Resource id -> every (participant, record) of ``kind`` with that id, in order."""
-    grouped: dict[bytes, list[tuple[str, Record]]] = defaultdict(list)
-    for participant, record in _of_kind(topology, kind):
-        grouped[record.id].append((participant, record))
-    return grouped
+def _by_resource(topology: Topology, kind: RecordKind) -> Mapping[bytes, list[tuple[str, Record]]]:
+    """Resource id -> every (participant, record) of ``kind`` with that id, in order.
+
+    Computed once per topology and kind, and shared by the predicates: read only."""
+
+    def build(topology: Topology) -> Mapping[bytes, list[tuple[str, Record]]]:
+        grouped: dict[bytes, list[tuple[str, Record]]] = {}
+        for participant, record in topology.of_kind(kind):
+            group = grouped.get(record.id)
+            if group is None:
+                grouped[record.id] = [(participant, record)]
+            else:
+                group.append((participant, record))
+        return MappingProxyType(grouped)
+
+    return topology.derived(("by_resource", kind), build)
 
 
-def _own(topology: Topology, kind: RecordKind) -> dict[tuple[str, bytes], Record]:
-    """(participant, resource id) -> that participant's record of ``kind`` (the first one)."""
-    own: dict[tuple[str, bytes], Record] = {}
-    for participant, record in _of_kind(topology, kind):
-        own.setdefault((participant, record.id), record)
-    return own
+def _own(topology: Topology, kind: RecordKind) -> Mapping[tuple[str, bytes], Record]:
+    """(participant, resource id) -> that participant's record of ``kind`` (the first one).
+
+    Computed once per topology and kind, and shared by the predicates: read only."""
+
+    def build(topology: Topology) -> Mapping[tuple[str, bytes], Record]:
+        own: dict[tuple[str, bytes], Record] = {}
+        for participant, record in topology.of_kind(kind):
+            own.setdefault((participant, record.id), record)
+        return MappingProxyType(own)
+
+    return topology.derived(("own", kind), build)
 
 
 def _names(participants: Iterable[str]) -> str:
