@@ -1,26 +1,124 @@
 /*
  * Allocation content: SAVE_ALLOCATIONS and LOAD_ALLOCATIONS.
  *
- * Creators copy every shared allocation into pinned host memory through a
- * temporary mapping of the whole allocation (the application's own mappings
- * may be partial or read-only), in 64 MiB chunks spread over a few streams;
- * on the H200 this runs at ~55 GB/s against ~2 GB/s for the native
- * checkpoint. LOAD re-creates each allocation with its original properties,
- * maps it at its original VAs with its access, copies the bytes back and
- * frees the host copy. Runs on the control thread without g.lock: outside
- * ACTIVE the application cannot change the tables.
+ * Creators copy every shared allocation to host memory through a temporary
+ * mapping of the whole allocation (the application's own mappings may be
+ * partial or read-only). LOAD re-creates each allocation with its original
+ * properties, maps it at its original VAs with its access, copies the bytes
+ * back and drops the host copy. Runs on the control thread without g.lock:
+ * outside ACTIVE the application cannot change the tables.
+ *
+ * Host storage is one anonymous private mapping per allocation, NOT
+ * cuMemHostAlloc: on the H200 the driver hands out pinned memory at ~2 GB/s
+ * whatever the thread count (it serializes), which made SAVE run at 1.6 GB/s
+ * against a 55 GB/s copy (specs/records/2026-11-29-h200-host-staging.jsonl).
+ * Instead a few worker threads take fixed chunks of the mapping; for each:
+ * populate the pages, cuMemHostRegister the chunk, copy on the worker's own
+ * stream, synchronize, cuMemHostUnregister. Registering chunks of plain
+ * anonymous memory from 16 threads ran at ~11 GB/s there. No registration
+ * outlives its chunk, so the native checkpoint and CRIU see plain anonymous
+ * memory between SAVE and LOAD.
+ *
+ * Defaults (both overridable, values checked):
+ *  - SNAPSHOT_SHIM_COPY_THREADS: min(16, online CPUs). Populate and register
+ *    are CPU work in the kernel that scales with threads (8.3 GB/s touching
+ *    from 16 threads); 16 was the measured sweet spot on the H200 host, and
+ *    more threads than CPUs only contend.
+ *  - SNAPSHOT_SHIM_COPY_CHUNK_MIB: 64. A worker moves ~0.7 GB/s (11 GB/s over
+ *    16), so a 64 MiB chunk is ~90 ms of work: the fixed cost of a register
+ *    and a stream sync is noise against it, while an allocation of 1 GiB
+ *    already keeps 16 threads busy (256 MiB chunks need 4 GiB) and the tail,
+ *    where the last chunks run with idle threads, is 4x shorter. The probe
+ *    measured 256 MiB chunks; rerun it at 64 if in doubt.
+ *
+ * Allocations are processed one after another; within one, the control
+ * thread and up to threads-1 helpers share an atomic chunk counter. The
+ * first error wins (its message names the call, the result, the allocation
+ * and the chunk offset); the others stop taking chunks and all are joined.
  */
 #include "shim.h"
 
+#include <errno.h>
+#include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
-#define CHUNK ((size_t)64 << 20)
-#define NSTREAMS 4
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older headers lack it */
+#endif
+
+#define THREADS_DEFAULT 16u
+#define THREADS_MAX 64u
+#define CHUNK_MIB_DEFAULT 64ul
+#define CHUNK_MIB_MAX 4096ul
+#define MSG_LEN 512
 
 struct stats {
-    uint64_t count, bytes, copy_ns;
+    uint64_t count, bytes, copy_ns, chunks;
+    unsigned threads; /* most threads one allocation ran on */
 };
+
+/* Process-wide settings and entry points, resolved once. */
+static struct {
+    pthread_once_t once;
+    unsigned threads;
+    size_t chunk;
+    CUresult (*reg)(void *, size_t, unsigned int);
+    CUresult (*unreg)(void *);
+    int no_populate; /* MADV_POPULATE_WRITE unknown to this kernel: touch pages */
+} cfg = {PTHREAD_ONCE_INIT, 0, 0, NULL, NULL, 0};
+
+static unsigned long env_count(const char *name, unsigned long lo, unsigned long hi,
+                               unsigned long def, const char *what)
+{
+    const char *v = getenv(name);
+    char *end;
+    unsigned long x;
+
+    if (!v || !*v)
+        return def;
+    errno = 0;
+    x = strtoul(v, &end, 10);
+    if (errno || *end || v[0] == '-' || v[0] == '+' || x < lo || x > hi) {
+        shim_log(LOG_WARN, "%s=%s is not %s in [%lu, %lu]; using %lu", name, v, what, lo, hi,
+                 def);
+        return def;
+    }
+    return x;
+}
+
+static void *proc(const char *name, int version)
+{
+    void *p = NULL;
+    CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+
+    if (!real.cuGetProcAddress_v2 ||
+        real.cuGetProcAddress_v2(name, &p, version, 0, &st) != CUDA_SUCCESS ||
+        st != CU_GET_PROC_ADDRESS_SUCCESS)
+        return NULL;
+    return p;
+}
+
+static void cfg_init(void)
+{
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    unsigned def = THREADS_DEFAULT;
+
+    if (cpus >= 1 && (unsigned long)cpus < def)
+        def = (unsigned)cpus;
+    cfg.threads = (unsigned)env_count("SNAPSHOT_SHIM_COPY_THREADS", 1, THREADS_MAX, def,
+                                      "a thread count");
+    cfg.chunk = (size_t)env_count("SNAPSHOT_SHIM_COPY_CHUNK_MIB", 1, CHUNK_MIB_MAX,
+                                  CHUNK_MIB_DEFAULT, "a chunk size in MiB")
+                << 20;
+    /* Not in `real` (interpose.c resolves what the wrappers need); ask the
+     * driver's resolver like the application would. */
+    cfg.reg = (CUresult(*)(void *, size_t, unsigned int))proc("cuMemHostRegister", 6050);
+    cfg.unreg = (CUresult(*)(void *))proc("cuMemHostUnregister", 4000);
+}
 
 static CUdevice access_device(const struct obj *o)
 {
@@ -80,53 +178,226 @@ static int temp_unmap(const struct obj *o, CUdeviceptr va, char *msg, size_t n)
     return 0;
 }
 
-/* Chunked copy between `host` and `va`, both of `size` bytes. */
-static int copy_chunks(bool to_host, void *host, CUdeviceptr va, size_t size, uint64_t *ns,
-                       char *msg, size_t n)
-{
-    CUstream s[NSTREAMS] = {0};
-    uint64_t t0;
-    CUresult r = CUDA_SUCCESS;
-    int ok = 0, i;
-    size_t off, k;
+/* ------------------------------------------------------------ chunked copy */
+struct job {
+    const struct obj *o;
+    CUcontext ctx;          /* the control thread's current one, entered by helpers */
+    bool to_host;
+    char *host;
+    CUdeviceptr va;
+    size_t size, chunk, nchunks;
+    size_t next;            /* atomic: next chunk to take */
+    int failed;             /* atomic: set once, by the first error */
+    char msg[MSG_LEN];      /* written only by the thread that set `failed` */
+    /* Copy time: wall time during which at least one chunk was between its
+     * copy call and the end of its stream sync (the union of those
+     * intervals over all threads). Unlike a per-thread sum it never exceeds
+     * the elapsed time; populate and register time outside any copy is not
+     * counted. */
+    pthread_mutex_t tlock;
+    unsigned active;
+    uint64_t busy_since, copy_ns;
+};
 
-    for (i = 0; i < NSTREAMS; i++) {
-        r = real.cuStreamCreate(&s[i], CU_STREAM_NON_BLOCKING);
-        if (r != CUDA_SUCCESS) {
-            shim_fail(msg, n, "cuStreamCreate", r);
-            goto out;
-        }
-    }
-    t0 = shim_now_ns();
-    for (off = 0, k = 0; off < size; off += CHUNK, k++) {
-        size_t len = size - off < CHUNK ? size - off : CHUNK;
-        CUstream st = s[k % NSTREAMS];
-        if (to_host)
-            r = real.cuMemcpyDtoHAsync((char *)host + off, va + off, len, st);
-        else
-            r = real.cuMemcpyHtoDAsync(va + off, (char *)host + off, len, st);
-        if (r != CUDA_SUCCESS) {
-            shim_fail(msg, n, to_host ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync", r);
+static void job_fail(struct job *j, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void job_fail(struct job *j, const char *fmt, ...)
+{
+    int expect = 0;
+    char id[2 * CUIP_ID_LEN + 1];
+    va_list ap;
+    int m;
+
+    if (!__atomic_compare_exchange_n(&j->failed, &expect, 1, false, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+        return; /* the first error wins */
+    va_start(ap, fmt);
+    m = vsnprintf(j->msg, sizeof j->msg, fmt, ap);
+    va_end(ap);
+    shim_hex(id, j->o->id, CUIP_ID_LEN);
+    id[2 * CUIP_ID_LEN] = 0;
+    if (m >= 0 && (size_t)m < sizeof j->msg)
+        snprintf(j->msg + m, sizeof j->msg - (size_t)m, " (allocation %s, %zu bytes)", id,
+                 j->size);
+}
+
+static void cu_fail(struct job *j, const char *call, CUresult r, size_t off)
+{
+    job_fail(j, "%s failed: %s (%d) at chunk offset %zu", call, shim_cu_name(r), (int)r, off);
+}
+
+static void copy_begin(struct job *j)
+{
+    pthread_mutex_lock(&j->tlock);
+    if (j->active++ == 0)
+        j->busy_since = shim_now_ns();
+    pthread_mutex_unlock(&j->tlock);
+}
+
+static void copy_end(struct job *j)
+{
+    pthread_mutex_lock(&j->tlock);
+    if (--j->active == 0)
+        j->copy_ns += shim_now_ns() - j->busy_since;
+    pthread_mutex_unlock(&j->tlock);
+}
+
+/* Fault in the pages of a fresh anonymous range for writing, before the
+ * register pins them (measured faster than letting the register fault them
+ * in). MADV_POPULATE_WRITE needs Linux 5.14; an older kernel answers EINVAL
+ * for the unknown advice (the range itself is page-aligned and mapped, so
+ * EINVAL means nothing else), and then we write one byte per page instead:
+ * a write, not a read, or the kernel maps the shared zero page. */
+static int populate(char *p, size_t len)
+{
+    if (!__atomic_load_n(&cfg.no_populate, __ATOMIC_RELAXED)) {
+        for (;;) {
+            if (madvise(p, len, MADV_POPULATE_WRITE) == 0)
+                return 0;
+            if (errno == EINTR || errno == EAGAIN)
+                continue;
+            if (errno != EINVAL)
+                return -1;
+            __atomic_store_n(&cfg.no_populate, 1, __ATOMIC_RELAXED);
             break;
         }
     }
-    /* Always drain what was queued before touching the buffers again. */
-    for (i = 0; i < NSTREAMS; i++) {
-        CUresult r2 = real.cuStreamSynchronize(s[i]);
-        if (r2 != CUDA_SUCCESS && r == CUDA_SUCCESS) {
-            r = r2;
-            shim_fail(msg, n, "cuStreamSynchronize", r2);
-        }
+    {
+        long pg = sysconf(_SC_PAGESIZE);
+        size_t step = pg > 0 ? (size_t)pg : 4096;
+        for (size_t i = 0; i < len; i += step)
+            ((volatile char *)p)[i] = 0;
     }
-    *ns += shim_now_ns() - t0;
-    ok = r == CUDA_SUCCESS;
-out:
-    for (i = 0; i < NSTREAMS; i++)
-        if (s[i])
-            real.cuStreamDestroy(s[i]);
-    return ok ? 0 : -1;
+    return 0;
 }
 
+/* One chunk: [populate,] register, copy, sync, unregister. The registration
+ * never outlives the call, whatever fails. */
+static int do_chunk(struct job *j, CUstream s, size_t k)
+{
+    size_t off = k * j->chunk;
+    size_t len = j->size - off < j->chunk ? j->size - off : j->chunk;
+    char *p = j->host + off;
+    CUresult r, r2;
+
+    if (j->to_host && populate(p, len) != 0) {
+        int e = errno;
+        job_fail(j, "madvise(MADV_POPULATE_WRITE) failed: %s (errno %d) at chunk offset %zu",
+                 strerror(e), e, off);
+        return -1;
+    }
+    r = cfg.reg(p, len, 0);
+    if (r != CUDA_SUCCESS) {
+        cu_fail(j, "cuMemHostRegister", r, off);
+        return -1;
+    }
+    copy_begin(j);
+    if (j->to_host)
+        r = real.cuMemcpyDtoHAsync(p, j->va + off, len, s);
+    else
+        r = real.cuMemcpyHtoDAsync(j->va + off, p, len, s);
+    if (r != CUDA_SUCCESS)
+        cu_fail(j, j->to_host ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync", r, off);
+    /* Always drain the stream before the pages are unpinned. */
+    r2 = real.cuStreamSynchronize(s);
+    copy_end(j);
+    if (r2 != CUDA_SUCCESS && r == CUDA_SUCCESS) {
+        cu_fail(j, "cuStreamSynchronize", r2, off);
+        r = r2;
+    }
+    r2 = cfg.unreg(p);
+    if (r2 != CUDA_SUCCESS && r == CUDA_SUCCESS) {
+        cu_fail(j, "cuMemHostUnregister", r2, off);
+        r = r2;
+    }
+    return r == CUDA_SUCCESS ? 0 : -1;
+}
+
+static void *copy_worker(void *arg)
+{
+    struct job *j = arg;
+    CUstream s = NULL;
+    bool pushed = false;
+    CUresult r = shim_ctx_enter(j->ctx, &pushed);
+
+    if (r != CUDA_SUCCESS) {
+        job_fail(j, "cuCtxPushCurrent failed: %s (%d)", shim_cu_name(r), (int)r);
+        return NULL;
+    }
+    r = real.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
+    if (r != CUDA_SUCCESS) {
+        job_fail(j, "cuStreamCreate failed: %s (%d)", shim_cu_name(r), (int)r);
+        shim_ctx_leave(pushed);
+        return NULL;
+    }
+    while (!__atomic_load_n(&j->failed, __ATOMIC_ACQUIRE)) {
+        size_t k = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (k >= j->nchunks || do_chunk(j, s, k) != 0)
+            break;
+    }
+    r = real.cuStreamDestroy(s);
+    if (r != CUDA_SUCCESS)
+        job_fail(j, "cuStreamDestroy failed: %s (%d)", shim_cu_name(r), (int)r);
+    shim_ctx_leave(pushed);
+    return NULL;
+}
+
+/* Copy between `host` and `va` (o->size bytes) on the calling thread and up
+ * to cfg.threads-1 helpers (`tids`, cfg.threads-1 entries, from the op). */
+static int copy_chunks(const struct obj *o, bool to_host, char *host, CUdeviceptr va,
+                       pthread_t *tids, struct stats *st, char *msg, size_t n)
+{
+    struct job j;
+    unsigned want, started = 0;
+    sigset_t all, old;
+    CUresult r;
+
+    memset(&j, 0, sizeof j);
+    j.o = o;
+    j.to_host = to_host;
+    j.host = host;
+    j.va = va;
+    j.size = o->size;
+    j.chunk = cfg.chunk;
+    j.nchunks = (o->size + cfg.chunk - 1) / cfg.chunk;
+    r = real.cuCtxGetCurrent(&j.ctx);
+    if (r != CUDA_SUCCESS) {
+        shim_fail(msg, n, "cuCtxGetCurrent", r);
+        return -1;
+    }
+    if (pthread_mutex_init(&j.tlock, NULL) != 0) {
+        snprintf(msg, n, "pthread_mutex_init failed");
+        return -1;
+    }
+    want = j.nchunks < cfg.threads ? (unsigned)j.nchunks : cfg.threads;
+    /* Helpers take no signals, like the control thread: the application's
+     * handlers run on its own threads. */
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    for (; started + 1 < want; started++) {
+        int e = pthread_create(&tids[started], NULL, copy_worker, &j);
+        if (e != 0) { /* fewer helpers: the chunk counter is shared, so still correct */
+            shim_log(LOG_WARN, "pthread_create failed (%s): copying with %u threads",
+                     strerror(e), started + 1);
+            break;
+        }
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    copy_worker(&j);
+    for (unsigned i = 0; i < started; i++)
+        pthread_join(tids[i], NULL);
+    pthread_mutex_destroy(&j.tlock);
+    st->copy_ns += j.copy_ns;
+    st->chunks += j.nchunks;
+    if (started + 1 > st->threads)
+        st->threads = started + 1;
+    if (j.failed) {
+        snprintf(msg, n, "%s", j.msg);
+        return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------ phases */
 static bool creator_shared(const struct obj *o)
 {
     return o && obj_shared(o) && o->is_creator;
@@ -137,16 +408,35 @@ static void free_hosts(void)
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
         if (o && o->host) {
-            real.cuMemFreeHost(o->host);
+            if (munmap(o->host, o->size) != 0)
+                shim_log(LOG_WARN, "munmap of a saved copy failed: %s", strerror(errno));
             o->host = NULL;
         }
     }
 }
 
-static int save_one(struct obj *o, struct stats *st, char *msg, size_t n)
+/* The settings and entry points, or a message. */
+static int copy_setup(pthread_t **tids, char *msg, size_t n)
+{
+    pthread_once(&cfg.once, cfg_init);
+    if (!cfg.reg || !cfg.unreg || !real.cuCtxGetCurrent || !real.cuStreamCreate ||
+        !real.cuStreamSynchronize || !real.cuStreamDestroy) {
+        snprintf(msg, n, "the driver lacks cuMemHostRegister/cuMemHostUnregister or the "
+                         "stream entry points");
+        return -1;
+    }
+    *tids = calloc(cfg.threads, sizeof **tids); /* once per op, never per chunk */
+    if (!*tids) {
+        snprintf(msg, n, "out of memory for %u copy threads", cfg.threads);
+        return -1;
+    }
+    return 0;
+}
+
+static int save_one(struct obj *o, pthread_t *tids, struct stats *st, char *msg, size_t n)
 {
     CUdeviceptr va = 0;
-    void *host = NULL;
+    void *host;
     bool pushed;
     CUresult r = shim_ctx_enter(o->ctx, &pushed);
 
@@ -154,14 +444,17 @@ static int save_one(struct obj *o, struct stats *st, char *msg, size_t n)
         shim_fail(msg, n, "cuCtxPushCurrent", r);
         return -1;
     }
-    r = real.cuMemHostAlloc(&host, o->size, 0);
-    if (r != CUDA_SUCCESS) {
-        shim_fail(msg, n, "cuMemHostAlloc", r);
+    host = mmap(NULL, o->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                -1, 0);
+    if (host == MAP_FAILED) {
+        int e = errno;
+        snprintf(msg, n, "mmap of %llu bytes failed: %s (errno %d)", (unsigned long long)o->size,
+                 strerror(e), e);
         goto fail;
     }
     if (temp_map(o, o->real, &va, msg, n) != 0)
         goto fail_host;
-    if (copy_chunks(true, host, va, o->size, &st->copy_ns, msg, n) != 0) {
+    if (copy_chunks(o, true, host, va, tids, st, msg, n) != 0) {
         char ignored[8];
         temp_unmap(o, va, ignored, sizeof ignored);
         goto fail_host;
@@ -174,36 +467,57 @@ static int save_one(struct obj *o, struct stats *st, char *msg, size_t n)
     shim_ctx_leave(pushed);
     return 0;
 fail_host:
-    real.cuMemFreeHost(host);
+    if (munmap(host, o->size) != 0)
+        shim_log(LOG_WARN, "munmap of a saved copy failed: %s", strerror(errno));
 fail:
     shim_ctx_leave(pushed);
     return -1;
 }
 
+static void log_done(const char *op, const struct stats *st, uint64_t t0)
+{
+    uint64_t ns = shim_now_ns() - t0;
+    shim_log(LOG_INFO,
+             "%s: %llu allocations, %llu bytes, %llu chunks of %zu MiB on %u of %u threads, "
+             "%.2f GB/s end to end, copy %.3f s",
+             op, (unsigned long long)st->count, (unsigned long long)st->bytes,
+             (unsigned long long)st->chunks, cfg.chunk >> 20, st->threads, cfg.threads,
+             ns ? (double)st->bytes / (double)ns : 0.0, (double)st->copy_ns / 1e9);
+}
+
 int content_save(struct reply *r)
 {
-    struct stats st = {0, 0, 0};
-    char msg[256];
+    struct stats st = {0, 0, 0, 0, 0};
+    pthread_t *tids = NULL;
+    uint64_t t0 = shim_now_ns();
+    char msg[MSG_LEN];
 
     if (g.native_content)
         return 0; /* the native checkpoint moves the bytes */
+    if (copy_setup(&tids, msg, sizeof msg) != 0) {
+        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "SAVE_ALLOCATIONS: %s", msg);
+        return -1;
+    }
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
         if (!creator_shared(o) || !o->live || o->host)
             continue;
-        if (save_one(o, &st, msg, sizeof msg) != 0) {
+        if (save_one(o, tids, &st, msg, sizeof msg) != 0) {
+            free(tids);
             free_hosts();
             reply_msg(r, CUIP_STATUS_CUDA_FAILED, "SAVE_ALLOCATIONS: %s", msg);
             return -1;
         }
     }
+    free(tids);
+    log_done("SAVE_ALLOCATIONS", &st, t0);
     r->h.stat_count = st.count;
     r->h.stat_bytes = st.bytes;
     r->h.stat_copy_ns = st.copy_ns;
     return 0;
 }
 
-static int load_one(struct obj *o, struct stats *st, char *msg, size_t n)
+static int load_one(struct obj *o, pthread_t *tids, struct stats *st, char *msg, size_t n)
 {
     CUmemGenericAllocationHandle h = 0;
     CUdeviceptr va = 0;
@@ -231,16 +545,15 @@ static int load_one(struct obj *o, struct stats *st, char *msg, size_t n)
         goto fail_h;
     if (temp_map(o, h, &va, msg, n) != 0)
         goto fail_h;
-    if (copy_chunks(false, o->host, va, o->size, &st->copy_ns, msg, n) != 0) {
+    if (copy_chunks(o, false, o->host, va, tids, st, msg, n) != 0) {
         char ignored[8];
         temp_unmap(o, va, ignored, sizeof ignored);
         goto fail_h;
     }
     if (temp_unmap(o, va, msg, n) != 0)
         goto fail_h;
-    r = real.cuMemFreeHost(o->host);
-    if (r != CUDA_SUCCESS)
-        shim_log(LOG_WARN, "cuMemFreeHost failed: %s", shim_cu_name(r));
+    if (munmap(o->host, o->size) != 0)
+        shim_log(LOG_WARN, "munmap of a saved copy failed: %s", strerror(errno));
     o->host = NULL;
     st->count++;
     st->bytes += o->size;
@@ -258,24 +571,34 @@ fail:
 
 int content_load(struct reply *r)
 {
-    struct stats st = {0, 0, 0};
-    char msg[256];
+    struct stats st = {0, 0, 0, 0, 0};
+    pthread_t *tids = NULL;
+    uint64_t t0 = shim_now_ns();
+    char msg[MSG_LEN];
 
     if (g.native_content)
         return 0; /* creators kept their allocations */
+    if (copy_setup(&tids, msg, sizeof msg) != 0) {
+        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "LOAD_ALLOCATIONS: %s", msg);
+        return -1;
+    }
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
         if (!creator_shared(o) || o->live)
             continue;
         if (!o->host) {
+            free(tids);
             reply_msg(r, CUIP_STATUS_INTERNAL, "LOAD_ALLOCATIONS: no saved content");
             return -1;
         }
-        if (load_one(o, &st, msg, sizeof msg) != 0) {
+        if (load_one(o, tids, &st, msg, sizeof msg) != 0) {
+            free(tids);
             reply_msg(r, CUIP_STATUS_CUDA_FAILED, "LOAD_ALLOCATIONS: %s", msg);
             return -1;
         }
     }
+    free(tids);
+    log_done("LOAD_ALLOCATIONS", &st, t0);
     r->h.stat_count = st.count;
     r->h.stat_bytes = st.bytes;
     r->h.stat_copy_ns = st.copy_ns;

@@ -167,7 +167,7 @@ struct obj {
     char endpoint[CUIP_CAP_ENDPOINT_LEN]; /* importer: creator's socket name */
     struct mapping *maps;
     uint32_t nmaps, capmaps;
-    void *host;                   /* SAVE_ALLOCATIONS copy (pinned) */
+    void *host;                   /* SAVE_ALLOCATIONS copy: anonymous mapping of `size` bytes */
 };
 
 /* Allocate a fresh object and its logical handle; NULL on ENOMEM. */

@@ -1,0 +1,247 @@
+"""Allocation content in host mode (shim_c/content.c), simulated driver.
+
+SAVE_ALLOCATIONS copies each shared allocation into an anonymous mapping in chunks
+(SNAPSHOT_SHIM_COPY_CHUNK_MIB) spread over threads (SNAPSHOT_SHIM_COPY_THREADS), each
+chunk registered only while it is copied; LOAD_ALLOCATIONS copies back the same way.
+Here: allocations of several chunks, a last chunk shorter than the others, one and
+several threads, every byte checked after a full cycle (with the native checkpoint
+and restore in between); bad settings refused with a warning naming the variable; a
+failing cuMemHostRegister in the workers fails the op, names the call, and leaves no
+registration behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE)]
+
+import shimenv  # noqa: E402
+import simenv  # noqa: E402
+from cuinterpose.engine import wire  # noqa: E402
+from test_control import CAPTURE, RESTORE, Shim, native_checkpoint_restore  # noqa: E402
+
+Op, Status, Phase = wire.Op, wire.Status, wire.Phase
+MIB = 1 << 20
+
+
+@pytest.fixture
+def cdir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cip-"))
+    path.chmod(0o700)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def spawn(cdir: Path) -> Iterator[Callable[..., simenv.Worker]]:
+    workers: list[simenv.Worker] = []
+    # test_control.native_checkpoint_restore uses this namespace.
+    namespace = f"shimctl-{cdir.name}"
+
+    def start(**extra: str) -> simenv.Worker:
+        env = shimenv.shim_env(control_dir=cdir, namespace=namespace, extra=extra)
+        w = simenv.Worker(env)
+        workers.append(w)
+        w(shimenv.WORKER_SETUP)
+        return w
+
+    yield start
+    for w in workers:
+        w.close()  # a crash or a sanitizer report fails the test
+    Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-{namespace}").unlink(missing_ok=True)
+
+
+def finish(w: simenv.Worker) -> str:
+    """Let the worker exit; its stderr (the shim's log). ``close`` still judges it."""
+    assert w.proc.stdin is not None and w.proc.stderr is not None
+    w.proc.stdin.close()
+    w.proc.wait(timeout=20)
+    text = w.proc.stderr.read()
+    w.close()
+    return text
+
+
+def make_shared(w: simenv.Worker, sizes_in_gran: list[int], seed: int) -> int:
+    """Create, map, fill and export one allocation per size; returns the granularity."""
+    w(
+        f"""
+A = []
+for k, n in enumerate({sizes_in_gran!r}):
+    size = n * gran
+    h = check(cu.cuMemCreate(size, prop(), 0))
+    va = map_rw(h, size)
+    fill(va, size, {seed} + k)
+    os.close(export(h))  # exported: shared, so the creator saves it
+    A.append((h, va, size, {seed} + k))
+"""
+    )
+    return int(w("result = gran"))
+
+
+def intact(w: simenv.Worker) -> bool:
+    return bool(w("result = all(digest(va, size) == expected(s, size) for _, va, size, s in A)"))
+
+
+def settings(log: str, op: str) -> tuple[int, int, int, int]:
+    """(chunks, chunk MiB, threads used, threads allowed) from the shim's info line."""
+    m = re.search(
+        op + r": \d+ allocations, \d+ bytes, (\d+) chunks of (\d+) MiB on (\d+) of (\d+) threads",
+        log,
+    )
+    assert m, log
+    return int(m[1]), int(m[2]), int(m[3]), int(m[4])
+
+
+def default_threads() -> int:
+    return min(16, os.sysconf("SC_NPROCESSORS_ONLN"))
+
+
+@pytest.mark.parametrize(
+    ("chunk_mib", "threads"),
+    [(1, 4), (3, 3), (1, 1), (64, 2)],
+    ids=["1MiB-4threads", "short-last-chunk", "one-thread", "one-chunk-each"],
+)
+def test_multi_chunk_cycle(
+    spawn: Callable[..., simenv.Worker], cdir: Path, chunk_mib: int, threads: int
+) -> None:
+    creator = spawn(
+        SNAPSHOT_SHIM_COPY_CHUNK_MIB=str(chunk_mib),
+        SNAPSHOT_SHIM_COPY_THREADS=str(threads),
+        SNAPSHOT_SHIM_DEBUG="1",
+    )
+    sizes = [5, 1, 3]
+    gran = make_shared(creator, sizes, seed=40)
+    c = Shim(cdir, creator.pid)
+    total = sum(sizes) * gran
+    free_slots, _ = creator(FILL_REGISTRATIONS)
+    creator(UNREGISTER_ALL)
+    per = [-(-n * gran // (chunk_mib * MIB)) for n in sizes]
+    chunks, used = sum(per), min(threads, max(per))
+    for op in CAPTURE:
+        t0 = time.monotonic_ns()
+        reply = c.ok(op)
+        elapsed = time.monotonic_ns() - t0
+        if op == Op.SAVE_ALLOCATIONS:
+            assert (reply.stats.count, reply.stats.bytes) == (len(sizes), total)
+            # Wall time of the copies: never more than the op took.
+            assert 0 < reply.stats.copy_ns <= elapsed
+    assert creator("result = err(cu.cuMemCreate(gran, prop(), 0))") == "CUDA_ERROR_NOT_READY"
+    # No registration of the shim is live across the native checkpoint.
+    assert creator(FILL_REGISTRATIONS)[0] == free_slots
+    creator(UNREGISTER_ALL)
+    assert native_checkpoint_restore(cdir, [creator.pid]) == [2]
+    for op in RESTORE:
+        reply = c.ok(op)
+        if op == Op.LOAD_ALLOCATIONS:
+            assert (reply.stats.count, reply.stats.bytes) == (len(sizes), total)
+            assert reply.stats.copy_ns > 0
+    assert c.ok(Op.HANDSHAKE).phase == Phase.ACTIVE
+    assert intact(creator)
+    assert creator(FILL_REGISTRATIONS)[0] == free_slots
+    creator(UNREGISTER_ALL)
+    # The allocations are live again under the old handles.
+    creator("h, va, size, _ = A[0]; fill(va, size, 99)")
+    assert creator("result = digest(A[0][1], A[0][2]) == expected(99, A[0][2])")
+    log = finish(creator)
+    for op in ("SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS"):
+        assert settings(log, op) == (chunks, chunk_mib, used, threads)
+    assert "warning" not in log
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "what"),
+    [
+        ("SNAPSHOT_SHIM_COPY_THREADS", "0", "a thread count in [1, 64]"),
+        ("SNAPSHOT_SHIM_COPY_THREADS", "abc", "a thread count in [1, 64]"),
+        ("SNAPSHOT_SHIM_COPY_THREADS", "-3", "a thread count in [1, 64]"),
+        ("SNAPSHOT_SHIM_COPY_THREADS", "65", "a thread count in [1, 64]"),
+        ("SNAPSHOT_SHIM_COPY_THREADS", "4x", "a thread count in [1, 64]"),
+        ("SNAPSHOT_SHIM_COPY_CHUNK_MIB", "0", "a chunk size in MiB in [1, 4096]"),
+        ("SNAPSHOT_SHIM_COPY_CHUNK_MIB", "1.5", "a chunk size in MiB in [1, 4096]"),
+    ],
+)
+def test_bad_setting_refused(
+    spawn: Callable[..., simenv.Worker], cdir: Path, name: str, value: str, what: str
+) -> None:
+    """Like the timeouts (SNAPSHOT_PEER_TIMEOUT_S): a bad value is named in a warning
+    and the default is used; the content still moves."""
+    creator = spawn(**{name: value, "SNAPSHOT_SHIM_DEBUG": "1"})
+    make_shared(creator, [2], seed=7)
+    c = Shim(cdir, creator.pid)
+    for op in CAPTURE + RESTORE:
+        c.ok(op)
+    assert intact(creator)
+    log = finish(creator)
+    default = default_threads() if name.endswith("THREADS") else 64
+    assert f"{name}={value} is not {what}; using {default}" in log, log
+    _, chunk_mib, _, threads = settings(log, "SAVE_ALLOCATIONS")
+    assert (threads if name.endswith("THREADS") else chunk_mib) == default
+
+
+def test_defaults(spawn: Callable[..., simenv.Worker], cdir: Path) -> None:
+    creator = spawn(SNAPSHOT_SHIM_DEBUG="1")
+    make_shared(creator, [1], seed=3)
+    c = Shim(cdir, creator.pid)
+    for op in CAPTURE + RESTORE:
+        c.ok(op)
+    assert intact(creator)
+    log = finish(creator)
+    assert settings(log, "SAVE_ALLOCATIONS") == (1, 64, 1, default_threads())
+    assert "warning" not in log
+
+
+# The application pins host pages until the driver has no registration left (the
+# simulator keeps a fixed table), so every cuMemHostRegister of the shim fails.
+FILL_REGISTRATIONS = r"""
+PAGE = 4096
+BUF = (ctypes.c_char * (PAGE * 1024))()
+base = (ctypes.addressof(BUF) + PAGE - 1) // PAGE * PAGE
+REG = []
+while len(REG) < 1000:
+    e = cu.cuMemHostRegister(base + len(REG) * PAGE, PAGE, 0)[0]
+    if e != cu.CUresult.CUDA_SUCCESS:
+        break
+    REG.append(base + len(REG) * PAGE)
+result = (len(REG), err(e))
+"""
+
+UNREGISTER_ALL = r"""
+for p in REG:
+    check(cu.cuMemHostUnregister(p))
+REG = []
+"""
+
+
+def test_register_failure_fails_the_op(spawn: Callable[..., simenv.Worker], cdir: Path) -> None:
+    creator = spawn(SNAPSHOT_SHIM_COPY_CHUNK_MIB="1", SNAPSHOT_SHIM_COPY_THREADS="4")
+    make_shared(creator, [4], seed=21)
+    c = Shim(cdir, creator.pid)
+    count, why = creator(FILL_REGISTRATIONS)
+    assert why == "CUDA_ERROR_OUT_OF_MEMORY" and count > 0
+    c.ok(Op.PREPARE_MULTICAST)
+    reply = c.call(Op.SAVE_ALLOCATIONS)
+    assert reply.status == Status.CUDA_FAILED and reply.phase == Phase.FAILED
+    assert re.fullmatch(
+        r"SAVE_ALLOCATIONS: cuMemHostRegister failed: CUDA_ERROR_OUT_OF_MEMORY \(2\) at chunk "
+        r"offset \d+ \(allocation [0-9a-f]{32}, \d+ bytes\)",
+        reply.message,
+    ), reply.message
+    assert c.ok(Op.HANDSHAKE).message == reply.message
+    # Every worker was joined and nothing of the shim stays registered: the
+    # application gets back exactly as many registrations as before.
+    creator(UNREGISTER_ALL)
+    assert creator(FILL_REGISTRATIONS) == [count, "CUDA_ERROR_OUT_OF_MEMORY"]
+    creator(UNREGISTER_ALL)
+    # Fail-stop: the allocation itself was never touched.
+    assert creator("result = err(cu.cuMemCreate(gran, prop(), 0))") == "CUDA_ERROR_NOT_READY"
