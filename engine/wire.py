@@ -36,6 +36,7 @@ ZERO_PARTICIPANT: Final = b"\0" * PARTICIPANT_LEN
 ZERO_ID: Final = b"\0" * ID_LEN
 _HEX_DIGITS: Final = frozenset("0123456789abcdef")
 _HEX_BYTES: Final = re.compile(rb"[0-9a-f]{32}")
+_HEX_TEXT: Final = re.compile(r"[0-9a-f]{32}")
 
 
 class Op(enum.IntEnum):
@@ -123,6 +124,8 @@ def is_participant_id(value: str) -> bool:
 
 
 def _participant_bytes(value: str, field: str) -> bytes:
+    if type(value) is str and _HEX_TEXT.fullmatch(value):
+        return value.encode("ascii")
     if value == "":
         return ZERO_PARTICIPANT
     if not is_participant_id(value):
@@ -167,7 +170,8 @@ class Access:
     flags: int
 
 
-_NO_ACCESS: Final = Access(0, 0, 0)
+# The zeros that fill the unused access slots, by the number of slots in use.
+_ACCESS_PADDING: Final = tuple((0,) * 3 * (ACCESS_MAX - n) for n in range(ACCESS_MAX + 1))
 
 
 @attrs.frozen
@@ -203,8 +207,7 @@ class Record:
             raise WireError(
                 f"record has {len(self.access)} access descriptors, at most {ACCESS_MAX}"
             )
-        slots = list(self.access) + [_NO_ACCESS] * (ACCESS_MAX - len(self.access))
-        flat = [v for a in slots for v in (a.location_type, a.location_id, a.flags)]
+        flat = [v for a in self.access for v in (a.location_type, a.location_id, a.flags)]
         try:
             return RECORD_STRUCT.pack(
                 int(self.kind),
@@ -231,6 +234,7 @@ class Record:
                 self.handle_count,
                 0,
                 *flat,
+                *_ACCESS_PADDING[len(self.access)],
             )
         except struct.error as exc:
             raise WireError(f"record field out of range: {exc}") from exc
