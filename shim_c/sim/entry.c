@@ -367,8 +367,10 @@ static CUresult resolve(const char *symbol, void **pfn, int version, cuuint64_t 
         return CUDA_ERROR_INVALID_VALUE;
     *pfn = NULL;
     /* A version from the future is an invalid argument on the real driver
-     * (99999 in specs/records). The newest ABI we know is our header's. */
-    if (version <= 0 || version > CUDA_VERSION)
+     * (99999 in specs/records). The cut-off is the newest version the
+     * simulator's table knows, not the header it was built with: a build
+     * against CUDA 13.0's header must still answer cuda.bindings 13.5. */
+    if (version <= 0 || version > SIM_NEWEST_API_VERSION)
         return CUDA_ERROR_INVALID_VALUE;
     /* Per-thread default stream requests get the same functions: the
      * simulator's streams are synchronous, so the two semantics agree. */

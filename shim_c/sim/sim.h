@@ -18,6 +18,10 @@
 
 /* Codes that CUDA 13.0's cuda.h (the real H200's toolkit) does not declare yet:
  * named by value so that the simulator builds against any 13.x header. */
+/* The newest cuGetProcAddress version the resolver table answers:
+ * cuda.bindings 13.5 asks up to 13050 (specs/records). */
+#define SIM_NEWEST_API_VERSION 13050
+
 #define SIM_ERROR_MULTICAST_RESOURCE_FULL ((CUresult)47)
 #define SIM_ERROR_INSUFFICIENT_LOADER_VERSION ((CUresult)227)
 #define SIM_ERROR_STREAM_DETACHED ((CUresult)917)
