@@ -16,7 +16,7 @@ from __future__ import annotations
 import errno
 import math
 import os
-import selectors
+import select
 import socket
 import time
 from collections.abc import Sequence
@@ -154,39 +154,70 @@ def call_all(
         _Exchange(endpoint, request, expect, payload, timeout)
         for (endpoint, request, expect), payload in zip(calls, payloads, strict=True)
     ]
-    with selectors.DefaultSelector() as selector:
-        try:
-            for exchange in exchanges:
-                exchange.start(selector)
-            _drive(exchanges, selector, deadline)
-        finally:
-            for exchange in exchanges:
-                exchange.close(selector)
+    poller = _Poller()
+    try:
+        for exchange in exchanges:
+            exchange.start(poller)
+        _drive(exchanges, poller, deadline)
+    finally:
+        for exchange in exchanges:
+            exchange.close(poller)
+        poller.close()
     return [exchange.result() for exchange in exchanges]
 
 
-def _drive(exchanges: list[_Exchange], selector: selectors.BaseSelector, deadline: float) -> None:
-    while True:
-        waiting = [x for x in exchanges if x.outcome is None]
-        if not waiting:
-            return
+def _drive(exchanges: list[_Exchange], poller: _Poller, deadline: float) -> None:
+    waiting = [x for x in exchanges if x.outcome is None]
+    while waiting:
         now = time.monotonic()
         if now >= deadline:
             for exchange in waiting:
                 exchange.expire()
             return
         wait = deadline - now
+        # Only start() sets retry_at (a connect refused for a full backlog), so when
+        # none is set before the wait, none is after it either.
         retries = [x.retry_at for x in waiting if x.retry_at is not None]
         if retries:
             wait = max(0.0, min(wait, min(retries) - now))
-        for key, _ in selector.select(wait):
-            exchange = key.data
-            assert isinstance(exchange, _Exchange)
-            exchange.on_readable(selector)
-        now = time.monotonic()
-        for exchange in waiting:
-            if exchange.retry_at is not None and exchange.retry_at <= now:
-                exchange.start(selector)
+        for exchange in poller.ready(wait):
+            exchange.on_readable(poller)
+        if retries:
+            now = time.monotonic()
+            for exchange in waiting:
+                if exchange.retry_at is not None and exchange.retry_at <= now:
+                    exchange.start(poller)
+        waiting = [x for x in waiting if x.outcome is None]
+
+
+class _Poller:
+    """epoll over the exchanges' sockets (what selectors.EpollSelector does, minus the
+    bookkeeping a phase with many participants would pay per exchange)."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._by_fd: dict[int, _Exchange] = {}
+
+    def register(self, sock: socket.socket, exchange: _Exchange) -> None:
+        fd = sock.fileno()
+        self._epoll.register(fd, select.EPOLLIN)
+        self._by_fd[fd] = exchange
+
+    def unregister(self, sock: socket.socket) -> None:
+        fd = sock.fileno()
+        self._epoll.unregister(fd)
+        del self._by_fd[fd]
+
+    def ready(self, wait: float) -> list[_Exchange]:
+        """The exchanges whose socket is readable or hung up, waiting at most ``wait`` s."""
+        # Rounded up to the millisecond epoll counts in, as selectors does, so that
+        # a wait shorter than that does not return at once and spin.
+        timeout = math.ceil(wait * 1e3) * 1e-3 if wait > 0 else 0.0
+        by_fd = self._by_fd
+        return [by_fd[fd] for fd, _ in self._epoll.poll(timeout) if fd in by_fd]
+
+    def close(self) -> None:
+        self._epoll.close()
 
 
 class _Exchange:
@@ -239,13 +270,13 @@ class _Exchange:
 
     # -- connection -----------------------------------------------------------
 
-    def start(self, selector: selectors.BaseSelector) -> None:
+    def start(self, poller: _Poller) -> None:
         """Connect (or retry a connect) and send the request: never blocks."""
         self.retry_at = None
         try:
             if self.sock is None:
-                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self.sock.setblocking(False)
+                # Non-blocking from birth (timeout 0.0, as setblocking(False) sets).
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
             code = self.sock.connect_ex(self._address())
         except OSError as exc:
             self.fail(ParticipantHangup, _connect_reason(exc.errno, exc.strerror), None)
@@ -269,7 +300,7 @@ class _Exchange:
         if sent != len(self.payload):
             self.fail(ParticipantHangup, f"sent {sent} of {len(self.payload)} bytes", None)
             return
-        selector.register(self.sock, selectors.EVENT_READ, self)
+        poller.register(self.sock, self)
         self.registered = True
 
     def _address(self) -> str:
@@ -289,24 +320,24 @@ class _Exchange:
             os.close(self.dir_fd)
             self.dir_fd = None
 
-    def close(self, selector: selectors.BaseSelector) -> None:
+    def close(self, poller: _Poller) -> None:
         self._close_dir_fd()
         if self.sock is not None:
             if self.registered:
-                selector.unregister(self.sock)
+                poller.unregister(self.sock)
                 self.registered = False
             self.sock.close()
             self.sock = None
 
     # -- reading ----------------------------------------------------------------
 
-    def on_readable(self, selector: selectors.BaseSelector) -> None:
+    def on_readable(self, poller: _Poller) -> None:
         # Keep reading while bytes are there: a body usually arrives with its
         # header, and going back to the selector for it would cost a round.
-        while self.outcome is None and self._read_some(selector):
+        while self.outcome is None and self._read_some(poller):
             pass
 
-    def _read_some(self, selector: selectors.BaseSelector) -> bool:
+    def _read_some(self, poller: _Poller) -> bool:
         """Read into the current part (header or body); False when nothing is there yet."""
         assert self.sock is not None
         if self.filled < len(self.buffer):
@@ -316,7 +347,7 @@ class _Exchange:
             except (BlockingIOError, InterruptedError):
                 return False
             except OSError as exc:
-                self._finish(selector)
+                self._finish(poller)
                 self.fail(
                     ParticipantHangup,
                     f"connection failed after {self._received()} reply bytes: {exc.strerror}",
@@ -326,7 +357,7 @@ class _Exchange:
             finally:
                 view.release()
             if got == 0:
-                self._finish(selector)
+                self._finish(poller)
                 self.fail(
                     ParticipantHangup,
                     f"closed the connection after {self._received()} of "
@@ -338,21 +369,21 @@ class _Exchange:
             if self.filled < len(self.buffer):
                 return True
         if self.header is None:
-            self._on_header(selector)  # sizes the body, which may be empty
+            self._on_header(poller)  # sizes the body, which may be empty
         else:
-            self._on_body(selector)
+            self._on_body(poller)
         return True
 
-    def _on_header(self, selector: selectors.BaseSelector) -> None:
+    def _on_header(self, poller: _Poller) -> None:
         try:
             header = Header.decode(bytes(self.buffer))
         except WireError as exc:
-            self._finish(selector)
+            self._finish(poller)
             self.fail(BadReply, f"malformed reply: {exc}", None)
             return
         claimed = header.participant or None
         if header.op != self.request.op:
-            self._finish(selector)
+            self._finish(poller)
             self.fail(
                 BadReply,
                 f"reply echoes op {_op_name(header.op)}, expected {self.request.op.name}",
@@ -360,7 +391,7 @@ class _Exchange:
             )
             return
         if self.expect is not None and header.participant != self.expect:
-            self._finish(selector)
+            self._finish(poller)
             self.fail(
                 BadReply,
                 f"reply comes from participant {header.participant or '(none)'}, "
@@ -372,23 +403,24 @@ class _Exchange:
         self.buffer = bytearray(header.message_length + header.count * RECORD_SIZE)
         self.filled = 0
 
-    def _on_body(self, selector: selectors.BaseSelector) -> None:
+    def _on_body(self, poller: _Poller) -> None:
         header = self.header
         assert header is not None
-        self._finish(selector)
-        body = bytes(self.buffer)
+        self._finish(poller)
+        body = memoryview(self.buffer)
         try:
+            # One copy of each part (a reply of 65536 records is 18 MiB).
             reply = Reply.from_parts(
-                header, body[: header.message_length], body[header.message_length :]
+                header, bytes(body[: header.message_length]), bytes(body[header.message_length :])
             )
         except WireError as exc:
             self.fail(BadReply, f"malformed reply: {exc}", self._claimed())
             return
         self.outcome = reply
 
-    def _finish(self, selector: selectors.BaseSelector) -> None:
+    def _finish(self, poller: _Poller) -> None:
         # Close as soon as the exchange is decided: one request per connection.
-        self.close(selector)
+        self.close(poller)
 
     # -- progress, for messages -------------------------------------------------
 

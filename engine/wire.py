@@ -108,6 +108,9 @@ class BindingKind(enum.IntEnum):
     BIND_ADDR = 2
 
 
+_OPS: Final = {int(o): o for o in Op}
+_STATUSES: Final = {int(s): s for s in Status}
+_PHASES: Final = {int(p): p for p in Phase}
 _RECORD_KINDS: Final = {int(k): k for k in RecordKind}
 _BINDING_KINDS: Final = {int(k): k for k in BindingKind}
 _KNOWN_FLAGS: Final = int(RecordFlag.CREATOR | RecordFlag.HANDLE_LIVE | RecordFlag.CONTENT)
@@ -407,18 +410,19 @@ class Header:
             raise WireError(f"message_length {message_length} exceeds {MESSAGE_MAX}")
         if count > RECORDS_MAX:
             raise WireError(f"record count {count} exceeds {RECORDS_MAX}")
+        # Positional, in field order: every reply goes through here.
         return cls(
-            op=op,
-            status=status,
-            count=count,
-            participant=_participant_text(participant, "participant"),
-            resource_id=resource_id,
-            authorization=authorization,
-            resource_kind=resource_kind,
-            message_length=message_length,
-            pid=pid,
-            phase=phase,
-            stats=Stats(*stats),
+            op,
+            status,
+            count,
+            _participant_text(participant, "participant"),
+            resource_id,
+            authorization,
+            resource_kind,
+            message_length,
+            pid,
+            phase,
+            Stats(*stats),
         )
 
 
@@ -442,13 +446,30 @@ class Request:
             raise WireError(f"{self.op.name} request carries EXPORT-only fields")
         if self.op is Op.HANDSHAKE and self.participant:
             raise WireError("HANDSHAKE request must not name a participant")
-        return Header(
-            op=int(self.op),
-            participant=self.participant,
-            resource_id=self.resource_id,
-            authorization=self.authorization,
-            resource_kind=int(self.resource_kind),
-        ).encode()
+        # What Header(op, participant, ids, kind).encode() packs, without building
+        # the Header: the reply-only fields and the stats are zero.
+        try:
+            return HEADER_STRUCT.pack(
+                MAGIC,
+                VERSION,
+                int(self.op),
+                0,
+                0,
+                _participant_bytes(self.participant, "participant"),
+                _fixed(self.resource_id, ID_LEN, "resource_id"),
+                _fixed(self.authorization, AUTH_LEN, "authorization"),
+                int(self.resource_kind),
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+            )
+        except struct.error as exc:
+            raise WireError(f"header field out of range: {exc}") from exc
 
 
 @attrs.frozen
@@ -485,18 +506,15 @@ class Reply:
     @classmethod
     def from_parts(cls, header: Header, message: bytes, records: bytes) -> Reply:
         """Build a reply from a decoded header and the bytes that followed it."""
-        try:
-            op = Op(header.op)
-        except ValueError as exc:
-            raise WireError(f"reply names unknown op {header.op}") from exc
-        try:
-            status = Status(header.status)
-        except ValueError as exc:
-            raise WireError(f"reply has unknown status {header.status}") from exc
-        try:
-            phase = Phase(header.phase)
-        except ValueError as exc:
-            raise WireError(f"reply has unknown phase {header.phase}") from exc
+        op = _OPS.get(header.op)
+        if op is None:
+            raise WireError(f"reply names unknown op {header.op}")
+        status = _STATUSES.get(header.status)
+        if status is None:
+            raise WireError(f"reply has unknown status {header.status}")
+        phase = _PHASES.get(header.phase)
+        if phase is None:
+            raise WireError(f"reply has unknown phase {header.phase}")
         if len(message) != header.message_length:
             raise WireError(f"message is {len(message)} bytes, header says {header.message_length}")
         if len(records) != header.count * RECORD_SIZE:
@@ -510,14 +528,14 @@ class Reply:
         except UnicodeDecodeError as exc:
             raise WireError("reply message is not UTF-8") from exc
         return cls(
-            op=op,
-            status=status,
-            participant=header.participant,
-            pid=header.pid,
-            phase=phase,
-            message=text,
-            stats=header.stats,
-            records=decode_records(records, header.count),
+            op,
+            status,
+            header.participant,
+            header.pid,
+            phase,
+            text,
+            header.stats,
+            decode_records(records, header.count),
         )
 
     @classmethod
