@@ -318,21 +318,14 @@ out:
 static CUresult track_raw(CUmemGenericAllocationHandle *handle, CUmemGenericAllocationHandle h,
                           CUmemAllocationHandleType type)
 {
-    struct obj *o = obj_new(OBJ_ALLOC);
-    if (!o) {
-        real.cuMemRelease(h);
+    struct obj *o = obj_adopt(OBJ_ALLOC, h);
+    if (!o)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    }
     o->raw_import = true;
-    o->live = true;
-    o->real = h;
-    o->refs = 1;
     o->handle_types = (uint64_t)type;
     if (real.cuMemGetAllocationPropertiesFromHandle(&o->prop, h) != CUDA_SUCCESS)
         memset(&o->prop, 0, sizeof o->prop);
     o->prop.win32HandleMetaData = NULL;
-    if (real.cuCtxGetCurrent(&o->ctx) != CUDA_SUCCESS)
-        o->ctx = NULL;
     shim_log(LOG_INFO, "import of a raw FD: tracked as RAW_IMPORT (capture will refuse)");
     *handle = obj_handle(o);
     return CUDA_SUCCESS;
@@ -435,9 +428,8 @@ static CUresult import_cap(CUmemGenericAllocationHandle *handle, const struct cu
         real.cuMemRelease(h);
         goto out;
     }
-    o = obj_new(OBJ_ALLOC);
+    o = obj_adopt(OBJ_ALLOC, h);
     if (!o) {
-        real.cuMemRelease(h);
         r = CUDA_ERROR_OUT_OF_MEMORY;
         goto out;
     }
@@ -447,17 +439,12 @@ static CUresult import_cap(CUmemGenericAllocationHandle *handle, const struct cu
     memcpy(o->endpoint, c->endpoint, CUIP_CAP_ENDPOINT_LEN);
     o->has_auth = true;
     o->imported = true;
-    o->live = true;
-    o->real = h;
-    o->refs = 1;
     o->size = c->size;
     o->handle_types = c->handle_types;
     if (real.cuMemGetAllocationPropertiesFromHandle(&o->prop, h) != CUDA_SUCCESS)
         memset(&o->prop, 0, sizeof o->prop);
     o->prop.win32HandleMetaData = NULL;
     o->prop.requestedHandleTypes = (CUmemAllocationHandleType)c->handle_types;
-    if (real.cuCtxGetCurrent(&o->ctx) != CUDA_SUCCESS)
-        o->ctx = NULL;
     *handle = obj_handle(o);
     r = CUDA_SUCCESS;
 out:

@@ -12,19 +12,6 @@
 
 #include <string.h>
 
-static CUresult mc_lock(void)
-{
-    CUresult r = shim_enter();
-    if (r != CUDA_SUCCESS)
-        return r;
-    pthread_mutex_lock(&g.lock);
-    if (g.phase != CUIP_PHASE_ACTIVE) {
-        pthread_mutex_unlock(&g.lock);
-        return CUDA_ERROR_NOT_READY;
-    }
-    return CUDA_SUCCESS;
-}
-
 /* Translate `h` (tagged or raw) under g.lock; false when tagged and dead. */
 static bool translate(CUmemGenericAllocationHandle h, CUmemGenericAllocationHandle *out,
                       struct obj **o)
@@ -52,34 +39,17 @@ CUresult CUDAAPI cuMulticastCreate(CUmemGenericAllocationHandle *mcHandle,
         r = shim_enter();
         return r != CUDA_SUCCESS ? r : real.cuMulticastCreate(mcHandle, prop);
     }
-    if ((r = mc_lock()) != CUDA_SUCCESS)
+    if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
     r = real.cuMulticastCreate(&h, prop);
     if (r != CUDA_SUCCESS)
         goto out;
-    if (SHIM_IS_TAGGED(h)) {
-        shim_log(LOG_ERROR, "driver handle %#llx collides with the shim's tag range; refused",
-                 (unsigned long long)h);
-        real.cuMemRelease(h);
-        r = CUDA_ERROR_NOT_SUPPORTED;
+    r = obj_adopt_created(OBJ_MC, h, &o);
+    if (r != CUDA_SUCCESS)
         goto out;
-    }
-    o = obj_new(OBJ_MC);
-    if (!o) {
-        real.cuMemRelease(h);
-        r = CUDA_ERROR_OUT_OF_MEMORY;
-        goto out;
-    }
-    o->is_creator = true;
-    memcpy(o->creator, g.participant, CUIP_PARTICIPANT_LEN);
-    o->live = true;
-    o->real = h;
-    o->refs = 1;
     o->mcprop = *prop;
     o->size = prop->size;
     o->handle_types = prop->handleTypes;
-    if (real.cuCtxGetCurrent(&o->ctx) != CUDA_SUCCESS)
-        o->ctx = NULL;
     shim_log(LOG_INFO, "multicast object created: passed through, capture will refuse");
     *mcHandle = obj_handle(o);
 out:
@@ -93,7 +63,7 @@ CUresult CUDAAPI cuMulticastAddDevice(CUmemGenericAllocationHandle mcHandle, CUd
     struct obj *o;
     CUresult r;
 
-    if ((r = mc_lock()) != CUDA_SUCCESS)
+    if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
     if (!translate(mcHandle, &h, &o)) {
         pthread_mutex_unlock(&g.lock);
@@ -109,7 +79,7 @@ static CUresult bind_prepare(CUmemGenericAllocationHandle mc, CUmemGenericAlloca
                              struct obj **member)
 {
     struct obj *o;
-    CUresult r = mc_lock();
+    CUresult r = app_lock();
     if (r != CUDA_SUCCESS)
         return r;
     if (!translate(mc, rmc, &o) || (rmem && !translate(mem, rmem, member))) {

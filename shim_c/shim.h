@@ -241,6 +241,15 @@ SHIM_HIDDEN int io_write_all(int fd, const void *buf, size_t len, uint64_t deadl
 SHIM_HIDDEN int io_read_all(int fd, void *buf, size_t len, uint64_t deadline_ns, int *fd_out);
 
 /* ---------------------------------------------------------------- unicast.c */
+/* Lock g.lock and check that the application may change tracked state. */
+SHIM_HIDDEN CUresult app_lock(void);
+/* Under g.lock: a new live object of `kind` for driver handle `h`, held once
+ * by the application; NULL on ENOMEM, after releasing `h`. */
+SHIM_HIDDEN struct obj *obj_adopt(enum obj_kind kind, CUmemGenericAllocationHandle h);
+/* Under g.lock: adopt `h`, just created for the application, as its creator;
+ * a handle in the shim's tag range is refused. On failure `h` is released. */
+SHIM_HIDDEN CUresult obj_adopt_created(enum obj_kind kind, CUmemGenericAllocationHandle h,
+                                       struct obj **out);
 SHIM_HIDDEN int unicast_inspect(struct reply *r);
 SHIM_HIDDEN int unicast_prepare(struct reply *r);
 SHIM_HIDDEN int unicast_load_mappings(struct obj *o, char *msg, size_t n);

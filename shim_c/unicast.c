@@ -85,7 +85,7 @@ CUresult map_apply(struct obj *o, const struct mapping *m, char *msg, size_t n)
 }
 
 /* Lock and check that the application may change tracked state. */
-static CUresult app_lock(void)
+CUresult app_lock(void)
 {
     CUresult r = shim_enter();
     if (r != CUDA_SUCCESS)
@@ -95,6 +95,46 @@ static CUresult app_lock(void)
         pthread_mutex_unlock(&g.lock);
         return CUDA_ERROR_NOT_READY;
     }
+    return CUDA_SUCCESS;
+}
+
+/* Under g.lock: a new object of `kind` for the driver handle `h`, which the
+ * application now holds once (live, the current context); NULL on ENOMEM,
+ * after releasing `h`. */
+struct obj *obj_adopt(enum obj_kind kind, CUmemGenericAllocationHandle h)
+{
+    struct obj *o = obj_new(kind);
+    if (!o) {
+        real.cuMemRelease(h);
+        return NULL;
+    }
+    o->live = true;
+    o->real = h;
+    o->refs = 1;
+    if (real.cuCtxGetCurrent(&o->ctx) != CUDA_SUCCESS)
+        o->ctx = NULL;
+    return o;
+}
+
+/* Under g.lock: adopt `h`, just created by the driver for the application,
+ * with this participant as its creator. A handle in the shim's tag range is
+ * refused; on failure `h` is released. */
+CUresult obj_adopt_created(enum obj_kind kind, CUmemGenericAllocationHandle h, struct obj **out)
+{
+    struct obj *o;
+
+    if (SHIM_IS_TAGGED(h)) {
+        shim_log(LOG_ERROR, "driver handle %#llx collides with the shim's tag range; refused",
+                 (unsigned long long)h);
+        real.cuMemRelease(h);
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    o = obj_adopt(kind, h);
+    if (!o)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    o->is_creator = true;
+    memcpy(o->creator, g.participant, CUIP_PARTICIPANT_LEN);
+    *out = o;
     return CUDA_SUCCESS;
 }
 
@@ -128,32 +168,15 @@ CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     r = real.cuMemCreate(&h, size, prop, flags);
     if (r != CUDA_SUCCESS)
         goto out;
-    if (SHIM_IS_TAGGED(h)) {
-        shim_log(LOG_ERROR, "driver handle %#llx collides with the shim's tag range; refused",
-                 (unsigned long long)h);
-        real.cuMemRelease(h);
-        r = CUDA_ERROR_NOT_SUPPORTED;
+    r = obj_adopt_created(OBJ_ALLOC, h, &o);
+    if (r != CUDA_SUCCESS)
         goto out;
-    }
-    o = obj_new(OBJ_ALLOC);
-    if (!o) {
-        real.cuMemRelease(h);
-        r = CUDA_ERROR_OUT_OF_MEMORY;
-        goto out;
-    }
-    o->is_creator = true;
-    memcpy(o->creator, g.participant, CUIP_PARTICIPANT_LEN);
-    o->live = true;
-    o->real = h;
-    o->refs = 1;
     o->size = size;
     o->prop = *prop;
     o->prop.win32HandleMetaData = NULL; /* a pointer into the caller: never kept */
     o->handle_types = (uint64_t)prop->requestedHandleTypes;
     o->unsupported =
         (prop->requestedHandleTypes & ~CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != 0;
-    if (real.cuCtxGetCurrent(&o->ctx) != CUDA_SUCCESS)
-        o->ctx = NULL;
     *handle = obj_handle(o);
 out:
     pthread_mutex_unlock(&g.lock);
