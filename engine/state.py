@@ -223,6 +223,14 @@ def make_converter() -> cattrs.Converter:
     return conv
 
 
+@functools.cache
+def _converter() -> cattrs.Converter:
+    # The file's own converter, made once: making one generates and compiles code
+    # for every class in the state, which costs more than reading a small file.
+    # Private, so no caller can register a hook on it.
+    return make_converter()
+
+
 def _register_lists_only(conv: cattrs.Converter, sequence: object) -> None:
     conv.register_structure_hook_func(
         _is_type(sequence), _lists_only(conv.get_structure_hook(sequence))
@@ -471,7 +479,7 @@ def encode_state(state: CheckpointState) -> bytes:
     problems = state_problems(state)
     if problems:
         raise ValueError("; ".join(problems))
-    body = make_converter().unstructure(state)
+    body = _converter().unstructure(state)
     document = {"format": STATE_FORMAT, "version": STATE_VERSION, **body}
     data = (_render(document) + "\n").encode("ascii")
     if len(data) > MAX_STATE_BYTES:
@@ -543,7 +551,7 @@ def decode_state(data: bytes, path: Path) -> CheckpointState:
         )
     body = {k: v for k, v in document.items() if k not in ("format", "version")}
     try:
-        state = make_converter().structure(body, CheckpointState)
+        state = _converter().structure(body, CheckpointState)
     except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
         details = transform_error(exc, path="$", format_exception=_format_error)
         raise StateFileError(path, "is malformed: " + "; ".join(details)) from exc

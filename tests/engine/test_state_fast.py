@@ -36,6 +36,7 @@ def plain() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(st, "_fast_record_hook", lambda generated: generated)
         patch.setattr(st, "_encodes", lambda record: False)
+        patch.setattr(st, "_converter", st.make_converter)  # not the one kept for reuse
         yield
 
 
@@ -124,6 +125,11 @@ def test_a_record_that_is_not_an_object_is_refused_alike(replacement: object) ->
     document = document_of(team(2, 1))
     document["topology"]["participants"][0]["records"][0] = replacement
     both(json.dumps(document).encode())
+
+
+def test_the_files_converter_is_made_once_and_is_nobody_elses() -> None:
+    assert st._converter() is st._converter()
+    assert st.make_converter() is not st._converter()
 
 
 def test_the_fast_hook_gives_what_cattrs_gives() -> None:
