@@ -136,7 +136,7 @@ static CUresult mc_create(CUmemGenericAllocationHandle *h, const CUmulticastObje
     if (r != CUDA_SUCCESS)
         return r;
     meta->kind = SIM_KIND_MULTICAST;
-    meta->handle_types = prop->handleTypes;
+    meta->props.handle_types = prop->handleTypes;
     meta->num_devices = prop->numDevices;
     meta->mc_flags = prop->flags;
     sim_lock();

@@ -67,6 +67,17 @@ CUresult CUDAAPI cuMulticastBindAddr_v2(CUmemGenericAllocationHandle mcHandle, C
 #define SIM_META_MAGIC 0x4d495350u /* "PSIM" */
 enum sim_kind { SIM_KIND_ALLOC = 1, SIM_KIND_MULTICAST = 2 };
 
+/* An allocation's properties, as created (CUmemAllocationProp's fields). */
+struct sim_props {
+    uint32_t alloc_type;
+    int32_t loc_type;
+    int32_t loc_id;
+    uint64_t handle_types;
+    uint8_t compression;
+    uint8_t rdma;
+    uint16_t usage;
+};
+
 /* Lives in the last page of every memfd; shared by every process holding
  * the memfd. The fields before `lock` are written once by the creator
  * before any export; those after it (the multicast team) are guarded by it,
@@ -76,13 +87,7 @@ struct sim_meta {
     uint32_t kind;
     uint64_t size;       /* bytes of data before this page */
     int32_t creator_pid; /* process that created the object */
-    uint32_t alloc_type;
-    int32_t loc_type;
-    int32_t loc_id;
-    uint64_t handle_types;
-    uint8_t compression;
-    uint8_t rdma;
-    uint16_t usage;
+    struct sim_props props;
     /* multicast team, guarded by `lock` */
     pthread_mutex_t lock;
     uint32_t num_devices;
@@ -116,15 +121,7 @@ struct sim_obj {
      * owned allocations keep their bytes and properties for restore */
     void *saved;
     int released;
-    struct sim_props {
-        uint32_t alloc_type;
-        int32_t loc_type;
-        int32_t loc_id;
-        uint64_t handle_types;
-        uint8_t compression;
-        uint8_t rdma;
-        uint16_t usage;
-    } props;
+    struct sim_props props;
 };
 
 struct sim_resv {

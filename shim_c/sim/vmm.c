@@ -126,13 +126,7 @@ CUresult sim_alloc_memfd(uint64_t size, const struct sim_props *p, int *fd,
     if (r != CUDA_SUCCESS)
         return r;
     meta->kind = SIM_KIND_ALLOC;
-    meta->alloc_type = p->alloc_type;
-    meta->loc_type = p->loc_type;
-    meta->loc_id = p->loc_id;
-    meta->handle_types = p->handle_types;
-    meta->compression = p->compression;
-    meta->rdma = p->rdma;
-    meta->usage = p->usage;
+    meta->props = *p;
     *meta_out = meta;
     return CUDA_SUCCESS;
 }
@@ -151,13 +145,7 @@ CUresult sim_obj_new(int kind, int fd, struct sim_meta *meta, uint64_t size, str
         o->meta = meta;
         o->size = size;
         o->handle_refs = 1;
-        o->props.alloc_type = meta->alloc_type;
-        o->props.loc_type = meta->loc_type;
-        o->props.loc_id = meta->loc_id;
-        o->props.handle_types = meta->handle_types;
-        o->props.compression = meta->compression;
-        o->props.rdma = meta->rdma;
-        o->props.usage = meta->usage;
+        o->props = meta->props;
         o->handle = sim.next_handle;
         sim.next_handle += 0x10;
         *out = o;
