@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cuinterpose.engine import launch, native
-from cuinterpose.engine.demo import Worker, coordinator_env, pattern_digest, run_cli
+from cuinterpose.engine.demo import CliRun, Worker, coordinator_env, pattern_digest, run_cli
 
 SEED = 7
 
@@ -50,6 +50,22 @@ def _f(value: Any) -> str:
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
+
+
+def _coordinate(command: str, pids: list[int], ckpt: Path, control: Path, trace: Path) -> CliRun:
+    """``cuinterpose <command>`` on ``pids``; exits with its stderr if it fails."""
+    done = run_cli(
+        command,
+        pids=pids,
+        checkpoint_dir=ckpt,
+        control_dir=control,
+        env=coordinator_env(),
+        trace=trace,
+        timeout_s=1800,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"cuinterpose {command} failed: {done.stderr}")
+    return done
 
 
 def run(size: int, driver: str, work: Path, log: Any) -> dict[str, Any]:
@@ -86,30 +102,10 @@ def run(size: int, driver: str, work: Path, log: Any) -> dict[str, Any]:
         iva = importer.map_at_new_va(imported, size)
         pids = [creator.pid, importer.pid]
 
-        prep = run_cli(
-            "prepare",
-            pids=pids,
-            checkpoint_dir=ckpt,
-            control_dir=control,
-            env=coordinator_env(),
-            trace=work / "capture.jsonl",
-            timeout_s=1800,
-        )
-        if prep.returncode != 0:
-            raise SystemExit(f"cuinterpose prepare failed: {prep.stderr}")
+        prep = _coordinate("prepare", pids, ckpt, control, work / "capture.jsonl")
         ck = native.run_in_subprocess("checkpoint-all", pids, env=plain, timeout_s=1800)
         rs = native.run_in_subprocess("restore-all", pids, env=plain, timeout_s=1800)
-        rest = run_cli(
-            "restore",
-            pids=pids,
-            checkpoint_dir=ckpt,
-            control_dir=control,
-            env=coordinator_env(),
-            trace=work / "restore.jsonl",
-            timeout_s=1800,
-        )
-        if rest.returncode != 0:
-            raise SystemExit(f"cuinterpose restore failed: {rest.stderr}")
+        rest = _coordinate("restore", pids, ckpt, control, work / "restore.jsonl")
         ok = creator.digest(va, size) == expect and importer.digest(iva, size) == expect
         save, load = (
             _event(prep.events, "SAVE_ALLOCATIONS"),
