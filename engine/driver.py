@@ -595,13 +595,14 @@ class _Run:
     def participants_match_state(self, event: EventData) -> bool:
         assert self.state_file is not None
         recorded = {p.participant: p.pid for p in self.state_file.participants}
+        answering = {b.participant for b in self.bound}
         problems = [
             Problem(
                 f"is in the state file but no given process answers as it (pid {pid} at capture)",
                 participant,
             )
             for participant, pid in sorted(recorded.items())
-            if participant not in {b.participant for b in self.bound}
+            if participant not in answering
         ]
         problems += [
             Problem("answers but is not in the state file", b.participant, b.endpoint.observed_pid)
