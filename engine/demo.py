@@ -538,18 +538,26 @@ def _demo(
         raise DemoError("before checkpoint: " + "; ".join(bad))
 
     cli_env = coordinator_env()
-    prep = run_cli("prepare", pids=scen.pids, checkpoint_dir=ckpt, control_dir=control, env=cli_env)
-    if prep.returncode != 0:
-        raise DemoError(f"cuinterpose prepare exited {prep.returncode}: {prep.stderr.strip()}")
-    save = prep.phase("SAVE_ALLOCATIONS")
-    used_prepared = used()
-    out(
-        f"prepare: {prep.seconds:.3f} s; saved {save.get('allocation_count', '?')} allocations, "
-        f"{_mib(int(save.get('allocation_bytes', 0)))}, SAVE "
-        f"{_gbps(save, 'gb_per_s', scen.shared_bytes, prep.seconds)} (copy "
-        f"{_gbps(save, 'copy_gb_per_s', scen.shared_bytes, 0.0)}); "
-        f"GPU used now {_mib(used_prepared - used_idle)}"
-    )
+
+    def coordinate(command: str, phase: str, verb: str, rate: str) -> int:
+        """Run ``cuinterpose <command>``, report its copy ``phase``; GPU memory used after."""
+        run = run_cli(
+            command, pids=scen.pids, checkpoint_dir=ckpt, control_dir=control, env=cli_env
+        )
+        if run.returncode != 0:
+            raise DemoError(f"cuinterpose {command} exited {run.returncode}: {run.stderr.strip()}")
+        event = run.phase(phase)
+        used_now = used()
+        out(
+            f"{command}: {run.seconds:.3f} s; {verb} {event.get('allocation_count', '?')} "
+            f"allocations, {_mib(int(event.get('allocation_bytes', 0)))}, {rate} "
+            f"{_gbps(event, 'gb_per_s', scen.shared_bytes, run.seconds)} (copy "
+            f"{_gbps(event, 'copy_gb_per_s', scen.shared_bytes, 0.0)}); "
+            f"GPU used now {_mib(used_now - used_idle)}"
+        )
+        return used_now
+
+    coordinate("prepare", "SAVE_ALLOCATIONS", "saved", "SAVE")
 
     ck = native.run_in_subprocess("checkpoint-all", scen.pids, env=plain_env)
     ck_t = native.GroupTimings.from_json(ck["timings"])
@@ -566,18 +574,7 @@ def _demo(
         f"states {sorted(set(rs['states'].values()))}"
     )
 
-    rest = run_cli("restore", pids=scen.pids, checkpoint_dir=ckpt, control_dir=control, env=cli_env)
-    if rest.returncode != 0:
-        raise DemoError(f"cuinterpose restore exited {rest.returncode}: {rest.stderr.strip()}")
-    load = rest.phase("LOAD_ALLOCATIONS")
-    used_after = used()
-    out(
-        f"restore: {rest.seconds:.3f} s; loaded {load.get('allocation_count', '?')} allocations, "
-        f"{_mib(int(load.get('allocation_bytes', 0)))}, LOAD "
-        f"{_gbps(load, 'gb_per_s', scen.shared_bytes, rest.seconds)} (copy "
-        f"{_gbps(load, 'copy_gb_per_s', scen.shared_bytes, 0.0)}); "
-        f"GPU used now {_mib(used_after - used_idle)}"
-    )
+    used_after = coordinate("restore", "LOAD_ALLOCATIONS", "loaded", "LOAD")
 
     problems = scen.mismatches()
     freed = used_before - used_ckpt
