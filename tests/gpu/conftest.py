@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,8 +23,10 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "shim")]
 
+import shimenv  # noqa: E402
 from cuinterpose.engine import launch  # noqa: E402
-from cuinterpose.engine.demo import Worker, coordinator_env  # noqa: E402
+from cuinterpose.engine.demo import coordinator_env  # noqa: E402
+from workers.cycle import Spawn, spawner  # noqa: E402
 
 SIM_DEVICE_NAME = "cuinterpose simulated GPU"
 _PROBE = """
@@ -85,10 +85,8 @@ def gpu() -> None:
 
 @pytest.fixture
 def control_dir(gpu: None) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="cip-"))
-    path.chmod(0o700)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with shimenv.control_dir() as path:
+        yield path
 
 
 @pytest.fixture
@@ -114,14 +112,6 @@ def trace_out() -> Path | None:
 
 
 @pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
-    started: list[Worker] = []
-
-    def start(name: str, env: dict[str, str], *, wait: bool = True) -> Worker:
-        worker = Worker(name, env, log_dir=tmp_path, timeout_s=300.0, wait=wait)
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.kill()
+def spawn(tmp_path: Path) -> Iterator[Spawn]:
+    with spawner(tmp_path, timeout_s=300.0) as start:
+        yield start

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import inspect
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,8 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from cuinterpose.engine.demo import Worker, coordinator_env  # noqa: E402
+from cuinterpose.engine.demo import coordinator_env  # noqa: E402
+from workers.cycle import Spawn, spawner  # noqa: E402
 
 
 def _missing_stack() -> str | None:
@@ -56,12 +55,20 @@ def stack() -> None:
 
 
 @pytest.fixture
+def cdir() -> Iterator[Path]:
+    """A short private control directory (the direct tests, no CLI needed)."""
+    import shimenv
+
+    with shimenv.control_dir() as path:
+        yield path
+
+
+@pytest.fixture
 def control_dir(stack: None) -> Iterator[Path]:
-    # AF_UNIX paths are limited to 107 bytes: keep the control directory short.
-    path = Path(tempfile.mkdtemp(prefix="cip-"))
-    path.chmod(0o700)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    import shimenv
+
+    with shimenv.control_dir() as path:
+        yield path
 
 
 @pytest.fixture
@@ -106,15 +113,7 @@ def plain_env(control_dir: Path, sim_namespace: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+def spawn(tmp_path: Path) -> Iterator[Spawn]:
     """Start named workers; any still running at teardown are killed."""
-    started: list[Worker] = []
-
-    def start(name: str, env: dict[str, str], *, wait: bool = True) -> Worker:
-        worker = Worker(name, env, log_dir=tmp_path, timeout_s=60.0, wait=wait)
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.kill()
+    with spawner(tmp_path, timeout_s=60.0) as start:
+        yield start

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,30 +34,9 @@ MIB = 1 << 20
 
 
 @pytest.fixture
-def cdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="cip-"))
-    path.chmod(0o700)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
 def spawn(cdir: Path) -> Iterator[Callable[..., simenv.Worker]]:
-    workers: list[simenv.Worker] = []
-    # test_control.native_checkpoint_restore uses this namespace.
-    namespace = f"shimctl-{cdir.name}"
-
-    def start(**extra: str) -> simenv.Worker:
-        env = shimenv.shim_env(control_dir=cdir, namespace=namespace, extra=extra)
-        w = simenv.Worker(env)
-        workers.append(w)
-        w(shimenv.WORKER_SETUP)
-        return w
-
-    yield start
-    for w in workers:
-        w.close()  # a crash or a sanitizer report fails the test
-    Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-{namespace}").unlink(missing_ok=True)
+    with shimenv.shim_workers(cdir) as start:
+        yield start
 
 
 def finish(w: simenv.Worker) -> str:

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import socket
 import stat
 import struct
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,29 +33,9 @@ Op, Status, Phase = wire.Op, wire.Status, wire.Phase
 
 
 @pytest.fixture
-def cdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="cip-"))
-    path.chmod(0o700)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
 def spawn(cdir: Path) -> Iterator[Callable[..., simenv.Worker]]:
-    workers: list[simenv.Worker] = []
-    namespace = f"shimctl-{cdir.name}"
-
-    def start(**extra: str) -> simenv.Worker:
-        env = shimenv.shim_env(control_dir=cdir, namespace=namespace, extra=extra)
-        w = simenv.Worker(env)
-        workers.append(w)
-        w(shimenv.WORKER_SETUP)
-        return w
-
-    yield start
-    for w in workers:
-        w.close()  # a crash or a sanitizer report fails the test
-    Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-{namespace}").unlink(missing_ok=True)
+    with shimenv.shim_workers(cdir) as start:
+        yield start
 
 
 class Shim:

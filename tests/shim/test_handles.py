@@ -10,10 +10,8 @@ call; a pinned id is never shared by two live processes.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,13 +23,6 @@ sys.path[:0] = [str(Path(__file__).resolve().parent)]
 import shimenv  # noqa: E402
 import simenv  # noqa: E402
 from cuinterpose.engine import wire  # noqa: E402
-
-
-@pytest.fixture
-def cdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="cip-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -10,12 +10,9 @@ and leave everything else alone.
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,13 +21,6 @@ sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
 import shimenv  # noqa: E402
 import simenv  # noqa: E402
-
-
-@pytest.fixture
-def cdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="cip-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def is_capability(fd: int) -> bool:

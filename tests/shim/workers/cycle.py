@@ -9,11 +9,12 @@ in a fourth process. Returns the measurements (for the GPU run's record).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,21 @@ from cuinterpose.engine.demo import (
 
 Spawn = Callable[..., Worker]
 DESTRUCTIVE = {"SAVE_ALLOCATIONS", "PREPARE_UNICAST", "PREPARE_MULTICAST"}
+
+
+@contextlib.contextmanager
+def spawner(log_dir: Path, timeout_s: float) -> Iterator[Spawn]:
+    """Start named workers (logs in ``log_dir``); any still running at the end are killed."""
+    started: list[Worker] = []
+
+    def start(name: str, env: dict[str, str], *, wait: bool = True) -> Worker:
+        worker = Worker(name, env, log_dir=log_dir, timeout_s=timeout_s, wait=wait)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.kill()
 
 
 def cli(
