@@ -33,6 +33,17 @@ def controller(spawn):
     return c
 
 
+def share(creator, importer, seed: int, size: int) -> None:
+    """``creator`` fills ``size`` bytes with ``pattern(seed)`` and exports them; ``importer``
+    maps them. Both hold ``h`` and ``va``."""
+    creator(f"""
+h, va = alloc({size}); write(va, pattern({seed}, {size}))
+fd = check(cu.cuMemExportToShareableHandle(h, POSIX, 0)); send_fd(fd); os.close(fd)
+""")
+    hand_over(creator, importer)
+    importer(f"h, va = import_map(recv_fd(), {size})")
+
+
 def maps_of(pid: int, va: int) -> str:
     """The /proc/<pid>/maps line covering va."""
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
@@ -216,12 +227,7 @@ hm = check(cu.cuMemCreate(2 * MiB, prop(NONE_H), 0))
 def test_importer_restore_not_supported_creator_restores(spawn):
     creator, importer, c = spawn(), spawn(), controller(spawn)
     size = 4 * MiB
-    creator(f"""
-h, va = alloc({size}); write(va, pattern(9, {size}))
-fd = check(cu.cuMemExportToShareableHandle(h, POSIX, 0)); send_fd(fd); os.close(fd)
-""")
-    hand_over(creator, importer)
-    importer(f"h, va = import_map(recv_fd(), {size})")
+    share(creator, importer, 9, size)
     pids = [creator.pid, importer.pid]
     free0 = c("result = free_mem()")
     r = c(f"""
@@ -303,12 +309,7 @@ def test_creator_checkpointed_alone_stops_sharing_with_its_importer(spawn):
     creator works on a copy: writes no longer cross (as with an old FD)."""
     creator, importer, c = spawn(), spawn(), controller(spawn)
     size = 4 * MiB
-    creator(f"""
-h, va = alloc({size}); write(va, pattern(11, {size}))
-fd = check(cu.cuMemExportToShareableHandle(h, POSIX, 0)); send_fd(fd); os.close(fd)
-""")
-    hand_over(creator, importer)
-    importer(f"h, va = import_map(recv_fd(), {size})")
+    share(creator, importer, 11, size)
     pid = creator.pid
     assert c(f"result = [f({pid}) for f in (lock, ckpt, restore, unlock)]") == ["CUDA_SUCCESS"] * 4
     assert creator(f"result = sha(va, {size})") == psha(11, size)
