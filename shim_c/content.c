@@ -474,7 +474,8 @@ fail:
     return -1;
 }
 
-static void log_done(const char *op, const struct stats *st, uint64_t t0)
+/* A finished op's figures: logged, and in the reply. */
+static void report_done(struct reply *r, const char *op, const struct stats *st, uint64_t t0)
 {
     uint64_t ns = shim_now_ns() - t0;
     shim_log(LOG_INFO,
@@ -483,6 +484,9 @@ static void log_done(const char *op, const struct stats *st, uint64_t t0)
              op, (unsigned long long)st->count, (unsigned long long)st->bytes,
              (unsigned long long)st->chunks, cfg.chunk >> 20, st->threads, cfg.threads,
              ns ? (double)st->bytes / (double)ns : 0.0, (double)st->copy_ns / 1e9);
+    r->h.stat_count = st->count;
+    r->h.stat_bytes = st->bytes;
+    r->h.stat_copy_ns = st->copy_ns;
 }
 
 int content_save(struct reply *r)
@@ -510,10 +514,7 @@ int content_save(struct reply *r)
         }
     }
     free(tids);
-    log_done("SAVE_ALLOCATIONS", &st, t0);
-    r->h.stat_count = st.count;
-    r->h.stat_bytes = st.bytes;
-    r->h.stat_copy_ns = st.copy_ns;
+    report_done(r, "SAVE_ALLOCATIONS", &st, t0);
     return 0;
 }
 
@@ -598,9 +599,6 @@ int content_load(struct reply *r)
         }
     }
     free(tids);
-    log_done("LOAD_ALLOCATIONS", &st, t0);
-    r->h.stat_count = st.count;
-    r->h.stat_bytes = st.bytes;
-    r->h.stat_copy_ns = st.copy_ns;
+    report_done(r, "LOAD_ALLOCATIONS", &st, t0);
     return 0;
 }
