@@ -70,6 +70,15 @@ def intact(w: simenv.Worker) -> bool:
     return bool(w("result = all(digest(va, size) == expected(s, size) for _, va, size, s in A)"))
 
 
+def plain_cycle(cdir: Path, w: simenv.Worker) -> str:
+    """Capture then restore (no native checkpoint between), every byte checked; the log."""
+    c = Shim(cdir, w.pid)
+    for op in CAPTURE + RESTORE:
+        c.ok(op)
+    assert intact(w)
+    return finish(w)
+
+
 def settings(log: str, op: str) -> tuple[int, int, int, int]:
     """(chunks, chunk MiB, threads used, threads allowed) from the shim's info line."""
     m = re.search(
@@ -155,11 +164,7 @@ def test_bad_setting_refused(
     and the default is used; the content still moves."""
     creator = spawn(**{name: value, "SNAPSHOT_SHIM_DEBUG": "1"})
     make_shared(creator, [2], seed=7)
-    c = Shim(cdir, creator.pid)
-    for op in CAPTURE + RESTORE:
-        c.ok(op)
-    assert intact(creator)
-    log = finish(creator)
+    log = plain_cycle(cdir, creator)
     default = default_threads() if name.endswith("THREADS") else 64
     assert f"{name}={value} is not {what}; using {default}" in log, log
     _, chunk_mib, _, threads = settings(log, "SAVE_ALLOCATIONS")
@@ -169,11 +174,7 @@ def test_bad_setting_refused(
 def test_defaults(spawn: Callable[..., simenv.Worker], cdir: Path) -> None:
     creator = spawn(SNAPSHOT_SHIM_DEBUG="1")
     make_shared(creator, [1], seed=3)
-    c = Shim(cdir, creator.pid)
-    for op in CAPTURE + RESTORE:
-        c.ok(op)
-    assert intact(creator)
-    log = finish(creator)
+    log = plain_cycle(cdir, creator)
     assert settings(log, "SAVE_ALLOCATIONS") == (1, 64, 1, default_threads())
     assert "warning" not in log
 
