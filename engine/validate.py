@@ -10,6 +10,7 @@ allocation. ``specs/validation.md`` says what each rule guards against.
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
@@ -32,6 +33,13 @@ ACCESS_FLAGS: Final = frozenset({0x1, 0x3})
 BIND_API_VERSIONS: Final = frozenset({1, 2})
 
 _MC_USERS: Final = (RecordKind.MC_DEVICE, RecordKind.MC_BINDING, RecordKind.MC_MAPPING)
+_MAPPING_KINDS: Final = (RecordKind.MAPPING, RecordKind.MC_MAPPING)
+_START_END: Final = operator.itemgetter(0, 1)
+# Flag bits tested as int(flags) & bit: what ``FLAG in flags`` answers, without
+# going through enum.Flag's Python-level operators for every record.
+_CREATOR: Final = int(RecordFlag.CREATOR)
+_HANDLE_LIVE: Final = int(RecordFlag.HANDLE_LIVE)
+_CONTENT: Final = int(RecordFlag.CONTENT)
 _ADDRESS_SPACE_END: Final = 1 << 64
 
 
@@ -149,7 +157,7 @@ def check_resource_ids(topology: Topology) -> tuple[Violation, ...]:
     return tuple(
         _violation("records.resource_id", p, r, "resource id is all zero")
         for p, r in _of_kind(topology, *shared)
-        if not any(r.id)
+        if not r.id.strip(b"\0")  # all zero (any(r.id) would walk it in Python)
     )
 
 
@@ -157,10 +165,11 @@ def check_duplicate_records(topology: Topology) -> tuple[Violation, ...]:
     """A participant reports each allocation and each multicast object once."""
     found: list[Violation] = []
     for kind in (RecordKind.ALLOCATION, RecordKind.MC_OBJECT):
-        counts: dict[tuple[str, bytes], int] = defaultdict(int)
+        counts: dict[tuple[str, bytes], int] = {}
         for participant, record in _of_kind(topology, kind):
-            counts[(participant, record.id)] += 1
-            if counts[(participant, record.id)] == 2:
+            key = (participant, record.id)
+            count = counts[key] = counts.get(key, 0) + 1
+            if count == 2:
                 found.append(
                     _violation(
                         "records.duplicate",
@@ -180,10 +189,12 @@ def _single_creator(
 ) -> tuple[Violation, ...]:
     found: list[Violation] = []
     for group in _by_resource(topology, kind).values():
-        creators = [p for p, r in group if RecordFlag.CREATOR in r.flags]
-        reporters = _names(p for p, _ in group)
+        creators = [p for p, r in group if int(r.flags) & _CREATOR]
+        if len(creators) == 1:
+            continue
         if not creators:
             participant, record = group[0]
+            reporters = _names(p for p, _ in group)
             named = _names(r.creator for _, r in group if r.creator)
             found.append(
                 _violation(
@@ -218,7 +229,7 @@ def _creator_agreement(topology: Topology, kind: RecordKind, rule: str) -> tuple
     found: list[Violation] = []
     for group in _by_resource(topology, kind).values():
         for participant, record in group:
-            if RecordFlag.CREATOR in record.flags and record.creator != participant:
+            if int(record.flags) & _CREATOR and record.creator != participant:
                 found.append(
                     _violation(
                         rule,
@@ -318,6 +329,14 @@ def check_allocation_handle_type(topology: Topology) -> tuple[Violation, ...]:
 def check_creator_holds(topology: Topology) -> tuple[Violation, ...]:
     """The creator still holds a handle (HANDLE_LIVE) or a mapping of what it created:
     without either the driver may already have freed the memory."""
+    # Only a creator without HANDLE_LIVE needs its mappings looked up.
+    suspects = [
+        (p, r)
+        for p, r in _of_kind(topology, RecordKind.ALLOCATION)
+        if int(r.flags) & (_CREATOR | _HANDLE_LIVE) == _CREATOR
+    ]
+    if not suspects:
+        return ()
     mapped = {(p, r.id) for p, r in _of_kind(topology, RecordKind.MAPPING)}
     return tuple(
         _violation(
@@ -326,10 +345,8 @@ def check_creator_holds(topology: Topology) -> tuple[Violation, ...]:
             r,
             "the creator holds neither a live handle (HANDLE_LIVE) nor a mapping",
         )
-        for p, r in _of_kind(topology, RecordKind.ALLOCATION)
-        if RecordFlag.CREATOR in r.flags
-        and RecordFlag.HANDLE_LIVE not in r.flags
-        and (p, r.id) not in mapped
+        for p, r in suspects
+        if (p, r.id) not in mapped
     )
 
 
@@ -337,9 +354,9 @@ def check_content(topology: Topology) -> tuple[Violation, ...]:
     """CONTENT (who saves and loads the bytes) is on the creator's record, exactly once."""
     found: list[Violation] = []
     for group in _by_resource(topology, RecordKind.ALLOCATION).values():
-        holders = [(p, r) for p, r in group if RecordFlag.CONTENT in r.flags]
+        holders = [(p, r) for p, r in group if int(r.flags) & _CONTENT]
         for participant, record in holders:
-            if RecordFlag.CREATOR not in record.flags:
+            if not int(record.flags) & _CREATOR:
                 found.append(
                     _violation(
                         "unicast.content",
@@ -349,7 +366,7 @@ def check_content(topology: Topology) -> tuple[Violation, ...]:
                     )
                 )
         if not holders:
-            creators = [(p, r) for p, r in group if RecordFlag.CREATOR in r.flags]
+            creators = [(p, r) for p, r in group if int(r.flags) & _CREATOR]
             participant, record = creators[0] if creators else group[0]
             found.append(
                 _violation(
@@ -429,9 +446,9 @@ def check_mapping_overlap(topology: Topology) -> tuple[Violation, ...]:
             (
                 (r.address, r.address + r.size, r)
                 for r in participant.records
-                if r.kind in (RecordKind.MAPPING, RecordKind.MC_MAPPING) and r.size
+                if r.kind in _MAPPING_KINDS and r.size
             ),
-            key=lambda item: (item[0], item[1]),
+            key=_START_END,
         )
         reach_end, reach = 0, None
         for start, end, record in ranges:
