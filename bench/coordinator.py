@@ -2,16 +2,35 @@
 
 Runs the capture and restore machines against 1, 8 and 32 fake participants of
 1000 records each, every fake in its own process (as every shim is), and
-measures in the same run the raw round trip of a minimal Unix-socket echo of a
-128-byte header (one connection per request, as the protocol does), served by
-another process. Prints a table and writes JSON to --out.
+measures in the same run, for comparison:
+
+- the raw round trip: a minimal Unix-socket echo of a 128-byte header, one
+  connection per request (as the protocol does), served by another process;
+- the raw fan-out: the same echo sent to N echo processes at once by a minimal
+  selector client, which is the floor for one phase with N participants (one
+  connection per participant and per request is the protocol);
+- the raw fan-out to the fakes: the same minimal client sending HANDSHAKE to the
+  very fake processes the machines talk to, so what the fakes themselves cost
+  (they are Python too) is separated from what the coordinator adds.
+
+A phase is measured two ways: ``exchange`` is the elapsed time its progress event
+reports (request encoding, sending, waiting for and decoding every reply), and
+``step`` is the time from the previous phase's event to its own, which adds
+everything the driver does around the exchange (the state machine, building the
+requests, checking the replies, and for INSPECT building the topology; guards and
+local steps where a machine has them in between). "A phase without records" is
+the median step of the phases with neither records nor guards (SAVE_ALLOCATIONS,
+PREPARE_UNICAST, RESTORE_*).
+
+The goal (issue 2): at 8 participants a phase costs under 3x the raw round trip.
+The output states whether that holds read literally (against the single round
+trip) and read against the floor (the raw fan-out to the same 8 processes).
 
     .venv/bin/python bench/coordinator.py --out /tmp/coordinator.json
 
-The goal: at 8 participants a phase costs under 3x the raw round trip. The fake
-and the coordinator are both Python; --profile N runs cProfile over the
-coordinator's side of the machines with N participants, to show where the time
-goes.
+Timings are medians over --repeat capture+restore cycles; on a machine shared with
+other work, compare runs made under the same conditions. --profile N runs
+cProfile over the coordinator's side of the machines with N participants.
 """
 
 from __future__ import annotations
@@ -28,6 +47,7 @@ import selectors
 import shutil
 import socket
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -43,6 +63,7 @@ from cuinterpose.engine.fake import FakeParticipant
 from cuinterpose.engine.progress import Event, PhaseEvent
 from cuinterpose.engine.wire import (
     HEADER_SIZE,
+    RECORD_SIZE,
     Access,
     Op,
     Record,
@@ -202,6 +223,49 @@ def raw_round_trip(work: Path, iterations: int) -> dict[str, float]:
     return _summary(samples)
 
 
+def _fan_out_once(paths: Sequence[str], payload: bytes, selector: selectors.BaseSelector) -> None:
+    """Send ``payload`` to every path on a connection of its own, read every whole reply
+    (header, then the message and records it announces), the least a client can do."""
+    socks = []
+    for path in paths:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        sock.sendall(payload)
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ, [bytearray(), HEADER_SIZE])
+        socks.append(sock)
+    waiting = len(socks)
+    while waiting:
+        for key, _ in selector.select():
+            state = key.data
+            buffer = state[0]
+            chunk = key.fileobj.recv(state[1] - len(buffer))  # type: ignore[union-attr]
+            if not chunk:
+                raise RuntimeError("a server hung up mid-reply")
+            buffer += chunk
+            if len(buffer) == HEADER_SIZE == state[1]:
+                (count,) = struct.unpack_from("<I", buffer, 12)
+                (message_length,) = struct.unpack_from("<I", buffer, 84)
+                state[1] = HEADER_SIZE + message_length + count * RECORD_SIZE
+            if len(buffer) == state[1]:
+                selector.unregister(key.fileobj)
+                waiting -= 1
+    for sock in socks:
+        sock.close()
+
+
+def _fan_out(paths: Sequence[str], payload: bytes, iterations: int) -> dict[str, float]:
+    samples = []
+    with selectors.DefaultSelector() as selector:
+        for _ in range(min(20, iterations)):  # warm up: first connections, page faults
+            _fan_out_once(paths, payload, selector)
+        for _ in range(iterations):
+            began = time.perf_counter()
+            _fan_out_once(paths, payload, selector)
+            samples.append(time.perf_counter() - began)
+    return _summary(samples)
+
+
 def raw_fan_out(work: Path, n: int, iterations: int) -> dict[str, float]:
     """The same echo to ``n`` echo processes at once (minimal selector client): the floor
     the hardware and the kernel set for one phase with ``n`` participants."""
@@ -216,35 +280,18 @@ def raw_fan_out(work: Path, n: int, iterations: int) -> dict[str, float]:
         paths.append(path)
         servers.append(server)
     payload = Request(Op.INSPECT, participant=participant_id(1)).encode()
-    samples = []
     try:
-        with selectors.DefaultSelector() as selector:
-            for _ in range(iterations):
-                began = time.perf_counter()
-                socks = []
-                for path in paths:
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    sock.connect(path)
-                    sock.sendall(payload)
-                    sock.setblocking(False)
-                    selector.register(sock, selectors.EVENT_READ, bytearray())
-                    socks.append(sock)
-                waiting = len(socks)
-                while waiting:
-                    for key, _ in selector.select():
-                        buffer = key.data
-                        buffer += key.fileobj.recv(HEADER_SIZE - len(buffer))  # type: ignore[union-attr]
-                        if len(buffer) == HEADER_SIZE:
-                            selector.unregister(key.fileobj)
-                            waiting -= 1
-                for sock in socks:
-                    sock.close()
-                samples.append(time.perf_counter() - began)
+        return _fan_out(paths, payload, iterations)
     finally:
         for server in servers:
             server.kill()
             server.join()
-    return _summary(samples)
+
+
+def raw_fan_out_to_fakes(endpoints: Sequence[Endpoint], iterations: int) -> dict[str, float]:
+    """HANDSHAKE (no records, changes nothing) to the fakes themselves, minimal client:
+    what the fakes take to answer, with next to nothing of the coordinator's in it."""
+    return _fan_out([str(e.path) for e in endpoints], Request(Op.HANDSHAKE).encode(), iterations)
 
 
 def _summary(samples: Sequence[float]) -> dict[str, float]:
@@ -257,20 +304,40 @@ def _summary(samples: Sequence[float]) -> dict[str, float]:
     }
 
 
+# Wire phases with neither records nor guards: what "a phase" costs, plainly.
+PLAIN_PHASES = (
+    "capture SAVE_ALLOCATIONS",
+    "capture PREPARE_UNICAST",
+    "restore RESTORE_UNICAST",
+    "restore RESTORE_MULTICAST_CREATORS",
+    "restore RESTORE_MULTICAST_IMPORTERS",
+    "restore RESTORE_MULTICAST_DEVICES",
+    "restore RESTORE_MULTICAST_BINDINGS",
+)
+GOAL_PARTICIPANTS = 8
+GOAL_RATIO = 3.0
+
+
 def run_machines(
     endpoints: Sequence[Endpoint],
     checkpoint_dir: Path,
     repeat: int,
     profile: cProfile.Profile | None,
 ) -> dict[str, Any]:
-    phases: dict[str, list[float]] = defaultdict(list)
+    exchanges: dict[str, list[float]] = defaultdict(list)
+    steps: dict[str, list[float]] = defaultdict(list)
     totals: dict[str, list[float]] = defaultdict(list)
+    cpu: dict[str, list[float]] = defaultdict(list)
+    last = [0.0]  # when the previous phase's event came (or the machine started)
+    machine = [""]
 
     def collect(event: Event) -> None:
+        now = time.perf_counter()
         if isinstance(event, PhaseEvent):
-            phases[f"{event.machine} {event.phase}"].append(event.elapsed_s)
-
-    cpu: dict[str, list[float]] = defaultdict(list)
+            name = f"{event.machine} {event.phase}"
+            exchanges[name].append(event.elapsed_s)
+            steps[name].append(now - last[0])
+            last[0] = now
 
     def measured(
         calls: Sequence[tuple[Endpoint, Request, str | None]], *, timeout: float
@@ -278,23 +345,31 @@ def run_machines(
         # The coordinator's own CPU time for the exchange: what the fakes cost is not in it.
         began = time.process_time()
         results = call_all(calls, timeout=timeout)
-        cpu[calls[0][1].op.name].append(time.process_time() - began)
+        cpu[f"{machine[0]} {calls[0][1].op.name}"].append(time.process_time() - began)
         return results
 
     options = driver.Options(phase_timeout=60.0, on_progress=collect, transport=measured)
     for _ in range(repeat):
         for name, run in (("capture", driver.capture), ("restore", driver.restore)):
-            began = time.perf_counter()
+            machine[0] = name
             if profile is not None:
                 profile.enable()
+            began = last[0] = time.perf_counter()
             run(endpoints, checkpoint_dir, options)
+            totals[name].append(time.perf_counter() - began)
             if profile is not None:
                 profile.disable()
-            totals[name].append(time.perf_counter() - began)
+    plain_steps = [x for name in PLAIN_PHASES for x in steps.get(name, ())]
+    plain_exchanges = [x for name in PLAIN_PHASES for x in exchanges.get(name, ())]
     return {
-        "phases": {name: _summary(samples) for name, samples in phases.items()},
-        "coordinator_cpu_per_op": {op: _summary(samples) for op, samples in cpu.items()},
+        "phases": {name: _summary(samples) for name, samples in exchanges.items()},
+        "steps": {name: _summary(samples) for name, samples in steps.items()},
+        "coordinator_cpu": {name: _summary(samples) for name, samples in cpu.items()},
         "machines": {name: _summary(samples) for name, samples in totals.items()},
+        "phase_without_records": {
+            "step": _summary(plain_steps),
+            "exchange": _summary(plain_exchanges),
+        },
     }
 
 
@@ -316,6 +391,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "records_per_participant": args.records,
             "repeat": args.repeat,
             "raw_round_trip": raw,
+            "raw_fan_out": {},
+            "raw_fan_out_to_fakes": {},
             "participants": {},
         }
         profile_text = ""
@@ -325,20 +402,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint = work / f"ckpt-{n}"
             checkpoint.mkdir()
             profile = cProfile.Profile() if args.profile == n else None
-            results.setdefault("raw_fan_out", {})[str(n)] = raw_fan_out(
-                work, n, max(50, args.raw_iterations // max(1, n))
-            )
+            iterations = max(50, args.raw_iterations // max(1, n))
+            results["raw_fan_out"][str(n)] = raw_fan_out(work, n, iterations)
             with fakes(n, args.records, control) as endpoints:
+                results["raw_fan_out_to_fakes"][str(n)] = raw_fan_out_to_fakes(
+                    endpoints, iterations
+                )
                 results["participants"][str(n)] = run_machines(
                     endpoints, checkpoint, args.repeat, profile
                 )
+            results["participants"][str(n)]["goal"] = _goal(results, n)
             if profile is not None:
                 text = io.StringIO()
                 pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(60)
                 profile_text = text.getvalue()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    _print_table(results, sizes)
+    _print_report(results, sizes)
     if profile_text:
         print(profile_text)
     if args.out is not None:
@@ -346,55 +426,117 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _print_table(results: dict[str, Any], sizes: Sequence[int]) -> None:
-    raw = results["raw_round_trip"]["median_s"]
+def _goal(results: dict[str, Any], n: int) -> dict[str, Any]:
+    """A phase without records against the raw round trip and against the raw fan-out."""
+    phase = results["participants"][str(n)]["phase_without_records"]["step"]["median_s"]
+    round_trip = results["raw_round_trip"]["median_s"]
+    fan_out = results["raw_fan_out"][str(n)]["median_s"]
+    to_fakes = results["raw_fan_out_to_fakes"][str(n)]["median_s"]
+    return {
+        "phase_s": phase,
+        "x_raw_round_trip": phase / round_trip,
+        "x_raw_fan_out": phase / fan_out,
+        "x_raw_fan_out_to_fakes": phase / to_fakes,
+        "met_vs_raw_round_trip": phase / round_trip < GOAL_RATIO,
+        "met_vs_raw_fan_out": phase / fan_out < GOAL_RATIO,
+    }
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def _print_report(results: dict[str, Any], sizes: Sequence[int]) -> None:
+    rt = results["raw_round_trip"]["median_s"]
     print(
-        f"raw Unix-socket round trip (128-byte echo, new connection each): "
-        f"median {raw * 1e6:.1f} us, min {results['raw_round_trip']['min_s'] * 1e6:.1f} us"
+        f"{results['records_per_participant']} records per participant,"
+        f" {results['repeat']} capture+restore cycles per size, {results['cpus']} CPUs;"
+        " every figure a median"
     )
     print(
-        f"{results['records_per_participant']} records per participant, "
-        f"{results['repeat']} capture+restore cycles, {results['cpus']} CPUs; "
-        "cells: median wall ms (x raw round trip) / coordinator CPU ms"
+        f"raw round trip (128-byte echo to 1 process, new connection each): {rt * 1e6:.1f} us"
+        f" (min {results['raw_round_trip']['min_s'] * 1e6:.1f} us)"
     )
-    width = 30
-    header = f"{'phase':36}" + "".join(f"{f'{n} participants':>{width}}" for n in sizes)
-    print(header)
-    print("-" * len(header))
+    for n in sizes:
+        figures = results["participants"][str(n)]
+        fan = results["raw_fan_out"][str(n)]["median_s"]
+        fakes_floor = results["raw_fan_out_to_fakes"][str(n)]["median_s"]
+        print()
+        print(
+            f"== {n} participant{'s' if n != 1 else ''}: raw fan-out {_ms(fan)} ms"
+            f" ({fan / rt:.1f}x the round trip); raw fan-out to the fakes {_ms(fakes_floor)} ms"
+        )
+        print(
+            f"{'phase':38}{'exchange ms':>12}{'step ms':>11}{'step/rt':>10}"
+            f"{'step/fan-out':>14}{'coord. CPU ms':>15}"
+        )
+        for name, summary in figures["phases"].items():
+            step = figures["steps"][name]["median_s"]
+            cpu = figures["coordinator_cpu"][name]["median_s"]
+            print(
+                f"{name:38}{_ms(summary['median_s']):>12}{_ms(step):>11}{step / rt:>9.1f}x"
+                f"{step / fan:>13.1f}x{_ms(cpu):>15}"
+            )
+        for machine in ("capture", "restore"):
+            total = figures["machines"][machine]["median_s"]
+            print(
+                f"whole {machine}: {total * 1e3:.1f} ms, of which"
+                f" {_outside(figures, machine) * 1e3:.1f} ms outside the exchanges"
+                " (driver, guards and validation, topology, state file)"
+            )
+    print()
+    print(f"{'summary (ms unless said)':38}" + "".join(f"{f'N={n}':>12}" for n in sizes))
 
-    def row(name: str, cells: list[str]) -> None:
-        print(f"{name:36}" + "".join(f"{c:>{width}}" for c in cells))
+    def row(label: str, values: Sequence[str]) -> None:
+        print(f"{label:38}" + "".join(f"{v:>12}" for v in values))
 
+    per = [results["participants"][str(n)] for n in sizes]
     row(
-        "raw fan-out (N echo processes)",
-        [
-            f"{results['raw_fan_out'][str(n)]['median_s'] * 1e3:.3f} ms "
-            f"({results['raw_fan_out'][str(n)]['median_s'] / raw:.1f}x)"
-            for n in sizes
-        ],
+        "raw fan-out (echo processes)",
+        [_ms(results["raw_fan_out"][str(n)]["median_s"]) for n in sizes],
     )
-    for name in results["participants"][str(sizes[0])]["phases"]:
-        op = name.split()[1]
-        cells = []
-        for n in sizes:
-            figures = results["participants"][str(n)]
-            wall = figures["phases"][name]["median_s"]
-            cpu = figures["coordinator_cpu_per_op"][op]["median_s"]
-            cells.append(f"{wall * 1e3:.3f} ms ({wall / raw:.1f}x) / {cpu * 1e3:.3f}")
-        row(name, cells)
+    row(
+        "raw fan-out to the fakes",
+        [_ms(results["raw_fan_out_to_fakes"][str(n)]["median_s"]) for n in sizes],
+    )
+    row(
+        "phase without records: exchange",
+        [_ms(f["phase_without_records"]["exchange"]["median_s"]) for f in per],
+    )
+    row("phase without records: step", [_ms(f["goal"]["phase_s"]) for f in per])
+    row("  x raw round trip", [f"{f['goal']['x_raw_round_trip']:.1f}x" for f in per])
+    row("  x raw fan-out to N", [f"{f['goal']['x_raw_fan_out']:.2f}x" for f in per])
+    row(
+        "  x raw fan-out to the N fakes",
+        [f"{f['goal']['x_raw_fan_out_to_fakes']:.2f}x" for f in per],
+    )
+    for name in ("capture INSPECT", "restore INSPECT"):
+        row(f"{name}: step", [_ms(f["steps"][name]["median_s"]) for f in per])
     for machine in ("capture", "restore"):
-        row(
-            f"whole {machine} machine",
-            [
-                f"{results['participants'][str(n)]['machines'][machine]['median_s'] * 1e3:.1f} ms"
-                for n in sizes
-            ],
-        )
-        # What is not a wire op: guards (validation), topology building, the state file.
-        row(
-            f"  {machine}: outside the wire ops",
-            [f"{_outside(results['participants'][str(n)], machine) * 1e3:.1f} ms" for n in sizes],
-        )
+        row(f"whole {machine}", [f"{f['machines'][machine]['median_s'] * 1e3:.1f}" for f in per])
+    print()
+    n = GOAL_PARTICIPANTS if GOAL_PARTICIPANTS in sizes else sizes[-1]
+    goal = results["participants"][str(n)]["goal"]
+    print(
+        f"goal (issue 2): at {GOAL_PARTICIPANTS} participants a phase costs under"
+        f" {GOAL_RATIO:g}x the raw round trip"
+        + ("" if n == GOAL_PARTICIPANTS else f" (not measured; shown at {n})")
+    )
+    print(f"  a phase without records at {n}: {_ms(goal['phase_s'])} ms (step, driver included)")
+    print(
+        f"  read literally, against the single round trip ({rt * 1e6:.1f} us):"
+        f" {goal['x_raw_round_trip']:.1f}x -> {_verdict(goal['met_vs_raw_round_trip'])}"
+    )
+    fan = results["raw_fan_out"][str(n)]["median_s"]
+    print(
+        f"  against the floor, the raw fan-out to the same {n} processes ({_ms(fan)} ms; one"
+        f" connection per request is the protocol): {goal['x_raw_fan_out']:.2f}x ->"
+        f" {_verdict(goal['met_vs_raw_fan_out'])}"
+    )
+
+
+def _verdict(met: bool) -> str:
+    return "MET" if met else "NOT MET"
 
 
 def _outside(figures: dict[str, Any], machine: str) -> float:
