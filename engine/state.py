@@ -47,6 +47,7 @@ ContentMode = Literal["host", "native"]
 CONTENT_MODES: Final[tuple[str, ...]] = get_args(ContentMode)
 
 _PID_MAX: Final = (1 << 32) - 1
+_RECORD_FLAG_VALUES: Final = tuple(RecordFlag(v) for v in range(8))
 _E = TypeVar("_E", RecordKind, BindingKind)
 
 
@@ -148,8 +149,31 @@ def _structure_enum(value: object, enum_type: type[_E]) -> _E:
     return enum_type[value]
 
 
-def _unstructure_flags(flags: RecordFlag) -> list[str]:
+def _flag_names(flags: RecordFlag) -> list[str]:
     return [f.name for f in RecordFlag if f in flags and f.name]
+
+
+# Every value of the three flags, and its names: walking the enum per record is
+# most of what writing a record costs.
+_FLAG_NAMES: Final = {int(flags): tuple(_flag_names(flags)) for flags in _RECORD_FLAG_VALUES}
+
+
+def _unstructure_flags(flags: RecordFlag) -> list[str]:
+    names = _FLAG_NAMES.get(flags) if type(flags) is RecordFlag else None
+    return list(names) if names is not None else _flag_names(flags)
+
+
+def _enum_name(member: RecordKind | BindingKind) -> str:
+    # What member.name gives (a property lookup per record), from a table per enum
+    # (one table would mix them up: RecordKind.ALLOCATION == BindingKind.BIND_MEM).
+    names = _ENUM_NAMES.get(type(member))
+    return names[member] if names is not None else member.name
+
+
+_ENUM_NAMES: Final[dict[type, dict[Any, str]]] = {
+    RecordKind: {k: k.name for k in RecordKind},
+    BindingKind: {k: k.name for k in BindingKind},
+}
 
 
 def _structure_flags(value: object, _: type) -> RecordFlag:
@@ -202,7 +226,7 @@ def make_converter() -> cattrs.Converter:
     conv.register_unstructure_hook(bytes, bytes.hex)
     conv.register_structure_hook(bytes, _structure_resource_id)
     for enum_type in (RecordKind, BindingKind):
-        conv.register_unstructure_hook(enum_type, lambda e: e.name)
+        conv.register_unstructure_hook(enum_type, _enum_name)
         conv.register_structure_hook(enum_type, _structure_enum)
     conv.register_unstructure_hook(RecordFlag, _unstructure_flags)
     conv.register_structure_hook(RecordFlag, _structure_flags)

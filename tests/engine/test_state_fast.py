@@ -21,7 +21,7 @@ import pytest
 from cuinterpose.engine import state as st
 from cuinterpose.engine.state import CheckpointState, StateFileError, decode_state, encode_state
 from cuinterpose.engine.topology import ParticipantTopology, Topology
-from cuinterpose.engine.wire import Access, Record, RecordFlag, RecordKind
+from cuinterpose.engine.wire import Access, BindingKind, Record, RecordFlag, RecordKind
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st_
 from topologies import records, team, topologies
@@ -202,3 +202,23 @@ def test_each_wire_width_is_the_codecs(name: str) -> None:
             record = Record(kind=RecordKind.MAPPING, access=(Access(**fields),))
             assert st._encodes(record) is fits
             assert (st._out_of_range(record) == []) is fits
+
+
+# --- writing: names from tables --------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", range(8))
+def test_flag_names_come_from_the_table_as_from_the_enum(value: int) -> None:
+    flags = RecordFlag(value)
+    expected = [f.name for f in RecordFlag if f in flags and f.name]
+    first, second = st._unstructure_flags(flags), st._unstructure_flags(flags)
+    assert first == second == expected
+    assert first is not second  # a fresh list each time: nobody shares a mutable one
+
+
+def test_enum_names_come_from_the_table_as_from_the_enum() -> None:
+    for member in [*RecordKind, *BindingKind]:
+        assert st._enum_name(member) == member.name
+    # Equal values of two enums (ALLOCATION == BIND_MEM == 1) keep their own names.
+    assert st._enum_name(RecordKind.ALLOCATION) == "ALLOCATION"
+    assert st._enum_name(BindingKind.BIND_MEM) == "BIND_MEM"
