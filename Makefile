@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup build demo test lint clean
+.PHONY: all setup build build-system-headers demo test lint clean
 
 all: build
 
@@ -28,6 +28,17 @@ build: $(STAMP)
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUINTERPOSE_SANITIZE=ON -DCUINTERPOSE_CUDA_INCLUDE=$(CUDA_INCLUDE) >/dev/null
 	cmake --build build-asan -j2
 
+# The H200 machines' toolkit has CUDA 13.0's cuda.h, older than the wheel's: where a
+# system toolkit is installed, both libraries must build against its header too.
+SYSTEM_CUDA_INCLUDE ?= /usr/local/cuda/include
+
+build-system-headers: $(STAMP)
+	@if [ -f $(SYSTEM_CUDA_INCLUDE)/cuda.h ]; then \
+	  cmake -S . -B build-system-headers -DCUINTERPOSE_CUDA_INCLUDE=$(SYSTEM_CUDA_INCLUDE) >/dev/null && \
+	  cmake --build build-system-headers -j2 >/dev/null && \
+	  echo "built against $(SYSTEM_CUDA_INCLUDE)/cuda.h"; \
+	else echo "no $(SYSTEM_CUDA_INCLUDE)/cuda.h: skipped the build against system headers"; fi
+
 lint: $(STAMP)
 	$(BIN)/ruff check engine phases tests pkg
 	$(BIN)/ruff format --check engine phases pkg
@@ -36,8 +47,8 @@ lint: $(STAMP)
 demo: build
 	$(BIN)/cuinterpose demo
 
-test: build lint
+test: build build-system-headers lint
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf build build-asan $(VENV)
+	rm -rf build build-asan build-system-headers $(VENV)
