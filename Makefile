@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup build build-system-headers demo test lint clean
+.PHONY: all setup build build-system-headers typecheck-view demo test lint clean
 
 all: build
 
@@ -39,10 +39,19 @@ build-system-headers: $(STAMP)
 	  echo "built against $(SYSTEM_CUDA_INCLUDE)/cuda.h"; \
 	else echo "no $(SYSTEM_CUDA_INCLUDE)/cuda.h: skipped the build against system headers"; fi
 
-lint: $(STAMP)
-	$(BIN)/ruff check engine phases tests pkg
-	$(BIN)/ruff format --check engine phases pkg
-	$(BIN)/mypy --strict engine phases
+# mypy checks the package as it is imported (cuinterpose, cuinterpose.engine,
+# cuinterpose.phases): a view of links that puts the three folders where the
+# installed package has them.
+TYPECHECK := build/typecheck
+
+typecheck-view:
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/cuinterpose
+	ln -s $(CURDIR)/frontends/* $(CURDIR)/engine $(CURDIR)/phases $(TYPECHECK)/cuinterpose/
+
+lint: $(STAMP) typecheck-view
+	$(BIN)/ruff check engine phases frontends tests bench tools
+	$(BIN)/ruff format --check engine phases frontends
+	cd $(TYPECHECK) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p cuinterpose
 
 demo: build
 	$(BIN)/cuinterpose demo

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cuinterpose.engine import launch, native
-from cuinterpose.engine.demo import CliRun, Worker, coordinator_env, pattern_digest, run_cli
+from cuinterpose import launch, native
+from cuinterpose.demo import CliRun, Worker, coordinator_env, pattern_digest, run_cli
 
 SEED = 7
 

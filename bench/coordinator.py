@@ -57,9 +57,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from cuinterpose.engine import driver
+from cuinterpose.engine import runner
 from cuinterpose.engine.client import Endpoint, ParticipantError, call_all
-from cuinterpose.engine.fake import FakeParticipant
 from cuinterpose.engine.progress import Event, PhaseEvent
 from cuinterpose.engine.wire import (
     HEADER_SIZE,
@@ -74,6 +73,7 @@ from cuinterpose.engine.wire import (
     Stats,
     socket_name,
 )
+from cuinterpose.testing import FakeParticipant
 
 GRANULARITY = 2 << 20
 VA_BASE = 0x7F00_0000_0000
@@ -348,9 +348,9 @@ def run_machines(
         cpu[f"{machine[0]} {calls[0][1].op.name}"].append(time.process_time() - began)
         return results
 
-    options = driver.Options(phase_timeout=60.0, on_progress=collect, transport=measured)
+    options = runner.Options(phase_timeout=60.0, on_progress=collect, transport=measured)
     for _ in range(repeat):
-        for name, run in (("capture", driver.capture), ("restore", driver.restore)):
+        for name, run in (("capture", runner.capture), ("restore", runner.restore)):
             machine[0] = name
             if profile is not None:
                 profile.enable()

@@ -11,41 +11,24 @@ from what runs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final, Protocol
 
 from transitions import EventData, Machine
 from transitions.extensions.diagrams import GraphMachine
 
+from ..phases import (
+    CAPTURE,
+    FAIL_TRIGGER,
+    FAILED_STATE,
+    MACHINES,
+    REFUSE_TRIGGER,
+    REFUSED_STATE,
+    RESTORE,
+    MachineSpec,
+    ProgressKind,
+    Step,
+)
 from .wire import Op, Phase
-
-if TYPE_CHECKING:
-    # mypy checks engine/ and phases/ as the top-level packages they are in the
-    # repository; installed, they are cuinterpose.engine and cuinterpose.phases.
-    from phases import (
-        CAPTURE,
-        FAIL_TRIGGER,
-        FAILED_STATE,
-        MACHINES,
-        REFUSE_TRIGGER,
-        REFUSED_STATE,
-        RESTORE,
-        MachineSpec,
-        ProgressKind,
-        Step,
-    )
-else:
-    from cuinterpose.phases import (
-        CAPTURE,
-        FAIL_TRIGGER,
-        FAILED_STATE,
-        MACHINES,
-        REFUSE_TRIGGER,
-        REFUSED_STATE,
-        RESTORE,
-        MachineSpec,
-        ProgressKind,
-        Step,
-    )
 
 __all__ = [
     "CAPTURE",

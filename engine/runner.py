@@ -1,4 +1,4 @@
-"""The lockstep driver: runs a machine of :mod:`cuinterpose.phases` against real participants.
+"""The lockstep runner: runs a machine of :mod:`cuinterpose.phases` against real participants.
 
 Each wire step sends its op to every participant at once (``call_all``) and
 waits for every reply, a barrier, before the machine moves on. Anything other
@@ -38,7 +38,7 @@ from .errors import (
     TopologyRefused,
     VerificationFailed,
 )
-from .machine import (
+from .fsm import (
     CAPTURE,
     FAIL_TRIGGER,
     REFUSE_TRIGGER,
@@ -51,7 +51,7 @@ from .machine import (
     step_reply_phase,
 )
 from .progress import DoneEvent, FailedEvent, PhaseEvent, ProgressCallback, Transfer
-from .state import (
+from .statefile import (
     CheckpointState,
     StateFileError,
     StateParticipant,

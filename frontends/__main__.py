@@ -2,6 +2,6 @@
 
 import sys
 
-from cuinterpose.engine.cli import main
+from cuinterpose.cli import main
 
 sys.exit(main())

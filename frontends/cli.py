@@ -18,13 +18,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn, TextIO
 
-from . import artifacts, driver
-from .client import Endpoint, endpoint_for
-from .errors import CoordinatorError
-from .machine import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
-from .progress import Event, FailedEvent, ProgressCallback, human_line, json_printer
-from .topology import describe_record
-from .trace import TraceError, TraceWriter, read_trace, replay
+from . import artifacts
+from .engine import runner
+from .engine.client import Endpoint, endpoint_for
+from .engine.errors import CoordinatorError
+from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
+from .engine.progress import Event, FailedEvent, ProgressCallback, human_line, json_printer
+from .engine.replay import replay
+from .engine.topology import describe_record
+from .engine.trace import TraceError, TraceWriter, read_trace
 
 CONTROL_DIR_ENV: Final = "SNAPSHOT_CONTROL_DIR"
 DEFAULT_CONTROL_DIR: Final = Path("/snapshot-control")
@@ -101,7 +103,7 @@ def _add_machine_options(parser: argparse.ArgumentParser) -> None:
         type=_seconds,
         metavar="SECONDS",
         help=f"per-phase timeout (default ${PHASE_TIMEOUT_ENV}, else "
-        f"{driver.DEFAULT_PHASE_TIMEOUT_S:g})",
+        f"{runner.DEFAULT_PHASE_TIMEOUT_S:g})",
     )
     parser.add_argument("--trace", type=Path, metavar="FILE", help="record the run as JSON lines")
 
@@ -146,7 +148,7 @@ def _phase_timeout(given: float | None) -> float:
         return given
     value = os.environ.get(PHASE_TIMEOUT_ENV, "")
     if not value:
-        return driver.DEFAULT_PHASE_TIMEOUT_S
+        return runner.DEFAULT_PHASE_TIMEOUT_S
     try:
         return _seconds(value)
     except argparse.ArgumentTypeError as exc:
@@ -217,11 +219,11 @@ def _run_machine(
             writer = TraceWriter(args.trace)
         except OSError as exc:
             raise _UsageError(f"{PROG}: error: cannot write trace {args.trace}: {exc}") from None
-    options = driver.Options(
+    options = runner.Options(
         phase_timeout=timeout, on_progress=_progress(args.progress, stdout), trace=writer
     )
     try:
-        driver.run_machine(spec, endpoints, checkpoint_dir, options)
+        runner.run_machine(spec, endpoints, checkpoint_dir, options)
     except CoordinatorError as error:
         return _fail(error.lines(), stderr)
     except ValueError as exc:
@@ -233,11 +235,11 @@ def _run_machine(
 
 
 def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from .state import make_converter
+    from .engine.statefile import make_converter
 
     endpoints = _endpoints(args)
     try:
-        bound, topology = driver.inspect(endpoints, timeout=_phase_timeout(None))
+        bound, topology = runner.inspect(endpoints, timeout=_phase_timeout(None))
     except CoordinatorError as error:
         return _fail(error.lines(), stderr)
     records = topology.records_by_participant()

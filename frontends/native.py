@@ -12,7 +12,7 @@ absence is a :class:`NativeUnavailableError` that says how to install it. The
 calls reach whichever ``libcuda.so.1`` this process loads; to drive the
 simulated driver from a process that did not start with it on its library
 path, :func:`run_in_subprocess` runs the same calls in a child process with a
-given environment (``python -m cuinterpose.engine.native``).
+given environment (``python -m cuinterpose.native``).
 
 Everything untyped from ``cuda.bindings`` stays inside this module: the public
 functions take and return plain Python values.
@@ -332,7 +332,7 @@ def run_in_subprocess(
     timeout_s: float = 300.0,
     python: str | None = None,
 ) -> dict[str, Any]:
-    """Run one native action in ``python -m cuinterpose.engine.native`` with ``env``.
+    """Run one native action in ``python -m cuinterpose.native`` with ``env``.
 
     Use it when this process cannot load the driver the targets use (the simulated
     driver must be on the library path when a process starts). Returns the child's
@@ -344,7 +344,7 @@ def run_in_subprocess(
     argv = [
         python or sys.executable,
         "-m",
-        "cuinterpose.engine.native",
+        "cuinterpose.native",
         action,
         "--timeout-ms",
         str(timeout_ms),
@@ -375,7 +375,7 @@ def run_in_subprocess(
 
 def _main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m cuinterpose.engine.native",
+        prog="python -m cuinterpose.native",
         description="native CUDA checkpoint calls on other processes, answering one JSON line",
     )
     parser.add_argument("action", choices=ACTIONS)

@@ -8,7 +8,7 @@ the native restore + unlock of all, ``cuinterpose restore``; every byte is
 checked at its original address. Exit status 0 only if everything matched.
 
 The processes are the scriptable worker application
-``tests/shim/workers/vmm_worker.py`` (``cuda.bindings.driver`` only); the
+``cuinterpose/demo/worker.py`` (``cuda.bindings.driver`` only); the
 :class:`Worker` client and :class:`Scenario` here are what the end-to-end tests,
 the GPU tests and ``bench/checkpoint.py`` use too.
 """
@@ -33,10 +33,10 @@ from typing import IO, Any, ClassVar, Final
 
 import attrs
 
-from . import artifacts, launch, native
+from .. import artifacts, launch, native
 
-REPO_ROOT: Final = Path(__file__).resolve().parent.parent
-WORKER_SCRIPT: Final = REPO_ROOT / "tests" / "shim" / "workers" / "vmm_worker.py"
+# The worker application ships with the package: the demo runs from any directory.
+WORKER_SCRIPT: Final = Path(__file__).resolve().parent / "worker.py"
 PATTERN_CHUNK: Final = 32 << 20
 DEFAULT_CALL_TIMEOUT_S: Final = 120.0
 SIM_NAMESPACE_ENV: Final = "CUINTERPOSE_SIM_NAMESPACE"
@@ -62,7 +62,7 @@ class WorkerError(DemoError):
 
 # --------------------------------------------------------------- the fill pattern
 def pattern(seed: int, size: int) -> Iterator[bytes]:
-    """The bytes the worker's ``fill`` writes (the same code as ``vmm_worker.pattern``)."""
+    """The bytes the worker's ``fill`` writes (the same code as ``worker.pattern``)."""
     tile = bytearray(random.Random(seed).randbytes(min(size, PATTERN_CHUNK)))
     for index, off in enumerate(range(0, size, PATTERN_CHUNK)):
         n = min(PATTERN_CHUNK, size - off)

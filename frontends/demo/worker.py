@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from cuda.bindings import driver as cu
+from cuda.bindings import driver as cu  # type: ignore[import-untyped]
 
 CHUNK = 32 << 20
 

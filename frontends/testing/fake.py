@@ -1,6 +1,6 @@
 """A fake participant: a real Unix-socket server speaking the wire protocol like a shim.
 
-For the engine's tests and for embedders' tests (``cuinterpose.engine.fake``). It
+For the engine's tests and for embedders' tests (``cuinterpose.testing``). It
 validates every request as a shim must (``wire.decode_request``, participant
 binding), follows the protocol's phase table, and answers from a scripted
 topology. Per-op faults inject failures, delays, hangs, hang-ups, foreign ids,
@@ -34,8 +34,8 @@ from typing import Final, Literal
 
 import attrs
 
-from .client import Endpoint
-from .wire import (
+from ..engine.client import Endpoint
+from ..engine.wire import (
     HEADER_SIZE,
     MESSAGE_MAX,
     RECORDS_MAX,
@@ -51,13 +51,14 @@ from .wire import (
     WireError,
     decode_request,
 )
+from ..phases.ops import PHASE_OPS
 
 FaultKind = Literal["fail", "delay", "hang", "hangup", "wrong_participant", "wrong_op", "garbage"]
 FAULT_KINDS: Final[frozenset[str]] = frozenset(
     ("fail", "delay", "hang", "hangup", "wrong_participant", "wrong_op", "garbage")
 )
 
-# What a shim may do in which phase (shared/PROTOCOL.md, "Ops").
+# What a shim may do in which phase (specs/protocol.md, "Ops").
 _RESTORE_PHASES: Final = frozenset(
     {
         Phase.ALLOCATIONS_LOADED,
@@ -67,18 +68,11 @@ _RESTORE_PHASES: Final = frozenset(
         Phase.MULTICAST_JOINED,
     }
 )
+# The shim's phase table, as phases/ declares it once for the shim and this fake.
 _TRANSITIONS: Final[Mapping[Op, tuple[Phase, Phase]]] = {
-    Op.PREPARE_MULTICAST: (Phase.ACTIVE, Phase.MULTICAST_DETACHED),
-    Op.SAVE_ALLOCATIONS: (Phase.MULTICAST_DETACHED, Phase.ALLOCATIONS_SAVED),
-    Op.PREPARE_UNICAST: (Phase.ALLOCATIONS_SAVED, Phase.PREPARED),
-    Op.LOAD_ALLOCATIONS: (Phase.PREPARED, Phase.ALLOCATIONS_LOADED),
-    Op.RESTORE_UNICAST: (Phase.ALLOCATIONS_LOADED, Phase.UNICAST_RESTORED),
-    Op.RESTORE_MULTICAST_CREATORS: (Phase.UNICAST_RESTORED, Phase.MULTICAST_CREATED),
-    Op.RESTORE_MULTICAST_IMPORTERS: (Phase.MULTICAST_CREATED, Phase.MULTICAST_IMPORTED),
-    Op.RESTORE_MULTICAST_DEVICES: (Phase.MULTICAST_IMPORTED, Phase.MULTICAST_JOINED),
-    Op.RESTORE_MULTICAST_BINDINGS: (Phase.MULTICAST_JOINED, Phase.ACTIVE),
+    Op[p.op]: (Phase[p.needs], Phase[p.reaches]) for p in PHASE_OPS
 }
-_STATS_OPS: Final = frozenset({Op.SAVE_ALLOCATIONS, Op.LOAD_ALLOCATIONS})
+_STATS_OPS: Final = frozenset(Op[p.op] for p in PHASE_OPS if p.transfers)
 
 _GARBAGE: Final = b"\xff" * HEADER_SIZE
 # A connection that has not finished its exchange by then is dropped, so a

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cuinterpose.engine.fake import FakeParticipant
 from cuinterpose.engine.wire import socket_name
+from cuinterpose.testing import FakeParticipant
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import attrs
 from cuinterpose.engine.client import Endpoint
-from cuinterpose.engine.fake import FakeParticipant, Fault
 from cuinterpose.engine.topology import Topology
 from cuinterpose.engine.wire import Op, Phase, Record, Stats, socket_name
+from cuinterpose.testing import FakeParticipant, Fault
 
 SAVE_STATS = Stats(count=1, bytes=4 << 20, elapsed_ns=2_000_000, copy_ns=1_000_000)
 LOAD_STATS = Stats(count=1, bytes=4 << 20, elapsed_ns=3_000_000, copy_ns=2_000_000)

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cuinterpose.engine import cli
-from cuinterpose.engine.fake import Fault
-from cuinterpose.engine.machine import CAPTURE, RESTORE, mermaid
-from cuinterpose.engine.state import STATE_FILE_NAME
+from cuinterpose import cli
+from cuinterpose.engine.fsm import CAPTURE, RESTORE, mermaid
+from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.wire import Op, Phase, RecordKind
+from cuinterpose.testing import Fault
 from engine_harness import DESTRUCTIVE_OPS, Team, short_dir, team_of
 from topologies import participant, replace_records, team, unsupported_exportable, with_records
 
@@ -285,7 +285,7 @@ def test_artifact_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_launch_and_demo_delegate(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cuinterpose.engine import demo, launch
+    from cuinterpose import demo, launch
 
     calls: list[object] = []
 

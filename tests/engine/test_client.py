@@ -22,7 +22,6 @@ from cuinterpose.engine.client import (
     call_all,
     endpoint_for,
 )
-from cuinterpose.engine.fake import FakeParticipant, Fault
 from cuinterpose.engine.wire import (
     HEADER_SIZE,
     RECORDS_MAX,
@@ -38,6 +37,7 @@ from cuinterpose.engine.wire import (
     Status,
     socket_name,
 )
+from cuinterpose.testing import FakeParticipant, Fault
 
 StartFake = Callable[..., FakeParticipant]
 

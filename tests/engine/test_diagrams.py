@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from cuinterpose.engine.machine import MACHINES, MachineSpec, mermaid
+from cuinterpose.engine.fsm import MACHINES, MachineSpec, mermaid
 from transitions.extensions.diagrams import GraphMachine
 
 SPECS = Path(__file__).resolve().parent.parent.parent / "specs"

@@ -11,13 +11,6 @@ from pathlib import Path
 
 import pytest
 from cuinterpose.engine.client import call
-from cuinterpose.engine.fake import (
-    FakeParticipant,
-    FakeParticipantError,
-    Fault,
-    allowed_phases,
-    is_destructive,
-)
 from cuinterpose.engine.wire import (
     HEADER_SIZE,
     RECORDS_MAX,
@@ -34,6 +27,13 @@ from cuinterpose.engine.wire import (
     Status,
     WireError,
     socket_name,
+)
+from cuinterpose.testing import (
+    FakeParticipant,
+    FakeParticipantError,
+    Fault,
+    allowed_phases,
+    is_destructive,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st

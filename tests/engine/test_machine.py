@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
-from cuinterpose.engine.machine import (
+from cuinterpose.engine.fsm import (
     CAPTURE,
     RESTORE,
     build_machine,

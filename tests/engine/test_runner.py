@@ -8,7 +8,7 @@ from pathlib import Path
 
 import attrs
 import pytest
-from cuinterpose.engine import driver
+from cuinterpose.engine import runner
 from cuinterpose.engine.client import Endpoint, ParticipantError, call_all
 from cuinterpose.engine.errors import (
     ParticipantsRefused,
@@ -18,10 +18,10 @@ from cuinterpose.engine.errors import (
     TopologyRefused,
     VerificationFailed,
 )
-from cuinterpose.engine.fake import Fault
 from cuinterpose.engine.progress import DoneEvent, Event, FailedEvent, PhaseEvent
-from cuinterpose.engine.state import STATE_FILE_NAME, read_state
+from cuinterpose.engine.statefile import STATE_FILE_NAME, read_state
 from cuinterpose.engine.wire import Op, Phase, RecordKind, Reply, Request, Status
+from cuinterpose.testing import Fault
 from engine_harness import DESTRUCTIVE_OPS, Team, short_dir, team_of
 from topologies import (
     allocation_id,
@@ -63,10 +63,10 @@ def options(
     events: list[Event] | None = None,
     *,
     phase_timeout: float = 5.0,
-    transport: driver.Transport = call_all,
-) -> driver.Options:
+    transport: runner.Transport = call_all,
+) -> runner.Options:
     sink = events.append if events is not None else None
-    return driver.Options(phase_timeout=phase_timeout, on_progress=sink, transport=transport)
+    return runner.Options(phase_timeout=phase_timeout, on_progress=sink, transport=transport)
 
 
 def assert_nothing_destroyed(team_: Team) -> None:
@@ -75,9 +75,9 @@ def assert_nothing_destroyed(team_: Team) -> None:
 
 
 def capture(
-    team_: Team, ckpt: Path, *, phase_timeout: float = 5.0, transport: driver.Transport = call_all
-) -> driver.CaptureResult:
-    return driver.capture(
+    team_: Team, ckpt: Path, *, phase_timeout: float = 5.0, transport: runner.Transport = call_all
+) -> runner.CaptureResult:
+    return runner.capture(
         team_.endpoints, ckpt, options(phase_timeout=phase_timeout, transport=transport)
     )
 
@@ -88,7 +88,7 @@ def capture(
 def test_capture_then_restore_unicast_and_multicast(work: Path) -> None:
     events: list[Event] = []
     with team_of(TOPOLOGY, work / "control") as t:
-        result = driver.capture(t.endpoints, work / "ckpt", options(events))
+        result = runner.capture(t.endpoints, work / "ckpt", options(events))
         assert t.received() == [CAPTURE_OPS] * 3
         assert all(f.phase is Phase.PREPARED for f in t.fakes)
         state = read_state(work / "ckpt")
@@ -97,7 +97,7 @@ def test_capture_then_restore_unicast_and_multicast(work: Path) -> None:
         assert {p.participant for p in state.participants} == set(TOPOLOGY.participant_ids)
         assert state.content_mode == "host"
 
-        restored = driver.restore(t.endpoints, work / "ckpt", options(events))
+        restored = runner.restore(t.endpoints, work / "ckpt", options(events))
         assert t.received() == [CAPTURE_OPS + RESTORE_OPS] * 3
         assert all(f.phase is Phase.ACTIVE for f in t.fakes)
         assert restored.topology.same_shape(TOPOLOGY)
@@ -112,15 +112,15 @@ def test_each_phase_is_dispatched_to_all_participants_at_once(work: Path) -> Non
     # The fakes answer an op only once every one of them has received it: a
     # coordinator that awaited one reply before sending the next request would hang.
     with team_of(TOPOLOGY, work / "control", barrier=True, barrier_timeout=3.0) as t:
-        driver.capture(t.endpoints, work / "ckpt", options())
-        driver.restore(t.endpoints, work / "ckpt", options())
+        runner.capture(t.endpoints, work / "ckpt", options())
+        runner.restore(t.endpoints, work / "ckpt", options())
         assert all(f.phase is Phase.ACTIVE for f in t.fakes)
 
 
 def test_transfer_figures_on_save_and_load(work: Path) -> None:
     events: list[Event] = []
     with team_of(TOPOLOGY, work / "control") as t:
-        driver.capture(t.endpoints, work / "ckpt", options(events))
+        runner.capture(t.endpoints, work / "ckpt", options(events))
     save = next(e for e in events if isinstance(e, PhaseEvent) and e.phase == "SAVE_ALLOCATIONS")
     assert save.transfer is not None
     assert save.transfer.allocation_count == 3  # one per fake (SAVE_STATS)
@@ -202,7 +202,7 @@ def test_participant_failing_mid_phase_stops_everyone(work: Path) -> None:
     script = {1: {Op.SAVE_ALLOCATIONS: Fault("fail", message="cuMemcpyDtoH: CUDA_ERROR_X")}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
         with pytest.raises(PhaseFailed) as caught:
-            driver.capture(t.endpoints, work / "ckpt", options(events))
+            runner.capture(t.endpoints, work / "ckpt", options(events))
         assert t.received() == [CAPTURE_OPS[:4]] * 3
         pid = t.fakes[1].pid
     error = caught.value
@@ -236,7 +236,7 @@ def test_a_participant_hanging_up_mid_restore_stops_everyone(work: Path) -> None
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
         capture(t, work / "ckpt")
         with pytest.raises(PhaseFailed) as caught:
-            driver.restore(t.endpoints, work / "ckpt", options())
+            runner.restore(t.endpoints, work / "ckpt", options())
         assert t.received() == [CAPTURE_OPS + RESTORE_OPS[:4]] * 3
     assert (caught.value.phase, caught.value.participant) == (
         "RESTORE_MULTICAST_CREATORS",
@@ -263,7 +263,7 @@ def test_a_missing_socket_fails_the_handshake(work: Path) -> None:
     with team_of(TOPOLOGY, work / "control") as t:
         ghost = Endpoint(4242, 4242, work / "control" / "cuinterpose-4242.sock")
         with pytest.raises(PhaseFailed) as caught:
-            driver.capture([*t.endpoints, ghost], work / "ckpt", options())
+            runner.capture([*t.endpoints, ghost], work / "ckpt", options())
         assert t.received() == [[Op.HANDSHAKE]] * 3
     assert (caught.value.phase, caught.value.pid) == ("HANDSHAKE", 4242)
     assert "does not exist" in caught.value.reason
@@ -274,14 +274,14 @@ def test_a_socket_served_by_another_pid_fails_the_handshake(work: Path) -> None:
         fake = t.fakes[0]
         impostor = Endpoint(777, 777, fake.socket_path)
         with pytest.raises(PhaseFailed) as caught:
-            driver.capture([impostor, *t.endpoints[1:]], work / "ckpt", options())
+            runner.capture([impostor, *t.endpoints[1:]], work / "ckpt", options())
     assert caught.value.pid == 777
     assert f"served by pid {fake.pid}" in caught.value.reason
 
 
 def test_same_socket_twice_is_a_caller_error(work: Path) -> None:
     with team_of(TOPOLOGY, work / "control") as t, pytest.raises(ValueError, match="same control"):
-        driver.capture([t.endpoints[0], t.endpoints[0]], work / "ckpt", options())
+        runner.capture([t.endpoints[0], t.endpoints[0]], work / "ckpt", options())
 
 
 def test_a_reply_in_an_unexpected_phase_fails(work: Path) -> None:
@@ -309,7 +309,7 @@ def test_restore_refuses_a_participant_set_other_than_the_state_files(work: Path
     with team_of(TOPOLOGY, work / "control") as t:
         capture(t, work / "ckpt")
         with pytest.raises(ParticipantsRefused) as caught:
-            driver.restore(t.endpoints[:2], work / "ckpt", options())
+            runner.restore(t.endpoints[:2], work / "ckpt", options())
         assert_nothing_destroyed_since_capture(t)
     assert caught.value.guard == "participants_match_state"
     assert caught.value.participant == participant(2)
@@ -322,7 +322,7 @@ def test_restore_refuses_an_unknown_participant(work: Path) -> None:
         capture(t, work / "ckpt")
     with team_of(others, work / "control4", phase=Phase.PREPARED) as t:
         with pytest.raises(ParticipantsRefused) as caught:
-            driver.restore(t.endpoints, work / "ckpt", options())
+            runner.restore(t.endpoints, work / "ckpt", options())
         assert_nothing_destroyed(t)
     assert caught.value.participant == participant(3)
     assert "not in the state file" in caught.value.reason
@@ -333,7 +333,7 @@ def test_restore_refuses_participants_not_prepared(work: Path) -> None:
         capture(t, work / "ckpt")
     with team_of(TOPOLOGY, work / "control2") as t:  # ACTIVE: never prepared
         with pytest.raises(ParticipantsRefused) as caught:
-            driver.restore(t.endpoints, work / "ckpt", options())
+            runner.restore(t.endpoints, work / "ckpt", options())
         assert_nothing_destroyed(t)
     assert caught.value.guard == "all_prepared"
     assert "phase ACTIVE, expected PREPARED" in caught.value.reason
@@ -342,7 +342,7 @@ def test_restore_refuses_participants_not_prepared(work: Path) -> None:
 def test_restore_without_a_state_file_fails_before_sending_anything(work: Path) -> None:
     with team_of(TOPOLOGY, work / "control", phase=Phase.PREPARED) as t:
         with pytest.raises(PhaseFailed) as caught:
-            driver.restore(t.endpoints, work / "ckpt", options())
+            runner.restore(t.endpoints, work / "ckpt", options())
         assert t.received() == [[]] * 3
     assert caught.value.phase == "READ_STATE"
     assert "missing" in caught.value.reason
@@ -357,7 +357,7 @@ def test_restore_with_a_corrupt_state_file_fails_before_sending_anything(
     (work / "ckpt" / STATE_FILE_NAME).write_bytes(content)
     with team_of(TOPOLOGY, work / "control", phase=Phase.PREPARED) as t:
         with pytest.raises(PhaseFailed) as caught:
-            driver.restore(t.endpoints, work / "ckpt", options())
+            runner.restore(t.endpoints, work / "ckpt", options())
         assert t.received() == [[]] * 3
     assert caught.value.phase == "READ_STATE"
     assert STATE_FILE_NAME in caught.value.reason
@@ -371,7 +371,7 @@ def test_restore_fails_when_the_restored_topology_differs(work: Path) -> None:
     with team_of(TOPOLOGY, work / "control", restored=restored) as t:
         capture(t, work / "ckpt")
         with pytest.raises(VerificationFailed) as caught:
-            driver.restore(t.endpoints, work / "ckpt", options())
+            runner.restore(t.endpoints, work / "ckpt", options())
         assert t.received() == [CAPTURE_OPS + RESTORE_OPS] * 3
     assert (caught.value.phase, caught.value.guard) == ("VERIFY", "topology_matches_capture")
     assert participant(1) in caught.value.reason and "handle_count" in caught.value.reason
@@ -382,7 +382,7 @@ def test_restore_fails_when_a_participant_reports_failure(work: Path) -> None:
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
         capture(t, work / "ckpt")
         with pytest.raises(PhaseFailed) as caught:
-            driver.restore(t.endpoints, work / "ckpt", options())
+            runner.restore(t.endpoints, work / "ckpt", options())
         assert t.received() == [CAPTURE_OPS + RESTORE_OPS[:2]] * 3
         assert t.fakes[0].phase is Phase.FAILED
     assert (caught.value.phase, caught.value.participant) == ("LOAD_ALLOCATIONS", participant(0))
@@ -395,7 +395,7 @@ def assert_nothing_destroyed_since_capture(team_: Team) -> None:
 
 def test_inspect_changes_nothing(work: Path) -> None:
     with team_of(TOPOLOGY, work / "control") as t:
-        bound, topology = driver.inspect(t.endpoints, timeout=5.0)
+        bound, topology = runner.inspect(t.endpoints, timeout=5.0)
         assert t.received() == [[Op.HANDSHAKE, Op.INSPECT]] * 3
     assert topology == TOPOLOGY
     assert [b.participant for b in bound] == [f.participant for f in t.fakes]
@@ -414,10 +414,10 @@ def test_an_unexpected_exception_still_fails_stop_and_closes_the_trace(work: Pat
     recorder = TraceRecorder()
     events: list[Event] = []
     with team_of(TOPOLOGY, work / "control") as t:
-        opts = driver.Options(phase_timeout=5.0, on_progress=events.append, transport=broken,
+        opts = runner.Options(phase_timeout=5.0, on_progress=events.append, transport=broken,
                               trace=recorder)  # fmt: skip
         with pytest.raises(PhaseFailed) as caught:
-            driver.capture(t.endpoints, work / "ckpt", opts)
+            runner.capture(t.endpoints, work / "ckpt", opts)
         assert t.received() == [CAPTURE_OPS[:3]] * 3
     assert caught.value.phase == "SAVE_ALLOCATIONS"
     assert "internal error: RuntimeError('transport bug')" in caught.value.reason

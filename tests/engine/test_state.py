@@ -11,8 +11,8 @@ from typing import Any
 
 import attrs
 import pytest
-from cuinterpose.engine import state as st
-from cuinterpose.engine.state import (
+from cuinterpose.engine import statefile as st
+from cuinterpose.engine.statefile import (
     MAX_STATE_BYTES,
     STATE_FILE_NAME,
     CheckpointState,

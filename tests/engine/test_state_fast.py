@@ -18,8 +18,8 @@ from typing import Any
 
 import attrs
 import pytest
-from cuinterpose.engine import state as st
-from cuinterpose.engine.state import CheckpointState, StateFileError, decode_state, encode_state
+from cuinterpose.engine import statefile as st
+from cuinterpose.engine.statefile import CheckpointState, StateFileError, decode_state, encode_state
 from cuinterpose.engine.topology import ParticipantTopology, Topology
 from cuinterpose.engine.wire import Access, BindingKind, Record, RecordFlag, RecordKind
 from hypothesis import HealthCheck, given, settings

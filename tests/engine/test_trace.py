@@ -16,18 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cuinterpose.engine import cli, driver
+from cuinterpose import cli
+from cuinterpose.engine import runner
 from cuinterpose.engine.errors import CoordinatorError
-from cuinterpose.engine.fake import Fault
-from cuinterpose.engine.state import STATE_FILE_NAME
-from cuinterpose.engine.trace import (
-    TraceError,
-    TraceRecorder,
-    TraceWriter,
-    read_trace,
-    replay,
-)
+from cuinterpose.engine.replay import replay
+from cuinterpose.engine.statefile import STATE_FILE_NAME
+from cuinterpose.engine.trace import TraceError, TraceRecorder, TraceWriter, read_trace
 from cuinterpose.engine.wire import Op, Phase, RecordKind
+from cuinterpose.testing import Fault
 from engine_harness import short_dir, team_of
 from topologies import (
     allocation_id,
@@ -61,11 +57,11 @@ def record(
     recorder = TraceRecorder()
     with team_of(topology, work / "control", **team_kwargs) as t:
         if machine == "restore":
-            driver.capture(t.endpoints, work / "ckpt", driver.Options(phase_timeout=timeout))
-        options = driver.Options(phase_timeout=timeout, trace=recorder)
+            runner.capture(t.endpoints, work / "ckpt", runner.Options(phase_timeout=timeout))
+        options = runner.Options(phase_timeout=timeout, trace=recorder)
         with contextlib.suppress(CoordinatorError):
-            driver.run_machine(
-                driver.CAPTURE if machine == "capture" else driver.RESTORE,
+            runner.run_machine(
+                runner.CAPTURE if machine == "capture" else runner.RESTORE,
                 t.endpoints,
                 work / "ckpt",
                 options,
@@ -106,22 +102,22 @@ def _refused_participants(work: Path) -> list[dict[str, Any]]:
     # The state file names participants 0 and 1; participant 2 answers too.
     recorder = TraceRecorder()
     with team_of(TOPOLOGY, work / "control") as t:
-        driver.capture(t.endpoints, work / "ckpt", driver.Options(phase_timeout=2.0))
+        runner.capture(t.endpoints, work / "ckpt", runner.Options(phase_timeout=2.0))
     bigger = team(participants=3, allocations=1, multicast=True)
     with (
         team_of(bigger, work / "control3", phase=Phase.PREPARED) as t,
         pytest.raises(CoordinatorError),
     ):
-        driver.restore(t.endpoints, work / "ckpt", driver.Options(2.0, trace=recorder))
+        runner.restore(t.endpoints, work / "ckpt", runner.Options(2.0, trace=recorder))
     return recorder.entries
 
 
 def _refused_not_prepared(work: Path) -> list[dict[str, Any]]:
     recorder = TraceRecorder()
     with team_of(TOPOLOGY, work / "control") as t:
-        driver.capture(t.endpoints, work / "ckpt", driver.Options(phase_timeout=2.0))
+        runner.capture(t.endpoints, work / "ckpt", runner.Options(phase_timeout=2.0))
     with team_of(TOPOLOGY, work / "control2") as t, pytest.raises(CoordinatorError):
-        driver.restore(t.endpoints, work / "ckpt", driver.Options(2.0, trace=recorder))
+        runner.restore(t.endpoints, work / "ckpt", runner.Options(2.0, trace=recorder))
     return recorder.entries
 
 
@@ -131,7 +127,7 @@ def _missing_state(work: Path) -> list[dict[str, Any]]:
         team_of(TOPOLOGY, work / "control", phase=Phase.PREPARED) as t,
         pytest.raises(CoordinatorError),
     ):
-        driver.restore(t.endpoints, work / "ckpt", driver.Options(2.0, trace=recorder))
+        runner.restore(t.endpoints, work / "ckpt", runner.Options(2.0, trace=recorder))
     return recorder.entries
 
 
@@ -238,7 +234,7 @@ def test_regenerate_committed_traces() -> None:
     reason="set CUINTERPOSE_REGENERATE_TRACES=1 (after make build) to rewrite the shim traces",
 )
 def test_regenerate_shim_traces(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cuinterpose.engine import demo
+    from cuinterpose import demo
 
     original = demo.run_cli
 
@@ -257,7 +253,7 @@ def test_every_transition_is_recorded_with_requests_and_replies(work: Path) -> N
     entries = record(work)
     transitions = [e for e in entries if e["type"] == "transition"]
     assert [(e["trigger"], e["from"], e["to"]) for e in transitions] == [
-        (s.trigger, s.source, s.dest) for s in driver.CAPTURE.steps
+        (s.trigger, s.source, s.dest) for s in runner.CAPTURE.steps
     ]
     inspect = transitions[1]
     assert inspect["machine"] == "capture" and inspect["outcome"] == "ok"

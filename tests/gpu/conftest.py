@@ -24,8 +24,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "shim")]
 
 import shimenv  # noqa: E402
-from cuinterpose.engine import launch  # noqa: E402
-from cuinterpose.engine.demo import coordinator_env  # noqa: E402
+from cuinterpose import launch  # noqa: E402
+from cuinterpose.demo import coordinator_env  # noqa: E402
 from workers.cycle import Spawn, spawner  # noqa: E402
 
 SIM_DEVICE_NAME = "cuinterpose simulated GPU"

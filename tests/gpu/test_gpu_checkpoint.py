@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from cuinterpose.engine.demo import pattern_digest
+from cuinterpose.demo import pattern_digest
 from workers.cycle import (
     Spawn,
     assert_refused,

@@ -20,7 +20,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from cuinterpose.engine.demo import coordinator_env  # noqa: E402
+from cuinterpose.demo import coordinator_env  # noqa: E402
 from workers.cycle import Spawn, spawner  # noqa: E402
 
 

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cuinterpose.engine import artifacts, demo, launch, native
-from cuinterpose.engine.demo import coordinator_env, pattern_digest
+from cuinterpose import artifacts, demo, launch, native
+from cuinterpose.demo import coordinator_env, pattern_digest
 from workers.cycle import (
     Spawn,
     assert_refused,
@@ -92,12 +92,10 @@ def test_unsupported_exportable_refuses_capture(
 def test_pattern_digest_slices(seed: int, size: int, offset: int, length: int | None) -> None:
     """The controller's expected digests are slices of the very bytes ``fill`` writes."""
     import hashlib
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).parent / "workers"))
-    import vmm_worker  # needs cuda.bindings importable, not a driver
+    from cuinterpose.demo import worker  # needs cuda.bindings importable, not a driver
 
-    data = b"".join(vmm_worker.pattern(seed, size))
+    data = b"".join(worker.pattern(seed, size))
     end = size if length is None else offset + length
     assert (
         pattern_digest(seed, size, offset, length) == hashlib.sha256(data[offset:end]).hexdigest()

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from cuinterpose.engine import native
-from cuinterpose.engine.demo import (
+from cuinterpose import native
+from cuinterpose.demo import (
     CliRun,
     Scenario,
     Worker,

@@ -1,0 +1,38 @@
+"""What each phase op does to a shim's phase: the one table of it.
+
+The shim (``shim_c/protocol.h``, ``CUIP_PHASE_OPS``), the test double and the
+machines all follow this table; a test pins the C table to it. Names are the
+wire protocol's ``Op`` and ``Phase`` member names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+import attrs
+
+
+@attrs.frozen
+class PhaseOp:
+    """A wire op that moves a shim from one phase to the next."""
+
+    op: str
+    needs: str  # the only phase in which the shim serves the op
+    reaches: str  # the phase every successful reply reports
+    transfers: bool = False  # the reply carries byte and allocation statistics
+
+
+PHASE_OPS: Final[tuple[PhaseOp, ...]] = (
+    PhaseOp("PREPARE_MULTICAST", "ACTIVE", "MULTICAST_DETACHED"),
+    PhaseOp("SAVE_ALLOCATIONS", "MULTICAST_DETACHED", "ALLOCATIONS_SAVED", transfers=True),
+    PhaseOp("PREPARE_UNICAST", "ALLOCATIONS_SAVED", "PREPARED"),
+    PhaseOp("LOAD_ALLOCATIONS", "PREPARED", "ALLOCATIONS_LOADED", transfers=True),
+    PhaseOp("RESTORE_UNICAST", "ALLOCATIONS_LOADED", "UNICAST_RESTORED"),
+    PhaseOp("RESTORE_MULTICAST_CREATORS", "UNICAST_RESTORED", "MULTICAST_CREATED"),
+    PhaseOp("RESTORE_MULTICAST_IMPORTERS", "MULTICAST_CREATED", "MULTICAST_IMPORTED"),
+    PhaseOp("RESTORE_MULTICAST_DEVICES", "MULTICAST_IMPORTED", "MULTICAST_JOINED"),
+    PhaseOp("RESTORE_MULTICAST_BINDINGS", "MULTICAST_JOINED", "ACTIVE"),
+)
+
+PHASE_OP: Final[Mapping[str, PhaseOp]] = {p.op: p for p in PHASE_OPS}
