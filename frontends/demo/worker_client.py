@@ -197,6 +197,7 @@ class Worker:
 
     def call(self, op: str, *, timeout_s: float | None = None, **args: Any) -> dict[str, Any]:
         """Send one command; return the reply, ``ok`` true or not."""
+        self.wait_ready()
         if self._unanswered:
             self.reply()
         self._write(op, {"op": op, **args})
@@ -214,6 +215,7 @@ class Worker:
         """Start a snippet without waiting for its answer (see :meth:`reply`). A snippet
         still unanswered is waited for first: workers can start up concurrently and
         still run in order."""
+        self.wait_ready()
         if self._unanswered:
             self.reply()
         self._write("exec", {"op": "exec", "code": textwrap.dedent(code)})

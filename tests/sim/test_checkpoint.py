@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import simenv
-from simtest import MiB, hand_over, needs_multicast, psha, sim_only
+from tests import simenv
+from tests.sim.simtest import MiB, hand_over, needs_multicast, psha, sim_only
 
 CTL = r"""
 def lock(pid, t=5000):
