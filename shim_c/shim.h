@@ -1,14 +1,13 @@
 /*
  * Internal interface of libcuinterpose.so (the LD_PRELOAD shim).
  *
- * The files, bottom to top (a file uses only the ones above it in this list,
- * never one below; tests/shim/test_c_layering.py checks that no two files
- * need each other):
+ * The files, bottom to top: a file uses only the ones above it in this list
+ * (tests/shim/test_c_layering.py checks it against CMakeLists.txt's order):
  *   util.c      logging, time, randomness, hex, byte comparisons
  *   settings.c  every environment variable, read once
  *   driver.c    the real driver: resolution, contexts, CUresult names
- *   handles.c   the logical handle table and its objects
  *   state.c     the shared state `g`, its lock, entering the shim
+ *   handles.c   the logical handle table and its objects
  *   io.c        bounded socket I/O and replies
  *   capability.c, multicast.c, unicast.c, content.c   the tracked calls and
  *               the phase work
@@ -176,6 +175,40 @@ SHIM_HIDDEN const char *shim_cu_name(CUresult r);
 /* A CUDA_FAILED message: "<call> failed: <CUresult name> (<value>)". */
 SHIM_HIDDEN void shim_fail(char *msg, size_t n, const char *call, CUresult r);
 
+/* ---------------------------------------------------------------- state.c */
+struct shim_state {
+    pthread_mutex_t lock;          /* tables, phase, reason */
+    pthread_mutex_t init_lock;     /* lazy start */
+    pid_t started_pid;             /* the pid that owns the listener; 0 = not started */
+    char participant[CUIP_PARTICIPANT_LEN + 1];
+    bool pinned;                   /* id from SNAPSHOT_PARTICIPANT_ID */
+    uint16_t phase;                /* enum cuip_phase */
+    bool busy;                     /* a phase op is running */
+    char reason[CUIP_MESSAGE_MAX + 1];
+    int listen_fd;
+    char control_dir[108];
+    char sock_name[CUIP_CAP_ENDPOINT_LEN];
+    char sock_path[108];
+    char claim_path[160];
+};
+extern SHIM_HIDDEN struct shim_state g;
+
+/* How the process becomes a participant (lifecycle.c registers it from its
+ * constructor): the state knows that something starts, not what. A start
+ * asked for before the registration happens at the registration. */
+SHIM_HIDDEN void shim_set_starter(void (*start)(void));
+/* Start the control server once per process (fork children included). */
+SHIM_HIDDEN void shim_ensure_started(void);
+/* Every tracked application call starts with this: resolves the driver and
+ * starts the control server. Returns CUDA_SUCCESS or an error to hand back. */
+SHIM_HIDDEN CUresult shim_enter(void);
+/* Enter the shim, lock g.lock and check that the application may change
+ * tracked state; on CUDA_SUCCESS the caller holds g.lock. */
+SHIM_HIDDEN CUresult app_lock(void);
+/* Fork child, before anything else runs: fresh locks, phase ACTIVE, no id,
+ * not started. */
+SHIM_HIDDEN void shim_state_after_fork(void);
+
 /* ---------------------------------------------------------------- handles.c */
 /* A logical handle: bits 63..48 the tag, 47..24 the slot's generation,
  * 23..0 the slot. Real driver handles observed on the H200 are small
@@ -251,40 +284,6 @@ SHIM_HIDDEN struct obj *obj_adopt(enum obj_kind kind, CUmemGenericAllocationHand
  * a handle in the shim's tag range is refused. On failure `h` is released. */
 SHIM_HIDDEN CUresult obj_adopt_created(enum obj_kind kind, CUmemGenericAllocationHandle h,
                                        struct obj **out);
-
-/* ---------------------------------------------------------------- state.c */
-struct shim_state {
-    pthread_mutex_t lock;          /* tables, phase, reason */
-    pthread_mutex_t init_lock;     /* lazy start */
-    pid_t started_pid;             /* the pid that owns the listener; 0 = not started */
-    char participant[CUIP_PARTICIPANT_LEN + 1];
-    bool pinned;                   /* id from SNAPSHOT_PARTICIPANT_ID */
-    uint16_t phase;                /* enum cuip_phase */
-    bool busy;                     /* a phase op is running */
-    char reason[CUIP_MESSAGE_MAX + 1];
-    int listen_fd;
-    char control_dir[108];
-    char sock_name[CUIP_CAP_ENDPOINT_LEN];
-    char sock_path[108];
-    char claim_path[160];
-};
-extern SHIM_HIDDEN struct shim_state g;
-
-/* How the process becomes a participant (lifecycle.c registers it from its
- * constructor): the state knows that something starts, not what. A start
- * asked for before the registration happens at the registration. */
-SHIM_HIDDEN void shim_set_starter(void (*start)(void));
-/* Start the control server once per process (fork children included). */
-SHIM_HIDDEN void shim_ensure_started(void);
-/* Every tracked application call starts with this: resolves the driver and
- * starts the control server. Returns CUDA_SUCCESS or an error to hand back. */
-SHIM_HIDDEN CUresult shim_enter(void);
-/* Enter the shim, lock g.lock and check that the application may change
- * tracked state; on CUDA_SUCCESS the caller holds g.lock. */
-SHIM_HIDDEN CUresult app_lock(void);
-/* Fork child, before anything else runs: fresh locks, phase ACTIVE, no id,
- * not started. */
-SHIM_HIDDEN void shim_state_after_fork(void);
 
 /* ---------------------------------------------------------------- io.c */
 struct reply {

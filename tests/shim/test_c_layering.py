@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "c_calls.py"
@@ -42,6 +45,29 @@ def test_the_simulated_driver_has_no_circle() -> None:
     result = check(SIM)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "acyclic" in result.stdout
+
+
+def cmake_sources(directory: Path, target: str) -> list[str]:
+    text = (directory / "CMakeLists.txt").read_text()
+    text = re.sub(r"#.*", "", text)
+    match = re.search(rf"add_library\(\s*{target}\s+SHARED\s+([^)]*)\)", text)
+    assert match, f"no add_library({target} SHARED ...) in {directory}/CMakeLists.txt"
+    return match[1].split()
+
+
+@pytest.mark.parametrize(("directory", "target"), [(SHIM, "cuinterpose"), (SIM, "cuinterpose_sim")])
+def test_files_are_listed_bottom_to_top(directory: Path, target: str) -> None:
+    # CMakeLists.txt lists the files in layers: each uses only files listed before it.
+    order = cmake_sources(directory, target)
+    assert sorted(order) == sorted(p.name for p in directory.glob("*.c"))
+    graph = c_calls.build_graph(c_calls.read_dir(directory))
+    upward = [
+        f"{src} -> {dst} ({', '.join(sorted(names))})"
+        for src, targets in graph.items()
+        for dst, names in targets.items()
+        if order.index(dst) > order.index(src)
+    ]
+    assert upward == [], "files that use a file listed after them"
 
 
 def test_the_checker_sees_the_known_uses() -> None:
