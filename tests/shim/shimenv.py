@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from cuinterpose.engine import wire
 
 from tests import simenv
+from tests.waiting import wait_until
 
 REPO = simenv.REPO
 
@@ -90,12 +90,8 @@ def socket_path(control_dir: Path | str, pid: int) -> Path:
 
 def wait_socket(control_dir: Path | str, pid: int, timeout: float = 20.0) -> Path:
     path = socket_path(control_dir, pid)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return path
-        time.sleep(0.02)
-    raise TimeoutError(f"no control socket {path}")
+    wait_until(path.exists, f"no control socket {path}", timeout)
+    return path
 
 
 def raw_exchange(path: Path | str, payload: bytes, timeout: float = 10.0) -> bytes:
