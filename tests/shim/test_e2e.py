@@ -34,6 +34,7 @@ from tests.shim.workers.cycle import (
 from tests.simenv import Spawn
 
 
+@pytest.mark.slow
 def test_three_processes_checkpoint_and_restore(
     spawn: Spawn,
     shim_env: dict[str, str],
@@ -192,6 +193,7 @@ def test_native_group_arguments_and_timings_round_trip() -> None:
     )
 
 
+@pytest.mark.slow
 def test_demo_runs_clean(stack: None) -> None:
     """``make demo``'s job, on the release build: exit 0 and every byte verified."""
     try:
