@@ -51,7 +51,7 @@ SCALAR_CODES = {
     "int32_t": "i",
 }
 
-# What Python has no constant for is pinned to the contract's text (PROTOCOL.md).
+# What Python has no constant for is pinned to the contract's text (specs/protocol.md).
 CONTRACT_ONLY: Mapping[str, int | str] = {
     "CUIP_CONTROL_DIR_DEFAULT": "/snapshot-control",
     "CUIP_CONTROL_DIR_ENV": "SNAPSHOT_CONTROL_DIR",
@@ -62,7 +62,7 @@ CONTRACT_ONLY: Mapping[str, int | str] = {
 }
 
 # The capability never crosses to the coordinator, so Python has no codec for
-# it; its layout (PROTOCOL.md, "Capability") is pinned here: (field, offset, size).
+# it; its layout (specs/protocol.md, "Capability") is pinned here: (field, offset, size).
 CAPABILITY_LAYOUT = [
     ("magic", 0, 4),
     ("version", 4, 2),
