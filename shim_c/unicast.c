@@ -122,28 +122,47 @@ static bool overlaps_kept(CUdeviceptr va, size_t size)
     return false;
 }
 
-/* Under g.lock: the application may not touch a range the shim keeps while
- * not ACTIVE (a torn-down mapping's reservation is where the rebuild maps
- * it again). Elsewhere, and in ACTIVE, the driver decides. */
-static bool range_gated(CUdeviceptr va, size_t size)
+/* Enter the shim for a call on [va, va + size) the shim does not track,
+ * which must not touch a range the shim keeps while not ACTIVE (a torn-down
+ * mapping's reservation is where the rebuild maps it again). Answers
+ * CUDA_SUCCESS with `*locked` telling whether g.lock is held: in ACTIVE it is
+ * held across the caller's driver call, so a phase op cannot start in the
+ * middle; outside ACTIVE the tables do not change, and the call may block
+ * (a native checkpoint lock) without stalling the control server. */
+static CUresult range_enter(CUdeviceptr va, size_t size, bool *locked)
 {
-    return g.phase != CUIP_PHASE_ACTIVE && overlaps_kept(va, size);
+    CUresult r = shim_enter();
+
+    *locked = false;
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&g.lock);
+    if (g.phase == CUIP_PHASE_ACTIVE) {
+        *locked = true;
+        return CUDA_SUCCESS;
+    }
+    r = overlaps_kept(va, size) ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+    pthread_mutex_unlock(&g.lock);
+    return r;
+}
+
+static void range_leave(bool locked)
+{
+    if (locked)
+        pthread_mutex_unlock(&g.lock);
 }
 
 /* cuMemMap of a handle the shim does not track (a raw one of the driver's). */
 static CUresult map_untracked(CUdeviceptr ptr, size_t size, size_t offset,
                               CUmemGenericAllocationHandle handle, unsigned long long flags)
 {
-    CUresult r = shim_enter();
+    bool locked;
+    CUresult r = range_enter(ptr, size, &locked);
 
     if (r != CUDA_SUCCESS)
         return r;
-    pthread_mutex_lock(&g.lock);
-    if (range_gated(ptr, size))
-        r = CUDA_ERROR_NOT_READY;
-    else
-        r = real.cuMemMap(ptr, size, offset, handle, flags);
-    pthread_mutex_unlock(&g.lock);
+    r = real.cuMemMap(ptr, size, offset, handle, flags);
+    range_leave(locked);
     return r;
 }
 
@@ -268,16 +287,13 @@ out:
  * rebuild nowhere to map it: NOT_READY until the shim is ACTIVE again. */
 CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size)
 {
-    CUresult r = shim_enter();
+    bool locked;
+    CUresult r = range_enter(ptr, size, &locked);
 
     if (r != CUDA_SUCCESS)
         return r;
-    pthread_mutex_lock(&g.lock);
-    if (range_gated(ptr, size))
-        r = CUDA_ERROR_NOT_READY;
-    else
-        r = real.cuMemAddressFree(ptr, size);
-    pthread_mutex_unlock(&g.lock);
+    r = real.cuMemAddressFree(ptr, size);
+    range_leave(locked);
     return r;
 }
 
