@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# CMake asks the .venv's cuda-pathfinder for the nvidia-cuda-runtime wheel's cuda.h.
+# CMake takes cuda.h from the .venv's nvidia-cuda-runtime wheel.
 CMAKE_PYTHON = -DPython_EXECUTABLE=$(CURDIR)/$(BIN)/python
 
 # build/ is the release build (demo, GPU runs); build-asan/ the ASan+UBSan

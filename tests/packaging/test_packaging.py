@@ -67,6 +67,7 @@ def run(
 class Installed:
     sdist: Path
     wheel: Path
+    wheel_log: str  # pip wheel -v: CMake's output
     venv: Path
     site_packages: Path
     outside: Path  # a working directory outside the checkout
@@ -105,8 +106,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     timings["sdist"] = time.monotonic() - start
 
     start = time.monotonic()
-    run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, sdist],
+    built = run(
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "-w", dist, sdist],
         cwd=outside,
         env=env,
         timeout=600,
@@ -135,7 +136,16 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
         # Not the machine-wide default /snapshot-control.
         SNAPSHOT_CONTROL_DIR=str(root / "control"),
     )
-    yield Installed(sdist, wheel, venv, Path(site).resolve(), outside, run_env, timings)
+    yield Installed(
+        sdist,
+        wheel,
+        built.stdout + built.stderr,
+        venv,
+        Path(site).resolve(),
+        outside,
+        run_env,
+        timings,
+    )
     print(f"packaging timings: {timings}")
 
 
@@ -170,6 +180,12 @@ def test_wheel_is_one_per_platform_and_holds_the_libraries(installed: Installed)
         assert needed in names, needed
     # The suite's C test programs are not the package's.
     assert not [n for n in names if "shim_direct" in n or "collide" in n or "tests/" in n]
+
+
+def test_cuda_header_is_the_build_requirements(installed: Installed) -> None:
+    """Not a CUDA toolkit the build machine happens to have."""
+    found = [line for line in installed.wheel_log.splitlines() if "-- cuda.h from " in line]
+    assert found and "/site-packages/nvidia/" in found[0], found
 
 
 def test_paths_are_inside_site_packages(installed: Installed) -> None:
