@@ -16,7 +16,7 @@ measures in the same run, for comparison:
 A phase is measured two ways: ``exchange`` is the elapsed time its progress event
 reports (request encoding, sending, waiting for and decoding every reply), and
 ``step`` is the time from the previous phase's event to its own, which adds
-everything the driver does around the exchange (the state machine, building the
+everything the runner does around the exchange (the state machine, building the
 requests, checking the replies, and for INSPECT building the topology; guards and
 local steps where a machine has them in between). "A phase without records" is
 the median step of the phases with neither records nor guards (SAVE_ALLOCATIONS,
@@ -482,7 +482,7 @@ def _print_report(results: dict[str, Any], sizes: Sequence[int]) -> None:
             print(
                 f"whole {machine}: {total * 1e3:.1f} ms, of which"
                 f" {_outside(figures, machine) * 1e3:.1f} ms outside the exchanges"
-                " (driver, guards and validation, topology, state file)"
+                " (runner, guards and validation, topology, state file)"
             )
     print()
     print(f"{'summary (ms unless said)':38}" + "".join(f"{f'N={n}':>12}" for n in sizes))
@@ -522,7 +522,7 @@ def _print_report(results: dict[str, Any], sizes: Sequence[int]) -> None:
         f" {GOAL_RATIO:g}x the raw round trip"
         + ("" if n == GOAL_PARTICIPANTS else f" (not measured; shown at {n})")
     )
-    print(f"  a phase without records at {n}: {_ms(goal['phase_s'])} ms (step, driver included)")
+    print(f"  a phase without records at {n}: {_ms(goal['phase_s'])} ms (step, runner included)")
     print(
         f"  read literally, against the single round trip ({rt * 1e6:.1f} us):"
         f" {goal['x_raw_round_trip']:.1f}x -> {_verdict(goal['met_vs_raw_round_trip'])}"

@@ -1,1 +1,97 @@
-"""The cuinterpose coordinator engine."""
+"""The cuinterpose engine: the library a checkpoint agent embeds.
+
+It speaks the shims' wire protocol, checks the sharing topology, runs the
+capture and restore machines of :mod:`cuinterpose.phases` in lockstep over a
+group of processes, writes and reads the state file, and traces and replays
+runs. It needs no GPU and no CUDA library: the native checkpoint is the
+agent's (or :mod:`cuinterpose.native`'s) part. What is listed here is the
+public API; everything else may change between releases.
+"""
+
+from .client import (
+    BadReply,
+    Endpoint,
+    ParticipantError,
+    ParticipantHangup,
+    ParticipantTimeout,
+    call_all,
+    endpoint_for,
+)
+from .errors import (
+    CheckpointDirRefused,
+    CoordinatorError,
+    ParticipantsRefused,
+    PhaseFailed,
+    PreflightRefused,
+    Problem,
+    Refused,
+    TopologyRefused,
+    VerificationFailed,
+)
+from .options import DEFAULT_PHASE_TIMEOUT_S, Options, Transport
+from .progress import (
+    DoneEvent,
+    Event,
+    FailedEvent,
+    PhaseEvent,
+    ProgressCallback,
+    Transfer,
+    human_line,
+    json_printer,
+)
+from .replay import Divergence, ReplayReport, replay, replay_file
+from .runner import Bound, CaptureResult, RestoreResult, capture, inspect, restore, run_machine
+from .statefile import STATE_FILE_NAME, CheckpointState, StateFileError, read_state
+from .topology import Topology
+from .trace import TraceError, TraceRecorder, TraceSink, TraceWriter, read_trace
+
+__all__ = [
+    "DEFAULT_PHASE_TIMEOUT_S",
+    "STATE_FILE_NAME",
+    "BadReply",
+    "Bound",
+    "CaptureResult",
+    "CheckpointDirRefused",
+    "CheckpointState",
+    "CoordinatorError",
+    "Divergence",
+    "DoneEvent",
+    "Endpoint",
+    "Event",
+    "FailedEvent",
+    "Options",
+    "ParticipantError",
+    "ParticipantHangup",
+    "ParticipantTimeout",
+    "ParticipantsRefused",
+    "PhaseEvent",
+    "PhaseFailed",
+    "PreflightRefused",
+    "Problem",
+    "ProgressCallback",
+    "Refused",
+    "ReplayReport",
+    "RestoreResult",
+    "StateFileError",
+    "Topology",
+    "TopologyRefused",
+    "TraceError",
+    "TraceRecorder",
+    "TraceSink",
+    "TraceWriter",
+    "Transfer",
+    "Transport",
+    "VerificationFailed",
+    "call_all",
+    "capture",
+    "endpoint_for",
+    "human_line",
+    "inspect",
+    "json_printer",
+    "read_state",
+    "read_trace",
+    "replay",
+    "replay_file",
+    "restore",
+    "run_machine",
+]

@@ -9,9 +9,12 @@ participant id, its pid and the reason. The first problem is the primary one
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Final
 
 import attrs
+
+from ..phases import Refusal
 
 
 @attrs.frozen
@@ -92,6 +95,19 @@ class PreflightRefused(Refused):
 
 class ParticipantsRefused(Refused):
     """The participants are not the expected ones, or not in the expected phase."""
+
+
+class CheckpointDirRefused(Refused):
+    """The state file could not be written where the capture would put it."""
+
+
+# The error a guard's declared refusal raises (phases declare the refusal, not the class).
+REFUSALS: Final[Mapping[Refusal, type[Refused]]] = {
+    Refusal.PARTICIPANTS: ParticipantsRefused,
+    Refusal.TOPOLOGY: TopologyRefused,
+    Refusal.PREFLIGHT: PreflightRefused,
+    Refusal.CHECKPOINT_DIR: CheckpointDirRefused,
+}
 
 
 class PhaseFailed(CoordinatorError):

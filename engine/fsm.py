@@ -72,14 +72,13 @@ def step_op(step: Step) -> Op | None:
 
 def step_reply_phase(step: Step) -> Phase | None:
     """The shim phase every reply to the step must report, or None when any will do."""
-    if step.reply_phase is None:
+    expected = step.expected_phase
+    if expected is None:
         return None
     try:
-        return Phase[step.reply_phase]
+        return Phase[expected]
     except KeyError:
-        raise ValueError(
-            f"step {step.trigger} expects unknown phase {step.reply_phase!r}"
-        ) from None
+        raise ValueError(f"step {step.trigger} expects unknown phase {expected!r}") from None
 
 
 def _resolve(spec: MachineSpec) -> None:
@@ -122,17 +121,21 @@ def _check_model(spec: MachineSpec, model: object) -> None:
         )
 
 
-def build_machine(spec: MachineSpec, model: object) -> Machine:
-    """A machine driving ``model`` through ``spec``; callbacks receive ``EventData``."""
+def build_machine(spec: MachineSpec, model: object, *, model_attribute: str = "state") -> Machine:
+    """A machine driving ``model`` through ``spec``; callbacks receive ``EventData``.
+
+    The machine keeps its state in the model's ``model_attribute``.
+    """
     _check_model(spec, model)
     return Machine(
         model=model,
+        model_attribute=model_attribute,
         states=list(spec.all_states),
         initial=spec.initial,
         transitions=transition_table(spec),
         auto_transitions=False,
         send_event=True,
-        # An exception from a callback must reach the driver, which turns it into FAIL.
+        # An exception from a callback must reach the runner, which turns it into FAIL.
         ignore_invalid_triggers=False,
         name=spec.name,
     )

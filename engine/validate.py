@@ -1,4 +1,4 @@
-"""The topology predicates of DESIGN.md ("Validation predicates") as pure functions.
+"""The topology predicates (specs/validation.md) as pure functions.
 
 Each ``check_*`` takes a :class:`~.topology.Topology` and returns the violations it
 finds (empty when the predicate holds); :func:`validate` and :func:`preflight` run

@@ -1,4 +1,4 @@
-"""Declarative capture and restore machines: states, ops, guards.
+"""Declarative capture and restore machines: states, ops, guards, and the shim's phase table.
 
 The engine builds its ``transitions`` machines from these declarations alone;
 the diagrams in ``specs/`` are generated from them too.
@@ -10,23 +10,31 @@ from .model import (
     FAILED_STATE,
     REFUSE_TRIGGER,
     REFUSED_STATE,
+    Action,
     Guard,
     MachineSpec,
     ProgressKind,
+    Refusal,
     Step,
 )
+from .ops import PHASE_OP, PHASE_OPS, PhaseOp
 
 __all__ = [
     "CAPTURE",
     "FAILED_STATE",
     "FAIL_TRIGGER",
     "MACHINES",
+    "PHASE_OP",
+    "PHASE_OPS",
     "REFUSED_STATE",
     "REFUSE_TRIGGER",
     "RESTORE",
+    "Action",
     "Guard",
     "MachineSpec",
+    "PhaseOp",
     "ProgressKind",
+    "Refusal",
     "Step",
     "machine_spec",
 ]

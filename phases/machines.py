@@ -1,4 +1,4 @@
-"""The capture and restore machines of DESIGN.md, declared as data.
+"""The capture and restore machines, declared as data (specs/capture.md, specs/restore.md).
 
 Why this order: multicast sits on top of unicast members, so it is torn down
 first on capture and rebuilt last on restore. LOAD_ALLOCATIONS is the creator
@@ -9,11 +9,12 @@ because the driver's bind spins until the team is complete.
 
 from __future__ import annotations
 
-from .model import Guard, MachineSpec, ProgressKind, Step
+from .model import Action, Guard, MachineSpec, ProgressKind, Refusal, Step
 
 _TOPOLOGY_VALID = Guard(
     "topology_valid",
     "the inspected topology satisfies every validation predicate",
+    Refusal.TOPOLOGY,
 )
 
 CAPTURE = MachineSpec(
@@ -22,12 +23,21 @@ CAPTURE = MachineSpec(
     initial="start",
     final="captured",
     guards=(
-        Guard("all_active", "every participant reported phase ACTIVE at HANDSHAKE"),
+        Guard(
+            "all_active",
+            "every participant reported phase ACTIVE at HANDSHAKE",
+            Refusal.PARTICIPANTS,
+        ),
         _TOPOLOGY_VALID,
-        Guard("preflight_clean", "no RAW_IMPORT or UNSUPPORTED_EXPORTABLE record"),
+        Guard(
+            "preflight_clean",
+            "no RAW_IMPORT or UNSUPPORTED_EXPORTABLE record",
+            Refusal.PREFLIGHT,
+        ),
         Guard(
             "checkpoint_dir_writable",
             "the state file can be written once the destructive ops are done",
+            Refusal.CHECKPOINT_DIR,
         ),
     ),
     steps=(
@@ -53,9 +63,7 @@ CAPTURE = MachineSpec(
             "multicast_detached",
             "unbind, unmap and release every multicast object",
             op="PREPARE_MULTICAST",
-            reply_phase="MULTICAST_DETACHED",
             guards=("topology_valid", "preflight_clean", "checkpoint_dir_writable"),
-            destructive=True,
         ),
         Step(
             "SAVE_ALLOCATIONS",
@@ -63,8 +71,6 @@ CAPTURE = MachineSpec(
             "allocations_saved",
             "creators copy every shared allocation into host storage",
             op="SAVE_ALLOCATIONS",
-            reply_phase="ALLOCATIONS_SAVED",
-            destructive=True,
             progress=ProgressKind.TRANSFER,
         ),
         Step(
@@ -73,8 +79,6 @@ CAPTURE = MachineSpec(
             "prepared",
             "importers release imports, creators release allocations; VA kept",
             op="PREPARE_UNICAST",
-            reply_phase="PREPARED",
-            destructive=True,
         ),
         Step(
             "WRITE_STATE",
@@ -82,6 +86,7 @@ CAPTURE = MachineSpec(
             "captured",
             "write the state file into the checkpoint directory",
             progress=ProgressKind.NONE,
+            action=Action.WRITE_STATE,
         ),
     ),
 )
@@ -95,12 +100,18 @@ RESTORE = MachineSpec(
         Guard(
             "participants_match_state",
             "the participant ids from HANDSHAKE equal the state file's exactly",
+            Refusal.PARTICIPANTS,
         ),
-        Guard("all_prepared", "every participant reported phase PREPARED at HANDSHAKE"),
+        Guard(
+            "all_prepared",
+            "every participant reported phase PREPARED at HANDSHAKE",
+            Refusal.PARTICIPANTS,
+        ),
         _TOPOLOGY_VALID,
         Guard(
             "topology_matches_capture",
             "the restored topology equals the captured normalized topology",
+            Refusal.TOPOLOGY,
         ),
     ),
     steps=(
@@ -110,6 +121,7 @@ RESTORE = MachineSpec(
             "state_read",
             "read and check the state file in the checkpoint directory",
             progress=ProgressKind.NONE,
+            action=Action.READ_STATE,
         ),
         Step(
             "HANDSHAKE",
@@ -124,9 +136,7 @@ RESTORE = MachineSpec(
             "allocations_loaded",
             "creators re-create, map and refill every shared allocation",
             op="LOAD_ALLOCATIONS",
-            reply_phase="ALLOCATIONS_LOADED",
             guards=("participants_match_state", "all_prepared"),
-            destructive=True,
             progress=ProgressKind.TRANSFER,
         ),
         Step(
@@ -135,8 +145,6 @@ RESTORE = MachineSpec(
             "unicast_restored",
             "importers re-import at their original addresses",
             op="RESTORE_UNICAST",
-            reply_phase="UNICAST_RESTORED",
-            destructive=True,
         ),
         Step(
             "RESTORE_MULTICAST_CREATORS",
@@ -144,8 +152,6 @@ RESTORE = MachineSpec(
             "multicast_created",
             "creators re-create every multicast object",
             op="RESTORE_MULTICAST_CREATORS",
-            reply_phase="MULTICAST_CREATED",
-            destructive=True,
         ),
         Step(
             "RESTORE_MULTICAST_IMPORTERS",
@@ -153,8 +159,6 @@ RESTORE = MachineSpec(
             "multicast_imported",
             "importers import every multicast object",
             op="RESTORE_MULTICAST_IMPORTERS",
-            reply_phase="MULTICAST_IMPORTED",
-            destructive=True,
         ),
         Step(
             "RESTORE_MULTICAST_DEVICES",
@@ -162,8 +166,6 @@ RESTORE = MachineSpec(
             "multicast_joined",
             "every participant adds its devices to each team",
             op="RESTORE_MULTICAST_DEVICES",
-            reply_phase="MULTICAST_JOINED",
-            destructive=True,
         ),
         Step(
             "RESTORE_MULTICAST_BINDINGS",
@@ -171,8 +173,6 @@ RESTORE = MachineSpec(
             "multicast_bound",
             "bind members and addresses, map and re-apply access",
             op="RESTORE_MULTICAST_BINDINGS",
-            reply_phase="ACTIVE",
-            destructive=True,
         ),
         Step(
             "INSPECT",
@@ -189,6 +189,7 @@ RESTORE = MachineSpec(
             "validate the restored topology and compare it with the captured one",
             guards=("topology_valid", "topology_matches_capture"),
             progress=ProgressKind.NONE,
+            action=Action.NOTHING,
         ),
     ),
 )

@@ -15,6 +15,8 @@ import enum
 
 import attrs
 
+from .ops import PHASE_OP
+
 # Triggers the engine adds to every machine: a guard that fails before the
 # first destructive op refuses; anything else that goes wrong fails.
 REFUSE_TRIGGER = "REFUSE"
@@ -31,12 +33,30 @@ class ProgressKind(enum.Enum):
     TRANSFER = "transfer"  # PHASE plus allocations, bytes and throughput
 
 
+class Refusal(enum.Enum):
+    """What a guard that fails before the first destructive op refuses on."""
+
+    PARTICIPANTS = "participants"  # who answered, and in which phase
+    TOPOLOGY = "topology"  # a validation predicate
+    PREFLIGHT = "preflight"  # a record the shim could never restore
+    CHECKPOINT_DIR = "checkpoint_dir"  # where the state file would go
+
+
+class Action(enum.Enum):
+    """The work of a local step: what the coordinator itself does, sending nothing."""
+
+    WRITE_STATE = "write_state"
+    READ_STATE = "read_state"
+    NOTHING = "nothing"  # the step's guards are the whole step
+
+
 @attrs.frozen
 class Guard:
     """A named predicate the engine evaluates before a step's op is sent."""
 
     name: str
     description: str
+    refusal: Refusal
 
 
 @attrs.frozen
@@ -48,24 +68,40 @@ class Step:
     dest: str
     description: str
     op: str | None = None
-    # The shim phase every reply must report after the op; None when any phase is
-    # acceptable at this point (HANDSHAKE reports whatever phase the shim is in).
+    # For a wire op that leaves the phase as it is: the phase every reply must
+    # report, or None when any will do (HANDSHAKE reports whatever phase the shim
+    # is in). A phase op's reply phase is the one ``ops.PHASE_OPS`` declares.
     reply_phase: str | None = None
     guards: tuple[str, ...] = ()
-    destructive: bool = False
     progress: ProgressKind = ProgressKind.PHASE
+    action: Action | None = None  # a local step's work
 
     def __attrs_post_init__(self) -> None:
         if self.op is not None and self.trigger != self.op:
             raise ValueError(f"step {self.trigger}: a wire step's trigger must be its op's name")
-        if self.op is None and (self.reply_phase is not None or self.destructive):
-            raise ValueError(f"step {self.trigger}: a local step sends nothing to check or destroy")
+        if self.op is None and self.reply_phase is not None:
+            raise ValueError(f"step {self.trigger}: a local step sends nothing to check")
+        if (self.op is None) == (self.action is None):
+            raise ValueError(f"step {self.trigger}: a step either sends an op or has an action")
+        if self.op in PHASE_OP and self.reply_phase is not None:
+            raise ValueError(f"step {self.trigger}: a phase op's reply phase is ops.PHASE_OPS'")
         if self.op is None and self.progress is not ProgressKind.NONE:
             raise ValueError(f"step {self.trigger}: a local step reports no phase progress")
         if self.op is not None and self.progress is ProgressKind.NONE:
             raise ValueError(f"step {self.trigger}: every wire op reports progress")
         if len(set(self.guards)) != len(self.guards):
             raise ValueError(f"step {self.trigger}: a guard is listed twice")
+
+    @property
+    def destructive(self) -> bool:
+        """Whether the op changes a participant: every phase op does."""
+        return self.op in PHASE_OP
+
+    @property
+    def expected_phase(self) -> str | None:
+        """The shim phase every reply must report, or None when any phase will do."""
+        phase_op = PHASE_OP.get(self.op) if self.op is not None else None
+        return phase_op.reaches if phase_op is not None else self.reply_phase
 
 
 @attrs.frozen

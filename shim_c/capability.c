@@ -12,7 +12,8 @@
  * Known limits (documented): an FD alias the shim cannot see (dup, foreign
  * SCM_RIGHTS) is fine, but a capability keeps nothing alive by itself: once
  * the creator released every handle and mapping, import fails, where a raw
- * exported FD would have kept the memory (shared/records).
+ * exported FD would have kept the memory
+ * (specs/records/2026-11-29-h200-driver-rules.jsonl).
  */
 #include "shim.h"
 
@@ -76,24 +77,24 @@ static bool endpoint_ok(const char *e)
     return shim_is_zero(e + n, CUIP_CAP_ENDPOINT_LEN - n);
 }
 
-int cap_parse(int fd, struct cuip_capability *c)
+enum cap_kind cap_parse(int fd, struct cuip_capability *c)
 {
     struct stat st;
     int seals;
 
     if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size != (off_t)sizeof *c)
-        return 0;
+        return CAP_NONE;
     seals = fcntl(fd, F_GET_SEALS);
     if (seals < 0 || (seals & CAP_SEALS) != CAP_SEALS)
-        return 0;
+        return CAP_NONE;
     if (pread(fd, c, sizeof *c, 0) != (ssize_t)sizeof *c || c->magic != CUIP_CAP_MAGIC)
-        return 0;
+        return CAP_NONE;
     /* From here on it claims to be one of ours: anything odd is malformed. */
     if (c->version != CUIP_CAP_VERSION || c->resource_kind != CUIP_RESOURCE_UNICAST ||
         !shim_is_participant(c->creator) || shim_is_zero(c->resource_id, CUIP_ID_LEN) ||
         !endpoint_ok(c->endpoint) || c->size == 0)
-        return -1;
-    return 1;
+        return CAP_MALFORMED;
+    return CAP_VALID;
 }
 
 /* ------------------------------------------------------------ peer client */
@@ -128,7 +129,7 @@ int cap_fetch(const char creator[CUIP_PARTICIPANT_LEN], const uint8_t id[CUIP_ID
               char *msg, size_t n)
 {
     struct cuip_header req, rep;
-    uint64_t deadline = shim_now_ns() + (uint64_t)g.peer_timeout_ms * 1000000ull;
+    uint64_t deadline = shim_now_ns() + (uint64_t)shim_settings()->peer_timeout_ms * 1000000ull;
     int s, got = -1, extra = -1;
     char text[CUIP_MESSAGE_MAX + 1];
 
@@ -458,7 +459,7 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *ha
 {
     struct cuip_capability c;
     CUresult r = shim_enter();
-    int kind;
+    enum cap_kind kind;
 
     if (r != CUDA_SUCCESS)
         return r;
@@ -467,11 +468,11 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *ha
     if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
         return import_raw(handle, osHandle, shHandleType);
     kind = cap_parse((int)(intptr_t)osHandle, &c);
-    if (kind < 0) {
+    if (kind == CAP_MALFORMED) {
         shim_log(LOG_WARN, "import of a malformed cuinterpose capability refused");
         return CUDA_ERROR_INVALID_VALUE;
     }
-    if (kind == 0)
+    if (kind == CAP_NONE)
         return import_raw(handle, osHandle, shHandleType);
     return import_cap(handle, &c);
 }

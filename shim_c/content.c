@@ -19,7 +19,7 @@
  * outlives its chunk, so the native checkpoint and CRIU see plain anonymous
  * memory between SAVE and LOAD.
  *
- * Defaults (both overridable, values checked):
+ * Defaults (both overridable, values checked by settings.c):
  *  - SNAPSHOT_SHIM_COPY_THREADS: min(16, online CPUs). Populate and register
  *    are CPU work in the kernel that scales with threads (8.3 GB/s touching
  *    from 16 threads); 16 was the measured sweet spot on the H200 host, and
@@ -50,10 +50,6 @@
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14; older headers lack it */
 #endif
 
-#define THREADS_DEFAULT 16u
-#define THREADS_MAX 64u
-#define CHUNK_MIB_DEFAULT 64ul
-#define CHUNK_MIB_MAX 4096ul
 #define MSG_LEN 512
 
 struct stats {
@@ -61,64 +57,9 @@ struct stats {
     unsigned threads; /* most threads one allocation ran on */
 };
 
-/* Process-wide settings and entry points, resolved once. */
-static struct {
-    pthread_once_t once;
-    unsigned threads;
-    size_t chunk;
-    CUresult (*reg)(void *, size_t, unsigned int);
-    CUresult (*unreg)(void *);
-    int no_populate; /* MADV_POPULATE_WRITE unknown to this kernel: touch pages */
-} cfg = {PTHREAD_ONCE_INIT, 0, 0, NULL, NULL, 0};
-
-static unsigned long env_count(const char *name, unsigned long lo, unsigned long hi,
-                               unsigned long def, const char *what)
-{
-    const char *v = getenv(name);
-    char *end;
-    unsigned long x;
-
-    if (!v || !*v)
-        return def;
-    errno = 0;
-    x = strtoul(v, &end, 10);
-    if (errno || *end || v[0] == '-' || v[0] == '+' || x < lo || x > hi) {
-        shim_log(LOG_WARN, "%s=%s is not %s in [%lu, %lu]; using %lu", name, v, what, lo, hi,
-                 def);
-        return def;
-    }
-    return x;
-}
-
-static void *proc(const char *name, int version)
-{
-    void *p = NULL;
-    CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
-
-    if (!real.cuGetProcAddress_v2 ||
-        real.cuGetProcAddress_v2(name, &p, version, 0, &st) != CUDA_SUCCESS ||
-        st != CU_GET_PROC_ADDRESS_SUCCESS)
-        return NULL;
-    return p;
-}
-
-static void cfg_init(void)
-{
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    unsigned def = THREADS_DEFAULT;
-
-    if (cpus >= 1 && (unsigned long)cpus < def)
-        def = (unsigned)cpus;
-    cfg.threads = (unsigned)env_count("SNAPSHOT_SHIM_COPY_THREADS", 1, THREADS_MAX, def,
-                                      "a thread count");
-    cfg.chunk = (size_t)env_count("SNAPSHOT_SHIM_COPY_CHUNK_MIB", 1, CHUNK_MIB_MAX,
-                                  CHUNK_MIB_DEFAULT, "a chunk size in MiB")
-                << 20;
-    /* Not in `real` (interpose.c resolves what the wrappers need); ask the
-     * driver's resolver like the application would. */
-    cfg.reg = (CUresult(*)(void *, size_t, unsigned int))proc("cuMemHostRegister", 6050);
-    cfg.unreg = (CUresult(*)(void *))proc("cuMemHostUnregister", 4000);
-}
+/* MADV_POPULATE_WRITE unknown to this kernel: touch the pages instead. Set
+ * once, by whichever thread learns it first. */
+static int no_populate;
 
 static CUdevice access_device(const struct obj *o)
 {
@@ -249,7 +190,7 @@ static void copy_end(struct job *j)
  * a write, not a read, or the kernel maps the shared zero page. */
 static int populate(char *p, size_t len)
 {
-    if (!__atomic_load_n(&cfg.no_populate, __ATOMIC_RELAXED)) {
+    if (!__atomic_load_n(&no_populate, __ATOMIC_RELAXED)) {
         for (;;) {
             if (madvise(p, len, MADV_POPULATE_WRITE) == 0)
                 return 0;
@@ -257,7 +198,7 @@ static int populate(char *p, size_t len)
                 continue;
             if (errno != EINVAL)
                 return -1;
-            __atomic_store_n(&cfg.no_populate, 1, __ATOMIC_RELAXED);
+            __atomic_store_n(&no_populate, 1, __ATOMIC_RELAXED);
             break;
         }
     }
@@ -285,7 +226,7 @@ static int do_chunk(struct job *j, CUstream s, size_t k)
                  strerror(e), e, off);
         return -1;
     }
-    r = cfg.reg(p, len, 0);
+    r = real.cuMemHostRegister(p, len, 0);
     if (r != CUDA_SUCCESS) {
         cu_fail(j, "cuMemHostRegister", r, off);
         return -1;
@@ -304,7 +245,7 @@ static int do_chunk(struct job *j, CUstream s, size_t k)
         cu_fail(j, "cuStreamSynchronize", r2, off);
         r = r2;
     }
-    r2 = cfg.unreg(p);
+    r2 = real.cuMemHostUnregister(p);
     if (r2 != CUDA_SUCCESS && r == CUDA_SUCCESS) {
         cu_fail(j, "cuMemHostUnregister", r2, off);
         r = r2;
@@ -342,10 +283,11 @@ static void *copy_worker(void *arg)
 }
 
 /* Copy between `host` and `va` (o->size bytes) on the calling thread and up
- * to cfg.threads-1 helpers (`tids`, cfg.threads-1 entries, from the op). */
+ * to threads-1 helpers (`tids`, threads-1 entries, from the op). */
 static int copy_chunks(const struct obj *o, bool to_host, char *host, CUdeviceptr va,
                        pthread_t *tids, struct stats *st, char *msg, size_t n)
 {
+    const struct shim_settings *cfg = shim_settings();
     struct job j;
     unsigned want, started = 0;
     sigset_t all, old;
@@ -357,8 +299,8 @@ static int copy_chunks(const struct obj *o, bool to_host, char *host, CUdevicept
     j.host = host;
     j.va = va;
     j.size = o->size;
-    j.chunk = cfg.chunk;
-    j.nchunks = (o->size + cfg.chunk - 1) / cfg.chunk;
+    j.chunk = cfg->copy_chunk;
+    j.nchunks = (o->size + cfg->copy_chunk - 1) / cfg->copy_chunk;
     r = real.cuCtxGetCurrent(&j.ctx);
     if (r != CUDA_SUCCESS) {
         shim_fail(msg, n, "cuCtxGetCurrent", r);
@@ -368,7 +310,7 @@ static int copy_chunks(const struct obj *o, bool to_host, char *host, CUdevicept
         snprintf(msg, n, "pthread_mutex_init failed");
         return -1;
     }
-    want = j.nchunks < cfg.threads ? (unsigned)j.nchunks : cfg.threads;
+    want = j.nchunks < cfg->copy_threads ? (unsigned)j.nchunks : cfg->copy_threads;
     /* Helpers take no signals, like the control thread: the application's
      * handlers run on its own threads. */
     sigfillset(&all);
@@ -418,16 +360,17 @@ static void free_hosts(void)
 /* The settings and entry points, or a message. */
 static int copy_setup(pthread_t **tids, char *msg, size_t n)
 {
-    pthread_once(&cfg.once, cfg_init);
-    if (!cfg.reg || !cfg.unreg || !real.cuCtxGetCurrent || !real.cuStreamCreate ||
+    unsigned threads = shim_settings()->copy_threads;
+
+    if (!shim_resolve_host_register() || !real.cuCtxGetCurrent || !real.cuStreamCreate ||
         !real.cuStreamSynchronize || !real.cuStreamDestroy) {
         snprintf(msg, n, "the driver lacks cuMemHostRegister/cuMemHostUnregister or the "
                          "stream entry points");
         return -1;
     }
-    *tids = calloc(cfg.threads, sizeof **tids); /* once per op, never per chunk */
+    *tids = calloc(threads, sizeof **tids); /* once per op, never per chunk */
     if (!*tids) {
-        snprintf(msg, n, "out of memory for %u copy threads", cfg.threads);
+        snprintf(msg, n, "out of memory for %u copy threads", threads);
         return -1;
     }
     return 0;
@@ -477,30 +420,32 @@ fail:
 /* A finished op's figures: logged, and in the reply. */
 static void report_done(struct reply *r, const char *op, const struct stats *st, uint64_t t0)
 {
+    const struct shim_settings *cfg = shim_settings();
     uint64_t ns = shim_now_ns() - t0;
     shim_log(LOG_INFO,
              "%s: %llu allocations, %llu bytes, %llu chunks of %zu MiB on %u of %u threads, "
              "%.2f GB/s end to end, copy %.3f s",
              op, (unsigned long long)st->count, (unsigned long long)st->bytes,
-             (unsigned long long)st->chunks, cfg.chunk >> 20, st->threads, cfg.threads,
+             (unsigned long long)st->chunks, cfg->copy_chunk >> 20, st->threads,
+             cfg->copy_threads,
              ns ? (double)st->bytes / (double)ns : 0.0, (double)st->copy_ns / 1e9);
     r->h.stat_count = st->count;
     r->h.stat_bytes = st->bytes;
     r->h.stat_copy_ns = st->copy_ns;
 }
 
-int content_save(struct reply *r)
+enum phase_result content_save(struct reply *r)
 {
     struct stats st = {0, 0, 0, 0, 0};
     pthread_t *tids = NULL;
     uint64_t t0 = shim_now_ns();
     char msg[MSG_LEN];
 
-    if (g.native_content)
-        return 0; /* the native checkpoint moves the bytes */
+    if (shim_settings()->native_content)
+        return PHASE_DONE; /* the native checkpoint moves the bytes */
     if (copy_setup(&tids, msg, sizeof msg) != 0) {
         reply_msg(r, CUIP_STATUS_CUDA_FAILED, "SAVE_ALLOCATIONS: %s", msg);
-        return -1;
+        return PHASE_FAILED;
     }
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
@@ -510,12 +455,12 @@ int content_save(struct reply *r)
             free(tids);
             free_hosts();
             reply_msg(r, CUIP_STATUS_CUDA_FAILED, "SAVE_ALLOCATIONS: %s", msg);
-            return -1;
+            return PHASE_FAILED;
         }
     }
     free(tids);
     report_done(r, "SAVE_ALLOCATIONS", &st, t0);
-    return 0;
+    return PHASE_DONE;
 }
 
 static int load_one(struct obj *o, pthread_t *tids, struct stats *st, char *msg, size_t n)
@@ -570,18 +515,18 @@ fail:
     return -1;
 }
 
-int content_load(struct reply *r)
+enum phase_result content_load(struct reply *r)
 {
     struct stats st = {0, 0, 0, 0, 0};
     pthread_t *tids = NULL;
     uint64_t t0 = shim_now_ns();
     char msg[MSG_LEN];
 
-    if (g.native_content)
-        return 0; /* creators kept their allocations */
+    if (shim_settings()->native_content)
+        return PHASE_DONE; /* creators kept their allocations */
     if (copy_setup(&tids, msg, sizeof msg) != 0) {
         reply_msg(r, CUIP_STATUS_CUDA_FAILED, "LOAD_ALLOCATIONS: %s", msg);
-        return -1;
+        return PHASE_FAILED;
     }
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
@@ -590,15 +535,15 @@ int content_load(struct reply *r)
         if (!o->host) {
             free(tids);
             reply_msg(r, CUIP_STATUS_INTERNAL, "LOAD_ALLOCATIONS: no saved content");
-            return -1;
+            return PHASE_FAILED;
         }
         if (load_one(o, tids, &st, msg, sizeof msg) != 0) {
             free(tids);
             reply_msg(r, CUIP_STATUS_CUDA_FAILED, "LOAD_ALLOCATIONS: %s", msg);
-            return -1;
+            return PHASE_FAILED;
         }
     }
     free(tids);
     report_done(r, "LOAD_ALLOCATIONS", &st, t0);
-    return 0;
+    return PHASE_DONE;
 }

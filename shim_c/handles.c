@@ -1,12 +1,13 @@
 /*
- * The logical handle table.
+ * The logical handle table, and adopting a driver handle into it.
  *
  * The application never holds a real driver handle for a tracked resource:
  * it holds SHIM_TAG | generation | slot. The real driver crashes on a handle
- * value it never gave out (shared/records: SIGSEGV in cuMemRelease), so a
- * tagged value that is unknown or dead is rejected here and never reaches
- * the driver. Slots are reused with a new generation, so a stale handle to a
- * reused slot stays dead. All functions run under g.lock.
+ * value it never gave out (SIGSEGV in cuMemRelease:
+ * specs/records/2026-11-29-h200-driver-rules.jsonl), so a tagged value that
+ * is unknown or dead is rejected here and never reaches the driver. Slots
+ * are reused with a new generation, so a stale handle to a reused slot stays
+ * dead. All functions run under g.lock.
  */
 #include "shim.h"
 
@@ -183,4 +184,45 @@ bool obj_shared(const struct obj *o)
 {
     return o->kind == OBJ_ALLOC && !o->raw_import && !o->unsupported &&
            (o->exported || o->imported || o->mc_member);
+}
+
+/* ------------------------------------------------------------ adoption */
+/* Under g.lock: a new object of `kind` for the driver handle `h`, which the
+ * application now holds once (live, the current context); NULL on ENOMEM,
+ * after releasing `h`. */
+struct obj *obj_adopt(enum obj_kind kind, CUmemGenericAllocationHandle h)
+{
+    struct obj *o = obj_new(kind);
+    if (!o) {
+        real.cuMemRelease(h);
+        return NULL;
+    }
+    o->live = true;
+    o->real = h;
+    o->refs = 1;
+    if (real.cuCtxGetCurrent(&o->ctx) != CUDA_SUCCESS)
+        o->ctx = NULL;
+    return o;
+}
+
+/* Under g.lock: adopt `h`, just created by the driver for the application,
+ * with this participant as its creator. A handle in the shim's tag range is
+ * refused; on failure `h` is released. */
+CUresult obj_adopt_created(enum obj_kind kind, CUmemGenericAllocationHandle h, struct obj **out)
+{
+    struct obj *o;
+
+    if (SHIM_IS_TAGGED(h)) {
+        shim_log(LOG_ERROR, "driver handle %#llx collides with the shim's tag range; refused",
+                 (unsigned long long)h);
+        real.cuMemRelease(h);
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    o = obj_adopt(kind, h);
+    if (!o)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    o->is_creator = true;
+    memcpy(o->creator, g.participant, CUIP_PARTICIPANT_LEN);
+    *out = o;
+    return CUDA_SUCCESS;
 }

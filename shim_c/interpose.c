@@ -11,39 +11,14 @@
  *    same ABI. The ABI is taken from the pointer the driver returned when it
  *    is one of the driver's exports (exact), else from the requested version.
  *
- * The real driver is never linked: it is opened by soname at first use.
+ * The real driver is never linked: driver.c opens it by soname at first use.
  */
 #include "shim.h"
 
 #include <dlfcn.h>
 #include <string.h>
 
-#define NO_SAN __attribute__((no_sanitize("address", "undefined")))
-
-SHIM_HIDDEN struct shim_real real;
-
-/* ------------------------------------------------------------ real dlsym */
-typedef void *(*dlsym_fn)(void *, const char *);
-static dlsym_fn real_dlsym_ptr;
-
-/* A dlsym interposer cannot ask dlsym for the real dlsym: find it with
- * dlvsym. The version differs by architecture and glibc release. Runs before
- * the sanitizer runtime is initialised (libasan calls dlsym while setting
- * up), hence no instrumentation on this path. */
-NO_SAN static dlsym_fn real_dlsym_get(void)
-{
-    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17",
-                                           "GLIBC_2.0"};
-    dlsym_fn f = __atomic_load_n(&real_dlsym_ptr, __ATOMIC_ACQUIRE);
-    if (f)
-        return f;
-    for (unsigned i = 0; i < sizeof versions / sizeof versions[0] && !f; i++)
-        f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[i]);
-    __atomic_store_n(&real_dlsym_ptr, f, __ATOMIC_RELEASE);
-    return f;
-}
-
-NO_SAN static bool same(const char *a, const char *b)
+SHIM_NO_SAN static bool same(const char *a, const char *b)
 {
     while (*a && *a == *b) {
         a++;
@@ -53,7 +28,7 @@ NO_SAN static bool same(const char *a, const char *b)
 }
 
 /* ------------------------------------------------------------ wrappers */
-/* Defined in this file and in unicast.c/multicast.c. cuda.h maps some
+/* Defined in this file, unicast.c, multicast.c and capability.c. cuda.h maps some
  * names to _v2 with macros; the old ABIs are declared here by hand. */
 #undef cuGetProcAddress
 SHIM_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion,
@@ -149,86 +124,6 @@ static const char *const rt_names[RT_N] = {
     "cudaGetDriverEntryPoint", "cudaGetDriverEntryPoint_ptsz", "cudaGetDriverEntryPointByVersion",
     "cudaGetDriverEntryPointByVersion_ptsz"};
 
-/* ------------------------------------------------------------ real driver */
-static pthread_once_t resolve_once_ctl = PTHREAD_ONCE_INIT;
-static bool resolve_ok;
-
-static void *sym(void *lib, const char *name, const char *base, int version)
-{
-    dlsym_fn rd = real_dlsym_get();
-    void *p = rd ? rd(lib, name) : NULL;
-    CUdriverProcAddressQueryResult st;
-
-    /* A driver that lacks the exported name still answers its resolver. */
-    if (!p && base && real.cuGetProcAddress_v2 &&
-        real.cuGetProcAddress_v2(base, &p, version, 0, &st) != CUDA_SUCCESS)
-        p = NULL;
-    return p;
-}
-
-static void resolve_once(void)
-{
-    void *lib = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
-    if (!lib)
-        lib = dlopen("libcuda.so.1", RTLD_LAZY);
-    if (!lib) {
-        shim_log(LOG_ERROR, "cannot open libcuda.so.1: %s", dlerror());
-        return;
-    }
-#define R(field, name, base, ver) real.field = (__typeof__(real.field))sym(lib, name, base, ver)
-    R(cuGetProcAddress_v2, "cuGetProcAddress_v2", NULL, 0);
-    R(gpa_v1, "cuGetProcAddress", NULL, 0);
-    R(cuInit, "cuInit", "cuInit", 2000);
-    R(cuGetErrorName, "cuGetErrorName", "cuGetErrorName", 6000);
-    R(cuMemCreate, "cuMemCreate", "cuMemCreate", 10020);
-    R(cuMemRelease, "cuMemRelease", "cuMemRelease", 10020);
-    R(cuMemMap, "cuMemMap", "cuMemMap", 10020);
-    R(cuMemUnmap, "cuMemUnmap", "cuMemUnmap", 10020);
-    R(cuMemSetAccess, "cuMemSetAccess", "cuMemSetAccess", 10020);
-    R(cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle", "cuMemRetainAllocationHandle",
-      11000);
-    R(cuMemGetAllocationPropertiesFromHandle, "cuMemGetAllocationPropertiesFromHandle",
-      "cuMemGetAllocationPropertiesFromHandle", 10020);
-    R(cuMemExportToShareableHandle, "cuMemExportToShareableHandle",
-      "cuMemExportToShareableHandle", 10020);
-    R(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle",
-      "cuMemImportFromShareableHandle", 10020);
-    R(cuMemAddressReserve, "cuMemAddressReserve", "cuMemAddressReserve", 10020);
-    R(cuMemAddressFree, "cuMemAddressFree", "cuMemAddressFree", 10020);
-    R(cuMemHostAlloc, "cuMemHostAlloc", "cuMemHostAlloc", 2020);
-    R(cuMemFreeHost, "cuMemFreeHost", "cuMemFreeHost", 2000);
-    R(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync", 3020);
-    R(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync", 3020);
-    R(cuStreamCreate, "cuStreamCreate", "cuStreamCreate", 2000);
-    R(cuStreamSynchronize, "cuStreamSynchronize", "cuStreamSynchronize", 2000);
-    R(cuStreamDestroy, "cuStreamDestroy_v2", "cuStreamDestroy", 4000);
-    R(cuCtxGetCurrent, "cuCtxGetCurrent", "cuCtxGetCurrent", 4000);
-    R(cuCtxPushCurrent, "cuCtxPushCurrent_v2", "cuCtxPushCurrent", 4000);
-    R(cuCtxPopCurrent, "cuCtxPopCurrent_v2", "cuCtxPopCurrent", 4000);
-    R(cuCtxGetDevice, "cuCtxGetDevice", "cuCtxGetDevice", 2000);
-    R(cuMulticastCreate, "cuMulticastCreate", "cuMulticastCreate", 12010);
-    R(cuMulticastAddDevice, "cuMulticastAddDevice", "cuMulticastAddDevice", 12010);
-    R(cuMulticastBindMem, "cuMulticastBindMem", "cuMulticastBindMem", 12010);
-    R(cuMulticastBindAddr, "cuMulticastBindAddr", "cuMulticastBindAddr", 12010);
-    R(cuMulticastUnbind, "cuMulticastUnbind", "cuMulticastUnbind", 12010);
-    /* The device-explicit binds only by name: asking the resolver at 13010
-     * could hand back the old ABI on a 13.0 driver. */
-    R(cuMulticastBindMem_v2, "cuMulticastBindMem_v2", NULL, 0);
-    R(cuMulticastBindAddr_v2, "cuMulticastBindAddr_v2", NULL, 0);
-#undef R
-    if (!real.cuGetProcAddress_v2 || !real.cuMemCreate || !real.cuMemMap || !real.cuInit) {
-        shim_log(LOG_ERROR, "libcuda.so.1 lacks the VMM entry points the shim needs");
-        return;
-    }
-    resolve_ok = true;
-}
-
-bool shim_resolve_real(void)
-{
-    pthread_once(&resolve_once_ctl, resolve_once);
-    return resolve_ok;
-}
-
 /* ------------------------------------------------------------ substitution */
 /* Which wrapper stands for `p`, the driver's answer for `name` at `version`;
  * NULL when the name is not tracked or the ABI is unknown. */
@@ -272,9 +167,9 @@ static void substitute(const char *name, void **pfn, int version)
 }
 
 /* ------------------------------------------------------------ dlsym */
-NO_SAN void *dlsym(void *handle, const char *name)
+SHIM_NO_SAN void *dlsym(void *handle, const char *name)
 {
-    dlsym_fn rd = real_dlsym_get();
+    shim_dlsym_fn rd = shim_real_dlsym();
     void *p;
 
     if (!rd)
@@ -366,10 +261,10 @@ CUresult CUDAAPI cuGetProcAddress_v2_ptsz(const char *symbol, void **pfn, int cu
 static void *rt_get(int k)
 {
     void *p = __atomic_load_n(&rt_real[k], __ATOMIC_ACQUIRE);
-    dlsym_fn rd;
+    shim_dlsym_fn rd;
     if (p)
         return p;
-    rd = real_dlsym_get();
+    rd = shim_real_dlsym();
     p = rd ? rd(RTLD_NEXT, rt_names[k]) : NULL;
     if (p)
         __atomic_store_n(&rt_real[k], p, __ATOMIC_RELEASE);
@@ -384,7 +279,7 @@ static int rt_version(void *entry)
     void *lib;
     int (*get)(int *);
     int v = 0;
-    dlsym_fn rd = real_dlsym_get();
+    shim_dlsym_fn rd = shim_real_dlsym();
 
     if (!rd || !dladdr(entry, &info) || !info.dli_fname)
         return 0;
@@ -451,24 +346,4 @@ int cudaGetDriverEntryPointByVersion_ptsz(const char *s, void **fp, unsigned int
                                           unsigned long long flags, int *st)
 {
     return rt_entry_ver(RT_EPV_PTSZ, s, fp, v, flags, st);
-}
-
-/* ------------------------------------------------------------ contexts */
-CUresult shim_ctx_enter(CUcontext ctx, bool *pushed)
-{
-    CUresult r;
-    *pushed = false;
-    if (!ctx)
-        return CUDA_SUCCESS;
-    r = real.cuCtxPushCurrent(ctx);
-    if (r == CUDA_SUCCESS)
-        *pushed = true;
-    return r;
-}
-
-void shim_ctx_leave(bool pushed)
-{
-    CUcontext dummy;
-    if (pushed)
-        real.cuCtxPopCurrent(&dummy);
 }

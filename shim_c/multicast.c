@@ -183,7 +183,7 @@ uint32_t multicast_live(void)
 
 /* Under g.lock: one UNSUPPORTED_EXPORTABLE record per live multicast object,
  * appended to r->records (room was reserved by the caller). */
-int multicast_inspect(struct reply *r, uint32_t *n)
+void multicast_inspect(struct reply *r, uint32_t *n)
 {
     *n = 0;
     for (uint32_t i = 0; i < obj_count(); i++) {
@@ -198,11 +198,10 @@ int multicast_inspect(struct reply *r, uint32_t *n)
         rec->size = o->size;
         (*n)++;
     }
-    return 0;
 }
 
 /* Nothing to detach yet; a live multicast object refuses (phase unchanged). */
-int multicast_prepare(struct reply *r)
+enum phase_result multicast_prepare(struct reply *r)
 {
     uint32_t n;
     pthread_mutex_lock(&g.lock);
@@ -211,7 +210,7 @@ int multicast_prepare(struct reply *r)
     if (n) {
         reply_msg(r, CUIP_STATUS_REFUSED,
                   "%u live multicast object(s): multicast capture is not supported yet", n);
-        return -2;
+        return PHASE_REFUSED;
     }
-    return 0;
+    return PHASE_DONE;
 }

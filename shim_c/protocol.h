@@ -58,6 +58,22 @@ enum cuip_phase {
     CUIP_PHASE_FAILED = 15,
 };
 
+/* The phase machine: X(op, needs, reaches, transfers) for every phase op, in
+ * order. `needs` is the only phase the op is served in, `reaches` the phase
+ * every successful reply reports, `transfers` 1 when the reply carries the
+ * byte and allocation statistics. Names are the CUIP_OP_ and CUIP_PHASE_
+ * suffixes; the engine's table (phases/ops.py) is pinned to this one. */
+#define CUIP_PHASE_OPS(X)                                                      \
+    X(PREPARE_MULTICAST, ACTIVE, MULTICAST_DETACHED, 0)                        \
+    X(SAVE_ALLOCATIONS, MULTICAST_DETACHED, ALLOCATIONS_SAVED, 1)              \
+    X(PREPARE_UNICAST, ALLOCATIONS_SAVED, PREPARED, 0)                         \
+    X(LOAD_ALLOCATIONS, PREPARED, ALLOCATIONS_LOADED, 1)                       \
+    X(RESTORE_UNICAST, ALLOCATIONS_LOADED, UNICAST_RESTORED, 0)                \
+    X(RESTORE_MULTICAST_CREATORS, UNICAST_RESTORED, MULTICAST_CREATED, 0)      \
+    X(RESTORE_MULTICAST_IMPORTERS, MULTICAST_CREATED, MULTICAST_IMPORTED, 0)   \
+    X(RESTORE_MULTICAST_DEVICES, MULTICAST_IMPORTED, MULTICAST_JOINED, 0)      \
+    X(RESTORE_MULTICAST_BINDINGS, MULTICAST_JOINED, ACTIVE, 0)
+
 enum cuip_status {
     CUIP_STATUS_OK = 0,
     CUIP_STATUS_BAD_REQUEST = 1,

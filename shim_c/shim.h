@@ -1,6 +1,20 @@
 /*
  * Internal interface of libcuinterpose.so (the LD_PRELOAD shim).
  *
+ * The files, bottom to top: a file uses only the ones above it in this list
+ * (tests/shim/test_c_layering.py checks it against CMakeLists.txt's order):
+ *   util.c      logging, time, randomness, hex, byte comparisons
+ *   settings.c  every environment variable, read once
+ *   driver.c    the real driver: resolution, contexts, CUresult names
+ *   state.c     the shared state `g`, its lock, entering the shim
+ *   handles.c   the logical handle table and its objects
+ *   io.c        bounded socket I/O and replies
+ *   capability.c, multicast.c, unicast.c, content.c   the tracked calls and
+ *               the phase work
+ *   control.c   the control server: connections, validation, phase machine
+ *   lifecycle.c starting the server, fork, exit
+ *   interpose.c every way a program reaches the driver
+ *
  * One state struct (struct shim_state, `g`) guarded by one mutex (g.lock).
  * Rules that every file follows:
  *  - g.lock is never held across a call to a peer (EXPORT) or across a
@@ -13,6 +27,8 @@
  *    the EXPORT server reads (live, real).
  *  - Only exported functions carry SHIM_EXPORT; everything else is hidden so
  *    the shim never interposes anything by accident.
+ *  - A function returning int answers 0 on success and -1 on failure (errno
+ *    or a message set), unless its declaration names another convention.
  */
 #ifndef CUINTERPOSE_SHIM_H
 #define CUINTERPOSE_SHIM_H
@@ -33,6 +49,9 @@
 
 #define SHIM_EXPORT __attribute__((visibility("default")))
 #define SHIM_HIDDEN __attribute__((visibility("hidden")))
+/* Code that may run before the sanitizer runtime is initialised (libasan
+ * calls dlsym while setting up). */
+#define SHIM_NO_SAN __attribute__((no_sanitize("address", "undefined")))
 
 
 /* Headers older than CUDA 13.1 lack the device-explicit binds; cuda.h 13.5
@@ -57,6 +76,8 @@ SHIM_EXPORT CUresult CUDAAPI cuMulticastBindAddr_v2(CUmemGenericAllocationHandle
 /* ---------------------------------------------------------------- util.c */
 enum { LOG_ERROR = 0, LOG_WARN = 1, LOG_INFO = 2, LOG_DEBUG = 3 };
 SHIM_HIDDEN void shim_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Lines above `level` are dropped (LOG_WARN until the settings are read). */
+SHIM_HIDDEN void shim_log_set_level(int level);
 SHIM_HIDDEN uint64_t shim_now_ns(void);
 SHIM_HIDDEN int shim_random(void *buf, size_t len);
 SHIM_HIDDEN void shim_random_id(uint8_t id[CUIP_ID_LEN]);
@@ -64,12 +85,30 @@ SHIM_HIDDEN void shim_hex(char *out, const uint8_t *in, size_t len);
 SHIM_HIDDEN bool shim_is_participant(const char *p);
 SHIM_HIDDEN bool shim_is_zero(const void *p, size_t len);
 SHIM_HIDDEN bool shim_ct_equal(const void *a, const void *b, size_t len);
-/* Seconds (a decimal, e.g. "2.5") from the environment, in milliseconds. */
-SHIM_HIDDEN long shim_env_seconds_ms(const char *name, long def_ms);
-SHIM_HIDDEN bool shim_env_flag(const char *name);
-SHIM_HIDDEN const char *shim_cu_name(CUresult r);
 
-/* ---------------------------------------------------------------- interpose.c */
+/* ---------------------------------------------------------------- settings.c */
+/* What the environment asks for (every variable is read there, checked:
+ * a bad value is named in a warning and the default is used). */
+struct shim_settings {
+    int log_level;              /* SNAPSHOT_SHIM_DEBUG: LOG_DEBUG, else LOG_WARN */
+    long io_timeout_ms;         /* one control connection's read or write */
+    long peer_timeout_ms;       /* a peer EXPORT request */
+    /* SNAPSHOT_CONTENT_MODE=native: creators keep their shared allocations
+     * through the native checkpoint (which moves the bytes); nothing is
+     * copied. Importers tear down and rebuild the same in both modes. */
+    bool native_content;
+    unsigned copy_threads;      /* SAVE/LOAD threads per allocation */
+    size_t copy_chunk;          /* bytes per copy chunk */
+    char control_dir[4096];     /* as given (the default when unset); checked at start */
+    /* SNAPSHOT_PARTICIPANT_ID as given, cut after one character too many so
+     * that a long value still fails the length check; empty when unset. */
+    char participant[CUIP_PARTICIPANT_LEN + 2];
+};
+/* The settings, read from the environment on the first call. */
+SHIM_HIDDEN const struct shim_settings *shim_settings(void);
+
+/* ---------------------------------------------------------------- driver.c */
+/* The real driver's entry points. */
 struct shim_real {
     CUresult (*cuInit)(unsigned int);
     CUresult (*gpa_v1)(const char *, void **, int, cuuint64_t); /* cuGetProcAddress, old ABI */
@@ -114,11 +153,61 @@ struct shim_real {
                                     unsigned long long);
     shim_bind_addr_v2_fn cuMulticastBindAddr_v2;
     CUresult (*cuMulticastUnbind)(CUmemGenericAllocationHandle, CUdevice, size_t, size_t);
+    /* Not wrapped: resolved on first use by shim_resolve_host_register(). */
+    CUresult (*cuMemHostRegister)(void *, size_t, unsigned int);
+    CUresult (*cuMemHostUnregister)(void *);
 };
 extern SHIM_HIDDEN struct shim_real real;
 /* Resolves `real` from libcuda.so.1 (never linked); false if the driver is
  * not loadable. Safe to call repeatedly and from any thread. */
 SHIM_HIDDEN bool shim_resolve_real(void);
+/* cuMemHostRegister and cuMemHostUnregister, through the driver's resolver
+ * as an application would ask; false when the driver lacks either. */
+SHIM_HIDDEN bool shim_resolve_host_register(void);
+/* The real dlsym (found with dlvsym: a dlsym interposer cannot ask dlsym);
+ * NULL when none of the known versions exists. */
+typedef void *(*shim_dlsym_fn)(void *, const char *);
+SHIM_HIDDEN shim_dlsym_fn shim_real_dlsym(void);
+/* Enter `ctx` on the calling (control) thread; a NULL ctx enters nothing. */
+SHIM_HIDDEN CUresult shim_ctx_enter(CUcontext ctx, bool *pushed);
+SHIM_HIDDEN void shim_ctx_leave(bool pushed);
+SHIM_HIDDEN const char *shim_cu_name(CUresult r);
+/* A CUDA_FAILED message: "<call> failed: <CUresult name> (<value>)". */
+SHIM_HIDDEN void shim_fail(char *msg, size_t n, const char *call, CUresult r);
+
+/* ---------------------------------------------------------------- state.c */
+struct shim_state {
+    pthread_mutex_t lock;          /* tables, phase, reason */
+    pthread_mutex_t init_lock;     /* lazy start */
+    pid_t started_pid;             /* the pid that owns the listener; 0 = not started */
+    char participant[CUIP_PARTICIPANT_LEN + 1];
+    bool pinned;                   /* id from SNAPSHOT_PARTICIPANT_ID */
+    uint16_t phase;                /* enum cuip_phase */
+    bool busy;                     /* a phase op is running */
+    char reason[CUIP_MESSAGE_MAX + 1];
+    int listen_fd;
+    char control_dir[108];
+    char sock_name[CUIP_CAP_ENDPOINT_LEN];
+    char sock_path[108];
+    char claim_path[160];
+};
+extern SHIM_HIDDEN struct shim_state g;
+
+/* How the process becomes a participant (lifecycle.c registers it from its
+ * constructor): the state knows that something starts, not what. A start
+ * asked for before the registration happens at the registration. */
+SHIM_HIDDEN void shim_set_starter(void (*start)(void));
+/* Start the control server once per process (fork children included). */
+SHIM_HIDDEN void shim_ensure_started(void);
+/* Every tracked application call starts with this: resolves the driver and
+ * starts the control server. Returns CUDA_SUCCESS or an error to hand back. */
+SHIM_HIDDEN CUresult shim_enter(void);
+/* Enter the shim, lock g.lock and check that the application may change
+ * tracked state; on CUDA_SUCCESS the caller holds g.lock. */
+SHIM_HIDDEN CUresult app_lock(void);
+/* Fork child, before anything else runs: fresh locks, phase ACTIVE, no id,
+ * not started. */
+SHIM_HIDDEN void shim_state_after_fork(void);
 
 /* ---------------------------------------------------------------- handles.c */
 /* A logical handle: bits 63..48 the tag, 47..24 the slot's generation,
@@ -188,61 +277,6 @@ SHIM_HIDDEN void obj_drop_all(void);
 /* True when `o` no longer has handles nor mappings: the caller releases it. */
 SHIM_HIDDEN bool obj_unused(const struct obj *o);
 SHIM_HIDDEN bool obj_shared(const struct obj *o);
-
-/* ---------------------------------------------------------------- state */
-struct shim_state {
-    pthread_mutex_t lock;          /* tables, phase, reason */
-    pthread_mutex_t init_lock;     /* lazy start */
-    pid_t started_pid;             /* the pid that owns the listener; 0 = not started */
-    bool resolved;
-    char participant[CUIP_PARTICIPANT_LEN + 1];
-    bool pinned;                   /* id from SNAPSHOT_PARTICIPANT_ID */
-    uint16_t phase;                /* enum cuip_phase */
-    bool busy;                     /* a phase op is running */
-    char reason[CUIP_MESSAGE_MAX + 1];
-    int listen_fd;
-    char control_dir[108];
-    char sock_name[CUIP_CAP_ENDPOINT_LEN];
-    char sock_path[108];
-    char claim_path[160];
-    long io_timeout_ms;
-    long peer_timeout_ms;
-    /* SNAPSHOT_CONTENT_MODE=native: creators keep their shared allocations
-     * through the native checkpoint (which moves the bytes); nothing is
-     * copied. Importers tear down and rebuild the same in both modes. */
-    bool native_content;
-};
-extern SHIM_HIDDEN struct shim_state g;
-
-/* Start the control server once per process (fork children included). */
-SHIM_HIDDEN void shim_ensure_started(void);
-/* Every tracked application call starts with this: resolves the driver and
- * starts the control server. Returns CUDA_SUCCESS or an error to hand back. */
-SHIM_HIDDEN CUresult shim_enter(void);
-
-/* A CUDA_FAILED message: "<call> failed: <CUresult name>". */
-SHIM_HIDDEN void shim_fail(char *msg, size_t n, const char *call, CUresult r);
-
-/* Enter the object's context on the calling (control) thread. */
-SHIM_HIDDEN CUresult shim_ctx_enter(CUcontext ctx, bool *pushed);
-SHIM_HIDDEN void shim_ctx_leave(bool pushed);
-
-/* ---------------------------------------------------------------- control.c */
-struct reply {
-    struct cuip_header h;
-    char msg[CUIP_MESSAGE_MAX];
-    struct cuip_record *records;   /* malloc'd, count in h.count */
-    int fd;                        /* EXPORT: sent with SCM_RIGHTS, -1 otherwise */
-};
-SHIM_HIDDEN void reply_msg(struct reply *r, int status, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-/* Bounded helpers shared with capability.c. */
-SHIM_HIDDEN int io_write_all(int fd, const void *buf, size_t len, uint64_t deadline_ns);
-SHIM_HIDDEN int io_read_all(int fd, void *buf, size_t len, uint64_t deadline_ns, int *fd_out);
-
-/* ---------------------------------------------------------------- unicast.c */
-/* Lock g.lock and check that the application may change tracked state. */
-SHIM_HIDDEN CUresult app_lock(void);
 /* Under g.lock: a new live object of `kind` for driver handle `h`, held once
  * by the application; NULL on ENOMEM, after releasing `h`. */
 SHIM_HIDDEN struct obj *obj_adopt(enum obj_kind kind, CUmemGenericAllocationHandle h);
@@ -250,32 +284,66 @@ SHIM_HIDDEN struct obj *obj_adopt(enum obj_kind kind, CUmemGenericAllocationHand
  * a handle in the shim's tag range is refused. On failure `h` is released. */
 SHIM_HIDDEN CUresult obj_adopt_created(enum obj_kind kind, CUmemGenericAllocationHandle h,
                                        struct obj **out);
-SHIM_HIDDEN int unicast_inspect(struct reply *r);
-SHIM_HIDDEN int unicast_prepare(struct reply *r);
-SHIM_HIDDEN int unicast_load_mappings(struct obj *o, char *msg, size_t n);
-SHIM_HIDDEN int unicast_restore(struct reply *r);
-SHIM_HIDDEN void access_merge(struct mapping *m, const CUmemAccessDesc *d, size_t count);
-SHIM_HIDDEN CUresult map_apply(struct obj *o, const struct mapping *m, char *msg, size_t n);
 
-/* ---------------------------------------------------------------- content.c */
-SHIM_HIDDEN int content_save(struct reply *r);
-SHIM_HIDDEN int content_load(struct reply *r);
+/* ---------------------------------------------------------------- io.c */
+struct reply {
+    struct cuip_header h;
+    char msg[CUIP_MESSAGE_MAX];
+    struct cuip_record *records;   /* malloc'd, count in h.count */
+    int fd;                        /* EXPORT: sent with SCM_RIGHTS, -1 otherwise */
+};
+SHIM_HIDDEN void reply_init(struct reply *r, uint16_t op);
+SHIM_HIDDEN void reply_msg(struct reply *r, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+SHIM_HIDDEN int reply_send(int s, struct reply *r, uint64_t deadline_ns);
+/* Whole buffers before a deadline, or -1 with errno (0: the peer closed). */
+SHIM_HIDDEN int io_write_all(int fd, const void *buf, size_t len, uint64_t deadline_ns);
+SHIM_HIDDEN int io_read_all(int fd, void *buf, size_t len, uint64_t deadline_ns, int *fd_out);
 
-/* ---------------------------------------------------------------- multicast.c */
-SHIM_HIDDEN uint32_t multicast_live(void);
-SHIM_HIDDEN int multicast_inspect(struct reply *r, uint32_t *n);
-SHIM_HIDDEN int multicast_prepare(struct reply *r);
+/* ---------------------------------------------------------------- phase work */
+/* What the work of a phase op (CUIP_PHASE_OPS) answers the phase machine. */
+enum phase_result {
+    PHASE_DONE = 0,     /* the op's phase is reached */
+    PHASE_FAILED = -1,  /* fail-stop: the shim goes FAILED, the reply says why */
+    PHASE_REFUSED = -2, /* refused before doing anything: the phase stays */
+};
+typedef enum phase_result phase_work_fn(struct reply *r);
 
 /* ---------------------------------------------------------------- capability.c */
 /* Build a sealed memfd capability for `o`; returns the FD or -1. */
 SHIM_HIDDEN int cap_create(const struct obj *o);
-/* Parse `fd` as a capability: 1 yes (cap filled), 0 not one, -1 malformed. */
-SHIM_HIDDEN int cap_parse(int fd, struct cuip_capability *cap);
+enum cap_kind {
+    CAP_MALFORMED = -1, /* claims to be a capability, but is not a valid one */
+    CAP_NONE = 0,       /* not a capability: a raw FD */
+    CAP_VALID = 1,      /* a capability; `cap` is filled */
+};
+SHIM_HIDDEN enum cap_kind cap_parse(int fd, struct cuip_capability *cap);
 /* Ask the creator's endpoint for a fresh raw FD (EXPORT); -1 and msg on error. */
 SHIM_HIDDEN int cap_fetch(const char creator[CUIP_PARTICIPANT_LEN],
                           const uint8_t id[CUIP_ID_LEN], const uint8_t auth[CUIP_AUTH_LEN],
                           const char endpoint[CUIP_CAP_ENDPOINT_LEN], char *msg, size_t n);
 /* Serve EXPORT for a peer. */
 SHIM_HIDDEN void cap_serve_export(const struct cuip_header *req, struct reply *r);
+
+/* ---------------------------------------------------------------- multicast.c */
+SHIM_HIDDEN uint32_t multicast_live(void);
+SHIM_HIDDEN void multicast_inspect(struct reply *r, uint32_t *n);
+SHIM_HIDDEN phase_work_fn multicast_prepare;
+
+/* ---------------------------------------------------------------- unicast.c */
+SHIM_HIDDEN int unicast_inspect(struct reply *r);
+SHIM_HIDDEN phase_work_fn unicast_prepare;
+SHIM_HIDDEN int unicast_load_mappings(struct obj *o, char *msg, size_t n);
+SHIM_HIDDEN phase_work_fn unicast_restore;
+
+/* ---------------------------------------------------------------- content.c */
+SHIM_HIDDEN phase_work_fn content_save;
+SHIM_HIDDEN phase_work_fn content_load;
+
+/* ---------------------------------------------------------------- control.c */
+/* The listener thread: accepts on the socket `arg` (an int) for ever. */
+SHIM_HIDDEN void *control_listen(void *arg);
+/* Fork child: no connection of the parent's is ours. */
+SHIM_HIDDEN void control_after_fork(void);
 
 #endif

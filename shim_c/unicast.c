@@ -30,7 +30,7 @@ static int access_cmp(const void *a, const void *b)
 
 /* Merge per location: a later call for the same location replaces its
  * flags, other locations keep theirs; PROT_NONE removes the location. */
-void access_merge(struct mapping *m, const CUmemAccessDesc *d, size_t count)
+static void access_merge(struct mapping *m, const CUmemAccessDesc *d, size_t count)
 {
     for (size_t i = 0; i < count; i++) {
         uint32_t k;
@@ -62,7 +62,7 @@ void access_merge(struct mapping *m, const CUmemAccessDesc *d, size_t count)
 }
 
 /* Map `m` for `o` and re-apply its access: remapping does not restore it. */
-CUresult map_apply(struct obj *o, const struct mapping *m, char *msg, size_t n)
+static CUresult map_apply(struct obj *o, const struct mapping *m, char *msg, size_t n)
 {
     CUmemAccessDesc d[CUIP_ACCESS_MAX];
     CUresult r = real.cuMemMap(m->va, m->size, m->offset, o->real, m->flags);
@@ -82,60 +82,6 @@ CUresult map_apply(struct obj *o, const struct mapping *m, char *msg, size_t n)
     if (r != CUDA_SUCCESS)
         shim_fail(msg, n, "cuMemSetAccess", r);
     return r;
-}
-
-/* Lock and check that the application may change tracked state. */
-CUresult app_lock(void)
-{
-    CUresult r = shim_enter();
-    if (r != CUDA_SUCCESS)
-        return r;
-    pthread_mutex_lock(&g.lock);
-    if (g.phase != CUIP_PHASE_ACTIVE) {
-        pthread_mutex_unlock(&g.lock);
-        return CUDA_ERROR_NOT_READY;
-    }
-    return CUDA_SUCCESS;
-}
-
-/* Under g.lock: a new object of `kind` for the driver handle `h`, which the
- * application now holds once (live, the current context); NULL on ENOMEM,
- * after releasing `h`. */
-struct obj *obj_adopt(enum obj_kind kind, CUmemGenericAllocationHandle h)
-{
-    struct obj *o = obj_new(kind);
-    if (!o) {
-        real.cuMemRelease(h);
-        return NULL;
-    }
-    o->live = true;
-    o->real = h;
-    o->refs = 1;
-    if (real.cuCtxGetCurrent(&o->ctx) != CUDA_SUCCESS)
-        o->ctx = NULL;
-    return o;
-}
-
-/* Under g.lock: adopt `h`, just created by the driver for the application,
- * with this participant as its creator. A handle in the shim's tag range is
- * refused; on failure `h` is released. */
-CUresult obj_adopt_created(enum obj_kind kind, CUmemGenericAllocationHandle h, struct obj **out)
-{
-    struct obj *o;
-
-    if (SHIM_IS_TAGGED(h)) {
-        shim_log(LOG_ERROR, "driver handle %#llx collides with the shim's tag range; refused",
-                 (unsigned long long)h);
-        real.cuMemRelease(h);
-        return CUDA_ERROR_NOT_SUPPORTED;
-    }
-    o = obj_adopt(kind, h);
-    if (!o)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    o->is_creator = true;
-    memcpy(o->creator, g.participant, CUIP_PARTICIPANT_LEN);
-    *out = o;
-    return CUDA_SUCCESS;
 }
 
 /* Drop the shim's real reference once nothing of the application's is left. */
@@ -530,23 +476,23 @@ fail:
     return -1;
 }
 
-int unicast_prepare(struct reply *r)
+enum phase_result unicast_prepare(struct reply *r)
 {
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
         if (!o || !obj_shared(o) || !o->live)
             continue;
-        if (o->is_creator && g.native_content)
+        if (o->is_creator && shim_settings()->native_content)
             continue; /* kept: the native checkpoint saves it */
         if (o->is_creator && !o->host) {
             reply_msg(r, CUIP_STATUS_INTERNAL,
                       "PREPARE_UNICAST: allocation content was not saved");
-            return -1;
+            return PHASE_FAILED;
         }
         if (teardown(o, r) != 0)
-            return -1;
+            return PHASE_FAILED;
     }
-    return 0;
+    return PHASE_DONE;
 }
 
 /* ------------------------------------------------------------ rebuild */
@@ -608,14 +554,14 @@ fail:
     return -1;
 }
 
-int unicast_restore(struct reply *r)
+enum phase_result unicast_restore(struct reply *r)
 {
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
         if (!o || !obj_shared(o) || o->is_creator || o->live)
             continue;
         if (reimport(o, r) != 0)
-            return -1;
+            return PHASE_FAILED;
     }
-    return 0;
+    return PHASE_DONE;
 }

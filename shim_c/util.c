@@ -1,4 +1,5 @@
-/* Small helpers: logging, time, randomness, hex, environment parsing. */
+/* Small helpers with no state of the shim's: logging, time, randomness, hex,
+ * byte comparisons. */
 #include "shim.h"
 
 #include <errno.h>
@@ -10,14 +11,11 @@
 #include <time.h>
 #include <unistd.h>
 
-static int log_level(void)
+static int log_level = LOG_WARN; /* set once by settings.c, read by every thread */
+
+void shim_log_set_level(int level)
 {
-    /* Read once; a data race on an int initialised to the same value is
-     * benign, but keep it simple with a static computed lazily. */
-    static int level = -1;
-    if (level < 0)
-        level = shim_env_flag("SNAPSHOT_SHIM_DEBUG") ? LOG_DEBUG : LOG_WARN;
-    return level;
+    __atomic_store_n(&log_level, level, __ATOMIC_RELAXED);
 }
 
 /* One write, so that lines from several threads do not interleave, and no
@@ -51,7 +49,7 @@ void shim_log(int level, const char *fmt, ...)
     int n, m;
     va_list ap;
 
-    if (level > log_level())
+    if (level > __atomic_load_n(&log_level, __ATOMIC_RELAXED))
         return;
     n = snprintf(buf, sizeof buf, "cuinterpose[%d]: %s: ", (int)getpid(), names[level]);
     if (n < 0)
@@ -138,44 +136,4 @@ bool shim_ct_equal(const void *a, const void *b, size_t len)
     for (size_t i = 0; i < len; i++)
         acc |= (uint8_t)(x[i] ^ y[i]);
     return acc == 0;
-}
-
-long shim_env_seconds_ms(const char *name, long def_ms)
-{
-    const char *v = getenv(name);
-    char *end;
-    double x;
-
-    if (!v || !*v)
-        return def_ms;
-    errno = 0;
-    x = strtod(v, &end);
-    if (errno || *end || !(x > 0.0) || x > 3600.0) {
-        shim_log(LOG_WARN, "%s=%s is not a number of seconds in (0, 3600]; using %ld ms", name,
-                 v, def_ms);
-        return def_ms;
-    }
-    return x * 1000.0 < 1.0 ? 1 : (long)(x * 1000.0);
-}
-
-bool shim_env_flag(const char *name)
-{
-    const char *v = getenv(name);
-    if (!v)
-        return false;
-    return !strcmp(v, "1") || !strcasecmp(v, "true") || !strcasecmp(v, "yes") ||
-           !strcasecmp(v, "on");
-}
-
-const char *shim_cu_name(CUresult r)
-{
-    const char *s = NULL;
-    if (real.cuGetErrorName && real.cuGetErrorName(r, &s) == CUDA_SUCCESS && s)
-        return s;
-    return "CUDA_ERROR_(unnamed)";
-}
-
-void shim_fail(char *msg, size_t n, const char *call, CUresult r)
-{
-    snprintf(msg, n, "%s failed: %s (%d)", call, shim_cu_name(r), (int)r);
 }

@@ -8,9 +8,9 @@ the native restore + unlock of all, ``cuinterpose restore``; every byte is
 checked at its original address. Exit status 0 only if everything matched.
 
 The processes are the scriptable worker application
-``cuinterpose/demo/worker.py`` (``cuda.bindings.driver`` only); the
-:class:`Worker` client and :class:`Scenario` here are what the end-to-end tests,
-the GPU tests and ``bench/checkpoint.py`` use too.
+``cuinterpose/demo/worker.py`` (``cuda.bindings.driver`` only), driven through
+``worker_client.Worker``; :class:`Scenario` here is what the end-to-end tests, the GPU
+tests and ``bench/checkpoint.py`` use too.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import hashlib
 import json
 import os
 import random
-import select
-import socket
 import struct
 import subprocess
 import sys
@@ -29,35 +27,15 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, ClassVar, Final
+from typing import Any, ClassVar, Final
 
 import attrs
 
 from .. import artifacts, launch, native
+from .worker_client import DemoError, Worker
 
-# The worker application ships with the package: the demo runs from any directory.
-WORKER_SCRIPT: Final = Path(__file__).resolve().parent / "worker.py"
 PATTERN_CHUNK: Final = 32 << 20
-DEFAULT_CALL_TIMEOUT_S: Final = 120.0
 SIM_NAMESPACE_ENV: Final = "CUINTERPOSE_SIM_NAMESPACE"
-
-
-class DemoError(RuntimeError):
-    """Something in the demo scenario did not go as it must (names process and step)."""
-
-
-class WorkerError(DemoError):
-    """A worker answered an error, died, or did not answer in time."""
-
-    def __init__(self, worker: str, op: str, reply: Mapping[str, Any], stderr: str = "") -> None:
-        self.worker = worker
-        self.op = op
-        self.reply = dict(reply)
-        self.result = str(reply.get("result", ""))
-        text = f"{worker}: {op} failed: {reply.get('error', reply)}"
-        if stderr:
-            text += f"\n--- {worker} stderr (tail) ---\n{stderr}"
-        super().__init__(text)
 
 
 # --------------------------------------------------------------- the fill pattern
@@ -86,190 +64,6 @@ def pattern_digest(seed: int, size: int, offset: int = 0, length: int | None = N
         if pos >= end:
             break
     return digest.hexdigest()
-
-
-# --------------------------------------------------------------- the worker client
-class Worker:
-    """One worker process: JSON commands in, JSON replies out, FDs over a socketpair."""
-
-    def __init__(
-        self,
-        name: str,
-        env: Mapping[str, str],
-        *,
-        device: int = 0,
-        python: str | None = None,
-        log_dir: Path | None = None,
-        timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
-        wait: bool = True,
-    ) -> None:
-        """Start the worker; with ``wait=False``, call :meth:`wait_ready` before using it
-        (several workers then start in parallel)."""
-        if not WORKER_SCRIPT.is_file():
-            raise DemoError(f"the worker application is missing: {WORKER_SCRIPT}")
-        self.name = name
-        self.timeout_s = timeout_s
-        self._chan, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        log_dir = (
-            Path(tempfile.mkdtemp(prefix="cuinterpose-worker-")) if log_dir is None else log_dir
-        )
-        self.stderr_path = log_dir / f"{name}.stderr"
-        self._stderr: IO[bytes] = self.stderr_path.open("wb")
-        argv = [python or sys.executable, str(WORKER_SCRIPT), "--channel", str(child_end.fileno())]
-        argv += ["--device", str(device)]
-        try:
-            self.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=self._stderr,
-                env=dict(env),
-                pass_fds=(child_end.fileno(),),
-                bufsize=0,
-            )
-        finally:
-            child_end.close()
-        self.pid = self.proc.pid
-        self._ready = False
-        self._pending = b""
-        if wait:
-            self.wait_ready()
-
-    def wait_ready(self) -> Worker:
-        """Wait for the worker's startup line (it has initialized CUDA)."""
-        if not self._ready:
-            ready = self._read("startup")
-            if not ready.get("ok"):
-                self.kill()
-                raise WorkerError(self.name, "startup", ready, self.stderr_tail())
-            self.pid = int(ready["pid"])
-            self._ready = True
-        return self
-
-    def __repr__(self) -> str:
-        return f"Worker({self.name}, pid {getattr(self, 'pid', '?')})"
-
-    def stderr_tail(self, limit: int = 4000) -> str:
-        try:
-            return self.stderr_path.read_text(errors="replace")[-limit:]
-        except OSError:
-            return ""
-
-    def _exited(self, op: str) -> WorkerError:
-        try:
-            status: int | str = self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            status = "unknown (still running)"
-        return WorkerError(
-            self.name, op, {"error": f"worker exited with status {status}"}, self.stderr_tail()
-        )
-
-    def _read(self, op: str, timeout_s: float | None = None) -> dict[str, Any]:
-        """The next JSON line from the worker; other lines on its stdout are skipped."""
-        out = self.proc.stdout
-        assert out is not None
-        wait = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + wait
-        while True:
-            line, sep, rest = self._pending.partition(b"\n")
-            if sep:
-                self._pending = rest
-                if line.startswith(b"{"):
-                    reply: dict[str, Any] = json.loads(line)
-                    return reply
-                continue
-            left = deadline - time.monotonic()
-            ready, _, _ = select.select([out], [], [], max(left, 0.0))
-            if not ready:
-                raise WorkerError(
-                    self.name, op, {"error": f"no reply in {wait} s"}, self.stderr_tail()
-                )
-            chunk = os.read(out.fileno(), 1 << 16)
-            if not chunk:
-                raise self._exited(op)
-            self._pending += chunk
-
-    def call(self, op: str, *, timeout_s: float | None = None, **args: Any) -> dict[str, Any]:
-        """Send one command; return the reply, ``ok`` true or not."""
-        stdin = self.proc.stdin
-        assert stdin is not None
-        try:
-            stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
-            stdin.flush()
-        except BrokenPipeError:
-            raise self._exited(op) from None
-        return self._read(op, timeout_s)
-
-    def check(self, op: str, **args: Any) -> dict[str, Any]:
-        """Like :meth:`call`, but an error reply raises :class:`WorkerError`."""
-        reply = self.call(op, **args)
-        if not reply.get("ok"):
-            raise WorkerError(self.name, op, reply)
-        return reply
-
-    def send_fd_to(self, other: Worker, fd: int, *, close: bool = False) -> int:
-        """Pass ``fd`` (a number in this worker) to ``other``; returns its number there."""
-        self.check("send_fd", fd=fd, close=close)
-        self._chan.settimeout(self.timeout_s)
-        _, fds, _, _ = socket.recv_fds(self._chan, 1, 4)
-        if len(fds) != 1:
-            for extra in fds:
-                os.close(extra)
-            raise DemoError(f"{self.name}: expected one FD from send_fd, got {len(fds)}")
-        try:
-            socket.send_fds(other._chan, [b"F"], fds)
-        finally:
-            os.close(fds[0])
-        return int(other.check("recv_fd")["fd"])
-
-    # convenience wrappers -------------------------------------------------
-    def create_mapped(
-        self, size: int, *, handle_type: str = "posix", seed: int | None = None
-    ) -> tuple[int, int]:
-        """Create, reserve, map, grant read-write access, optionally fill: (handle, va)."""
-        handle = int(self.check("create", size=size, handle_type=handle_type)["handle"])
-        va = int(self.check("reserve", size=size)["va"])
-        self.check("map", va=va, size=size, handle=handle)
-        self.check("set_access", va=va, size=size)
-        if seed is not None:
-            self.check("fill", va=va, size=size, seed=seed)
-        return handle, va
-
-    def map_at_new_va(self, handle: int, size: int, *, offset: int = 0) -> int:
-        va = int(self.check("reserve", size=size)["va"])
-        self.check("map", va=va, size=size, handle=handle, offset=offset)
-        self.check("set_access", va=va, size=size)
-        return va
-
-    def digest(self, va: int, size: int) -> str:
-        return str(self.check("digest", va=va, size=size)["digest"])
-
-    def close(self, timeout_s: float = 30.0) -> int:
-        """Ask the worker to quit; returns its exit status (killed if it does not quit)."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(WorkerError, OSError, ValueError):
-                self.call("quit", timeout_s=timeout_s)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._cleanup()
-        return int(self.proc.returncode)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._cleanup()
-
-    def _cleanup(self) -> None:
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
-        self._chan.close()
-        self._stderr.close()
 
 
 # --------------------------------------------------------------- the scenario

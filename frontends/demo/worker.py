@@ -24,7 +24,18 @@ Commands (``op`` plus arguments; integers for handles, addresses and FDs):
   unmap va size | release handle | retain va -> handle | address_free va size
   close fd | sync | pid -> pid | mem_info -> free, total | device -> name, driver_version
   host_copy va size                   DtoH and HtoD through pinned memory -> seconds, GB/s
+  exec code                           runs a Python snippet -> result (what it left in ``result``)
   quit
+
+``exec`` (the test harness's way in): every snippet runs in one namespace that holds
+``cu``, ``os``, ``check(r)`` (a call's value, or RuntimeError naming the CUresult),
+``err(r)`` (the CUresult's name) and ``send_fd(fd)`` / ``recv_fd()`` over the channel; a
+snippet that raises answers ``{"ok": false, "error": TEXT, "trace": TRACEBACK}``.
+
+With ``--no-cuda-init`` the worker touches no CUDA call before a command needs it:
+snippets then set up CUDA themselves (the first other command initializes it as usual).
+Replies go to the stdout the worker started with; anything else written to stdout
+(a snippet's ``print``, a library's message) lands on stderr.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import socket
 import struct
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -281,25 +293,87 @@ class Worker:
         }
 
 
+class Snippets:
+    """The ``exec`` command: Python snippets run one after another in one namespace."""
+
+    def __init__(self, channel: socket.socket | None) -> None:
+        self.channel = channel
+        self.namespace: dict[str, Any] = {
+            "cu": cu,
+            "os": os,
+            "check": self.check,
+            "err": self.err,
+            "send_fd": self.send_fd,
+            "recv_fd": self.recv_fd,
+        }
+
+    @staticmethod
+    def check(result: Any) -> Any:
+        err = result[0] if isinstance(result, tuple) else result
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(cu.cuGetErrorName(err)[1].decode())
+        if isinstance(result, tuple):
+            rest = result[1:]
+            return rest[0] if len(rest) == 1 else rest
+        return None
+
+    @staticmethod
+    def err(result: Any) -> str:
+        e = result[0] if isinstance(result, tuple) else result
+        name = getattr(e, "name", None)
+        return name if isinstance(name, str) else str(e)
+
+    def _channel(self) -> socket.socket:
+        if self.channel is None:
+            raise RuntimeError("this worker was started without --channel")
+        return self.channel
+
+    def send_fd(self, fd: int) -> None:
+        socket.send_fds(self._channel(), [b"F"], [fd])
+
+    def recv_fd(self) -> int:
+        _, fds, _, _ = socket.recv_fds(self._channel(), 1, 1)
+        return int(fds[0])
+
+    def run(self, code: str) -> dict[str, Any]:
+        self.namespace["result"] = None
+        try:
+            exec(code, self.namespace)
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {exc}"
+            return {"ok": False, "error": text, "trace": traceback.format_exc()}
+        return {"ok": True, "result": self.namespace["result"]}
+
+
+def _setup_failure(exc: Exception) -> dict[str, Any]:
+    if isinstance(exc, CudaCallError):
+        return {"ok": False, "call": exc.call, "result": exc.result, "error": str(exc)}
+    # the driver library could not be loaded, for one
+    return {"ok": False, "error": f"CUDA setup: {type(exc).__name__}: {exc}"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--channel", type=int, default=-1, help="socket FD for SCM_RIGHTS")
     parser.add_argument("--device", type=int, default=0)
+    parser.add_argument(
+        "--no-cuda-init", action="store_true", help="leave CUDA alone until a command needs it"
+    )
     args = parser.parse_args()
     channel = socket.socket(fileno=args.channel) if args.channel >= 0 else None
-    out = sys.stdout
-    try:
-        worker = Worker(channel, args.device)
-    except CudaCallError as exc:
-        failed = {"ok": False, "call": exc.call, "result": exc.result, "error": str(exc)}
-    except Exception as exc:  # the driver library could not be loaded, for one
-        failed = {"ok": False, "error": f"CUDA setup: {type(exc).__name__}: {exc}"}
-    else:
-        failed = {}
-    if failed:
-        out.write(json.dumps(failed) + "\n")
-        out.flush()
-        return 1
+    # The replies own the stdout this process started with; stray output goes to stderr.
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    snippets = Snippets(channel)
+    worker: Worker | None = None
+    if not args.no_cuda_init:
+        try:
+            worker = Worker(channel, args.device)
+        except Exception as exc:
+            out.write(json.dumps(_setup_failure(exc)) + "\n")
+            out.flush()
+            return 1
     out.write(json.dumps({"ok": True, "pid": os.getpid(), "ready": True}) + "\n")
     out.flush()
     for line in sys.stdin:
@@ -313,10 +387,14 @@ def main() -> int:
                 out.write(json.dumps({"ok": True}) + "\n")
                 out.flush()
                 return 0
-            method = getattr(worker, f"do_{op}", None)
-            if method is None:
+            if op == "exec":
+                reply = snippets.run(cmd["code"])
+            elif not callable(getattr(Worker, f"do_{op}", None)):
                 raise ValueError(f"unknown op {op!r}")
-            reply = {"ok": True, **method(**cmd)}
+            else:
+                if worker is None:
+                    worker = Worker(channel, args.device)
+                reply = {"ok": True, **getattr(worker, f"do_{op}")(**cmd)}
         except CudaCallError as exc:
             reply = {"ok": False, "call": exc.call, "result": exc.result, "error": str(exc)}
         except Exception as exc:

@@ -13,76 +13,11 @@
  * the team rules) but not mirrored into those pages. */
 #include "sim.h"
 
-#include <errno.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 #include <unistd.h>
 
 #define MC_HANDLE_TYPES ((uint64_t)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC)
-
-int sim_meta_lock(struct sim_meta *m)
-{
-    int e = pthread_mutex_lock(&m->lock);
-
-    /* A team member died holding the lock: the team data is plain
-     * counters written under it, consistent at every store. */
-    if (e == EOWNERDEAD) {
-        pthread_mutex_consistent(&m->lock);
-        e = 0;
-    }
-    return e;
-}
-
-void sim_meta_unlock(struct sim_meta *m)
-{
-    pthread_mutex_unlock(&m->lock);
-}
-
-static int team_complete(struct sim_meta *m)
-{
-    int done = 0;
-
-    if (sim_meta_lock(m) == 0) {
-        done = m->added_count >= m->num_devices;
-        sim_meta_unlock(m);
-    }
-    return done;
-}
-
-/* ---- teams ------------------------------------------------------------ */
-
-/* Called without sim.mu: the devices are added by other processes (or
- * other threads of this one). */
-CUresult sim_mc_wait_complete(struct sim_obj *mc)
-{
-    long cap_ms = sim_env_long("CUINTERPOSE_SIM_MC_WAIT_MS", 20000, 1, 3600L * 1000);
-    double deadline = sim_now_ms() + (double)cap_ms;
-    struct timespec nap = {0, 1000 * 1000};
-
-    while (!team_complete(mc->meta)) {
-        if (sim_now_ms() >= deadline)
-            return CUDA_ERROR_TIMEOUT;
-        nanosleep(&nap, NULL);
-    }
-    return CUDA_SUCCESS;
-}
-
-/* Our bindings end with our last reference to the object. */
-void sim_mc_drop_binds(struct sim_obj *mc)
-{
-    struct sim_meta *m = mc->meta;
-    int32_t me = (int32_t)getpid();
-    uint32_t j = 0;
-
-    if (sim_meta_lock(m) != 0)
-        return;
-    for (uint32_t i = 0; i < m->nbinds; i++)
-        if (m->binds[i].pid != me)
-            m->binds[j++] = m->binds[i];
-    m->nbinds = j;
-    sim_meta_unlock(m);
-}
 
 static CUresult mc_granularity(size_t *g, const CUmulticastObjectProp *prop,
                                CUmulticastGranularity_flags option)
@@ -100,22 +35,6 @@ CUresult CUDAAPI cuMulticastGetGranularity(size_t *granularity, const CUmulticas
                                            CUmulticastGranularity_flags option)
 {
     SIM_API(mc_granularity(granularity, prop, option));
-}
-
-CUresult sim_meta_init_lock(struct sim_meta *m)
-{
-    pthread_mutexattr_t a;
-    int e;
-
-    if (pthread_mutexattr_init(&a) != 0)
-        return CUDA_ERROR_OPERATING_SYSTEM;
-    e = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-    if (e == 0)
-        e = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-    if (e == 0)
-        e = pthread_mutex_init(&m->lock, &a);
-    pthread_mutexattr_destroy(&a);
-    return e == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
 }
 
 static CUresult mc_create(CUmemGenericAllocationHandle *h, const CUmulticastObjectProp *prop)

@@ -52,7 +52,7 @@ CUresult CUDAAPI cuMulticastBindAddr_v2(CUmemGenericAllocationHandle mcHandle, C
 #define SIM_DEFAULT_DEVICES 2
 #define SIM_GRANULARITY ((size_t)2 << 20)
 #define SIM_META_SIZE ((size_t)4096)
-#define SIM_DEFAULT_MEM_MIB 143771ULL /* one H200, as in shared/records */
+#define SIM_DEFAULT_MEM_MIB 143771ULL /* one H200, as its driver reports it */
 
 #define SIM_MAX_OBJS 1024
 #define SIM_MAX_RESV 1024
@@ -258,19 +258,18 @@ SIM_HIDDEN CUresult sim_obj_new(int kind, int fd, struct sim_meta *meta, uint64_
                                 struct sim_obj **out);
 SIM_HIDDEN CUresult sim_alloc_memfd(uint64_t size, const struct sim_props *p, int *fd,
                                     struct sim_meta **meta_out);
-SIM_HIDDEN CUresult sim_memfd_new(const char *name, uint64_t size, int *fd_out,
-                                  struct sim_meta **meta_out);
 SIM_HIDDEN CUresult sim_range_check(uintptr_t p, size_t n, int dev, int want_write);
 SIM_HIDDEN int sim_is_device_ptr(uintptr_t p);
 SIM_HIDDEN CUresult sim_map_apply_prot(struct sim_map *m);
 
-/* multicast.c */
-SIM_HIDDEN CUresult sim_mc_wait_complete(struct sim_obj *mc);
-SIM_HIDDEN void sim_mc_drop_binds(struct sim_obj *mc);
+/* meta.c: the metadata page (sim.mu not needed: the page has its own lock) */
+SIM_HIDDEN CUresult sim_memfd_new(const char *name, uint64_t size, int *fd_out,
+                                  struct sim_meta **meta_out);
+SIM_HIDDEN CUresult sim_meta_init_lock(struct sim_meta *m);
 SIM_HIDDEN int sim_meta_lock(struct sim_meta *m);
 SIM_HIDDEN void sim_meta_unlock(struct sim_meta *m);
-SIM_HIDDEN CUresult sim_meta_init_lock(struct sim_meta *m);
-
+SIM_HIDDEN CUresult sim_mc_wait_complete(struct sim_obj *mc);
+SIM_HIDDEN void sim_mc_drop_binds(struct sim_obj *mc);
 
 /* checkpoint.c */
 SIM_HIDDEN int sim_service_start(void);

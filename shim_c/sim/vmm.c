@@ -87,34 +87,6 @@ void sim_obj_unref(struct sim_obj *o)
     memset(o, 0, sizeof(*o));
 }
 
-CUresult sim_memfd_new(const char *name, uint64_t size, int *fd_out, struct sim_meta **meta_out)
-{
-    struct sim_meta *meta;
-    int fd;
-
-    fd = memfd_create(name, MFD_CLOEXEC);
-    if (fd < 0)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    if (ftruncate(fd, (off_t)(size + SIM_META_SIZE)) != 0)
-        goto fail;
-    meta = mmap(NULL, SIM_META_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)size);
-    if (meta == MAP_FAILED)
-        goto fail;
-    if (sim_meta_init_lock(meta) != CUDA_SUCCESS) {
-        munmap(meta, SIM_META_SIZE);
-        goto fail;
-    }
-    meta->magic = SIM_META_MAGIC;
-    meta->size = size;
-    meta->creator_pid = (int32_t)getpid();
-    *fd_out = fd;
-    *meta_out = meta;
-    return CUDA_SUCCESS;
-fail:
-    close(fd);
-    return CUDA_ERROR_OUT_OF_MEMORY;
-}
-
 /* The memfd of a physical allocation, its properties in the metadata page
  * for whoever imports it. */
 CUresult sim_alloc_memfd(uint64_t size, const struct sim_props *p, int *fd,

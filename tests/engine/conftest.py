@@ -1,4 +1,4 @@
-"""Generic fixtures for the engine's tests: a control dir and fake participants in it."""
+"""Fixtures for the engine's tests: fake participants in the control dir (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,6 @@ from typing import Any
 import pytest
 from cuinterpose.engine.wire import socket_name
 from cuinterpose.testing import FakeParticipant
-
-
-@pytest.fixture
-def control_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "control"
-    path.mkdir()
-    return path
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ def steps_table(spec: MachineSpec) -> str:
     ]
     for step in spec.steps:
         rows.append(
-            f"| {step.trigger} | {step.op or '(local)'} | {step.reply_phase or '-'} | "
+            f"| {step.trigger} | {step.op or '(local)'} | {step.expected_phase or '-'} | "
             f"{', '.join(step.guards) or '-'} | {'yes' if step.destructive else 'no'} | "
             f"{step.progress.value} |"
         )

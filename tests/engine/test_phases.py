@@ -8,28 +8,17 @@ from cuinterpose.engine.wire import Op, Phase
 from cuinterpose.phases import (
     CAPTURE,
     FAIL_TRIGGER,
+    PHASE_OP,
+    PHASE_OPS,
     RESTORE,
+    Action,
     Guard,
     MachineSpec,
     ProgressKind,
+    Refusal,
     Step,
     machine_spec,
 )
-
-# shared/PROTOCOL.md, "Ops": the shim phase after each op succeeds.
-PHASE_AFTER = {
-    Op.INSPECT: Phase.ACTIVE,
-    Op.PREPARE_MULTICAST: Phase.MULTICAST_DETACHED,
-    Op.SAVE_ALLOCATIONS: Phase.ALLOCATIONS_SAVED,
-    Op.PREPARE_UNICAST: Phase.PREPARED,
-    Op.LOAD_ALLOCATIONS: Phase.ALLOCATIONS_LOADED,
-    Op.RESTORE_UNICAST: Phase.UNICAST_RESTORED,
-    Op.RESTORE_MULTICAST_CREATORS: Phase.MULTICAST_CREATED,
-    Op.RESTORE_MULTICAST_IMPORTERS: Phase.MULTICAST_IMPORTED,
-    Op.RESTORE_MULTICAST_DEVICES: Phase.MULTICAST_JOINED,
-    Op.RESTORE_MULTICAST_BINDINGS: Phase.ACTIVE,
-}
-PHASE_CHANGING = set(PHASE_AFTER) - {Op.INSPECT}
 
 
 def test_capture_sends_the_design_order() -> None:
@@ -58,18 +47,38 @@ def test_restore_sends_the_design_order() -> None:
     assert RESTORE.steps[-1].trigger == "VERIFY"
 
 
-@pytest.mark.parametrize("spec", [CAPTURE, RESTORE], ids=lambda s: s.name)
-def test_ops_and_phases_are_the_protocols(spec: MachineSpec) -> None:
+def test_the_phase_table_names_wire_ops_and_phases() -> None:
+    for entry in PHASE_OPS:
+        assert Op[entry.op] and Phase[entry.needs] and Phase[entry.reaches]
+    assert len(PHASE_OP) == len(PHASE_OPS)
+    assert [p.op for p in PHASE_OPS if p.transfers] == ["SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS"]
+
+
+@pytest.mark.parametrize(
+    "spec,begins,ends",
+    [(CAPTURE, "ACTIVE", "PREPARED"), (RESTORE, "PREPARED", "ACTIVE")],
+    ids=["capture", "restore"],
+)
+def test_phase_ops_lead_the_shim_from_phase_to_phase(
+    spec: MachineSpec, begins: str, ends: str
+) -> None:
+    """Each phase op starts where the previous one left the shim; the rest change nothing."""
+    phase = begins
     for step in spec.steps:
-        if step.op is None:
-            assert step.reply_phase is None and not step.destructive
+        entry = PHASE_OP.get(step.op or "")
+        if entry is None:
+            assert not step.destructive, step.trigger
+            if step.op is None:
+                assert step.action is not None and step.expected_phase is None
+            elif step.op == "HANDSHAKE":
+                assert step.expected_phase is None  # reports whatever phase the shim is in
+            else:
+                assert step.expected_phase == phase, step.trigger
             continue
-        op = Op[step.op]
-        assert step.destructive == (op in PHASE_CHANGING), step.trigger
-        if op is Op.HANDSHAKE:
-            assert step.reply_phase is None  # reports whatever phase the shim is in
-        else:
-            assert Phase[step.reply_phase or ""] is PHASE_AFTER[op], step.trigger
+        assert step.destructive and entry.needs == phase, step.trigger
+        phase = entry.reaches
+        assert step.expected_phase == phase
+    assert phase == ends
 
 
 def test_refusals_come_before_the_first_destructive_op() -> None:
@@ -116,8 +125,14 @@ def test_malformed_steps_are_refused() -> None:
         Step("X", "a", "b", "", op="INSPECT")
     with pytest.raises(ValueError, match="local step sends nothing"):
         Step("X", "a", "b", "", reply_phase="ACTIVE", progress=ProgressKind.NONE)
+    with pytest.raises(ValueError, match="either sends an op or has an action"):
+        Step("X", "a", "b", "", progress=ProgressKind.NONE)
+    with pytest.raises(ValueError, match="either sends an op or has an action"):
+        Step("INSPECT", "a", "b", "", op="INSPECT", action=Action.NOTHING)
     with pytest.raises(ValueError, match="local step reports no phase progress"):
-        Step("X", "a", "b", "")
+        Step("X", "a", "b", "", action=Action.NOTHING)
+    with pytest.raises(ValueError, match=r"reply phase is ops\.PHASE_OPS"):
+        Step("LOAD_ALLOCATIONS", "a", "b", "", op="LOAD_ALLOCATIONS", reply_phase="ACTIVE")
     with pytest.raises(ValueError, match="every wire op reports progress"):
         Step("INSPECT", "a", "b", "", op="INSPECT", progress=ProgressKind.NONE)
     with pytest.raises(ValueError, match="guard is listed twice"):
@@ -135,13 +150,21 @@ def test_malformed_machines_are_refused() -> None:
     with pytest.raises(ValueError, match="trigger is used twice"):
         _spec(inspect, attrs.evolve(inspect, source="b", dest="c"), final="c")
     with pytest.raises(ValueError, match="reserved"):
-        _spec(attrs.evolve(inspect, trigger=FAIL_TRIGGER, op=None, progress=ProgressKind.NONE))
+        _spec(
+            attrs.evolve(
+                inspect,
+                trigger=FAIL_TRIGGER,
+                op=None,
+                progress=ProgressKind.NONE,
+                action=Action.NOTHING,
+            )
+        )
     with pytest.raises(ValueError, match="reserved name"):
         _spec(attrs.evolve(inspect, dest="failed"), final="failed")
     with pytest.raises(ValueError, match="undeclared guards"):
         _spec(attrs.evolve(inspect, guards=("g",)))
     with pytest.raises(ValueError, match="unused guards"):
-        _spec(inspect, guards=(Guard("g", ""),))
+        _spec(inspect, guards=(Guard("g", "", Refusal.TOPOLOGY),))
 
 
 def test_specs_are_frozen() -> None:

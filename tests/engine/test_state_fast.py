@@ -60,6 +60,7 @@ def document_of(topology: Topology) -> dict[str, Any]:
     return document
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(topologies(max_participants=3, max_records=6))
 def test_any_wire_topology_reads_back_alike(topology: Topology) -> None:
@@ -85,6 +86,7 @@ ODD_VALUES: list[object] = [
 FIELDS = [f.name for f in attrs.fields(Record)] + ["fd", "Kind"]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st_.integers(0, 40),
@@ -178,6 +180,7 @@ def wide_records() -> st_.SearchStrategy[Record]:
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st_.lists(wide_records(), min_size=1, max_size=4))
 def test_state_problems_are_what_the_full_check_finds(recs: list[Record]) -> None:

@@ -90,6 +90,7 @@ def near_duplicates() -> st.SearchStrategy[list[Record]]:
     return st.lists(one, max_size=16)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.lists(records(ids=2), max_size=12) | near_duplicates())
 def test_normalize_orders_as_the_reference_key_does(recs: list[Record]) -> None:
@@ -115,6 +116,7 @@ def test_every_pair_of_fields_sorts_as_the_reference_key_does(first: str, second
     assert normalize([one, other]) == normalize([other, one]) == reference_normalize([one, other])
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(topologies(max_participants=4, max_records=10), st.data())
 def test_of_kind_is_records_filtered(topology: Topology, data: st.DataObject) -> None:
@@ -181,6 +183,7 @@ def violations(topology: Topology) -> tuple[tuple[str, object], ...]:
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(topologies(max_participants=4, max_records=10))
 def test_predicates_find_what_the_reference_finds_in_order(topology: Topology) -> None:

@@ -163,6 +163,7 @@ def test_one_pass_decodes_what_the_reference_decodes(records: list[Record]) -> N
     assert decode_records(block, len(records)) == tuple(records)
 
 
+@pytest.mark.slow
 @settings(max_examples=300)
 @given(
     st.lists(RECORDS, min_size=1, max_size=4),
@@ -192,6 +193,7 @@ _CHECKED = [
 ]
 
 
+@pytest.mark.slow
 @settings(max_examples=300)
 @given(
     st.lists(RECORDS, min_size=1, max_size=4),

@@ -3,10 +3,11 @@
 A C program, generated from the header's own declarations and compiled with
 ``cc``, prints the size and offset of every field of every struct, the value
 of every constant, and the bytes of a header and a record filled with
-distinctive values. The Python side must agree on all of it: struct formats
-(derived from the C field types), field order, sizes, enums, limits, and the
-bytes that encoding produces and decoding accepts. A change on either side,
-a new constant or field included, fails here.
+distinctive values, and the phase machine (``CUIP_PHASE_OPS``). The Python side
+must agree on all of it: struct formats (derived from the C field types), field
+order, sizes, enums, limits, the bytes that encoding produces and decoding
+accepts, and the phase table (``phases/ops.py``). A change on either side, a new
+constant or field included, fails here.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from cuinterpose.engine.wire import (
     Stats,
     Status,
 )
+from cuinterpose.phases.ops import PHASE_OPS
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL_H = ROOT / "shim_c" / "protocol.h"
@@ -254,6 +256,14 @@ def c_program(ints: list[str], strings: list[str], structs: dict[str, list[CFiel
                 f"offsetof(struct {struct_name}, {f.name}), "
                 f"sizeof(((struct {struct_name} *)0)->{f.name}));"
             )
+    # The phase machine as the X-macro declares it, with the enum values its
+    # names stand for (an unknown name does not compile).
+    lines.append(
+        "#define PIN_PHASE_OP(op, needs, reaches, transfers) "
+        'printf("phase_op %s %d %s %d %s %d %d\\n", #op, (int)CUIP_OP_##op, '
+        "#needs, (int)CUIP_PHASE_##needs, #reaches, (int)CUIP_PHASE_##reaches, (int)(transfers));"
+    )
+    lines.append("CUIP_PHASE_OPS(PIN_PHASE_OP)")
     access_fill = "\n    ".join(
         f"r.access[{i}].location_type = {t}; r.access[{i}].location_id = {loc}; "
         f"r.access[{i}].flags = {flags}ull;"
@@ -297,6 +307,8 @@ class CLayout:
     fields: dict[str, list[tuple[str, int, int]]]  # struct -> [(field, offset, size)]
     declared: dict[str, list[CField]]
     dumps: dict[str, bytes]
+    # CUIP_PHASE_OPS in order: (op, its value, needs, its value, reaches, its value, transfers)
+    phase_ops: list[tuple[str, int, str, int, str, int, int]]
 
 
 @pytest.fixture(scope="module")
@@ -321,7 +333,7 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> CLayout:
     out = subprocess.run(
         [str(binary)], check=True, capture_output=True, text=True, timeout=10
     ).stdout
-    layout = CLayout({}, {}, {}, {name: [] for name in structs}, structs, {})
+    layout = CLayout({}, {}, {}, {name: [] for name in structs}, structs, {}, [])
     for line in out.splitlines():
         tag, rest = line.split(" ", 1)
         if tag == "int":
@@ -339,6 +351,12 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> CLayout:
         elif tag == "bytes":
             what, hexdump = rest.split(" ")
             layout.dumps[what] = bytes.fromhex(hexdump)
+        elif tag == "phase_op":
+            op, op_value, needs, needs_value, reaches, reaches_value, transfers = rest.split(" ")
+            layout.phase_ops.append(
+                (op, int(op_value), needs, int(needs_value), reaches, int(reaches_value),
+                 int(transfers))
+            )  # fmt: skip
     return layout
 
 
@@ -469,3 +487,25 @@ def test_pin_values_cover_every_c_field(c_layout: CLayout) -> None:
     record_fields = [f.name for f in c_layout.declared["cuip_record"]]
     assert list(HEADER_VALUES) == header_fields
     assert [*RECORD_VALUES, "access"] == record_fields
+
+
+def test_phase_ops_match_the_engine_table(c_layout: CLayout) -> None:
+    # One phase machine: the shim's CUIP_PHASE_OPS and the engine's PHASE_OPS,
+    # the same ops in the same order, each with the same phases and statistics.
+    c_table = [
+        (op, needs, reaches, transfers)
+        for op, _, needs, _, reaches, _, transfers in c_layout.phase_ops
+    ]
+    python_table = [(p.op, p.needs, p.reaches, int(p.transfers)) for p in PHASE_OPS]
+    assert c_table == python_table
+
+
+def test_phase_ops_name_wire_members(c_layout: CLayout) -> None:
+    # The X-macro's names are the CUIP_OP_/CUIP_PHASE_ suffixes; their values are
+    # the wire's, and `transfers` is a flag, not a count.
+    assert c_layout.phase_ops, "CUIP_PHASE_OPS printed nothing"
+    for op, op_value, needs, needs_value, reaches, reaches_value, transfers in c_layout.phase_ops:
+        assert Op[op] == op_value
+        assert Phase[needs] == needs_value
+        assert Phase[reaches] == reaches_value
+        assert transfers in (0, 1)

@@ -15,18 +15,13 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cuinterpose import launch
+from cuinterpose.demo import coordinator_env
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "shim")]
-
-import shimenv  # noqa: E402
-from cuinterpose import launch  # noqa: E402
-from cuinterpose.demo import coordinator_env  # noqa: E402
-from workers.cycle import Spawn, spawner  # noqa: E402
 
 SIM_DEVICE_NAME = "cuinterpose simulated GPU"
 _PROBE = """
@@ -84,13 +79,7 @@ def gpu() -> None:
 
 
 @pytest.fixture
-def control_dir(gpu: None) -> Iterator[Path]:
-    with shimenv.control_dir() as path:
-        yield path
-
-
-@pytest.fixture
-def shim_env(control_dir: Path) -> dict[str, str]:
+def shim_env(gpu: None, control_dir: Path) -> dict[str, str]:
     """The real driver with the release shim preloaded (CUINTERPOSE_BUILD_DIR overrides)."""
     try:
         return launch.launch_env(driver="system", control_dir=control_dir, base=coordinator_env())
@@ -99,7 +88,7 @@ def shim_env(control_dir: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def plain_env(control_dir: Path) -> dict[str, str]:
+def plain_env(gpu: None, control_dir: Path) -> dict[str, str]:
     return launch.launch_env(
         driver="system", control_dir=control_dir, base=coordinator_env(), preload_shim=False
     )
@@ -112,6 +101,6 @@ def trace_out() -> Path | None:
 
 
 @pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Spawn]:
-    with spawner(tmp_path, timeout_s=300.0) as start:
-        yield start
+def worker_timeout_s() -> float:
+    """A command on a real GPU may move gigabytes."""
+    return 300.0

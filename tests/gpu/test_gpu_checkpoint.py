@@ -12,15 +12,19 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 from cuinterpose.demo import pattern_digest
-from workers.cycle import (
-    Spawn,
+
+from tests.shim.workers.cycle import (
     assert_refused,
     assert_still_active,
     cli,
-    close_clean,
     three_process_cycle,
 )
+from tests.simenv import Spawn
+
+# Skipped (the ``gpu`` fixture says why) without a real GPU; minutes on one.
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.usefixtures("gpu")]
 
 UNIT = int(os.environ.get("CUINTERPOSE_GPU_UNIT_MIB", "256")) << 20
 
@@ -77,5 +81,5 @@ def test_live_raw_import_refuses_capture_on_gpu(
     if trace_out is not None:
         trace_out.mkdir(parents=True, exist_ok=True)
         shutil.copy(tmp_path / "prepare.trace.jsonl", trace_out / "gpu-refusal-raw-import.jsonl")
-    close_clean(app)
-    close_clean(outsider)
+    app.close_clean()
+    outsider.close_clean()

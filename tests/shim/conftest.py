@@ -1,8 +1,11 @@
-"""Fixtures for the end-to-end tests: worker processes on the simulated driver, with and
-without the shim, a short control directory, and the coordinator's CLI.
+"""Fixtures for the shim's tests: workers on the simulated driver, with and without the
+shim, and the coordinator's CLI.
 
-Everything is skipped, with the reason, while a piece is missing (the built shim or
-simulated driver, ``shimenv``/``simenv``, the CLI's prepare/restore).
+``spawn()`` (no environment) starts a worker with the shim preloaded on the test's
+control directory, set up with ``shimenv.WORKER_SETUP``. The end-to-end tests'
+``shim_env`` and ``plain_env`` are skipped, with the reason, while a piece is missing
+(the built shim or simulated driver, the CLI's prepare/restore) or when the driver is
+the real one (tests/gpu runs that scenario there).
 """
 
 from __future__ import annotations
@@ -11,30 +14,20 @@ import inspect
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cuinterpose.demo import coordinator_env
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-
-from cuinterpose.demo import coordinator_env  # noqa: E402
-from workers.cycle import Spawn, spawner  # noqa: E402
+from tests import simenv
+from tests.shim import shimenv
 
 
 def _missing_stack() -> str | None:
-    try:
-        import simenv
-    except ImportError as exc:
-        return f"tests/simenv.py is not there yet ({exc})"
     if not simenv.is_simulated():
         return "CUINTERPOSE_TEST_DRIVER=system: tests/gpu runs this scenario on the real GPU"
-    try:
-        import shimenv  # noqa: F401
-    except ImportError as exc:
-        return f"tests/shim/shimenv.py is not there yet ({exc})"
     cli = subprocess.run(
         [sys.executable, "-m", "cuinterpose", "prepare", "--help"],
         env=coordinator_env(),
@@ -55,29 +48,20 @@ def stack() -> None:
 
 
 @pytest.fixture
-def cdir() -> Iterator[Path]:
-    """A short private control directory (the direct tests, no CLI needed)."""
-    import shimenv
-
-    with shimenv.control_dir() as path:
-        yield path
-
-
-@pytest.fixture
-def control_dir(stack: None) -> Iterator[Path]:
-    import shimenv
-
-    with shimenv.control_dir() as path:
-        yield path
-
-
-@pytest.fixture
 def sim_namespace(control_dir: Path) -> Iterator[str]:
     """One simulated-driver namespace per test (device-wide memory accounting), shared by
     the shim processes and the plain ones, and removed afterwards."""
-    name = f"e2e-{control_dir.name}"
+    name = f"shim-{control_dir.name}"
     yield name
     Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-{name}").unlink(missing_ok=True)
+
+
+@pytest.fixture
+def worker_defaults(control_dir: Path, sim_namespace: str) -> simenv.WorkerDefaults:
+    def env(extra: Mapping[str, str]) -> dict[str, str]:
+        return shimenv.shim_env(control_dir=control_dir, namespace=sim_namespace, extra=extra)
+
+    return simenv.WorkerDefaults(env, shimenv.WORKER_SETUP)
 
 
 def _env(factory: Callable[..., Any], control_dir: Path, namespace: str) -> dict[str, str]:
@@ -97,23 +81,12 @@ def _env(factory: Callable[..., Any], control_dir: Path, namespace: str) -> dict
 
 
 @pytest.fixture
-def shim_env(control_dir: Path, sim_namespace: str) -> dict[str, str]:
+def shim_env(stack: None, control_dir: Path, sim_namespace: str) -> dict[str, str]:
     """Environment of an application process: shim preloaded on the simulated driver."""
-    import shimenv
-
     return _env(shimenv.shim_env, control_dir, sim_namespace)
 
 
 @pytest.fixture
-def plain_env(control_dir: Path, sim_namespace: str) -> dict[str, str]:
+def plain_env(stack: None, control_dir: Path, sim_namespace: str) -> dict[str, str]:
     """The simulated driver without the shim: native-checkpoint controller, raw exporter."""
-    import simenv
-
     return _env(simenv.sim_env, control_dir, sim_namespace)
-
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Spawn]:
-    """Start named workers; any still running at teardown are killed."""
-    with spawner(tmp_path, timeout_s=60.0) as start:
-        yield start

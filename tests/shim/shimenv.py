@@ -9,21 +9,15 @@ path, libasan first for the sanitizer build) with ``libcuinterpose.so`` in
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import socket
-import sys
-import tempfile
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent)]
+from cuinterpose.engine import wire
 
-import simenv  # noqa: E402
-from cuinterpose.engine import wire  # noqa: E402
+from tests import simenv
+from tests.waiting import wait_until
 
 REPO = simenv.REPO
 
@@ -89,38 +83,6 @@ def shim_env(
     return base
 
 
-@contextlib.contextmanager
-def control_dir() -> Iterator[Path]:
-    """A fresh private control directory, removed afterwards. Short: AF_UNIX paths are
-    limited to 107 bytes."""
-    path = Path(tempfile.mkdtemp(prefix="cip-"))
-    path.chmod(0o700)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def shim_workers(cdir: Path) -> Iterator[Callable[..., simenv.Worker]]:
-    """Start workers with the shim (keyword arguments: more environment), each set up
-    with ``WORKER_SETUP``, in the simulated-driver namespace ``shimctl-<cdir's name>``
-    (test_control.native_checkpoint_restore uses it). At the end each is closed (a
-    crash or a sanitizer report fails the test) and the namespace removed."""
-    workers: list[simenv.Worker] = []
-    namespace = f"shimctl-{cdir.name}"
-
-    def start(**extra: str) -> simenv.Worker:
-        env = shim_env(control_dir=cdir, namespace=namespace, extra=extra)
-        w = simenv.Worker(env)
-        workers.append(w)
-        w(WORKER_SETUP)
-        return w
-
-    yield start
-    for w in workers:
-        w.close()
-    Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-{namespace}").unlink(missing_ok=True)
-
-
 # ---------------------------------------------------------------- a tiny client
 def socket_path(control_dir: Path | str, pid: int) -> Path:
     return Path(control_dir) / wire.socket_name(pid)
@@ -128,12 +90,8 @@ def socket_path(control_dir: Path | str, pid: int) -> Path:
 
 def wait_socket(control_dir: Path | str, pid: int, timeout: float = 20.0) -> Path:
     path = socket_path(control_dir, pid)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return path
-        time.sleep(0.02)
-    raise TimeoutError(f"no control socket {path}")
+    wait_until(path.exists, f"no control socket {path}", timeout)
+    return path
 
 
 def raw_exchange(path: Path | str, payload: bytes, timeout: float = 10.0) -> bytes:
@@ -181,8 +139,9 @@ def handshake(path: Path | str) -> wire.Reply:
 
 
 # ---------------------------------------------------------------- worker snippets
-# Run once in a simenv.Worker (cuda.bindings in the child): a context, helpers to
-# create, map, fill and digest allocations. Handles live in the worker's namespace.
+# Run first in each default worker of tests/shim (``worker_defaults``; cuda.bindings in
+# the child): a context, helpers to create, map, fill and digest allocations. Handles
+# live in the worker's namespace.
 WORKER_SETUP = r"""
 import ctypes, hashlib, random
 check(cu.cuInit(0))

@@ -14,42 +14,28 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from cuinterpose.demo import Worker
+from cuinterpose.engine import wire
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE)]
-
-import shimenv  # noqa: E402
-import simenv  # noqa: E402
-from cuinterpose.engine import wire  # noqa: E402
-from test_control import CAPTURE, RESTORE, Shim, native_checkpoint_restore  # noqa: E402
+from tests.shim.test_control import CAPTURE, RESTORE, Shim, native_checkpoint_restore
+from tests.simenv import Spawn
 
 Op, Status, Phase = wire.Op, wire.Status, wire.Phase
 MIB = 1 << 20
 
 
-@pytest.fixture
-def spawn(cdir: Path) -> Iterator[Callable[..., simenv.Worker]]:
-    with shimenv.shim_workers(cdir) as start:
-        yield start
+def finish(w: Worker) -> str:
+    """Let the worker exit (a crash or a sanitizer report fails); its stderr (the shim's
+    log)."""
+    w.close_clean()
+    return w.stderr_text()
 
 
-def finish(w: simenv.Worker) -> str:
-    """Let the worker exit; its stderr (the shim's log). ``close`` still judges it."""
-    assert w.proc.stdin is not None and w.proc.stderr is not None
-    w.proc.stdin.close()
-    w.proc.wait(timeout=20)
-    text = w.proc.stderr.read()
-    w.close()
-    return text
-
-
-def make_shared(w: simenv.Worker, sizes_in_gran: list[int], seed: int) -> int:
+def make_shared(w: Worker, sizes_in_gran: list[int], seed: int) -> int:
     """Create, map, fill and export one allocation per size; returns the granularity."""
     w(
         f"""
@@ -66,13 +52,13 @@ for k, n in enumerate({sizes_in_gran!r}):
     return int(w("result = gran"))
 
 
-def intact(w: simenv.Worker) -> bool:
+def intact(w: Worker) -> bool:
     return bool(w("result = all(digest(va, size) == expected(s, size) for _, va, size, s in A)"))
 
 
-def plain_cycle(cdir: Path, w: simenv.Worker) -> str:
+def plain_cycle(control_dir: Path, w: Worker) -> str:
     """Capture then restore (no native checkpoint between), every byte checked; the log."""
-    c = Shim(cdir, w.pid)
+    c = Shim(control_dir, w.pid)
     for op in CAPTURE + RESTORE:
         c.ok(op)
     assert intact(w)
@@ -99,16 +85,18 @@ def default_threads() -> int:
     ids=["1MiB-4threads", "short-last-chunk", "one-thread", "one-chunk-each"],
 )
 def test_multi_chunk_cycle(
-    spawn: Callable[..., simenv.Worker], cdir: Path, chunk_mib: int, threads: int
+    spawn: Spawn, control_dir: Path, sim_namespace: str, chunk_mib: int, threads: int
 ) -> None:
     creator = spawn(
-        SNAPSHOT_SHIM_COPY_CHUNK_MIB=str(chunk_mib),
-        SNAPSHOT_SHIM_COPY_THREADS=str(threads),
-        SNAPSHOT_SHIM_DEBUG="1",
+        extra={
+            "SNAPSHOT_SHIM_COPY_CHUNK_MIB": str(chunk_mib),
+            "SNAPSHOT_SHIM_COPY_THREADS": str(threads),
+            "SNAPSHOT_SHIM_DEBUG": "1",
+        }
     )
     sizes = [5, 1, 3]
     gran = make_shared(creator, sizes, seed=40)
-    c = Shim(cdir, creator.pid)
+    c = Shim(control_dir, creator.pid)
     total = sum(sizes) * gran
     free_slots, _ = creator(FILL_REGISTRATIONS)
     creator(UNREGISTER_ALL)
@@ -126,7 +114,7 @@ def test_multi_chunk_cycle(
     # No registration of the shim is live across the native checkpoint.
     assert creator(FILL_REGISTRATIONS)[0] == free_slots
     creator(UNREGISTER_ALL)
-    assert native_checkpoint_restore(cdir, [creator.pid]) == [2]
+    assert native_checkpoint_restore(spawn, sim_namespace, [creator.pid]) == [2]
     for op in RESTORE:
         reply = c.ok(op)
         if op == Op.LOAD_ALLOCATIONS:
@@ -158,23 +146,23 @@ def test_multi_chunk_cycle(
     ],
 )
 def test_bad_setting_refused(
-    spawn: Callable[..., simenv.Worker], cdir: Path, name: str, value: str, what: str
+    spawn: Spawn, control_dir: Path, name: str, value: str, what: str
 ) -> None:
     """Like the timeouts (SNAPSHOT_PEER_TIMEOUT_S): a bad value is named in a warning
     and the default is used; the content still moves."""
-    creator = spawn(**{name: value, "SNAPSHOT_SHIM_DEBUG": "1"})
+    creator = spawn(extra={name: value, "SNAPSHOT_SHIM_DEBUG": "1"})
     make_shared(creator, [2], seed=7)
-    log = plain_cycle(cdir, creator)
+    log = plain_cycle(control_dir, creator)
     default = default_threads() if name.endswith("THREADS") else 64
     assert f"{name}={value} is not {what}; using {default}" in log, log
     _, chunk_mib, _, threads = settings(log, "SAVE_ALLOCATIONS")
     assert (threads if name.endswith("THREADS") else chunk_mib) == default
 
 
-def test_defaults(spawn: Callable[..., simenv.Worker], cdir: Path) -> None:
-    creator = spawn(SNAPSHOT_SHIM_DEBUG="1")
+def test_defaults(spawn: Spawn, control_dir: Path) -> None:
+    creator = spawn(extra={"SNAPSHOT_SHIM_DEBUG": "1"})
     make_shared(creator, [1], seed=3)
-    log = plain_cycle(cdir, creator)
+    log = plain_cycle(control_dir, creator)
     assert settings(log, "SAVE_ALLOCATIONS") == (1, 64, 1, default_threads())
     assert "warning" not in log
 
@@ -201,10 +189,10 @@ REG = []
 """
 
 
-def test_register_failure_fails_the_op(spawn: Callable[..., simenv.Worker], cdir: Path) -> None:
-    creator = spawn(SNAPSHOT_SHIM_COPY_CHUNK_MIB="1", SNAPSHOT_SHIM_COPY_THREADS="4")
+def test_register_failure_fails_the_op(spawn: Spawn, control_dir: Path) -> None:
+    creator = spawn(extra={"SNAPSHOT_SHIM_COPY_CHUNK_MIB": "1", "SNAPSHOT_SHIM_COPY_THREADS": "4"})
     make_shared(creator, [4], seed=21)
-    c = Shim(cdir, creator.pid)
+    c = Shim(control_dir, creator.pid)
     count, why = creator(FILL_REGISTRATIONS)
     assert why == "CUDA_ERROR_OUT_OF_MEMORY" and count > 0
     c.ok(Op.PREPARE_MULTICAST)

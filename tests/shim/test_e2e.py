@@ -23,17 +23,18 @@ from pathlib import Path
 import pytest
 from cuinterpose import artifacts, demo, launch, native
 from cuinterpose.demo import coordinator_env, pattern_digest
-from workers.cycle import (
-    Spawn,
+
+from tests.shim.workers.cycle import (
     assert_refused,
     assert_replays,
     assert_still_active,
     cli,
-    close_clean,
     three_process_cycle,
 )
+from tests.simenv import Spawn
 
 
+@pytest.mark.slow
 def test_three_processes_checkpoint_and_restore(
     spawn: Spawn,
     shim_env: dict[str, str],
@@ -68,8 +69,8 @@ def test_live_raw_import_refuses_capture(
     assert_replays(tmp_path / "prepare.trace.jsonl")
     assert_still_active(app, mine, my_va, 2 * gran, 31)
     assert app.digest(raw_va, gran) == pattern_digest(32, gran)
-    close_clean(app)
-    close_clean(outsider)
+    app.close_clean()
+    outsider.close_clean()
 
 
 def test_unsupported_exportable_refuses_capture(
@@ -85,7 +86,7 @@ def test_unsupported_exportable_refuses_capture(
     assert_refused(run, "UNSUPPORTED_EXPORTABLE", app.pid)
     assert_still_active(app, mine, my_va, 2 * gran, 41)
     assert app.digest(fabric_va, gran) == pattern_digest(42, gran)
-    close_clean(app)
+    app.close_clean()
 
 
 @pytest.mark.parametrize("seed,size,offset,length", [(1, 100, 0, None), (2, 5 << 20, 7, 1000)])
@@ -126,7 +127,7 @@ def test_native_errors_name_pid_call_and_result(
         native.run_in_subprocess("restore-all", [app.pid], env=plain_env)
     assert (info.value.pid, info.value.call) == (app.pid, "cuCheckpointProcessRestore")
     assert info.value.result.startswith("CUDA_ERROR_")
-    close_clean(app)
+    app.close_clean()
 
 
 def test_launch_preloads_the_shim_and_creates_the_control_dir(tmp_path: Path) -> None:
@@ -192,6 +193,7 @@ def test_native_group_arguments_and_timings_round_trip() -> None:
     )
 
 
+@pytest.mark.slow
 def test_demo_runs_clean(stack: None) -> None:
     """``make demo``'s job, on the release build: exit 0 and every byte verified."""
     try:

@@ -11,31 +11,26 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cuinterpose.demo import Worker
+from cuinterpose.engine import wire
 
-sys.path[:0] = [str(Path(__file__).resolve().parent)]
+from tests.shim import shimenv
+from tests.simenv import Spawn
 
-import shimenv  # noqa: E402
-import simenv  # noqa: E402
-from cuinterpose.engine import wire  # noqa: E402
+PIN = "SNAPSHOT_PARTICIPANT_ID"
 
 
 @pytest.fixture
-def worker(cdir: Path) -> Iterator[simenv.Worker]:
-    w = simenv.Worker(shimenv.shim_env(control_dir=cdir))
-    w(shimenv.WORKER_SETUP)
-    yield w
-    w.close()
+def worker(spawn: Spawn) -> Worker:
+    return spawn()
 
 
 @pytest.mark.parametrize("program", ["shim_direct", "shim_dlsym"])
-def test_c_program_bogus_handles(program: str, cdir: Path) -> None:
-    env = shimenv.shim_env(control_dir=cdir)
+def test_c_program_bogus_handles(program: str, control_dir: Path) -> None:
+    env = shimenv.shim_env(control_dir=control_dir)
     out = subprocess.run(
         [str(shimenv.test_program(program)), "bogus"],
         env=env,
@@ -46,7 +41,7 @@ def test_c_program_bogus_handles(program: str, cdir: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_unknown_and_dead_handles_rejected(worker: simenv.Worker) -> None:
+def test_unknown_and_dead_handles_rejected(worker: Worker) -> None:
     got = worker(
         """
 Handle = cu.CUmemGenericAllocationHandle
@@ -73,7 +68,7 @@ result = {
     assert set(got.values()) == {"CUDA_ERROR_INVALID_VALUE"}, got
 
 
-def test_references_are_counted(worker: simenv.Worker) -> None:
+def test_references_are_counted(worker: Worker) -> None:
     got = worker(
         """
 h = check(cu.cuMemCreate(gran, prop(), 0))
@@ -124,95 +119,78 @@ result = {"child": pid, "err": line}
 
 
 @pytest.mark.parametrize("pinned", [False, True])
-def test_fork_child_gets_fresh_id_and_socket(cdir: Path, pinned: bool) -> None:
+def test_fork_child_gets_fresh_id_and_socket(
+    spawn: Spawn, control_dir: Path, pinned: bool
+) -> None:
     pin = os.urandom(16).hex()
-    extra = {"SNAPSHOT_PARTICIPANT_ID": pin} if pinned else {}
-    w = simenv.Worker(shimenv.shim_env(control_dir=cdir, extra=extra))
-    try:
-        w(shimenv.WORKER_SETUP)
-        w("H['x'] = check(cu.cuMemCreate(gran, prop(), 0))")
-        parent_sock = shimenv.wait_socket(cdir, w.pid)
-        parent = shimenv.handshake(parent_sock)
-        if pinned:
-            assert parent.participant == pin
-        flag = cdir / "child-may-exit"
-        w(f"FLAG = {str(flag)!r}")
-        got = w(FORK)
-        # The inherited bookkeeping is gone: the parent's handle means nothing there.
-        assert got["err"] == "CUDA_ERROR_INVALID_VALUE"
-        child = shimenv.handshake(shimenv.wait_socket(cdir, got["child"]))
-        assert child.pid == got["child"] and child.phase == wire.Phase.ACTIVE
-        assert wire.is_participant_id(child.participant)
-        assert child.participant != parent.participant
-        # The parent's socket is untouched and still answers.
-        assert parent_sock.exists()
-        assert shimenv.handshake(parent_sock).participant == parent.participant
-        flag.touch()
-        w("os.waitpid(H['child'], 0)")
-        assert w("result = err(cu.cuMemRelease(H['x']))") == "CUDA_SUCCESS"
-    finally:
-        w.close()
+    w = spawn(extra={PIN: pin} if pinned else {})
+    w("H['x'] = check(cu.cuMemCreate(gran, prop(), 0))")
+    parent_sock = shimenv.wait_socket(control_dir, w.pid)
+    parent = shimenv.handshake(parent_sock)
+    if pinned:
+        assert parent.participant == pin
+    flag = control_dir / "child-may-exit"
+    w(f"FLAG = {str(flag)!r}")
+    got = w(FORK)
+    # The inherited bookkeeping is gone: the parent's handle means nothing there.
+    assert got["err"] == "CUDA_ERROR_INVALID_VALUE"
+    child = shimenv.handshake(shimenv.wait_socket(control_dir, got["child"]))
+    assert child.pid == got["child"] and child.phase == wire.Phase.ACTIVE
+    assert wire.is_participant_id(child.participant)
+    assert child.participant != parent.participant
+    # The parent's socket is untouched and still answers.
+    assert parent_sock.exists()
+    assert shimenv.handshake(parent_sock).participant == parent.participant
+    flag.touch()
+    w("os.waitpid(H['child'], 0)")
+    assert w("result = err(cu.cuMemRelease(H['x']))") == "CUDA_SUCCESS"
+    w.close_clean()
 
 
-def test_pinned_participant_id(cdir: Path) -> None:
+def test_pinned_participant_id(spawn: Spawn, control_dir: Path) -> None:
     pin = os.urandom(16).hex()
     start = "check(cu.cuInit(0)); result = os.getpid()"
-    first = simenv.Worker(
-        shimenv.shim_env(control_dir=cdir, extra={"SNAPSHOT_PARTICIPANT_ID": pin})
-    )
+    first = spawn("first", extra={PIN: pin}, setup="")
     # An exec'd process that inherits the pin while its owner lives: fresh id.
-    second = simenv.Worker(
-        shimenv.shim_env(control_dir=cdir, extra={"SNAPSHOT_PARTICIPANT_ID": pin})
-    )
-    bad = simenv.Worker(
-        shimenv.shim_env(control_dir=cdir, extra={"SNAPSHOT_PARTICIPANT_ID": pin.upper()})
-    )
-    try:
-        ids = []
-        for w in (first, second, bad):
-            pid = w(start)
-            ids.append(shimenv.handshake(shimenv.wait_socket(cdir, pid)).participant)
-            time.sleep(0.05)  # keep the order: first claims, second finds it taken
-        assert ids[0] == pin
-        assert ids[1] != pin and wire.is_participant_id(ids[1])
-        assert ids[2] != pin and wire.is_participant_id(ids[2])
-    finally:
-        for w in (first, second, bad):
-            w.close()
+    second = spawn("second", extra={PIN: pin}, setup="")
+    bad = spawn("bad", extra={PIN: pin.upper()}, setup="")
+    ids = []
+    for w in (first, second, bad):
+        # In order: a shim claims its id before its control server answers, so once
+        # one has answered the handshake, the next one's claim comes after its claim.
+        pid = w(start)
+        ids.append(shimenv.handshake(shimenv.wait_socket(control_dir, pid)).participant)
+    assert ids[0] == pin
+    assert ids[1] != pin and wire.is_participant_id(ids[1])
+    assert ids[2] != pin and wire.is_participant_id(ids[2])
+    for w in (first, second, bad):
+        w.close_clean()
     # Once its owner is gone, the pin is free again.
-    third = simenv.Worker(
-        shimenv.shim_env(control_dir=cdir, extra={"SNAPSHOT_PARTICIPANT_ID": pin})
-    )
-    try:
-        pid = third(start)
-        assert shimenv.handshake(shimenv.wait_socket(cdir, pid)).participant == pin
-    finally:
-        third.close()
+    third = spawn("third", extra={PIN: pin}, setup="")
+    pid = third(start)
+    assert shimenv.handshake(shimenv.wait_socket(control_dir, pid)).participant == pin
 
 
-def test_no_control_dir_app_still_works(tmp_path: Path) -> None:
+def test_no_control_dir_app_still_works(spawn: Spawn, tmp_path: Path) -> None:
     """An unusable control directory costs the checkpoint, never the application."""
     blocker = tmp_path / "file"
     blocker.write_text("")
-    w = simenv.Worker(shimenv.shim_env(control_dir=blocker / "sub"))
-    try:
-        w(shimenv.WORKER_SETUP)
-        assert w(
-            """
+    w = spawn("app", shimenv.shim_env(control_dir=blocker / "sub"), setup=shimenv.WORKER_SETUP)
+    assert w(
+        """
 h = check(cu.cuMemCreate(gran, prop(), 0)); va = map_rw(h, gran); fill(va, gran, 2)
 fd = export(h); h2 = import_fd(fd); os.close(fd)
 result = digest(va, gran) == expected(2, gran)
 """
-        )
-    finally:
-        w.close()
+    )
+    w.close_clean()
 
 
-def test_driver_handle_in_tag_range_refused(cdir: Path) -> None:
+def test_driver_handle_in_tag_range_refused(control_dir: Path) -> None:
     """A driver handle that collides with the tag range is released and refused
     (CUDA_ERROR_NOT_SUPPORTED), never handed out (stand-in driver, any machine)."""
     exe = shimenv.test_program("shim_collide")
-    env = shimenv.shim_env(control_dir=cdir)
+    env = shimenv.shim_env(control_dir=control_dir)
     env["LD_LIBRARY_PATH"] = str(exe.parent / "collide")  # ahead of any real driver
     out = subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr

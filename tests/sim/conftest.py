@@ -1,23 +1,19 @@
-"""Fixtures for the simulated-driver suite: worker processes that use
-cuda.bindings.driver against the driver chosen by CUINTERPOSE_TEST_DRIVER
-(default: the ASan build of the simulator)."""
+"""Fixtures for the simulated-driver suite: ``spawn()`` starts a worker that uses
+cuda.bindings.driver against the driver chosen by CUINTERPOSE_TEST_DRIVER (default: the
+ASan build of the simulator), with a context on device ``device`` and the helpers of
+``simtest.PRELUDE``."""
 
 from __future__ import annotations
 
 import os
-import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import simenv
-from simenv import Worker
-from simtest import PRELUDE
+from tests import simenv
+from tests.sim.simtest import PRELUDE
 
 
 @pytest.fixture
@@ -29,25 +25,8 @@ def namespace() -> Iterator[str]:
 
 
 @pytest.fixture
-def spawn(namespace: str) -> Iterator[Callable[..., Worker]]:
-    """spawn(dev=0, extra=None) starts a worker with a context on `dev`."""
-    workers: list[Worker] = []
+def worker_defaults(namespace: str) -> simenv.WorkerDefaults:
+    def env(extra: Mapping[str, str]) -> dict[str, str]:
+        return simenv.sim_env(namespace=namespace, extra=extra)
 
-    def make(dev: int = 0, extra: dict[str, str] | None = None) -> Worker:
-        env = simenv.sim_env(namespace=namespace, extra=extra)
-        w = Worker(env)
-        workers.append(w)
-        w.send(
-            f"DEV = {dev}\nSIM = {simenv.is_simulated()}\n" + PRELUDE
-        )  # answered before its first use
-        return w
-
-    yield make
-    errors = []
-    for w in workers:
-        try:
-            w.close()
-        except Exception as e:  # report every worker, not only the first
-            errors.append(str(e))
-    if errors:
-        pytest.fail("\n".join(errors))
+    return simenv.WorkerDefaults(env, f"SIM = {simenv.is_simulated()}\n{PRELUDE}")

@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
-from pathlib import Path
 
 import pytest
+from cuinterpose.demo import Worker
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import simenv
-from simenv import Worker
+from tests import simenv
 
 MiB = 1 << 20
 
-# Loaded into every worker: context on device 0 and small helpers, all
-# through cuda.bindings.driver only.
+# Run first in every worker (the ``worker_defaults`` setup): a context on device DEV
+# and small helpers, all through cuda.bindings.driver only.
 PRELUDE = r"""
 import ctypes
 MiB = 1 << 20

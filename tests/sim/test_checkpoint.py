@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import simenv
-from simtest import MiB, hand_over, needs_multicast, psha, sim_only
+import pytest
+
+from tests import simenv
+from tests.sim.simtest import MiB, hand_over, needs_multicast, psha, sim_only
 
 CTL = r"""
 def lock(pid, t=5000):
@@ -196,6 +198,7 @@ def test_lock_blocks_driver_calls_until_unlock(spawn):
     assert bytes.fromhex(t("result = read(va, 12)")) == b"after unlock"
 
 
+@pytest.mark.slow
 @needs_multicast
 def test_lock_times_out_on_a_call_in_flight(spawn):
     """A multicast bind waiting for its team is a call in flight: lock gives up

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import simenv
+from tests import simenv
 
 
 def test_contexts_streams_events(spawn):

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from simenv import is_simulated, sim_env
+
+from tests.simenv import is_simulated, sim_env
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD = REPO / "specs" / "records" / "2026-11-29-h200-driver-rules.jsonl"

@@ -6,8 +6,9 @@ CUINTERPOSE_SIM_DEVICES devices."""
 from __future__ import annotations
 
 import pytest
-import simenv
-from simtest import MiB, hand_over, needs_multicast, psha, sim_only
+
+from tests import simenv
+from tests.sim.simtest import MiB, hand_over, needs_multicast, psha, sim_only
 
 pytestmark = needs_multicast
 
@@ -22,8 +23,8 @@ THREE = {"CUINTERPOSE_SIM_DEVICES": "3"}
 
 def team(spawn, n_devices_env=None):
     """Creator on device 0 exports a 2-device, 8 MiB team to a member on device 1."""
-    a = spawn(0, n_devices_env)
-    b = spawn(1, n_devices_env)
+    a = spawn(device=0, extra=n_devices_env)
+    b = spawn(device=1, extra=n_devices_env)
     for w in (a, b):
         w(MC)
     a("""

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import simenv
-from simtest import sim_only
+from tests import simenv
+from tests.sim.simtest import sim_only
 
 
 def test_driver_loads_and_announces_itself(spawn):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import hashlib
 
-import simenv
-from simtest import MiB, hand_over, pattern_bytes, psha, sim_only
+from tests import simenv
+from tests.sim.simtest import MiB, hand_over, pattern_bytes, psha, sim_only
 
 
 def test_three_processes_share_bytes(spawn):
@@ -239,7 +239,7 @@ result = out
 @sim_only
 def test_mem_info_is_device_wide(spawn):
     """cuMemGetInfo counts every process's allocations on that device."""
-    a, b, c = spawn(), spawn(), spawn(dev=1)
+    a, b, c = spawn(), spawn(), spawn(device=1)
     before = [b("result = free_mem()"), c("result = free_mem()")]
     a("h, va = alloc(64 * MiB)")
     after = [b("result = free_mem()"), c("result = free_mem()")]

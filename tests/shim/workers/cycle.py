@@ -9,12 +9,10 @@ in a fourth process. Returns the measurements (for the GPU run's record).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,23 +26,9 @@ from cuinterpose.demo import (
     run_cli,
 )
 
-Spawn = Callable[..., Worker]
+from tests.simenv import Spawn
+
 DESTRUCTIVE = {"SAVE_ALLOCATIONS", "PREPARE_UNICAST", "PREPARE_MULTICAST"}
-
-
-@contextlib.contextmanager
-def spawner(log_dir: Path, timeout_s: float) -> Iterator[Spawn]:
-    """Start named workers (logs in ``log_dir``); any still running at the end are killed."""
-    started: list[Worker] = []
-
-    def start(name: str, env: dict[str, str], *, wait: bool = True) -> Worker:
-        worker = Worker(name, env, log_dir=log_dir, timeout_s=timeout_s, wait=wait)
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.kill()
 
 
 def cli(
@@ -66,13 +50,6 @@ def cli(
         trace=work_dir / f"{command}.trace.jsonl",
         timeout_s=timeout_s,
     )
-
-
-def close_clean(worker: Worker) -> None:
-    """Quit the worker; it must exit 0 with no sanitizer report."""
-    status = worker.close()
-    tail = worker.stderr_tail()
-    assert status == 0 and "Sanitizer" not in tail, f"{worker.name} exited {status}: {tail}"
 
 
 def assert_replays(trace: Path) -> None:
@@ -231,7 +208,7 @@ def three_process_cycle(
         "restore": {"seconds": rest.seconds, "events": list(rest.events)},
     }
     for worker in (*scen.workers, fourth, observer):
-        close_clean(worker)
+        worker.close_clean()
     for command in ("prepare", "restore"):
         assert_replays(work_dir / f"{command}.trace.jsonl")
 

@@ -1,0 +1,132 @@
+"""The guards a machine declares, by name: each a function of the run's state to its problems.
+
+A guard passes when it returns no problem. Which error a failing guard raises
+is declared with the guard in :mod:`cuinterpose.phases` (its refusal), and
+whether it refuses or fails depends on where its step sits in the machine;
+neither is decided here. A new guard is a declaration in ``phases`` and one
+function in :data:`GUARDS`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Final
+
+from .errors import Problem
+from .steps import Run
+from .validate import Violation, preflight, validate
+from .wire import Phase
+
+GuardCheck = Callable[[Run], list[Problem]]
+
+
+def violation_problems(
+    violations: Sequence[Violation], observed: Mapping[str, int]
+) -> list[Problem]:
+    return [
+        Problem(_violation_text(v), v.participant or None, observed.get(v.participant))
+        for v in violations
+    ]
+
+
+def _violation_text(violation: Violation) -> str:
+    # The problem names the participant already; a team-wide violation keeps its own text.
+    if not violation.participant:
+        return str(violation)
+    kind = violation.kind.name if violation.kind is not None else ""
+    where = " ".join(part for part in (kind, violation.resource) if part)
+    text = f"{violation.reason} [{violation.rule}]"
+    return f"{where}: {text}" if where else text
+
+
+def _phase_problems(run: Run, expected: Phase) -> list[Problem]:
+    problems = []
+    for b in run.bound:
+        if b.phase is expected:
+            continue
+        # A FAILED shim's HANDSHAKE message is the reason it failed: pass it on.
+        detail = f": {b.message}" if b.phase is Phase.FAILED and b.message else ""
+        problems.append(
+            Problem(
+                f"is in phase {b.phase.name}{detail}, expected {expected.name}",
+                b.participant,
+                b.endpoint.observed_pid,
+            )
+        )
+    return problems
+
+
+def all_active(run: Run) -> list[Problem]:
+    return _phase_problems(run, Phase.ACTIVE)
+
+
+def all_prepared(run: Run) -> list[Problem]:
+    return _phase_problems(run, Phase.PREPARED)
+
+
+def topology_valid(run: Run) -> list[Problem]:
+    assert run.topology is not None
+    return violation_problems(validate(run.topology), run.observed())
+
+
+def preflight_clean(run: Run) -> list[Problem]:
+    assert run.topology is not None
+    return violation_problems(preflight(run.topology), run.observed())
+
+
+def checkpoint_dir_writable(run: Run) -> list[Problem]:
+    reason = checkpoint_dir_ready(run.checkpoint_dir)
+    return [Problem(reason)] if reason else []
+
+
+def participants_match_state(run: Run) -> list[Problem]:
+    assert run.state_file is not None
+    recorded = {p.participant: p.pid for p in run.state_file.participants}
+    answering = {b.participant for b in run.bound}
+    problems = [
+        Problem(
+            f"is in the state file but no given process answers as it (pid {pid} at capture)",
+            participant,
+        )
+        for participant, pid in sorted(recorded.items())
+        if participant not in answering
+    ]
+    problems += [
+        Problem("answers but is not in the state file", b.participant, b.endpoint.observed_pid)
+        for b in run.bound
+        if b.participant not in recorded
+    ]
+    return problems
+
+
+def topology_matches_capture(run: Run) -> list[Problem]:
+    assert run.captured is not None and run.topology is not None
+    differences = run.captured.differences(run.topology)
+    if not differences and not run.captured.same_shape(run.topology):
+        differences = ("restored topology differs from the captured one",)
+    return [Problem(f"restored topology differs: {d}") for d in differences]
+
+
+def checkpoint_dir_ready(path: Path) -> str | None:
+    """Why the state file could not be written into ``path``, or None when it can."""
+    if not path.is_dir():
+        return f"checkpoint directory {path} does not exist"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"checkpoint directory {path} is not writable"
+    return None
+
+
+GUARDS: Final[Mapping[str, GuardCheck]] = {
+    check.__name__: check
+    for check in (
+        all_active,
+        all_prepared,
+        topology_valid,
+        preflight_clean,
+        checkpoint_dir_writable,
+        participants_match_state,
+        topology_matches_capture,
+    )
+}

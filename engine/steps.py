@@ -1,0 +1,272 @@
+"""What a step does: the wire exchange with every participant, or a local action.
+
+A run's mutable facts live in one :class:`Run`; each step reads and
+extends it. The wire exchange sends the step's op to every participant at once
+and accepts nothing but an OK reply in the expected phase from the expected
+participant. Local actions are looked up by the :class:`~cuinterpose.phases.Action`
+their step declares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+
+from ..phases import Action, MachineSpec, ProgressKind, Step
+from . import trace as tracing
+from .client import BadReply, Endpoint, ParticipantError, ParticipantHangup, ParticipantTimeout
+from .errors import PhaseFailed, Problem
+from .fsm import step_op, step_reply_phase
+from .options import Options
+from .progress import PhaseEvent, Transfer
+from .statefile import (
+    CheckpointState,
+    StateFileError,
+    StateParticipant,
+    read_state,
+    utc_timestamp,
+    write_state,
+)
+from .topology import Topology
+from .wire import VERSION, Op, Phase, Reply, Request, Status
+
+
+@attrs.frozen
+class Bound:
+    """A participant as its HANDSHAKE reply bound it: durable id, pid, phase."""
+
+    endpoint: Endpoint
+    participant: str
+    pid: int
+    phase: Phase
+    message: str
+
+
+@attrs.define
+class Run:
+    """What one run of one machine has learned so far. Private to that run."""
+
+    spec: MachineSpec
+    endpoints: tuple[Endpoint, ...]
+    checkpoint_dir: Path
+    options: Options
+    bound: tuple[Bound, ...] = ()
+    replies: tuple[Reply, ...] = ()
+    topology: Topology | None = None  # the latest INSPECT's
+    captured: Topology | None = None  # the state file's
+    state_file: CheckpointState | None = None
+    state_path: Path | None = None
+    events: list[PhaseEvent] = attrs.Factory(list)
+    # What the step in progress adds to its trace entry.
+    record: dict[str, Any] = attrs.Factory(dict)
+
+    def observed(self) -> dict[str, int]:
+        """Each bound participant's observed pid, by participant id."""
+        return {b.participant: b.endpoint.observed_pid for b in self.bound}
+
+
+def check_endpoints(endpoints: Sequence[Endpoint]) -> None:
+    """Refuse endpoints that cannot be a team: none, or one socket twice."""
+    if not endpoints:
+        raise ValueError("at least one participant process is needed")
+    seen: dict[Path, Endpoint] = {}
+    for endpoint in endpoints:
+        if endpoint.path in seen:
+            raise ValueError(
+                f"{endpoint.describe()} and {seen[endpoint.path].describe()} "
+                "are the same control socket"
+            )
+        seen[endpoint.path] = endpoint
+
+
+def _error_kind(error: ParticipantError) -> str:
+    if isinstance(error, ParticipantTimeout):
+        return "timed out"
+    if isinstance(error, ParticipantHangup):
+        return "hung up"
+    if isinstance(error, BadReply):
+        return "bad reply"
+    return "failed"
+
+
+def reply_problem(
+    op: Op, phase: Phase | None, endpoint: Endpoint, result: Reply | ParticipantError
+) -> Problem | None:
+    """What is wrong with one participant's answer to ``op``, or None when nothing is."""
+    pid = endpoint.observed_pid
+    if isinstance(result, ParticipantError):
+        return Problem(f"{_error_kind(result)}: {result.reason}", result.participant, pid)
+    if result.op is not op:  # the client checks this too; a transport stand-in may not
+        return Problem(
+            f"reply echoes {result.op.name}, expected {op.name}", result.participant, pid
+        )
+    if result.status is not Status.OK:
+        text = result.message or "no message"
+        return Problem(
+            f"{result.status.name} in phase {result.phase.name}: {text}", result.participant, pid
+        )
+    if phase is not None and result.phase is not phase:
+        return Problem(
+            f"reported phase {result.phase.name} after {op.name}, expected {phase.name}",
+            result.participant,
+            pid,
+        )
+    return None
+
+
+def bind(
+    machine: str, endpoints: Sequence[Endpoint], results: Sequence[Reply | ParticipantError]
+) -> tuple[Bound, ...]:
+    """Bind every endpoint to the participant its HANDSHAKE reply names, or fail."""
+    problems: list[Problem] = []
+    bound: list[Bound] = []
+    owners: dict[str, Endpoint] = {}
+    for endpoint, result in zip(endpoints, results, strict=True):
+        problem = reply_problem(Op.HANDSHAKE, None, endpoint, result)
+        if problem is not None:
+            if isinstance(result, ParticipantError):
+                # No participant id to go by yet: the socket path says who it was.
+                problem = attrs.evolve(problem, reason=f"{problem.reason} ({endpoint.path})")
+            problems.append(problem)
+            continue
+        assert isinstance(result, Reply)
+        if result.pid != endpoint.namespace_pid:
+            # The socket is named after the shim's own getpid(): another pid
+            # answering means a stale or foreign socket, not the process asked for.
+            problems.append(
+                Problem(
+                    f"the control socket of namespace pid {endpoint.namespace_pid} "
+                    f"is served by pid {result.pid}",
+                    result.participant,
+                    endpoint.observed_pid,
+                )
+            )
+            continue
+        if result.participant in owners:
+            problems.append(
+                Problem(
+                    f"answers at {endpoint.describe()} and at "
+                    f"{owners[result.participant].describe()}",
+                    result.participant,
+                    endpoint.observed_pid,
+                )
+            )
+            continue
+        owners[result.participant] = endpoint
+        bound.append(Bound(endpoint, result.participant, result.pid, result.phase, result.message))
+    if problems:
+        raise PhaseFailed(machine, Op.HANDSHAKE.name, problems)
+    return tuple(bound)
+
+
+def perform(run: Run, step: Step) -> PhaseEvent | None:
+    """Do ``step``'s work; a wire step returns its progress event."""
+    op = step_op(step)
+    if op is not None:
+        return exchange(run, step, op)
+    assert step.action is not None  # a step without an op has an action (phases checks)
+    ACTIONS[step.action](run)
+    return None
+
+
+def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
+    """Send ``op`` to every participant at once and check every answer: a barrier."""
+    options = run.options
+    calls: list[tuple[Endpoint, Request, str | None]]
+    if op is Op.HANDSHAKE:
+        calls = [(e, Request(op), None) for e in run.endpoints]
+    else:
+        calls = [
+            (b.endpoint, Request(op, participant=b.participant), b.participant) for b in run.bound
+        ]
+    began = options.clock()
+    results = options.transport(calls, timeout=options.phase_timeout)
+    elapsed = options.clock() - began
+    if options.trace is not None:  # hex-encoding every record is not free
+        run.record["exchanges"] = [
+            tracing.exchange_entry(endpoint, request, result)
+            for (endpoint, request, _), result in zip(calls, results, strict=True)
+        ]
+    if op is Op.HANDSHAKE:
+        run.bound = bind(run.spec.name, run.endpoints, results)
+    else:
+        expected = step_reply_phase(step)
+        problems = [
+            p
+            for (endpoint, _, _), result in zip(calls, results, strict=True)
+            if (p := reply_problem(op, expected, endpoint, result)) is not None
+        ]
+        if problems:
+            raise PhaseFailed(run.spec.name, op.name, problems)
+    run.replies = tuple(r for r in results if isinstance(r, Reply))
+    if op is Op.INSPECT:
+        run.topology = Topology.from_inspect((r.participant, r.pid, r.records) for r in run.replies)
+    transfer = None
+    if step.progress is ProgressKind.TRANSFER:
+        by_id = {b.participant: b for b in run.bound}
+        transfer = Transfer.from_stats(
+            [(r.participant, by_id[r.participant].endpoint.observed_pid, r.stats)
+             for r in run.replies],
+            elapsed,
+        )  # fmt: skip
+    return PhaseEvent(run.spec.name, op.name, elapsed, len(run.endpoints), transfer)
+
+
+def _local_failure(run: Run, step: str, reason: str) -> PhaseFailed:
+    return PhaseFailed(run.spec.name, step, [Problem(reason)])
+
+
+def write_state_file(run: Run) -> None:
+    assert run.topology is not None
+    state = CheckpointState(
+        protocol_version=VERSION,
+        content_mode=run.options.content_mode,
+        created_at=utc_timestamp(),
+        participants=tuple(
+            sorted(
+                (StateParticipant(b.participant, b.pid) for b in run.bound),
+                key=lambda p: p.participant,
+            )
+        ),
+        topology=run.topology,
+    )
+    try:
+        run.state_path = write_state(run.checkpoint_dir, state)
+    except (OSError, StateFileError) as exc:
+        raise _local_failure(run, "WRITE_STATE", f"writing the state file failed: {exc}") from exc
+    run.state_file = state
+    run.record["state_path"] = str(run.state_path)
+
+
+def read_state_file(run: Run) -> None:
+    if run.options.trace is not None:
+        run.record["state_file"] = tracing.read_state_text(run.checkpoint_dir)
+    try:
+        state = read_state(run.checkpoint_dir)
+    except StateFileError as exc:
+        raise _local_failure(run, "READ_STATE", str(exc)) from exc
+    except OSError as exc:
+        raise _local_failure(run, "READ_STATE", f"state file unreadable: {exc}") from exc
+    if state.protocol_version != VERSION:
+        raise _local_failure(
+            run,
+            "READ_STATE",
+            f"state file speaks protocol version {state.protocol_version}, "
+            f"this coordinator {VERSION}",
+        )
+    run.state_file = state
+    run.captured = state.topology
+
+
+def _nothing(run: Run) -> None:
+    """The step's guards are the whole step."""
+
+
+ACTIONS: Final[Mapping[Action, Callable[[Run], None]]] = {
+    Action.WRITE_STATE: write_state_file,
+    Action.READ_STATE: read_state_file,
+    Action.NOTHING: _nothing,
+}

@@ -1,0 +1,136 @@
+/*
+ * Settings: every environment variable the shim reads, read once, on the
+ * first call of shim_settings(). Every entry point resolves the driver before
+ * anything else, and resolving reads the settings first, so the log level
+ * holds from the first line logged.
+ *
+ * Every value is checked: a bad one is named in a warning, with the value,
+ * and the default is used. The application must keep running, so a typo
+ * never stops it; the warning is the place to see it.
+ *
+ * Copy defaults (content.c says how they were measured):
+ *  - SNAPSHOT_SHIM_COPY_THREADS: min(16, online CPUs). Populate and register
+ *    are CPU work in the kernel that scales with threads; more threads than
+ *    CPUs only contend.
+ *  - SNAPSHOT_SHIM_COPY_CHUNK_MIB: 64.
+ */
+#include "shim.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <unistd.h>
+
+#define DEBUG_ENV "SNAPSHOT_SHIM_DEBUG"
+#define IO_TIMEOUT_ENV "SNAPSHOT_SHIM_IO_TIMEOUT_S"
+#define PEER_TIMEOUT_ENV "SNAPSHOT_PEER_TIMEOUT_S"
+#define CONTENT_MODE_ENV "SNAPSHOT_CONTENT_MODE"
+#define COPY_THREADS_ENV "SNAPSHOT_SHIM_COPY_THREADS"
+#define COPY_CHUNK_ENV "SNAPSHOT_SHIM_COPY_CHUNK_MIB"
+/* CUIP_CONTROL_DIR_ENV and CUIP_PARTICIPANT_ENV are in protocol.h: the
+ * coordinator sets them too. */
+
+#define IO_TIMEOUT_MS_DEFAULT 5000
+/* The coordinator's SNAPSHOT_PHASE_TIMEOUT_S (120 s) must exceed this, or its
+ * wait expires with ours. */
+#define PEER_TIMEOUT_MS_DEFAULT 10000
+#define THREADS_DEFAULT 16ul
+#define THREADS_MAX 64ul
+#define CHUNK_MIB_DEFAULT 64ul
+#define CHUNK_MIB_MAX 4096ul
+
+static struct shim_settings settings;
+static pthread_once_t settings_once = PTHREAD_ONCE_INIT;
+
+static bool env_flag(const char *name)
+{
+    const char *v = getenv(name);
+    if (!v)
+        return false;
+    return !strcmp(v, "1") || !strcasecmp(v, "true") || !strcasecmp(v, "yes") ||
+           !strcasecmp(v, "on");
+}
+
+/* Seconds (a decimal, e.g. "2.5") in (0, 3600], in milliseconds. */
+static long env_seconds_ms(const char *name, long def_ms)
+{
+    const char *v = getenv(name);
+    char *end;
+    double x;
+
+    if (!v || !*v)
+        return def_ms;
+    errno = 0;
+    x = strtod(v, &end);
+    if (errno || *end || !(x > 0.0) || x > 3600.0) {
+        shim_log(LOG_WARN, "%s=%s is not a number of seconds in (0, 3600]; using %ld ms", name,
+                 v, def_ms);
+        return def_ms;
+    }
+    return x * 1000.0 < 1.0 ? 1 : (long)(x * 1000.0);
+}
+
+/* A decimal count in [lo, hi]; `what` names it in the warning. */
+static unsigned long env_count(const char *name, unsigned long lo, unsigned long hi,
+                               unsigned long def, const char *what)
+{
+    const char *v = getenv(name);
+    char *end;
+    unsigned long x;
+
+    if (!v || !*v)
+        return def;
+    errno = 0;
+    x = strtoul(v, &end, 10);
+    if (errno || *end || v[0] == '-' || v[0] == '+' || x < lo || x > hi) {
+        shim_log(LOG_WARN, "%s=%s is not %s in [%lu, %lu]; using %lu", name, v, what, lo, hi,
+                 def);
+        return def;
+    }
+    return x;
+}
+
+static bool env_content_native(void)
+{
+    const char *v = getenv(CONTENT_MODE_ENV);
+    if (!v || !*v || !strcmp(v, "host"))
+        return false;
+    if (!strcmp(v, "native"))
+        return true;
+    shim_log(LOG_WARN, "%s=%s is neither host nor native; using host", CONTENT_MODE_ENV, v);
+    return false;
+}
+
+static void settings_load(void)
+{
+    struct shim_settings *s = &settings;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    unsigned long threads = THREADS_DEFAULT;
+    const char *dir = getenv(CUIP_CONTROL_DIR_ENV);
+    const char *pin = getenv(CUIP_PARTICIPANT_ENV);
+
+    /* First, so that the warnings below follow the level asked for. */
+    s->log_level = env_flag(DEBUG_ENV) ? LOG_DEBUG : LOG_WARN;
+    shim_log_set_level(s->log_level);
+    s->io_timeout_ms = env_seconds_ms(IO_TIMEOUT_ENV, IO_TIMEOUT_MS_DEFAULT);
+    s->peer_timeout_ms = env_seconds_ms(PEER_TIMEOUT_ENV, PEER_TIMEOUT_MS_DEFAULT);
+    s->native_content = env_content_native();
+    if (cpus >= 1 && (unsigned long)cpus < threads)
+        threads = (unsigned long)cpus;
+    s->copy_threads = (unsigned)env_count(COPY_THREADS_ENV, 1, THREADS_MAX, threads,
+                                          "a thread count");
+    s->copy_chunk = (size_t)env_count(COPY_CHUNK_ENV, 1, CHUNK_MIB_MAX, CHUNK_MIB_DEFAULT,
+                                      "a chunk size in MiB")
+                    << 20;
+    snprintf(s->control_dir, sizeof s->control_dir, "%s",
+             dir && *dir ? dir : CUIP_CONTROL_DIR_DEFAULT);
+    snprintf(s->participant, sizeof s->participant, "%s", pin ? pin : "");
+}
+
+const struct shim_settings *shim_settings(void)
+{
+    pthread_once(&settings_once, settings_load);
+    return &settings;
+}
