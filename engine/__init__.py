@@ -20,6 +20,7 @@ from .client import (
 from .errors import (
     CheckpointDirRefused,
     CoordinatorError,
+    Interrupted,
     ParticipantsRefused,
     PhaseFailed,
     PreflightRefused,
@@ -39,8 +40,19 @@ from .progress import (
     human_line,
     json_printer,
 )
+from .recovery import RecoveryReport, recover
 from .replay import Divergence, ReplayReport, replay, replay_file
-from .runner import Bound, CaptureResult, RestoreResult, capture, inspect, restore, run_machine
+from .runner import (
+    Bound,
+    CaptureResult,
+    RestoreResult,
+    RollbackResult,
+    capture,
+    inspect,
+    restore,
+    rollback,
+    run_machine,
+)
 from .statefile import STATE_FILE_NAME, CheckpointState, StateFileError, read_state
 from .topology import Topology
 from .trace import TraceError, TraceRecorder, TraceSink, TraceWriter, read_trace
@@ -59,6 +71,7 @@ __all__ = [
     "Endpoint",
     "Event",
     "FailedEvent",
+    "Interrupted",
     "Options",
     "ParticipantError",
     "ParticipantHangup",
@@ -69,9 +82,11 @@ __all__ = [
     "PreflightRefused",
     "Problem",
     "ProgressCallback",
+    "RecoveryReport",
     "Refused",
     "ReplayReport",
     "RestoreResult",
+    "RollbackResult",
     "StateFileError",
     "Topology",
     "TopologyRefused",
@@ -90,8 +105,10 @@ __all__ = [
     "json_printer",
     "read_state",
     "read_trace",
+    "recover",
     "replay",
     "replay_file",
     "restore",
+    "rollback",
     "run_machine",
 ]

@@ -35,9 +35,18 @@ class Problem:
 
 
 class CoordinatorError(Exception):
-    """A machine stopped. ``phase`` is the op or local step it stopped at."""
+    """A machine stopped. ``phase`` is the op or local step it stopped at.
+
+    The runner notes on the error whether a destructive op had been sent
+    (``destroyed``) and, if so, how the rollback that followed ended:
+    ``rolled_back`` when the group is running again as before, else
+    ``rollback_error`` says why not (``cuinterpose recover`` must run).
+    """
 
     kind = "failed"
+    destroyed: bool = False
+    rolled_back: bool = False
+    rollback_error: CoordinatorError | None = None
 
     def __init__(self, machine: str, phase: str, problems: Sequence[Problem]) -> None:
         if not problems:
@@ -115,6 +124,11 @@ class PhaseFailed(CoordinatorError):
 
     Fail-stop: no later op was sent to anyone, and nothing was rolled back.
     """
+
+
+class Interrupted(PhaseFailed):
+    """The run was asked to stop (a signal, or the embedder's stop event): it stopped at a
+    phase boundary."""
 
 
 class VerificationFailed(PhaseFailed):

@@ -9,11 +9,11 @@ function in :data:`GUARDS`.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Final
 
+from ..phases import ROLLBACK_FROM
+from .directory import capture_problem
 from .errors import Problem
 from .steps import Run
 from .validate import Violation, preflight, validate
@@ -68,6 +68,8 @@ def all_prepared(run: Run) -> list[Problem]:
 
 def topology_valid(run: Run) -> list[Problem]:
     assert run.topology is not None
+    if run.gone:
+        return []  # survivors of a rollback only: a team missing members cannot be whole
     return violation_problems(validate(run.topology), run.observed())
 
 
@@ -77,8 +79,26 @@ def preflight_clean(run: Run) -> list[Problem]:
 
 
 def checkpoint_dir_writable(run: Run) -> list[Problem]:
-    reason = checkpoint_dir_ready(run.checkpoint_dir)
+    reason = capture_problem(run.checkpoint_dir, replace=run.options.replace)
     return [Problem(reason)] if reason else []
+
+
+def all_can_roll_back(run: Run) -> list[Problem]:
+    return [
+        Problem(
+            f"is in phase {b.phase.name}, from which no rollback starts",
+            b.participant,
+            b.endpoint.observed_pid,
+        )
+        for b in run.bound
+        if b.phase.name not in ROLLBACK_FROM
+    ]
+
+
+def topology_matches_record(run: Run) -> list[Problem]:
+    if run.captured is None or run.gone:
+        return []  # nothing recorded, or survivors only: nothing whole to compare with
+    return topology_matches_capture(run)
 
 
 def participants_match_state(run: Run) -> list[Problem]:
@@ -109,15 +129,6 @@ def topology_matches_capture(run: Run) -> list[Problem]:
     return [Problem(f"restored topology differs: {d}") for d in differences]
 
 
-def checkpoint_dir_ready(path: Path) -> str | None:
-    """Why the state file could not be written into ``path``, or None when it can."""
-    if not path.is_dir():
-        return f"checkpoint directory {path} does not exist"
-    if not os.access(path, os.W_OK | os.X_OK):
-        return f"checkpoint directory {path} is not writable"
-    return None
-
-
 GUARDS: Final[Mapping[str, GuardCheck]] = {
     check.__name__: check
     for check in (
@@ -128,5 +139,7 @@ GUARDS: Final[Mapping[str, GuardCheck]] = {
         checkpoint_dir_writable,
         participants_match_state,
         topology_matches_capture,
+        all_can_roll_back,
+        topology_matches_record,
     )
 }

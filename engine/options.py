@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -29,6 +30,14 @@ class Options:
     content_mode: Literal["host", "native"] = "host"
     transport: Transport = call_all
     clock: Callable[[], float] = time.monotonic
+    # A capture overwrites a capture that was never restored only when told to.
+    replace: bool = False
+    # Set from anywhere (a signal handler, another thread): the run stops at the
+    # next phase boundary, and rolls back what it changed.
+    stop: threading.Event | None = None
+    # After a failure past the first destructive op, bring the group back to
+    # ACTIVE before raising (False leaves it for ``recover``: tests, tracing).
+    rollback_on_failure: bool = True
 
     def __attrs_post_init__(self) -> None:
         if not self.phase_timeout > 0:

@@ -36,7 +36,15 @@ from .wire import Op, Reply, Request
 
 # Keys that legitimately differ between a run and its replay.
 _UNCOMPARED: Final = frozenset(
-    {"started_s", "elapsed_s", "state_file", "state_path", "checkpoint_dir", "processes"}
+    {
+        "started_s",
+        "elapsed_s",
+        "state_file",
+        "state_path",
+        "intent_path",
+        "checkpoint_dir",
+        "processes",
+    }
 )
 _ERRORS: Final[Mapping[str, type[ParticipantError]]] = {
     cls.__name__: cls for cls in (ParticipantError, ParticipantTimeout, ParticipantHangup, BadReply)
@@ -218,6 +226,7 @@ def replay(entries: Sequence[Mapping[str, Any]]) -> ReplayReport:
             trace=recorder,
             content_mode="native" if start.get("content_mode") == "native" else "host",
             transport=transport,
+            rollback_on_failure=bool(start.get("rollback_on_failure", False)),
         )
         try:
             runner.run_machine(MACHINES[machine], endpoints, checkpoint_dir, options)

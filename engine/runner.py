@@ -22,8 +22,26 @@ from transitions import EventData, Machine
 from ..phases import Step
 from . import trace as tracing
 from .client import Endpoint, call_all
-from .errors import REFUSALS, CoordinatorError, PhaseFailed, Problem, Refused, VerificationFailed
-from .fsm import CAPTURE, FAIL_TRIGGER, REFUSE_TRIGGER, RESTORE, MachineSpec, build_machine
+from .directory import DirectoryBusy, clear_intent, locked, mark_restored
+from .errors import (
+    REFUSALS,
+    CheckpointDirRefused,
+    CoordinatorError,
+    Interrupted,
+    PhaseFailed,
+    Problem,
+    Refused,
+    VerificationFailed,
+)
+from .fsm import (
+    CAPTURE,
+    FAIL_TRIGGER,
+    REFUSE_TRIGGER,
+    RESTORE,
+    ROLLBACK,
+    MachineSpec,
+    build_machine,
+)
 from .guards import GUARDS
 from .options import DEFAULT_PHASE_TIMEOUT_S, Options, Transport
 from .progress import DoneEvent, FailedEvent, PhaseEvent
@@ -38,10 +56,12 @@ __all__ = [
     "CaptureResult",
     "Options",
     "RestoreResult",
+    "RollbackResult",
     "Transport",
     "capture",
     "inspect",
     "restore",
+    "rollback",
     "run_machine",
 ]
 
@@ -62,17 +82,27 @@ class RestoreResult:
     elapsed_s: float
 
 
+@attrs.frozen
+class RollbackResult:
+    topology: Topology
+    gone: tuple[Problem, ...]  # participants whose process was not there any more
+    phases: tuple[PhaseEvent, ...]
+    elapsed_s: float
+
+
 def capture(
     endpoints: Sequence[Endpoint], checkpoint_dir: Path, options: Options | None = None
 ) -> CaptureResult:
     """Run the capture machine; the state file is written into ``checkpoint_dir``.
 
     Raises a :class:`~.errors.Refused` subclass when a guard refuses (nothing was
-    changed), :class:`~.errors.PhaseFailed` when anything else stops the machine,
-    and ValueError for endpoints that cannot be a team (none, or one socket twice).
+    changed), :class:`~.errors.PhaseFailed` when anything else stops the machine
+    (after a destructive op, the group was rolled back first: see the error's
+    ``rolled_back`` and ``rollback_error``), and ValueError for endpoints that
+    cannot be a team (none, or one socket twice).
     """
     loop = _Loop(CAPTURE, endpoints, Path(checkpoint_dir), options or Options())
-    loop.execute()
+    _execute(loop)
     run = loop.run
     assert run.state_file is not None and run.state_path is not None
     return CaptureResult(run.state_file, run.state_path, tuple(run.events), loop.elapsed())
@@ -87,10 +117,68 @@ def restore(
     rebuilt topology is invalid or differs from the captured one.
     """
     loop = _Loop(RESTORE, endpoints, Path(checkpoint_dir), options or Options())
-    loop.execute()
+    _execute(loop)
     run = loop.run
     assert run.state_file is not None and run.topology is not None
+    mark_restored(loop.run.checkpoint_dir, run.state_file)
     return RestoreResult(run.state_file, run.topology, tuple(run.events), loop.elapsed())
+
+
+def rollback(
+    endpoints: Sequence[Endpoint],
+    checkpoint_dir: Path,
+    options: Options | None = None,
+    *,
+    recorded: Topology | None = None,
+) -> RollbackResult:
+    """Bring every participant still there back to ACTIVE, bytes and sharing as before.
+
+    ``recorded`` is the topology before the capture when the caller has it; else the
+    checkpoint directory's intent (or state file) provides it. Participants whose
+    process is gone are left out and reported in ``gone``. The intent is removed
+    once the group is back.
+    """
+    options = attrs.evolve(options or Options(), stop=None, rollback_on_failure=False)
+    loop = _Loop(ROLLBACK, endpoints, Path(checkpoint_dir), options)
+    loop.run.captured = recorded
+    _execute(loop)
+    run = loop.run
+    assert run.topology is not None
+    clear_intent(run.checkpoint_dir)
+    return RollbackResult(run.topology, run.gone, tuple(run.events), loop.elapsed())
+
+
+def _execute(loop: _Loop) -> None:
+    """Run the loop with the directory locked; after a failure past the first
+    destructive op, roll the group back (when the options say so) before raising."""
+    directory = loop.run.checkpoint_dir
+    try:
+        with locked(directory):
+            try:
+                loop.execute()
+            except CoordinatorError as error:
+                error.destroyed = loop.destroyed
+                if loop.destroyed and loop.options.rollback_on_failure:
+                    _roll_back_after(loop, error)
+                raise
+    except DirectoryBusy as busy:
+        raise CheckpointDirRefused(
+            loop.spec.name, "LOCK", "checkpoint_dir_free", [Problem(str(busy))]
+        ) from None
+
+
+def _roll_back_after(loop: _Loop, error: CoordinatorError) -> None:
+    endpoints = [b.endpoint for b in loop.run.bound] or list(loop.run.endpoints)
+    recorded = loop.run.topology if loop.spec is CAPTURE else loop.run.captured
+    try:
+        # The lock is held already: the rollback is this coordinator's own.
+        inner = _Loop(ROLLBACK, endpoints, loop.run.checkpoint_dir, loop.options_for_rollback())
+        inner.run.captured = recorded
+        inner.execute()
+        clear_intent(loop.run.checkpoint_dir)
+        error.rolled_back = True
+    except CoordinatorError as failed:
+        error.rollback_error = failed
 
 
 def run_machine(
@@ -98,12 +186,14 @@ def run_machine(
     endpoints: Sequence[Endpoint],
     checkpoint_dir: Path,
     options: Options | None = None,
-) -> CaptureResult | RestoreResult:
-    """Run ``spec`` (CAPTURE or RESTORE) by name, as the CLI and trace replay do."""
+) -> CaptureResult | RestoreResult | RollbackResult:
+    """Run ``spec`` (CAPTURE, RESTORE or ROLLBACK) by name, as the CLI and trace replay do."""
     if spec is CAPTURE:
         return capture(endpoints, checkpoint_dir, options)
     if spec is RESTORE:
         return restore(endpoints, checkpoint_dir, options)
+    if spec is ROLLBACK:
+        return rollback(endpoints, checkpoint_dir, options)
     raise ValueError(f"no runner for machine {spec.name}")
 
 
@@ -156,6 +246,10 @@ class _Loop:
         self.machine_state = spec.initial  # set by transitions from here on
         self.machine: Machine = build_machine(spec, self, model_attribute="machine_state")
         self.started = options.clock()
+        self.destroyed = False  # a destructive op has been sent
+
+    def options_for_rollback(self) -> Options:
+        return attrs.evolve(self.options, stop=None, rollback_on_failure=False)
 
     def elapsed(self) -> float:
         return self.options.clock() - self.started
@@ -168,6 +262,7 @@ class _Loop:
                 phase_timeout=self.options.phase_timeout,
                 content_mode=self.options.content_mode,
                 checkpoint_dir=self.run.checkpoint_dir,
+                rollback_on_failure=self.options.rollback_on_failure,
             )
         )
         for step in self.spec.steps:
@@ -175,6 +270,14 @@ class _Loop:
             self.run.record = {}
             self.problems = {}
             began = self.options.clock()
+            if self.options.stop is not None and self.options.stop.is_set():
+                interrupted = Interrupted(
+                    self.spec.name,
+                    step.trigger,
+                    [Problem(f"stopped on request before {step.trigger}")],
+                )
+                self._stop(FAIL_TRIGGER, interrupted)
+                raise interrupted
             try:
                 moved = bool(self.machine.events[step.trigger].trigger(self))
             except CoordinatorError as failure:
@@ -210,7 +313,9 @@ class _Loop:
     # -- the model's callbacks ---------------------------------------------------
 
     def perform(self, event: EventData) -> None:
-        phase_event = perform(self.run, self.spec.step(event.event.name))
+        step = self.spec.step(event.event.name)
+        self.destroyed = self.destroyed or step.destructive
+        phase_event = perform(self.run, step)
         if phase_event is not None:
             self.run.events.append(phase_event)
             self._emit(phase_event)

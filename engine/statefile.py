@@ -12,6 +12,7 @@ or authorization tokens (none of those is in a :class:`~.wire.Record`).
 
 from __future__ import annotations
 
+import errno
 import functools
 import itertools
 import json
@@ -588,23 +589,24 @@ def decode_state(data: bytes, path: Path) -> CheckpointState:
 # --- the file -----------------------------------------------------------------------
 
 
-def write_state(directory: Path, state: CheckpointState) -> Path:
+def write_state(directory: Path, state: CheckpointState, name: str = STATE_FILE_NAME) -> Path:
     """Write the state file into ``directory`` atomically and durably; returns its path.
+
+    ``name`` is the state file's by default; the intent a capture records before its
+    first destructive op is the same document under another name.
 
     A temporary file in the same directory is written and fsynced, renamed over the
     state file, and the directory fsynced so the rename survives a crash. On any
     failure the temporary file is removed and the old state file (if any) is intact.
     """
     directory = Path(directory)
-    target = directory / STATE_FILE_NAME
+    target = directory / name
     try:
         data = encode_state(state)
     except ValueError as exc:
         raise StateFileError(target, f"not written: {exc}") from exc
     try:
-        fd, temp_name = tempfile.mkstemp(
-            prefix=f".{STATE_FILE_NAME}.", suffix=".tmp", dir=directory
-        )
+        fd, temp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     except OSError as exc:
         raise StateFileError(
             target, f"not written: cannot create a temporary file in {directory}: {exc}"
@@ -638,16 +640,19 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def read_state(directory: Path) -> CheckpointState:
+def read_state(directory: Path, name: str = STATE_FILE_NAME) -> CheckpointState:
     """Read and check the state file in ``directory``; StateFileError says what is wrong."""
-    path = Path(directory) / STATE_FILE_NAME
+    path = Path(directory) / name
     try:
-        fd = os.open(path, os.O_RDONLY)
+        # Never through a link, and never blocking on a FIFO planted under the name.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError as exc:
         raise StateFileError(
             path, "is missing: no cuinterpose capture was completed into this directory"
         ) from exc
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StateFileError(path, "is a symbolic link; refused") from exc
         raise StateFileError(path, f"cannot be opened: {exc}") from exc
     try:
         info = os.fstat(fd)

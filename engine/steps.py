@@ -18,11 +18,13 @@ import attrs
 from ..phases import Action, MachineSpec, ProgressKind, Step
 from . import trace as tracing
 from .client import BadReply, Endpoint, ParticipantError, ParticipantHangup, ParticipantTimeout
+from .directory import clear_intent, read_intent, write_intent
 from .errors import PhaseFailed, Problem
 from .fsm import step_op, step_reply_phase
 from .options import Options
 from .progress import PhaseEvent, Transfer
 from .statefile import (
+    STATE_FILE_NAME,
     CheckpointState,
     StateFileError,
     StateParticipant,
@@ -32,6 +34,9 @@ from .statefile import (
 )
 from .topology import Topology
 from .wire import VERSION, Op, Phase, Reply, Request, Status
+
+# How the client words a process that is not there (no socket, or nobody listening).
+_GONE: Final = ("control socket does not exist", "connection refused")
 
 
 @attrs.frozen
@@ -62,6 +67,9 @@ class Run:
     events: list[PhaseEvent] = attrs.Factory(list)
     # What the step in progress adds to its trace entry.
     record: dict[str, Any] = attrs.Factory(dict)
+    # Participants whose process was gone at HANDSHAKE (machines that drop them).
+    gone: tuple[Problem, ...] = ()
+    intent_path: Path | None = None
 
     def observed(self) -> dict[str, int]:
         """Each bound participant's observed pid, by participant id."""
@@ -166,6 +174,8 @@ def perform(run: Run, step: Step) -> PhaseEvent | None:
     """Do ``step``'s work; a wire step returns its progress event."""
     op = step_op(step)
     if op is not None:
+        if run.spec.records_intent and run.intent_path is None and step.destructive:
+            write_intent_file(run)
         return exchange(run, step, op)
     assert step.action is not None  # a step without an op has an action (phases checks)
     ACTIONS[step.action](run)
@@ -191,7 +201,11 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
             for (endpoint, request, _), result in zip(calls, results, strict=True)
         ]
     if op is Op.HANDSHAKE:
-        run.bound = bind(run.spec.name, run.endpoints, results)
+        if run.spec.drops_gone:
+            answered = _drop_gone(run, calls, results)
+            calls = [c for c, r in zip(calls, answered, strict=True) if r is not None]
+            results = [r for r in answered if r is not None]
+        run.bound = bind(run.spec.name, [e for e, _, _ in calls], results)
     else:
         expected = step_reply_phase(step)
         problems = [
@@ -215,13 +229,57 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
     return PhaseEvent(run.spec.name, op.name, elapsed, len(run.endpoints), transfer)
 
 
+def _drop_gone(
+    run: Run,
+    calls: Sequence[tuple[Endpoint, Request, str | None]],
+    results: Sequence[Reply | ParticipantError],
+) -> list[Reply | ParticipantError | None]:
+    """None for every participant whose process is gone (its socket missing or refused)."""
+    kept: list[Reply | ParticipantError | None] = []
+    gone: list[Problem] = []
+    for (endpoint, _, _), result in zip(calls, results, strict=True):
+        if isinstance(result, ParticipantHangup) and result.reason.startswith(_GONE):
+            gone.append(Problem(f"gone: {result.reason}", None, endpoint.observed_pid))
+            kept.append(None)
+        else:
+            kept.append(result)
+    if gone and len(gone) == len(calls):
+        raise PhaseFailed(run.spec.name, Op.HANDSHAKE.name, gone)
+    run.gone = tuple(gone)
+    if gone:
+        run.record["gone"] = [str(p) for p in gone]
+    return kept
+
+
 def _local_failure(run: Run, step: str, reason: str) -> PhaseFailed:
     return PhaseFailed(run.spec.name, step, [Problem(reason)])
 
 
 def write_state_file(run: Run) -> None:
     assert run.topology is not None
-    state = CheckpointState(
+    state = _state_of(run)
+    try:
+        run.state_path = write_state(run.checkpoint_dir, state)
+        clear_intent(run.checkpoint_dir)  # the state file says all the intent said
+    except (OSError, StateFileError) as exc:
+        raise _local_failure(run, "WRITE_STATE", f"writing the state file failed: {exc}") from exc
+    run.state_file = state
+    run.record["state_path"] = str(run.state_path)
+
+
+def write_intent_file(run: Run) -> None:
+    """Record the group durably before its first destructive op (see :mod:`.directory`)."""
+    step = run.spec.steps[run.spec.first_destructive() or 0].trigger
+    try:
+        run.intent_path = write_intent(run.checkpoint_dir, _state_of(run))
+    except (OSError, StateFileError) as exc:
+        raise _local_failure(run, step, f"recording the intent failed: {exc}") from exc
+    run.record["intent_path"] = str(run.intent_path)
+
+
+def _state_of(run: Run) -> CheckpointState:
+    assert run.topology is not None
+    return CheckpointState(
         protocol_version=VERSION,
         content_mode=run.options.content_mode,
         created_at=utc_timestamp(),
@@ -233,12 +291,21 @@ def write_state_file(run: Run) -> None:
         ),
         topology=run.topology,
     )
+
+
+def read_record(run: Run) -> None:
+    """The topology recorded before the capture: the intent's, else the state file's."""
+    if run.captured is not None:  # handed over by the run that failed
+        return
     try:
-        run.state_path = write_state(run.checkpoint_dir, state)
+        record = read_intent(run.checkpoint_dir)
+        if record is None and (run.checkpoint_dir / STATE_FILE_NAME).is_file():
+            record = read_state(run.checkpoint_dir)
     except (OSError, StateFileError) as exc:
-        raise _local_failure(run, "WRITE_STATE", f"writing the state file failed: {exc}") from exc
-    run.state_file = state
-    run.record["state_path"] = str(run.state_path)
+        raise _local_failure(run, "READ_RECORD", f"cannot read the record: {exc}") from exc
+    if record is not None:
+        run.captured = record.topology
+        run.state_file = record
 
 
 def read_state_file(run: Run) -> None:
@@ -268,5 +335,6 @@ def _nothing(run: Run) -> None:
 ACTIONS: Final[Mapping[Action, Callable[[Run], None]]] = {
     Action.WRITE_STATE: write_state_file,
     Action.READ_STATE: read_state_file,
+    Action.READ_RECORD: read_record,
     Action.NOTHING: _nothing,
 }

@@ -98,8 +98,9 @@ def start_entry(
     phase_timeout: float,
     content_mode: str,
     checkpoint_dir: Path,
+    rollback_on_failure: bool = False,
 ) -> dict[str, Any]:
-    return {
+    entry: dict[str, Any] = {
         "type": "start",
         "format": TRACE_FORMAT,
         "machine": machine,
@@ -112,6 +113,9 @@ def start_entry(
         "checkpoint_dir": str(checkpoint_dir),
         "checkpoint_dir_exists": checkpoint_dir.is_dir(),
     }
+    if rollback_on_failure:  # the rollback's own entries follow the run's end entry
+        entry["rollback_on_failure"] = True
+    return entry
 
 
 def transition_entry(
@@ -252,7 +256,7 @@ def check_entries(entries: Sequence[Mapping[str, Any]], source: str = "trace") -
         )
     if entries[-1].get("type") != "end":
         raise TraceError(f"{source}: the trace has no end entry (the run was interrupted?)")
-    if start.get("machine") not in ("capture", "restore"):
+    if start.get("machine") not in ("capture", "restore", "rollback"):
         raise TraceError(f"{source}: unknown machine {start.get('machine')!r}")
     if not isinstance(start.get("phase_timeout_s"), int | float) or not isinstance(
         start.get("processes"), list

@@ -52,6 +52,8 @@ class Op(enum.IntEnum):
     RESTORE_MULTICAST_DEVICES = 10
     RESTORE_MULTICAST_BINDINGS = 11
     EXPORT = 12
+    ROLLBACK_ALLOCATIONS = 13
+    ROLLBACK_IMPORTS = 14
 
 
 class Phase(enum.IntEnum):
@@ -64,6 +66,7 @@ class Phase(enum.IntEnum):
     MULTICAST_CREATED = 7
     MULTICAST_IMPORTED = 8
     MULTICAST_JOINED = 9
+    ROLLBACK_LOADED = 10
     FAILED = 15
 
 
@@ -77,6 +80,7 @@ class Status(enum.IntEnum):
     UNAUTHORIZED = 6
     NOT_FOUND = 7
     INTERNAL = 8
+    RETRY = 9  # transient (out of memory): nothing kept, the phase unchanged, send again
 
 
 class ResourceKind(enum.IntEnum):

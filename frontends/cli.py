@@ -1,8 +1,17 @@
 """The ``cuinterpose`` command line.
 
-Exit status: 0 on success, 1 on a refusal or failure (stderr names the
-participant, its pid, the phase and the reason), 2 on a usage error (argparse's
-own convention, kept for every bad option or environment value).
+Exit status (stderr names the participant, its pid, the phase and the reason):
+
+- 0: done;
+- 1: refused or failed before anything changed: the group is as it was;
+- 2: a usage error (argparse's own convention, kept for every bad option or
+  environment value);
+- 3: failed after the group was changed, and rolled back: it runs as before;
+- 4: failed, and could not be rolled back: run the ``cuinterpose recover``
+  command printed on stderr.
+
+SIGINT and SIGTERM stop ``prepare`` and ``restore`` at the next phase boundary;
+what was changed is then rolled back (status 3, or 4).
 """
 
 from __future__ import annotations
@@ -13,8 +22,11 @@ import importlib
 import json
 import math
 import os
+import shlex
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn, TextIO
 
@@ -24,6 +36,7 @@ from .engine.client import Endpoint, endpoint_for
 from .engine.errors import CoordinatorError
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
 from .engine.progress import Event, FailedEvent, ProgressCallback, human_line, json_printer
+from .engine.recovery import recover
 from .engine.replay import replay
 from .engine.topology import describe_record
 from .engine.trace import TraceError, TraceWriter, read_trace
@@ -34,8 +47,10 @@ PHASE_TIMEOUT_ENV: Final = "SNAPSHOT_PHASE_TIMEOUT_S"
 PROG: Final = "cuinterpose"
 
 EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1
+EXIT_FAILED: Final = 1  # refused, or failed before anything changed
 EXIT_USAGE: Final = 2
+EXIT_ROLLED_BACK: Final = 3
+EXIT_NEEDS_RECOVER: Final = 4
 
 
 class _Parser(argparse.ArgumentParser):
@@ -106,6 +121,11 @@ def _add_machine_options(parser: argparse.ArgumentParser) -> None:
         f"{runner.DEFAULT_PHASE_TIMEOUT_S:g})",
     )
     parser.add_argument("--trace", type=Path, metavar="FILE", help="record the run as JSON lines")
+    parser.add_argument(
+        "--no-rollback",
+        action="store_true",
+        help="after a failure, leave the group where it stopped (for `recover` to undo)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,8 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     def sub(name: str, text: str) -> argparse.ArgumentParser:
         return commands.add_parser(name, help=text, description=text)
 
-    _add_machine_options(sub("prepare", "run the capture machine; writes the state file"))
+    prepare = sub("prepare", "run the capture machine; writes the state file")
+    _add_machine_options(prepare)
+    prepare.add_argument(
+        "--replace", action="store_true", help="overwrite a capture that was never restored"
+    )
     _add_machine_options(sub("restore", "run the restore machine against the state file"))
+    _add_machine_options(
+        sub("recover", "bring the group back to running from wherever a run left it")
+    )
     inspect = sub("inspect", "show the participants' topology (changes nothing)")
     _add_endpoints(inspect)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -203,8 +230,9 @@ def _progress(mode: str, stdout: TextIO) -> ProgressCallback | None:
 
 
 def _run_machine(
-    spec: MachineSpec, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
+    spec: MachineSpec | None, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
 ) -> int:
+    """Run ``spec``'s machine, or ``recover`` (None), and say how it ended."""
     endpoints = _endpoints(args)
     timeout = _phase_timeout(args.phase_timeout)
     checkpoint_dir: Path = args.checkpoint_dir
@@ -219,19 +247,78 @@ def _run_machine(
             writer = TraceWriter(args.trace)
         except OSError as exc:
             raise _UsageError(f"{PROG}: error: cannot write trace {args.trace}: {exc}") from None
+    stop = threading.Event()
     options = runner.Options(
-        phase_timeout=timeout, on_progress=_progress(args.progress, stdout), trace=writer
+        phase_timeout=timeout,
+        on_progress=_progress(args.progress, stdout),
+        trace=writer,
+        replace=bool(getattr(args, "replace", False)),
+        stop=stop,
+        rollback_on_failure=not args.no_rollback,
     )
     try:
-        runner.run_machine(spec, endpoints, checkpoint_dir, options)
+        with _stopping_on_signals(stop):
+            if spec is None:
+                report = recover(endpoints, checkpoint_dir, options)
+                for line in report.lines():
+                    stdout.write(line + "\n")
+            else:
+                runner.run_machine(spec, endpoints, checkpoint_dir, options)
     except CoordinatorError as error:
-        return _fail(error.lines(), stderr)
+        return _failure(error, args, stderr)
     except ValueError as exc:
         raise _UsageError(f"{PROG}: error: {exc}") from None
     finally:
         if writer is not None:
             writer.close()
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _stopping_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGINT/SIGTERM set ``stop`` (the run ends at the next phase boundary) for the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread; an embedder's thread keeps its own
+        return
+
+    def on_signal(number: int, frame: object) -> None:
+        stop.set()
+
+    previous = {n: signal.signal(n, on_signal) for n in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _recover_command(args: argparse.Namespace) -> str:
+    words = [PROG, "recover", "--checkpoint-dir", str(args.checkpoint_dir)]
+    if args.control_dir is not None:
+        words += ["--control-dir", str(args.control_dir)]
+    if args.proc_root is not None:
+        words += ["--proc-root", str(args.proc_root)]
+    for observed, namespace in args.process:
+        words += ["--process", str(observed), str(namespace)]
+    return shlex.join(words)
+
+
+def _failure(error: CoordinatorError, args: argparse.Namespace, stderr: TextIO) -> int:
+    lines = list(error.lines())
+    if not error.destroyed:
+        _fail(lines, stderr)
+        return EXIT_FAILED
+    if error.rolled_back:
+        lines.append("rolled back: every process is running as before the run")
+        _fail(lines, stderr)
+        return EXIT_ROLLED_BACK
+    if error.rollback_error is not None:
+        lines += [f"rollback: {line}" for line in error.rollback_error.lines()]
+    else:
+        lines.append("left where it stopped (--no-rollback)")
+    lines.append(f"the group is not running as before; run: {_recover_command(args)}")
+    _fail(lines, stderr)
+    return EXIT_NEEDS_RECOVER
 
 
 def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
@@ -344,6 +431,8 @@ def main(
             return _run_machine(CAPTURE, args, out, err)
         if command == "restore":
             return _run_machine(RESTORE, args, out, err)
+        if command == "recover":
+            return _run_machine(None, args, out, err)
         if command == "inspect":
             return _inspect(args, out, err)
         if command == "diagram":

@@ -4,7 +4,7 @@ The engine builds its ``transitions`` machines from these declarations alone;
 the diagrams in ``specs/`` are generated from them too.
 """
 
-from .machines import CAPTURE, MACHINES, RESTORE, machine_spec
+from .machines import CAPTURE, MACHINES, RESTORE, ROLLBACK, machine_spec
 from .model import (
     FAIL_TRIGGER,
     FAILED_STATE,
@@ -17,7 +17,7 @@ from .model import (
     Refusal,
     Step,
 )
-from .ops import PHASE_OP, PHASE_OPS, PhaseOp
+from .ops import PHASE_OP, PHASE_OPS, ROLLBACK_FROM, ROLLBACK_OPS, PhaseOp
 
 __all__ = [
     "CAPTURE",
@@ -29,6 +29,9 @@ __all__ = [
     "REFUSED_STATE",
     "REFUSE_TRIGGER",
     "RESTORE",
+    "ROLLBACK",
+    "ROLLBACK_FROM",
+    "ROLLBACK_OPS",
     "Action",
     "Guard",
     "MachineSpec",

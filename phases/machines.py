@@ -22,6 +22,7 @@ CAPTURE = MachineSpec(
     title="cuinterpose capture",
     initial="start",
     final="captured",
+    records_intent=True,
     guards=(
         Guard(
             "all_active",
@@ -36,7 +37,8 @@ CAPTURE = MachineSpec(
         ),
         Guard(
             "checkpoint_dir_writable",
-            "the state file can be written once the destructive ops are done",
+            "the state file can be written (a file is created there) and would overwrite "
+            "neither an interrupted capture nor one never restored",
             Refusal.CHECKPOINT_DIR,
         ),
     ),
@@ -194,7 +196,83 @@ RESTORE = MachineSpec(
     ),
 )
 
-MACHINES: dict[str, MachineSpec] = {CAPTURE.name: CAPTURE, RESTORE.name: RESTORE}
+# Back to ACTIVE from wherever a capture or restore stopped short of the native
+# checkpoint: creators re-create their allocations and refill them from the
+# bytes they staged, then importers import again, then the group is checked
+# against the topology recorded before the capture.
+ROLLBACK = MachineSpec(
+    name="rollback",
+    title="cuinterpose rollback",
+    initial="start",
+    final="rolled_back",
+    drops_gone=True,
+    guards=(
+        Guard(
+            "all_can_roll_back",
+            "every participant is in a phase a rollback starts from",
+            Refusal.PARTICIPANTS,
+        ),
+        _TOPOLOGY_VALID,
+        Guard(
+            "topology_matches_record",
+            "the topology equals the one recorded before the capture, where one is recorded "
+            "and every recorded participant answered",
+            Refusal.TOPOLOGY,
+        ),
+    ),
+    steps=(
+        Step(
+            "READ_RECORD",
+            "start",
+            "record_read",
+            "read the intent or the state file, where the checkpoint directory holds one",
+            progress=ProgressKind.NONE,
+            action=Action.READ_RECORD,
+        ),
+        Step(
+            "HANDSHAKE",
+            "record_read",
+            "handshaken",
+            "bind every endpoint still served to its participant id and pid",
+            op="HANDSHAKE",
+        ),
+        Step(
+            "ROLLBACK_ALLOCATIONS",
+            "handshaken",
+            "allocations_back",
+            "creators re-create, map and refill every allocation they tore down",
+            op="ROLLBACK_ALLOCATIONS",
+            guards=("all_can_roll_back",),
+            progress=ProgressKind.TRANSFER,
+        ),
+        Step(
+            "ROLLBACK_IMPORTS",
+            "allocations_back",
+            "imports_back",
+            "importers import every shared allocation again; staged bytes are freed",
+            op="ROLLBACK_IMPORTS",
+        ),
+        Step(
+            "INSPECT",
+            "imports_back",
+            "inspected",
+            "collect the topology the group is back in",
+            op="INSPECT",
+            reply_phase="ACTIVE",
+        ),
+        Step(
+            "VERIFY",
+            "inspected",
+            "rolled_back",
+            "validate the topology and compare it with the recorded one",
+            guards=("topology_valid", "topology_matches_record"),
+            progress=ProgressKind.NONE,
+            action=Action.NOTHING,
+        ),
+    ),
+)
+
+MACHINES: dict[str, MachineSpec] = {m.name: m for m in (CAPTURE, RESTORE, ROLLBACK)}
 
 
 def machine_spec(name: str) -> MachineSpec:

@@ -47,6 +47,7 @@ class Action(enum.Enum):
 
     WRITE_STATE = "write_state"
     READ_STATE = "read_state"
+    READ_RECORD = "read_record"  # the intent or state file, when the directory holds one
     NOTHING = "nothing"  # the step's guards are the whole step
 
 
@@ -114,6 +115,12 @@ class MachineSpec:
     final: str
     guards: tuple[Guard, ...]
     steps: tuple[Step, ...]
+    # Record the group durably (participants, topology) before the first
+    # destructive op, so that any later invocation knows what was under way.
+    records_intent: bool = False
+    # Go on without participants whose process is gone (socket missing or
+    # refused at HANDSHAKE): a rollback brings the survivors back.
+    drops_gone: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not self.steps:

@@ -18,21 +18,44 @@ class PhaseOp:
     """A wire op that moves a shim from one phase to the next."""
 
     op: str
-    needs: str  # the only phase in which the shim serves the op
+    needs: tuple[str, ...]  # the phases in which the shim serves the op
     reaches: str  # the phase every successful reply reports
     transfers: bool = False  # the reply carries byte and allocation statistics
 
 
 PHASE_OPS: Final[tuple[PhaseOp, ...]] = (
-    PhaseOp("PREPARE_MULTICAST", "ACTIVE", "MULTICAST_DETACHED"),
-    PhaseOp("SAVE_ALLOCATIONS", "MULTICAST_DETACHED", "ALLOCATIONS_SAVED", transfers=True),
-    PhaseOp("PREPARE_UNICAST", "ALLOCATIONS_SAVED", "PREPARED"),
-    PhaseOp("LOAD_ALLOCATIONS", "PREPARED", "ALLOCATIONS_LOADED", transfers=True),
-    PhaseOp("RESTORE_UNICAST", "ALLOCATIONS_LOADED", "UNICAST_RESTORED"),
-    PhaseOp("RESTORE_MULTICAST_CREATORS", "UNICAST_RESTORED", "MULTICAST_CREATED"),
-    PhaseOp("RESTORE_MULTICAST_IMPORTERS", "MULTICAST_CREATED", "MULTICAST_IMPORTED"),
-    PhaseOp("RESTORE_MULTICAST_DEVICES", "MULTICAST_IMPORTED", "MULTICAST_JOINED"),
-    PhaseOp("RESTORE_MULTICAST_BINDINGS", "MULTICAST_JOINED", "ACTIVE"),
+    PhaseOp("PREPARE_MULTICAST", ("ACTIVE",), "MULTICAST_DETACHED"),
+    PhaseOp("SAVE_ALLOCATIONS", ("MULTICAST_DETACHED",), "ALLOCATIONS_SAVED", transfers=True),
+    PhaseOp("PREPARE_UNICAST", ("ALLOCATIONS_SAVED",), "PREPARED"),
+    PhaseOp("LOAD_ALLOCATIONS", ("PREPARED",), "ALLOCATIONS_LOADED", transfers=True),
+    PhaseOp("RESTORE_UNICAST", ("ALLOCATIONS_LOADED",), "UNICAST_RESTORED"),
+    PhaseOp("RESTORE_MULTICAST_CREATORS", ("UNICAST_RESTORED",), "MULTICAST_CREATED"),
+    PhaseOp("RESTORE_MULTICAST_IMPORTERS", ("MULTICAST_CREATED",), "MULTICAST_IMPORTED"),
+    PhaseOp("RESTORE_MULTICAST_DEVICES", ("MULTICAST_IMPORTED",), "MULTICAST_JOINED"),
+    PhaseOp("RESTORE_MULTICAST_BINDINGS", ("MULTICAST_JOINED",), "ACTIVE"),
 )
 
-PHASE_OP: Final[Mapping[str, PhaseOp]] = {p.op: p for p in PHASE_OPS}
+# Where a rollback may start: every phase short of the native checkpoint, an
+# interrupted rollback, and FAILED while the shim still holds the staged bytes.
+ROLLBACK_FROM: Final[tuple[str, ...]] = (
+    "ACTIVE",
+    "MULTICAST_DETACHED",
+    "ALLOCATIONS_SAVED",
+    "PREPARED",
+    "ALLOCATIONS_LOADED",
+    "UNICAST_RESTORED",
+    "MULTICAST_CREATED",
+    "MULTICAST_IMPORTED",
+    "MULTICAST_JOINED",
+    "ROLLBACK_LOADED",
+    "FAILED",
+)
+
+# Back to ACTIVE with the bytes at their addresses: creators re-create and refill
+# from their staged copies, then importers import again from the creators.
+ROLLBACK_OPS: Final[tuple[PhaseOp, ...]] = (
+    PhaseOp("ROLLBACK_ALLOCATIONS", ROLLBACK_FROM, "ROLLBACK_LOADED", transfers=True),
+    PhaseOp("ROLLBACK_IMPORTS", ("ROLLBACK_LOADED",), "ACTIVE"),
+)
+
+PHASE_OP: Final[Mapping[str, PhaseOp]] = {p.op: p for p in (*PHASE_OPS, *ROLLBACK_OPS)}

@@ -51,7 +51,7 @@ from ..engine.wire import (
     WireError,
     decode_request,
 )
-from ..phases.ops import PHASE_OPS
+from ..phases.ops import PHASE_OP
 
 FaultKind = Literal["fail", "delay", "hang", "hangup", "wrong_participant", "wrong_op", "garbage"]
 FAULT_KINDS: Final[frozenset[str]] = frozenset(
@@ -66,13 +66,14 @@ _RESTORE_PHASES: Final = frozenset(
         Phase.MULTICAST_CREATED,
         Phase.MULTICAST_IMPORTED,
         Phase.MULTICAST_JOINED,
+        Phase.ROLLBACK_LOADED,
     }
 )
 # The shim's phase table, as phases/ declares it once for the shim and this fake.
-_TRANSITIONS: Final[Mapping[Op, tuple[Phase, Phase]]] = {
-    Op[p.op]: (Phase[p.needs], Phase[p.reaches]) for p in PHASE_OPS
+_TRANSITIONS: Final[Mapping[Op, tuple[frozenset[Phase], Phase]]] = {
+    Op[p.op]: (frozenset(Phase[n] for n in p.needs), Phase[p.reaches]) for p in PHASE_OP.values()
 }
-_STATS_OPS: Final = frozenset(Op[p.op] for p in PHASE_OPS if p.transfers)
+_STATS_OPS: Final = frozenset(Op[p.op] for p in PHASE_OP.values() if p.transfers)
 
 _GARBAGE: Final = b"\xff" * HEADER_SIZE
 # A connection that has not finished its exchange by then is dropped, so a
@@ -93,7 +94,7 @@ def allowed_phases(op: Op) -> frozenset[Phase]:
         return frozenset({Phase.ACTIVE})
     if op is Op.EXPORT:
         return frozenset({Phase.ACTIVE}) | _RESTORE_PHASES
-    return frozenset({_TRANSITIONS[op][0]})
+    return _TRANSITIONS[op][0]
 
 
 def is_destructive(op: Op) -> bool:
@@ -616,6 +617,8 @@ class FakeParticipant:
         self._phase = _TRANSITIONS[op][1]
         if op is Op.RESTORE_MULTICAST_BINDINGS:
             self._restored = True
+        elif op is Op.ROLLBACK_IMPORTS:
+            self._restored = False  # back to what it was before the capture
         stats = self.stats.get(op, Stats()) if op in _STATS_OPS else Stats()
         return self._encode(echoed, Status.OK, "", participant=participant, stats=stats)
 

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from cuinterpose import cli
+from cuinterpose.engine import runner
+from cuinterpose.engine.directory import locked
 from cuinterpose.engine.fsm import CAPTURE, RESTORE, mermaid
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.wire import Op, Phase, RecordKind
@@ -123,15 +128,101 @@ def test_invalid_topology_exits_1(work: Path) -> None:
     assert "(topology_valid)" in err and participant(0) in err
 
 
-def test_a_failing_participant_exits_1_with_the_reason(work: Path) -> None:
+def test_a_failure_after_teardown_rolls_back_and_exits_3(work: Path) -> None:
     script = {0: {Op.PREPARE_UNICAST: Fault("fail", message="cuMemRelease: CUDA_ERROR_INVALID")}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
         code, out, err = run(*machine_args("prepare", t, work))
         pid = t.fakes[0].pid
-    assert code == 1
+        phases = [f.phase for f in t.fakes]
+        sent = [f.received for f in t.fakes]
+    assert code == cli.EXIT_ROLLED_BACK
     assert f"capture failed at PREPARE_UNICAST: participant {participant(0)}, pid {pid}" in err
     assert "CUDA_ERROR_INVALID" in err
-    assert "done" not in out
+    assert "rolled back: every process is running as before" in err
+    assert phases == [Phase.ACTIVE] * len(phases)
+    assert all(r[-4:] == [Op.HANDSHAKE, Op.ROLLBACK_ALLOCATIONS, Op.ROLLBACK_IMPORTS, Op.INSPECT]
+               for r in sent)  # fmt: skip
+    assert "capture done" not in out and "rollback done" in out
+    assert not (work / "ckpt" / "cuinterpose.intent").exists()
+
+
+def test_a_failure_before_teardown_changes_nothing_and_exits_1(work: Path) -> None:
+    script = {1: {Op.INSPECT: Fault("fail", message="no")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        code, _, err = run(*machine_args("prepare", t, work))
+        sent = [f.received for f in t.fakes]
+    assert code == cli.EXIT_FAILED
+    assert not any(set(r) & DESTRUCTIVE_OPS for r in sent)
+    assert "recover" not in err and "rolled back" not in err
+
+
+def test_a_failed_rollback_prints_the_recover_command_and_exits_4(work: Path) -> None:
+    script = {
+        0: {
+            Op.SAVE_ALLOCATIONS: Fault("fail", message="cuMemcpyDtoH: CUDA_ERROR_X"),
+            Op.ROLLBACK_ALLOCATIONS: Fault("fail", message="cuMemCreate: CUDA_ERROR_Y"),
+        }
+    }
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        code, _, err = run(*machine_args("prepare", t, work))
+    assert code == cli.EXIT_NEEDS_RECOVER
+    assert "rollback: rollback failed at ROLLBACK_ALLOCATIONS" in err
+    assert "CUDA_ERROR_Y" in err
+    recover_line = next(line for line in err.splitlines() if "run: cuinterpose recover" in line)
+    assert f"--checkpoint-dir {work / 'ckpt'}" in recover_line
+    assert (work / "ckpt" / "cuinterpose.intent").is_file()  # the group's record stays
+
+
+def test_recover_rolls_a_whole_capture_forward(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        code, _, _ = run(*machine_args("prepare", t, work, "--no-rollback"))
+        assert code == cli.EXIT_OK  # a whole capture: recover then restores it
+        assert [f.phase for f in t.fakes] == [Phase.PREPARED] * len(t.fakes)
+        code, out, err = run(*machine_args("recover", t, work))
+        assert code == cli.EXIT_OK, err
+        assert "recover: restored" in out
+        assert [f.phase for f in t.fakes] == [Phase.ACTIVE] * len(t.fakes)
+        code, out, _ = run(*machine_args("recover", t, work))
+        assert code == cli.EXIT_OK and "recover: nothing" in out
+
+
+def test_recover_after_a_failure_left_in_place(work: Path) -> None:
+    script = {1: {Op.PREPARE_UNICAST: Fault("fail", message="cuMemRelease: CUDA_ERROR_Z")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        code, _, err = run(*machine_args("prepare", t, work, "--no-rollback"))
+        assert code == cli.EXIT_NEEDS_RECOVER and "(--no-rollback)" in err
+        assert (work / "ckpt" / "cuinterpose.intent").is_file()
+        code, out, err = run(*machine_args("prepare", t, work))
+        assert code == cli.EXIT_FAILED and "refused" in err
+        code, out, err = run(*machine_args("recover", t, work))
+        assert code == cli.EXIT_OK, err
+        assert "recover: rolled back" in out
+        assert [f.phase for f in t.fakes] == [Phase.ACTIVE] * len(t.fakes)
+    assert not (work / "ckpt" / "cuinterpose.intent").exists()
+
+
+def test_a_capture_never_restored_is_not_overwritten_without_replace(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        assert run(*machine_args("prepare", t, work))[0] == cli.EXIT_OK
+        runner.rollback(t.endpoints, work / "ckpt")  # running again, the capture unrestored
+        before = (work / "ckpt" / STATE_FILE_NAME).read_bytes()
+        code, _, err = run(*machine_args("prepare", t, work))
+        assert code == cli.EXIT_FAILED and "never restored" in err and "--replace" in err
+        assert (work / "ckpt" / STATE_FILE_NAME).read_bytes() == before
+        assert run(*machine_args("prepare", t, work, "--replace"))[0] == cli.EXIT_OK
+        assert run(*machine_args("restore", t, work))[0] == cli.EXIT_OK
+        assert run(*machine_args("prepare", t, work))[0] == cli.EXIT_OK  # restored: free again
+
+
+def test_a_second_coordinator_on_the_directory_is_refused(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        (work / "ckpt").mkdir()
+        with locked(work / "ckpt"):
+            code, _, err = run(*machine_args("prepare", t, work))
+        sent = [f.received for f in t.fakes]
+    assert code == cli.EXIT_FAILED
+    assert f"in use by coordinator pid {os.getpid()}" in err
+    assert sent == [[]] * len(sent)
 
 
 def test_a_hang_is_bounded_by_the_phase_timeout_option(work: Path) -> None:
@@ -375,3 +466,27 @@ def test_a_closed_stdout_does_not_stop_a_capture(work: Path) -> None:
         assert all(f.phase is Phase.PREPARED for f in t.fakes)
     assert (code, err.getvalue()) == (0, "")
     assert (work / "ckpt" / STATE_FILE_NAME).is_file()
+
+
+def test_sigint_stops_at_the_next_phase_boundary_and_rolls_back(work: Path) -> None:
+    # SAVE_ALLOCATIONS stays in flight for a while, so that the signal lands inside it.
+    script = {0: {Op.SAVE_ALLOCATIONS: Fault("delay", seconds=2.0)}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cuinterpose", *machine_args("prepare", t, work)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        while Op.SAVE_ALLOCATIONS not in t.fakes[0].received:  # the phase has begun
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        sent = [f.received for f in t.fakes]
+        phases = [f.phase for f in t.fakes]
+    assert proc.returncode == cli.EXIT_ROLLED_BACK, err
+    assert "stopped on request before PREPARE_UNICAST" in err
+    assert "Traceback" not in err
+    assert all(Op.PREPARE_UNICAST not in r for r in sent)
+    assert phases == [Phase.ACTIVE] * len(phases)

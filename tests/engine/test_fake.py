@@ -119,7 +119,8 @@ def test_capture_then_restore_walks_the_phase_table(start_fake: StartFake) -> No
 
 
 def test_the_phase_table_is_the_protocols() -> None:
-    assert [op for op in Op if is_destructive(op)] == CAPTURE + RESTORE
+    rollback = [Op.ROLLBACK_ALLOCATIONS, Op.ROLLBACK_IMPORTS]
+    assert [op for op in Op if is_destructive(op)] == CAPTURE + RESTORE + rollback
     assert allowed_phases(Op.HANDSHAKE) == frozenset(Phase)
     assert allowed_phases(Op.INSPECT) == {Phase.ACTIVE}
     assert allowed_phases(Op.EXPORT) == {
@@ -129,8 +130,25 @@ def test_the_phase_table_is_the_protocols() -> None:
         Phase.MULTICAST_CREATED,
         Phase.MULTICAST_IMPORTED,
         Phase.MULTICAST_JOINED,
+        Phase.ROLLBACK_LOADED,
     }
     assert allowed_phases(Op.LOAD_ALLOCATIONS) == {Phase.PREPARED}
+    assert allowed_phases(Op.ROLLBACK_IMPORTS) == {Phase.ROLLBACK_LOADED}
+    assert allowed_phases(Op.ROLLBACK_ALLOCATIONS) == frozenset(Phase)
+
+
+@pytest.mark.parametrize("stop_after", range(len(CAPTURE) + 1))
+def test_rollback_returns_from_any_point_of_a_capture(
+    start_fake: StartFake, stop_after: int
+) -> None:
+    fake = start_fake(records=CAPTURED)
+    for op in CAPTURE[:stop_after]:
+        assert ask(fake, op).status is Status.OK
+    assert ask(fake, Op.ROLLBACK_IMPORTS).status is Status.WRONG_PHASE
+    assert ask(fake, Op.ROLLBACK_ALLOCATIONS).phase is Phase.ROLLBACK_LOADED
+    assert ask(fake, Op.ROLLBACK_ALLOCATIONS).phase is Phase.ROLLBACK_LOADED  # idempotent
+    assert ask(fake, Op.ROLLBACK_IMPORTS).phase is Phase.ACTIVE
+    assert ask(fake, Op.INSPECT).records == CAPTURED
 
 
 @pytest.mark.parametrize("phase", list(Phase))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from cuinterpose.engine import runner
 from cuinterpose.engine.client import Endpoint, ParticipantError, call_all
 from cuinterpose.engine.errors import (
+    Interrupted,
     ParticipantsRefused,
     PhaseFailed,
     PreflightRefused,
@@ -66,7 +68,13 @@ def options(
     transport: runner.Transport = call_all,
 ) -> runner.Options:
     sink = events.append if events is not None else None
-    return runner.Options(phase_timeout=phase_timeout, on_progress=sink, transport=transport)
+    # The machine alone, fail-stop: the rollback after a failure is tested on its own.
+    return runner.Options(
+        phase_timeout=phase_timeout,
+        on_progress=sink,
+        transport=transport,
+        rollback_on_failure=False,
+    )
 
 
 def assert_nothing_destroyed(team_: Team) -> None:
@@ -414,7 +422,7 @@ def test_an_unexpected_exception_still_fails_stop_and_closes_the_trace(work: Pat
     recorder = TraceRecorder()
     events: list[Event] = []
     with team_of(TOPOLOGY, work / "control") as t:
-        opts = runner.Options(phase_timeout=5.0, on_progress=events.append, transport=broken,
+        opts = runner.Options(rollback_on_failure=False, phase_timeout=5.0, on_progress=events.append, transport=broken,
                               trace=recorder)  # fmt: skip
         with pytest.raises(PhaseFailed) as caught:
             runner.capture(t.endpoints, work / "ckpt", opts)
@@ -425,3 +433,48 @@ def test_an_unexpected_exception_still_fails_stop_and_closes_the_trace(work: Pat
     assert recorder.entries[-1]["outcome"] == "failed"
     assert recorder.entries[-2]["trigger"] == "FAIL"
     assert isinstance(events[-1], FailedEvent)
+
+
+def test_a_stop_request_ends_the_run_at_the_next_boundary_and_rolls_back(work: Path) -> None:
+    stop = threading.Event()
+
+    def on_progress(event: object) -> None:
+        if isinstance(event, PhaseEvent) and event.phase == "SAVE_ALLOCATIONS":
+            stop.set()
+
+    with team_of(TOPOLOGY, work / "control") as t:
+        opts = runner.Options(phase_timeout=5.0, on_progress=on_progress, stop=stop)
+        with pytest.raises(Interrupted) as caught:
+            runner.capture(t.endpoints, work / "ckpt", opts)
+        sent = [f.received for f in t.fakes]
+        phases = [f.phase for f in t.fakes]
+    error = caught.value
+    assert error.phase == "PREPARE_UNICAST" and error.destroyed and error.rolled_back
+    assert all(Op.PREPARE_UNICAST not in r and r[-1] is Op.INSPECT for r in sent)
+    assert phases == [Phase.ACTIVE] * len(phases)
+    assert not (work / "ckpt" / "cuinterpose.intent").exists()
+
+
+def test_the_intent_is_on_disk_before_the_first_destructive_op(work: Path) -> None:
+    seen: list[bool] = []
+
+    def on_progress(event: object) -> None:
+        if isinstance(event, PhaseEvent) and event.phase == "PREPARE_MULTICAST":
+            seen.append((work / "ckpt" / "cuinterpose.intent").is_file())
+
+    with team_of(TOPOLOGY, work / "control") as t:
+        runner.capture(t.endpoints, work / "ckpt", runner.Options(5.0, on_progress=on_progress))
+    assert seen == [True]
+    assert not (work / "ckpt" / "cuinterpose.intent").exists()  # the state file replaced it
+    assert (work / "ckpt" / "cuinterpose.state").is_file()
+
+
+def test_rollback_leaves_out_a_process_that_is_gone(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        opts = runner.Options(5.0, rollback_on_failure=False)
+        runner.capture(t.endpoints, work / "ckpt", opts)
+        t.fakes[-1].stop()
+        result = runner.rollback(t.endpoints, work / "ckpt")
+        phases = [f.phase for f in t.fakes[:-1]]
+    assert phases == [Phase.ACTIVE] * len(phases)
+    assert len(result.gone) == 1 and "control socket does not exist" in result.gone[0].reason

@@ -58,7 +58,7 @@ def record(
     with team_of(topology, work / "control", **team_kwargs) as t:
         if machine == "restore":
             runner.capture(t.endpoints, work / "ckpt", runner.Options(phase_timeout=timeout))
-        options = runner.Options(phase_timeout=timeout, trace=recorder)
+        options = runner.Options(phase_timeout=timeout, trace=recorder, rollback_on_failure=False)
         with contextlib.suppress(CoordinatorError):
             runner.run_machine(
                 runner.CAPTURE if machine == "capture" else runner.RESTORE,
@@ -108,7 +108,7 @@ def _refused_participants(work: Path) -> list[dict[str, Any]]:
         team_of(bigger, work / "control3", phase=Phase.PREPARED) as t,
         pytest.raises(CoordinatorError),
     ):
-        runner.restore(t.endpoints, work / "ckpt", runner.Options(2.0, trace=recorder))
+        runner.restore(t.endpoints, work / "ckpt", _no_rollback(recorder))
     return recorder.entries
 
 
@@ -117,7 +117,7 @@ def _refused_not_prepared(work: Path) -> list[dict[str, Any]]:
     with team_of(TOPOLOGY, work / "control") as t:
         runner.capture(t.endpoints, work / "ckpt", runner.Options(phase_timeout=2.0))
     with team_of(TOPOLOGY, work / "control2") as t, pytest.raises(CoordinatorError):
-        runner.restore(t.endpoints, work / "ckpt", runner.Options(2.0, trace=recorder))
+        runner.restore(t.endpoints, work / "ckpt", _no_rollback(recorder))
     return recorder.entries
 
 
@@ -127,7 +127,7 @@ def _missing_state(work: Path) -> list[dict[str, Any]]:
         team_of(TOPOLOGY, work / "control", phase=Phase.PREPARED) as t,
         pytest.raises(CoordinatorError),
     ):
-        runner.restore(t.endpoints, work / "ckpt", runner.Options(2.0, trace=recorder))
+        runner.restore(t.endpoints, work / "ckpt", _no_rollback(recorder))
     return recorder.entries
 
 
@@ -386,3 +386,8 @@ def test_cli_records_and_replays_a_trace(work: Path, capsys: pytest.CaptureFixtu
     assert "diverges" in capsys.readouterr().out
     trace.write_text("garbage\n")
     assert cli.main(["replay", str(trace)]) == 1
+
+
+def _no_rollback(recorder: TraceRecorder) -> runner.Options:
+    """The machine alone: the scenarios record fail-stop runs."""
+    return runner.Options(2.0, trace=recorder, rollback_on_failure=False)

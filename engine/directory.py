@@ -1,0 +1,190 @@
+"""The checkpoint directory: one coordinator at a time, and what the files in it say.
+
+Besides the state file, a directory holds:
+
+- ``cuinterpose.lock``: locked (``flock``) by the coordinator working on the
+  directory, and holding its pid, so that a second one is refused by name;
+- ``cuinterpose.intent``: written durably before a capture's first destructive
+  op (participants and topology, as in the state file) and removed once the
+  state file is written or the group is rolled back; present, it says a
+  capture was interrupted and ``cuinterpose recover`` must run;
+- ``cuinterpose.restored``: written once a restore completed, naming the state
+  file it restored (its ``created_at``), so that a capture refuses to overwrite
+  a capture nobody has restored yet unless told to replace it.
+
+Every file is opened without following links, and must be a regular file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+from .statefile import (
+    STATE_FILE_NAME,
+    CheckpointState,
+    StateFileError,
+    read_state,
+    utc_timestamp,
+    write_state,
+)
+
+LOCK_FILE_NAME: Final = "cuinterpose.lock"
+INTENT_FILE_NAME: Final = "cuinterpose.intent"
+RESTORED_FILE_NAME: Final = "cuinterpose.restored"
+_MARKER_MAX: Final = 4096
+
+
+class DirectoryBusy(Exception):
+    """Another coordinator holds the checkpoint directory."""
+
+
+def _holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return "another coordinator"
+    return f"coordinator pid {text}" if text.isdigit() else "another coordinator"
+
+
+@contextlib.contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """Hold the directory's lock for the block; :class:`DirectoryBusy` when another does.
+
+    The lock dies with its holder, so a killed coordinator leaves nothing to clean up.
+    """
+    path = Path(directory) / LOCK_FILE_NAME
+    if not Path(directory).is_dir():
+        yield  # nothing there to protect; the machine's own checks say what is missing
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DirectoryBusy(f"{path} is a symbolic link; refused") from exc
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DirectoryBusy(f"{path} is not a regular file")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DirectoryBusy(
+                f"checkpoint directory {directory} is in use by {_holder(fd)}"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _regular(path: Path) -> bool:
+    """Whether ``path`` exists, refusing anything but a regular file under the name."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(info.st_mode):
+        raise StateFileError(path, "is not a regular file; refused")
+    return True
+
+
+def write_intent(directory: Path, state: CheckpointState) -> Path:
+    return write_state(directory, state, INTENT_FILE_NAME)
+
+
+def read_intent(directory: Path) -> CheckpointState | None:
+    """The recorded intent of an interrupted capture, or None when there is none."""
+    if not _regular(Path(directory) / INTENT_FILE_NAME):
+        return None
+    return read_state(directory, INTENT_FILE_NAME)
+
+
+def clear_intent(directory: Path) -> None:
+    (Path(directory) / INTENT_FILE_NAME).unlink(missing_ok=True)
+    _fsync(directory)
+
+
+def mark_restored(directory: Path, state: CheckpointState) -> None:
+    """Record that the state file of ``state`` was restored (atomically, durably)."""
+    directory = Path(directory)
+    body = json.dumps({"state_created_at": state.created_at, "restored_at": utc_timestamp()})
+    temp = directory / f".{RESTORED_FILE_NAME}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, body.encode() + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temp, directory / RESTORED_FILE_NAME)
+    _fsync(directory)
+
+
+def _restored_created_at(directory: Path) -> str | None:
+    path = Path(directory) / RESTORED_FILE_NAME
+    if not _regular(path):
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        raw = os.read(fd, _MARKER_MAX)
+    finally:
+        os.close(fd)
+    try:
+        value = json.loads(raw).get("state_created_at")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _fsync(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def capture_problem(directory: Path, *, replace: bool) -> str | None:
+    """Why a capture must not write into ``directory``, or None when it may.
+
+    The directory must exist and take a new file (proved by creating and removing
+    one, not by ``access``), hold no interrupted capture, and, unless ``replace``,
+    hold no capture that was never restored.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return f"checkpoint directory {directory} does not exist"
+    try:
+        if _regular(directory / INTENT_FILE_NAME):
+            return (
+                f"checkpoint directory {directory} holds an interrupted capture "
+                f"({INTENT_FILE_NAME}): run `cuinterpose recover` first"
+            )
+        if not replace and _regular(directory / STATE_FILE_NAME):
+            try:
+                held = read_state(directory)
+            except StateFileError:
+                held = None
+            if held is None or _restored_created_at(directory) != held.created_at:
+                return (
+                    f"checkpoint directory {directory} holds a capture that was never "
+                    "restored; restore it, or pass --replace to overwrite it"
+                )
+    except StateFileError as exc:
+        return str(exc)
+    probe = directory / f".cuinterpose.probe.{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+        probe.unlink()
+    except OSError as exc:
+        return f"checkpoint directory {directory} cannot take the state file: {exc.strerror}"
+    return None

@@ -1,0 +1,94 @@
+"""``recover``: bring a group back to running from wherever a capture or restore left it.
+
+Every process is asked its phase (HANDSHAKE changes nothing). Then:
+
+- all ACTIVE and no interrupted capture recorded: nothing to do;
+- all PREPARED with a completed capture's state file and no interrupted capture:
+  roll forward, a restore (the native checkpoint was undone already, or never
+  happened);
+- anything else: roll back to ACTIVE with the staged bytes.
+
+Processes that are gone are left out and reported; the survivors are brought back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import attrs
+
+from .client import Endpoint, ParticipantError
+from .directory import INTENT_FILE_NAME, clear_intent
+from .options import Options
+from .runner import RestoreResult, RollbackResult, restore, rollback
+from .statefile import STATE_FILE_NAME
+from .steps import check_endpoints
+from .wire import Op, Phase, Reply, Request
+
+Action = Literal["nothing", "restored", "rolled back"]
+
+
+@attrs.frozen
+class ProcessBefore:
+    """One process as recover found it: its phase, or why it did not answer."""
+
+    endpoint: Endpoint
+    participant: str | None
+    phase: Phase | None
+    problem: str | None
+
+    def describe(self) -> str:
+        who = self.endpoint.describe()
+        if self.phase is None:
+            return f"{who}: did not answer ({self.problem})"
+        return f"{who}: participant {self.participant}, phase {self.phase.name}"
+
+
+@attrs.frozen
+class RecoveryReport:
+    action: Action
+    before: tuple[ProcessBefore, ...]
+    result: RestoreResult | RollbackResult | None
+
+    def lines(self) -> tuple[str, ...]:
+        lines = [f"found {p.describe()}" for p in self.before]
+        lines.append(f"recover: {self.action}")
+        if isinstance(self.result, RollbackResult):
+            lines += [f"left out (gone) {g}" for g in self.result.gone]
+        return tuple(lines)
+
+
+def survey(endpoints: Sequence[Endpoint], options: Options) -> tuple[ProcessBefore, ...]:
+    """Every process's phase, from a HANDSHAKE; one that does not answer says why."""
+    results = options.transport(
+        [(e, Request(Op.HANDSHAKE), None) for e in endpoints], timeout=options.phase_timeout
+    )
+    found: list[ProcessBefore] = []
+    for endpoint, result in zip(endpoints, results, strict=True):
+        if isinstance(result, ParticipantError):
+            found.append(ProcessBefore(endpoint, None, None, result.reason))
+        else:
+            assert isinstance(result, Reply)
+            found.append(ProcessBefore(endpoint, result.participant, result.phase, None))
+    return tuple(found)
+
+
+def recover(
+    endpoints: Sequence[Endpoint], checkpoint_dir: Path, options: Options | None = None
+) -> RecoveryReport:
+    """Bring the group back to running; raises as :func:`~.runner.rollback` does."""
+    check_endpoints(endpoints)
+    options = options or Options()
+    directory = Path(checkpoint_dir)
+    before = survey(endpoints, options)
+    phases = {p.phase for p in before}
+    interrupted = (directory / INTENT_FILE_NAME).exists()
+    if phases == {Phase.ACTIVE}:
+        if interrupted:
+            clear_intent(directory)
+        return RecoveryReport("nothing", before, None)
+    if phases == {Phase.PREPARED} and not interrupted and (directory / STATE_FILE_NAME).exists():
+        return RecoveryReport("restored", before, restore(endpoints, directory, options))
+    return RecoveryReport("rolled back", before, rollback(endpoints, directory, options))
