@@ -194,9 +194,11 @@ fail:
 }
 
 /* ------------------------------------------------------------ EXPORT server */
+/* Where a creator's allocations are live again for its importers: ACTIVE,
+ * every restore phase, and ROLLBACK_LOADED (importers re-import then). */
 static bool export_phase_ok(uint16_t p)
 {
-    return p == CUIP_PHASE_ACTIVE ||
+    return p == CUIP_PHASE_ACTIVE || p == CUIP_PHASE_ROLLBACK_LOADED ||
            (p >= CUIP_PHASE_ALLOCATIONS_LOADED && p <= CUIP_PHASE_MULTICAST_JOINED);
 }
 

@@ -5,7 +5,10 @@
  * mapping of the whole allocation (the application's own mappings may be
  * partial or read-only). LOAD re-creates each allocation with its original
  * properties, maps it at its original VAs with its access, copies the bytes
- * back and drops the host copy. Runs on the control thread without g.lock:
+ * back and drops the host copy. ROLLBACK_ALLOCATIONS does the same but keeps
+ * the host copies (ROLLBACK_IMPORTS frees them once every importer has
+ * imported again). An allocation that fails to load is left as it was
+ * (torn down, its bytes staged); out of device memory, the op answers RETRY. Runs on the control thread without g.lock:
  * outside ACTIVE the application cannot change the tables.
  *
  * Host storage is one anonymous private mapping per allocation, NOT
@@ -453,7 +456,7 @@ enum phase_result content_save(struct reply *r)
             continue;
         if (save_one(o, tids, &st, msg, sizeof msg) != 0) {
             free(tids);
-            free_hosts();
+            free_hosts(); /* nothing is torn down before PREPARE_UNICAST: all live */
             reply_msg(r, CUIP_STATUS_CUDA_FAILED, "SAVE_ALLOCATIONS: %s", msg);
             return PHASE_FAILED;
         }
@@ -463,13 +466,22 @@ enum phase_result content_save(struct reply *r)
     return PHASE_DONE;
 }
 
-static int load_one(struct obj *o, pthread_t *tids, struct stats *st, char *msg, size_t n)
+/* Re-create `o` with its recorded properties, map it at its recorded VAs
+ * and refill it from its staged bytes (kept when `keep`, else freed once it
+ * is live). On failure the allocation's own partial work is undone: no
+ * handle, no mapping, not live, its staged bytes kept, so the op may run
+ * again or roll back; `*retry` says the driver was out of memory and the
+ * undo was clean. */
+static int load_one(struct obj *o, bool keep, pthread_t *tids, struct stats *st, bool *retry,
+                    char *msg, size_t n)
 {
     CUmemGenericAllocationHandle h = 0;
     CUdeviceptr va = 0;
     bool pushed;
+    char ignored[8];
     CUresult r = shim_ctx_enter(o->ctx, &pushed);
 
+    *retry = false;
     if (r != CUDA_SUCCESS) {
         shim_fail(msg, n, "cuCtxPushCurrent", r);
         return -1;
@@ -477,30 +489,34 @@ static int load_one(struct obj *o, pthread_t *tids, struct stats *st, char *msg,
     r = real.cuMemCreate(&h, o->size, &o->prop, 0);
     if (r != CUDA_SUCCESS) {
         shim_fail(msg, n, "cuMemCreate", r);
+        *retry = r == CUDA_ERROR_OUT_OF_MEMORY;
         goto fail;
     }
     if (SHIM_IS_TAGGED(h)) {
         snprintf(msg, n, "cuMemCreate: driver handle collides with the shim's tag range");
-        real.cuMemRelease(h);
-        goto fail;
+        goto fail_h;
     }
     pthread_mutex_lock(&g.lock); /* readers check `live` first, but keep it clean */
     o->real = h;
     pthread_mutex_unlock(&g.lock);
-    if (unicast_load_mappings(o, msg, n) != 0)
-        goto fail_h;
-    if (temp_map(o, h, &va, msg, n) != 0)
-        goto fail_h;
-    if (copy_chunks(o, false, o->host, va, tids, st, msg, n) != 0) {
-        char ignored[8];
-        temp_unmap(o, va, ignored, sizeof ignored);
+    r = unicast_load_mappings(o, msg, n); /* undoes its own partial work */
+    if (r != CUDA_SUCCESS) {
+        *retry = r == CUDA_ERROR_OUT_OF_MEMORY;
         goto fail_h;
     }
+    if (temp_map(o, h, &va, msg, n) != 0)
+        goto fail_maps;
+    if (copy_chunks(o, false, o->host, va, tids, st, msg, n) != 0) {
+        temp_unmap(o, va, ignored, sizeof ignored);
+        goto fail_maps;
+    }
     if (temp_unmap(o, va, msg, n) != 0)
-        goto fail_h;
-    if (munmap(o->host, o->size) != 0)
-        shim_log(LOG_WARN, "munmap of a saved copy failed: %s", strerror(errno));
-    o->host = NULL;
+        goto fail_maps;
+    if (!keep) {
+        if (munmap(o->host, o->size) != 0)
+            shim_log(LOG_WARN, "munmap of a saved copy failed: %s", strerror(errno));
+        o->host = NULL;
+    }
     st->count++;
     st->bytes += o->size;
     shim_ctx_leave(pushed);
@@ -508,42 +524,105 @@ static int load_one(struct obj *o, pthread_t *tids, struct stats *st, char *msg,
     o->live = true;
     pthread_mutex_unlock(&g.lock);
     return 0;
+fail_maps:
+    if (unicast_unload_mappings(o, ignored, sizeof ignored) != 0)
+        *retry = false;
 fail_h:
-    /* Fail-stop: the shim goes FAILED; what was made so far stays. */
+    r = real.cuMemRelease(h);
+    if (r != CUDA_SUCCESS) {
+        shim_log(LOG_WARN, "cuMemRelease of a failed re-creation failed: %s", shim_cu_name(r));
+        *retry = false;
+    }
+    pthread_mutex_lock(&g.lock);
+    o->real = 0;
+    pthread_mutex_unlock(&g.lock);
 fail:
+    /* The staged bytes stay: never freed on a failure path. */
     shim_ctx_leave(pushed);
     return -1;
 }
 
-enum phase_result content_load(struct reply *r)
+/* A message naming the allocation (32 hex digits and its size). */
+static void name_allocation(char *msg, size_t n, const struct obj *o)
+{
+    char id[2 * CUIP_ID_LEN + 1];
+    size_t used = strnlen(msg, n);
+    shim_hex(id, o->id, CUIP_ID_LEN);
+    id[2 * CUIP_ID_LEN] = 0;
+    if (used < n)
+        snprintf(msg + used, n - used, " (allocation %s, %llu bytes)", id,
+                 (unsigned long long)o->size);
+}
+
+/* Every creator-owned shared allocation that is not live, loaded again from
+ * its staged bytes; live ones are skipped, so the op is idempotent and a
+ * retry after RETRY finishes the rest. */
+static enum phase_result load_all(struct reply *r, const char *op, bool keep)
 {
     struct stats st = {0, 0, 0, 0, 0};
     pthread_t *tids = NULL;
     uint64_t t0 = shim_now_ns();
     char msg[MSG_LEN];
+    bool retry;
 
-    if (shim_settings()->native_content)
-        return PHASE_DONE; /* creators kept their allocations */
-    if (copy_setup(&tids, msg, sizeof msg) != 0) {
-        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "LOAD_ALLOCATIONS: %s", msg);
-        return PHASE_FAILED;
-    }
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
         if (!creator_shared(o) || o->live)
             continue;
         if (!o->host) {
             free(tids);
-            reply_msg(r, CUIP_STATUS_INTERNAL, "LOAD_ALLOCATIONS: no saved content");
+            msg[0] = 0;
+            name_allocation(msg, sizeof msg, o);
+            reply_msg(r, CUIP_STATUS_INTERNAL, "%s: no saved content%s", op, msg);
             return PHASE_FAILED;
         }
-        if (load_one(o, tids, &st, msg, sizeof msg) != 0) {
+        if (!tids && copy_setup(&tids, msg, sizeof msg) != 0) {
+            reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: %s", op, msg);
+            return PHASE_FAILED;
+        }
+        if (load_one(o, keep, tids, &st, &retry, msg, sizeof msg) != 0) {
             free(tids);
-            reply_msg(r, CUIP_STATUS_CUDA_FAILED, "LOAD_ALLOCATIONS: %s", msg);
+            if (retry) {
+                name_allocation(msg, sizeof msg, o);
+                report_done(r, op, &st, t0);
+                reply_msg(r, CUIP_STATUS_RETRY, "%s: %s", op, msg);
+                return PHASE_RETRY;
+            }
+            reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: %s", op, msg);
             return PHASE_FAILED;
         }
     }
     free(tids);
-    report_done(r, "LOAD_ALLOCATIONS", &st, t0);
+    report_done(r, op, &st, t0);
     return PHASE_DONE;
+}
+
+enum phase_result content_load(struct reply *r)
+{
+    if (shim_settings()->native_content)
+        return PHASE_DONE; /* creators kept their allocations */
+    return load_all(r, "LOAD_ALLOCATIONS", false);
+}
+
+/* ROLLBACK_ALLOCATIONS' content: refused, before anything is done, when a
+ * torn-down allocation's staged bytes are gone (nothing to roll back to). */
+enum phase_result content_reload(struct reply *r)
+{
+    for (uint32_t i = 0; i < obj_count(); i++) {
+        struct obj *o = obj_at(i);
+        char what[128] = "";
+        if (!creator_shared(o) || o->live || o->host)
+            continue;
+        name_allocation(what, sizeof what, o);
+        reply_msg(r, CUIP_STATUS_REFUSED,
+                  "ROLLBACK_ALLOCATIONS: the staged bytes of a torn-down allocation are "
+                  "gone%s", what);
+        return PHASE_REFUSED;
+    }
+    return load_all(r, "ROLLBACK_ALLOCATIONS", true);
+}
+
+void content_free_staged(void)
+{
+    free_hosts();
 }

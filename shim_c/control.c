@@ -6,8 +6,9 @@
  * participants that import from each other during RESTORE_UNICAST would
  * deadlock otherwise). One request per connection, read and answered with
  * io.c's deadlines. Every request is validated strictly; phase ops go
- * through one phase machine (CUIP_PHASE_OPS in protocol.h), and a failed
- * one leaves the shim FAILED with its reason.
+ * through one phase machine (CUIP_PHASE_OPS and CUIP_ROLLBACK_OPS in
+ * protocol.h): a failed one leaves the shim FAILED with its reason, a
+ * refused or retryable one (RETRY) in the phase it was in.
  */
 #include "shim.h"
 
@@ -29,7 +30,9 @@ static const char *op_name(unsigned op)
         "?", "HANDSHAKE", "INSPECT", "PREPARE_MULTICAST", "SAVE_ALLOCATIONS",
         "PREPARE_UNICAST", "LOAD_ALLOCATIONS", "RESTORE_UNICAST",
         "RESTORE_MULTICAST_CREATORS", "RESTORE_MULTICAST_IMPORTERS",
-        "RESTORE_MULTICAST_DEVICES", "RESTORE_MULTICAST_BINDINGS", "EXPORT"};
+        "RESTORE_MULTICAST_DEVICES", "RESTORE_MULTICAST_BINDINGS", "EXPORT",
+        "ROLLBACK_ALLOCATIONS", "ROLLBACK_IMPORTS"};
+    _Static_assert(sizeof names / sizeof names[0] == CUIP_OP_MAX + 1, "a name per op");
     return op <= CUIP_OP_MAX ? names[op] : "?";
 }
 
@@ -84,17 +87,26 @@ static bool validate(const struct cuip_header *q, struct reply *r)
     return true;
 }
 
-/* What each phase op needs and reaches: the one table, in protocol.h. */
+/* What each phase op needs and reaches: the tables in protocol.h. `needs`
+ * is a set of phases (bit p for phase p); the forward ops need one each. */
 struct phase_op {
-    uint16_t need, next;
+    uint32_t needs;
+    uint16_t next;
     bool stats; /* the reply carries the transfer statistics */
 };
 
+#define PHASE_BIT(p) | (1u << CUIP_PHASE_##p)
+_Static_assert(CUIP_PHASE_FAILED < 32, "a phase set fits 32 bits");
+
 static const struct phase_op phase_ops[CUIP_OP_MAX + 1] = {
 #define PHASE_OP(op, need, next, stats) \
-    [CUIP_OP_##op] = {CUIP_PHASE_##need, CUIP_PHASE_##next, stats},
+    [CUIP_OP_##op] = {1u << CUIP_PHASE_##need, CUIP_PHASE_##next, stats},
     CUIP_PHASE_OPS(PHASE_OP)
 #undef PHASE_OP
+#define ROLLBACK_OP(op, needs, next, stats) \
+    [CUIP_OP_##op] = {0 needs(PHASE_BIT), CUIP_PHASE_##next, stats},
+    CUIP_ROLLBACK_OPS(ROLLBACK_OP)
+#undef ROLLBACK_OP
 };
 
 static enum phase_result nothing_yet(struct reply *r)
@@ -123,6 +135,10 @@ static phase_work_fn *phase_work(enum cuip_op op)
     case CUIP_OP_RESTORE_MULTICAST_DEVICES:
     case CUIP_OP_RESTORE_MULTICAST_BINDINGS:
         return nothing_yet; /* multicast is not captured yet */
+    case CUIP_OP_ROLLBACK_ALLOCATIONS:
+        return rollback_allocations;
+    case CUIP_OP_ROLLBACK_IMPORTS:
+        return rollback_imports;
     case CUIP_OP_HANDSHAKE:
     case CUIP_OP_INSPECT:
     case CUIP_OP_EXPORT:
@@ -133,15 +149,17 @@ static phase_work_fn *phase_work(enum cuip_op op)
 
 /* Run one phase op. The phase leaves ACTIVE before any work, so the
  * application's tracked calls see NOT_READY from then on; g.lock is not
- * held while the op works (copies block, RESTORE_UNICAST calls peers). */
+ * held while the op works (copies block, RESTORE_UNICAST calls peers). A
+ * refused or retryable op leaves the shim in the phase it started from. */
 static void run_phase_op(uint16_t op, struct reply *r)
 {
     const struct phase_op *d = &phase_ops[op];
     phase_work_fn *work = phase_work((enum cuip_op)op);
     uint64_t t0 = shim_now_ns();
     enum phase_result rc;
+    uint16_t from;
 
-    if (!work || !d->need) {
+    if (!work || !d->needs) {
         reply_msg(r, CUIP_STATUS_INTERNAL, "%s is not a phase op", op_name(op));
         return;
     }
@@ -151,14 +169,15 @@ static void run_phase_op(uint16_t op, struct reply *r)
         pthread_mutex_unlock(&g.lock);
         return;
     }
-    if (g.phase != d->need) {
-        reply_msg(r, CUIP_STATUS_WRONG_PHASE, "%s needs phase %u; the shim is in phase %u",
-                  op_name(op), d->need, g.phase);
+    from = g.phase;
+    if (from >= 32 || !(d->needs & (1u << from))) {
+        reply_msg(r, CUIP_STATUS_WRONG_PHASE, "%s is not served in phase %u", op_name(op),
+                  from);
         pthread_mutex_unlock(&g.lock);
         return;
     }
     g.busy = true;
-    if (d->need == CUIP_PHASE_ACTIVE)
+    if (from == CUIP_PHASE_ACTIVE)
         g.phase = d->next;
     pthread_mutex_unlock(&g.lock);
 
@@ -171,16 +190,28 @@ static void run_phase_op(uint16_t op, struct reply *r)
         if (d->stats)
             r->h.stat_elapsed_ns = shim_now_ns() - t0;
         shim_log(LOG_INFO, "%s done: phase %u", op_name(op), g.phase);
-    } else if (rc == PHASE_REFUSED) {
-        g.phase = d->need;
+    } else if (rc == PHASE_REFUSED || rc == PHASE_RETRY) {
+        g.phase = from;
+        if (!r->h.status)
+            reply_msg(r, rc == PHASE_RETRY ? CUIP_STATUS_RETRY : CUIP_STATUS_REFUSED,
+                      "%s not done", op_name(op));
+        if (rc == PHASE_RETRY) {
+            if (d->stats)
+                r->h.stat_elapsed_ns = shim_now_ns() - t0;
+            shim_log(LOG_WARN, "%s to be retried: %.*s", op_name(op),
+                     (int)r->h.message_length, r->msg);
+        }
     } else {
-        /* Fail-stop: no rollback. */
+        /* Fail-stop until a rollback (ROLLBACK_ALLOCATIONS is served in
+         * FAILED while the staged bytes are all there). */
         g.phase = CUIP_PHASE_FAILED;
         snprintf(g.reason, sizeof g.reason, "%s", r->h.message_length ? r->msg : op_name(op));
         if (!r->h.status)
             reply_msg(r, CUIP_STATUS_INTERNAL, "%s failed", op_name(op));
         shim_log(LOG_ERROR, "%s failed: %s", op_name(op), g.reason);
     }
+    if (g.phase != CUIP_PHASE_FAILED)
+        g.reason[0] = 0; /* a rollback out of FAILED forgets the old reason */
     g.busy = false;
     pthread_mutex_unlock(&g.lock);
 }

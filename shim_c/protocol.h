@@ -41,8 +41,10 @@ enum cuip_op {
     CUIP_OP_RESTORE_MULTICAST_DEVICES = 10,
     CUIP_OP_RESTORE_MULTICAST_BINDINGS = 11,
     CUIP_OP_EXPORT = 12,
+    CUIP_OP_ROLLBACK_ALLOCATIONS = 13,
+    CUIP_OP_ROLLBACK_IMPORTS = 14,
 };
-#define CUIP_OP_MAX CUIP_OP_EXPORT
+#define CUIP_OP_MAX CUIP_OP_ROLLBACK_IMPORTS
 
 /* The shim's phase, reported in every reply. */
 enum cuip_phase {
@@ -55,6 +57,7 @@ enum cuip_phase {
     CUIP_PHASE_MULTICAST_CREATED = 7,
     CUIP_PHASE_MULTICAST_IMPORTED = 8,
     CUIP_PHASE_MULTICAST_JOINED = 9,
+    CUIP_PHASE_ROLLBACK_LOADED = 10,
     CUIP_PHASE_FAILED = 15,
 };
 
@@ -74,6 +77,23 @@ enum cuip_phase {
     X(RESTORE_MULTICAST_DEVICES, MULTICAST_IMPORTED, MULTICAST_JOINED, 0)      \
     X(RESTORE_MULTICAST_BINDINGS, MULTICAST_JOINED, ACTIVE, 0)
 
+/* The way back to ACTIVE from any phase short of the native checkpoint:
+ * X(op, needs, reaches, transfers) as above, except that `needs` names a
+ * list of phases, X(phase) for each, in enum order. ROLLBACK_ALLOCATIONS
+ * re-creates and refills the creators' torn-down allocations from their
+ * staged bytes (FAILED included, while the bytes are all there; again in
+ * ROLLBACK_LOADED after an interrupted rollback); ROLLBACK_IMPORTS then
+ * imports every import again and frees the staged bytes. Pinned to the
+ * engine's ROLLBACK_OPS and ROLLBACK_FROM (phases/ops.py). */
+#define CUIP_ROLLBACK_FROM(X)                                                  \
+    X(ACTIVE) X(MULTICAST_DETACHED) X(ALLOCATIONS_SAVED) X(PREPARED)           \
+    X(ALLOCATIONS_LOADED) X(UNICAST_RESTORED) X(MULTICAST_CREATED)             \
+    X(MULTICAST_IMPORTED) X(MULTICAST_JOINED) X(ROLLBACK_LOADED) X(FAILED)
+#define CUIP_ROLLBACK_IMPORTS_FROM(X) X(ROLLBACK_LOADED)
+#define CUIP_ROLLBACK_OPS(X)                                                   \
+    X(ROLLBACK_ALLOCATIONS, CUIP_ROLLBACK_FROM, ROLLBACK_LOADED, 1)            \
+    X(ROLLBACK_IMPORTS, CUIP_ROLLBACK_IMPORTS_FROM, ACTIVE, 0)
+
 enum cuip_status {
     CUIP_STATUS_OK = 0,
     CUIP_STATUS_BAD_REQUEST = 1,
@@ -84,6 +104,9 @@ enum cuip_status {
     CUIP_STATUS_UNAUTHORIZED = 6,
     CUIP_STATUS_NOT_FOUND = 7,
     CUIP_STATUS_INTERNAL = 8,
+    /* Transient (the driver said CUDA_ERROR_OUT_OF_MEMORY): nothing of the
+     * failed step was kept, the phase is unchanged, the op may be sent again. */
+    CUIP_STATUS_RETRY = 9,
 };
 
 /* EXPORT's resource_kind. */
@@ -107,7 +130,7 @@ struct cuip_header {
     uint32_t pid;                            /* reply: the shim's getpid() */
     uint16_t phase;                          /* reply: enum cuip_phase after the op */
     uint16_t reserved;
-    uint64_t stat_count;                     /* SAVE/LOAD_ALLOCATIONS: allocations moved */
+    uint64_t stat_count;                     /* SAVE/LOAD/ROLLBACK_ALLOCATIONS: allocations moved */
     uint64_t stat_bytes;                     /* bytes moved */
     uint64_t stat_elapsed_ns;                /* time inside the shim for the whole op */
     uint64_t stat_copy_ns;                   /* time spent in device copies */

@@ -11,6 +11,7 @@
  *   io.c        bounded socket I/O and replies
  *   capability.c, multicast.c, unicast.c, content.c   the tracked calls and
  *               the phase work
+ *   rollback.c  the way back to ACTIVE (CUIP_ROLLBACK_OPS)
  *   control.c   the control server: connections, validation, phase machine
  *   lifecycle.c starting the server, fork, exit
  *   interpose.c every way a program reaches the driver
@@ -306,6 +307,8 @@ enum phase_result {
     PHASE_DONE = 0,     /* the op's phase is reached */
     PHASE_FAILED = -1,  /* fail-stop: the shim goes FAILED, the reply says why */
     PHASE_REFUSED = -2, /* refused before doing anything: the phase stays */
+    PHASE_RETRY = -3,   /* transient (out of memory), nothing of the failed step kept:
+                         * the phase stays, the reply says RETRY */
 };
 typedef enum phase_result phase_work_fn(struct reply *r);
 
@@ -333,12 +336,31 @@ SHIM_HIDDEN phase_work_fn multicast_prepare;
 /* ---------------------------------------------------------------- unicast.c */
 SHIM_HIDDEN int unicast_inspect(struct reply *r);
 SHIM_HIDDEN phase_work_fn unicast_prepare;
-SHIM_HIDDEN int unicast_load_mappings(struct obj *o, char *msg, size_t n);
+/* Map every recorded mapping of `o` (o->real) with its access; on failure
+ * nothing stays mapped and the failing call's result is returned. */
+SHIM_HIDDEN CUresult unicast_load_mappings(struct obj *o, char *msg, size_t n);
+/* Unmap every recorded mapping of `o` (all tried; the first error in msg). */
+SHIM_HIDDEN int unicast_unload_mappings(struct obj *o, char *msg, size_t n);
+/* Not live any more, unmapped, the shim's driver reference released; the
+ * reservations stay. */
+SHIM_HIDDEN int unicast_drop(struct obj *o, char *msg, size_t n);
 SHIM_HIDDEN phase_work_fn unicast_restore;
+/* ROLLBACK_IMPORTS' imports: every import dropped (when live) and imported
+ * again from its creator. */
+SHIM_HIDDEN phase_work_fn unicast_reimport_all;
 
 /* ---------------------------------------------------------------- content.c */
 SHIM_HIDDEN phase_work_fn content_save;
 SHIM_HIDDEN phase_work_fn content_load;
+/* ROLLBACK_ALLOCATIONS' content: LOAD keeping the staged bytes; refused when
+ * a torn-down allocation has none. */
+SHIM_HIDDEN phase_work_fn content_reload;
+/* Free every staged host copy. */
+SHIM_HIDDEN void content_free_staged(void);
+
+/* ---------------------------------------------------------------- rollback.c */
+SHIM_HIDDEN phase_work_fn rollback_allocations;
+SHIM_HIDDEN phase_work_fn rollback_imports;
 
 /* ---------------------------------------------------------------- control.c */
 /* The listener thread: accepts on the socket `arg` (an int) for ever. */

@@ -1,6 +1,8 @@
 /*
  * Unicast tracking (the application's VMM calls) and the unicast phase work
- * (INSPECT records, PREPARE_UNICAST teardown, RESTORE_UNICAST re-import).
+ * (INSPECT records, PREPARE_UNICAST teardown, RESTORE_UNICAST re-import,
+ * ROLLBACK_IMPORTS' drop and re-import), and the gate on the application's
+ * calls that would take a kept reservation away while not ACTIVE.
  *
  * Reference model: while an object exists (the application holds a handle
  * or a mapping) the shim holds exactly one real driver reference to it.
@@ -79,8 +81,15 @@ static CUresult map_apply(struct obj *o, const struct mapping *m, char *msg, siz
         d[i].flags = (CUmemAccess_flags)m->access[i].flags;
     }
     r = real.cuMemSetAccess(m->va, m->size, d, m->access_count);
-    if (r != CUDA_SUCCESS)
+    if (r != CUDA_SUCCESS) {
+        CUresult u;
         shim_fail(msg, n, "cuMemSetAccess", r);
+        /* Nothing half-done stays: a retry or a rollback maps it again. */
+        u = real.cuMemUnmap(m->va, m->size);
+        if (u != CUDA_SUCCESS)
+            shim_log(LOG_WARN, "cuMemUnmap after a failed cuMemSetAccess failed: %s",
+                     shim_cu_name(u));
+    }
     return r;
 }
 
@@ -95,6 +104,47 @@ static void obj_maybe_release(struct obj *o)
             shim_log(LOG_WARN, "cuMemRelease of a dead object failed: %s", shim_cu_name(r));
     }
     obj_free(o);
+}
+
+/* Under g.lock: does [va, va + size) overlap a mapping the shim keeps? */
+static bool overlaps_kept(CUdeviceptr va, size_t size)
+{
+    for (uint32_t i = 0; i < obj_count(); i++) {
+        const struct obj *o = obj_at(i);
+        if (!o)
+            continue;
+        for (uint32_t k = 0; k < o->nmaps; k++) {
+            const struct mapping *m = &o->maps[k];
+            if (m->va < va + size && va < m->va + m->size)
+                return true;
+        }
+    }
+    return false;
+}
+
+/* Under g.lock: the application may not touch a range the shim keeps while
+ * not ACTIVE (a torn-down mapping's reservation is where the rebuild maps
+ * it again). Elsewhere, and in ACTIVE, the driver decides. */
+static bool range_gated(CUdeviceptr va, size_t size)
+{
+    return g.phase != CUIP_PHASE_ACTIVE && overlaps_kept(va, size);
+}
+
+/* cuMemMap of a handle the shim does not track (a raw one of the driver's). */
+static CUresult map_untracked(CUdeviceptr ptr, size_t size, size_t offset,
+                              CUmemGenericAllocationHandle handle, unsigned long long flags)
+{
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&g.lock);
+    if (range_gated(ptr, size))
+        r = CUDA_ERROR_NOT_READY;
+    else
+        r = real.cuMemMap(ptr, size, offset, handle, flags);
+    pthread_mutex_unlock(&g.lock);
+    return r;
 }
 
 /* ------------------------------------------------------------ application calls */
@@ -159,10 +209,8 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
     struct obj *o;
     CUresult r;
 
-    if (!SHIM_IS_TAGGED(handle)) {
-        r = shim_enter();
-        return r != CUDA_SUCCESS ? r : real.cuMemMap(ptr, size, offset, handle, flags);
-    }
+    if (!SHIM_IS_TAGGED(handle))
+        return map_untracked(ptr, size, offset, handle, flags);
     if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
     o = obj_lookup(handle, true);
@@ -212,6 +260,23 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
         obj_maybe_release(o);
     }
 out:
+    pthread_mutex_unlock(&g.lock);
+    return r;
+}
+
+/* Freeing a reservation that holds a torn-down mapping would leave the
+ * rebuild nowhere to map it: NOT_READY until the shim is ACTIVE again. */
+CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size)
+{
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&g.lock);
+    if (range_gated(ptr, size))
+        r = CUDA_ERROR_NOT_READY;
+    else
+        r = real.cuMemAddressFree(ptr, size);
     pthread_mutex_unlock(&g.lock);
     return r;
 }
@@ -441,39 +506,41 @@ static void set_live(struct obj *o, bool live, CUmemGenericAllocationHandle h)
     pthread_mutex_unlock(&g.lock);
 }
 
-/* Unmap every mapping of `o` and release the shim's reference; the VA
- * reservations stay (graphs and kernels hold those pointers). */
-static int teardown(struct obj *o, struct reply *r)
+/* Unmap every mapping of `o` (all mapped) and release the shim's reference;
+ * the VA reservations stay (graphs and kernels hold those pointers). */
+int unicast_drop(struct obj *o, char *msg, size_t n)
 {
-    char msg[256];
     bool pushed;
     CUmemGenericAllocationHandle h = o->real;
     CUresult cr = shim_ctx_enter(o->ctx, &pushed);
 
     if (cr != CUDA_SUCCESS) {
-        shim_fail(msg, sizeof msg, "cuCtxPushCurrent", cr);
-        goto fail;
+        shim_fail(msg, n, "cuCtxPushCurrent", cr);
+        return -1;
     }
     set_live(o, false, 0); /* EXPORT stops serving it before it goes away */
-    for (uint32_t k = 0; k < o->nmaps; k++) {
-        cr = real.cuMemUnmap(o->maps[k].va, o->maps[k].size);
-        if (cr != CUDA_SUCCESS) {
-            shim_fail(msg, sizeof msg, "cuMemUnmap", cr);
-            goto fail_ctx;
-        }
-    }
+    if (unicast_unload_mappings(o, msg, n) != 0)
+        goto fail;
     cr = real.cuMemRelease(h);
     if (cr != CUDA_SUCCESS) {
-        shim_fail(msg, sizeof msg, "cuMemRelease", cr);
-        goto fail_ctx;
+        shim_fail(msg, n, "cuMemRelease", cr);
+        goto fail;
     }
     shim_ctx_leave(pushed);
     return 0;
-fail_ctx:
-    shim_ctx_leave(pushed);
 fail:
-    reply_msg(r, CUIP_STATUS_CUDA_FAILED, "PREPARE_UNICAST: %s", msg);
+    shim_ctx_leave(pushed);
     return -1;
+}
+
+static int teardown(struct obj *o, struct reply *r)
+{
+    char msg[256];
+    if (unicast_drop(o, msg, sizeof msg) != 0) {
+        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "PREPARE_UNICAST: %s", msg);
+        return -1;
+    }
+    return 0;
 }
 
 enum phase_result unicast_prepare(struct reply *r)
@@ -497,16 +564,49 @@ enum phase_result unicast_prepare(struct reply *r)
 
 /* ------------------------------------------------------------ rebuild */
 /* Map every recorded mapping of `o` again (creator after LOAD, importer
- * after RESTORE). Offsets, sizes and flags are the application's own. */
-int unicast_load_mappings(struct obj *o, char *msg, size_t n)
+ * after RESTORE). Offsets, sizes and flags are the application's own. On
+ * failure what was mapped is unmapped again and the failing call's result
+ * returned (an undo that fails is named in `msg` and its result returned). */
+CUresult unicast_load_mappings(struct obj *o, char *msg, size_t n)
 {
-    for (uint32_t k = 0; k < o->nmaps; k++)
-        if (map_apply(o, &o->maps[k], msg, n) != CUDA_SUCCESS)
-            return -1;
-    return 0;
+    uint32_t k;
+    CUresult r = CUDA_SUCCESS;
+
+    for (k = 0; k < o->nmaps; k++) {
+        r = map_apply(o, &o->maps[k], msg, n);
+        if (r != CUDA_SUCCESS)
+            break;
+    }
+    if (r == CUDA_SUCCESS)
+        return r;
+    while (k-- > 0) {
+        CUresult u = real.cuMemUnmap(o->maps[k].va, o->maps[k].size);
+        if (u != CUDA_SUCCESS) {
+            size_t used = strnlen(msg, n);
+            snprintf(msg + used, n - used, "; undoing it, cuMemUnmap failed: %s (%d)",
+                     shim_cu_name(u), (int)u);
+            r = u;
+        }
+    }
+    return r;
 }
 
-static int reimport(struct obj *o, struct reply *r)
+/* Unmap every recorded mapping of `o`; all are tried, the first error is
+ * reported. */
+int unicast_unload_mappings(struct obj *o, char *msg, size_t n)
+{
+    int rc = 0;
+    for (uint32_t k = 0; k < o->nmaps; k++) {
+        CUresult cr = real.cuMemUnmap(o->maps[k].va, o->maps[k].size);
+        if (cr != CUDA_SUCCESS && rc == 0) {
+            shim_fail(msg, n, "cuMemUnmap", cr);
+            rc = -1;
+        }
+    }
+    return rc;
+}
+
+static int reimport(struct obj *o, const char *op, struct reply *r)
 {
     char msg[512];
     CUmemGenericAllocationHandle h = 0;
@@ -515,7 +615,7 @@ static int reimport(struct obj *o, struct reply *r)
     int fd = cap_fetch(o->creator, o->id, o->auth, o->endpoint, msg, sizeof msg);
 
     if (fd < 0) {
-        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "RESTORE_UNICAST: %s", msg);
+        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: %s", op, msg);
         return -1;
     }
     cr = shim_ctx_enter(o->ctx, &pushed);
@@ -539,8 +639,11 @@ static int reimport(struct obj *o, struct reply *r)
     pthread_mutex_lock(&g.lock);
     o->real = h;
     pthread_mutex_unlock(&g.lock);
-    if (unicast_load_mappings(o, msg, sizeof msg) != 0) {
-        real.cuMemRelease(h);
+    if (unicast_load_mappings(o, msg, sizeof msg) != CUDA_SUCCESS) {
+        cr = real.cuMemRelease(h);
+        if (cr != CUDA_SUCCESS)
+            shim_log(LOG_WARN, "cuMemRelease of a failed import failed: %s", shim_cu_name(cr));
+        set_live(o, false, 0);
         goto fail;
     }
     shim_ctx_leave(pushed);
@@ -550,17 +653,42 @@ fail:
     if (fd >= 0)
         close(fd);
     shim_ctx_leave(pushed);
-    reply_msg(r, CUIP_STATUS_CUDA_FAILED, "RESTORE_UNICAST: %s", msg);
+    reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: %s", op, msg);
     return -1;
+}
+
+static bool is_import(const struct obj *o)
+{
+    return o && obj_shared(o) && !o->is_creator;
 }
 
 enum phase_result unicast_restore(struct reply *r)
 {
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
-        if (!o || !obj_shared(o) || o->is_creator || o->live)
+        if (!is_import(o) || o->live)
             continue;
-        if (reimport(o, r) != 0)
+        if (reimport(o, "RESTORE_UNICAST", r) != 0)
+            return PHASE_FAILED;
+    }
+    return PHASE_DONE;
+}
+
+/* Every import again: a live one may map memory that its creator has since
+ * replaced (re-created from its staged bytes), so it is dropped first. */
+enum phase_result unicast_reimport_all(struct reply *r)
+{
+    char msg[256];
+
+    for (uint32_t i = 0; i < obj_count(); i++) {
+        struct obj *o = obj_at(i);
+        if (!is_import(o))
+            continue;
+        if (o->live && unicast_drop(o, msg, sizeof msg) != 0) {
+            reply_msg(r, CUIP_STATUS_CUDA_FAILED, "ROLLBACK_IMPORTS: %s", msg);
+            return PHASE_FAILED;
+        }
+        if (reimport(o, "ROLLBACK_IMPORTS", r) != 0)
             return PHASE_FAILED;
     }
     return PHASE_DONE;

@@ -86,7 +86,8 @@ def spawn(
             device=device,
             log_dir=tmp_path,
             timeout_s=worker_timeout_s,
-            wait=wait,
+            # A setup snippet goes out at once; its answer says the worker is ready.
+            wait=wait and setup is None,
             init_cuda=setup is None,
         )
         started.append(worker)

@@ -214,8 +214,8 @@ class Worker:
     def send(self, code: str) -> None:
         """Start a snippet without waiting for its answer (see :meth:`reply`). A snippet
         still unanswered is waited for first: workers can start up concurrently and
-        still run in order."""
-        self.wait_ready()
+        still run in order. It may be sent before the worker is ready: it runs once
+        the worker is."""
         if self._unanswered:
             self.reply()
         self._write("exec", {"op": "exec", "code": textwrap.dedent(code)})
@@ -223,6 +223,7 @@ class Worker:
 
     def reply(self, timeout_s: float | None = None) -> Any:
         """The answer of the snippet started last: its ``result``, or WorkerError."""
+        self.wait_ready()
         self._unanswered = False
         reply = self._read("exec", timeout_s)
         if not reply.get("ok"):
@@ -231,6 +232,7 @@ class Worker:
 
     def answered(self, timeout_s: float) -> bool:
         """Has the snippet started with :meth:`send` answered within ``timeout_s``?"""
+        self.wait_ready()
         deadline = time.monotonic() + timeout_s
         while not any(line.startswith(b"{") for line in self._pending.split(b"\n")[:-1]):
             try:

@@ -3,11 +3,12 @@
 A C program, generated from the header's own declarations and compiled with
 ``cc``, prints the size and offset of every field of every struct, the value
 of every constant, and the bytes of a header and a record filled with
-distinctive values, and the phase machine (``CUIP_PHASE_OPS``). The Python side
-must agree on all of it: struct formats (derived from the C field types), field
-order, sizes, enums, limits, the bytes that encoding produces and decoding
-accepts, and the phase table (``phases/ops.py``). A change on either side, a new
-constant or field included, fails here.
+distinctive values, and the phase machine (``CUIP_PHASE_OPS``, and the way back:
+``CUIP_ROLLBACK_OPS``, ``CUIP_ROLLBACK_FROM``). The Python side must agree on all
+of it: struct formats (derived from the C field types), field order, sizes, enums,
+limits, the bytes that encoding produces and decoding accepts, and the phase
+tables (``phases/ops.py``: ``PHASE_OPS``, ``ROLLBACK_OPS``, ``ROLLBACK_FROM``).
+A change on either side, a new constant or field included, fails here.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from cuinterpose.engine.wire import (
     Stats,
     Status,
 )
-from cuinterpose.phases.ops import PHASE_OPS
+from cuinterpose.phases.ops import PHASE_OPS, ROLLBACK_FROM, ROLLBACK_OPS
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL_H = ROOT / "shim_c" / "protocol.h"
@@ -264,6 +265,16 @@ def c_program(ints: list[str], strings: list[str], structs: dict[str, list[CFiel
         "#needs, (int)CUIP_PHASE_##needs, #reaches, (int)CUIP_PHASE_##reaches, (int)(transfers));"
     )
     lines.append("CUIP_PHASE_OPS(PIN_PHASE_OP)")
+    # The rollback ops: their `needs` is a list macro, printed phase by phase.
+    lines.append('#define PIN_PHASE(p) printf(" %s %d", #p, (int)CUIP_PHASE_##p);')
+    lines.append(
+        "#define PIN_ROLLBACK_OP(op, needs, reaches, transfers) "
+        'printf("rollback_op %s %d %s %d %d", #op, (int)CUIP_OP_##op, '
+        "#reaches, (int)CUIP_PHASE_##reaches, (int)(transfers)); "
+        'needs(PIN_PHASE) printf("\\n");'
+    )
+    lines.append("CUIP_ROLLBACK_OPS(PIN_ROLLBACK_OP)")
+    lines.append('printf("rollback_from"); CUIP_ROLLBACK_FROM(PIN_PHASE) printf("\\n");')
     access_fill = "\n    ".join(
         f"r.access[{i}].location_type = {t}; r.access[{i}].location_id = {loc}; "
         f"r.access[{i}].flags = {flags}ull;"
@@ -309,6 +320,10 @@ class CLayout:
     dumps: dict[str, bytes]
     # CUIP_PHASE_OPS in order: (op, its value, needs, its value, reaches, its value, transfers)
     phase_ops: list[tuple[str, int, str, int, str, int, int]]
+    # CUIP_ROLLBACK_OPS in order: (op, its value, reaches, its value, transfers,
+    # ((need, its value), ...))
+    rollback_ops: list[tuple[str, int, str, int, int, tuple[tuple[str, int], ...]]]
+    rollback_from: list[tuple[str, int]]  # CUIP_ROLLBACK_FROM: (phase, its value)
 
 
 @pytest.fixture(scope="module")
@@ -333,7 +348,7 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> CLayout:
     out = subprocess.run(
         [str(binary)], check=True, capture_output=True, text=True, timeout=10
     ).stdout
-    layout = CLayout({}, {}, {}, {name: [] for name in structs}, structs, {}, [])
+    layout = CLayout({}, {}, {}, {name: [] for name in structs}, structs, {}, [], [], [])
     for line in out.splitlines():
         tag, rest = line.split(" ", 1)
         if tag == "int":
@@ -357,7 +372,21 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> CLayout:
                 (op, int(op_value), needs, int(needs_value), reaches, int(reaches_value),
                  int(transfers))
             )  # fmt: skip
+        elif tag == "rollback_op":
+            op, op_value, reaches, reaches_value, transfers, *needs = rest.split(" ")
+            layout.rollback_ops.append(
+                (op, int(op_value), reaches, int(reaches_value), int(transfers),
+                 phase_list(needs))
+            )  # fmt: skip
+        elif tag == "rollback_from":
+            layout.rollback_from.extend(phase_list(rest.split(" ")))
     return layout
+
+
+def phase_list(words: list[str]) -> tuple[tuple[str, int], ...]:
+    """``NAME VALUE NAME VALUE ...`` as ((NAME, VALUE), ...)."""
+    words = [w for w in words if w]
+    return tuple((name, int(value)) for name, value in zip(words[::2], words[1::2], strict=True))
 
 
 def expected_format(layout: CLayout, struct_name: str) -> str:
@@ -496,7 +525,7 @@ def test_phase_ops_match_the_engine_table(c_layout: CLayout) -> None:
         (op, needs, reaches, transfers)
         for op, _, needs, _, reaches, _, transfers in c_layout.phase_ops
     ]
-    python_table = [(p.op, p.needs, p.reaches, int(p.transfers)) for p in PHASE_OPS]
+    python_table = [(p.op, *p.needs, p.reaches, int(p.transfers)) for p in PHASE_OPS]
     assert c_table == python_table
 
 
@@ -509,3 +538,37 @@ def test_phase_ops_name_wire_members(c_layout: CLayout) -> None:
         assert Phase[needs] == needs_value
         assert Phase[reaches] == reaches_value
         assert transfers in (0, 1)
+
+
+def test_rollback_ops_match_the_engine_table(c_layout: CLayout) -> None:
+    # The way back: the shim's CUIP_ROLLBACK_OPS and the engine's ROLLBACK_OPS, the
+    # same ops in the same order, each served in the same phases (in enum order),
+    # reaching the same phase, with the same statistics.
+    c_table = [
+        (op, tuple(name for name, _ in needs), reaches, transfers)
+        for op, _, reaches, _, transfers, needs in c_layout.rollback_ops
+    ]
+    python_table = [(p.op, p.needs, p.reaches, int(p.transfers)) for p in ROLLBACK_OPS]
+    assert c_table == python_table
+    assert [name for name, _ in c_layout.rollback_from] == list(ROLLBACK_FROM)
+    assert c_layout.rollback_ops[0][0] == "ROLLBACK_ALLOCATIONS"
+    assert c_layout.rollback_ops[0][5] == tuple(c_layout.rollback_from)
+
+
+def test_rollback_ops_name_wire_members(c_layout: CLayout) -> None:
+    assert c_layout.rollback_ops, "CUIP_ROLLBACK_OPS printed nothing"
+    assert c_layout.rollback_from, "CUIP_ROLLBACK_FROM printed nothing"
+    for op, op_value, reaches, reaches_value, transfers, needs in c_layout.rollback_ops:
+        assert Op[op] == op_value
+        assert Phase[reaches] == reaches_value
+        assert transfers in (0, 1)
+        assert needs, f"{op} is served in no phase"
+        for name, value in needs:
+            assert Phase[name] == value
+        values = [value for _, value in needs]
+        assert values == sorted(set(values)), f"{op}: phases repeated or not in enum order"
+    for name, value in c_layout.rollback_from:
+        assert Phase[name] == value
+    # No op is both a forward op and a rollback op.
+    forward = {op for op, *_ in c_layout.phase_ops}
+    assert forward.isdisjoint(op for op, *_ in c_layout.rollback_ops)
