@@ -6,10 +6,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup build build-system-headers typecheck-view demo test lint clean
+.PHONY: all setup build build-release build-asan build-system-headers typecheck-view demo \
+        test lint clean
 
 all: build
 
+# An editable install compiles nothing (pyproject.toml): the libraries come
+# from the build trees below.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -18,14 +21,19 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-CUDA_INCLUDE = $$($(BIN)/python -c 'import cuda.pathfinder as p; print(p.find_nvidia_header_directory("cudart"))')
+# CMake takes cuda.h from the .venv's nvidia-cuda-runtime wheel.
+CMAKE_PYTHON = -DPython_EXECUTABLE=$(CURDIR)/$(BIN)/python
 
 # build/ is the release build (demo, GPU runs); build-asan/ the ASan+UBSan
 # build that the suite's C-facing tests run against.
-build: $(STAMP)
-	cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUINTERPOSE_CUDA_INCLUDE=$(CUDA_INCLUDE) >/dev/null
+build: build-release build-asan
+
+build-release: $(STAMP)
+	cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_PYTHON) >/dev/null
 	cmake --build build -j2
-	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUINTERPOSE_SANITIZE=ON -DCUINTERPOSE_CUDA_INCLUDE=$(CUDA_INCLUDE) >/dev/null
+
+build-asan: $(STAMP)
+	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUINTERPOSE_SANITIZE=ON $(CMAKE_PYTHON) >/dev/null
 	cmake --build build-asan -j2
 
 # The H200 machines' toolkit has CUDA 13.0's cuda.h, older than the wheel's: where a
@@ -53,11 +61,11 @@ lint: $(STAMP) typecheck-view
 	$(BIN)/ruff format --check engine phases frontends
 	cd $(TYPECHECK) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p cuinterpose
 
-demo: build
+demo: build-release
 	$(BIN)/cuinterpose demo
 
 test: build build-system-headers lint
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf build build-asan build-system-headers $(VENV)
+	rm -rf build build-asan build-system-headers dist $(VENV)

@@ -1,45 +1,78 @@
 """Where the built C libraries are.
 
-The build (``make build``) writes them under ``build/`` at the top of the
-repository (``build-asan/`` for the sanitizer build); nothing is compiled at
-run time. ``CUINTERPOSE_BUILD_DIR`` points elsewhere, for an installed copy or
-for the sanitizer build.
+Looked up in this order, nothing compiled at run time:
+
+1. ``CUINTERPOSE_BUILD_DIR``, a CMake build tree (``build/``, ``build-asan/``):
+   when set it is the only place looked at, so that a development build (the
+   sanitizer build, say) is never silently replaced by another copy;
+2. the installed package: ``pip install`` puts ``lib/libcuinterpose.so`` and
+   ``lib/sim/libcuda.so.1`` inside ``cuinterpose/``;
+3. ``build/`` at the top of a checkout (``make build``), where an editable
+   install (``make setup``) gets them, since it compiles nothing itself.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Final
 
-SHIM_NAME = "libcuinterpose.so"
-SIM_DRIVER_NAME = "libcuda.so.1"
+SHIM_NAME: Final = "libcuinterpose.so"
+SIM_DRIVER_NAME: Final = "libcuda.so.1"
+BUILD_DIR_ENV: Final = "CUINTERPOSE_BUILD_DIR"
+
+# In the installed package (CMake's install rules, pyproject.toml's install-dir).
+PACKAGE_LIB_DIR: Final = Path(__file__).resolve().parent / "lib"
+# In a build tree: where shim_c/CMakeLists.txt and shim_c/sim put them.
+_TREE_SHIM: Final = Path("shim_c") / SHIM_NAME
+_TREE_SIM: Final = Path("shim_c") / "sim" / SIM_DRIVER_NAME
 
 
 class ArtifactMissingError(FileNotFoundError):
-    """A built library is not where the build puts it."""
+    """A built library is not where it should be."""
 
 
-def build_dir() -> Path:
-    override = os.environ.get("CUINTERPOSE_BUILD_DIR")
-    if override:
-        return Path(override).resolve()
-    return Path(__file__).resolve().parent.parent / "build"
+def build_dir() -> Path | None:
+    """The build tree ``CUINTERPOSE_BUILD_DIR`` names, or ``None`` when it is unset."""
+    override = os.environ.get(BUILD_DIR_ENV)
+    return Path(override).resolve() if override else None
 
 
-def _require(path: Path, what: str) -> Path:
-    if not path.is_file():
-        raise ArtifactMissingError(
-            f"{what} not found at {path}: run `make build` (or set CUINTERPOSE_BUILD_DIR)"
-        )
-    return path
+def checkout_build_dir() -> Path | None:
+    """``build/`` of the checkout this module runs from (an editable install), if it does."""
+    top = Path(__file__).resolve().parent.parent
+    # Installed, the folder above is site-packages: no build tree belongs there.
+    if not (top / "shim_c" / "CMakeLists.txt").is_file():
+        return None
+    return top / "build"
+
+
+def _find(installed: Path, in_tree: Path, what: str) -> Path:
+    override = build_dir()
+    if override is not None:
+        candidates = [override / in_tree]
+    else:
+        candidates = [PACKAGE_LIB_DIR / installed]
+        checkout = checkout_build_dir()
+        if checkout is not None:
+            candidates.append(checkout / in_tree)
+    for path in candidates:
+        if path.is_file():
+            return path
+    if override is not None:
+        hint = f"run `make build` (or unset {BUILD_DIR_ENV})"
+    elif len(candidates) > 1:
+        hint = "run `make build`"
+    else:
+        hint = "the installation is incomplete: reinstall cuinterpose"
+    raise ArtifactMissingError(f"{what} not found at {' or '.join(map(str, candidates))}: {hint}")
 
 
 def shim_library() -> Path:
-    """Path of the built ``libcuinterpose.so``."""
-    return _require(build_dir() / "shim_c" / SHIM_NAME, "the shim")
+    """Path of ``libcuinterpose.so``."""
+    return _find(Path(SHIM_NAME), _TREE_SHIM, "the shim")
 
 
 def sim_library_dir() -> Path:
     """Directory holding the simulated ``libcuda.so.1``, for the library path."""
-    lib = _require(build_dir() / "shim_c" / "sim" / SIM_DRIVER_NAME, "the simulated driver")
-    return lib.parent
+    return _find(Path("sim") / SIM_DRIVER_NAME, _TREE_SIM, "the simulated driver").parent

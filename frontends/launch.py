@@ -4,8 +4,8 @@ The environment: ``LD_PRELOAD`` gets the built ``libcuinterpose.so`` (after any
 preload already there, so that a sanitizer runtime stays first); with the
 simulated driver, its directory comes first on ``LD_LIBRARY_PATH``;
 ``SNAPSHOT_CONTROL_DIR`` names the control directory, created with mode 0700
-when missing. Nothing is compiled here: the libraries come from ``make build``
-(:mod:`cuinterpose.artifacts`).
+when missing. Nothing is compiled here: the libraries are the installed
+package's, or a build tree's (:mod:`cuinterpose.artifacts`).
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ later restore all, then unlock all. Every failure raises :class:`NativeError`
 naming the pid, the call and the ``CUresult`` name; nothing is retried and
 nothing falls back.
 
-``cuda.bindings`` is an optional extra: it is imported on first use, and its
-absence is a :class:`NativeUnavailableError` that says how to install it. The
+``cuda.bindings`` (a dependency of the package) is imported on first use, so
+that the coordinator's other commands never load it; its absence is a
+:class:`NativeUnavailableError` that says how to install it. The
 calls reach whichever ``libcuda.so.1`` this process loads; to drive the
 simulated driver from a process that did not start with it on its library
 path, :func:`run_in_subprocess` runs the same calls in a child process with a
@@ -126,7 +127,7 @@ def _driver() -> Any:
         except ImportError as exc:
             raise NativeUnavailableError(
                 "the native checkpoint calls need cuda.bindings: "
-                "install cuinterpose with the 'cuda' extra (pip install 'cuinterpose[cuda]')"
+                "pip install 'cuda-bindings>=13.0,<14'"
             ) from exc
         try:
             result = module.cuInit(0)

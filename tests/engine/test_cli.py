@@ -375,6 +375,48 @@ def test_artifact_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert run("sim-path") == (0, f"{tmp_path / 'shim_c' / 'sim'}\n", "")
 
 
+def _libraries(root: Path, shim: Path, sim: Path) -> tuple[Path, Path]:
+    (root / shim).parent.mkdir(parents=True, exist_ok=True)
+    (root / sim).parent.mkdir(parents=True, exist_ok=True)
+    (root / shim).write_bytes(b"")
+    (root / sim).write_bytes(b"")
+    return root / shim, (root / sim).parent
+
+
+def test_artifacts_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUINTERPOSE_BUILD_DIR alone when set; else the installed package, then the
+    checkout's build/ (where an editable install finds `make build`'s libraries)."""
+    from cuinterpose import artifacts
+
+    package = tmp_path / "site-packages" / "cuinterpose" / "lib"
+    checkout = tmp_path / "checkout" / "build"
+    monkeypatch.setattr(artifacts, "PACKAGE_LIB_DIR", package)
+    monkeypatch.setattr(artifacts, "checkout_build_dir", lambda: checkout)
+    monkeypatch.delenv("CUINTERPOSE_BUILD_DIR", raising=False)
+    tree = (Path("shim_c/libcuinterpose.so"), Path("shim_c/sim/libcuda.so.1"))
+
+    with pytest.raises(artifacts.ArtifactMissingError, match="make build"):
+        artifacts.shim_library()
+    in_checkout = _libraries(checkout, *tree)
+    assert (artifacts.shim_library(), artifacts.sim_library_dir()) == in_checkout
+    installed = _libraries(package, Path("libcuinterpose.so"), Path("sim/libcuda.so.1"))
+    assert (artifacts.shim_library(), artifacts.sim_library_dir()) == installed
+
+    asan = tmp_path / "build-asan"
+    monkeypatch.setenv("CUINTERPOSE_BUILD_DIR", str(asan))
+    with pytest.raises(artifacts.ArtifactMissingError, match="CUINTERPOSE_BUILD_DIR"):
+        artifacts.sim_library_dir()  # an override never falls back to another copy
+    in_asan = _libraries(asan, *tree)
+    assert (artifacts.shim_library(), artifacts.sim_library_dir()) == in_asan
+
+    # Installed, with no checkout around it, the message says so.
+    monkeypatch.delenv("CUINTERPOSE_BUILD_DIR")
+    monkeypatch.setattr(artifacts, "PACKAGE_LIB_DIR", tmp_path / "empty")
+    monkeypatch.setattr(artifacts, "checkout_build_dir", lambda: None)
+    with pytest.raises(artifacts.ArtifactMissingError, match="reinstall cuinterpose"):
+        artifacts.shim_library()
+
+
 def test_launch_and_demo_delegate(monkeypatch: pytest.MonkeyPatch) -> None:
     from cuinterpose import demo, launch
 
