@@ -31,8 +31,10 @@ from .statefile import (
     STATE_FILE_NAME,
     CheckpointState,
     StateFileError,
+    fsync_directory,
     read_state,
     utc_timestamp,
+    write_atomically,
     write_state,
 )
 
@@ -110,22 +112,13 @@ def read_intent(directory: Path) -> CheckpointState | None:
 
 def clear_intent(directory: Path) -> None:
     (Path(directory) / INTENT_FILE_NAME).unlink(missing_ok=True)
-    _fsync(directory)
+    fsync_directory(directory)
 
 
 def mark_restored(directory: Path, state: CheckpointState) -> None:
     """Record that the state file of ``state`` was restored (atomically, durably)."""
-    directory = Path(directory)
     body = json.dumps({"state_created_at": state.created_at, "restored_at": utc_timestamp()})
-    temp = directory / f".{RESTORED_FILE_NAME}.tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, body.encode() + b"\n")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temp, directory / RESTORED_FILE_NAME)
-    _fsync(directory)
+    write_atomically(Path(directory), RESTORED_FILE_NAME, body.encode() + b"\n")
 
 
 def _restored_created_at(directory: Path) -> str | None:
@@ -142,14 +135,6 @@ def _restored_created_at(directory: Path) -> str | None:
     except (ValueError, AttributeError):
         return None
     return value if isinstance(value, str) else None
-
-
-def _fsync(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def capture_problem(directory: Path, *, replace: bool) -> str | None:

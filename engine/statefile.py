@@ -600,11 +600,16 @@ def write_state(directory: Path, state: CheckpointState, name: str = STATE_FILE_
     failure the temporary file is removed and the old state file (if any) is intact.
     """
     directory = Path(directory)
-    target = directory / name
     try:
         data = encode_state(state)
     except ValueError as exc:
-        raise StateFileError(target, f"not written: {exc}") from exc
+        raise StateFileError(directory / name, f"not written: {exc}") from exc
+    return write_atomically(directory, name, data)
+
+
+def write_atomically(directory: Path, name: str, data: bytes) -> Path:
+    """Write ``data`` as ``directory/name``: temporary file, fsync, rename, directory fsync."""
+    target = directory / name
     try:
         fd, temp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     except OSError as exc:
@@ -624,7 +629,7 @@ def write_state(directory: Path, state: CheckpointState, name: str = STATE_FILE_
             raise StateFileError(target, f"not written: {exc}") from exc
         raise
     try:
-        _fsync_directory(directory)
+        fsync_directory(directory)
     except OSError as exc:
         raise StateFileError(
             target, f"written, but syncing {directory} failed (may not survive a crash): {exc}"
@@ -632,7 +637,7 @@ def write_state(directory: Path, state: CheckpointState, name: str = STATE_FILE_
     return target
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
