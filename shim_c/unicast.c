@@ -522,8 +522,37 @@ static void set_live(struct obj *o, bool live, CUmemGenericAllocationHandle h)
     pthread_mutex_unlock(&g.lock);
 }
 
+/* Unmap every mapping of `o`, or none: when one unmap fails, the ones done
+ * are mapped again (with their access), so that `o` stays whole and live and
+ * a rollback finds it as the application left it instead of half torn down.
+ * An undo that fails too is added to `msg`. */
+static int unmap_all_or_none(struct obj *o, CUmemGenericAllocationHandle h, char *msg, size_t n)
+{
+    uint32_t k;
+
+    for (k = 0; k < o->nmaps; k++) {
+        CUresult cr = real.cuMemUnmap(o->maps[k].va, o->maps[k].size);
+        if (cr != CUDA_SUCCESS) {
+            shim_fail(msg, n, "cuMemUnmap", cr);
+            break;
+        }
+    }
+    if (k == o->nmaps)
+        return 0;
+    set_live(o, true, h); /* live again, and the handle to map with */
+    while (k-- > 0) {
+        char undo[128];
+        if (map_apply(o, &o->maps[k], undo, sizeof undo) != CUDA_SUCCESS) {
+            size_t used = strnlen(msg, n);
+            snprintf(msg + used, n - used, "; mapping it again failed: %s", undo);
+        }
+    }
+    return -1;
+}
+
 /* Unmap every mapping of `o` (all mapped) and release the shim's reference;
- * the VA reservations stay (graphs and kernels hold those pointers). */
+ * the VA reservations stay (graphs and kernels hold those pointers). On
+ * failure `o` is left live and mapped, as it was. */
 int unicast_drop(struct obj *o, char *msg, size_t n)
 {
     bool pushed;
@@ -535,11 +564,16 @@ int unicast_drop(struct obj *o, char *msg, size_t n)
         return -1;
     }
     set_live(o, false, 0); /* EXPORT stops serving it before it goes away */
-    if (unicast_unload_mappings(o, msg, n) != 0)
+    if (unmap_all_or_none(o, h, msg, n) != 0)
         goto fail;
     cr = real.cuMemRelease(h);
     if (cr != CUDA_SUCCESS) {
         shim_fail(msg, n, "cuMemRelease", cr);
+        /* Unmapped but still held: map it back rather than strand the handle. */
+        set_live(o, true, h);
+        if (unicast_load_mappings(o, msg + strnlen(msg, n), n - strnlen(msg, n)) !=
+            CUDA_SUCCESS)
+            set_live(o, false, 0);
         goto fail;
     }
     shim_ctx_leave(pushed);

@@ -215,6 +215,10 @@ struct sim_state {
     atomic_int service_tid; /* published by the service thread once running */
     int service_fd;
     int restore_refused; /* restores refused so far (NOT_SUPPORTED once) */
+    /* A test's injected failure (cuinterposeSimFailUnmap): cuMemUnmap calls to
+     * let through first, then the result the next one returns; 0 = none armed. */
+    unsigned fail_unmap_skip;
+    CUresult fail_unmap_result;
 };
 
 extern struct sim_state sim SIM_HIDDEN;
@@ -278,5 +282,8 @@ SIM_HIDDEN int sim_service_start(void);
  * build (legacy versions still handed out by cuGetProcAddress). */
 SIM_EXPORT CUresult CUDAAPI cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
 SIM_EXPORT int cuinterposeSimIsSimulated(void);
+/* For tests of the shim's error paths: let `skip` cuMemUnmap calls of this
+ * process through, then fail the next one with `result` (nothing unmapped). */
+SIM_EXPORT int cuinterposeSimFailUnmap(unsigned skip, CUresult result);
 
 #endif

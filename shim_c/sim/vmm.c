@@ -600,9 +600,23 @@ static CUresult mem_unmap(CUdeviceptr ptr, size_t size)
     if (size == 0 || !sim_is_aligned(ptr, SIM_GRANULARITY) || !sim_is_aligned(size, SIM_GRANULARITY))
         return CUDA_ERROR_INVALID_VALUE;
     sim_lock();
-    r = unmap_locked((uintptr_t)ptr, size);
+    if (sim.fail_unmap_result != CUDA_SUCCESS && sim.fail_unmap_skip-- == 0) {
+        r = sim.fail_unmap_result;
+        sim.fail_unmap_result = CUDA_SUCCESS;
+    } else {
+        r = unmap_locked((uintptr_t)ptr, size);
+    }
     sim_unlock();
     return r;
+}
+
+int cuinterposeSimFailUnmap(unsigned skip, CUresult result)
+{
+    sim_lock();
+    sim.fail_unmap_skip = skip;
+    sim.fail_unmap_result = result;
+    sim_unlock();
+    return 0;
 }
 
 CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)

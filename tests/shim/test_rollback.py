@@ -414,3 +414,31 @@ def test_failed_load_rolls_back(spawn: Spawn, control_dir: Path) -> None:
     assert not team.send(Op.HANDSHAKE, [0])[0].message  # the old reason is gone
     assert_intact(team, {"X": SEED_X, "Y": SEED_Y})
     assert_shared(team, 800)
+
+
+def test_a_failed_unmap_in_prepare_unicast_leaves_the_allocation_whole(
+    spawn: Spawn, control_dir: Path
+) -> None:
+    """c maps X twice; its second unmap fails (injected in the simulated driver).
+
+    PREPARE_UNICAST fails on c, which maps the first mapping again, so X stays live and
+    whole instead of half torn down; the rollback then brings every shim back."""
+    team = build_team(spawn, control_dir)
+    c = team.workers[0]
+    c("M.append(('X', map_rw(H['X'], 3 * gran), 3 * gran))")
+    before = team.inspect()
+    for op in CAPTURE[:2]:
+        team.ok(op)
+    c("import ctypes; ctypes.CDLL('libcuda.so.1').cuinterposeSimFailUnmap(1, 999)")
+    replies = team.send(Op.PREPARE_UNICAST)
+    assert replies[0].status == Status.CUDA_FAILED, replies[0].message
+    assert "cuMemUnmap" in replies[0].message and "CUDA_ERROR_UNKNOWN" in replies[0].message
+    assert [r.phase for r in replies] == [Phase.FAILED, Phase.PREPARED, Phase.PREPARED]
+    loaded = roll_back(team)
+    # X was never torn down on c: nothing to re-create there; i1 re-creates Y.
+    assert [r.stats.count for r in loaded] == [0, 1, 0]
+    assert_intact(team, {"X": SEED_X, "Y": SEED_Y})
+    assert team.inspect() == before
+    assert_shared(team, 400)
+    for w in team.workers:
+        app_still_works(w)
