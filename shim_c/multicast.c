@@ -430,7 +430,8 @@ static void inspect_object(struct reply *r, struct obj *o)
         rec = rec_new(r, CUIP_RECORD_MC_DEVICE, o);
         rec->device = d;
     }
-    qsort(o->binds, o->nbinds, sizeof *o->binds, binding_cmp);
+    if (o->nbinds > 1)
+        qsort(o->binds, o->nbinds, sizeof *o->binds, binding_cmp);
     for (uint32_t k = 0; k < o->nbinds; k++) {
         const struct mc_binding *b = &o->binds[k];
         rec = rec_new(r, CUIP_RECORD_MC_BINDING, o);
@@ -444,7 +445,8 @@ static void inspect_object(struct reply *r, struct obj *o)
         rec->address = b->kind == CUIP_BIND_ADDR ? b->address : 0;
         rec->op_flags = b->flags;
     }
-    qsort(o->maps, o->nmaps, sizeof *o->maps, map_cmp);
+    if (o->nmaps > 1)
+        qsort(o->maps, o->nmaps, sizeof *o->maps, map_cmp);
     for (uint32_t k = 0; k < o->nmaps; k++) {
         const struct mapping *m = &o->maps[k];
         rec = rec_new(r, CUIP_RECORD_MC_MAPPING, o);
@@ -482,7 +484,8 @@ void multicast_inspect(struct reply *r)
                 inspect_object(r, obj_at(i));
         return;
     }
-    qsort(list, n, sizeof *list, id_cmp);
+    if (n > 1)
+        qsort(list, n, sizeof *list, id_cmp);
     for (uint32_t i = 0; i < n; i++)
         inspect_object(r, list[i]);
     free(list);

@@ -30,6 +30,8 @@ from cuinterpose.demo import Worker
 from cuinterpose.engine import (
     Endpoint,
     Options,
+    PhaseEvent,
+    Refused,
     Topology,
     capture,
     endpoint_for,
@@ -87,10 +89,19 @@ class McTeam:
     def endpoints(self) -> list[Endpoint]:
         return [endpoint_for(p, p, control_dir=self.control_dir) for p in self.pids]
 
-    def members_hold(self, seed_of: Callable[[int], int]) -> list[bool]:
+    def members_hold(
+        self, seed_of: Callable[[int], int], which: list[int] | None = None
+    ) -> list[bool]:
+        """Does each member (of the processes ``which``, default all) hold the 2
+        granules of its seed?"""
+        picked = range(len(self.workers)) if which is None else which
         return [
-            bool(w(f"result = digest(H['mva'], 2 * gran) == expected({seed_of(k)}, 2 * gran)"))
-            for k, w in enumerate(self.workers)
+            bool(
+                self.workers[k](
+                    f"result = digest(H['mva'], 2 * gran) == expected({seed_of(k)}, 2 * gran)"
+                )
+            )
+            for k in picked
         ]
 
     def write_through(self, k: int, seed: int) -> None:
@@ -241,5 +252,196 @@ check(access(H['cva'], 2 * gran, device=DEV))
         team.workers[0]("os.close(export(H['mc']))")
     _, after = inspect(team.endpoints(), timeout=TIMEOUT_S)
     assert validate(after) == ()
+    for w in team.workers:
+        w.close_clean()
+
+
+def test_one_process_team_and_an_unsupported_object(spawn: Spawn, control_dir: Path) -> None:
+    """A one-device team in one process is captured like any other; an object also
+    exportable as a fabric handle is reported UNSUPPORTED_EXPORTABLE and refuses
+    PREPARE_MULTICAST with nothing torn down."""
+    w = spawn("solo")
+    w(MC_SETUP)
+    team = McTeam([w], int(w("result = gran")), control_dir)
+    w(
+        """
+K = 0
+H['mc'] = check(cu.cuMulticastCreate(mcprop(1, 2 * gran)))
+check(cu.cuMulticastAddDevice(H['mc'], DEV))
+H['m'] = check(cu.cuMemCreate(2 * gran, prop(device=DEV), 0))
+H['mva'] = reserve(2 * gran)
+check(cu.cuMemMap(H['mva'], 2 * gran, 0, H['m'], 0)); check(access(H['mva'], 2 * gran))
+result = int(H['mc']) >> 48
+"""
+    )
+    bind_and_map(w)
+    _, topology = inspect(team.endpoints(), timeout=TIMEOUT_S)
+    assert validate(topology) == ()
+    kinds = sorted(r.kind for _, r in topology.records())
+    assert kinds == sorted(
+        [Kind.ALLOCATION, Kind.MAPPING, Kind.MC_OBJECT, Kind.MC_DEVICE]
+        + [Kind.MC_BINDING] * 2
+        + [Kind.MC_MAPPING]
+    )
+    w(
+        """
+p = mcprop(1, 2 * gran)
+p.handleTypes = int(POSIX) | int(cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC)
+H['fab'] = check(cu.cuMulticastCreate(p))
+"""
+    )
+    path = shimenv.wait_socket(control_dir, w.pid)
+    participant = shimenv.handshake(path).participant
+    reply, _ = shimenv.request(path, wire.Request(op=Op.INSPECT, participant=participant))
+    assert [r.kind for r in reply.records].count(Kind.UNSUPPORTED_EXPORTABLE) == 1
+    assert "multicast" in reply.message
+    refused, _ = shimenv.request(
+        path, wire.Request(op=Op.PREPARE_MULTICAST, participant=participant)
+    )
+    assert (refused.status, refused.phase) == (Status.REFUSED, Phase.ACTIVE)
+    assert "handle type" in refused.message
+    w("fill(H['cva'], 2 * gran, 9)")
+    assert team.members_hold(lambda _: 9) == [True]
+    w("check(cu.cuMemRelease(H['fab']))")
+    w.close_clean()
+
+
+def refusal(team: McTeam, tmp_path: Path, endpoints: list[Endpoint] | None = None) -> str:
+    """The capture refuses before any destructive op; its message."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(exist_ok=True)
+    events: list[str] = []
+
+    def seen(event: object) -> None:
+        if isinstance(event, PhaseEvent):
+            events.append(event.phase)
+
+    with pytest.raises(Refused) as caught:
+        capture(endpoints or team.endpoints(), ckpt, Options(TIMEOUT_S, on_progress=seen))
+    assert not {"PREPARE_MULTICAST", "SAVE_ALLOCATIONS", "PREPARE_UNICAST"} & set(events)
+    return str(caught.value)
+
+
+def assert_untouched(team: McTeam, bound: list[int]) -> None:
+    """Still ACTIVE and still one team: a write reaches every bound member."""
+    for w in team.workers:
+        assert w("result = err(cu.cuMemGetAllocationGranularity(prop(), 0)[0])") == (
+            "CUDA_SUCCESS"
+        )
+    team.write_through(bound[0], 77)
+    assert team.members_hold(lambda _: 77, bound) == [True] * len(bound)
+
+
+def hex_id(topology: Topology) -> str:
+    (_, record), *_ = topology.of_kind(Kind.MC_OBJECT)
+    return record.id.hex()
+
+
+def test_refused_when_a_participant_is_left_out(
+    spawn: Spawn, control_dir: Path, tmp_path: Path
+) -> None:
+    team = build_team(spawn, control_dir, 2)
+    _, topology = inspect(team.endpoints(), timeout=TIMEOUT_S)
+    message = refusal(team, tmp_path, team.endpoints()[:1])
+    assert hex_id(topology) in message
+    assert "1 distinct devices added ([0]), the object was created for 2" in message
+    assert "[multicast.devices]" in message
+    assert_untouched(team, [0, 1])
+
+
+def test_refused_when_a_device_has_no_binding(
+    spawn: Spawn, control_dir: Path, tmp_path: Path
+) -> None:
+    team = build_team(spawn, control_dir, 2, bind=False)
+    bind_and_map(team.workers[0])  # device 1 joined the team but binds nothing
+    _, topology = inspect(team.endpoints(), timeout=TIMEOUT_S)
+    message = refusal(team, tmp_path)
+    assert hex_id(topology) in message
+    assert "device 1 has no binding [multicast.device_binding]" in message
+    assert_untouched(team, [0])
+
+
+def test_refused_when_a_bound_member_is_gone(
+    spawn: Spawn, control_dir: Path, tmp_path: Path
+) -> None:
+    """A member the application released while still bound is not reported: the
+    binding cannot be replayed."""
+    team = build_team(spawn, control_dir, 2)
+    team.workers[1]("check(cu.cuMemUnmap(H['mva'], 2 * gran)); check(cu.cuMemRelease(H['m']))")
+    message = refusal(team, tmp_path)
+    assert "MC_BINDING" in message and "[multicast.bind_mem_member]" in message
+    assert "is not an allocation the participant reported" in message
+    assert_untouched(team, [0])
+
+
+Mutation = Callable[[wire.Record], wire.Record | None]
+
+
+def _evolve(kind: wire.RecordKind, **changes: object) -> Mutation:
+    def mutate(r: wire.Record) -> wire.Record | None:
+        return attrs.evolve(r, **changes) if r.kind == kind else r
+
+    return mutate
+
+
+def _bind_mem(**changes: object) -> Mutation:
+    def mutate(r: wire.Record) -> wire.Record | None:
+        if r.kind == Kind.MC_BINDING and r.binding_kind == wire.BindingKind.BIND_MEM:
+            return attrs.evolve(r, **changes)
+        return r
+
+    return mutate
+
+
+def _drop(kind: wire.RecordKind) -> Mutation:
+    return lambda r: None if r.kind == kind else r
+
+
+# One record change per multicast predicate, applied to one participant's real records.
+MUTATIONS: dict[str, Mutation] = {
+    "multicast.properties": _evolve(Kind.MC_OBJECT, num_devices=3),
+    "multicast.single_creator": _evolve(Kind.MC_OBJECT, flags=wire.RecordFlag.CREATOR),
+    "multicast.unknown_object": _drop(Kind.MC_OBJECT),
+    "multicast.devices": _evolve(Kind.MC_DEVICE, device=0),
+    "multicast.device_binding": _drop(Kind.MC_BINDING),
+    "multicast.binding_bounds": _evolve(Kind.MC_BINDING, offset=1 << 40),
+    "multicast.mapping_bounds": _evolve(Kind.MC_MAPPING, offset=1 << 40),
+    "multicast.binding_kind": _evolve(Kind.MC_BINDING, api_version=3),
+    "multicast.bind_mem_member": _bind_mem(member_offset=1 << 40),
+    "multicast.bind_addr": _evolve(Kind.MC_BINDING, binding_kind=wire.BindingKind.BIND_ADDR),
+}
+
+
+def test_every_multicast_predicate_on_real_records(spawn: Spawn, control_dir: Path) -> None:
+    """The records the shims report for a real team pass every predicate; changing one
+    field of one participant's records trips the predicate that guards it, and the
+    message names the object. A BIND_MEM member bound beyond its bounds, or a device
+    added twice, cannot be made through a driver that checks its arguments: these
+    come from the changed records only."""
+    team = build_team(spawn, control_dir, 2)
+    _, topology = inspect(team.endpoints(), timeout=TIMEOUT_S)
+    assert validate(topology) == ()
+    mc_id = hex_id(topology)
+    importer = next(
+        p
+        for p, r in topology.of_kind(Kind.MC_OBJECT)
+        if wire.RecordFlag.CREATOR not in r.flags
+    )
+    for rule, mutate in MUTATIONS.items():
+        changed = Topology.from_inspect(
+            (
+                p.participant,
+                p.pid,
+                [
+                    m
+                    for r in p.records
+                    if (m := mutate(r) if p.participant == importer else r) is not None
+                ],
+            )
+            for p in topology.participants
+        )
+        found = [v for v in validate(changed) if v.rule == rule]
+        assert found, rule
+        assert any(mc_id == v.resource or mc_id in v.reason for v in found), (rule, found)
     for w in team.workers:
         w.close_clean()
