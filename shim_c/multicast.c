@@ -25,13 +25,19 @@
  * device of the team was added, so g.lock is never held across them (nor
  * across a peer request). An application bind or map in flight is counted
  * (`calls_in_flight`, under g.lock): capture and rollback refuse to start
- * while one is, so none completes into a torn-down team.
+ * while one is, so none completes into a torn-down team. The shim's own
+ * binds and maps (restore, rollback) wait at most the peer timeout for the
+ * team: a participant that died would otherwise hold the others in the
+ * driver for ever (the real driver has no deadline). They run on a helper
+ * thread that is left behind, blocked, when the wait gives up.
  */
 #include "shim.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MAX_DEVICES 64
@@ -646,16 +652,149 @@ static int join(struct obj *o, char *msg, size_t n)
     return 0;
 }
 
+/* A bind or a map on a helper thread, so that the wait for the team is
+ * bounded. Shared by the caller and the helper; the last one frees it. */
+struct team_call {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs;
+    bool done;
+    CUresult result;
+    CUcontext ctx;
+    bool is_map;
+    CUmemGenericAllocationHandle mc, mem;
+    struct mc_binding b;
+    struct mapping m;
+    const char *call;
+};
+
+static void team_call_put(struct team_call *c)
+{
+    bool last;
+
+    pthread_mutex_lock(&c->mu);
+    last = --c->refs == 0;
+    pthread_mutex_unlock(&c->mu);
+    if (!last)
+        return;
+    pthread_cond_destroy(&c->cv);
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+}
+
+static void *team_call_main(void *arg)
+{
+    struct team_call *c = arg;
+    bool pushed;
+    CUresult r = shim_ctx_enter(c->ctx, &pushed);
+
+    if (r == CUDA_SUCCESS) {
+        r = c->is_map ? real.cuMemMap(c->m.va, c->m.size, c->m.offset, c->mc, c->m.flags)
+                      : bind_real(c->mc, &c->b, c->mem, &c->call);
+        shim_ctx_leave(pushed);
+    }
+    pthread_mutex_lock(&c->mu);
+    c->result = r;
+    c->done = true;
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    team_call_put(c);
+    return NULL;
+}
+
+/* Run `c` (refs 1, filled in) on a helper thread and wait for it at most the
+ * peer timeout. On a timeout the helper is left blocked in the driver (it
+ * frees `c` when it returns) and -1 comes back with the reason in msg. */
+static int team_call_run(struct team_call *c, char *msg, size_t n)
+{
+    long ms = shim_settings()->peer_timeout_ms;
+    const char *call = c->is_map ? "cuMemMap" : "the bind";
+    struct timespec until;
+    pthread_attr_t at;
+    pthread_t t;
+    int e = 0, rc = 0;
+
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    c->refs = 2;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &at, team_call_main, c) != 0) {
+        pthread_attr_destroy(&at);
+        c->refs = 1;
+        team_call_put(c);
+        snprintf(msg, n, "cannot start a thread for %s", call);
+        return -1;
+    }
+    pthread_attr_destroy(&at);
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += ms / 1000;
+    until.tv_nsec += (ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&c->mu);
+    while (!c->done && e != ETIMEDOUT)
+        e = pthread_cond_timedwait(&c->cv, &c->mu, &until);
+    if (!c->done) {
+        snprintf(msg, n,
+                 "%s still waits for the team after %ld ms: a participant did not add its "
+                 "device (gone?)",
+                 c->is_map ? "cuMemMap" : c->b.kind == CUIP_BIND_MEM ? "the BIND_MEM"
+                                                                      : "the BIND_ADDR",
+                 ms);
+        rc = -1;
+    } else if (c->result != CUDA_SUCCESS) {
+        shim_fail(msg, n, c->is_map ? "cuMemMap" : c->call, c->result);
+        rc = -1;
+    }
+    pthread_mutex_unlock(&c->mu);
+    team_call_put(c);
+    return rc;
+}
+
+static struct team_call *team_call_new(const struct obj *o)
+{
+    struct team_call *c = calloc(1, sizeof *c);
+    if (!c)
+        return NULL;
+    c->ctx = o->ctx;
+    c->mc = o->real;
+    c->call = "the bind";
+    return c;
+}
+
+/* Bind `b` of `o` to `mem` with a bounded wait for the team. */
+static int bind_bounded(const struct obj *o, const struct mc_binding *b,
+                        CUmemGenericAllocationHandle mem, char *msg, size_t n)
+{
+    struct team_call *c = team_call_new(o);
+
+    if (!c) {
+        snprintf(msg, n, "out of memory");
+        return -1;
+    }
+    c->b = *b;
+    c->mem = mem;
+    return team_call_run(c, msg, n);
+}
+
 /* Map `m` of `o` and apply its access again: mapping does not restore it. */
 static CUresult map_one(const struct obj *o, const struct mapping *m, char *msg, size_t n)
 {
     CUmemAccessDesc d[CUIP_ACCESS_MAX];
-    CUresult r = real.cuMemMap(m->va, m->size, m->offset, o->real, m->flags);
+    struct team_call *c = team_call_new(o);
+    CUresult r;
 
-    if (r != CUDA_SUCCESS) {
-        shim_fail(msg, n, "cuMemMap", r);
-        return r;
+    if (!c) {
+        snprintf(msg, n, "out of memory");
+        return CUDA_ERROR_OUT_OF_MEMORY;
     }
+    c->is_map = true;
+    c->m = *m;
+    if (team_call_run(c, msg, n) != 0)
+        return CUDA_ERROR_TIMEOUT; /* or the map's own error: msg says which */
     if (m->access_count == 0)
         return CUDA_SUCCESS;
     memset(d, 0, sizeof d);
@@ -687,7 +826,6 @@ static int bind_and_map(struct obj *o, char *msg, size_t n)
     for (k = 0; k < o->nbinds; k++) {
         struct mc_binding *b = &o->binds[k];
         CUmemGenericAllocationHandle mem = 0;
-        const char *call;
 
         if (b->bound)
             continue;
@@ -707,9 +845,7 @@ static int bind_and_map(struct obj *o, char *msg, size_t n)
                 goto fail;
             }
         }
-        cr = bind_real(o->real, b, mem, &call);
-        if (cr != CUDA_SUCCESS) {
-            shim_fail(msg, n, call, cr);
+        if (bind_bounded(o, b, mem, msg, n) != 0) {
             snprintf(msg + strnlen(msg, n), n - strnlen(msg, n),
                      " (device %d, offset %#llx, size %#llx)", b->device,
                      (unsigned long long)b->mc_offset, (unsigned long long)b->size);

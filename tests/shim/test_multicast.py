@@ -31,6 +31,7 @@ from cuinterpose.engine import (
     Endpoint,
     Options,
     PhaseEvent,
+    PhaseFailed,
     Refused,
     Topology,
     capture,
@@ -43,6 +44,7 @@ from cuinterpose.engine.validate import validate
 
 from tests import simenv
 from tests.shim import shimenv
+from tests.shim.test_rollback import Team as RollbackTeam
 from tests.simenv import Spawn
 
 pytestmark = pytest.mark.skipif(
@@ -445,3 +447,92 @@ def test_every_multicast_predicate_on_real_records(spawn: Spawn, control_dir: Pa
         assert any(mc_id == v.resource or mc_id in v.reason for v in found), (rule, found)
     for w in team.workers:
         w.close_clean()
+
+
+CAPTURE = [Op.PREPARE_MULTICAST, Op.SAVE_ALLOCATIONS, Op.PREPARE_UNICAST]
+RESTORE = [
+    Op.LOAD_ALLOCATIONS,
+    Op.RESTORE_UNICAST,
+    Op.RESTORE_MULTICAST_CREATORS,
+    Op.RESTORE_MULTICAST_IMPORTERS,
+    Op.RESTORE_MULTICAST_DEVICES,
+]
+STOPS = {
+    "active": [],
+    "multicast-detached": CAPTURE[:1],
+    "allocations-saved": CAPTURE[:2],
+    "prepared": CAPTURE,
+    "unicast-restored": CAPTURE + RESTORE[:2],
+    "multicast-created": CAPTURE + RESTORE[:3],
+    "multicast-joined": CAPTURE + RESTORE,
+}
+
+
+@pytest.mark.parametrize("stop", list(STOPS))
+def test_rollback_rebuilds_the_team(spawn: Spawn, control_dir: Path, stop: str) -> None:
+    """Stopped anywhere short of the native checkpoint (or in the restore's multicast
+    steps), both rollback ops to everyone bring the team back: same records, every
+    member's bytes, a write through any process reaching every member, old handles."""
+    team = build_team(spawn, control_dir, 2)
+    ops = RollbackTeam(control_dir, team.workers)
+    before = ops.inspect()
+    for op in STOPS[stop]:
+        ops.ok(op)
+    loaded = ops.ok(Op.ROLLBACK_ALLOCATIONS)
+    assert {r.phase for r in loaded} == {Phase.ROLLBACK_LOADED}
+    again = ops.ok(Op.ROLLBACK_ALLOCATIONS)  # an interrupted rollback, sent again
+    assert {r.phase for r in again} == {Phase.ROLLBACK_LOADED}
+    done = ops.ok(Op.ROLLBACK_IMPORTS)
+    assert {r.phase for r in done} == {Phase.ACTIVE}
+    assert ops.inspect() == before
+    assert team.members_hold(lambda k: 100 + k) == [True, True]
+    for k in (0, 1):
+        team.write_through(k, 500 + k)
+        assert team.members_hold(lambda _: 500 + k) == [True, True]
+    team.workers[1](
+        """
+check(cu.cuMulticastUnbind(H['mc'], DEV, gran, gran))
+check(cu.cuMulticastBindAddr(H['mc'], gran, int(H['mva']) + gran, gran, 0))
+"""
+    )
+    # And a full cycle afterwards (no native checkpoint: the shims only).
+    for op in [*CAPTURE, *RESTORE, Op.RESTORE_MULTICAST_BINDINGS]:
+        ops.ok(op)
+    assert ops.inspect() == before
+    team.write_through(1, 600)
+    assert team.members_hold(lambda _: 600) == [True, True]
+    for w in team.workers:
+        w.close_clean()
+
+
+def test_a_participant_gone_before_the_bindings_fails_the_restore(
+    spawn: Spawn, control_dir: Path, sim_namespace: str, tmp_path: Path
+) -> None:
+    """A participant dies after RESTORE_MULTICAST_DEVICES. The restore fails at
+    RESTORE_MULTICAST_BINDINGS naming it; the coordinator's rollback rebuilds the
+    survivor's team, whose bind then waits for a device nobody will add: the shim
+    gives up after its peer timeout (the simulated driver's own cap is set far
+    beyond), so the survivor answers, FAILED with the reason, instead of hanging."""
+    waits = {"SNAPSHOT_PEER_TIMEOUT_S": "2", "CUINTERPOSE_SIM_MC_WAIT_MS": "3600000"}
+    team = build_team(spawn, control_dir, 2, extra=waits)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    capture(team.endpoints(), ckpt, Options(TIMEOUT_S))
+    native_cycle(team, sim_namespace)
+    doomed = team.workers[1]
+
+    def on_progress(event: object) -> None:
+        if isinstance(event, PhaseEvent) and event.phase == "RESTORE_MULTICAST_DEVICES":
+            doomed.kill()
+            doomed.proc.wait()
+
+    with pytest.raises(PhaseFailed) as caught:
+        restore(team.endpoints(), ckpt, Options(TIMEOUT_S, on_progress=on_progress))
+    failed = caught.value
+    assert "RESTORE_MULTICAST_BINDINGS" in str(failed), str(failed)
+    assert str(doomed.pid) in str(failed), str(failed)
+    survivor = shimenv.handshake(shimenv.socket_path(control_dir, team.workers[0].pid))
+    # The survivor was rolled back (its team torn down, then rebuilt): its bind gave up.
+    assert survivor.phase == Phase.FAILED, survivor
+    assert "ROLLBACK_IMPORTS" in survivor.message, survivor.message
+    assert "still waits for the team" in survivor.message, survivor.message
