@@ -189,7 +189,6 @@ def test_team_checkpoint_and_restore(
     spawn: Spawn, control_dir: Path, sim_namespace: str, tmp_path: Path, n: int
 ) -> None:
     team = build_team(spawn, control_dir, n)
-    gran = team.gran
     # The data path before anything: a write through one process reaches every member.
     team.write_through(n - 1, 7)
     assert team.members_hold(lambda k: 7) == [True] * n
@@ -234,7 +233,7 @@ def test_team_checkpoint_and_restore(
     assert [w("result = get_access(H['cva'])") for w in team.workers] == [RW] * n
     for k in range(n):
         team.write_through(k, 300 + k)
-        assert team.members_hold(lambda _: 300 + k) == [True] * n, f"written through {k}"
+        assert team.members_hold(lambda _, s=300 + k: s) == [True] * n, f"written through {k}"
     # The old handles: unbind and bind again, map again, export again.
     for k, w in enumerate(team.workers):
         if n == 2 and k == 0:
@@ -327,9 +326,7 @@ def refusal(team: McTeam, tmp_path: Path, endpoints: list[Endpoint] | None = Non
 def assert_untouched(team: McTeam, bound: list[int]) -> None:
     """Still ACTIVE and still one team: a write reaches every bound member."""
     for w in team.workers:
-        assert w("result = err(cu.cuMemGetAllocationGranularity(prop(), 0)[0])") == (
-            "CUDA_SUCCESS"
-        )
+        assert w("result = err(cu.cuMemGetAllocationGranularity(prop(), 0)[0])") == ("CUDA_SUCCESS")
     team.write_through(bound[0], 77)
     assert team.members_hold(lambda _: 77, bound) == [True] * len(bound)
 
@@ -425,9 +422,7 @@ def test_every_multicast_predicate_on_real_records(spawn: Spawn, control_dir: Pa
     assert validate(topology) == ()
     mc_id = hex_id(topology)
     importer = next(
-        p
-        for p, r in topology.of_kind(Kind.MC_OBJECT)
-        if wire.RecordFlag.CREATOR not in r.flags
+        p for p, r in topology.of_kind(Kind.MC_OBJECT) if wire.RecordFlag.CREATOR not in r.flags
     )
     for rule, mutate in MUTATIONS.items():
         changed = Topology.from_inspect(
@@ -488,7 +483,7 @@ def test_rollback_rebuilds_the_team(spawn: Spawn, control_dir: Path, stop: str) 
     assert team.members_hold(lambda k: 100 + k) == [True, True]
     for k in (0, 1):
         team.write_through(k, 500 + k)
-        assert team.members_hold(lambda _: 500 + k) == [True, True]
+        assert team.members_hold(lambda _, s=500 + k: s) == [True, True]
     team.workers[1](
         """
 check(cu.cuMulticastUnbind(H['mc'], DEV, gran, gran))
