@@ -249,6 +249,15 @@ check(access(H['cva'], 2 * gran, device=DEV))
         )
     team.write_through(0, 400)
     assert team.members_hold(lambda _: 400) == [True] * n
+    # A retain through the old multicast VA answers the same logical handle.
+    retained = team.workers[-1](
+        """
+h = check(cu.cuMemRetainAllocationHandle(H['cva']))
+result = [int(h) == int(H['mc']), int(h) >> 48 == 0xC1F0]
+check(cu.cuMemRelease(h))
+"""
+    )
+    assert retained == [True, True]
     if n != 2:
         team.workers[0]("os.close(export(H['mc']))")
     _, after = inspect(team.endpoints(), timeout=TIMEOUT_S)
