@@ -46,6 +46,7 @@ from tests import simenv
 from tests.shim import shimenv
 from tests.shim.test_rollback import Team as RollbackTeam
 from tests.simenv import Spawn
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(
     not simenv.is_simulated(), reason="multicast runs on the simulated driver only"
@@ -540,3 +541,37 @@ def test_a_participant_gone_before_the_bindings_fails_the_restore(
     assert survivor.phase == Phase.FAILED, survivor
     assert "ROLLBACK_IMPORTS" in survivor.message, survivor.message
     assert "still waits for the team" in survivor.message, survivor.message
+
+
+def test_a_bind_waiting_for_its_team_refuses_the_capture(spawn: Spawn, control_dir: Path) -> None:
+    """An application bind blocks in the driver until the team is complete, without
+    the shim's lock; while it waits, PREPARE_MULTICAST is refused (it would complete
+    into a torn-down team) and the shim stays ACTIVE. The bind pins the object: its
+    MC_OBJECT shows one more handle while in flight, which is what the test waits for."""
+    a, b = (spawn(f"p{k}", extra=devices_env(2), device=k) for k in range(2))
+    for w in (a, b):
+        w(MC_SETUP)
+    a("H['mc'] = check(cu.cuMulticastCreate(mcprop(2, 2 * gran))); send_fd(export(H['mc']))")
+    cap = a.take_fd()
+    b.give_fd(cap)
+    os.close(cap)
+    b("fd = recv_fd(); H['mc'] = import_fd(fd); os.close(fd)")
+    a("check(cu.cuMulticastAddDevice(H['mc'], DEV))")
+    a("H['m'] = check(cu.cuMemCreate(gran, prop(), 0))")
+    a.send("result = err(cu.cuMulticastBindMem(H['mc'], 0, H['m'], 0, gran, 0))")
+    path = shimenv.wait_socket(control_dir, a.pid)
+    who = shimenv.handshake(path).participant
+
+    def handles() -> int:
+        reply, _ = shimenv.request(path, wire.Request(op=Op.INSPECT, participant=who))
+        return sum(r.handle_count for r in reply.records if r.kind == Kind.MC_OBJECT)
+
+    wait_until(lambda: handles() == 2, "the bind in flight")
+    refused, _ = shimenv.request(path, wire.Request(op=Op.PREPARE_MULTICAST, participant=who))
+    assert (refused.status, refused.phase) == (Status.REFUSED, Phase.ACTIVE), refused
+    assert "waiting for their team" in refused.message
+    b("check(cu.cuMulticastAddDevice(H['mc'], DEV))")
+    assert a.reply() == "CUDA_SUCCESS"
+    assert handles() == 1
+    _, topology = inspect([endpoint_for(a.pid, a.pid, control_dir=control_dir)], timeout=TIMEOUT_S)
+    assert [r.device for _, r in topology.of_kind(Kind.MC_BINDING)] == [0]
