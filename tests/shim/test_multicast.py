@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import attrs
 import pytest
@@ -185,11 +186,18 @@ def records_of(topology: Topology, kind: wire.RecordKind) -> list[tuple[str, wir
     return list(topology.of_kind(kind))
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n,mode", [(2, "host"), (4, "host"), (2, "native")])
 def test_team_checkpoint_and_restore(
-    spawn: Spawn, control_dir: Path, sim_namespace: str, tmp_path: Path, n: int
+    spawn: Spawn,
+    control_dir: Path,
+    sim_namespace: str,
+    tmp_path: Path,
+    n: int,
+    mode: Literal["host", "native"],
 ) -> None:
-    team = build_team(spawn, control_dir, n)
+    """``native``: SNAPSHOT_CONTENT_MODE=native, the members' creators keep them through
+    the native checkpoint (which moves their bytes); the teams are rebuilt the same."""
+    team = build_team(spawn, control_dir, n, extra={"SNAPSHOT_CONTENT_MODE": mode})
     # The data path before anything: a write through one process reaches every member.
     team.write_through(n - 1, 7)
     assert team.members_hold(lambda k: 7) == [True] * n
@@ -222,12 +230,12 @@ def test_team_checkpoint_and_restore(
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    capture(team.endpoints(), ckpt, Options(TIMEOUT_S))
+    capture(team.endpoints(), ckpt, Options(TIMEOUT_S, content_mode=mode))
     assert team.workers[-1]("result = err(cu.cuMulticastUnbind(H['mc'], DEV, 0, gran))") == (
         "CUDA_ERROR_NOT_READY"
     )
     native_cycle(team, sim_namespace)
-    result = restore(team.endpoints(), ckpt, Options(TIMEOUT_S))
+    result = restore(team.endpoints(), ckpt, Options(TIMEOUT_S, content_mode=mode))
     assert list(result.topology.records()) == list(before.records())
 
     assert team.members_hold(lambda k: 100 + k) == [True] * n
