@@ -8,9 +8,11 @@ checkpoint and restore, restore: the topology is the captured one, every member'
 bytes are intact, access on each old multicast VA is read-write, a write through any
 process's old multicast VA reaches every member, and the old handles unbind, rebind
 and export again. Also: an object whose creator released its handle but kept its
-mapping; refusals before any destructive op (a participant left out, a device
-without a binding, a missing or out-of-bounds member), each predicate tripped by
-real records; rollback rebuilding the teams from MULTICAST_DETACHED and PREPARED;
+mapping; native content mode; refusals before any destructive op (a participant
+left out, a device without a binding, a bound member gone), every multicast
+predicate tripped by one changed field of real records; an application bind
+waiting for its team refusing PREPARE_MULTICAST; rollback rebuilding the teams from
+every stop of the capture and of the restore's multicast steps, and from FAILED;
 and a participant that dies before RESTORE_MULTICAST_BINDINGS.
 
 Never on a real GPU: cuMulticastCreate can take a shared host's GPUs out of
@@ -478,19 +480,30 @@ STOPS = {
     "unicast-restored": CAPTURE + RESTORE[:2],
     "multicast-created": CAPTURE + RESTORE[:3],
     "multicast-joined": CAPTURE + RESTORE,
+    "importer-failed": CAPTURE + RESTORE[:2],  # then the importer fails (below)
 }
 
 
 @pytest.mark.parametrize("stop", list(STOPS))
 def test_rollback_rebuilds_the_team(spawn: Spawn, control_dir: Path, stop: str) -> None:
     """Stopped anywhere short of the native checkpoint (or in the restore's multicast
-    steps), both rollback ops to everyone bring the team back: same records, every
-    member's bytes, a write through any process reaching every member, old handles."""
+    steps, or with the importer FAILED), both rollback ops to everyone bring the team
+    back: same records, every member's bytes, a write through any process reaching
+    every member, old handles; and the team captures and restores again."""
     team = build_team(spawn, control_dir, 2)
     ops = RollbackTeam(control_dir, team.workers)
     before = ops.inspect()
     for op in STOPS[stop]:
         ops.ok(op)
+    if stop == "importer-failed":
+        # The importer runs ahead: the creator has not created the object again, so
+        # its import fails and the importer is FAILED, naming the object.
+        ops.ok(Op.RESTORE_MULTICAST_CREATORS, [1])
+        (failed,) = ops.send(Op.RESTORE_MULTICAST_IMPORTERS, [1])
+        assert (failed.status, failed.phase) == (Status.CUDA_FAILED, Phase.FAILED), failed
+        mc_id = next(r.id for r in before[1] if r.kind == Kind.MC_OBJECT).hex()
+        assert f"multicast object {mc_id}" in failed.message, failed.message
+        assert ops.phases() == [Phase.UNICAST_RESTORED, Phase.FAILED]
     loaded = ops.ok(Op.ROLLBACK_ALLOCATIONS)
     assert {r.phase for r in loaded} == {Phase.ROLLBACK_LOADED}
     again = ops.ok(Op.ROLLBACK_ALLOCATIONS)  # an interrupted rollback, sent again
