@@ -968,14 +968,17 @@ enum phase_result multicast_restore_bindings(struct reply *r)
     return each_object(r, "RESTORE_MULTICAST_BINDINGS", any, bind_and_map);
 }
 
+enum phase_result multicast_rollback_ready(struct reply *r)
+{
+    return refuse_busy(r, "ROLLBACK_ALLOCATIONS", false);
+}
+
 /* Every team is rebuilt from scratch, whatever phase this process stopped
  * in: a creator's new object means that no importer may keep the old one. */
 enum phase_result multicast_rollback_create(struct reply *r)
 {
-    enum phase_result rc = refuse_busy(r, "ROLLBACK_ALLOCATIONS", false);
+    enum phase_result rc = each_object(r, "ROLLBACK_ALLOCATIONS", any, teardown);
 
-    if (rc == PHASE_DONE)
-        rc = each_object(r, "ROLLBACK_ALLOCATIONS", any, teardown);
     if (rc == PHASE_DONE)
         rc = each_object(r, "ROLLBACK_ALLOCATIONS", dead_creator, create);
     return rc;

@@ -26,7 +26,10 @@
 
 enum phase_result rollback_allocations(struct reply *r)
 {
-    enum phase_result rc = content_reload(r);
+    enum phase_result rc = multicast_rollback_ready(r);
+
+    if (rc == PHASE_DONE)
+        rc = content_reload(r);
     return rc == PHASE_DONE ? multicast_rollback_create(r) : rc;
 }
 

@@ -373,6 +373,9 @@ SHIM_HIDDEN phase_work_fn multicast_restore_creators;
 SHIM_HIDDEN phase_work_fn multicast_restore_importers;
 SHIM_HIDDEN phase_work_fn multicast_restore_devices;
 SHIM_HIDDEN phase_work_fn multicast_restore_bindings;
+/* REFUSED (nothing done) while an application bind or multicast map still
+ * waits for its team: ROLLBACK_ALLOCATIONS checks it before any work. */
+SHIM_HIDDEN phase_work_fn multicast_rollback_ready;
 /* ROLLBACK_ALLOCATIONS' multicast part: whatever is still held is torn
  * down, then creators create their objects again. */
 SHIM_HIDDEN phase_work_fn multicast_rollback_create;
