@@ -567,8 +567,9 @@ def test_a_participant_gone_before_the_bindings_fails_the_restore(
 def test_a_bind_waiting_for_its_team_refuses_the_capture(spawn: Spawn, control_dir: Path) -> None:
     """An application bind blocks in the driver until the team is complete, without
     the shim's lock; while it waits, PREPARE_MULTICAST and ROLLBACK_ALLOCATIONS are
-    refused (it would complete into a torn-down team) and the shim stays ACTIVE. The bind pins the object: its
-    MC_OBJECT shows one more handle while in flight, which is what the test waits for."""
+    refused (it would complete into a torn-down team) and the shim stays ACTIVE. The
+    bind pins the object: its MC_OBJECT shows one more handle while in flight, which is
+    what the test waits for."""
     a, b = (spawn(f"p{k}", extra=devices_env(2), device=k) for k in range(2))
     for w in (a, b):
         w(MC_SETUP)
