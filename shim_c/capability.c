@@ -48,6 +48,10 @@ int cap_create(const struct obj *o)
     strncpy(c.endpoint, endpoint, CUIP_CAP_ENDPOINT_LEN);
     c.size = o->size;
     c.handle_types = (uint32_t)o->handle_types;
+    if (o->kind == OBJ_MC) {
+        c.num_devices = (uint16_t)o->mcprop.numDevices;
+        c.flags = (uint16_t)o->mcprop.flags;
+    }
 
     fd = memfd_create("cuinterpose-capability", MFD_ALLOW_SEALING);
     if (fd < 0)
@@ -90,7 +94,9 @@ enum cap_kind cap_parse(int fd, struct cuip_capability *c)
     if (pread(fd, c, sizeof *c, 0) != (ssize_t)sizeof *c || c->magic != CUIP_CAP_MAGIC)
         return CAP_NONE;
     /* From here on it claims to be one of ours: anything odd is malformed. */
-    if (c->version != CUIP_CAP_VERSION || c->resource_kind != CUIP_RESOURCE_UNICAST ||
+    if (c->version != CUIP_CAP_VERSION ||
+        (c->resource_kind != CUIP_RESOURCE_UNICAST &&
+         (c->resource_kind != CUIP_RESOURCE_MULTICAST || c->num_devices == 0)) ||
         !shim_is_participant(c->creator) || shim_is_zero(c->resource_id, CUIP_ID_LEN) ||
         !endpoint_ok(c->endpoint) || c->size == 0)
         return CAP_MALFORMED;
@@ -129,6 +135,13 @@ int cap_fetch(const char creator[CUIP_PARTICIPANT_LEN], const uint8_t id[CUIP_ID
               const uint8_t auth[CUIP_AUTH_LEN], const char endpoint[CUIP_CAP_ENDPOINT_LEN],
               char *msg, size_t n)
 {
+    return cap_fetch_kind(CUIP_RESOURCE_UNICAST, creator, id, auth, endpoint, msg, n);
+}
+
+int cap_fetch_kind(uint32_t kind, const char creator[CUIP_PARTICIPANT_LEN],
+                   const uint8_t id[CUIP_ID_LEN], const uint8_t auth[CUIP_AUTH_LEN],
+                   const char endpoint[CUIP_CAP_ENDPOINT_LEN], char *msg, size_t n)
+{
     struct cuip_header req, rep;
     uint64_t deadline = shim_now_ns() + (uint64_t)shim_settings()->peer_timeout_ms * 1000000ull;
     int s, got = -1, extra = -1;
@@ -148,7 +161,7 @@ int cap_fetch(const char creator[CUIP_PARTICIPANT_LEN], const uint8_t id[CUIP_ID
     memcpy(req.participant, creator, CUIP_PARTICIPANT_LEN);
     memcpy(req.resource_id, id, CUIP_ID_LEN);
     memcpy(req.authorization, auth, CUIP_AUTH_LEN);
-    req.resource_kind = CUIP_RESOURCE_UNICAST;
+    req.resource_kind = kind;
     if (io_write_all(s, &req, sizeof req, deadline) != 0) {
         snprintf(msg, n, "EXPORT request to %.*s: %s", CUIP_CAP_ENDPOINT_LEN, endpoint,
                  strerror(errno));
@@ -203,6 +216,12 @@ static bool export_phase_ok(uint16_t p)
            (p >= CUIP_PHASE_ALLOCATIONS_LOADED && p <= CUIP_PHASE_MULTICAST_JOINED);
 }
 
+/* The object kind a capability's resource kind names. */
+static enum obj_kind kind_of(uint32_t resource_kind)
+{
+    return resource_kind == CUIP_RESOURCE_MULTICAST ? OBJ_MC : OBJ_ALLOC;
+}
+
 void cap_serve_export(const struct cuip_header *req, struct reply *r)
 {
     struct obj *o;
@@ -216,13 +235,12 @@ void cap_serve_export(const struct cuip_header *req, struct reply *r)
         reply_msg(r, CUIP_STATUS_WRONG_PHASE, "EXPORT is not served in phase %u", g.phase);
         goto out;
     }
-    if (req->resource_kind != CUIP_RESOURCE_UNICAST) {
-        reply_msg(r, CUIP_STATUS_NOT_FOUND, "multicast export is not supported yet");
-        goto out;
-    }
     o = obj_by_id(req->resource_id);
-    if (!o || o->kind != OBJ_ALLOC || !o->is_creator || !o->has_auth || obj_unused(o)) {
-        reply_msg(r, CUIP_STATUS_NOT_FOUND, "no exported allocation with that id");
+    if (!o || o->kind != kind_of(req->resource_kind) || !o->is_creator || !o->has_auth ||
+        obj_unused(o)) {
+        reply_msg(r, CUIP_STATUS_NOT_FOUND, "no exported %s with that id",
+                  req->resource_kind == CUIP_RESOURCE_MULTICAST ? "multicast object"
+                                                                : "allocation");
         goto out;
     }
     if (!shim_ct_equal(o->auth, req->authorization, CUIP_AUTH_LEN)) {
@@ -279,12 +297,12 @@ CUresult CUDAAPI cuMemExportToShareableHandle(void *shareableHandle,
         r = CUDA_ERROR_INVALID_VALUE;
         goto out;
     }
-    if (handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || o->kind != OBJ_ALLOC ||
+    if (handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || o->kind == OBJ_FREE ||
         o->raw_import || !shareableHandle || !g.sock_name[0]) {
-        /* Not something a capability stands for (other handle types,
-         * multicast, raw imports, or no control server): the driver's own
-         * answer; INSPECT reports these so capture refuses. */
-        if (handleType == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR && o->kind == OBJ_ALLOC &&
+        /* Not something a capability stands for (other handle types, raw
+         * imports, or no control server): the driver's own answer; INSPECT
+         * reports these so capture refuses. */
+        if (handleType == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR && o->kind != OBJ_FREE &&
             !o->raw_import && !g.sock_name[0])
             shim_log(LOG_WARN, "no control server: exporting a raw FD (not capturable)");
         r = real.cuMemExportToShareableHandle(shareableHandle, o->real, handleType, flags);
@@ -368,7 +386,7 @@ static bool reuse_known(const struct cuip_capability *c, CUmemGenericAllocationH
     struct obj *o = obj_by_id(c->resource_id);
     if (!o)
         return false;
-    if (o->kind != OBJ_ALLOC || !o->has_auth || obj_unused(o) || !o->live ||
+    if (o->kind != kind_of(c->resource_kind) || !o->has_auth || obj_unused(o) || !o->live ||
         !shim_ct_equal(o->auth, c->authorization, CUIP_AUTH_LEN)) {
         *r = CUDA_ERROR_INVALID_VALUE;
         return true;
@@ -406,7 +424,8 @@ static CUresult import_cap(CUmemGenericAllocationHandle *handle, const struct cu
 
     /* The peer request runs without g.lock: the creator may be asking us
      * for an export at the same time. */
-    fd = cap_fetch(c->creator, c->resource_id, c->authorization, c->endpoint, msg, sizeof msg);
+    fd = cap_fetch_kind(c->resource_kind, c->creator, c->resource_id, c->authorization,
+                        c->endpoint, msg, sizeof msg);
     if (fd < 0) {
         shim_log(LOG_WARN, "import of a capability failed: %s", msg);
         return CUDA_ERROR_INVALID_VALUE;
@@ -432,7 +451,7 @@ static CUresult import_cap(CUmemGenericAllocationHandle *handle, const struct cu
         real.cuMemRelease(h);
         goto out;
     }
-    o = obj_adopt(OBJ_ALLOC, h);
+    o = obj_adopt(kind_of(c->resource_kind), h);
     if (!o) {
         r = CUDA_ERROR_OUT_OF_MEMORY;
         goto out;
@@ -445,6 +464,17 @@ static CUresult import_cap(CUmemGenericAllocationHandle *handle, const struct cu
     o->imported = true;
     o->size = c->size;
     o->handle_types = c->handle_types;
+    if (o->kind == OBJ_MC) {
+        /* What the creator created with; only it creates again. */
+        o->mcprop.size = c->size;
+        o->mcprop.handleTypes = c->handle_types;
+        o->mcprop.numDevices = c->num_devices;
+        o->mcprop.flags = c->flags;
+        o->unsupported = c->handle_types & ~(uint32_t)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        *handle = obj_handle(o);
+        r = CUDA_SUCCESS;
+        goto out;
+    }
     if (real.cuMemGetAllocationPropertiesFromHandle(&o->prop, h) != CUDA_SUCCESS)
         memset(&o->prop, 0, sizeof o->prop);
     o->prop.win32HandleMetaData = NULL;

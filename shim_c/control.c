@@ -109,12 +109,6 @@ static const struct phase_op phase_ops[CUIP_OP_MAX + 1] = {
 #undef ROLLBACK_OP
 };
 
-static enum phase_result nothing_yet(struct reply *r)
-{
-    (void)r;
-    return PHASE_DONE;
-}
-
 /* The work of each phase op. A switch over the enum: an op added to the
  * protocol without its work here does not compile (-Wswitch). */
 static phase_work_fn *phase_work(enum cuip_op op)
@@ -131,10 +125,13 @@ static phase_work_fn *phase_work(enum cuip_op op)
     case CUIP_OP_RESTORE_UNICAST:
         return unicast_restore;
     case CUIP_OP_RESTORE_MULTICAST_CREATORS:
+        return multicast_restore_creators;
     case CUIP_OP_RESTORE_MULTICAST_IMPORTERS:
+        return multicast_restore_importers;
     case CUIP_OP_RESTORE_MULTICAST_DEVICES:
+        return multicast_restore_devices;
     case CUIP_OP_RESTORE_MULTICAST_BINDINGS:
-        return nothing_yet; /* multicast is not captured yet */
+        return multicast_restore_bindings;
     case CUIP_OP_ROLLBACK_ALLOCATIONS:
         return rollback_allocations;
     case CUIP_OP_ROLLBACK_IMPORTS:

@@ -76,6 +76,7 @@ void obj_free(struct obj *o)
     if (o->slot < nslots && slots[o->slot] == o)
         slots[o->slot] = NULL;
     free(o->maps);
+    free(o->binds);
     free(o);
 }
 
@@ -165,6 +166,7 @@ void obj_drop_all(void)
     for (uint32_t i = 0; i < nslots; i++) {
         if (slots[i]) {
             free(slots[i]->maps);
+            free(slots[i]->binds);
             free(slots[i]);
         }
     }

@@ -232,6 +232,20 @@ struct mapping {
     struct cuip_access access[CUIP_ACCESS_MAX];
 };
 
+/* One binding this process made into a multicast object (multicast.c). */
+struct mc_binding {
+    uint8_t kind;                 /* enum cuip_binding_kind */
+    uint8_t api_version;          /* 1, or 2 for the device-explicit binds */
+    bool bound;                   /* held by the driver now (false while torn down) */
+    CUdevice device;              /* the v2 argument, or the member's own device */
+    uint64_t mc_offset;
+    uint64_t size;
+    uint8_t member_id[CUIP_ID_LEN]; /* all zero: not a tracked allocation */
+    uint64_t member_offset;
+    CUdeviceptr address;          /* BIND_ADDR */
+    unsigned long long flags;
+};
+
 struct obj {
     uint32_t slot;
     uint32_t gen;
@@ -258,6 +272,12 @@ struct obj {
     struct mapping *maps;
     uint32_t nmaps, capmaps;
     void *host;                   /* SAVE_ALLOCATIONS copy: anonymous mapping of `size` bytes */
+    /* OBJ_MC: the team as this process built it (multicast.c). */
+    uint64_t mc_devices;          /* bit per device this process added */
+    bool mc_joined;               /* those devices are added to `real` */
+    bool mc_mapped;               /* the mappings are mapped on `real` */
+    struct mc_binding *binds;
+    uint32_t nbinds, capbinds;
 };
 
 /* Allocate a fresh object and its logical handle; NULL on ENOMEM. */
@@ -321,10 +341,15 @@ enum cap_kind {
     CAP_VALID = 1,      /* a capability; `cap` is filled */
 };
 SHIM_HIDDEN enum cap_kind cap_parse(int fd, struct cuip_capability *cap);
-/* Ask the creator's endpoint for a fresh raw FD (EXPORT); -1 and msg on error,
- * CAP_CREATOR_GONE and msg when nobody serves the endpoint (no socket there, or
- * nobody listening: the creator process is gone). */
+/* Ask the creator's endpoint for a fresh raw FD of a resource of `kind`
+ * (enum cuip_resource_kind) (EXPORT); -1 and msg on error, CAP_CREATOR_GONE
+ * and msg when nobody serves the endpoint (no socket there, or nobody
+ * listening: the creator process is gone). */
 #define CAP_CREATOR_GONE (-2)
+SHIM_HIDDEN int cap_fetch_kind(uint32_t kind, const char creator[CUIP_PARTICIPANT_LEN],
+                               const uint8_t id[CUIP_ID_LEN], const uint8_t auth[CUIP_AUTH_LEN],
+                               const char endpoint[CUIP_CAP_ENDPOINT_LEN], char *msg, size_t n);
+/* cap_fetch_kind for an allocation (CUIP_RESOURCE_UNICAST). */
 SHIM_HIDDEN int cap_fetch(const char creator[CUIP_PARTICIPANT_LEN],
                           const uint8_t id[CUIP_ID_LEN], const uint8_t auth[CUIP_AUTH_LEN],
                           const char endpoint[CUIP_CAP_ENDPOINT_LEN], char *msg, size_t n);
@@ -332,9 +357,30 @@ SHIM_HIDDEN int cap_fetch(const char creator[CUIP_PARTICIPANT_LEN],
 SHIM_HIDDEN void cap_serve_export(const struct cuip_header *req, struct reply *r);
 
 /* ---------------------------------------------------------------- multicast.c */
-SHIM_HIDDEN uint32_t multicast_live(void);
-SHIM_HIDDEN void multicast_inspect(struct reply *r, uint32_t *n);
+/* Under g.lock: how many records multicast_inspect appends, and how many
+ * live objects cannot be captured (exportable through another handle type). */
+SHIM_HIDDEN uint32_t multicast_record_count(void);
+SHIM_HIDDEN uint32_t multicast_unsupported(void);
+/* Under g.lock: append the records (room reserved by the caller). */
+SHIM_HIDDEN void multicast_inspect(struct reply *r);
+/* Called with g.lock held by the application's cuMemMap of a multicast
+ * handle (the map waits for the whole team): maps without the lock, records
+ * the mapping; returns with g.lock held again. */
+SHIM_HIDDEN CUresult multicast_map(struct obj *o, CUdeviceptr ptr, size_t size, size_t offset,
+                                   unsigned long long flags);
 SHIM_HIDDEN phase_work_fn multicast_prepare;
+SHIM_HIDDEN phase_work_fn multicast_restore_creators;
+SHIM_HIDDEN phase_work_fn multicast_restore_importers;
+SHIM_HIDDEN phase_work_fn multicast_restore_devices;
+SHIM_HIDDEN phase_work_fn multicast_restore_bindings;
+/* REFUSED (nothing done) while an application bind or multicast map still
+ * waits for its team: ROLLBACK_ALLOCATIONS checks it before any work. */
+SHIM_HIDDEN phase_work_fn multicast_rollback_ready;
+/* ROLLBACK_ALLOCATIONS' multicast part: whatever is still held is torn
+ * down, then creators create their objects again. */
+SHIM_HIDDEN phase_work_fn multicast_rollback_create;
+/* ROLLBACK_IMPORTS' multicast part: import, add devices, bind, map. */
+SHIM_HIDDEN phase_work_fn multicast_rollback_rebuild;
 
 /* ---------------------------------------------------------------- unicast.c */
 SHIM_HIDDEN int unicast_inspect(struct reply *r);

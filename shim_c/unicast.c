@@ -237,6 +237,11 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
         r = CUDA_ERROR_INVALID_VALUE;
         goto out;
     }
+    if (o->kind == OBJ_MC) {
+        /* Waits for the whole team: mapped without g.lock. */
+        r = multicast_map(o, ptr, size, offset, flags);
+        goto out;
+    }
     r = real.cuMemMap(ptr, size, offset, o->real, flags);
     if (r != CUDA_SUCCESS)
         goto out;
@@ -462,8 +467,8 @@ int unicast_inspect(struct reply *r)
             nuns++;
         }
     }
-    mc = multicast_live();
-    nrec += mc;
+    mc = multicast_unsupported();
+    nrec += multicast_record_count();
     if (nrec > CUIP_RECORDS_MAX) {
         reply_msg(r, CUIP_STATUS_INTERNAL, "%u records exceed the limit of %u", nrec,
                   CUIP_RECORDS_MAX);
@@ -495,15 +500,13 @@ int unicast_inspect(struct reply *r)
     }
     r->records = recs;
     r->h.count = nrec;
-    {
-        uint32_t got = 0;
-        multicast_inspect(r, &got);
-    }
+    multicast_inspect(r);
     if (nraw || nuns || mc)
         reply_msg(r, CUIP_STATUS_OK,
                   "not capturable: %u raw import(s) (an FD that is not a cuinterpose "
                   "capability), %u allocation(s) exportable through a handle type other than "
-                  "POSIX FD, %u multicast object(s) (not captured yet)",
+                  "POSIX FD, %u multicast object(s) exportable through a handle type other than "
+                  "POSIX FD",
                   nraw, nuns, mc);
     free(list);
     return 0;

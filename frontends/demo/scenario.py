@@ -5,7 +5,10 @@ temporary control directory: a creator makes two exportable allocations and a
 private one, an importer maps one allocation twice, another imports both. They
 fill memory; then ``cuinterpose prepare``, the native lock + checkpoint of all,
 the native restore + unlock of all, ``cuinterpose restore``; every byte is
-checked at its original address. Exit status 0 only if everything matched.
+checked at its original address. On the simulated driver the three processes also
+form a multicast team (``multicast.py``: one device each, a member allocation each),
+checked after the restore; never on a real GPU. Exit status 0 only if everything
+matched.
 
 The processes are the scriptable worker application
 ``cuinterpose/demo/worker.py`` (``cuda.bindings.driver`` only), driven through
@@ -32,6 +35,8 @@ from typing import Any, ClassVar, Final
 import attrs
 
 from .. import artifacts, launch, native
+from .multicast import SIM_DEVICES_ENV, MulticastTeam
+from .multicast import allowed as multicast_allowed
 from .worker_client import DemoError, Worker
 
 PATTERN_CHUNK: Final = 32 << 20
@@ -265,6 +270,8 @@ def run_demo(*, driver: str = "sim", out: Callable[[str], None] = print) -> int:
             # A private simulated device: its memory accounting sees only this demo.
             namespace = f"demo-{os.getpid()}-{root.name}"
             base[SIM_NAMESPACE_ENV] = namespace
+            # The multicast team puts each of the three processes on its own device.
+            base[SIM_DEVICES_ENV] = str(max(3, int(base.get(SIM_DEVICES_ENV, "0") or 0)))
             shm = Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-{namespace}")
         try:
             shim_env = launch.launch_env(driver=driver, control_dir=control, base=base)
@@ -327,7 +334,19 @@ def _demo(
         f"{len(scen.regions)} mapped ranges ({_mib(scen.region_bytes)}); GPU memory used "
         f"{_mib(used_before - used_idle)} (cuMemGetInfo, device-wide)"
     )
-    bad = scen.mismatches()
+    team: MulticastTeam | None = None
+    if multicast_allowed(driver):
+        team = MulticastTeam(scen.workers, unit)
+        team.build()
+        out(
+            f"  multicast team: {len(scen.workers)} processes, one device each, a"
+            f" {_mib(unit)} object exported by {scen.creator.name} (a capability) and"
+            f" imported by the others; a {_mib(unit)} member per device bound by handle"
+            " and by address (12.1 and device-explicit forms), the object mapped read-write"
+        )
+    else:
+        out("  multicast team: not built (multicast runs on the simulated driver only)")
+    bad = scen.mismatches() + (team.problems() if team else [])
     if bad:
         raise DemoError("before checkpoint: " + "; ".join(bad))
 
@@ -371,6 +390,15 @@ def _demo(
     used_after = coordinate("restore", "LOAD_ALLOCATIONS", "loaded", "LOAD")
 
     problems = scen.mismatches()
+    if team is not None:
+        team_problems = team.problems()
+        problems += team_problems
+        if not team_problems:
+            out(
+                f"multicast team verified: {len(team.workers)} members hold their bytes, every"
+                " multicast mapping is read-write, a write through each process reached"
+                " every member"
+            )
     freed = used_before - used_ckpt
     expected_freed = scen.x_size + scen.y_size + scen.p_size
     if freed < expected_freed:

@@ -58,6 +58,8 @@ static CUresult copy(uintptr_t dst, uintptr_t src, size_t n, int dst_dev, int sr
         r = check_side(src, n, dev, 0, src_dev);
     if (r == CUDA_SUCCESS)
         r = move_bytes((void *)dst, (const void *)src, n);
+    if (r == CUDA_SUCCESS && sim_is_device_ptr(dst))
+        r = sim_mc_mirror(dst, n);
     sim_unlock();
     return r;
 }
@@ -177,6 +179,7 @@ static CUresult set(uintptr_t dst, unsigned value, size_t count, size_t width, C
             for (size_t i = 0; i < count; i++)
                 p[i] = (uint32_t)value;
         }
+        r = sim_mc_mirror(dst, count * width);
     }
     sim_unlock();
     return r;

@@ -7,7 +7,11 @@
 #include "sim.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -118,4 +122,89 @@ void sim_mc_drop_binds(struct sim_obj *mc)
             m->binds[j++] = m->binds[i];
     m->nbinds = j;
     sim_meta_unlock(m);
+}
+
+/* ---- the multicast data path -------------------------------------------
+ * A write through a multicast mapping reaches every member bound at those
+ * offsets. A member is named by the binding process's memfd number and its
+ * inode, opened through /proc (same user); one whose process or memory is
+ * gone is skipped, as a device that left the team. Copies and memsets call
+ * this after writing (copy.c), with sim.mu held. */
+
+/* The bound member's memfd, opened through the binding process; -1 when
+ * that process or that memory is gone. */
+static int member_open(const struct sim_bind *b)
+{
+    char path[64];
+    struct stat st;
+    int fd;
+
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)b->pid, (int)b->mem_fd);
+    fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_ino != b->mem_ino ||
+        (uint64_t)st.st_dev != b->mem_dev) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* [off, off + n) of `mc`, whose bytes are at `src`, to every member bound
+ * over it. */
+static CUresult mirror_object(struct sim_obj *mc, uint64_t off, const uint8_t *src, size_t n)
+{
+    struct sim_bind binds[SIM_MC_MAX_BINDS];
+    uint32_t nb;
+    CUresult r = CUDA_SUCCESS;
+
+    if (sim_meta_lock(mc->meta) != 0)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    nb = mc->meta->nbinds;
+    memcpy(binds, mc->meta->binds, nb * sizeof binds[0]);
+    sim_meta_unlock(mc->meta);
+    for (uint32_t i = 0; i < nb; i++) {
+        const struct sim_bind *b = &binds[i];
+        uint64_t lo = off > b->offset ? off : b->offset;
+        uint64_t hi = off + n < b->offset + b->size ? off + n : b->offset + b->size;
+        size_t len;
+        ssize_t k;
+        int fd;
+
+        if (lo >= hi)
+            continue;
+        fd = member_open(b);
+        if (fd < 0)
+            continue;
+        len = (size_t)(hi - lo);
+        k = pwrite(fd, src + (lo - off), len, (off_t)(b->mem_offset + (lo - b->offset)));
+        close(fd);
+        if (k != (ssize_t)len)
+            r = CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    return r;
+}
+
+CUresult sim_mc_mirror(uintptr_t va, size_t n)
+{
+    CUresult r = CUDA_SUCCESS;
+
+    for (int i = 0; i < SIM_MAX_MAPS; i++) {
+        const struct sim_map *m = &sim.maps[i];
+        struct sim_obj *o;
+        uintptr_t lo, hi;
+
+        if (!m->used || m->taken || !(m->va < va + n && va < m->va + m->size))
+            continue;
+        o = &sim.objs[m->obj];
+        if (o->kind != SIM_KIND_MULTICAST || !o->meta)
+            continue;
+        lo = va > m->va ? va : m->va;
+        hi = va + n < m->va + m->size ? va + n : m->va + m->size;
+        if (mirror_object(o, m->offset + (lo - m->va), (const uint8_t *)lo, hi - lo) !=
+            CUDA_SUCCESS)
+            r = CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    return r;
 }

@@ -9,12 +9,16 @@
  * of a hang.
  *
  * Data path: mapping the object maps its own shared pages, so every team
- * member that maps it sees the same bytes. Bound memory is recorded (for
- * the team rules) but not mirrored into those pages. */
+ * member that maps it sees the same bytes; and a write through a multicast
+ * mapping (a copy or a memset) reaches every memory bound at those offsets,
+ * in whichever process bound it, as the real driver's multicast stores
+ * reach every bound device's memory (meta.c: sim_mc_mirror). A binding
+ * names its member by the binding process's memfd number and inode. */
 #include "sim.h"
 
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define MC_HANDLE_TYPES ((uint64_t)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC)
@@ -189,10 +193,14 @@ static CUresult bind_prepare(struct bind_req *q, struct sim_obj **mc_out, struct
     return CUDA_SUCCESS;
 }
 
-static CUresult bind_record(struct sim_meta *m, const struct bind_req *q)
+static CUresult bind_record(struct sim_meta *m, const struct bind_req *q,
+                            const struct sim_obj *mem)
 {
+    struct stat st;
     CUresult r = CUDA_SUCCESS;
 
+    if (fstat(mem->fd, &st) != 0)
+        return CUDA_ERROR_OPERATING_SYSTEM;
     if (sim_meta_lock(m) != 0)
         return CUDA_ERROR_OPERATING_SYSTEM;
     if (!(m->added_mask & (1u << q->dev))) {
@@ -216,6 +224,11 @@ static CUresult bind_record(struct sim_meta *m, const struct bind_req *q)
     m->binds[m->nbinds].pid = (int32_t)getpid();
     m->binds[m->nbinds].offset = q->mc_offset;
     m->binds[m->nbinds].size = q->size;
+    m->binds[m->nbinds].mem_fd = mem->fd;
+    m->binds[m->nbinds].reserved = 0;
+    m->binds[m->nbinds].mem_ino = (uint64_t)st.st_ino;
+    m->binds[m->nbinds].mem_dev = (uint64_t)st.st_dev;
+    m->binds[m->nbinds].mem_offset = q->mem_offset;
     m->nbinds++;
 out:
     sim_meta_unlock(m);
@@ -240,7 +253,7 @@ static CUresult bind(struct bind_req *q)
         return r;
     r = sim_mc_wait_complete(mc);
     if (r == CUDA_SUCCESS)
-        r = bind_record(mc->meta, q);
+        r = bind_record(mc->meta, q, mem);
     put(mem);
     put(mc);
     return r;

@@ -100,6 +100,14 @@ struct sim_meta {
         int32_t pid;
         uint64_t offset;
         uint64_t size;
+        /* The bound member, as the binding process holds it: its memfd's
+         * number there (checked against the inode before use) and the
+         * offset in it. Writes through a multicast mapping reach it. */
+        int32_t mem_fd;
+        uint32_t reserved;
+        uint64_t mem_ino;
+        uint64_t mem_dev;
+        uint64_t mem_offset;
     } binds[SIM_MC_MAX_BINDS];
 };
 _Static_assert(sizeof(struct sim_meta) <= SIM_META_SIZE, "meta must fit its page");
@@ -274,6 +282,9 @@ SIM_HIDDEN int sim_meta_lock(struct sim_meta *m);
 SIM_HIDDEN void sim_meta_unlock(struct sim_meta *m);
 SIM_HIDDEN CUresult sim_mc_wait_complete(struct sim_obj *mc);
 SIM_HIDDEN void sim_mc_drop_binds(struct sim_obj *mc);
+/* sim.mu held, after `n` bytes were written at device address `va`: the
+ * part that lies in multicast mappings reaches every member bound there. */
+SIM_HIDDEN CUresult sim_mc_mirror(uintptr_t va, size_t n);
 
 /* checkpoint.c */
 SIM_HIDDEN int sim_service_start(void);

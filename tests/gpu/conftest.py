@@ -23,6 +23,15 @@ from cuinterpose.demo import coordinator_env
 
 HERE = Path(__file__).resolve().parent
 
+# Every process these tests start inherits this: no library (NCCL, PyTorch symmetric
+# memory, NVSHMEM) creates multicast objects on its own on a real GPU.
+NO_LIBRARY_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+os.environ.update(NO_LIBRARY_MULTICAST)
+
 SIM_DEVICE_NAME = "cuinterpose simulated GPU"
 _PROBE = """
 import json

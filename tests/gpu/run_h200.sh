@@ -19,6 +19,8 @@ WORK=$(mktemp -d /tmp/cuinterpose-h200.XXXXXX)
 mkdir -p "$OUT" "$WORK/traces"
 export CUINTERPOSE_TEST_DRIVER=system CUINTERPOSE_TRACE_OUT="$WORK/traces"
 export CUINTERPOSE_ALLOW_MULTICAST=0 CUINTERPOSE_BUILD_DIR="$PWD/build" PYTHONUNBUFFERED=1
+# Nor may a library create multicast objects on its own (NVLink SHARP).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
 finish() {
   tar -czf "$OUT/traces.tar.gz" -C "$WORK" traces bench-logs 2>/dev/null \

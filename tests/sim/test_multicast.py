@@ -5,10 +5,19 @@ CUINTERPOSE_SIM_DEVICES devices."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from tests import simenv
-from tests.sim.simtest import MiB, hand_over, needs_multicast, psha, sim_only
+from tests.sim.simtest import (
+    MiB,
+    hand_over,
+    needs_multicast,
+    pattern_bytes,
+    psha,
+    sim_only,
+)
 
 pytestmark = needs_multicast
 
@@ -185,3 +194,43 @@ result = err(cu.cuMulticastBindMem_v2(mc, 1, 0, hm, 0, 2 * MiB, 0))
 """)
         == "CUDA_SUCCESS"
     )
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@sim_only
+def test_writes_through_the_object_reach_every_bound_member(spawn):
+    """A store through a multicast mapping lands in the memory bound at those offsets
+    on every device of the team, whichever process bound it; BIND_ADDR lands at the
+    member offset the address names; unbound ranges are left alone, and an unbind
+    stops the traffic to that member."""
+    a, b = team(spawn)
+    a("check(cu.cuMulticastAddDevice(mc, 0))")
+    b("check(cu.cuMulticastAddDevice(mc, 1))")
+    for w in (a, b):
+        w("""
+hm, mva = alloc(8 * MiB)
+write(mva, bytes(8 * MiB))
+""")
+    # a binds [0, 4 MiB) from its member's offset 0; b binds [2, 6 MiB) by address,
+    # from its member's offset 4 MiB.
+    a("check(cu.cuMulticastBindMem(mc, 0, hm, 0, 4 * MiB, 0))")
+    b("check(cu.cuMulticastBindAddr_v2(mc, 1, 2 * MiB, int(mva) + 4 * MiB, 4 * MiB, 0))")
+    a("""
+cva = check(cu.cuMemAddressReserve(8 * MiB, 0, 0, 0))
+check(cu.cuMemMap(cva, 8 * MiB, 0, mc, 0)); access(cva, 8 * MiB)
+write(cva, pattern(5, 8 * MiB))
+""")
+    whole = pattern_bytes(5, 8 * MiB)
+    zero = sha(bytes(2 * MiB))
+    assert a("result = sha(mva, 4 * MiB)") == sha(whole[: 4 * MiB])
+    assert a("result = sha(mva, 4 * MiB, 4 * MiB)") == sha(bytes(4 * MiB))
+    assert b("result = sha(mva, 4 * MiB, 4 * MiB)") == sha(whole[2 * MiB : 6 * MiB])
+    assert b("result = sha(mva, 2 * MiB)") == zero
+    # After b unbinds, a memset through the object reaches a's member only.
+    b("check(cu.cuMulticastUnbind(mc, 1, 2 * MiB, 4 * MiB))")
+    a("check(cu.cuMemsetD8(cva, 0x5A, 8 * MiB))")
+    assert a("result = sha(mva, 4 * MiB)") == sha(b"\x5a" * (4 * MiB))
+    assert b("result = sha(mva, 4 * MiB, 4 * MiB)") == sha(whole[2 * MiB : 6 * MiB])
