@@ -304,19 +304,28 @@ def test_a_request_encodes_as_its_header_does(
 
     def via_header() -> bytes | str:
         # Request.encode as it was: its own checks, then a Header.
+        # Every other op carries its lease token in authorization; EXPORT's text
+        # (the fetcher's id, all zero here) follows its header.
         exporting = op is Op.EXPORT
-        if not exporting and (resource_id != bytes(16) or authorization != bytes(16) or kind):
+        if not exporting and (resource_id != bytes(16) or kind):
             return f"{op.name} request carries EXPORT-only fields"
-        if op is Op.HANDSHAKE and participant:
-            return "HANDSHAKE request must not name a participant"
+        if op in (Op.HANDSHAKE, Op.RELEASE) and participant:
+            return f"{op.name} request must not name a participant"
+        if op is Op.RELEASE and authorization == bytes(16):
+            return "RELEASE request carries no lease token"
         try:
-            return Header(
-                op=int(op),
-                participant=participant,
-                resource_id=resource_id,
-                authorization=authorization,
-                resource_kind=int(kind),
-            ).encode()
+            text = bytes(32) if exporting else b""
+            return (
+                Header(
+                    op=int(op),
+                    participant=participant,
+                    resource_id=resource_id,
+                    authorization=authorization,
+                    resource_kind=int(kind),
+                    message_length=len(text),
+                ).encode()
+                + text
+            )
         except WireError as exc:
             return str(exc)
 
