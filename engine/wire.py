@@ -481,25 +481,28 @@ class Request:
         # What Header(op, participant, ids, kind).encode() packs, without building
         # the Header: the reply-only fields and the stats are zero.
         try:
-            return HEADER_STRUCT.pack(
-                MAGIC,
-                VERSION,
-                int(self.op),
-                0,
-                0,
-                _participant_bytes(self.participant, "participant"),
-                _fixed(self.resource_id, ID_LEN, "resource_id"),
-                _fixed(self.authorization, AUTH_LEN, "authorization"),
-                int(self.resource_kind),
-                len(text),
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-            ) + text
+            return (
+                HEADER_STRUCT.pack(
+                    MAGIC,
+                    VERSION,
+                    int(self.op),
+                    0,
+                    0,
+                    _participant_bytes(self.participant, "participant"),
+                    _fixed(self.resource_id, ID_LEN, "resource_id"),
+                    _fixed(self.authorization, AUTH_LEN, "authorization"),
+                    int(self.resource_kind),
+                    len(text),
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                )
+                + text
+            )
         except struct.error as exc:
             raise WireError(f"header field out of range: {exc}") from exc
 

@@ -37,8 +37,8 @@ import attrs
 from ..engine.client import Endpoint
 from ..engine.wire import (
     HEADER_SIZE,
-    PARTICIPANT_LEN,
     MESSAGE_MAX,
+    PARTICIPANT_LEN,
     RECORDS_MAX,
     SOCKET_PREFIX,
     SOCKET_SUFFIX,

@@ -532,9 +532,7 @@ def test_failed_is_sticky_and_reported(spawn: Spawn, control_dir: Path) -> None:
 @pytest.mark.skipif(
     not simenv.multicast_allowed(), reason="multicast is never created on lent GPUs"
 )
-def test_live_multicast_is_reported_and_refused(
-    spawn: Spawn, control_dir: Path
-) -> None:
+def test_live_multicast_is_reported_and_refused(spawn: Spawn, control_dir: Path) -> None:
     """Multicast is passed through but not captured yet: a live object must make
     INSPECT report it (UNSUPPORTED_EXPORTABLE) and PREPARE_MULTICAST refuse, with
     the shim still ACTIVE and the application unaffected."""

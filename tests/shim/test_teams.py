@@ -210,7 +210,7 @@ def test_an_untrusted_control_dir_gets_no_socket(
         given.symlink_to(real)
     app = spawn("app", {**shim_env, "SNAPSHOT_CONTROL_DIR": str(given)})
     size = 2 * int(app.check("granularity")["granularity"])
-    handle, va = app.create_mapped(size, seed=SEED)  # tracked: the shim started
+    _, va = app.create_mapped(size, seed=SEED)  # tracked: the shim started
     assert app.digest(va, size) == pattern_digest(SEED, size)  # the application runs on
     assert list(real.iterdir()) == []  # nothing served there
     log = (tmp_path / "app.stderr").read_text()
