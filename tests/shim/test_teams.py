@@ -12,7 +12,11 @@ simulated driver (specs/recovery.md, specs/protocol.md).
 
 from __future__ import annotations
 
+import fcntl
 import os
+import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -215,4 +219,78 @@ def test_an_untrusted_control_dir_gets_no_socket(
     assert list(real.iterdir()) == []  # nothing served there
     log = (tmp_path / "app.stderr").read_text()
     assert f"control directory {given} {why}" in log and "no control server" in log
+    app.close_clean()
+
+
+NOBODY = 65534
+
+
+def _forged_capability(creator: str, endpoint: str) -> int:
+    """A sealed memfd holding a well-formed capability that names ``endpoint``."""
+    raw = struct.pack(
+        "<IHH32s16s16s40sQIHH",
+        0x43495543, 1, 1, creator.encode(), b"\x11" * 16, b"\x22" * 16, endpoint.encode(),
+        1 << 21, 1, 0, 0,
+    )  # fmt: skip
+    fd = os.memfd_create("capability", os.MFD_ALLOW_SEALING)
+    os.write(fd, raw)
+    seals = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="serving as another uid needs root")
+def test_an_import_refuses_a_creator_socket_served_by_another_uid(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
+) -> None:
+    importer = spawn("importer", shim_env)
+    importer.create_mapped(2 * int(importer.check("granularity")["granularity"]))  # started
+    name = "cuinterpose-999999.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(control_dir / name))
+    ready_r, ready_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child: listen (its credentials) as nobody
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            listener.listen(1)
+            os.write(ready_w, b"x")
+            conn, _ = listener.accept()
+            conn.recv(4096)
+        finally:
+            os._exit(0)
+    listener.close()
+    os.close(ready_w)
+    try:
+        assert os.read(ready_r, 1) == b"x"
+        fd = _forged_capability("ab" * 16, name)
+        importer.give_fd(fd)
+        os.close(fd)
+        theirs = int(importer.check("recv_fd")["fd"])
+        answer = importer.call("import", fd=theirs)
+        assert "CUDA_ERROR_INVALID_VALUE" in str(answer), answer
+    finally:
+        os.close(ready_r)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    log = (tmp_path / "importer.stderr").read_text()
+    assert f"is served by pid {child} of uid {NOBODY}, not root nor uid 0: not trusted" in log
+    importer.close_clean()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="a control dir of another owner needs root")
+def test_the_shim_serves_only_the_uid_it_trusts(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
+) -> None:
+    # The test hook makes the shim trust uid NOBODY alone: the directory must be
+    # NOBODY's, and this test's process (root) is then a stranger to it.
+    os.chown(control_dir, NOBODY, NOBODY)
+    app = spawn("app", {**shim_env, "SNAPSHOT_SHIM_TRUST_UID": str(NOBODY)})
+    app.create_mapped(2 * int(app.check("granularity")["granularity"]))  # started
+    path = shimenv.socket_path(control_dir, app.pid)
+    assert path.exists()  # the directory is trusted: the shim serves there
+    assert shimenv.raw_exchange(path, wire.Request(Op.HANDSHAKE).encode()) == b""
+    log = (tmp_path / "app.stderr").read_text()
+    assert "control connection from uid 0 refused" in log
     app.close_clean()
