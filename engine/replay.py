@@ -112,8 +112,8 @@ class TraceTransport:
         self, endpoint: Endpoint, request: Request, expect: str | None
     ) -> Reply | ParticipantError:
         if request.op is Op.RELEASE:
-            # Ending the lease is not a step and traces do not record it: the
-            # participant answers as a shim holding no lease of another does.
+            # Ending the lease is not a step and traces do not record it; the run
+            # does not judge RELEASE's answers, so none is made up here.
             return ParticipantHangup(endpoint, request.op, "RELEASE is not replayed", expect)
         queue = self.answers.get((endpoint.observed_pid, endpoint.namespace_pid))
         answer = queue.popleft() if queue else None
