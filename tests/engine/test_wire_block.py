@@ -84,7 +84,7 @@ def reference_decode(raw: bytes) -> Record:
         kind, flags, access_count, id_, member_id, creator, address, size, offset,
         member_offset, op_flags, handle_types, object_flags, allocation_type,
         location_type, location_id, device, num_devices, binding_kind, api_version,
-        reserved0, handle_count, reserved1, *flat,
+        reserved0, handle_count, pid, *flat,
     ) = RECORD_STRUCT.unpack(raw)  # fmt: skip
     record_kind = _KINDS.get(kind)
     if record_kind is None:
@@ -96,8 +96,10 @@ def reference_decode(raw: bytes) -> Record:
     binding = _BINDINGS.get(binding_kind)
     if binding is None:
         raise WireError(f"{record_kind.name} record has unknown binding_kind {binding_kind}")
-    if reserved0 or reserved1:
+    if reserved0:
         raise WireError(f"{record_kind.name} record has non-zero reserved fields")
+    if pid and record_kind is not RecordKind.FETCH:
+        raise WireError(f"{record_kind.name} record has a pid (only FETCH records carry one)")
     used = 3 * access_count
     if any(flat[used:]):
         raise WireError(f"{record_kind.name} record has non-zero unused access slots")
@@ -123,6 +125,7 @@ def reference_decode(raw: bytes) -> Record:
         api_version=api_version,
         handle_count=handle_count,
         access=tuple(Access(*flat[i : i + 3]) for i in range(0, used, 3)),
+        pid=pid,
     )
 
 
@@ -189,7 +192,7 @@ _CHECKED = [
     ("<I", 4),  # access_count
     ("<B", 148),  # binding_kind
     ("<H", 150),  # reserved0
-    ("<I", 156),  # reserved1
+    ("<I", 156),  # pid (FETCH records only)
 ]
 
 
