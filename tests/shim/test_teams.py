@@ -136,7 +136,7 @@ def test_two_coordinators_racing_prepare_never_wedge_the_group(
 ) -> None:
     creator, importers, handle, va, vas, size = _team(spawn, shim_env, 1)
     pids = [creator.pid, importers[0].pid]
-    outcomes: dict[str, int] = {"one": 0, "none": 0}
+    outcomes: dict[str, int] = {"one": 0, "none": 0, "holder named": 0}
     for trial in range(20):
         dirs = [tmp_path / f"t{trial}-{side}" for side in "ab"]
         for d in dirs:
@@ -157,6 +157,7 @@ def test_two_coordinators_racing_prepare_never_wedge_the_group(
         for code, text in zip(codes, texts, strict=True):
             if code == 1:  # refused, naming the holder (or, once the other ended, its phase)
                 assert HOLDER_NAMED in text or "PREPARED" in text, (trial, text)
+                outcomes["holder named"] += HOLDER_NAMED in text
         if 0 in codes:
             outcomes["one"] += 1
             winner = dirs[codes.index(0)]
@@ -170,6 +171,7 @@ def test_two_coordinators_racing_prepare_never_wedge_the_group(
             assert shimenv.handshake(path).phase is Phase.ACTIVE, trial
         _intact(creator, importers, handle, va, vas, size, SEED)
     assert outcomes["one"] + outcomes["none"] == 20
+    print(f"racing prepare, 20 trials: {outcomes}")  # shown with -s: how the races fell
     for w in (creator, *importers):
         w.close_clean()
 
