@@ -14,7 +14,9 @@ from .client import (
     ParticipantError,
     ParticipantHangup,
     ParticipantTimeout,
+    UntrustedEndpoint,
     call_all,
+    control_dir_problem,
     endpoint_for,
 )
 from .errors import (
@@ -96,9 +98,11 @@ __all__ = [
     "TraceWriter",
     "Transfer",
     "Transport",
+    "UntrustedEndpoint",
     "VerificationFailed",
     "call_all",
     "capture",
+    "control_dir_problem",
     "endpoint_for",
     "human_line",
     "inspect",

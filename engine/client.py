@@ -9,6 +9,11 @@ many participants there are; :func:`call` is the same machinery for one.
 A reply is returned whatever its status: deciding what a non-OK status means is
 the caller's business. What is raised (or returned, by :func:`call_all`) is a
 :class:`ParticipantError` naming the endpoint, the op and the reason.
+
+Endpoints are trusted only as far as the shim trusts its own: a control
+directory that is a symbolic link, owned by another user than root or us, or
+writable by group or others is refused before anything is sent through it, and
+so is a socket whose server (``SO_PEERCRED``) runs as another user.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import math
 import os
 import select
 import socket
+import stat
+import struct
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,6 +49,42 @@ _SUN_PATH_MAX: Final = 107
 # (it never returns EINPROGRESS), so such connects are retried on this schedule.
 _RETRY_FIRST_S: Final = 0.001
 _RETRY_MAX_S: Final = 0.02
+# struct ucred: pid, uid, gid.
+_UCRED: Final = struct.Struct("3i")
+
+
+def uid_trusted(uid: int, own_uid: int) -> bool:
+    """Whom a client trusts as a server, and as a control directory's owner: root or itself."""
+    return uid in (0, own_uid)
+
+
+def control_dir_problem(path: Path, own_uid: int | None = None) -> str | None:
+    """Why the control directory ``path`` cannot be trusted, or None when it can.
+
+    Refused: a symbolic link (the socket could be anywhere), anything not a
+    directory, one owned by a user other than root or ``own_uid`` (default: ours),
+    one writable by group or others (anyone could plant a socket under a
+    participant's name). A missing directory is not judged here: connecting says so.
+    """
+    own = os.getuid() if own_uid is None else own_uid
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"control directory {path}: {exc.strerror}"
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        why = "is a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "is not a directory"
+    elif not uid_trusted(st.st_uid, own):
+        why = f"is owned by uid {st.st_uid}, not root nor uid {own}"
+    elif mode & (stat.S_IWGRP | stat.S_IWOTH):
+        why = "is writable by group or others"
+    else:
+        return None
+    return f"control directory {path} {why} (uid {st.st_uid}, mode {mode:04o}): not trusted"
 
 
 def _positive_pid(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -121,6 +164,10 @@ class BadReply(ParticipantError):
     """The reply was malformed, echoed another op or came from another participant."""
 
 
+class UntrustedEndpoint(ParticipantError):
+    """The control directory or the socket's server is not one to trust: nothing was sent."""
+
+
 def call(
     endpoint: Endpoint, request: Request, *, timeout: float, expect_participant: str | None
 ) -> Reply:
@@ -155,8 +202,17 @@ def call_all(
         for (endpoint, request, expect), payload in zip(calls, payloads, strict=True)
     ]
     poller = _Poller()
+    own_uid = os.getuid()
+    judged: dict[Path, str | None] = {}
     try:
         for exchange in exchanges:
+            directory = exchange.endpoint.path.parent
+            if directory not in judged:
+                judged[directory] = control_dir_problem(directory, own_uid)
+            problem = judged[directory]
+            if problem is not None:
+                exchange.fail(UntrustedEndpoint, problem, None)
+                continue
             exchange.start(poller)
         _drive(exchanges, poller, deadline)
     finally:
@@ -290,6 +346,10 @@ class _Exchange:
             return
         self.connected = True
         self._close_dir_fd()
+        untrusted = _server_problem(self.sock)
+        if untrusted is not None:
+            self.fail(UntrustedEndpoint, untrusted, None)
+            return
         try:
             # 128 bytes always fit an empty AF_UNIX send buffer; a short send
             # would mean the peer is not a shim, and is reported as a hang-up.
@@ -434,6 +494,20 @@ class _Exchange:
         if self.header is None:
             return f"at least {HEADER_SIZE}"
         return str(HEADER_SIZE + len(self.buffer))
+
+
+def _server_problem(sock: socket.socket) -> str | None:
+    """Why the process serving ``sock`` is not trusted (another user), or None."""
+    try:
+        pid, uid, _ = _UCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        )
+    except OSError as exc:
+        return f"SO_PEERCRED failed: {exc.strerror}"
+    own = os.getuid()
+    if uid_trusted(uid, own):
+        return None
+    return f"the control socket is served by pid {pid} of uid {uid}, not root nor uid {own}"
 
 
 def _op_name(value: int) -> str:

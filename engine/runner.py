@@ -46,7 +46,7 @@ from .guards import GUARDS
 from .options import DEFAULT_PHASE_TIMEOUT_S, Options, Transport
 from .progress import DoneEvent, FailedEvent, PhaseEvent
 from .statefile import CheckpointState
-from .steps import Bound, Run, bind, check_endpoints, perform, reply_problem
+from .steps import Bound, Run, bind, check_endpoints, perform, release, reply_problem
 from .topology import Topology
 from .wire import Op, Phase, Reply, Request
 
@@ -161,6 +161,10 @@ def _execute(loop: _Loop) -> None:
                 if loop.destroyed and loop.options.rollback_on_failure:
                     _roll_back_after(loop, error)
                 raise
+            finally:
+                # The lease lasts while the run is in flight: a restore after the
+                # native checkpoint, or recover, is another coordinator's run.
+                release(loop.run)
     except DirectoryBusy as busy:
         raise CheckpointDirRefused(
             loop.spec.name, "LOCK", "checkpoint_dir_free", [Problem(str(busy))]
@@ -173,6 +177,7 @@ def _roll_back_after(loop: _Loop, error: CoordinatorError) -> None:
     try:
         # The lock is held already: the rollback is this coordinator's own.
         inner = _Loop(ROLLBACK, endpoints, loop.run.checkpoint_dir, loop.options_for_rollback())
+        inner.run.lease = loop.run.lease  # the same coordinator: its lease goes on
         inner.run.captured = recorded
         inner.execute()
         clear_intent(loop.run.checkpoint_dir)

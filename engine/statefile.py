@@ -28,7 +28,7 @@ from typing import Any, Final, Literal, NoReturn, TypeVar, get_args
 
 import attrs
 import cattrs
-from cattrs.gen import make_dict_unstructure_fn
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 from cattrs.v import format_exception, transform_error
 
 from . import wire
@@ -236,9 +236,21 @@ def make_converter() -> cattrs.Converter:
     conv.register_unstructure_hook(
         Record, make_dict_unstructure_fn(Record, conv, _cattrs_omit_if_default=True)
     )
+    # Who fetched what (FETCH records) describes the running team, not the capture.
+    conv.register_unstructure_hook(
+        ParticipantTopology,
+        make_dict_unstructure_fn(ParticipantTopology, conv, fetches=override(omit=True)),
+    )
     # Innermost first: an outer class's hook captures its fields' hooks when made.
     _register_lists_only(conv, tuple[Access, ...])
     conv.register_structure_hook(Record, _fast_record_hook(conv.get_structure_hook(Record)))
+    _register_lists_only(conv, tuple[Record, ...])
+    conv.register_structure_hook(
+        ParticipantTopology,
+        make_dict_structure_fn(
+            ParticipantTopology, conv, fetches=override(omit=True), _cattrs_forbid_extra_keys=True
+        ),
+    )
     for sequence in (
         tuple[Record, ...],
         tuple[ParticipantTopology, ...],

@@ -9,6 +9,7 @@ their step declares.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -71,6 +72,10 @@ class Run:
     # Participants whose process was gone at HANDSHAKE (machines that drop them).
     gone: tuple[Problem, ...] = ()
     intent_path: Path | None = None
+    # The run's lease token, carried by every request: each shim serves one
+    # coordinator at a time (specs/recovery.md). A rollback after a failure
+    # is the same coordinator's and carries the same token.
+    lease: bytes = attrs.Factory(lambda: os.urandom(16))
 
     def observed(self) -> dict[str, int]:
         """Each bound participant's observed pid, by participant id."""
@@ -187,11 +192,13 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
     """Send ``op`` to every participant at once and check every answer: a barrier."""
     options = run.options
     calls: list[tuple[Endpoint, Request, str | None]]
+    lease = run.lease
     if op is Op.HANDSHAKE:
-        calls = [(e, Request(op), None) for e in run.endpoints]
+        calls = [(e, Request(op, authorization=lease), None) for e in run.endpoints]
     else:
         calls = [
-            (b.endpoint, Request(op, participant=b.participant), b.participant) for b in run.bound
+            (b.endpoint, Request(op, participant=b.participant, authorization=lease), b.participant)
+            for b in run.bound
         ]
     began = options.clock()
     results = _send(run, calls, options.timeout_for(_transfer_bytes(run, op)))
@@ -299,6 +306,23 @@ def _drop_gone(
     if gone:
         run.record["gone"] = [str(p) for p in gone]
     return kept
+
+
+def release(run: Run) -> tuple[Problem, ...]:
+    """End the run's lease in every process it was sent to, whatever the outcome.
+
+    Not a step (the machines and their traces do not change): a shim where the
+    lease is held by another token, or was never taken, changes nothing. What
+    did not answer keeps the lease until its holder (this process) is gone.
+    """
+    options = run.options
+    calls = [(e, Request(Op.RELEASE, authorization=run.lease), None) for e in run.endpoints]
+    results = options.transport(calls, timeout=options.phase_timeout)
+    return tuple(
+        p
+        for (endpoint, _, _), result in zip(calls, results, strict=True)
+        if (p := reply_problem(Op.RELEASE, None, endpoint, result)) is not None
+    )
 
 
 def _local_failure(run: Run, step: str, reason: str) -> PhaseFailed:

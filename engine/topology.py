@@ -31,6 +31,7 @@ _IDENTITY_FIELDS: Final[Mapping[RecordKind, tuple[str, ...]]] = {
     RecordKind.MC_MAPPING: ("address",),
     RecordKind.RAW_IMPORT: ("address", "size"),
     RecordKind.UNSUPPORTED_EXPORTABLE: ("size",),
+    RecordKind.FETCH: (),
 }
 _T = TypeVar("_T")
 _HEX_FIELDS: Final = frozenset({"address", "offset", "member_offset", "op_flags", "object_flags"})
@@ -139,6 +140,9 @@ class ParticipantTopology:
     participant: str
     pid: int
     records: tuple[Record, ...] = attrs.field(converter=normalize)
+    # FETCH records: who fetched this participant's allocations. Not part of the
+    # shape (a restored team fetches again, from new pids) nor of the state file.
+    fetches: tuple[Record, ...] = attrs.field(default=(), eq=False)
 
 
 @attrs.frozen
@@ -152,7 +156,12 @@ class Topology:
         """Build from (participant, pid, records), one triple per INSPECT reply."""
         return cls(
             tuple(
-                ParticipantTopology(participant, pid, tuple(records))
+                ParticipantTopology(
+                    participant,
+                    pid,
+                    tuple(r for r in records if r.kind is not RecordKind.FETCH),
+                    tuple(r for r in records if r.kind is RecordKind.FETCH),
+                )
                 for participant, pid, records in replies
             )
         )
@@ -170,6 +179,10 @@ class Topology:
         for p in self.participants:
             for record in p.records:
                 yield p.participant, record
+
+    def fetches(self) -> tuple[tuple[str, Record], ...]:
+        """Every (creator's participant id, FETCH record): who fetched what."""
+        return tuple((p.participant, r) for p in self.participants for r in p.fetches)
 
     def of_kind(self, *kinds: RecordKind) -> tuple[tuple[str, Record], ...]:
         """The (participant id, record) pairs of :meth:`records` whose kind is one of

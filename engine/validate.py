@@ -784,6 +784,26 @@ def check_unsupported_exportables(topology: Topology) -> tuple[Violation, ...]:
     )
 
 
+def check_whole_team(topology: Topology) -> tuple[Violation, ...]:
+    """A participant that fetched a creator's allocation (the creator's FETCH record, for
+    a process still alive) is in the team: left out, it would keep mapping memory that
+    the capture tears down and the restore replaces, or lose it under its feet."""
+    members = frozenset(topology.participant_ids)
+    return tuple(
+        Violation(
+            "preflight.whole_team",
+            p,
+            RecordKind.ALLOCATION,
+            resource_hex(r.id),
+            f"participant {r.fetcher} (pid {r.pid or 'not visible'} as the creator sees it)"
+            f" fetched this allocation and is not in the team; name its process too, or"
+            f" stop it first; capture refused",
+        )
+        for p, r in topology.fetches()
+        if r.fetcher not in members
+    )
+
+
 TOPOLOGY_CHECKS: Final[tuple[Check, ...]] = (
     check_participant_ids,
     check_resource_ids,
@@ -810,7 +830,11 @@ TOPOLOGY_CHECKS: Final[tuple[Check, ...]] = (
     check_bind_mem_members,
     check_bind_addr,
 )
-PREFLIGHT_CHECKS: Final[tuple[Check, ...]] = (check_raw_imports, check_unsupported_exportables)
+PREFLIGHT_CHECKS: Final[tuple[Check, ...]] = (
+    check_raw_imports,
+    check_unsupported_exportables,
+    check_whole_team,
+)
 
 
 def _run(checks: Iterable[Check], topology: Topology) -> tuple[Violation, ...]:
@@ -823,5 +847,6 @@ def validate(topology: Topology) -> tuple[Violation, ...]:
 
 
 def preflight(topology: Topology) -> tuple[Violation, ...]:
-    """What refuses a capture outright: RAW_IMPORT and UNSUPPORTED_EXPORTABLE records."""
+    """What refuses a capture outright: RAW_IMPORT and UNSUPPORTED_EXPORTABLE records, and
+    a live participant that fetched a team member's allocation but is not in the team."""
     return _run(PREFLIGHT_CHECKS, topology)

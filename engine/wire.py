@@ -54,6 +54,7 @@ class Op(enum.IntEnum):
     EXPORT = 12
     ROLLBACK_ALLOCATIONS = 13
     ROLLBACK_IMPORTS = 14
+    RELEASE = 15  # ends the coordinator's lease; served in any phase
 
 
 class Phase(enum.IntEnum):
@@ -98,6 +99,9 @@ class RecordKind(enum.IntEnum):
     MC_MAPPING = 6
     RAW_IMPORT = 7
     UNSUPPORTED_EXPORTABLE = 8
+    # A creator's note that a participant fetched one of its allocations: not part of
+    # the topology (see Topology.fetches); member_id carries the fetcher's id as bytes.
+    FETCH = 9
 
 
 class RecordFlag(enum.IntFlag):
@@ -206,8 +210,14 @@ class Record:
     api_version: int = 0
     handle_count: int = 0
     access: tuple[Access, ...] = ()
+    pid: int = 0  # FETCH: the fetching process, as SO_PEERCRED showed it to the creator
 
     SIZE: ClassVar[int] = RECORD_SIZE
+
+    @property
+    def fetcher(self) -> str:
+        """FETCH: the id of the participant that fetched (member_id's 16 bytes in hex)."""
+        return self.member_id.hex() if self.kind is RecordKind.FETCH else ""
 
     def encode(self) -> bytes:
         if len(self.access) > ACCESS_MAX:
@@ -239,7 +249,7 @@ class Record:
                 self.api_version,
                 0,
                 self.handle_count,
-                0,
+                self.pid,
                 *flat,
                 *_ACCESS_PADDING[len(self.access)],
             )
@@ -255,7 +265,7 @@ class Record:
 
 # The positions of RECORD_STRUCT's fields (see Record.encode for their order).
 _R_KIND, _R_FLAGS, _R_ACCESS_COUNT, _R_CREATOR, _R_BINDING = 0, 1, 2, 5, 18
-_R_RESERVED0, _R_RESERVED1, _R_ACCESS = 20, 22, 23
+_R_RESERVED0, _R_PID, _R_ACCESS = 20, 22, 23
 
 
 def _record_from_fields(
@@ -284,8 +294,10 @@ def _record_from_fields(
     binding = _BINDING_KINDS.get(binding_kind)
     if binding is None:
         raise WireError(f"{record_kind.name} record has unknown binding_kind {binding_kind}")
-    if fields[_R_RESERVED0] or fields[_R_RESERVED1]:
+    if fields[_R_RESERVED0]:
         raise WireError(f"{record_kind.name} record has non-zero reserved fields")
+    if fields[_R_PID] and record_kind is not RecordKind.FETCH:
+        raise WireError(f"{record_kind.name} record has a pid (only FETCH records carry one)")
     used = _R_ACCESS + 3 * access_count
     if any(fields[used:]):
         raise WireError(f"{record_kind.name} record has non-zero unused access slots")
@@ -327,6 +339,7 @@ def _record_from_fields(
         fields[19],  # api_version
         fields[21],  # handle_count
         access,
+        fields[_R_PID],
     )
 
 
@@ -432,45 +445,63 @@ class Header:
 
 @attrs.frozen
 class Request:
-    """What the coordinator (or a peer shim, for EXPORT) sends."""
+    """What the coordinator (or a peer shim, for EXPORT) sends.
+
+    ``authorization`` is EXPORT's capability authorization, and in every other
+    request the coordinator's lease token (all zero: no lease; see
+    specs/recovery.md). ``fetcher`` is EXPORT's requesting participant, sent as
+    the request's text.
+    """
 
     op: Op
     participant: str = ""
     resource_id: bytes = ZERO_ID
     authorization: bytes = ZERO_ID
     resource_kind: ResourceKind = ResourceKind.NONE
+    fetcher: str = ""
+
+    @property
+    def lease(self) -> bytes:
+        """The lease token a non-EXPORT request carries (all zero: none)."""
+        return ZERO_ID if self.op is Op.EXPORT else self.authorization
 
     def encode(self) -> bytes:
         exporting = self.op is Op.EXPORT
         if not exporting and (
             self.resource_id != ZERO_ID
-            or self.authorization != ZERO_ID
             or self.resource_kind is not ResourceKind.NONE
+            or self.fetcher
         ):
             raise WireError(f"{self.op.name} request carries EXPORT-only fields")
-        if self.op is Op.HANDSHAKE and self.participant:
-            raise WireError("HANDSHAKE request must not name a participant")
+        if self.op in (Op.HANDSHAKE, Op.RELEASE) and self.participant:
+            raise WireError(f"{self.op.name} request must not name a participant")
+        if self.op is Op.RELEASE and self.authorization == ZERO_ID:
+            raise WireError("RELEASE request carries no lease token")
+        text = _participant_bytes(self.fetcher, "fetcher") if exporting else b""
         # What Header(op, participant, ids, kind).encode() packs, without building
         # the Header: the reply-only fields and the stats are zero.
         try:
-            return HEADER_STRUCT.pack(
-                MAGIC,
-                VERSION,
-                int(self.op),
-                0,
-                0,
-                _participant_bytes(self.participant, "participant"),
-                _fixed(self.resource_id, ID_LEN, "resource_id"),
-                _fixed(self.authorization, AUTH_LEN, "authorization"),
-                int(self.resource_kind),
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
+            return (
+                HEADER_STRUCT.pack(
+                    MAGIC,
+                    VERSION,
+                    int(self.op),
+                    0,
+                    0,
+                    _participant_bytes(self.participant, "participant"),
+                    _fixed(self.resource_id, ID_LEN, "resource_id"),
+                    _fixed(self.authorization, AUTH_LEN, "authorization"),
+                    int(self.resource_kind),
+                    len(text),
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                )
+                + text
             )
         except struct.error as exc:
             raise WireError(f"header field out of range: {exc}") from exc
@@ -553,16 +584,27 @@ class Reply:
 
 
 def decode_request(raw: bytes) -> tuple[Request, Header]:
-    """Decode a request as a shim must: anything non-zero where zero is required is refused."""
-    header = Header.decode(raw)
+    """Decode a request as a shim must: anything non-zero where zero is required is
+    refused. ``raw`` is the header, then for EXPORT its text (the fetcher's id)."""
+    header = Header.decode(raw[:HEADER_SIZE])
     try:
         op = Op(header.op)
     except ValueError as exc:
         raise WireError(f"unknown op {header.op}") from exc
-    if header.status or header.count or header.message_length or header.pid or header.phase:
+    text_length = PARTICIPANT_LEN if op is Op.EXPORT else 0
+    if (
+        header.status
+        or header.count
+        or header.message_length != text_length
+        or header.pid
+        or header.phase
+    ):
         raise WireError(f"{op.name} request has reply-only fields set")
     if header.stats != Stats():
         raise WireError(f"{op.name} request has stats set")
+    text = raw[HEADER_SIZE:]
+    if len(text) != text_length:
+        raise WireError(f"{op.name} request has {len(text)} bytes of text, expected {text_length}")
     try:
         kind = ResourceKind(header.resource_kind)
     except ValueError as exc:
@@ -573,6 +615,7 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         resource_id=header.resource_id,
         authorization=header.authorization,
         resource_kind=kind,
+        fetcher=_participant_text(text, "fetcher") if text else "",
     )
     request.encode()  # the same field rules as for sending
     return request, header

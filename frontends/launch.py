@@ -4,8 +4,9 @@ The environment: ``LD_PRELOAD`` gets the built ``libcuinterpose.so`` (after any
 preload already there, so that a sanitizer runtime stays first); with the
 simulated driver, its directory comes first on ``LD_LIBRARY_PATH``;
 ``SNAPSHOT_CONTROL_DIR`` names the control directory, created with mode 0700
-when missing. Nothing is compiled here: the libraries are the installed
-package's, or a build tree's (:mod:`cuinterpose.artifacts`).
+when missing, and refused when the shim would not trust it. Nothing is compiled
+here: the libraries are the installed package's, or a build tree's
+(:mod:`cuinterpose.artifacts`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from . import artifacts
+from .engine.client import control_dir_problem
 
 DRIVERS: Final = ("sim", "system")
 DEFAULT_CONTROL_DIR: Final = Path("/snapshot-control")
@@ -43,19 +45,33 @@ def control_dir_for(control_dir: Path | None, base: Mapping[str, str]) -> Path:
 
 
 def ensure_control_dir(path: Path) -> Path:
-    """Create ``path`` with mode 0700 if it is missing; refuse anything but a directory."""
-    if path.exists() and not path.is_dir():
-        raise LaunchError(f"control directory {path} exists and is not a directory")
-    if not path.exists():
+    """Create ``path`` (mode 0700, ours) if it is missing; refuse one the shim would not trust.
+
+    The last component is made with ``mkdir`` (which never follows a link there) and
+    judged with ``lstat``: a symbolic link, a non-directory, a directory owned by
+    another user than root or us, or one writable by group or others is refused
+    with the reason, as the shim and the coordinator refuse it.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        os.mkdir(path, 0o700)
+        created = True
+    except FileExistsError:
+        created = False
+    except OSError as exc:
+        raise LaunchError(f"cannot create control directory {path}: {exc}") from exc
+    if created:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
-            path.mkdir(mode=0o700, parents=True)
-        except FileExistsError:
-            if not path.is_dir():
-                raise LaunchError(f"control directory {path} is not a directory") from None
-            return path
-        except OSError as exc:
-            raise LaunchError(f"cannot create control directory {path}: {exc}") from exc
-        path.chmod(0o700)  # mkdir's mode is filtered by the umask
+            os.fchmod(fd, 0o700)  # mkdir's mode is filtered by the umask
+        finally:
+            os.close(fd)
+    problem = control_dir_problem(path)
+    if problem is None and not path.is_dir():  # vanished between the two
+        problem = f"control directory {path} does not exist"
+    if problem is not None:
+        raise LaunchError(problem)
     return path
 
 

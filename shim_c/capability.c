@@ -8,6 +8,11 @@
  * creator's socket name, size and handle types. Import of a capability
  * connects to the creator's endpoint, sends EXPORT (id + authorization),
  * receives a fresh raw FD over SCM_RIGHTS, imports it and closes it at once.
+ * The EXPORT request carries the importer's participant id; the creator
+ * keeps who fetched each allocation (FETCH records), so that the coordinator
+ * can refuse a team that leaves a live importer out. The importer trusts the
+ * answering socket only when its owner (SO_PEERCRED) is root or our uid and
+ * the reply names the creator the capability names.
  *
  * Known limits (documented): an FD alias the shim cannot see (dup, foreign
  * SCM_RIGHTS) is fine, but a capability keeps nothing alive by itself: once
@@ -20,6 +25,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -104,6 +110,25 @@ enum cap_kind cap_parse(int fd, struct cuip_capability *c)
 }
 
 /* ------------------------------------------------------------ peer client */
+/* The server's owner must be one we trust: a socket planted under the
+ * creator's name by another user would otherwise hand us its memory. */
+static bool server_trusted(int fd, const char *path, char *msg, size_t n)
+{
+    struct ucred cr;
+    socklen_t cl = sizeof cr;
+
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) != 0) {
+        snprintf(msg, n, "SO_PEERCRED on %s: %s", path, strerror(errno));
+        return false;
+    }
+    if (!shim_trusted_uid(cr.uid)) {
+        snprintf(msg, n, "%s is served by pid %d of uid %d, not root nor uid %d: not trusted",
+                 path, (int)cr.pid, (int)cr.uid, (int)getuid());
+        return false;
+    }
+    return true;
+}
+
 static int connect_endpoint(const char *endpoint, char *msg, size_t n)
 {
     struct sockaddr_un a;
@@ -128,6 +153,10 @@ static int connect_endpoint(const char *endpoint, char *msg, size_t n)
         close(fd);
         return gone ? CAP_CREATOR_GONE : -1;
     }
+    if (!server_trusted(fd, a.sun_path, msg, n)) {
+        close(fd);
+        return -1;
+    }
     return fd;
 }
 
@@ -142,7 +171,11 @@ int cap_fetch_kind(uint32_t kind, const char creator[CUIP_PARTICIPANT_LEN],
                    const uint8_t id[CUIP_ID_LEN], const uint8_t auth[CUIP_AUTH_LEN],
                    const char endpoint[CUIP_CAP_ENDPOINT_LEN], char *msg, size_t n)
 {
-    struct cuip_header req, rep;
+    struct {
+        struct cuip_header h;
+        char fetcher[CUIP_PARTICIPANT_LEN];
+    } req;
+    struct cuip_header rep;
     uint64_t deadline = shim_now_ns() + (uint64_t)shim_settings()->peer_timeout_ms * 1000000ull;
     int s, got = -1, extra = -1;
     char text[CUIP_MESSAGE_MAX + 1];
@@ -155,13 +188,17 @@ int cap_fetch_kind(uint32_t kind, const char creator[CUIP_PARTICIPANT_LEN],
     if (s < 0)
         return s;
     memset(&req, 0, sizeof req);
-    req.magic = CUIP_MAGIC;
-    req.version = CUIP_VERSION;
-    req.op = CUIP_OP_EXPORT;
-    memcpy(req.participant, creator, CUIP_PARTICIPANT_LEN);
-    memcpy(req.resource_id, id, CUIP_ID_LEN);
-    memcpy(req.authorization, auth, CUIP_AUTH_LEN);
-    req.resource_kind = kind;
+    req.h.magic = CUIP_MAGIC;
+    req.h.version = CUIP_VERSION;
+    req.h.op = CUIP_OP_EXPORT;
+    memcpy(req.h.participant, creator, CUIP_PARTICIPANT_LEN);
+    memcpy(req.h.resource_id, id, CUIP_ID_LEN);
+    memcpy(req.h.authorization, auth, CUIP_AUTH_LEN);
+    req.h.resource_kind = kind;
+    req.h.message_length = CUIP_PARTICIPANT_LEN;
+    pthread_mutex_lock(&g.lock);
+    memcpy(req.fetcher, g.participant, CUIP_PARTICIPANT_LEN);
+    pthread_mutex_unlock(&g.lock);
     if (io_write_all(s, &req, sizeof req, deadline) != 0) {
         snprintf(msg, n, "EXPORT request to %.*s: %s", CUIP_CAP_ENDPOINT_LEN, endpoint,
                  strerror(errno));
@@ -222,7 +259,8 @@ static enum obj_kind kind_of(uint32_t resource_kind)
     return resource_kind == CUIP_RESOURCE_MULTICAST ? OBJ_MC : OBJ_ALLOC;
 }
 
-void cap_serve_export(const struct cuip_header *req, struct reply *r)
+void cap_serve_export(const struct cuip_header *req, const char fetcher[CUIP_PARTICIPANT_LEN],
+                      pid_t pid, struct reply *r)
 {
     struct obj *o;
     bool pushed;
@@ -267,10 +305,88 @@ void cap_serve_export(const struct cuip_header *req, struct reply *r)
         reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s", msg);
         goto out;
     }
+    if (obj_add_fetch(o, fetcher, pid) != 0) {
+        /* Unrecorded, the importer could be left out of a capture unseen. */
+        close(fd);
+        reply_msg(r, CUIP_STATUS_INTERNAL, "out of memory recording the fetch");
+        goto out;
+    }
     r->fd = fd;
     r->h.status = CUIP_STATUS_OK;
 out:
     pthread_mutex_unlock(&g.lock);
+}
+
+/* A fetcher whose process is known to be gone no longer holds anything it
+ * could keep from the team; pid 0 (not visible here) is kept. */
+static bool fetch_live(const struct fetch *f)
+{
+    return f->pid <= 0 || kill(f->pid, 0) == 0 || errno != ESRCH;
+}
+
+/* A participant id's 32 hex digits as the 16 bytes FETCH carries. */
+static bool participant_bytes(uint8_t out[CUIP_PARTICIPANT_LEN / 2],
+                              const char id[CUIP_PARTICIPANT_LEN])
+{
+    if (!shim_is_participant(id))
+        return false;
+    for (int i = 0; i < CUIP_PARTICIPANT_LEN / 2; i++) {
+        char hi = id[2 * i], lo = id[2 * i + 1];
+        out[i] = (uint8_t)(((hi <= '9' ? hi - '0' : hi - 'a' + 10) << 4) |
+                           (lo <= '9' ? lo - '0' : lo - 'a' + 10));
+    }
+    return true;
+}
+
+static bool reported_creation(const struct obj *o)
+{
+    return o->kind == OBJ_ALLOC && o->is_creator && !obj_unused(o) && obj_shared(o);
+}
+
+int cap_inspect_fetches(struct reply *r)
+{
+    uint32_t n = obj_count(), extra = 0, at = r->h.count;
+    struct cuip_record *recs;
+
+    for (uint32_t i = 0; i < n; i++) {
+        struct obj *o = obj_at(i);
+        if (o && reported_creation(o))
+            extra += o->nfetches;
+    }
+    if (!extra)
+        return 0;
+    if ((uint64_t)at + extra > CUIP_RECORDS_MAX) {
+        reply_msg(r, CUIP_STATUS_INTERNAL, "%u records exceed the limit of %u", at + extra,
+                  CUIP_RECORDS_MAX);
+        return -1;
+    }
+    recs = realloc(r->records, (size_t)(at + extra) * sizeof *recs);
+    if (!recs) {
+        reply_msg(r, CUIP_STATUS_INTERNAL, "out of memory building FETCH records");
+        return -1;
+    }
+    r->records = recs;
+    for (uint32_t i = 0; i < n; i++) {
+        struct obj *o = obj_at(i);
+        if (!o || !reported_creation(o))
+            continue;
+        for (uint32_t k = 0; k < o->nfetches; k++) {
+            const struct fetch *f = &o->fetches[k];
+            struct cuip_record *rec = &recs[at];
+            uint8_t raw[CUIP_PARTICIPANT_LEN / 2];
+            if (!fetch_live(f) || !participant_bytes(raw, f->participant))
+                continue;
+            memset(rec, 0, sizeof *rec);
+            rec->kind = CUIP_RECORD_FETCH;
+            memcpy(rec->id, o->id, CUIP_ID_LEN);
+            memcpy(rec->member_id, raw, sizeof raw);
+            memcpy(rec->creator, o->creator, CUIP_PARTICIPANT_LEN);
+            rec->pid = (uint32_t)f->pid;
+            at++;
+        }
+    }
+    r->h.count = at;
+    return 0;
 }
 
 /* ------------------------------------------------------------ application calls */

@@ -9,14 +9,25 @@
  * through one phase machine (CUIP_PHASE_OPS and CUIP_ROLLBACK_OPS in
  * protocol.h): a failed one leaves the shim FAILED with its reason, a
  * refused or retryable one (RETRY) in the phase it was in.
+ *
+ * One coordinator at a time: the lease (specs/recovery.md). HANDSHAKE with
+ * a token takes it; every later request of the run carries the same token;
+ * RELEASE ends it. A request with another token is refused, naming the
+ * holder, until the holder is gone: its process exited (a pidfd, or kill
+ * where pidfd_open is missing) or, when its pid is not visible in our pid
+ * namespace, it sent nothing for SNAPSHOT_LEASE_IDLE_S.
  */
 #include "shim.h"
 
 #include <errno.h>
+#include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MAX_CONNECTIONS 64
@@ -31,7 +42,7 @@ static const char *op_name(unsigned op)
         "PREPARE_UNICAST", "LOAD_ALLOCATIONS", "RESTORE_UNICAST",
         "RESTORE_MULTICAST_CREATORS", "RESTORE_MULTICAST_IMPORTERS",
         "RESTORE_MULTICAST_DEVICES", "RESTORE_MULTICAST_BINDINGS", "EXPORT",
-        "ROLLBACK_ALLOCATIONS", "ROLLBACK_IMPORTS"};
+        "ROLLBACK_ALLOCATIONS", "ROLLBACK_IMPORTS", "RELEASE"};
     _Static_assert(sizeof names / sizeof names[0] == CUIP_OP_MAX + 1, "a name per op");
     return op <= CUIP_OP_MAX ? names[op] : "?";
 }
@@ -49,8 +60,9 @@ static bool validate(const struct cuip_header *q, struct reply *r)
         reply_msg(r, CUIP_STATUS_BAD_REQUEST, "unknown op %u", q->op);
         return false;
     }
-    if (q->status || q->count || q->message_length || q->pid || q->phase || q->reserved ||
-        q->stat_count || q->stat_bytes || q->stat_elapsed_ns || q->stat_copy_ns) {
+    if (q->status || q->count || q->pid || q->phase || q->reserved || q->stat_count ||
+        q->stat_bytes || q->stat_elapsed_ns || q->stat_copy_ns ||
+        q->message_length != (exporting ? CUIP_PARTICIPANT_LEN : 0)) {
         reply_msg(r, CUIP_STATUS_BAD_REQUEST, "%s request has reply-only fields set",
                   op_name(q->op));
         return false;
@@ -62,15 +74,17 @@ static bool validate(const struct cuip_header *q, struct reply *r)
             reply_msg(r, CUIP_STATUS_BAD_REQUEST, "EXPORT needs a resource kind and id");
             return false;
         }
-    } else if (!shim_is_zero(q->resource_id, CUIP_ID_LEN) ||
-               !shim_is_zero(q->authorization, CUIP_AUTH_LEN) || q->resource_kind) {
+    } else if (!shim_is_zero(q->resource_id, CUIP_ID_LEN) || q->resource_kind) {
         reply_msg(r, CUIP_STATUS_BAD_REQUEST, "%s request carries EXPORT-only fields",
                   op_name(q->op));
         return false;
     }
-    if (q->op == CUIP_OP_HANDSHAKE) {
+    if (q->op == CUIP_OP_HANDSHAKE || q->op == CUIP_OP_RELEASE) {
+        /* Sent before the participant is known (RELEASE: by a run that may
+         * have failed at HANDSHAKE); the lease token says whose it is. */
         if (!shim_is_zero(q->participant, CUIP_PARTICIPANT_LEN)) {
-            reply_msg(r, CUIP_STATUS_BAD_REQUEST, "HANDSHAKE must not name a participant");
+            reply_msg(r, CUIP_STATUS_BAD_REQUEST, "%s must not name a participant",
+                      op_name(q->op));
             return false;
         }
         return true;
@@ -139,6 +153,7 @@ static phase_work_fn *phase_work(enum cuip_op op)
     case CUIP_OP_HANDSHAKE:
     case CUIP_OP_INSPECT:
     case CUIP_OP_EXPORT:
+    case CUIP_OP_RELEASE:
         break; /* not phase ops */
     }
     return NULL;
@@ -213,9 +228,132 @@ static void run_phase_op(uint16_t op, struct reply *r)
     pthread_mutex_unlock(&g.lock);
 }
 
-static void handle(const struct cuip_header *q, struct reply *r)
+/* ------------------------------------------------------------ the lease */
+static void lease_drop(void)
 {
+    if (g.lease.pidfd >= 0)
+        close(g.lease.pidfd);
+    memset(&g.lease, 0, sizeof g.lease);
+    g.lease.pidfd = -1;
+}
+
+static void lease_take(const uint8_t token[CUIP_AUTH_LEN], pid_t pid, uint64_t now)
+{
+    lease_drop();
+    g.lease.held = true;
+    memcpy(g.lease.token, token, CUIP_AUTH_LEN);
+    g.lease.pid = pid;
+#ifdef SYS_pidfd_open
+    /* A pidfd outlives a recycled pid: kill(pid, 0) could see a newcomer. */
+    if (pid > 0)
+        g.lease.pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+#endif
+    g.lease.since_s = (int64_t)time(NULL);
+    g.lease.last_ns = now;
+}
+
+static bool lease_holder_gone(const struct shim_lease *l, uint64_t now)
+{
+    if (l->pidfd >= 0) {
+        struct pollfd p = {.fd = l->pidfd, .events = POLLIN};
+        return poll(&p, 1, 0) == 1; /* readable once the process has exited */
+    }
+    if (l->pid > 0)
+        return kill(l->pid, 0) != 0 && errno == ESRCH;
+    return now - l->last_ns > (uint64_t)shim_settings()->lease_idle_ms * 1000000ull;
+}
+
+static void lease_refuse(struct reply *r, unsigned op, const char *why)
+{
+    char when[32] = "?";
+    time_t t = (time_t)g.lease.since_s;
+    struct tm tm;
+    char who[48];
+
+    if (gmtime_r(&t, &tm))
+        strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    if (g.lease.pid > 0)
+        snprintf(who, sizeof who, "pid %d", (int)g.lease.pid);
+    else
+        snprintf(who, sizeof who, "a process outside this pid namespace");
+    reply_msg(r, CUIP_STATUS_REFUSED,
+              "%s refused: %s; another coordinator holds this process (%s, as this shim "
+              "sees it, since %s)",
+              op_name(op), why, who, when);
+}
+
+/* Under g.lock: whether request `q` from process `peer` may go on, by the
+ * lease rules; RELEASE is answered here. False: `r` says why. */
+static bool lease_admit(const struct cuip_header *q, pid_t peer, struct reply *r)
+{
+    bool token = !shim_is_zero(q->authorization, CUIP_AUTH_LEN);
+    uint64_t now = shim_now_ns();
+    bool mine;
+
+    if (g.lease.held && lease_holder_gone(&g.lease, now)) {
+        shim_log(LOG_WARN, "coordinator lease of pid %d is free: its holder is gone",
+                 (int)g.lease.pid);
+        lease_drop();
+    }
+    mine = g.lease.held && token && shim_ct_equal(g.lease.token, q->authorization, CUIP_AUTH_LEN);
+    if (mine)
+        g.lease.last_ns = now;
+    if (q->op == CUIP_OP_RELEASE) {
+        if (!token) {
+            reply_msg(r, CUIP_STATUS_BAD_REQUEST, "RELEASE needs the lease token");
+            return false;
+        }
+        if (g.lease.held && !mine) {
+            lease_refuse(r, q->op, "the token is not the holder's");
+            return false;
+        }
+        lease_drop(); /* not held: released already (or lapsed) */
+        r->h.status = CUIP_STATUS_OK;
+        return false;
+    }
+    if (!token) {
+        /* Outside any lease: what reads nothing but state, or anything while
+         * nobody holds the lease (tools and tests speaking the protocol). */
+        if (!g.lease.held || q->op == CUIP_OP_HANDSHAKE || q->op == CUIP_OP_INSPECT)
+            return true;
+        lease_refuse(r, q->op, "the request carries no lease token");
+        return false;
+    }
+    if (mine)
+        return true;
+    if (g.lease.held) {
+        lease_refuse(r, q->op, "the lease token is not the holder's");
+        return false;
+    }
+    if (q->op != CUIP_OP_HANDSHAKE) {
+        reply_msg(r, CUIP_STATUS_REFUSED, "%s refused: the coordinator lease is not held "
+                  "(lapsed or released); HANDSHAKE takes it", op_name(q->op));
+        return false;
+    }
+    lease_take(q->authorization, peer, now);
+    shim_log(LOG_INFO, "coordinator lease taken by pid %d", (int)peer);
+    return true;
+}
+
+static void handle(const struct cuip_header *q, const char *text, pid_t peer, struct reply *r)
+{
+    bool admitted;
+
     if (!validate(q, r))
+        return;
+    if (q->op == CUIP_OP_EXPORT) {
+        if (!shim_is_participant(text)) {
+            reply_msg(r, CUIP_STATUS_BAD_REQUEST, "EXPORT must carry the requesting "
+                      "participant's id (32 lowercase hex digits)");
+            return;
+        }
+        cap_serve_export(q, text, peer, r); /* peers: authorized by the capability */
+        return;
+    }
+    pthread_mutex_lock(&g.lock);
+    admitted = lease_admit(q, peer, r);
+    pthread_mutex_unlock(&g.lock);
+    if (!admitted)
         return;
     switch (q->op) {
     case CUIP_OP_HANDSHAKE:
@@ -233,12 +371,9 @@ static void handle(const struct cuip_header *q, struct reply *r)
                       "the shim is in phase %u", g.phase);
         else if (g.busy)
             reply_msg(r, CUIP_STATUS_REFUSED, "another phase op is running");
-        else
-            unicast_inspect(r);
+        else if (unicast_inspect(r) == 0)
+            cap_inspect_fetches(r);
         pthread_mutex_unlock(&g.lock);
-        return;
-    case CUIP_OP_EXPORT:
-        cap_serve_export(q, r);
         return;
     default:
         run_phase_op(q->op, r);
@@ -253,22 +388,28 @@ static void *conn_main(void *arg)
     struct ucred cr;
     socklen_t cl = sizeof cr;
     struct cuip_header q;
+    char text[CUIP_PARTICIPANT_LEN];
     struct reply *r = NULL;
     long timeout_ms = shim_settings()->io_timeout_ms;
     uint64_t deadline = shim_now_ns() + (uint64_t)timeout_ms * 1000000ull;
 
-    if (getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cr, &cl) != 0 ||
-        (cr.uid != 0 && cr.uid != getuid())) {
+    if (getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cr, &cl) != 0 || !shim_trusted_uid(cr.uid)) {
         shim_log(LOG_WARN, "control connection from uid %d refused", (int)cr.uid);
         goto out;
     }
     if (io_read_all(s, &q, sizeof q, deadline, NULL) != 0)
         goto out; /* truncated, stalled or hung up: drop it */
+    memset(text, 0, sizeof text);
+    /* Only EXPORT carries text (the fetcher's id); validate() refuses any
+     * other length, so nothing more is read for a request it will refuse. */
+    if (q.op == CUIP_OP_EXPORT && q.message_length == sizeof text &&
+        io_read_all(s, text, sizeof text, deadline, NULL) != 0)
+        goto out;
     r = malloc(sizeof *r);
     if (!r)
         goto out;
     reply_init(r, q.op);
-    handle(&q, r);
+    handle(&q, text, cr.pid, r);
     pthread_mutex_lock(&g.lock);
     r->h.phase = g.phase;
     pthread_mutex_unlock(&g.lock);

@@ -77,6 +77,7 @@ void obj_free(struct obj *o)
         slots[o->slot] = NULL;
     free(o->maps);
     free(o->binds);
+    free(o->fetches);
     free(o);
 }
 
@@ -153,6 +154,27 @@ int obj_add_mapping(struct obj *o, const struct mapping *m)
     return 0;
 }
 
+int obj_add_fetch(struct obj *o, const char participant[CUIP_PARTICIPANT_LEN], pid_t pid)
+{
+    for (uint32_t i = 0; i < o->nfetches; i++) {
+        if (!memcmp(o->fetches[i].participant, participant, CUIP_PARTICIPANT_LEN)) {
+            o->fetches[i].pid = pid; /* the same participant again: a restored process */
+            return 0;
+        }
+    }
+    if (o->nfetches == o->capfetches) {
+        uint32_t nc = o->capfetches ? o->capfetches * 2 : 4;
+        struct fetch *nf = realloc(o->fetches, nc * sizeof *nf);
+        if (!nf)
+            return -1;
+        o->fetches = nf;
+        o->capfetches = nc;
+    }
+    memcpy(o->fetches[o->nfetches].participant, participant, CUIP_PARTICIPANT_LEN);
+    o->fetches[o->nfetches++].pid = pid;
+    return 0;
+}
+
 void obj_del_mapping(struct obj *o, uint32_t i)
 {
     if (i >= o->nmaps)
@@ -167,6 +189,7 @@ void obj_drop_all(void)
         if (slots[i]) {
             free(slots[i]->maps);
             free(slots[i]->binds);
+            free(slots[i]->fetches);
             free(slots[i]);
         }
     }

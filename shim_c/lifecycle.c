@@ -29,6 +29,31 @@ static bool inherited_state; /* fork child: the parent had tracked state */
 static bool fork_child_flag;
 
 /* ------------------------------------------------------------ startup */
+/* Whoever can write the control dir can put a socket of theirs under a
+ * participant's name (and receive its EXPORT requests and capabilities'
+ * imports) or a symlink where our socket goes: the dir must be a real
+ * directory, owned by root or us, writable by nobody else. Its parents
+ * are the operator's business. Refused: logged, and nothing is served. */
+static bool control_dir_trusted(const struct stat *st, const char *path)
+{
+    const char *why = NULL;
+
+    if (S_ISLNK(st->st_mode))
+        why = "is a symbolic link";
+    else if (!S_ISDIR(st->st_mode))
+        why = "is not a directory";
+    else if (!shim_trusted_uid(st->st_uid))
+        why = "is owned by another user";
+    else if (st->st_mode & (S_IWGRP | S_IWOTH))
+        why = "is writable by group or others";
+    if (!why)
+        return true;
+    shim_log(LOG_ERROR, "control directory %s %s (uid %d, mode %04o): refused, no control "
+             "server; this process cannot be checkpointed with cuinterpose",
+             path, why, (int)st->st_uid, (unsigned)(st->st_mode & 07777));
+    return false;
+}
+
 static bool control_dir_init(void)
 {
     const char *d = shim_settings()->control_dir;
@@ -47,8 +72,12 @@ static bool control_dir_init(void)
         g.control_dir[0] = 0;
         return false;
     }
-    if (stat(g.control_dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
-        shim_log(LOG_ERROR, "control directory %s is not a directory", g.control_dir);
+    if (lstat(g.control_dir, &st) != 0) {
+        shim_log(LOG_ERROR, "control directory %s: %s", g.control_dir, strerror(errno));
+        g.control_dir[0] = 0;
+        return false;
+    }
+    if (!control_dir_trusted(&st, g.control_dir)) {
         g.control_dir[0] = 0;
         return false;
     }

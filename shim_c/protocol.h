@@ -43,8 +43,10 @@ enum cuip_op {
     CUIP_OP_EXPORT = 12,
     CUIP_OP_ROLLBACK_ALLOCATIONS = 13,
     CUIP_OP_ROLLBACK_IMPORTS = 14,
+    /* Ends the coordinator's lease (served in any phase; see `authorization`). */
+    CUIP_OP_RELEASE = 15,
 };
-#define CUIP_OP_MAX CUIP_OP_ROLLBACK_IMPORTS
+#define CUIP_OP_MAX CUIP_OP_RELEASE
 
 /* The shim's phase, reported in every reply. */
 enum cuip_phase {
@@ -124,9 +126,15 @@ struct cuip_header {
     uint32_t count;                          /* records following; 0 in requests */
     char participant[CUIP_PARTICIPANT_LEN];  /* all zero in a HANDSHAKE request */
     uint8_t resource_id[CUIP_ID_LEN];        /* EXPORT only */
-    uint8_t authorization[CUIP_AUTH_LEN];    /* EXPORT only */
+    /* EXPORT: the capability's authorization. Every other request: the
+     * coordinator's lease token (16 random bytes, one per run; all zero: a
+     * client outside any lease, served only while no lease is held). */
+    uint8_t authorization[CUIP_AUTH_LEN];
     uint32_t resource_kind;                  /* EXPORT only: enum cuip_resource_kind */
-    uint32_t message_length;                 /* <= CUIP_MESSAGE_MAX; 0 in requests */
+    /* <= CUIP_MESSAGE_MAX. Requests: 0, except EXPORT, which carries the
+     * requesting participant's id (CUIP_PARTICIPANT_LEN) so that the creator
+     * knows who fetched (FETCH records). */
+    uint32_t message_length;
     uint32_t pid;                            /* reply: the shim's getpid() */
     uint16_t phase;                          /* reply: enum cuip_phase after the op */
     uint16_t reserved;
@@ -146,6 +154,12 @@ enum cuip_record_kind {
     CUIP_RECORD_MC_MAPPING = 6,
     CUIP_RECORD_RAW_IMPORT = 7,
     CUIP_RECORD_UNSUPPORTED_EXPORTABLE = 8,
+    /* A creator's note that a participant fetched one of its allocations
+     * (EXPORT): id, creator (this participant), member_id the fetching
+     * participant's id as its 16 bytes (the 32 hex digits decoded), pid the
+     * fetching process as SO_PEERCRED showed it to the creator. Not part of
+     * the topology: it says who must be in the team. */
+    CUIP_RECORD_FETCH = 9,
 };
 
 /* Record flags. */
@@ -190,7 +204,7 @@ struct cuip_record {
     uint8_t api_version;                     /* 1, or 2 for the device-explicit _v2 binds */
     uint16_t reserved0;
     uint32_t handle_count;                   /* live application handles */
-    uint32_t reserved1;
+    uint32_t pid;                            /* FETCH only: the fetching process */
     struct cuip_access access[CUIP_ACCESS_MAX];
 };
 

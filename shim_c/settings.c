@@ -29,6 +29,8 @@
 #define CONTENT_MODE_ENV "SNAPSHOT_CONTENT_MODE"
 #define COPY_THREADS_ENV "SNAPSHOT_SHIM_COPY_THREADS"
 #define COPY_CHUNK_ENV "SNAPSHOT_SHIM_COPY_CHUNK_MIB"
+#define LEASE_IDLE_ENV "SNAPSHOT_LEASE_IDLE_S"
+#define TRUST_UID_ENV "SNAPSHOT_SHIM_TRUST_UID"
 /* CUIP_CONTROL_DIR_ENV and CUIP_PARTICIPANT_ENV are in protocol.h: the
  * coordinator sets them too. */
 
@@ -36,6 +38,10 @@
 /* The coordinator's SNAPSHOT_PHASE_TIMEOUT_S (120 s) must exceed this, or its
  * wait expires with ours. */
 #define PEER_TIMEOUT_MS_DEFAULT 10000
+/* Longer than the coordinator's phase timeout (120 s) and its local steps:
+ * a holder in the middle of a run is never idle that long. */
+#define LEASE_IDLE_MS_DEFAULT 600000
+#define UID_MAX_TRUSTED 4294967294ul
 #define THREADS_DEFAULT 16ul
 #define THREADS_MAX 64ul
 #define CHUNK_MIB_DEFAULT 64ul
@@ -127,6 +133,20 @@ static void settings_load(void)
     snprintf(s->control_dir, sizeof s->control_dir, "%s",
              dir && *dir ? dir : CUIP_CONTROL_DIR_DEFAULT);
     snprintf(s->participant, sizeof s->participant, "%s", pin ? pin : "");
+    s->lease_idle_ms = env_seconds_ms(LEASE_IDLE_ENV, LEASE_IDLE_MS_DEFAULT);
+    /* Unset, or a bad value (named in the warning): the usual trust. */
+    s->trust_uid = (long)env_count(TRUST_UID_ENV, 0, UID_MAX_TRUSTED, UID_MAX_TRUSTED + 1,
+                                   "a uid");
+    if (s->trust_uid > (long)UID_MAX_TRUSTED)
+        s->trust_uid = -1;
+}
+
+bool shim_trusted_uid(uid_t uid)
+{
+    long only = shim_settings()->trust_uid;
+    if (only >= 0)
+        return (long)uid == only;
+    return uid == 0 || uid == getuid();
 }
 
 const struct shim_settings *shim_settings(void)

@@ -104,9 +104,19 @@ struct shim_settings {
     /* SNAPSHOT_PARTICIPANT_ID as given, cut after one character too many so
      * that a long value still fails the length check; empty when unset. */
     char participant[CUIP_PARTICIPANT_LEN + 2];
+    /* SNAPSHOT_LEASE_IDLE_S: a lease whose holder cannot be watched (its pid
+     * is not visible in our pid namespace) lapses after this long without a
+     * request from it. */
+    long lease_idle_ms;
+    /* SNAPSHOT_SHIM_TRUST_UID, a test hook: the one uid trusted instead of
+     * root and our own (peers, servers, the control dir's owner); -1 unset. */
+    long trust_uid;
 };
 /* The settings, read from the environment on the first call. */
 SHIM_HIDDEN const struct shim_settings *shim_settings(void);
+/* Root or our own uid (only SNAPSHOT_SHIM_TRUST_UID when set): whom the shim
+ * trusts as a peer, a server, or the control dir's owner. */
+SHIM_HIDDEN bool shim_trusted_uid(uid_t uid);
 
 /* ---------------------------------------------------------------- driver.c */
 /* The real driver's entry points. */
@@ -177,6 +187,17 @@ SHIM_HIDDEN const char *shim_cu_name(CUresult r);
 SHIM_HIDDEN void shim_fail(char *msg, size_t n, const char *call, CUresult r);
 
 /* ---------------------------------------------------------------- state.c */
+/* The coordinator's lease (control.c): one coordinator at a time. The word
+ * "claim" is the pinned participant id's (lifecycle.c). */
+struct shim_lease {
+    bool held;
+    uint8_t token[CUIP_AUTH_LEN];
+    pid_t pid;             /* the holder as SO_PEERCRED showed it; 0: not visible here */
+    int pidfd;             /* watches `pid` (pidfd_open); -1 when unavailable */
+    int64_t since_s;       /* wall clock when taken, for messages */
+    uint64_t last_ns;      /* monotonic: the holder's latest request */
+};
+
 struct shim_state {
     pthread_mutex_t lock;          /* tables, phase, reason */
     pthread_mutex_t init_lock;     /* lazy start */
@@ -191,6 +212,7 @@ struct shim_state {
     char sock_name[CUIP_CAP_ENDPOINT_LEN];
     char sock_path[108];
     char claim_path[160];
+    struct shim_lease lease;       /* under lock */
 };
 extern SHIM_HIDDEN struct shim_state g;
 
@@ -222,6 +244,12 @@ SHIM_HIDDEN void shim_state_after_fork(void);
 #define SHIM_IS_TAGGED(h) (((uint64_t)(h) >> SHIM_TAG_SHIFT) == SHIM_TAG)
 
 enum obj_kind { OBJ_FREE = 0, OBJ_ALLOC = 1, OBJ_MC = 2 };
+
+/* A participant that fetched an export of a creator's allocation. */
+struct fetch {
+    char participant[CUIP_PARTICIPANT_LEN];
+    pid_t pid;                    /* SO_PEERCRED on the EXPORT connection; 0: not visible */
+};
 
 struct mapping {
     CUdeviceptr va;
@@ -271,6 +299,8 @@ struct obj {
     char endpoint[CUIP_CAP_ENDPOINT_LEN]; /* importer: creator's socket name */
     struct mapping *maps;
     uint32_t nmaps, capmaps;
+    struct fetch *fetches;        /* creator: who fetched an export (EXPORT served) */
+    uint32_t nfetches, capfetches;
     void *host;                   /* SAVE_ALLOCATIONS copy: anonymous mapping of `size` bytes */
     /* OBJ_MC: the team as this process built it (multicast.c). */
     uint64_t mc_devices;          /* bit per device this process added */
@@ -293,6 +323,10 @@ SHIM_HIDDEN uint32_t obj_count(void);
 SHIM_HIDDEN struct obj *obj_at(uint32_t i); /* slot i, or NULL if free */
 SHIM_HIDDEN int obj_add_mapping(struct obj *o, const struct mapping *m);
 SHIM_HIDDEN void obj_del_mapping(struct obj *o, uint32_t i);
+/* Under g.lock: note that `participant` (process `pid`) fetched `o`; one
+ * entry per participant, its latest pid kept. */
+SHIM_HIDDEN int obj_add_fetch(struct obj *o, const char participant[CUIP_PARTICIPANT_LEN],
+                              pid_t pid);
 /* Free every object (fork child): no driver calls. */
 SHIM_HIDDEN void obj_drop_all(void);
 /* True when `o` no longer has handles nor mappings: the caller releases it. */
@@ -353,8 +387,15 @@ SHIM_HIDDEN int cap_fetch_kind(uint32_t kind, const char creator[CUIP_PARTICIPAN
 SHIM_HIDDEN int cap_fetch(const char creator[CUIP_PARTICIPANT_LEN],
                           const uint8_t id[CUIP_ID_LEN], const uint8_t auth[CUIP_AUTH_LEN],
                           const char endpoint[CUIP_CAP_ENDPOINT_LEN], char *msg, size_t n);
-/* Serve EXPORT for a peer. */
-SHIM_HIDDEN void cap_serve_export(const struct cuip_header *req, struct reply *r);
+/* Serve EXPORT for a peer: `fetcher` (the request's text) in process `pid`
+ * (SO_PEERCRED) is recorded as having fetched the allocation. */
+SHIM_HIDDEN void cap_serve_export(const struct cuip_header *req,
+                                  const char fetcher[CUIP_PARTICIPANT_LEN], pid_t pid,
+                                  struct reply *r);
+/* Under g.lock, after the INSPECT records: one FETCH record per live
+ * fetcher of every allocation INSPECT reported; -1 and a reply message on
+ * failure. */
+SHIM_HIDDEN int cap_inspect_fetches(struct reply *r);
 
 /* ---------------------------------------------------------------- multicast.c */
 /* Under g.lock: how many records multicast_inspect appends, and how many

@@ -17,6 +17,7 @@ SHIM_HIDDEN struct shim_state g = {
     .init_lock = PTHREAD_MUTEX_INITIALIZER,
     .phase = CUIP_PHASE_ACTIVE,
     .listen_fd = -1,
+    .lease = {.pidfd = -1},
 };
 
 /* Both under g.init_lock. */
@@ -89,4 +90,9 @@ void shim_state_after_fork(void)
     g.busy = false;
     g.reason[0] = 0;
     memset(g.participant, 0, sizeof g.participant);
+    /* The parent's coordinator is not ours: the child's socket is new. */
+    if (g.lease.pidfd >= 0)
+        close(g.lease.pidfd);
+    memset(&g.lease, 0, sizeof g.lease);
+    g.lease.pidfd = -1;
 }

@@ -38,6 +38,7 @@ from ..engine.client import Endpoint
 from ..engine.wire import (
     HEADER_SIZE,
     MESSAGE_MAX,
+    PARTICIPANT_LEN,
     RECORDS_MAX,
     SOCKET_PREFIX,
     SOCKET_SUFFIX,
@@ -83,12 +84,14 @@ _IDLE_S: Final = 30.0
 _POLL_S: Final = 0.02
 _SEND_TIMEOUT_S: Final = 5.0
 _UCRED: Final = struct.Struct("3i")
+# A request's op (offset 6) and, 78 bytes on, its message_length (offset 84).
+_EXPORT_TEXT: Final = struct.Struct("<H76xI")
 _SUN_PATH_MAX: Final = 107
 
 
 def allowed_phases(op: Op) -> frozenset[Phase]:
     """The shim phases in which ``op`` is served (anything else is WRONG_PHASE)."""
-    if op is Op.HANDSHAKE:
+    if op in (Op.HANDSHAKE, Op.RELEASE):
         return frozenset(Phase)
     if op is Op.INSPECT:
         return frozenset({Phase.ACTIVE, Phase.PREPARED})
@@ -253,6 +256,7 @@ class FakeParticipant:
         self._reason = ""
         self._restored = False
         self._received: list[Op] = []
+        self._releases = 0
         self._retried: dict[Op, int] = {}
         self._errors: list[BaseException] = []
         self._barrier_waiters = 0
@@ -271,6 +275,13 @@ class FakeParticipant:
         """The ops of every well-formed request received so far, in order."""
         with self._lock:
             return list(self._received)
+
+    @property
+    def releases(self) -> int:
+        """RELEASE requests received: a run ends its lease with one. The fake keeps no
+        lease, so they are counted here, apart from the machines' ops in received."""
+        with self._lock:
+            return self._releases
 
     @property
     def phase(self) -> Phase:
@@ -451,7 +462,13 @@ class FakeParticipant:
             conns.drop(conn)
             return
         conn.filled += got
-        if conn.filled < HEADER_SIZE:
+        if conn.filled == HEADER_SIZE and len(conn.request) == HEADER_SIZE:
+            # EXPORT's text (the fetcher's id) follows its header: read it too, so
+            # that nothing is left unread when the connection closes.
+            op, length = _EXPORT_TEXT.unpack_from(conn.request, 6)
+            if op == Op.EXPORT and 0 < length <= PARTICIPANT_LEN:
+                conn.request.extend(bytes(length))
+        if conn.filled < len(conn.request):
             conns.watch(conn, selectors.EVENT_READ)
             return
         self._dispatch(conn, conns)
@@ -462,6 +479,11 @@ class FakeParticipant:
             request, _ = decode_request(raw)
         except WireError as exc:
             self._reply_now(conn, self._refusal(raw, str(exc)), conns)
+            return
+        if request.op is Op.RELEASE:
+            with self._lock:
+                self._releases += 1
+            self._reply_now(conn, self._encode(Op.RELEASE, Status.OK, ""), conns)
             return
         with self._lock:
             self._received.append(request.op)

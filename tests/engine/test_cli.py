@@ -490,3 +490,12 @@ def test_sigint_stops_at_the_next_phase_boundary_and_rolls_back(work: Path) -> N
     assert "Traceback" not in err
     assert all(Op.PREPARE_UNICAST not in r for r in sent)
     assert phases == [Phase.ACTIVE] * len(phases)
+
+
+def test_an_untrusted_control_dir_is_refused_before_anything_is_sent(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        (work / "control").chmod(0o777)
+        code, _, err = run(*machine_args("prepare", t, work, "--progress", "none"))
+        assert t.received() == [[]] * len(t.fakes)  # nothing reached any participant
+    assert code == 1
+    assert f"control directory {work / 'control'} is writable by group or others" in err

@@ -10,7 +10,7 @@ import attrs
 import pytest
 from cuinterpose.engine import validate as v
 from cuinterpose.engine.topology import ParticipantTopology, Topology
-from cuinterpose.engine.wire import Access, BindingKind, RecordFlag, RecordKind
+from cuinterpose.engine.wire import Access, BindingKind, Record, RecordFlag, RecordKind
 from topologies import (
     CREATOR_FLAGS,
     GRANULARITY,
@@ -516,6 +516,49 @@ def test_preflight_refuses_unsupported_exportable() -> None:
     assert resource(0xEE).hex() in str(found)
 
 
+def _fetched_by(topology: Topology, creator: str, fetcher: str, pid: int) -> Topology:
+    """``topology`` with ``creator`` reporting that ``fetcher`` (process ``pid``) fetched A0."""
+    fetch = Record(
+        RecordKind.FETCH, id=A0, member_id=bytes.fromhex(fetcher), creator=creator, pid=pid
+    )
+    return Topology(
+        tuple(
+            attrs.evolve(p, fetches=(*p.fetches, fetch)) if p.participant == creator else p
+            for p in topology.participants
+        )
+    )
+
+
+def test_preflight_refuses_a_team_that_leaves_out_a_fetcher() -> None:
+    outsider = participant(9)
+    topology = _fetched_by(base(), P0, outsider, 4711)
+    (found,) = v.preflight(topology)
+    assert (found.rule, found.participant, found.kind, found.resource) == (
+        "preflight.whole_team",
+        P0,
+        RecordKind.ALLOCATION,
+        A0.hex(),
+    )
+    assert f"participant {outsider} (pid 4711 as the creator sees it)" in found.reason
+    assert str(found).startswith(f"participant {P0}, ALLOCATION {A0.hex()}: ")
+    assert v.validate(topology) == ()  # a refusal, not a topology violation
+    # A fetcher in the team is fine; one the creator cannot see is named without a pid.
+    assert v.preflight(_fetched_by(base(), P0, P1, 4712)) == ()
+    (unseen,) = v.preflight(_fetched_by(base(), P0, outsider, 0))
+    assert "(pid not visible as the creator sees it)" in unseen.reason
+
+
+def test_fetch_records_are_kept_apart_from_the_topology() -> None:
+    records = base().records_by_participant()[P0]
+    fetch = Record(RecordKind.FETCH, id=A0, member_id=bytes.fromhex(P1), creator=P0, pid=5)
+    inspected = Topology.from_inspect([(P0, 1, (*records, fetch))])
+    (member,) = inspected.participants
+    assert member.records == Topology.from_inspect([(P0, 1, records)]).participants[0].records
+    assert member.fetches == (fetch,) and inspected.fetches() == ((P0, fetch),)
+    # Not part of the shape: a restored team fetches again, from new pids.
+    assert inspected == Topology.from_inspect([(P0, 1, records)])
+
+
 def test_preflight_names_every_refusal() -> None:
     topology = with_records(
         with_records(base(), P0, raw_import(size=0)), P2, unsupported_exportable()
@@ -550,5 +593,5 @@ def test_validate_is_deterministic_and_collects_all() -> None:
 def test_every_rule_is_documented() -> None:
     spec = (Path(__file__).resolve().parents[2] / "specs" / "validation.md").read_text()
     rules = {p.values[0].rule for p in CASES}  # type: ignore[attr-defined]
-    rules |= {"preflight.raw_import", "preflight.unsupported_exportable"}
+    rules |= {"preflight.raw_import", "preflight.unsupported_exportable", "preflight.whole_team"}
     assert {rule for rule in rules if f"`{rule}`" not in spec} == set()

@@ -78,8 +78,12 @@ REPLIES = st.builds(
 )
 PLAIN_REQUESTS = st.builds(
     Request,
-    op=st.sampled_from([op for op in Op if op not in (Op.HANDSHAKE, Op.EXPORT)]),
+    op=st.sampled_from([op for op in Op if op not in (Op.HANDSHAKE, Op.EXPORT, Op.RELEASE)]),
     participant=PARTICIPANTS,
+    authorization=IDS,
+)
+LEASE_REQUESTS = st.builds(
+    Request, op=st.sampled_from([Op.HANDSHAKE, Op.RELEASE]), authorization=IDS.filter(any)
 )
 EXPORT_REQUESTS = st.builds(
     Request,
@@ -88,8 +92,9 @@ EXPORT_REQUESTS = st.builds(
     resource_id=IDS,
     authorization=IDS,
     resource_kind=st.sampled_from(ResourceKind),
+    fetcher=PARTICIPANTS,
 )
-REQUESTS = st.just(Request(Op.HANDSHAKE)) | PLAIN_REQUESTS | EXPORT_REQUESTS
+REQUESTS = st.just(Request(Op.HANDSHAKE)) | PLAIN_REQUESTS | LEASE_REQUESTS | EXPORT_REQUESTS
 
 OK_REPLY = Reply(
     op=Op.INSPECT,
@@ -129,7 +134,7 @@ def test_reply_round_trip(reply: Reply) -> None:
 @given(REQUESTS)
 def test_request_round_trip(request: Request) -> None:
     raw = request.encode()
-    assert len(raw) == HEADER_SIZE
+    assert len(raw) == HEADER_SIZE + (wire.PARTICIPANT_LEN if request.op is Op.EXPORT else 0)
     decoded, header = decode_request(raw)
     assert decoded == request
     assert header.op == request.op and header.participant == request.participant
@@ -263,7 +268,6 @@ def test_reply_message_that_is_not_utf8_is_refused() -> None:
         ("<I", 80, 3, "unknown resource_kind 3"),
         ("<I", 80, 1, "EXPORT-only"),
         ("<16s", 48, b"\x01" * 16, "EXPORT-only"),
-        ("<16s", 64, b"\x01" * 16, "EXPORT-only"),
     ],
 )
 def test_requests_with_fields_that_must_be_zero_are_refused(
@@ -324,10 +328,27 @@ def test_unknown_binding_kinds_are_refused(kind: int) -> None:
         Record.decode(patched(RECORD.encode(), "<B", 148, kind))
 
 
-@pytest.mark.parametrize(("fmt", "offset"), [("<H", 150), ("<I", 156)])
-def test_non_zero_record_reserved_is_refused(fmt: str, offset: int) -> None:
+def test_non_zero_record_reserved_is_refused() -> None:
     with pytest.raises(WireError, match="non-zero reserved"):
-        Record.decode(patched(RECORD.encode(), fmt, offset, 1))
+        Record.decode(patched(RECORD.encode(), "<H", 150, 1))
+
+
+def test_a_pid_is_refused_outside_fetch_records() -> None:
+    with pytest.raises(WireError, match="MAPPING record has a pid"):
+        Record.decode(patched(RECORD.encode(), "<I", 156, 1))
+
+
+def test_fetch_records_carry_the_fetcher_and_its_pid() -> None:
+    fetcher = "0123456789abcdef" * 2
+    fetch = Record(
+        RecordKind.FETCH, id=b"\x05" * 16, member_id=bytes.fromhex(fetcher), creator="ab" * 16,
+        pid=4242,
+    )  # fmt: skip
+    raw = fetch.encode()
+    assert struct.unpack_from("<I", raw, 156) == (4242,)
+    decoded = Record.decode(raw)
+    assert decoded == fetch and decoded.fetcher == fetcher
+    assert Record(RecordKind.ALLOCATION, member_id=bytes.fromhex(fetcher)).fetcher == ""
 
 
 @given(st.integers(1, wire.ACCESS_MAX - 1), st.integers(0, 15))

@@ -84,7 +84,7 @@ def reference_decode(raw: bytes) -> Record:
         kind, flags, access_count, id_, member_id, creator, address, size, offset,
         member_offset, op_flags, handle_types, object_flags, allocation_type,
         location_type, location_id, device, num_devices, binding_kind, api_version,
-        reserved0, handle_count, reserved1, *flat,
+        reserved0, handle_count, pid, *flat,
     ) = RECORD_STRUCT.unpack(raw)  # fmt: skip
     record_kind = _KINDS.get(kind)
     if record_kind is None:
@@ -96,8 +96,10 @@ def reference_decode(raw: bytes) -> Record:
     binding = _BINDINGS.get(binding_kind)
     if binding is None:
         raise WireError(f"{record_kind.name} record has unknown binding_kind {binding_kind}")
-    if reserved0 or reserved1:
+    if reserved0:
         raise WireError(f"{record_kind.name} record has non-zero reserved fields")
+    if pid and record_kind is not RecordKind.FETCH:
+        raise WireError(f"{record_kind.name} record has a pid (only FETCH records carry one)")
     used = 3 * access_count
     if any(flat[used:]):
         raise WireError(f"{record_kind.name} record has non-zero unused access slots")
@@ -123,6 +125,7 @@ def reference_decode(raw: bytes) -> Record:
         api_version=api_version,
         handle_count=handle_count,
         access=tuple(Access(*flat[i : i + 3]) for i in range(0, used, 3)),
+        pid=pid,
     )
 
 
@@ -189,7 +192,7 @@ _CHECKED = [
     ("<I", 4),  # access_count
     ("<B", 148),  # binding_kind
     ("<H", 150),  # reserved0
-    ("<I", 156),  # reserved1
+    ("<I", 156),  # pid (FETCH records only)
 ]
 
 
@@ -304,19 +307,28 @@ def test_a_request_encodes_as_its_header_does(
 
     def via_header() -> bytes | str:
         # Request.encode as it was: its own checks, then a Header.
+        # Every other op carries its lease token in authorization; EXPORT's text
+        # (the fetcher's id, all zero here) follows its header.
         exporting = op is Op.EXPORT
-        if not exporting and (resource_id != bytes(16) or authorization != bytes(16) or kind):
+        if not exporting and (resource_id != bytes(16) or kind):
             return f"{op.name} request carries EXPORT-only fields"
-        if op is Op.HANDSHAKE and participant:
-            return "HANDSHAKE request must not name a participant"
+        if op in (Op.HANDSHAKE, Op.RELEASE) and participant:
+            return f"{op.name} request must not name a participant"
+        if op is Op.RELEASE and authorization == bytes(16):
+            return "RELEASE request carries no lease token"
         try:
-            return Header(
-                op=int(op),
-                participant=participant,
-                resource_id=resource_id,
-                authorization=authorization,
-                resource_kind=int(kind),
-            ).encode()
+            text = bytes(32) if exporting else b""
+            return (
+                Header(
+                    op=int(op),
+                    participant=participant,
+                    resource_id=resource_id,
+                    authorization=authorization,
+                    resource_kind=int(kind),
+                    message_length=len(text),
+                ).encode()
+                + text
+            )
         except WireError as exc:
             return str(exc)
 

@@ -215,7 +215,7 @@ RECORD_VALUES: dict[str, int | bytes] = {
     "api_version": 0xA5,
     "reserved0": 0,
     "handle_count": 0x55667788,
-    "reserved1": 0,
+    "pid": 0,  # FETCH records only (test_wire checks a FETCH record's pid at offset 156)
 }
 
 PIN_RECORD = Record(

@@ -256,9 +256,17 @@ def test_export_authorization(spawn: Spawn, control_dir: Path) -> None:
                 resource_id=rid,
                 authorization=auth,
                 resource_kind=kind,
+                fetcher=fetcher,
             ),
         )
 
+    fetcher = "fe" * 16
+    raw = wire.Request(
+        op=Op.EXPORT, participant=shim.participant, resource_id=cap["id"],  # type: ignore[arg-type]
+        authorization=cap["auth"], resource_kind=wire.ResourceKind.UNICAST,  # type: ignore[arg-type]
+    ).encode()  # fmt: skip
+    refused = wire.Reply.decode(shimenv.raw_exchange(shim.path, raw))  # the fetcher all zero
+    assert refused.status == Status.BAD_REQUEST and "requesting participant" in refused.message
     reply, fds = export(cap["id"], bytes(16))  # type: ignore[arg-type]
     assert reply.status == Status.UNAUTHORIZED and not fds
     wrong = bytes(b ^ 1 for b in cap["auth"])  # type: ignore[union-attr]
@@ -272,6 +280,11 @@ def test_export_authorization(spawn: Spawn, control_dir: Path) -> None:
     assert reply.status == Status.OK and len(fds) == 1
     for fd in fds:
         os.close(fd)
+    # The creator noted who fetched (this test's process, alive): a FETCH record,
+    # apart from the topology, naming the fetcher and its pid.
+    (fetch,) = [r for r in shim.ok(Op.INSPECT).records if r.kind is wire.RecordKind.FETCH]
+    assert (fetch.id, fetch.fetcher, fetch.pid) == (cap["id"], fetcher, os.getpid())
+    assert fetch.creator == shim.participant
     app_still_works(w)
 
 
@@ -310,7 +323,11 @@ result = [int(H['r']) == int(H['y'])]
     gran = int(creator("result = gran"))
     cr = c.ok(Op.INSPECT).records
     ir = i.ok(Op.INSPECT).records
-    assert [r.kind for r in cr] == [wire.RecordKind.ALLOCATION, wire.RecordKind.MAPPING]
+    K = wire.RecordKind
+    assert [r.kind for r in cr] == [K.ALLOCATION, K.MAPPING, K.FETCH]  # FETCH last
+    fetch = cr[2]  # the importer fetched the export: its id and pid, as the creator saw them
+    assert (fetch.id, fetch.fetcher, fetch.pid) == (cr[0].id, i.participant, importer.pid)
+    assert fetch.creator == c.participant and not fetch.flags and not fetch.access
     alloc = cr[0]
     F = wire.RecordFlag
     assert alloc.flags == F.CREATOR | F.HANDLE_LIVE | F.CONTENT

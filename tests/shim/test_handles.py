@@ -119,9 +119,7 @@ result = {"child": pid, "err": line}
 
 
 @pytest.mark.parametrize("pinned", [False, True])
-def test_fork_child_gets_fresh_id_and_socket(
-    spawn: Spawn, control_dir: Path, pinned: bool
-) -> None:
+def test_fork_child_gets_fresh_id_and_socket(spawn: Spawn, control_dir: Path, pinned: bool) -> None:
     pin = os.urandom(16).hex()
     w = spawn(extra={PIN: pin} if pinned else {})
     w("H['x'] = check(cu.cuMemCreate(gran, prop(), 0))")
