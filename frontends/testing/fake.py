@@ -88,7 +88,7 @@ _SUN_PATH_MAX: Final = 107
 
 def allowed_phases(op: Op) -> frozenset[Phase]:
     """The shim phases in which ``op`` is served (anything else is WRONG_PHASE)."""
-    if op is Op.HANDSHAKE:
+    if op is Op.HANDSHAKE or op is Op.STATUS:
         return frozenset(Phase)
     if op is Op.INSPECT:
         return frozenset({Phase.ACTIVE})
@@ -600,7 +600,8 @@ class FakeParticipant:
 
     def _succeed(self, op: Op, echoed: Op, participant: str) -> bytes:
         # Called with the lock held: the phase changes with the answer.
-        if op is Op.HANDSHAKE:
+        if op is Op.HANDSHAKE or op is Op.STATUS:
+            # A fake's ops complete at once: STATUS never finds one in flight.
             message = self._reason if self._phase is Phase.FAILED else ""
             return self._encode(echoed, Status.OK, message, participant=participant)
         if op is Op.INSPECT:
