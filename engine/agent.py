@@ -55,7 +55,7 @@ from .native import (
 from .options import Options
 from .progress import Event, PhaseEvent
 from .runner import capture, restore
-from .statefile import STATE_FILE_NAME, utc_timestamp, write_atomically
+from .statefile import STATE_FILE_NAME, StateFileError, utc_timestamp, write_atomically
 from .wire import InFlight, Op, Reply, Request
 
 MANIFEST_FILE_NAME: Final = "manifest.json"
@@ -653,6 +653,12 @@ def suspend(
     report = _Reporter(on_event, logger or logging.getLogger(LOGGER_NAME))
     options = options or Options()
     pids = [p.observed_pid for p in group]
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AgentError(
+            f"suspend refused: checkpoint directory {directory}:", [str(exc)]
+        ) from None
     with report.step("detect"):
         detection = detect(requested, group, where)
         require_states(
@@ -667,7 +673,6 @@ def suspend(
             ids = _handshake(detection.endpoints, options.phase_timeout)
     prepared = False
     if detection.mode == "cuinterpose":
-        directory.mkdir(parents=True, exist_ok=True)
         with report.step("capture") as moved:
             engine_options = attrs.evolve(options, on_progress=report.emit)
             bound = [(e, i) for e, i in zip(detection.endpoints, ids, strict=True) if i]
@@ -680,18 +685,22 @@ def suspend(
             run_step(native, "lock", pids, lock_timeout_ms=lock_timeout_ms)
         with report.step("native_checkpoint"):
             run_step(native, "checkpoint", pids)
+        manifest = Manifest(
+            requested,
+            prepared,
+            tuple(
+                Participant(p.observed_pid, p.namespace_pid, i)
+                for p, i in zip(group, ids, strict=True)
+            ),
+            tuple(report.timings),
+            utc_timestamp(),
+        )
+        path = write_manifest(directory, manifest)
     except NativeGroupError as failure:
-        _undo(failure, group, detection, directory, native, options, report, where)
-    manifest = Manifest(
-        requested,
-        prepared,
-        tuple(
-            Participant(p.observed_pid, p.namespace_pid, i) for p, i in zip(group, ids, strict=True)
-        ),
-        tuple(report.timings),
-        utc_timestamp(),
-    )
-    path = write_manifest(directory, manifest)
+        _undo(list(failure.lines()), group, detection, directory, native, options, report, where)
+    except (StateFileError, OSError) as failure:
+        lines = [f"the manifest could not be written: {failure}"]
+        _undo(lines, group, detection, directory, native, options, report, where)
     return SuspendResult(manifest, path, tuple(report.timings))
 
 
@@ -700,7 +709,7 @@ def _bytes_moved(phases: Sequence[PhaseEvent]) -> int:
 
 
 def _undo(
-    failure: NativeGroupError,
+    lines: list[str],
     group: Sequence[Process],
     detection: Detection,
     directory: Path,
@@ -709,15 +718,14 @@ def _undo(
     report: _Reporter,
     where: Where,
 ) -> None:
-    """A native step of a suspend failed: native restore and unlock what was done, then
-    the coordinator restore; raise SuspendFailed with every step and every state."""
-    lines = list(failure.lines())
+    """A native step of a suspend (or the manifest) failed: native restore and unlock what
+    was done, then the coordinator restore; raise SuspendFailed with every step and every
+    state. ``lines`` says what failed."""
     with report.step("undo_native"):
         undone = undo_suspend(native, [p.observed_pid for p in group])
     lines += undone
-    back = all(
-        s == ProcessState.RUNNING.name for s in state_names(native, list(failure.states)).values()
-    )
+    now = state_names(native, [p.observed_pid for p in group])
+    back = all(s == ProcessState.RUNNING.name for s in now.values())
     if back and detection.mode == "cuinterpose":
         try:
             with report.step("undo_coordinator_restore"):

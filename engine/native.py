@@ -258,8 +258,11 @@ def run_step(
             else:
                 getattr(backend, step)(pid)
         except NativeError as exc:
+            reason = f"{exc.call} failed: {exc.result}"
+            if exc.detail:
+                reason += f" ({exc.detail})"
             raise NativeGroupError(
-                step, pid, str(exc), state_names(backend, group), tuple(p for p, _ in calls)
+                step, pid, reason, state_names(backend, group), tuple(p for p, _ in calls)
             ) from exc
         calls.append((pid, clock() - began))
     states = state_names(backend, group)

@@ -57,7 +57,6 @@ class Op(enum.IntEnum):
     STATUS = 15  # read-only, served while a phase op runs: see InFlight
 
 
-
 class Phase(enum.IntEnum):
     ACTIVE = 1
     MULTICAST_DETACHED = 2

@@ -29,8 +29,7 @@ class WorkerBackend:
         self._call(
             pid,
             "cuCheckpointProcessLock",
-            f"(lambda a: (setattr(a, 'timeoutMs', {timeout_ms}), a)[1])"
-            "(cu.CUcheckpointLockArgs())",
+            f"(lambda a: (setattr(a, 'timeoutMs', {timeout_ms}), a)[1])(cu.CUcheckpointLockArgs())",
         )
 
     def checkpoint(self, pid: int) -> None:

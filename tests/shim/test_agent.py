@@ -52,7 +52,9 @@ def process_args(group: Group) -> list[str]:
 
 
 def status_json(group: Group, control_dir: Path, env: dict[str, str]) -> dict[int, Any]:
-    run = run_cli(["status", "--control-dir", str(control_dir), *process_args(group), "--json"], env)
+    run = run_cli(
+        ["status", "--control-dir", str(control_dir), *process_args(group), "--json"], env
+    )
     assert run.returncode == 0, run.stderr
     return {p["observed_pid"]: p for p in json.loads(run.stdout)["processes"]}
 
@@ -235,7 +237,7 @@ def test_status_is_served_while_a_phase_op_is_in_flight(
         native.lock(creator, 10_000)
         answers: list[wire.Reply] = []
         sender = threading.Thread(
-            target=lambda op=op: answers.append(
+            target=lambda op=op, answers=answers: answers.append(
                 shimenv.request(path, wire.Request(op, participant=me))[0]
             )
         )
@@ -275,9 +277,7 @@ def test_prepare_and_restore_refuse_a_process_in_the_wrong_native_state(
     group.close()
 
 
-def test_the_readme_embedding_example_runs(
-    group: Group, control_dir: Path, tmp_path: Path
-) -> None:
+def test_the_readme_embedding_example_runs(group: Group, control_dir: Path, tmp_path: Path) -> None:
     text = (REPO / "README.md").read_text()
     match = re.search(r"<!-- embedding example -->\s*```python\n(.*?)```", text, re.S)
     assert match, "README.md has no embedding example"
