@@ -43,4 +43,8 @@ grep -Eq "[0-9]+ passed" "$OUT/pytest-gpu.log" || { echo "no GPU test ran"; stat
 timeout 240 "$PYTHON" bench/checkpoint.py --out "$OUT/bench.json" --keep "$WORK/bench-logs" \
   2>&1 | tee "$OUT/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# One-command suspend/resume of a creator/importer group through the CLI, next to the
+# native checkpoint of the same bytes (its JSON goes with the traces).
+timeout 240 "$PYTHON" bench/suspend.py --out "$WORK/traces/suspend.json" 2>&1 | tee -a "$OUT/bench.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 finish

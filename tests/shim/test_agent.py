@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -297,3 +298,28 @@ def test_the_cli_gives_a_clear_error_for_a_missing_manifest(
     assert run.returncode == 1
     assert "no manifest" in run.stderr and "nothing was suspended" in run.stderr
     group.close()
+
+
+@pytest.mark.slow
+def test_the_suspend_benchmark_runs_on_the_simulator(stack: None, tmp_path: Path) -> None:
+    """bench/suspend.py is what the H200 run executes (tests/gpu/run_h200.sh)."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    script = REPO / "bench" / "suspend.py"
+    out = tmp_path / "suspend.json"
+    run = subprocess.run(
+        [sys.executable, str(script), "--driver", "sim", "--mib", "4", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "suspend native_checkpoint" in run.stdout and "ok True" in run.stdout, run.stdout
+    result = json.loads(out.read_text())
+    assert result["cuinterpose"]["gpu_bytes_freed_while_suspended"] >= 8 << 20
+    assert set(result["native"]["suspend"]["steps"]) == {
+        "detect",
+        "native_lock",
+        "native_checkpoint",
+    }
