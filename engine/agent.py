@@ -539,38 +539,35 @@ def status(
     *,
     timeout: float = 5.0,
 ) -> tuple[ProcessStatus, ...]:
-    """Every process's native state and its shim's phase (HANDSHAKE, then STATUS for the
-    op in flight; both change nothing and are served while a phase op runs)."""
+    """Every process's native state and its shim's phase and op in flight (STATUS, which
+    changes and binds nothing and is served while a phase op runs)."""
     group = _processes(processes)
     states = state_names(native, [p.observed_pid for p in group])
     endpoints = [where.endpoint(p) for p in group]
     present = [_socket_evidence(e.path) == "socket" for e in endpoints]
     asked = [e for e, here in zip(endpoints, present, strict=True) if here]
-    hello = iter(call_all([(e, Request(Op.HANDSHAKE), None) for e in asked], timeout=timeout))
+    answers = iter(call_all([(e, Request(Op.STATUS), None) for e in asked], timeout=timeout))
     out: list[ProcessStatus] = []
-    for process, endpoint, here in zip(group, endpoints, present, strict=True):
+    for process, here in zip(group, present, strict=True):
         native_state = states[process.observed_pid]
         if not here:
             out.append(ProcessStatus(process, native_state, None))
             continue
-        reply = next(hello)
+        reply = next(answers)
         if isinstance(reply, ParticipantError):
             out.append(ProcessStatus(process, native_state, "not answering", problem=reply.reason))
             continue
-        flight: InFlight | None = None
-        (answer,) = call_all(
-            [(endpoint, Request(Op.STATUS, participant=reply.participant), reply.participant)],
-            timeout=timeout,
-        )
-        if isinstance(answer, Reply) and answer.status == 0:
-            flight = InFlight.from_stats(answer.stats)
+        if reply.status != 0:
+            problem = f"STATUS answered {reply.status.name}: {reply.message}"
+            out.append(ProcessStatus(process, native_state, reply.phase.name, problem=problem))
+            continue
         out.append(
             ProcessStatus(
                 process,
                 native_state,
                 reply.phase.name,
                 reply.participant,
-                flight,
+                InFlight.from_stats(reply.stats),
                 reply.message,
             )
         )
@@ -614,8 +611,9 @@ class SuspendResult:
     timings: tuple[Timing, ...]
 
 
-def _handshake(endpoints: Sequence[Endpoint], timeout: float) -> tuple[str, ...]:
-    replies = call_all([(e, Request(Op.HANDSHAKE), None) for e in endpoints], timeout=timeout)
+def _participant_ids(endpoints: Sequence[Endpoint], timeout: float) -> tuple[str, ...]:
+    """Each shim's id, from STATUS (binds nothing: the capture's HANDSHAKE binds)."""
+    replies = call_all([(e, Request(Op.STATUS), None) for e in endpoints], timeout=timeout)
     ids: list[str] = []
     problems: list[str] = []
     for reply in replies:
@@ -624,7 +622,7 @@ def _handshake(endpoints: Sequence[Endpoint], timeout: float) -> tuple[str, ...]
         else:
             ids.append(reply.participant)
     if problems:
-        raise DetectionRefused("a shim did not answer HANDSHAKE:", problems)
+        raise DetectionRefused("a shim did not answer STATUS:", problems)
     return tuple(ids)
 
 
@@ -670,7 +668,7 @@ def suspend(
         )
         ids: tuple[str | None, ...] = (None,) * len(group)
         if detection.mode == "cuinterpose":
-            ids = _handshake(detection.endpoints, options.phase_timeout)
+            ids = _participant_ids(detection.endpoints, options.phase_timeout)
     prepared = False
     if detection.mode == "cuinterpose":
         with report.step("capture") as moved:

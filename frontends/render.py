@@ -99,8 +99,9 @@ class HumanView:
             if phase.transfer is None:
                 continue
             detail = Table(title=f"{phase.machine} {phase.phase} per participant")
-            for column in ("participant", "pid", "allocations", "bytes", "copy s", "GB/s"):
-                detail.add_column(column)
+            detail.add_column("participant", no_wrap=True, min_width=32)
+            for column in ("pid", "allocations", "bytes", "copy s", "GB/s"):
+                detail.add_column(column, justify="right")
             for p in phase.transfer.per_participant:
                 detail.add_row(
                     p.participant,

@@ -68,6 +68,10 @@ static bool validate(const struct cuip_header *q, struct reply *r)
                   op_name(q->op));
         return false;
     }
+    /* STATUS may come from anyone allowed to connect (a status command, not the
+     * coordinator): it need not know the id, and binds nothing. */
+    if (q->op == CUIP_OP_STATUS && shim_is_zero(q->participant, CUIP_PARTICIPANT_LEN))
+        return true;
     if (q->op == CUIP_OP_HANDSHAKE) {
         if (!shim_is_zero(q->participant, CUIP_PARTICIPANT_LEN)) {
             reply_msg(r, CUIP_STATUS_BAD_REQUEST, "HANDSHAKE must not name a participant");

@@ -44,8 +44,8 @@ enum cuip_op {
     CUIP_OP_ROLLBACK_ALLOCATIONS = 13,
     CUIP_OP_ROLLBACK_IMPORTS = 14,
     /* Read-only, served while a phase op runs (never a phase op, changes
-     * nothing): the reply's stat fields say what is in flight, see
-     * CUIP_STATUS_STAT_* below. */
+     * nothing, binds nothing; the participant may be all zero): the reply's
+     * stat fields say what is in flight (below). */
     CUIP_OP_STATUS = 15,
 };
 #define CUIP_OP_MAX CUIP_OP_STATUS

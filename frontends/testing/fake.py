@@ -567,7 +567,8 @@ class FakeParticipant:
     def _answer(self, request: Request, fault: Fault | None) -> bytes | None:
         """The reply bytes for a well-formed request (None: hang up without one)."""
         op = request.op
-        if op is not Op.HANDSHAKE and request.participant != self.participant:
+        anonymous = op is Op.HANDSHAKE or (op is Op.STATUS and not request.participant)
+        if not anonymous and request.participant != self.participant:
             return self._encode(
                 op,
                 Status.WRONG_PARTICIPANT,

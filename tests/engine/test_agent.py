@@ -461,3 +461,24 @@ def test_cli_suspend_failures_exit_1_with_every_step(
         code, _, err = run_cli([*argv, "--not-requested"], running(), monkeypatch)
         assert code == cli.EXIT_FAILED
         assert "did not request cuinterpose" in err and "pid 1000" in err and "pid 1001" in err
+
+
+def test_the_human_view_shows_copy_progress_steps_and_the_summary() -> None:
+    from cuinterpose import render
+    from cuinterpose.engine.progress import ParticipantTransfer, PhaseEvent, Transfer
+
+    out = io.StringIO()
+    view = render.HumanView(out, per_participant=True)
+    transfer = Transfer(
+        1, 4 << 20, 2.0, 4.0, (ParticipantTransfer("a" * 32, 7, 1, 4 << 20, 0.002, 0.001),)
+    )
+    with view.live():
+        view(agent.StepEvent("capture", "started"))
+        view(agent.CopyProgress("SAVE_ALLOCATIONS", 1 << 20, 4 << 20, 0.5))
+        view(PhaseEvent("capture", "SAVE_ALLOCATIONS", 0.002, 1, transfer))
+        view(agent.StepEvent("capture", "done", 0.25, 4 << 20))
+    view.summary([agent.Timing("capture", 0.25, 4 << 20), agent.Timing("native_lock", 0.01)])
+    text = out.getvalue()
+    assert "SAVE_ALLOCATIONS" in text and "capture: done in 0.250 s" in text
+    assert "0.02" in text  # 4 MiB in 0.25 s, in GB/s
+    assert "native_lock" in text and "per participant" in text and "a" * 32 in text

@@ -229,11 +229,16 @@ def test_status_is_served_while_a_phase_op_is_in_flight(
     _, topology = runner.inspect(endpoints, timeout=30)
 
     def in_flight() -> wire.InFlight:
+        # Anonymous (as `cuinterpose status` asks) and bound: the same answer.
+        anonymous, _ = shimenv.request(path, wire.Request(wire.Op.STATUS))
         reply, _ = shimenv.request(path, wire.Request(wire.Op.STATUS, participant=me))
-        assert reply.status is wire.Status.OK, reply
+        assert reply.status is wire.Status.OK and reply.participant == me, reply
+        assert anonymous.status is wire.Status.OK and anonymous.participant == me, anonymous
         return wire.InFlight.from_stats(reply.stats)
 
     assert in_flight() == wire.InFlight(None, 0, 0, 0)
+    other, _ = shimenv.request(path, wire.Request(wire.Op.STATUS, participant="0" * 32))
+    assert other.status is wire.Status.WRONG_PARTICIPANT
     for op, total in ((wire.Op.PREPARE_MULTICAST, 0), (wire.Op.SAVE_ALLOCATIONS, group.size)):
         native.lock(creator, 10_000)
         answers: list[wire.Reply] = []
@@ -247,6 +252,12 @@ def test_status_is_served_while_a_phase_op_is_in_flight(
         flight = in_flight()
         assert (flight.bytes_done, flight.bytes_total) == (0, total), flight
         assert not answers  # still blocked on the locked driver
+        if op is wire.Op.SAVE_ALLOCATIONS:  # the agent's progress sees it too
+            seen: list[agent.CopyProgress] = []
+            with agent._CopyWatcher([(endpoints[0], me)], seen.append):
+                wait_until(lambda seen=seen: seen, "a copy progress event")
+            assert seen[0].phase == "SAVE_ALLOCATIONS"
+            assert (seen[0].bytes_done, seen[0].bytes_total) == (0, group.size)
         native.unlock(creator)
         sender.join()
         assert answers[0].status is wire.Status.OK, answers[0]
