@@ -402,15 +402,19 @@ class Manifest:
     participants: tuple[Participant, ...]
     timings: tuple[Timing, ...] = ()
     created_at: str = ""
+    resumed_at: str = ""  # set once a resume completed: the directory may be reused
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "version": MANIFEST_VERSION,
             "cuinterpose": {"requested": self.requested, "prepared": self.prepared},
             "participants": [attrs.asdict(p) for p in self.participants],
             "timings": [t.to_json() for t in self.timings],
             "created_at": self.created_at,
         }
+        if self.resumed_at:
+            out["resumed_at"] = self.resumed_at
+        return out
 
     @classmethod
     def from_json(cls, data: Any, path: Path) -> Manifest:
@@ -449,6 +453,7 @@ class Manifest:
             participants,
             timings,
             str(data.get("created_at", "")),
+            str(data.get("resumed_at", "")),
         )
 
     def processes(self) -> tuple[Process, ...]:
@@ -657,6 +662,16 @@ def suspend(
         raise AgentError(
             f"suspend refused: checkpoint directory {directory}:", [str(exc)]
         ) from None
+    if (directory / MANIFEST_FILE_NAME).exists():
+        held = read_manifest(directory)
+        if not held.resumed_at:
+            raise ManifestError(
+                f"suspend refused: {directory} holds the manifest of a group never resumed:",
+                [
+                    *(p.describe() for p in held.processes()),
+                    "resume it first, or suspend into another directory",
+                ],
+            )
     with report.step("detect"):
         detection = detect(requested, group, where)
         require_states(
@@ -772,6 +787,11 @@ def resume(
     report = _Reporter(on_event, logger or logging.getLogger(LOGGER_NAME))
     options = options or Options()
     manifest = read_manifest(directory)
+    if manifest.resumed_at:
+        raise ManifestError(
+            f"resume refused: the group in {directory} was resumed at {manifest.resumed_at}:",
+            ["suspend it again first"],
+        )
     group = manifest.processes()
     if processes is not None and set(_processes(processes)) != set(group):
         given = ", ".join(p.describe() for p in _processes(processes))
@@ -807,6 +827,7 @@ def resume(
             lines.append("rolled back: every process runs with the bytes it had at suspend")
         lines += [f"now {line}" for line in _status_lines(group, where, native)]
         raise ResumeFailed("resume failed:", lines, changed=True) from failure
+    write_manifest(directory, attrs.evolve(manifest, resumed_at=utc_timestamp()))
     return ResumeResult(manifest, coordinate, tuple(report.timings))
 
 

@@ -390,6 +390,16 @@ def test_a_group_that_did_not_request_is_checkpointed_natively_only(work: Path) 
     back = agent.resume(work / "ckpt", where=where, native=fake)
     assert not back.coordinator_restored
     assert set(fake.states.values()) == {ProcessState.RUNNING}
+    # Resumed: a second resume is refused, a new suspend may reuse the directory.
+    assert agent.read_manifest(work / "ckpt").resumed_at
+    with pytest.raises(agent.ManifestError, match="was resumed at"):
+        agent.resume(work / "ckpt", where=where, native=fake)
+    agent.suspend([(p, p) for p in PIDS], work / "ckpt", where=where, native=fake, requested=False)
+    # Suspended and never resumed: the manifest is not overwritten by another suspend.
+    fake.states = {p: ProcessState.RUNNING for p in PIDS}
+    with pytest.raises(agent.ManifestError, match="never resumed") as info:
+        agent.suspend([(p, p) for p in PIDS], work / "ckpt", where=where, native=fake)
+    assert "pid 1000 (ns pid 1000)" in str(info.value) and "resume it first" in str(info.value)
 
 
 def test_resume_refuses_other_processes_and_unsuspended_ones(work: Path) -> None:
