@@ -362,18 +362,23 @@ def _agent_processes(args: argparse.Namespace) -> list[agent.Process]:
 
 
 def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from . import render
-
     processes = _agent_processes(args)
     mode = args.progress
     if mode == "auto":
         mode = "human" if stdout.isatty() else "json"
-    view = render.HumanView(stdout, per_participant=args.per_participant)
-    on_event = None if mode == "none" else view if mode == "human" else render.json_events(stdout)
+    view = None
+    on_event: agent.AgentCallback | None = None
+    live: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    if mode == "human":
+        from . import render  # rich: only for a person's output
+
+        view = render.HumanView(stdout, per_participant=args.per_participant)
+        on_event, live = view, view.live()
+    elif mode == "json":
+        on_event = _json_events(stdout)
     stop = threading.Event()
     options = runner.Options(phase_timeout=_phase_timeout(args.phase_timeout), stop=stop)
     native = _native_backend()
-    live = view.live() if mode == "human" else contextlib.nullcontext(view)
     try:
         with _stopping_on_signals(stop), live:
             if command == "suspend":
@@ -405,7 +410,7 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
         return _failure(error, args, stderr)
     except NativeUnavailableError as exc:
         return _fail([f"{command}: {exc}"], stderr)
-    if mode == "human":
+    if view is not None:
         view.summary(done.timings)
     elif mode == "json":
         with contextlib.suppress(OSError):
@@ -419,17 +424,27 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
     return EXIT_OK
 
 
-def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from . import render
+def _json_events(stream: TextIO) -> agent.AgentCallback:
+    def emit(event: agent.AgentEvent) -> None:
+        with contextlib.suppress(OSError):  # a closed stdout must not stop a suspend
+            stream.write(json.dumps(event.to_json(), allow_nan=False) + "\n")
+            stream.flush()
 
+    return emit
+
+
+def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     processes = _agent_processes(args)
     try:
         rows = agent.status(processes, _where(args), _native_backend())
     except NativeUnavailableError as exc:
         return _fail([f"status: {exc}"], stderr)
     if args.json:
-        stdout.write(json.dumps(render.status_json(rows), indent=2) + "\n")
+        document = {"processes": [r.to_json() for r in rows]}
+        stdout.write(json.dumps(document, indent=2) + "\n")
     else:
+        from . import render  # rich: only for a person's output
+
         render.status_table(stdout, rows)
     return EXIT_OK
 

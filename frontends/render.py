@@ -1,16 +1,15 @@
-"""What ``suspend``, ``resume`` and ``status`` show a person (rich) or a program (JSON lines).
+"""What ``suspend``, ``resume`` and ``status`` show a person, through ``rich``.
 
-Human output: a progress bar with bytes and rate while SAVE/LOAD copy, a line per
-agent step, then a summary table (phase, seconds, bytes, GB/s; per participant on
-request). JSON: one object per event, as the engine's events serialize themselves.
+A progress bar with bytes and rate while SAVE/LOAD copy, a line per agent step, then
+a summary table (phase, seconds, bytes, GB/s; per participant on request); the
+status table. JSON output (the CLI's own) never imports this module.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TextIO
+from collections.abc import Iterator, Sequence
+from typing import TextIO
 
 from rich.console import Console
 from rich.progress import (
@@ -26,15 +25,6 @@ from rich.table import Table
 
 from .engine.agent import AgentEvent, CopyProgress, ProcessStatus, StepEvent, Timing
 from .engine.progress import FailedEvent, PhaseEvent, human_line
-
-
-def json_events(stream: TextIO) -> Callable[[AgentEvent], None]:
-    def emit(event: AgentEvent) -> None:
-        with contextlib.suppress(OSError):  # a closed stdout must not stop a suspend
-            stream.write(json.dumps(event.to_json(), allow_nan=False) + "\n")
-            stream.flush()
-
-    return emit
 
 
 class HumanView:
@@ -132,7 +122,3 @@ def status_table(stream: TextIO, rows: Sequence[ProcessStatus]) -> None:
             flight or row.problem,
         )
     Console(file=stream, highlight=False, soft_wrap=True, width=160).print(table)
-
-
-def status_json(rows: Sequence[ProcessStatus]) -> dict[str, Any]:
-    return {"processes": [r.to_json() for r in rows]}

@@ -492,3 +492,18 @@ def test_the_human_view_shows_copy_progress_steps_and_the_summary() -> None:
     assert "SAVE_ALLOCATIONS" in text and "capture: done in 0.250 s" in text
     assert "0.02" in text  # 4 MiB in 0.25 s, in GB/s
     assert "native_lock" in text and "per participant" in text and "a" * 32 in text
+
+
+def test_cli_suspend_refused_by_capture_touches_no_native_state(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = running()
+    refused = topologies.with_records(TOPOLOGY, topologies.participant(1), topologies.raw_import())
+    with team_of(refused, work / "control") as team:
+        common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(team.control_dir)]
+        code, _, err = run_cli(["suspend", *common, *team.processes], fake, monkeypatch)
+        assert code == cli.EXIT_FAILED, err
+        assert "capture refused" in err and "RAW_IMPORT" in err and "pid 1001" in err
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+    assert [c for c in fake.calls if c[0] != "state"] == []
+    assert not (work / "ckpt" / agent.MANIFEST_FILE_NAME).exists()

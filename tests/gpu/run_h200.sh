@@ -5,7 +5,8 @@
 #   PYTHON=/path/to/python OUT=/path/to/results tests/gpu/run_h200.sh
 #
 # PYTHON must already have the dependencies (cuda-bindings, cuda-pathfinder, the
-# nvidia-cuda-runtime headers, pytest, attrs, cattrs, transitions) and cuinterpose
+# nvidia-cuda-runtime headers, pytest, attrs, cattrs, transitions; rich only for the
+# CLI's human output, which nothing here uses) and cuinterpose
 # installed (e.g. pip install --no-deps --no-build-isolation -e .); nothing is
 # downloaded here. Never runs a multicast case (CUINTERPOSE_ALLOW_MULTICAST=0).
 # $OUT receives at most 7 files: environment.txt, build.log, pytest-gpu.log,
