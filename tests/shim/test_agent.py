@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cuinterpose.engine import agent, runner, wire
+from cuinterpose.engine import PhaseFailed, agent, runner, wire
 from cuinterpose.engine.client import ParticipantHangup, call_all
 from cuinterpose.engine.native import ProcessState
 
@@ -334,3 +334,31 @@ def test_the_suspend_benchmark_runs_on_the_simulator(stack: None, tmp_path: Path
         "native_lock",
         "native_checkpoint",
     }
+
+
+def test_a_drain_that_cannot_enter_a_context_refuses_before_any_teardown(
+    spawn: Spawn, control_dir: Path, tmp_path: Path
+) -> None:
+    """PREPARE_MULTICAST drains every known context first, each call checked: an allocation
+    whose context the application destroyed makes the drain fail, and nothing is torn down."""
+    app = spawn("app")
+    app(
+        "c2 = check(cu.cuCtxCreate(None, 0, dev))\n"
+        "h2 = check(cu.cuMemCreate(2 * gran, prop(), 0))\n"
+        "os.close(export(h2))\n"
+        "check(cu.cuCtxSetCurrent(ctx))\n"
+        "check(cu.cuCtxDestroy(c2))\n"
+        "result = None"
+    )
+    endpoint = agent.Where(control_dir).endpoint(agent.Process(app.pid, app.pid))
+    with pytest.raises(PhaseFailed) as info:
+        runner.capture([endpoint], tmp_path)
+    error = info.value
+    assert error.phase == "PREPARE_MULTICAST", error
+    assert "draining device work of context" in str(error), error
+    assert "cuCtxPushCurrent failed: CUDA_ERROR_INVALID_CONTEXT" in str(error), error
+    assert error.rolled_back, error
+    reply, _ = shimenv.request(
+        shimenv.socket_path(control_dir, app.pid), wire.Request(wire.Op.STATUS)
+    )
+    assert reply.phase is wire.Phase.ACTIVE
