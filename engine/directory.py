@@ -110,6 +110,24 @@ def read_intent(directory: Path) -> CheckpointState | None:
     return read_state(directory, INTENT_FILE_NAME)
 
 
+def promote_intent(directory: Path) -> Path:
+    """Make the intent the state file: one rename, so the capture never re-encodes its record.
+
+    The intent holds the state file's document already (participants and topology do
+    not change between the first destructive op and the end of a capture); the
+    rename replaces any older state file atomically and the directory fsync makes
+    it durable.
+    """
+    directory = Path(directory)
+    target = directory / STATE_FILE_NAME
+    try:
+        os.rename(directory / INTENT_FILE_NAME, target)
+        fsync_directory(directory)
+    except OSError as exc:
+        raise StateFileError(target, f"not written: {exc.strerror or exc}") from exc
+    return target
+
+
 def clear_intent(directory: Path) -> None:
     (Path(directory) / INTENT_FILE_NAME).unlink(missing_ok=True)
     fsync_directory(directory)
@@ -153,7 +171,8 @@ def capture_problem(directory: Path, *, replace: bool) -> str | None:
                 f"checkpoint directory {directory} holds an interrupted capture "
                 f"({INTENT_FILE_NAME}): run `cuinterpose recover` first"
             )
-        if not replace and _regular(directory / STATE_FILE_NAME):
+        holds_state = _regular(directory / STATE_FILE_NAME)  # refuses a non-file there
+        if not replace and holds_state:
             try:
                 held = read_state(directory)
             except StateFileError:

@@ -121,6 +121,19 @@ def participants_match_state(run: Run) -> list[Problem]:
     return problems
 
 
+def records_match_state(run: Run) -> list[Problem]:
+    """Before anything changes: the shims hold what the state file says they hold.
+
+    A state file edited (or swapped for another group's) after the capture is
+    refused here, not found out by the final VERIFY after every destructive step.
+    """
+    assert run.captured is not None and run.topology is not None
+    differences = run.captured.differences(run.topology)
+    if not differences and not run.captured.same_shape(run.topology):
+        differences = ("the records differ from the state file's",)
+    return [Problem(f"the state file does not match the shims: {d}") for d in differences]
+
+
 def topology_matches_capture(run: Run) -> list[Problem]:
     assert run.captured is not None and run.topology is not None
     differences = run.captured.differences(run.topology)
@@ -138,6 +151,7 @@ GUARDS: Final[Mapping[str, GuardCheck]] = {
         preflight_clean,
         checkpoint_dir_writable,
         participants_match_state,
+        records_match_state,
         topology_matches_capture,
         all_can_roll_back,
         topology_matches_record,

@@ -18,6 +18,15 @@ from .wire import Reply
 Transport = Callable[..., list[Reply | ParticipantError]]
 
 DEFAULT_PHASE_TIMEOUT_S = 120.0
+# A byte phase (SAVE, LOAD, ROLLBACK_ALLOCATIONS) may take phase_timeout plus its
+# bytes at this rate: a hung copy is still caught, a large capture is not killed
+# (H200 SAVE runs at 10 GB/s and more, so this is a 40x margin).
+SLOWEST_TRANSFER_RATE = 256 * 2**20
+# A shim that answers RETRY (out of memory, nothing kept) is sent the op again this
+# many times in all, within the phase's time, after a pause that doubles from
+# RETRY_PAUSE_S: memory that another participant is about to free becomes free.
+RETRY_ATTEMPTS = 5
+RETRY_PAUSE_S = 0.05
 
 
 @attrs.frozen
@@ -25,6 +34,8 @@ class Options:
     """How a run behaves; every field has a default an embedder can keep."""
 
     phase_timeout: float = DEFAULT_PHASE_TIMEOUT_S
+    slowest_transfer_rate: float = SLOWEST_TRANSFER_RATE  # bytes per second
+    retry_attempts: int = RETRY_ATTEMPTS
     on_progress: ProgressCallback | None = None
     trace: TraceSink | None = None
     content_mode: Literal["host", "native"] = "host"
@@ -42,3 +53,13 @@ class Options:
     def __attrs_post_init__(self) -> None:
         if not self.phase_timeout > 0:
             raise ValueError(f"phase_timeout must be positive, got {self.phase_timeout}")
+        if not self.slowest_transfer_rate > 0:
+            raise ValueError(
+                f"slowest_transfer_rate must be positive, got {self.slowest_transfer_rate}"
+            )
+        if self.retry_attempts < 1:
+            raise ValueError(f"retry_attempts must be at least 1, got {self.retry_attempts}")
+
+    def timeout_for(self, transfer_bytes: int) -> float:
+        """The time a phase may take that moves ``transfer_bytes`` (0 for the others)."""
+        return self.phase_timeout + transfer_bytes / self.slowest_transfer_rate

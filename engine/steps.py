@@ -9,19 +9,20 @@ their step declares.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import attrs
 
-from ..phases import Action, MachineSpec, ProgressKind, Step
+from ..phases import PHASE_OP, Action, MachineSpec, ProgressKind, Step
 from . import trace as tracing
 from .client import BadReply, Endpoint, ParticipantError, ParticipantHangup, ParticipantTimeout
-from .directory import clear_intent, read_intent, write_intent
+from .directory import promote_intent, read_intent, write_intent
 from .errors import PhaseFailed, Problem
 from .fsm import step_op, step_reply_phase
-from .options import Options
+from .options import RETRY_PAUSE_S, Options
 from .progress import PhaseEvent, Transfer
 from .statefile import (
     STATE_FILE_NAME,
@@ -193,13 +194,8 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
             (b.endpoint, Request(op, participant=b.participant), b.participant) for b in run.bound
         ]
     began = options.clock()
-    results = options.transport(calls, timeout=options.phase_timeout)
+    results = _send(run, calls, options.timeout_for(_transfer_bytes(run, op)))
     elapsed = options.clock() - began
-    if options.trace is not None:  # hex-encoding every record is not free
-        run.record["exchanges"] = [
-            tracing.exchange_entry(endpoint, request, result)
-            for (endpoint, request, _), result in zip(calls, results, strict=True)
-        ]
     if op is Op.HANDSHAKE:
         if run.spec.drops_gone:
             answered = _drop_gone(run, calls, results)
@@ -229,6 +225,60 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
     return PhaseEvent(run.spec.name, op.name, elapsed, len(run.endpoints), transfer)
 
 
+def _transfer_bytes(run: Run, op: Op) -> int:
+    """The bytes ``op`` moves, as far as the run knows them (0 for a phase that moves none)."""
+    phase_op = PHASE_OP.get(op.name)
+    if phase_op is None or not phase_op.transfers:
+        return 0
+    topology = run.topology or run.captured
+    return topology.allocation_bytes if topology is not None else 0
+
+
+def _send(
+    run: Run, calls: Sequence[tuple[Endpoint, Request, str | None]], timeout: float
+) -> list[Reply | ParticipantError]:
+    """Send ``calls``; send again to every participant that answered RETRY, while
+    attempts and the phase's time last. Every attempt goes into the trace in order."""
+    options = run.options
+    deadline = options.clock() + timeout
+    results = _attempt(run, calls, timeout)
+    pause = RETRY_PAUSE_S
+    for _ in range(options.retry_attempts - 1):
+        again = [i for i, r in enumerate(results) if _retryable(r)]
+        if not again or options.clock() + pause >= deadline or _stopped(options, pause):
+            break
+        answers = _attempt(run, [calls[i] for i in again], deadline - options.clock())
+        for i, answer in zip(again, answers, strict=True):
+            results[i] = answer
+        pause *= 2
+    return results
+
+
+def _attempt(
+    run: Run, calls: Sequence[tuple[Endpoint, Request, str | None]], timeout: float
+) -> list[Reply | ParticipantError]:
+    options = run.options
+    results = list(options.transport(calls, timeout=timeout))
+    if options.trace is not None:  # hex-encoding every record is not free
+        run.record.setdefault("exchanges", []).extend(
+            tracing.exchange_entry(endpoint, request, result)
+            for (endpoint, request, _), result in zip(calls, results, strict=True)
+        )
+    return results
+
+
+def _retryable(result: Reply | ParticipantError) -> bool:
+    return isinstance(result, Reply) and result.status is Status.RETRY
+
+
+def _stopped(options: Options, pause: float) -> bool:
+    """Wait ``pause`` before a resend; True when the run was told to stop meanwhile."""
+    if options.stop is None:
+        time.sleep(pause)
+        return False
+    return options.stop.wait(pause)
+
+
 def _drop_gone(
     run: Run,
     calls: Sequence[tuple[Endpoint, Request, str | None]],
@@ -256,24 +306,27 @@ def _local_failure(run: Run, step: str, reason: str) -> PhaseFailed:
 
 
 def write_state_file(run: Run) -> None:
-    assert run.topology is not None
-    state = _state_of(run)
     try:
-        run.state_path = write_state(run.checkpoint_dir, state)
-        clear_intent(run.checkpoint_dir)  # the state file says all the intent said
+        if run.intent_path is not None and run.state_file is not None:
+            run.state_path = promote_intent(run.checkpoint_dir)  # it says all the state says
+        else:
+            run.state_file = _state_of(run)
+            run.state_path = write_state(run.checkpoint_dir, run.state_file)
     except (OSError, StateFileError) as exc:
         raise _local_failure(run, "WRITE_STATE", f"writing the state file failed: {exc}") from exc
-    run.state_file = state
+    run.intent_path = None
     run.record["state_path"] = str(run.state_path)
 
 
 def write_intent_file(run: Run) -> None:
     """Record the group durably before its first destructive op (see :mod:`.directory`)."""
     step = run.spec.steps[run.spec.first_destructive() or 0].trigger
+    state = _state_of(run)
     try:
-        run.intent_path = write_intent(run.checkpoint_dir, _state_of(run))
+        run.intent_path = write_intent(run.checkpoint_dir, state)
     except (OSError, StateFileError) as exc:
         raise _local_failure(run, step, f"recording the intent failed: {exc}") from exc
+    run.state_file = state
     run.record["intent_path"] = str(run.intent_path)
 
 

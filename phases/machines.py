@@ -109,6 +109,11 @@ RESTORE = MachineSpec(
             "every participant reported phase PREPARED at HANDSHAKE",
             Refusal.PARTICIPANTS,
         ),
+        Guard(
+            "records_match_state",
+            "every participant's records, inspected while PREPARED, equal the state file's",
+            Refusal.TOPOLOGY,
+        ),
         _TOPOLOGY_VALID,
         Guard(
             "topology_matches_capture",
@@ -133,12 +138,21 @@ RESTORE = MachineSpec(
             op="HANDSHAKE",
         ),
         Step(
-            "LOAD_ALLOCATIONS",
+            "INSPECT_PREPARED",
             "handshaken",
+            "prepared_inspected",
+            "collect every participant's records, to compare with the state file",
+            op="INSPECT",
+            reply_phase="PREPARED",
+            guards=("participants_match_state", "all_prepared"),
+        ),
+        Step(
+            "LOAD_ALLOCATIONS",
+            "prepared_inspected",
             "allocations_loaded",
             "creators re-create, map and refill every shared allocation",
             op="LOAD_ALLOCATIONS",
-            guards=("participants_match_state", "all_prepared"),
+            guards=("records_match_state",),
             progress=ProgressKind.TRANSFER,
         ),
         Step(

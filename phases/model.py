@@ -78,8 +78,16 @@ class Step:
     action: Action | None = None  # a local step's work
 
     def __attrs_post_init__(self) -> None:
-        if self.op is not None and self.trigger != self.op:
-            raise ValueError(f"step {self.trigger}: a wire step's trigger must be its op's name")
+        # A wire step is named after its op; an op sent twice in one machine is
+        # told apart by a qualifier (INSPECT, INSPECT_PREPARED).
+        named = self.op is not None and (
+            self.trigger == self.op or self.trigger.startswith(self.op + "_")
+        )
+        if self.op is not None and not named:
+            raise ValueError(
+                f"step {self.trigger}: a wire step's trigger must be its op's name, "
+                "or that name and a qualifier"
+            )
         if self.op is None and self.reply_phase is not None:
             raise ValueError(f"step {self.trigger}: a local step sends nothing to check")
         if (self.op is None) == (self.action is None):

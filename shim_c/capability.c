@@ -117,9 +117,10 @@ static int connect_endpoint(const char *endpoint, char *msg, size_t n)
         return -1;
     }
     if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+        int gone = errno == ECONNREFUSED || errno == ENOENT;
         snprintf(msg, n, "connect %s: %s", a.sun_path, strerror(errno));
         close(fd);
-        return -1;
+        return gone ? CAP_CREATOR_GONE : -1;
     }
     return fd;
 }
@@ -139,7 +140,7 @@ int cap_fetch(const char creator[CUIP_PARTICIPANT_LEN], const uint8_t id[CUIP_ID
     }
     s = connect_endpoint(endpoint, msg, n);
     if (s < 0)
-        return -1;
+        return s;
     memset(&req, 0, sizeof req);
     req.magic = CUIP_MAGIC;
     req.version = CUIP_VERSION;

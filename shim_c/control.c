@@ -317,9 +317,11 @@ static void handle(const struct cuip_header *q, struct reply *r)
         return;
     case CUIP_OP_INSPECT:
         pthread_mutex_lock(&g.lock);
-        if (g.phase != CUIP_PHASE_ACTIVE)
-            reply_msg(r, CUIP_STATUS_WRONG_PHASE, "INSPECT needs phase ACTIVE; the shim is in "
-                      "phase %u", g.phase);
+        /* PREPARED too: a restore compares the records with its state file
+         * before it changes anything; the records do not change meanwhile. */
+        if (g.phase != CUIP_PHASE_ACTIVE && g.phase != CUIP_PHASE_PREPARED)
+            reply_msg(r, CUIP_STATUS_WRONG_PHASE, "INSPECT needs phase ACTIVE or PREPARED; "
+                      "the shim is in phase %u", g.phase);
         else if (g.busy)
             reply_msg(r, CUIP_STATUS_REFUSED, "another phase op is running");
         else

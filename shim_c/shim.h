@@ -330,7 +330,10 @@ enum cap_kind {
     CAP_VALID = 1,      /* a capability; `cap` is filled */
 };
 SHIM_HIDDEN enum cap_kind cap_parse(int fd, struct cuip_capability *cap);
-/* Ask the creator's endpoint for a fresh raw FD (EXPORT); -1 and msg on error. */
+/* Ask the creator's endpoint for a fresh raw FD (EXPORT); -1 and msg on error,
+ * CAP_CREATOR_GONE and msg when nobody serves the endpoint (no socket there, or
+ * nobody listening: the creator process is gone). */
+#define CAP_CREATOR_GONE (-2)
 SHIM_HIDDEN int cap_fetch(const char creator[CUIP_PARTICIPANT_LEN],
                           const uint8_t id[CUIP_ID_LEN], const uint8_t auth[CUIP_AUTH_LEN],
                           const char endpoint[CUIP_CAP_ENDPOINT_LEN], char *msg, size_t n);

@@ -622,18 +622,14 @@ int unicast_unload_mappings(struct obj *o, char *msg, size_t n)
     return rc;
 }
 
-static int reimport(struct obj *o, const char *op, struct reply *r)
+/* Import `fd` (a fresh export of o's creator, consumed) and map it at o's VAs. */
+static int import_fetched(struct obj *o, int fd, const char *op, struct reply *r)
 {
     char msg[512];
     CUmemGenericAllocationHandle h = 0;
     bool pushed = false;
     CUresult cr;
-    int fd = cap_fetch(o->creator, o->id, o->auth, o->endpoint, msg, sizeof msg);
 
-    if (fd < 0) {
-        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: %s", op, msg);
-        return -1;
-    }
     cr = shim_ctx_enter(o->ctx, &pushed);
     if (cr != CUDA_SUCCESS) {
         shim_fail(msg, sizeof msg, "cuCtxPushCurrent", cr);
@@ -673,6 +669,18 @@ fail:
     return -1;
 }
 
+static int reimport(struct obj *o, const char *op, struct reply *r)
+{
+    char msg[512];
+    int fd = cap_fetch(o->creator, o->id, o->auth, o->endpoint, msg, sizeof msg);
+
+    if (fd < 0) {
+        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: %s", op, msg);
+        return -1;
+    }
+    return import_fetched(o, fd, op, r);
+}
+
 static bool is_import(const struct obj *o)
 {
     return o && obj_shared(o) && !o->is_creator;
@@ -691,20 +699,35 @@ enum phase_result unicast_restore(struct reply *r)
 }
 
 /* Every import again: a live one may map memory that its creator has since
- * replaced (re-created from its staged bytes), so it is dropped first. */
+ * replaced (re-created from its staged bytes), so it is dropped, but only once
+ * a fresh export is in hand. A live import whose creator is gone is kept: a
+ * dead creator replaced nothing, and the import is the last reference to the
+ * bytes. */
 enum phase_result unicast_reimport_all(struct reply *r)
 {
-    char msg[256];
+    char msg[512];
 
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
         if (!is_import(o))
             continue;
-        if (o->live && unicast_drop(o, msg, sizeof msg) != 0) {
+        int fd = cap_fetch(o->creator, o->id, o->auth, o->endpoint, msg, sizeof msg);
+        if (fd == CAP_CREATOR_GONE && o->live) {
+            shim_log(LOG_WARN, "ROLLBACK_IMPORTS: creator %.*s is gone (%s); the import "
+                     "that still maps its memory is kept", CUIP_PARTICIPANT_LEN, o->creator,
+                     msg);
+            continue;
+        }
+        if (fd < 0) {
             reply_msg(r, CUIP_STATUS_CUDA_FAILED, "ROLLBACK_IMPORTS: %s", msg);
             return PHASE_FAILED;
         }
-        if (reimport(o, "ROLLBACK_IMPORTS", r) != 0)
+        if (o->live && unicast_drop(o, msg, sizeof msg) != 0) {
+            close(fd);
+            reply_msg(r, CUIP_STATUS_CUDA_FAILED, "ROLLBACK_IMPORTS: %s", msg);
+            return PHASE_FAILED;
+        }
+        if (import_fetched(o, fd, "ROLLBACK_IMPORTS", r) != 0)
             return PHASE_FAILED;
     }
     return PHASE_DONE;

@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Final, Literal
+from typing import Final, Literal, get_args
 
 import attrs
 
@@ -53,10 +53,10 @@ from ..engine.wire import (
 )
 from ..phases.ops import PHASE_OP
 
-FaultKind = Literal["fail", "delay", "hang", "hangup", "wrong_participant", "wrong_op", "garbage"]
-FAULT_KINDS: Final[frozenset[str]] = frozenset(
-    ("fail", "delay", "hang", "hangup", "wrong_participant", "wrong_op", "garbage")
-)
+FaultKind = Literal[
+    "fail", "retry", "delay", "hang", "hangup", "wrong_participant", "wrong_op", "garbage"
+]
+FAULT_KINDS: Final[frozenset[str]] = frozenset(get_args(FaultKind))
 
 # What a shim may do in which phase (specs/protocol.md, "Ops").
 _RESTORE_PHASES: Final = frozenset(
@@ -91,7 +91,7 @@ def allowed_phases(op: Op) -> frozenset[Phase]:
     if op is Op.HANDSHAKE or op is Op.STATUS:
         return frozenset(Phase)
     if op is Op.INSPECT:
-        return frozenset({Phase.ACTIVE})
+        return frozenset({Phase.ACTIVE, Phase.PREPARED})
     if op is Op.EXPORT:
         return frozenset({Phase.ACTIVE}) | _RESTORE_PHASES
     return _TRANSITIONS[op][0]
@@ -118,6 +118,9 @@ class Fault:
 
     - ``fail``: answer ``status`` with ``message`` (after the phase check, like a
       shim whose CUDA work failed); a destructive op leaves the fake FAILED.
+    - ``retry``: answer RETRY (out of memory, nothing kept, the phase unchanged) the
+      first ``times`` times the op arrives, then answer normally; ``times`` 0
+      answers RETRY every time.
     - ``delay``: wait ``seconds``, then answer normally.
     - ``hang``: never answer (until the client hangs up or the fake stops).
     - ``hangup``: close the connection without answering.
@@ -134,6 +137,7 @@ class Fault:
     status: Status = Status.CUDA_FAILED
     message: str = "injected failure"
     seconds: float = attrs.field(default=0.0, validator=_check_seconds)
+    times: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
     def __attrs_post_init__(self) -> None:
         if self.kind == "fail" and self.status is Status.OK:
@@ -249,6 +253,7 @@ class FakeParticipant:
         self._reason = ""
         self._restored = False
         self._received: list[Op] = []
+        self._retried: dict[Op, int] = {}
         self._errors: list[BaseException] = []
         self._barrier_waiters = 0
         self._stopping = threading.Event()
@@ -591,6 +596,14 @@ class FakeParticipant:
                     f"{op.name} is not allowed in phase {phase.name}",
                     participant=participant,
                 )
+            if kind == "retry":
+                assert fault is not None
+                answered = self._retried.get(op, 0)
+                if fault.times == 0 or answered < fault.times:
+                    self._retried[op] = answered + 1
+                    return self._encode(
+                        echoed, Status.RETRY, "out of memory (injected)", participant=participant
+                    )
             if kind == "fail":
                 assert fault is not None
                 if is_destructive(op):

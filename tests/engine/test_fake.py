@@ -122,7 +122,7 @@ def test_the_phase_table_is_the_protocols() -> None:
     rollback = [Op.ROLLBACK_ALLOCATIONS, Op.ROLLBACK_IMPORTS]
     assert [op for op in Op if is_destructive(op)] == CAPTURE + RESTORE + rollback
     assert allowed_phases(Op.HANDSHAKE) == frozenset(Phase)
-    assert allowed_phases(Op.INSPECT) == {Phase.ACTIVE}
+    assert allowed_phases(Op.INSPECT) == {Phase.ACTIVE, Phase.PREPARED}
     assert allowed_phases(Op.EXPORT) == {
         Phase.ACTIVE,
         Phase.ALLOCATIONS_LOADED,

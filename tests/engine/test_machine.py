@@ -77,9 +77,10 @@ def test_an_exception_in_perform_propagates_and_fail_ends_the_machine() -> None:
     machine = build_machine(RESTORE, model)
     fire(machine, model, "READ_STATE")
     fire(machine, model, "HANDSHAKE")
+    fire(machine, model, "INSPECT_PREPARED")
     with pytest.raises(RuntimeError, match="boom"):
         fire(machine, model, "LOAD_ALLOCATIONS")
-    assert model.state == "handshaken"
+    assert model.state == "prepared_inspected"
     assert fire(machine, model, "FAIL") and model.state == "failed"
 
 
@@ -104,7 +105,7 @@ def test_terminal_transitions() -> None:
     assert refuse["source"] == ["handshaken", "inspected"]
     assert fail["source"] == list(CAPTURE.states[:-1])
     restore_refuse = next(t for t in transition_table(RESTORE) if t["trigger"] == "REFUSE")
-    assert restore_refuse["source"] == ["handshaken"]
+    assert restore_refuse["source"] == ["handshaken", "prepared_inspected"]
 
 
 def test_a_model_missing_a_guard_is_refused() -> None:

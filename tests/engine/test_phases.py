@@ -37,6 +37,7 @@ def test_restore_sends_the_design_order() -> None:
     assert RESTORE.steps[0].trigger == "READ_STATE"
     assert RESTORE.ops == (
         "HANDSHAKE",
+        "INSPECT",
         "LOAD_ALLOCATIONS",
         "RESTORE_UNICAST",
         "RESTORE_MULTICAST_CREATORS",
@@ -93,7 +94,9 @@ def test_refusals_come_before_the_first_destructive_op() -> None:
     )
     assert CAPTURE.is_refusal("INSPECT") and CAPTURE.is_refusal("PREPARE_MULTICAST")
     assert not CAPTURE.is_refusal("SAVE_ALLOCATIONS")
-    assert RESTORE.step("LOAD_ALLOCATIONS").guards == ("participants_match_state", "all_prepared")
+    assert RESTORE.step("INSPECT_PREPARED").guards == ("participants_match_state", "all_prepared")
+    # The shims' records are compared with the state file before anything changes.
+    assert RESTORE.step("LOAD_ALLOCATIONS").guards == ("records_match_state",)
     assert RESTORE.is_refusal("LOAD_ALLOCATIONS")
     # VERIFY's guards come after destruction: they fail rather than refuse.
     assert RESTORE.step("VERIFY").guards == ("topology_valid", "topology_matches_capture")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,6 +43,7 @@ CAPTURE_OPS = [
 ]
 RESTORE_OPS = [
     Op.HANDSHAKE,
+    Op.INSPECT,
     Op.LOAD_ALLOCATIONS,
     Op.RESTORE_UNICAST,
     Op.RESTORE_MULTICAST_CREATORS,
@@ -244,7 +246,7 @@ def test_a_participant_hanging_up_mid_restore_stops_everyone(work: Path) -> None
         capture(t, work / "ckpt")
         with pytest.raises(PhaseFailed) as caught:
             runner.restore(t.endpoints, work / "ckpt", options())
-        assert t.received() == [CAPTURE_OPS + RESTORE_OPS[:4]] * 3
+        assert t.received() == [CAPTURE_OPS + RESTORE_OPS[:5]] * 3
     assert (caught.value.phase, caught.value.participant) == (
         "RESTORE_MULTICAST_CREATORS",
         participant(2),
@@ -390,7 +392,7 @@ def test_restore_fails_when_a_participant_reports_failure(work: Path) -> None:
         capture(t, work / "ckpt")
         with pytest.raises(PhaseFailed) as caught:
             runner.restore(t.endpoints, work / "ckpt", options())
-        assert t.received() == [CAPTURE_OPS + RESTORE_OPS[:2]] * 3
+        assert t.received() == [CAPTURE_OPS + RESTORE_OPS[:3]] * 3
         assert t.fakes[0].phase is Phase.FAILED
     assert (caught.value.phase, caught.value.participant) == ("LOAD_ALLOCATIONS", participant(0))
 
@@ -477,3 +479,93 @@ def test_rollback_leaves_out_a_process_that_is_gone(work: Path) -> None:
         phases = [f.phase for f in t.fakes[:-1]]
     assert phases == [Phase.ACTIVE] * len(phases)
     assert len(result.gone) == 1 and "control socket does not exist" in result.gone[0].reason
+
+
+# -- transient failures, byte-scaled timeouts, edited state files -------------------------
+
+
+def test_a_participant_answering_retry_is_sent_the_op_again(work: Path) -> None:
+    events: list[Event] = []
+    script = {0: {Op.LOAD_ALLOCATIONS: Fault("retry", times=2)}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        capture(t, work / "ckpt")
+        runner.restore(t.endpoints, work / "ckpt", options(events))
+        loads = [r.count(Op.LOAD_ALLOCATIONS) for r in t.received()]
+        assert all(f.phase is Phase.ACTIVE for f in t.fakes)
+    # Only the participant that answered RETRY hears LOAD again: the others moved on.
+    assert loads == [3, 1, 1]
+    assert [type(e) for e in events][-1] is DoneEvent
+
+
+def test_retry_that_never_clears_fails_the_phase_naming_the_participant(work: Path) -> None:
+    script = {1: {Op.LOAD_ALLOCATIONS: Fault("retry")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        capture(t, work / "ckpt")
+        opts = attrs.evolve(options(), retry_attempts=3)
+        with pytest.raises(PhaseFailed) as caught:
+            runner.restore(t.endpoints, work / "ckpt", opts)
+        loads = [r.count(Op.LOAD_ALLOCATIONS) for r in t.received()]
+        # RETRY kept the shim's phase: still PREPARED, nothing lost, retryable later.
+        assert t.fakes[1].phase is Phase.PREPARED
+    assert loads == [1, 3, 1]
+    assert (caught.value.phase, caught.value.participant) == ("LOAD_ALLOCATIONS", participant(1))
+    assert "RETRY in phase PREPARED" in caught.value.reason
+
+
+def test_byte_phases_get_time_for_their_bytes(work: Path) -> None:
+    timeouts: dict[Op, float] = {}
+
+    def recording(calls: Sequence[tuple[Endpoint, Request, str | None]], *, timeout: float):  # type: ignore[no-untyped-def]
+        timeouts[calls[0][1].op] = timeout
+        return call_all(calls, timeout=timeout)
+
+    rate = 2**20  # one MiB a second: the topology's bytes then count in seconds
+    with team_of(TOPOLOGY, work / "control") as t:
+        opts = attrs.evolve(options(transport=recording), slowest_transfer_rate=rate)
+        runner.capture(t.endpoints, work / "ckpt", opts)
+        runner.restore(t.endpoints, work / "ckpt", opts)
+    seconds = TOPOLOGY.allocation_bytes / rate
+    assert seconds > 1
+    for op in (Op.SAVE_ALLOCATIONS, Op.LOAD_ALLOCATIONS):
+        assert timeouts[op] == pytest.approx(5.0 + seconds)
+    for op in (Op.HANDSHAKE, Op.INSPECT, Op.PREPARE_UNICAST, Op.RESTORE_UNICAST):
+        assert timeouts[op] == 5.0
+
+
+def test_an_edited_state_file_is_refused_before_anything_changes(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        capture(t, work / "ckpt")
+        path = work / "ckpt" / STATE_FILE_NAME
+        document = json.loads(path.read_text())
+        records = document["topology"]["participants"][1]["records"]
+        mapping = next(r for r in records if r["kind"] == "MAPPING")
+        mapping["address"] += 0x200000  # well-formed, but not what the shim holds
+        path.write_text(json.dumps(document))
+        with pytest.raises(TopologyRefused) as caught:
+            runner.restore(t.endpoints, work / "ckpt", options())
+        sent = t.received()
+        assert all(f.phase is Phase.PREPARED for f in t.fakes)
+    assert sent == [[*CAPTURE_OPS, Op.HANDSHAKE, Op.INSPECT]] * 3
+    assert caught.value.guard == "records_match_state"
+    assert "the state file does not match the shims" in str(caught.value)
+    assert participant(1) in str(caught.value)
+
+
+def test_a_capture_makes_its_intent_the_state_file(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        result = capture(t, work / "ckpt")
+    assert sorted(p.name for p in (work / "ckpt").iterdir()) == [
+        "cuinterpose.lock",
+        STATE_FILE_NAME,
+    ]
+    assert read_state(work / "ckpt") == result.state
+
+
+def test_a_directory_under_the_state_file_name_is_refused_before_teardown(work: Path) -> None:
+    (work / "ckpt" / STATE_FILE_NAME).mkdir()
+    with team_of(TOPOLOGY, work / "control") as t:
+        opts = attrs.evolve(options(), replace=True)
+        with pytest.raises(Refused) as caught:
+            runner.capture(t.endpoints, work / "ckpt", opts)
+        assert_nothing_destroyed(t)
+    assert "is not a regular file" in str(caught.value)

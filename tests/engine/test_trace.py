@@ -235,14 +235,15 @@ def test_regenerate_committed_traces() -> None:
 )
 def test_regenerate_shim_traces(monkeypatch: pytest.MonkeyPatch) -> None:
     from cuinterpose import demo
+    from cuinterpose.demo import scenario
 
-    original = demo.run_cli
+    original = scenario.run_cli
 
     def traced(command: str, **kwargs: Any) -> Any:
         name = next(n for n, c in SHIM_TRACES.items() if c == command)
         return original(command, trace=TRACES / f"{name}.jsonl", **kwargs)
 
-    monkeypatch.setattr(demo, "run_cli", traced)
+    monkeypatch.setattr(scenario, "run_cli", traced)  # where run_demo looks it up
     assert demo.run_demo(out=lambda _: None) == 0
 
 

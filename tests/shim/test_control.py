@@ -455,7 +455,9 @@ H['va2'] = map_rw(H['y'], SZ2, offset=OFF)
     # Outside ACTIVE the application's tracked calls answer NOT_READY.
     assert importer("result = err(cu.cuMemRelease(H['y']))") == "CUDA_ERROR_NOT_READY"
     assert creator("result = err(cu.cuMemCreate(gran, prop(), 0))") == "CUDA_ERROR_NOT_READY"
-    assert c.call(Op.INSPECT).status == Status.WRONG_PHASE
+    # While PREPARED, INSPECT reports what was captured: a restore compares it with
+    # its state file before it changes anything.
+    assert {p.participant: p.ok(Op.INSPECT).records for p in (c, i)} == captured
     # The native checkpoint and restore of both, from a controller without the shim.
     states = native_checkpoint_restore(spawn, sim_namespace, [creator.pid, importer.pid])
     assert states == [2, 2]  # CHECKPOINTED

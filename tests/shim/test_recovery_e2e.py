@@ -12,37 +12,26 @@ import threading
 from pathlib import Path
 
 import pytest
-from cuinterpose.demo import Worker, pattern_digest
 from cuinterpose.engine import Interrupted, Options, PhaseEvent, capture, endpoint_for
 
+from tests.shim.pair import share, shared_again
 from tests.shim.workers.cycle import assert_still_active, cli
 from tests.simenv import Spawn
 
 SEED = 71
 
 
-def _team(spawn: Spawn, shim_env: dict[str, str]) -> tuple[Worker, Worker, int, int, int, int]:
-    creator = spawn("creator", shim_env)
-    importer = spawn("importer", shim_env)
-    size = 2 * int(creator.check("granularity")["granularity"])
-    handle, va = creator.create_mapped(size, seed=SEED)
-    fd = int(creator.check("export", handle=handle)["fd"])
-    theirs = creator.send_fd_to(importer, fd, close=True)
-    imported = int(importer.check("import", fd=theirs)["handle"])
-    importer_va = importer.map_at_new_va(imported, size)
-    return creator, importer, handle, va, importer_va, size
-
-
-def _shared_again(creator: Worker, importer: Worker, va: int, importer_va: int, size: int) -> None:
-    assert importer.digest(importer_va, size) == pattern_digest(SEED, size)
-    creator.check("fill", va=va, size=size, seed=SEED + 5)  # through the creator...
-    assert importer.digest(importer_va, size) == pattern_digest(SEED + 5, size)  # ...seen here
-
-
 def test_a_capture_stopped_at_a_boundary_rolls_back_by_itself(
     spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
 ) -> None:
-    creator, importer, handle, va, importer_va, size = _team(spawn, shim_env)
+    pair = share(spawn, shim_env, SEED)
+    creator, importer, handle, va, size = (
+        pair.creator,
+        pair.importer,
+        pair.handle,
+        pair.va,
+        pair.size,
+    )
     stop = threading.Event()
 
     def on_progress(event: object) -> None:
@@ -55,7 +44,7 @@ def test_a_capture_stopped_at_a_boundary_rolls_back_by_itself(
         capture(endpoints, tmp_path / "ckpt", Options(30.0, on_progress=on_progress, stop=stop))
     assert caught.value.rolled_back and caught.value.rollback_error is None
     assert_still_active(creator, handle, va, size, SEED)
-    _shared_again(creator, importer, va, importer_va, size)
+    shared_again(pair, write_seed=SEED + 5)
     creator.close_clean()
     importer.close_clean()
 
@@ -64,7 +53,14 @@ def test_a_capture_stopped_at_a_boundary_rolls_back_by_itself(
 def test_recover_brings_back_a_group_left_prepared(
     spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
 ) -> None:
-    creator, importer, handle, va, importer_va, size = _team(spawn, shim_env)
+    pair = share(spawn, shim_env, SEED)
+    creator, importer, handle, va, size = (
+        pair.creator,
+        pair.importer,
+        pair.handle,
+        pair.va,
+        pair.size,
+    )
     pids = [creator.pid, importer.pid]
     prepared = cli("prepare", pids, control_dir, tmp_path)
     assert prepared.returncode == 0, prepared.stderr
@@ -72,6 +68,6 @@ def test_recover_brings_back_a_group_left_prepared(
     recovered = cli("recover", pids, control_dir, tmp_path)
     assert recovered.returncode == 0, recovered.stderr
     assert_still_active(creator, handle, va, size, SEED)
-    _shared_again(creator, importer, va, importer_va, size)
+    shared_again(pair, write_seed=SEED + 5)
     creator.close_clean()
     importer.close_clean()
