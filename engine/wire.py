@@ -55,6 +55,7 @@ class Op(enum.IntEnum):
     ROLLBACK_ALLOCATIONS = 13
     ROLLBACK_IMPORTS = 14
     RELEASE = 15  # ends the coordinator's lease; served in any phase
+    STATUS = 16  # read-only, served while a phase op runs: see InFlight
 
 
 class Phase(enum.IntEnum):
@@ -367,6 +368,28 @@ class Stats:
     bytes: int = 0
     elapsed_ns: int = 0
     copy_ns: int = 0
+
+
+@attrs.frozen
+class InFlight:
+    """A STATUS reply's stat fields, named: the phase op in flight and its bytes.
+
+    ``op`` is None when no phase op runs; ``bytes_total`` is 0 for an op that
+    copies nothing (protocol.h: stat_count, stat_bytes, stat_elapsed_ns,
+    stat_copy_ns, in that order).
+    """
+
+    op: Op | None
+    bytes_done: int
+    bytes_total: int
+    elapsed_ns: int
+
+    @classmethod
+    def from_stats(cls, stats: Stats) -> InFlight:
+        op = _OPS.get(stats.count) if stats.count else None
+        if stats.count and op is None:
+            raise WireError(f"STATUS reply names unknown op {stats.count} in flight")
+        return cls(op, stats.bytes, stats.copy_ns, stats.elapsed_ns)
 
 
 @attrs.frozen

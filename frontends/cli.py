@@ -12,6 +12,10 @@ Exit status (stderr names the participant, its pid, the phase and the reason):
 
 SIGINT and SIGTERM stop ``prepare`` and ``restore`` at the next phase boundary;
 what was changed is then rolled back (status 3, or 4).
+
+``suspend``, ``resume`` and ``status`` are the one-command verbs of
+:mod:`cuinterpose.engine.agent` (the native checkpoint included); a suspend that
+fails after capture is undone and exits 1 when the group runs as before, else 4.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from pathlib import Path
 from typing import Any, Final, NoReturn, TextIO
 
 from . import artifacts
-from .engine import runner
+from .engine import agent, runner
 from .engine.client import Endpoint, endpoint_for
 from .engine.errors import CoordinatorError
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
+from .engine.native import CudaBackend, NativeBackend, NativeUnavailableError, ProcessState
 from .engine.progress import Event, FailedEvent, ProgressCallback, human_line, json_printer
 from .engine.recovery import recover
 from .engine.replay import replay
@@ -128,6 +133,27 @@ def _add_machine_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_agent_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint-dir", type=Path, required=True)
+    _add_endpoints(parser)
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "human", "json", "none"),
+        default="auto",
+        help="auto (the default): human on a terminal, JSON lines otherwise",
+    )
+    parser.add_argument(
+        "--phase-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help=f"per-phase timeout (default ${PHASE_TIMEOUT_ENV}, else "
+        f"{runner.DEFAULT_PHASE_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--per-participant", action="store_true", help="add per-participant copy tables"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Checkpoint/restore of CUDA processes sharing memory")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -144,6 +170,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_machine_options(
         sub("recover", "bring the group back to running from wherever a run left it")
     )
+    suspend = sub("suspend", "capture, then natively lock and checkpoint every process")
+    _add_agent_options(suspend)
+    suspend.add_argument(
+        "--not-requested",
+        action="store_true",
+        help="the group did not opt in: native checkpoint only, and no process may have a shim",
+    )
+    suspend.add_argument(
+        "--lock-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000,
+        help="how long each native lock may wait for the process's CUDA calls to drain",
+    )
+    _add_agent_options(sub("resume", "natively restore and unlock, then the coordinator restore"))
+    status_cmd = sub("status", "every process's native state and shim phase (changes nothing)")
+    _add_endpoints(status_cmd)
+    status_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
     inspect = sub("inspect", "show the participants' topology (changes nothing)")
     _add_endpoints(inspect)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -247,6 +291,10 @@ def _run_machine(
             writer = TraceWriter(args.trace)
         except OSError as exc:
             raise _UsageError(f"{PROG}: error: cannot write trace {args.trace}: {exc}") from None
+    if spec is not None:
+        refusal = _native_check(spec, args, endpoints, stderr)
+        if refusal is not None:
+            return refusal
     stop = threading.Event()
     options = runner.Options(
         phase_timeout=timeout,
@@ -271,6 +319,133 @@ def _run_machine(
     finally:
         if writer is not None:
             writer.close()
+    return EXIT_OK
+
+
+def _native_check(
+    spec: MachineSpec, args: argparse.Namespace, endpoints: Sequence[Endpoint], stderr: TextIO
+) -> int | None:
+    """prepare and restore need every process natively RUNNING: a locked or
+    checkpointed one is refused (exit 1, nothing changed) with what to run."""
+    processes = [agent.Process(e.observed_pid, e.namespace_pid) for e in endpoints]
+    if spec is CAPTURE:
+        hint = (
+            "a process is natively locked or checkpointed; bring it back first "
+            f"(`{PROG} resume`, or the native restore and unlock), then prepare"
+        )
+    else:
+        hint = (
+            "restore runs after the native restore and unlock of every process; run them "
+            f"first (or `{PROG} resume --checkpoint-dir {args.checkpoint_dir} ...`)"
+        )
+    try:
+        agent.require_states(_native_backend(), processes, ProcessState.RUNNING, spec.name, hint)
+    except NativeUnavailableError as exc:
+        stderr.write(f"{PROG}: note: the native state was not checked: {exc}\n")
+    except agent.StateRefused as refused:
+        return _fail(refused.lines(), stderr)
+    return None
+
+
+def _native_backend() -> NativeBackend:
+    return CudaBackend()
+
+
+def _where(args: argparse.Namespace) -> agent.Where:
+    control_dir = args.control_dir if args.control_dir is not None else _env_control_dir()
+    return agent.Where(control_dir, args.proc_root)
+
+
+def _agent_processes(args: argparse.Namespace) -> list[agent.Process]:
+    _endpoints(args)  # the same usage checks as every other command
+    return [agent.Process(observed, namespace) for observed, namespace in args.process]
+
+
+def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    processes = _agent_processes(args)
+    mode = args.progress
+    if mode == "auto":
+        mode = "human" if stdout.isatty() else "json"
+    view = None
+    on_event: agent.AgentCallback | None = None
+    live: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    if mode == "human":
+        from . import render  # rich: only for a person's output
+
+        view = render.HumanView(stdout, per_participant=args.per_participant)
+        on_event, live = view, view.live()
+    elif mode == "json":
+        on_event = _json_events(stdout)
+    stop = threading.Event()
+    options = runner.Options(phase_timeout=_phase_timeout(args.phase_timeout), stop=stop)
+    native = _native_backend()
+    try:
+        with _stopping_on_signals(stop), live:
+            if command == "suspend":
+                done: agent.SuspendResult | agent.ResumeResult = agent.suspend(
+                    processes,
+                    args.checkpoint_dir,
+                    where=_where(args),
+                    native=native,
+                    requested=not args.not_requested,
+                    options=options,
+                    lock_timeout_ms=int(args.lock_timeout * 1000),
+                    on_event=on_event,
+                )
+            else:
+                done = agent.resume(
+                    args.checkpoint_dir,
+                    where=_where(args),
+                    native=native,
+                    processes=processes,
+                    options=options,
+                    on_event=on_event,
+                )
+    except agent.SuspendFailed as failed:
+        _fail(failed.lines(), stderr)
+        return EXIT_FAILED if failed.restored else EXIT_NEEDS_RECOVER
+    except agent.AgentError as error:
+        return _fail(error.lines(), stderr)
+    except CoordinatorError as error:
+        return _failure(error, args, stderr)
+    except NativeUnavailableError as exc:
+        return _fail([f"{command}: {exc}"], stderr)
+    if view is not None:
+        view.summary(done.timings)
+    elif mode == "json":
+        with contextlib.suppress(OSError):
+            summary = {
+                "event": "summary",
+                "command": command,
+                "timings": [t.to_json() for t in done.timings],
+            }
+            stdout.write(json.dumps(summary) + "\n")
+            stdout.flush()
+    return EXIT_OK
+
+
+def _json_events(stream: TextIO) -> agent.AgentCallback:
+    def emit(event: agent.AgentEvent) -> None:
+        with contextlib.suppress(OSError):  # a closed stdout must not stop a suspend
+            stream.write(json.dumps(event.to_json(), allow_nan=False) + "\n")
+            stream.flush()
+
+    return emit
+
+
+def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    processes = _agent_processes(args)
+    try:
+        rows = agent.status(processes, _where(args), _native_backend())
+    except NativeUnavailableError as exc:
+        return _fail([f"status: {exc}"], stderr)
+    if args.json:
+        document = {"processes": [r.to_json() for r in rows]}
+        stdout.write(json.dumps(document, indent=2) + "\n")
+    else:
+        from . import render  # rich: only for a person's output
+
+        render.status_table(stdout, rows)
     return EXIT_OK
 
 
@@ -433,6 +608,10 @@ def main(
             return _run_machine(RESTORE, args, out, err)
         if command == "recover":
             return _run_machine(None, args, out, err)
+        if command in ("suspend", "resume"):
+            return _agent_command(command, args, out, err)
+        if command == "status":
+            return _status(args, out, err)
         if command == "inspect":
             return _inspect(args, out, err)
         if command == "diagram":

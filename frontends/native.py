@@ -22,46 +22,41 @@ functions take and return plain Python values.
 from __future__ import annotations
 
 import argparse
-import enum
-import importlib
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
 
-DEFAULT_LOCK_TIMEOUT_MS: Final = 10_000
+from .engine.native import (
+    DEFAULT_LOCK_TIMEOUT_MS,
+    CudaBackend,
+    NativeError,
+    NativeUnavailableError,
+    ProcessState,
+)
 
-
-class NativeUnavailableError(RuntimeError):
-    """``cuda.bindings`` is not installed, or no CUDA driver could be loaded."""
-
-
-class NativeError(RuntimeError):
-    """A native checkpoint call failed: which process, which call, which CUresult."""
-
-    def __init__(self, pid: int, call: str, result: str, detail: str = "") -> None:
-        self.pid = pid
-        self.call = call
-        self.result = result
-        self.detail = detail
-        text = f"pid {pid}: {call} failed: {result}"
-        super().__init__(f"{text} ({detail})" if detail else text)
-
-
-class ProcessState(enum.IntEnum):
-    """``CUprocessState``: where a process is in the native checkpoint cycle."""
-
-    RUNNING = 0
-    LOCKED = 1
-    CHECKPOINTED = 2
-    FAILED = 3
-    CHECKPOINTING = 4
-    RESTORING = 5
+__all__ = [
+    "DEFAULT_LOCK_TIMEOUT_MS",
+    "CallTiming",
+    "GroupTimings",
+    "NativeError",
+    "NativeUnavailableError",
+    "ProcessState",
+    "checkpoint",
+    "checkpoint_all",
+    "get_restore_thread_id",
+    "get_state",
+    "lock",
+    "restore",
+    "restore_all",
+    "run_in_subprocess",
+    "states",
+    "unlock",
+]
 
 
 @attrs.frozen
@@ -112,127 +107,45 @@ class GroupTimings:
 
 
 # --------------------------------------------------------------- the boundary
-_lock = threading.Lock()
-_cu: Any = None
+# The process's one driver binding (cuda.bindings is imported on first use).
+_backend = CudaBackend()
 
 
-def _driver() -> Any:
-    """``cuda.bindings.driver``, imported and initialized (``cuInit(0)``) once."""
-    global _cu
-    with _lock:
-        if _cu is not None:
-            return _cu
-        try:
-            module: Any = importlib.import_module("cuda.bindings.driver")
-        except ImportError as exc:
-            raise NativeUnavailableError(
-                "the native checkpoint calls need cuda.bindings: "
-                "pip install 'cuda-bindings>=13.0,<14'"
-            ) from exc
-        try:
-            result = module.cuInit(0)
-        except Exception as exc:  # the loader's own errors (library not found)
-            raise NativeUnavailableError(
-                f"no CUDA driver could be loaded for the native checkpoint calls: {exc}"
-            ) from exc
-        err = result[0] if isinstance(result, tuple) else result
-        if err != module.CUresult.CUDA_SUCCESS:
-            raise NativeUnavailableError(f"cuInit(0) failed: {_result_name(module, err)}")
-        _cu = module
-        return module
-
-
-def _result_name(cu: Any, err: Any) -> str:
-    name = getattr(err, "name", None)
-    if isinstance(name, str):
-        return name
-    try:
-        status, text = cu.cuGetErrorName(err)
-        if status == cu.CUresult.CUDA_SUCCESS and text:
-            return text.decode() if isinstance(text, bytes) else str(text)
-    except Exception:  # only used to build a message
-        pass
-    return f"CUresult {int(err)}"
-
-
-def _call(pid: int, name: str, fn: Callable[[Any], Any]) -> Any:
-    """Call ``fn(cu)``; a status other than CUDA_SUCCESS raises NativeError."""
-    cu = _driver()
-    result = fn(cu)
-    err = result[0] if isinstance(result, tuple) else result
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise NativeError(pid, name, _result_name(cu, err))
-    if isinstance(result, tuple) and len(result) > 1:
-        return result[1]
-    return None
-
-
-def _timed(pid: int, name: str, fn: Callable[[Any], Any]) -> float:
+def _timed(call: Callable[[], None]) -> float:
     start = time.perf_counter()
-    _call(pid, name, fn)
+    call()
     return time.perf_counter() - start
 
 
 # --------------------------------------------------------------- one process
 def lock(pid: int, *, timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS) -> float:
     """Lock ``pid`` (blocks its CUDA calls); 0 waits forever. Returns seconds."""
-    if timeout_ms < 0:
-        raise ValueError(f"lock timeout must be >= 0 ms, got {timeout_ms}")
-
-    def go(cu: Any) -> Any:
-        args = cu.CUcheckpointLockArgs()
-        args.timeoutMs = timeout_ms
-        return cu.cuCheckpointProcessLock(pid, args)
-
-    return _timed(pid, "cuCheckpointProcessLock", go)
+    return _timed(lambda: _backend.lock(pid, timeout_ms))
 
 
 def checkpoint(pid: int) -> float:
     """Checkpoint a locked ``pid``: its GPU memory moves to host. Returns seconds."""
-    return _timed(
-        pid,
-        "cuCheckpointProcessCheckpoint",
-        lambda cu: cu.cuCheckpointProcessCheckpoint(pid, cu.CUcheckpointCheckpointArgs()),
-    )
+    return _timed(lambda: _backend.checkpoint(pid))
 
 
 def restore(pid: int) -> float:
     """Restore a checkpointed ``pid`` (it stays locked). Returns seconds."""
-    return _timed(
-        pid,
-        "cuCheckpointProcessRestore",
-        lambda cu: cu.cuCheckpointProcessRestore(pid, cu.CUcheckpointRestoreArgs()),
-    )
+    return _timed(lambda: _backend.restore(pid))
 
 
 def unlock(pid: int) -> float:
     """Unlock a locked ``pid`` so that its CUDA calls run again. Returns seconds."""
-    return _timed(
-        pid,
-        "cuCheckpointProcessUnlock",
-        lambda cu: cu.cuCheckpointProcessUnlock(pid, cu.CUcheckpointUnlockArgs()),
-    )
+    return _timed(lambda: _backend.unlock(pid))
 
 
 def get_state(pid: int) -> ProcessState:
     """The native checkpoint state of ``pid``."""
-    raw = _call(pid, "cuCheckpointProcessGetState", lambda cu: cu.cuCheckpointProcessGetState(pid))
-    try:
-        return ProcessState(int(raw))
-    except ValueError as exc:
-        raise NativeError(
-            pid, "cuCheckpointProcessGetState", "CUDA_SUCCESS", f"unknown state {raw!r}"
-        ) from exc
+    return _backend.state(pid)
 
 
 def get_restore_thread_id(pid: int) -> int:
     """The thread id of the driver's restore thread in ``pid``."""
-    raw = _call(
-        pid,
-        "cuCheckpointProcessGetRestoreThreadId",
-        lambda cu: cu.cuCheckpointProcessGetRestoreThreadId(pid),
-    )
-    return int(raw)
+    return _backend.restore_thread_id(pid)
 
 
 def states(pids: Sequence[int]) -> dict[int, str]:

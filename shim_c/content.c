@@ -253,7 +253,10 @@ static int do_chunk(struct job *j, CUstream s, size_t k)
         cu_fail(j, "cuMemHostUnregister", r2, off);
         r = r2;
     }
-    return r == CUDA_SUCCESS ? 0 : -1;
+    if (r != CUDA_SUCCESS)
+        return -1;
+    __atomic_fetch_add(&g.phase_bytes_done, (uint64_t)len, __ATOMIC_RELAXED); /* for STATUS */
+    return 0;
 }
 
 static void *copy_worker(void *arg)
@@ -446,6 +449,11 @@ enum phase_result content_save(struct reply *r)
 
     if (shim_settings()->native_content)
         return PHASE_DONE; /* the native checkpoint moves the bytes */
+    for (uint32_t i = 0; i < obj_count(); i++) { /* the total, for STATUS */
+        struct obj *o = obj_at(i);
+        if (creator_shared(o) && o->live && !o->host)
+            __atomic_fetch_add(&g.phase_bytes_total, o->size, __ATOMIC_RELAXED);
+    }
     if (copy_setup(&tids, msg, sizeof msg) != 0) {
         reply_msg(r, CUIP_STATUS_CUDA_FAILED, "SAVE_ALLOCATIONS: %s", msg);
         return PHASE_FAILED;
@@ -565,6 +573,11 @@ static enum phase_result load_all(struct reply *r, const char *op, bool keep)
     char msg[MSG_LEN];
     bool retry;
 
+    for (uint32_t i = 0; i < obj_count(); i++) { /* the total, for STATUS */
+        struct obj *o = obj_at(i);
+        if (creator_shared(o) && !o->live && o->host)
+            __atomic_fetch_add(&g.phase_bytes_total, o->size, __ATOMIC_RELAXED);
+    }
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
         if (!creator_shared(o) || o->live)

@@ -42,7 +42,7 @@ static const char *op_name(unsigned op)
         "PREPARE_UNICAST", "LOAD_ALLOCATIONS", "RESTORE_UNICAST",
         "RESTORE_MULTICAST_CREATORS", "RESTORE_MULTICAST_IMPORTERS",
         "RESTORE_MULTICAST_DEVICES", "RESTORE_MULTICAST_BINDINGS", "EXPORT",
-        "ROLLBACK_ALLOCATIONS", "ROLLBACK_IMPORTS", "RELEASE"};
+        "ROLLBACK_ALLOCATIONS", "ROLLBACK_IMPORTS", "RELEASE", "STATUS"};
     _Static_assert(sizeof names / sizeof names[0] == CUIP_OP_MAX + 1, "a name per op");
     return op <= CUIP_OP_MAX ? names[op] : "?";
 }
@@ -79,6 +79,10 @@ static bool validate(const struct cuip_header *q, struct reply *r)
                   op_name(q->op));
         return false;
     }
+    /* STATUS may come from anyone allowed to connect (a status command, not the
+     * coordinator): it need not know the id, and binds nothing. */
+    if (q->op == CUIP_OP_STATUS && shim_is_zero(q->participant, CUIP_PARTICIPANT_LEN))
+        return true;
     if (q->op == CUIP_OP_HANDSHAKE || q->op == CUIP_OP_RELEASE) {
         /* Sent before the participant is known (RELEASE: by a run that may
          * have failed at HANDSHAKE); the lease token says whose it is. */
@@ -154,9 +158,69 @@ static phase_work_fn *phase_work(enum cuip_op op)
     case CUIP_OP_INSPECT:
     case CUIP_OP_EXPORT:
     case CUIP_OP_RELEASE:
+    case CUIP_OP_STATUS:
         break; /* not phase ops */
     }
     return NULL;
+}
+
+/* Before the first teardown, the device work of every context the shim
+ * knows is drained, so that no kernel or copy still in flight touches
+ * memory PREPARE_UNICAST unmaps. The contexts are collected under g.lock;
+ * each cuCtxSynchronize runs without it (it blocks). The group must not
+ * submit new work meanwhile (specs/shim.md). Nothing is torn down yet, so a
+ * failure refuses the op. */
+#define DRAIN_MAX_CONTEXTS 64
+
+static enum phase_result drain_contexts(struct reply *r)
+{
+    CUcontext ctx[DRAIN_MAX_CONTEXTS];
+    uint32_t n = 0;
+
+    if (!real.cuCtxSynchronize) {
+        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "PREPARE_MULTICAST: the driver has no "
+                  "cuCtxSynchronize; device work cannot be drained");
+        return PHASE_REFUSED;
+    }
+    pthread_mutex_lock(&g.lock);
+    for (uint32_t i = 0; i < obj_count(); i++) {
+        const struct obj *o = obj_at(i);
+        bool seen = false;
+        if (!o || !o->ctx)
+            continue;
+        for (uint32_t k = 0; k < n && !seen; k++)
+            seen = ctx[k] == o->ctx;
+        if (seen)
+            continue;
+        if (n == DRAIN_MAX_CONTEXTS) {
+            pthread_mutex_unlock(&g.lock);
+            reply_msg(r, CUIP_STATUS_INTERNAL, "PREPARE_MULTICAST: more than %d contexts "
+                      "to drain", DRAIN_MAX_CONTEXTS);
+            return PHASE_REFUSED;
+        }
+        ctx[n++] = o->ctx;
+    }
+    pthread_mutex_unlock(&g.lock);
+    for (uint32_t k = 0; k < n; k++) {
+        bool pushed;
+        CUresult rc = shim_ctx_enter(ctx[k], &pushed);
+        char msg[128];
+        if (rc == CUDA_SUCCESS) {
+            rc = real.cuCtxSynchronize();
+            shim_ctx_leave(pushed);
+            if (rc != CUDA_SUCCESS)
+                shim_fail(msg, sizeof msg, "cuCtxSynchronize", rc);
+        } else {
+            shim_fail(msg, sizeof msg, "cuCtxPushCurrent", rc);
+        }
+        if (rc != CUDA_SUCCESS) {
+            reply_msg(r, CUIP_STATUS_CUDA_FAILED, "PREPARE_MULTICAST: draining device work "
+                      "of context %u of %u: %s", k + 1, n, msg);
+            return PHASE_REFUSED;
+        }
+    }
+    shim_log(LOG_DEBUG, "drained the device work of %u contexts", n);
+    return PHASE_DONE;
 }
 
 /* Run one phase op. The phase leaves ACTIVE before any work, so the
@@ -189,11 +253,17 @@ static void run_phase_op(uint16_t op, struct reply *r)
         return;
     }
     g.busy = true;
+    g.op_in_flight = op;
+    g.op_started_ns = t0;
+    __atomic_store_n(&g.phase_bytes_done, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&g.phase_bytes_total, 0, __ATOMIC_RELAXED);
     if (from == CUIP_PHASE_ACTIVE)
         g.phase = d->next;
     pthread_mutex_unlock(&g.lock);
 
-    rc = work(r);
+    rc = op == CUIP_OP_PREPARE_MULTICAST ? drain_contexts(r) : PHASE_DONE;
+    if (rc == PHASE_DONE)
+        rc = work(r);
 
     pthread_mutex_lock(&g.lock);
     if (rc == PHASE_DONE) {
@@ -225,6 +295,24 @@ static void run_phase_op(uint16_t op, struct reply *r)
     if (g.phase != CUIP_PHASE_FAILED)
         g.reason[0] = 0; /* a rollback out of FAILED forgets the old reason */
     g.busy = false;
+    g.op_in_flight = 0;
+    pthread_mutex_unlock(&g.lock);
+}
+
+/* STATUS: what is in flight, never waiting for it (g.lock is only held by
+ * a phase op around its bookkeeping, never across its work). */
+static void serve_status(struct reply *r)
+{
+    pthread_mutex_lock(&g.lock);
+    if (g.busy) {
+        /* The layout protocol.h gives a STATUS reply's stat fields. */
+        r->h.stat_count = g.op_in_flight;
+        r->h.stat_elapsed_ns = shim_now_ns() - g.op_started_ns;
+        r->h.stat_bytes = __atomic_load_n(&g.phase_bytes_done, __ATOMIC_RELAXED);
+        r->h.stat_copy_ns = __atomic_load_n(&g.phase_bytes_total, __ATOMIC_RELAXED);
+    }
+    if (g.phase == CUIP_PHASE_FAILED)
+        reply_msg(r, CUIP_STATUS_OK, "%s", g.reason);
     pthread_mutex_unlock(&g.lock);
 }
 
@@ -348,6 +436,10 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
             return;
         }
         cap_serve_export(q, text, peer, r); /* peers: authorized by the capability */
+        return;
+    }
+    if (q->op == CUIP_OP_STATUS) {
+        serve_status(r); /* read-only: served to anyone trusted, lease or not */
         return;
     }
     pthread_mutex_lock(&g.lock);

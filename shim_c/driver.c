@@ -93,6 +93,7 @@ static void resolve_once(void)
     R(real.cuCtxPushCurrent, "cuCtxPushCurrent_v2", "cuCtxPushCurrent", 4000);
     R(real.cuCtxPopCurrent, "cuCtxPopCurrent_v2", "cuCtxPopCurrent", 4000);
     R(real.cuCtxGetDevice, "cuCtxGetDevice", "cuCtxGetDevice", 2000);
+    R(real.cuCtxSynchronize, "cuCtxSynchronize", "cuCtxSynchronize", 2000);
     R(real.cuMulticastCreate, "cuMulticastCreate", "cuMulticastCreate", 12010);
     R(real.cuMulticastAddDevice, "cuMulticastAddDevice", "cuMulticastAddDevice", 12010);
     R(real.cuMulticastBindMem, "cuMulticastBindMem", "cuMulticastBindMem", 12010);

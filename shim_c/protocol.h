@@ -45,8 +45,17 @@ enum cuip_op {
     CUIP_OP_ROLLBACK_IMPORTS = 14,
     /* Ends the coordinator's lease (served in any phase; see `authorization`). */
     CUIP_OP_RELEASE = 15,
+    /* Read-only, served while a phase op runs (never a phase op, changes
+     * nothing, binds nothing; the participant may be all zero): the reply's
+     * stat fields say what is in flight (below). */
+    CUIP_OP_STATUS = 16,
 };
-#define CUIP_OP_MAX CUIP_OP_RELEASE
+#define CUIP_OP_MAX CUIP_OP_STATUS
+
+/* A STATUS reply's stat fields (its phase is the header's phase):
+ * stat_count the op in flight (enum cuip_op, 0 when none), stat_bytes the
+ * bytes that op has copied so far, stat_elapsed_ns how long it has run,
+ * stat_copy_ns the bytes it copies in all (0 when it copies nothing). */
 
 /* The shim's phase, reported in every reply. */
 enum cuip_phase {

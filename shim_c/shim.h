@@ -154,6 +154,7 @@ struct shim_real {
     CUresult (*cuCtxPushCurrent)(CUcontext);
     CUresult (*cuCtxPopCurrent)(CUcontext *);
     CUresult (*cuCtxGetDevice)(CUdevice *);
+    CUresult (*cuCtxSynchronize)(void);
     CUresult (*cuMulticastCreate)(CUmemGenericAllocationHandle *, const CUmulticastObjectProp *);
     CUresult (*cuMulticastAddDevice)(CUmemGenericAllocationHandle, CUdevice);
     CUresult (*cuMulticastBindMem)(CUmemGenericAllocationHandle, size_t,
@@ -206,6 +207,14 @@ struct shim_state {
     bool pinned;                   /* id from SNAPSHOT_PARTICIPANT_ID */
     uint16_t phase;                /* enum cuip_phase */
     bool busy;                     /* a phase op is running */
+    uint16_t op_in_flight;         /* that op (enum cuip_op), 0 when none; for STATUS */
+    uint64_t op_started_ns;        /* when it started */
+    /* The bytes the phase op in flight has copied and will copy in all:
+     * reset at its start (g.lock held), then updated without the lock by
+     * content.c's copy threads with __atomic_fetch_add, and read by STATUS
+     * with __atomic_load_n while the op runs. */
+    uint64_t phase_bytes_done;
+    uint64_t phase_bytes_total;
     char reason[CUIP_MESSAGE_MAX + 1];
     int listen_fd;
     char control_dir[108];

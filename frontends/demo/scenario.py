@@ -3,12 +3,13 @@
 On the simulated driver by default (no GPU needed), with the shim preloaded and a
 temporary control directory: a creator makes two exportable allocations and a
 private one, an importer maps one allocation twice, another imports both. They
-fill memory; then ``cuinterpose prepare``, the native lock + checkpoint of all,
-the native restore + unlock of all, ``cuinterpose restore``; every byte is
-checked at its original address. On the simulated driver the three processes also
-form a multicast team (``multicast.py``: one device each, a member allocation each),
-checked after the restore; never on a real GPU. Exit status 0 only if everything
-matched.
+fill memory; then ``cuinterpose suspend`` (capture, native lock and checkpoint
+of all: the GPU memory is freed) and ``cuinterpose resume`` (native restore and
+unlock of all, then the coordinator restore); every byte is checked at its
+original address. On the simulated driver the three processes also form a
+multicast team (``multicast.py``: one device each, a member allocation each),
+checked after the restore; never on a real GPU. It ends with PASS, or FAIL and
+the reason; exit status 0 only on PASS.
 
 The processes are the scriptable worker application
 ``cuinterpose/demo/worker.py`` (``cuda.bindings.driver`` only), driven through
@@ -285,7 +286,7 @@ def run_demo(*, driver: str = "sim", out: Callable[[str], None] = print) -> int:
         try:
             return _demo(driver, root, control, ckpt, shim_env, plain_env, workers, out)
         except (DemoError, native.NativeError, native.NativeUnavailableError) as exc:
-            out(f"FAILED: {exc}")
+            out(f"FAIL: {exc}")
             return 1
         finally:
             for w in workers:
@@ -350,44 +351,46 @@ def _demo(
     if bad:
         raise DemoError("before checkpoint: " + "; ".join(bad))
 
-    cli_env = coordinator_env()
-
-    def coordinate(command: str, phase: str, verb: str, rate: str) -> int:
-        """Run ``cuinterpose <command>``, report its copy ``phase``; GPU memory used after."""
-        run = run_cli(
-            command, pids=scen.pids, checkpoint_dir=ckpt, control_dir=control, env=cli_env
+    # The CLI makes the native calls itself: it loads the same driver as the workers.
+    def run(command: str) -> CliRun:
+        done = run_cli(
+            command, pids=scen.pids, checkpoint_dir=ckpt, control_dir=control, env=plain_env
         )
-        if run.returncode != 0:
-            raise DemoError(f"cuinterpose {command} exited {run.returncode}: {run.stderr.strip()}")
-        event = run.phase(phase)
-        used_now = used()
-        out(
-            f"{command}: {run.seconds:.3f} s; {verb} {event.get('allocation_count', '?')} "
-            f"allocations, {_mib(int(event.get('allocation_bytes', 0)))}, {rate} "
-            f"{_gbps(event, 'gb_per_s', scen.shared_bytes, run.seconds)} (copy "
-            f"{_gbps(event, 'copy_gb_per_s', scen.shared_bytes, 0.0)}); "
-            f"GPU used now {_mib(used_now - used_idle)}"
+        if done.returncode != 0:
+            raise DemoError(
+                f"cuinterpose {command} exited {done.returncode}: {done.stderr.strip()}"
+            )
+        return done
+
+    def steps(done: CliRun) -> str:
+        return ", ".join(
+            f"{e['step']} {e['seconds']:.3f} s"
+            for e in done.events
+            if e.get("event") == "step" and e.get("status") == "done"
         )
-        return used_now
 
-    coordinate("prepare", "SAVE_ALLOCATIONS", "saved", "SAVE")
-
-    ck = native.run_in_subprocess("checkpoint-all", scen.pids, env=plain_env)
-    ck_t = native.GroupTimings.from_json(ck["timings"])
-    used_ckpt = used()
+    suspended = run("suspend")
+    used_suspended = used()
+    save = suspended.phase("SAVE_ALLOCATIONS")
+    freed = used_before - used_suspended
+    out(f"suspend: {suspended.seconds:.3f} s ({steps(suspended)})")
     out(
-        f"native checkpoint: lock {ck_t.first_s:.3f} s, checkpoint {ck_t.second_s:.3f} s; "
-        f"states {sorted(set(ck['states'].values()))}; "
-        f"GPU used while checkpointed {_mib(used_ckpt - used_idle)}"
+        f"  saved {save.get('allocation_count', '?')} shared allocations, "
+        f"{_mib(int(save.get('allocation_bytes', 0)))}, SAVE "
+        f"{_gbps(save, 'gb_per_s', scen.shared_bytes, suspended.seconds)}; every process "
+        f"CHECKPOINTED; GPU memory used {_mib(used_suspended - used_idle)}, "
+        f"{_mib(freed)} freed while suspended"
     )
-    rs = native.run_in_subprocess("restore-all", scen.pids, env=plain_env)
-    rs_t = native.GroupTimings.from_json(rs["timings"])
+    resumed = run("resume")
+    used_after = used()
+    load = resumed.phase("LOAD_ALLOCATIONS")
+    out(f"resume: {resumed.seconds:.3f} s ({steps(resumed)})")
     out(
-        f"native restore: restore {rs_t.first_s:.3f} s, unlock {rs_t.second_s:.3f} s; "
-        f"states {sorted(set(rs['states'].values()))}"
+        f"  loaded {load.get('allocation_count', '?')} shared allocations, "
+        f"{_mib(int(load.get('allocation_bytes', 0)))}, LOAD "
+        f"{_gbps(load, 'gb_per_s', scen.shared_bytes, resumed.seconds)}; GPU memory used "
+        f"{_mib(used_after - used_idle)}"
     )
-
-    used_after = coordinate("restore", "LOAD_ALLOCATIONS", "loaded", "LOAD")
 
     problems = scen.mismatches()
     if team is not None:
@@ -399,31 +402,29 @@ def _demo(
                 " multicast mapping is read-write, a write through each process reached"
                 " every member"
             )
-    freed = used_before - used_ckpt
     expected_freed = scen.x_size + scen.y_size + scen.p_size
     if freed < expected_freed:
         problems.append(
-            f"only {_mib(freed)} of GPU memory freed while checkpointed, "
+            f"only {_mib(freed)} of GPU memory freed while suspended, "
             f"expected at least {_mib(expected_freed)}"
         )
     if used_after < used_before:
         problems.append(
-            f"GPU memory used after restore {_mib(used_after - used_idle)} is less "
+            f"GPU memory used after resume {_mib(used_after - used_idle)} is less "
             f"than before {_mib(used_before - used_idle)}"
         )
-    if problems:
-        for p in problems:
-            out(f"  MISMATCH {p}")
-        out("FAILED")
-        return 1
-    out(
-        f"verified: {len(scen.regions)} ranges, {_mib(scen.region_bytes)}, every byte at its "
-        f"original VA in all 3 processes; total {time.perf_counter() - t_start:.2f} s"
-    )
     for w in workers:
         status = w.close()
         if status != 0:
-            out(f"FAILED: {w.name} exited with status {status}: {w.stderr_tail()}")
-            return 1
-    out("OK")
+            problems.append(f"{w.name} exited with status {status}: {w.stderr_tail()}")
+    if problems:
+        for problem in problems:
+            out(f"  MISMATCH {problem}")
+        out(f"FAIL: {problems[0]}")
+        return 1
+    out(
+        f"PASS: {len(scen.regions)} ranges, {_mib(scen.region_bytes)}, every byte back at its "
+        f"original VA in all 3 processes; {_mib(freed)} of GPU memory freed while suspended; "
+        f"total {time.perf_counter() - t_start:.2f} s"
+    )
     return 0

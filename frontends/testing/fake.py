@@ -91,7 +91,7 @@ _SUN_PATH_MAX: Final = 107
 
 def allowed_phases(op: Op) -> frozenset[Phase]:
     """The shim phases in which ``op`` is served (anything else is WRONG_PHASE)."""
-    if op in (Op.HANDSHAKE, Op.RELEASE):
+    if op in (Op.HANDSHAKE, Op.RELEASE, Op.STATUS):
         return frozenset(Phase)
     if op is Op.INSPECT:
         return frozenset({Phase.ACTIVE, Phase.PREPARED})
@@ -594,7 +594,8 @@ class FakeParticipant:
     def _answer(self, request: Request, fault: Fault | None) -> bytes | None:
         """The reply bytes for a well-formed request (None: hang up without one)."""
         op = request.op
-        if op is not Op.HANDSHAKE and request.participant != self.participant:
+        anonymous = op is Op.HANDSHAKE or (op is Op.STATUS and not request.participant)
+        if not anonymous and request.participant != self.participant:
             return self._encode(
                 op,
                 Status.WRONG_PARTICIPANT,
@@ -635,7 +636,8 @@ class FakeParticipant:
 
     def _succeed(self, op: Op, echoed: Op, participant: str) -> bytes:
         # Called with the lock held: the phase changes with the answer.
-        if op is Op.HANDSHAKE:
+        if op is Op.HANDSHAKE or op is Op.STATUS:
+            # A fake's ops complete at once: STATUS never finds one in flight.
             message = self._reason if self._phase is Phase.FAILED else ""
             return self._encode(echoed, Status.OK, message, participant=participant)
         if op is Op.INSPECT:

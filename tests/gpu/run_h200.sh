@@ -5,7 +5,8 @@
 #   PYTHON=/path/to/python OUT=/path/to/results tests/gpu/run_h200.sh
 #
 # PYTHON must already have the dependencies (cuda-bindings, cuda-pathfinder, the
-# nvidia-cuda-runtime headers, pytest, attrs, cattrs, transitions) and cuinterpose
+# nvidia-cuda-runtime headers, pytest, attrs, cattrs, transitions; rich only for the
+# CLI's human output, which nothing here uses) and cuinterpose
 # installed (e.g. pip install --no-deps --no-build-isolation -e .); nothing is
 # downloaded here. Never runs a multicast case (CUINTERPOSE_ALLOW_MULTICAST=0).
 # $OUT receives at most 7 files: environment.txt, build.log, pytest-gpu.log,
@@ -44,5 +45,9 @@ grep -Eq "[0-9]+ passed" "$OUT/pytest-gpu.log" || { echo "no GPU test ran"; stat
 
 timeout 240 "$PYTHON" bench/checkpoint.py --out "$OUT/bench.json" --keep "$WORK/bench-logs" \
   2>&1 | tee "$OUT/bench.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# One-command suspend/resume of a creator/importer group through the CLI, next to the
+# native checkpoint of the same bytes (its JSON goes with the traces).
+timeout 240 "$PYTHON" bench/suspend.py --out "$WORK/traces/suspend.json" 2>&1 | tee -a "$OUT/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 finish

@@ -215,5 +215,5 @@ def test_launch_preloads_the_installed_shim(installed: Installed) -> None:
 def test_demo_passes(installed: Installed) -> None:
     result = installed.cuinterpose("demo", timeout=300)
     lines = result.stdout.strip().splitlines()
-    assert lines[-1] == "OK", result.stdout
-    assert any(line.startswith("verified: ") for line in lines), result.stdout
+    assert lines[-1].startswith("PASS: 7 ranges"), result.stdout
+    assert any(line.startswith("suspend: ") for line in lines), result.stdout

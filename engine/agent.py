@@ -1,0 +1,877 @@
+"""The agent API: suspend and resume a group of CUDA processes in one call.
+
+For a checkpoint agent (a node agent that also runs CRIU) that embeds the engine,
+and for the CLI's ``suspend``, ``resume`` and ``status``:
+
+- :func:`detect`: the fail-closed truth table (specs/detection.md). Control
+  sockets are the only evidence.
+- :class:`Manifest` (``manifest.json`` in the checkpoint directory): the group's
+  opt-in (``requested``) and whether capture completed and the state file was
+  written (``prepared``). :func:`resume` is driven by it.
+- :func:`suspend`: detection, capture (when requested), native lock and checkpoint
+  of every process, the manifest. A failure after capture undoes what was done
+  (native restore and unlock, then the coordinator restore): the group runs as
+  before, and :class:`SuspendFailed` says so with every step.
+- :func:`resume`: native restore and unlock of every process, then the coordinator
+  restore when the manifest says prepared.
+- :func:`status`: every process's native state and shim phase.
+- :func:`remove_stale_sockets`: frees the socket paths of processes a restore is
+  about to recreate.
+
+Every step is timed (:class:`Timing`), and every event (the machines' progress,
+the bytes copied while SAVE/LOAD run, each agent step) goes to the caller's
+callback and to the ``cuinterpose.agent`` logger with the event's fields in
+``extra={"cuinterpose": {...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import attrs
+
+from .client import Endpoint, ParticipantError, call_all, endpoint_for
+from .errors import CoordinatorError
+from .native import (
+    DEFAULT_LOCK_TIMEOUT_MS,
+    NativeBackend,
+    NativeError,
+    NativeGroupError,
+    ProcessState,
+    run_step,
+    state_names,
+    undo_suspend,
+)
+from .options import Options
+from .progress import Event, PhaseEvent
+from .runner import capture, restore
+from .statefile import STATE_FILE_NAME, StateFileError, utc_timestamp, write_atomically
+from .wire import InFlight, Op, Reply, Request, WireError
+
+MANIFEST_FILE_NAME: Final = "manifest.json"
+MANIFEST_VERSION: Final = 1
+LOGGER_NAME: Final = "cuinterpose.agent"
+_MANIFEST_MAX: Final = 1 << 20
+_POLL_S: Final = 0.1
+_COPY_OPS: Final = frozenset({Op.SAVE_ALLOCATIONS, Op.LOAD_ALLOCATIONS, Op.ROLLBACK_ALLOCATIONS})
+
+Mode = Literal["cuinterpose", "native"]
+
+
+# --------------------------------------------------------------- processes
+@attrs.frozen
+class Process:
+    """One process of the group: its pid as seen here and inside its pid namespace."""
+
+    observed_pid: int
+    namespace_pid: int
+
+    def describe(self) -> str:
+        return f"pid {self.observed_pid} (ns pid {self.namespace_pid})"
+
+
+@attrs.frozen
+class Where:
+    """Where the shims' sockets are: a control directory, reached directly or through
+    ``proc_root/<observed pid>/root`` (a coordinator outside the containers)."""
+
+    control_dir: Path = attrs.field(converter=Path)
+    proc_root: Path | None = None
+
+    def endpoint(self, process: Process) -> Endpoint:
+        return endpoint_for(
+            process.observed_pid,
+            process.namespace_pid,
+            control_dir=self.control_dir,
+            proc_root=self.proc_root,
+        )
+
+
+def _processes(processes: Sequence[Process | tuple[int, int]]) -> tuple[Process, ...]:
+    group = tuple(p if isinstance(p, Process) else Process(*p) for p in processes)
+    if not group:
+        raise ValueError("no processes given")
+    for p in group:
+        if group.count(p) > 1:
+            raise ValueError(f"{p.describe()} is given twice")
+    return group
+
+
+# --------------------------------------------------------------- errors
+class AgentError(Exception):
+    """Why a suspend, resume or detection did not go through: one line per fact.
+
+    ``changed`` says whether the group was left other than as it was found.
+    """
+
+    def __init__(self, what: str, lines: Sequence[str], *, changed: bool = False) -> None:
+        super().__init__(what, tuple(lines), changed)
+        self.what = what
+        self.detail: tuple[str, ...] = tuple(lines)
+        self.changed = changed
+
+    def lines(self) -> tuple[str, ...]:
+        return (self.what, *self.detail)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+class DetectionRefused(AgentError):
+    """The sockets contradict the group's request (or each other): nothing was done."""
+
+
+class ManifestError(AgentError):
+    """The manifest is missing, malformed, or contradicts the checkpoint directory."""
+
+
+class StateRefused(AgentError):
+    """A process is not in the native state the command needs: nothing was done."""
+
+
+class SuspendFailed(AgentError):
+    """A suspend failed; ``restored`` says whether the group runs as before."""
+
+    def __init__(self, what: str, lines: Sequence[str], *, restored: bool) -> None:
+        super().__init__(what, lines, changed=not restored)
+        self.restored = restored
+
+
+class ResumeFailed(AgentError):
+    """A resume failed; every process's native state and shim phase are in the lines."""
+
+
+# --------------------------------------------------------------- detection
+@attrs.frozen
+class Detection:
+    """What the sockets say: ``cuinterpose`` (every process has a shim) or ``native``."""
+
+    mode: Mode
+    endpoints: tuple[Endpoint, ...]
+
+
+def _socket_evidence(path: Path) -> Literal["socket", "absent", "other"]:
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "absent"
+    except OSError:
+        return "other"
+    return "socket" if stat.S_ISSOCK(info.st_mode) else "other"
+
+
+def detect(
+    requested: bool, processes: Sequence[Process | tuple[int, int]], where: Where
+) -> Detection:
+    """The truth table of specs/detection.md, fail-closed.
+
+    Requested and every process shows a control socket: ``cuinterpose``. Not requested
+    and none does: ``native``. Anything else raises :class:`DetectionRefused` naming
+    every process that broke the rule and how. Never reads ``/proc/*/environ``.
+    """
+    group = _processes(processes)
+    endpoints = tuple(where.endpoint(p) for p in group)
+    problems: list[str] = []
+    for process, endpoint in zip(group, endpoints, strict=True):
+        evidence = _socket_evidence(endpoint.path)
+        if evidence == "other":
+            problems.append(f"{process.describe()}: {endpoint.path} is not a socket")
+        elif requested and evidence == "absent":
+            problems.append(
+                f"{process.describe()}: no control socket at {endpoint.path}, yet the group "
+                "requested cuinterpose (is the shim preloaded in it?)"
+            )
+        elif not requested and evidence == "socket":
+            problems.append(
+                f"{process.describe()}: a control socket at {endpoint.path}, yet the group "
+                "did not request cuinterpose (a native checkpoint would fail on its sharing)"
+            )
+    if problems:
+        wanted = "requested" if requested else "not requested"
+        raise DetectionRefused(f"detection refused (cuinterpose {wanted}):", problems)
+    return Detection("cuinterpose" if requested else "native", endpoints)
+
+
+def remove_stale_sockets(
+    processes: Sequence[Process | tuple[int, int]], where: Where
+) -> tuple[Path, ...]:
+    """Remove the control sockets of ``processes`` that nobody listens on any more, so
+    that processes recreated by a restore (CRIU) can bind them. A socket a live shim
+    still serves, or a path that is not a socket, is refused by name, nothing removed."""
+    group = _processes(processes)
+    stale: list[Path] = []
+    problems: list[str] = []
+    for process in group:
+        path = where.endpoint(process).path
+        evidence = _socket_evidence(path)
+        if evidence == "absent":
+            continue
+        if evidence == "other":
+            problems.append(f"{process.describe()}: {path} is not a socket; not removed")
+            continue
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path))
+            except (ConnectionRefusedError, FileNotFoundError):
+                stale.append(path)
+                continue
+            except OSError as exc:
+                problems.append(f"{process.describe()}: {path}: {exc.strerror}; not removed")
+                continue
+        problems.append(f"{process.describe()}: {path} is served by a live shim; not removed")
+    if problems:
+        raise AgentError("stale socket removal refused:", problems)
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return tuple(stale)
+
+
+# --------------------------------------------------------------- timings and events
+@attrs.frozen
+class Timing:
+    """One timed step: detect, capture, native_lock, native_checkpoint, native_restore,
+    native_unlock, coordinator_restore (and the undo steps of a failed suspend)."""
+
+    phase: str
+    seconds: float
+    bytes: int = 0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.bytes and self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"phase": self.phase, "seconds": self.seconds, "bytes": self.bytes}
+
+
+@attrs.frozen
+class StepEvent:
+    """An agent step started, ended or failed."""
+
+    step: str
+    status: Literal["started", "done", "failed"]
+    seconds: float = 0.0
+    bytes: int = 0
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"event": "step", "step": self.step, "status": self.status}
+        out.update(seconds=self.seconds, bytes=self.bytes)
+        if self.detail:
+            out["detail"] = self.detail
+        return out
+
+
+@attrs.frozen
+class CopyProgress:
+    """Bytes copied so far by the phase op in flight, summed over the participants
+    (from the shims' STATUS replies while SAVE/LOAD/ROLLBACK_ALLOCATIONS run)."""
+
+    phase: str
+    bytes_done: int
+    bytes_total: int
+    elapsed_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "event": "copy",
+            "phase": self.phase,
+            "bytes_done": self.bytes_done,
+            "bytes_total": self.bytes_total,
+            "elapsed_s": self.elapsed_s,
+        }
+
+
+AgentEvent = Event | StepEvent | CopyProgress
+AgentCallback = Callable[[AgentEvent], None]
+
+
+@attrs.define
+class _Reporter:
+    """Delivers every event to the callback and the logger; collects the timings.
+
+    The copy watcher's thread emits too: deliveries are serialized, so a callback
+    never runs twice at once.
+    """
+
+    callback: AgentCallback | None
+    logger: logging.Logger
+    clock: Callable[[], float] = time.perf_counter
+    timings: list[Timing] = attrs.field(factory=list)
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def emit(self, event: AgentEvent) -> None:
+        fields = event.to_json()
+        failed = fields.get("event") == "failed" or fields.get("status") == "failed"
+        level = logging.WARNING if failed else logging.INFO
+        with self.lock:
+            self.logger.log(
+                level, "cuinterpose %s", _summary(fields), extra={"cuinterpose": fields}
+            )
+            if self.callback is not None:
+                self.callback(event)
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[list[int]]:
+        """Time the block as step ``name``; the block may append bytes moved."""
+        moved: list[int] = []
+        self.emit(StepEvent(name, "started"))
+        began = self.clock()
+        try:
+            yield moved
+        except BaseException as exc:
+            self.emit(StepEvent(name, "failed", self.clock() - began, sum(moved), str(exc)))
+            raise
+        seconds = self.clock() - began
+        self.timings.append(Timing(name, seconds, sum(moved)))
+        self.emit(StepEvent(name, "done", seconds, sum(moved)))
+
+
+def _summary(fields: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in fields.items() if not isinstance(v, list | dict))
+
+
+class _CopyWatcher:
+    """Asks every shim STATUS while a machine runs, and reports the bytes copied by the
+    SAVE/LOAD/ROLLBACK_ALLOCATIONS in flight. Progress only: a shim that does not answer
+    is left out of that sample (the machine itself reports failures)."""
+
+    def __init__(
+        self, bound: Sequence[tuple[Endpoint, str]], emit: Callable[[CopyProgress], None]
+    ) -> None:
+        self.bound = tuple(bound)
+        self.emit = emit
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="cuinterpose-status", daemon=True)
+        self.last: tuple[str, int] | None = None
+
+    def __enter__(self) -> _CopyWatcher:
+        if self.bound:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def _run(self) -> None:
+        calls = [(e, Request(Op.STATUS, participant=p), p) for e, p in self.bound]
+        while not self.stop.wait(_POLL_S):
+            try:
+                flights = [
+                    InFlight.from_stats(r.stats)
+                    for r in call_all(calls, timeout=1.0)
+                    if isinstance(r, Reply) and r.status == 0
+                ]
+            except WireError:  # a shim naming an op this engine does not know: no sample
+                continue
+            copying = [f for f in flights if f.op in _COPY_OPS]
+            if not copying:
+                continue
+            op = copying[0].op
+            assert op is not None
+            done = sum(f.bytes_done for f in copying)
+            sample = (op.name, done)
+            if sample != self.last:
+                self.last = sample
+                self.emit(
+                    CopyProgress(
+                        op.name,
+                        done,
+                        sum(f.bytes_total for f in copying),
+                        max(f.elapsed_ns for f in copying) / 1e9,
+                    )
+                )
+
+
+# --------------------------------------------------------------- the manifest
+@attrs.frozen
+class Participant:
+    observed_pid: int
+    namespace_pid: int
+    participant: str | None  # the shim's id; None for a native-only group
+
+
+@attrs.frozen
+class Manifest:
+    """``manifest.json``: what a suspend did, for the resume (and the agent) to read."""
+
+    requested: bool
+    prepared: bool
+    participants: tuple[Participant, ...]
+    timings: tuple[Timing, ...] = ()
+    created_at: str = ""
+    resumed_at: str = ""  # set once a resume completed: the directory may be reused
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "version": MANIFEST_VERSION,
+            "cuinterpose": {"requested": self.requested, "prepared": self.prepared},
+            "participants": [attrs.asdict(p) for p in self.participants],
+            "timings": [t.to_json() for t in self.timings],
+            "created_at": self.created_at,
+        }
+        if self.resumed_at:
+            out["resumed_at"] = self.resumed_at
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, path: Path) -> Manifest:
+        def bad(why: str) -> ManifestError:
+            return ManifestError(f"manifest {path} refused:", [why])
+
+        if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
+            raise bad(f"not a version {MANIFEST_VERSION} manifest")
+        flags = data.get("cuinterpose")
+        if not isinstance(flags, dict) or not all(
+            isinstance(flags.get(k), bool) for k in ("requested", "prepared")
+        ):
+            raise bad('"cuinterpose" must hold the booleans "requested" and "prepared"')
+        if flags["prepared"] and not flags["requested"]:
+            raise bad("prepared, yet cuinterpose was not requested")
+        try:
+            participants = tuple(
+                Participant(
+                    int(p["observed_pid"]),
+                    int(p["namespace_pid"]),
+                    None if p["participant"] is None else str(p["participant"]),
+                )
+                for p in data["participants"]
+            )
+            timings = tuple(
+                Timing(str(t["phase"]), float(t["seconds"]), int(t["bytes"]))
+                for t in data.get("timings", [])
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise bad(f"malformed participants or timings: {exc!r}") from None
+        if not participants:
+            raise bad("no participants")
+        return cls(
+            flags["requested"],
+            flags["prepared"],
+            participants,
+            timings,
+            str(data.get("created_at", "")),
+            str(data.get("resumed_at", "")),
+        )
+
+    def processes(self) -> tuple[Process, ...]:
+        return tuple(Process(p.observed_pid, p.namespace_pid) for p in self.participants)
+
+
+def write_manifest(checkpoint_dir: Path, manifest: Manifest) -> Path:
+    body = json.dumps(manifest.to_json(), indent=2).encode() + b"\n"
+    write_atomically(Path(checkpoint_dir), MANIFEST_FILE_NAME, body)
+    return Path(checkpoint_dir) / MANIFEST_FILE_NAME
+
+
+def read_manifest(checkpoint_dir: Path) -> Manifest:
+    path = Path(checkpoint_dir) / MANIFEST_FILE_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ManifestError(
+            f"no manifest at {path}:", ["nothing was suspended into this directory"]
+        ) from None
+    except OSError as exc:
+        raise ManifestError(f"manifest {path} unreadable:", [str(exc.strerror)]) from None
+    try:
+        raw = os.read(fd, _MANIFEST_MAX + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > _MANIFEST_MAX:
+        raise ManifestError(f"manifest {path} refused:", [f"larger than {_MANIFEST_MAX} bytes"])
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ManifestError(f"manifest {path} refused:", [f"not JSON: {exc}"]) from None
+    return Manifest.from_json(data, path)
+
+
+def restore_plan(manifest: Manifest, checkpoint_dir: Path) -> bool:
+    """Whether the coordinator restore runs after the native restore. Prepared without a
+    state file is an error, never a silent native-only restore."""
+    if manifest.prepared and not (Path(checkpoint_dir) / STATE_FILE_NAME).is_file():
+        raise ManifestError(
+            f"manifest in {checkpoint_dir} says prepared, but there is no {STATE_FILE_NAME}:",
+            ["refusing a native-only restore of a group whose sharing was torn down"],
+        )
+    return manifest.prepared
+
+
+# --------------------------------------------------------------- status
+@attrs.frozen
+class ProcessStatus:
+    """One process as :func:`status` found it."""
+
+    process: Process
+    native_state: str  # a ProcessState name, or "unknown (<why>)"
+    shim_phase: str | None  # None: no control socket
+    participant: str | None = None
+    in_flight: InFlight | None = None
+    problem: str = ""  # why the shim did not answer, or its stored failure reason
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "observed_pid": self.process.observed_pid,
+            "namespace_pid": self.process.namespace_pid,
+            "native_state": self.native_state,
+            "shim_phase": self.shim_phase,
+            "participant": self.participant,
+        }
+        if self.in_flight is not None and self.in_flight.op is not None:
+            out["in_flight"] = {
+                "op": self.in_flight.op.name,
+                "bytes_done": self.in_flight.bytes_done,
+                "bytes_total": self.in_flight.bytes_total,
+                "elapsed_s": self.in_flight.elapsed_ns / 1e9,
+            }
+        if self.problem:
+            out["problem"] = self.problem
+        return out
+
+    def describe(self) -> str:
+        shim = self.shim_phase or "no shim socket"
+        text = f"{self.process.describe()}: native {self.native_state}, shim {shim}"
+        return f"{text} ({self.problem})" if self.problem else text
+
+
+def status(
+    processes: Sequence[Process | tuple[int, int]],
+    where: Where,
+    native: NativeBackend,
+    *,
+    timeout: float = 5.0,
+) -> tuple[ProcessStatus, ...]:
+    """Every process's native state and its shim's phase and op in flight (STATUS, which
+    changes and binds nothing and is served while a phase op runs)."""
+    group = _processes(processes)
+    states = state_names(native, [p.observed_pid for p in group])
+    endpoints = [where.endpoint(p) for p in group]
+    present = [_socket_evidence(e.path) == "socket" for e in endpoints]
+    asked = [e for e, here in zip(endpoints, present, strict=True) if here]
+    answers = iter(call_all([(e, Request(Op.STATUS), None) for e in asked], timeout=timeout))
+    out: list[ProcessStatus] = []
+    for process, here in zip(group, present, strict=True):
+        native_state = states[process.observed_pid]
+        if not here:
+            out.append(ProcessStatus(process, native_state, None))
+            continue
+        reply = next(answers)
+        if isinstance(reply, ParticipantError):
+            out.append(ProcessStatus(process, native_state, "not answering", problem=reply.reason))
+            continue
+        if reply.status != 0:
+            problem = f"STATUS answered {reply.status.name}: {reply.message}"
+            out.append(ProcessStatus(process, native_state, reply.phase.name, problem=problem))
+            continue
+        out.append(
+            ProcessStatus(
+                process,
+                native_state,
+                reply.phase.name,
+                reply.participant,
+                InFlight.from_stats(reply.stats),
+                reply.message,
+            )
+        )
+    return tuple(out)
+
+
+def _status_lines(
+    group: Sequence[Process], where: Where | None, native: NativeBackend
+) -> list[str]:
+    if where is None:
+        states = state_names(native, [p.observed_pid for p in group])
+        return [f"{p.describe()}: native {states[p.observed_pid]}" for p in group]
+    return [s.describe() for s in status(group, where, native)]
+
+
+def require_states(
+    native: NativeBackend,
+    processes: Sequence[Process | tuple[int, int]],
+    wanted: ProcessState,
+    command: str,
+    hint: str,
+) -> None:
+    """Refuse (:class:`StateRefused`, nothing changed) unless every process is ``wanted``;
+    the message names each other one and says what to run."""
+    group = _processes(processes)
+    states = state_names(native, [p.observed_pid for p in group])
+    wrong = [
+        f"{p.describe()} is {states[p.observed_pid]}, not {wanted.name}"
+        for p in group
+        if states[p.observed_pid] != wanted.name
+    ]
+    if wrong:
+        raise StateRefused(f"{command} refused: {hint}", wrong)
+
+
+# --------------------------------------------------------------- suspend
+@attrs.frozen
+class SuspendResult:
+    manifest: Manifest
+    manifest_path: Path
+    timings: tuple[Timing, ...]
+
+
+def _participant_ids(endpoints: Sequence[Endpoint], timeout: float) -> tuple[str, ...]:
+    """Each shim's id, from STATUS (binds nothing: the capture's HANDSHAKE binds)."""
+    replies = call_all([(e, Request(Op.STATUS), None) for e in endpoints], timeout=timeout)
+    ids: list[str] = []
+    problems: list[str] = []
+    for reply in replies:
+        if isinstance(reply, ParticipantError):
+            problems.append(str(reply))
+        else:
+            ids.append(reply.participant)
+    if problems:
+        raise DetectionRefused("a shim did not answer STATUS:", problems)
+    return tuple(ids)
+
+
+def suspend(
+    processes: Sequence[Process | tuple[int, int]],
+    checkpoint_dir: Path,
+    *,
+    where: Where,
+    native: NativeBackend,
+    requested: bool = True,
+    options: Options | None = None,
+    lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
+    on_event: AgentCallback | None = None,
+    logger: logging.Logger | None = None,
+) -> SuspendResult:
+    """Detect, capture (when requested), lock and checkpoint every process, write the
+    manifest. On return every process is CHECKPOINTED and its GPU memory is free.
+
+    Raises :class:`DetectionRefused` or :class:`StateRefused` (nothing changed),
+    :class:`~.errors.CoordinatorError` from the capture (rolled back by the runner
+    when it had changed anything), or :class:`SuspendFailed` when a native step
+    failed: what was done is undone first (``restored`` says whether it worked).
+    """
+    group = _processes(processes)
+    directory = Path(checkpoint_dir)
+    report = _Reporter(on_event, logger or logging.getLogger(LOGGER_NAME))
+    options = options or Options()
+    pids = [p.observed_pid for p in group]
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AgentError(
+            f"suspend refused: checkpoint directory {directory}:", [str(exc)]
+        ) from None
+    if (directory / MANIFEST_FILE_NAME).exists():
+        held = read_manifest(directory)
+        if not held.resumed_at:
+            raise ManifestError(
+                f"suspend refused: {directory} holds the manifest of a group never resumed:",
+                [
+                    *(p.describe() for p in held.processes()),
+                    "resume it first, or suspend into another directory",
+                ],
+            )
+    with report.step("detect"):
+        detection = detect(requested, group, where)
+        require_states(
+            native,
+            group,
+            ProcessState.RUNNING,
+            "suspend",
+            "every process must be RUNNING (run `cuinterpose status` to see the group)",
+        )
+        ids: tuple[str | None, ...] = (None,) * len(group)
+        if detection.mode == "cuinterpose":
+            ids = _participant_ids(detection.endpoints, options.phase_timeout)
+    prepared = False
+    if detection.mode == "cuinterpose":
+        with report.step("capture") as moved:
+            engine_options = attrs.evolve(options, on_progress=report.emit)
+            bound = [(e, i) for e, i in zip(detection.endpoints, ids, strict=True) if i]
+            with _CopyWatcher(bound, report.emit):
+                result = capture(detection.endpoints, directory, engine_options)
+            moved.append(_bytes_moved(result.phases))
+        prepared = True
+    try:
+        with report.step("native_lock"):
+            run_step(native, "lock", pids, lock_timeout_ms=lock_timeout_ms)
+        with report.step("native_checkpoint"):
+            run_step(native, "checkpoint", pids)
+        manifest = Manifest(
+            requested,
+            prepared,
+            tuple(
+                Participant(p.observed_pid, p.namespace_pid, i)
+                for p, i in zip(group, ids, strict=True)
+            ),
+            tuple(report.timings),
+            utc_timestamp(),
+        )
+        path = write_manifest(directory, manifest)
+    except NativeGroupError as failure:
+        _undo(list(failure.lines()), group, detection, directory, native, options, report, where)
+    except (StateFileError, OSError) as failure:
+        lines = [f"the manifest could not be written: {failure}"]
+        _undo(lines, group, detection, directory, native, options, report, where)
+    return SuspendResult(manifest, path, tuple(report.timings))
+
+
+def _bytes_moved(phases: Sequence[PhaseEvent]) -> int:
+    return sum(p.transfer.allocation_bytes for p in phases if p.transfer is not None)
+
+
+def _undo(
+    lines: list[str],
+    group: Sequence[Process],
+    detection: Detection,
+    directory: Path,
+    native: NativeBackend,
+    options: Options,
+    report: _Reporter,
+    where: Where,
+) -> None:
+    """A native step of a suspend (or the manifest) failed: native restore and unlock what
+    was done, then the coordinator restore; raise SuspendFailed with every step and every
+    state. ``lines`` says what failed."""
+    with report.step("undo_native"):
+        undone = undo_suspend(native, [p.observed_pid for p in group])
+    lines += undone
+    now = state_names(native, [p.observed_pid for p in group])
+    back = all(s == ProcessState.RUNNING.name for s in now.values())
+    if back and detection.mode == "cuinterpose":
+        try:
+            with report.step("undo_coordinator_restore"):
+                restore(
+                    detection.endpoints, directory, attrs.evolve(options, on_progress=report.emit)
+                )
+            lines.append("coordinator restore done: bytes, VAs and sharing are back")
+        except CoordinatorError as error:
+            back = False
+            lines += [f"coordinator restore: {line}" for line in error.lines()]
+    elif not back:
+        lines.append("the coordinator restore was not run: not every process is RUNNING")
+    lines += [f"now {line}" for line in _status_lines(group, where, native)]
+    if back:
+        lines.append("the group runs as before the suspend")
+    raise SuspendFailed("suspend failed:", lines, restored=back)
+
+
+# --------------------------------------------------------------- resume
+@attrs.frozen
+class ResumeResult:
+    manifest: Manifest
+    coordinator_restored: bool
+    timings: tuple[Timing, ...]
+
+
+def resume(
+    checkpoint_dir: Path,
+    *,
+    where: Where,
+    native: NativeBackend,
+    processes: Sequence[Process | tuple[int, int]] | None = None,
+    options: Options | None = None,
+    on_event: AgentCallback | None = None,
+    logger: logging.Logger | None = None,
+) -> ResumeResult:
+    """Native restore and unlock of every process of the manifest, then the coordinator
+    restore when it says prepared. On return every process is RUNNING with its bytes,
+    VAs and sharing back.
+
+    ``processes``, when given, must be the manifest's. Raises :class:`ManifestError` or
+    :class:`StateRefused` (nothing changed), :class:`ResumeFailed` naming every
+    process's native state and shim phase.
+    """
+    directory = Path(checkpoint_dir)
+    report = _Reporter(on_event, logger or logging.getLogger(LOGGER_NAME))
+    options = options or Options()
+    manifest = read_manifest(directory)
+    if manifest.resumed_at:
+        raise ManifestError(
+            f"resume refused: the group in {directory} was resumed at {manifest.resumed_at}:",
+            ["suspend it again first"],
+        )
+    group = manifest.processes()
+    if processes is not None and set(_processes(processes)) != set(group):
+        given = ", ".join(p.describe() for p in _processes(processes))
+        raise ManifestError(
+            f"resume refused: the processes given are not the manifest's ({given})",
+            [f"the manifest holds {p.describe()}" for p in group],
+        )
+    coordinate = restore_plan(manifest, directory)
+    require_states(
+        native,
+        group,
+        ProcessState.CHECKPOINTED,
+        "resume",
+        "every process must be CHECKPOINTED by `cuinterpose suspend`",
+    )
+    pids = [p.observed_pid for p in group]
+    endpoints = [where.endpoint(p) for p in group]
+    try:
+        with report.step("native_restore"):
+            run_step(native, "restore", pids)
+        with report.step("native_unlock"):
+            run_step(native, "unlock", pids)
+        if coordinate:
+            ids = tuple(p.participant or "" for p in manifest.participants)
+            with report.step("coordinator_restore") as moved:
+                engine_options = attrs.evolve(options, on_progress=report.emit)
+                with _CopyWatcher(list(zip(endpoints, ids, strict=True)), report.emit):
+                    result = restore(endpoints, directory, engine_options)
+                moved.append(_bytes_moved(result.phases))
+    except (NativeGroupError, CoordinatorError) as failure:
+        lines = list(failure.lines())
+        if isinstance(failure, CoordinatorError) and failure.rolled_back:
+            lines.append("rolled back: every process runs with the bytes it had at suspend")
+        lines += [f"now {line}" for line in _status_lines(group, where, native)]
+        raise ResumeFailed("resume failed:", lines, changed=True) from failure
+    write_manifest(directory, attrs.evolve(manifest, resumed_at=utc_timestamp()))
+    return ResumeResult(manifest, coordinate, tuple(report.timings))
+
+
+__all__ = [
+    "DEFAULT_LOCK_TIMEOUT_MS",
+    "LOGGER_NAME",
+    "MANIFEST_FILE_NAME",
+    "AgentCallback",
+    "AgentError",
+    "AgentEvent",
+    "CopyProgress",
+    "Detection",
+    "DetectionRefused",
+    "Manifest",
+    "ManifestError",
+    "NativeError",
+    "Participant",
+    "Process",
+    "ProcessStatus",
+    "ResumeFailed",
+    "ResumeResult",
+    "StateRefused",
+    "StepEvent",
+    "SuspendFailed",
+    "SuspendResult",
+    "Timing",
+    "Where",
+    "detect",
+    "read_manifest",
+    "remove_stale_sockets",
+    "require_states",
+    "restore_plan",
+    "resume",
+    "status",
+    "suspend",
+    "write_manifest",
+]

@@ -1,0 +1,304 @@
+"""The native checkpoint of a group of processes: lock all, checkpoint all; restore all,
+unlock all; the state of every process checked after each step.
+
+The driver's calls (``cuCheckpointProcessLock / Checkpoint / Restore / Unlock /
+GetState``) act on another process named by its pid. They are reached through a
+:class:`NativeBackend`; :class:`CudaBackend` is the real one, importing
+``cuda.bindings`` on first use so that the engine imports without it. Tests and
+agents inject their own backend (another driver, a helper process, injected
+failures). A failed step raises :class:`NativeGroupError`, which names the step,
+the process whose call failed and the state of every process; nothing here undoes
+anything on its own: :func:`undo_suspend` is the way back, driven by the states.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Protocol
+
+import attrs
+
+DEFAULT_LOCK_TIMEOUT_MS: Final = 10_000
+
+
+class NativeUnavailableError(RuntimeError):
+    """``cuda.bindings`` is not installed, or no CUDA driver could be loaded."""
+
+
+class NativeError(RuntimeError):
+    """A native checkpoint call failed: which process, which call, which CUresult."""
+
+    def __init__(self, pid: int, call: str, result: str, detail: str = "") -> None:
+        super().__init__(pid, call, result, detail)
+        self.pid = pid
+        self.call = call
+        self.result = result
+        self.detail = detail
+
+    def __str__(self) -> str:
+        text = f"pid {self.pid}: {self.call} failed: {self.result}"
+        return f"{text} ({self.detail})" if self.detail else text
+
+
+class ProcessState(enum.IntEnum):
+    """``CUprocessState``: where a process is in the native checkpoint cycle."""
+
+    RUNNING = 0
+    LOCKED = 1
+    CHECKPOINTED = 2
+    FAILED = 3
+    CHECKPOINTING = 4
+    RESTORING = 5
+
+
+class NativeBackend(Protocol):
+    """The driver's native checkpoint calls on one process; each raises NativeError."""
+
+    def lock(self, pid: int, timeout_ms: int) -> None: ...
+    def checkpoint(self, pid: int) -> None: ...
+    def restore(self, pid: int) -> None: ...
+    def unlock(self, pid: int) -> None: ...
+    def state(self, pid: int) -> ProcessState: ...
+
+
+class CudaBackend:
+    """The calls through ``cuda.bindings.driver`` (imported, and ``cuInit(0)`` run, on
+    first use), reaching whichever ``libcuda.so.1`` this process loads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cu: Any = None
+
+    def driver(self) -> Any:
+        with self._lock:
+            if self._cu is not None:
+                return self._cu
+            try:
+                module: Any = importlib.import_module("cuda.bindings.driver")
+            except ImportError as exc:
+                raise NativeUnavailableError(
+                    "the native checkpoint calls need cuda.bindings: "
+                    "pip install 'cuda-bindings>=13.0,<14'"
+                ) from exc
+            try:
+                result = module.cuInit(0)
+            except Exception as exc:  # the loader's own errors (library not found)
+                raise NativeUnavailableError(
+                    f"no CUDA driver could be loaded for the native checkpoint calls: {exc}"
+                ) from exc
+            err = result[0] if isinstance(result, tuple) else result
+            if err != module.CUresult.CUDA_SUCCESS:
+                raise NativeUnavailableError(f"cuInit(0) failed: {_result_name(module, err)}")
+            self._cu = module
+            return module
+
+    def call(self, pid: int, name: str, fn: Callable[[Any], Any]) -> Any:
+        """``fn(cu)``; a status other than CUDA_SUCCESS raises NativeError."""
+        cu = self.driver()
+        result = fn(cu)
+        err = result[0] if isinstance(result, tuple) else result
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise NativeError(pid, name, _result_name(cu, err))
+        if isinstance(result, tuple) and len(result) > 1:
+            return result[1]
+        return None
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        if timeout_ms < 0:
+            raise ValueError(f"lock timeout must be >= 0 ms, got {timeout_ms}")
+
+        def go(cu: Any) -> Any:
+            args = cu.CUcheckpointLockArgs()
+            args.timeoutMs = timeout_ms
+            return cu.cuCheckpointProcessLock(pid, args)
+
+        self.call(pid, "cuCheckpointProcessLock", go)
+
+    def checkpoint(self, pid: int) -> None:
+        self.call(
+            pid,
+            "cuCheckpointProcessCheckpoint",
+            lambda cu: cu.cuCheckpointProcessCheckpoint(pid, cu.CUcheckpointCheckpointArgs()),
+        )
+
+    def restore(self, pid: int) -> None:
+        self.call(
+            pid,
+            "cuCheckpointProcessRestore",
+            lambda cu: cu.cuCheckpointProcessRestore(pid, cu.CUcheckpointRestoreArgs()),
+        )
+
+    def unlock(self, pid: int) -> None:
+        self.call(
+            pid,
+            "cuCheckpointProcessUnlock",
+            lambda cu: cu.cuCheckpointProcessUnlock(pid, cu.CUcheckpointUnlockArgs()),
+        )
+
+    def state(self, pid: int) -> ProcessState:
+        raw = self.call(
+            pid, "cuCheckpointProcessGetState", lambda cu: cu.cuCheckpointProcessGetState(pid)
+        )
+        try:
+            return ProcessState(int(raw))
+        except ValueError as exc:
+            raise NativeError(
+                pid, "cuCheckpointProcessGetState", "CUDA_SUCCESS", f"unknown state {raw!r}"
+            ) from exc
+
+    def restore_thread_id(self, pid: int) -> int:
+        raw = self.call(
+            pid,
+            "cuCheckpointProcessGetRestoreThreadId",
+            lambda cu: cu.cuCheckpointProcessGetRestoreThreadId(pid),
+        )
+        return int(raw)
+
+
+def _result_name(cu: Any, err: Any) -> str:
+    name = getattr(err, "name", None)
+    if isinstance(name, str):
+        return name
+    try:
+        status, text = cu.cuGetErrorName(err)
+        if status == cu.CUresult.CUDA_SUCCESS and text:
+            return text.decode() if isinstance(text, bytes) else str(text)
+    except Exception:  # only used to build a message
+        pass
+    return f"CUresult {int(err)}"
+
+
+# --------------------------------------------------------------- the group
+@attrs.frozen
+class StepTiming:
+    """One group step (lock, checkpoint, restore or unlock of every process)."""
+
+    step: str
+    seconds: float
+    calls: tuple[tuple[int, float], ...]  # (pid, seconds) in call order
+
+
+# What each step calls, and the state every process must be in after it.
+_STEPS: Final[dict[str, tuple[str, ProcessState]]] = {
+    "lock": ("cuCheckpointProcessLock", ProcessState.LOCKED),
+    "checkpoint": ("cuCheckpointProcessCheckpoint", ProcessState.CHECKPOINTED),
+    "restore": ("cuCheckpointProcessRestore", ProcessState.LOCKED),
+    "unlock": ("cuCheckpointProcessUnlock", ProcessState.RUNNING),
+}
+
+
+class NativeGroupError(RuntimeError):
+    """A group step failed: on which process and why, and every process's state after."""
+
+    def __init__(
+        self, step: str, pid: int, reason: str, states: dict[int, str], done: tuple[int, ...]
+    ) -> None:
+        super().__init__(step, pid, reason, states, done)
+        self.step = step
+        self.pid = pid
+        self.reason = reason
+        self.states = states
+        self.done = done  # the pids the step had succeeded on before it stopped
+
+    def lines(self) -> tuple[str, ...]:
+        states = ", ".join(f"pid {p} {s}" for p, s in self.states.items())
+        return (f"native {self.step} failed: pid {self.pid}: {self.reason}", f"states: {states}")
+
+    def __str__(self) -> str:
+        return "; ".join(self.lines())
+
+
+def check_pids(pids: Sequence[int]) -> tuple[int, ...]:
+    group = tuple(pids)
+    if not group:
+        raise ValueError("no pids given")
+    if len(set(group)) != len(group):
+        raise ValueError(f"pids repeat: {list(group)}")
+    if any(p <= 0 for p in group):
+        raise ValueError(f"pids must be positive: {list(group)}")
+    return group
+
+
+def state_names(backend: NativeBackend, pids: Sequence[int]) -> dict[int, str]:
+    """Each pid's state name, or why asking for it failed (for reports)."""
+    out: dict[int, str] = {}
+    for pid in pids:
+        try:
+            out[pid] = backend.state(pid).name
+        except NativeError as exc:
+            out[pid] = f"unknown ({exc.result})"
+    return out
+
+
+def run_step(
+    backend: NativeBackend,
+    step: str,
+    pids: Sequence[int],
+    *,
+    lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> StepTiming:
+    """Run ``step`` (lock, checkpoint, restore, unlock) on every pid in order, then check
+    that every pid reached the step's state. Stops at the first failure."""
+    if step not in _STEPS:
+        raise ValueError(f"unknown native step {step!r}; one of {', '.join(_STEPS)}")
+    group = check_pids(pids)
+    _, expected = _STEPS[step]
+    calls: list[tuple[int, float]] = []
+    started = clock()
+    for pid in group:
+        began = clock()
+        try:
+            if step == "lock":
+                backend.lock(pid, lock_timeout_ms)
+            else:
+                getattr(backend, step)(pid)
+        except NativeError as exc:
+            reason = f"{exc.call} failed: {exc.result}"
+            if exc.detail:
+                reason += f" ({exc.detail})"
+            raise NativeGroupError(
+                step, pid, reason, state_names(backend, group), tuple(p for p, _ in calls)
+            ) from exc
+        calls.append((pid, clock() - began))
+    states = state_names(backend, group)
+    wrong = [p for p in group if states[p] != expected.name]
+    if wrong:
+        raise NativeGroupError(
+            step,
+            wrong[0],
+            f"is {states[wrong[0]]} after the {step}, expected {expected.name}",
+            states,
+            tuple(p for p, _ in calls),
+        )
+    return StepTiming(step, clock() - started, tuple(calls))
+
+
+def undo_suspend(backend: NativeBackend, pids: Sequence[int]) -> tuple[str, ...]:
+    """Bring every process back to RUNNING from where a failed suspend left it: restore
+    the CHECKPOINTED ones, then unlock the LOCKED ones. Returns one line per action or
+    failure; a process in any other state is named and left alone."""
+    lines: list[str] = []
+    group = check_pids(pids)
+    for pid in group:
+        try:
+            if backend.state(pid) is ProcessState.CHECKPOINTED:
+                backend.restore(pid)
+                lines.append(f"pid {pid}: native restore done")
+        except NativeError as exc:
+            lines.append(f"pid {pid}: native restore failed: {exc}")
+    for pid in group:
+        try:
+            state = backend.state(pid)
+            if state is ProcessState.LOCKED:
+                backend.unlock(pid)
+                lines.append(f"pid {pid}: native unlock done")
+            elif state is not ProcessState.RUNNING:
+                lines.append(f"pid {pid}: left {state.name}")
+        except NativeError as exc:
+            lines.append(f"pid {pid}: native unlock failed: {exc}")
+    return tuple(lines)

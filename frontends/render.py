@@ -1,0 +1,124 @@
+"""What ``suspend``, ``resume`` and ``status`` show a person, through ``rich``.
+
+A progress bar with bytes and rate while SAVE/LOAD copy, a line per agent step, then
+a summary table (phase, seconds, bytes, GB/s; per participant on request); the
+status table. JSON output (the CLI's own) never imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TextIO
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from .engine.agent import AgentEvent, CopyProgress, ProcessStatus, StepEvent, Timing
+from .engine.progress import FailedEvent, PhaseEvent, human_line
+
+
+class HumanView:
+    """A rich console on ``stream``: step lines, copy progress bars, the summary."""
+
+    def __init__(self, stream: TextIO, *, per_participant: bool = False) -> None:
+        self.console = Console(file=stream, highlight=False, soft_wrap=True)
+        self.per_participant = per_participant
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(binary_units=True),
+            TransferSpeedColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self.tasks: dict[str, TaskID] = {}
+        self.phases: list[PhaseEvent] = []
+
+    @contextlib.contextmanager
+    def live(self) -> Iterator[HumanView]:
+        with self.progress:
+            yield self
+
+    def __call__(self, event: AgentEvent) -> None:
+        with contextlib.suppress(OSError):
+            self._show(event)
+
+    def _show(self, event: AgentEvent) -> None:
+        if isinstance(event, CopyProgress):
+            task = self.tasks.get(event.phase)
+            if task is None:
+                task = self.progress.add_task(event.phase, total=event.bytes_total or None)
+                self.tasks[event.phase] = task
+            self.progress.update(task, completed=event.bytes_done, total=event.bytes_total)
+        elif isinstance(event, StepEvent):
+            if event.status == "done":
+                self.console.print(f"{event.step}: done in {event.seconds:.3f} s")
+            elif event.status == "failed":
+                self.console.print(f"{event.step}: FAILED after {event.seconds:.3f} s")
+        elif isinstance(event, PhaseEvent):
+            self.phases.append(event)
+            task = self.tasks.get(event.phase)
+            if task is not None and event.transfer is not None:
+                nbytes = event.transfer.allocation_bytes
+                self.progress.update(task, completed=nbytes, total=nbytes)
+        elif not isinstance(event, FailedEvent):  # failures reach stderr in full
+            self.console.print(human_line(event))
+
+    def summary(self, timings: Sequence[Timing]) -> None:
+        table = Table(title="cuinterpose")
+        for column in ("phase", "seconds", "bytes", "GB/s"):
+            table.add_column(column, justify="left" if column == "phase" else "right")
+        for t in timings:
+            rate = f"{t.gb_per_s:.2f}" if t.bytes else ""
+            table.add_row(t.phase, f"{t.seconds:.3f}", f"{t.bytes:,}" if t.bytes else "", rate)
+        self.console.print(table)
+        if not self.per_participant:
+            return
+        for phase in self.phases:
+            if phase.transfer is None:
+                continue
+            detail = Table(title=f"{phase.machine} {phase.phase} per participant")
+            detail.add_column("participant", no_wrap=True, min_width=32)
+            for column in ("pid", "allocations", "bytes", "copy s", "GB/s"):
+                detail.add_column(column, justify="right")
+            for p in phase.transfer.per_participant:
+                detail.add_row(
+                    p.participant,
+                    str(p.pid),
+                    str(p.allocation_count),
+                    f"{p.allocation_bytes:,}",
+                    f"{p.copy_s:.3f}",
+                    f"{p.copy_gb_per_s:.2f}",
+                )
+            self.console.print(detail)
+
+
+def status_table(stream: TextIO, rows: Sequence[ProcessStatus]) -> None:
+    table = Table(title="cuinterpose status")
+    for column in ("pid", "ns pid", "native state", "shim phase", "participant", "in flight"):
+        table.add_column(column)
+    for row in rows:
+        flight = ""
+        f = row.in_flight
+        if f is not None and f.op is not None:
+            flight = f"{f.op.name} {f.bytes_done:,}/{f.bytes_total:,} B"
+        table.add_row(
+            str(row.process.observed_pid),
+            str(row.process.namespace_pid),
+            row.native_state,
+            row.shim_phase or "(no socket)",
+            row.participant or "",
+            flight or row.problem,
+        )
+    Console(file=stream, highlight=False, soft_wrap=True, width=160).print(table)
