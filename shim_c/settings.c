@@ -12,7 +12,10 @@
  *  - SNAPSHOT_SHIM_COPY_THREADS: min(16, online CPUs). Populate and register
  *    are CPU work in the kernel that scales with threads; more threads than
  *    CPUs only contend.
- *  - SNAPSHOT_SHIM_COPY_CHUNK_MIB: 64.
+ *  - SNAPSHOT_SHIM_COPY_CHUNK_MIB: 64 (at most; staging.c makes it smaller
+ *    for a phase that would not give every thread a few chunks).
+ *  - SNAPSHOT_SHIM_STAGING_THP: 1 (staging memory advised MADV_HUGEPAGE).
+ *  - SNAPSHOT_SHIM_TIMING: 0 (1: where a SAVE/LOAD's time went, on stderr).
  */
 #include "shim.h"
 
@@ -29,6 +32,8 @@
 #define CONTENT_MODE_ENV "SNAPSHOT_CONTENT_MODE"
 #define COPY_THREADS_ENV "SNAPSHOT_SHIM_COPY_THREADS"
 #define COPY_CHUNK_ENV "SNAPSHOT_SHIM_COPY_CHUNK_MIB"
+#define STAGING_THP_ENV "SNAPSHOT_SHIM_STAGING_THP"
+#define TIMING_ENV "SNAPSHOT_SHIM_TIMING"
 /* CUIP_CONTROL_DIR_ENV and CUIP_PARTICIPANT_ENV are in protocol.h: the
  * coordinator sets them too. */
 
@@ -92,6 +97,18 @@ static unsigned long env_count(const char *name, unsigned long lo, unsigned long
     return x;
 }
 
+/* "0" or "1"; `def` when unset. */
+static bool env_bool(const char *name, bool def)
+{
+    const char *v = getenv(name);
+    if (!v || !*v)
+        return def;
+    if (!strcmp(v, "0") || !strcmp(v, "1"))
+        return v[0] == '1';
+    shim_log(LOG_WARN, "%s=%s is neither 0 nor 1; using %d", name, v, (int)def);
+    return def;
+}
+
 static bool env_content_native(void)
 {
     const char *v = getenv(CONTENT_MODE_ENV);
@@ -124,6 +141,8 @@ static void settings_load(void)
     s->copy_chunk = (size_t)env_count(COPY_CHUNK_ENV, 1, CHUNK_MIB_MAX, CHUNK_MIB_DEFAULT,
                                       "a chunk size in MiB")
                     << 20;
+    s->staging_thp = env_bool(STAGING_THP_ENV, true);
+    s->timing = env_bool(TIMING_ENV, false);
     snprintf(s->control_dir, sizeof s->control_dir, "%s",
              dir && *dir ? dir : CUIP_CONTROL_DIR_DEFAULT);
     snprintf(s->participant, sizeof s->participant, "%s", pin ? pin : "");
