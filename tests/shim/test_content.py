@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from tests.simenv import Spawn
 
 Op, Status, Phase = wire.Op, wire.Status, wire.Phase
 MIB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
 
 
 def finish(w: Worker) -> str:
@@ -246,9 +249,7 @@ def timing_lines(log: str) -> dict[str, dict[str, object]]:
     return found
 
 
-def test_many_small_and_a_few_large(
-    spawn: Spawn, control_dir: Path, sim_namespace: str
-) -> None:
+def test_many_small_and_a_few_large(spawn: Spawn, control_dir: Path, sim_namespace: str) -> None:
     """40 allocations of 1 to 3 granules around two of 9 and 13, 3 threads, chunks of at
     most 3 MiB: small neighbours share a chunk (fewer chunks than cutting each alone), large
     ones are split with a short last piece; the bytes survive the native checkpoint in
@@ -276,7 +277,7 @@ def test_many_small_and_a_few_large(
     log = finish(creator)
     timing = timing_lines(log)
     for op in ("SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS"):
-        chunks, chunk_mib, setting, used, threads = settings(log, op)
+        chunks, chunk_mib, _, used, _ = settings(log, op)
         assert (chunks, chunk_mib, used) == chunking(total, 3, 3), log
         # Fewer than if every allocation were cut on its own.
         assert chunks < sum(-(-n * gran // (chunk_mib * MIB)) for n in sizes)
@@ -314,3 +315,36 @@ result = None
     assert intact(creator)
     assert creator("result = err(cu.cuMemsetD8(A[0][1], 0, 16))") != "CUDA_SUCCESS"
     assert "warning" not in finish(creator)
+
+
+def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
+    """bench/staging.py end to end on the simulated driver, small shapes, one
+    repetition: every workload verified, its bytes and the shim's breakdown reported."""
+    out = tmp_path / "staging.json"
+    bench = REPO / "bench" / "staging.py"
+    done = subprocess.run(
+        [sys.executable, bench, "--sim", "--repeat", "1", "--out", out],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["driver"] == "sim"
+    assert set(result["workloads"]) == {"1x32MiB", "12x6MiB", "48x2MiB"}
+    for name, w in result["workloads"].items():
+        count, mib = (int(x) for x in name.replace("MiB", "").split("x"))
+        assert (w["allocations"], w["bytes"]) == (count, count * mib * MIB)
+        assert w["verified"] and w["native_verified"]
+        for op in ("save", "load"):
+            assert w[op]["elapsed_s"]["n"] == 1 and w[op]["gbps"]["median"] > 0
+            assert set(w[op]["thread_s"]) == {
+                "populate",
+                "register",
+                "copy",
+                "unregister",
+                "release",
+            }
+        assert w["suspend_s"]["median"] > w["capture_s"]["median"] > 0
+    assert "suspend" in done.stdout and "coordinator share" in done.stdout
