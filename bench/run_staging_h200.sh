@@ -30,7 +30,7 @@ print("cuda-bindings", cuda.bindings.__version__)'; } >"$OUT/environment.txt" 2>
   || { tail -30 "$OUT/build.log"; exit 1; }
 mkdir -p /tmp/traces
 CUINTERPOSE_TRACE_OUT=/tmp/traces timeout "${GPU_TESTS_S:-200}" python3 -m pytest -p no:cacheprovider \
-  -v -rs -s tests/gpu 2>&1 | tee "$OUT/pytest-gpu.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed"
+  -v -rs -s ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/pytest-gpu.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 timeout "${BENCH_S:-300}" python3 bench/staging.py --repeat "${REPEAT:-3}" --out "$OUT/staging.json" \
   >"$OUT/staging.log" 2>"$OUT/staging.stderr" || status=1

@@ -236,6 +236,7 @@ class Bench:
             "threads": saves[0]["threads"],
             "chunk": saves[0]["chunk"],
             "thp": saves[0]["thp"],
+            "bounce": saves[0]["bounce"],
         }
         for label, ops in (("save", saves), ("load", loads)):
             out[label] = {
@@ -251,7 +252,7 @@ class Bench:
                 },
                 "thread_s": {
                     k: thread(ops, k)
-                    for k in ("populate", "register", "copy", "unregister", "release")
+                    for k in ("populate", "register", "copy", "unregister", "release", "memcpy")
                 },
                 "chunks": ops[0]["chunks"],
             }
@@ -307,8 +308,8 @@ def report(result: dict[str, Any], out: Callable[[str], None]) -> None:
         s, ld = w["save"], w["load"]
         out(
             f"== {name}: {w['bytes'] / GIB:.2f} GiB, {w['threads']} threads, chunk "
-            f"{w['chunk'] >> 20} MiB, thp {w['thp']}, verified {w['verified']}/"
-            f"{w['native_verified']}"
+            f"{w['chunk'] >> 20} MiB, thp {w['thp']}, bounce {w['bounce'] >> 20} MiB, "
+            f"verified {w['verified']}/{w['native_verified']}"
         )
         out(
             f"  SAVE {_m(s['gbps'], '{:.1f}')} GB/s ({s['gbps']['median'] / dtoh:.2f} of DtoH),"
@@ -327,6 +328,7 @@ def report(result: dict[str, Any], out: Callable[[str], None]) -> None:
                 f"{b['copy_wall']['median']:.4f}; thread-s populate {t['populate']['median']:.3f}"
                 f" register {t['register']['median']:.3f} copy {t['copy']['median']:.3f} "
                 f"unregister {t['unregister']['median']:.3f} release {t['release']['median']:.3f}"
+                f" memcpy {t['memcpy']['median']:.3f}"
             )
         na = w["native_alone"]
         sus, res = w["suspend_s"]["median"], w["resume_s"]["median"]

@@ -15,6 +15,8 @@
  *  - SNAPSHOT_SHIM_COPY_CHUNK_MIB: 64 (at most; staging.c makes it smaller
  *    for a phase that would not give every thread a few chunks).
  *  - SNAPSHOT_SHIM_STAGING_THP: 1 (staging memory advised MADV_HUGEPAGE).
+ *  - SNAPSHOT_SHIM_STAGING_BOUNCE_MIB: 8 (per staging thread, pinned once and
+ *    kept; 0: register the staging memory chunk by chunk instead).
  *  - SNAPSHOT_SHIM_TIMING: 0 (1: where a SAVE/LOAD's time went, on stderr).
  */
 #include "shim.h"
@@ -33,6 +35,7 @@
 #define COPY_THREADS_ENV "SNAPSHOT_SHIM_COPY_THREADS"
 #define COPY_CHUNK_ENV "SNAPSHOT_SHIM_COPY_CHUNK_MIB"
 #define STAGING_THP_ENV "SNAPSHOT_SHIM_STAGING_THP"
+#define STAGING_BOUNCE_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB"
 #define TIMING_ENV "SNAPSHOT_SHIM_TIMING"
 /* CUIP_CONTROL_DIR_ENV and CUIP_PARTICIPANT_ENV are in protocol.h: the
  * coordinator sets them too. */
@@ -45,6 +48,8 @@
 #define THREADS_MAX 64ul
 #define CHUNK_MIB_DEFAULT 64ul
 #define CHUNK_MIB_MAX 4096ul
+#define BOUNCE_MIB_DEFAULT 8ul
+#define BOUNCE_MIB_MAX 1024ul
 
 static struct shim_settings settings;
 static pthread_once_t settings_once = PTHREAD_ONCE_INIT;
@@ -142,6 +147,9 @@ static void settings_load(void)
                                       "a chunk size in MiB")
                     << 20;
     s->staging_thp = env_bool(STAGING_THP_ENV, true);
+    s->staging_bounce = (size_t)env_count(STAGING_BOUNCE_ENV, 0, BOUNCE_MIB_MAX,
+                                          BOUNCE_MIB_DEFAULT, "a buffer size in MiB")
+                        << 20;
     s->timing = env_bool(TIMING_ENV, false);
     snprintf(s->control_dir, sizeof s->control_dir, "%s",
              dir && *dir ? dir : CUIP_CONTROL_DIR_DEFAULT);

@@ -104,6 +104,8 @@ struct shim_settings {
     unsigned copy_threads;      /* SAVE/LOAD: the staging pool's threads per phase */
     size_t copy_chunk;          /* bytes per copy chunk, at most */
     bool staging_thp;           /* SNAPSHOT_SHIM_STAGING_THP: MADV_HUGEPAGE on staging memory */
+    size_t staging_bounce;      /* SNAPSHOT_SHIM_STAGING_BOUNCE_MIB: pinned bytes per thread,
+                                 * 0: register the staging memory chunk by chunk */
     bool timing;                /* SNAPSHOT_SHIM_TIMING: one JSON line per SAVE/LOAD on stderr */
     char control_dir[4096];     /* as given (the default when unset); checked at start */
     /* SNAPSHOT_PARTICIPANT_ID as given, cut after one character too many so
@@ -364,8 +366,8 @@ SHIM_HIDDEN phase_work_fn unicast_reimport_all;
  * at least one copy was in flight. */
 struct staging_times {
     uint64_t pool_start_ns, populate_ns, register_ns, copy_ns, copy_wall_ns, unregister_ns,
-        release_ns, chunks;
-    unsigned threads;           /* workers started (the control thread helps too) */
+        release_ns, memcpy_ns, chunks;
+    unsigned threads;           /* workers started (none: the control thread works) */
     size_t chunk;               /* bytes per chunk, at most */
 };
 struct staging;
@@ -385,7 +387,7 @@ SHIM_HIDDEN int staging_add(struct staging *s, const struct obj *o, char *host, 
                             CUcontext ctx);
 /* Queue giving the pages of [host, host+len) back (after the copies). */
 SHIM_HIDDEN int staging_release(struct staging *s, char *host, size_t len);
-/* Wait until everything queued is done (the caller helps); -1 and the
+/* Wait until everything queued is done; -1 and the
  * first error's message if anything failed. The pool stays for more. */
 SHIM_HIDDEN int staging_wait(struct staging *s, char *msg, size_t n);
 /* Join the pool and free it; its figures in `t` (may be NULL). */

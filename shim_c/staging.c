@@ -22,6 +22,14 @@
  *    while other workers copy, and no registration outlives its chunk, so
  *    the native checkpoint and CRIU see plain anonymous memory between SAVE
  *    and LOAD and the pinned memory at any time is at most threads x chunk;
+ *  - by default nothing is pinned per phase at all: each thread copies
+ *    through its own pinned bounce buffer (SNAPSHOT_SHIM_STAGING_BOUNCE_MIB,
+ *    cuMemHostAlloc once, kept for the life of the process) and memcpy's
+ *    between it and the staging memory. Measured on the H200 (run 1 of
+ *    docs/benchmarks.md): registering and unregistering 8 GiB in 64 MiB
+ *    chunks from 16 threads cost 0.5 s per op, against 0.16 s of copy; the
+ *    driver serializes that work, so more threads do not help. With
+ *    SNAPSHOT_SHIM_STAGING_BOUNCE_MIB=0 each chunk is registered in place;
  *  - the staging memory is one anonymous mapping per phase advised
  *    MADV_HUGEPAGE (staging_alloc): with 2 MiB pages the first touch, the
  *    pinning and the free each handle 512 times fewer pages.
@@ -50,6 +58,8 @@
 
 #define HUGE_PAGE ((size_t)2 << 20)
 #define MSG_LEN 512
+/* Worker slots: the pool's threads (at most 64, settings.c). */
+#define SLOTS 64
 
 enum task_kind { TASK_COPY = 0, TASK_RELEASE = 1 };
 
@@ -92,6 +102,7 @@ struct staging {
 
     pthread_t *tids;
     unsigned started;
+    unsigned slots;             /* bounce slots handed to workers so far */
 
     /* Copy wall time: the union over all threads of the intervals during
      * which a chunk was between its first copy call and its stream sync. */
@@ -103,6 +114,16 @@ struct staging {
 /* MADV_POPULATE_WRITE unknown to this kernel: touch the pages instead. Set
  * once, by whichever thread learns it first. */
 static int no_populate;
+
+/* Resident bounce buffers, one per worker slot: pinned on first use and
+ * kept, so that no cycle after the first pins anything. Slot i is used by
+ * one thread at a time (ops run one at a time on the control thread). A
+ * fork child owns none of its parent's (`pid`). */
+static struct bounce {
+    void *p;
+    size_t size;
+    pid_t pid;
+} bounces[SLOTS];
 
 /* ------------------------------------------------------------ memory */
 void *staging_alloc(size_t len, char *msg, size_t n)
@@ -177,6 +198,7 @@ static bool has_failed(struct staging *s)
 
 /* ------------------------------------------------------------ a worker */
 struct worker {
+    unsigned slot;              /* its bounce buffer */
     CUcontext ctx;
     bool entered, pushed;
     CUstream stream;
@@ -266,31 +288,91 @@ static void copy_end(struct staging *s)
     pthread_mutex_unlock(&s->lock);
 }
 
-/* One chunk: [populate,] register, every segment's copy, one sync,
- * unregister. The registration never outlives the call, whatever fails. */
-static void run_copy(struct staging *s, struct worker *w, const struct task *k)
+/* The worker's bounce buffer, pinned now if it is not yet (in the current
+ * context, PORTABLE so that every context may copy through it). */
+static char *bounce_get(struct staging *s, struct worker *w, const struct segment *first)
+{
+    struct bounce *b = &bounces[w->slot];
+    size_t size = shim_settings()->staging_bounce;
+    uint64_t t0;
+    CUresult r;
+
+    if (b->p && b->pid == getpid() && b->size == size)
+        return b->p;
+    t0 = shim_now_ns();
+    r = real.cuMemHostAlloc(&b->p, size, CU_MEMHOSTALLOC_PORTABLE);
+    w->t.register_ns += shim_now_ns() - t0;
+    if (r != CUDA_SUCCESS) {
+        b->p = NULL;
+        cu_fail(s, first, "cuMemHostAlloc", r);
+        return NULL;
+    }
+    b->size = size;
+    b->pid = getpid();
+    return b->p;
+}
+
+/* One chunk through the bounce buffer: [populate,] then piece by piece a
+ * copy to or from the buffer, a sync, and a memcpy on the host side. */
+static int bounce_copy(struct staging *s, struct worker *w, const struct task *k)
+{
+    size_t piece = shim_settings()->staging_bounce;
+    char *buf = bounce_get(s, w, &s->segs[k->seg0]);
+    CUresult r, r2;
+    uint64_t t0;
+
+    if (!buf)
+        return -1;
+    for (uint32_t i = 0; i < k->nseg; i++) {
+        const struct segment *sg = &s->segs[k->seg0 + i];
+        for (size_t off = 0; off < sg->len; off += piece) {
+            size_t n = sg->len - off < piece ? sg->len - off : piece;
+            if (!s->to_host) {
+                t0 = shim_now_ns();
+                memcpy(buf, sg->host + off, n);
+                w->t.memcpy_ns += shim_now_ns() - t0;
+            }
+            t0 = shim_now_ns();
+            copy_begin(s);
+            r = s->to_host ? real.cuMemcpyDtoHAsync(buf, sg->dev + off, n, w->stream)
+                           : real.cuMemcpyHtoDAsync(sg->dev + off, buf, n, w->stream);
+            /* Always drain the stream before the buffer is touched again. */
+            r2 = real.cuStreamSynchronize(w->stream);
+            copy_end(s);
+            w->t.copy_ns += shim_now_ns() - t0;
+            if (r != CUDA_SUCCESS) {
+                cu_fail(s, sg, s->to_host ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync", r);
+                return -1;
+            }
+            if (r2 != CUDA_SUCCESS) {
+                cu_fail(s, sg, "cuStreamSynchronize", r2);
+                return -1;
+            }
+            if (s->to_host) {
+                t0 = shim_now_ns();
+                memcpy(sg->host + off, buf, n);
+                w->t.memcpy_ns += shim_now_ns() - t0;
+            }
+        }
+    }
+    return 0;
+}
+
+/* One chunk registered in place: [populate,] register, every segment's
+ * copy, one sync, unregister. The registration never outlives the call,
+ * whatever fails. */
+static int pinned_copy(struct staging *s, struct worker *w, const struct task *k)
 {
     const struct segment *first = &s->segs[k->seg0];
     CUresult r = CUDA_SUCCESS, r2;
-    uint64_t t0, t1;
+    uint64_t t0 = shim_now_ns(), t1;
 
-    if (worker_use(s, w, k->ctx) != 0)
-        return;
-    t0 = shim_now_ns();
-    if (s->to_host && populate(k->host, k->len) != 0) {
-        int e = errno;
-        stage_fail(s, first, "madvise(MADV_POPULATE_WRITE) failed: %s (errno %d)", strerror(e),
-                   e);
-        return;
-    }
-    t1 = shim_now_ns();
-    w->t.populate_ns += t1 - t0;
     r = real.cuMemHostRegister(k->host, k->len, 0);
-    t0 = shim_now_ns();
-    w->t.register_ns += t0 - t1;
+    t1 = shim_now_ns();
+    w->t.register_ns += t1 - t0;
     if (r != CUDA_SUCCESS) {
         cu_fail(s, first, "cuMemHostRegister", r);
-        return;
+        return -1;
     }
     copy_begin(s);
     for (uint32_t i = 0; i < k->nseg && r == CUDA_SUCCESS; i++) {
@@ -303,19 +385,39 @@ static void run_copy(struct staging *s, struct worker *w, const struct task *k)
     /* Always drain the stream before the pages are unpinned. */
     r2 = real.cuStreamSynchronize(w->stream);
     copy_end(s);
-    t1 = shim_now_ns();
-    w->t.copy_ns += t1 - t0;
+    t0 = shim_now_ns();
+    w->t.copy_ns += t0 - t1;
     if (r2 != CUDA_SUCCESS && r == CUDA_SUCCESS) {
         cu_fail(s, first, "cuStreamSynchronize", r2);
         r = r2;
     }
     r2 = real.cuMemHostUnregister(k->host);
-    w->t.unregister_ns += shim_now_ns() - t1;
+    w->t.unregister_ns += shim_now_ns() - t0;
     if (r2 != CUDA_SUCCESS && r == CUDA_SUCCESS) {
         cu_fail(s, first, "cuMemHostUnregister", r2);
         r = r2;
     }
-    if (r != CUDA_SUCCESS)
+    return r == CUDA_SUCCESS ? 0 : -1;
+}
+
+/* One chunk, either way; its bytes are accounted here and only here. */
+static void run_copy(struct staging *s, struct worker *w, const struct task *k)
+{
+    uint64_t t0;
+    int rc;
+
+    if (worker_use(s, w, k->ctx) != 0)
+        return;
+    t0 = shim_now_ns();
+    if (s->to_host && populate(k->host, k->len) != 0) {
+        int e = errno;
+        stage_fail(s, &s->segs[k->seg0], "madvise(MADV_POPULATE_WRITE) failed: %s (errno %d)",
+                   strerror(e), e);
+        return;
+    }
+    w->t.populate_ns += shim_now_ns() - t0;
+    rc = shim_settings()->staging_bounce ? bounce_copy(s, w, k) : pinned_copy(s, w, k);
+    if (rc != 0)
         return;
     /* The one place where copied bytes are accounted. */
     __atomic_fetch_add(&g.phase_bytes_done, (uint64_t)k->len, __ATOMIC_RELAXED);
@@ -366,6 +468,7 @@ static void worker_done(struct staging *s, struct worker *w)
     s->t.copy_ns += w->t.copy_ns;
     s->t.unregister_ns += w->t.unregister_ns;
     s->t.release_ns += w->t.release_ns;
+    s->t.memcpy_ns += w->t.memcpy_ns;
     s->t.chunks += w->t.chunks;
     pthread_mutex_unlock(&s->lock);
 }
@@ -377,6 +480,7 @@ static void *pool_worker(void *arg)
 
     memset(&w, 0, sizeof w);
     pthread_mutex_lock(&s->lock);
+    w.slot = s->slots++;
     for (;;) {
         if (take_one(s, &w))
             continue;
@@ -411,9 +515,10 @@ struct staging *staging_start(bool to_host, uint64_t total, uint32_t items, char
     uint64_t t0 = shim_now_ns();
 
     if (!shim_resolve_host_register() || !real.cuStreamCreate || !real.cuStreamSynchronize ||
-        !real.cuStreamDestroy || !real.cuMemcpyDtoHAsync || !real.cuMemcpyHtoDAsync) {
-        snprintf(msg, n, "the driver lacks cuMemHostRegister/cuMemHostUnregister or the "
-                         "stream entry points");
+        !real.cuStreamDestroy || !real.cuMemcpyDtoHAsync || !real.cuMemcpyHtoDAsync ||
+        !real.cuMemHostAlloc) {
+        snprintf(msg, n, "the driver lacks cuMemHostRegister/cuMemHostUnregister, "
+                         "cuMemHostAlloc or the stream entry points");
         return NULL;
     }
     s = calloc(1, sizeof *s);
@@ -437,7 +542,7 @@ struct staging *staging_start(bool to_host, uint64_t total, uint32_t items, char
         goto oom;
     pthread_cond_init(&s->more, NULL);
     pthread_cond_init(&s->idle, NULL);
-    /* No more threads than chunks; the control thread helps too. */
+    /* No more threads than chunks. */
     want = (total + s->chunk - 1) / s->chunk;
     if (want > cfg->copy_threads)
         want = cfg->copy_threads;
@@ -542,8 +647,11 @@ int staging_wait(struct staging *s, char *msg, size_t n)
     publish(s);
     memset(&w, 0, sizeof w);
     pthread_mutex_lock(&s->lock);
-    while (take_one(s, &w))
-        ; /* the control thread helps; with no worker started it does it all */
+    /* With no worker started (pthread_create failed) the control thread does
+     * it all, with slot 0; otherwise it only waits, so that the same slots,
+     * and so the same bounce buffers, serve every op. */
+    while (s->started == 0 && take_one(s, &w))
+        ;
     while (s->inflight > 0 || s->next != s->published)
         pthread_cond_wait(&s->idle, &s->lock);
     pthread_mutex_unlock(&s->lock);

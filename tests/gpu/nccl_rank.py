@@ -10,8 +10,10 @@ collectives (its P2P connections exist).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -41,6 +43,8 @@ def collectives(rank: int, world: int, dev: torch.device, n: int) -> dict[str, o
 
 
 def main() -> int:
+    # SIGUSR1: every thread's Python stack on stderr (the test asks when a rank hangs).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
@@ -53,7 +57,13 @@ def main() -> int:
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "check":
+            # Progress on stderr, so that a hang says where it is.
+            print("check: local", file=sys.stderr, flush=True)
+            local = float(torch.ones(1024, device=dev).sum())
+            torch.cuda.synchronize(dev)
+            print(f"check: local ok ({local}); collectives", file=sys.stderr, flush=True)
             out = collectives(rank, world, dev, n)
+            print("check: collectives returned", file=sys.stderr, flush=True)
             intact = float(kept.double().sum()) == kept_sum
             say({**out, "ok": bool(out["ok"]) and intact, "kept_intact": intact})
         elif cmd == "quit":

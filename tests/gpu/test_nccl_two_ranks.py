@@ -13,7 +13,10 @@ in the ranks' environment.
 from __future__ import annotations
 
 import json
+import os
 import select
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -89,17 +92,29 @@ class Rank:
             f"status {self.proc.poll()}; stderr: {self.log.read_text()[-3000:]}"
         )
 
-    def ask(self, cmd: str, timeout_s: float = 120.0) -> dict[str, Any]:
+    def tell(self, cmd: str) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
-        return self.answer(timeout_s)
+
+    def dump_stacks(self) -> None:
+        """A hung rank's Python stacks on its stderr (faulthandler, SIGUSR1)."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGUSR1)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         self.stderr.close()
+
+
+def ask_all(ranks: list[Rank], cmd: str, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    """Every rank gets the command before any answer is awaited: a collective returns
+    only once all ranks are in it."""
+    for r in ranks:
+        r.tell(cmd)
+    return [r.answer(timeout_s) for r in ranks]
 
 
 def test_two_rank_nccl_job_survives_checkpoint_restore(
@@ -125,8 +140,10 @@ def test_two_rank_nccl_job_survives_checkpoint_restore(
         "NCCL_DEBUG_FILE": str(nccl_log / "nccl.%p.log"),
         "NCCL_CUMEM_ENABLE": "1",
         "PYTHONUNBUFFERED": "1",
+        "SNAPSHOT_SHIM_DEBUG": "1",  # every tracked call in the rank's stderr
     }
     ranks = [Rank(r, env, tmp_path / f"rank{r}.stderr") for r in range(2)]
+    passed = False
     try:
         first = [r.answer(300.0) for r in ranks]
         assert all(a["ready"] and a["ok"] for a in first), first
@@ -161,7 +178,7 @@ def test_two_rank_nccl_job_survives_checkpoint_restore(
             timeout_s=300,
         )
         assert rest.returncode == 0, rest.stderr
-        again = [r.ask("check") for r in ranks]
+        again = ask_all(ranks, "check")
         assert all(a["ok"] and a["kept_intact"] for a in again), again
         figures = {
             "save": save,
@@ -174,8 +191,18 @@ def test_two_rank_nccl_job_survives_checkpoint_restore(
         print(json.dumps(figures, indent=2, default=str))
         if trace_out is not None:
             (trace_out / "nccl-figures.json").write_text(json.dumps(figures, default=str))
-        for r in ranks:
-            assert r.ask("quit")["bye"]
+        assert all(a["bye"] for a in ask_all(ranks, "quit"))
+        passed = True
     finally:
+        if not passed:
+            for r in ranks:
+                r.dump_stacks()
+            time.sleep(2)  # let faulthandler write before the kill
         for r in ranks:
             r.stop()
+        if not passed and trace_out is not None:
+            # What explains a failure: NCCL's logs, the ranks' stderr (shim log, stacks).
+            keep = trace_out / "nccl-failure"
+            keep.mkdir(exist_ok=True)
+            for f in [*nccl_log.iterdir(), *tmp_path.glob("rank*.stderr")]:
+                shutil.copy(f, keep / f.name)

@@ -109,6 +109,7 @@ def test_multi_chunk_cycle(
         extra={
             "SNAPSHOT_SHIM_COPY_CHUNK_MIB": str(chunk_mib),
             "SNAPSHOT_SHIM_COPY_THREADS": str(threads),
+            "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB": "0",  # register in place
             "SNAPSHOT_SHIM_DEBUG": "1",
         }
     )
@@ -216,7 +217,13 @@ REG = []
 
 
 def test_register_failure_fails_the_op(spawn: Spawn, control_dir: Path) -> None:
-    creator = spawn(extra={"SNAPSHOT_SHIM_COPY_CHUNK_MIB": "1", "SNAPSHOT_SHIM_COPY_THREADS": "4"})
+    creator = spawn(
+        extra={
+            "SNAPSHOT_SHIM_COPY_CHUNK_MIB": "1",
+            "SNAPSHOT_SHIM_COPY_THREADS": "4",
+            "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB": "0",
+        }
+    )
     make_shared(creator, [4], seed=21)
     c = Shim(control_dir, creator.pid)
     count, why = creator(FILL_REGISTRATIONS)
@@ -249,15 +256,21 @@ def timing_lines(log: str) -> dict[str, dict[str, object]]:
     return found
 
 
-def test_many_small_and_a_few_large(spawn: Spawn, control_dir: Path, sim_namespace: str) -> None:
+@pytest.mark.parametrize("bounce_mib", [0, 1], ids=["registered-in-place", "bounce-1MiB"])
+def test_many_small_and_a_few_large(
+    spawn: Spawn, control_dir: Path, sim_namespace: str, bounce_mib: int
+) -> None:
     """40 allocations of 1 to 3 granules around two of 9 and 13, 3 threads, chunks of at
     most 3 MiB: small neighbours share a chunk (fewer chunks than cutting each alone), large
     ones are split with a short last piece; the bytes survive the native checkpoint in
-    between, the timing line accounts for every byte and its parts add up."""
+    between, the timing line accounts for every byte and its parts add up. Registered in
+    place, every op registers and unregisters; through 1 MiB bounce buffers (pieces of a
+    chunk), only the first op pins (the buffers are kept) and nothing is unregistered."""
     creator = spawn(
         extra={
             "SNAPSHOT_SHIM_COPY_CHUNK_MIB": "3",
             "SNAPSHOT_SHIM_COPY_THREADS": "3",
+            "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB": str(bounce_mib),
             "SNAPSHOT_SHIM_DEBUG": "1",
             "SNAPSHOT_SHIM_TIMING": "1",
         }
@@ -287,9 +300,17 @@ def test_many_small_and_a_few_large(spawn: Spawn, control_dir: Path, sim_namespa
         parts = float(t["setup_s"]) + float(t["drain_s"]) + float(t["teardown_s"])
         assert 0 < parts <= float(t["elapsed_s"])
         assert 0 < float(t["copy_wall_s"]) <= float(t["elapsed_s"])
+        assert t["bounce"] == bounce_mib * MIB
         per_thread = t["thread_s"]
         assert isinstance(per_thread, dict)
-        assert float(per_thread["register"]) > 0 and float(per_thread["copy"]) > 0
+        assert float(per_thread["copy"]) > 0
+        if bounce_mib:
+            assert float(per_thread["memcpy"]) > 0 and float(per_thread["unregister"]) == 0
+            pinned_now = float(per_thread["register"]) > 0
+            assert pinned_now == (op == "SAVE_ALLOCATIONS")  # kept for LOAD
+        else:
+            assert float(per_thread["register"]) > 0 and float(per_thread["unregister"]) > 0
+            assert float(per_thread["memcpy"]) == 0
     # LOAD gave the staged pages back (in the pool) before unmapping them.
     assert float(timing["LOAD_ALLOCATIONS"]["thread_s"]["release"]) > 0  # type: ignore[index]
     assert "warning" not in log
@@ -345,6 +366,7 @@ def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
                 "copy",
                 "unregister",
                 "release",
+                "memcpy",
             }
         assert w["suspend_s"]["median"] > w["capture_s"]["median"] > 0
     assert "suspend" in done.stdout and "coordinator share" in done.stdout
