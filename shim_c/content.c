@@ -8,8 +8,9 @@
  * back and drops the host copy. ROLLBACK_ALLOCATIONS does the same but keeps
  * the host copies (ROLLBACK_IMPORTS frees them once every importer has
  * imported again). An allocation that fails to load is left as it was
- * (torn down, its bytes staged); out of device memory, the op answers RETRY. Runs on the control thread without g.lock:
- * outside ACTIVE the application cannot change the tables.
+ * (torn down, its bytes staged); out of device memory, the op answers
+ * RETRY. Runs on the control thread without g.lock: outside ACTIVE the
+ * application cannot change the tables.
  *
  * The bytes move through the staging engine (staging.c: one worker pool per
  * op, one queue of chunks across all allocations, huge-page staging memory;
@@ -19,7 +20,7 @@
  *
  * Pinned memory: SNAPSHOT_SHIM_STAGING_BOUNCE_MIB (8) per staging thread plus
  * one for the control thread, pinned on first use and kept for the life of
- * the process (136 MiB at 16 threads); with 0, at most threads x chunk of
+ * the process (128 MiB at 16 threads); with 0, at most threads x chunk of
  * the staging memory is registered at any moment, only during an op.
  *
  * Host storage: one staging mapping per SAVE (staging_alloc), cut into one
@@ -248,13 +249,14 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             line, sizeof line,
             "cuinterpose-timing {\"pid\": %d, \"op\": \"%s\", \"allocations\": %llu, "
             "\"bytes\": %llu, \"threads\": %u, \"chunk\": %zu, \"chunks\": %llu, "
-            "\"thp\": %s, \"bounce\": %zu, \"elapsed_s\": %.6f, \"setup_s\": %.6f, \"pool_start_s\": %.6f, "
-            "\"drain_s\": %.6f, \"teardown_s\": %.6f, \"copy_wall_s\": %.6f, "
+            "\"thp\": %s, \"bounce\": %zu, \"elapsed_s\": %.6f, \"setup_s\": %.6f, "
+            "\"pool_start_s\": %.6f, \"drain_s\": %.6f, \"teardown_s\": %.6f, "
+            "\"copy_wall_s\": %.6f, "
             "\"thread_s\": {\"populate\": %.6f, \"register\": %.6f, \"copy\": %.6f, "
             "\"unregister\": %.6f, \"release\": %.6f, \"memcpy\": %.6f}}\n",
             (int)getpid(), op, (unsigned long long)st->count, (unsigned long long)st->bytes,
-            t->threads, t->chunk, (unsigned long long)t->chunks, cfg->staging_thp ? "true" : "false",
-            cfg->staging_bounce,
+            t->threads, t->chunk, (unsigned long long)t->chunks,
+            cfg->staging_thp ? "true" : "false", cfg->staging_bounce,
             (double)ns / 1e9, (double)st->setup_ns / 1e9, (double)t->pool_start_ns / 1e9,
             (double)st->drain_ns / 1e9, (double)st->teardown_ns / 1e9,
             (double)t->copy_wall_ns / 1e9, (double)t->populate_ns / 1e9,

@@ -182,8 +182,9 @@ static void stage_fail(struct staging *s, const struct segment *seg, const char 
         return;
     shim_hex(id, seg->o->id, CUIP_ID_LEN);
     id[2 * CUIP_ID_LEN] = 0;
-    snprintf(s->msg + m, sizeof s->msg - (size_t)m, " at chunk offset %zu (allocation %s, %llu bytes)",
-             seg->offset, id, (unsigned long long)seg->o->size);
+    snprintf(s->msg + m, sizeof s->msg - (size_t)m,
+             " at chunk offset %zu (allocation %s, %llu bytes)", seg->offset, id,
+             (unsigned long long)seg->o->size);
 }
 
 static void cu_fail(struct staging *s, const struct segment *seg, const char *call, CUresult r)
