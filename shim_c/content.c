@@ -8,36 +8,36 @@
  * back and drops the host copy. ROLLBACK_ALLOCATIONS does the same but keeps
  * the host copies (ROLLBACK_IMPORTS frees them once every importer has
  * imported again). An allocation that fails to load is left as it was
- * (torn down, its bytes staged); out of device memory, the op answers RETRY. Runs on the control thread without g.lock:
- * outside ACTIVE the application cannot change the tables.
+ * (torn down, its bytes staged); out of device memory, the op answers
+ * RETRY. Runs on the control thread without g.lock: outside ACTIVE the
+ * application cannot change the tables.
  *
- * Host storage is one anonymous private mapping per allocation, NOT
- * cuMemHostAlloc: on the H200 the driver hands out pinned memory at ~2 GB/s
- * whatever the thread count (it serializes), which made SAVE run at 1.6 GB/s
- * against a 55 GB/s copy (specs/records/2026-11-29-h200-host-staging.jsonl).
- * Instead a few worker threads take fixed chunks of the mapping; for each:
- * populate the pages, cuMemHostRegister the chunk, copy on the worker's own
- * stream, synchronize, cuMemHostUnregister. Registering chunks of plain
- * anonymous memory from 16 threads ran at ~11 GB/s there. No registration
- * outlives its chunk, so the native checkpoint and CRIU see plain anonymous
- * memory between SAVE and LOAD.
+ * The bytes move through the staging engine (staging.c: one worker pool per
+ * op, one queue of chunks across all allocations, huge-page staging memory;
+ * its header says why). Here: which allocations move, where their host
+ * slices lie, which device VA each copy uses, and the per-allocation
+ * semantics of failure.
  *
- * Defaults (both overridable, values checked by settings.c):
- *  - SNAPSHOT_SHIM_COPY_THREADS: min(16, online CPUs). Populate and register
- *    are CPU work in the kernel that scales with threads (8.3 GB/s touching
- *    from 16 threads); 16 was the measured sweet spot on the H200 host, and
- *    more threads than CPUs only contend.
- *  - SNAPSHOT_SHIM_COPY_CHUNK_MIB: 64. A worker moves ~0.7 GB/s (11 GB/s over
- *    16), so a 64 MiB chunk is ~90 ms of work: the fixed cost of a register
- *    and a stream sync is noise against it, while an allocation of 1 GiB
- *    already keeps 16 threads busy (256 MiB chunks need 4 GiB) and the tail,
- *    where the last chunks run with idle threads, is 4x shorter. The probe
- *    measured 256 MiB chunks; rerun it at 64 if in doubt.
+ * Pinned memory: SNAPSHOT_SHIM_STAGING_BOUNCE_MIB (8) per staging thread plus
+ * one for the control thread, pinned on first use and kept for the life of
+ * the process (128 MiB at 16 threads); with 0, at most threads x chunk of
+ * the staging memory is registered at any moment, only during an op.
  *
- * Allocations are processed one after another; within one, the control
- * thread and up to threads-1 helpers share an atomic chunk counter. The
- * first error wins (its message names the call, the result, the allocation
- * and the chunk offset); the others stop taking chunks and all are joined.
+ * Host storage: one staging mapping per SAVE (staging_alloc), cut into one
+ * slice per allocation in slot order; each slice is o->host (o->host_len
+ * bytes) and is unmapped on its own. Host memory used: the sum of the saved
+ * allocations' sizes (page-rounded), from SAVE until LOAD (or until
+ * ROLLBACK_IMPORTS).
+ *
+ * The device side of a copy: the application's own mapping when one covers
+ * the whole allocation with read-write access for its device (the common
+ * case: no driver call at all), else a temporary read-write mapping of the
+ * whole allocation (the application's may be read-only, or for another
+ * device).
+ *
+ * SNAPSHOT_SHIM_TIMING=1 writes, per op, one line "cuinterpose-timing {...}"
+ * to stderr: where the op's time went (setup, pool start, population,
+ * registration, copy, unregistration, release, teardown).
  */
 #include "shim.h"
 
@@ -49,20 +49,24 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older headers lack it */
-#endif
-
 #define MSG_LEN 512
 
+/* One op's figures (nanoseconds of wall time unless the staging's). */
 struct stats {
-    uint64_t count, bytes, copy_ns, chunks;
-    unsigned threads; /* most threads one allocation ran on */
+    uint64_t count, bytes;
+    uint64_t setup_ns;          /* the control thread producing work: maps, creates */
+    uint64_t drain_ns;          /* waiting for the queue after the last item */
+    uint64_t teardown_ns;       /* temporary unmaps, release of staged bytes, munmaps */
+    struct staging_times st;
 };
 
-/* MADV_POPULATE_WRITE unknown to this kernel: touch the pages instead. Set
- * once, by whichever thread learns it first. */
-static int no_populate;
+/* One allocation of the op: its copy's device VA, temporary or not. */
+struct item {
+    struct obj *o;
+    CUdeviceptr va;
+    bool temp;                  /* va is a temporary mapping: unmap after the copy */
+    CUmemGenericAllocationHandle h; /* LOAD: the re-created handle */
+};
 
 static CUdevice access_device(const struct obj *o)
 {
@@ -122,432 +126,27 @@ static int temp_unmap(const struct obj *o, CUdeviceptr va, char *msg, size_t n)
     return 0;
 }
 
-/* ------------------------------------------------------------ chunked copy */
-struct job {
-    const struct obj *o;
-    CUcontext ctx;          /* the control thread's current one, entered by helpers */
-    bool to_host;
-    char *host;
-    CUdeviceptr va;
-    size_t size, chunk, nchunks;
-    size_t next;            /* atomic: next chunk to take */
-    int failed;             /* atomic: set once, by the first error */
-    char msg[MSG_LEN];      /* written only by the thread that set `failed` */
-    /* Copy time: wall time during which at least one chunk was between its
-     * copy call and the end of its stream sync (the union of those
-     * intervals over all threads). Unlike a per-thread sum it never exceeds
-     * the elapsed time; populate and register time outside any copy is not
-     * counted. */
-    pthread_mutex_t tlock;
-    unsigned active;
-    uint64_t busy_since, copy_ns;
-};
-
-static void job_fail(struct job *j, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void job_fail(struct job *j, const char *fmt, ...)
-{
-    int expect = 0;
-    char id[2 * CUIP_ID_LEN + 1];
-    va_list ap;
-    int m;
-
-    if (!__atomic_compare_exchange_n(&j->failed, &expect, 1, false, __ATOMIC_ACQ_REL,
-                                     __ATOMIC_ACQUIRE))
-        return; /* the first error wins */
-    va_start(ap, fmt);
-    m = vsnprintf(j->msg, sizeof j->msg, fmt, ap);
-    va_end(ap);
-    shim_hex(id, j->o->id, CUIP_ID_LEN);
-    id[2 * CUIP_ID_LEN] = 0;
-    if (m >= 0 && (size_t)m < sizeof j->msg)
-        snprintf(j->msg + m, sizeof j->msg - (size_t)m, " (allocation %s, %zu bytes)", id,
-                 j->size);
-}
-
-static void cu_fail(struct job *j, const char *call, CUresult r, size_t off)
-{
-    job_fail(j, "%s failed: %s (%d) at chunk offset %zu", call, shim_cu_name(r), (int)r, off);
-}
-
-static void copy_begin(struct job *j)
-{
-    pthread_mutex_lock(&j->tlock);
-    if (j->active++ == 0)
-        j->busy_since = shim_now_ns();
-    pthread_mutex_unlock(&j->tlock);
-}
-
-static void copy_end(struct job *j)
-{
-    pthread_mutex_lock(&j->tlock);
-    if (--j->active == 0)
-        j->copy_ns += shim_now_ns() - j->busy_since;
-    pthread_mutex_unlock(&j->tlock);
-}
-
-/* Fault in the pages of a fresh anonymous range for writing, before the
- * register pins them (measured faster than letting the register fault them
- * in). MADV_POPULATE_WRITE needs Linux 5.14; an older kernel answers EINVAL
- * for the unknown advice (the range itself is page-aligned and mapped, so
- * EINVAL means nothing else), and then we write one byte per page instead:
- * a write, not a read, or the kernel maps the shared zero page. */
-static int populate(char *p, size_t len)
-{
-    if (!__atomic_load_n(&no_populate, __ATOMIC_RELAXED)) {
-        for (;;) {
-            if (madvise(p, len, MADV_POPULATE_WRITE) == 0)
-                return 0;
-            if (errno == EINTR || errno == EAGAIN)
-                continue;
-            if (errno != EINVAL)
-                return -1;
-            __atomic_store_n(&no_populate, 1, __ATOMIC_RELAXED);
-            break;
-        }
-    }
-    {
-        long pg = sysconf(_SC_PAGESIZE);
-        size_t step = pg > 0 ? (size_t)pg : 4096;
-        for (size_t i = 0; i < len; i += step)
-            ((volatile char *)p)[i] = 0;
-    }
-    return 0;
-}
-
-/* One chunk: [populate,] register, copy, sync, unregister. The registration
- * never outlives the call, whatever fails. */
-static int do_chunk(struct job *j, CUstream s, size_t k)
-{
-    size_t off = k * j->chunk;
-    size_t len = j->size - off < j->chunk ? j->size - off : j->chunk;
-    char *p = j->host + off;
-    CUresult r, r2;
-
-    if (j->to_host && populate(p, len) != 0) {
-        int e = errno;
-        job_fail(j, "madvise(MADV_POPULATE_WRITE) failed: %s (errno %d) at chunk offset %zu",
-                 strerror(e), e, off);
-        return -1;
-    }
-    r = real.cuMemHostRegister(p, len, 0);
-    if (r != CUDA_SUCCESS) {
-        cu_fail(j, "cuMemHostRegister", r, off);
-        return -1;
-    }
-    copy_begin(j);
-    if (j->to_host)
-        r = real.cuMemcpyDtoHAsync(p, j->va + off, len, s);
-    else
-        r = real.cuMemcpyHtoDAsync(j->va + off, p, len, s);
-    if (r != CUDA_SUCCESS)
-        cu_fail(j, j->to_host ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync", r, off);
-    /* Always drain the stream before the pages are unpinned. */
-    r2 = real.cuStreamSynchronize(s);
-    copy_end(j);
-    if (r2 != CUDA_SUCCESS && r == CUDA_SUCCESS) {
-        cu_fail(j, "cuStreamSynchronize", r2, off);
-        r = r2;
-    }
-    r2 = real.cuMemHostUnregister(p);
-    if (r2 != CUDA_SUCCESS && r == CUDA_SUCCESS) {
-        cu_fail(j, "cuMemHostUnregister", r2, off);
-        r = r2;
-    }
-    if (r != CUDA_SUCCESS)
-        return -1;
-    __atomic_fetch_add(&g.phase_bytes_done, (uint64_t)len, __ATOMIC_RELAXED); /* for STATUS */
-    return 0;
-}
-
-static void *copy_worker(void *arg)
-{
-    struct job *j = arg;
-    CUstream s = NULL;
-    bool pushed = false;
-    CUresult r = shim_ctx_enter(j->ctx, &pushed);
-
-    if (r != CUDA_SUCCESS) {
-        job_fail(j, "cuCtxPushCurrent failed: %s (%d)", shim_cu_name(r), (int)r);
-        return NULL;
-    }
-    r = real.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
-    if (r != CUDA_SUCCESS) {
-        job_fail(j, "cuStreamCreate failed: %s (%d)", shim_cu_name(r), (int)r);
-        shim_ctx_leave(pushed);
-        return NULL;
-    }
-    while (!__atomic_load_n(&j->failed, __ATOMIC_ACQUIRE)) {
-        size_t k = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (k >= j->nchunks || do_chunk(j, s, k) != 0)
-            break;
-    }
-    r = real.cuStreamDestroy(s);
-    if (r != CUDA_SUCCESS)
-        job_fail(j, "cuStreamDestroy failed: %s (%d)", shim_cu_name(r), (int)r);
-    shim_ctx_leave(pushed);
-    return NULL;
-}
-
-/* Copy between `host` and `va` (o->size bytes) on the calling thread and up
- * to threads-1 helpers (`tids`, threads-1 entries, from the op). */
-static int copy_chunks(const struct obj *o, bool to_host, char *host, CUdeviceptr va,
-                       pthread_t *tids, struct stats *st, char *msg, size_t n)
-{
-    const struct shim_settings *cfg = shim_settings();
-    struct job j;
-    unsigned want, started = 0;
-    sigset_t all, old;
-    CUresult r;
-
-    memset(&j, 0, sizeof j);
-    j.o = o;
-    j.to_host = to_host;
-    j.host = host;
-    j.va = va;
-    j.size = o->size;
-    j.chunk = cfg->copy_chunk;
-    j.nchunks = (o->size + cfg->copy_chunk - 1) / cfg->copy_chunk;
-    r = real.cuCtxGetCurrent(&j.ctx);
-    if (r != CUDA_SUCCESS) {
-        shim_fail(msg, n, "cuCtxGetCurrent", r);
-        return -1;
-    }
-    if (pthread_mutex_init(&j.tlock, NULL) != 0) {
-        snprintf(msg, n, "pthread_mutex_init failed");
-        return -1;
-    }
-    want = j.nchunks < cfg->copy_threads ? (unsigned)j.nchunks : cfg->copy_threads;
-    /* Helpers take no signals, like the control thread: the application's
-     * handlers run on its own threads. */
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    for (; started + 1 < want; started++) {
-        int e = pthread_create(&tids[started], NULL, copy_worker, &j);
-        if (e != 0) { /* fewer helpers: the chunk counter is shared, so still correct */
-            shim_log(LOG_WARN, "pthread_create failed (%s): copying with %u threads",
-                     strerror(e), started + 1);
-            break;
-        }
-    }
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    copy_worker(&j);
-    for (unsigned i = 0; i < started; i++)
-        pthread_join(tids[i], NULL);
-    pthread_mutex_destroy(&j.tlock);
-    st->copy_ns += j.copy_ns;
-    st->chunks += j.nchunks;
-    if (started + 1 > st->threads)
-        st->threads = started + 1;
-    if (j.failed) {
-        snprintf(msg, n, "%s", j.msg);
-        return -1;
-    }
-    return 0;
-}
-
 /* ------------------------------------------------------------ phases */
 static bool creator_shared(const struct obj *o)
 {
     return o && obj_shared(o) && o->is_creator;
 }
 
+static void unmap_host(struct obj *o)
+{
+    if (munmap(o->host, o->host_len) != 0)
+        shim_log(LOG_WARN, "munmap of a saved copy failed: %s", strerror(errno));
+    o->host = NULL;
+    o->host_len = 0;
+}
+
 static void free_hosts(void)
 {
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
-        if (o && o->host) {
-            if (munmap(o->host, o->size) != 0)
-                shim_log(LOG_WARN, "munmap of a saved copy failed: %s", strerror(errno));
-            o->host = NULL;
-        }
+        if (o && o->host)
+            unmap_host(o);
     }
-}
-
-/* The settings and entry points, or a message. */
-static int copy_setup(pthread_t **tids, char *msg, size_t n)
-{
-    unsigned threads = shim_settings()->copy_threads;
-
-    if (!shim_resolve_host_register() || !real.cuCtxGetCurrent || !real.cuStreamCreate ||
-        !real.cuStreamSynchronize || !real.cuStreamDestroy) {
-        snprintf(msg, n, "the driver lacks cuMemHostRegister/cuMemHostUnregister or the "
-                         "stream entry points");
-        return -1;
-    }
-    *tids = calloc(threads, sizeof **tids); /* once per op, never per chunk */
-    if (!*tids) {
-        snprintf(msg, n, "out of memory for %u copy threads", threads);
-        return -1;
-    }
-    return 0;
-}
-
-static int save_one(struct obj *o, pthread_t *tids, struct stats *st, char *msg, size_t n)
-{
-    CUdeviceptr va = 0;
-    void *host;
-    bool pushed;
-    CUresult r = shim_ctx_enter(o->ctx, &pushed);
-
-    if (r != CUDA_SUCCESS) {
-        shim_fail(msg, n, "cuCtxPushCurrent", r);
-        return -1;
-    }
-    host = mmap(NULL, o->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                -1, 0);
-    if (host == MAP_FAILED) {
-        int e = errno;
-        snprintf(msg, n, "mmap of %llu bytes failed: %s (errno %d)", (unsigned long long)o->size,
-                 strerror(e), e);
-        goto fail;
-    }
-    if (temp_map(o, o->real, &va, msg, n) != 0)
-        goto fail_host;
-    if (copy_chunks(o, true, host, va, tids, st, msg, n) != 0) {
-        char ignored[8];
-        temp_unmap(o, va, ignored, sizeof ignored);
-        goto fail_host;
-    }
-    if (temp_unmap(o, va, msg, n) != 0)
-        goto fail_host;
-    o->host = host;
-    st->count++;
-    st->bytes += o->size;
-    shim_ctx_leave(pushed);
-    return 0;
-fail_host:
-    if (munmap(host, o->size) != 0)
-        shim_log(LOG_WARN, "munmap of a saved copy failed: %s", strerror(errno));
-fail:
-    shim_ctx_leave(pushed);
-    return -1;
-}
-
-/* A finished op's figures: logged, and in the reply. */
-static void report_done(struct reply *r, const char *op, const struct stats *st, uint64_t t0)
-{
-    const struct shim_settings *cfg = shim_settings();
-    uint64_t ns = shim_now_ns() - t0;
-    shim_log(LOG_INFO,
-             "%s: %llu allocations, %llu bytes, %llu chunks of %zu MiB on %u of %u threads, "
-             "%.2f GB/s end to end, copy %.3f s",
-             op, (unsigned long long)st->count, (unsigned long long)st->bytes,
-             (unsigned long long)st->chunks, cfg->copy_chunk >> 20, st->threads,
-             cfg->copy_threads,
-             ns ? (double)st->bytes / (double)ns : 0.0, (double)st->copy_ns / 1e9);
-    r->h.stat_count = st->count;
-    r->h.stat_bytes = st->bytes;
-    r->h.stat_copy_ns = st->copy_ns;
-}
-
-enum phase_result content_save(struct reply *r)
-{
-    struct stats st = {0, 0, 0, 0, 0};
-    pthread_t *tids = NULL;
-    uint64_t t0 = shim_now_ns();
-    char msg[MSG_LEN];
-
-    if (shim_settings()->native_content)
-        return PHASE_DONE; /* the native checkpoint moves the bytes */
-    for (uint32_t i = 0; i < obj_count(); i++) { /* the total, for STATUS */
-        struct obj *o = obj_at(i);
-        if (creator_shared(o) && o->live && !o->host)
-            __atomic_fetch_add(&g.phase_bytes_total, o->size, __ATOMIC_RELAXED);
-    }
-    if (copy_setup(&tids, msg, sizeof msg) != 0) {
-        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "SAVE_ALLOCATIONS: %s", msg);
-        return PHASE_FAILED;
-    }
-    for (uint32_t i = 0; i < obj_count(); i++) {
-        struct obj *o = obj_at(i);
-        if (!creator_shared(o) || !o->live || o->host)
-            continue;
-        if (save_one(o, tids, &st, msg, sizeof msg) != 0) {
-            free(tids);
-            free_hosts(); /* nothing is torn down before PREPARE_UNICAST: all live */
-            reply_msg(r, CUIP_STATUS_CUDA_FAILED, "SAVE_ALLOCATIONS: %s", msg);
-            return PHASE_FAILED;
-        }
-    }
-    free(tids);
-    report_done(r, "SAVE_ALLOCATIONS", &st, t0);
-    return PHASE_DONE;
-}
-
-/* Re-create `o` with its recorded properties, map it at its recorded VAs
- * and refill it from its staged bytes (kept when `keep`, else freed once it
- * is live). On failure the allocation's own partial work is undone: no
- * handle, no mapping, not live, its staged bytes kept, so the op may run
- * again or roll back; `*retry` says the driver was out of memory and the
- * undo was clean. */
-static int load_one(struct obj *o, bool keep, pthread_t *tids, struct stats *st, bool *retry,
-                    char *msg, size_t n)
-{
-    CUmemGenericAllocationHandle h = 0;
-    CUdeviceptr va = 0;
-    bool pushed;
-    char ignored[8];
-    CUresult r = shim_ctx_enter(o->ctx, &pushed);
-
-    *retry = false;
-    if (r != CUDA_SUCCESS) {
-        shim_fail(msg, n, "cuCtxPushCurrent", r);
-        return -1;
-    }
-    r = real.cuMemCreate(&h, o->size, &o->prop, 0);
-    if (r != CUDA_SUCCESS) {
-        shim_fail(msg, n, "cuMemCreate", r);
-        *retry = r == CUDA_ERROR_OUT_OF_MEMORY;
-        goto fail;
-    }
-    if (SHIM_IS_TAGGED(h)) {
-        snprintf(msg, n, "cuMemCreate: driver handle collides with the shim's tag range");
-        goto fail_h;
-    }
-    pthread_mutex_lock(&g.lock); /* readers check `live` first, but keep it clean */
-    o->real = h;
-    pthread_mutex_unlock(&g.lock);
-    r = unicast_load_mappings(o, msg, n); /* undoes its own partial work */
-    if (r != CUDA_SUCCESS) {
-        *retry = r == CUDA_ERROR_OUT_OF_MEMORY;
-        goto fail_h;
-    }
-    if (temp_map(o, h, &va, msg, n) != 0)
-        goto fail_maps;
-    if (copy_chunks(o, false, o->host, va, tids, st, msg, n) != 0) {
-        temp_unmap(o, va, ignored, sizeof ignored);
-        goto fail_maps;
-    }
-    if (temp_unmap(o, va, msg, n) != 0)
-        goto fail_maps;
-    if (!keep) {
-        if (munmap(o->host, o->size) != 0)
-            shim_log(LOG_WARN, "munmap of a saved copy failed: %s", strerror(errno));
-        o->host = NULL;
-    }
-    st->count++;
-    st->bytes += o->size;
-    shim_ctx_leave(pushed);
-    pthread_mutex_lock(&g.lock);
-    o->live = true;
-    pthread_mutex_unlock(&g.lock);
-    return 0;
-fail_maps:
-    if (unicast_unload_mappings(o, ignored, sizeof ignored) != 0)
-        *retry = false;
-fail_h:
-    r = real.cuMemRelease(h);
-    if (r != CUDA_SUCCESS) {
-        shim_log(LOG_WARN, "cuMemRelease of a failed re-creation failed: %s", shim_cu_name(r));
-        *retry = false;
-    }
-    pthread_mutex_lock(&g.lock);
-    o->real = 0;
-    pthread_mutex_unlock(&g.lock);
-fail:
-    /* The staged bytes stay: never freed on a failure path. */
-    shim_ctx_leave(pushed);
-    return -1;
 }
 
 /* A message naming the allocation (32 hex digits and its size). */
@@ -562,50 +161,409 @@ static void name_allocation(char *msg, size_t n, const struct obj *o)
                  (unsigned long long)o->size);
 }
 
+/* The application's mapping of all of `o` that its device may read and
+ * write, or 0. Call with o->ctx current. */
+static CUdeviceptr own_mapping(const struct obj *o)
+{
+    CUdevice dev = access_device(o);
+    for (uint32_t k = 0; k < o->nmaps; k++) {
+        const struct mapping *m = &o->maps[k];
+        if (m->offset != 0 || m->size != o->size)
+            continue;
+        for (uint32_t a = 0; a < m->access_count; a++)
+            if (m->access[a].location_type == CU_MEM_LOCATION_TYPE_DEVICE &&
+                m->access[a].location_id == dev &&
+                m->access[a].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+                return m->va;
+    }
+    return 0;
+}
+
+/* it->va: the application's mapping, or a temporary one of `h`. */
+static int pick_va(struct item *it, CUmemGenericAllocationHandle h, char *msg, size_t n)
+{
+    it->va = own_mapping(it->o);
+    it->temp = it->va == 0;
+    if (it->temp && temp_map(it->o, h, &it->va, msg, n) != 0) {
+        it->temp = false;
+        return -1;
+    }
+    return 0;
+}
+
+/* Undo pick_va; 0 or -1 and msg. */
+static int drop_va(struct item *it, char *msg, size_t n)
+{
+    bool pushed;
+    int rc = 0;
+
+    if (!it->temp)
+        return 0;
+    if (shim_ctx_enter(it->o->ctx, &pushed) != CUDA_SUCCESS)
+        pushed = false; /* the unmap names its own failure */
+    rc = temp_unmap(it->o, it->va, msg, n);
+    shim_ctx_leave(pushed);
+    it->temp = false;
+    return rc;
+}
+
+/* Count what moves and start the progress counter; items array for it. */
+static uint32_t phase_items(bool saving, struct item **items, uint64_t *total)
+{
+    uint32_t count = 0;
+    *total = 0;
+    for (uint32_t i = 0; i < obj_count(); i++) {
+        struct obj *o = obj_at(i);
+        if (!creator_shared(o) || (saving ? !o->live || o->host : o->live))
+            continue;
+        count++;
+        *total += o->size;
+    }
+    __atomic_store_n(&g.phase_bytes_total, *total, __ATOMIC_RELAXED);
+    __atomic_store_n(&g.phase_bytes_done, 0, __ATOMIC_RELAXED);
+    *items = count ? calloc(count, sizeof **items) : NULL;
+    return count;
+}
+
+/* A finished op's figures: logged, in the reply, and with
+ * SNAPSHOT_SHIM_TIMING=1 as one JSON line on stderr. */
+static void report_done(struct reply *r, const char *op, const struct stats *st, uint64_t t0)
+{
+    const struct shim_settings *cfg = shim_settings();
+    uint64_t ns = shim_now_ns() - t0;
+    const struct staging_times *t = &st->st;
+
+    shim_log(LOG_INFO,
+             "%s: %llu allocations, %llu bytes, %llu chunks of %zu MiB (at most %zu) on %u of "
+             "%u threads, %.2f GB/s end to end, copy %.3f s",
+             op, (unsigned long long)st->count, (unsigned long long)st->bytes,
+             (unsigned long long)t->chunks, t->chunk >> 20, cfg->copy_chunk >> 20, t->threads,
+             cfg->copy_threads, ns ? (double)st->bytes / (double)ns : 0.0,
+             (double)t->copy_wall_ns / 1e9);
+    r->h.stat_count = st->count;
+    r->h.stat_bytes = st->bytes;
+    r->h.stat_copy_ns = t->copy_wall_ns;
+    if (cfg->timing) {
+        char line[1024];
+        int m = snprintf(
+            line, sizeof line,
+            "cuinterpose-timing {\"pid\": %d, \"op\": \"%s\", \"allocations\": %llu, "
+            "\"bytes\": %llu, \"threads\": %u, \"chunk\": %zu, \"chunks\": %llu, "
+            "\"thp\": %s, \"bounce\": %zu, \"elapsed_s\": %.6f, \"setup_s\": %.6f, "
+            "\"pool_start_s\": %.6f, \"drain_s\": %.6f, \"teardown_s\": %.6f, "
+            "\"copy_wall_s\": %.6f, "
+            "\"thread_s\": {\"populate\": %.6f, \"register\": %.6f, \"copy\": %.6f, "
+            "\"unregister\": %.6f, \"release\": %.6f, \"memcpy\": %.6f}}\n",
+            (int)getpid(), op, (unsigned long long)st->count, (unsigned long long)st->bytes,
+            t->threads, t->chunk, (unsigned long long)t->chunks,
+            cfg->staging_thp ? "true" : "false", cfg->staging_bounce,
+            (double)ns / 1e9, (double)st->setup_ns / 1e9, (double)t->pool_start_ns / 1e9,
+            (double)st->drain_ns / 1e9, (double)st->teardown_ns / 1e9,
+            (double)t->copy_wall_ns / 1e9, (double)t->populate_ns / 1e9,
+            (double)t->register_ns / 1e9, (double)t->copy_ns / 1e9,
+            (double)t->unregister_ns / 1e9, (double)t->release_ns / 1e9,
+            (double)t->memcpy_ns / 1e9);
+        if (m > 0 && (size_t)m < sizeof line)
+            shim_write_line(line, (size_t)m);
+    }
+}
+
+/* The items' host slices in one staging mapping, queued as their VAs are
+ * ready. On failure nothing is kept: no o->host is set, the mapping is
+ * gone, every temporary mapping undone. */
+static int save_items(struct item *items, uint32_t count, uint64_t total, struct stats *st,
+                      char *msg, size_t n)
+{
+    size_t len = 0, off = 0;
+    char *arena;
+    struct staging *s;
+    uint32_t queued = 0;
+    int rc = 0;
+    uint64_t t0, t1;
+    char ignored[8];
+
+    for (uint32_t i = 0; i < count; i++)
+        len += staging_len(items[i].o->size);
+    arena = staging_alloc(len, msg, n);
+    if (!arena)
+        return -1;
+    s = staging_start(true, total, count, msg, n);
+    if (!s) {
+        munmap(arena, len);
+        return -1;
+    }
+    t0 = shim_now_ns();
+    for (; queued < count && rc == 0; queued++) {
+        struct item *it = &items[queued];
+        bool pushed;
+        CUresult r = shim_ctx_enter(it->o->ctx, &pushed);
+        if (r != CUDA_SUCCESS) {
+            shim_fail(msg, n, "cuCtxPushCurrent", r);
+            rc = -1;
+            break;
+        }
+        rc = pick_va(it, it->o->real, msg, n);
+        shim_ctx_leave(pushed);
+        if (rc == 0 && staging_add(s, it->o, arena + off, it->va, it->o->ctx) != 0) {
+            snprintf(msg, n, "the staging queue is full (an internal bound is wrong)");
+            rc = -1;
+        }
+        if (rc != 0)
+            name_allocation(msg, n, it->o);
+        off += staging_len(it->o->size);
+    }
+    t1 = shim_now_ns();
+    st->setup_ns = t1 - t0;
+    if (staging_wait(s, rc == 0 ? msg : ignored, rc == 0 ? n : sizeof ignored) != 0)
+        rc = -1;
+    staging_stop(s, &st->st);
+    t0 = shim_now_ns();
+    st->drain_ns = t0 - t1;
+    for (uint32_t i = 0; i < queued; i++)
+        if (drop_va(&items[i], rc == 0 ? msg : ignored, rc == 0 ? n : sizeof ignored) != 0)
+            rc = -1;
+    if (rc != 0) {
+        munmap(arena, len);
+        st->teardown_ns = shim_now_ns() - t0;
+        return -1;
+    }
+    off = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        struct obj *o = items[i].o;
+        o->host = arena + off;
+        o->host_len = staging_len(o->size);
+        off += o->host_len;
+        st->count++;
+        st->bytes += o->size;
+    }
+    st->teardown_ns = shim_now_ns() - t0;
+    return 0;
+}
+
+enum phase_result content_save(struct reply *r)
+{
+    struct stats st;
+    struct item *items = NULL;
+    uint64_t total, t0 = shim_now_ns();
+    uint32_t count, k = 0;
+    char msg[MSG_LEN];
+
+    memset(&st, 0, sizeof st);
+    if (shim_settings()->native_content)
+        return PHASE_DONE; /* the native checkpoint moves the bytes */
+    count = phase_items(true, &items, &total);
+    if (count && !items) {
+        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "SAVE_ALLOCATIONS: out of memory for %u items",
+                  count);
+        return PHASE_FAILED;
+    }
+    for (uint32_t i = 0; i < obj_count() && k < count; i++) {
+        struct obj *o = obj_at(i);
+        if (creator_shared(o) && o->live && !o->host)
+            items[k++].o = o;
+    }
+    /* Nothing is torn down before PREPARE_UNICAST: all stay live. */
+    if (count && save_items(items, count, total, &st, msg, sizeof msg) != 0) {
+        free(items);
+        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "SAVE_ALLOCATIONS: %s", msg);
+        return PHASE_FAILED;
+    }
+    free(items);
+    report_done(r, "SAVE_ALLOCATIONS", &st, t0);
+    return PHASE_DONE;
+}
+
+/* Re-create `it->o` with its recorded properties and map it at its
+ * recorded VAs, and pick the copy's VA. On failure the allocation's own
+ * partial work is undone: no handle, no mapping, not live, its staged bytes
+ * kept; `*retry` says the driver was out of memory and the undo was clean.
+ * Called with it->o->ctx current. */
+static int create_one(struct item *it, bool *retry, char *msg, size_t n)
+{
+    struct obj *o = it->o;
+    CUmemGenericAllocationHandle h = 0;
+    char ignored[8];
+    CUresult r = real.cuMemCreate(&h, o->size, &o->prop, 0);
+
+    *retry = false;
+    if (r != CUDA_SUCCESS) {
+        shim_fail(msg, n, "cuMemCreate", r);
+        *retry = r == CUDA_ERROR_OUT_OF_MEMORY;
+        return -1;
+    }
+    if (SHIM_IS_TAGGED(h)) {
+        snprintf(msg, n, "cuMemCreate: driver handle collides with the shim's tag range");
+        goto fail_h;
+    }
+    pthread_mutex_lock(&g.lock); /* readers check `live` first, but keep it clean */
+    o->real = h;
+    pthread_mutex_unlock(&g.lock);
+    r = unicast_load_mappings(o, msg, n); /* undoes its own partial work */
+    if (r != CUDA_SUCCESS) {
+        *retry = r == CUDA_ERROR_OUT_OF_MEMORY;
+        goto fail_h;
+    }
+    if (pick_va(it, h, msg, n) != 0)
+        goto fail_maps;
+    it->h = h;
+    return 0;
+fail_maps:
+    if (unicast_unload_mappings(o, ignored, sizeof ignored) != 0)
+        *retry = false;
+fail_h:
+    r = real.cuMemRelease(h);
+    if (r != CUDA_SUCCESS) {
+        shim_log(LOG_WARN, "cuMemRelease of a failed re-creation failed: %s", shim_cu_name(r));
+        *retry = false;
+    }
+    pthread_mutex_lock(&g.lock);
+    o->real = 0;
+    pthread_mutex_unlock(&g.lock);
+    return -1;
+}
+
+/* Undo create_one after its copy failed: not live, no mapping, no handle;
+ * the staged bytes stay. */
+static void uncreate(struct item *it)
+{
+    char ignored[8];
+    bool pushed;
+    CUresult r;
+
+    if (shim_ctx_enter(it->o->ctx, &pushed) != CUDA_SUCCESS)
+        pushed = false;
+    unicast_unload_mappings(it->o, ignored, sizeof ignored);
+    r = real.cuMemRelease(it->h);
+    if (r != CUDA_SUCCESS)
+        shim_log(LOG_WARN, "cuMemRelease of a failed re-creation failed: %s", shim_cu_name(r));
+    shim_ctx_leave(pushed);
+    pthread_mutex_lock(&g.lock);
+    it->o->real = 0;
+    pthread_mutex_unlock(&g.lock);
+}
+
+/* Load `items` (not live, bytes staged): create and map each, queue its
+ * copy while the pool copies the earlier ones, then make the copied ones
+ * live. The first creation that fails stops the queueing: the earlier
+ * ones still finish (and stay live), the failed one is undone (*retry: out
+ * of memory). A failed copy undoes every item of the op (FAILED). Staged
+ * bytes are given back only when `!keep` and the item is live. */
+static int load_items(struct item *items, uint32_t count, uint64_t total, bool keep,
+                      struct stats *st, bool *retry, char *msg, size_t n)
+{
+    struct staging *s = staging_start(false, total, count, msg, n);
+    uint32_t made = 0;
+    int produce_rc = 0, copy_rc;
+    uint64_t t0 = shim_now_ns(), t1;
+    char copy_msg[MSG_LEN];
+
+    *retry = false;
+    if (!s)
+        return -1;
+    copy_msg[0] = 0;
+    for (; made < count; made++) {
+        struct item *it = &items[made];
+        bool pushed;
+        CUresult r = shim_ctx_enter(it->o->ctx, &pushed);
+        if (r != CUDA_SUCCESS) {
+            shim_fail(msg, n, "cuCtxPushCurrent", r);
+            produce_rc = -1;
+            break;
+        }
+        produce_rc = create_one(it, retry, msg, n);
+        shim_ctx_leave(pushed);
+        if (produce_rc != 0)
+            break;
+        if (staging_add(s, it->o, it->o->host, it->va, it->o->ctx) != 0) {
+            snprintf(msg, n, "the staging queue is full (an internal bound is wrong)");
+            drop_va(it, copy_msg, sizeof copy_msg);
+            uncreate(it);
+            produce_rc = -1;
+            break;
+        }
+    }
+    if (produce_rc != 0)
+        name_allocation(msg, n, items[made].o);
+    t1 = shim_now_ns();
+    copy_rc = staging_wait(s, copy_msg, sizeof copy_msg);
+    st->setup_ns = t1 - t0;
+    st->drain_ns = shim_now_ns() - t1;
+    t0 = shim_now_ns();
+    for (uint32_t i = 0; i < made; i++)
+        if (drop_va(&items[i], copy_msg, sizeof copy_msg) != 0)
+            copy_rc = -1;
+    if (copy_rc != 0) {
+        for (uint32_t i = 0; i < made; i++)
+            uncreate(&items[i]);
+        staging_stop(s, &st->st);
+        snprintf(msg, n, "%s", copy_msg);
+        *retry = false;
+        st->teardown_ns = shim_now_ns() - t0;
+        return -1;
+    }
+    if (!keep) {
+        for (uint32_t i = 0; i < made; i++)
+            staging_release(s, items[i].o->host, items[i].o->host_len);
+        staging_wait(s, copy_msg, sizeof copy_msg);
+    }
+    staging_stop(s, &st->st);
+    for (uint32_t i = 0; i < made; i++) {
+        struct obj *o = items[i].o;
+        if (!keep)
+            unmap_host(o);
+        st->count++;
+        st->bytes += o->size;
+        pthread_mutex_lock(&g.lock);
+        o->live = true;
+        pthread_mutex_unlock(&g.lock);
+    }
+    st->teardown_ns = shim_now_ns() - t0;
+    return produce_rc;
+}
+
 /* Every creator-owned shared allocation that is not live, loaded again from
  * its staged bytes; live ones are skipped, so the op is idempotent and a
  * retry after RETRY finishes the rest. */
 static enum phase_result load_all(struct reply *r, const char *op, bool keep)
 {
-    struct stats st = {0, 0, 0, 0, 0};
-    pthread_t *tids = NULL;
-    uint64_t t0 = shim_now_ns();
+    struct stats st;
+    struct item *items = NULL;
+    uint64_t total, t0 = shim_now_ns();
+    uint32_t count, k = 0;
     char msg[MSG_LEN];
-    bool retry;
+    bool retry = false;
 
-    for (uint32_t i = 0; i < obj_count(); i++) { /* the total, for STATUS */
-        struct obj *o = obj_at(i);
-        if (creator_shared(o) && !o->live && o->host)
-            __atomic_fetch_add(&g.phase_bytes_total, o->size, __ATOMIC_RELAXED);
-    }
+    memset(&st, 0, sizeof st);
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
-        if (!creator_shared(o) || o->live)
+        if (!creator_shared(o) || o->live || o->host)
             continue;
-        if (!o->host) {
-            free(tids);
-            msg[0] = 0;
-            name_allocation(msg, sizeof msg, o);
-            reply_msg(r, CUIP_STATUS_INTERNAL, "%s: no saved content%s", op, msg);
-            return PHASE_FAILED;
-        }
-        if (!tids && copy_setup(&tids, msg, sizeof msg) != 0) {
-            reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: %s", op, msg);
-            return PHASE_FAILED;
-        }
-        if (load_one(o, keep, tids, &st, &retry, msg, sizeof msg) != 0) {
-            free(tids);
-            if (retry) {
-                name_allocation(msg, sizeof msg, o);
-                report_done(r, op, &st, t0);
-                reply_msg(r, CUIP_STATUS_RETRY, "%s: %s", op, msg);
-                return PHASE_RETRY;
-            }
-            reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: %s", op, msg);
-            return PHASE_FAILED;
-        }
+        msg[0] = 0;
+        name_allocation(msg, sizeof msg, o);
+        reply_msg(r, CUIP_STATUS_INTERNAL, "%s: no saved content%s", op, msg);
+        return PHASE_FAILED;
     }
-    free(tids);
+    count = phase_items(false, &items, &total);
+    if (count && !items) {
+        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: out of memory for %u items", op, count);
+        return PHASE_FAILED;
+    }
+    for (uint32_t i = 0; i < obj_count() && k < count; i++) {
+        struct obj *o = obj_at(i);
+        if (creator_shared(o) && !o->live)
+            items[k++].o = o;
+    }
+    if (count && load_items(items, count, total, keep, &st, &retry, msg, sizeof msg) != 0) {
+        free(items);
+        if (retry) {
+            report_done(r, op, &st, t0);
+            reply_msg(r, CUIP_STATUS_RETRY, "%s: %s", op, msg);
+            return PHASE_RETRY;
+        }
+        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: %s", op, msg);
+        return PHASE_FAILED;
+    }
+    free(items);
     report_done(r, op, &st, t0);
     return PHASE_DONE;
 }

@@ -12,7 +12,12 @@
  *  - SNAPSHOT_SHIM_COPY_THREADS: min(16, online CPUs). Populate and register
  *    are CPU work in the kernel that scales with threads; more threads than
  *    CPUs only contend.
- *  - SNAPSHOT_SHIM_COPY_CHUNK_MIB: 64.
+ *  - SNAPSHOT_SHIM_COPY_CHUNK_MIB: 64 (at most; staging.c makes it smaller
+ *    for a phase that would not give every thread a few chunks).
+ *  - SNAPSHOT_SHIM_STAGING_THP: 1 (staging memory advised MADV_HUGEPAGE).
+ *  - SNAPSHOT_SHIM_STAGING_BOUNCE_MIB: 8 (per staging thread, pinned once and
+ *    kept; 0: register the staging memory chunk by chunk instead).
+ *  - SNAPSHOT_SHIM_TIMING: 0 (1: where a SAVE/LOAD's time went, on stderr).
  */
 #include "shim.h"
 
@@ -31,6 +36,9 @@
 #define COPY_CHUNK_ENV "SNAPSHOT_SHIM_COPY_CHUNK_MIB"
 #define LEASE_IDLE_ENV "SNAPSHOT_LEASE_IDLE_S"
 #define TRUST_UID_ENV "SNAPSHOT_SHIM_TRUST_UID"
+#define STAGING_THP_ENV "SNAPSHOT_SHIM_STAGING_THP"
+#define STAGING_BOUNCE_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB"
+#define TIMING_ENV "SNAPSHOT_SHIM_TIMING"
 /* CUIP_CONTROL_DIR_ENV and CUIP_PARTICIPANT_ENV are in protocol.h: the
  * coordinator sets them too. */
 
@@ -46,6 +54,8 @@
 #define THREADS_MAX 64ul
 #define CHUNK_MIB_DEFAULT 64ul
 #define CHUNK_MIB_MAX 4096ul
+#define BOUNCE_MIB_DEFAULT 8ul
+#define BOUNCE_MIB_MAX 1024ul
 
 static struct shim_settings settings;
 static pthread_once_t settings_once = PTHREAD_ONCE_INIT;
@@ -98,6 +108,18 @@ static unsigned long env_count(const char *name, unsigned long lo, unsigned long
     return x;
 }
 
+/* "0" or "1"; `def` when unset. */
+static bool env_bool(const char *name, bool def)
+{
+    const char *v = getenv(name);
+    if (!v || !*v)
+        return def;
+    if (!strcmp(v, "0") || !strcmp(v, "1"))
+        return v[0] == '1';
+    shim_log(LOG_WARN, "%s=%s is neither 0 nor 1; using %d", name, v, (int)def);
+    return def;
+}
+
 static bool env_content_native(void)
 {
     const char *v = getenv(CONTENT_MODE_ENV);
@@ -130,6 +152,11 @@ static void settings_load(void)
     s->copy_chunk = (size_t)env_count(COPY_CHUNK_ENV, 1, CHUNK_MIB_MAX, CHUNK_MIB_DEFAULT,
                                       "a chunk size in MiB")
                     << 20;
+    s->staging_thp = env_bool(STAGING_THP_ENV, true);
+    s->staging_bounce = (size_t)env_count(STAGING_BOUNCE_ENV, 0, BOUNCE_MIB_MAX,
+                                          BOUNCE_MIB_DEFAULT, "a buffer size in MiB")
+                        << 20;
+    s->timing = env_bool(TIMING_ENV, false);
     snprintf(s->control_dir, sizeof s->control_dir, "%s",
              dir && *dir ? dir : CUIP_CONTROL_DIR_DEFAULT);
     snprintf(s->participant, sizeof s->participant, "%s", pin ? pin : "");

@@ -9,7 +9,8 @@
  *   state.c     the shared state `g`, its lock, entering the shim
  *   handles.c   the logical handle table and its objects
  *   io.c        bounded socket I/O and replies
- *   capability.c, multicast.c, unicast.c, content.c   the tracked calls and
+ *   capability.c, multicast.c, unicast.c, staging.c, content.c   the tracked
+ *               calls, the staging pool and
  *               the phase work
  *   rollback.c  the way back to ACTIVE (CUIP_ROLLBACK_OPS)
  *   control.c   the control server: connections, validation, phase machine
@@ -77,6 +78,8 @@ SHIM_EXPORT CUresult CUDAAPI cuMulticastBindAddr_v2(CUmemGenericAllocationHandle
 /* ---------------------------------------------------------------- util.c */
 enum { LOG_ERROR = 0, LOG_WARN = 1, LOG_INFO = 2, LOG_DEBUG = 3 };
 SHIM_HIDDEN void shim_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* `n` bytes to stderr in one write, whatever the log level (never SIGPIPE). */
+SHIM_HIDDEN void shim_write_line(const char *buf, size_t n);
 /* Lines above `level` are dropped (LOG_WARN until the settings are read). */
 SHIM_HIDDEN void shim_log_set_level(int level);
 SHIM_HIDDEN uint64_t shim_now_ns(void);
@@ -98,8 +101,12 @@ struct shim_settings {
      * through the native checkpoint (which moves the bytes); nothing is
      * copied. Importers tear down and rebuild the same in both modes. */
     bool native_content;
-    unsigned copy_threads;      /* SAVE/LOAD threads per allocation */
-    size_t copy_chunk;          /* bytes per copy chunk */
+    unsigned copy_threads;      /* SAVE/LOAD: the staging pool's threads per phase */
+    size_t copy_chunk;          /* bytes per copy chunk, at most */
+    bool staging_thp;           /* SNAPSHOT_SHIM_STAGING_THP: MADV_HUGEPAGE on staging memory */
+    size_t staging_bounce;      /* SNAPSHOT_SHIM_STAGING_BOUNCE_MIB: pinned bytes per thread,
+                                 * 0: register the staging memory chunk by chunk */
+    bool timing;                /* SNAPSHOT_SHIM_TIMING: one JSON line per SAVE/LOAD on stderr */
     char control_dir[4096];     /* as given (the default when unset); checked at start */
     /* SNAPSHOT_PARTICIPANT_ID as given, cut after one character too many so
      * that a long value still fails the length check; empty when unset. */
@@ -210,8 +217,9 @@ struct shim_state {
     uint16_t op_in_flight;         /* that op (enum cuip_op), 0 when none; for STATUS */
     uint64_t op_started_ns;        /* when it started */
     /* The bytes the phase op in flight has copied and will copy in all:
-     * reset at its start (g.lock held), then updated without the lock by
-     * content.c's copy threads with __atomic_fetch_add, and read by STATUS
+     * reset at its start (g.lock held), the total set by content.c, the
+     * bytes done added without the lock by staging.c once per copied chunk
+     * (__atomic_fetch_add), and read by STATUS
      * with __atomic_load_n while the op runs. */
     uint64_t phase_bytes_done;
     uint64_t phase_bytes_total;
@@ -317,6 +325,7 @@ struct obj {
     bool mc_mapped;               /* the mappings are mapped on `real` */
     struct mc_binding *binds;
     uint32_t nbinds, capbinds;
+    size_t host_len;              /* bytes mapped at `host` (staging_len(size)) */
 };
 
 /* Allocate a fresh object and its logical handle; NULL on ENOMEM. */
@@ -447,6 +456,39 @@ SHIM_HIDDEN phase_work_fn unicast_restore;
 /* ROLLBACK_IMPORTS' imports: every import dropped (when live) and imported
  * again from its creator. */
 SHIM_HIDDEN phase_work_fn unicast_reimport_all;
+
+/* ---------------------------------------------------------------- staging.c */
+/* Where a phase's staging time went (nanoseconds). The *_ns of a step are
+ * summed over the pool's threads; copy_wall_ns is the wall time during which
+ * at least one copy was in flight. */
+struct staging_times {
+    uint64_t pool_start_ns, populate_ns, register_ns, copy_ns, copy_wall_ns, unregister_ns,
+        release_ns, memcpy_ns, chunks;
+    unsigned threads;           /* workers started (none: the control thread works) */
+    size_t chunk;               /* bytes per chunk, at most */
+};
+struct staging;
+/* Host memory for staged copies: one anonymous mapping of `len` bytes,
+ * 2 MiB aligned, advised MADV_HUGEPAGE unless SNAPSHOT_SHIM_STAGING_THP=0;
+ * NULL and msg on failure. Slices of it are unmapped by their owners. */
+SHIM_HIDDEN void *staging_alloc(size_t len, char *msg, size_t n);
+/* Bytes of staging memory one allocation of `size` bytes takes. */
+SHIM_HIDDEN size_t staging_len(size_t size);
+/* Start the pool for a phase moving `total` bytes of at most `items`
+ * allocations, device to host when `to_host`; NULL and msg on failure. */
+SHIM_HIDDEN struct staging *staging_start(bool to_host, uint64_t total, uint32_t items, char *msg,
+                                          size_t n);
+/* Queue the copy of all of `o` between `host` and `dev` (o->size bytes) in
+ * context `ctx`; it may start at once. Never blocks. */
+SHIM_HIDDEN int staging_add(struct staging *s, const struct obj *o, char *host, CUdeviceptr dev,
+                            CUcontext ctx);
+/* Queue giving the pages of [host, host+len) back (after the copies). */
+SHIM_HIDDEN int staging_release(struct staging *s, char *host, size_t len);
+/* Wait until everything queued is done; -1 and the
+ * first error's message if anything failed. The pool stays for more. */
+SHIM_HIDDEN int staging_wait(struct staging *s, char *msg, size_t n);
+/* Join the pool and free it; its figures in `t` (may be NULL). */
+SHIM_HIDDEN void staging_stop(struct staging *s, struct staging_times *t);
 
 /* ---------------------------------------------------------------- content.c */
 SHIM_HIDDEN phase_work_fn content_save;

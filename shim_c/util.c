@@ -42,6 +42,11 @@ static void write_stderr(const char *buf, size_t n)
     pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
 
+void shim_write_line(const char *buf, size_t n)
+{
+    write_stderr(buf, n);
+}
+
 void shim_log(int level, const char *fmt, ...)
 {
     static const char *names[] = {"error", "warning", "info", "debug"};

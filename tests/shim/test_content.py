@@ -1,19 +1,25 @@
-"""Allocation content in host mode (shim_c/content.c), simulated driver.
+"""Allocation content in host mode (shim_c/content.c, shim_c/staging.c), simulated driver.
 
-SAVE_ALLOCATIONS copies each shared allocation into an anonymous mapping in chunks
-(SNAPSHOT_SHIM_COPY_CHUNK_MIB) spread over threads (SNAPSHOT_SHIM_COPY_THREADS), each
-chunk registered only while it is copied; LOAD_ALLOCATIONS copies back the same way.
-Here: allocations of several chunks, a last chunk shorter than the others, one and
-several threads, every byte checked after a full cycle (with the native checkpoint
-and restore in between); bad settings refused with a warning naming the variable; a
+SAVE_ALLOCATIONS copies every shared allocation into one staging mapping through one
+worker pool per op (SNAPSHOT_SHIM_COPY_THREADS) and one queue of chunks across all
+allocations (at most SNAPSHOT_SHIM_COPY_CHUNK_MIB, smaller when the op would not give
+every thread four chunks; neighbours share a chunk), each chunk registered only while it
+is copied; LOAD_ALLOCATIONS copies back the same way. Here: allocations of several
+chunks, a last chunk shorter than the others, many small and a few large ones, one and
+several threads, the application's read-only mapping (a temporary mapping is used),
+every byte checked after a full cycle (with the native checkpoint and restore in
+between); the timing line; bad settings refused with a warning naming the variable; a
 failing cuMemHostRegister in the workers fails the op, names the call, and leaves no
 registration behind.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +32,7 @@ from tests.simenv import Spawn
 
 Op, Status, Phase = wire.Op, wire.Status, wire.Phase
 MIB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
 
 
 def finish(w: Worker) -> str:
@@ -65,14 +72,25 @@ def plain_cycle(control_dir: Path, w: Worker) -> str:
     return finish(w)
 
 
-def settings(log: str, op: str) -> tuple[int, int, int, int]:
-    """(chunks, chunk MiB, threads used, threads allowed) from the shim's info line."""
+def settings(log: str, op: str) -> tuple[int, int, int, int, int]:
+    """(chunks, chunk MiB, chunk MiB setting, threads used, threads allowed) from the
+    shim's info line."""
     m = re.search(
-        op + r": \d+ allocations, \d+ bytes, (\d+) chunks of (\d+) MiB on (\d+) of (\d+) threads",
+        op + r": \d+ allocations, \d+ bytes, (\d+) chunks of (\d+) MiB \(at most (\d+)\) on "
+        r"(\d+) of (\d+) threads",
         log,
     )
     assert m, log
-    return int(m[1]), int(m[2]), int(m[3]), int(m[4])
+    return int(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5])
+
+
+def chunking(total: int, threads: int, setting_mib: int) -> tuple[int, int, int]:
+    """(chunks, chunk MiB, workers) the pool uses for `total` bytes of allocations that
+    lie back to back in host memory (staging.c's pick_chunk): every thread gets about
+    four chunks, never below 1 MiB nor above the setting."""
+    chunk_mib = min(setting_mib, max(1, total // (threads * 4) // MIB))
+    chunks = -(-total // (chunk_mib * MIB))
+    return chunks, chunk_mib, min(threads, chunks)
 
 
 def default_threads() -> int:
@@ -91,6 +109,7 @@ def test_multi_chunk_cycle(
         extra={
             "SNAPSHOT_SHIM_COPY_CHUNK_MIB": str(chunk_mib),
             "SNAPSHOT_SHIM_COPY_THREADS": str(threads),
+            "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB": "0",  # register in place
             "SNAPSHOT_SHIM_DEBUG": "1",
         }
     )
@@ -100,8 +119,7 @@ def test_multi_chunk_cycle(
     total = sum(sizes) * gran
     free_slots, _ = creator(FILL_REGISTRATIONS)
     creator(UNREGISTER_ALL)
-    per = [-(-n * gran // (chunk_mib * MIB)) for n in sizes]
-    chunks, used = sum(per), min(threads, max(per))
+    chunks, chunk_used, used = chunking(total, threads, chunk_mib)
     for op in CAPTURE:
         t0 = time.monotonic_ns()
         reply = c.ok(op)
@@ -129,7 +147,7 @@ def test_multi_chunk_cycle(
     assert creator("result = digest(A[0][1], A[0][2]) == expected(99, A[0][2])")
     log = finish(creator)
     for op in ("SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS"):
-        assert settings(log, op) == (chunks, chunk_mib, used, threads)
+        assert settings(log, op) == (chunks, chunk_used, chunk_mib, used, threads)
     assert "warning" not in log
 
 
@@ -143,6 +161,8 @@ def test_multi_chunk_cycle(
         ("SNAPSHOT_SHIM_COPY_THREADS", "4x", "a thread count in [1, 64]"),
         ("SNAPSHOT_SHIM_COPY_CHUNK_MIB", "0", "a chunk size in MiB in [1, 4096]"),
         ("SNAPSHOT_SHIM_COPY_CHUNK_MIB", "1.5", "a chunk size in MiB in [1, 4096]"),
+        ("SNAPSHOT_SHIM_STAGING_THP", "yes", "neither 0 nor 1"),
+        ("SNAPSHOT_SHIM_TIMING", "2", "neither 0 nor 1"),
     ],
 )
 def test_bad_setting_refused(
@@ -153,18 +173,25 @@ def test_bad_setting_refused(
     creator = spawn(extra={name: value, "SNAPSHOT_SHIM_DEBUG": "1"})
     make_shared(creator, [2], seed=7)
     log = plain_cycle(control_dir, creator)
+    if what.startswith("neither"):
+        default = 1 if name.endswith("THP") else 0
+        assert f"{name}={value} is {what}; using {default}" in log, log
+        assert "cuinterpose-timing" not in log  # timing off by default
+        return
     default = default_threads() if name.endswith("THREADS") else 64
     assert f"{name}={value} is not {what}; using {default}" in log, log
-    _, chunk_mib, _, threads = settings(log, "SAVE_ALLOCATIONS")
+    _, _, chunk_mib, _, threads = settings(log, "SAVE_ALLOCATIONS")
     assert (threads if name.endswith("THREADS") else chunk_mib) == default
 
 
 def test_defaults(spawn: Spawn, control_dir: Path) -> None:
     creator = spawn(extra={"SNAPSHOT_SHIM_DEBUG": "1"})
-    make_shared(creator, [1], seed=3)
+    gran = make_shared(creator, [1], seed=3)
     log = plain_cycle(control_dir, creator)
-    assert settings(log, "SAVE_ALLOCATIONS") == (1, 64, 1, default_threads())
+    chunks, chunk_mib, used = chunking(gran, default_threads(), 64)
+    assert settings(log, "SAVE_ALLOCATIONS") == (chunks, chunk_mib, 64, used, default_threads())
     assert "warning" not in log
+    assert "cuinterpose-timing" not in log
 
 
 # The application pins host pages until the driver has no registration left (the
@@ -190,7 +217,13 @@ REG = []
 
 
 def test_register_failure_fails_the_op(spawn: Spawn, control_dir: Path) -> None:
-    creator = spawn(extra={"SNAPSHOT_SHIM_COPY_CHUNK_MIB": "1", "SNAPSHOT_SHIM_COPY_THREADS": "4"})
+    creator = spawn(
+        extra={
+            "SNAPSHOT_SHIM_COPY_CHUNK_MIB": "1",
+            "SNAPSHOT_SHIM_COPY_THREADS": "4",
+            "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB": "0",
+        }
+    )
     make_shared(creator, [4], seed=21)
     c = Shim(control_dir, creator.pid)
     count, why = creator(FILL_REGISTRATIONS)
@@ -211,3 +244,129 @@ def test_register_failure_fails_the_op(spawn: Spawn, control_dir: Path) -> None:
     creator(UNREGISTER_ALL)
     # Fail-stop: the allocation itself was never touched.
     assert creator("result = err(cu.cuMemCreate(gran, prop(), 0))") == "CUDA_ERROR_NOT_READY"
+
+
+def timing_lines(log: str) -> dict[str, dict[str, object]]:
+    """The SNAPSHOT_SHIM_TIMING=1 lines of a log, by op."""
+    found = {}
+    for line in log.splitlines():
+        if line.startswith("cuinterpose-timing "):
+            entry = json.loads(line.split(" ", 1)[1])
+            found[str(entry["op"])] = entry
+    return found
+
+
+@pytest.mark.parametrize("bounce_mib", [0, 1], ids=["registered-in-place", "bounce-1MiB"])
+def test_many_small_and_a_few_large(
+    spawn: Spawn, control_dir: Path, sim_namespace: str, bounce_mib: int
+) -> None:
+    """40 allocations of 1 to 3 granules around two of 9 and 13, 3 threads, chunks of at
+    most 3 MiB: small neighbours share a chunk (fewer chunks than cutting each alone), large
+    ones are split with a short last piece; the bytes survive the native checkpoint in
+    between, the timing line accounts for every byte and its parts add up. Registered in
+    place, every op registers and unregisters; through 1 MiB bounce buffers (pieces of a
+    chunk), only the first op pins (the buffers are kept) and nothing is unregistered."""
+    creator = spawn(
+        extra={
+            "SNAPSHOT_SHIM_COPY_CHUNK_MIB": "3",
+            "SNAPSHOT_SHIM_COPY_THREADS": "3",
+            "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB": str(bounce_mib),
+            "SNAPSHOT_SHIM_DEBUG": "1",
+            "SNAPSHOT_SHIM_TIMING": "1",
+        }
+    )
+    sizes = [1 + k % 3 for k in range(20)] + [9] + [2, 1] * 10 + [13]
+    gran = make_shared(creator, sizes, seed=500)
+    total = sum(sizes) * gran
+    c = Shim(control_dir, creator.pid)
+    for op in CAPTURE:
+        c.ok(op)
+    assert native_checkpoint_restore(spawn, sim_namespace, [creator.pid]) == [2]
+    for op in RESTORE:
+        reply = c.ok(op)
+        if op == Op.LOAD_ALLOCATIONS:
+            assert (reply.stats.count, reply.stats.bytes) == (len(sizes), total)
+    assert intact(creator)
+    log = finish(creator)
+    timing = timing_lines(log)
+    for op in ("SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS"):
+        chunks, chunk_mib, _, used, _ = settings(log, op)
+        assert (chunks, chunk_mib, used) == chunking(total, 3, 3), log
+        # Fewer than if every allocation were cut on its own.
+        assert chunks < sum(-(-n * gran // (chunk_mib * MIB)) for n in sizes)
+        t = timing[op]
+        assert (t["allocations"], t["bytes"], t["chunks"]) == (len(sizes), total, chunks)
+        assert t["threads"] == used and t["chunk"] == chunk_mib * MIB
+        parts = float(t["setup_s"]) + float(t["drain_s"]) + float(t["teardown_s"])
+        assert 0 < parts <= float(t["elapsed_s"])
+        assert 0 < float(t["copy_wall_s"]) <= float(t["elapsed_s"])
+        assert t["bounce"] == bounce_mib * MIB
+        per_thread = t["thread_s"]
+        assert isinstance(per_thread, dict)
+        assert float(per_thread["copy"]) > 0
+        if bounce_mib:
+            assert float(per_thread["memcpy"]) > 0 and float(per_thread["unregister"]) == 0
+            pinned_now = float(per_thread["register"]) > 0
+            assert pinned_now == (op == "SAVE_ALLOCATIONS")  # kept for LOAD
+        else:
+            assert float(per_thread["register"]) > 0 and float(per_thread["unregister"]) > 0
+            assert float(per_thread["memcpy"]) == 0
+    # LOAD gave the staged pages back (in the pool) before unmapping them.
+    assert float(timing["LOAD_ALLOCATIONS"]["thread_s"]["release"]) > 0  # type: ignore[index]
+    assert "warning" not in log
+
+
+def test_read_only_mapping_copies_through_a_temporary_one(spawn: Spawn, control_dir: Path) -> None:
+    """The application maps one allocation read-only (the simulator refuses a write
+    through it) and another read-write: both are saved and loaded, bytes intact, the
+    read-only mapping read-only again afterwards."""
+    creator = spawn(extra={"SNAPSHOT_SHIM_COPY_CHUNK_MIB": "1", "SNAPSHOT_SHIM_COPY_THREADS": "2"})
+    make_shared(creator, [3, 2], seed=77)
+    creator(
+        """
+h, va, size, _ = A[0]
+check(access(va, size, flags=cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ))
+result = None
+"""
+    )
+    assert creator("result = err(cu.cuMemsetD8(A[0][1], 0, 16))") != "CUDA_SUCCESS"
+    c = Shim(control_dir, creator.pid)
+    for op in CAPTURE + RESTORE:
+        c.ok(op)
+    assert intact(creator)
+    assert creator("result = err(cu.cuMemsetD8(A[0][1], 0, 16))") != "CUDA_SUCCESS"
+    assert "warning" not in finish(creator)
+
+
+def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
+    """bench/staging.py end to end on the simulated driver, small shapes, one
+    repetition: every workload verified, its bytes and the shim's breakdown reported."""
+    out = tmp_path / "staging.json"
+    bench = REPO / "bench" / "staging.py"
+    done = subprocess.run(
+        [sys.executable, bench, "--sim", "--repeat", "1", "--out", out],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["driver"] == "sim"
+    assert set(result["workloads"]) == {"1x32MiB", "12x6MiB", "48x2MiB"}
+    for name, w in result["workloads"].items():
+        count, mib = (int(x) for x in name.replace("MiB", "").split("x"))
+        assert (w["allocations"], w["bytes"]) == (count, count * mib * MIB)
+        assert w["verified"] and w["native_verified"]
+        for op in ("save", "load"):
+            assert w[op]["elapsed_s"]["n"] == 1 and w[op]["gbps"]["median"] > 0
+            assert set(w[op]["thread_s"]) == {
+                "populate",
+                "register",
+                "copy",
+                "unregister",
+                "release",
+                "memcpy",
+            }
+        assert w["suspend_s"]["median"] > w["capture_s"]["median"] > 0
+    assert "suspend" in done.stdout and "coordinator share" in done.stdout

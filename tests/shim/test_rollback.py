@@ -397,7 +397,11 @@ os.close(export(H['Z']))
 def test_failed_load_rolls_back(spawn: Spawn, control_dir: Path) -> None:
     """A LOAD that fails for good (the copy's host registration: not transient) leaves
     the shim FAILED with its staged bytes; a rollback from FAILED brings it back."""
-    team = build_team(spawn, control_dir, extra={"SNAPSHOT_SHIM_COPY_CHUNK_MIB": "1"})
+    team = build_team(
+        spawn,
+        control_dir,
+        extra={"SNAPSHOT_SHIM_COPY_CHUNK_MIB": "1", "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB": "0"},
+    )
     c = team.workers[0]
     interrupt(team, "prepared")
     count, why = c(FILL_REGISTRATIONS)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On a fresh two-GPU H200 machine with this repository copied (the device tool): build
+# the release shim against the system cuda.h, run tests/gpu (the NCCL two-rank test
+# included) and bench/staging.py, results in $OUT (at most 8 files).
+#
+#   OUT=/path/to/results [WHEELS=.whl] bench/run_staging_h200.sh
+#
+# Uses the machine's python3 (torch, cuda-bindings, attrs, pytest are in the image);
+# cattrs and transitions come as wheels from $WHEELS. cuinterpose is not installed: its
+# three folders are put together under /tmp/pkg as the wheel would (pyproject.toml).
+# Multicast stays off: CUINTERPOSE_ALLOW_MULTICAST=0 and NCCL/PyTorch/NVSHMEM NVLS off.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT}"
+WHEELS=${WHEELS:-.whl}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export CUINTERPOSE_ALLOW_MULTICAST=0 CUINTERPOSE_TEST_DRIVER=system PYTHONUNBUFFERED=1
+status=0
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site "$WHEELS"/*.whl || exit 1
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r frontends /tmp/pkg/cuinterpose \
+  && cp -r engine /tmp/pkg/cuinterpose/engine && cp -r phases /tmp/pkg/cuinterpose/phases
+export PYTHONPATH=/tmp/pkg:/tmp/site:$PWD CUINTERPOSE_BUILD_DIR=$PWD/build
+{ nvidia-smi; uname -r; nproc; cat /sys/kernel/mm/transparent_hugepage/enabled \
+    /sys/kernel/mm/transparent_hugepage/defrag; python3 -c 'import torch, cuda.bindings;
+print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count());
+print("cuda-bindings", cuda.bindings.__version__)'; } >"$OUT/environment.txt" 2>&1
+{ cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUINTERPOSE_CUDA_INCLUDE=/usr/local/cuda/include \
+    -DPython_EXECUTABLE="$(command -v python3)" && cmake --build build -j16; } >"$OUT/build.log" 2>&1 \
+  || { tail -30 "$OUT/build.log"; exit 1; }
+mkdir -p /tmp/traces
+CUINTERPOSE_TRACE_OUT=/tmp/traces timeout "${GPU_TESTS_S:-200}" python3 -m pytest -p no:cacheprovider \
+  -v -rs -s ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/pytest-gpu.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+timeout "${BENCH_S:-300}" python3 bench/staging.py --repeat "${REPEAT:-3}" --out "$OUT/staging.json" \
+  >"$OUT/staging.log" 2>"$OUT/staging.stderr" || status=1
+cat "$OUT/staging.log"; tail -5 "$OUT/staging.stderr"
+tar -czf "$OUT/traces.tar.gz" -C /tmp traces 2>/dev/null
+echo "status $status"
+exit $status

@@ -1,0 +1,401 @@
+"""SAVE/LOAD staging throughput for big and for many small allocations (issue 12).
+
+One run, one GPU, three workloads (``--sim``: the same shapes, small):
+
+- ``1x8GiB``: one 8 GiB allocation;
+- ``96x6MiB``: 96 allocations of 6 MiB (NCCL-sized buffers);
+- ``2048x2MiB``: 2048 allocations of 2 MiB.
+
+For each, ``--repeat`` times: a creator with the shim preloaded holds the allocations
+(each filled with a pattern per MiB, exported so the shim saves it); ``cuinterpose
+prepare`` (capture: SAVE_ALLOCATIONS), native checkpoint of the creator (what is left
+on its GPU), native restore, ``cuinterpose restore`` (LOAD_ALLOCATIONS); the bytes are
+checked on the first repetition. Then the native path alone: a process without the
+shim holding the same allocations (unshared), native checkpoint and restore. Once per
+run: the pinned DtoH/HtoD copy ceiling (one buffer of ``--ceiling-mib``).
+
+Reported per workload, median [min, max] over the repetitions: SAVE and LOAD end to end
+(the shim's op, GB/s) and their copy GB/s; the shim's breakdown (SNAPSHOT_SHIM_TIMING:
+pool start, setup, population, registration, copy, unregistration, release); suspend =
+capture + native checkpoint and resume = native restore + coordinator restore, against
+the native checkpoint and restore alone; the coordinator's own share (capture or
+restore machine's time outside the shim's SAVE/LOAD over the total; the ``cuinterpose``
+process start, interpreter and imports, is reported apart and counted in the
+totals). GB is 10^9 bytes. ``--out`` writes the JSON; the log goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from cuinterpose import launch, native
+from cuinterpose.demo import CliRun, Worker, coordinator_env, run_cli
+
+MIB = 1 << 20
+GIB = 1 << 30
+WORKLOADS = {"1x8GiB": (1, 8 * GIB), "96x6MiB": (96, 6 * MIB), "2048x2MiB": (2048, 2 * MIB)}
+SIM_WORKLOADS = {"1x32MiB": (1, 32 * MIB), "12x6MiB": (12, 6 * MIB), "48x2MiB": (48, 2 * MIB)}
+
+# Runs in the worker (``exec``): allocations of SIZE bytes, COUNT of them, each MiB
+# filled with a value of its own (cuMemsetD32), exported (a capability: the shim saves
+# it) unless UNSHARED. CHECK() reads everything back and counts wrong MiBs.
+SETUP = r"""
+import ctypes, struct
+POSIX = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+def _prop():
+    p = cu.CUmemAllocationProp()
+    p.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    p.location.id = 0
+    p.requestedHandleTypes = POSIX
+    return p
+def _value(k, mib):
+    return (0x9E3779B1 * (k + 1) + 0x85EBCA77 * (mib + 1)) & 0xFFFFFFFF
+A = []
+for k in range(COUNT):
+    h = check(cu.cuMemCreate(SIZE, _prop(), 0))
+    va = int(check(cu.cuMemAddressReserve(SIZE, 0, 0, 0)))
+    check(cu.cuMemMap(va, SIZE, 0, h, 0))
+    d = cu.CUmemAccessDesc()
+    d.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    d.location.id = 0
+    d.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    check(cu.cuMemSetAccess(va, SIZE, [d], 1))
+    for mib in range(SIZE >> 20):
+        check(cu.cuMemsetD32(va + (mib << 20), _value(k, mib), 1 << 18))
+    if not UNSHARED:
+        os.close(int(check(cu.cuMemExportToShareableHandle(h, POSIX, 0))))
+    A.append((h, va))
+check(cu.cuCtxSynchronize())
+def CHECK():
+    buf = (ctypes.c_char * (64 << 20))()
+    bad = 0
+    for k, (h, va) in enumerate(A):
+        for off in range(0, SIZE, 64 << 20):
+            n = min(64 << 20, SIZE - off)
+            check(cu.cuMemcpyDtoH(ctypes.addressof(buf), va + off, n))
+            raw = bytes(memoryview(buf)[:n])
+            for m in range(n >> 20):
+                mib = (off >> 20) + m
+                want = struct.pack("<I", _value(k, mib)) * (1 << 18)
+                bad += raw[m << 20 : (m + 1) << 20] != want
+    return bad
+result = len(A)
+"""
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    vals = [v for v in values if v == v]
+    if not vals:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+def _done(run: CliRun) -> float:
+    """The machine's own elapsed time (the ``done`` event): the CLI's wall time less
+    the interpreter's start and imports."""
+    for event in run.events:
+        if event.get("event") == "done":
+            return float(event["elapsed_s"])
+    raise SystemExit(f"no done event in {run.events}")
+
+
+def _timing_lines(text: str) -> list[dict[str, Any]]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("cuinterpose-timing "):
+            out.append(json.loads(line.split(" ", 1)[1]))
+    return out
+
+
+class Bench:
+    def __init__(self, driver: str, work: Path, log: Callable[[str], None], repeat: int):
+        self.driver, self.work, self.log, self.repeat = driver, work, log, repeat
+        self.control = launch.ensure_control_dir(work / "control")
+        base = coordinator_env()
+        if driver == "sim":
+            base["CUINTERPOSE_SIM_NAMESPACE"] = f"bench-{os.getpid()}"
+        base["SNAPSHOT_SHIM_TIMING"] = "1"
+        self.base = base
+        self.shim = launch.launch_env(driver=driver, control_dir=self.control, base=base)
+        self.plain = launch.launch_env(
+            driver=driver, control_dir=self.control, base=base, preload_shim=False
+        )
+        self.workers: list[Worker] = []
+
+    def spawn(self, name: str, env: dict[str, str]) -> Worker:
+        w = Worker(name, env, log_dir=self.work, timeout_s=1800.0)
+        self.workers.append(w)
+        return w
+
+    def cli(self, command: str, pid: int, tag: str) -> CliRun:
+        done = run_cli(
+            command,
+            pids=[pid],
+            checkpoint_dir=self.work / f"ckpt-{tag}",
+            control_dir=self.control,
+            env=coordinator_env(self.base),
+            timeout_s=1800,
+        )
+        if done.returncode != 0:
+            raise SystemExit(f"cuinterpose {command} failed: {done.stderr}")
+        return done
+
+    def ceiling(self, size: int) -> dict[str, Any]:
+        w = self.spawn("ceiling", self.plain)
+        _, va = w.create_mapped(size)
+        runs = [w.check("host_copy", va=va, size=size) for _ in range(3)]
+        w.close()
+        return {
+            "bytes": size,
+            "dtoh_gbps": _stats([r["dtoh_gbps"] for r in runs]),
+            "htod_gbps": _stats([r["htod_gbps"] for r in runs]),
+        }
+
+    def setup(self, w: Worker, count: int, size: int, unshared: bool) -> None:
+        t = time.perf_counter()
+        code = f"COUNT, SIZE, UNSHARED = {count}, {size}, {unshared}\n" + SETUP
+        w.send(code)
+        assert w.reply(timeout_s=1800) == count
+        took = time.perf_counter() - t
+        self.log(f"  {w.name}: {count} x {size >> 20} MiB filled in {took:.2f} s")
+
+    def workload(self, name: str, count: int, size: int) -> dict[str, Any]:
+        total = count * size
+        self.log(f"{name}: {count} x {size >> 20} MiB = {total / GIB:.2f} GiB")
+        creator = self.spawn(f"creator-{name}", self.shim)
+        self.setup(creator, count, size, unshared=False)
+        reps: list[dict[str, Any]] = []
+        verified = None
+        for i in range(self.repeat):
+            tag = f"{name}-{i}"
+            prep = self.cli("prepare", creator.pid, tag)
+            ck = native.run_in_subprocess("checkpoint-all", [creator.pid], env=self.plain)
+            rs = native.run_in_subprocess("restore-all", [creator.pid], env=self.plain)
+            rest = self.cli("restore", creator.pid, tag)
+            if i == 0:
+                creator.send("result = CHECK()")
+                bad = creator.reply(timeout_s=1800)
+                verified = bad == 0
+                self.log(f"  verified: {verified} ({bad} MiB wrong)")
+            reps.append(
+                {
+                    "capture_s": prep.seconds,
+                    "restore_s": rest.seconds,
+                    "capture_machine_s": _done(prep),
+                    "restore_machine_s": _done(rest),
+                    "native_checkpoint_s": float(ck["timings"]["total_s"]),
+                    "native_restore_s": float(rs["timings"]["total_s"]),
+                    "save_event": prep.phase("SAVE_ALLOCATIONS"),
+                    "load_event": rest.phase("LOAD_ALLOCATIONS"),
+                }
+            )
+        creator.close()
+        timing = _timing_lines(creator.stderr_text())
+        saves = [t for t in timing if t["op"] == "SAVE_ALLOCATIONS"]
+        loads = [t for t in timing if t["op"] == "LOAD_ALLOCATIONS"]
+        if len(saves) != self.repeat or len(loads) != self.repeat:
+            raise SystemExit(f"{name}: expected {self.repeat} timing lines per op: {timing}")
+
+        alone = self.spawn(f"native-{name}", self.plain)
+        self.setup(alone, count, size, unshared=True)
+        nat: list[tuple[float, float]] = []
+        for _ in range(self.repeat):
+            ck = native.run_in_subprocess("checkpoint-all", [alone.pid], env=self.plain)
+            rs = native.run_in_subprocess("restore-all", [alone.pid], env=self.plain)
+            nat.append((float(ck["timings"]["total_s"]), float(rs["timings"]["total_s"])))
+        alone.send("result = CHECK()")
+        native_ok = alone.reply(timeout_s=1800) == 0
+        alone.close()
+
+        def per(op: list[dict[str, Any]], key: str) -> dict[str, float]:
+            return _stats([float(t[key]) for t in op])
+
+        def thread(op: list[dict[str, Any]], key: str) -> dict[str, float]:
+            return _stats([float(t["thread_s"][key]) for t in op])
+
+        out: dict[str, Any] = {
+            "allocations": count,
+            "allocation_bytes": size,
+            "bytes": total,
+            "verified": verified,
+            "native_verified": native_ok,
+            "threads": saves[0]["threads"],
+            "chunk": saves[0]["chunk"],
+            "thp": saves[0]["thp"],
+            "bounce": saves[0]["bounce"],
+        }
+        for label, ops in (("save", saves), ("load", loads)):
+            out[label] = {
+                "elapsed_s": per(ops, "elapsed_s"),
+                "gbps": _stats([_gbps(total, float(t["elapsed_s"])) for t in ops]),
+                "copy_gbps": _stats([_gbps(total, float(t["copy_wall_s"])) for t in ops]),
+                "breakdown_s": {
+                    "pool_start": per(ops, "pool_start_s"),
+                    "setup": per(ops, "setup_s"),
+                    "drain": per(ops, "drain_s"),
+                    "teardown": per(ops, "teardown_s"),
+                    "copy_wall": per(ops, "copy_wall_s"),
+                },
+                "thread_s": {
+                    k: thread(ops, k)
+                    for k in ("populate", "register", "copy", "unregister", "release", "memcpy")
+                },
+                "chunks": ops[0]["chunks"],
+            }
+        suspend = [r["capture_s"] + r["native_checkpoint_s"] for r in reps]
+        resume = [r["native_restore_s"] + r["restore_s"] for r in reps]
+        out["capture_s"] = _stats([r["capture_s"] for r in reps])
+        out["restore_s"] = _stats([r["restore_s"] for r in reps])
+        out["native_checkpoint_after_capture_s"] = _stats([r["native_checkpoint_s"] for r in reps])
+        out["native_restore_before_restore_s"] = _stats([r["native_restore_s"] for r in reps])
+        out["suspend_s"] = _stats(suspend)
+        out["resume_s"] = _stats(resume)
+        out["native_alone"] = {
+            "checkpoint_s": _stats([c for c, _ in nat]),
+            "restore_s": _stats([r for _, r in nat]),
+        }
+        # The coordinator's own share: the machine's time outside the shim's op, over
+        # the total; the ``cuinterpose`` process start (interpreter, imports) apart.
+        out["engine_share"] = {
+            "suspend": _stats(
+                [
+                    (r["capture_machine_s"] - float(s["elapsed_s"])) / su
+                    for r, s, su in zip(reps, saves, suspend, strict=True)
+                ]
+            ),
+            "resume": _stats(
+                [
+                    (r["restore_machine_s"] - float(ld["elapsed_s"])) / re
+                    for r, ld, re in zip(reps, loads, resume, strict=True)
+                ]
+            ),
+        }
+        out["cli_start_s"] = {
+            "capture": _stats([r["capture_s"] - r["capture_machine_s"] for r in reps]),
+            "restore": _stats([r["restore_s"] - r["restore_machine_s"] for r in reps]),
+        }
+        out["repetitions"] = reps
+        return out
+
+
+def _m(s: dict[str, float], fmt: str = "{:.3f}") -> str:
+    return (fmt + " [" + fmt + ", " + fmt + "]").format(s["median"], s["min"], s["max"])
+
+
+def report(result: dict[str, Any], out: Callable[[str], None]) -> None:
+    ceil = result["ceiling"]
+    dtoh, htod = ceil["dtoh_gbps"]["median"], ceil["htod_gbps"]["median"]
+    out(f"device: {result['device']}; driver {result['driver_version']}")
+    out(
+        f"ceiling (pinned, {ceil['bytes'] >> 20} MiB): DtoH {_m(ceil['dtoh_gbps'], '{:.1f}')} GB/s,"
+        f" HtoD {_m(ceil['htod_gbps'], '{:.1f}')} GB/s"
+    )
+    for name, w in result["workloads"].items():
+        s, ld = w["save"], w["load"]
+        out(
+            f"== {name}: {w['bytes'] / GIB:.2f} GiB, {w['threads']} threads, chunk "
+            f"{w['chunk'] >> 20} MiB, thp {w['thp']}, bounce {w['bounce'] >> 20} MiB, "
+            f"verified {w['verified']}/{w['native_verified']}"
+        )
+        out(
+            f"  SAVE {_m(s['gbps'], '{:.1f}')} GB/s ({s['gbps']['median'] / dtoh:.2f} of DtoH),"
+            f" copy {_m(s['copy_gbps'], '{:.1f}')} GB/s, {s['chunks']} chunks"
+        )
+        out(
+            f"  LOAD {_m(ld['gbps'], '{:.1f}')} GB/s ({ld['gbps']['median'] / htod:.2f} of HtoD),"
+            f" copy {_m(ld['copy_gbps'], '{:.1f}')} GB/s, {ld['chunks']} chunks"
+        )
+        for label, op in (("SAVE", s), ("LOAD", ld)):
+            b, t = op["breakdown_s"], op["thread_s"]
+            out(
+                f"  {label} s: elapsed {op['elapsed_s']['median']:.4f} = pool start "
+                f"{b['pool_start']['median']:.4f} + setup {b['setup']['median']:.4f} + drain "
+                f"{b['drain']['median']:.4f} + teardown {b['teardown']['median']:.4f}; copy wall "
+                f"{b['copy_wall']['median']:.4f}; thread-s populate {t['populate']['median']:.3f}"
+                f" register {t['register']['median']:.3f} copy {t['copy']['median']:.3f} "
+                f"unregister {t['unregister']['median']:.3f} release {t['release']['median']:.3f}"
+                f" memcpy {t['memcpy']['median']:.3f}"
+            )
+        na = w["native_alone"]
+        sus, res = w["suspend_s"]["median"], w["resume_s"]["median"]
+        nck, nrs = na["checkpoint_s"]["median"], na["restore_s"]["median"]
+        out(
+            f"  suspend {_m(w['suspend_s'])} s = capture {_m(w['capture_s'])} + native ckpt "
+            f"{_m(w['native_checkpoint_after_capture_s'])}; native alone {_m(na['checkpoint_s'])}"
+            f" s: {nck / sus:.2f}x faster"
+        )
+        out(
+            f"  resume  {_m(w['resume_s'])} s = native restore "
+            f"{_m(w['native_restore_before_restore_s'])} + restore {_m(w['restore_s'])}; native "
+            f"alone {_m(na['restore_s'])} s: {res / nrs:.2f} of it"
+        )
+        out(
+            f"  coordinator share: suspend {_m(w['engine_share']['suspend'])}, resume "
+            f"{_m(w['engine_share']['resume'])}; cuinterpose process start: capture "
+            f"{_m(w['cli_start_s']['capture'])} s, restore {_m(w['cli_start_s']['restore'])} s"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sim", action="store_true", help="simulated driver, small sizes")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--only", action="append", help="run only these workloads")
+    parser.add_argument("--ceiling-mib", type=int, default=0, help="default 1024 (sim: 32)")
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    driver = "sim" if args.sim else "system"
+    table = SIM_WORKLOADS if args.sim else WORKLOADS
+    chosen = {k: v for k, v in table.items() if not args.only or k in args.only}
+    if not chosen or args.repeat < 1:
+        parser.error(f"nothing to run: --only must name one of {', '.join(table)}, --repeat >= 1")
+
+    def log(text: str) -> None:
+        print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="cip-staging-") as tmp:
+        bench = Bench(driver, Path(tmp), log, args.repeat)
+        try:
+            probe = bench.spawn("device", bench.plain)
+            dev = probe.check("device")
+            probe.close()
+            result: dict[str, Any] = {
+                "driver": driver,
+                "device": dev["name"],
+                "driver_version": dev["driver_version"],
+                "repeat": args.repeat,
+                "cpus": os.cpu_count(),
+                "ceiling": bench.ceiling((args.ceiling_mib or (32 if args.sim else 1024)) * MIB),
+                "workloads": {n: bench.workload(n, c, s) for n, (c, s) in chosen.items()},
+            }
+        finally:
+            for w in bench.workers:
+                w.kill()
+            if driver == "sim":
+                Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-bench-{os.getpid()}").unlink(
+                    missing_ok=True
+                )
+    report(result, print)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    ok = all(w["verified"] and w["native_verified"] for w in result["workloads"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

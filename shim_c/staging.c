@@ -1,0 +1,684 @@
+/*
+ * The staging engine: moves the bytes of a whole phase (SAVE or LOAD of
+ * every allocation) between device memory and host memory through one
+ * worker pool.
+ *
+ * Why it is shaped like this (measured on the H200, driver 580.159.04,
+ * specs/records/2026-11-29-h200-host-staging.jsonl and
+ * docs/benchmarks.md): the copy itself runs at ~55 GB/s; what costs is
+ * everything around it, done once per allocation before: threads started
+ * per allocation, first touch of 4 KiB pages (8.3 GB/s from 16 threads),
+ * pinning and unpinning (cuMemHostRegister of plain memory ~11 GB/s), a
+ * temporary mapping per allocation. So:
+ *  - one pool per phase, started once; the control thread produces work
+ *    (SAVE: the host slice of each allocation; LOAD: re-creating and
+ *    mapping each allocation) while the pool already copies what is ready;
+ *  - one queue of chunks across all allocations: a large allocation is
+ *    split, small ones that lie next to each other in host memory share a
+ *    chunk (one registration, one stream sync for many copies), so 2048
+ *    allocations of 2 MiB cost ~64 registrations, not 2048;
+ *  - each chunk is populated, registered, copied, synchronized and
+ *    unregistered by one worker: population and pinning of one chunk run
+ *    while other workers copy, and no registration outlives its chunk, so
+ *    the native checkpoint and CRIU see plain anonymous memory between SAVE
+ *    and LOAD and the pinned memory at any time is at most threads x chunk;
+ *  - by default nothing is pinned per phase at all: each thread copies
+ *    through its own pinned bounce buffer (SNAPSHOT_SHIM_STAGING_BOUNCE_MIB,
+ *    cuMemHostAlloc once, kept for the life of the process) and memcpy's
+ *    between it and the staging memory. Measured on the H200 (run 1 of
+ *    docs/benchmarks.md): registering and unregistering 8 GiB in 64 MiB
+ *    chunks from 16 threads cost 0.5 s per op, against 0.16 s of copy; the
+ *    driver serializes that work, so more threads do not help. With
+ *    SNAPSHOT_SHIM_STAGING_BOUNCE_MIB=0 each chunk is registered in place;
+ *  - the staging memory is one anonymous mapping per phase advised
+ *    MADV_HUGEPAGE (staging_alloc): with 2 MiB pages the first touch, the
+ *    pinning and the free each handle 512 times fewer pages.
+ *
+ * Accounting: every copied chunk is counted in exactly one place
+ * (run_copy), into g.phase_bytes_done. The first error wins (its message
+ * names the call, the result, the allocation and the offset in it); after
+ * it the workers drain the queue without running anything.
+ */
+#include "shim.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older headers lack it */
+#endif
+#ifndef MADV_HUGEPAGE
+#define MADV_HUGEPAGE 14
+#endif
+
+#define HUGE_PAGE ((size_t)2 << 20)
+#define MSG_LEN 512
+/* Worker slots: the pool's threads (at most 64, settings.c). */
+#define SLOTS 64
+
+enum task_kind { TASK_COPY = 0, TASK_RELEASE = 1 };
+
+/* One copy: a piece of one allocation. */
+struct segment {
+    char *host;
+    CUdeviceptr dev;
+    size_t len;
+    const struct obj *o;
+    size_t offset;              /* in the allocation, for messages */
+};
+
+/* A contiguous host range: for TASK_COPY the segments seg0.. seg0+nseg-1
+ * lie back to back in it and share one context. */
+struct task {
+    uint8_t kind;
+    char *host;
+    size_t len;
+    uint32_t seg0, nseg;
+    CUcontext ctx;
+};
+
+struct staging {
+    bool to_host;
+    size_t chunk;
+    /* Written by the producer only; a task is read by workers only once
+     * published (under lock). */
+    struct segment *segs;
+    struct task *tasks;
+    uint32_t nsegs, cap_segs, ntasks, cap_tasks;
+    bool open;                  /* tasks[ntasks] is being filled */
+
+    pthread_mutex_t lock;
+    pthread_cond_t more, idle;
+    uint32_t published, next, inflight;
+    bool closing;
+
+    int failed;                 /* atomic: set once, by the first error */
+    char msg[MSG_LEN];          /* written only by the thread that set `failed` */
+
+    pthread_t *tids;
+    unsigned started;
+    unsigned slots;             /* bounce slots handed to workers so far */
+
+    /* Copy wall time: the union over all threads of the intervals during
+     * which a chunk was between its first copy call and its stream sync. */
+    unsigned copying;
+    uint64_t copy_since;
+    struct staging_times t;     /* under lock */
+};
+
+/* MADV_POPULATE_WRITE unknown to this kernel: touch the pages instead. Set
+ * once, by whichever thread learns it first. */
+static int no_populate;
+
+/* Resident bounce buffers, one per worker slot: pinned on first use and
+ * kept, so that no cycle after the first pins anything. Slot i is used by
+ * one thread at a time (ops run one at a time on the control thread). A
+ * fork child owns none of its parent's (`pid`). */
+static struct bounce {
+    void *p;
+    size_t size;
+    pid_t pid;
+} bounces[SLOTS];
+
+/* ------------------------------------------------------------ memory */
+void *staging_alloc(size_t len, char *msg, size_t n)
+{
+    size_t span = len + HUGE_PAGE;
+    char *p = mmap(NULL, span, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    char *start;
+    size_t head, tail;
+
+    if (p == MAP_FAILED) {
+        int e = errno;
+        snprintf(msg, n, "mmap of %zu bytes of staging memory failed: %s (errno %d)", len,
+                 strerror(e), e);
+        return NULL;
+    }
+    /* Aligned to a huge page, so that every 2 MiB of the slices can be one. */
+    start = (char *)(((uintptr_t)p + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+    head = (size_t)(start - p);
+    tail = span - head - len;
+    if (head)
+        munmap(p, head);
+    if (tail)
+        munmap(start + len, tail);
+    if (shim_settings()->staging_thp && madvise(start, len, MADV_HUGEPAGE) != 0)
+        shim_log(LOG_DEBUG, "madvise(MADV_HUGEPAGE) of the staging memory failed: %s "
+                            "(transparent huge pages off?); using small pages",
+                 strerror(errno));
+    return start;
+}
+
+size_t staging_len(size_t size)
+{
+    long pg = sysconf(_SC_PAGESIZE);
+    size_t page = pg > 0 ? (size_t)pg : 4096;
+    return (size + page - 1) / page * page;
+}
+
+/* ------------------------------------------------------------ errors */
+static void stage_fail(struct staging *s, const struct segment *seg, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void stage_fail(struct staging *s, const struct segment *seg, const char *fmt, ...)
+{
+    int expect = 0;
+    char id[2 * CUIP_ID_LEN + 1];
+    va_list ap;
+    int m;
+
+    if (!__atomic_compare_exchange_n(&s->failed, &expect, 1, false, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+        return; /* the first error wins */
+    va_start(ap, fmt);
+    m = vsnprintf(s->msg, sizeof s->msg, fmt, ap);
+    va_end(ap);
+    if (!seg || m < 0 || (size_t)m >= sizeof s->msg)
+        return;
+    shim_hex(id, seg->o->id, CUIP_ID_LEN);
+    id[2 * CUIP_ID_LEN] = 0;
+    snprintf(s->msg + m, sizeof s->msg - (size_t)m,
+             " at chunk offset %zu (allocation %s, %llu bytes)", seg->offset, id,
+             (unsigned long long)seg->o->size);
+}
+
+static void cu_fail(struct staging *s, const struct segment *seg, const char *call, CUresult r)
+{
+    stage_fail(s, seg, "%s failed: %s (%d)", call, shim_cu_name(r), (int)r);
+}
+
+static bool has_failed(struct staging *s)
+{
+    return __atomic_load_n(&s->failed, __ATOMIC_ACQUIRE) != 0;
+}
+
+/* ------------------------------------------------------------ a worker */
+struct worker {
+    unsigned slot;              /* its bounce buffer */
+    CUcontext ctx;
+    bool entered, pushed;
+    CUstream stream;
+    struct staging_times t;     /* this thread's, added to the pool's at the end */
+};
+
+static void worker_leave(struct staging *s, struct worker *w)
+{
+    if (!w->entered)
+        return;
+    if (w->stream) {
+        CUresult r = real.cuStreamDestroy(w->stream);
+        if (r != CUDA_SUCCESS)
+            cu_fail(s, NULL, "cuStreamDestroy", r);
+        w->stream = NULL;
+    }
+    shim_ctx_leave(w->pushed);
+    w->entered = w->pushed = false;
+}
+
+/* The task's context current, with a stream of it. Contexts rarely differ
+ * (one per device in practice), so switching is not optimized. */
+static int worker_use(struct staging *s, struct worker *w, CUcontext ctx)
+{
+    CUresult r;
+
+    if (w->entered && w->ctx == ctx)
+        return 0;
+    worker_leave(s, w);
+    r = shim_ctx_enter(ctx, &w->pushed);
+    if (r != CUDA_SUCCESS) {
+        cu_fail(s, NULL, "cuCtxPushCurrent", r);
+        return -1;
+    }
+    w->entered = true;
+    w->ctx = ctx;
+    r = real.cuStreamCreate(&w->stream, CU_STREAM_NON_BLOCKING);
+    if (r != CUDA_SUCCESS) {
+        w->stream = NULL;
+        cu_fail(s, NULL, "cuStreamCreate", r);
+        return -1;
+    }
+    return 0;
+}
+
+/* Fault in the pages of a fresh anonymous range for writing, before the
+ * register pins them (measured faster than letting the register fault them
+ * in). An older kernel answers EINVAL for the unknown advice (the range is
+ * page-aligned and mapped, so EINVAL means nothing else); then one byte per
+ * page is written instead: a write, or the kernel maps the shared zero page. */
+static int populate(char *p, size_t len)
+{
+    if (!__atomic_load_n(&no_populate, __ATOMIC_RELAXED)) {
+        for (;;) {
+            if (madvise(p, len, MADV_POPULATE_WRITE) == 0)
+                return 0;
+            if (errno == EINTR || errno == EAGAIN)
+                continue;
+            if (errno != EINVAL)
+                return -1;
+            __atomic_store_n(&no_populate, 1, __ATOMIC_RELAXED);
+            break;
+        }
+    }
+    {
+        long pg = sysconf(_SC_PAGESIZE);
+        size_t step = pg > 0 ? (size_t)pg : 4096;
+        for (size_t i = 0; i < len; i += step)
+            ((volatile char *)p)[i] = 0;
+    }
+    return 0;
+}
+
+static void copy_begin(struct staging *s)
+{
+    pthread_mutex_lock(&s->lock);
+    if (s->copying++ == 0)
+        s->copy_since = shim_now_ns();
+    pthread_mutex_unlock(&s->lock);
+}
+
+static void copy_end(struct staging *s)
+{
+    pthread_mutex_lock(&s->lock);
+    if (--s->copying == 0)
+        s->t.copy_wall_ns += shim_now_ns() - s->copy_since;
+    pthread_mutex_unlock(&s->lock);
+}
+
+/* The worker's bounce buffer, pinned now if it is not yet (in the current
+ * context, PORTABLE so that every context may copy through it). */
+static char *bounce_get(struct staging *s, struct worker *w, const struct segment *first)
+{
+    struct bounce *b = &bounces[w->slot];
+    size_t size = shim_settings()->staging_bounce;
+    uint64_t t0;
+    CUresult r;
+
+    if (b->p && b->pid == getpid() && b->size == size)
+        return b->p;
+    t0 = shim_now_ns();
+    r = real.cuMemHostAlloc(&b->p, size, CU_MEMHOSTALLOC_PORTABLE);
+    w->t.register_ns += shim_now_ns() - t0;
+    if (r != CUDA_SUCCESS) {
+        b->p = NULL;
+        cu_fail(s, first, "cuMemHostAlloc", r);
+        return NULL;
+    }
+    b->size = size;
+    b->pid = getpid();
+    return b->p;
+}
+
+/* One chunk through the bounce buffer: [populate,] then piece by piece a
+ * copy to or from the buffer, a sync, and a memcpy on the host side. */
+static int bounce_copy(struct staging *s, struct worker *w, const struct task *k)
+{
+    size_t piece = shim_settings()->staging_bounce;
+    char *buf = bounce_get(s, w, &s->segs[k->seg0]);
+    CUresult r, r2;
+    uint64_t t0;
+
+    if (!buf)
+        return -1;
+    for (uint32_t i = 0; i < k->nseg; i++) {
+        const struct segment *sg = &s->segs[k->seg0 + i];
+        for (size_t off = 0; off < sg->len; off += piece) {
+            size_t n = sg->len - off < piece ? sg->len - off : piece;
+            if (!s->to_host) {
+                t0 = shim_now_ns();
+                memcpy(buf, sg->host + off, n);
+                w->t.memcpy_ns += shim_now_ns() - t0;
+            }
+            t0 = shim_now_ns();
+            copy_begin(s);
+            r = s->to_host ? real.cuMemcpyDtoHAsync(buf, sg->dev + off, n, w->stream)
+                           : real.cuMemcpyHtoDAsync(sg->dev + off, buf, n, w->stream);
+            /* Always drain the stream before the buffer is touched again. */
+            r2 = real.cuStreamSynchronize(w->stream);
+            copy_end(s);
+            w->t.copy_ns += shim_now_ns() - t0;
+            if (r != CUDA_SUCCESS) {
+                cu_fail(s, sg, s->to_host ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync", r);
+                return -1;
+            }
+            if (r2 != CUDA_SUCCESS) {
+                cu_fail(s, sg, "cuStreamSynchronize", r2);
+                return -1;
+            }
+            if (s->to_host) {
+                t0 = shim_now_ns();
+                memcpy(sg->host + off, buf, n);
+                w->t.memcpy_ns += shim_now_ns() - t0;
+            }
+        }
+    }
+    return 0;
+}
+
+/* One chunk registered in place: [populate,] register, every segment's
+ * copy, one sync, unregister. The registration never outlives the call,
+ * whatever fails. */
+static int pinned_copy(struct staging *s, struct worker *w, const struct task *k)
+{
+    const struct segment *first = &s->segs[k->seg0];
+    CUresult r = CUDA_SUCCESS, r2;
+    uint64_t t0 = shim_now_ns(), t1;
+
+    r = real.cuMemHostRegister(k->host, k->len, 0);
+    t1 = shim_now_ns();
+    w->t.register_ns += t1 - t0;
+    if (r != CUDA_SUCCESS) {
+        cu_fail(s, first, "cuMemHostRegister", r);
+        return -1;
+    }
+    copy_begin(s);
+    for (uint32_t i = 0; i < k->nseg && r == CUDA_SUCCESS; i++) {
+        const struct segment *sg = &s->segs[k->seg0 + i];
+        r = s->to_host ? real.cuMemcpyDtoHAsync(sg->host, sg->dev, sg->len, w->stream)
+                       : real.cuMemcpyHtoDAsync(sg->dev, sg->host, sg->len, w->stream);
+        if (r != CUDA_SUCCESS)
+            cu_fail(s, sg, s->to_host ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync", r);
+    }
+    /* Always drain the stream before the pages are unpinned. */
+    r2 = real.cuStreamSynchronize(w->stream);
+    copy_end(s);
+    t0 = shim_now_ns();
+    w->t.copy_ns += t0 - t1;
+    if (r2 != CUDA_SUCCESS && r == CUDA_SUCCESS) {
+        cu_fail(s, first, "cuStreamSynchronize", r2);
+        r = r2;
+    }
+    r2 = real.cuMemHostUnregister(k->host);
+    w->t.unregister_ns += shim_now_ns() - t0;
+    if (r2 != CUDA_SUCCESS && r == CUDA_SUCCESS) {
+        cu_fail(s, first, "cuMemHostUnregister", r2);
+        r = r2;
+    }
+    return r == CUDA_SUCCESS ? 0 : -1;
+}
+
+/* One chunk, either way; its bytes are accounted here and only here. */
+static void run_copy(struct staging *s, struct worker *w, const struct task *k)
+{
+    uint64_t t0;
+    int rc;
+
+    if (worker_use(s, w, k->ctx) != 0)
+        return;
+    t0 = shim_now_ns();
+    if (s->to_host && populate(k->host, k->len) != 0) {
+        int e = errno;
+        stage_fail(s, &s->segs[k->seg0], "madvise(MADV_POPULATE_WRITE) failed: %s (errno %d)",
+                   strerror(e), e);
+        return;
+    }
+    w->t.populate_ns += shim_now_ns() - t0;
+    rc = shim_settings()->staging_bounce ? bounce_copy(s, w, k) : pinned_copy(s, w, k);
+    if (rc != 0)
+        return;
+    /* The one place where copied bytes are accounted. */
+    __atomic_fetch_add(&g.phase_bytes_done, (uint64_t)k->len, __ATOMIC_RELAXED);
+    w->t.chunks++;
+}
+
+/* Give the pages of a staged copy back to the kernel (the mapping itself is
+ * unmapped by its owner): MADV_DONTNEED takes the mm lock for reading, so
+ * the workers free in parallel where munmap would serialize. */
+static void run_release(struct worker *w, const struct task *k)
+{
+    uint64_t t0 = shim_now_ns();
+    if (madvise(k->host, k->len, MADV_DONTNEED) != 0)
+        shim_log(LOG_WARN, "madvise(MADV_DONTNEED) of staged bytes failed: %s",
+                 strerror(errno));
+    w->t.release_ns += shim_now_ns() - t0;
+}
+
+/* Take one published task and run it; false when none is ready. Called
+ * with s->lock held; returns with it held. */
+static bool take_one(struct staging *s, struct worker *w)
+{
+    struct task k;
+
+    if (s->next == s->published)
+        return false;
+    k = s->tasks[s->next++];
+    s->inflight++;
+    pthread_mutex_unlock(&s->lock);
+    if (!has_failed(s)) {
+        if (k.kind == TASK_COPY)
+            run_copy(s, w, &k);
+        else
+            run_release(w, &k);
+    }
+    pthread_mutex_lock(&s->lock);
+    if (--s->inflight == 0 && s->next == s->published)
+        pthread_cond_broadcast(&s->idle);
+    return true;
+}
+
+static void worker_done(struct staging *s, struct worker *w)
+{
+    worker_leave(s, w);
+    pthread_mutex_lock(&s->lock);
+    s->t.populate_ns += w->t.populate_ns;
+    s->t.register_ns += w->t.register_ns;
+    s->t.copy_ns += w->t.copy_ns;
+    s->t.unregister_ns += w->t.unregister_ns;
+    s->t.release_ns += w->t.release_ns;
+    s->t.memcpy_ns += w->t.memcpy_ns;
+    s->t.chunks += w->t.chunks;
+    pthread_mutex_unlock(&s->lock);
+}
+
+static void *pool_worker(void *arg)
+{
+    struct staging *s = arg;
+    struct worker w;
+
+    memset(&w, 0, sizeof w);
+    pthread_mutex_lock(&s->lock);
+    w.slot = s->slots++;
+    for (;;) {
+        if (take_one(s, &w))
+            continue;
+        if (s->closing)
+            break;
+        pthread_cond_wait(&s->more, &s->lock);
+    }
+    pthread_mutex_unlock(&s->lock);
+    worker_done(s, &w);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ the pool */
+/* Chunk size for a phase of `total` bytes: the setting, but small enough
+ * that every thread gets about four chunks (96 allocations of 6 MiB would
+ * otherwise be 9 chunks of 64 MiB for 16 threads), never below 1 MiB. */
+static size_t pick_chunk(uint64_t total, unsigned threads, size_t setting)
+{
+    uint64_t even = total / ((uint64_t)threads * 4) >> 20 << 20;
+    size_t floor = (size_t)1 << 20;
+    if (even < floor)
+        even = floor;
+    return even < setting ? (size_t)even : setting;
+}
+
+struct staging *staging_start(bool to_host, uint64_t total, uint32_t items, char *msg, size_t n)
+{
+    const struct shim_settings *cfg = shim_settings();
+    struct staging *s;
+    uint64_t pieces, want;
+    sigset_t all, old;
+    uint64_t t0 = shim_now_ns();
+
+    if (!shim_resolve_host_register() || !real.cuStreamCreate || !real.cuStreamSynchronize ||
+        !real.cuStreamDestroy || !real.cuMemcpyDtoHAsync || !real.cuMemcpyHtoDAsync ||
+        !real.cuMemHostAlloc) {
+        snprintf(msg, n, "the driver lacks cuMemHostRegister/cuMemHostUnregister, "
+                         "cuMemHostAlloc or the stream entry points");
+        return NULL;
+    }
+    s = calloc(1, sizeof *s);
+    if (!s)
+        goto oom;
+    s->to_host = to_host;
+    s->chunk = pick_chunk(total, cfg->copy_threads, cfg->copy_chunk);
+    /* Every chunk boundary cuts at most one segment, every item starts at
+     * most one task; a release task per item follows the copies. */
+    pieces = total / s->chunk + 2 * (uint64_t)items + 2;
+    if (pieces > UINT32_MAX / 2)
+        goto oom;
+    s->cap_segs = (uint32_t)pieces;
+    s->cap_tasks = (uint32_t)pieces + items;
+    s->segs = calloc(s->cap_segs, sizeof *s->segs);
+    s->tasks = calloc(s->cap_tasks, sizeof *s->tasks);
+    s->tids = calloc(cfg->copy_threads, sizeof *s->tids);
+    if (!s->segs || !s->tasks || !s->tids)
+        goto oom;
+    if (pthread_mutex_init(&s->lock, NULL) != 0)
+        goto oom;
+    pthread_cond_init(&s->more, NULL);
+    pthread_cond_init(&s->idle, NULL);
+    /* No more threads than chunks. */
+    want = (total + s->chunk - 1) / s->chunk;
+    if (want > cfg->copy_threads)
+        want = cfg->copy_threads;
+    /* Workers take no signals, like the control thread: the application's
+     * handlers run on its own threads. */
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    for (; s->started < want; s->started++) {
+        int e = pthread_create(&s->tids[s->started], NULL, pool_worker, s);
+        if (e != 0) { /* fewer workers: the queue is shared, so still correct */
+            shim_log(LOG_WARN, "pthread_create failed (%s): staging with %u threads",
+                     strerror(e), s->started);
+            break;
+        }
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    s->t.threads = s->started;
+    s->t.chunk = s->chunk;
+    s->t.pool_start_ns = shim_now_ns() - t0;
+    return s;
+oom:
+    if (s) {
+        free(s->segs);
+        free(s->tasks);
+        free(s->tids);
+        free(s);
+    }
+    snprintf(msg, n, "out of memory for the staging queue (%llu bytes, %u allocations)",
+             (unsigned long long)total, items);
+    return NULL;
+}
+
+static void publish(struct staging *s)
+{
+    if (!s->open)
+        return;
+    s->open = false;
+    pthread_mutex_lock(&s->lock);
+    s->published = ++s->ntasks;
+    pthread_cond_signal(&s->more);
+    pthread_mutex_unlock(&s->lock);
+}
+
+int staging_add(struct staging *s, const struct obj *o, char *host, CUdeviceptr dev,
+                CUcontext ctx)
+{
+    size_t done = 0;
+
+    while (done < o->size) {
+        struct task *k = &s->tasks[s->ntasks];
+        size_t take;
+
+        if (s->open && (k->host + k->len != host + done || k->ctx != ctx))
+            publish(s);
+        k = &s->tasks[s->ntasks];
+        if (!s->open) {
+            if (s->ntasks == s->cap_tasks || s->nsegs == s->cap_segs)
+                return -1; /* cannot happen: the bound above */
+            memset(k, 0, sizeof *k);
+            k->kind = TASK_COPY;
+            k->host = host + done;
+            k->seg0 = s->nsegs;
+            k->ctx = ctx;
+            s->open = true;
+        }
+        if (s->nsegs == s->cap_segs)
+            return -1;
+        take = o->size - done;
+        if (take > s->chunk - k->len)
+            take = s->chunk - k->len;
+        s->segs[s->nsegs++] = (struct segment){host + done, dev + done, take, o, done};
+        k->nseg++;
+        k->len += take;
+        done += take;
+        if (k->len == s->chunk)
+            publish(s);
+    }
+    return 0;
+}
+
+int staging_release(struct staging *s, char *host, size_t len)
+{
+    struct task *k;
+
+    publish(s);
+    if (s->ntasks == s->cap_tasks)
+        return -1;
+    k = &s->tasks[s->ntasks];
+    memset(k, 0, sizeof *k);
+    k->kind = TASK_RELEASE;
+    k->host = host;
+    k->len = len;
+    s->open = true;
+    publish(s);
+    return 0;
+}
+
+int staging_wait(struct staging *s, char *msg, size_t n)
+{
+    struct worker w;
+
+    publish(s);
+    memset(&w, 0, sizeof w);
+    pthread_mutex_lock(&s->lock);
+    /* With no worker started (pthread_create failed) the control thread does
+     * it all, with slot 0; otherwise it only waits, so that the same slots,
+     * and so the same bounce buffers, serve every op. */
+    while (s->started == 0 && take_one(s, &w))
+        ;
+    while (s->inflight > 0 || s->next != s->published)
+        pthread_cond_wait(&s->idle, &s->lock);
+    pthread_mutex_unlock(&s->lock);
+    worker_done(s, &w);
+    if (has_failed(s)) {
+        snprintf(msg, n, "%s", s->msg);
+        return -1;
+    }
+    return 0;
+}
+
+void staging_stop(struct staging *s, struct staging_times *t)
+{
+    pthread_mutex_lock(&s->lock);
+    s->closing = true;
+    pthread_cond_broadcast(&s->more);
+    pthread_mutex_unlock(&s->lock);
+    for (unsigned i = 0; i < s->started; i++)
+        pthread_join(s->tids[i], NULL);
+    if (t)
+        *t = s->t;
+    pthread_cond_destroy(&s->more);
+    pthread_cond_destroy(&s->idle);
+    pthread_mutex_destroy(&s->lock);
+    free(s->segs);
+    free(s->tasks);
+    free(s->tids);
+    free(s);
+}
