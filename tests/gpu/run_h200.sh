@@ -1,53 +1,55 @@
 #!/usr/bin/env bash
-# On a fresh H200 machine with this repository copied: build the C libraries, run the
-# real-GPU tests and the checkpoint benchmark, and put the results in $OUT.
+# On a fresh H200 machine (two GPUs for the NCCL test) with this repository copied:
+# build the release libraries against the system cuda.h, run the real-GPU tests
+# (three processes, raw-import refusal, two-rank NCCL job) recording their traces,
+# then the one-command suspend/resume next to the native checkpoint
+# (bench/suspend.py) and the staging benchmark (bench/staging.py). Results in $OUT
+# (at most 8 files): environment.txt, build.log, pytest-gpu.log, suspend.json,
+# staging.json, staging.log, traces.tar.gz, status.txt.
 #
-#   PYTHON=/path/to/python OUT=/path/to/results tests/gpu/run_h200.sh
+#   OUT=/path/to/results [WHEELS=.whl] tests/gpu/run_h200.sh
 #
-# PYTHON must already have the dependencies (cuda-bindings, cuda-pathfinder, the
-# nvidia-cuda-runtime headers, pytest, attrs, cattrs, transitions; rich only for the
-# CLI's human output, which nothing here uses) and cuinterpose
-# installed (e.g. pip install --no-deps --no-build-isolation -e .); nothing is
-# downloaded here. Never runs a multicast case (CUINTERPOSE_ALLOW_MULTICAST=0).
-# $OUT receives at most 7 files: environment.txt, build.log, pytest-gpu.log,
-# bench.log, bench.json, traces.tar.gz (capture/restore traces, figures, worker logs)
-# and status.txt. Exit status 0 only if the build, the tests and the benchmark passed.
+# Uses the machine's python3 (torch, cuda-bindings, pytest, rich are in the image);
+# the wheels in $WHEELS (cattrs, transitions, attrs) are installed into /tmp/site.
+# cuinterpose is not installed: its three folders are put together under /tmp/pkg as
+# the wheel lays them out. Multicast is never created: CUINTERPOSE_ALLOW_MULTICAST=0
+# and NVLS off for NCCL, PyTorch and NVSHMEM.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-: "${PYTHON:?set PYTHON to a python with the dependencies and cuinterpose installed}"
 : "${OUT:?set OUT to the directory that receives the results}"
-WORK=$(mktemp -d /tmp/cuinterpose-h200.XXXXXX)
-mkdir -p "$OUT" "$WORK/traces"
-export CUINTERPOSE_TEST_DRIVER=system CUINTERPOSE_TRACE_OUT="$WORK/traces"
-export CUINTERPOSE_ALLOW_MULTICAST=0 CUINTERPOSE_BUILD_DIR="$PWD/build" PYTHONUNBUFFERED=1
-# Nor may a library create multicast objects on its own (NVLink SHARP).
+WHEELS=${WHEELS:-.whl}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export CUINTERPOSE_ALLOW_MULTICAST=0 CUINTERPOSE_TEST_DRIVER=system PYTHONUNBUFFERED=1
 status=0
 finish() {
-  tar -czf "$OUT/traces.tar.gz" -C "$WORK" traces bench-logs 2>/dev/null \
-    || tar -czf "$OUT/traces.tar.gz" -C "$WORK" traces
-  echo "status $status" >"$OUT/status.txt"
-  echo "results in $OUT (status $status)"
+  tar -czf "$OUT/traces.tar.gz" -C /tmp traces 2>/dev/null
+  echo "status $status" | tee "$OUT/status.txt"
   exit "$status"
 }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site "$WHEELS"/*.whl || exit 1
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r frontends /tmp/pkg/cuinterpose \
+  && cp -r engine /tmp/pkg/cuinterpose/engine && cp -r phases /tmp/pkg/cuinterpose/phases
+export PYTHONPATH=/tmp/site:/tmp/pkg:$PWD CUINTERPOSE_BUILD_DIR=$PWD/build
+{ nvidia-smi; uname -r; nproc; python3 -c 'import torch, cuda.bindings, cuinterpose.engine
+print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())
+print("cuda-bindings", cuda.bindings.__version__)'; } >"$OUT/environment.txt" 2>&1 \
+  || { cat "$OUT/environment.txt"; status=1; finish; }
+{ cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUINTERPOSE_CUDA_INCLUDE=/usr/local/cuda/include \
+    -DPython_EXECUTABLE="$(command -v python3)" && cmake --build build -j16; } >"$OUT/build.log" 2>&1 \
+  || { tail -30 "$OUT/build.log"; status=1; finish; }
 
-{ nvidia-smi; "$PYTHON" -c 'import cuda.bindings, cuinterpose.engine.demo; print("cuda-bindings", cuda.bindings.__version__)'; } \
-  >"$OUT/environment.txt" 2>&1 || { echo "environment check failed:"; cat "$OUT/environment.txt"; status=1; finish; }
-
-# make build without its venv step: the stamp counts as up to date, tools come from $PYTHON.
-make -o .venv/.installed build BIN="$(dirname "$PYTHON")" >"$OUT/build.log" 2>&1 \
-  || { echo "make build failed:"; tail -20 "$OUT/build.log"; status=1; finish; }
-
-timeout 300 "$PYTHON" -m pytest -v -rs tests/gpu 2>&1 | tee "$OUT/pytest-gpu.log"
+mkdir -p /tmp/traces
+CUINTERPOSE_TRACE_OUT=/tmp/traces timeout "${GPU_TESTS_S:-240}" python3 -m pytest -p no:cacheprovider \
+  -v -rs -s tests/gpu 2>&1 | tee "$OUT/pytest-gpu.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-# A run where everything skipped (no GPU seen, shim not built) is a failure here.
 grep -Eq "[0-9]+ passed" "$OUT/pytest-gpu.log" || { echo "no GPU test ran"; status=1; }
 
-timeout 240 "$PYTHON" bench/checkpoint.py --out "$OUT/bench.json" --keep "$WORK/bench-logs" \
-  2>&1 | tee "$OUT/bench.log"
+timeout "${SUSPEND_S:-150}" python3 bench/suspend.py --gib "${SUSPEND_GIB:-4}" \
+  --out "$OUT/suspend.json" 2>&1 | tee /tmp/traces/suspend.log
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-# One-command suspend/resume of a creator/importer group through the CLI, next to the
-# native checkpoint of the same bytes (its JSON goes with the traces).
-timeout 240 "$PYTHON" bench/suspend.py --out "$WORK/traces/suspend.json" 2>&1 | tee -a "$OUT/bench.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+timeout "${BENCH_S:-240}" python3 bench/staging.py --repeat "${REPEAT:-3}" --out "$OUT/staging.json" \
+  >"$OUT/staging.log" 2>/tmp/traces/staging.stderr || status=1
+cat "$OUT/staging.log"
 finish
