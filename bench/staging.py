@@ -7,21 +7,22 @@ One run, one GPU, three workloads (``--sim``: the same shapes, small):
 - ``2048x2MiB``: 2048 allocations of 2 MiB.
 
 For each, ``--repeat`` times: a creator with the shim preloaded holds the allocations
-(each filled with a pattern per MiB, exported so the shim saves it); ``cuinterpose
-prepare`` (capture: SAVE_ALLOCATIONS), native checkpoint of the creator (what is left
-on its GPU), native restore, ``cuinterpose restore`` (LOAD_ALLOCATIONS); the bytes are
+(each filled with a pattern per MiB, exported so the shim saves it); one ``cuinterpose
+suspend`` (detect, capture: SAVE_ALLOCATIONS, native lock and checkpoint) and one
+``cuinterpose resume`` (native restore and unlock, coordinator restore:
+LOAD_ALLOCATIONS), each a process of its own, as a user runs them; the bytes are
 checked on the first repetition. Then the native path alone: a process without the
-shim holding the same allocations (unshared), native checkpoint and restore. Once per
+shim holding the same allocations (unshared), ``cuinterpose suspend --not-requested``
+and ``cuinterpose resume`` (the native steps only, the same process start). Once per
 run: the pinned DtoH/HtoD copy ceiling (one buffer of ``--ceiling-mib``).
 
 Reported per workload, median [min, max] over the repetitions: SAVE and LOAD end to end
 (the shim's op, GB/s) and their copy GB/s; the shim's breakdown (SNAPSHOT_SHIM_TIMING:
-pool start, setup, population, registration, copy, unregistration, release); suspend =
-capture + native checkpoint and resume = native restore + coordinator restore, against
-the native checkpoint and restore alone; the coordinator's own share (capture or
-restore machine's time outside the shim's SAVE/LOAD over the total; the ``cuinterpose``
-process start, interpreter and imports, is reported apart and counted in the
-totals). GB is 10^9 bytes. ``--out`` writes the JSON; the log goes to stdout.
+pool start, setup, population, registration, copy, unregistration, release); each
+command's total wall time and its steps (the process start, interpreter and imports,
+is the total less the steps) against the native path alone; the coordinator's own
+share (its capture or restore step outside the shim's SAVE/LOAD over the command's
+total). GB is 10^9 bytes. ``--out`` writes the JSON; the log goes to stdout.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,8 +39,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cuinterpose import launch, native
-from cuinterpose.demo import CliRun, Worker, coordinator_env, run_cli
+from cuinterpose import launch
+from cuinterpose.demo import CliRun, Worker, coordinator_env
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -141,18 +143,27 @@ class Bench:
         self.workers.append(w)
         return w
 
-    def cli(self, command: str, pid: int, tag: str) -> CliRun:
-        done = run_cli(
-            command,
-            pids=[pid],
-            checkpoint_dir=self.work / f"ckpt-{tag}",
-            control_dir=self.control,
-            env=coordinator_env(self.base),
-            timeout_s=1800,
+    def cli(self, command: str, pid: int, tag: str, *extra: str) -> CliRun:
+        """One ``cuinterpose suspend|resume`` for ``pid``, as a user runs it; its
+        JSON events (steps, phases, summary)."""
+        argv = [sys.executable, "-m", "cuinterpose", command, "--checkpoint-dir"]
+        argv += [str(self.work / f"ckpt-{tag}"), "--control-dir", str(self.control)]
+        argv += ["--process", str(pid), str(pid), "--progress", "json", *extra]
+        start = time.perf_counter()
+        # The command makes the native calls itself: the workers' driver, no shim.
+        proc = subprocess.run(
+            argv,
+            env=coordinator_env(self.plain),
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
         )
-        if done.returncode != 0:
-            raise SystemExit(f"cuinterpose {command} failed: {done.stderr}")
-        return done
+        seconds = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise SystemExit(f"cuinterpose {command} {' '.join(extra)} failed: {proc.stderr}")
+        events = tuple(json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{"))
+        return CliRun(proc.returncode, events, proc.stderr, seconds)
 
     def ceiling(self, size: int) -> dict[str, Any]:
         w = self.spawn("ceiling", self.plain)
@@ -182,27 +193,14 @@ class Bench:
         verified = None
         for i in range(self.repeat):
             tag = f"{name}-{i}"
-            prep = self.cli("prepare", creator.pid, tag)
-            ck = native.run_in_subprocess("checkpoint-all", [creator.pid], env=self.plain)
-            rs = native.run_in_subprocess("restore-all", [creator.pid], env=self.plain)
-            rest = self.cli("restore", creator.pid, tag)
+            sus = self.cli("suspend", creator.pid, tag)
+            res = self.cli("resume", creator.pid, tag)
             if i == 0:
                 creator.send("result = CHECK()")
                 bad = creator.reply(timeout_s=1800)
                 verified = bad == 0
                 self.log(f"  verified: {verified} ({bad} MiB wrong)")
-            reps.append(
-                {
-                    "capture_s": prep.seconds,
-                    "restore_s": rest.seconds,
-                    "capture_machine_s": _done(prep),
-                    "restore_machine_s": _done(rest),
-                    "native_checkpoint_s": float(ck["timings"]["total_s"]),
-                    "native_restore_s": float(rs["timings"]["total_s"]),
-                    "save_event": prep.phase("SAVE_ALLOCATIONS"),
-                    "load_event": rest.phase("LOAD_ALLOCATIONS"),
-                }
-            )
+            reps.append({"suspend": _command(sus), "resume": _command(res)})
         creator.close()
         timing = _timing_lines(creator.stderr_text())
         saves = [t for t in timing if t["op"] == "SAVE_ALLOCATIONS"]
@@ -212,11 +210,12 @@ class Bench:
 
         alone = self.spawn(f"native-{name}", self.plain)
         self.setup(alone, count, size, unshared=True)
-        nat: list[tuple[float, float]] = []
-        for _ in range(self.repeat):
-            ck = native.run_in_subprocess("checkpoint-all", [alone.pid], env=self.plain)
-            rs = native.run_in_subprocess("restore-all", [alone.pid], env=self.plain)
-            nat.append((float(ck["timings"]["total_s"]), float(rs["timings"]["total_s"])))
+        nat: list[dict[str, Any]] = []
+        for i in range(self.repeat):
+            tag = f"native-{name}-{i}"
+            sus = self.cli("suspend", alone.pid, tag, "--not-requested")
+            res = self.cli("resume", alone.pid, tag)
+            nat.append({"suspend": _command(sus), "resume": _command(res)})
         alone.send("result = CHECK()")
         native_ok = alone.reply(timeout_s=1800) == 0
         alone.close()
@@ -256,40 +255,61 @@ class Bench:
                 },
                 "chunks": ops[0]["chunks"],
             }
-        suspend = [r["capture_s"] + r["native_checkpoint_s"] for r in reps]
-        resume = [r["native_restore_s"] + r["restore_s"] for r in reps]
-        out["capture_s"] = _stats([r["capture_s"] for r in reps])
-        out["restore_s"] = _stats([r["restore_s"] for r in reps])
-        out["native_checkpoint_after_capture_s"] = _stats([r["native_checkpoint_s"] for r in reps])
-        out["native_restore_before_restore_s"] = _stats([r["native_restore_s"] for r in reps])
-        out["suspend_s"] = _stats(suspend)
-        out["resume_s"] = _stats(resume)
-        out["native_alone"] = {
-            "checkpoint_s": _stats([c for c, _ in nat]),
-            "restore_s": _stats([r for _, r in nat]),
+        def cmd(runs: list[dict[str, Any]], command: str, key: str) -> dict[str, float]:
+            return _stats([float(r[command][key]) for r in runs])
+
+        def step(runs: list[dict[str, Any]], command: str, name: str) -> dict[str, float]:
+            return _stats([float(r[command]["steps"].get(name, 0.0)) for r in runs])
+
+        steps = {
+            "suspend": ("detect", "capture", "native_lock", "native_checkpoint"),
+            "resume": ("native_restore", "native_unlock", "coordinator_restore"),
         }
-        # The coordinator's own share: the machine's time outside the shim's op, over
-        # the total; the ``cuinterpose`` process start (interpreter, imports) apart.
+        for label, runs in (("cuinterpose", reps), ("native_alone", nat)):
+            out[label] = {
+                command: {
+                    "total_s": cmd(runs, command, "seconds"),
+                    "process_start_s": cmd(runs, command, "process_start_s"),
+                    "steps_s": {n: step(runs, command, n) for n in names},
+                }
+                for command, names in steps.items()
+            }
+        # The coordinator's own share of each total: its capture/restore step outside
+        # the shim's SAVE/LOAD op. The process start and detect (the same for the
+        # native path alone) are reported apart, in the totals.
         out["engine_share"] = {
             "suspend": _stats(
                 [
-                    (r["capture_machine_s"] - float(s["elapsed_s"])) / su
-                    for r, s, su in zip(reps, saves, suspend, strict=True)
+                    (r["suspend"]["steps"]["capture"] - float(s["elapsed_s"]))
+                    / r["suspend"]["seconds"]
+                    for r, s in zip(reps, saves, strict=True)
                 ]
             ),
             "resume": _stats(
                 [
-                    (r["restore_machine_s"] - float(ld["elapsed_s"])) / re
-                    for r, ld, re in zip(reps, loads, resume, strict=True)
+                    (r["resume"]["steps"]["coordinator_restore"] - float(ld["elapsed_s"]))
+                    / r["resume"]["seconds"]
+                    for r, ld in zip(reps, loads, strict=True)
                 ]
             ),
         }
-        out["cli_start_s"] = {
-            "capture": _stats([r["capture_s"] - r["capture_machine_s"] for r in reps]),
-            "restore": _stats([r["restore_s"] - r["restore_machine_s"] for r in reps]),
-        }
         out["repetitions"] = reps
         return out
+
+
+def _command(run: CliRun) -> dict[str, Any]:
+    """A command's wall time, its steps' seconds, and the rest: the process start
+    (interpreter, imports) and the exit."""
+    steps = {
+        str(e["step"]): float(e["seconds"])
+        for e in run.events
+        if e.get("event") == "step" and e.get("status") == "done"
+    }
+    return {
+        "seconds": run.seconds,
+        "steps": steps,
+        "process_start_s": run.seconds - sum(steps.values()),
+    }
 
 
 def _m(s: dict[str, float], fmt: str = "{:.3f}") -> str:
@@ -330,23 +350,29 @@ def report(result: dict[str, Any], out: Callable[[str], None]) -> None:
                 f"unregister {t['unregister']['median']:.3f} release {t['release']['median']:.3f}"
                 f" memcpy {t['memcpy']['median']:.3f}"
             )
-        na = w["native_alone"]
-        sus, res = w["suspend_s"]["median"], w["resume_s"]["median"]
-        nck, nrs = na["checkpoint_s"]["median"], na["restore_s"]["median"]
-        out(
-            f"  suspend {_m(w['suspend_s'])} s = capture {_m(w['capture_s'])} + native ckpt "
-            f"{_m(w['native_checkpoint_after_capture_s'])}; native alone {_m(na['checkpoint_s'])}"
-            f" s: {nck / sus:.2f}x faster"
-        )
-        out(
-            f"  resume  {_m(w['resume_s'])} s = native restore "
-            f"{_m(w['native_restore_before_restore_s'])} + restore {_m(w['restore_s'])}; native "
-            f"alone {_m(na['restore_s'])} s: {res / nrs:.2f} of it"
-        )
+        for command in ("suspend", "resume"):
+            ours, theirs = w["cuinterpose"][command], w["native_alone"][command]
+            total, native_total = ours["total_s"]["median"], theirs["total_s"]["median"]
+            parts = ", ".join(
+                f"{n} {v['median']:.3f}" for n, v in ours["steps_s"].items() if v["median"]
+            )
+            nparts = ", ".join(
+                f"{n} {v['median']:.3f}" for n, v in theirs["steps_s"].items() if v["median"]
+            )
+            verdict = (
+                f"{native_total / total:.2f}x faster"
+                if command == "suspend"
+                else f"{total / native_total:.2f} of it"
+            )
+            out(
+                f"  {command:<7} {_m(ours['total_s'])} s (process start "
+                f"{ours['process_start_s']['median']:.3f}, {parts}); native alone "
+                f"{_m(theirs['total_s'])} s (process start "
+                f"{theirs['process_start_s']['median']:.3f}, {nparts}): {verdict}"
+            )
         out(
             f"  coordinator share: suspend {_m(w['engine_share']['suspend'])}, resume "
-            f"{_m(w['engine_share']['resume'])}; cuinterpose process start: capture "
-            f"{_m(w['cli_start_s']['capture'])} s, restore {_m(w['cli_start_s']['restore'])} s"
+            f"{_m(w['engine_share']['resume'])}"
         )
 
 

@@ -368,5 +368,16 @@ def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
                 "release",
                 "memcpy",
             }
-        assert w["suspend_s"]["median"] > w["capture_s"]["median"] > 0
+        ours, native = w["cuinterpose"], w["native_alone"]
+        # One command each way, as a user runs it: its steps inside its total.
+        suspend, resume = ours["suspend"], ours["resume"]
+        assert suspend["total_s"]["median"] > suspend["steps_s"]["capture"]["median"] > 0
+        assert suspend["steps_s"]["native_checkpoint"]["median"] > 0
+        assert resume["total_s"]["median"] > resume["steps_s"]["coordinator_restore"]["median"]
+        assert resume["steps_s"]["native_restore"]["median"] > 0
+        # The native path alone captures nothing and restores no coordinator state.
+        assert native["suspend"]["steps_s"]["capture"]["median"] == 0
+        assert native["resume"]["steps_s"]["coordinator_restore"]["median"] == 0
+        assert native["suspend"]["steps_s"]["native_checkpoint"]["median"] > 0
+        assert 0 < w["engine_share"]["suspend"]["median"] < 1
     assert "suspend" in done.stdout and "coordinator share" in done.stdout
