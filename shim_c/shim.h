@@ -106,6 +106,10 @@ struct shim_settings {
     bool staging_thp;           /* SNAPSHOT_SHIM_STAGING_THP: MADV_HUGEPAGE on staging memory */
     size_t staging_bounce;      /* SNAPSHOT_SHIM_STAGING_BOUNCE_MIB: pinned bytes per thread,
                                  * 0: register the staging memory chunk by chunk */
+    size_t staging_resident;    /* SNAPSHOT_SHIM_STAGING_RESIDENT_MIB: staging memory kept
+                                 * across cycles, at most; 0: none */
+    unsigned load_create_threads; /* SNAPSHOT_SHIM_LOAD_CREATE_THREADS: LOAD re-creates on
+                                   * this many threads; 0: on the control thread */
     bool timing;                /* SNAPSHOT_SHIM_TIMING: one JSON line per SAVE/LOAD on stderr */
     char control_dir[4096];     /* as given (the default when unset); checked at start */
     /* SNAPSHOT_PARTICIPANT_ID as given, cut after one character too many so
@@ -475,9 +479,10 @@ SHIM_HIDDEN void *staging_alloc(size_t len, char *msg, size_t n);
 /* Bytes of staging memory one allocation of `size` bytes takes. */
 SHIM_HIDDEN size_t staging_len(size_t size);
 /* Start the pool for a phase moving `total` bytes of at most `items`
- * allocations, device to host when `to_host`; NULL and msg on failure. */
-SHIM_HIDDEN struct staging *staging_start(bool to_host, uint64_t total, uint32_t items, char *msg,
-                                          size_t n);
+ * allocations, device to host when `to_host` (into fresh memory that the
+ * workers populate first unless `populated`); NULL and msg on failure. */
+SHIM_HIDDEN struct staging *staging_start(bool to_host, bool populated, uint64_t total,
+                                          uint32_t items, char *msg, size_t n);
 /* Queue the copy of all of `o` between `host` and `dev` (o->size bytes) in
  * context `ctx`; it may start at once. Never blocks. */
 SHIM_HIDDEN int staging_add(struct staging *s, const struct obj *o, char *host, CUdeviceptr dev,

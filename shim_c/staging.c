@@ -84,6 +84,7 @@ struct task {
 
 struct staging {
     bool to_host;
+    bool populated;             /* SAVE into memory already faulted in (resident) */
     size_t chunk;
     /* Written by the producer only; a task is read by workers only once
      * published (under lock). */
@@ -409,14 +410,16 @@ static void run_copy(struct staging *s, struct worker *w, const struct task *k)
 
     if (worker_use(s, w, k->ctx) != 0)
         return;
-    t0 = shim_now_ns();
-    if (s->to_host && populate(k->host, k->len) != 0) {
-        int e = errno;
-        stage_fail(s, &s->segs[k->seg0], "madvise(MADV_POPULATE_WRITE) failed: %s (errno %d)",
-                   strerror(e), e);
-        return;
+    if (s->to_host && !s->populated) {
+        t0 = shim_now_ns();
+        if (populate(k->host, k->len) != 0) {
+            int e = errno;
+            stage_fail(s, &s->segs[k->seg0],
+                       "madvise(MADV_POPULATE_WRITE) failed: %s (errno %d)", strerror(e), e);
+            return;
+        }
+        w->t.populate_ns += shim_now_ns() - t0;
     }
-    w->t.populate_ns += shim_now_ns() - t0;
     rc = shim_settings()->staging_bounce ? bounce_copy(s, w, k) : pinned_copy(s, w, k);
     if (rc != 0)
         return;
@@ -507,7 +510,8 @@ static size_t pick_chunk(uint64_t total, unsigned threads, size_t setting)
     return even < setting ? (size_t)even : setting;
 }
 
-struct staging *staging_start(bool to_host, uint64_t total, uint32_t items, char *msg, size_t n)
+struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint32_t items,
+                              char *msg, size_t n)
 {
     const struct shim_settings *cfg = shim_settings();
     struct staging *s;
@@ -526,6 +530,7 @@ struct staging *staging_start(bool to_host, uint64_t total, uint32_t items, char
     if (!s)
         goto oom;
     s->to_host = to_host;
+    s->populated = populated;
     s->chunk = pick_chunk(total, cfg->copy_threads, cfg->copy_chunk);
     /* Every chunk boundary cuts at most one segment, every item starts at
      * most one task; a release task per item follows the copies. */

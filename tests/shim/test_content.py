@@ -163,6 +163,8 @@ def test_multi_chunk_cycle(
         ("SNAPSHOT_SHIM_COPY_CHUNK_MIB", "1.5", "a chunk size in MiB in [1, 4096]"),
         ("SNAPSHOT_SHIM_STAGING_THP", "yes", "neither 0 nor 1"),
         ("SNAPSHOT_SHIM_TIMING", "2", "neither 0 nor 1"),
+        ("SNAPSHOT_SHIM_STAGING_RESIDENT_MIB", "-1", "a size in MiB in [0, 4194304]"),
+        ("SNAPSHOT_SHIM_STAGING_RESIDENT_MIB", "4194305", "a size in MiB in [0, 4194304]"),
     ],
 )
 def test_bad_setting_refused(
@@ -177,6 +179,9 @@ def test_bad_setting_refused(
         default = 1 if name.endswith("THP") else 0
         assert f"{name}={value} is {what}; using {default}" in log, log
         assert "cuinterpose-timing" not in log  # timing off by default
+        return
+    if name.endswith("RESIDENT_MIB"):
+        assert f"{name}={value} is not {what}; using 0" in log, log
         return
     default = default_threads() if name.endswith("THREADS") else 64
     assert f"{name}={value} is not {what}; using {default}" in log, log
@@ -256,21 +261,27 @@ def timing_lines(log: str) -> dict[str, dict[str, object]]:
     return found
 
 
-@pytest.mark.parametrize("bounce_mib", [0, 1], ids=["registered-in-place", "bounce-1MiB"])
+@pytest.mark.parametrize(
+    ("bounce_mib", "creators"),
+    [(0, 0), (1, 0), (1, 4)],
+    ids=["registered-in-place", "bounce-1MiB", "bounce-1MiB-4-creators"],
+)
 def test_many_small_and_a_few_large(
-    spawn: Spawn, control_dir: Path, sim_namespace: str, bounce_mib: int
+    spawn: Spawn, control_dir: Path, sim_namespace: str, bounce_mib: int, creators: int
 ) -> None:
     """40 allocations of 1 to 3 granules around two of 9 and 13, 3 threads, chunks of at
     most 3 MiB: small neighbours share a chunk (fewer chunks than cutting each alone), large
     ones are split with a short last piece; the bytes survive the native checkpoint in
     between, the timing line accounts for every byte and its parts add up. Registered in
     place, every op registers and unregisters; through 1 MiB bounce buffers (pieces of a
-    chunk), only the first op pins (the buffers are kept) and nothing is unregistered."""
+    chunk), only the first op pins (the buffers are kept) and nothing is unregistered.
+    With 4 creator threads LOAD re-creates the allocations on them, the same bytes."""
     creator = spawn(
         extra={
             "SNAPSHOT_SHIM_COPY_CHUNK_MIB": "3",
             "SNAPSHOT_SHIM_COPY_THREADS": "3",
             "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB": str(bounce_mib),
+            "SNAPSHOT_SHIM_LOAD_CREATE_THREADS": str(creators),
             "SNAPSHOT_SHIM_DEBUG": "1",
             "SNAPSHOT_SHIM_TIMING": "1",
         }
@@ -301,6 +312,7 @@ def test_many_small_and_a_few_large(
         assert 0 < parts <= float(t["elapsed_s"])
         assert 0 < float(t["copy_wall_s"]) <= float(t["elapsed_s"])
         assert t["bounce"] == bounce_mib * MIB
+        assert t["create_threads"] == (creators if op == "LOAD_ALLOCATIONS" else 0)
         per_thread = t["thread_s"]
         assert isinstance(per_thread, dict)
         assert float(per_thread["copy"]) > 0
@@ -381,3 +393,86 @@ def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
         assert native["suspend"]["steps_s"]["native_checkpoint"]["median"] > 0
         assert 0 < w["engine_share"]["suspend"]["median"] < 1
     assert "suspend" in done.stdout and "coordinator share" in done.stdout
+
+
+def timing_list(log: str) -> list[dict[str, object]]:
+    """Every SNAPSHOT_SHIM_TIMING=1 line of a log, in order."""
+    return [
+        json.loads(line.split(" ", 1)[1])
+        for line in log.splitlines()
+        if line.startswith("cuinterpose-timing ")
+    ]
+
+
+REFILL = """
+A = [(h, va, size, s + 1000) for h, va, size, s in A]
+for h, va, size, s in A:
+    fill(va, size, s)
+"""
+
+
+@pytest.mark.parametrize("resident_mib", [64, 4], ids=["fits", "too-small"])
+def test_resident_staging_memory(
+    spawn: Spawn, control_dir: Path, sim_namespace: str, resident_mib: int
+) -> None:
+    """SNAPSHOT_SHIM_STAGING_RESIDENT_MIB: a SAVE that fits keeps its staging memory
+    after LOAD (nothing released), and the next SAVE copies into it without populating
+    it; the bytes of every cycle are that cycle's (new ones written in between), also
+    after a rollback (whose staged bytes are dropped into the resident memory, not
+    unmapped) and with the native checkpoint in between. A SAVE larger than the
+    setting stages as without it."""
+    creator = spawn(
+        extra={
+            "SNAPSHOT_SHIM_STAGING_RESIDENT_MIB": str(resident_mib),
+            "SNAPSHOT_SHIM_COPY_THREADS": "3",
+            "SNAPSHOT_SHIM_TIMING": "1",
+        }
+    )
+    sizes = [3, 1, 4, 1, 5]
+    gran = make_shared(creator, sizes, seed=900)
+    total = sum(sizes) * gran
+    fits = total <= resident_mib * MIB
+    assert fits == (resident_mib == 64)
+    c = Shim(control_dir, creator.pid)
+    # Cycle 1, with the native checkpoint; cycle 2 rolled back; cycle 3 after it.
+    for op in CAPTURE:
+        c.ok(op)
+    assert native_checkpoint_restore(spawn, sim_namespace, [creator.pid]) == [2]
+    for op in RESTORE:
+        c.ok(op)
+    assert intact(creator)
+    creator(REFILL)
+    for op in CAPTURE:
+        c.ok(op)
+    for op in (Op.ROLLBACK_ALLOCATIONS, Op.ROLLBACK_IMPORTS):
+        c.ok(op)
+    assert intact(creator)
+    creator(REFILL)
+    for op in CAPTURE + RESTORE:
+        c.ok(op)
+    assert intact(creator)
+    log = finish(creator)
+    ops = [(t["op"], t) for t in timing_list(log)]
+    assert [op for op, _ in ops] == [
+        "SAVE_ALLOCATIONS",
+        "LOAD_ALLOCATIONS",
+        "SAVE_ALLOCATIONS",
+        "ROLLBACK_ALLOCATIONS",
+        "SAVE_ALLOCATIONS",
+        "LOAD_ALLOCATIONS",
+    ]
+    for n, (op, t) in enumerate(ops):
+        assert t["bytes"] == total
+        per_thread = t["thread_s"]
+        assert isinstance(per_thread, dict)
+        if op == "SAVE_ALLOCATIONS":
+            # Only a SAVE after the first one that fits finds its memory populated.
+            reused = fits and n > 0
+            assert t["resident"] is reused
+            assert (float(per_thread["populate"]) == 0) is reused
+        else:
+            assert t["resident"] is False
+            # LOAD gives staged pages back only when they are not kept.
+            released = op == "LOAD_ALLOCATIONS" and not fits
+            assert (float(per_thread["release"]) > 0) is released
+    assert "warning" not in log
