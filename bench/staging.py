@@ -184,10 +184,11 @@ class Bench:
         took = time.perf_counter() - t
         self.log(f"  {w.name}: {count} x {size >> 20} MiB filled in {took:.2f} s")
 
-    def workload(self, name: str, count: int, size: int) -> dict[str, Any]:
+    def group(self, name: str, count: int, size: int, extra: dict[str, str]) -> dict[str, Any]:
+        """The creator under the shim (with ``extra`` in its environment): ``--repeat``
+        one-command suspends and resumes, the shim's figures, the bytes checked."""
         total = count * size
-        self.log(f"{name}: {count} x {size >> 20} MiB = {total / GIB:.2f} GiB")
-        creator = self.spawn(f"creator-{name}", self.shim)
+        creator = self.spawn(f"creator-{name}", {**self.shim, **extra})
         self.setup(creator, count, size, unshared=False)
         reps: list[dict[str, Any]] = []
         verified = None
@@ -208,18 +209,6 @@ class Bench:
         if len(saves) != self.repeat or len(loads) != self.repeat:
             raise SystemExit(f"{name}: expected {self.repeat} timing lines per op: {timing}")
 
-        alone = self.spawn(f"native-{name}", self.plain)
-        self.setup(alone, count, size, unshared=True)
-        nat: list[dict[str, Any]] = []
-        for i in range(self.repeat):
-            tag = f"native-{name}-{i}"
-            sus = self.cli("suspend", alone.pid, tag, "--not-requested")
-            res = self.cli("resume", alone.pid, tag)
-            nat.append({"suspend": _command(sus), "resume": _command(res)})
-        alone.send("result = CHECK()")
-        native_ok = alone.reply(timeout_s=1800) == 0
-        alone.close()
-
         def per(op: list[dict[str, Any]], key: str) -> dict[str, float]:
             return _stats([float(t[key]) for t in op])
 
@@ -227,15 +216,14 @@ class Bench:
             return _stats([float(t["thread_s"][key]) for t in op])
 
         out: dict[str, Any] = {
-            "allocations": count,
-            "allocation_bytes": size,
-            "bytes": total,
+            "settings": extra,
             "verified": verified,
-            "native_verified": native_ok,
             "threads": saves[0]["threads"],
             "chunk": saves[0]["chunk"],
             "thp": saves[0]["thp"],
             "bounce": saves[0]["bounce"],
+            "resident": [bool(t["resident"]) for t in saves],
+            "create_threads": loads[0]["create_threads"],
         }
         for label, ops in (("save", saves), ("load", loads)):
             out[label] = {
@@ -255,25 +243,7 @@ class Bench:
                 },
                 "chunks": ops[0]["chunks"],
             }
-        def cmd(runs: list[dict[str, Any]], command: str, key: str) -> dict[str, float]:
-            return _stats([float(r[command][key]) for r in runs])
-
-        def step(runs: list[dict[str, Any]], command: str, name: str) -> dict[str, float]:
-            return _stats([float(r[command]["steps"].get(name, 0.0)) for r in runs])
-
-        steps = {
-            "suspend": ("detect", "capture", "native_lock", "native_checkpoint"),
-            "resume": ("native_restore", "native_unlock", "coordinator_restore"),
-        }
-        for label, runs in (("cuinterpose", reps), ("native_alone", nat)):
-            out[label] = {
-                command: {
-                    "total_s": cmd(runs, command, "seconds"),
-                    "process_start_s": cmd(runs, command, "process_start_s"),
-                    "steps_s": {n: step(runs, command, n) for n in names},
-                }
-                for command, names in steps.items()
-            }
+        out["cuinterpose"] = _commands(reps)
         # The coordinator's own share of each total: its capture/restore step outside
         # the shim's SAVE/LOAD op. The process start and detect (the same for the
         # native path alone) are reported apart, in the totals.
@@ -295,6 +265,66 @@ class Bench:
         }
         out["repetitions"] = reps
         return out
+
+    def workload(
+        self, name: str, count: int, size: int, variants: dict[str, dict[str, str]]
+    ) -> dict[str, Any]:
+        """The group once per variant of the shim's settings, then the native path
+        alone; the first variant's figures also at the top level."""
+        total = count * size
+        self.log(f"{name}: {count} x {size >> 20} MiB = {total / GIB:.2f} GiB")
+        groups = {}
+        for vname, extra in variants.items():
+            self.log(f"  variant {vname}: {extra or 'defaults'}")
+            groups[vname] = self.group(f"{name}-{vname}", count, size, extra)
+
+        alone = self.spawn(f"native-{name}", self.plain)
+        self.setup(alone, count, size, unshared=True)
+        nat: list[dict[str, Any]] = []
+        for i in range(self.repeat):
+            tag = f"native-{name}-{i}"
+            sus = self.cli("suspend", alone.pid, tag, "--not-requested")
+            res = self.cli("resume", alone.pid, tag)
+            nat.append({"suspend": _command(sus), "resume": _command(res)})
+        alone.send("result = CHECK()")
+        native_ok = alone.reply(timeout_s=1800) == 0
+        alone.close()
+        first = next(iter(groups.values()))
+        return {
+            "allocations": count,
+            "allocation_bytes": size,
+            "bytes": total,
+            **first,
+            "native_verified": native_ok,
+            "native_alone": _commands(nat),
+            "native_repetitions": nat,
+            "variants": groups,
+        }
+
+
+STEPS = {
+    "suspend": ("detect", "capture", "native_lock", "native_checkpoint"),
+    "resume": ("native_restore", "native_unlock", "coordinator_restore"),
+}
+
+
+def _commands(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median [min, max] of each command's total, process start and steps."""
+
+    def cmd(command: str, key: str) -> dict[str, float]:
+        return _stats([float(r[command][key]) for r in runs])
+
+    def step(command: str, name: str) -> dict[str, float]:
+        return _stats([float(r[command]["steps"].get(name, 0.0)) for r in runs])
+
+    return {
+        command: {
+            "total_s": cmd(command, "seconds"),
+            "process_start_s": cmd(command, "process_start_s"),
+            "steps_s": {n: step(command, n) for n in names},
+        }
+        for command, names in STEPS.items()
+    }
 
 
 def _command(run: CliRun) -> dict[str, Any]:
@@ -324,56 +354,70 @@ def report(result: dict[str, Any], out: Callable[[str], None]) -> None:
         f"ceiling (pinned, {ceil['bytes'] >> 20} MiB): DtoH {_m(ceil['dtoh_gbps'], '{:.1f}')} GB/s,"
         f" HtoD {_m(ceil['htod_gbps'], '{:.1f}')} GB/s"
     )
-    for name, w in result["workloads"].items():
-        s, ld = w["save"], w["load"]
+    for name, wl in result["workloads"].items():
+        out(f"== {name}: {wl['bytes'] / GIB:.2f} GiB; native verified {wl['native_verified']}")
+        for vname, w in wl["variants"].items():
+            _report_group(f"{name} {vname}", w, wl["native_alone"], dtoh, htod, out)
+
+
+def _report_group(
+    title: str,
+    w: dict[str, Any],
+    native: dict[str, Any],
+    dtoh: float,
+    htod: float,
+    out: Callable[[str], None],
+) -> None:
+    s, ld = w["save"], w["load"]
+    extra = " ".join(f"{k}={v}" for k, v in w["settings"].items()) or "defaults"
+    out(
+        f"-- {title} ({extra}): {w['threads']} threads, chunk {w['chunk'] >> 20} MiB, thp "
+        f"{w['thp']}, bounce {w['bounce'] >> 20} MiB, SAVE into resident memory "
+        f"{w['resident']}, LOAD creator threads {w['create_threads']}, verified {w['verified']}"
+    )
+    out(
+        f"  SAVE {_m(s['gbps'], '{:.1f}')} GB/s ({s['gbps']['median'] / dtoh:.2f} of DtoH),"
+        f" copy {_m(s['copy_gbps'], '{:.1f}')} GB/s, {s['chunks']} chunks"
+    )
+    out(
+        f"  LOAD {_m(ld['gbps'], '{:.1f}')} GB/s ({ld['gbps']['median'] / htod:.2f} of HtoD),"
+        f" copy {_m(ld['copy_gbps'], '{:.1f}')} GB/s, {ld['chunks']} chunks"
+    )
+    for label, op in (("SAVE", s), ("LOAD", ld)):
+        b, t = op["breakdown_s"], op["thread_s"]
         out(
-            f"== {name}: {w['bytes'] / GIB:.2f} GiB, {w['threads']} threads, chunk "
-            f"{w['chunk'] >> 20} MiB, thp {w['thp']}, bounce {w['bounce'] >> 20} MiB, "
-            f"verified {w['verified']}/{w['native_verified']}"
+            f"  {label} s: elapsed {op['elapsed_s']['median']:.4f} = pool start "
+            f"{b['pool_start']['median']:.4f} + setup {b['setup']['median']:.4f} + drain "
+            f"{b['drain']['median']:.4f} + teardown {b['teardown']['median']:.4f}; copy wall "
+            f"{b['copy_wall']['median']:.4f}; thread-s populate {t['populate']['median']:.3f}"
+            f" register {t['register']['median']:.3f} copy {t['copy']['median']:.3f} "
+            f"unregister {t['unregister']['median']:.3f} release {t['release']['median']:.3f}"
+            f" memcpy {t['memcpy']['median']:.3f}"
+        )
+    for command in ("suspend", "resume"):
+        ours, theirs = w["cuinterpose"][command], native[command]
+        total, native_total = ours["total_s"]["median"], theirs["total_s"]["median"]
+        parts = ", ".join(
+            f"{n} {v['median']:.3f}" for n, v in ours["steps_s"].items() if v["median"]
+        )
+        nparts = ", ".join(
+            f"{n} {v['median']:.3f}" for n, v in theirs["steps_s"].items() if v["median"]
+        )
+        verdict = (
+            f"{native_total / total:.2f}x faster"
+            if command == "suspend"
+            else f"{total / native_total:.2f} of it"
         )
         out(
-            f"  SAVE {_m(s['gbps'], '{:.1f}')} GB/s ({s['gbps']['median'] / dtoh:.2f} of DtoH),"
-            f" copy {_m(s['copy_gbps'], '{:.1f}')} GB/s, {s['chunks']} chunks"
+            f"  {command:<7} {_m(ours['total_s'])} s (process start "
+            f"{ours['process_start_s']['median']:.3f}, {parts}); native alone "
+            f"{_m(theirs['total_s'])} s (process start "
+            f"{theirs['process_start_s']['median']:.3f}, {nparts}): {verdict}"
         )
-        out(
-            f"  LOAD {_m(ld['gbps'], '{:.1f}')} GB/s ({ld['gbps']['median'] / htod:.2f} of HtoD),"
-            f" copy {_m(ld['copy_gbps'], '{:.1f}')} GB/s, {ld['chunks']} chunks"
-        )
-        for label, op in (("SAVE", s), ("LOAD", ld)):
-            b, t = op["breakdown_s"], op["thread_s"]
-            out(
-                f"  {label} s: elapsed {op['elapsed_s']['median']:.4f} = pool start "
-                f"{b['pool_start']['median']:.4f} + setup {b['setup']['median']:.4f} + drain "
-                f"{b['drain']['median']:.4f} + teardown {b['teardown']['median']:.4f}; copy wall "
-                f"{b['copy_wall']['median']:.4f}; thread-s populate {t['populate']['median']:.3f}"
-                f" register {t['register']['median']:.3f} copy {t['copy']['median']:.3f} "
-                f"unregister {t['unregister']['median']:.3f} release {t['release']['median']:.3f}"
-                f" memcpy {t['memcpy']['median']:.3f}"
-            )
-        for command in ("suspend", "resume"):
-            ours, theirs = w["cuinterpose"][command], w["native_alone"][command]
-            total, native_total = ours["total_s"]["median"], theirs["total_s"]["median"]
-            parts = ", ".join(
-                f"{n} {v['median']:.3f}" for n, v in ours["steps_s"].items() if v["median"]
-            )
-            nparts = ", ".join(
-                f"{n} {v['median']:.3f}" for n, v in theirs["steps_s"].items() if v["median"]
-            )
-            verdict = (
-                f"{native_total / total:.2f}x faster"
-                if command == "suspend"
-                else f"{total / native_total:.2f} of it"
-            )
-            out(
-                f"  {command:<7} {_m(ours['total_s'])} s (process start "
-                f"{ours['process_start_s']['median']:.3f}, {parts}); native alone "
-                f"{_m(theirs['total_s'])} s (process start "
-                f"{theirs['process_start_s']['median']:.3f}, {nparts}): {verdict}"
-            )
-        out(
-            f"  coordinator share: suspend {_m(w['engine_share']['suspend'])}, resume "
-            f"{_m(w['engine_share']['resume'])}"
-        )
+    out(
+        f"  coordinator share: suspend {_m(w['engine_share']['suspend'])}, resume "
+        f"{_m(w['engine_share']['resume'])}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -383,7 +427,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", action="append", help="run only these workloads")
     parser.add_argument("--ceiling-mib", type=int, default=0, help="default 1024 (sim: 32)")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:VAR=VALUE,...",
+        help="also run the group with these shim settings (the defaults run first)",
+    )
     args = parser.parse_args(argv)
+    variants: dict[str, dict[str, str]] = {"default": {}}
+    for text in args.variant:
+        vname, _, pairs = text.partition(":")
+        settings = dict(p.split("=", 1) for p in pairs.split(",") if "=" in p)
+        if not vname or vname in variants or not settings:
+            parser.error(f"--variant {text!r}: want a new NAME:VAR=VALUE[,VAR=VALUE...]")
+        variants[vname] = settings
     driver = "sim" if args.sim else "system"
     table = SIM_WORKLOADS if args.sim else WORKLOADS
     chosen = {k: v for k, v in table.items() if not args.only or k in args.only}
@@ -406,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "repeat": args.repeat,
                 "cpus": os.cpu_count(),
                 "ceiling": bench.ceiling((args.ceiling_mib or (32 if args.sim else 1024)) * MIB),
-                "workloads": {n: bench.workload(n, c, s) for n, (c, s) in chosen.items()},
+                "workloads": {n: bench.workload(n, c, s, variants) for n, (c, s) in chosen.items()},
             }
         finally:
             for w in bench.workers:
@@ -419,7 +477,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
-    ok = all(w["verified"] and w["native_verified"] for w in result["workloads"].values())
+    ok = all(
+        v["verified"] and w["native_verified"]
+        for w in result["workloads"].values()
+        for v in w["variants"].values()
+    )
     return 0 if ok else 1
 
 
