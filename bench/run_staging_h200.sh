@@ -5,6 +5,11 @@
 #
 #   OUT=/path/to/results [WHEELS=.whl] bench/run_staging_h200.sh
 #
+# GPU_TESTS=none skips the tests, BENCH_S=0 the benchmark; BENCH_ARGS are passed to
+# bench/staging.py (e.g. --variant NAME:VAR=VALUE,...). environment.txt also holds the
+# interpreter's bare start and the `cuinterpose --help` start; importtime.txt what
+# each import costs.
+#
 # Uses the machine's python3 (torch, cuda-bindings, attrs, pytest are in the image);
 # cattrs and transitions come as wheels from $WHEELS. cuinterpose is not installed: its
 # three folders are put together under /tmp/pkg as the wheel would (pyproject.toml).
@@ -24,17 +29,25 @@ export PYTHONPATH=/tmp/pkg:/tmp/site:$PWD CUINTERPOSE_BUILD_DIR=$PWD/build
 { nvidia-smi; uname -r; nproc; cat /sys/kernel/mm/transparent_hugepage/enabled \
     /sys/kernel/mm/transparent_hugepage/defrag; python3 -c 'import torch, cuda.bindings;
 print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count());
-print("cuda-bindings", cuda.bindings.__version__)'; } >"$OUT/environment.txt" 2>&1
+print("cuda-bindings", cuda.bindings.__version__)'
+    for i in 1 2 3; do TIMEFORMAT="python3 -c pass: %R s"; time python3 -c pass
+      TIMEFORMAT="python3 -m cuinterpose --help: %R s"; time python3 -m cuinterpose --help >/dev/null
+    done; } >"$OUT/environment.txt" 2>&1
+python3 -X importtime -m cuinterpose --help 2>"$OUT/importtime.txt" >/dev/null
 { cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUINTERPOSE_CUDA_INCLUDE=/usr/local/cuda/include \
     -DPython_EXECUTABLE="$(command -v python3)" && cmake --build build -j16; } >"$OUT/build.log" 2>&1 \
   || { tail -30 "$OUT/build.log"; exit 1; }
 mkdir -p /tmp/traces
-CUINTERPOSE_TRACE_OUT=/tmp/traces timeout "${GPU_TESTS_S:-200}" python3 -m pytest -p no:cacheprovider \
-  -v -rs -s ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/pytest-gpu.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-timeout "${BENCH_S:-300}" python3 bench/staging.py --repeat "${REPEAT:-3}" --out "$OUT/staging.json" \
-  >"$OUT/staging.log" 2>"$OUT/staging.stderr" || status=1
-cat "$OUT/staging.log"; tail -5 "$OUT/staging.stderr"
+if [ "${GPU_TESTS:-tests/gpu}" != none ]; then
+  CUINTERPOSE_TRACE_OUT=/tmp/traces timeout "${GPU_TESTS_S:-200}" python3 -m pytest -p no:cacheprovider \
+    -v -rs -s ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/pytest-gpu.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ "${BENCH_S:-300}" -gt 0 ]; then
+  timeout "${BENCH_S:-300}" python3 bench/staging.py --repeat "${REPEAT:-3}" \
+    --out "$OUT/staging.json" ${BENCH_ARGS:-} >"$OUT/staging.log" 2>"$OUT/staging.stderr" || status=1
+  cat "$OUT/staging.log"; tail -5 "$OUT/staging.stderr"
+fi
 tar -czf "$OUT/traces.tar.gz" -C /tmp traces 2>/dev/null
 echo "status $status"
 exit $status

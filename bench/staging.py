@@ -464,8 +464,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "repeat": args.repeat,
                 "cpus": os.cpu_count(),
                 "ceiling": bench.ceiling((args.ceiling_mib or (32 if args.sim else 1024)) * MIB),
-                "workloads": {n: bench.workload(n, c, s, variants) for n, (c, s) in chosen.items()},
+                "workloads": {},
             }
+            for n, (c, s) in chosen.items():
+                result["workloads"][n] = bench.workload(n, c, s, variants)
+                if args.out:  # what is done survives a run cut short
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    args.out.write_text(json.dumps(result, indent=2))
         finally:
             for w in bench.workers:
                 w.kill()
