@@ -205,6 +205,18 @@ bool obj_unused(const struct obj *o)
     return o->refs == 0 && o->nmaps == 0;
 }
 
+void obj_release_if_unused(struct obj *o)
+{
+    if (!obj_unused(o))
+        return;
+    if (o->live) {
+        CUresult r = real.cuMemRelease(o->real);
+        if (r != CUDA_SUCCESS)
+            shim_log(LOG_WARN, "cuMemRelease of a dead object failed: %s", shim_cu_name(r));
+    }
+    obj_free(o);
+}
+
 bool obj_shared(const struct obj *o)
 {
     return o->kind == OBJ_ALLOC && !o->raw_import && !o->unsupported &&

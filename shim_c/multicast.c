@@ -135,19 +135,6 @@ out:
     return r;
 }
 
-/* Under g.lock: the object is not used any more: drop the shim's reference. */
-static void drop_if_unused(struct obj *o)
-{
-    if (!obj_unused(o))
-        return;
-    if (o->live) {
-        CUresult r = real.cuMemRelease(o->real);
-        if (r != CUDA_SUCCESS)
-            shim_log(LOG_WARN, "cuMemRelease of a dead object failed: %s", shim_cu_name(r));
-    }
-    obj_free(o);
-}
-
 static int add_binding(struct obj *o, const struct mc_binding *b)
 {
     if (o->nbinds == o->capbinds) {
@@ -246,7 +233,7 @@ static CUresult app_bind(CUmemGenericAllocationHandle mcHandle, struct mc_bindin
         if (r == CUDA_SUCCESS)
             member->mc_member = true; /* its bytes are saved and restored from now on */
         member->refs--;
-        drop_if_unused(member);
+        obj_release_if_unused(member);
     }
     if (o) {
         b->bound = true;
@@ -256,7 +243,7 @@ static CUresult app_bind(CUmemGenericAllocationHandle mcHandle, struct mc_bindin
             r = CUDA_ERROR_OUT_OF_MEMORY;
         }
         o->refs--;
-        drop_if_unused(o);
+        obj_release_if_unused(o);
     }
     pthread_mutex_unlock(&g.lock);
     return r;
@@ -361,7 +348,7 @@ CUresult multicast_map(struct obj *o, CUdeviceptr ptr, size_t size, size_t offse
     }
     if (r == CUDA_SUCCESS)
         o->mc_mapped = true;
-    drop_if_unused(o);
+    obj_release_if_unused(o);
     return r;
 }
 
@@ -565,6 +552,20 @@ fail:
     return -1;
 }
 
+/* The object's driver handle again after a restore or a rollback: live, its
+ * devices still to be added. */
+static int adopt_again(struct obj *o, CUmemGenericAllocationHandle h, char *msg, size_t n)
+{
+    if (SHIM_IS_TAGGED(h)) {
+        real.cuMemRelease(h);
+        snprintf(msg, n, "driver handle collides with the shim's tag range");
+        return -1;
+    }
+    o->mc_joined = false;
+    set_live(o, true, h);
+    return 0;
+}
+
 static int create(struct obj *o, char *msg, size_t n)
 {
     CUmemGenericAllocationHandle h;
@@ -581,14 +582,7 @@ static int create(struct obj *o, char *msg, size_t n)
         shim_fail(msg, n, "cuMulticastCreate", cr);
         return -1;
     }
-    if (SHIM_IS_TAGGED(h)) {
-        real.cuMemRelease(h);
-        snprintf(msg, n, "driver handle collides with the shim's tag range");
-        return -1;
-    }
-    o->mc_joined = false;
-    set_live(o, true, h);
-    return 0;
+    return adopt_again(o, h, msg, n);
 }
 
 /* A fresh export from the creator, imported; the peer request runs without
@@ -617,14 +611,7 @@ static int import(struct obj *o, char *msg, size_t n)
         shim_fail(msg, n, "cuMemImportFromShareableHandle", cr);
         return -1;
     }
-    if (SHIM_IS_TAGGED(h)) {
-        real.cuMemRelease(h);
-        snprintf(msg, n, "driver handle collides with the shim's tag range");
-        return -1;
-    }
-    o->mc_joined = false;
-    set_live(o, true, h);
-    return 0;
+    return adopt_again(o, h, msg, n);
 }
 
 static int join(struct obj *o, char *msg, size_t n)

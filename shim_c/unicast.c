@@ -93,19 +93,6 @@ static CUresult map_apply(struct obj *o, const struct mapping *m, char *msg, siz
     return r;
 }
 
-/* Drop the shim's real reference once nothing of the application's is left. */
-static void obj_maybe_release(struct obj *o)
-{
-    if (!obj_unused(o))
-        return;
-    if (o->live) {
-        CUresult r = real.cuMemRelease(o->real);
-        if (r != CUDA_SUCCESS)
-            shim_log(LOG_WARN, "cuMemRelease of a dead object failed: %s", shim_cu_name(r));
-    }
-    obj_free(o);
-}
-
 /* Under g.lock: does [va, va + size) overlap a mapping the shim keeps? */
 static bool overlaps_kept(CUdeviceptr va, size_t size)
 {
@@ -215,7 +202,7 @@ CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle)
         goto out;
     }
     o->refs--;
-    obj_maybe_release(o);
+    obj_release_if_unused(o);
 out:
     pthread_mutex_unlock(&g.lock);
     return r;
@@ -281,7 +268,7 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
             else
                 k++;
         }
-        obj_maybe_release(o);
+        obj_release_if_unused(o);
     }
 out:
     pthread_mutex_unlock(&g.lock);
