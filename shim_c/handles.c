@@ -217,6 +217,18 @@ void obj_release_if_unused(struct obj *o)
     obj_free(o);
 }
 
+int obj_ptr_id_cmp(const void *a, const void *b)
+{
+    const struct obj *const *x = a, *const *y = b;
+    return memcmp((*x)->id, (*y)->id, CUIP_ID_LEN);
+}
+
+int mapping_va_cmp(const void *a, const void *b)
+{
+    const struct mapping *x = a, *y = b;
+    return x->va < y->va ? -1 : x->va > y->va;
+}
+
 bool obj_shared(const struct obj *o)
 {
     return o->kind == OBJ_ALLOC && !o->raw_import && !o->unsupported &&

@@ -353,24 +353,12 @@ CUresult multicast_map(struct obj *o, CUdeviceptr ptr, size_t size, size_t offse
 }
 
 /* ------------------------------------------------------------ INSPECT */
-static int id_cmp(const void *a, const void *b)
-{
-    const struct obj *const *x = a, *const *y = b;
-    return memcmp((*x)->id, (*y)->id, CUIP_ID_LEN);
-}
-
 static int binding_cmp(const void *a, const void *b)
 {
     const struct mc_binding *x = a, *y = b;
     if (x->device != y->device)
         return x->device < y->device ? -1 : 1;
     return x->mc_offset < y->mc_offset ? -1 : x->mc_offset > y->mc_offset;
-}
-
-static int map_cmp(const void *a, const void *b)
-{
-    const struct mapping *x = a, *y = b;
-    return x->va < y->va ? -1 : x->va > y->va;
 }
 
 uint32_t multicast_unsupported(void)
@@ -439,7 +427,7 @@ static void inspect_object(struct reply *r, struct obj *o)
         rec->op_flags = b->flags;
     }
     if (o->nmaps > 1)
-        qsort(o->maps, o->nmaps, sizeof *o->maps, map_cmp);
+        qsort(o->maps, o->nmaps, sizeof *o->maps, mapping_va_cmp);
     for (uint32_t k = 0; k < o->nmaps; k++) {
         const struct mapping *m = &o->maps[k];
         rec = rec_new(r, CUIP_RECORD_MC_MAPPING, o);
@@ -478,7 +466,7 @@ void multicast_inspect(struct reply *r)
         return;
     }
     if (n > 1)
-        qsort(list, n, sizeof *list, id_cmp);
+        qsort(list, n, sizeof *list, obj_ptr_id_cmp);
     for (uint32_t i = 0; i < n; i++)
         inspect_object(r, list[i]);
     free(list);
