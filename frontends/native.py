@@ -1,11 +1,12 @@
-"""The driver's native checkpoint calls, through ``cuda.bindings.driver``.
+"""The driver's native checkpoint calls for scripts and tests, one process or a group.
 
 ``cuCheckpointProcessLock / Checkpoint / Restore / Unlock / GetState /
 GetRestoreThreadId`` act on another process, named by its PID. The group
 helpers follow the in-place flow of the design: lock all, then checkpoint all;
-later restore all, then unlock all. Every failure raises :class:`NativeError`
-naming the pid, the call and the ``CUresult`` name; nothing is retried and
-nothing falls back.
+later restore all, then unlock all; each step is the engine's
+(:func:`cuinterpose.engine.native.run_step`, which also checks every process's
+state after it). Every failure raises :class:`NativeError` naming the pid, the
+call and the ``CUresult`` name; nothing is retried and nothing falls back.
 
 ``cuda.bindings`` (a dependency of the package) is imported on first use, so
 that the coordinator's other commands never load it; its absence is a
@@ -35,8 +36,13 @@ from .engine.native import (
     DEFAULT_LOCK_TIMEOUT_MS,
     CudaBackend,
     NativeError,
+    NativeGroupError,
     NativeUnavailableError,
     ProcessState,
+    StepTiming,
+    check_pids,
+    run_step,
+    state_names,
 )
 
 __all__ = [
@@ -150,30 +156,31 @@ def get_restore_thread_id(pid: int) -> int:
 
 def states(pids: Sequence[int]) -> dict[int, str]:
     """Each pid's state name, or the error that asking for it gave (for messages)."""
-    out: dict[int, str] = {}
-    for pid in pids:
-        try:
-            out[pid] = get_state(pid).name
-        except NativeError as exc:
-            out[pid] = f"unknown ({exc.result})"
-    return out
+    return state_names(_backend, pids)
 
 
 # --------------------------------------------------------------- groups
-def _check_pids(pids: Sequence[int]) -> tuple[int, ...]:
-    group = tuple(pids)
-    if not group:
-        raise ValueError("no pids given")
-    if len(set(group)) != len(group):
-        raise ValueError(f"pids repeat: {list(group)}")
-    if any(p <= 0 for p in group):
-        raise ValueError(f"pids must be positive: {list(group)}")
-    return group
-
-
 def _with_states(exc: NativeError, pids: Sequence[int], note: str) -> NativeError:
     detail = "; ".join(part for part in (note, f"states now {states(pids)}", exc.detail) if part)
     return NativeError(exc.pid, exc.call, exc.result, detail)
+
+
+def _group_error(failed: NativeGroupError, pids: Sequence[int], note: str) -> NativeError:
+    """The failed call as a :class:`NativeError`, with every pid's state."""
+    if isinstance(failed.__cause__, NativeError):
+        return _with_states(failed.__cause__, pids, note)
+    # Every call succeeded, but a process is not in the state its step leads to.
+    detail = "; ".join(
+        part for part in (note, failed.reason, f"states now {failed.states}") if part
+    )
+    return NativeError(failed.pid, failed.step, "UNEXPECTED_STATE", detail)
+
+
+def _timings(action: str, group: tuple[int, ...], *steps: StepTiming) -> GroupTimings:
+    first, second = steps
+    calls = tuple(CallTiming(pid, s.step, secs) for s in steps for pid, secs in s.calls)
+    total = first.seconds + second.seconds
+    return GroupTimings(action, group, first.seconds, second.seconds, total, calls)
 
 
 def checkpoint_all(
@@ -185,52 +192,35 @@ def checkpoint_all(
     was checkpointed yet) and the error says so. If a checkpoint fails, nothing is
     undone; the error carries every pid's state.
     """
-    group = _check_pids(pids)
-    calls: list[CallTiming] = []
-    start = time.perf_counter()
-    locked: list[int] = []
-    for pid in group:
-        try:
-            calls.append(CallTiming(pid, "lock", lock(pid, timeout_ms=timeout_ms)))
-        except NativeError as exc:
-            undone: list[str] = []
-            for other in reversed(locked):
-                try:
-                    unlock(other)
-                    undone.append(str(other))
-                except NativeError as again:
-                    undone.append(f"{other} (unlock failed: {again.result})")
-            note = f"unlocked again: {', '.join(undone)}" if undone else ""
-            raise _with_states(exc, group, note) from exc
-        locked.append(pid)
-    mid = time.perf_counter()
-    for pid in group:
-        try:
-            calls.append(CallTiming(pid, "checkpoint", checkpoint(pid)))
-        except NativeError as exc:
-            raise _with_states(exc, group, "") from exc
-    end = time.perf_counter()
-    return GroupTimings("checkpoint", group, mid - start, end - mid, end - start, tuple(calls))
+    group = check_pids(pids)
+    try:
+        locked = run_step(_backend, "lock", group, lock_timeout_ms=timeout_ms)
+    except NativeGroupError as failed:
+        undone: list[str] = []
+        for other in reversed(failed.done):
+            try:
+                unlock(other)
+                undone.append(str(other))
+            except NativeError as again:
+                undone.append(f"{other} (unlock failed: {again.result})")
+        note = f"unlocked again: {', '.join(undone)}" if undone else ""
+        raise _group_error(failed, group, note) from failed
+    try:
+        checkpointed = run_step(_backend, "checkpoint", group)
+    except NativeGroupError as failed:
+        raise _group_error(failed, group, "") from failed
+    return _timings("checkpoint", group, locked, checkpointed)
 
 
 def restore_all(pids: Sequence[int]) -> GroupTimings:
     """Restore every pid, then unlock every pid. A failure undoes nothing."""
-    group = _check_pids(pids)
-    calls: list[CallTiming] = []
-    start = time.perf_counter()
-    for pid in group:
-        try:
-            calls.append(CallTiming(pid, "restore", restore(pid)))
-        except NativeError as exc:
-            raise _with_states(exc, group, "") from exc
-    mid = time.perf_counter()
-    for pid in group:
-        try:
-            calls.append(CallTiming(pid, "unlock", unlock(pid)))
-        except NativeError as exc:
-            raise _with_states(exc, group, "") from exc
-    end = time.perf_counter()
-    return GroupTimings("restore", group, mid - start, end - mid, end - start, tuple(calls))
+    group = check_pids(pids)
+    try:
+        restored = run_step(_backend, "restore", group)
+        unlocked = run_step(_backend, "unlock", group)
+    except NativeGroupError as failed:
+        raise _group_error(failed, group, "") from failed
+    return _timings("restore", group, restored, unlocked)
 
 
 # --------------------------------------------------------------- in a child process
@@ -254,7 +244,7 @@ def run_in_subprocess(
     """
     if action not in ACTIONS:
         raise ValueError(f"unknown native action {action!r}; one of {', '.join(ACTIONS)}")
-    group = _check_pids(pids)
+    group = check_pids(pids)
     argv = [
         python or sys.executable,
         "-m",

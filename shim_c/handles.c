@@ -205,6 +205,30 @@ bool obj_unused(const struct obj *o)
     return o->refs == 0 && o->nmaps == 0;
 }
 
+void obj_release_if_unused(struct obj *o)
+{
+    if (!obj_unused(o))
+        return;
+    if (o->live) {
+        CUresult r = real.cuMemRelease(o->real);
+        if (r != CUDA_SUCCESS)
+            shim_log(LOG_WARN, "cuMemRelease of a dead object failed: %s", shim_cu_name(r));
+    }
+    obj_free(o);
+}
+
+int obj_ptr_id_cmp(const void *a, const void *b)
+{
+    const struct obj *const *x = a, *const *y = b;
+    return memcmp((*x)->id, (*y)->id, CUIP_ID_LEN);
+}
+
+int mapping_va_cmp(const void *a, const void *b)
+{
+    const struct mapping *x = a, *y = b;
+    return x->va < y->va ? -1 : x->va > y->va;
+}
+
 bool obj_shared(const struct obj *o)
 {
     return o->kind == OBJ_ALLOC && !o->raw_import && !o->unsupported &&

@@ -135,19 +135,6 @@ out:
     return r;
 }
 
-/* Under g.lock: the object is not used any more: drop the shim's reference. */
-static void drop_if_unused(struct obj *o)
-{
-    if (!obj_unused(o))
-        return;
-    if (o->live) {
-        CUresult r = real.cuMemRelease(o->real);
-        if (r != CUDA_SUCCESS)
-            shim_log(LOG_WARN, "cuMemRelease of a dead object failed: %s", shim_cu_name(r));
-    }
-    obj_free(o);
-}
-
 static int add_binding(struct obj *o, const struct mc_binding *b)
 {
     if (o->nbinds == o->capbinds) {
@@ -246,7 +233,7 @@ static CUresult app_bind(CUmemGenericAllocationHandle mcHandle, struct mc_bindin
         if (r == CUDA_SUCCESS)
             member->mc_member = true; /* its bytes are saved and restored from now on */
         member->refs--;
-        drop_if_unused(member);
+        obj_release_if_unused(member);
     }
     if (o) {
         b->bound = true;
@@ -256,7 +243,7 @@ static CUresult app_bind(CUmemGenericAllocationHandle mcHandle, struct mc_bindin
             r = CUDA_ERROR_OUT_OF_MEMORY;
         }
         o->refs--;
-        drop_if_unused(o);
+        obj_release_if_unused(o);
     }
     pthread_mutex_unlock(&g.lock);
     return r;
@@ -361,29 +348,17 @@ CUresult multicast_map(struct obj *o, CUdeviceptr ptr, size_t size, size_t offse
     }
     if (r == CUDA_SUCCESS)
         o->mc_mapped = true;
-    drop_if_unused(o);
+    obj_release_if_unused(o);
     return r;
 }
 
 /* ------------------------------------------------------------ INSPECT */
-static int id_cmp(const void *a, const void *b)
-{
-    const struct obj *const *x = a, *const *y = b;
-    return memcmp((*x)->id, (*y)->id, CUIP_ID_LEN);
-}
-
 static int binding_cmp(const void *a, const void *b)
 {
     const struct mc_binding *x = a, *y = b;
     if (x->device != y->device)
         return x->device < y->device ? -1 : 1;
     return x->mc_offset < y->mc_offset ? -1 : x->mc_offset > y->mc_offset;
-}
-
-static int map_cmp(const void *a, const void *b)
-{
-    const struct mapping *x = a, *y = b;
-    return x->va < y->va ? -1 : x->va > y->va;
 }
 
 uint32_t multicast_unsupported(void)
@@ -452,7 +427,7 @@ static void inspect_object(struct reply *r, struct obj *o)
         rec->op_flags = b->flags;
     }
     if (o->nmaps > 1)
-        qsort(o->maps, o->nmaps, sizeof *o->maps, map_cmp);
+        qsort(o->maps, o->nmaps, sizeof *o->maps, mapping_va_cmp);
     for (uint32_t k = 0; k < o->nmaps; k++) {
         const struct mapping *m = &o->maps[k];
         rec = rec_new(r, CUIP_RECORD_MC_MAPPING, o);
@@ -491,7 +466,7 @@ void multicast_inspect(struct reply *r)
         return;
     }
     if (n > 1)
-        qsort(list, n, sizeof *list, id_cmp);
+        qsort(list, n, sizeof *list, obj_ptr_id_cmp);
     for (uint32_t i = 0; i < n; i++)
         inspect_object(r, list[i]);
     free(list);
@@ -565,6 +540,20 @@ fail:
     return -1;
 }
 
+/* The object's driver handle again after a restore or a rollback: live, its
+ * devices still to be added. */
+static int adopt_again(struct obj *o, CUmemGenericAllocationHandle h, char *msg, size_t n)
+{
+    if (SHIM_IS_TAGGED(h)) {
+        real.cuMemRelease(h);
+        snprintf(msg, n, "driver handle collides with the shim's tag range");
+        return -1;
+    }
+    o->mc_joined = false;
+    set_live(o, true, h);
+    return 0;
+}
+
 static int create(struct obj *o, char *msg, size_t n)
 {
     CUmemGenericAllocationHandle h;
@@ -581,14 +570,7 @@ static int create(struct obj *o, char *msg, size_t n)
         shim_fail(msg, n, "cuMulticastCreate", cr);
         return -1;
     }
-    if (SHIM_IS_TAGGED(h)) {
-        real.cuMemRelease(h);
-        snprintf(msg, n, "driver handle collides with the shim's tag range");
-        return -1;
-    }
-    o->mc_joined = false;
-    set_live(o, true, h);
-    return 0;
+    return adopt_again(o, h, msg, n);
 }
 
 /* A fresh export from the creator, imported; the peer request runs without
@@ -617,14 +599,7 @@ static int import(struct obj *o, char *msg, size_t n)
         shim_fail(msg, n, "cuMemImportFromShareableHandle", cr);
         return -1;
     }
-    if (SHIM_IS_TAGGED(h)) {
-        real.cuMemRelease(h);
-        snprintf(msg, n, "driver handle collides with the shim's tag range");
-        return -1;
-    }
-    o->mc_joined = false;
-    set_live(o, true, h);
-    return 0;
+    return adopt_again(o, h, msg, n);
 }
 
 static int join(struct obj *o, char *msg, size_t n)

@@ -353,6 +353,13 @@ SHIM_HIDDEN int obj_add_fetch(struct obj *o, const char participant[CUIP_PARTICI
 SHIM_HIDDEN void obj_drop_all(void);
 /* True when `o` no longer has handles nor mappings: the caller releases it. */
 SHIM_HIDDEN bool obj_unused(const struct obj *o);
+/* Under g.lock: once `o` is unused, release the shim's driver reference (if
+ * live) and free it. */
+SHIM_HIDDEN void obj_release_if_unused(struct obj *o);
+/* qsort orders for INSPECT's records: object pointers by resource id,
+ * mappings by VA. */
+SHIM_HIDDEN int obj_ptr_id_cmp(const void *a, const void *b);
+SHIM_HIDDEN int mapping_va_cmp(const void *a, const void *b);
 SHIM_HIDDEN bool obj_shared(const struct obj *o);
 /* Under g.lock: a new live object of `kind` for driver handle `h`, held once
  * by the application; NULL on ENOMEM, after releasing `h`. */

@@ -93,19 +93,6 @@ static CUresult map_apply(struct obj *o, const struct mapping *m, char *msg, siz
     return r;
 }
 
-/* Drop the shim's real reference once nothing of the application's is left. */
-static void obj_maybe_release(struct obj *o)
-{
-    if (!obj_unused(o))
-        return;
-    if (o->live) {
-        CUresult r = real.cuMemRelease(o->real);
-        if (r != CUDA_SUCCESS)
-            shim_log(LOG_WARN, "cuMemRelease of a dead object failed: %s", shim_cu_name(r));
-    }
-    obj_free(o);
-}
-
 /* Under g.lock: does [va, va + size) overlap a mapping the shim keeps? */
 static bool overlaps_kept(CUdeviceptr va, size_t size)
 {
@@ -215,7 +202,7 @@ CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle)
         goto out;
     }
     o->refs--;
-    obj_maybe_release(o);
+    obj_release_if_unused(o);
 out:
     pthread_mutex_unlock(&g.lock);
     return r;
@@ -281,7 +268,7 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
             else
                 k++;
         }
-        obj_maybe_release(o);
+        obj_release_if_unused(o);
     }
 out:
     pthread_mutex_unlock(&g.lock);
@@ -380,18 +367,6 @@ CUresult CUDAAPI cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *pro
 }
 
 /* ------------------------------------------------------------ INSPECT */
-static int id_cmp(const void *a, const void *b)
-{
-    const struct obj *const *x = a, *const *y = b;
-    return memcmp((*x)->id, (*y)->id, CUIP_ID_LEN);
-}
-
-static int map_cmp(const void *a, const void *b)
-{
-    const struct mapping *x = a, *y = b;
-    return x->va < y->va ? -1 : x->va > y->va;
-}
-
 static void rec_allocation(struct cuip_record *rec, const struct obj *o)
 {
     memset(rec, 0, sizeof *rec);
@@ -478,13 +453,13 @@ int unicast_inspect(struct reply *r)
     recs = calloc(nrec ? nrec : 1, sizeof *recs);
     if (!recs)
         goto nomem;
-    qsort(list, nobj, sizeof *list, id_cmp);
+    qsort(list, nobj, sizeof *list, obj_ptr_id_cmp);
     nrec = 0;
     for (uint32_t i = 0; i < nobj; i++) {
         struct obj *o = list[i];
         rec_allocation(&recs[nrec++], o);
         if (o->nmaps > 1)
-            qsort(o->maps, o->nmaps, sizeof *o->maps, map_cmp);
+            qsort(o->maps, o->nmaps, sizeof *o->maps, mapping_va_cmp);
         for (uint32_t k = 0; k < o->nmaps; k++)
             rec_mapping(&recs[nrec++], o, &o->maps[k]);
     }

@@ -18,7 +18,7 @@ from cuinterpose.engine import UntrustedEndpoint, control_dir_problem, endpoint_
 from cuinterpose.engine.client import call
 from cuinterpose.launch import LaunchError, ensure_control_dir
 
-NOBODY = 65534
+from tests.stranger import NOBODY, served_by_nobody
 
 
 @pytest.fixture
@@ -76,30 +76,10 @@ def test_the_client_sends_nothing_through_an_untrusted_dir(short_dir: Path) -> N
 @pytest.mark.skipif(os.getuid() != 0, reason="serving as another uid needs root")
 def test_the_client_refuses_a_server_of_another_uid(short_dir: Path) -> None:
     endpoint = endpoint_for(4321, 4321, control_dir=short_dir)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(endpoint.path))
-    ready_r, ready_w = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - the child: listen (its credentials) as nobody
-        try:
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            listener.listen(1)
-            os.write(ready_w, b"x")
-            conn, _ = listener.accept()
-            conn.recv(4096)
-        finally:
-            os._exit(0)
-    listener.close()
-    os.close(ready_w)
-    try:
-        assert os.read(ready_r, 1) == b"x"
+    with served_by_nobody(endpoint.path) as child:
         with pytest.raises(UntrustedEndpoint) as caught:
             call(endpoint, wire.Request(wire.Op.HANDSHAKE), timeout=5, expect_participant=None)
         assert f"served by pid {child} of uid {NOBODY}, not root nor uid 0" in str(caught.value)
-    finally:
-        os.close(ready_r)
-        os.waitpid(child, 0)
 
 
 def test_launch_creates_a_private_control_dir(short_dir: Path) -> None:

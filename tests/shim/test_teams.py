@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -30,6 +28,7 @@ from cuinterpose.engine.wire import Op, Phase, Status
 from tests.shim import shimenv
 from tests.shim.workers.cycle import assert_still_active, cli
 from tests.simenv import Spawn
+from tests.stranger import NOBODY, served_by_nobody
 
 SEED = 97
 HOLDER_NAMED = "another coordinator holds this process (pid "
@@ -224,9 +223,6 @@ def test_an_untrusted_control_dir_gets_no_socket(
     app.close_clean()
 
 
-NOBODY = 65534
-
-
 def _forged_capability(creator: str, endpoint: str) -> int:
     """A sealed memfd holding a well-formed capability that names ``endpoint``."""
     raw = struct.pack(
@@ -248,34 +244,13 @@ def test_an_import_refuses_a_creator_socket_served_by_another_uid(
     importer = spawn("importer", shim_env)
     importer.create_mapped(2 * int(importer.check("granularity")["granularity"]))  # started
     name = "cuinterpose-999999.sock"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(control_dir / name))
-    ready_r, ready_w = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - the child: listen (its credentials) as nobody
-        try:
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            listener.listen(1)
-            os.write(ready_w, b"x")
-            conn, _ = listener.accept()
-            conn.recv(4096)
-        finally:
-            os._exit(0)
-    listener.close()
-    os.close(ready_w)
-    try:
-        assert os.read(ready_r, 1) == b"x"
+    with served_by_nobody(control_dir / name) as child:
         fd = _forged_capability("ab" * 16, name)
         importer.give_fd(fd)
         os.close(fd)
         theirs = int(importer.check("recv_fd")["fd"])
         answer = importer.call("import", fd=theirs)
         assert "CUDA_ERROR_INVALID_VALUE" in str(answer), answer
-    finally:
-        os.close(ready_r)
-        os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
     log = (tmp_path / "importer.stderr").read_text()
     assert f"is served by pid {child} of uid {NOBODY}, not root nor uid 0: not trusted" in log
     importer.close_clean()
