@@ -263,6 +263,27 @@ class Bench:
                 ]
             ),
         }
+        # Split: the exchanges of the other phases (the shims' work: INSPECT, teardown
+        # of the allocations at PREPARE_UNICAST, ...) and the engine alone (the step
+        # outside every exchange: validation, topology, state file, the machine).
+        step_of = {"suspend": "capture", "resume": "coordinator_restore"}
+        out["engine_alone_share"] = {
+            command: _stats(
+                [
+                    (r[command]["steps"][step] - sum(r[command]["phases"].values()))
+                    / r[command]["seconds"]
+                    for r in reps
+                ]
+            )
+            for command, step in step_of.items()
+        }
+        out["phases_s"] = {
+            command: {
+                p: _stats([float(r[command]["phases"].get(p, 0.0)) for r in reps])
+                for p in reps[0][command]["phases"]
+            }
+            for command in step_of
+        }
         out["repetitions"] = reps
         return out
 
@@ -335,9 +356,15 @@ def _command(run: CliRun) -> dict[str, Any]:
         for e in run.events
         if e.get("event") == "step" and e.get("status") == "done"
     }
+    phases: dict[str, float] = {}
+    for e in run.events:
+        if e.get("event") == "phase":  # the exchange: requests out, every reply in
+            key = str(e["phase"])
+            phases[key] = phases.get(key, 0.0) + float(e["elapsed_s"])
     return {
         "seconds": run.seconds,
         "steps": steps,
+        "phases": phases,
         "process_start_s": run.seconds - sum(steps.values()),
     }
 
@@ -416,8 +443,15 @@ def _report_group(
         )
     out(
         f"  coordinator share: suspend {_m(w['engine_share']['suspend'])}, resume "
-        f"{_m(w['engine_share']['resume'])}"
+        f"{_m(w['engine_share']['resume'])}; of it the engine alone (outside every exchange):"
+        f" suspend {_m(w['engine_alone_share']['suspend'])}, resume "
+        f"{_m(w['engine_alone_share']['resume'])}"
     )
+    for command, phases in w["phases_s"].items():
+        out(
+            f"  {command} exchanges s: "
+            + ", ".join(f"{p} {v['median']:.4f}" for p, v in phases.items())
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
