@@ -223,7 +223,6 @@ class Bench:
             "thp": saves[0]["thp"],
             "bounce": saves[0]["bounce"],
             "resident": [bool(t["resident"]) for t in saves],
-            "create_threads": loads[0]["create_threads"],
         }
         for label, ops in (("save", saves), ("load", loads)):
             out[label] = {
@@ -400,7 +399,7 @@ def _report_group(
     out(
         f"-- {title} ({extra}): {w['threads']} threads, chunk {w['chunk'] >> 20} MiB, thp "
         f"{w['thp']}, bounce {w['bounce'] >> 20} MiB, SAVE into resident memory "
-        f"{w['resident']}, LOAD creator threads {w['create_threads']}, verified {w['verified']}"
+        f"{w['resident']}, verified {w['verified']}"
     )
     out(
         f"  SAVE {_m(s['gbps'], '{:.1f}')} GB/s ({s['gbps']['median'] / dtoh:.2f} of DtoH),"

@@ -72,7 +72,6 @@ static struct {
 /* One op's figures (nanoseconds of wall time unless the staging's). */
 struct stats {
     bool resident;              /* SAVE: into the resident mapping, already populated */
-    unsigned create_threads;    /* LOAD: threads that re-created the allocations (0: this one) */
     uint64_t count, bytes;
     uint64_t setup_ns;          /* the control thread producing work: maps, creates */
     uint64_t drain_ns;          /* waiting for the queue after the last item */
@@ -278,7 +277,7 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             line, sizeof line,
             "cuinterpose-timing {\"pid\": %d, \"op\": \"%s\", \"allocations\": %llu, "
             "\"bytes\": %llu, \"threads\": %u, \"chunk\": %zu, \"chunks\": %llu, "
-            "\"thp\": %s, \"bounce\": %zu, \"resident\": %s, \"create_threads\": %u, "
+            "\"thp\": %s, \"bounce\": %zu, \"resident\": %s, "
             "\"elapsed_s\": %.6f, \"setup_s\": %.6f, "
             "\"pool_start_s\": %.6f, \"drain_s\": %.6f, \"teardown_s\": %.6f, "
             "\"copy_wall_s\": %.6f, "
@@ -287,7 +286,7 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             (int)getpid(), op, (unsigned long long)st->count, (unsigned long long)st->bytes,
             t->threads, t->chunk, (unsigned long long)t->chunks,
             cfg->staging_thp ? "true" : "false", cfg->staging_bounce,
-            st->resident ? "true" : "false", st->create_threads,
+            st->resident ? "true" : "false",
             (double)ns / 1e9, (double)st->setup_ns / 1e9, (double)t->pool_start_ns / 1e9,
             (double)st->drain_ns / 1e9, (double)st->teardown_ns / 1e9,
             (double)t->copy_wall_ns / 1e9, (double)t->populate_ns / 1e9,
@@ -525,153 +524,6 @@ static void uncreate(struct item *it)
     pthread_mutex_unlock(&g.lock);
 }
 
-/* Undo create_one of an item never queued: its copy VA, then the rest. */
-static void undo_made(struct item *it)
-{
-    char ignored[8];
-    drop_va(it, ignored, sizeof ignored);
-    uncreate(it);
-}
-
-/* ------------------------------------------------------------ creators */
-/* LOAD's re-creation of many allocations on several threads
- * (SNAPSHOT_SHIM_LOAD_CREATE_THREADS): 2048 allocations of 2 MiB took 0.14-
- * 0.2 s of cuMemCreate + cuMemMap + cuMemSetAccess on the control thread
- * (docs/benchmarks.md). Creators take items in order (an atomic cursor),
- * each in the allocation's context; the control thread queues each item's
- * copy in item order as soon as it is made, so the copies start as before.
- * The lowest failed item wins (its message and retry are kept): creators
- * skip items above it, and load_items undoes those already made, so the
- * outcome is the one-thread outcome: items below it loaded, the rest not. */
-enum { MADE_PENDING = 0, MADE_OK = 1, MADE_FAILED = 2 };
-
-struct creators {
-    struct item *items;
-    uint32_t count;
-    uint32_t next;              /* atomic: the next item to take */
-    uint32_t failed_at;         /* under lock: lowest failed item, or count */
-    uint8_t *state;             /* under lock: MADE_* per item */
-    bool retry;                 /* under lock: failed_at's */
-    char msg[MSG_LEN];          /* under lock: failed_at's */
-    pthread_mutex_t lock;
-    pthread_cond_t made;
-    pthread_t *tids;
-    unsigned started;
-};
-
-static void *creator_main(void *arg)
-{
-    struct creators *c = arg;
-    char msg[MSG_LEN];
-
-    for (;;) {
-        uint32_t i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED);
-        struct item *it;
-        bool pushed, retry = false;
-        int rc = -1;
-        CUresult r;
-
-        if (i >= c->count)
-            break;
-        pthread_mutex_lock(&c->lock);
-        if (i > c->failed_at) { /* never queued: skip it (and every later one) */
-            c->state[i] = MADE_FAILED;
-            pthread_cond_broadcast(&c->made);
-            pthread_mutex_unlock(&c->lock);
-            continue;
-        }
-        pthread_mutex_unlock(&c->lock);
-        it = &c->items[i];
-        msg[0] = 0;
-        r = shim_ctx_enter(it->o->ctx, &pushed);
-        if (r != CUDA_SUCCESS)
-            shim_fail(msg, sizeof msg, "cuCtxPushCurrent", r);
-        else {
-            rc = create_one(it, &retry, msg, sizeof msg);
-            shim_ctx_leave(pushed);
-        }
-        if (rc != 0)
-            name_allocation(msg, sizeof msg, it->o);
-        pthread_mutex_lock(&c->lock);
-        c->state[i] = rc == 0 ? MADE_OK : MADE_FAILED;
-        if (rc != 0 && i < c->failed_at) {
-            c->failed_at = i;
-            c->retry = retry;
-            memcpy(c->msg, msg, sizeof msg);
-        }
-        pthread_cond_broadcast(&c->made);
-        pthread_mutex_unlock(&c->lock);
-    }
-    return NULL;
-}
-
-/* Start up to `threads` creators for `items`; NULL (create on the control
- * thread) when none could be started or memory is short. */
-static struct creators *creators_start(struct item *items, uint32_t count, unsigned threads)
-{
-    struct creators *c = calloc(1, sizeof *c);
-    sigset_t all, old;
-
-    if (!c)
-        return NULL;
-    c->items = items;
-    c->count = c->failed_at = count;
-    c->state = calloc(count, 1);
-    c->tids = calloc(threads, sizeof *c->tids);
-    if (!c->state || !c->tids || pthread_mutex_init(&c->lock, NULL) != 0)
-        goto fail;
-    pthread_cond_init(&c->made, NULL);
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    for (; c->started < threads && c->started < count; c->started++)
-        if (pthread_create(&c->tids[c->started], NULL, creator_main, c) != 0)
-            break;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (c->started > 0)
-        return c;
-    pthread_cond_destroy(&c->made);
-    pthread_mutex_destroy(&c->lock);
-fail:
-    free(c->state);
-    free(c->tids);
-    free(c);
-    return NULL;
-}
-
-/* Wait for item `i`: 0 when it was made, else -1 with the lowest failure's
- * message and retry (the failure of `i` or of an earlier item). */
-static int creators_wait(struct creators *c, uint32_t i, bool *retry, char *msg, size_t n)
-{
-    int rc;
-
-    pthread_mutex_lock(&c->lock);
-    while (c->state[i] == MADE_PENDING && c->failed_at >= i)
-        pthread_cond_wait(&c->made, &c->lock);
-    rc = c->state[i] == MADE_OK && c->failed_at > i ? 0 : -1;
-    if (rc != 0) {
-        *retry = c->retry;
-        snprintf(msg, n, "%s", c->msg);
-    }
-    pthread_mutex_unlock(&c->lock);
-    return rc;
-}
-
-/* Join the creators; every item at or after `from` that one of them made is
- * undone (it was never queued). */
-static void creators_stop(struct creators *c, uint32_t from)
-{
-    for (unsigned t = 0; t < c->started; t++)
-        pthread_join(c->tids[t], NULL);
-    for (uint32_t i = from; i < c->count; i++)
-        if (c->state[i] == MADE_OK)
-            undo_made(&c->items[i]);
-    pthread_cond_destroy(&c->made);
-    pthread_mutex_destroy(&c->lock);
-    free(c->state);
-    free(c->tids);
-    free(c);
-}
-
 /* Load `items` (not live, bytes staged): create and map each, queue its
  * copy while the pool copies the earlier ones, then make the copied ones
  * live. The first creation that fails stops the queueing: the earlier
@@ -682,8 +534,6 @@ static int load_items(struct item *items, uint32_t count, uint64_t total, bool k
                       struct stats *st, bool *retry, char *msg, size_t n)
 {
     struct staging *s = staging_start(false, false, total, count, msg, n);
-    unsigned threads = shim_settings()->load_create_threads;
-    struct creators *c = NULL;
     uint32_t made = 0;
     int produce_rc = 0, copy_rc;
     uint64_t t0 = shim_now_ns(), t1;
@@ -692,39 +542,29 @@ static int load_items(struct item *items, uint32_t count, uint64_t total, bool k
     *retry = false;
     if (!s)
         return -1;
-    if (threads > 0 && count > 1)
-        c = creators_start(items, count, threads);
-    st->create_threads = c ? c->started : 0;
     copy_msg[0] = 0;
     for (; made < count; made++) {
         struct item *it = &items[made];
         bool pushed;
-        CUresult r;
-
-        if (c) {
-            produce_rc = creators_wait(c, made, retry, msg, n);
-        } else {
-            r = shim_ctx_enter(it->o->ctx, &pushed);
-            if (r != CUDA_SUCCESS) {
-                shim_fail(msg, n, "cuCtxPushCurrent", r);
-                produce_rc = -1;
-                break;
-            }
-            produce_rc = create_one(it, retry, msg, n);
-            shim_ctx_leave(pushed);
+        CUresult r = shim_ctx_enter(it->o->ctx, &pushed);
+        if (r != CUDA_SUCCESS) {
+            shim_fail(msg, n, "cuCtxPushCurrent", r);
+            produce_rc = -1;
+            break;
         }
+        produce_rc = create_one(it, retry, msg, n);
+        shim_ctx_leave(pushed);
         if (produce_rc != 0)
             break;
         if (staging_add(s, it->o, it->o->host, it->va, it->o->ctx) != 0) {
             snprintf(msg, n, "the staging queue is full (an internal bound is wrong)");
-            undo_made(it);
+            drop_va(it, copy_msg, sizeof copy_msg);
+            uncreate(it);
             produce_rc = -1;
             break;
         }
     }
-    if (c)
-        creators_stop(c, made);
-    if (produce_rc != 0 && !c)
+    if (produce_rc != 0)
         name_allocation(msg, n, items[made].o);
     t1 = shim_now_ns();
     copy_rc = staging_wait(s, copy_msg, sizeof copy_msg);

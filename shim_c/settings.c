@@ -20,8 +20,6 @@
  *  - SNAPSHOT_SHIM_STAGING_RESIDENT_MIB: 0 (off; else the staging memory of a
  *    SAVE of at most this many MiB is kept, populated, from one cycle to the
  *    next: content.c).
- *  - SNAPSHOT_SHIM_LOAD_CREATE_THREADS: 0 (LOAD re-creates allocations on
- *    the control thread; N: on N threads of their own, content.c).
  *  - SNAPSHOT_SHIM_TIMING: 0 (1: where a SAVE/LOAD's time went, on stderr).
  */
 #include "shim.h"
@@ -44,7 +42,6 @@
 #define STAGING_THP_ENV "SNAPSHOT_SHIM_STAGING_THP"
 #define STAGING_BOUNCE_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB"
 #define STAGING_RESIDENT_ENV "SNAPSHOT_SHIM_STAGING_RESIDENT_MIB"
-#define LOAD_CREATE_ENV "SNAPSHOT_SHIM_LOAD_CREATE_THREADS"
 #define TIMING_ENV "SNAPSHOT_SHIM_TIMING"
 /* CUIP_CONTROL_DIR_ENV and CUIP_PARTICIPANT_ENV are in protocol.h: the
  * coordinator sets them too. */
@@ -167,8 +164,6 @@ static void settings_load(void)
     s->staging_resident = (size_t)env_count(STAGING_RESIDENT_ENV, 0, RESIDENT_MIB_MAX, 0,
                                             "a size in MiB")
                           << 20;
-    s->load_create_threads = (unsigned)env_count(LOAD_CREATE_ENV, 0, THREADS_MAX, 0,
-                                                 "a thread count");
     s->timing = env_bool(TIMING_ENV, false);
     snprintf(s->control_dir, sizeof s->control_dir, "%s",
              dir && *dir ? dir : CUIP_CONTROL_DIR_DEFAULT);

@@ -108,8 +108,6 @@ struct shim_settings {
                                  * 0: register the staging memory chunk by chunk */
     size_t staging_resident;    /* SNAPSHOT_SHIM_STAGING_RESIDENT_MIB: staging memory kept
                                  * across cycles, at most; 0: none */
-    unsigned load_create_threads; /* SNAPSHOT_SHIM_LOAD_CREATE_THREADS: LOAD re-creates on
-                                   * this many threads; 0: on the control thread */
     bool timing;                /* SNAPSHOT_SHIM_TIMING: one JSON line per SAVE/LOAD on stderr */
     char control_dir[4096];     /* as given (the default when unset); checked at start */
     /* SNAPSHOT_PARTICIPANT_ID as given, cut after one character too many so
