@@ -128,17 +128,21 @@ def records_match_state(run: Run) -> list[Problem]:
     refused here, not found out by the final VERIFY after every destructive step.
     """
     assert run.captured is not None and run.topology is not None
-    differences = run.captured.differences(run.topology)
-    if not differences and not run.captured.same_shape(run.topology):
-        differences = ("the records differ from the state file's",)
+    if run.captured.same_shape(run.topology):  # the common case, and the cheap test
+        return []
+    differences = run.captured.differences(run.topology, other_name="inspected") or (
+        "the records differ from the state file's",
+    )
     return [Problem(f"the state file does not match the shims: {d}") for d in differences]
 
 
 def topology_matches_capture(run: Run) -> list[Problem]:
     assert run.captured is not None and run.topology is not None
-    differences = run.captured.differences(run.topology)
-    if not differences and not run.captured.same_shape(run.topology):
-        differences = ("restored topology differs from the captured one",)
+    if run.captured.same_shape(run.topology):  # the common case, and the cheap test
+        return []
+    differences = run.captured.differences(run.topology) or (
+        "restored topology differs from the captured one",
+    )
     return [Problem(f"restored topology differs: {d}") for d in differences]
 
 
