@@ -24,7 +24,8 @@
  * 0.34 s op, docs/benchmarks.md), and LOAD paid again to give it back. With
  * the setting, a SAVE of at most that many bytes keeps its mapping after
  * LOAD (populated, unpinned) and the next SAVE copies into it without
- * faulting a page; the price is that much host memory held while the
+ * faulting a page (measured: 8 GiB SAVE 0.185 s against 0.45 s, LOAD
+ * 0.19 s against 0.27 s); the price is that much host memory held while the
  * application runs. Only a mapping that no allocation's staged bytes still
  * use is reused; a larger SAVE replaces it; a forked child drops its copy.
  *
