@@ -390,10 +390,8 @@ int cap_inspect_fetches(struct reply *r)
 }
 
 /* ------------------------------------------------------------ application calls */
-CUresult CUDAAPI cuMemExportToShareableHandle(void *shareableHandle,
-                                              CUmemGenericAllocationHandle handle,
-                                              CUmemAllocationHandleType handleType,
-                                              unsigned long long flags)
+static CUresult export_handle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                              CUmemAllocationHandleType handleType, unsigned long long flags)
 {
     struct obj *o;
     int raw = -1, cap;
@@ -602,9 +600,8 @@ out:
     return r;
 }
 
-CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
-                                                void *osHandle,
-                                                CUmemAllocationHandleType shHandleType)
+static CUresult import_handle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                              CUmemAllocationHandleType shHandleType)
 {
     struct cuip_capability c;
     CUresult r = shim_enter();
@@ -624,4 +621,31 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *ha
     if (kind == CAP_NONE)
         return import_raw(handle, osHandle, shHandleType);
     return import_cap(handle, &c);
+}
+
+/* Export and import pass the gate for their whole length (an import asks
+ * the creator between two looks at the tables): QUIESCE waits for them. */
+CUresult CUDAAPI cuMemExportToShareableHandle(void *shareableHandle,
+                                              CUmemGenericAllocationHandle handle,
+                                              CUmemAllocationHandleType handleType,
+                                              unsigned long long flags)
+{
+    CUresult r;
+
+    gate_enter(GATE_LAUNCH, "cuMemExportToShareableHandle");
+    r = export_handle(shareableHandle, handle, handleType, flags);
+    gate_leave(GATE_LAUNCH);
+    return r;
+}
+
+CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
+                                                void *osHandle,
+                                                CUmemAllocationHandleType shHandleType)
+{
+    CUresult r;
+
+    gate_enter(GATE_LAUNCH, "cuMemImportFromShareableHandle");
+    r = import_handle(handle, osHandle, shHandleType);
+    gate_leave(GATE_LAUNCH);
+    return r;
 }

@@ -483,6 +483,8 @@ class FakeParticipant:
         if request.op is Op.RELEASE:
             with self._lock:
                 self._releases += 1
+                if self._phase is Phase.QUIESCED:
+                    self._phase = Phase.ACTIVE  # the shim reopens its gate: nothing was torn down
             self._reply_now(conn, self._encode(Op.RELEASE, Status.OK, ""), conns)
             return
         with self._lock:
