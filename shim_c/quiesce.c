@@ -210,6 +210,15 @@ enum phase_result quiesce_run(struct reply *r)
     char why[160], held[600];
     int idle;
 
+    if (!shim_settings()->gate) {
+        idle = device_idle(deadline, why, sizeof why);
+        if (idle == 1)
+            return PHASE_DONE;
+        reply_msg(r, idle < 0 ? CUIP_STATUS_CUDA_FAILED : CUIP_STATUS_REFUSED,
+                  "QUIESCE: pid %d (gate off) did not drain within %ld ms: %s", (int)getpid(),
+                  timeout_ms, why);
+        return PHASE_REFUSED;
+    }
     gate_close(GATE_HOLD_SYNC);
     idle = device_idle(deadline, why, sizeof why);
     if (idle == 1) {

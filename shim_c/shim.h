@@ -122,6 +122,9 @@ struct shim_settings {
     long trust_uid;
     /* SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S: QUIESCE's deadline for a quiet point. */
     long quiesce_timeout_ms;
+    /* SNAPSHOT_SHIM_GATE=0 (diagnosis, and the test that shows what the gate
+     * prevents): QUIESCE drains once and closes nothing. Warned at start. */
+    bool gate;
 };
 /* The settings, read from the environment on the first call. */
 SHIM_HIDDEN const struct shim_settings *shim_settings(void);

@@ -96,7 +96,7 @@ def allowed_phases(op: Op) -> frozenset[Phase]:
     if op is Op.INSPECT:
         return frozenset({Phase.ACTIVE, Phase.PREPARED})
     if op is Op.EXPORT:
-        return frozenset({Phase.ACTIVE}) | _RESTORE_PHASES
+        return frozenset({Phase.ACTIVE, Phase.QUIESCED}) | _RESTORE_PHASES
     return _TRANSITIONS[op][0]
 
 
