@@ -58,7 +58,7 @@ from .progress import (
     json_printer,
 )
 from .recovery import RecoveryReport, recover
-from .replay import Divergence, ReplayReport, replay, replay_file
+from .replay import Divergence, ReplayReport, machine_mismatch, replay, replay_file
 from .runner import (
     Bound,
     CaptureResult,
@@ -140,6 +140,7 @@ __all__ = [
     "read_trace",
     "recover",
     "remove_stale_sockets",
+    "machine_mismatch",
     "replay",
     "replay_file",
     "restore",

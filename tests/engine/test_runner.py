@@ -428,7 +428,7 @@ def test_an_unexpected_exception_still_fails_stop_and_closes_the_trace(work: Pat
                               trace=recorder, rollback_on_failure=False)  # fmt: skip
         with pytest.raises(PhaseFailed) as caught:
             runner.capture(t.endpoints, work / "ckpt", opts)
-        assert t.received() == [CAPTURE_OPS[:3]] * 3
+        assert t.received() == [CAPTURE_OPS[:4]] * 3
     assert caught.value.phase == "SAVE_ALLOCATIONS"
     assert "internal error: RuntimeError('transport bug')" in caught.value.reason
     assert isinstance(caught.value.__cause__, RuntimeError)
