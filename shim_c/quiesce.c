@@ -32,7 +32,8 @@ struct idle_check {
     bool done;
     CUresult rc;
     uint32_t n;
-    uint32_t failed;                 /* the context whose synchronize failed */
+    uint32_t failed;                 /* the context whose call failed */
+    const char *call;                /* that call */
     CUcontext ctx[MAX_CONTEXTS];
     int primary_of[MAX_CONTEXTS];    /* retained primary context of this device; -1 */
 };
@@ -59,8 +60,10 @@ static void *idle_main(void *arg)
     for (uint32_t k = 0; k < c->n && rc == CUDA_SUCCESS; k++) {
         bool pushed;
 
+        c->call = "cuCtxPushCurrent";
         rc = shim_ctx_enter(c->ctx[k], &pushed);
         if (rc == CUDA_SUCCESS) {
+            c->call = "cuCtxSynchronize";
             rc = real.cuCtxSynchronize();
             shim_ctx_leave(pushed);
         }
@@ -192,8 +195,8 @@ static int device_idle(uint64_t deadline_ns, char *msg, size_t n)
         rc = 0, snprintf(msg, n, "device work still running in %u context%s", c->n,
                          c->n == 1 ? "" : "s");
     else if (c->rc != CUDA_SUCCESS)
-        rc = -1, snprintf(msg, n, "context %u of %u: cuCtxSynchronize failed: %s",
-                          c->failed + 1, c->n, shim_cu_name(c->rc));
+        rc = -1, snprintf(msg, n, "context %u of %u: %s failed: %s", c->failed + 1, c->n,
+                          c->call, shim_cu_name(c->rc));
     else
         rc = 1;
     pthread_mutex_unlock(&c->mu);
