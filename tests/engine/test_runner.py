@@ -16,9 +16,11 @@ from cuinterpose.engine.errors import (
     ParticipantsRefused,
     PhaseFailed,
     PreflightRefused,
+    Problem,
     Refused,
     TopologyRefused,
     VerificationFailed,
+    not_quiet,
 )
 from cuinterpose.engine.progress import DoneEvent, Event, FailedEvent, PhaseEvent
 from cuinterpose.engine.statefile import STATE_FILE_NAME, read_state
@@ -590,3 +592,16 @@ def test_a_refused_quiesce_is_left_to_the_lease_not_rolled_back(work: Path) -> N
     assert why in error.reason
     assert not (work / "ckpt" / "cuinterpose.intent").exists()
     assert not (work / "ckpt" / STATE_FILE_NAME).exists()
+
+
+def test_only_a_quiesce_nobody_got_quiet_for_may_start_over() -> None:
+    quiet = "QUIESCE: pid 7 did not reach a quiet point within 10000 ms"
+    refused = PhaseFailed("capture", "QUIESCE", [Problem(f"REFUSED in phase ACTIVE: {quiet}")])
+    assert not_quiet(refused)
+    # Anything else is reported at once: another reason, another phase, a change made.
+    hangup = Problem("hung up: connection reset", "a" * 32, 8)
+    assert not not_quiet(PhaseFailed("capture", "QUIESCE", [refused.problems[0], hangup]))
+    assert not not_quiet(PhaseFailed("capture", "PREPARE_MULTICAST", refused.problems))
+    assert not not_quiet(Interrupted("capture", "QUIESCE", refused.problems))
+    refused.destroyed = True
+    assert not not_quiet(refused)
