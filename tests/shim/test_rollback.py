@@ -151,7 +151,6 @@ def interrupt(team: Team, point: str) -> None:
     if point == "active":
         return
     steps = {
-        "quiesced": CAPTURE[:1],
         "detached": CAPTURE[:2],
         "saved": CAPTURE[:3],
         "prepared": CAPTURE,
@@ -185,7 +184,6 @@ def roll_back(team: Team) -> list[wire.Reply]:
 
 POINTS = [
     "active",
-    "quiesced",
     "detached",
     "saved",
     "prepared",
