@@ -382,22 +382,19 @@ static void unquiesce(void)
  * back to ACTIVE and runs on instead of waiting for a recover. */
 static void gate_watch(void)
 {
-    bool reopen = false;
-    pid_t holder = 0;
+    pid_t holder;
 
     pthread_mutex_lock(&g.lock);
     if (g.phase == CUIP_PHASE_QUIESCED && !g.busy &&
         (!g.lease.held || lease_holder_gone(&g.lease, shim_now_ns()))) {
-        holder = g.lease.pid;
+        holder = g.lease.held ? g.lease.pid : 0;
         lease_drop();
-        reopen = true;
+        g.phase = CUIP_PHASE_ACTIVE;
+        gate_open();
+        shim_log(LOG_WARN, "QUIESCED, and its coordinator (pid %d; 0: none) is gone: ACTIVE, "
+                 "gate open", (int)holder);
     }
     pthread_mutex_unlock(&g.lock);
-    if (reopen)
-        shim_log(LOG_WARN, "coordinator pid %d is gone while this process was QUIESCED",
-                 (int)holder);
-    if (reopen)
-        unquiesce();
 }
 
 static void lease_refuse(struct reply *r, unsigned op, const char *why)

@@ -191,14 +191,17 @@ static int device_idle(uint64_t deadline_ns, char *msg, size_t n)
         }
         pthread_cond_timedwait(&c->cv, &c->mu, &ts);
     }
-    if (!c->done)
-        rc = 0, snprintf(msg, n, "device work still running in %u context%s", c->n,
-                         c->n == 1 ? "" : "s");
-    else if (c->rc != CUDA_SUCCESS)
-        rc = -1, snprintf(msg, n, "context %u of %u: %s failed: %s", c->failed + 1, c->n,
-                          c->call, shim_cu_name(c->rc));
-    else
+    if (!c->done) {
+        rc = 0;
+        snprintf(msg, n, "device work still running in %u context%s", c->n,
+                 c->n == 1 ? "" : "s");
+    } else if (c->rc != CUDA_SUCCESS) {
+        rc = -1;
+        snprintf(msg, n, "context %u of %u: %s failed: %s", c->failed + 1, c->n, c->call,
+                 shim_cu_name(c->rc));
+    } else {
         rc = 1;
+    }
     pthread_mutex_unlock(&c->mu);
     idle_check_put(c);
     return rc;
@@ -227,10 +230,12 @@ enum phase_result quiesce_run(struct reply *r)
     if (idle == 1) {
         stage = "with every gated call held";
         gate_close(GATE_HOLD_ALL);
-        if (gate_wait_calls(deadline))
+        if (gate_wait_calls(deadline)) {
             idle = device_idle(deadline, why, sizeof why);
-        else
-            idle = 0, snprintf(why, sizeof why, "calls still inside the driver");
+        } else {
+            idle = 0;
+            snprintf(why, sizeof why, "calls still inside the driver");
+        }
     }
     if (idle == 1) {
         shim_log(LOG_INFO, "quiet after %.1f ms",
