@@ -58,7 +58,7 @@ from .progress import (
     json_printer,
 )
 from .recovery import RecoveryReport, recover
-from .replay import Divergence, ReplayReport, replay, replay_file
+from .replay import Divergence, ReplayReport, machine_mismatch, replay, replay_file
 from .runner import (
     Bound,
     CaptureResult,
@@ -135,6 +135,7 @@ __all__ = [
     "human_line",
     "inspect",
     "json_printer",
+    "machine_mismatch",
     "read_manifest",
     "read_state",
     "read_trace",

@@ -41,7 +41,7 @@ from typing import Any, Final, Literal
 import attrs
 
 from .client import Endpoint, ParticipantError, call_all, endpoint_for
-from .errors import CoordinatorError
+from .errors import CoordinatorError, PhaseFailed, not_quiet
 from .native import (
     DEFAULT_LOCK_TIMEOUT_MS,
     NativeBackend,
@@ -54,7 +54,7 @@ from .native import (
 )
 from .options import Options
 from .progress import Event, PhaseEvent
-from .runner import capture, restore
+from .runner import CaptureResult, capture, restore
 from .statefile import STATE_FILE_NAME, StateFileError, utc_timestamp, write_atomically
 from .wire import InFlight, Op, Reply, Request, WireError
 
@@ -700,7 +700,9 @@ def suspend(
             engine_options = attrs.evolve(options, on_progress=report.emit)
             bound = [(e, i) for e, i in zip(detection.endpoints, ids, strict=True) if i]
             with _CopyWatcher(bound, report.emit):
-                result = capture(detection.endpoints, directory, engine_options)
+                result = _capture_quiet(
+                    detection.endpoints, directory, engine_options, report.logger
+                )
             moved.append(_bytes_moved(result.phases))
         prepared = True
     try:
@@ -725,6 +727,27 @@ def suspend(
         lines = [f"the manifest could not be written: {failure}"]
         _undo(lines, group, detection, directory, native, options, report, where)
     return SuspendResult(manifest, path, tuple(report.timings))
+
+
+# Two ranks a collective apart when their gates close refuse QUIESCE (one is held
+# before it launched what the other waits for: specs/quiesce.md). Nothing changed and
+# the gates open again as the run ends, so the capture starts over, this many times in
+# all, before the refusal is reported.
+QUIESCE_ATTEMPTS: Final = 3
+
+
+def _capture_quiet(
+    endpoints: Sequence[Endpoint], directory: Path, options: Options, log: logging.Logger
+) -> CaptureResult:
+    for attempt in range(1, QUIESCE_ATTEMPTS + 1):
+        try:
+            return capture(endpoints, directory, options)
+        except PhaseFailed as error:
+            if attempt == QUIESCE_ATTEMPTS or not not_quiet(error):
+                raise
+            log.warning("capture attempt %d of %d not quiet: %s", attempt, QUIESCE_ATTEMPTS,
+                        error.reason)  # fmt: skip
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _bytes_moved(phases: Sequence[PhaseEvent]) -> int:

@@ -126,6 +126,23 @@ class PhaseFailed(CoordinatorError):
     """
 
 
+# The words of a shim's QUIESCE refusal (shim_c/quiesce.c): its process did not get
+# quiet by the deadline, and its gate is open again.
+NOT_QUIET: Final = "did not reach a quiet point"
+
+
+def not_quiet(error: CoordinatorError) -> bool:
+    """Whether ``error`` stopped a capture at QUIESCE because participants did not get
+    quiet in time, and for no other reason: nothing was changed, every gate opens again
+    with the run's lease, and the capture may start over (specs/quiesce.md)."""
+    return (
+        type(error) is PhaseFailed
+        and error.phase == "QUIESCE"
+        and not error.destroyed
+        and all(NOT_QUIET in p.reason for p in error.problems)
+    )
+
+
 class Interrupted(PhaseFailed):
     """The run was asked to stop (a signal, or the embedder's stop event): it stopped at a
     phase boundary."""

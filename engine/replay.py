@@ -37,6 +37,7 @@ from .wire import Op, Reply, Request
 # Keys that legitimately differ between a run and its replay.
 _UNCOMPARED: Final = frozenset(
     {
+        "steps",  # checked before the replay: machine_mismatch
         "started_s",
         "elapsed_s",
         "state_file",
@@ -211,9 +212,42 @@ def _stage_state_file(entries: Sequence[Mapping[str, Any]], checkpoint_dir: Path
             (checkpoint_dir / STATE_FILE_NAME).write_bytes(text.encode("utf-8", "surrogateescape"))
 
 
-def replay(entries: Sequence[Mapping[str, Any]]) -> ReplayReport:
-    """Run the recorded machine again against participants answering from ``entries``."""
+def machine_mismatch(entries: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why ``entries`` were recorded with steps other than this engine's machine has, or
+    None. A trace names its steps in its start entry; an older one without them is
+    judged by the steps it went through, which must be the machine's, in order."""
     check_entries(entries)
+    start = entries[0]
+    machine = str(start["machine"])
+    ours = [s.trigger for s in MACHINES[machine].steps]
+    if "steps" in start:
+        recorded = [str(s) for s in start["steps"]]
+        if recorded == ours:
+            return None
+    else:
+        recorded = []
+        for entry in entries[1:]:
+            if entry.get("type") == "end":
+                break  # a rollback's entries may follow
+            if entry.get("type") == "transition" and entry.get("trigger") in ours:
+                recorded.append(str(entry["trigger"]))
+        if recorded == ours[: len(recorded)]:
+            return None
+    return (
+        f"the trace was recorded with the {machine} machine's steps {', '.join(recorded)}; "
+        f"this engine's are {', '.join(ours)}: record it again"
+    )
+
+
+def replay(entries: Sequence[Mapping[str, Any]]) -> ReplayReport:
+    """Run the recorded machine again against participants answering from ``entries``.
+
+    Raises :class:`~.trace.TraceError` for a trace recorded with another machine
+    (:func:`machine_mismatch`)."""
+    check_entries(entries)
+    mismatch = machine_mismatch(entries)
+    if mismatch is not None:
+        raise TraceError(mismatch)
     start = entries[0]
     machine = str(start["machine"])
     endpoints = _endpoints(start)

@@ -160,6 +160,10 @@ def _execute(loop: _Loop) -> None:
                 error.destroyed = loop.destroyed
                 if loop.destroyed and loop.options.rollback_on_failure:
                     _roll_back_after(loop, error)
+                elif not loop.destroyed and loop.run.intent_path is not None:
+                    # Stopped at QUIESCE: the lease's end below reopens every gate;
+                    # nothing is left to recover.
+                    clear_intent(directory)
                 raise
             finally:
                 # The lease lasts while the run is in flight: a restore after the
@@ -251,7 +255,7 @@ class _Loop:
         self.machine_state = spec.initial  # set by transitions from here on
         self.machine: Machine = build_machine(spec, self, model_attribute="machine_state")
         self.started = options.clock()
-        self.destroyed = False  # a destructive op has been sent
+        self.destroyed = False  # an op that tears something down has been sent
 
     def options_for_rollback(self) -> Options:
         return attrs.evolve(self.options, stop=None, rollback_on_failure=False)
@@ -319,7 +323,7 @@ class _Loop:
 
     def perform(self, event: EventData) -> None:
         step = self.spec.step(event.event.name)
-        self.destroyed = self.destroyed or step.destructive
+        self.destroyed = self.destroyed or step.tears_down
         phase_event = perform(self.run, step)
         if phase_event is not None:
             self.run.events.append(phase_event)

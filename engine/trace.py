@@ -19,6 +19,7 @@ from typing import Any, Final, Protocol
 
 import attrs
 
+from ..phases import MACHINES
 from .client import Endpoint, ParticipantError
 from .errors import CoordinatorError, Problem
 from .statefile import STATE_FILE_NAME
@@ -104,6 +105,9 @@ def start_entry(
         "type": "start",
         "format": TRACE_FORMAT,
         "machine": machine,
+        # The machine's steps as this engine ran them: replay refuses a trace recorded
+        # with other steps (an older engine's) instead of reporting every entry.
+        "steps": [s.trigger for s in MACHINES[machine].steps],
         "processes": [
             {"observed_pid": e.observed_pid, "namespace_pid": e.namespace_pid, "path": str(e.path)}
             for e in endpoints

@@ -56,6 +56,7 @@ class Op(enum.IntEnum):
     ROLLBACK_IMPORTS = 14
     RELEASE = 15  # ends the coordinator's lease; served in any phase
     STATUS = 16  # read-only, served while a phase op runs: see InFlight
+    QUIESCE = 17  # closes the shim's gate until the process is quiet (specs/quiesce.md)
 
 
 class Phase(enum.IntEnum):
@@ -69,6 +70,7 @@ class Phase(enum.IntEnum):
     MULTICAST_IMPORTED = 8
     MULTICAST_JOINED = 9
     ROLLBACK_LOADED = 10
+    QUIESCED = 11
     FAILED = 15
 
 

@@ -60,12 +60,20 @@ CAPTURE = MachineSpec(
             guards=("all_active",),
         ),
         Step(
-            "PREPARE_MULTICAST",
+            "QUIESCE",
             "inspected",
+            "quiesced",
+            "close every gate: threads held at their next synchronizing call, then at "
+            "every launch, until no device work is left (specs/quiesce.md)",
+            op="QUIESCE",
+            guards=("topology_valid", "preflight_clean", "checkpoint_dir_writable"),
+        ),
+        Step(
+            "PREPARE_MULTICAST",
+            "quiesced",
             "multicast_detached",
             "unbind, unmap and release every multicast object",
             op="PREPARE_MULTICAST",
-            guards=("topology_valid", "preflight_clean", "checkpoint_dir_writable"),
         ),
         Step(
             "SAVE_ALLOCATIONS",

@@ -107,6 +107,13 @@ class Step:
         return self.op in PHASE_OP
 
     @property
+    def tears_down(self) -> bool:
+        """Whether a run stopped after this op needs a rollback (QUIESCE's phase ends
+        with the coordinator's lease: see ``ops.PhaseOp.undone_by_release``)."""
+        phase_op = PHASE_OP.get(self.op) if self.op is not None else None
+        return phase_op is not None and not phase_op.undone_by_release
+
+    @property
     def expected_phase(self) -> str | None:
         """The shim phase every reply must report, or None when any phase will do."""
         phase_op = PHASE_OP.get(self.op) if self.op is not None else None

@@ -21,10 +21,15 @@ class PhaseOp:
     needs: tuple[str, ...]  # the phases in which the shim serves the op
     reaches: str  # the phase every successful reply reports
     transfers: bool = False  # the reply carries byte and allocation statistics
+    # Tears nothing down: a shim left in ``reaches`` goes back to ACTIVE by itself
+    # when its coordinator's lease ends (RELEASE, or the holder's exit), so a run
+    # that stops there needs no rollback.
+    undone_by_release: bool = False
 
 
 PHASE_OPS: Final[tuple[PhaseOp, ...]] = (
-    PhaseOp("PREPARE_MULTICAST", ("ACTIVE",), "MULTICAST_DETACHED"),
+    PhaseOp("QUIESCE", ("ACTIVE",), "QUIESCED", undone_by_release=True),
+    PhaseOp("PREPARE_MULTICAST", ("QUIESCED",), "MULTICAST_DETACHED"),
     PhaseOp("SAVE_ALLOCATIONS", ("MULTICAST_DETACHED",), "ALLOCATIONS_SAVED", transfers=True),
     PhaseOp("PREPARE_UNICAST", ("ALLOCATIONS_SAVED",), "PREPARED"),
     PhaseOp("LOAD_ALLOCATIONS", ("PREPARED",), "ALLOCATIONS_LOADED", transfers=True),
@@ -48,6 +53,7 @@ ROLLBACK_FROM: Final[tuple[str, ...]] = (
     "MULTICAST_IMPORTED",
     "MULTICAST_JOINED",
     "ROLLBACK_LOADED",
+    "QUIESCED",
     "FAILED",
 )
 

@@ -245,11 +245,13 @@ fail:
 }
 
 /* ------------------------------------------------------------ EXPORT server */
-/* Where a creator's allocations are live again for its importers: ACTIVE,
- * every restore phase, and ROLLBACK_LOADED (importers re-import then). */
+/* Where a creator's allocations are live for its importers: ACTIVE,
+ * QUIESCED (a peer's import may still be in flight until its own gate
+ * closes), every restore phase, and ROLLBACK_LOADED (importers re-import). */
 static bool export_phase_ok(uint16_t p)
 {
     return p == CUIP_PHASE_ACTIVE || p == CUIP_PHASE_ROLLBACK_LOADED ||
+           p == CUIP_PHASE_QUIESCED ||
            (p >= CUIP_PHASE_ALLOCATIONS_LOADED && p <= CUIP_PHASE_MULTICAST_JOINED);
 }
 
@@ -390,10 +392,8 @@ int cap_inspect_fetches(struct reply *r)
 }
 
 /* ------------------------------------------------------------ application calls */
-CUresult CUDAAPI cuMemExportToShareableHandle(void *shareableHandle,
-                                              CUmemGenericAllocationHandle handle,
-                                              CUmemAllocationHandleType handleType,
-                                              unsigned long long flags)
+static CUresult export_handle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                              CUmemAllocationHandleType handleType, unsigned long long flags)
 {
     struct obj *o;
     int raw = -1, cap;
@@ -602,9 +602,8 @@ out:
     return r;
 }
 
-CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
-                                                void *osHandle,
-                                                CUmemAllocationHandleType shHandleType)
+static CUresult import_handle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                              CUmemAllocationHandleType shHandleType)
 {
     struct cuip_capability c;
     CUresult r = shim_enter();
@@ -624,4 +623,31 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *ha
     if (kind == CAP_NONE)
         return import_raw(handle, osHandle, shHandleType);
     return import_cap(handle, &c);
+}
+
+/* Export and import pass the gate for their whole length (an import asks
+ * the creator between two looks at the tables): QUIESCE waits for them. */
+CUresult CUDAAPI cuMemExportToShareableHandle(void *shareableHandle,
+                                              CUmemGenericAllocationHandle handle,
+                                              CUmemAllocationHandleType handleType,
+                                              unsigned long long flags)
+{
+    CUresult r;
+
+    gate_enter(GATE_LAUNCH, "cuMemExportToShareableHandle");
+    r = export_handle(shareableHandle, handle, handleType, flags);
+    gate_leave(GATE_LAUNCH);
+    return r;
+}
+
+CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
+                                                void *osHandle,
+                                                CUmemAllocationHandleType shHandleType)
+{
+    CUresult r;
+
+    gate_enter(GATE_LAUNCH, "cuMemImportFromShareableHandle");
+    r = import_handle(handle, osHandle, shHandleType);
+    gate_leave(GATE_LAUNCH);
+    return r;
 }

@@ -42,7 +42,7 @@ static const char *op_name(unsigned op)
         "PREPARE_UNICAST", "LOAD_ALLOCATIONS", "RESTORE_UNICAST",
         "RESTORE_MULTICAST_CREATORS", "RESTORE_MULTICAST_IMPORTERS",
         "RESTORE_MULTICAST_DEVICES", "RESTORE_MULTICAST_BINDINGS", "EXPORT",
-        "ROLLBACK_ALLOCATIONS", "ROLLBACK_IMPORTS", "RELEASE", "STATUS"};
+        "ROLLBACK_ALLOCATIONS", "ROLLBACK_IMPORTS", "RELEASE", "STATUS", "QUIESCE"};
     _Static_assert(sizeof names / sizeof names[0] == CUIP_OP_MAX + 1, "a name per op");
     return op <= CUIP_OP_MAX ? names[op] : "?";
 }
@@ -132,6 +132,8 @@ static const struct phase_op phase_ops[CUIP_OP_MAX + 1] = {
 static phase_work_fn *phase_work(enum cuip_op op)
 {
     switch (op) {
+    case CUIP_OP_QUIESCE:
+        return quiesce_run;
     case CUIP_OP_PREPARE_MULTICAST:
         return multicast_prepare;
     case CUIP_OP_SAVE_ALLOCATIONS:
@@ -234,6 +236,7 @@ static void run_phase_op(uint16_t op, struct reply *r)
     uint64_t t0 = shim_now_ns();
     enum phase_result rc;
     uint16_t from;
+    bool reopen;
 
     if (!work || !d->needs) {
         reply_msg(r, CUIP_STATUS_INTERNAL, "%s is not a phase op", op_name(op));
@@ -257,7 +260,9 @@ static void run_phase_op(uint16_t op, struct reply *r)
     g.op_started_ns = t0;
     __atomic_store_n(&g.phase_bytes_done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&g.phase_bytes_total, 0, __ATOMIC_RELAXED);
-    if (from == CUIP_PHASE_ACTIVE)
+    /* QUIESCE stays ACTIVE while it works: the application's calls flow
+     * through the gate until it is closed, never answered NOT_READY. */
+    if (from == CUIP_PHASE_ACTIVE && op != CUIP_OP_QUIESCE)
         g.phase = d->next;
     pthread_mutex_unlock(&g.lock);
 
@@ -296,7 +301,14 @@ static void run_phase_op(uint16_t op, struct reply *r)
         g.reason[0] = 0; /* a rollback out of FAILED forgets the old reason */
     g.busy = false;
     g.op_in_flight = 0;
+    /* Back in ACTIVE (restored, rolled back, or a QUIESCE refused): the
+     * gate opens last, once the topology is back. */
+    reopen = g.phase == CUIP_PHASE_ACTIVE;
     pthread_mutex_unlock(&g.lock);
+    if (reopen && gate_level() != GATE_OPEN) {
+        gate_open();
+        shim_log(LOG_INFO, "%s: gate open", op_name(op));
+    }
 }
 
 /* STATUS: what is in flight, never waiting for it (g.lock is only held by
@@ -349,6 +361,40 @@ static bool lease_holder_gone(const struct shim_lease *l, uint64_t now)
     if (l->pid > 0)
         return kill(l->pid, 0) != 0 && errno == ESRCH;
     return now - l->last_ns > (uint64_t)shim_settings()->lease_idle_ms * 1000000ull;
+}
+
+/* QUIESCED without a coordinator: nothing is torn down, so the process
+ * goes back to ACTIVE and its gate opens (lock order: g.lock, then the
+ * gate's own). */
+static void unquiesce(void)
+{
+    pthread_mutex_lock(&g.lock);
+    if (g.phase == CUIP_PHASE_QUIESCED && !g.busy) {
+        g.phase = CUIP_PHASE_ACTIVE;
+        gate_open();
+        shim_log(LOG_INFO, "QUIESCED without a coordinator: ACTIVE, gate open");
+    }
+    pthread_mutex_unlock(&g.lock);
+}
+
+/* Run by a thread held at the gate: a QUIESCED process has nothing torn
+ * down, so when its coordinator is gone (the lease holder exited) it goes
+ * back to ACTIVE and runs on instead of waiting for a recover. */
+static void gate_watch(void)
+{
+    pid_t holder;
+
+    pthread_mutex_lock(&g.lock);
+    if (g.phase == CUIP_PHASE_QUIESCED && !g.busy &&
+        (!g.lease.held || lease_holder_gone(&g.lease, shim_now_ns()))) {
+        holder = g.lease.held ? g.lease.pid : 0;
+        lease_drop();
+        g.phase = CUIP_PHASE_ACTIVE;
+        gate_open();
+        shim_log(LOG_WARN, "QUIESCED, and its coordinator (pid %d; 0: none) is gone: ACTIVE, "
+                 "gate open", (int)holder);
+    }
+    pthread_mutex_unlock(&g.lock);
 }
 
 static void lease_refuse(struct reply *r, unsigned op, const char *why)
@@ -445,6 +491,8 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
     pthread_mutex_lock(&g.lock);
     admitted = lease_admit(q, peer, r);
     pthread_mutex_unlock(&g.lock);
+    if (q->op == CUIP_OP_RELEASE && r->h.status == CUIP_STATUS_OK)
+        unquiesce(); /* a run that stopped at QUIESCE needs no rollback */
     if (!admitted)
         return;
     switch (q->op) {
@@ -526,6 +574,8 @@ out:
 void *control_listen(void *arg)
 {
     int lfd = (int)(intptr_t)arg;
+
+    gate_set_watch(gate_watch);
     for (;;) {
         pthread_t t;
         pthread_attr_t at;

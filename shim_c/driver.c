@@ -34,6 +34,7 @@ SHIM_NO_SAN shim_dlsym_fn shim_real_dlsym(void)
 /* ------------------------------------------------------------ real driver */
 static pthread_once_t resolve_once_ctl = PTHREAD_ONCE_INIT;
 static bool resolve_ok;
+static void *driver_lib; /* set once by resolve_once */
 
 static void *sym(void *lib, const char *name, const char *base, int version)
 {
@@ -62,6 +63,7 @@ static void resolve_once(void)
         shim_log(LOG_ERROR, "cannot open libcuda.so.1: %s", dlerror());
         return;
     }
+    driver_lib = lib;
 #define R(field, name, base, ver) field = (__typeof__(field))sym(lib, name, base, ver)
     R(real.cuGetProcAddress_v2, "cuGetProcAddress_v2", NULL, 0);
     R(real.gpa_v1, "cuGetProcAddress", NULL, 0);
@@ -94,6 +96,12 @@ static void resolve_once(void)
     R(real.cuCtxPopCurrent, "cuCtxPopCurrent_v2", "cuCtxPopCurrent", 4000);
     R(real.cuCtxGetDevice, "cuCtxGetDevice", "cuCtxGetDevice", 2000);
     R(real.cuCtxSynchronize, "cuCtxSynchronize", "cuCtxSynchronize", 2000);
+    R(real.cuDeviceGetCount, "cuDeviceGetCount", "cuDeviceGetCount", 2000);
+    R(real.cuDevicePrimaryCtxGetState, "cuDevicePrimaryCtxGetState", "cuDevicePrimaryCtxGetState",
+      7000);
+    R(real.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", 7000);
+    R(real.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2",
+      "cuDevicePrimaryCtxRelease", 11000);
     R(real.cuMulticastCreate, "cuMulticastCreate", "cuMulticastCreate", 12010);
     R(real.cuMulticastAddDevice, "cuMulticastAddDevice", "cuMulticastAddDevice", 12010);
     R(real.cuMulticastBindMem, "cuMulticastBindMem", "cuMulticastBindMem", 12010);
@@ -115,6 +123,15 @@ bool shim_resolve_real(void)
 {
     pthread_once(&resolve_once_ctl, resolve_once);
     return resolve_ok;
+}
+
+void *shim_driver_symbol(const char *name)
+{
+    shim_dlsym_fn rd = shim_real_dlsym();
+
+    if (!shim_resolve_real() || !rd)
+        return NULL;
+    return rd(driver_lib, name);
 }
 
 /* Not among the wrapped calls, and only SAVE/LOAD need them: asked for on

@@ -11,6 +11,14 @@
  *    same ABI. The ABI is taken from the pointer the driver returned when it
  *    is one of the driver's exports (exact), else from the requested version.
  *
+ * Besides the tracked calls, every call that launches device work or waits
+ * for it on the host is gated (gate.c; the list is GATED_CALLS below and in
+ * specs/quiesce.md). A gated call has slots: slot 0 is the shim's export of
+ * the driver's symbol, the others are handed out by the resolvers, one per
+ * distinct pointer the driver answered (the default-stream and per-thread
+ * variants, internal entry points), so each wrapper calls exactly what the
+ * driver would have given the application.
+ *
  * The real driver is never linked: driver.c opens it by soname at first use.
  */
 #include "shim.h"
@@ -85,6 +93,154 @@ static const struct tracked tracked[] = {
 };
 #define NTRACKED (sizeof tracked / sizeof tracked[0])
 
+/* ------------------------------------------------------------ gated calls */
+#define GATE_SLOTS 8
+#define NO_MAX 0x7fffffff
+
+/* X(symbol, resolver name, first version, last version + 1, class, params, args) */
+#define GATED_CALLS(X)                                                                    \
+    X(cuLaunchKernel, "cuLaunchKernel", 0, NO_MAX, GATE_LAUNCH,                           \
+      (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,  \
+       unsigned int by, unsigned int bz, unsigned int shm, CUstream s, void **p,          \
+       void **e),                                                                         \
+      (f, gx, gy, gz, bx, by, bz, shm, s, p, e))                                          \
+    X(cuLaunchKernelEx, "cuLaunchKernelEx", 0, NO_MAX, GATE_LAUNCH,                       \
+      (const CUlaunchConfig *c, CUfunction f, void **p, void **e), (c, f, p, e))          \
+    X(cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel", 0, NO_MAX, GATE_LAUNCH,     \
+      (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,  \
+       unsigned int by, unsigned int bz, unsigned int shm, CUstream s, void **p),         \
+      (f, gx, gy, gz, bx, by, bz, shm, s, p))                                             \
+    X(cuLaunchHostFunc, "cuLaunchHostFunc", 0, NO_MAX, GATE_LAUNCH,                       \
+      (CUstream s, CUhostFn fn, void *arg), (s, fn, arg))                                 \
+    X(cuGraphLaunch, "cuGraphLaunch", 0, NO_MAX, GATE_LAUNCH,                             \
+      (CUgraphExec g, CUstream s), (g, s))                                                \
+    X(cuEventRecord, "cuEventRecord", 0, NO_MAX, GATE_LAUNCH, (CUevent ev, CUstream s),   \
+      (ev, s))                                                                            \
+    X(cuMemcpyAsync, "cuMemcpyAsync", 0, NO_MAX, GATE_LAUNCH,                             \
+      (CUdeviceptr d, CUdeviceptr src, size_t n, CUstream s), (d, src, n, s))             \
+    X(cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync", 3020, NO_MAX, GATE_LAUNCH,               \
+      (CUdeviceptr d, const void *src, size_t n, CUstream s), (d, src, n, s))             \
+    X(cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync", 3020, NO_MAX, GATE_LAUNCH,               \
+      (void *d, CUdeviceptr src, size_t n, CUstream s), (d, src, n, s))                   \
+    X(cuMemcpyDtoDAsync_v2, "cuMemcpyDtoDAsync", 3020, NO_MAX, GATE_LAUNCH,               \
+      (CUdeviceptr d, CUdeviceptr src, size_t n, CUstream s), (d, src, n, s))             \
+    X(cuMemsetD8Async, "cuMemsetD8Async", 0, NO_MAX, GATE_LAUNCH,                         \
+      (CUdeviceptr d, unsigned char v, size_t n, CUstream s), (d, v, n, s))               \
+    X(cuMemsetD16Async, "cuMemsetD16Async", 0, NO_MAX, GATE_LAUNCH,                       \
+      (CUdeviceptr d, unsigned short v, size_t n, CUstream s), (d, v, n, s))              \
+    X(cuMemsetD32Async, "cuMemsetD32Async", 0, NO_MAX, GATE_LAUNCH,                       \
+      (CUdeviceptr d, unsigned int v, size_t n, CUstream s), (d, v, n, s))                \
+    X(cuMemsetD8_v2, "cuMemsetD8", 3020, NO_MAX, GATE_LAUNCH,                             \
+      (CUdeviceptr d, unsigned char v, size_t n), (d, v, n))                              \
+    X(cuMemsetD16_v2, "cuMemsetD16", 3020, NO_MAX, GATE_LAUNCH,                           \
+      (CUdeviceptr d, unsigned short v, size_t n), (d, v, n))                             \
+    X(cuMemsetD32_v2, "cuMemsetD32", 3020, NO_MAX, GATE_LAUNCH,                           \
+      (CUdeviceptr d, unsigned int v, size_t n), (d, v, n))                               \
+    X(cuCtxSynchronize, "cuCtxSynchronize", 0, 13000, GATE_SYNC, (void), ())              \
+    X(cuCtxSynchronize_v2, "cuCtxSynchronize", 13000, NO_MAX, GATE_SYNC, (CUcontext c),   \
+      (c))                                                                                \
+    X(cuStreamSynchronize, "cuStreamSynchronize", 0, NO_MAX, GATE_SYNC, (CUstream s),     \
+      (s))                                                                                \
+    X(cuEventSynchronize, "cuEventSynchronize", 0, NO_MAX, GATE_SYNC, (CUevent ev), (ev)) \
+    X(cuMemcpy, "cuMemcpy", 0, NO_MAX, GATE_SYNC,                                         \
+      (CUdeviceptr d, CUdeviceptr src, size_t n), (d, src, n))                            \
+    X(cuMemcpyHtoD_v2, "cuMemcpyHtoD", 3020, NO_MAX, GATE_SYNC,                           \
+      (CUdeviceptr d, const void *src, size_t n), (d, src, n))                            \
+    X(cuMemcpyDtoH_v2, "cuMemcpyDtoH", 3020, NO_MAX, GATE_SYNC,                           \
+      (void *d, CUdeviceptr src, size_t n), (d, src, n))                                  \
+    X(cuMemcpyDtoD_v2, "cuMemcpyDtoD", 3020, NO_MAX, GATE_SYNC,                           \
+      (CUdeviceptr d, CUdeviceptr src, size_t n), (d, src, n))
+
+/* The driver's own export, found once (slot 0). */
+static void *direct(void **slot, const char *symbol)
+{
+    void *p = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    if (!p) {
+        p = shim_driver_symbol(symbol);
+        if (p)
+            __atomic_store_n(slot, p, __ATOMIC_RELEASE);
+    }
+    return p;
+}
+
+#define GATED_VIA(sym, base, cls, params, args, k)                                        \
+    static CUresult CUDAAPI sym##_via##k params                                           \
+    {                                                                                     \
+        sym##_fn f_ = (sym##_fn)__atomic_load_n(&sym##_slot[k], __ATOMIC_ACQUIRE);        \
+        CUresult r_;                                                                      \
+        gate_enter(cls, base);                                                            \
+        r_ = f_ args;                                                                     \
+        gate_leave(cls);                                                                  \
+        return r_;                                                                        \
+    }
+
+#define GATED_DEFINE(sym, base, from, until, cls, params, args)                           \
+    typedef CUresult(CUDAAPI *sym##_fn) params;                                           \
+    static void *sym##_slot[GATE_SLOTS];                                                  \
+    GATED_VIA(sym, base, cls, params, args, 1)                                            \
+    GATED_VIA(sym, base, cls, params, args, 2)                                            \
+    GATED_VIA(sym, base, cls, params, args, 3)                                            \
+    GATED_VIA(sym, base, cls, params, args, 4)                                            \
+    GATED_VIA(sym, base, cls, params, args, 5)                                            \
+    GATED_VIA(sym, base, cls, params, args, 6)                                            \
+    GATED_VIA(sym, base, cls, params, args, 7)                                            \
+    SHIM_EXPORT CUresult CUDAAPI sym params                                               \
+    {                                                                                     \
+        sym##_fn f_ = (sym##_fn)direct(&sym##_slot[0], #sym);                             \
+        CUresult r_;                                                                      \
+        if (!f_)                                                                          \
+            return CUDA_ERROR_NOT_INITIALIZED;                                            \
+        gate_enter(cls, base);                                                            \
+        r_ = f_ args;                                                                     \
+        gate_leave(cls);                                                                  \
+        return r_;                                                                        \
+    }                                                                                     \
+    static void *const sym##_vias[GATE_SLOTS] = {                                         \
+        (void *)sym,         (void *)sym##_via1, (void *)sym##_via2, (void *)sym##_via3,  \
+        (void *)sym##_via4,  (void *)sym##_via5, (void *)sym##_via6, (void *)sym##_via7};
+_Static_assert(GATE_SLOTS == 8, "GATED_DEFINE writes 7 resolver slots");
+
+GATED_CALLS(GATED_DEFINE)
+
+struct gated {
+    const char *base;           /* as the resolvers are asked */
+    const char *symbol;         /* the driver's export */
+    int from, until;            /* the versions whose ABI this is */
+    void **slots;
+    void *const *vias;
+};
+
+#define GATED_ENTRY(sym, base, from, until, cls, params, args) \
+    {base, #sym, from, until, sym##_slot, sym##_vias},
+static const struct gated gated[] = {GATED_CALLS(GATED_ENTRY)};
+#define NGATED (sizeof gated / sizeof gated[0])
+
+/* The wrapper for `p`, the driver's answer for `name` at `version`; NULL
+ * when the name is not gated at that version, or every slot is taken. */
+static void *gated_for(const char *name, void *p, int version)
+{
+    for (size_t i = 0; i < NGATED; i++) {
+        const struct gated *e = &gated[i];
+        if (!same(e->base, name) || version < e->from || version >= e->until)
+            continue;
+        for (int k = 1; k < GATE_SLOTS; k++) {
+            void *none = NULL;
+            void *cur = __atomic_load_n(&e->slots[k], __ATOMIC_ACQUIRE);
+            if (cur == p)
+                return e->vias[k];
+            if (!cur && __atomic_compare_exchange_n(&e->slots[k], &none, p, false,
+                                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                return e->vias[k];
+            if (__atomic_load_n(&e->slots[k], __ATOMIC_ACQUIRE) == p)
+                return e->vias[k];
+        }
+        shim_log(LOG_WARN, "%s@%d: every slot is taken; this entry point is not gated", name,
+                 version);
+        return NULL;
+    }
+    return NULL;
+}
+
 /* Exported names that dlsym substitutes (exact symbol names). */
 struct named {
     const char *name;
@@ -112,6 +268,9 @@ static const struct named named[] = {
     {"cuMulticastBindAddr", (void *)cuMulticastBindAddr},
     {"cuMulticastBindAddr_v2", (void *)cuMulticastBindAddr_v2},
     {"cuMulticastUnbind", (void *)cuMulticastUnbind},
+#define GATED_NAMED(sym, base, from, until, cls, params, args) {#sym, (void *)sym},
+    GATED_CALLS(GATED_NAMED)
+#undef GATED_NAMED
     {"cudaGetDriverEntryPoint", (void *)cudaGetDriverEntryPoint},
     {"cudaGetDriverEntryPoint_ptsz", (void *)cudaGetDriverEntryPoint_ptsz},
     {"cudaGetDriverEntryPointByVersion", (void *)cudaGetDriverEntryPointByVersion},
@@ -162,6 +321,8 @@ static void substitute(const char *name, void **pfn, int version)
     if (!name || !pfn || !*pfn)
         return;
     w = wrapper_for(name, *pfn, version);
+    if (!w)
+        w = gated_for(name, *pfn, version);
     if (w) {
         shim_log(LOG_DEBUG, "resolver: %s@%d -> shim", name, version);
         *pfn = w;

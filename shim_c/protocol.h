@@ -49,8 +49,11 @@ enum cuip_op {
      * nothing, binds nothing; the participant may be all zero): the reply's
      * stat fields say what is in flight (below). */
     CUIP_OP_STATUS = 16,
+    /* The first op of a capture: closes the gate that the application's
+     * driver calls pass until the process is quiet (specs/quiesce.md). */
+    CUIP_OP_QUIESCE = 17,
 };
-#define CUIP_OP_MAX CUIP_OP_STATUS
+#define CUIP_OP_MAX CUIP_OP_QUIESCE
 
 /* A STATUS reply's stat fields (its phase is the header's phase):
  * stat_count the op in flight (enum cuip_op, 0 when none), stat_bytes the
@@ -69,6 +72,9 @@ enum cuip_phase {
     CUIP_PHASE_MULTICAST_IMPORTED = 8,
     CUIP_PHASE_MULTICAST_JOINED = 9,
     CUIP_PHASE_ROLLBACK_LOADED = 10,
+    /* The gate is closed and every context of the process idle; nothing is
+     * torn down yet. The gate stays closed until the phase is ACTIVE again. */
+    CUIP_PHASE_QUIESCED = 11,
     CUIP_PHASE_FAILED = 15,
 };
 
@@ -78,7 +84,8 @@ enum cuip_phase {
  * byte and allocation statistics. Names are the CUIP_OP_ and CUIP_PHASE_
  * suffixes; the engine's table (phases/ops.py) is pinned to this one. */
 #define CUIP_PHASE_OPS(X)                                                      \
-    X(PREPARE_MULTICAST, ACTIVE, MULTICAST_DETACHED, 0)                        \
+    X(QUIESCE, ACTIVE, QUIESCED, 0)                                            \
+    X(PREPARE_MULTICAST, QUIESCED, MULTICAST_DETACHED, 0)                      \
     X(SAVE_ALLOCATIONS, MULTICAST_DETACHED, ALLOCATIONS_SAVED, 1)              \
     X(PREPARE_UNICAST, ALLOCATIONS_SAVED, PREPARED, 0)                         \
     X(LOAD_ALLOCATIONS, PREPARED, ALLOCATIONS_LOADED, 1)                       \
@@ -99,7 +106,8 @@ enum cuip_phase {
 #define CUIP_ROLLBACK_FROM(X)                                                  \
     X(ACTIVE) X(MULTICAST_DETACHED) X(ALLOCATIONS_SAVED) X(PREPARED)           \
     X(ALLOCATIONS_LOADED) X(UNICAST_RESTORED) X(MULTICAST_CREATED)             \
-    X(MULTICAST_IMPORTED) X(MULTICAST_JOINED) X(ROLLBACK_LOADED) X(FAILED)
+    X(MULTICAST_IMPORTED) X(MULTICAST_JOINED) X(ROLLBACK_LOADED) X(QUIESCED)   \
+    X(FAILED)
 #define CUIP_ROLLBACK_IMPORTS_FROM(X) X(ROLLBACK_LOADED)
 #define CUIP_ROLLBACK_OPS(X)                                                   \
     X(ROLLBACK_ALLOCATIONS, CUIP_ROLLBACK_FROM, ROLLBACK_LOADED, 1)            \

@@ -43,6 +43,8 @@
 #define STAGING_BOUNCE_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB"
 #define STAGING_RESIDENT_ENV "SNAPSHOT_SHIM_STAGING_RESIDENT_MIB"
 #define TIMING_ENV "SNAPSHOT_SHIM_TIMING"
+#define QUIESCE_TIMEOUT_ENV "SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S"
+#define GATE_ENV "SNAPSHOT_SHIM_GATE"
 /* CUIP_CONTROL_DIR_ENV and CUIP_PARTICIPANT_ENV are in protocol.h: the
  * coordinator sets them too. */
 
@@ -53,6 +55,8 @@
 /* Longer than the coordinator's phase timeout (120 s) and its local steps:
  * a holder in the middle of a run is never idle that long. */
 #define LEASE_IDLE_MS_DEFAULT 600000
+/* QUIESCE: time for the application to reach a quiet point (specs/quiesce.md). */
+#define QUIESCE_TIMEOUT_MS_DEFAULT 10000
 #define UID_MAX_TRUSTED 4294967294ul
 #define THREADS_DEFAULT 16ul
 #define THREADS_MAX 64ul
@@ -169,6 +173,11 @@ static void settings_load(void)
              dir && *dir ? dir : CUIP_CONTROL_DIR_DEFAULT);
     snprintf(s->participant, sizeof s->participant, "%s", pin ? pin : "");
     s->lease_idle_ms = env_seconds_ms(LEASE_IDLE_ENV, LEASE_IDLE_MS_DEFAULT);
+    s->quiesce_timeout_ms = env_seconds_ms(QUIESCE_TIMEOUT_ENV, QUIESCE_TIMEOUT_MS_DEFAULT);
+    s->gate = env_bool(GATE_ENV, true);
+    if (!s->gate)
+        shim_log(LOG_WARN, "%s=0: the gate never closes; QUIESCE only drains the device once, "
+                 "and a capture under running work can lose updates or fault", GATE_ENV);
     /* Unset, or a bad value (named in the warning): the usual trust. */
     s->trust_uid = (long)env_count(TRUST_UID_ENV, 0, UID_MAX_TRUSTED, UID_MAX_TRUSTED + 1,
                                    "a uid");

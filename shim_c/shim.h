@@ -6,12 +6,14 @@
  *   util.c      logging, time, randomness, hex, byte comparisons
  *   settings.c  every environment variable, read once
  *   driver.c    the real driver: resolution, contexts, CUresult names
+ *   gate.c      the gate that application calls pass (specs/quiesce.md)
  *   state.c     the shared state `g`, its lock, entering the shim
  *   handles.c   the logical handle table and its objects
  *   io.c        bounded socket I/O and replies
  *   capability.c, multicast.c, unicast.c, staging.c, content.c   the tracked
  *               calls, the staging pool and
  *               the phase work
+ *   quiesce.c   QUIESCE: closing the gate until the process is quiet
  *   rollback.c  the way back to ACTIVE (CUIP_ROLLBACK_OPS)
  *   control.c   the control server: connections, validation, phase machine
  *   lifecycle.c starting the server, fork, exit
@@ -120,6 +122,11 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_TRUST_UID, a test hook: the one uid trusted instead of
      * root and our own (peers, servers, the control dir's owner); -1 unset. */
     long trust_uid;
+    /* SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S: QUIESCE's deadline for a quiet point. */
+    long quiesce_timeout_ms;
+    /* SNAPSHOT_SHIM_GATE=0 (diagnosis, and the test that shows what the gate
+     * prevents): QUIESCE drains once and closes nothing. Warned at start. */
+    bool gate;
 };
 /* The settings, read from the environment on the first call. */
 SHIM_HIDDEN const struct shim_settings *shim_settings(void);
@@ -164,6 +171,10 @@ struct shim_real {
     CUresult (*cuCtxPopCurrent)(CUcontext *);
     CUresult (*cuCtxGetDevice)(CUdevice *);
     CUresult (*cuCtxSynchronize)(void);
+    CUresult (*cuDeviceGetCount)(int *);
+    CUresult (*cuDevicePrimaryCtxGetState)(CUdevice, unsigned int *, int *);
+    CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
     CUresult (*cuMulticastCreate)(CUmemGenericAllocationHandle *, const CUmulticastObjectProp *);
     CUresult (*cuMulticastAddDevice)(CUmemGenericAllocationHandle, CUdevice);
     CUresult (*cuMulticastBindMem)(CUmemGenericAllocationHandle, size_t,
@@ -185,6 +196,9 @@ SHIM_HIDDEN bool shim_resolve_real(void);
 /* cuMemHostRegister and cuMemHostUnregister, through the driver's resolver
  * as an application would ask; false when the driver lacks either. */
 SHIM_HIDDEN bool shim_resolve_host_register(void);
+/* The driver's own export `name` (exact symbol name, no resolver); NULL
+ * when the driver cannot be loaded or lacks it. */
+SHIM_HIDDEN void *shim_driver_symbol(const char *name);
 /* The real dlsym (found with dlvsym: a dlsym interposer cannot ask dlsym);
  * NULL when none of the known versions exists. */
 typedef void *(*shim_dlsym_fn)(void *, const char *);
@@ -195,6 +209,35 @@ SHIM_HIDDEN void shim_ctx_leave(bool pushed);
 SHIM_HIDDEN const char *shim_cu_name(CUresult r);
 /* A CUDA_FAILED message: "<call> failed: <CUresult name> (<value>)". */
 SHIM_HIDDEN void shim_fail(char *msg, size_t n, const char *call, CUresult r);
+
+/* ---------------------------------------------------------------- gate.c */
+/* What a gated call does: launches device work, or waits for it on the
+ * host (specs/quiesce.md lists the calls). */
+enum gate_class { GATE_LAUNCH = 0, GATE_SYNC = 1, GATE_CLASSES = 2 };
+enum gate_level {
+    GATE_OPEN = 0,      /* every call passes */
+    GATE_HOLD_SYNC = 1, /* launches pass; synchronizing calls are held */
+    GATE_HOLD_ALL = 2,  /* every gated call is held */
+};
+/* Around an application's driver call of class `c` named `call` (a string
+ * that outlives the call): blocks while the gate holds `c`, never failing. */
+SHIM_HIDDEN void gate_enter(enum gate_class c, const char *call);
+SHIM_HIDDEN void gate_leave(enum gate_class c);
+/* Blocks until the gate is open (a tracked call outside ACTIVE). */
+SHIM_HIDDEN void gate_wait_open(const char *call);
+SHIM_HIDDEN void gate_close(enum gate_level level);
+/* Lets every held thread go. */
+SHIM_HIDDEN void gate_open(void);
+SHIM_HIDDEN enum gate_level gate_level(void);
+/* Waits until no gated call is inside the driver (held ones are not), until
+ * the monotonic `deadline_ns`; false when some still are. */
+SHIM_HIDDEN bool gate_wait_calls(uint64_t deadline_ns);
+/* Who is held at which call and what is still inside the driver, in one
+ * line; its length. */
+SHIM_HIDDEN size_t gate_describe(char *buf, size_t n);
+/* `watch` is called every 200 ms by a held thread, without any lock held. */
+SHIM_HIDDEN void gate_set_watch(void (*watch)(void));
+SHIM_HIDDEN void gate_after_fork(void);
 
 /* ---------------------------------------------------------------- state.c */
 /* The coordinator's lease (control.c): one coordinator at a time. The word
@@ -244,9 +287,12 @@ SHIM_HIDDEN void shim_ensure_started(void);
 /* Every tracked application call starts with this: resolves the driver and
  * starts the control server. Returns CUDA_SUCCESS or an error to hand back. */
 SHIM_HIDDEN CUresult shim_enter(void);
-/* Enter the shim, lock g.lock and check that the application may change
- * tracked state; on CUDA_SUCCESS the caller holds g.lock. */
-SHIM_HIDDEN CUresult app_lock(void);
+/* Pass the gate (a launching call named `call`) and lock g.lock. */
+SHIM_HIDDEN void app_gate_lock(const char *call);
+/* Enter the shim, pass the gate, lock g.lock and check that the application
+ * may change tracked state; on CUDA_SUCCESS the caller holds g.lock. */
+SHIM_HIDDEN CUresult app_lock_at(const char *call);
+#define app_lock() app_lock_at(__func__)
 /* Fork child, before anything else runs: fresh locks, phase ACTIVE, no id,
  * not started. */
 SHIM_HIDDEN void shim_state_after_fork(void);
@@ -508,6 +554,12 @@ SHIM_HIDDEN phase_work_fn content_load;
 SHIM_HIDDEN phase_work_fn content_reload;
 /* Free every staged host copy. */
 SHIM_HIDDEN void content_free_staged(void);
+
+/* ---------------------------------------------------------------- quiesce.c */
+/* QUIESCE: the gate closed in two steps until every context of this process
+ * is idle, within SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S; refused (gate reopened)
+ * otherwise, naming what the threads were held at. */
+SHIM_HIDDEN phase_work_fn quiesce_run;
 
 /* ---------------------------------------------------------------- rollback.c */
 SHIM_HIDDEN phase_work_fn rollback_allocations;

@@ -65,12 +65,22 @@ CUresult shim_enter(void)
     return CUDA_SUCCESS;
 }
 
-CUresult app_lock(void)
+void app_gate_lock(const char *call)
+{
+    /* In flight from the gate until g.lock is held: QUIESCE changes the
+     * phase under g.lock only after every call in flight has left, so the
+     * phase this call sees stays until it unlocks. */
+    gate_enter(GATE_LAUNCH, call);
+    pthread_mutex_lock(&g.lock);
+    gate_leave(GATE_LAUNCH);
+}
+
+CUresult app_lock_at(const char *call)
 {
     CUresult r = shim_enter();
     if (r != CUDA_SUCCESS)
         return r;
-    pthread_mutex_lock(&g.lock);
+    app_gate_lock(call);
     if (g.phase != CUIP_PHASE_ACTIVE) {
         pthread_mutex_unlock(&g.lock);
         return CUDA_ERROR_NOT_READY;
@@ -95,4 +105,5 @@ void shim_state_after_fork(void)
         close(g.lease.pidfd);
     memset(&g.lease, 0, sizeof g.lease);
     g.lease.pidfd = -1;
+    gate_after_fork();
 }

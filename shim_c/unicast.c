@@ -116,14 +116,14 @@ static bool overlaps_kept(CUdeviceptr va, size_t size)
  * held across the caller's driver call, so a phase op cannot start in the
  * middle; outside ACTIVE the tables do not change, and the call may block
  * (a native checkpoint lock) without stalling the control server. */
-static CUresult range_enter(CUdeviceptr va, size_t size, bool *locked)
+static CUresult range_enter(const char *call, CUdeviceptr va, size_t size, bool *locked)
 {
     CUresult r = shim_enter();
 
     *locked = false;
     if (r != CUDA_SUCCESS)
         return r;
-    pthread_mutex_lock(&g.lock);
+    app_gate_lock(call);
     if (g.phase == CUIP_PHASE_ACTIVE) {
         *locked = true;
         return CUDA_SUCCESS;
@@ -144,7 +144,7 @@ static CUresult map_untracked(CUdeviceptr ptr, size_t size, size_t offset,
                               CUmemGenericAllocationHandle handle, unsigned long long flags)
 {
     bool locked;
-    CUresult r = range_enter(ptr, size, &locked);
+    CUresult r = range_enter("cuMemMap", ptr, size, &locked);
 
     if (r != CUDA_SUCCESS)
         return r;
@@ -280,7 +280,7 @@ out:
 CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size)
 {
     bool locked;
-    CUresult r = range_enter(ptr, size, &locked);
+    CUresult r = range_enter(__func__, ptr, size, &locked);
 
     if (r != CUDA_SUCCESS)
         return r;

@@ -96,7 +96,7 @@ def allowed_phases(op: Op) -> frozenset[Phase]:
     if op is Op.INSPECT:
         return frozenset({Phase.ACTIVE, Phase.PREPARED})
     if op is Op.EXPORT:
-        return frozenset({Phase.ACTIVE}) | _RESTORE_PHASES
+        return frozenset({Phase.ACTIVE, Phase.QUIESCED}) | _RESTORE_PHASES
     return _TRANSITIONS[op][0]
 
 
@@ -483,6 +483,8 @@ class FakeParticipant:
         if request.op is Op.RELEASE:
             with self._lock:
                 self._releases += 1
+                if self._phase is Phase.QUIESCED:
+                    self._phase = Phase.ACTIVE  # the shim reopens its gate: nothing was torn down
             self._reply_now(conn, self._encode(Op.RELEASE, Status.OK, ""), conns)
             return
         with self._lock:

@@ -5,10 +5,14 @@
  * device); a bad range returns CUDA_ERROR_INVALID_VALUE, which is what the
  * real driver's copies return for pointers it does not know. The tables
  * stay locked for the copy so that no unmap can race it. Async variants
- * complete before they return. */
+ * are checked when called and queued on their stream (device.c); when the
+ * work runs, its ranges are checked again: memory unmapped meanwhile fails
+ * the context (the GPU's illegal address) and no byte moves. Synchronous
+ * variants first wait for the legacy stream's work, as the driver's do. */
 #include "sim.h"
 
 #include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/uio.h>
@@ -42,14 +46,11 @@ static CUresult move_bytes(void *dst, const void *src, size_t n)
     return CUDA_ERROR_INVALID_VALUE;
 }
 
-/* dst_dev / src_dev: that side must be device memory. */
-static CUresult copy(uintptr_t dst, uintptr_t src, size_t n, int dst_dev, int src_dev)
+/* On device `dev`; dst_dev / src_dev: that side must be device memory. */
+static CUresult copy_on(uintptr_t dst, uintptr_t src, size_t n, int dst_dev, int src_dev, int dev)
 {
-    int dev;
-    CUresult r = sim_current_dev(&dev);
+    CUresult r;
 
-    if (r != CUDA_SUCCESS)
-        return r;
     if (n == 0)
         return CUDA_SUCCESS;
     sim_lock();
@@ -64,6 +65,23 @@ static CUresult copy(uintptr_t dst, uintptr_t src, size_t n, int dst_dev, int sr
     return r;
 }
 
+static CUresult copy(uintptr_t dst, uintptr_t src, size_t n, int dst_dev, int src_dev)
+{
+    int dev;
+    CUresult r = sim_current_dev(&dev);
+
+    if (r == CUDA_SUCCESS)
+        r = sim_legacy_wait();
+    return r == CUDA_SUCCESS ? copy_on(dst, src, n, dst_dev, src_dev, dev) : r;
+}
+
+static CUresult run_copy(struct sim_work *w)
+{
+    CUresult r = copy_on(w->dst, w->src, w->n, w->dst_dev, w->src_dev, w->dev);
+
+    return r == CUDA_SUCCESS ? r : CUDA_ERROR_ILLEGAL_ADDRESS;
+}
+
 CUresult CUDAAPI cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount)
 {
     SIM_API(copy(dst, src, ByteCount, 0, 0));
@@ -71,9 +89,30 @@ CUresult CUDAAPI cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount)
 
 static CUresult copy_async(uintptr_t dst, uintptr_t src, size_t n, int dd, int sd, CUstream s)
 {
-    CUresult r = sim_stream_check(s);
+    int dev;
+    CUresult r = sim_current_dev(&dev);
+    struct sim_work *w;
 
-    return r == CUDA_SUCCESS ? copy(dst, src, n, dd, sd) : r;
+    if (r == CUDA_SUCCESS)
+        r = sim_stream_check(s);
+    if (r != CUDA_SUCCESS || n == 0)
+        return r;
+    sim_lock();
+    r = check_side(dst, n, dev, 1, dd);
+    if (r == CUDA_SUCCESS)
+        r = check_side(src, n, dev, 0, sd);
+    sim_unlock();
+    if (r != CUDA_SUCCESS)
+        return r;
+    w = calloc(1, sizeof *w);
+    if (!w)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *w = (struct sim_work){.run = run_copy, .dst = dst, .src = src, .n = n, .dst_dev = dd,
+                           .src_dev = sd};
+    r = sim_enqueue(s, w);
+    if (r != CUDA_SUCCESS)
+        free(w);
+    return r;
 }
 
 CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount,
@@ -150,19 +189,10 @@ CUresult CUDAAPI cuMemcpyPeerAsync(CUdeviceptr dstDevice, CUcontext dstContext,
 
 /* ---- memset ----------------------------------------------------------- */
 
-static CUresult set(uintptr_t dst, unsigned value, size_t count, size_t width, CUstream s)
+static CUresult set_on(uintptr_t dst, unsigned value, size_t count, size_t width, int dev)
 {
-    int dev;
-    CUresult r = sim_current_dev(&dev);
+    CUresult r;
 
-    if (r == CUDA_SUCCESS)
-        r = sim_stream_check(s);
-    if (r != CUDA_SUCCESS)
-        return r;
-    if (count == 0)
-        return CUDA_SUCCESS;
-    if (dst % width != 0 || count > SIZE_MAX / width)
-        return CUDA_ERROR_INVALID_VALUE;
     sim_lock();
     r = check_side(dst, count * width, dev, 1, 1);
     if (r == CUDA_SUCCESS) {
@@ -185,37 +215,81 @@ static CUresult set(uintptr_t dst, unsigned value, size_t count, size_t width, C
     return r;
 }
 
+static CUresult run_set(struct sim_work *w)
+{
+    CUresult r = set_on(w->dst, w->value, w->n, w->width, w->dev);
+
+    return r == CUDA_SUCCESS ? r : CUDA_ERROR_ILLEGAL_ADDRESS;
+}
+
+/* `queued`: on stream `s` (the Async variants); else now, after the legacy
+ * stream's work. */
+static CUresult set(uintptr_t dst, unsigned value, size_t count, size_t width, CUstream s,
+                    int queued)
+{
+    int dev;
+    CUresult r = sim_current_dev(&dev);
+    struct sim_work *w;
+
+    if (r == CUDA_SUCCESS)
+        r = sim_stream_check(s);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (count == 0)
+        return CUDA_SUCCESS;
+    if (dst % width != 0 || count > SIZE_MAX / width)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!queued) {
+        r = sim_legacy_wait();
+        return r == CUDA_SUCCESS ? set_on(dst, value, count, width, dev) : r;
+    }
+    sim_lock();
+    r = check_side(dst, count * width, dev, 1, 1);
+    sim_unlock();
+    if (r != CUDA_SUCCESS)
+        return r;
+    w = calloc(1, sizeof *w);
+    if (!w)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *w = (struct sim_work){.run = run_set, .dst = dst, .value = value, .n = count,
+                           .width = width};
+    r = sim_enqueue(s, w);
+    if (r != CUDA_SUCCESS)
+        free(w);
+    return r;
+}
+
 CUresult CUDAAPI cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N)
 {
-    SIM_API(set(dstDevice, uc, N, 1, NULL));
+    SIM_API(set(dstDevice, uc, N, 1, NULL, 0));
 }
 
 CUresult CUDAAPI cuMemsetD16_v2(CUdeviceptr dstDevice, unsigned short us, size_t N)
 {
-    SIM_API(set(dstDevice, us, N, 2, NULL));
+    SIM_API(set(dstDevice, us, N, 2, NULL, 0));
 }
 
 CUresult CUDAAPI cuMemsetD32_v2(CUdeviceptr dstDevice, unsigned int ui, size_t N)
 {
-    SIM_API(set(dstDevice, ui, N, 4, NULL));
+    SIM_API(set(dstDevice, ui, N, 4, NULL, 0));
 }
 
 CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N,
                                  CUstream hStream)
 {
-    SIM_API(set(dstDevice, uc, N, 1, hStream));
+    SIM_API(set(dstDevice, uc, N, 1, hStream, 1));
 }
 
 CUresult CUDAAPI cuMemsetD16Async(CUdeviceptr dstDevice, unsigned short us, size_t N,
                                   CUstream hStream)
 {
-    SIM_API(set(dstDevice, us, N, 2, hStream));
+    SIM_API(set(dstDevice, us, N, 2, hStream, 1));
 }
 
 CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t N,
                                   CUstream hStream)
 {
-    SIM_API(set(dstDevice, ui, N, 4, hStream));
+    SIM_API(set(dstDevice, ui, N, 4, hStream, 1));
 }
 
 /* ---- host memory ------------------------------------------------------ */

@@ -1,12 +1,18 @@
 /* Devices, contexts, streams, events and cuMemGetInfo.
  *
  * Devices are identical simulated H200-like GPUs that say what they are in
- * their name. Streams and events exist for API compatibility: every
- * operation completes before its call returns. */
+ * their name. Each stream (and each context's NULL stream) has a queue and
+ * a worker thread that runs its work in order after the launching call
+ * returned: async copies, async memsets and host functions are in flight
+ * until a synchronize (or a query) says they are done, as on the GPU.
+ * Work that finds its memory gone when it runs fails the context for good
+ * (the GPU's illegal address). Events complete when recorded. */
 #include "sim.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* The calling thread's context stack (cuCtxPush/Pop, cuCtxSetCurrent):
  * per-thread by definition, so it cannot live in struct sim_state. */
@@ -65,6 +71,160 @@ CUresult sim_stream_check(CUstream s)
     ok = stream_valid(s);
     sim_unlock();
     return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+/* ---- stream queues ---------------------------------------------------- */
+
+static void *queue_worker(void *arg)
+{
+    struct sim_queue *q = arg;
+
+    pthread_mutex_lock(&q->mu);
+    for (;;) {
+        struct sim_work *w;
+        CUresult r;
+
+        while (!q->head)
+            pthread_cond_wait(&q->cv, &q->mu);
+        w = q->head;
+        pthread_mutex_unlock(&q->mu);
+        if (sim.work_us > 0) {
+            struct timespec ts = {sim.work_us / 1000000, (sim.work_us % 1000000) * 1000};
+            nanosleep(&ts, NULL);
+        }
+        r = w->run(w);
+        if (r != CUDA_SUCCESS) {
+            int none = CUDA_SUCCESS;
+            atomic_compare_exchange_strong(&w->ctx->sticky, &none, (int)r);
+        }
+        pthread_mutex_lock(&q->mu);
+        q->head = w->next;
+        if (!q->head)
+            q->tail = NULL;
+        q->pending--;
+        pthread_cond_broadcast(&q->cv);
+        free(w);
+    }
+    return NULL;
+}
+
+/* sim.mu held: the worker starts with the queue's first work. */
+static CUresult queue_start(struct sim_queue *q)
+{
+    pthread_t t;
+    pthread_attr_t at;
+    int rc;
+
+    if (q->started)
+        return CUDA_SUCCESS;
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cv, NULL);
+    q->head = q->tail = NULL;
+    q->pending = 0;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    rc = pthread_create(&t, &at, queue_worker, q);
+    pthread_attr_destroy(&at);
+    if (rc != 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    q->started = 1;
+    return CUDA_SUCCESS;
+}
+
+static int special_stream(CUstream s)
+{
+    return s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD;
+}
+
+CUresult sim_enqueue(CUstream s, struct sim_work *w)
+{
+    struct sim_ctx *c = current();
+    struct sim_queue *q;
+    CUresult r;
+
+    if (!c || !c->used)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    sim_lock();
+    if (!stream_valid(s)) {
+        sim_unlock();
+        return CUDA_ERROR_INVALID_HANDLE;
+    }
+    if (special_stream(s)) {
+        q = &c->queue;
+    } else {
+        q = &((struct sim_stream *)s)->queue;
+        c = ((struct sim_stream *)s)->ctx;
+    }
+    r = atomic_load(&c->sticky);
+    if (r == CUDA_SUCCESS)
+        r = queue_start(q);
+    sim_unlock();
+    if (r != CUDA_SUCCESS)
+        return r;
+    w->ctx = c;
+    w->dev = c->dev;
+    w->next = NULL;
+    pthread_mutex_lock(&q->mu);
+    if (q->tail)
+        q->tail->next = w;
+    else
+        q->head = w;
+    q->tail = w;
+    q->pending++;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    return CUDA_SUCCESS;
+}
+
+/* Without sim.mu: a started queue's mu and cv stay valid for the process. */
+static void queue_wait(struct sim_queue *q)
+{
+    if (!__atomic_load_n(&q->started, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&q->mu);
+    while (q->pending)
+        pthread_cond_wait(&q->cv, &q->mu);
+    pthread_mutex_unlock(&q->mu);
+}
+
+static int queue_busy(struct sim_queue *q)
+{
+    int busy;
+
+    if (!__atomic_load_n(&q->started, __ATOMIC_ACQUIRE))
+        return 0;
+    pthread_mutex_lock(&q->mu);
+    busy = q->pending != 0;
+    pthread_mutex_unlock(&q->mu);
+    return busy;
+}
+
+/* Every queue of context `c`: its NULL stream's, then each stream's
+ * (only the blocking ones when `blocking_only`, as the legacy stream). */
+static CUresult ctx_wait(struct sim_ctx *c, int blocking_only)
+{
+    queue_wait(&c->queue);
+    for (int i = 0; i < SIM_MAX_STREAMS; i++) {
+        struct sim_stream *st = &sim.streams[i];
+        int mine;
+
+        sim_lock();
+        mine = st->used && st->ctx == c &&
+               !(blocking_only && (st->flags & CU_STREAM_NON_BLOCKING));
+        sim_unlock();
+        if (mine)
+            queue_wait(&st->queue);
+    }
+    return (CUresult)atomic_load(&c->sticky);
+}
+
+CUresult sim_legacy_wait(void)
+{
+    struct sim_ctx *c = current();
+
+    if (!c || !c->used)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    return ctx_wait(c, 1);
 }
 
 /* ---- devices ---------------------------------------------------------- */
@@ -516,8 +676,15 @@ CUresult CUDAAPI cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx)
 static CUresult ctx_sync(CUcontext ctx)
 {
     CUdevice d;
+    CUresult r = ctx_device(&d, ctx);
+    struct sim_ctx *c;
 
-    return ctx_device(&d, ctx);
+    if (r != CUDA_SUCCESS)
+        return r;
+    sim_lock();
+    c = ctx ? sim_ctx_check(ctx) : current();
+    sim_unlock();
+    return c ? ctx_wait(c, 0) : CUDA_ERROR_INVALID_CONTEXT;
 }
 
 CUresult CUDAAPI cuCtxSynchronize(void)
@@ -652,10 +819,16 @@ static CUresult stream_destroy(CUstream h)
     CUresult r = CUDA_ERROR_INVALID_HANDLE;
 
     sim_lock();
-    if (h && stream_valid(h) && h != CU_STREAM_LEGACY && h != CU_STREAM_PER_THREAD) {
-        s->used = 0;
+    if (h && stream_valid(h) && h != CU_STREAM_LEGACY && h != CU_STREAM_PER_THREAD)
         r = CUDA_SUCCESS;
-    }
+    sim_unlock();
+    if (r != CUDA_SUCCESS)
+        return r;
+    /* The driver lets queued work finish after destroy returns; here the
+     * slot is only reused once it has (its worker stays, idle). */
+    queue_wait(&s->queue);
+    sim_lock();
+    s->used = 0;
     sim_unlock();
     return r;
 }
@@ -665,14 +838,98 @@ CUresult CUDAAPI cuStreamDestroy_v2(CUstream hStream)
     SIM_API(stream_destroy(hStream));
 }
 
+/* The queue of `h` and its context; `*legacy` for the NULL stream (which
+ * also waits for the context's blocking streams). */
+static CUresult stream_queue(CUstream h, struct sim_queue **q, struct sim_ctx **c, int *legacy)
+{
+    CUresult r = CUDA_SUCCESS;
+
+    sim_lock();
+    if (!stream_valid(h)) {
+        r = CUDA_ERROR_INVALID_HANDLE;
+    } else if (special_stream(h)) {
+        *c = current();
+        *q = *c ? &(*c)->queue : NULL;
+        *legacy = h != CU_STREAM_PER_THREAD;
+        if (!*c)
+            r = CUDA_ERROR_INVALID_CONTEXT;
+    } else {
+        *c = ((struct sim_stream *)h)->ctx;
+        *q = &((struct sim_stream *)h)->queue;
+        *legacy = 0;
+    }
+    sim_unlock();
+    return r;
+}
+
+static CUresult stream_sync(CUstream h)
+{
+    struct sim_queue *q;
+    struct sim_ctx *c;
+    int legacy;
+    CUresult r = stream_queue(h, &q, &c, &legacy);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (legacy)
+        return ctx_wait(c, 1);
+    queue_wait(q);
+    return (CUresult)atomic_load(&c->sticky);
+}
+
+static CUresult stream_query(CUstream h)
+{
+    struct sim_queue *q;
+    struct sim_ctx *c;
+    int legacy;
+    CUresult r = stream_queue(h, &q, &c, &legacy);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = (CUresult)atomic_load(&c->sticky);
+    if (r == CUDA_SUCCESS && queue_busy(q))
+        r = CUDA_ERROR_NOT_READY;
+    return r;
+}
+
 CUresult CUDAAPI cuStreamSynchronize(CUstream hStream)
 {
-    SIM_API(sim_stream_check(hStream));
+    SIM_API(stream_sync(hStream));
 }
 
 CUresult CUDAAPI cuStreamQuery(CUstream hStream)
 {
-    SIM_API(sim_stream_check(hStream));
+    SIM_API(stream_query(hStream));
+}
+
+static CUresult run_host_fn(struct sim_work *w)
+{
+    w->host_fn(w->host_arg);
+    return CUDA_SUCCESS;
+}
+
+static CUresult launch_host_fn(CUstream h, CUhostFn fn, void *arg)
+{
+    struct sim_work *w;
+    CUresult r;
+
+    if (!fn)
+        return CUDA_ERROR_INVALID_VALUE;
+    w = calloc(1, sizeof *w);
+    if (!w)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    w->run = run_host_fn;
+    w->host_fn = fn;
+    w->host_arg = arg;
+    r = sim_enqueue(h, w);
+    if (r != CUDA_SUCCESS)
+        free(w);
+    return r;
+}
+
+CUresult CUDAAPI cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
+{
+    SIM_API(launch_host_fn(hStream, fn, userData));
 }
 
 CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)

@@ -24,6 +24,7 @@ static void init_once_fn(void)
     sim.ndev = (int)sim_env_long("CUINTERPOSE_SIM_DEVICES", SIM_DEFAULT_DEVICES, 0, SIM_MAX_DEVICES);
     sim.mem_total = (uint64_t)sim_env_long("CUINTERPOSE_SIM_MEM_MIB", (long)SIM_DEFAULT_MEM_MIB, 64,
                                            1L << 30) << 20;
+    sim.work_us = sim_env_long("CUINTERPOSE_SIM_WORK_US", 0, 0, 10L * 1000 * 1000);
     sim.next_handle = 0x5100000000ULL; /* recognisable, never a small integer */
     sim.next_ctx_id = 1;
     if (sim.ndev == 0) {
@@ -289,6 +290,7 @@ static const struct proc procs[] = {
     P("cuStreamGetFlags", 5050, cuStreamGetFlags),
     P("cuStreamGetPriority", 5050, cuStreamGetPriority),
     P("cuStreamWaitEvent", 3020, cuStreamWaitEvent),
+    P("cuLaunchHostFunc", 10000, cuLaunchHostFunc),
     P("cuEventCreate", 2000, cuEventCreate),
     P("cuEventDestroy", 4000, cuEventDestroy_v2),
     P("cuEventRecord", 2000, cuEventRecord),

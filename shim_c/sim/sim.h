@@ -157,7 +157,35 @@ struct sim_host {
     unsigned flags;
 };
 
+/* Device work queued on a stream (copies, memsets, host functions): run in
+ * order by the queue's worker thread, as a GPU runs a stream's work after
+ * the launching call returned. `run` answers the work's outcome; a failure
+ * is the context's sticky error (an illegal address on the GPU). */
+struct sim_work {
+    struct sim_work *next;
+    CUresult (*run)(struct sim_work *w);
+    struct sim_ctx *ctx;
+    int dev;
+    uintptr_t dst, src;
+    size_t n;
+    unsigned value;
+    size_t width;
+    int dst_dev, src_dev;
+    void (*host_fn)(void *);
+    void *host_arg;
+};
+
+struct sim_queue {
+    int started;              /* under sim.mu: the worker runs; mu and cv are ready */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;        /* work queued, or work done */
+    struct sim_work *head, *tail;
+    unsigned long pending;    /* queued or running */
+};
+
 struct sim_ctx {
+    struct sim_queue queue;   /* the NULL (legacy) stream's work */
+    atomic_int sticky;        /* CUresult: device work failed; every sync reports it */
     int used;
     int primary;
     int dev;
@@ -167,6 +195,7 @@ struct sim_ctx {
 };
 
 struct sim_stream {
+    struct sim_queue queue;
     int used;
     struct sim_ctx *ctx;
     unsigned flags;
@@ -220,6 +249,7 @@ struct sim_state {
     int ck_state;        /* CUprocessState */
     int lock_pending;    /* a lock is waiting for calls in flight */
     int in_flight;       /* API calls inside the driver */
+    long work_us;        /* CUINTERPOSE_SIM_WORK_US: time each queued piece of work takes */
     atomic_int service_tid; /* published by the service thread once running */
     int service_fd;
     int restore_refused; /* restores refused so far (NOT_SUPPORTED once) */
@@ -261,6 +291,13 @@ SIM_HIDDEN int sim_dev_valid(CUdevice dev);
 SIM_HIDDEN CUresult sim_current_dev(int *dev);
 SIM_HIDDEN struct sim_ctx *sim_ctx_check(CUcontext c);
 SIM_HIDDEN CUresult sim_stream_check(CUstream s);
+/* Queue `w` (malloc'd; freed once run) on stream `s` of the current context,
+ * after its run, ctx and dev are set here (dev: the context's device). */
+SIM_HIDDEN CUresult sim_enqueue(CUstream s, struct sim_work *w);
+/* Wait until the NULL stream's and every blocking stream's work of the
+ * current context is done (what a legacy-stream synchronous call waits
+ * for); the context's sticky error, if any. */
+SIM_HIDDEN CUresult sim_legacy_wait(void);
 
 /* vmm.c (called with sim.mu held unless noted) */
 SIM_HIDDEN struct sim_obj *sim_obj_find(CUmemGenericAllocationHandle h);

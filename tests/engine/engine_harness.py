@@ -23,6 +23,7 @@ SAVE_STATS = Stats(count=1, bytes=4 << 20, elapsed_ns=2_000_000, copy_ns=1_000_0
 LOAD_STATS = Stats(count=1, bytes=4 << 20, elapsed_ns=3_000_000, copy_ns=2_000_000)
 DESTRUCTIVE_OPS = frozenset(
     {
+        Op.QUIESCE,
         Op.PREPARE_MULTICAST,
         Op.SAVE_ALLOCATIONS,
         Op.PREPARE_UNICAST,

@@ -67,7 +67,7 @@ def test_prepare_and_restore_with_json_progress(work: Path) -> None:
         assert (code, err) == (0, "")
         assert (work / "ckpt" / STATE_FILE_NAME).is_file()
         events = json_lines(out)
-        assert [e["event"] for e in events] == ["phase"] * 5 + ["done"]
+        assert [e["event"] for e in events] == ["phase"] * 6 + ["done"]
         assert [e["phase"] for e in events[:-1]] == [s.op for s in CAPTURE.steps if s.op]
         for event in events[:-1]:
             assert event["machine"] == "capture" and event["participants"] == 2
@@ -89,9 +89,10 @@ def test_human_progress_is_one_line_per_phase(work: Path) -> None:
         code, out, _ = run(*machine_args("prepare", t, work))
     assert code == 0
     lines = out.splitlines()
-    assert len(lines) == 6
+    assert len(lines) == 7
     assert lines[0].startswith("capture HANDSHAKE: ") and "2 participants" in lines[0]
-    assert "GB/s" in lines[3] and lines[3].startswith("capture SAVE_ALLOCATIONS")
+    assert lines[2].startswith("capture QUIESCE: ")
+    assert "GB/s" in lines[4] and lines[4].startswith("capture SAVE_ALLOCATIONS")
     assert lines[-1].startswith("capture done")
 
 
@@ -107,13 +108,13 @@ def test_preflight_refusal_exits_1_naming_participant_pid_phase_reason(work: Pat
         assert all(not DESTRUCTIVE_OPS & set(ops) for ops in t.received())
         pid = t.fakes[1].pid
     assert code == 1
-    assert "refused at PREPARE_MULTICAST (preflight_clean)" in err
+    assert "refused at QUIESCE (preflight_clean)" in err
     assert f"participant {participant(1)}, pid {pid}" in err
     assert "UNSUPPORTED_EXPORTABLE" in err
     failed = json_lines(out)[-1]
     assert failed["event"] == "failed"
     assert (failed["phase"], failed["participant"], failed["pid"]) == (
-        "PREPARE_MULTICAST",
+        "QUIESCE",
         participant(1),
         pid,
     )

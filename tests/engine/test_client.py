@@ -136,10 +136,10 @@ def test_inspect_returns_every_record(start_fake: StartFake) -> None:
 
 
 def test_a_non_ok_status_is_returned_not_raised(start_fake: StartFake) -> None:
-    fake = start_fake(script={Op.PREPARE_MULTICAST: Fault("fail", Status.REFUSED, "no way")})
+    fake = start_fake(script={Op.QUIESCE: Fault("fail", Status.REFUSED, "no way")})
     wrong_phase = ask(fake, Op.LOAD_ALLOCATIONS, timeout=2)
     assert (wrong_phase.status, wrong_phase.phase) == (Status.WRONG_PHASE, Phase.ACTIVE)
-    failed = ask(fake, Op.PREPARE_MULTICAST, timeout=2)
+    failed = ask(fake, Op.QUIESCE, timeout=2)
     assert (failed.status, failed.message, failed.phase) == (
         Status.REFUSED,
         "no way",
@@ -422,7 +422,7 @@ def test_call_all_dispatches_concurrently(start_fake: StartFake) -> None:
     # that awaited one reply before sending the next request would time out.
     arrival = threading.Barrier(8, timeout=5)
     fakes = [start_fake(arrival=arrival) for _ in range(8)]
-    for op in (Op.HANDSHAKE, Op.INSPECT, Op.PREPARE_MULTICAST):
+    for op in (Op.HANDSHAKE, Op.INSPECT, Op.QUIESCE, Op.PREPARE_MULTICAST):
         calls = [
             (f.endpoint, Request(op), None) if op is Op.HANDSHAKE else bound(f, op) for f in fakes
         ]

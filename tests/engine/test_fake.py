@@ -42,7 +42,7 @@ from tests.waiting import wait_until
 
 StartFake = Callable[..., FakeParticipant]
 
-CAPTURE = [Op.PREPARE_MULTICAST, Op.SAVE_ALLOCATIONS, Op.PREPARE_UNICAST]
+CAPTURE = [Op.QUIESCE, Op.PREPARE_MULTICAST, Op.SAVE_ALLOCATIONS, Op.PREPARE_UNICAST]
 RESTORE = [
     Op.LOAD_ALLOCATIONS,
     Op.RESTORE_UNICAST,
@@ -96,6 +96,7 @@ def test_capture_then_restore_walks_the_phase_table(start_fake: StartFake) -> No
     )
     assert ask(fake, Op.INSPECT).records == CAPTURED
     expected = [
+        Phase.QUIESCED,
         Phase.MULTICAST_DETACHED,
         Phase.ALLOCATIONS_SAVED,
         Phase.PREPARED,
@@ -120,11 +121,14 @@ def test_capture_then_restore_walks_the_phase_table(start_fake: StartFake) -> No
 
 def test_the_phase_table_is_the_protocols() -> None:
     rollback = [Op.ROLLBACK_ALLOCATIONS, Op.ROLLBACK_IMPORTS]
-    assert [op for op in Op if is_destructive(op)] == CAPTURE + RESTORE + rollback
+    assert [op for op in Op if is_destructive(op)] == CAPTURE[1:] + RESTORE + rollback + [
+        Op.QUIESCE
+    ]
     assert allowed_phases(Op.HANDSHAKE) == frozenset(Phase)
     assert allowed_phases(Op.INSPECT) == {Phase.ACTIVE, Phase.PREPARED}
     assert allowed_phases(Op.EXPORT) == {
         Phase.ACTIVE,
+        Phase.QUIESCED,
         Phase.ALLOCATIONS_LOADED,
         Phase.UNICAST_RESTORED,
         Phase.MULTICAST_CREATED,
@@ -184,6 +188,7 @@ def test_export_finds_nothing_in_a_fake(start_fake: StartFake) -> None:
 def test_a_failing_destructive_op_leaves_the_fake_failed(start_fake: StartFake) -> None:
     fault = Fault("fail", Status.CUDA_FAILED, "cuMemcpyDtoH: CUDA_ERROR_ILLEGAL_ADDRESS")
     fake = start_fake(script={Op.SAVE_ALLOCATIONS: fault})
+    assert ask(fake, Op.QUIESCE).status is Status.OK
     assert ask(fake, Op.PREPARE_MULTICAST).status is Status.OK
     failed = ask(fake, Op.SAVE_ALLOCATIONS)
     assert (failed.status, failed.message, failed.phase) == (
@@ -339,6 +344,7 @@ def test_reply_faults_as_seen_on_the_wire(
 
 def test_wrong_op_and_participant_faults_still_do_the_work(start_fake: StartFake) -> None:
     fake = start_fake(script={Op.PREPARE_MULTICAST: Fault("wrong_op")})
+    assert ask(fake, Op.QUIESCE).status is Status.OK
     raw = exchange(
         fake.socket_path, Request(Op.PREPARE_MULTICAST, participant=fake.participant).encode()
     )

@@ -65,7 +65,7 @@ def test_a_false_guard_stops_before_perform_and_leaves_the_state() -> None:
     for trigger in ("HANDSHAKE", "INSPECT"):
         fire(machine, model, trigger)
     model.calls.clear()
-    assert not fire(machine, model, "PREPARE_MULTICAST")
+    assert not fire(machine, model, "QUIESCE")
     assert model.calls == ["guard topology_valid", "guard preflight_clean"]
     assert model.state == "inspected"
     assert fire(machine, model, "REFUSE") and model.state == "refused"
@@ -92,7 +92,7 @@ def test_out_of_order_triggers_are_errors() -> None:
     with pytest.raises(MachineError):
         fire(machine, model, "SAVE_ALLOCATIONS")
     # A refusal is impossible once a destructive op has been sent.
-    for trigger in ("HANDSHAKE", "INSPECT", "PREPARE_MULTICAST"):
+    for trigger in ("HANDSHAKE", "INSPECT", "QUIESCE"):
         fire(machine, model, trigger)
     with pytest.raises(MachineError):
         fire(machine, model, "REFUSE")

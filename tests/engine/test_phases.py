@@ -26,6 +26,7 @@ def test_capture_sends_the_design_order() -> None:
     assert CAPTURE.ops == (
         "HANDSHAKE",
         "INSPECT",
+        "QUIESCE",
         "PREPARE_MULTICAST",
         "SAVE_ALLOCATIONS",
         "PREPARE_UNICAST",
@@ -87,13 +88,16 @@ def test_phase_ops_lead_the_shim_from_phase_to_phase(
 
 
 def test_refusals_come_before_the_first_destructive_op() -> None:
-    assert CAPTURE.step("PREPARE_MULTICAST").guards == (
+    assert CAPTURE.step("QUIESCE").guards == (
         "topology_valid",
         "preflight_clean",
         "checkpoint_dir_writable",
     )
-    assert CAPTURE.is_refusal("INSPECT") and CAPTURE.is_refusal("PREPARE_MULTICAST")
-    assert not CAPTURE.is_refusal("SAVE_ALLOCATIONS")
+    assert CAPTURE.is_refusal("INSPECT") and CAPTURE.is_refusal("QUIESCE")
+    assert not CAPTURE.is_refusal("PREPARE_MULTICAST")
+    # QUIESCE changes the participants, yet a run stopped there needs no rollback.
+    assert CAPTURE.step("QUIESCE").destructive and not CAPTURE.step("QUIESCE").tears_down
+    assert CAPTURE.step("PREPARE_MULTICAST").tears_down
     assert RESTORE.step("INSPECT_PREPARED").guards == ("participants_match_state", "all_prepared")
     # The shims' records are compared with the state file before anything changes.
     assert RESTORE.step("LOAD_ALLOCATIONS").guards == ("records_match_state",)

@@ -16,9 +16,11 @@ from cuinterpose.engine.errors import (
     ParticipantsRefused,
     PhaseFailed,
     PreflightRefused,
+    Problem,
     Refused,
     TopologyRefused,
     VerificationFailed,
+    not_quiet,
 )
 from cuinterpose.engine.progress import DoneEvent, Event, FailedEvent, PhaseEvent
 from cuinterpose.engine.statefile import STATE_FILE_NAME, read_state
@@ -37,6 +39,7 @@ from topologies import (
 CAPTURE_OPS = [
     Op.HANDSHAKE,
     Op.INSPECT,
+    Op.QUIESCE,
     Op.PREPARE_MULTICAST,
     Op.SAVE_ALLOCATIONS,
     Op.PREPARE_UNICAST,
@@ -151,7 +154,7 @@ def test_invalid_topology_is_refused_before_any_destructive_op(work: Path) -> No
             capture(t, work / "ckpt")
         assert_nothing_destroyed(t)
         assert all(f.phase is Phase.ACTIVE for f in t.fakes)
-    assert caught.value.phase == "PREPARE_MULTICAST"
+    assert caught.value.phase == "QUIESCE"
     assert caught.value.guard == "topology_valid"
     assert any(p.participant == participant(1) for p in caught.value.problems)
     assert not (work / "ckpt" / STATE_FILE_NAME).exists()
@@ -212,7 +215,7 @@ def test_participant_failing_mid_phase_stops_everyone(work: Path) -> None:
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
         with pytest.raises(PhaseFailed) as caught:
             runner.capture(t.endpoints, work / "ckpt", options(events))
-        assert t.received() == [CAPTURE_OPS[:4]] * 3
+        assert t.received() == [CAPTURE_OPS[:5]] * 3
         pid = t.fakes[1].pid
     error = caught.value
     assert (error.phase, error.participant, error.pid) == ("SAVE_ALLOCATIONS", participant(1), pid)
@@ -234,7 +237,7 @@ def test_a_hanging_participant_is_bounded_by_the_timeout(work: Path) -> None:
             capture(t, work / "ckpt", phase_timeout=0.3)
         # The hang ends only by the client's timeout: the reason says it was 0.3 s.
         assert "0.3" in caught.value.reason
-        assert t.received() == [CAPTURE_OPS[:3]] * 3
+        assert t.received() == [CAPTURE_OPS[:4]] * 3
     assert caught.value.phase == "PREPARE_MULTICAST"
     assert caught.value.participant == participant(0)
     assert caught.value.reason.startswith("timed out")
@@ -307,7 +310,7 @@ def test_a_reply_in_an_unexpected_phase_fails(work: Path) -> None:
     with team_of(TOPOLOGY, work / "control") as t:
         with pytest.raises(PhaseFailed) as caught:
             capture(t, work / "ckpt", transport=lying)
-        assert t.received() == [CAPTURE_OPS[:4]] * 3
+        assert t.received() == [CAPTURE_OPS[:5]] * 3
     assert "reported phase MULTICAST_DETACHED after SAVE_ALLOCATIONS" in caught.value.reason
 
 
@@ -427,7 +430,7 @@ def test_an_unexpected_exception_still_fails_stop_and_closes_the_trace(work: Pat
                               trace=recorder, rollback_on_failure=False)  # fmt: skip
         with pytest.raises(PhaseFailed) as caught:
             runner.capture(t.endpoints, work / "ckpt", opts)
-        assert t.received() == [CAPTURE_OPS[:3]] * 3
+        assert t.received() == [CAPTURE_OPS[:4]] * 3
     assert caught.value.phase == "SAVE_ALLOCATIONS"
     assert "internal error: RuntimeError('transport bug')" in caught.value.reason
     assert isinstance(caught.value.__cause__, RuntimeError)
@@ -569,3 +572,36 @@ def test_a_directory_under_the_state_file_name_is_refused_before_teardown(work: 
             runner.capture(t.endpoints, work / "ckpt", opts)
         assert_nothing_destroyed(t)
     assert "is not a regular file" in str(caught.value)
+
+
+def test_a_refused_quiesce_is_left_to_the_lease_not_rolled_back(work: Path) -> None:
+    # QUIESCE tears nothing down: the participants that reached QUIESCED go back to
+    # ACTIVE when the run's lease ends (RELEASE), so no rollback op is sent.
+    events: list[Event] = []
+    why = "QUIESCE: pid 1001 did not reach a quiet point within 10000 ms"
+    script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, why)}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        rolling_back = attrs.evolve(options(events), rollback_on_failure=True)
+        with pytest.raises(PhaseFailed) as caught:
+            runner.capture(t.endpoints, work / "ckpt", rolling_back)
+        assert t.received() == [CAPTURE_OPS[:3]] * 3
+        assert [t.fakes[i].phase for i in (0, 2)] == [Phase.ACTIVE, Phase.ACTIVE]
+        assert all(f.releases == 1 for f in t.fakes)
+    error = caught.value
+    assert (error.phase, error.participant, error.destroyed) == ("QUIESCE", participant(1), False)
+    assert why in error.reason
+    assert not (work / "ckpt" / "cuinterpose.intent").exists()
+    assert not (work / "ckpt" / STATE_FILE_NAME).exists()
+
+
+def test_only_a_quiesce_nobody_got_quiet_for_may_start_over() -> None:
+    quiet = "QUIESCE: pid 7 did not reach a quiet point within 10000 ms"
+    refused = PhaseFailed("capture", "QUIESCE", [Problem(f"REFUSED in phase ACTIVE: {quiet}")])
+    assert not_quiet(refused)
+    # Anything else is reported at once: another reason, another phase, a change made.
+    hangup = Problem("hung up: connection reset", "a" * 32, 8)
+    assert not not_quiet(PhaseFailed("capture", "QUIESCE", [refused.problems[0], hangup]))
+    assert not not_quiet(PhaseFailed("capture", "PREPARE_MULTICAST", refused.problems))
+    assert not not_quiet(Interrupted("capture", "QUIESCE", refused.problems))
+    refused.destroyed = True
+    assert not not_quiet(refused)

@@ -13,6 +13,7 @@ import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from cuinterpose.engine import wire
 
@@ -188,3 +189,11 @@ def import_fd(fd):
     return check(cu.cuMemImportFromShareableHandle(fd, POSIX))
 result = {"gran": gran, "pid": os.getpid()}
 """
+
+
+def send_held(worker: Any, code: str) -> None:
+    """Start ``code`` (an application call) in ``worker`` and check that it waits at the
+    closed gate (specs/quiesce.md): no answer yet. ``worker.reply()`` gives its answer
+    once the gate has opened."""
+    worker.send(code)
+    assert not worker.answered(0.3), f"{worker.name} answered while its gate is closed"

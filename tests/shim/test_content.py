@@ -27,6 +27,7 @@ import pytest
 from cuinterpose.demo import Worker
 from cuinterpose.engine import wire
 
+from tests.shim import shimenv
 from tests.shim.test_control import CAPTURE, RESTORE, Shim, native_checkpoint_restore
 from tests.simenv import Spawn
 
@@ -128,7 +129,6 @@ def test_multi_chunk_cycle(
             assert (reply.stats.count, reply.stats.bytes) == (len(sizes), total)
             # Wall time of the copies: never more than the op took.
             assert 0 < reply.stats.copy_ns <= elapsed
-    assert creator("result = err(cu.cuMemCreate(gran, prop(), 0))") == "CUDA_ERROR_NOT_READY"
     # No registration of the shim is live across the native checkpoint.
     assert creator(FILL_REGISTRATIONS)[0] == free_slots
     creator(UNREGISTER_ALL)
@@ -233,6 +233,7 @@ def test_register_failure_fails_the_op(spawn: Spawn, control_dir: Path) -> None:
     c = Shim(control_dir, creator.pid)
     count, why = creator(FILL_REGISTRATIONS)
     assert why == "CUDA_ERROR_OUT_OF_MEMORY" and count > 0
+    c.ok(Op.QUIESCE)
     c.ok(Op.PREPARE_MULTICAST)
     reply = c.call(Op.SAVE_ALLOCATIONS)
     assert reply.status == Status.CUDA_FAILED and reply.phase == Phase.FAILED
@@ -247,8 +248,9 @@ def test_register_failure_fails_the_op(spawn: Spawn, control_dir: Path) -> None:
     creator(UNREGISTER_ALL)
     assert creator(FILL_REGISTRATIONS) == [count, "CUDA_ERROR_OUT_OF_MEMORY"]
     creator(UNREGISTER_ALL)
-    # Fail-stop: the allocation itself was never touched.
-    assert creator("result = err(cu.cuMemCreate(gran, prop(), 0))") == "CUDA_ERROR_NOT_READY"
+    # Fail-stop: the application waits at the closed gate for a rollback.
+    shimenv.send_held(creator, "result = err(cu.cuMemCreate(gran, prop(), 0))")
+    creator.kill()
 
 
 def timing_lines(log: str) -> dict[str, dict[str, object]]:

@@ -419,7 +419,7 @@ def native_checkpoint_restore(spawn: Spawn, namespace: str, pids: list[int]) -> 
         controller.close_clean()
 
 
-CAPTURE = [Op.PREPARE_MULTICAST, Op.SAVE_ALLOCATIONS, Op.PREPARE_UNICAST]
+CAPTURE = [Op.QUIESCE, Op.PREPARE_MULTICAST, Op.SAVE_ALLOCATIONS, Op.PREPARE_UNICAST]
 RESTORE = [
     Op.LOAD_ALLOCATIONS,
     Op.RESTORE_UNICAST,
@@ -469,9 +469,8 @@ H['va2'] = map_rw(H['y'], SZ2, offset=OFF)
             assert (replies[0].stats.count, replies[0].stats.bytes) == moved
             assert replies[1].stats.count == 0
     assert {p.ok(Op.HANDSHAKE).phase for p in (c, i)} == {Phase.PREPARED}
-    # Outside ACTIVE the application's tracked calls answer NOT_READY.
-    assert importer("result = err(cu.cuMemRelease(H['y']))") == "CUDA_ERROR_NOT_READY"
-    assert creator("result = err(cu.cuMemCreate(gran, prop(), 0))") == "CUDA_ERROR_NOT_READY"
+    # Outside ACTIVE the application's calls wait at the closed gate (quiesce.md).
+    shimenv.send_held(importer, "result = err(cu.cuCtxSynchronize())")
     # While PREPARED, INSPECT reports what was captured: a restore compares it with
     # its state file before it changes anything.
     assert {p.participant: p.ok(Op.INSPECT).records for p in (c, i)} == captured
@@ -481,6 +480,7 @@ H['va2'] = map_rw(H['y'], SZ2, offset=OFF)
     for op in RESTORE:
         for p in (c, i):
             p.ok(op)
+    assert importer.reply() == "CUDA_SUCCESS"  # let go once ACTIVE
     assert {p.ok(Op.HANDSHAKE).phase for p in (c, i)} == {Phase.ACTIVE}
     assert {p.participant: p.ok(Op.INSPECT).records for p in (c, i)} == captured
     # Same bytes at the same VAs, sharing is live again, old handles work.
@@ -528,4 +528,5 @@ def test_failed_is_sticky_and_reported(spawn: Spawn, control_dir: Path) -> None:
     assert hs.phase == Phase.FAILED and hs.message == reply.message
     assert i.call(Op.INSPECT).status == Status.WRONG_PHASE
     assert i.call(Op.RESTORE_UNICAST).status == Status.WRONG_PHASE
-    assert importer("result = err(cu.cuMemUnmap(H['va'], gran))") == "CUDA_ERROR_NOT_READY"
+    shimenv.send_held(importer, "result = err(cu.cuMemUnmap(H['va'], gran))")
+    importer.kill()  # held until a rollback, which cannot re-import from a dead creator

@@ -54,6 +54,7 @@ CAPTURE_BOUNDARIES = [
     for phase in (
         "HANDSHAKE",
         "INSPECT",
+        "QUIESCE",
         "PREPARE_MULTICAST",
         "SAVE_ALLOCATIONS",
         "PREPARE_UNICAST",

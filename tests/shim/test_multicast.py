@@ -233,11 +233,11 @@ def test_team_checkpoint_and_restore(
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     capture(team.endpoints(), ckpt, Options(TIMEOUT_S, content_mode=mode))
-    assert team.workers[-1]("result = err(cu.cuMulticastUnbind(H['mc'], DEV, 0, gran))") == (
-        "CUDA_ERROR_NOT_READY"
-    )
+    # The application waits at the closed gate until the restore is done.
+    shimenv.send_held(team.workers[-1], "result = err(cu.cuCtxSynchronize())")
     native_cycle(team, sim_namespace)
     result = restore(team.endpoints(), ckpt, Options(TIMEOUT_S, content_mode=mode))
+    assert team.workers[-1].reply() == "CUDA_SUCCESS"
     assert list(result.topology.records()) == list(before.records())
 
     assert team.members_hold(lambda k: 100 + k) == [True] * n
@@ -316,11 +316,14 @@ H['fab'] = check(cu.cuMulticastCreate(p))
     reply, _ = shimenv.request(path, wire.Request(op=Op.INSPECT, participant=participant))
     assert [r.kind for r in reply.records].count(Kind.UNSUPPORTED_EXPORTABLE) == 1
     assert "multicast" in reply.message
+    quiet, _ = shimenv.request(path, wire.Request(op=Op.QUIESCE, participant=participant))
+    assert (quiet.status, quiet.phase) == (Status.OK, Phase.QUIESCED), quiet
     refused, _ = shimenv.request(
         path, wire.Request(op=Op.PREPARE_MULTICAST, participant=participant)
     )
-    assert (refused.status, refused.phase) == (Status.REFUSED, Phase.ACTIVE)
+    assert (refused.status, refused.phase) == (Status.REFUSED, Phase.QUIESCED)
     assert "handle type" in refused.message
+    # No coordinator holds a lease: the first call held at the gate reopens it.
     w("fill(H['cva'], 2 * gran, 9)")
     assert team.members_hold(lambda _: 9) == [True]
     w("check(cu.cuMemRelease(H['fab']))")
@@ -464,7 +467,7 @@ def test_every_multicast_predicate_on_real_records(spawn: Spawn, control_dir: Pa
         w.close_clean()
 
 
-CAPTURE = [Op.PREPARE_MULTICAST, Op.SAVE_ALLOCATIONS, Op.PREPARE_UNICAST]
+CAPTURE = [Op.QUIESCE, Op.PREPARE_MULTICAST, Op.SAVE_ALLOCATIONS, Op.PREPARE_UNICAST]
 RESTORE = [
     Op.LOAD_ALLOCATIONS,
     Op.RESTORE_UNICAST,
@@ -474,8 +477,8 @@ RESTORE = [
 ]
 STOPS = {
     "active": [],
-    "multicast-detached": CAPTURE[:1],
-    "allocations-saved": CAPTURE[:2],
+    "multicast-detached": CAPTURE[:2],
+    "allocations-saved": CAPTURE[:3],
     "prepared": CAPTURE,
     "unicast-restored": CAPTURE + RESTORE[:2],
     "multicast-created": CAPTURE + RESTORE[:3],
@@ -589,15 +592,26 @@ def test_a_bind_waiting_for_its_team_refuses_the_capture(spawn: Spawn, control_d
         return sum(r.handle_count for r in reply.records if r.kind == Kind.MC_OBJECT)
 
     wait_until(lambda: handles() == 2, "the bind in flight")
-    refused, _ = shimenv.request(path, wire.Request(op=Op.PREPARE_MULTICAST, participant=who))
-    assert (refused.status, refused.phase) == (Status.REFUSED, Phase.ACTIVE), refused
+    lease = os.urandom(16)
+
+    def ask(op: Op) -> wire.Reply:
+        who_ = "" if op in (Op.HANDSHAKE, Op.RELEASE) else who
+        return shimenv.request(path, wire.Request(op=op, participant=who_, authorization=lease))[0]
+
+    assert ask(Op.HANDSHAKE).status == Status.OK
+    quiet = ask(Op.QUIESCE)  # the bind left the gate: it waits in the driver
+    assert (quiet.status, quiet.phase) == (Status.OK, Phase.QUIESCED), quiet
+    refused = ask(Op.PREPARE_MULTICAST)
+    assert (refused.status, refused.phase) == (Status.REFUSED, Phase.QUIESCED), refused
     assert "waiting for their team" in refused.message
     # So is a rollback (which would tear the team down as well).
-    refused, _ = shimenv.request(path, wire.Request(op=Op.ROLLBACK_ALLOCATIONS, participant=who))
-    assert (refused.status, refused.phase) == (Status.REFUSED, Phase.ACTIVE), refused
+    refused = ask(Op.ROLLBACK_ALLOCATIONS)
+    assert (refused.status, refused.phase) == (Status.REFUSED, Phase.QUIESCED), refused
     assert "waiting for their team" in refused.message
     b("check(cu.cuMulticastAddDevice(H['mc'], DEV))")
     assert a.reply() == "CUDA_SUCCESS"
+    # The run's end (RELEASE) sends the QUIESCED shim back to ACTIVE: nothing torn down.
+    assert ask(Op.RELEASE).phase == Phase.ACTIVE
     assert handles() == 1
     _, topology = inspect([endpoint_for(a.pid, a.pid, control_dir=control_dir)], timeout=TIMEOUT_S)
     assert [r.device for _, r in topology.of_kind(Kind.MC_BINDING)] == [0]

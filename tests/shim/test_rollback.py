@@ -151,15 +151,15 @@ def interrupt(team: Team, point: str) -> None:
     if point == "active":
         return
     steps = {
-        "detached": CAPTURE[:1],
-        "saved": CAPTURE[:2],
+        "detached": CAPTURE[:2],
+        "saved": CAPTURE[:3],
         "prepared": CAPTURE,
         "loaded": CAPTURE + RESTORE[:1],
         "restored": CAPTURE + RESTORE[:2],
         "multicast-joined": CAPTURE + RESTORE[:-1],
     }
     if point.startswith("split"):
-        for op in CAPTURE[:2]:
+        for op in CAPTURE[:3]:
             team.ok(op)
         # The coordinator stopped while PREPARE_UNICAST reached some shims only.
         subset = [0] if point == "split-creator" else [1, 2]
@@ -200,13 +200,13 @@ def test_rollback_from(spawn: Spawn, control_dir: Path, point: str) -> None:
     team = build_team(spawn, control_dir)
     c = team.workers[0]
     before = team.inspect()
+    gran = int(c("result = gran"))
     interrupt(team, point)
     if point != "active":
-        # Not ACTIVE: the application's tracked calls wait.
-        assert c("result = err(cu.cuMemCreate(gran, prop(), 0))") == "CUDA_ERROR_NOT_READY"
+        # Not ACTIVE: the application's calls wait at the closed gate.
+        shimenv.send_held(c, "result = err(cu.cuCtxSynchronize())")
     loaded = team.ok(Op.ROLLBACK_ALLOCATIONS)
     assert {r.phase for r in loaded} == {Phase.ROLLBACK_LOADED}
-    gran = int(c("result = gran"))
     # The creators re-create exactly what was torn down (X by c, Y by i1).
     torn = {
         "prepared": (1, 1),
@@ -218,10 +218,16 @@ def test_rollback_from(spawn: Spawn, control_dir: Path, point: str) -> None:
     # Repeated (the coordinator was interrupted during the rollback): harmless.
     again = team.ok(Op.ROLLBACK_ALLOCATIONS)
     assert [(r.phase, r.stats.count) for r in again] == [(Phase.ROLLBACK_LOADED, 0)] * 3
-    # ROLLBACK_LOADED is not ACTIVE: the application still waits.
-    assert c("result = err(cu.cuMemCreate(gran, prop(), 0))") == "CUDA_ERROR_NOT_READY"
+    # ROLLBACK_LOADED is not ACTIVE: the application still waits (never quiesced:
+    # its tracked calls answer NOT_READY).
+    if point != "active":
+        assert not c.answered(0.3)
+    else:
+        assert c("result = err(cu.cuMemCreate(gran, prop(), 0))") == "CUDA_ERROR_NOT_READY"
     done = team.ok(Op.ROLLBACK_IMPORTS)
     assert {r.phase for r in done} == {Phase.ACTIVE}
+    if point != "active":
+        assert c.reply() == "CUDA_SUCCESS"  # let go once ACTIVE
     assert team.phases() == [Phase.ACTIVE] * 3
     assert_intact(team, {"X": SEED_X, "Y": SEED_Y})
     assert team.inspect() == before
@@ -247,9 +253,11 @@ def test_capture_and_restore_after_a_rollback(spawn: Spawn, control_dir: Path) -
 def test_rollback_imports_only_in_rollback_loaded(spawn: Spawn, control_dir: Path) -> None:
     team = build_team(spawn, control_dir)
     phases = [Phase.ACTIVE, Phase.MULTICAST_DETACHED, Phase.ALLOCATIONS_SAVED, Phase.PREPARED]
+    team.ok(Op.QUIESCE)
+    phases[0] = Phase.QUIESCED
     for k, phase in enumerate(phases):
         if k:
-            team.ok(CAPTURE[k - 1])
+            team.ok(CAPTURE[k])
         refused = team.send(Op.ROLLBACK_IMPORTS)
         assert [(r.status, r.phase) for r in refused] == [(Status.WRONG_PHASE, phase)] * 3
         assert all("ROLLBACK_IMPORTS" in r.message for r in refused)
@@ -267,23 +275,10 @@ def test_kept_reservations_are_gated(spawn: Spawn, control_dir: Path) -> None:
     team = build_team(spawn, control_dir)
     c, i1, _ = team.workers
     interrupt(team, "prepared")
-    gated = i1(
-        """
-_, vy, sy = M[0]; _, vx, sx = M[1]
-result = [
-    err(cu.cuMemAddressFree(vx, sx)),
-    err(cu.cuMemAddressFree(vy, sy)),
-    err(cu.cuMemAddressFree(vx + gran, gran)),  # part of a kept range
-    err(cu.cuMemUnmap(vx, sx)),
-    err(cu.cuMemMap(vx, sx, 0, H['x'], 0)),
-    err(cu.cuMemRelease(H['x'])),
-]
-"""
-    )
-    assert gated == ["CUDA_ERROR_NOT_READY"] * 6
-    # A reservation the shim does not keep is the application's own business.
-    assert i1("va = reserve(gran); result = err(cu.cuMemAddressFree(va, gran))") == "CUDA_SUCCESS"
+    # Quiesced, the application waits at the gate: it cannot free a kept reservation.
+    shimenv.send_held(i1, "_, vx, sx = M[1]; result = err(cu.cuMemAddressFree(vx + gran, 0))")
     roll_back(team)
+    assert i1.reply() == "CUDA_ERROR_INVALID_VALUE"  # size 0: run once ACTIVE, harmless
     assert_intact(team, {"X": SEED_X, "Y": SEED_Y})
     assert_shared(team, 600)
     # ACTIVE again: the application unmaps, frees and releases as it likes.
@@ -365,8 +360,8 @@ os.close(export(H['Z']))
         ), replies[0].message
         assert replies[0].stats.count == 1  # X was loaded and stays
         assert team.phases()[0] == Phase.PREPARED
-        # Still waiting, not failed: the application's calls answer NOT_READY.
-        assert c("result = err(cu.cuMemCreate(gran, prop(), 0))") == "CUDA_ERROR_NOT_READY"
+        # Still waiting, not failed: the application's calls wait at the gate.
+        shimenv.send_held(c, "result = err(cu.cuCtxSynchronize())")
         # Sent again while still out of memory: RETRY again, nothing lost.
         again = team.send(op, [0])[0]
         assert (again.status, again.phase, again.stats.count) == (
@@ -431,9 +426,9 @@ def test_a_failed_unmap_in_prepare_unicast_leaves_the_allocation_whole(
     c = team.workers[0]
     c("M.append(('X', map_rw(H['X'], 3 * gran), 3 * gran))")
     before = team.inspect()
-    for op in CAPTURE[:2]:
-        team.ok(op)
     c("import ctypes; ctypes.CDLL('libcuda.so.1').cuinterposeSimFailUnmap(1, 999)")
+    for op in CAPTURE[:3]:
+        team.ok(op)
     replies = team.send(Op.PREPARE_UNICAST)
     assert replies[0].status == Status.CUDA_FAILED, replies[0].message
     assert "cuMemUnmap" in replies[0].message and "CUDA_ERROR_UNKNOWN" in replies[0].message

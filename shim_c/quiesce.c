@@ -1,0 +1,253 @@
+/*
+ * QUIESCE (specs/quiesce.md): the first op of a capture, before anything is
+ * torn down. The gate closes in two steps:
+ *   1. synchronizing calls are held, launches flow: every thread runs on to
+ *      its next host-synchronizing call, so that the collectives its peers
+ *      wait for are launched, and the device work drains;
+ *   2. launches are held too; once no gated call is inside the driver, the
+ *      device work of every context is confirmed done.
+ * "Done" is asked of a helper thread that synchronizes each context in
+ * turn; this thread waits for it until the deadline, never longer (a
+ * synchronize cannot be bounded). Past the deadline the gate opens again
+ * and the op is refused, naming what the threads were held at: the process
+ * runs on as if nothing happened.
+ */
+#include "shim.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_CONTEXTS 64
+
+/* One look at whether every context is idle; shared by the control thread
+ * and the helper, freed by whichever lets go of it last. */
+struct idle_check {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs;
+    bool done;
+    CUresult rc;
+    uint32_t n;
+    uint32_t failed;                 /* the context whose call failed */
+    const char *call;                /* that call */
+    CUcontext ctx[MAX_CONTEXTS];
+    int primary_of[MAX_CONTEXTS];    /* retained primary context of this device; -1 */
+};
+
+static void idle_check_put(struct idle_check *c)
+{
+    bool last;
+
+    pthread_mutex_lock(&c->mu);
+    last = --c->refs == 0;
+    pthread_mutex_unlock(&c->mu);
+    if (last) {
+        pthread_mutex_destroy(&c->mu);
+        pthread_cond_destroy(&c->cv);
+        free(c);
+    }
+}
+
+static void *idle_main(void *arg)
+{
+    struct idle_check *c = arg;
+    CUresult rc = CUDA_SUCCESS;
+
+    for (uint32_t k = 0; k < c->n && rc == CUDA_SUCCESS; k++) {
+        bool pushed;
+
+        c->call = "cuCtxPushCurrent";
+        rc = shim_ctx_enter(c->ctx[k], &pushed);
+        if (rc == CUDA_SUCCESS) {
+            c->call = "cuCtxSynchronize";
+            rc = real.cuCtxSynchronize();
+            shim_ctx_leave(pushed);
+        }
+        if (rc != CUDA_SUCCESS)
+            c->failed = k;
+    }
+    for (uint32_t k = 0; k < c->n; k++)
+        if (c->primary_of[k] >= 0)
+            real.cuDevicePrimaryCtxRelease(c->primary_of[k]);
+    pthread_mutex_lock(&c->mu);
+    c->done = true;
+    c->rc = rc;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    idle_check_put(c);
+    return NULL;
+}
+
+static bool add_context(struct idle_check *c, CUcontext ctx)
+{
+    for (uint32_t k = 0; k < c->n; k++)
+        if (c->ctx[k] == ctx)
+            return true;
+    if (c->n == MAX_CONTEXTS)
+        return false;
+    c->primary_of[c->n] = -1;
+    c->ctx[c->n++] = ctx;
+    return true;
+}
+
+/* The contexts of the shim's objects and every active primary context (the
+ * runtime's): those the application's work can be queued in. */
+static int collect_contexts(struct idle_check *c, char *msg, size_t n)
+{
+    int devices = 0;
+    bool fits = true;
+
+    pthread_mutex_lock(&g.lock);
+    for (uint32_t i = 0; i < obj_count() && fits; i++) {
+        const struct obj *o = obj_at(i);
+        if (o && o->ctx)
+            fits = add_context(c, o->ctx);
+    }
+    pthread_mutex_unlock(&g.lock);
+    if (real.cuDeviceGetCount && real.cuDevicePrimaryCtxGetState &&
+        real.cuDevicePrimaryCtxRetain && real.cuDevicePrimaryCtxRelease &&
+        real.cuDeviceGetCount(&devices) != CUDA_SUCCESS)
+        devices = 0;
+    for (int d = 0; d < devices && fits; d++) {
+        unsigned flags;
+        int active = 0;
+        CUcontext ctx;
+        uint32_t before = c->n;
+
+        if (real.cuDevicePrimaryCtxGetState(d, &flags, &active) != CUDA_SUCCESS || !active ||
+            real.cuDevicePrimaryCtxRetain(&ctx, d) != CUDA_SUCCESS)
+            continue;
+        fits = add_context(c, ctx);
+        if (fits && c->n > before)
+            c->primary_of[before] = d;
+        else
+            real.cuDevicePrimaryCtxRelease(d); /* known already, or no room */
+    }
+    if (!fits) {
+        snprintf(msg, n, "more than %d contexts to watch", MAX_CONTEXTS);
+        for (uint32_t k = 0; k < c->n; k++)
+            if (c->primary_of[k] >= 0)
+                real.cuDevicePrimaryCtxRelease(c->primary_of[k]);
+        return -1;
+    }
+    return 0;
+}
+
+/* 1: every context idle; 0: not by `deadline_ns` (msg says what); -1: a
+ * synchronize failed or nothing could be asked (msg). */
+static int device_idle(uint64_t deadline_ns, char *msg, size_t n)
+{
+    struct idle_check *c = calloc(1, sizeof *c);
+    pthread_attr_t at;
+    pthread_t t;
+    int rc;
+
+    if (!c) {
+        snprintf(msg, n, "out of memory");
+        return -1;
+    }
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    c->refs = 2;
+    if (!real.cuCtxSynchronize || collect_contexts(c, msg, n) != 0) {
+        if (!real.cuCtxSynchronize)
+            snprintf(msg, n, "the driver has no cuCtxSynchronize");
+        c->refs = 1;
+        idle_check_put(c);
+        return -1;
+    }
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    rc = pthread_create(&t, &at, idle_main, c);
+    pthread_attr_destroy(&at);
+    if (rc != 0) {
+        for (uint32_t k = 0; k < c->n; k++)
+            if (c->primary_of[k] >= 0)
+                real.cuDevicePrimaryCtxRelease(c->primary_of[k]);
+        snprintf(msg, n, "cannot start a thread: %s", strerror(rc));
+        c->refs = 1;
+        idle_check_put(c);
+        return -1;
+    }
+    pthread_mutex_lock(&c->mu);
+    while (!c->done) {
+        uint64_t now = shim_now_ns();
+        struct timespec ts;
+        uint64_t left;
+
+        if (now >= deadline_ns)
+            break;
+        left = deadline_ns - now;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_sec += (time_t)(left / 1000000000u);
+        ts.tv_nsec += (long)(left % 1000000000u);
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+    }
+    if (!c->done) {
+        rc = 0;
+        snprintf(msg, n, "device work still running in %u context%s", c->n,
+                 c->n == 1 ? "" : "s");
+    } else if (c->rc != CUDA_SUCCESS) {
+        rc = -1;
+        snprintf(msg, n, "context %u of %u: %s failed: %s", c->failed + 1, c->n, c->call,
+                 shim_cu_name(c->rc));
+    } else {
+        rc = 1;
+    }
+    pthread_mutex_unlock(&c->mu);
+    idle_check_put(c);
+    return rc;
+}
+
+enum phase_result quiesce_run(struct reply *r)
+{
+    long timeout_ms = shim_settings()->quiesce_timeout_ms;
+    uint64_t t0 = shim_now_ns();
+    uint64_t deadline = t0 + (uint64_t)timeout_ms * 1000000ull;
+    const char *stage = "with synchronizing calls held and launches flowing";
+    char why[160], held[600];
+    int idle;
+
+    if (!shim_settings()->gate) {
+        idle = device_idle(deadline, why, sizeof why);
+        if (idle == 1)
+            return PHASE_DONE;
+        reply_msg(r, idle < 0 ? CUIP_STATUS_CUDA_FAILED : CUIP_STATUS_REFUSED,
+                  "QUIESCE: pid %d (gate off) did not drain within %ld ms: %s", (int)getpid(),
+                  timeout_ms, why);
+        return PHASE_REFUSED;
+    }
+    gate_close(GATE_HOLD_SYNC);
+    idle = device_idle(deadline, why, sizeof why);
+    if (idle == 1) {
+        stage = "with every gated call held";
+        gate_close(GATE_HOLD_ALL);
+        if (gate_wait_calls(deadline)) {
+            idle = device_idle(deadline, why, sizeof why);
+        } else {
+            idle = 0;
+            snprintf(why, sizeof why, "calls still inside the driver");
+        }
+    }
+    if (idle == 1) {
+        shim_log(LOG_INFO, "quiet after %.1f ms",
+                 (double)(shim_now_ns() - t0) / 1e6);
+        return PHASE_DONE;
+    }
+    gate_describe(held, sizeof held);
+    gate_open();
+    reply_msg(r, idle < 0 ? CUIP_STATUS_CUDA_FAILED : CUIP_STATUS_REFUSED,
+              "QUIESCE: pid %d did not reach a quiet point within %ld ms %s: %s; %s; "
+              "the gate is open again and the process runs on",
+              (int)getpid(), timeout_ms, stage, why, held);
+    shim_log(LOG_WARN, "%.*s", (int)r->h.message_length, r->msg);
+    return PHASE_REFUSED;
+}

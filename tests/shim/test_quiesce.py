@@ -1,0 +1,236 @@
+"""QUIESCE and the gate (specs/quiesce.md) on the simulated driver, whose streams run
+their work on worker threads (CUINTERPOSE_SIM_WORK_US: each piece takes that long), so
+that work really is in flight when a capture starts.
+
+- threads that keep launching and synchronizing in two processes sharing memory are
+  suspended (capture, native checkpoint) and resumed: every write that returned success
+  is there afterwards; the same capture without QUIESCE loses updates or faults;
+- a process that never synchronizes is refused within the deadline, named with what its
+  threads were held at, and runs on with its bytes;
+- a coordinator killed while the group is QUIESCED: the gates reopen by themselves.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cuinterpose.demo import Worker, coordinator_env
+from cuinterpose.engine import Options, PhaseFailed, agent, capture, endpoint_for, wire
+
+from tests.shim import shimenv
+from tests.shim.agentgroup import WorkerBackend
+from tests.simenv import Spawn
+from tests.waiting import wait_until
+
+KILLED_COORDINATOR = Path(__file__).parent / "workers" / "killed_coordinator.py"
+WORK_US = "2000"  # each queued memset takes 2 ms: every thread has work in flight
+THREADS = 3
+REGION = 64 << 10  # bytes of X per thread
+
+# Threads that write 1, 2, 3... to consecutive words of their region of X, one async
+# memset each on their own stream, and count a write once its synchronize returned
+# success. `sync=False` leaves the synchronize out (a process that never waits, launching
+# 250 times a second: faster than the device runs them).
+LOOPS = r"""
+import threading, time
+RUN = {"stop": False, "done": [0] * THREADS, "launched": [0] * THREADS, "errors": []}
+def loop(t, base, sync):
+    check(cu.cuCtxSetCurrent(ctx))
+    s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    i = 0
+    while not RUN["stop"] and (i + 1) * 4 <= REGION:
+        r = err(cu.cuMemsetD32Async(base + t * REGION + 4 * i, i + 1, 1, s))
+        if r != "CUDA_SUCCESS":
+            RUN["errors"].append(f"thread {t} launch {i}: {r}")
+            return
+        RUN["launched"][t] = i + 1
+        if sync:
+            r = err(cu.cuStreamSynchronize(s))
+            if r != "CUDA_SUCCESS":
+                RUN["errors"].append(f"thread {t} sync {i}: {r}")
+                return
+            RUN["done"][t] = i + 1
+        else:
+            time.sleep(0.004)
+        i += 1
+    r = err(cu.cuStreamSynchronize(s))
+    if r != "CUDA_SUCCESS":
+        RUN["errors"].append(f"thread {t} last sync: {r}")
+    else:
+        RUN["done"][t] = RUN["launched"][t]
+def start(base, sync=True):
+    RUN["threads"] = [threading.Thread(target=loop, args=(t, base, sync), daemon=True)
+                      for t in range(THREADS)]
+    for th in RUN["threads"]:
+        th.start()
+def stop():
+    RUN["stop"] = True
+    for th in RUN["threads"]:
+        th.join()
+def missing(base):
+    # words that a thread counted as written but that do not hold their value
+    bad = []
+    for t in range(THREADS):
+        n = RUN["done"][t]
+        buf = ctypes.create_string_buffer(4 * n)
+        if n:
+            check(cu.cuMemcpyDtoH(ctypes.addressof(buf), base + t * REGION, 4 * n))
+        words = [int.from_bytes(buf.raw[4 * i:4 * i + 4], "little") for i in range(n)]
+        bad += [f"thread {t} word {i}: {w}" for i, w in enumerate(words) if w != i + 1]
+    return bad
+"""
+
+
+def _group(spawn: Spawn, shim_env: dict[str, str], extra: dict[str, str]) -> tuple[Worker, ...]:
+    env = {**shim_env, "CUINTERPOSE_SIM_WORK_US": WORK_US, **extra}
+    creator = spawn("creator", env, wait=False)
+    importer = spawn("importer", env, wait=False)
+    for w in (creator, importer):
+        w.wait_ready()
+        w(shimenv.WORKER_SETUP + f"THREADS = {THREADS}\nREGION = {REGION}\n" + LOOPS)
+    size = 2 * THREADS * REGION
+    creator(f"""
+size = max(gran, {size})
+h = check(cu.cuMemCreate(size, prop(), 0))
+X = map_rw(h, size)
+check(cu.cuMemsetD8(X, 0, size))
+fd = check(cu.cuMemExportToShareableHandle(h, POSIX, 0))
+""")
+    fd = creator.send_fd_to(importer, int(creator("result = int(fd)")), close=True)
+    importer(f"""
+size = max(gran, {size})
+h = check(cu.cuMemImportFromShareableHandle({fd}, POSIX))
+X = map_rw(h, size) + {THREADS * REGION}
+""")
+    return creator, importer
+
+
+def _progress(worker: Worker) -> int:
+    return int(worker("result = sum(RUN['done'])"))
+
+
+def _phase(control_dir: Path, pid: int) -> wire.Phase:
+    return shimenv.handshake(shimenv.socket_path(control_dir, pid)).phase
+
+
+def test_a_running_group_is_suspended_and_resumed_without_a_lost_update(
+    spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str], tmp_path: Path
+) -> None:
+    creator, importer = _group(spawn, shim_env, {})
+    observer = spawn("observer", plain_env)
+    group = [creator, importer]
+    for w in group:
+        w("start(X)")
+    # Calls in flight in every thread when the capture starts.
+    wait_until(lambda: all(min(w("result = RUN['done']")) >= 3 for w in group), "every thread ran")
+    native = WorkerBackend(observer)
+    where = agent.Where(Path(shim_env["SNAPSHOT_CONTROL_DIR"]))
+    processes = [(w.pid, w.pid) for w in group]
+    seen: list[agent.AgentEvent] = []
+    done = agent.suspend(processes, tmp_path, where=where, native=native, on_event=seen.append)
+    assert done.manifest.prepared
+    quiesce = [e for e in seen if e.to_json().get("phase") == "QUIESCE"]
+    assert quiesce, [e.to_json() for e in seen]
+    at_suspend = [_progress(w) for w in group]
+    agent.resume(tmp_path, where=where, native=native)
+    # The held threads run on: every one of them writes again after the resume.
+    wait_until(
+        lambda: all(_progress(w) > n + THREADS for w, n in zip(group, at_suspend, strict=True)),
+        "every thread wrote after the resume",
+    )
+    for w in group:
+        w("stop()")
+        assert w("result = RUN['errors']") == []
+        assert w("result = missing(X)") == [], w.name
+
+
+def test_without_the_gate_the_same_suspend_loses_updates_or_faults(
+    spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The control: SNAPSHOT_SHIM_GATE=0 (QUIESCE drains once, holds nothing). The
+    threads' work lands on memory SAVE has already copied and PREPARE_UNICAST unmaps."""
+    creator, importer = _group(spawn, shim_env, {"SNAPSHOT_SHIM_GATE": "0"})
+    observer = spawn("observer", plain_env)
+    group = [creator, importer]
+    for w in group:
+        w("start(X)")
+    wait_until(lambda: all(min(w("result = RUN['done']")) >= 3 for w in group), "every thread ran")
+    native = WorkerBackend(observer)
+    where = agent.Where(Path(shim_env["SNAPSHOT_CONTROL_DIR"]))
+    failure: Exception | None = None
+    try:
+        agent.suspend([(w.pid, w.pid) for w in group], tmp_path, where=where, native=native)
+        agent.resume(tmp_path, where=where, native=native)
+    except Exception as exc:  # the resume's reload meets the failed context, for one
+        failure = exc
+    for w in group:
+        w("stop()")
+    errors = [e for w in group for e in w("result = RUN['errors']")]
+    faulted = any("CUDA_ERROR_ILLEGAL_ADDRESS" in e for e in errors)
+    lost = [] if faulted else [m for w in group for m in w("result = missing(X)")]
+    assert faulted or lost, (errors, failure)
+
+
+def test_a_process_that_never_synchronizes_is_refused_and_runs_on(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
+) -> None:
+    slow = {"CUINTERPOSE_SIM_WORK_US": "10000", "SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S": "1.5"}
+    creator, importer = _group(spawn, shim_env, slow)
+    importer("start(X)")  # synchronizes
+    creator("start(X, sync=False)")  # launches faster than the device runs them
+    wait_until(lambda: sum(creator("result = RUN['launched']")) >= 30, "the queue grew")
+    endpoints = [endpoint_for(w.pid, w.pid, control_dir=control_dir) for w in (creator, importer)]
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(PhaseFailed) as caught:
+        capture(endpoints, tmp_path / "ckpt", Options(60.0))
+    error = caught.value
+    text = str(error)
+    assert error.phase == "QUIESCE" and not error.destroyed, text
+    assert f"QUIESCE: pid {creator.pid} did not reach a quiet point within 1500 ms" in text
+    assert "device work still running" in text
+    assert "the gate is open again and the process runs on" in text
+    # Both back in ACTIVE, gates open: the importer's threads synchronize again and the
+    # creator keeps launching.
+    assert {_phase(control_dir, w.pid) for w in (creator, importer)} == {wire.Phase.ACTIVE}
+    launched = sum(creator("result = RUN['launched']"))
+    done = _progress(importer)
+    wait_until(lambda: sum(creator("result = RUN['launched']")) > launched, "creator launches")
+    wait_until(lambda: _progress(importer) > done + THREADS, "importer synchronizes")
+    for w in (creator, importer):
+        w("stop()")
+        assert w("result = RUN['errors']") == []
+        assert w("result = missing(X)") == [], w.name
+
+
+def test_a_coordinator_killed_while_quiesced_leaves_the_gates_open(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
+) -> None:
+    creator, importer = _group(spawn, shim_env, {})
+    group = [creator, importer]
+    for w in group:
+        w("start(X)")
+    wait_until(lambda: all(min(w("result = RUN['done']")) >= 3 for w in group), "every thread ran")
+    (tmp_path / "ckpt").mkdir()
+    killed = subprocess.run(
+        [sys.executable, str(KILLED_COORDINATOR), "capture", "QUIESCE", "1",
+         str(tmp_path / "ckpt"), str(control_dir), *(str(w.pid) for w in group)],
+        env=coordinator_env(), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr
+    # Held threads notice that the lease holder is gone: ACTIVE, and they run on.
+    wait_until(
+        lambda: {_phase(control_dir, w.pid) for w in group} == {wire.Phase.ACTIVE},
+        "both shims back in ACTIVE",
+    )
+    after = [_progress(w) for w in group]
+    wait_until(
+        lambda: all(_progress(w) > n + THREADS for w, n in zip(group, after, strict=True)),
+        "every thread writes again",
+    )
+    for w in group:
+        w("stop()")
+        assert w("result = RUN['errors']") == []
+        assert w("result = missing(X)") == [], w.name
