@@ -3,11 +3,12 @@
 # build the release libraries against the system cuda.h, run the real-GPU tests
 # (three processes, raw-import refusal, two-rank NCCL job) recording their traces,
 # then the one-command suspend/resume next to the native checkpoint
-# (bench/suspend.py) and the staging benchmark (bench/staging.py). Results in $OUT
-# (at most 8 files): environment.txt, build.log, pytest-gpu.log, suspend.json,
-# staging.json, staging.log, traces.tar.gz, status.txt.
+# (bench/suspend.py), the staging benchmark (bench/staging.py) and the gate's cost
+# per call (tests/gpu/quiesce_bench.py). Results in $OUT (at most 8 files):
+# environment.txt, build.log, pytest-gpu.log, suspend.json, staging.json,
+# staging.log, traces.tar.gz (traces, figures, the gate's cost), status.txt.
 #
-#   OUT=/path/to/results [WHEELS=.whl] tests/gpu/run_h200.sh
+#   OUT=/path/to/results [WHEELS=.whl] [BENCHES="suspend staging gate"] tests/gpu/run_h200.sh
 #
 # Uses the machine's python3 (torch, cuda-bindings, pytest, rich are in the image);
 # the wheels in $WHEELS (cattrs, transitions, attrs) are installed into /tmp/site.
@@ -45,11 +46,21 @@ CUINTERPOSE_TRACE_OUT=/tmp/traces timeout "${GPU_TESTS_S:-240}" python3 -m pytes
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 grep -Eq "[0-9]+ passed" "$OUT/pytest-gpu.log" || { echo "no GPU test ran"; status=1; }
 
-timeout "${SUSPEND_S:-150}" python3 bench/suspend.py --gib "${SUSPEND_GIB:-4}" \
-  --out "$OUT/suspend.json" 2>&1 | tee /tmp/traces/suspend.log
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+BENCHES=${BENCHES:-suspend staging gate}
+if [[ " $BENCHES " == *" gate "* ]]; then
+  timeout "${GATE_S:-120}" python3 tests/gpu/quiesce_bench.py --driver system --repeats 3 \
+    2>&1 | tee /tmp/traces/gate.log
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [[ " $BENCHES " == *" suspend "* ]]; then
+  timeout "${SUSPEND_S:-150}" python3 bench/suspend.py --gib "${SUSPEND_GIB:-4}" \
+    --out "$OUT/suspend.json" 2>&1 | tee /tmp/traces/suspend.log
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 
-timeout "${BENCH_S:-240}" python3 bench/staging.py --repeat "${REPEAT:-3}" --out "$OUT/staging.json" \
-  >"$OUT/staging.log" 2>/tmp/traces/staging.stderr || status=1
-cat "$OUT/staging.log"
+if [[ " $BENCHES " == *" staging "* ]]; then
+  timeout "${BENCH_S:-240}" python3 bench/staging.py --repeat "${REPEAT:-3}" --out "$OUT/staging.json" \
+    >"$OUT/staging.log" 2>/tmp/traces/staging.stderr || status=1
+  cat "$OUT/staging.log"
+fi
 finish
