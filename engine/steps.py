@@ -180,7 +180,7 @@ def perform(run: Run, step: Step) -> PhaseEvent | None:
     """Do ``step``'s work; a wire step returns its progress event."""
     op = step_op(step)
     if op is not None:
-        if run.spec.records_intent and run.intent_path is None and step.destructive:
+        if run.spec.records_intent and run.intent_path is None and step.tears_down:
             write_intent_file(run)
         return exchange(run, step, op)
     assert step.action is not None  # a step without an op has an action (phases checks)
@@ -344,7 +344,7 @@ def write_state_file(run: Run) -> None:
 
 def write_intent_file(run: Run) -> None:
     """Record the group durably before its first destructive op (see :mod:`.directory`)."""
-    step = run.spec.steps[run.spec.first_destructive() or 0].trigger
+    step = run.spec.steps[run.spec.first_teardown() or 0].trigger
     state = _state_of(run)
     try:
         run.intent_path = write_intent(run.checkpoint_dir, state)

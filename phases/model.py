@@ -198,8 +198,16 @@ class MachineSpec:
                 return index
         return None
 
+    def first_teardown(self) -> int | None:
+        """Index of the first step after which a stopped run needs a rollback, or None."""
+        for index, step in enumerate(self.steps):
+            if step.tears_down:
+                return index
+        return None
+
     def is_refusal(self, trigger: str) -> bool:
-        """Whether a guard failing on this step refuses (nothing destroyed yet) or fails."""
+        """Whether a guard failing on this step refuses (nothing torn down yet: a
+        QUIESCED group reopens when the run's lease ends) or fails."""
         index = self.steps.index(self.step(trigger))
-        first = self.first_destructive()
+        first = self.first_teardown()
         return first is None or index <= first

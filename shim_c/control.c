@@ -504,11 +504,13 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
         return;
     case CUIP_OP_INSPECT:
         pthread_mutex_lock(&g.lock);
-        /* PREPARED too: a restore compares the records with its state file
-         * before it changes anything; the records do not change meanwhile. */
-        if (g.phase != CUIP_PHASE_ACTIVE && g.phase != CUIP_PHASE_PREPARED)
-            reply_msg(r, CUIP_STATUS_WRONG_PHASE, "INSPECT needs phase ACTIVE or PREPARED; "
-                      "the shim is in phase %u", g.phase);
+        /* QUIESCED: a capture reads the records once the gate keeps the
+         * application from changing them. PREPARED: a restore compares them
+         * with its state file before it changes anything. */
+        if (g.phase != CUIP_PHASE_ACTIVE && g.phase != CUIP_PHASE_QUIESCED &&
+            g.phase != CUIP_PHASE_PREPARED)
+            reply_msg(r, CUIP_STATUS_WRONG_PHASE, "INSPECT needs phase ACTIVE, QUIESCED or "
+                      "PREPARED; the shim is in phase %u", g.phase);
         else if (g.busy)
             reply_msg(r, CUIP_STATUS_REFUSED, "another phase op is running");
         else if (unicast_inspect(r) == 0)

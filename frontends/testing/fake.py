@@ -94,7 +94,7 @@ def allowed_phases(op: Op) -> frozenset[Phase]:
     if op in (Op.HANDSHAKE, Op.RELEASE, Op.STATUS):
         return frozenset(Phase)
     if op is Op.INSPECT:
-        return frozenset({Phase.ACTIVE, Phase.PREPARED})
+        return frozenset({Phase.ACTIVE, Phase.QUIESCED, Phase.PREPARED})
     if op is Op.EXPORT:
         return frozenset({Phase.ACTIVE, Phase.QUIESCED}) | _RESTORE_PHASES
     return _TRANSITIONS[op][0]

@@ -21,9 +21,10 @@ from cuinterpose.testing import FakeParticipant, Fault
 
 SAVE_STATS = Stats(count=1, bytes=4 << 20, elapsed_ns=2_000_000, copy_ns=1_000_000)
 LOAD_STATS = Stats(count=1, bytes=4 << 20, elapsed_ns=3_000_000, copy_ns=2_000_000)
+# The ops that tear something down: QUIESCE only holds the application at its gate,
+# and the run's RELEASE (or its death) opens it again.
 DESTRUCTIVE_OPS = frozenset(
     {
-        Op.QUIESCE,
         Op.PREPARE_MULTICAST,
         Op.SAVE_ALLOCATIONS,
         Op.PREPARE_UNICAST,

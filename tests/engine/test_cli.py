@@ -91,7 +91,7 @@ def test_human_progress_is_one_line_per_phase(work: Path) -> None:
     lines = out.splitlines()
     assert len(lines) == 7
     assert lines[0].startswith("capture HANDSHAKE: ") and "2 participants" in lines[0]
-    assert lines[2].startswith("capture QUIESCE: ")
+    assert lines[1].startswith("capture QUIESCE: ") and lines[2].startswith("capture INSPECT: ")
     assert "GB/s" in lines[4] and lines[4].startswith("capture SAVE_ALLOCATIONS")
     assert lines[-1].startswith("capture done")
 
@@ -108,13 +108,13 @@ def test_preflight_refusal_exits_1_naming_participant_pid_phase_reason(work: Pat
         assert all(not DESTRUCTIVE_OPS & set(ops) for ops in t.received())
         pid = t.fakes[1].pid
     assert code == 1
-    assert "refused at QUIESCE (preflight_clean)" in err
+    assert "refused at PREPARE_MULTICAST (preflight_clean)" in err
     assert f"participant {participant(1)}, pid {pid}" in err
     assert "UNSUPPORTED_EXPORTABLE" in err
     failed = json_lines(out)[-1]
     assert failed["event"] == "failed"
     assert (failed["phase"], failed["participant"], failed["pid"]) == (
-        "QUIESCE",
+        "PREPARE_MULTICAST",
         participant(1),
         pid,
     )

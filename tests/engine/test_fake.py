@@ -125,7 +125,7 @@ def test_the_phase_table_is_the_protocols() -> None:
         Op.QUIESCE
     ]
     assert allowed_phases(Op.HANDSHAKE) == frozenset(Phase)
-    assert allowed_phases(Op.INSPECT) == {Phase.ACTIVE, Phase.PREPARED}
+    assert allowed_phases(Op.INSPECT) == {Phase.ACTIVE, Phase.QUIESCED, Phase.PREPARED}
     assert allowed_phases(Op.EXPORT) == {
         Phase.ACTIVE,
         Phase.QUIESCED,

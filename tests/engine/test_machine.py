@@ -62,10 +62,10 @@ def test_every_step_runs_guards_then_performs(spec: MachineSpec) -> None:
 def test_a_false_guard_stops_before_perform_and_leaves_the_state() -> None:
     model = Model(CAPTURE, {"preflight_clean": False})
     machine = build_machine(CAPTURE, model)
-    for trigger in ("HANDSHAKE", "INSPECT"):
+    for trigger in ("HANDSHAKE", "QUIESCE", "INSPECT"):
         fire(machine, model, trigger)
     model.calls.clear()
-    assert not fire(machine, model, "QUIESCE")
+    assert not fire(machine, model, "PREPARE_MULTICAST")
     assert model.calls == ["guard topology_valid", "guard preflight_clean"]
     assert model.state == "inspected"
     assert fire(machine, model, "REFUSE") and model.state == "refused"
@@ -91,8 +91,8 @@ def test_out_of_order_triggers_are_errors() -> None:
     machine = build_machine(CAPTURE, model)
     with pytest.raises(MachineError):
         fire(machine, model, "SAVE_ALLOCATIONS")
-    # A refusal is impossible once a destructive op has been sent.
-    for trigger in ("HANDSHAKE", "INSPECT", "QUIESCE"):
+    # A refusal is impossible once a tearing-down op has been sent.
+    for trigger in ("HANDSHAKE", "QUIESCE", "INSPECT", "PREPARE_MULTICAST"):
         fire(machine, model, trigger)
     with pytest.raises(MachineError):
         fire(machine, model, "REFUSE")
@@ -102,7 +102,7 @@ def test_terminal_transitions() -> None:
     table = transition_table(CAPTURE)
     refuse = next(t for t in table if t["trigger"] == "REFUSE")
     fail = next(t for t in table if t["trigger"] == "FAIL")
-    assert refuse["source"] == ["handshaken", "inspected"]
+    assert refuse["source"] == ["handshaken", "inspected"]  # before QUIESCE; before teardown
     assert fail["source"] == list(CAPTURE.states[:-1])
     restore_refuse = next(t for t in transition_table(RESTORE) if t["trigger"] == "REFUSE")
     assert restore_refuse["source"] == ["handshaken", "prepared_inspected"]

@@ -25,8 +25,8 @@ from cuinterpose.phases import (
 def test_capture_sends_the_design_order() -> None:
     assert CAPTURE.ops == (
         "HANDSHAKE",
-        "INSPECT",
         "QUIESCE",
+        "INSPECT",
         "PREPARE_MULTICAST",
         "SAVE_ALLOCATIONS",
         "PREPARE_UNICAST",
@@ -88,13 +88,16 @@ def test_phase_ops_lead_the_shim_from_phase_to_phase(
 
 
 def test_refusals_come_before_the_first_destructive_op() -> None:
-    assert CAPTURE.step("QUIESCE").guards == (
+    # The gate closes first, so INSPECT reads a topology nothing can change; the
+    # checks come before the first op that tears something down.
+    assert CAPTURE.step("QUIESCE").guards == ("all_active",)
+    assert CAPTURE.step("PREPARE_MULTICAST").guards == (
         "topology_valid",
         "preflight_clean",
         "checkpoint_dir_writable",
     )
-    assert CAPTURE.is_refusal("INSPECT") and CAPTURE.is_refusal("QUIESCE")
-    assert not CAPTURE.is_refusal("PREPARE_MULTICAST")
+    assert CAPTURE.is_refusal("QUIESCE") and CAPTURE.is_refusal("PREPARE_MULTICAST")
+    assert not CAPTURE.is_refusal("SAVE_ALLOCATIONS")
     # QUIESCE changes the participants, yet a run stopped there needs no rollback.
     assert CAPTURE.step("QUIESCE").destructive and not CAPTURE.step("QUIESCE").tears_down
     assert CAPTURE.step("PREPARE_MULTICAST").tears_down
@@ -116,7 +119,8 @@ def test_transfer_progress_only_where_bytes_move() -> None:
 def test_lookups() -> None:
     assert machine_spec("capture") is CAPTURE and machine_spec("restore") is RESTORE
     assert CAPTURE.guard("all_active").name == "all_active"
-    assert CAPTURE.first_destructive() == 2
+    assert CAPTURE.first_destructive() == 1  # QUIESCE
+    assert CAPTURE.first_teardown() == 3  # PREPARE_MULTICAST
     assert CAPTURE.states[0] == "start" and CAPTURE.states[-1] == "captured"
     assert CAPTURE.all_states[-2:] == ("refused", "failed")
     with pytest.raises(KeyError, match="no machine 'teardown'"):

@@ -216,9 +216,7 @@ def test_committed_traces_replay_clean(name: str) -> None:
     assert entries[-1]["outcome"] == EXPECTED_OUTCOMES[name], path
     mismatch = machine_mismatch(entries)
     again = (
-        "record it again on an H200 (tests/gpu/run_h200.sh)"
-        if name in H200_TRACES
-        else ("regenerate the traces")
+        "on an H200: tests/gpu/run_h200.sh" if name in H200_TRACES else ("regenerate the traces")
     )
     assert mismatch is None, f"{name}: {mismatch}; {again}"
     report = replay(entries)
@@ -236,7 +234,7 @@ def test_a_trace_of_another_machine_is_refused_by_name(work: Path) -> None:
     for entry in entries:
         if entry.get("trigger") == "QUIESCE":
             entry["trigger"] = "SOMETHING_ELSE"
-    assert "this engine's are HANDSHAKE, INSPECT, QUIESCE" in str(machine_mismatch(entries))
+    assert "this engine's are HANDSHAKE, QUIESCE, INSPECT" in str(machine_mismatch(entries))
 
 
 @pytest.mark.skipif(
@@ -290,7 +288,7 @@ def test_every_transition_is_recorded_with_requests_and_replies(work: Path) -> N
     assert [(e["trigger"], e["from"], e["to"]) for e in transitions] == [
         (s.trigger, s.source, s.dest) for s in runner.CAPTURE.steps
     ]
-    inspect = transitions[1]
+    inspect = transitions[2]  # after HANDSHAKE and QUIESCE
     assert inspect["machine"] == "capture" and inspect["outcome"] == "ok"
     assert inspect["elapsed_s"] >= 0 and inspect["started_s"] >= 0
     assert [x["request"] for x in inspect["exchanges"]] == [
@@ -299,7 +297,7 @@ def test_every_transition_is_recorded_with_requests_and_replies(work: Path) -> N
     reply = inspect["exchanges"][0]["reply"]
     assert (reply["status"], reply["phase"], reply["participant"]) == (
         "OK",
-        "ACTIVE",
+        "QUIESCED",
         participant(0),
     )
     assert len(reply["records"]) == len(TOPOLOGY.participants[0].records)
@@ -310,13 +308,13 @@ def test_a_refusal_records_the_guard_and_the_refuse_transition(work: Path) -> No
     entries = _refused_preflight(work)
     attempt, refuse, end = entries[-3:]
     assert (attempt["trigger"], attempt["outcome"], attempt["to"]) == (
-        "QUIESCE",
+        "PREPARE_MULTICAST",
         "refused",
         "inspected",
     )
     assert attempt["guards"]["preflight_clean"][0]["participant"] == participant(0)
     assert (refuse["trigger"], refuse["to"]) == ("REFUSE", "refused")
-    assert end["outcome"] == "refused" and end["phase"] == "QUIESCE"
+    assert end["outcome"] == "refused" and end["phase"] == "PREPARE_MULTICAST"
 
 
 # -- divergence -------------------------------------------------------------------------

@@ -248,5 +248,5 @@ def test_a_blocking_path_at_the_state_file_is_refused_before_anything_changes(
     assert run.returncode == 1, run.stderr
     assert "is not a regular file" in run.stderr, run.stderr
     sent = {e.get("phase") for e in run.events if e.get("event") == "phase"}
-    assert sent <= {"HANDSHAKE", "INSPECT"}, sent
+    assert sent <= {"HANDSHAKE", "QUIESCE", "INSPECT"}, sent  # the gate reopened at the end
     _running_as_before(pair)

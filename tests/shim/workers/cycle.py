@@ -28,7 +28,7 @@ from cuinterpose.demo import (
 
 from tests.simenv import Spawn
 
-DESTRUCTIVE = {"QUIESCE", "SAVE_ALLOCATIONS", "PREPARE_UNICAST", "PREPARE_MULTICAST"}
+DESTRUCTIVE = {"SAVE_ALLOCATIONS", "PREPARE_UNICAST", "PREPARE_MULTICAST"}  # QUIESCE is released
 
 
 def cli(
