@@ -731,21 +731,23 @@ def suspend(
 
 # Two ranks a collective apart when their gates close refuse QUIESCE (one is held
 # before it launched what the other waits for: specs/quiesce.md). Nothing changed and
-# the gates open again as the run ends, so the capture starts over, this many times in
-# all, before the refusal is reported.
-QUIESCE_ATTEMPTS: Final = 3
+# the gates open again as the run ends, so the capture starts over with a longer
+# deadline each time; the last attempt gets each shim's own (None). A team that is
+# quiet in a millisecond, the usual case, never waits for a short one to run out.
+QUIESCE_DEADLINES: Final[tuple[float | None, ...]] = (0.5, 2.0, None)
 
 
 def _capture_quiet(
     endpoints: Sequence[Endpoint], directory: Path, options: Options, log: logging.Logger
 ) -> CaptureResult:
-    for attempt in range(1, QUIESCE_ATTEMPTS + 1):
+    attempts = len(QUIESCE_DEADLINES)
+    for attempt, deadline in enumerate(QUIESCE_DEADLINES, start=1):
         try:
-            return capture(endpoints, directory, options)
+            return capture(endpoints, directory, attrs.evolve(options, quiesce_deadline=deadline))
         except PhaseFailed as error:
-            if attempt == QUIESCE_ATTEMPTS or not not_quiet(error):
+            if attempt == attempts or not not_quiet(error):
                 raise
-            log.warning("capture attempt %d of %d not quiet: %s", attempt, QUIESCE_ATTEMPTS,
+            log.warning("capture attempt %d of %d not quiet: %s", attempt, attempts,
                         error.reason)  # fmt: skip
     raise AssertionError("unreachable: the last attempt returns or raises")
 

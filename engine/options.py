@@ -36,6 +36,9 @@ class Options:
     phase_timeout: float = DEFAULT_PHASE_TIMEOUT_S
     slowest_transfer_rate: float = SLOWEST_TRANSFER_RATE  # bytes per second
     retry_attempts: int = RETRY_ATTEMPTS
+    # QUIESCE's deadline, seconds, sent to every shim (None: each shim's own,
+    # SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S; a shim never waits longer than its own).
+    quiesce_deadline: float | None = None
     on_progress: ProgressCallback | None = None
     trace: TraceSink | None = None
     content_mode: Literal["host", "native"] = "host"
@@ -57,6 +60,8 @@ class Options:
             raise ValueError(
                 f"slowest_transfer_rate must be positive, got {self.slowest_transfer_rate}"
             )
+        if self.quiesce_deadline is not None and not self.quiesce_deadline > 0:
+            raise ValueError(f"quiesce_deadline must be positive, got {self.quiesce_deadline}")
         if self.retry_attempts < 1:
             raise ValueError(f"retry_attempts must be at least 1, got {self.retry_attempts}")
 

@@ -196,8 +196,17 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
     if op is Op.HANDSHAKE:
         calls = [(e, Request(op, authorization=lease), None) for e in run.endpoints]
     else:
+        deadline_ns = 0
+        if op is Op.QUIESCE and options.quiesce_deadline is not None:
+            deadline_ns = max(1, round(options.quiesce_deadline * 1e9))
         calls = [
-            (b.endpoint, Request(op, participant=b.participant, authorization=lease), b.participant)
+            (
+                b.endpoint,
+                Request(
+                    op, participant=b.participant, authorization=lease, deadline_ns=deadline_ns
+                ),
+                b.participant,
+            )
             for b in run.bound
         ]
     began = options.clock()

@@ -484,6 +484,8 @@ class Request:
     authorization: bytes = ZERO_ID
     resource_kind: ResourceKind = ResourceKind.NONE
     fetcher: str = ""
+    # QUIESCE only: the longest the coordinator lets it take, ns (0: the shim's own).
+    deadline_ns: int = 0
 
     @property
     def lease(self) -> bytes:
@@ -502,6 +504,10 @@ class Request:
             raise WireError(f"{self.op.name} request must not name a participant")
         if self.op is Op.RELEASE and self.authorization == ZERO_ID:
             raise WireError("RELEASE request carries no lease token")
+        if self.deadline_ns and self.op is not Op.QUIESCE:
+            raise WireError(f"{self.op.name} request carries a deadline (QUIESCE only)")
+        if not 0 <= self.deadline_ns < 2**64:
+            raise WireError(f"deadline_ns {self.deadline_ns} does not fit 64 bits")
         text = _participant_bytes(self.fetcher, "fetcher") if exporting else b""
         # What Header(op, participant, ids, kind).encode() packs, without building
         # the Header: the reply-only fields and the stats are zero.
@@ -523,7 +529,7 @@ class Request:
                     0,
                     0,
                     0,
-                    0,
+                    self.deadline_ns,
                     0,
                 )
                 + text
@@ -625,7 +631,10 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         or header.phase
     ):
         raise WireError(f"{op.name} request has reply-only fields set")
-    if header.stats != Stats():
+    deadline = header.stats.elapsed_ns if op is Op.QUIESCE else 0
+    if attrs.evolve(header.stats, elapsed_ns=0) != Stats() or (
+        header.stats.elapsed_ns and not deadline
+    ):
         raise WireError(f"{op.name} request has stats set")
     text = raw[HEADER_SIZE:]
     if len(text) != text_length:
@@ -641,6 +650,7 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         authorization=header.authorization,
         resource_kind=kind,
         fetcher=_participant_text(text, "fetcher") if text else "",
+        deadline_ns=deadline,
     )
     request.encode()  # the same field rules as for sending
     return request, header

@@ -60,8 +60,9 @@ static bool validate(const struct cuip_header *q, struct reply *r)
         reply_msg(r, CUIP_STATUS_BAD_REQUEST, "unknown op %u", q->op);
         return false;
     }
+    /* QUIESCE's stat_elapsed_ns is the coordinator's deadline for it (protocol.h). */
     if (q->status || q->count || q->pid || q->phase || q->reserved || q->stat_count ||
-        q->stat_bytes || q->stat_elapsed_ns || q->stat_copy_ns ||
+        q->stat_bytes || (q->stat_elapsed_ns && q->op != CUIP_OP_QUIESCE) || q->stat_copy_ns ||
         q->message_length != (exporting ? CUIP_PARTICIPANT_LEN : 0)) {
         reply_msg(r, CUIP_STATUS_BAD_REQUEST, "%s request has reply-only fields set",
                   op_name(q->op));
@@ -518,6 +519,11 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
         pthread_mutex_unlock(&g.lock);
         return;
     default:
+        if (q->op == CUIP_OP_QUIESCE) {
+            pthread_mutex_lock(&g.lock);
+            g.quiesce_deadline_ns = q->stat_elapsed_ns;
+            pthread_mutex_unlock(&g.lock);
+        }
         run_phase_op(q->op, r);
         return;
     }

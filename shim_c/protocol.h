@@ -50,7 +50,9 @@ enum cuip_op {
      * stat fields say what is in flight (below). */
     CUIP_OP_STATUS = 16,
     /* The first op of a capture: closes the gate that the application's
-     * driver calls pass until the process is quiet (specs/quiesce.md). */
+     * driver calls pass until the process is quiet (specs/quiesce.md). Its
+     * request may carry in stat_elapsed_ns the longest the coordinator lets
+     * it take (ns; 0: the shim's own deadline, which also bounds it). */
     CUIP_OP_QUIESCE = 17,
 };
 #define CUIP_OP_MAX CUIP_OP_QUIESCE
@@ -157,7 +159,8 @@ struct cuip_header {
     uint16_t reserved;
     uint64_t stat_count;                     /* SAVE/LOAD/ROLLBACK_ALLOCATIONS: allocations moved */
     uint64_t stat_bytes;                     /* bytes moved */
-    uint64_t stat_elapsed_ns;                /* time inside the shim for the whole op */
+    uint64_t stat_elapsed_ns;                /* time inside the shim for the whole op;
+                                              * in a QUIESCE request: its deadline */
     uint64_t stat_copy_ns;                   /* time spent in device copies */
 };
 

@@ -261,6 +261,9 @@ struct shim_state {
     bool busy;                     /* a phase op is running */
     uint16_t op_in_flight;         /* that op (enum cuip_op), 0 when none; for STATUS */
     uint64_t op_started_ns;        /* when it started */
+    /* The deadline the coordinator gave the QUIESCE about to run (ns; 0: none,
+     * the setting's); set under g.lock before it starts. */
+    uint64_t quiesce_deadline_ns;
     /* The bytes the phase op in flight has copied and will copy in all:
      * reset at its start (g.lock held), the total set by content.c, the
      * bytes done added without the lock by staging.c once per copied chunk

@@ -120,10 +120,11 @@ class Fault:
     """What a fake does instead of (or on top of) answering an op normally.
 
     - ``fail``: answer ``status`` with ``message`` (after the phase check, like a
-      shim whose CUDA work failed); a destructive op leaves the fake FAILED.
+      shim whose CUDA work failed); a destructive op leaves the fake FAILED, unless
+      the status is REFUSED (a shim's refusal leaves its phase as it was).
     - ``retry``: answer RETRY (out of memory, nothing kept, the phase unchanged) the
       first ``times`` times the op arrives, then answer normally; ``times`` 0
-      answers RETRY every time.
+      answers RETRY every time. ``fail`` counts ``times`` the same way.
     - ``delay``: wait ``seconds``, then answer normally.
     - ``hang``: never answer (until the client hangs up or the fake stops).
     - ``hangup``: close the connection without answering.
@@ -258,6 +259,7 @@ class FakeParticipant:
         self._received: list[Op] = []
         self._releases = 0
         self._retried: dict[Op, int] = {}
+        self._quiesce_deadlines: list[int] = []
         self._errors: list[BaseException] = []
         self._barrier_waiters = 0
         self._stopping = threading.Event()
@@ -275,6 +277,12 @@ class FakeParticipant:
         """The ops of every well-formed request received so far, in order."""
         with self._lock:
             return list(self._received)
+
+    @property
+    def quiesce_deadlines(self) -> list[int]:
+        """The deadline (ns; 0: none) each QUIESCE request carried, in order."""
+        with self._lock:
+            return list(self._quiesce_deadlines)
 
     @property
     def releases(self) -> int:
@@ -489,6 +497,8 @@ class FakeParticipant:
             return
         with self._lock:
             self._received.append(request.op)
+            if request.op is Op.QUIESCE:
+                self._quiesce_deadlines.append(request.deadline_ns)
         fault = self.script.get(request.op)
         if self.arrival is None and (fault is None or fault.kind not in ("delay", "hang")):
             self._reply_now(conn, self._answer(request, fault), conns)
@@ -620,17 +630,19 @@ class FakeParticipant:
                     f"{op.name} is not allowed in phase {phase.name}",
                     participant=participant,
                 )
-            if kind == "retry":
+            if kind in ("retry", "fail"):
                 assert fault is not None
                 answered = self._retried.get(op, 0)
-                if fault.times == 0 or answered < fault.times:
-                    self._retried[op] = answered + 1
-                    return self._encode(
-                        echoed, Status.RETRY, "out of memory (injected)", participant=participant
-                    )
+                if fault.times and answered >= fault.times:
+                    return self._succeed(op, echoed, participant)
+                self._retried[op] = answered + 1
+            if kind == "retry":
+                return self._encode(
+                    echoed, Status.RETRY, "out of memory (injected)", participant=participant
+                )
             if kind == "fail":
                 assert fault is not None
-                if is_destructive(op):
+                if is_destructive(op) and fault.status is not Status.REFUSED:
                     self._phase = Phase.FAILED
                     self._reason = f"{op.name} failed: {fault.message}"
                 return self._encode(echoed, fault.status, fault.message, participant=participant)

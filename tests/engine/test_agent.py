@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +19,11 @@ import attrs
 import pytest
 import topologies
 from cuinterpose import cli
-from cuinterpose.engine import agent, native
+from cuinterpose.engine import Options, agent, native
 from cuinterpose.engine.native import NativeError, NativeGroupError, ProcessState
 from cuinterpose.engine.statefile import STATE_FILE_NAME
-from cuinterpose.engine.wire import Phase, socket_name
+from cuinterpose.engine.wire import Op, Phase, Status, socket_name
+from cuinterpose.testing import Fault
 from engine_harness import Team, short_dir, team_of
 
 TOPOLOGY = topologies.team(2, 2, multicast=False)
@@ -507,3 +509,16 @@ def test_cli_suspend_refused_by_capture_touches_no_native_state(
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
     assert [c for c in fake.calls if c[0] != "state"] == []
     assert not (work / "ckpt" / agent.MANIFEST_FILE_NAME).exists()
+
+
+def test_a_suspend_that_is_not_quiet_starts_over_with_longer_deadlines(tmp_path: Path) -> None:
+    """Each capture attempt asks every shim for a longer QUIESCE deadline; the last one
+    leaves each shim its own (0 on the wire)."""
+    not_quiet = "QUIESCE: pid 1001 did not reach a quiet point within 500 ms"
+    script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, not_quiet, times=2)}}
+    with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        log = logging.getLogger("test")
+        captured = agent._capture_quiet(t.endpoints, tmp_path, Options(5.0), log)
+        deadlines = [f.quiesce_deadlines for f in t.fakes]
+    assert captured.state.topology == TOPOLOGY
+    assert deadlines == [[500_000_000, 2_000_000_000, 0]] * len(deadlines)

@@ -375,3 +375,17 @@ def test_refusals_inside_a_reply_name_the_record() -> None:
 def test_header_decode_rejects_wrong_length() -> None:
     with pytest.raises(WireError, match="header must be 128 bytes, got 129"):
         Header.decode(bytes(129))
+
+
+def test_quiesce_carries_its_deadline_and_only_it_does() -> None:
+    request = Request(Op.QUIESCE, participant="ab" * 16, deadline_ns=500_000_000)
+    raw = request.encode()
+    assert Header.decode(raw[:HEADER_SIZE]).stats.elapsed_ns == 500_000_000
+    assert decode_request(raw)[0] == request
+    with pytest.raises(WireError, match="INSPECT request carries a deadline"):
+        Request(Op.INSPECT, participant="ab" * 16, deadline_ns=1).encode()
+    # A deadline in another op's request is refused as a shim refuses it.
+    smuggled = bytearray(Request(Op.INSPECT, participant="ab" * 16).encode())
+    smuggled[HEADER_SIZE - 16 : HEADER_SIZE - 8] = (7).to_bytes(8, "little")
+    with pytest.raises(WireError, match="INSPECT request has stats set"):
+        decode_request(bytes(smuggled))

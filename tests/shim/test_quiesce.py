@@ -174,10 +174,21 @@ def test_without_the_gate_the_same_suspend_loses_updates_or_faults(
     assert faulted or lost, (errors, failure)
 
 
+# The shim's own deadline, or a shorter one the coordinator sends with QUIESCE (a
+# suspend's first attempts): the message says which one ran out.
+@pytest.mark.parametrize(
+    ("setting_s", "sent_s", "ms"), [("1.5", None, 1500), ("30", 0.3, 300)], ids=["own", "sent"]
+)
 def test_a_process_that_never_synchronizes_is_refused_and_runs_on(
-    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
+    spawn: Spawn,
+    shim_env: dict[str, str],
+    control_dir: Path,
+    tmp_path: Path,
+    setting_s: str,
+    sent_s: float | None,
+    ms: int,
 ) -> None:
-    slow = {"CUINTERPOSE_SIM_WORK_US": "10000", "SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S": "1.5"}
+    slow = {"CUINTERPOSE_SIM_WORK_US": "10000", "SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S": setting_s}
     creator, importer = _group(spawn, shim_env, slow)
     importer("start(X)")  # synchronizes
     creator("start(X, sync=False)")  # launches faster than the device runs them
@@ -185,11 +196,11 @@ def test_a_process_that_never_synchronizes_is_refused_and_runs_on(
     endpoints = [endpoint_for(w.pid, w.pid, control_dir=control_dir) for w in (creator, importer)]
     (tmp_path / "ckpt").mkdir()
     with pytest.raises(PhaseFailed) as caught:
-        capture(endpoints, tmp_path / "ckpt", Options(60.0))
+        capture(endpoints, tmp_path / "ckpt", Options(60.0, quiesce_deadline=sent_s))
     error = caught.value
     text = str(error)
     assert error.phase == "QUIESCE" and not error.destroyed, text
-    assert f"QUIESCE: pid {creator.pid} did not reach a quiet point within 1500 ms" in text
+    assert f"QUIESCE: pid {creator.pid} did not reach a quiet point within {ms} ms" in text
     assert "device work still running" in text
     assert "the gate is open again and the process runs on" in text
     # Both back in ACTIVE, gates open: the importer's threads synchronize again and the
