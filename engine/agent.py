@@ -730,11 +730,12 @@ def suspend(
 
 
 # Two ranks a collective apart when their gates close refuse QUIESCE (one is held
-# before it launched what the other waits for: specs/quiesce.md). Nothing changed and
-# the gates open again as the run ends, so the capture starts over with a longer
-# deadline each time; the last attempt gets each shim's own (None). A team that is
-# quiet in a millisecond, the usual case, never waits for a short one to run out.
-QUIESCE_DEADLINES: Final[tuple[float | None, ...]] = (0.5, 2.0, None)
+# before it launched what the other waits for: specs/quiesce.md). Waiting longer does
+# not help such an attempt (on two H200s one stuck for its whole 10 s), but nothing
+# changed and the gates open again as the run ends, so the capture starts over: many
+# short attempts, the last with each shim's own deadline (None). A team that is quiet
+# in a millisecond, the usual case, never waits for a short one to run out.
+QUIESCE_DEADLINES: Final[tuple[float | None, ...]] = (0.25, 0.5, 0.5, 1.0, 2.0, None)
 
 
 def _capture_quiet(

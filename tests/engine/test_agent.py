@@ -521,4 +521,6 @@ def test_a_suspend_that_is_not_quiet_starts_over_with_longer_deadlines(tmp_path:
         captured = agent._capture_quiet(t.endpoints, tmp_path, Options(5.0), log)
         deadlines = [f.quiesce_deadlines for f in t.fakes]
     assert captured.state.topology == TOPOLOGY
-    assert deadlines == [[500_000_000, 2_000_000_000, 0]] * len(deadlines)
+    sent = [round(d * 1e9) if d is not None else 0 for d in agent.QUIESCE_DEADLINES[:3]]
+    assert sent[0] < sent[-1] and 0 not in sent  # short ones first, the shim's own last
+    assert deadlines == [sent] * len(deadlines)
