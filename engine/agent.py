@@ -742,7 +742,13 @@ def _capture_quiet(
     endpoints: Sequence[Endpoint], directory: Path, options: Options, log: logging.Logger
 ) -> CaptureResult:
     attempts = len(QUIESCE_DEADLINES)
-    for attempt, deadline in enumerate(QUIESCE_DEADLINES, start=1):
+    # An embedder's own deadline is kept for every attempt.
+    deadlines = (
+        QUIESCE_DEADLINES
+        if options.quiesce_deadline is None
+        else (options.quiesce_deadline,) * attempts
+    )
+    for attempt, deadline in enumerate(deadlines, start=1):
         try:
             return capture(endpoints, directory, attrs.evolve(options, quiesce_deadline=deadline))
         except PhaseFailed as error:

@@ -524,3 +524,13 @@ def test_a_suspend_that_is_not_quiet_starts_over_with_longer_deadlines(tmp_path:
     sent = [round(d * 1e9) if d is not None else 0 for d in agent.QUIESCE_DEADLINES[:3]]
     assert sent[0] < sent[-1] and 0 not in sent  # short ones first, the shim's own last
     assert deadlines == [sent] * len(deadlines)
+
+
+def test_an_embedders_quiesce_deadline_is_kept_for_every_attempt(tmp_path: Path) -> None:
+    not_quiet = "QUIESCE: pid 1001 did not reach a quiet point within 3000 ms"
+    script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, not_quiet, times=1)}}
+    with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        log = logging.getLogger("test")
+        agent._capture_quiet(t.endpoints, tmp_path, Options(5.0, quiesce_deadline=3.0), log)
+        deadlines = [f.quiesce_deadlines for f in t.fakes]
+    assert deadlines == [[3_000_000_000] * 2] * len(deadlines)
