@@ -114,10 +114,7 @@ def _add_endpoints(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_machine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint-dir", type=Path, required=True)
-    _add_endpoints(parser)
-    parser.add_argument("--progress", choices=("human", "json", "none"), default="human")
+def _add_phase_timeout(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--phase-timeout",
         type=_seconds,
@@ -125,6 +122,13 @@ def _add_machine_options(parser: argparse.ArgumentParser) -> None:
         help=f"per-phase timeout (default ${PHASE_TIMEOUT_ENV}, else "
         f"{runner.DEFAULT_PHASE_TIMEOUT_S:g})",
     )
+
+
+def _add_machine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint-dir", type=Path, required=True)
+    _add_endpoints(parser)
+    parser.add_argument("--progress", choices=("human", "json", "none"), default="human")
+    _add_phase_timeout(parser)
     parser.add_argument("--trace", type=Path, metavar="FILE", help="record the run as JSON lines")
     parser.add_argument(
         "--no-rollback",
@@ -142,13 +146,7 @@ def _add_agent_options(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (the default): human on a terminal, JSON lines otherwise",
     )
-    parser.add_argument(
-        "--phase-timeout",
-        type=_seconds,
-        metavar="SECONDS",
-        help=f"per-phase timeout (default ${PHASE_TIMEOUT_ENV}, else "
-        f"{runner.DEFAULT_PHASE_TIMEOUT_S:g})",
-    )
+    _add_phase_timeout(parser)
     parser.add_argument(
         "--per-participant", action="store_true", help="add per-participant copy tables"
     )

@@ -217,6 +217,32 @@ void obj_release_if_unused(struct obj *o)
     obj_free(o);
 }
 
+CUresult mapping_restore_access(const struct mapping *m, char *msg, size_t n)
+{
+    CUmemAccessDesc d[CUIP_ACCESS_MAX];
+    CUresult r;
+
+    if (m->access_count == 0)
+        return CUDA_SUCCESS;
+    memset(d, 0, sizeof d);
+    for (uint32_t i = 0; i < m->access_count; i++) {
+        d[i].location.type = (CUmemLocationType)m->access[i].location_type;
+        d[i].location.id = m->access[i].location_id;
+        d[i].flags = (CUmemAccess_flags)m->access[i].flags;
+    }
+    r = real.cuMemSetAccess(m->va, m->size, d, m->access_count);
+    if (r != CUDA_SUCCESS) {
+        CUresult u;
+        shim_fail(msg, n, "cuMemSetAccess", r);
+        /* Nothing half-done stays: a retry or a rollback maps it again. */
+        u = real.cuMemUnmap(m->va, m->size);
+        if (u != CUDA_SUCCESS)
+            shim_log(LOG_WARN, "cuMemUnmap after a failed cuMemSetAccess failed: %s",
+                     shim_cu_name(u));
+    }
+    return r;
+}
+
 int obj_ptr_id_cmp(const void *a, const void *b)
 {
     const struct obj *const *x = a, *const *y = b;

@@ -758,9 +758,7 @@ static int bind_bounded(const struct obj *o, const struct mc_binding *b,
 /* Map `m` of `o` and apply its access again: mapping does not restore it. */
 static CUresult map_one(const struct obj *o, const struct mapping *m, char *msg, size_t n)
 {
-    CUmemAccessDesc d[CUIP_ACCESS_MAX];
     struct team_call *c = team_call_new(o);
-    CUresult r;
 
     if (!c) {
         snprintf(msg, n, "out of memory");
@@ -770,20 +768,7 @@ static CUresult map_one(const struct obj *o, const struct mapping *m, char *msg,
     c->m = *m;
     if (team_call_run(c, msg, n) != 0)
         return CUDA_ERROR_TIMEOUT; /* or the map's own error: msg says which */
-    if (m->access_count == 0)
-        return CUDA_SUCCESS;
-    memset(d, 0, sizeof d);
-    for (uint32_t i = 0; i < m->access_count; i++) {
-        d[i].location.type = (CUmemLocationType)m->access[i].location_type;
-        d[i].location.id = m->access[i].location_id;
-        d[i].flags = (CUmemAccess_flags)m->access[i].flags;
-    }
-    r = real.cuMemSetAccess(m->va, m->size, d, m->access_count);
-    if (r != CUDA_SUCCESS) {
-        shim_fail(msg, n, "cuMemSetAccess", r);
-        real.cuMemUnmap(m->va, m->size);
-    }
-    return r;
+    return mapping_restore_access(m, msg, n);
 }
 
 /* Replay every binding not held, then map every mapping (both wait for the

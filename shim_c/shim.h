@@ -403,6 +403,9 @@ SHIM_HIDDEN bool obj_unused(const struct obj *o);
 /* Under g.lock: once `o` is unused, release the shim's driver reference (if
  * live) and free it. */
 SHIM_HIDDEN void obj_release_if_unused(struct obj *o);
+/* Apply `m`'s recorded access to its freshly mapped range (a map does not
+ * restore it); on failure the range is unmapped again, nothing half-done. */
+SHIM_HIDDEN CUresult mapping_restore_access(const struct mapping *m, char *msg, size_t n);
 /* qsort orders for INSPECT's records: object pointers by resource id,
  * mappings by VA. */
 SHIM_HIDDEN int obj_ptr_id_cmp(const void *a, const void *b);

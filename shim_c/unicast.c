@@ -66,31 +66,12 @@ static void access_merge(struct mapping *m, const CUmemAccessDesc *d, size_t cou
 /* Map `m` for `o` and re-apply its access: remapping does not restore it. */
 static CUresult map_apply(struct obj *o, const struct mapping *m, char *msg, size_t n)
 {
-    CUmemAccessDesc d[CUIP_ACCESS_MAX];
     CUresult r = real.cuMemMap(m->va, m->size, m->offset, o->real, m->flags);
     if (r != CUDA_SUCCESS) {
         shim_fail(msg, n, "cuMemMap", r);
         return r;
     }
-    if (m->access_count == 0)
-        return CUDA_SUCCESS;
-    memset(d, 0, sizeof d);
-    for (uint32_t i = 0; i < m->access_count; i++) {
-        d[i].location.type = (CUmemLocationType)m->access[i].location_type;
-        d[i].location.id = m->access[i].location_id;
-        d[i].flags = (CUmemAccess_flags)m->access[i].flags;
-    }
-    r = real.cuMemSetAccess(m->va, m->size, d, m->access_count);
-    if (r != CUDA_SUCCESS) {
-        CUresult u;
-        shim_fail(msg, n, "cuMemSetAccess", r);
-        /* Nothing half-done stays: a retry or a rollback maps it again. */
-        u = real.cuMemUnmap(m->va, m->size);
-        if (u != CUDA_SUCCESS)
-            shim_log(LOG_WARN, "cuMemUnmap after a failed cuMemSetAccess failed: %s",
-                     shim_cu_name(u));
-    }
-    return r;
+    return mapping_restore_access(m, msg, n);
 }
 
 /* Under g.lock: does [va, va + size) overlap a mapping the shim keeps? */

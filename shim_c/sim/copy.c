@@ -91,7 +91,6 @@ static CUresult copy_async(uintptr_t dst, uintptr_t src, size_t n, int dd, int s
 {
     int dev;
     CUresult r = sim_current_dev(&dev);
-    struct sim_work *w;
 
     if (r == CUDA_SUCCESS)
         r = sim_stream_check(s);
@@ -104,15 +103,8 @@ static CUresult copy_async(uintptr_t dst, uintptr_t src, size_t n, int dd, int s
     sim_unlock();
     if (r != CUDA_SUCCESS)
         return r;
-    w = calloc(1, sizeof *w);
-    if (!w)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    *w = (struct sim_work){.run = run_copy, .dst = dst, .src = src, .n = n, .dst_dev = dd,
-                           .src_dev = sd};
-    r = sim_enqueue(s, w);
-    if (r != CUDA_SUCCESS)
-        free(w);
-    return r;
+    return sim_enqueue(s, &(struct sim_work){.run = run_copy, .dst = dst, .src = src, .n = n,
+                                             .dst_dev = dd, .src_dev = sd});
 }
 
 CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount,
@@ -229,7 +221,6 @@ static CUresult set(uintptr_t dst, unsigned value, size_t count, size_t width, C
 {
     int dev;
     CUresult r = sim_current_dev(&dev);
-    struct sim_work *w;
 
     if (r == CUDA_SUCCESS)
         r = sim_stream_check(s);
@@ -248,15 +239,8 @@ static CUresult set(uintptr_t dst, unsigned value, size_t count, size_t width, C
     sim_unlock();
     if (r != CUDA_SUCCESS)
         return r;
-    w = calloc(1, sizeof *w);
-    if (!w)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    *w = (struct sim_work){.run = run_set, .dst = dst, .value = value, .n = count,
-                           .width = width};
-    r = sim_enqueue(s, w);
-    if (r != CUDA_SUCCESS)
-        free(w);
-    return r;
+    return sim_enqueue(s, &(struct sim_work){.run = run_set, .dst = dst, .value = value,
+                                             .n = count, .width = width});
 }
 
 CUresult CUDAAPI cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N)

@@ -136,10 +136,11 @@ static int special_stream(CUstream s)
     return s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD;
 }
 
-CUresult sim_enqueue(CUstream s, struct sim_work *w)
+CUresult sim_enqueue(CUstream s, const struct sim_work *work)
 {
     struct sim_ctx *c = current();
     struct sim_queue *q;
+    struct sim_work *w;
     CUresult r;
 
     if (!c || !c->used)
@@ -161,6 +162,10 @@ CUresult sim_enqueue(CUstream s, struct sim_work *w)
     sim_unlock();
     if (r != CUDA_SUCCESS)
         return r;
+    w = malloc(sizeof *w);
+    if (!w)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *w = *work;
     w->ctx = c;
     w->dev = c->dev;
     w->next = NULL;
@@ -910,21 +915,9 @@ static CUresult run_host_fn(struct sim_work *w)
 
 static CUresult launch_host_fn(CUstream h, CUhostFn fn, void *arg)
 {
-    struct sim_work *w;
-    CUresult r;
-
     if (!fn)
         return CUDA_ERROR_INVALID_VALUE;
-    w = calloc(1, sizeof *w);
-    if (!w)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    w->run = run_host_fn;
-    w->host_fn = fn;
-    w->host_arg = arg;
-    r = sim_enqueue(h, w);
-    if (r != CUDA_SUCCESS)
-        free(w);
-    return r;
+    return sim_enqueue(h, &(struct sim_work){.run = run_host_fn, .host_fn = fn, .host_arg = arg});
 }
 
 CUresult CUDAAPI cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)

@@ -291,9 +291,9 @@ SIM_HIDDEN int sim_dev_valid(CUdevice dev);
 SIM_HIDDEN CUresult sim_current_dev(int *dev);
 SIM_HIDDEN struct sim_ctx *sim_ctx_check(CUcontext c);
 SIM_HIDDEN CUresult sim_stream_check(CUstream s);
-/* Queue `w` (malloc'd; freed once run) on stream `s` of the current context,
- * after its run, ctx and dev are set here (dev: the context's device). */
-SIM_HIDDEN CUresult sim_enqueue(CUstream s, struct sim_work *w);
+/* Queue a copy of `work` on stream `s` of the current context; its ctx and dev
+ * are set here (dev: the context's device), the copy is freed once run. */
+SIM_HIDDEN CUresult sim_enqueue(CUstream s, const struct sim_work *work);
 /* Wait until the NULL stream's and every blocking stream's work of the
  * current context is done (what a legacy-stream synchronous call waits
  * for); the context's sticky error, if any. */

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,23 @@ def ask_all(ranks: list[Rank], cmd: str, timeout_s: float = 60.0) -> list[dict[s
     return [r.answer(timeout_s) for r in ranks]
 
 
+def end_ranks(
+    ranks: Sequence[Rank], passed: bool, keep: Path | None, files: Iterable[Path]
+) -> None:
+    """Stop every rank; after a failure, first dump their stacks and copy ``files``
+    (what explains it) into ``keep``."""
+    if not passed:
+        for r in ranks:
+            r.dump_stacks()
+        time.sleep(2)  # let faulthandler write before the kill
+    for r in ranks:
+        r.stop()
+    if not passed and keep is not None:
+        keep.mkdir(exist_ok=True)
+        for f in files:
+            shutil.copy(f, keep / f.name)
+
+
 def test_two_rank_nccl_job_survives_checkpoint_restore(
     shim_env: dict[str, str],
     plain_env: dict[str, str],
@@ -194,15 +212,6 @@ def test_two_rank_nccl_job_survives_checkpoint_restore(
         assert all(a["bye"] for a in ask_all(ranks, "quit"))
         passed = True
     finally:
-        if not passed:
-            for r in ranks:
-                r.dump_stacks()
-            time.sleep(2)  # let faulthandler write before the kill
-        for r in ranks:
-            r.stop()
-        if not passed and trace_out is not None:
-            # What explains a failure: NCCL's logs, the ranks' stderr (shim log, stacks).
-            keep = trace_out / "nccl-failure"
-            keep.mkdir(exist_ok=True)
-            for f in [*nccl_log.iterdir(), *tmp_path.glob("rank*.stderr")]:
-                shutil.copy(f, keep / f.name)
+        # What explains a failure: NCCL's logs, the ranks' stderr (shim log, stacks).
+        keep = trace_out / "nccl-failure" if trace_out is not None else None
+        end_ranks(ranks, passed, keep, [*nccl_log.iterdir(), *tmp_path.glob("rank*.stderr")])

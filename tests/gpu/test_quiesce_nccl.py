@@ -12,7 +12,6 @@ and, with CUINTERPOSE_TRACE_OUT, written to quiesce-nccl.json there.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 from cuinterpose.demo import coordinator_env, run_cli
 
-from tests.gpu.test_nccl_two_ranks import NO_MULTICAST, Rank, _free_port, _gpus
+from tests.gpu.test_nccl_two_ranks import NO_MULTICAST, Rank, _free_port, _gpus, end_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.usefixtures("gpu")]
 
@@ -132,14 +131,5 @@ def test_a_looping_nccl_job_is_suspended_and_resumed_repeatedly(
         assert all(r.answer(120.0)["bye"] for r in ranks)
         passed = True
     finally:
-        if not passed:
-            for r in ranks:
-                r.dump_stacks()
-            time.sleep(2)  # let faulthandler write before the kill
-        for r in ranks:
-            r.stop()
-        if not passed and trace_out is not None:
-            keep = trace_out / "quiesce-nccl-failure"
-            keep.mkdir(exist_ok=True)
-            for f in tmp_path.glob("rank*.stderr"):
-                shutil.copy(f, keep / f.name)
+        keep = trace_out / "quiesce-nccl-failure" if trace_out is not None else None
+        end_ranks(ranks, passed, keep, tmp_path.glob("rank*.stderr"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import attrs
 from cuinterpose.demo import Worker, pattern_digest
 
+from tests.shim.workers.cycle import assert_still_active
 from tests.simenv import Spawn
 
 
@@ -46,3 +47,11 @@ def shared_again(pair: Pair, *, write_seed: int) -> None:
     assert pair.importer.digest(pair.importer_va, pair.size) == pattern_digest(
         write_seed, pair.size
     )
+
+
+def running_as_before(pair: Pair, *, write_seed: int) -> None:
+    """The creator's tracked calls work, the sharing is live; both workers end cleanly."""
+    assert_still_active(pair.creator, pair.handle, pair.va, pair.size, pair.seed)
+    shared_again(pair, write_seed=write_seed)
+    pair.creator.close_clean()
+    pair.importer.close_clean()

@@ -42,7 +42,7 @@ from cuinterpose.engine import (
 from cuinterpose.engine import directory as checkpoint_directory
 from cuinterpose.engine.progress import Event
 
-from tests.shim.pair import Pair, share, shared_again
+from tests.shim.pair import Pair, running_as_before, share
 from tests.shim.workers.cycle import assert_still_active, cli
 from tests.simenv import Spawn
 
@@ -77,13 +77,6 @@ def _ckpt(tmp_path: Path) -> Path:
     path = tmp_path / "checkpoint"  # where workers.cycle.cli puts it
     path.mkdir(exist_ok=True)
     return path
-
-
-def _running_as_before(pair: Pair) -> None:
-    assert_still_active(pair.creator, pair.handle, pair.va, pair.size, pair.seed)
-    shared_again(pair, write_seed=pair.seed + 7)
-    pair.creator.close_clean()
-    pair.importer.close_clean()
 
 
 def _endpoints(control_dir: Path, workers: list[Worker]) -> list:  # type: ignore[type-arg]
@@ -148,7 +141,7 @@ def test_a_killed_coordinator_is_recovered(
         assert f"found pid {pid}" in report, report
     expected = {"nothing", "restored", "rolled back"}
     assert any(f"recover: {action}" in report for action in expected), report
-    _running_as_before(pair)
+    running_as_before(pair, write_seed=SEED + 7)
 
 
 # -- a participant killed after each phase ------------------------------------------------
@@ -230,7 +223,7 @@ def test_no_space_for_the_state_file_rolls_the_capture_back(
     assert "No space left on device" in str(caught.value)
     assert caught.value.rolled_back, caught.value.rollback_error
     assert not (_ckpt(tmp_path) / "cuinterpose.intent").exists()
-    _running_as_before(pair)
+    running_as_before(pair, write_seed=SEED + 7)
 
 
 @pytest.mark.parametrize("name", ["cuinterpose.state", "cuinterpose.intent"])
@@ -249,4 +242,4 @@ def test_a_blocking_path_at_the_state_file_is_refused_before_anything_changes(
     assert "is not a regular file" in run.stderr, run.stderr
     sent = {e.get("phase") for e in run.events if e.get("event") == "phase"}
     assert sent <= {"HANDSHAKE", "QUIESCE", "INSPECT"}, sent  # the gate reopened at the end
-    _running_as_before(pair)
+    running_as_before(pair, write_seed=SEED + 7)

@@ -116,18 +116,24 @@ def _phase(control_dir: Path, pid: int) -> wire.Phase:
     return shimenv.handshake(shimenv.socket_path(control_dir, pid)).phase
 
 
-def test_a_running_group_is_suspended_and_resumed_without_a_lost_update(
-    spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str], tmp_path: Path
-) -> None:
-    creator, importer = _group(spawn, shim_env, {})
+def _running(
+    spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str], extra: dict[str, str]
+) -> tuple[list[Worker], WorkerBackend, agent.Where]:
+    """The group with every thread writing, calls in flight in each; a native backend
+    run by a worker without the shim; where the sockets are."""
+    creator, importer = _group(spawn, shim_env, extra)
     observer = spawn("observer", plain_env)
     group = [creator, importer]
     for w in group:
         w("start(X)")
-    # Calls in flight in every thread when the capture starts.
     wait_until(lambda: all(min(w("result = RUN['done']")) >= 3 for w in group), "every thread ran")
-    native = WorkerBackend(observer)
-    where = agent.Where(Path(shim_env["SNAPSHOT_CONTROL_DIR"]))
+    return group, WorkerBackend(observer), agent.Where(Path(shim_env["SNAPSHOT_CONTROL_DIR"]))
+
+
+def test_a_running_group_is_suspended_and_resumed_without_a_lost_update(
+    spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str], tmp_path: Path
+) -> None:
+    group, native, where = _running(spawn, shim_env, plain_env, {})
     processes = [(w.pid, w.pid) for w in group]
     seen: list[agent.AgentEvent] = []
     done = agent.suspend(processes, tmp_path, where=where, native=native, on_event=seen.append)
@@ -152,14 +158,7 @@ def test_without_the_gate_the_same_suspend_loses_updates_or_faults(
 ) -> None:
     """The control: SNAPSHOT_SHIM_GATE=0 (QUIESCE drains once, holds nothing). The
     threads' work lands on memory SAVE has already copied and PREPARE_UNICAST unmaps."""
-    creator, importer = _group(spawn, shim_env, {"SNAPSHOT_SHIM_GATE": "0"})
-    observer = spawn("observer", plain_env)
-    group = [creator, importer]
-    for w in group:
-        w("start(X)")
-    wait_until(lambda: all(min(w("result = RUN['done']")) >= 3 for w in group), "every thread ran")
-    native = WorkerBackend(observer)
-    where = agent.Where(Path(shim_env["SNAPSHOT_CONTROL_DIR"]))
+    group, native, where = _running(spawn, shim_env, plain_env, {"SNAPSHOT_SHIM_GATE": "0"})
     failure: Exception | None = None
     try:
         agent.suspend([(w.pid, w.pid) for w in group], tmp_path, where=where, native=native)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from cuinterpose.engine import Interrupted, Options, PhaseEvent, capture, endpoint_for
 
-from tests.shim.pair import share, shared_again
-from tests.shim.workers.cycle import assert_still_active, cli
+from tests.shim.pair import running_as_before, share
+from tests.shim.workers.cycle import cli
 from tests.simenv import Spawn
 
 SEED = 71
@@ -25,13 +25,7 @@ def test_a_capture_stopped_at_a_boundary_rolls_back_by_itself(
     spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
 ) -> None:
     pair = share(spawn, shim_env, SEED)
-    creator, importer, handle, va, size = (
-        pair.creator,
-        pair.importer,
-        pair.handle,
-        pair.va,
-        pair.size,
-    )
+    creator, importer = pair.creator, pair.importer
     stop = threading.Event()
 
     def on_progress(event: object) -> None:
@@ -43,10 +37,7 @@ def test_a_capture_stopped_at_a_boundary_rolls_back_by_itself(
     with pytest.raises(Interrupted) as caught:
         capture(endpoints, tmp_path / "ckpt", Options(30.0, on_progress=on_progress, stop=stop))
     assert caught.value.rolled_back and caught.value.rollback_error is None
-    assert_still_active(creator, handle, va, size, SEED)
-    shared_again(pair, write_seed=SEED + 5)
-    creator.close_clean()
-    importer.close_clean()
+    running_as_before(pair, write_seed=SEED + 5)
 
 
 @pytest.mark.slow
@@ -54,20 +45,10 @@ def test_recover_brings_back_a_group_left_prepared(
     spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
 ) -> None:
     pair = share(spawn, shim_env, SEED)
-    creator, importer, handle, va, size = (
-        pair.creator,
-        pair.importer,
-        pair.handle,
-        pair.va,
-        pair.size,
-    )
-    pids = [creator.pid, importer.pid]
+    pids = pair.pids
     prepared = cli("prepare", pids, control_dir, tmp_path)
     assert prepared.returncode == 0, prepared.stderr
     # Torn down: the importer's tracked calls wait for the restore.
     recovered = cli("recover", pids, control_dir, tmp_path)
     assert recovered.returncode == 0, recovered.stderr
-    assert_still_active(creator, handle, va, size, SEED)
-    shared_again(pair, write_seed=SEED + 5)
-    creator.close_clean()
-    importer.close_clean()
+    running_as_before(pair, write_seed=SEED + 5)
