@@ -4,6 +4,7 @@ rounds end quiet, refused, or out of the embedder's time."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ BUSY = "QUIESCE: pid 1001 not quiet yet after 20 ms with synchronizing calls hel
 def test_rounds_grow_from_the_first_to_the_longest() -> None:
     lengths = [round_length(i) for i in range(8)]
     assert lengths[0] == FIRST_ROUND_S
-    assert all(b == min(2 * a, LONGEST_ROUND_S) for a, b in zip(lengths, lengths[1:]))
+    assert all(b == min(2 * a, LONGEST_ROUND_S) for a, b in pairwise(lengths))
     assert lengths[-1] == LONGEST_ROUND_S
 
 
