@@ -55,7 +55,14 @@ from ..engine.wire import (
 from ..phases.ops import PHASE_OP
 
 FaultKind = Literal[
-    "fail", "retry", "pending", "delay", "hang", "hangup", "wrong_participant", "wrong_op",
+    "fail",
+    "retry",
+    "pending",
+    "delay",
+    "hang",
+    "hangup",
+    "wrong_participant",
+    "wrong_op",
     "garbage",
 ]
 FAULT_KINDS: Final[frozenset[str]] = frozenset(get_args(FaultKind))
