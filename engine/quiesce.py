@@ -13,7 +13,10 @@ peer make exactly one more synchronization does. So QUIESCE is sent in rounds:
 - the team is quiet when every participant answers QUIESCED in the same round (a
   QUIESCED process holds every launch, so it stays quiet).
 
-Rounds grow from :data:`FIRST_ROUND_S` to :data:`LONGEST_ROUND_S`. They end with
+A round stays :data:`FIRST_ROUND_S` long while some quiet participant has threads
+held at its gate: an advance can move the team, and the busy one need not wait long
+for it (on two H200s an NCCL rank took up to seven advances). Rounds in which
+nobody can advance grow, up to :data:`LONGEST_ROUND_S`: then only waiting helps. They end with
 the team quiet, with a refusal (a shim's own deadline, counted from its first
 round, ran out: its gate is open again), or when ``Options.quiesce_deadline`` is
 spent: the pending shims are then reported as not quiet, and the run's RELEASE
@@ -84,7 +87,7 @@ def converge(
     clock = options.clock
     began = clock()
     budget = options.quiesce_deadline
-    index = 0
+    index = rounds = 0
     while True:
         length = round_length(index)
         if budget is not None:
@@ -94,16 +97,18 @@ def converge(
             for endpoint, request, who in calls
         ]
         results = send(asked, options.phase_timeout + length)
-        index += 1
+        rounds += 1
+        if not any(quiet(r) and r.stats.count for r in results if isinstance(r, Reply)):
+            index += 1  # nobody to advance: wait longer
         elapsed = clock() - began
-        _report(machine, index, length, elapsed, calls, results, options)
+        _report(machine, rounds, length, elapsed, calls, results, options)
         busy = [r for r in results if pending(r)]
         if not busy or not all(quiet(r) or pending(r) for r in results):
-            return Outcome(results, index, elapsed)
+            return Outcome(results, rounds, elapsed)
         if budget is not None and elapsed >= budget:
-            return Outcome(results, index, elapsed)
+            return Outcome(results, rounds, elapsed)
         if options.stop is not None and options.stop.is_set():
-            return Outcome(results, index, elapsed)
+            return Outcome(results, rounds, elapsed)
 
 
 def not_quiet_problem(endpoint: Endpoint, reply: Reply, outcome: Outcome) -> Problem:

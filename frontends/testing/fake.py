@@ -258,7 +258,7 @@ class FakeParticipant:
         )
         self._blob = b"".join(r.encode() for r in self.records)
         self._restored_blob = b"".join(r.encode() for r in self.restored_records)
-        self.stats: Mapping[Op, Stats] = dict(stats or {})
+        self.stats: dict[Op, Stats] = dict(stats or {})
         self.script: Mapping[Op, Fault] = dict(script or {})
         self.arrival = arrival
 
@@ -695,7 +695,8 @@ class FakeParticipant:
             self._restored = True
         elif op is Op.ROLLBACK_IMPORTS:
             self._restored = False  # back to what it was before the capture
-        stats = self.stats.get(op, Stats()) if op in _STATS_OPS else Stats()
+        # QUIESCE's stat_count is the threads held at the gate (a test may set it).
+        stats = self.stats.get(op, Stats()) if op in _STATS_OPS | {Op.QUIESCE} else Stats()
         return self._encode(echoed, Status.OK, "", participant=participant, stats=stats)
 
     def _encode(

@@ -13,7 +13,7 @@ from cuinterpose.engine import Options, PhaseFailed, capture
 from cuinterpose.engine.errors import not_quiet
 from cuinterpose.engine.progress import Event, QuiesceRound, human_line, json_line
 from cuinterpose.engine.quiesce import FIRST_ROUND_S, LONGEST_ROUND_S, round_length
-from cuinterpose.engine.wire import Op, Phase, Status
+from cuinterpose.engine.wire import Op, Phase, Stats, Status
 from cuinterpose.testing import Fault
 from engine_harness import short_dir, team_of
 
@@ -51,6 +51,17 @@ def test_a_busy_participant_is_asked_again_while_the_quiet_ones_advance(tmp_path
     assert len(rounds[0].quiet) == 2
     assert json_line(rounds[0]).startswith('{"event": "quiesce_round"')
     assert "QUIESCE round 1: 2 quiet, 1 not yet" in human_line(rounds[0])
+
+
+def test_rounds_stay_short_while_a_quiet_participant_can_advance(tmp_path: Path) -> None:
+    """A quiet participant with threads held at its gate can be advanced: the next
+    round does not grow (only rounds in which nobody can advance do)."""
+    script = {1: {Op.QUIESCE: Fault("pending", message=BUSY, times=3)}}
+    with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as team:
+        team.fakes[0].stats[Op.QUIESCE] = Stats(count=1)  # one thread held at a sync
+        capture(team.endpoints, tmp_path, Options(5.0))
+        deadlines = team.fakes[0].quiesce_deadlines
+    assert deadlines == [round(FIRST_ROUND_S * 1e9)] * 4
 
 
 def test_rounds_end_when_the_embedders_deadline_is_spent(tmp_path: Path) -> None:
