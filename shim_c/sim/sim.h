@@ -173,6 +173,14 @@ struct sim_work {
     int dst_dev, src_dev;
     void (*host_fn)(void *);
     void *host_arg;
+    /* Copies of more than one row (2D, 3D): `n` bytes a row, `rows` rows a
+     * slice, `slices` slices (0 reads as 1); each side's rows lie `pitch`
+     * bytes apart and its slices `slice` bytes apart. */
+    size_t rows, slices;
+    size_t dst_pitch, src_pitch, dst_slice, src_slice;
+    /* Stream memory operations (ordered.c). */
+    uint64_t value64;
+    unsigned flags;
 };
 
 struct sim_queue {
@@ -298,6 +306,13 @@ SIM_HIDDEN CUresult sim_enqueue(CUstream s, const struct sim_work *work);
  * current context is done (what a legacy-stream synchronous call waits
  * for); the context's sticky error, if any. */
 SIM_HIDDEN CUresult sim_legacy_wait(void);
+/* Wait until the work a synchronous call is ordered after is done: stream
+ * NULL is the legacy stream (as sim_legacy_wait), CU_STREAM_PER_THREAD the
+ * calling thread's default stream (the _ptds variants); the context's
+ * sticky error, if any. */
+SIM_HIDDEN CUresult sim_stream_wait(CUstream order);
+/* The stream a _ptsz variant means by `s`: NULL is the per-thread stream. */
+SIM_HIDDEN CUstream sim_per_thread(CUstream s);
 
 /* vmm.c (called with sim.mu held unless noted) */
 SIM_HIDDEN struct sim_obj *sim_obj_find(CUmemGenericAllocationHandle h);
@@ -310,6 +325,10 @@ SIM_HIDDEN CUresult sim_alloc_memfd(uint64_t size, const struct sim_props *p, in
 SIM_HIDDEN CUresult sim_range_check(uintptr_t p, size_t n, int dev, int want_write);
 SIM_HIDDEN int sim_is_device_ptr(uintptr_t p);
 SIM_HIDDEN CUresult sim_map_apply_prot(struct sim_map *m);
+/* cuMemAlloc / cuMemFree (sim.mu not held): also the stream-ordered ones. */
+SIM_HIDDEN CUresult sim_mem_alloc(CUdeviceptr *dptr, size_t bytes);
+SIM_HIDDEN CUresult sim_mem_free(CUdeviceptr dptr);
+SIM_HIDDEN int sim_mem_is_alloc(CUdeviceptr dptr);
 
 /* meta.c: the metadata page (sim.mu not needed: the page has its own lock) */
 SIM_HIDDEN CUresult sim_memfd_new(const char *name, uint64_t size, int *fd_out,
@@ -330,6 +349,89 @@ SIM_HIDDEN int sim_service_start(void);
  * build (legacy versions still handed out by cuGetProcAddress). */
 SIM_EXPORT CUresult CUDAAPI cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
 SIM_EXPORT int cuinterposeSimIsSimulated(void);
+/* The 12.8 batch copies under their exported names (the header maps both
+ * names to the 13.0 ABI, _v2). */
+SIM_EXPORT CUresult CUDAAPI sim_memcpy_batch_v1(CUdeviceptr *dsts, CUdeviceptr *srcs,
+                                                size_t *sizes, size_t count,
+                                                CUmemcpyAttributes *attrs, size_t *attrsIdxs,
+                                                size_t numAttrs, size_t *failIdx,
+                                                CUstream hStream) __asm__("cuMemcpyBatchAsync");
+SIM_EXPORT CUresult CUDAAPI sim_memcpy_3d_batch_v1(size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList,
+                                                   size_t *failIdx, unsigned long long flags,
+                                                   CUstream hStream)
+    __asm__("cuMemcpy3DBatchAsync");
+
+/* The per-thread default stream variants (cuda.h declares them only for the
+ * driver's own build): _ptsz calls take NULL as the calling thread's
+ * default stream, _ptds synchronous calls are ordered after that stream
+ * instead of the legacy one. */
+SIM_EXPORT CUresult CUDAAPI cuMemcpy_ptds(CUdeviceptr dst, CUdeviceptr src, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n,
+                                               CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyHtoD_v2_ptds(CUdeviceptr dst, const void *src, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyDtoH_v2_ptds(void *dst, CUdeviceptr src, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyDtoD_v2_ptds(CUdeviceptr dst, CUdeviceptr src, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dst, const void *src, size_t n,
+                                                      CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyDtoHAsync_v2_ptsz(void *dst, CUdeviceptr src, size_t n,
+                                                      CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n,
+                                                      CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy2D_v2_ptds(const CUDA_MEMCPY2D *p);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy2DUnaligned_v2_ptds(const CUDA_MEMCPY2D *p);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy3D_v2_ptds(const CUDA_MEMCPY3D *p);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy2DAsync_v2_ptsz(const CUDA_MEMCPY2D *p, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy3DAsync_v2_ptsz(const CUDA_MEMCPY3D *p, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyPeer_ptds(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src,
+                                              CUcontext sctx, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyPeerAsync_ptsz(CUdeviceptr dst, CUcontext dctx,
+                                                   CUdeviceptr src, CUcontext sctx, size_t n,
+                                                   CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy3DPeer_ptds(const CUDA_MEMCPY3D_PEER *p);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy3DPeerAsync_ptsz(const CUDA_MEMCPY3D_PEER *p, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyBatchAsync_ptsz(CUdeviceptr *dsts, CUdeviceptr *srcs,
+                                                    size_t *sizes, size_t count,
+                                                    CUmemcpyAttributes *attrs, size_t *attrsIdxs,
+                                                    size_t numAttrs, size_t *failIdx, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyBatchAsync_v2_ptsz(CUdeviceptr *dsts, CUdeviceptr *srcs,
+                                                       size_t *sizes, size_t count,
+                                                       CUmemcpyAttributes *attrs,
+                                                       size_t *attrsIdxs, size_t numAttrs,
+                                                       CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy3DBatchAsync_ptsz(size_t numOps, CUDA_MEMCPY3D_BATCH_OP *ops,
+                                                      size_t *failIdx, unsigned long long flags,
+                                                      CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy3DBatchAsync_v2_ptsz(size_t numOps,
+                                                         CUDA_MEMCPY3D_BATCH_OP *ops,
+                                                         unsigned long long flags, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD8_v2_ptds(CUdeviceptr d, unsigned char v, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD16_v2_ptds(CUdeviceptr d, unsigned short v, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD32_v2_ptds(CUdeviceptr d, unsigned int v, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD8Async_ptsz(CUdeviceptr d, unsigned char v, size_t n,
+                                                 CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD16Async_ptsz(CUdeviceptr d, unsigned short v, size_t n,
+                                                  CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD32Async_ptsz(CUdeviceptr d, unsigned int v, size_t n,
+                                                  CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuStreamSynchronize_ptsz(CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuStreamWaitEvent_ptsz(CUstream s, CUevent e, unsigned int flags);
+SIM_EXPORT CUresult CUDAAPI cuEventRecord_ptsz(CUevent e, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuLaunchHostFunc_ptsz(CUstream s, CUhostFn fn, void *arg);
+SIM_EXPORT CUresult CUDAAPI cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t n, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t n,
+                                                         CUmemoryPool pool, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuStreamWaitValue32_v2_ptsz(CUstream s, CUdeviceptr addr,
+                                                        cuuint32_t value, unsigned int flags);
+SIM_EXPORT CUresult CUDAAPI cuStreamWaitValue64_v2_ptsz(CUstream s, CUdeviceptr addr,
+                                                        cuuint64_t value, unsigned int flags);
+SIM_EXPORT CUresult CUDAAPI cuStreamWriteValue32_v2_ptsz(CUstream s, CUdeviceptr addr,
+                                                         cuuint32_t value, unsigned int flags);
+SIM_EXPORT CUresult CUDAAPI cuStreamWriteValue64_v2_ptsz(CUstream s, CUdeviceptr addr,
+                                                         cuuint64_t value, unsigned int flags);
+SIM_EXPORT CUresult CUDAAPI cuStreamBatchMemOp_v2_ptsz(CUstream s, unsigned int count,
+                                                       CUstreamBatchMemOpParams *params,
+                                                       unsigned int flags);
 /* For tests of the shim's error paths: let `skip` cuMemUnmap calls of this
  * process through, then fail the next one with `result` (nothing unmapped). */
 SIM_EXPORT int cuinterposeSimFailUnmap(unsigned skip, CUresult result);
