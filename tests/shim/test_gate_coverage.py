@@ -1,0 +1,354 @@
+"""Every entry point that launches device work or waits for it passes the gate, by every
+path the shim hands out (specs/quiesce.md, "What counts as launching and as
+synchronizing"): the shim's own export (what a program linked by name calls), ``dlsym``
+of the driver's name, and ``cuGetProcAddress`` (the base name; with
+CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM for the ``_ptsz``/``_ptds`` variants).
+
+The test holds the coordinator lease and closes the gate with QUIESCE; a thread of the
+worker then calls the entry point. "Held" is observed, not waited for: the thread sleeps
+in a futex on the shim's own gate (``/proc/self/task/<tid>/syscall`` names the futex
+word, which lies inside the shim's static ``gate``, located from the library's symbol
+table). RELEASE opens the gate and the call returns CUDA_SUCCESS. One worker serves every
+case, each starting from an idle device.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cuinterpose.demo import Worker
+from cuinterpose.engine import wire
+
+from tests import simenv
+from tests.shim import shimenv
+
+pytestmark = pytest.mark.skipif(
+    not simenv.is_simulated(), reason="the cases' arguments are the simulated driver's"
+)
+
+Op, Phase, Status = wire.Op, wire.Phase, wire.Status
+FUTEX = {"x86_64": 202, "aarch64": 98}  # the futex system call's number
+PER_THREAD = 2  # CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+
+# (driver symbol, resolver name, version asked of cuGetProcAddress): the entry points
+# gated by this change. Their per-thread variants follow, with those of the calls gated
+# before (the suffix is cuda.h's: _ptds for the synchronous ones).
+NEW = [
+    ("cuMemcpy2D_v2", "cuMemcpy2D", 13000),
+    ("cuMemcpy2DUnaligned_v2", "cuMemcpy2DUnaligned", 13000),
+    ("cuMemcpy3D_v2", "cuMemcpy3D", 13000),
+    ("cuMemcpy2DAsync_v2", "cuMemcpy2DAsync", 13000),
+    ("cuMemcpy3DAsync_v2", "cuMemcpy3DAsync", 13000),
+    ("cuMemcpyPeer", "cuMemcpyPeer", 13000),
+    ("cuMemcpyPeerAsync", "cuMemcpyPeerAsync", 13000),
+    ("cuMemcpy3DPeer", "cuMemcpy3DPeer", 13000),
+    ("cuMemcpy3DPeerAsync", "cuMemcpy3DPeerAsync", 13000),
+    ("cuMemcpyBatchAsync", "cuMemcpyBatchAsync", 12080),
+    ("cuMemcpyBatchAsync_v2", "cuMemcpyBatchAsync", 13000),
+    ("cuMemcpy3DBatchAsync", "cuMemcpy3DBatchAsync", 12080),
+    ("cuMemcpy3DBatchAsync_v2", "cuMemcpy3DBatchAsync", 13000),
+    ("cuMemAllocAsync", "cuMemAllocAsync", 13000),
+    ("cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync", 13000),
+    ("cuMemFreeAsync", "cuMemFreeAsync", 13000),
+    ("cuStreamWaitValue32_v2", "cuStreamWaitValue32", 13000),
+    ("cuStreamWaitValue64_v2", "cuStreamWaitValue64", 13000),
+    ("cuStreamWriteValue32_v2", "cuStreamWriteValue32", 13000),
+    ("cuStreamWriteValue64_v2", "cuStreamWriteValue64", 13000),
+    ("cuStreamBatchMemOp_v2", "cuStreamBatchMemOp", 13000),
+    ("cuStreamWaitEvent", "cuStreamWaitEvent", 13000),
+]
+GATED_BEFORE = [
+    ("cuMemcpy", "cuMemcpy", 13000),
+    ("cuMemcpyAsync", "cuMemcpyAsync", 13000),
+    ("cuMemcpyHtoD_v2", "cuMemcpyHtoD", 13000),
+    ("cuMemcpyDtoH_v2", "cuMemcpyDtoH", 13000),
+    ("cuMemcpyDtoD_v2", "cuMemcpyDtoD", 13000),
+    ("cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync", 13000),
+    ("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync", 13000),
+    ("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync", 13000),
+    ("cuMemsetD8_v2", "cuMemsetD8", 13000),
+    ("cuMemsetD16_v2", "cuMemsetD16", 13000),
+    ("cuMemsetD32_v2", "cuMemsetD32", 13000),
+    ("cuMemsetD8Async", "cuMemsetD8Async", 13000),
+    ("cuMemsetD16Async", "cuMemsetD16Async", 13000),
+    ("cuMemsetD32Async", "cuMemsetD32Async", 13000),
+    ("cuStreamSynchronize", "cuStreamSynchronize", 13000),
+    ("cuEventRecord", "cuEventRecord", 13000),
+    ("cuLaunchHostFunc", "cuLaunchHostFunc", 13000),
+]
+SYNCHRONOUS = {"cuMemcpy2D_v2", "cuMemcpy2DUnaligned_v2", "cuMemcpy3D_v2", "cuMemcpyPeer",
+               "cuMemcpy3DPeer", "cuMemcpy", "cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2",
+               "cuMemcpyDtoD_v2", "cuMemsetD8_v2", "cuMemsetD16_v2", "cuMemsetD32_v2"}  # fmt: skip
+
+
+def _per_thread(symbol: str) -> str:
+    return symbol + ("_ptds" if symbol in SYNCHRONOUS else "_ptsz")
+
+
+CASES = [(s, b, v, 0) for s, b, v in NEW] + [
+    (_per_thread(s), b, v, PER_THREAD) for s, b, v in NEW + GATED_BEFORE
+]
+PATHS = ["export", "dlsym", "cuGetProcAddress"]
+
+# The worker's side: resources made once, then per case the call's arguments (made
+# while the gate is open), the call on a thread of its own, and the wait for the held
+# thread. `ARGS[symbol](stream)` gives (argtypes, args) of the call, without the
+# per-thread suffix; a per-thread variant gets stream 0, its thread's default stream.
+WORKER_CODE = r"""
+import ctypes, os, threading, time
+from ctypes import c_void_p as P, c_size_t as SZ, c_uint as U, c_uint64 as U64, c_ulonglong as ULL
+shim = ctypes.CDLL(SHIM)
+driver = ctypes.CDLL("libcuda.so.1")
+CTX = int(ctx)
+S = int(check(cu.cuStreamCreate(0)))
+E = int(check(cu.cuEventCreate(0)))
+A = int(check(cu.cuMemAlloc(1 << 20)))
+B = int(check(cu.cuMemAlloc(1 << 20)))
+HOST = ctypes.create_string_buffer(1 << 16)
+POOL = int(check(cu.cuDeviceGetDefaultMemPool(dev)))
+MT = cu.CUmemorytype
+ORDER = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+KEEP = []  # what the pending call's pointers point into
+
+def keep(x):
+    KEEP.append(x)
+    return x
+
+def ptr(x):
+    return keep(x).getPtr()
+
+def array(ctype, values):
+    return ctypes.addressof(keep((ctype * len(values))(*values)))
+
+def copy2d():
+    p = cu.CUDA_MEMCPY2D()
+    p.srcMemoryType, p.srcDevice, p.srcPitch = MT.CU_MEMORYTYPE_DEVICE, A, 256
+    p.dstMemoryType, p.dstDevice, p.dstPitch = MT.CU_MEMORYTYPE_DEVICE, B, 256
+    p.WidthInBytes, p.Height = 128, 4
+    return ptr(p)
+
+def copy3d(kind):
+    p = kind()
+    p.srcMemoryType, p.srcDevice, p.srcPitch, p.srcHeight = MT.CU_MEMORYTYPE_DEVICE, A, 256, 4
+    p.dstMemoryType, p.dstHost, p.dstPitch, p.dstHeight = (
+        MT.CU_MEMORYTYPE_HOST, ctypes.addressof(HOST), 256, 4)
+    p.WidthInBytes, p.Height, p.Depth = 128, 4, 2
+    if kind is cu.CUDA_MEMCPY3D_PEER:
+        p.srcContext, p.dstContext = ctx, ctx
+    return ptr(p)
+
+def attrs():
+    a = cu.CUmemcpyAttributes()
+    a.srcAccessOrder = ORDER
+    return ptr(a)
+
+def batch3d():
+    op = cu.CUDA_MEMCPY3D_BATCH_OP()
+    for side, at in ((op.src, A), (op.dst, B)):
+        side.type = cu.CUmemcpy3DOperandType.CU_MEMCPY_OPERAND_TYPE_POINTER
+        side.op.ptr.ptr = at
+    op.extent.width, op.extent.height, op.extent.depth = 64, 2, 2
+    op.srcAccessOrder = ORDER
+    return ptr(op)
+
+def memops():
+    ops = [cu.CUstreamBatchMemOpParams() for _ in range(2)]
+    ops[0].writeValue.operation = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
+    ops[0].writeValue.address, ops[0].writeValue.value = A, 7
+    ops[1].waitValue.operation = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_32
+    ops[1].waitValue.address, ops[1].waitValue.value = A, 7
+    ops[1].waitValue.flags = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
+    size = 48  # sizeof(CUstreamBatchMemOpParams): its cuuint64_t pad[6]
+    buf = keep(ctypes.create_string_buffer(size * len(ops)))
+    for i, op in enumerate(ops):
+        ctypes.memmove(ctypes.addressof(buf) + i * size, op.getPtr(), size)
+        keep(op)
+    return ctypes.addressof(buf)
+
+def fresh():
+    return int(check(cu.cuMemAlloc(1 << 16)))
+
+OUT = ctypes.c_uint64(0)  # an allocation's address, from the calls that make one
+FAIL = SZ(0)
+HOSTP = ctypes.addressof(HOST)
+ARGS = {
+    "cuMemcpy2D_v2": lambda s: ([P], [copy2d()]),
+    "cuMemcpy2DUnaligned_v2": lambda s: ([P], [copy2d()]),
+    "cuMemcpy3D_v2": lambda s: ([P], [copy3d(cu.CUDA_MEMCPY3D)]),
+    "cuMemcpy2DAsync_v2": lambda s: ([P, P], [copy2d(), s]),
+    "cuMemcpy3DAsync_v2": lambda s: ([P, P], [copy3d(cu.CUDA_MEMCPY3D), s]),
+    "cuMemcpyPeer": lambda s: ([U64, P, U64, P, SZ], [B, CTX, A, CTX, 4096]),
+    "cuMemcpyPeerAsync": lambda s: ([U64, P, U64, P, SZ, P], [B, CTX, A, CTX, 4096, s]),
+    "cuMemcpy3DPeer": lambda s: ([P], [copy3d(cu.CUDA_MEMCPY3D_PEER)]),
+    "cuMemcpy3DPeerAsync": lambda s: ([P, P], [copy3d(cu.CUDA_MEMCPY3D_PEER), s]),
+    "cuMemcpyBatchAsync": lambda s: (
+        [P, P, P, SZ, P, P, SZ, P, P],
+        [array(U64, [B, B + 4096]), array(U64, [A, A + 4096]), array(SZ, [64, 64]), 2,
+         attrs(), array(SZ, [0]), 1, ctypes.addressof(FAIL), s]),
+    "cuMemcpyBatchAsync_v2": lambda s: (
+        [P, P, P, SZ, P, P, SZ, P],
+        [array(U64, [B]), array(U64, [A]), array(SZ, [64]), 1, attrs(), array(SZ, [0]), 1, s]),
+    "cuMemcpy3DBatchAsync": lambda s: (
+        [SZ, P, P, ULL, P], [1, batch3d(), ctypes.addressof(FAIL), 0, s]),
+    "cuMemcpy3DBatchAsync_v2": lambda s: ([SZ, P, ULL, P], [1, batch3d(), 0, s]),
+    "cuMemAllocAsync": lambda s: ([P, SZ, P], [ctypes.addressof(OUT), 4096, s]),
+    "cuMemAllocFromPoolAsync": lambda s: (
+        [P, SZ, P, P], [ctypes.addressof(OUT), 4096, POOL, s]),
+    "cuMemFreeAsync": lambda s: ([U64, P], [fresh(), s]),
+    "cuStreamWaitValue32_v2": lambda s: ([P, U64, ctypes.c_uint32, U], [s, A, 0, 0]),
+    "cuStreamWaitValue64_v2": lambda s: ([P, U64, U64, U], [s, A, 0, 0]),
+    "cuStreamWriteValue32_v2": lambda s: ([P, U64, ctypes.c_uint32, U], [s, A, 5, 0]),
+    "cuStreamWriteValue64_v2": lambda s: ([P, U64, U64, U], [s, A, 5, 0]),
+    "cuStreamBatchMemOp_v2": lambda s: ([P, U, P, U], [s, 2, memops(), 0]),
+    "cuStreamWaitEvent": lambda s: ([P, P, U], [s, E, 0]),
+    "cuMemcpy": lambda s: ([U64, U64, SZ], [B, A, 4096]),
+    "cuMemcpyAsync": lambda s: ([U64, U64, SZ, P], [B, A, 4096, s]),
+    "cuMemcpyHtoD_v2": lambda s: ([U64, P, SZ], [A, HOSTP, 4096]),
+    "cuMemcpyDtoH_v2": lambda s: ([P, U64, SZ], [HOSTP, A, 4096]),
+    "cuMemcpyDtoD_v2": lambda s: ([U64, U64, SZ], [B, A, 4096]),
+    "cuMemcpyHtoDAsync_v2": lambda s: ([U64, P, SZ, P], [A, HOSTP, 4096, s]),
+    "cuMemcpyDtoHAsync_v2": lambda s: ([P, U64, SZ, P], [HOSTP, A, 4096, s]),
+    "cuMemcpyDtoDAsync_v2": lambda s: ([U64, U64, SZ, P], [B, A, 4096, s]),
+    "cuMemsetD8_v2": lambda s: ([U64, ctypes.c_ubyte, SZ], [B, 1, 64]),
+    "cuMemsetD16_v2": lambda s: ([U64, ctypes.c_ushort, SZ], [B, 1, 64]),
+    "cuMemsetD32_v2": lambda s: ([U64, U, SZ], [B, 1, 64]),
+    "cuMemsetD8Async": lambda s: ([U64, ctypes.c_ubyte, SZ, P], [B, 1, 64, s]),
+    "cuMemsetD16Async": lambda s: ([U64, ctypes.c_ushort, SZ, P], [B, 1, 64, s]),
+    "cuMemsetD32Async": lambda s: ([U64, U, SZ, P], [B, 1, 64, s]),
+    "cuStreamSynchronize": lambda s: ([P], [s]),
+    "cuEventRecord": lambda s: ([P, P], [E, s]),
+    "cuLaunchHostFunc": lambda s: ([P, P, P], [s, HOST_FN, None]),
+}
+HOST_FN = ctypes.CFUNCTYPE(None, P)(lambda _: None)
+
+def entry(symbol, base, version, flags, path):
+    if path == "export":
+        return ctypes.cast(getattr(shim, symbol), P).value
+    if path == "dlsym":
+        return ctypes.cast(getattr(driver, symbol), P).value
+    fn, status = P(), ctypes.c_int(-1)
+    r = shim.cuGetProcAddress_v2(base.encode(), ctypes.byref(fn), version, ULL(flags),
+                                 ctypes.byref(status))
+    if r != 0 or status.value != 0 or not fn.value:
+        raise RuntimeError(f"cuGetProcAddress({base}, {version}, {flags}): {r}/{status.value}")
+    return fn.value
+
+def in_gate(tid):
+    # asleep on a futex word of the shim's gate (its mutex or condition variables)
+    try:
+        with open(f"/proc/self/task/{tid}/syscall") as f:
+            fields = f.read().split()
+    except FileNotFoundError:
+        return False
+    return (len(fields) > 1 and fields[0] == str(FUTEX_NR)
+            and GATE[0] <= int(fields[1], 16) < GATE[1])
+
+def prepare(symbol, base, version, flags, path):
+    plain = symbol.removesuffix("_ptsz").removesuffix("_ptds")
+    types, args = ARGS[plain](0 if flags or plain != symbol else S)
+    call = ctypes.CFUNCTYPE(ctypes.c_int, *types)(entry(symbol, base, version, flags, path))
+    CASE.clear()
+    CASE.update(call=call, args=args, result=None)
+
+def fire():
+    def run():
+        check(cu.cuCtxSetCurrent(ctx))  # a new thread has no current context
+        CASE["tid"] = threading.get_native_id()
+        CASE["result"] = CASE["call"](*CASE["args"])
+    t = threading.Thread(target=run, daemon=True)
+    CASE["thread"] = t
+    t.start()
+    while True:  # until the thread is held at the gate, or (a failure) returned
+        tid = CASE.get("tid")
+        if tid is not None and in_gate(tid):
+            return {"held": True, "returned": CASE["result"] is not None}
+        if not t.is_alive():
+            return {"held": False, "returned": CASE["result"]}
+        time.sleep(0.001)
+
+def finish():
+    CASE["thread"].join()
+    check(cu.cuCtxSynchronize())
+    if OUT.value:
+        check(cu.cuMemFree(OUT.value))
+        OUT.value = 0
+    KEEP.clear()
+    return CASE["result"]
+
+CASE = {}
+"""
+
+
+def _elf_symbol(path: Path, name: str) -> tuple[int, int]:
+    """(value, size) of a symbol of an ELF64 little-endian file's symbol table."""
+    data = path.read_bytes()
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [
+        struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)
+    ]
+    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        strings = sections[link][4]
+        for k in range(size // entsize):
+            at, _, _, _, value, length = struct.unpack_from("<IBBHQQ", data, offset + k * entsize)
+            end = data.index(b"\0", strings + at)
+            if data[strings + at : end] == name.encode():
+                return value, length
+    raise LookupError(f"{path}: no symbol {name!r} in its symbol table (stripped?)")
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Worker, Path]]:
+    """One worker with the shim preloaded, set up for every case; its control socket."""
+    machine = os.uname().machine
+    if machine not in FUTEX:
+        pytest.skip(f"the futex system call's number on {machine} is not known here")
+    control_dir = tmp_path_factory.mktemp("gate-cover")
+    control_dir.chmod(0o700)
+    shim = shimenv.shim_library()
+    gate, size = _elf_symbol(shim, "gate")
+    env = shimenv.shim_env(control_dir=control_dir, extra={"CUINTERPOSE_SIM_NAMESPACE": "gc"})
+    worker = Worker("app", env, log_dir=control_dir, wait=False, init_cuda=False)
+    worker.send(f"DEV = 0\n{shimenv.WORKER_SETUP}")
+    worker.reply()
+    real = os.path.realpath(shim)
+    worker(
+        f"SHIM = {str(shim)!r}\nFUTEX_NR = {FUTEX[machine]}\n"
+        "base = min(int(line.split('-')[0], 16) for line in open('/proc/self/maps')\n"
+        f"           if line.split()[-1] == {real!r} and int(line.split()[2], 16) == 0)\n"
+        f"GATE = (base + {gate}, base + {gate + size})\n" + WORKER_CODE
+    )
+    yield worker, shimenv.wait_socket(control_dir, worker.pid)
+    worker.close_clean()
+    Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-gc").unlink(missing_ok=True)
+
+
+def _ask(socket: Path, op: wire.Op, participant: str, lease: bytes) -> wire.Reply:
+    return shimenv.request(socket, wire.Request(op=op, participant=participant, authorization=lease))[0]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("symbol", "base", "version", "flags"), CASES, ids=[c[0] for c in CASES])
+def test_a_closed_gate_holds_the_call_and_an_open_one_lets_it_through(
+    app: tuple[Worker, Path], symbol: str, base: str, version: int, flags: int, path: str
+) -> None:
+    worker, socket = app
+    worker(f"prepare({symbol!r}, {base!r}, {version}, {flags}, {path!r})")
+    participant = shimenv.handshake(socket).participant
+    lease = os.urandom(16)
+    assert _ask(socket, Op.HANDSHAKE, "", lease).status == Status.OK
+    quiet = _ask(socket, Op.QUIESCE, participant, lease)
+    assert (quiet.status, quiet.phase) == (Status.OK, Phase.QUIESCED), quiet.message
+    try:
+        fired = worker("result = fire()")
+    finally:
+        released = _ask(socket, Op.RELEASE, "", lease)
+    assert fired == {"held": True, "returned": False}, f"{symbol} via {path}: {fired}"
+    assert (released.status, released.phase) == (Status.OK, Phase.ACTIVE), released.message
+    assert worker("result = finish()") == 0, f"{symbol} via {path}"
