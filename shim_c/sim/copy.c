@@ -1,4 +1,5 @@
-/* Copies, memsets and host memory.
+/* Copies (1D, 2D, 3D, peer, batch), memsets and host memory, with their
+ * per-thread default stream variants (_ptsz, _ptds).
  *
  * Every device pointer is checked against the mapping bookkeeping before a
  * byte moves (mapped throughout, and accessible to the calling context's
@@ -8,7 +9,8 @@
  * are checked when called and queued on their stream (device.c); when the
  * work runs, its ranges are checked again: memory unmapped meanwhile fails
  * the context (the GPU's illegal address) and no byte moves. Synchronous
- * variants first wait for the legacy stream's work, as the driver's do. */
+ * variants first wait for the legacy stream's work, as the driver's do (the
+ * _ptds ones for the calling thread's default stream). */
 #include "sim.h"
 
 #include <errno.h>
