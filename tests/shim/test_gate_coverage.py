@@ -96,7 +96,7 @@ PATHS = ["export", "dlsym", "cuGetProcAddress"]
 
 # The worker's side: resources made once, then per case the call's arguments (made
 # while the gate is open), the call on a thread of its own, and the wait for the held
-# thread. `ARGS[symbol](stream)` gives (argtypes, args) of the call, without the
+# thread. `ARGS[symbol]` is (argtypes, stream -> args) of the call, without the
 # per-thread suffix; a per-thread variant gets stream 0, its thread's default stream.
 WORKER_CODE = r"""
 import ctypes, os, threading, time
@@ -169,59 +169,59 @@ def memops():
         keep(op)
     return ctypes.addressof(buf)
 
+def batch(n, tail):
+    # n copies of 64 bytes, 4 KiB apart, from A to B; one attribute for all
+    at = [4096 * i for i in range(n)]
+    return [array(U64, [B + o for o in at]), array(U64, [A + o for o in at]),
+            array(SZ, [64] * n), n, attrs(), array(SZ, [0]), 1, *tail]
+
 def fresh():
     return int(check(cu.cuMemAlloc(1 << 16)))
 
 OUT = ctypes.c_uint64(0)  # an allocation's address, from the calls that make one
 FAIL = SZ(0)
+ADDR = ctypes.addressof
 HOSTP = ctypes.addressof(HOST)
 ARGS = {
-    "cuMemcpy2D_v2": lambda s: ([P], [copy2d()]),
-    "cuMemcpy2DUnaligned_v2": lambda s: ([P], [copy2d()]),
-    "cuMemcpy3D_v2": lambda s: ([P], [copy3d(cu.CUDA_MEMCPY3D)]),
-    "cuMemcpy2DAsync_v2": lambda s: ([P, P], [copy2d(), s]),
-    "cuMemcpy3DAsync_v2": lambda s: ([P, P], [copy3d(cu.CUDA_MEMCPY3D), s]),
-    "cuMemcpyPeer": lambda s: ([U64, P, U64, P, SZ], [B, CTX, A, CTX, 4096]),
-    "cuMemcpyPeerAsync": lambda s: ([U64, P, U64, P, SZ, P], [B, CTX, A, CTX, 4096, s]),
-    "cuMemcpy3DPeer": lambda s: ([P], [copy3d(cu.CUDA_MEMCPY3D_PEER)]),
-    "cuMemcpy3DPeerAsync": lambda s: ([P, P], [copy3d(cu.CUDA_MEMCPY3D_PEER), s]),
-    "cuMemcpyBatchAsync": lambda s: (
-        [P, P, P, SZ, P, P, SZ, P, P],
-        [array(U64, [B, B + 4096]), array(U64, [A, A + 4096]), array(SZ, [64, 64]), 2,
-         attrs(), array(SZ, [0]), 1, ctypes.addressof(FAIL), s]),
-    "cuMemcpyBatchAsync_v2": lambda s: (
-        [P, P, P, SZ, P, P, SZ, P],
-        [array(U64, [B]), array(U64, [A]), array(SZ, [64]), 1, attrs(), array(SZ, [0]), 1, s]),
-    "cuMemcpy3DBatchAsync": lambda s: (
-        [SZ, P, P, ULL, P], [1, batch3d(), ctypes.addressof(FAIL), 0, s]),
-    "cuMemcpy3DBatchAsync_v2": lambda s: ([SZ, P, ULL, P], [1, batch3d(), 0, s]),
-    "cuMemAllocAsync": lambda s: ([P, SZ, P], [ctypes.addressof(OUT), 4096, s]),
-    "cuMemAllocFromPoolAsync": lambda s: (
-        [P, SZ, P, P], [ctypes.addressof(OUT), 4096, POOL, s]),
-    "cuMemFreeAsync": lambda s: ([U64, P], [fresh(), s]),
-    "cuStreamWaitValue32_v2": lambda s: ([P, U64, ctypes.c_uint32, U], [s, A, 0, 0]),
-    "cuStreamWaitValue64_v2": lambda s: ([P, U64, U64, U], [s, A, 0, 0]),
-    "cuStreamWriteValue32_v2": lambda s: ([P, U64, ctypes.c_uint32, U], [s, A, 5, 0]),
-    "cuStreamWriteValue64_v2": lambda s: ([P, U64, U64, U], [s, A, 5, 0]),
-    "cuStreamBatchMemOp_v2": lambda s: ([P, U, P, U], [s, 2, memops(), 0]),
-    "cuStreamWaitEvent": lambda s: ([P, P, U], [s, E, 0]),
-    "cuMemcpy": lambda s: ([U64, U64, SZ], [B, A, 4096]),
-    "cuMemcpyAsync": lambda s: ([U64, U64, SZ, P], [B, A, 4096, s]),
-    "cuMemcpyHtoD_v2": lambda s: ([U64, P, SZ], [A, HOSTP, 4096]),
-    "cuMemcpyDtoH_v2": lambda s: ([P, U64, SZ], [HOSTP, A, 4096]),
-    "cuMemcpyDtoD_v2": lambda s: ([U64, U64, SZ], [B, A, 4096]),
-    "cuMemcpyHtoDAsync_v2": lambda s: ([U64, P, SZ, P], [A, HOSTP, 4096, s]),
-    "cuMemcpyDtoHAsync_v2": lambda s: ([P, U64, SZ, P], [HOSTP, A, 4096, s]),
-    "cuMemcpyDtoDAsync_v2": lambda s: ([U64, U64, SZ, P], [B, A, 4096, s]),
-    "cuMemsetD8_v2": lambda s: ([U64, ctypes.c_ubyte, SZ], [B, 1, 64]),
-    "cuMemsetD16_v2": lambda s: ([U64, ctypes.c_ushort, SZ], [B, 1, 64]),
-    "cuMemsetD32_v2": lambda s: ([U64, U, SZ], [B, 1, 64]),
-    "cuMemsetD8Async": lambda s: ([U64, ctypes.c_ubyte, SZ, P], [B, 1, 64, s]),
-    "cuMemsetD16Async": lambda s: ([U64, ctypes.c_ushort, SZ, P], [B, 1, 64, s]),
-    "cuMemsetD32Async": lambda s: ([U64, U, SZ, P], [B, 1, 64, s]),
-    "cuStreamSynchronize": lambda s: ([P], [s]),
-    "cuEventRecord": lambda s: ([P, P], [E, s]),
-    "cuLaunchHostFunc": lambda s: ([P, P, P], [s, HOST_FN, None]),
+    "cuMemcpy2D_v2": ([P], lambda s: [copy2d()]),
+    "cuMemcpy2DUnaligned_v2": ([P], lambda s: [copy2d()]),
+    "cuMemcpy3D_v2": ([P], lambda s: [copy3d(cu.CUDA_MEMCPY3D)]),
+    "cuMemcpy2DAsync_v2": ([P, P], lambda s: [copy2d(), s]),
+    "cuMemcpy3DAsync_v2": ([P, P], lambda s: [copy3d(cu.CUDA_MEMCPY3D), s]),
+    "cuMemcpyPeer": ([U64, P, U64, P, SZ], lambda s: [B, CTX, A, CTX, 4096]),
+    "cuMemcpyPeerAsync": ([U64, P, U64, P, SZ, P], lambda s: [B, CTX, A, CTX, 4096, s]),
+    "cuMemcpy3DPeer": ([P], lambda s: [copy3d(cu.CUDA_MEMCPY3D_PEER)]),
+    "cuMemcpy3DPeerAsync": ([P, P], lambda s: [copy3d(cu.CUDA_MEMCPY3D_PEER), s]),
+    "cuMemcpyBatchAsync": ([P, P, P, SZ, P, P, SZ, P, P], lambda s: batch(2, [ADDR(FAIL), s])),
+    "cuMemcpyBatchAsync_v2": ([P, P, P, SZ, P, P, SZ, P], lambda s: batch(1, [s])),
+    "cuMemcpy3DBatchAsync": ([SZ, P, P, ULL, P], lambda s: [1, batch3d(), ADDR(FAIL), 0, s]),
+    "cuMemcpy3DBatchAsync_v2": ([SZ, P, ULL, P], lambda s: [1, batch3d(), 0, s]),
+    "cuMemAllocAsync": ([P, SZ, P], lambda s: [ctypes.addressof(OUT), 4096, s]),
+    "cuMemAllocFromPoolAsync": ([P, SZ, P, P], lambda s: [ctypes.addressof(OUT), 4096, POOL, s]),
+    "cuMemFreeAsync": ([U64, P], lambda s: [fresh(), s]),
+    "cuStreamWaitValue32_v2": ([P, U64, ctypes.c_uint32, U], lambda s: [s, A, 0, 0]),
+    "cuStreamWaitValue64_v2": ([P, U64, U64, U], lambda s: [s, A, 0, 0]),
+    "cuStreamWriteValue32_v2": ([P, U64, ctypes.c_uint32, U], lambda s: [s, A, 5, 0]),
+    "cuStreamWriteValue64_v2": ([P, U64, U64, U], lambda s: [s, A, 5, 0]),
+    "cuStreamBatchMemOp_v2": ([P, U, P, U], lambda s: [s, 2, memops(), 0]),
+    "cuStreamWaitEvent": ([P, P, U], lambda s: [s, E, 0]),
+    "cuMemcpy": ([U64, U64, SZ], lambda s: [B, A, 4096]),
+    "cuMemcpyAsync": ([U64, U64, SZ, P], lambda s: [B, A, 4096, s]),
+    "cuMemcpyHtoD_v2": ([U64, P, SZ], lambda s: [A, HOSTP, 4096]),
+    "cuMemcpyDtoH_v2": ([P, U64, SZ], lambda s: [HOSTP, A, 4096]),
+    "cuMemcpyDtoD_v2": ([U64, U64, SZ], lambda s: [B, A, 4096]),
+    "cuMemcpyHtoDAsync_v2": ([U64, P, SZ, P], lambda s: [A, HOSTP, 4096, s]),
+    "cuMemcpyDtoHAsync_v2": ([P, U64, SZ, P], lambda s: [HOSTP, A, 4096, s]),
+    "cuMemcpyDtoDAsync_v2": ([U64, U64, SZ, P], lambda s: [B, A, 4096, s]),
+    "cuMemsetD8_v2": ([U64, ctypes.c_ubyte, SZ], lambda s: [B, 1, 64]),
+    "cuMemsetD16_v2": ([U64, ctypes.c_ushort, SZ], lambda s: [B, 1, 64]),
+    "cuMemsetD32_v2": ([U64, U, SZ], lambda s: [B, 1, 64]),
+    "cuMemsetD8Async": ([U64, ctypes.c_ubyte, SZ, P], lambda s: [B, 1, 64, s]),
+    "cuMemsetD16Async": ([U64, ctypes.c_ushort, SZ, P], lambda s: [B, 1, 64, s]),
+    "cuMemsetD32Async": ([U64, U, SZ, P], lambda s: [B, 1, 64, s]),
+    "cuStreamSynchronize": ([P], lambda s: [s]),
+    "cuEventRecord": ([P, P], lambda s: [E, s]),
+    "cuLaunchHostFunc": ([P, P, P], lambda s: [s, HOST_FN, None]),
 }
 HOST_FN = ctypes.CFUNCTYPE(None, P)(lambda _: None)
 
@@ -249,7 +249,8 @@ def in_gate(tid):
 
 def prepare(symbol, base, version, flags, path):
     plain = symbol.removesuffix("_ptsz").removesuffix("_ptds")
-    types, args = ARGS[plain](0 if flags or plain != symbol else S)
+    types, make = ARGS[plain]
+    args = make(0 if flags or plain != symbol else S)
     call = ctypes.CFUNCTYPE(ctypes.c_int, *types)(entry(symbol, base, version, flags, path))
     CASE.clear()
     CASE.update(call=call, args=args, result=None)
@@ -330,7 +331,9 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Worker, Path
 
 
 def _ask(socket: Path, op: wire.Op, participant: str, lease: bytes) -> wire.Reply:
-    return shimenv.request(socket, wire.Request(op=op, participant=participant, authorization=lease))[0]
+    return shimenv.request(
+        socket, wire.Request(op=op, participant=participant, authorization=lease)
+    )[0]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -352,3 +355,96 @@ def test_a_closed_gate_holds_the_call_and_an_open_one_lets_it_through(
     assert fired == {"held": True, "returned": False}, f"{symbol} via {path}: {fired}"
     assert (released.status, released.phase) == (Status.OK, Phase.ACTIVE), released.message
     assert worker("result = finish()") == 0, f"{symbol} via {path}"
+
+
+# The simulated driver's side of the new entry points, as cuda.h describes them (the
+# test above only shows that they answer CUDA_SUCCESS).
+SIM_BEHAVIOUR = r"""
+def call(symbol, *args, base=None, flags=0):
+    types = ARGS[symbol.removesuffix("_ptsz").removesuffix("_ptds")][0]
+    fn = entry(symbol, base or symbol, 13000, flags, "cuGetProcAddress" if base else "export")
+    return ctypes.CFUNCTYPE(ctypes.c_int, *types)(fn)(*args)
+
+def host_bytes(at, n):
+    buf = ctypes.create_string_buffer(n)
+    check(cu.cuMemcpyDtoH(ctypes.addressof(buf), at, n))
+    return buf.raw
+
+got = {}
+pattern = bytes(range(256)) * 8
+check(cu.cuMemcpyHtoD(A, pattern, len(pattern)))
+check(cu.cuMemsetD8(B, 0, 2048))
+got["2d"] = call("cuMemcpy2D_v2", copy2d())  # 4 rows of 128 bytes, pitch 256
+rows = host_bytes(B, 1024)
+got["2d_rows"] = all(rows[256 * r:256 * r + 128] == pattern[256 * r:256 * r + 128]
+                     for r in range(4))
+got["2d_gaps"] = all(rows[256 * r + 128:256 * r + 256] == bytes(128) for r in range(4))
+ctypes.memset(HOST, 0, 2048)
+got["3d"] = call("cuMemcpy3D_v2", copy3d(cu.CUDA_MEMCPY3D))  # 2 slices of 4 rows
+got["3d_rows"] = all(HOST.raw[256 * r:256 * r + 128] == pattern[256 * r:256 * r + 128]
+                     for r in range(8))
+p = cu.CUDA_MEMCPY2D()
+p.srcMemoryType, p.srcDevice, p.srcPitch = MT.CU_MEMORYTYPE_DEVICE, A, 64
+p.dstMemoryType, p.dstDevice, p.dstPitch = MT.CU_MEMORYTYPE_DEVICE, B, 256
+p.WidthInBytes, p.Height = 128, 4
+got["2d_row_over_pitch"] = call("cuMemcpy2D_v2", ptr(p))
+p.srcPitch, p.srcMemoryType = 256, MT.CU_MEMORYTYPE_ARRAY
+got["2d_array"] = call("cuMemcpy2D_v2", ptr(p))
+one = lambda: batch(1, [])
+got["batch_legacy"] = call("cuMemcpyBatchAsync_v2", *one(), 0)
+got["batch_per_thread"] = call("cuMemcpyBatchAsync_v2_ptsz", *one(), 0)
+got["batch_per_thread_resolved"] = call(
+    "cuMemcpyBatchAsync_v2_ptsz", *one(), 0, base="cuMemcpyBatchAsync", flags=2)
+got["batch_no_attrs"] = call("cuMemcpyBatchAsync_v2", *one()[:6], 0, S)
+got["write_barrier_flag"] = call("cuStreamWriteValue32_v2", S, A, 1, 1)
+got["write_misaligned"] = call("cuStreamWriteValue32_v2", S, A + 2, 1, 0)
+got["wait_host_pointer"] = call("cuStreamWaitValue32_v2", S, HOSTP, 1, 0)
+got["free_unknown"] = call("cuMemFreeAsync", A + 4096, S)
+got["pool_unknown"] = call("cuMemAllocFromPoolAsync", ctypes.addressof(OUT), 64, HOSTP, S)
+check(cu.cuCtxSynchronize())
+# A wait holds its stream until the word is written: the memset after it waits too.
+NB = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+waiting, writer = (int(check(cu.cuStreamCreate(NB))) for _ in range(2))
+check(cu.cuMemsetD32(A, 0, 1))
+check(cu.cuMemsetD32(B, 0, 1))
+got["wait"] = call("cuStreamWaitValue32_v2", waiting, A, 9, 1)  # EQ
+check(cu.cuMemsetD32Async(B, 5, 1, waiting))
+got["waiting"] = err(cu.cuStreamQuery(waiting))
+got["memset_before_write"] = host_bytes(B, 4).hex()
+got["write"] = call("cuStreamWriteValue32_v2", writer, A, 9, 0)
+check(cu.cuStreamSynchronize(waiting))
+got["memset_after_write"] = host_bytes(B, 4).hex()
+# Stream-ordered memory: usable at once, freed in stream order.
+got["alloc"] = call("cuMemAllocAsync", ctypes.addressof(OUT), 4096, S)
+mem = OUT.value
+got["alloc_usable"] = err(cu.cuMemsetD8Async(mem, 1, 4096, S))
+got["free"] = call("cuMemFreeAsync", mem, S)
+check(cu.cuStreamSynchronize(S))
+OUT.value = 0
+got["freed"] = call("cuMemFreeAsync", mem, S)
+for s_ in (waiting, writer):
+    check(cu.cuStreamDestroy(s_))
+KEEP.clear()
+result = got
+"""
+
+
+def test_the_simulated_driver_does_what_the_entry_points_promise(
+    app: tuple[Worker, Path],
+) -> None:
+    worker, _ = app
+    got = worker(SIM_BEHAVIOUR)
+    invalid = 1  # CUDA_ERROR_INVALID_VALUE
+    assert got == {
+        "2d": 0, "2d_rows": True, "2d_gaps": True,
+        "3d": 0, "3d_rows": True,
+        "2d_row_over_pitch": invalid, "2d_array": invalid,
+        # the legacy stream is refused; stream 0 of a _ptsz call is the thread's own
+        "batch_legacy": invalid, "batch_per_thread": 0, "batch_per_thread_resolved": 0,
+        "batch_no_attrs": invalid,
+        "write_barrier_flag": invalid, "write_misaligned": invalid,
+        "wait_host_pointer": invalid, "free_unknown": invalid, "pool_unknown": invalid,
+        "wait": 0, "waiting": "CUDA_ERROR_NOT_READY", "memset_before_write": "00000000",
+        "write": 0, "memset_after_write": "05000000",
+        "alloc": 0, "alloc_usable": "CUDA_SUCCESS", "free": 0, "freed": invalid,
+    }  # fmt: skip
