@@ -45,6 +45,13 @@ SHIM_NO_SAN static bool same(const char *a, const char *b)
  * themselves are the 12.8 ABI, exported by the driver as such. */
 #undef cuMemcpyBatchAsync
 #undef cuMemcpy3DBatchAsync
+/* The same for the stream memory operations: the names are CUDA 8.0's ABI,
+ * which has the same signature as 11.7's _v2. */
+#undef cuStreamWaitValue32
+#undef cuStreamWaitValue64
+#undef cuStreamWriteValue32
+#undef cuStreamWriteValue64
+#undef cuStreamBatchMemOp
 SHIM_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion,
                                       cuuint64_t flags);
 SHIM_EXPORT CUresult cuGetProcAddress_v2_ptsz(const char *symbol, void **pfn, int cudaVersion,
@@ -110,7 +117,7 @@ static const struct tracked tracked[] = {
  * Launching: queues device work (copies, memsets, value waits and writes,
  * stream-ordered allocation, event records and waits). Synchronizing: blocks
  * the host until device work is done (synchronizes, blocking copies). */
-#define GATED_CALLS(X)                                                                        \
+#define GATED_CALLS(X)                                                                         \
     X(cuLaunchKernel, "cuLaunchKernel", 0, NO_MAX, GATE_LAUNCH, ptsz,                          \
       (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,       \
       unsigned int by, unsigned int bz, unsigned int shm, CUstream s, void **p, void **e),     \
@@ -177,15 +184,26 @@ static const struct tracked tracked[] = {
       (CUdeviceptr *d, size_t n, CUmemoryPool pool, CUstream s), (d, n, pool, s))              \
     X(cuMemFreeAsync, "cuMemFreeAsync", 0, NO_MAX, GATE_LAUNCH, ptsz,                          \
       (CUdeviceptr d, CUstream s), (d, s))                                                     \
-    X(cuStreamWaitValue32_v2, "cuStreamWaitValue32", 0, NO_MAX, GATE_LAUNCH, ptsz,             \
+    X(cuStreamWaitValue32, "cuStreamWaitValue32", 0, 11070, GATE_LAUNCH, ptsz,                 \
       (CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int fl), (s, a, v, fl))               \
-    X(cuStreamWaitValue64_v2, "cuStreamWaitValue64", 0, NO_MAX, GATE_LAUNCH, ptsz,             \
-      (CUstream s, CUdeviceptr a, cuuint64_t v, unsigned int fl), (s, a, v, fl))               \
-    X(cuStreamWriteValue32_v2, "cuStreamWriteValue32", 0, NO_MAX, GATE_LAUNCH, ptsz,           \
+    X(cuStreamWaitValue32_v2, "cuStreamWaitValue32", 11070, NO_MAX, GATE_LAUNCH, ptsz,         \
       (CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int fl), (s, a, v, fl))               \
-    X(cuStreamWriteValue64_v2, "cuStreamWriteValue64", 0, NO_MAX, GATE_LAUNCH, ptsz,           \
+    X(cuStreamWaitValue64, "cuStreamWaitValue64", 0, 11070, GATE_LAUNCH, ptsz,                 \
       (CUstream s, CUdeviceptr a, cuuint64_t v, unsigned int fl), (s, a, v, fl))               \
-    X(cuStreamBatchMemOp_v2, "cuStreamBatchMemOp", 0, NO_MAX, GATE_LAUNCH, ptsz,               \
+    X(cuStreamWaitValue64_v2, "cuStreamWaitValue64", 11070, NO_MAX, GATE_LAUNCH, ptsz,         \
+      (CUstream s, CUdeviceptr a, cuuint64_t v, unsigned int fl), (s, a, v, fl))               \
+    X(cuStreamWriteValue32, "cuStreamWriteValue32", 0, 11070, GATE_LAUNCH, ptsz,               \
+      (CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int fl), (s, a, v, fl))               \
+    X(cuStreamWriteValue32_v2, "cuStreamWriteValue32", 11070, NO_MAX, GATE_LAUNCH, ptsz,       \
+      (CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int fl), (s, a, v, fl))               \
+    X(cuStreamWriteValue64, "cuStreamWriteValue64", 0, 11070, GATE_LAUNCH, ptsz,               \
+      (CUstream s, CUdeviceptr a, cuuint64_t v, unsigned int fl), (s, a, v, fl))               \
+    X(cuStreamWriteValue64_v2, "cuStreamWriteValue64", 11070, NO_MAX, GATE_LAUNCH, ptsz,       \
+      (CUstream s, CUdeviceptr a, cuuint64_t v, unsigned int fl), (s, a, v, fl))               \
+    X(cuStreamBatchMemOp, "cuStreamBatchMemOp", 0, 11070, GATE_LAUNCH, ptsz,                   \
+      (CUstream s, unsigned int n, CUstreamBatchMemOpParams *ops, unsigned int fl), (s, n,     \
+      ops, fl))                                                                                \
+    X(cuStreamBatchMemOp_v2, "cuStreamBatchMemOp", 11070, NO_MAX, GATE_LAUNCH, ptsz,           \
       (CUstream s, unsigned int n, CUstreamBatchMemOpParams *ops, unsigned int fl), (s, n,     \
       ops, fl))                                                                                \
     X(cuCtxSynchronize, "cuCtxSynchronize", 0, 13000, GATE_SYNC, none, (void), ())             \

@@ -86,14 +86,16 @@ static CUresult run_wait(struct sim_work *w)
     }
 }
 
-/* The _v2 calls take no CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER (cuda.h). */
+/* `v1`: the CUDA 8.0 ABI, which also takes
+ * CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER (the _v2 calls do not: cuda.h). */
 static CUresult write_value(CUstream s, CUdeviceptr addr, uint64_t value, size_t width,
-                            unsigned flags)
+                            unsigned flags, int v1)
 {
+    unsigned allowed = v1 ? (unsigned)CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER : 0u;
     int dev;
     CUresult r = sim_current_dev(&dev);
 
-    if (r == CUDA_SUCCESS && flags != CU_STREAM_WRITE_VALUE_DEFAULT)
+    if (r == CUDA_SUCCESS && (flags & ~allowed))
         r = CUDA_ERROR_INVALID_VALUE;
     if (r == CUDA_SUCCESS)
         r = sim_stream_check(s);
@@ -129,25 +131,25 @@ static CUresult wait_value(CUstream s, CUdeviceptr addr, uint64_t value, size_t 
 CUresult CUDAAPI cuStreamWriteValue32_v2(CUstream s, CUdeviceptr addr, cuuint32_t value,
                                          unsigned int flags)
 {
-    SIM_API(write_value(s, addr, value, 4, flags));
+    SIM_API(write_value(s, addr, value, 4, flags, 0));
 }
 
 CUresult CUDAAPI cuStreamWriteValue32_v2_ptsz(CUstream s, CUdeviceptr addr, cuuint32_t value,
                                               unsigned int flags)
 {
-    SIM_API(write_value(sim_per_thread(s), addr, value, 4, flags));
+    SIM_API(write_value(sim_per_thread(s), addr, value, 4, flags, 0));
 }
 
 CUresult CUDAAPI cuStreamWriteValue64_v2(CUstream s, CUdeviceptr addr, cuuint64_t value,
                                          unsigned int flags)
 {
-    SIM_API(write_value(s, addr, value, 8, flags));
+    SIM_API(write_value(s, addr, value, 8, flags, 0));
 }
 
 CUresult CUDAAPI cuStreamWriteValue64_v2_ptsz(CUstream s, CUdeviceptr addr, cuuint64_t value,
                                               unsigned int flags)
 {
-    SIM_API(write_value(sim_per_thread(s), addr, value, 8, flags));
+    SIM_API(write_value(sim_per_thread(s), addr, value, 8, flags, 0));
 }
 
 CUresult CUDAAPI cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, cuuint32_t value,
@@ -176,7 +178,8 @@ CUresult CUDAAPI cuStreamWaitValue64_v2_ptsz(CUstream s, CUdeviceptr addr, cuuin
 
 /* Each operation checked before any is queued, so that a bad one queues
  * nothing; barriers and flushes order nothing more than the queue does. */
-static CUresult batch_one(CUstream s, const CUstreamBatchMemOpParams *p, int dev, int queue)
+static CUresult batch_one(CUstream s, const CUstreamBatchMemOpParams *p, int dev, int queue,
+                          int v1)
 {
     switch (p->operation) {
     case CU_STREAM_MEM_OP_WAIT_VALUE_32:
@@ -192,13 +195,15 @@ static CUresult batch_one(CUstream s, const CUstreamBatchMemOpParams *p, int dev
         size_t width = p->operation == CU_STREAM_MEM_OP_WRITE_VALUE_32 ? 4 : 8;
         uint64_t v = width == 4 ? p->writeValue.value : p->writeValue.value64;
         if (!queue)
-            return word_check((uintptr_t)p->writeValue.address, width, dev, 1);
-        return write_value(s, p->writeValue.address, v, width, p->writeValue.flags);
+            return p->writeValue.flags & ~(v1 ? 1u : 0u)
+                       ? CUDA_ERROR_INVALID_VALUE
+                       : word_check((uintptr_t)p->writeValue.address, width, dev, 1);
+        return write_value(s, p->writeValue.address, v, width, p->writeValue.flags, v1);
     }
     case CU_STREAM_MEM_OP_FLUSH_REMOTE_WRITES:
         return p->flushRemoteWrites.flags == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
-    case CU_STREAM_MEM_OP_BARRIER:
-        return p->memoryBarrier.flags <= CU_STREAM_MEMORY_BARRIER_TYPE_GPU
+    case CU_STREAM_MEM_OP_BARRIER: /* the _v2 ABI's */
+        return !v1 && p->memoryBarrier.flags <= CU_STREAM_MEMORY_BARRIER_TYPE_GPU
                    ? CUDA_SUCCESS
                    : CUDA_ERROR_INVALID_VALUE;
     default:
@@ -207,7 +212,7 @@ static CUresult batch_one(CUstream s, const CUstreamBatchMemOpParams *p, int dev
 }
 
 static CUresult batch_mem_op(CUstream s, unsigned count, const CUstreamBatchMemOpParams *ops,
-                             unsigned flags)
+                             unsigned flags, int v1)
 {
     int dev;
     CUresult r = sim_current_dev(&dev);
@@ -218,23 +223,85 @@ static CUresult batch_mem_op(CUstream s, unsigned count, const CUstreamBatchMemO
         return CUDA_ERROR_INVALID_VALUE;
     r = sim_stream_check(s);
     for (unsigned i = 0; i < count && r == CUDA_SUCCESS; i++)
-        r = batch_one(s, &ops[i], dev, 0);
+        r = batch_one(s, &ops[i], dev, 0, v1);
     for (unsigned i = 0; i < count && r == CUDA_SUCCESS; i++)
-        r = batch_one(s, &ops[i], dev, 1);
+        r = batch_one(s, &ops[i], dev, 1, v1);
     return r;
 }
 
 CUresult CUDAAPI cuStreamBatchMemOp_v2(CUstream s, unsigned int count,
                                        CUstreamBatchMemOpParams *paramArray, unsigned int flags)
 {
-    SIM_API(batch_mem_op(s, count, paramArray, flags));
+    SIM_API(batch_mem_op(s, count, paramArray, flags, 0));
 }
 
 CUresult CUDAAPI cuStreamBatchMemOp_v2_ptsz(CUstream s, unsigned int count,
                                             CUstreamBatchMemOpParams *paramArray,
                                             unsigned int flags)
 {
-    SIM_API(batch_mem_op(sim_per_thread(s), count, paramArray, flags));
+    SIM_API(batch_mem_op(sim_per_thread(s), count, paramArray, flags, 0));
+}
+
+/* The CUDA 8.0 ABI: same signatures; writes may skip the memory barrier. */
+CUresult CUDAAPI sim_wait_value32_v1(CUstream s, CUdeviceptr addr, cuuint32_t value,
+                                     unsigned int flags)
+{
+    SIM_API(wait_value(s, addr, value, 4, flags));
+}
+
+CUresult CUDAAPI sim_wait_value32_v1_ptsz(CUstream s, CUdeviceptr addr, cuuint32_t value,
+                                          unsigned int flags)
+{
+    SIM_API(wait_value(sim_per_thread(s), addr, value, 4, flags));
+}
+
+CUresult CUDAAPI sim_wait_value64_v1(CUstream s, CUdeviceptr addr, cuuint64_t value,
+                                     unsigned int flags)
+{
+    SIM_API(wait_value(s, addr, value, 8, flags));
+}
+
+CUresult CUDAAPI sim_wait_value64_v1_ptsz(CUstream s, CUdeviceptr addr, cuuint64_t value,
+                                          unsigned int flags)
+{
+    SIM_API(wait_value(sim_per_thread(s), addr, value, 8, flags));
+}
+
+CUresult CUDAAPI sim_write_value32_v1(CUstream s, CUdeviceptr addr, cuuint32_t value,
+                                      unsigned int flags)
+{
+    SIM_API(write_value(s, addr, value, 4, flags, 1));
+}
+
+CUresult CUDAAPI sim_write_value32_v1_ptsz(CUstream s, CUdeviceptr addr, cuuint32_t value,
+                                           unsigned int flags)
+{
+    SIM_API(write_value(sim_per_thread(s), addr, value, 4, flags, 1));
+}
+
+CUresult CUDAAPI sim_write_value64_v1(CUstream s, CUdeviceptr addr, cuuint64_t value,
+                                      unsigned int flags)
+{
+    SIM_API(write_value(s, addr, value, 8, flags, 1));
+}
+
+CUresult CUDAAPI sim_write_value64_v1_ptsz(CUstream s, CUdeviceptr addr, cuuint64_t value,
+                                           unsigned int flags)
+{
+    SIM_API(write_value(sim_per_thread(s), addr, value, 8, flags, 1));
+}
+
+CUresult CUDAAPI sim_batch_mem_op_v1(CUstream s, unsigned int count,
+                                     CUstreamBatchMemOpParams *paramArray, unsigned int flags)
+{
+    SIM_API(batch_mem_op(s, count, paramArray, flags, 1));
+}
+
+CUresult CUDAAPI sim_batch_mem_op_v1_ptsz(CUstream s, unsigned int count,
+                                          CUstreamBatchMemOpParams *paramArray,
+                                          unsigned int flags)
+{
+    SIM_API(batch_mem_op(sim_per_thread(s), count, paramArray, flags, 1));
 }
 
 /* ---- stream-ordered allocation ---------------------------------------- */

@@ -361,6 +361,27 @@ SIM_EXPORT CUresult CUDAAPI sim_memcpy_3d_batch_v1(size_t numOps, CUDA_MEMCPY3D_
                                                    CUstream hStream)
     __asm__("cuMemcpy3DBatchAsync");
 
+/* The stream memory operations of CUDA 8.0 to 11.6 (the header maps their
+ * names to the _v2 ABI, whose signature is the same). */
+#define SIM_MEMOP_V1(fn, name, vt)                                                        \
+    SIM_EXPORT CUresult CUDAAPI fn(CUstream s, CUdeviceptr addr, vt value, unsigned int flags) \
+        __asm__(name)
+SIM_MEMOP_V1(sim_wait_value32_v1, "cuStreamWaitValue32", cuuint32_t);
+SIM_MEMOP_V1(sim_wait_value32_v1_ptsz, "cuStreamWaitValue32_ptsz", cuuint32_t);
+SIM_MEMOP_V1(sim_wait_value64_v1, "cuStreamWaitValue64", cuuint64_t);
+SIM_MEMOP_V1(sim_wait_value64_v1_ptsz, "cuStreamWaitValue64_ptsz", cuuint64_t);
+SIM_MEMOP_V1(sim_write_value32_v1, "cuStreamWriteValue32", cuuint32_t);
+SIM_MEMOP_V1(sim_write_value32_v1_ptsz, "cuStreamWriteValue32_ptsz", cuuint32_t);
+SIM_MEMOP_V1(sim_write_value64_v1, "cuStreamWriteValue64", cuuint64_t);
+SIM_MEMOP_V1(sim_write_value64_v1_ptsz, "cuStreamWriteValue64_ptsz", cuuint64_t);
+SIM_EXPORT CUresult CUDAAPI sim_batch_mem_op_v1(CUstream s, unsigned int count,
+                                                CUstreamBatchMemOpParams *params,
+                                                unsigned int flags) __asm__("cuStreamBatchMemOp");
+SIM_EXPORT CUresult CUDAAPI sim_batch_mem_op_v1_ptsz(CUstream s, unsigned int count,
+                                                     CUstreamBatchMemOpParams *params,
+                                                     unsigned int flags)
+    __asm__("cuStreamBatchMemOp_ptsz");
+
 /* The per-thread default stream variants (cuda.h declares them only for the
  * driver's own build): _ptsz calls take NULL as the calling thread's
  * default stream, _ptds synchronous calls are ordered after that stream

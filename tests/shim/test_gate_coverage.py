@@ -59,6 +59,12 @@ NEW = [
     ("cuStreamWriteValue32_v2", "cuStreamWriteValue32", 13000),
     ("cuStreamWriteValue64_v2", "cuStreamWriteValue64", 13000),
     ("cuStreamBatchMemOp_v2", "cuStreamBatchMemOp", 13000),
+    # the CUDA 8.0 ABI of the stream memory operations, which the driver still exports
+    ("cuStreamWaitValue32", "cuStreamWaitValue32", 11000),
+    ("cuStreamWaitValue64", "cuStreamWaitValue64", 11000),
+    ("cuStreamWriteValue32", "cuStreamWriteValue32", 11000),
+    ("cuStreamWriteValue64", "cuStreamWriteValue64", 11000),
+    ("cuStreamBatchMemOp", "cuStreamBatchMemOp", 11000),
     ("cuStreamWaitEvent", "cuStreamWaitEvent", 13000),
 ]
 GATED_BEFORE = [
@@ -205,6 +211,10 @@ ARGS = {
     "cuStreamWriteValue64_v2": ([P, U64, U64, U], lambda s: [s, A, 5, 0]),
     "cuStreamBatchMemOp_v2": ([P, U, P, U], lambda s: [s, 2, memops(), 0]),
     "cuStreamWaitEvent": ([P, P, U], lambda s: [s, E, 0]),
+}
+ARGS.update({v1: ARGS[v1 + "_v2"] for v1 in ("cuStreamWaitValue32", "cuStreamWaitValue64",
+             "cuStreamWriteValue32", "cuStreamWriteValue64", "cuStreamBatchMemOp")})
+ARGS |= {
     "cuMemcpy": ([U64, U64, SZ], lambda s: [B, A, 4096]),
     "cuMemcpyAsync": ([U64, U64, SZ, P], lambda s: [B, A, 4096, s]),
     "cuMemcpyHtoD_v2": ([U64, P, SZ], lambda s: [A, HOSTP, 4096]),
@@ -397,6 +407,7 @@ got["batch_per_thread_resolved"] = call(
     "cuMemcpyBatchAsync_v2_ptsz", *one(), 0, base="cuMemcpyBatchAsync", flags=2)
 got["batch_no_attrs"] = call("cuMemcpyBatchAsync_v2", *one()[:6], 0, S)
 got["write_barrier_flag"] = call("cuStreamWriteValue32_v2", S, A, 1, 1)
+got["write_barrier_flag_v1"] = call("cuStreamWriteValue32", S, A, 1, 1)
 got["write_misaligned"] = call("cuStreamWriteValue32_v2", S, A + 2, 1, 0)
 got["wait_host_pointer"] = call("cuStreamWaitValue32_v2", S, HOSTP, 1, 0)
 got["free_unknown"] = call("cuMemFreeAsync", A + 4096, S)
@@ -442,7 +453,7 @@ def test_the_simulated_driver_does_what_the_entry_points_promise(
         # the legacy stream is refused; stream 0 of a _ptsz call is the thread's own
         "batch_legacy": invalid, "batch_per_thread": 0, "batch_per_thread_resolved": 0,
         "batch_no_attrs": invalid,
-        "write_barrier_flag": invalid, "write_misaligned": invalid,
+        "write_barrier_flag": invalid, "write_barrier_flag_v1": 0, "write_misaligned": invalid,
         "wait_host_pointer": invalid, "free_unknown": invalid, "pool_unknown": invalid,
         "wait": 0, "waiting": "CUDA_ERROR_NOT_READY", "memset_before_write": "00000000",
         "write": 0, "memset_after_write": "05000000",
