@@ -134,6 +134,10 @@ static const struct tracked tracked[] = {
       (CUgraphExec g, CUstream s), (g, s))                                                     \
     X(cuEventRecord, "cuEventRecord", 0, NO_MAX, GATE_LAUNCH, ptsz,                            \
       (CUevent ev, CUstream s), (ev, s))                                                       \
+    X(cuEventRecordWithFlags, "cuEventRecordWithFlags", 0, NO_MAX, GATE_LAUNCH, ptsz,          \
+      (CUevent ev, CUstream s, unsigned int fl), (ev, s, fl))                                  \
+    X(cuStreamAddCallback, "cuStreamAddCallback", 0, NO_MAX, GATE_LAUNCH, ptsz,                \
+      (CUstream s, CUstreamCallback cb, void *arg, unsigned int fl), (s, cb, arg, fl))         \
     X(cuStreamWaitEvent, "cuStreamWaitEvent", 0, NO_MAX, GATE_LAUNCH, ptsz,                    \
       (CUstream s, CUevent ev, unsigned int fl), (s, ev, fl))                                  \
     X(cuMemcpyAsync, "cuMemcpyAsync", 0, NO_MAX, GATE_LAUNCH, ptsz,                            \
@@ -178,6 +182,21 @@ static const struct tracked tracked[] = {
       (CUdeviceptr d, unsigned short v, size_t n), (d, v, n))                                  \
     X(cuMemsetD32_v2, "cuMemsetD32", 3020, NO_MAX, GATE_LAUNCH, ptds,                          \
       (CUdeviceptr d, unsigned int v, size_t n), (d, v, n))                                    \
+    X(cuMemsetD2D8_v2, "cuMemsetD2D8", 3020, NO_MAX, GATE_LAUNCH, ptds,                        \
+      (CUdeviceptr d, size_t pitch, unsigned char v, size_t w, size_t h), (d, pitch, v, w, h)) \
+    X(cuMemsetD2D16_v2, "cuMemsetD2D16", 3020, NO_MAX, GATE_LAUNCH, ptds,                      \
+      (CUdeviceptr d, size_t pitch, unsigned short v, size_t w, size_t h), (d, pitch, v, w, h)) \
+    X(cuMemsetD2D32_v2, "cuMemsetD2D32", 3020, NO_MAX, GATE_LAUNCH, ptds,                      \
+      (CUdeviceptr d, size_t pitch, unsigned int v, size_t w, size_t h), (d, pitch, v, w, h))  \
+    X(cuMemsetD2D8Async, "cuMemsetD2D8Async", 3020, NO_MAX, GATE_LAUNCH, ptsz,                 \
+      (CUdeviceptr d, size_t pitch, unsigned char v, size_t w, size_t h, CUstream s),          \
+      (d, pitch, v, w, h, s))                                                                  \
+    X(cuMemsetD2D16Async, "cuMemsetD2D16Async", 3020, NO_MAX, GATE_LAUNCH, ptsz,               \
+      (CUdeviceptr d, size_t pitch, unsigned short v, size_t w, size_t h, CUstream s),         \
+      (d, pitch, v, w, h, s))                                                                  \
+    X(cuMemsetD2D32Async, "cuMemsetD2D32Async", 3020, NO_MAX, GATE_LAUNCH, ptsz,               \
+      (CUdeviceptr d, size_t pitch, unsigned int v, size_t w, size_t h, CUstream s),           \
+      (d, pitch, v, w, h, s))                                                                  \
     X(cuMemAllocAsync, "cuMemAllocAsync", 0, NO_MAX, GATE_LAUNCH, ptsz,                        \
       (CUdeviceptr *d, size_t n, CUstream s), (d, n, s))                                       \
     X(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", 0, NO_MAX, GATE_LAUNCH, ptsz,        \

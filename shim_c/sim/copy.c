@@ -647,18 +647,31 @@ static CUresult set_on(uintptr_t dst, unsigned value, size_t count, size_t width
     return r;
 }
 
+/* Each of `w`'s rows (`rows` of them, `dst_pitch` bytes apart; 0 reads as 1). */
+static CUresult set_rows(const struct sim_work *w, int dev)
+{
+    CUresult r = CUDA_SUCCESS;
+
+    for (size_t y = 0; y < at_least_one(w->rows) && r == CUDA_SUCCESS; y++)
+        r = set_on(w->dst + y * w->dst_pitch, w->value, w->n, w->width, dev);
+    return r;
+}
+
 static CUresult run_set(struct sim_work *w)
 {
-    CUresult r = set_on(w->dst, w->value, w->n, w->width, w->dev);
+    CUresult r = set_rows(w, w->dev);
 
     return r == CUDA_SUCCESS ? r : CUDA_ERROR_ILLEGAL_ADDRESS;
 }
 
-/* `queued`: on stream `s` (the Async variants); else now, after the work of
- * stream `s` (NULL: the legacy stream; CU_STREAM_PER_THREAD: _ptds). */
-static CUresult set(uintptr_t dst, unsigned value, size_t count, size_t width, CUstream s,
-                    int queued)
+/* `count` elements of `width` bytes in each of `rows` rows `pitch` bytes
+ * apart. `queued`: on stream `s` (the Async variants); else now, after the
+ * work of stream `s` (NULL: the legacy stream; CU_STREAM_PER_THREAD: _ptds). */
+static CUresult set_2d(uintptr_t dst, size_t pitch, unsigned value, size_t count, size_t rows,
+                       size_t width, CUstream s, int queued)
 {
+    struct sim_work w = {.run = run_set, .dst = dst, .value = value, .n = count,
+                         .width = width, .rows = rows, .dst_pitch = pitch};
     int dev;
     CUresult r = sim_current_dev(&dev);
 
@@ -666,21 +679,28 @@ static CUresult set(uintptr_t dst, unsigned value, size_t count, size_t width, C
         r = sim_stream_check(s);
     if (r != CUDA_SUCCESS)
         return r;
-    if (count == 0)
+    if (count == 0 || rows == 0)
         return CUDA_SUCCESS;
     if (dst % width != 0 || count > SIZE_MAX / width)
         return CUDA_ERROR_INVALID_VALUE;
-    if (!queued) {
-        r = sim_stream_wait(s);
-        return r == CUDA_SUCCESS ? set_on(dst, value, count, width, dev) : r;
-    }
+    if (rows > 1 && (pitch < count * width || pitch > SIZE_MAX / rows))
+        return CUDA_ERROR_INVALID_VALUE;
     sim_lock();
-    r = check_side(dst, count * width, dev, 1, 1);
+    for (size_t y = 0; y < rows && r == CUDA_SUCCESS; y++)
+        r = check_side(dst + y * pitch, count * width, dev, 1, 1);
     sim_unlock();
     if (r != CUDA_SUCCESS)
         return r;
-    return sim_enqueue(s, &(struct sim_work){.run = run_set, .dst = dst, .value = value,
-                                             .n = count, .width = width});
+    if (queued)
+        return sim_enqueue(s, &w);
+    r = sim_stream_wait(s);
+    return r == CUDA_SUCCESS ? set_rows(&w, dev) : r;
+}
+
+static CUresult set(uintptr_t dst, unsigned value, size_t count, size_t width, CUstream s,
+                    int queued)
+{
+    return set_2d(dst, 0, value, count, 1, width, s, queued);
 }
 
 CUresult CUDAAPI cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N)
@@ -747,6 +767,78 @@ CUresult CUDAAPI cuMemsetD32Async_ptsz(CUdeviceptr dstDevice, unsigned int ui, s
                                        CUstream hStream)
 {
     SIM_API(set(dstDevice, ui, N, 4, sim_per_thread(hStream), 1));
+}
+
+CUresult CUDAAPI cuMemsetD2D8_v2(CUdeviceptr dstDevice, size_t dstPitch, unsigned char uc,
+                                 size_t Width, size_t Height)
+{
+    SIM_API(set_2d(dstDevice, dstPitch, uc, Width, Height, 1, NULL, 0));
+}
+
+CUresult CUDAAPI cuMemsetD2D8_v2_ptds(CUdeviceptr dstDevice, size_t dstPitch, unsigned char uc,
+                                      size_t Width, size_t Height)
+{
+    SIM_API(set_2d(dstDevice, dstPitch, uc, Width, Height, 1, PT, 0));
+}
+
+CUresult CUDAAPI cuMemsetD2D8Async(CUdeviceptr dstDevice, size_t dstPitch, unsigned char uc,
+                                   size_t Width, size_t Height, CUstream hStream)
+{
+    SIM_API(set_2d(dstDevice, dstPitch, uc, Width, Height, 1, hStream, 1));
+}
+
+CUresult CUDAAPI cuMemsetD2D8Async_ptsz(CUdeviceptr dstDevice, size_t dstPitch, unsigned char uc,
+                                        size_t Width, size_t Height, CUstream hStream)
+{
+    SIM_API(set_2d(dstDevice, dstPitch, uc, Width, Height, 1, sim_per_thread(hStream), 1));
+}
+
+CUresult CUDAAPI cuMemsetD2D16_v2(CUdeviceptr dstDevice, size_t dstPitch, unsigned short us,
+                                 size_t Width, size_t Height)
+{
+    SIM_API(set_2d(dstDevice, dstPitch, us, Width, Height, 2, NULL, 0));
+}
+
+CUresult CUDAAPI cuMemsetD2D16_v2_ptds(CUdeviceptr dstDevice, size_t dstPitch, unsigned short us,
+                                      size_t Width, size_t Height)
+{
+    SIM_API(set_2d(dstDevice, dstPitch, us, Width, Height, 2, PT, 0));
+}
+
+CUresult CUDAAPI cuMemsetD2D16Async(CUdeviceptr dstDevice, size_t dstPitch, unsigned short us,
+                                   size_t Width, size_t Height, CUstream hStream)
+{
+    SIM_API(set_2d(dstDevice, dstPitch, us, Width, Height, 2, hStream, 1));
+}
+
+CUresult CUDAAPI cuMemsetD2D16Async_ptsz(CUdeviceptr dstDevice, size_t dstPitch, unsigned short us,
+                                        size_t Width, size_t Height, CUstream hStream)
+{
+    SIM_API(set_2d(dstDevice, dstPitch, us, Width, Height, 2, sim_per_thread(hStream), 1));
+}
+
+CUresult CUDAAPI cuMemsetD2D32_v2(CUdeviceptr dstDevice, size_t dstPitch, unsigned int ui,
+                                 size_t Width, size_t Height)
+{
+    SIM_API(set_2d(dstDevice, dstPitch, ui, Width, Height, 4, NULL, 0));
+}
+
+CUresult CUDAAPI cuMemsetD2D32_v2_ptds(CUdeviceptr dstDevice, size_t dstPitch, unsigned int ui,
+                                      size_t Width, size_t Height)
+{
+    SIM_API(set_2d(dstDevice, dstPitch, ui, Width, Height, 4, PT, 0));
+}
+
+CUresult CUDAAPI cuMemsetD2D32Async(CUdeviceptr dstDevice, size_t dstPitch, unsigned int ui,
+                                   size_t Width, size_t Height, CUstream hStream)
+{
+    SIM_API(set_2d(dstDevice, dstPitch, ui, Width, Height, 4, hStream, 1));
+}
+
+CUresult CUDAAPI cuMemsetD2D32Async_ptsz(CUdeviceptr dstDevice, size_t dstPitch, unsigned int ui,
+                                        size_t Width, size_t Height, CUstream hStream)
+{
+    SIM_API(set_2d(dstDevice, dstPitch, ui, Width, Height, 4, sim_per_thread(hStream), 1));
 }
 
 /* ---- host memory ------------------------------------------------------ */

@@ -945,6 +945,34 @@ CUresult CUDAAPI cuLaunchHostFunc_ptsz(CUstream hStream, CUhostFn fn, void *user
     SIM_API(launch_host_fn(sim_per_thread(hStream), fn, userData));
 }
 
+/* Work that reached the callback ran without error (a failed context's
+ * work is not queued). */
+static CUresult run_callback(struct sim_work *w)
+{
+    w->callback(w->stream, CUDA_SUCCESS, w->host_arg);
+    return CUDA_SUCCESS;
+}
+
+static CUresult add_callback(CUstream h, CUstreamCallback cb, void *arg, unsigned flags)
+{
+    if (!cb || flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return sim_enqueue(h, &(struct sim_work){.run = run_callback, .callback = cb,
+                                             .host_arg = arg, .stream = h});
+}
+
+CUresult CUDAAPI cuStreamAddCallback(CUstream hStream, CUstreamCallback callback, void *userData,
+                                     unsigned int flags)
+{
+    SIM_API(add_callback(hStream, callback, userData, flags));
+}
+
+CUresult CUDAAPI cuStreamAddCallback_ptsz(CUstream hStream, CUstreamCallback callback,
+                                          void *userData, unsigned int flags)
+{
+    SIM_API(add_callback(sim_per_thread(hStream), callback, userData, flags));
+}
+
 static struct sim_event *event_check(CUevent h);
 
 /* Events complete when recorded, so the dependency is met when queued. */
@@ -1107,6 +1135,24 @@ CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream)
 CUresult CUDAAPI cuEventRecord_ptsz(CUevent hEvent, CUstream hStream)
 {
     SIM_API(event_record(hEvent, sim_per_thread(hStream)));
+}
+
+static CUresult event_record_flags(CUevent h, CUstream s, unsigned flags)
+{
+    if (flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL)
+        return CUDA_ERROR_INVALID_VALUE;
+    return event_record(h, s);
+}
+
+CUresult CUDAAPI cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags)
+{
+    SIM_API(event_record_flags(hEvent, hStream, flags));
+}
+
+CUresult CUDAAPI cuEventRecordWithFlags_ptsz(CUevent hEvent, CUstream hStream,
+                                             unsigned int flags)
+{
+    SIM_API(event_record_flags(hEvent, sim_per_thread(hStream), flags));
 }
 
 static CUresult event_query(CUevent h)

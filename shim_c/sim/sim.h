@@ -173,6 +173,8 @@ struct sim_work {
     int dst_dev, src_dev;
     void (*host_fn)(void *);
     void *host_arg;
+    CUstreamCallback callback; /* cuStreamAddCallback's, with host_arg */
+    CUstream stream;           /* as the caller named it, for the callback */
     /* Copies of more than one row (2D, 3D): `n` bytes a row, `rows` rows a
      * slice, `slices` slices (0 reads as 1); each side's rows lie `pitch`
      * bytes apart and its slices `slice` bytes apart. */
@@ -434,6 +436,21 @@ SIM_EXPORT CUresult CUDAAPI cuMemsetD16Async_ptsz(CUdeviceptr d, unsigned short 
                                                   CUstream s);
 SIM_EXPORT CUresult CUDAAPI cuMemsetD32Async_ptsz(CUdeviceptr d, unsigned int v, size_t n,
                                                   CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD2D8_v2_ptds(CUdeviceptr d, size_t pitch, unsigned char v,
+                                                size_t w, size_t h);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD2D8Async_ptsz(CUdeviceptr d, size_t pitch, unsigned char v,
+                                                 size_t w, size_t h, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD2D16_v2_ptds(CUdeviceptr d, size_t pitch, unsigned short v,
+                                                size_t w, size_t h);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD2D16Async_ptsz(CUdeviceptr d, size_t pitch, unsigned short v,
+                                                 size_t w, size_t h, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD2D32_v2_ptds(CUdeviceptr d, size_t pitch, unsigned int v,
+                                                size_t w, size_t h);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD2D32Async_ptsz(CUdeviceptr d, size_t pitch, unsigned int v,
+                                                 size_t w, size_t h, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuEventRecordWithFlags_ptsz(CUevent e, CUstream s, unsigned int f);
+SIM_EXPORT CUresult CUDAAPI cuStreamAddCallback_ptsz(CUstream s, CUstreamCallback cb, void *arg,
+                                                     unsigned int flags);
 SIM_EXPORT CUresult CUDAAPI cuStreamSynchronize_ptsz(CUstream s);
 SIM_EXPORT CUresult CUDAAPI cuStreamWaitEvent_ptsz(CUstream s, CUevent e, unsigned int flags);
 SIM_EXPORT CUresult CUDAAPI cuEventRecord_ptsz(CUevent e, CUstream s);

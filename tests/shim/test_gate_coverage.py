@@ -66,6 +66,14 @@ NEW = [
     ("cuStreamWriteValue64", "cuStreamWriteValue64", 11000),
     ("cuStreamBatchMemOp", "cuStreamBatchMemOp", 11000),
     ("cuStreamWaitEvent", "cuStreamWaitEvent", 13000),
+    ("cuEventRecordWithFlags", "cuEventRecordWithFlags", 13000),
+    ("cuStreamAddCallback", "cuStreamAddCallback", 13000),
+    ("cuMemsetD2D8_v2", "cuMemsetD2D8", 13000),
+    ("cuMemsetD2D16_v2", "cuMemsetD2D16", 13000),
+    ("cuMemsetD2D32_v2", "cuMemsetD2D32", 13000),
+    ("cuMemsetD2D8Async", "cuMemsetD2D8Async", 13000),
+    ("cuMemsetD2D16Async", "cuMemsetD2D16Async", 13000),
+    ("cuMemsetD2D32Async", "cuMemsetD2D32Async", 13000),
 ]
 GATED_BEFORE = [
     ("cuMemcpy", "cuMemcpy", 13000),
@@ -86,9 +94,12 @@ GATED_BEFORE = [
     ("cuEventRecord", "cuEventRecord", 13000),
     ("cuLaunchHostFunc", "cuLaunchHostFunc", 13000),
 ]
-SYNCHRONOUS = {"cuMemcpy2D_v2", "cuMemcpy2DUnaligned_v2", "cuMemcpy3D_v2", "cuMemcpyPeer",
-               "cuMemcpy3DPeer", "cuMemcpy", "cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2",
-               "cuMemcpyDtoD_v2", "cuMemsetD8_v2", "cuMemsetD16_v2", "cuMemsetD32_v2"}  # fmt: skip
+SYNCHRONOUS = {  # their per-thread variant is _ptds
+    "cuMemcpy", "cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2", "cuMemcpyDtoD_v2", "cuMemcpy2D_v2",
+    "cuMemcpy2DUnaligned_v2", "cuMemcpy3D_v2", "cuMemcpyPeer", "cuMemcpy3DPeer",
+    "cuMemsetD8_v2", "cuMemsetD16_v2", "cuMemsetD32_v2",
+    "cuMemsetD2D8_v2", "cuMemsetD2D16_v2", "cuMemsetD2D32_v2",
+}  # fmt: skip
 
 
 def _per_thread(symbol: str) -> str:
@@ -211,6 +222,14 @@ ARGS = {
     "cuStreamWriteValue64_v2": ([P, U64, U64, U], lambda s: [s, A, 5, 0]),
     "cuStreamBatchMemOp_v2": ([P, U, P, U], lambda s: [s, 2, memops(), 0]),
     "cuStreamWaitEvent": ([P, P, U], lambda s: [s, E, 0]),
+    "cuEventRecordWithFlags": ([P, P, U], lambda s: [E, s, 0]),
+    "cuStreamAddCallback": ([P, P, P, U], lambda s: [s, CALLBACK, None, 0]),
+    "cuMemsetD2D8_v2": ([U64, SZ, ctypes.c_ubyte, SZ, SZ], lambda s: [B, 256, 1, 64, 4]),
+    "cuMemsetD2D16_v2": ([U64, SZ, ctypes.c_ushort, SZ, SZ], lambda s: [B, 256, 1, 64, 4]),
+    "cuMemsetD2D32_v2": ([U64, SZ, U, SZ, SZ], lambda s: [B, 256, 1, 64, 4]),
+    "cuMemsetD2D8Async": ([U64, SZ, ctypes.c_ubyte, SZ, SZ, P], lambda s: [B, 256, 1, 64, 4, s]),
+    "cuMemsetD2D16Async": ([U64, SZ, ctypes.c_ushort, SZ, SZ, P], lambda s: [B, 256, 1, 64, 4, s]),
+    "cuMemsetD2D32Async": ([U64, SZ, U, SZ, SZ, P], lambda s: [B, 256, 1, 64, 4, s]),
 }
 ARGS.update({v1: ARGS[v1 + "_v2"] for v1 in ("cuStreamWaitValue32", "cuStreamWaitValue64",
              "cuStreamWriteValue32", "cuStreamWriteValue64", "cuStreamBatchMemOp")})
@@ -234,6 +253,8 @@ ARGS |= {
     "cuLaunchHostFunc": ([P, P, P], lambda s: [s, HOST_FN, None]),
 }
 HOST_FN = ctypes.CFUNCTYPE(None, P)(lambda _: None)
+CALLED = []  # the streams cuStreamAddCallback's callback ran for, with their status
+CALLBACK = ctypes.CFUNCTYPE(None, P, ctypes.c_int, P)(lambda s, r, _: CALLED.append((s, r)))
 
 def entry(symbol, base, version, flags, path):
     if path == "export":
@@ -389,6 +410,19 @@ rows = host_bytes(B, 1024)
 got["2d_rows"] = all(rows[256 * r:256 * r + 128] == pattern[256 * r:256 * r + 128]
                      for r in range(4))
 got["2d_gaps"] = all(rows[256 * r + 128:256 * r + 256] == bytes(128) for r in range(4))
+check(cu.cuMemsetD8(B, 0, 1024))
+got["2d_memset"] = call("cuMemsetD2D16Async", B, 256, 0x0102, 64, 4, S)  # 128 bytes a row
+check(cu.cuStreamSynchronize(S))
+rows = host_bytes(B, 1024)
+got["2d_memset_rows"] = all(rows[256 * r:256 * r + 128] == bytes([2, 1]) * 64 for r in range(4))
+got["2d_memset_gaps"] = all(rows[256 * r + 128:256 * r + 256] == bytes(128) for r in range(4))
+got["2d_memset_narrow_pitch"] = call("cuMemsetD2D16_v2", B, 64, 1, 64, 4)
+CALLED.clear()
+got["callback"] = call("cuStreamAddCallback", S, CALLBACK, None, 0)
+check(cu.cuStreamSynchronize(S))
+got["called"] = CALLED == [(S, 0)]
+got["callback_flags"] = call("cuStreamAddCallback", S, CALLBACK, None, 1)
+got["record_flags"] = call("cuEventRecordWithFlags", E, S, 2)
 ctypes.memset(HOST, 0, 2048)
 got["3d"] = call("cuMemcpy3D_v2", copy3d(cu.CUDA_MEMCPY3D))  # 2 slices of 4 rows
 got["3d_rows"] = all(HOST.raw[256 * r:256 * r + 128] == pattern[256 * r:256 * r + 128]
@@ -450,6 +484,9 @@ def test_the_simulated_driver_does_what_the_entry_points_promise(
         "2d": 0, "2d_rows": True, "2d_gaps": True,
         "3d": 0, "3d_rows": True,
         "2d_row_over_pitch": invalid, "2d_array": invalid,
+        "2d_memset": 0, "2d_memset_rows": True, "2d_memset_gaps": True,
+        "2d_memset_narrow_pitch": invalid,
+        "callback": 0, "called": True, "callback_flags": invalid, "record_flags": invalid,
         # the legacy stream is refused; stream 0 of a _ptsz call is the thread's own
         "batch_legacy": invalid, "batch_per_thread": 0, "batch_per_thread_resolved": 0,
         "batch_no_attrs": invalid,
