@@ -157,6 +157,10 @@ static const struct tracked tracked[] = {
       (d, dc, src, sc, n, s))                                                                  \
     X(cuMemcpy3DPeerAsync, "cuMemcpy3DPeerAsync", 0, NO_MAX, GATE_LAUNCH, ptsz,                \
       (const CUDA_MEMCPY3D_PEER *c, CUstream s), (c, s))                                       \
+    X(cuMemcpyHtoAAsync_v2, "cuMemcpyHtoAAsync", 3020, NO_MAX, GATE_LAUNCH, ptsz,              \
+      (CUarray a, size_t off, const void *src, size_t n, CUstream s), (a, off, src, n, s))     \
+    X(cuMemcpyAtoHAsync_v2, "cuMemcpyAtoHAsync", 3020, NO_MAX, GATE_LAUNCH, ptsz,              \
+      (void *d, CUarray a, size_t off, size_t n, CUstream s), (d, a, off, n, s))               \
     X(cuMemcpyBatchAsync, "cuMemcpyBatchAsync", 0, 13000, GATE_LAUNCH, ptsz,                   \
       (CUdeviceptr *d, CUdeviceptr *src, size_t *n, size_t count, CUmemcpyAttributes *a,       \
       size_t *ai, size_t na, size_t *fail, CUstream s), (d, src, n, count, a, ai, na, fail,    \
@@ -250,7 +254,17 @@ static const struct tracked tracked[] = {
       (CUdeviceptr d, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t n), (d, dc, src,     \
       sc, n))                                                                                  \
     X(cuMemcpy3DPeer, "cuMemcpy3DPeer", 0, NO_MAX, GATE_SYNC, ptds,                            \
-      (const CUDA_MEMCPY3D_PEER *c), (c))
+      (const CUDA_MEMCPY3D_PEER *c), (c))                                                      \
+    X(cuMemcpyAtoH_v2, "cuMemcpyAtoH", 3020, NO_MAX, GATE_SYNC, ptds,                          \
+      (void *d, CUarray a, size_t off, size_t n), (d, a, off, n))                              \
+    X(cuMemcpyHtoA_v2, "cuMemcpyHtoA", 3020, NO_MAX, GATE_SYNC, ptds,                          \
+      (CUarray a, size_t off, const void *src, size_t n), (a, off, src, n))                    \
+    X(cuMemcpyAtoD_v2, "cuMemcpyAtoD", 3020, NO_MAX, GATE_SYNC, ptds,                          \
+      (CUdeviceptr d, CUarray a, size_t off, size_t n), (d, a, off, n))                        \
+    X(cuMemcpyDtoA_v2, "cuMemcpyDtoA", 3020, NO_MAX, GATE_SYNC, ptds,                          \
+      (CUarray a, size_t off, CUdeviceptr src, size_t n), (a, off, src, n))                    \
+    X(cuMemcpyAtoA_v2, "cuMemcpyAtoA", 3020, NO_MAX, GATE_SYNC, ptds,                          \
+      (CUarray d, size_t doff, CUarray a, size_t off, size_t n), (d, doff, a, off, n))
 
 /* The driver's own export, found once (slot 0). */
 static void *direct(void **slot, const char *symbol)

@@ -298,14 +298,46 @@ struct side {
     size_t x, y, z, pitch, height;
 };
 
+/* sim.mu held: the array `h` names; NULL if none. */
+static struct sim_array *array_find(CUarray h)
+{
+    struct sim_array *a = (struct sim_array *)h;
+
+    return a >= &sim.arrays[0] && a < &sim.arrays[SIM_MAX_ARRAYS] && a->used ? a : NULL;
+}
+
+/* An array side of a width x height x depth copy: the array's row length
+ * and height are its pitches (set in `s`), and the extent must lie inside
+ * it (2D arrays only: no 3D arrays here). */
+static CUresult array_side(struct side *s, size_t width, size_t height, size_t depth,
+                           uintptr_t *at)
+{
+    struct sim_array *a;
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+
+    sim_lock();
+    a = array_find(s->array);
+    if (a && s->x + width <= a->row && s->y + height <= a->height && s->z + depth <= 1) {
+        s->pitch = a->row;
+        s->height = a->height;
+        *at = (uintptr_t)a->p + s->y * a->row + s->x;
+        r = CUDA_SUCCESS;
+    }
+    sim_unlock();
+    return r;
+}
+
 /* Where `s`'s first row starts, and whether that side must be device
- * memory. The simulator has no CUDA arrays: an array operand names none
- * (CUDA_ERROR_INVALID_VALUE, as the driver answers for an unknown array). */
-static CUresult side_start(const struct side *s, uintptr_t *at, int *device)
+ * memory; an array side's pitch and height are the array's (`s` is updated). */
+static CUresult side_start(struct side *s, size_t width, size_t height, size_t depth,
+                           uintptr_t *at, int *device)
 {
     uintptr_t base;
 
     switch (s->type) {
+    case CU_MEMORYTYPE_ARRAY:
+        *device = 0; /* host memory here */
+        return array_side(s, width, height, depth, at);
     case CU_MEMORYTYPE_HOST:
         base = (uintptr_t)s->host;
         *device = 0;
@@ -329,7 +361,7 @@ static CUresult side_start(const struct side *s, uintptr_t *at, int *device)
 
 /* A width x height x depth copy between two sides: rows must fit their
  * pitch, and slices their height, whenever there is more than one. */
-static CUresult copy_3d(const struct side *d, const struct side *s, size_t width, size_t height,
+static CUresult copy_3d(struct side *d, struct side *s, size_t width, size_t height,
                         size_t depth, CUstream st, int queued)
 {
     struct sim_work w = {.run = run_copy, .n = width, .rows = height, .slices = depth};
@@ -337,15 +369,15 @@ static CUresult copy_3d(const struct side *d, const struct side *s, size_t width
 
     if (width == 0 || height == 0 || depth == 0)
         return CUDA_SUCCESS;
+    r = side_start(d, width, height, depth, &w.dst, &w.dst_dev);
+    if (r == CUDA_SUCCESS)
+        r = side_start(s, width, height, depth, &w.src, &w.src_dev);
+    if (r != CUDA_SUCCESS)
+        return r;
     if (height > 1 && (d->pitch < d->x + width || s->pitch < s->x + width))
         return CUDA_ERROR_INVALID_VALUE;
     if (depth > 1 && (d->height < d->y + height || s->height < s->y + height))
         return CUDA_ERROR_INVALID_VALUE;
-    r = side_start(d, &w.dst, &w.dst_dev);
-    if (r == CUDA_SUCCESS)
-        r = side_start(s, &w.src, &w.src_dev);
-    if (r != CUDA_SUCCESS)
-        return r;
     w.dst_pitch = d->pitch;
     w.src_pitch = s->pitch;
     w.dst_slice = d->pitch * d->height;
@@ -617,6 +649,224 @@ CUresult CUDAAPI cuMemcpy3DBatchAsync_v2_ptsz(size_t numOps, CUDA_MEMCPY3D_BATCH
                                               unsigned long long flags, CUstream hStream)
 {
     SIM_API(copy_3d_batch(numOps, opList, NULL, flags, sim_per_thread(hStream)));
+}
+
+/* ---- arrays ----------------------------------------------------------- */
+
+static size_t format_bytes(CUarray_format f)
+{
+    switch (f) {
+    case CU_AD_FORMAT_UNSIGNED_INT8:
+    case CU_AD_FORMAT_SIGNED_INT8:
+        return 1;
+    case CU_AD_FORMAT_UNSIGNED_INT16:
+    case CU_AD_FORMAT_SIGNED_INT16:
+    case CU_AD_FORMAT_HALF:
+        return 2;
+    case CU_AD_FORMAT_UNSIGNED_INT32:
+    case CU_AD_FORMAT_SIGNED_INT32:
+    case CU_AD_FORMAT_FLOAT:
+        return 4;
+    default:
+        return 0; /* video and block-compressed formats: not simulated */
+    }
+}
+
+/* Host memory standing for the array (mmap, so that work still queued after
+ * cuArrayDestroy meets an unmapped range: an illegal address). */
+static CUresult array_create(CUarray *out, const CUDA_ARRAY_DESCRIPTOR *d)
+{
+    struct sim_array *a = NULL;
+    size_t elem, row, height, bytes;
+    int dev;
+    void *p;
+    CUresult r = sim_current_dev(&dev);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!out || !d)
+        return CUDA_ERROR_INVALID_VALUE;
+    elem = format_bytes(d->Format) * d->NumChannels;
+    height = d->Height ? d->Height : 1;
+    if (!elem || (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4) ||
+        d->Width == 0 || d->Width > SIZE_MAX / elem || height > SIZE_MAX / (d->Width * elem))
+        return CUDA_ERROR_INVALID_VALUE;
+    row = d->Width * elem;
+    bytes = row * height;
+    p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    sim_lock();
+    for (int i = 0; i < SIM_MAX_ARRAYS && !a; i++)
+        if (!sim.arrays[i].used)
+            a = &sim.arrays[i];
+    if (a)
+        *a = (struct sim_array){.used = 1, .p = p, .bytes = bytes, .row = row, .height = height};
+    sim_unlock();
+    if (!a) {
+        munmap(p, bytes);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *out = (CUarray)a;
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray)
+{
+    SIM_API(array_create(pHandle, pAllocateArray));
+}
+
+static CUresult array_destroy(CUarray h)
+{
+    struct sim_array *a;
+    void *p = NULL;
+    size_t bytes = 0;
+
+    sim_lock();
+    a = array_find(h);
+    if (a) {
+        p = a->p;
+        bytes = a->bytes;
+        memset(a, 0, sizeof *a);
+    }
+    sim_unlock();
+    if (!p)
+        return CUDA_ERROR_INVALID_HANDLE;
+    munmap(p, bytes);
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuArrayDestroy(CUarray hArray)
+{
+    SIM_API(array_destroy(hArray));
+}
+
+/* Byte `off` of array `h`, with `n` bytes after it inside the array. */
+static CUresult array_at(CUarray h, size_t off, size_t n, uintptr_t *at)
+{
+    struct sim_array *a;
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+
+    sim_lock();
+    a = array_find(h);
+    if (a && off <= a->bytes && n <= a->bytes - off) {
+        *at = (uintptr_t)a->p + off;
+        r = CUDA_SUCCESS;
+    }
+    sim_unlock();
+    return r;
+}
+
+/* A linear copy between an array and memory: `to_array` says which way;
+ * `device`: the memory side must be device memory (AtoD, DtoA). */
+static CUresult copy_array(CUarray h, size_t off, uintptr_t mem, size_t n, int to_array,
+                           int device, CUstream s, int queued)
+{
+    uintptr_t at;
+    CUresult r = array_at(h, off, n, &at);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    return to_array ? copy1(at, mem, n, 0, device, s, queued)
+                    : copy1(mem, at, n, device, 0, s, queued);
+}
+
+static CUresult copy_a_to_a(CUarray d, size_t doff, CUarray src, size_t soff, size_t n,
+                            CUstream s)
+{
+    uintptr_t to, from;
+    CUresult r = array_at(d, doff, n, &to);
+
+    if (r == CUDA_SUCCESS)
+        r = array_at(src, soff, n, &from);
+    return r == CUDA_SUCCESS ? copy1(to, from, n, 0, 0, s, 0) : r;
+}
+
+CUresult CUDAAPI cuMemcpyAtoH_v2(void *dstHost, CUarray srcArray, size_t srcOffset,
+                                 size_t ByteCount)
+{
+    SIM_API(copy_array(srcArray, srcOffset, (uintptr_t)dstHost, ByteCount, 0, 0, NULL, 0));
+}
+
+CUresult CUDAAPI cuMemcpyAtoH_v2_ptds(void *dstHost, CUarray srcArray, size_t srcOffset,
+                                      size_t ByteCount)
+{
+    SIM_API(copy_array(srcArray, srcOffset, (uintptr_t)dstHost, ByteCount, 0, 0, PT, 0));
+}
+
+CUresult CUDAAPI cuMemcpyHtoA_v2(CUarray dstArray, size_t dstOffset, const void *srcHost,
+                                 size_t ByteCount)
+{
+    SIM_API(copy_array(dstArray, dstOffset, (uintptr_t)srcHost, ByteCount, 1, 0, NULL, 0));
+}
+
+CUresult CUDAAPI cuMemcpyHtoA_v2_ptds(CUarray dstArray, size_t dstOffset, const void *srcHost,
+                                      size_t ByteCount)
+{
+    SIM_API(copy_array(dstArray, dstOffset, (uintptr_t)srcHost, ByteCount, 1, 0, PT, 0));
+}
+
+CUresult CUDAAPI cuMemcpyAtoD_v2(CUdeviceptr dstDevice, CUarray srcArray, size_t srcOffset,
+                                 size_t ByteCount)
+{
+    SIM_API(copy_array(srcArray, srcOffset, dstDevice, ByteCount, 0, 1, NULL, 0));
+}
+
+CUresult CUDAAPI cuMemcpyAtoD_v2_ptds(CUdeviceptr dstDevice, CUarray srcArray, size_t srcOffset,
+                                      size_t ByteCount)
+{
+    SIM_API(copy_array(srcArray, srcOffset, dstDevice, ByteCount, 0, 1, PT, 0));
+}
+
+CUresult CUDAAPI cuMemcpyDtoA_v2(CUarray dstArray, size_t dstOffset, CUdeviceptr srcDevice,
+                                 size_t ByteCount)
+{
+    SIM_API(copy_array(dstArray, dstOffset, srcDevice, ByteCount, 1, 1, NULL, 0));
+}
+
+CUresult CUDAAPI cuMemcpyDtoA_v2_ptds(CUarray dstArray, size_t dstOffset, CUdeviceptr srcDevice,
+                                      size_t ByteCount)
+{
+    SIM_API(copy_array(dstArray, dstOffset, srcDevice, ByteCount, 1, 1, PT, 0));
+}
+
+CUresult CUDAAPI cuMemcpyAtoA_v2(CUarray dstArray, size_t dstOffset, CUarray srcArray,
+                                 size_t srcOffset, size_t ByteCount)
+{
+    SIM_API(copy_a_to_a(dstArray, dstOffset, srcArray, srcOffset, ByteCount, NULL));
+}
+
+CUresult CUDAAPI cuMemcpyAtoA_v2_ptds(CUarray dstArray, size_t dstOffset, CUarray srcArray,
+                                      size_t srcOffset, size_t ByteCount)
+{
+    SIM_API(copy_a_to_a(dstArray, dstOffset, srcArray, srcOffset, ByteCount, PT));
+}
+
+CUresult CUDAAPI cuMemcpyAtoHAsync_v2(void *dstHost, CUarray srcArray, size_t srcOffset,
+                                      size_t ByteCount, CUstream hStream)
+{
+    SIM_API(copy_array(srcArray, srcOffset, (uintptr_t)dstHost, ByteCount, 0, 0, hStream, 1));
+}
+
+CUresult CUDAAPI cuMemcpyAtoHAsync_v2_ptsz(void *dstHost, CUarray srcArray, size_t srcOffset,
+                                           size_t ByteCount, CUstream hStream)
+{
+    SIM_API(copy_array(srcArray, srcOffset, (uintptr_t)dstHost, ByteCount, 0, 0,
+                       sim_per_thread(hStream), 1));
+}
+
+CUresult CUDAAPI cuMemcpyHtoAAsync_v2(CUarray dstArray, size_t dstOffset, const void *srcHost,
+                                      size_t ByteCount, CUstream hStream)
+{
+    SIM_API(copy_array(dstArray, dstOffset, (uintptr_t)srcHost, ByteCount, 1, 0, hStream, 1));
+}
+
+CUresult CUDAAPI cuMemcpyHtoAAsync_v2_ptsz(CUarray dstArray, size_t dstOffset,
+                                           const void *srcHost, size_t ByteCount,
+                                           CUstream hStream)
+{
+    SIM_API(copy_array(dstArray, dstOffset, (uintptr_t)srcHost, ByteCount, 1, 0,
+                       sim_per_thread(hStream), 1));
 }
 
 /* ---- memset ----------------------------------------------------------- */

@@ -58,6 +58,7 @@ CUresult CUDAAPI cuMulticastBindAddr_v2(CUmemGenericAllocationHandle mcHandle, C
 #define SIM_MAX_RESV 1024
 #define SIM_MAX_MAPS 4096
 #define SIM_MAX_HOST 512
+#define SIM_MAX_ARRAYS 256
 #define SIM_MAX_STREAMS 256
 #define SIM_MAX_EVENTS 1024
 #define SIM_MAX_CTXS 64
@@ -212,6 +213,15 @@ struct sim_stream {
     int priority;
 };
 
+/* A CUDA array: plain host memory of width x height elements (copy.c). */
+struct sim_array {
+    int used;
+    void *p;
+    size_t bytes;
+    size_t row;    /* bytes a row: width x element size */
+    size_t height; /* rows (1 for a 1D array) */
+};
+
 struct sim_event {
     int used;
     unsigned flags;
@@ -245,6 +255,7 @@ struct sim_state {
     struct sim_resv resv[SIM_MAX_RESV];
     struct sim_map maps[SIM_MAX_MAPS];
     struct sim_host host[SIM_MAX_HOST];
+    struct sim_array arrays[SIM_MAX_ARRAYS];
     struct sim_ctx primary[SIM_MAX_DEVICES];
     struct sim_ctx ctxs[SIM_MAX_CTXS];
     struct sim_stream streams[SIM_MAX_STREAMS];
@@ -451,6 +462,16 @@ SIM_EXPORT CUresult CUDAAPI cuMemsetD2D32Async_ptsz(CUdeviceptr d, size_t pitch,
 SIM_EXPORT CUresult CUDAAPI cuEventRecordWithFlags_ptsz(CUevent e, CUstream s, unsigned int f);
 SIM_EXPORT CUresult CUDAAPI cuStreamAddCallback_ptsz(CUstream s, CUstreamCallback cb, void *arg,
                                                      unsigned int flags);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyAtoH_v2_ptds(void *d, CUarray a, size_t off, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyHtoA_v2_ptds(CUarray a, size_t off, const void *s, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyAtoD_v2_ptds(CUdeviceptr d, CUarray a, size_t off, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyDtoA_v2_ptds(CUarray a, size_t off, CUdeviceptr s, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyAtoA_v2_ptds(CUarray d, size_t doff, CUarray s, size_t soff,
+                                                 size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyAtoHAsync_v2_ptsz(void *d, CUarray a, size_t off, size_t n,
+                                                      CUstream st);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyHtoAAsync_v2_ptsz(CUarray a, size_t off, const void *s,
+                                                      size_t n, CUstream st);
 SIM_EXPORT CUresult CUDAAPI cuStreamSynchronize_ptsz(CUstream s);
 SIM_EXPORT CUresult CUDAAPI cuStreamWaitEvent_ptsz(CUstream s, CUevent e, unsigned int flags);
 SIM_EXPORT CUresult CUDAAPI cuEventRecord_ptsz(CUevent e, CUstream s);

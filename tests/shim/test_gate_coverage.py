@@ -66,6 +66,13 @@ NEW = [
     ("cuStreamWriteValue64", "cuStreamWriteValue64", 11000),
     ("cuStreamBatchMemOp", "cuStreamBatchMemOp", 11000),
     ("cuStreamWaitEvent", "cuStreamWaitEvent", 13000),
+    ("cuMemcpyAtoH_v2", "cuMemcpyAtoH", 13000),
+    ("cuMemcpyHtoA_v2", "cuMemcpyHtoA", 13000),
+    ("cuMemcpyAtoD_v2", "cuMemcpyAtoD", 13000),
+    ("cuMemcpyDtoA_v2", "cuMemcpyDtoA", 13000),
+    ("cuMemcpyAtoA_v2", "cuMemcpyAtoA", 13000),
+    ("cuMemcpyAtoHAsync_v2", "cuMemcpyAtoHAsync", 13000),
+    ("cuMemcpyHtoAAsync_v2", "cuMemcpyHtoAAsync", 13000),
     ("cuEventRecordWithFlags", "cuEventRecordWithFlags", 13000),
     ("cuStreamAddCallback", "cuStreamAddCallback", 13000),
     ("cuMemsetD2D8_v2", "cuMemsetD2D8", 13000),
@@ -99,6 +106,7 @@ SYNCHRONOUS = {  # their per-thread variant is _ptds
     "cuMemcpy2DUnaligned_v2", "cuMemcpy3D_v2", "cuMemcpyPeer", "cuMemcpy3DPeer",
     "cuMemsetD8_v2", "cuMemsetD16_v2", "cuMemsetD32_v2",
     "cuMemsetD2D8_v2", "cuMemsetD2D16_v2", "cuMemsetD2D32_v2",
+    "cuMemcpyAtoH_v2", "cuMemcpyHtoA_v2", "cuMemcpyAtoD_v2", "cuMemcpyDtoA_v2", "cuMemcpyAtoA_v2",
 }  # fmt: skip
 
 
@@ -127,6 +135,14 @@ A = int(check(cu.cuMemAlloc(1 << 20)))
 B = int(check(cu.cuMemAlloc(1 << 20)))
 HOST = ctypes.create_string_buffer(1 << 16)
 POOL = int(check(cu.cuDeviceGetDefaultMemPool(dev)))
+
+def new_array(width=1024, height=4):
+    d = cu.CUDA_ARRAY_DESCRIPTOR()
+    d.Width, d.Height, d.NumChannels = width, height, 1
+    d.Format = cu.CUarray_format.CU_AD_FORMAT_UNSIGNED_INT8
+    return int(check(cu.cuArrayCreate(d)))
+
+ARR = new_array()  # 4 rows of 1024 bytes
 MT = cu.CUmemorytype
 ORDER = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 KEEP = []  # what the pending call's pointers point into
@@ -223,6 +239,13 @@ ARGS = {
     "cuStreamBatchMemOp_v2": ([P, U, P, U], lambda s: [s, 2, memops(), 0]),
     "cuStreamWaitEvent": ([P, P, U], lambda s: [s, E, 0]),
     "cuEventRecordWithFlags": ([P, P, U], lambda s: [E, s, 0]),
+    "cuMemcpyAtoH_v2": ([P, P, SZ, SZ], lambda s: [HOSTP, ARR, 0, 512]),
+    "cuMemcpyHtoA_v2": ([P, SZ, P, SZ], lambda s: [ARR, 0, HOSTP, 512]),
+    "cuMemcpyAtoD_v2": ([U64, P, SZ, SZ], lambda s: [B, ARR, 0, 512]),
+    "cuMemcpyDtoA_v2": ([P, SZ, U64, SZ], lambda s: [ARR, 0, A, 512]),
+    "cuMemcpyAtoA_v2": ([P, SZ, P, SZ, SZ], lambda s: [ARR, 1024, ARR, 0, 512]),
+    "cuMemcpyAtoHAsync_v2": ([P, P, SZ, SZ, P], lambda s: [HOSTP, ARR, 0, 512, s]),
+    "cuMemcpyHtoAAsync_v2": ([P, SZ, P, SZ, P], lambda s: [ARR, 0, HOSTP, 512, s]),
     "cuStreamAddCallback": ([P, P, P, U], lambda s: [s, CALLBACK, None, 0]),
     "cuMemsetD2D8_v2": ([U64, SZ, ctypes.c_ubyte, SZ, SZ], lambda s: [B, 256, 1, 64, 4]),
     "cuMemsetD2D16_v2": ([U64, SZ, ctypes.c_ushort, SZ, SZ], lambda s: [B, 256, 1, 64, 4]),
@@ -423,6 +446,26 @@ check(cu.cuStreamSynchronize(S))
 got["called"] = CALLED == [(S, 0)]
 got["callback_flags"] = call("cuStreamAddCallback", S, CALLBACK, None, 1)
 got["record_flags"] = call("cuEventRecordWithFlags", E, S, 2)
+# Arrays: bytes in and out, a 2D copy out of one, and the bounds.
+got["array_in"] = call("cuMemcpyDtoA_v2", ARR, 1024, A, 1024)  # row 1 of the array
+got["array_out"] = call("cuMemcpyAtoD_v2", B, ARR, 1024, 1024)
+got["array_round_trip"] = host_bytes(B, 1024) == pattern[:1024]
+p = cu.CUDA_MEMCPY2D()
+p.srcMemoryType, p.srcArray, p.srcXInBytes, p.srcY = MT.CU_MEMORYTYPE_ARRAY, ARR, 0, 1
+p.dstMemoryType, p.dstHost, p.dstPitch = MT.CU_MEMORYTYPE_HOST, HOSTP, 2048
+p.WidthInBytes, p.Height = 1024, 1
+got["array_2d"] = call("cuMemcpy2D_v2", ptr(p))
+got["array_2d_bytes"] = HOST.raw[:1024] == pattern[:1024]
+p.Height = 4  # rows 1..4 of a 4-row array
+got["array_2d_past_end"] = call("cuMemcpy2D_v2", ptr(p))
+got["array_past_end"] = call("cuMemcpyAtoH_v2", HOSTP, ARR, 3584, 1024)
+gone = new_array()
+check(cu.cuArrayDestroy(gone))
+got["array_destroyed"] = call("cuMemcpyAtoH_v2", HOSTP, gone, 0, 16)
+d = cu.CUDA_ARRAY_DESCRIPTOR()
+d.Width, d.Height, d.NumChannels = 16, 1, 3
+d.Format = cu.CUarray_format.CU_AD_FORMAT_FLOAT
+got["array_three_channels"] = err(cu.cuArrayCreate(d)[0])
 ctypes.memset(HOST, 0, 2048)
 got["3d"] = call("cuMemcpy3D_v2", copy3d(cu.CUDA_MEMCPY3D))  # 2 slices of 4 rows
 got["3d_rows"] = all(HOST.raw[256 * r:256 * r + 128] == pattern[256 * r:256 * r + 128]
@@ -433,7 +476,7 @@ p.dstMemoryType, p.dstDevice, p.dstPitch = MT.CU_MEMORYTYPE_DEVICE, B, 256
 p.WidthInBytes, p.Height = 128, 4
 got["2d_row_over_pitch"] = call("cuMemcpy2D_v2", ptr(p))
 p.srcPitch, p.srcMemoryType = 256, MT.CU_MEMORYTYPE_ARRAY
-got["2d_array"] = call("cuMemcpy2D_v2", ptr(p))
+got["2d_unknown_array"] = call("cuMemcpy2D_v2", ptr(p))
 one = lambda: batch(1, [])
 got["batch_legacy"] = call("cuMemcpyBatchAsync_v2", *one(), 0)
 got["batch_per_thread"] = call("cuMemcpyBatchAsync_v2_ptsz", *one(), 0)
@@ -483,7 +526,10 @@ def test_the_simulated_driver_does_what_the_entry_points_promise(
     assert got == {
         "2d": 0, "2d_rows": True, "2d_gaps": True,
         "3d": 0, "3d_rows": True,
-        "2d_row_over_pitch": invalid, "2d_array": invalid,
+        "2d_row_over_pitch": invalid, "2d_unknown_array": invalid,
+        "array_in": 0, "array_out": 0, "array_round_trip": True, "array_2d": 0,
+        "array_2d_bytes": True, "array_2d_past_end": invalid, "array_past_end": invalid,
+        "array_destroyed": invalid, "array_three_channels": "CUDA_ERROR_INVALID_VALUE",
         "2d_memset": 0, "2d_memset_rows": True, "2d_memset_gaps": True,
         "2d_memset_narrow_pitch": invalid,
         "callback": 0, "called": True, "callback_flags": invalid, "record_flags": invalid,
