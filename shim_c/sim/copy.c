@@ -116,6 +116,10 @@ static CUresult run_copy(struct sim_work *w)
     return r == CUDA_SUCCESS ? r : CUDA_ERROR_ILLEGAL_ADDRESS;
 }
 
+/* `queued` of copy_work: checked only, not run (a batch checks every copy
+ * before it queues any). */
+#define CHECK_ONLY 2
+
 /* A copy checked now; `queued`: run on stream `s` (the Async variants),
  * else now, after the work of stream `s` (NULL: the legacy stream, as the
  * synchronous copies; CU_STREAM_PER_THREAD: the _ptds ones). */
@@ -131,7 +135,7 @@ static CUresult copy_work(const struct sim_work *w, CUstream s, int queued)
     sim_lock();
     r = check_rows(w, dev);
     sim_unlock();
-    if (r != CUDA_SUCCESS)
+    if (r != CUDA_SUCCESS || queued == CHECK_ONLY)
         return r;
     if (queued)
         return sim_enqueue(s, w);
@@ -530,10 +534,12 @@ static CUresult copy_batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, 
         return CUDA_ERROR_INVALID_VALUE;
     r = batch_attrs_valid(count, attrs, idxs, nattrs);
     for (size_t i = 0; i < count && r == CUDA_SUCCESS; i++) {
-        r = copy1(dsts[i], srcs[i], sizes[i], 0, 0, s, 1);
+        r = copy1(dsts[i], srcs[i], sizes[i], 0, 0, s, CHECK_ONLY);
         if (r != CUDA_SUCCESS)
             *fail = i;
     }
+    for (size_t i = 0; i < count && r == CUDA_SUCCESS; i++)
+        r = copy1(dsts[i], srcs[i], sizes[i], 0, 0, s, 1);
     return r;
 }
 
@@ -596,32 +602,39 @@ static CUresult operand_side(const CUmemcpy3DOperand *o, const CUextent3D *e, st
     return CUDA_SUCCESS;
 }
 
+static CUresult batch_op(const CUDA_MEMCPY3D_BATCH_OP *op, CUstream s, int queued)
+{
+    struct side d, src;
+    CUresult r = CUDA_SUCCESS;
+
+    if (!op->extent.width || !op->extent.height || !op->extent.depth ||
+        !access_order_valid(op->srcAccessOrder))
+        r = CUDA_ERROR_INVALID_VALUE;
+    if (r == CUDA_SUCCESS)
+        r = operand_side(&op->dst, &op->extent, &d);
+    if (r == CUDA_SUCCESS)
+        r = operand_side(&op->src, &op->extent, &src);
+    if (r == CUDA_SUCCESS)
+        r = copy_3d(&d, &src, op->extent.width, op->extent.height, op->extent.depth, s, queued);
+    return r;
+}
+
 static CUresult copy_3d_batch(size_t n, CUDA_MEMCPY3D_BATCH_OP *ops, size_t *failIdx,
                               unsigned long long flags, CUstream s)
 {
     CUresult r = CUDA_SUCCESS;
-    size_t i;
 
     if (failIdx)
         *failIdx = SIZE_MAX;
     if (!ops || n == 0 || flags != 0 || s == NULL || s == CU_STREAM_LEGACY)
         return CUDA_ERROR_INVALID_VALUE;
-    for (i = 0; i < n && r == CUDA_SUCCESS; i++) {
-        const CUDA_MEMCPY3D_BATCH_OP *op = &ops[i];
-        struct side d, src;
-
-        if (!op->extent.width || !op->extent.height || !op->extent.depth ||
-            !access_order_valid(op->srcAccessOrder))
-            r = CUDA_ERROR_INVALID_VALUE;
-        if (r == CUDA_SUCCESS)
-            r = operand_side(&op->dst, &op->extent, &d);
-        if (r == CUDA_SUCCESS)
-            r = operand_side(&op->src, &op->extent, &src);
-        if (r == CUDA_SUCCESS)
-            r = copy_3d(&d, &src, op->extent.width, op->extent.height, op->extent.depth, s, 1);
+    for (size_t i = 0; i < n && r == CUDA_SUCCESS; i++) {
+        r = batch_op(&ops[i], s, CHECK_ONLY);
+        if (r != CUDA_SUCCESS && failIdx)
+            *failIdx = i;
     }
-    if (r != CUDA_SUCCESS && failIdx)
-        *failIdx = i - 1;
+    for (size_t i = 0; i < n && r == CUDA_SUCCESS; i++)
+        r = batch_op(&ops[i], s, 1);
     return r;
 }
 

@@ -306,19 +306,17 @@ CUresult CUDAAPI sim_batch_mem_op_v1_ptsz(CUstream s, unsigned int count,
 
 /* ---- stream-ordered allocation ---------------------------------------- */
 
-/* The default pool of each device; a pool handle is the address of one. */
-static struct sim_pool {
-    int dev;
-} pools[SIM_MAX_DEVICES];
-
+/* A pool handle is the address of a device's entry in sim.pools. */
 static CUresult default_pool(CUmemoryPool *pool, CUdevice dev)
 {
     if (!pool)
         return CUDA_ERROR_INVALID_VALUE;
     if (!sim_dev_valid(dev))
         return CUDA_ERROR_INVALID_DEVICE;
-    pools[dev].dev = dev;
-    *pool = (CUmemoryPool)&pools[dev];
+    sim_lock();
+    sim.pools[dev] = (struct sim_pool){.used = 1, .dev = dev};
+    sim_unlock();
+    *pool = (CUmemoryPool)&sim.pools[dev];
     return CUDA_SUCCESS;
 }
 
@@ -327,11 +325,17 @@ CUresult CUDAAPI cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev)
     SIM_API(default_pool(pool_out, dev));
 }
 
-static struct sim_pool *pool_check(CUmemoryPool pool)
+/* The device of pool `h`; -1 when it names none. */
+static int pool_device(CUmemoryPool h)
 {
-    struct sim_pool *p = (struct sim_pool *)pool;
+    struct sim_pool *p = (struct sim_pool *)h;
+    int dev = -1;
 
-    return p >= &pools[0] && p < &pools[SIM_MAX_DEVICES] && sim_dev_valid(p->dev) ? p : NULL;
+    sim_lock();
+    if (p >= &sim.pools[0] && p < &sim.pools[SIM_MAX_DEVICES] && p->used)
+        dev = p->dev;
+    sim_unlock();
+    return dev;
 }
 
 /* On the calling context's device (the stream's, in this simulator's
@@ -339,7 +343,6 @@ static struct sim_pool *pool_check(CUmemoryPool pool)
 static CUresult alloc_async(CUdeviceptr *dptr, size_t n, CUmemoryPool pool, int from_pool,
                             CUstream s)
 {
-    struct sim_pool *p = NULL;
     int dev;
     CUresult r;
 
@@ -351,10 +354,11 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t n, CUmemoryPool pool, int 
     if (r != CUDA_SUCCESS)
         return r;
     if (from_pool) {
-        p = pool_check(pool);
-        if (!p)
+        int owner = pool_device(pool);
+
+        if (owner < 0)
             return CUDA_ERROR_INVALID_VALUE;
-        if (p->dev != dev)
+        if (owner != dev)
             return CUDA_ERROR_INVALID_DEVICE;
     }
     return sim_mem_alloc(dptr, n);

@@ -256,6 +256,10 @@ struct sim_state {
     struct sim_map maps[SIM_MAX_MAPS];
     struct sim_host host[SIM_MAX_HOST];
     struct sim_array arrays[SIM_MAX_ARRAYS];
+    struct sim_pool {
+        int used; /* handed out by cuDeviceGetDefaultMemPool */
+        int dev;
+    } pools[SIM_MAX_DEVICES]; /* each device's default pool (ordered.c) */
     struct sim_ctx primary[SIM_MAX_DEVICES];
     struct sim_ctx ctxs[SIM_MAX_CTXS];
     struct sim_stream streams[SIM_MAX_STREAMS];

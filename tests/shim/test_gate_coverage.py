@@ -482,6 +482,17 @@ got["batch_legacy"] = call("cuMemcpyBatchAsync_v2", *one(), 0)
 got["batch_per_thread"] = call("cuMemcpyBatchAsync_v2_ptsz", *one(), 0)
 got["batch_per_thread_resolved"] = call(
     "cuMemcpyBatchAsync_v2_ptsz", *one(), 0, base="cuMemcpyBatchAsync", flags=2)
+# a batch whose second copy runs past B's end queues nothing, and names that copy
+check(cu.cuMemsetD8(B, 0, 64))
+base, size = check(cu.cuMemGetAddressRange(B))
+END_OF_B = int(base) + size
+FAIL.value = 0
+got["batch_bad_second"] = call(
+    "cuMemcpyBatchAsync", array(U64, [B, END_OF_B - 16]), array(U64, [A, A]),
+    array(SZ, [64, 64]), 2, attrs(), array(SZ, [0]), 1, ADDR(FAIL), S)
+check(cu.cuStreamSynchronize(S))
+got["batch_bad_second_index"] = FAIL.value
+got["batch_bad_second_queued_nothing"] = host_bytes(B, 64) == bytes(64)
 got["batch_no_attrs"] = call("cuMemcpyBatchAsync_v2", *one()[:6], 0, S)
 got["write_barrier_flag"] = call("cuStreamWriteValue32_v2", S, A, 1, 1)
 got["write_barrier_flag_v1"] = call("cuStreamWriteValue32", S, A, 1, 1)
@@ -535,7 +546,8 @@ def test_the_simulated_driver_does_what_the_entry_points_promise(
         "callback": 0, "called": True, "callback_flags": invalid, "record_flags": invalid,
         # the legacy stream is refused; stream 0 of a _ptsz call is the thread's own
         "batch_legacy": invalid, "batch_per_thread": 0, "batch_per_thread_resolved": 0,
-        "batch_no_attrs": invalid,
+        "batch_no_attrs": invalid, "batch_bad_second": invalid, "batch_bad_second_index": 1,
+        "batch_bad_second_queued_nothing": True,
         "write_barrier_flag": invalid, "write_barrier_flag_v1": 0, "write_misaligned": invalid,
         "wait_host_pointer": invalid, "free_unknown": invalid, "pool_unknown": invalid,
         "wait": 0, "waiting": "CUDA_ERROR_NOT_READY", "memset_before_write": "00000000",
