@@ -8,14 +8,18 @@ The test holds the coordinator lease and closes the gate with QUIESCE; a thread 
 worker then calls the entry point. "Held" is observed, not waited for: the thread sleeps
 in a futex on the shim's own gate (``/proc/self/task/<tid>/syscall`` names the futex
 word, which lies inside the shim's static ``gate``, located from the library's symbol
-table). RELEASE opens the gate and the call returns CUDA_SUCCESS. One worker serves every
-case, each starting from an idle device.
+table). RELEASE opens the gate and the call returns CUDA_SUCCESS. A per-thread variant is
+called with stream 0, its thread's default stream: the batch copies' plain ABI refuses
+stream 0 (the legacy stream), so their cases also show that each path reaches the driver's
+per-thread symbol. One worker serves every case, each starting from an idle device.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import struct
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -317,12 +321,18 @@ def fire():
     t = threading.Thread(target=run, daemon=True)
     CASE["thread"] = t
     t.start()
-    while True:  # until the thread is held at the gate, or (a failure) returned
+    # Until the thread is held at the gate, or (failures) returned or seen elsewhere for
+    # long: the cap only ends a failing case sooner than the worker's own timeout.
+    give_up = time.monotonic() + 20
+    while True:
         tid = CASE.get("tid")
         if tid is not None and in_gate(tid):
             return {"held": True, "returned": CASE["result"] is not None}
         if not t.is_alive():
             return {"held": False, "returned": CASE["result"]}
+        if time.monotonic() > give_up:
+            with open(f"/proc/self/task/{tid}/syscall") as f:
+                return {"held": False, "in": f.read().strip()}
         time.sleep(0.001)
 
 def finish():
@@ -359,16 +369,17 @@ def _elf_symbol(path: Path, name: str) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Worker, Path]]:
+def app() -> Iterator[tuple[Worker, Path]]:
     """One worker with the shim preloaded, set up for every case; its control socket."""
     machine = os.uname().machine
     if machine not in FUTEX:
         pytest.skip(f"the futex system call's number on {machine} is not known here")
-    control_dir = tmp_path_factory.mktemp("gate-cover")
+    control_dir = Path(tempfile.mkdtemp(prefix="cip-"))  # short: socket paths are limited
     control_dir.chmod(0o700)
+    namespace = f"shim-{control_dir.name}"
     shim = shimenv.shim_library()
     gate, size = _elf_symbol(shim, "gate")
-    env = shimenv.shim_env(control_dir=control_dir, extra={"CUINTERPOSE_SIM_NAMESPACE": "gc"})
+    env = shimenv.shim_env(control_dir=control_dir, namespace=namespace)
     worker = Worker("app", env, log_dir=control_dir, wait=False, init_cuda=False)
     worker.send(f"DEV = 0\n{shimenv.WORKER_SETUP}")
     worker.reply()
@@ -379,9 +390,12 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Worker, Path
         f"           if line.split()[-1] == {real!r} and int(line.split()[2], 16) == 0)\n"
         f"GATE = (base + {gate}, base + {gate + size})\n" + WORKER_CODE
     )
-    yield worker, shimenv.wait_socket(control_dir, worker.pid)
-    worker.close_clean()
-    Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-gc").unlink(missing_ok=True)
+    try:
+        yield worker, shimenv.wait_socket(control_dir, worker.pid)
+        worker.close_clean()
+    finally:
+        Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-{namespace}").unlink(missing_ok=True)
+        shutil.rmtree(control_dir, ignore_errors=True)
 
 
 def _ask(socket: Path, op: wire.Op, participant: str, lease: bytes) -> wire.Reply:
