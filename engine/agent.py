@@ -729,32 +729,24 @@ def suspend(
     return SuspendResult(manifest, path, tuple(report.timings))
 
 
-# Two ranks a collective apart when their gates close refuse QUIESCE (one is held
-# before it launched what the other waits for: specs/quiesce.md). Waiting longer does
-# not help such an attempt (on two H200s one stuck for its whole 10 s), but nothing
-# changed and the gates open again as the run ends, so the capture starts over: many
-# short attempts, the last with each shim's own deadline (None). A team that is quiet
-# in a millisecond, the usual case, never waits for a short one to run out.
-QUIESCE_DEADLINES: Final[tuple[float | None, ...]] = (0.25, 0.5, 0.5, 1.0, 2.0, None)
+# QUIESCE rounds bring a team a collective apart to a quiet point (engine/quiesce.py).
+# A capture still refused as not quiet (an application that did not synchronize for
+# a shim's whole deadline; ranks whose synchronizations interleave so that every
+# advance overtakes the other) changed nothing, and its gates open as the run ends:
+# the capture starts over once, closing the gates at another moment.
+QUIESCE_ATTEMPTS: Final = 2
 
 
 def _capture_quiet(
     endpoints: Sequence[Endpoint], directory: Path, options: Options, log: logging.Logger
 ) -> CaptureResult:
-    attempts = len(QUIESCE_DEADLINES)
-    # An embedder's own deadline is kept for every attempt.
-    deadlines = (
-        QUIESCE_DEADLINES
-        if options.quiesce_deadline is None
-        else (options.quiesce_deadline,) * attempts
-    )
-    for attempt, deadline in enumerate(deadlines, start=1):
+    for attempt in range(1, QUIESCE_ATTEMPTS + 1):
         try:
-            return capture(endpoints, directory, attrs.evolve(options, quiesce_deadline=deadline))
+            return capture(endpoints, directory, options)
         except PhaseFailed as error:
-            if attempt == attempts or not not_quiet(error):
+            if attempt == QUIESCE_ATTEMPTS or not not_quiet(error):
                 raise
-            log.warning("capture attempt %d of %d not quiet: %s", attempt, attempts,
+            log.warning("capture attempt %d of %d not quiet: %s", attempt, QUIESCE_ATTEMPTS,
                         error.reason)  # fmt: skip
     raise AssertionError("unreachable: the last attempt returns or raises")
 

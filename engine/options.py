@@ -36,8 +36,9 @@ class Options:
     phase_timeout: float = DEFAULT_PHASE_TIMEOUT_S
     slowest_transfer_rate: float = SLOWEST_TRANSFER_RATE  # bytes per second
     retry_attempts: int = RETRY_ATTEMPTS
-    # QUIESCE's deadline, seconds, sent to every shim (None: each shim's own,
-    # SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S; a shim never waits longer than its own).
+    # The longest QUIESCE's rounds may take in all, seconds (None: until a shim's own
+    # deadline, SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S counted from its first round, ends
+    # them; a shim never waits longer than its own). See engine/quiesce.py.
     quiesce_deadline: float | None = None
     on_progress: ProgressCallback | None = None
     trace: TraceSink | None = None

@@ -126,6 +126,51 @@ class PhaseEvent:
 
 
 @attrs.frozen
+class PendingParticipant:
+    """A participant not quiet yet after a QUIESCE round: its gate stays closed."""
+
+    participant: str
+    pid: int
+    held_threads: int
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "participant": self.participant,
+            "pid": self.pid,
+            "held_threads": self.held_threads,
+            "message": self.message,
+        }
+
+
+@attrs.frozen
+class QuiesceRound:
+    """One QUIESCE round answered (specs/quiesce.md): who is quiet, who is not yet.
+
+    ``round`` counts from 1; ``length_s`` is the time the round gave each shim,
+    ``elapsed_s`` the time since the first round began.
+    """
+
+    machine: str
+    round: int
+    length_s: float
+    elapsed_s: float
+    quiet: tuple[str, ...]
+    pending: tuple[PendingParticipant, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "event": "quiesce_round",
+            "machine": self.machine,
+            "round": self.round,
+            "length_s": self.length_s,
+            "elapsed_s": self.elapsed_s,
+            "quiet": list(self.quiet),
+            "pending": [p.to_json() for p in self.pending],
+        }
+
+
+@attrs.frozen
 class DoneEvent:
     """The machine reached its final state."""
 
@@ -171,7 +216,7 @@ class FailedEvent:
         }
 
 
-Event = PhaseEvent | DoneEvent | FailedEvent
+Event = PhaseEvent | QuiesceRound | DoneEvent | FailedEvent
 ProgressCallback = Callable[[Event], None]
 
 
@@ -202,6 +247,12 @@ def human_line(event: Event) -> str:
                 f" {t.copy_gb_per_s:.2f} GB/s copying"
             )
         return text
+    if isinstance(event, QuiesceRound):
+        text = (
+            f"{event.machine} QUIESCE round {event.round}: {len(event.quiet)} quiet, "
+            f"{len(event.pending)} not yet, {event.elapsed_s * 1e3:.1f} ms"
+        )
+        return text + "".join(f"; pid {p.pid}: {p.message}" for p in event.pending)
     if isinstance(event, DoneEvent):
         return (
             f"{event.machine} done in {event.elapsed_s:.3f} s "

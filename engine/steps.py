@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
 import attrs
 
 from ..phases import PHASE_OP, Action, MachineSpec, ProgressKind, Step
+from . import quiesce
 from . import trace as tracing
 from .client import BadReply, Endpoint, ParticipantError, ParticipantHangup, ParticipantTimeout
 from .directory import promote_intent, read_intent, write_intent
@@ -196,21 +198,18 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
     if op is Op.HANDSHAKE:
         calls = [(e, Request(op, authorization=lease), None) for e in run.endpoints]
     else:
-        deadline_ns = 0
-        if op is Op.QUIESCE and options.quiesce_deadline is not None:
-            deadline_ns = max(1, round(options.quiesce_deadline * 1e9))
+        # QUIESCE's deadline and round flag are set per round (quiesce.converge).
         calls = [
-            (
-                b.endpoint,
-                Request(
-                    op, participant=b.participant, authorization=lease, deadline_ns=deadline_ns
-                ),
-                b.participant,
-            )
+            (b.endpoint, Request(op, participant=b.participant, authorization=lease), b.participant)
             for b in run.bound
         ]
     began = options.clock()
-    results = _send(run, calls, options.timeout_for(_transfer_bytes(run, op)))
+    rounds = None
+    if op is Op.QUIESCE:
+        rounds = quiesce.converge(run.spec.name, calls, partial(_attempt, run), options)
+        results = rounds.results
+    else:
+        results = _send(run, calls, options.timeout_for(_transfer_bytes(run, op)))
     elapsed = options.clock() - began
     if op is Op.HANDSHAKE:
         if run.spec.drops_gone:
@@ -223,7 +222,12 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
         problems = [
             p
             for (endpoint, _, _), result in zip(calls, results, strict=True)
-            if (p := reply_problem(op, expected, endpoint, result)) is not None
+            if (
+                p := quiesce.not_quiet_problem(endpoint, result, rounds)
+                if rounds is not None and isinstance(result, Reply) and quiesce.pending(result)
+                else reply_problem(op, expected, endpoint, result)
+            )
+            is not None
         ]
         if problems:
             raise PhaseFailed(run.spec.name, op.name, problems)

@@ -85,6 +85,8 @@ class Status(enum.IntEnum):
     NOT_FOUND = 7
     INTERNAL = 8
     RETRY = 9  # transient (out of memory): nothing kept, the phase unchanged, send again
+    # A QUIESCE round's "not quiet yet": ACTIVE with the gate still closed (specs/quiesce.md).
+    PENDING = 10
 
 
 class ResourceKind(enum.IntEnum):
@@ -484,8 +486,11 @@ class Request:
     authorization: bytes = ZERO_ID
     resource_kind: ResourceKind = ResourceKind.NONE
     fetcher: str = ""
-    # QUIESCE only: the longest the coordinator lets it take, ns (0: the shim's own).
+    # QUIESCE only: the longest the coordinator lets it take, ns (0: the shim's own),
+    # and whether it is a round: a shim not quiet by then answers PENDING and keeps its
+    # gate closed instead of refusing (carried in stat_count).
     deadline_ns: int = 0
+    round: bool = False
 
     @property
     def lease(self) -> bytes:
@@ -504,7 +509,7 @@ class Request:
             raise WireError(f"{self.op.name} request must not name a participant")
         if self.op is Op.RELEASE and self.authorization == ZERO_ID:
             raise WireError("RELEASE request carries no lease token")
-        if self.deadline_ns and self.op is not Op.QUIESCE:
+        if (self.deadline_ns or self.round) and self.op is not Op.QUIESCE:
             raise WireError(f"{self.op.name} request carries a deadline (QUIESCE only)")
         if not 0 <= self.deadline_ns < 2**64:
             raise WireError(f"deadline_ns {self.deadline_ns} does not fit 64 bits")
@@ -527,7 +532,7 @@ class Request:
                     0,
                     0,
                     0,
-                    0,
+                    int(self.round),
                     0,
                     self.deadline_ns,
                     0,
@@ -631,9 +636,14 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         or header.phase
     ):
         raise WireError(f"{op.name} request has reply-only fields set")
-    deadline = header.stats.elapsed_ns if op is Op.QUIESCE else 0
-    if attrs.evolve(header.stats, elapsed_ns=0) != Stats() or (
-        header.stats.elapsed_ns and not deadline
+    quiescing = op is Op.QUIESCE
+    deadline = header.stats.elapsed_ns if quiescing else 0
+    round_flag = header.stats.count if quiescing else 0
+    if (
+        attrs.evolve(header.stats, elapsed_ns=0, count=0) != Stats()
+        or (header.stats.elapsed_ns and not deadline)
+        or (header.stats.count and not quiescing)
+        or round_flag > 1
     ):
         raise WireError(f"{op.name} request has stats set")
     text = raw[HEADER_SIZE:]
@@ -651,6 +661,7 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         resource_kind=kind,
         fetcher=_participant_text(text, "fetcher") if text else "",
         deadline_ns=deadline,
+        round=bool(round_flag),
     )
     request.encode()  # the same field rules as for sending
     return request, header

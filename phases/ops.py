@@ -28,7 +28,10 @@ class PhaseOp:
 
 
 PHASE_OPS: Final[tuple[PhaseOp, ...]] = (
-    PhaseOp("QUIESCE", ("ACTIVE",), "QUIESCED", undone_by_release=True),
+    # Served again in QUIESCED, where it is an advance: the process makes one more
+    # synchronization and is quieted again (specs/quiesce.md; protocol.h
+    # CUIP_QUIESCE_FROM). The wire table (CUIP_PHASE_OPS) names the first phase.
+    PhaseOp("QUIESCE", ("ACTIVE", "QUIESCED"), "QUIESCED", undone_by_release=True),
     PhaseOp("PREPARE_MULTICAST", ("QUIESCED",), "MULTICAST_DETACHED"),
     PhaseOp("SAVE_ALLOCATIONS", ("MULTICAST_DETACHED",), "ALLOCATIONS_SAVED", transfers=True),
     PhaseOp("PREPARE_UNICAST", ("ALLOCATIONS_SAVED",), "PREPARED"),

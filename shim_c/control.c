@@ -60,8 +60,10 @@ static bool validate(const struct cuip_header *q, struct reply *r)
         reply_msg(r, CUIP_STATUS_BAD_REQUEST, "unknown op %u", q->op);
         return false;
     }
-    /* QUIESCE's stat_elapsed_ns is the coordinator's deadline for it (protocol.h). */
-    if (q->status || q->count || q->pid || q->phase || q->reserved || q->stat_count ||
+    /* QUIESCE's stat_elapsed_ns is the coordinator's deadline for it, its
+     * stat_count 1 for a round (protocol.h). */
+    if (q->status || q->count || q->pid || q->phase || q->reserved ||
+        q->stat_count > (q->op == CUIP_OP_QUIESCE ? 1u : 0u) ||
         q->stat_bytes || (q->stat_elapsed_ns && q->op != CUIP_OP_QUIESCE) || q->stat_copy_ns ||
         q->message_length != (exporting ? CUIP_PARTICIPANT_LEN : 0)) {
         reply_msg(r, CUIP_STATUS_BAD_REQUEST, "%s request has reply-only fields set",
@@ -127,6 +129,13 @@ static const struct phase_op phase_ops[CUIP_OP_MAX + 1] = {
     CUIP_ROLLBACK_OPS(ROLLBACK_OP)
 #undef ROLLBACK_OP
 };
+
+/* The phases `op` is served in: QUIESCE's list is its own (an advance in
+ * QUIESCED, protocol.h). */
+static uint32_t served_in(uint16_t op)
+{
+    return op == CUIP_OP_QUIESCE ? 0 CUIP_QUIESCE_FROM(PHASE_BIT) : phase_ops[op].needs;
+}
 
 /* The work of each phase op. A switch over the enum: an op added to the
  * protocol without its work here does not compile (-Wswitch). */
@@ -250,7 +259,7 @@ static void run_phase_op(uint16_t op, struct reply *r)
         return;
     }
     from = g.phase;
-    if (from >= 32 || !(d->needs & (1u << from))) {
+    if (from >= 32 || !(served_in(op) & (1u << from))) {
         reply_msg(r, CUIP_STATUS_WRONG_PHASE, "%s is not served in phase %u", op_name(op),
                   from);
         pthread_mutex_unlock(&g.lock);
@@ -261,9 +270,11 @@ static void run_phase_op(uint16_t op, struct reply *r)
     g.op_started_ns = t0;
     __atomic_store_n(&g.phase_bytes_done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&g.phase_bytes_total, 0, __ATOMIC_RELAXED);
-    /* QUIESCE stays ACTIVE while it works: the application's calls flow
-     * through the gate until it is closed, never answered NOT_READY. */
-    if (from == CUIP_PHASE_ACTIVE && op != CUIP_OP_QUIESCE)
+    /* QUIESCE is ACTIVE while it works, an advance out of QUIESCED too: the
+     * application's calls flow through the gate, never answered NOT_READY. */
+    if (op == CUIP_OP_QUIESCE)
+        g.phase = CUIP_PHASE_ACTIVE;
+    else if (from == CUIP_PHASE_ACTIVE)
         g.phase = d->next;
     pthread_mutex_unlock(&g.lock);
 
@@ -278,8 +289,13 @@ static void run_phase_op(uint16_t op, struct reply *r)
         if (d->stats)
             r->h.stat_elapsed_ns = shim_now_ns() - t0;
         shim_log(LOG_INFO, "%s done: phase %u", op_name(op), g.phase);
+    } else if (rc == PHASE_PENDING) {
+        /* Not quiet yet: ACTIVE, and the gate stays closed for the next
+         * round (quiesce.c wrote the reply). */
+        g.phase = CUIP_PHASE_ACTIVE;
     } else if (rc == PHASE_REFUSED || rc == PHASE_RETRY) {
-        g.phase = from;
+        /* A refused QUIESCE opened the gate: ACTIVE, even after an advance. */
+        g.phase = op == CUIP_OP_QUIESCE ? CUIP_PHASE_ACTIVE : from;
         if (!r->h.status)
             reply_msg(r, rc == PHASE_RETRY ? CUIP_STATUS_RETRY : CUIP_STATUS_REFUSED,
                       "%s not done", op_name(op));
@@ -303,8 +319,9 @@ static void run_phase_op(uint16_t op, struct reply *r)
     g.busy = false;
     g.op_in_flight = 0;
     /* Back in ACTIVE (restored, rolled back, or a QUIESCE refused): the
-     * gate opens last, once the topology is back. */
-    reopen = g.phase == CUIP_PHASE_ACTIVE;
+     * gate opens last, once the topology is back. A pending QUIESCE keeps
+     * it closed. */
+    reopen = g.phase == CUIP_PHASE_ACTIVE && rc != PHASE_PENDING;
     pthread_mutex_unlock(&g.lock);
     if (reopen && gate_level() != GATE_OPEN) {
         gate_open();
@@ -364,36 +381,56 @@ static bool lease_holder_gone(const struct shim_lease *l, uint64_t now)
     return now - l->last_ns > (uint64_t)shim_settings()->lease_idle_ms * 1000000ull;
 }
 
-/* QUIESCED without a coordinator: nothing is torn down, so the process
- * goes back to ACTIVE and its gate opens (lock order: g.lock, then the
- * gate's own). */
+/* Under g.lock: the gate is closed and nothing is torn down (QUIESCED, or
+ * ACTIVE between the rounds of a QUIESCE), with no phase op running. */
+static bool gated_untouched(void)
+{
+    return !g.busy && (g.phase == CUIP_PHASE_QUIESCED ||
+                       (g.phase == CUIP_PHASE_ACTIVE && gate_level() != GATE_OPEN));
+}
+
+/* Gated without a coordinator: nothing is torn down, so the process goes
+ * back to ACTIVE and its gate opens (lock order: g.lock, then the gate's
+ * own). */
 static void unquiesce(void)
 {
     pthread_mutex_lock(&g.lock);
-    if (g.phase == CUIP_PHASE_QUIESCED && !g.busy) {
+    if (gated_untouched()) {
         g.phase = CUIP_PHASE_ACTIVE;
         gate_open();
-        shim_log(LOG_INFO, "QUIESCED without a coordinator: ACTIVE, gate open");
+        shim_log(LOG_INFO, "gated without a coordinator: ACTIVE, gate open");
     }
     pthread_mutex_unlock(&g.lock);
 }
 
-/* Run by a thread held at the gate: a QUIESCED process has nothing torn
- * down, so when its coordinator is gone (the lease holder exited) it goes
- * back to ACTIVE and runs on instead of waiting for a recover. */
+/* Run by a thread held at the gate: a gated process has nothing torn down,
+ * so when its coordinator is gone (the lease holder exited) it goes back to
+ * ACTIVE and runs on instead of waiting for a recover; so it does when
+ * QUIESCE rounds outlast the shim's own deadline (a coordinator that
+ * stopped sending them). */
 static void gate_watch(void)
 {
+    uint64_t now = shim_now_ns();
+    bool gone, overdue;
     pid_t holder;
 
     pthread_mutex_lock(&g.lock);
-    if (g.phase == CUIP_PHASE_QUIESCED && !g.busy &&
-        (!g.lease.held || lease_holder_gone(&g.lease, shim_now_ns()))) {
-        holder = g.lease.held ? g.lease.pid : 0;
-        lease_drop();
-        g.phase = CUIP_PHASE_ACTIVE;
-        gate_open();
-        shim_log(LOG_WARN, "QUIESCED, and its coordinator (pid %d; 0: none) is gone: ACTIVE, "
-                 "gate open", (int)holder);
+    if (gated_untouched()) {
+        gone = !g.lease.held || lease_holder_gone(&g.lease, now);
+        overdue = g.phase == CUIP_PHASE_ACTIVE &&
+                  now - g.quiesce_started_ns >
+                      (uint64_t)shim_settings()->quiesce_timeout_ms * 1000000ull;
+        if (gone || overdue) {
+            holder = g.lease.held ? g.lease.pid : 0;
+            if (gone)
+                lease_drop();
+            g.phase = CUIP_PHASE_ACTIVE;
+            gate_open();
+            shim_log(LOG_WARN, "gated, and %s (pid %d; 0: none): ACTIVE, gate open",
+                     gone ? "its coordinator is gone"
+                          : "no QUIESCE round came within the shim's own deadline",
+                     (int)holder);
+        }
     }
     pthread_mutex_unlock(&g.lock);
 }
@@ -522,6 +559,7 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
         if (q->op == CUIP_OP_QUIESCE) {
             pthread_mutex_lock(&g.lock);
             g.quiesce_deadline_ns = q->stat_elapsed_ns;
+            g.quiesce_round = q->stat_count == 1;
             pthread_mutex_unlock(&g.lock);
         }
         run_phase_op(q->op, r);

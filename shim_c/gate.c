@@ -27,6 +27,8 @@
 struct held {
     struct held *next;
     const char *call;
+    enum gate_class cls;
+    bool pass; /* granted one call by gate_advance, not yet taken */
 };
 
 static struct {
@@ -37,6 +39,7 @@ static struct {
     pthread_cond_t changed;         /* the closer waits for calls to leave or be held */
     struct held *held;
     unsigned held_count;
+    unsigned passes;                /* granted by gate_advance, not yet taken */
     void (*watch)(void);
 } gate = {
     .mu = PTHREAD_MUTEX_INITIALIZER,
@@ -60,10 +63,13 @@ static void deadline_in(struct timespec *ts, long ms)
     }
 }
 
-/* Wait, unlisted from in-flight, until the gate lets class `c` through. */
-static void hold(enum gate_class c, const char *call)
+/* Wait, unlisted from in-flight, until the gate lets class `c` through or
+ * gate_advance grants this thread one call. True: granted, and already
+ * counted in flight (under gate.mu, so that a closer that waits for the
+ * passes to be taken sees it in flight). */
+static bool hold(enum gate_class c, const char *call)
 {
-    struct held me = {.call = call};
+    struct held me = {.call = call, .cls = c};
     struct held **p;
 
     pthread_mutex_lock(&gate.mu);
@@ -71,7 +77,7 @@ static void hold(enum gate_class c, const char *call)
     gate.held = &me;
     gate.held_count++;
     pthread_cond_broadcast(&gate.changed);
-    while (holds(__atomic_load_n(&gate.level, __ATOMIC_SEQ_CST), c)) {
+    while (!me.pass && holds(__atomic_load_n(&gate.level, __ATOMIC_SEQ_CST), c)) {
         struct timespec ts;
         void (*watch)(void) = gate.watch;
 
@@ -88,7 +94,13 @@ static void hold(enum gate_class c, const char *call)
             break;
         }
     gate.held_count--;
+    if (me.pass) {
+        __atomic_add_fetch(&gate.in_flight[c], 1, __ATOMIC_SEQ_CST);
+        gate.passes--;
+        pthread_cond_broadcast(&gate.changed);
+    }
     pthread_mutex_unlock(&gate.mu);
+    return me.pass;
 }
 
 void gate_enter(enum gate_class c, const char *call)
@@ -98,7 +110,8 @@ void gate_enter(enum gate_class c, const char *call)
         if (!holds(__atomic_load_n(&gate.level, __ATOMIC_SEQ_CST), c))
             return;
         gate_leave(c);
-        hold(c, call);
+        if (hold(c, call))
+            return;
     }
 }
 
@@ -114,16 +127,47 @@ void gate_leave(enum gate_class c)
 
 void gate_wait_open(const char *call)
 {
-    /* GATE_SYNC is held from the first closing step on: the strictest. */
+    /* GATE_SYNC is held from the first closing step on: the strictest. A
+     * pass granted here is given back: this call waits for the gate to
+     * open, not for one synchronization. */
     while (__atomic_load_n(&gate.level, __ATOMIC_SEQ_CST) != GATE_OPEN)
-        hold(GATE_SYNC, call);
+        if (hold(GATE_SYNC, call))
+            gate_leave(GATE_SYNC);
 }
 
 void gate_close(enum gate_level level)
 {
     pthread_mutex_lock(&gate.mu);
     __atomic_store_n(&gate.level, (int)level, __ATOMIC_SEQ_CST);
+    pthread_cond_broadcast(&gate.opened); /* from HOLD_ALL to HOLD_SYNC: launches go */
     pthread_mutex_unlock(&gate.mu);
+}
+
+unsigned gate_advance(void)
+{
+    unsigned granted = 0;
+
+    pthread_mutex_lock(&gate.mu);
+    __atomic_store_n(&gate.level, GATE_HOLD_SYNC, __ATOMIC_SEQ_CST);
+    for (struct held *h = gate.held; h; h = h->next)
+        if (h->cls == GATE_SYNC && !h->pass) {
+            h->pass = true;
+            granted++;
+        }
+    gate.passes += granted;
+    pthread_cond_broadcast(&gate.opened);
+    pthread_mutex_unlock(&gate.mu);
+    return granted;
+}
+
+unsigned gate_held(void)
+{
+    unsigned n;
+
+    pthread_mutex_lock(&gate.mu);
+    n = gate.held_count;
+    pthread_mutex_unlock(&gate.mu);
+    return n;
 }
 
 void gate_open(void)
@@ -139,6 +183,25 @@ enum gate_level gate_level(void)
     return (enum gate_level)__atomic_load_n(&gate.level, __ATOMIC_SEQ_CST);
 }
 
+bool gate_wait_passes(uint64_t deadline_ns)
+{
+    bool taken;
+
+    pthread_mutex_lock(&gate.mu);
+    for (;;) {
+        uint64_t now = shim_now_ns();
+        struct timespec ts;
+
+        taken = gate.passes == 0;
+        if (taken || now >= deadline_ns)
+            break;
+        deadline_in(&ts, (long)((deadline_ns - now) / 1000000u) + 1);
+        pthread_cond_timedwait(&gate.changed, &gate.mu, &ts);
+    }
+    pthread_mutex_unlock(&gate.mu);
+    return taken;
+}
+
 bool gate_wait_calls(uint64_t deadline_ns)
 {
     bool quiet;
@@ -148,8 +211,10 @@ bool gate_wait_calls(uint64_t deadline_ns)
         uint64_t now = shim_now_ns();
         struct timespec ts;
 
+        /* A granted pass not yet taken is a call about to enter. */
         quiet = __atomic_load_n(&gate.in_flight[GATE_LAUNCH], __ATOMIC_SEQ_CST) == 0 &&
-                __atomic_load_n(&gate.in_flight[GATE_SYNC], __ATOMIC_SEQ_CST) == 0;
+                __atomic_load_n(&gate.in_flight[GATE_SYNC], __ATOMIC_SEQ_CST) == 0 &&
+                gate.passes == 0;
         if (quiet || now >= deadline_ns)
             break;
         deadline_in(&ts, (long)((deadline_ns - now) / 1000000u) + 1);
@@ -220,4 +285,5 @@ void gate_after_fork(void)
     gate.in_flight[GATE_LAUNCH] = gate.in_flight[GATE_SYNC] = 0;
     gate.held = NULL;
     gate.held_count = 0;
+    gate.passes = 0;
 }

@@ -52,7 +52,14 @@ enum cuip_op {
     /* The first op of a capture: closes the gate that the application's
      * driver calls pass until the process is quiet (specs/quiesce.md). Its
      * request may carry in stat_elapsed_ns the longest the coordinator lets
-     * it take (ns; 0: the shim's own deadline, which also bounds it). */
+     * it take (ns; 0: the shim's own deadline, which also bounds it), and in
+     * stat_count 1 to ask for a round: a process not quiet when that time
+     * is up answers PENDING and keeps its gate closed, instead of being
+     * refused, until the shim's own deadline counted from the first round.
+     * Sent again to a QUIESCED process (CUIP_QUIESCE_FROM), it lets every
+     * thread held at a synchronizing call make that one call, then quiets
+     * the process again: an advance. Its reply's stat_count is the number
+     * of threads held at the gate. */
     CUIP_OP_QUIESCE = 17,
 };
 #define CUIP_OP_MAX CUIP_OP_QUIESCE
@@ -111,6 +118,10 @@ enum cuip_phase {
     X(MULTICAST_IMPORTED) X(MULTICAST_JOINED) X(ROLLBACK_LOADED) X(QUIESCED)   \
     X(FAILED)
 #define CUIP_ROLLBACK_IMPORTS_FROM(X) X(ROLLBACK_LOADED)
+
+/* Every phase QUIESCE is served in: its CUIP_PHASE_OPS entry names the
+ * first; in QUIESCED it is an advance (above). */
+#define CUIP_QUIESCE_FROM(X) X(ACTIVE) X(QUIESCED)
 #define CUIP_ROLLBACK_OPS(X)                                                   \
     X(ROLLBACK_ALLOCATIONS, CUIP_ROLLBACK_FROM, ROLLBACK_LOADED, 1)            \
     X(ROLLBACK_IMPORTS, CUIP_ROLLBACK_IMPORTS_FROM, ACTIVE, 0)
@@ -128,6 +139,10 @@ enum cuip_status {
     /* Transient (the driver said CUDA_ERROR_OUT_OF_MEMORY): nothing of the
      * failed step was kept, the phase is unchanged, the op may be sent again. */
     CUIP_STATUS_RETRY = 9,
+    /* QUIESCE rounds only: not quiet yet; the phase is ACTIVE with the gate
+     * still closed (synchronizing calls held, launches flowing) until the
+     * next QUIESCE, RELEASE, or the shim's own deadline. */
+    CUIP_STATUS_PENDING = 10,
 };
 
 /* EXPORT's resource_kind. */

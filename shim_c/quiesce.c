@@ -207,56 +207,120 @@ static int device_idle(uint64_t deadline_ns, char *msg, size_t n)
     return rc;
 }
 
-enum phase_result quiesce_run(struct reply *r)
+/* Step 1, then step 2, until the process is quiet or `deadline`: 1 quiet,
+ * 0 not (why says what), -1 a synchronize failed (why). A step 2 that finds
+ * work again goes back to step 1: a thread held at a launch in step 2 may
+ * be what a peer waits for. */
+static int quiet_by(uint64_t deadline, const char **stage, char *why, size_t n)
 {
-    long timeout_ms = shim_settings()->quiesce_timeout_ms;
-    uint64_t asked, t0, deadline;
-    const char *stage = "with synchronizing calls held and launches flowing";
-    char why[160], held[600];
     int idle;
 
-    /* A coordinator that retries asks for short attempts first: a team that is
-     * a collective apart gets its gates opened again sooner (specs/quiesce.md). */
+    for (;;) {
+        *stage = "with synchronizing calls held and launches flowing";
+        idle = device_idle(deadline, why, n);
+        if (idle != 1)
+            return idle;
+        *stage = "with every gated call held";
+        gate_close(GATE_HOLD_ALL);
+        if (!gate_wait_calls(deadline)) {
+            snprintf(why, n, "calls still inside the driver");
+            idle = 0;
+        } else {
+            idle = device_idle(deadline, why, n);
+        }
+        if (idle != 0 || shim_now_ns() >= deadline)
+            return idle;
+        gate_close(GATE_HOLD_SYNC);
+    }
+}
+
+enum phase_result quiesce_run(struct reply *r)
+{
+    uint64_t own = (uint64_t)shim_settings()->quiesce_timeout_ms * 1000000ull;
+    uint64_t asked, now, started, limit, deadline;
+    const char *stage = "with synchronizing calls held and launches flowing";
+    unsigned granted = 0, advances;
+    bool round, advance;
+    char why[160], held[600], moved[48] = "";
+    int idle;
+
     pthread_mutex_lock(&g.lock);
     asked = g.quiesce_deadline_ns;
+    round = g.quiesce_round;
+    started = g.quiesce_started_ns;
     pthread_mutex_unlock(&g.lock);
-    if (asked && asked / 1000000u < (uint64_t)timeout_ms)
-        timeout_ms = asked / 1000000u > 0 ? (long)(asked / 1000000u) : 1;
-    t0 = shim_now_ns();
-    deadline = t0 + (uint64_t)timeout_ms * 1000000ull;
-
+    now = shim_now_ns();
     if (!shim_settings()->gate) {
+        deadline = now + (asked && asked < own ? asked : own);
         idle = device_idle(deadline, why, sizeof why);
         if (idle == 1)
             return PHASE_DONE;
         reply_msg(r, idle < 0 ? CUIP_STATUS_CUDA_FAILED : CUIP_STATUS_REFUSED,
-                  "QUIESCE: pid %d (gate off) did not drain within %ld ms: %s", (int)getpid(),
-                  timeout_ms, why);
+                  "QUIESCE: pid %d (gate off) did not drain within %.0f ms: %s", (int)getpid(),
+                  (double)(deadline - now) / 1e6, why);
         return PHASE_REFUSED;
     }
-    gate_close(GATE_HOLD_SYNC);
-    idle = device_idle(deadline, why, sizeof why);
-    if (idle == 1) {
-        stage = "with every gated call held";
-        gate_close(GATE_HOLD_ALL);
-        if (gate_wait_calls(deadline)) {
-            idle = device_idle(deadline, why, sizeof why);
-        } else {
+    /* An open gate starts a capture's quiescing; a closed one is a later
+     * round: still closing (ACTIVE), or an advance (control.c made a
+     * QUIESCED process ACTIVE for it). */
+    advance = gate_level() == GATE_HOLD_ALL;
+    if (gate_level() == GATE_OPEN) {
+        started = now;
+        pthread_mutex_lock(&g.lock);
+        g.quiesce_started_ns = started;
+        g.quiesce_advances = 0;
+        pthread_mutex_unlock(&g.lock);
+        gate_close(GATE_HOLD_SYNC);
+    }
+    limit = started + own;
+    deadline = asked && now + asked < limit ? now + asked : limit;
+    if (advance) {
+        pthread_mutex_lock(&g.lock);
+        g.quiesce_advances++;
+        pthread_mutex_unlock(&g.lock);
+        granted = gate_advance();
+        if (!gate_wait_passes(deadline)) {
             idle = 0;
-            snprintf(why, sizeof why, "calls still inside the driver");
+            snprintf(why, sizeof why, "threads granted a call did not take it");
+            goto not_quiet;
         }
     }
+    idle = quiet_by(deadline, &stage, why, sizeof why);
     if (idle == 1) {
-        shim_log(LOG_INFO, "quiet after %.1f ms",
-                 (double)(shim_now_ns() - t0) / 1e6);
+        r->h.stat_count = gate_held();
+        shim_log(LOG_INFO, "quiet after %.1f ms%s (%u thread%s held)",
+                 (double)(shim_now_ns() - started) / 1e6,
+                 advance ? ", advanced" : "", (unsigned)r->h.stat_count,
+                 r->h.stat_count == 1 ? "" : "s");
+        if (advance)
+            shim_log(LOG_DEBUG, "advance granted %u synchronizing call%s", granted,
+                     granted == 1 ? "" : "s");
         return PHASE_DONE;
     }
+not_quiet:
     gate_describe(held, sizeof held);
+    pthread_mutex_lock(&g.lock);
+    advances = g.quiesce_advances;
+    pthread_mutex_unlock(&g.lock);
+    /* A process advanced while its peers were busy was quiet before: say so. */
+    if (advances)
+        snprintf(moved, sizeof moved, " (advanced %u time%s)", advances,
+                 advances == 1 ? "" : "s");
+    if (idle == 0 && round && shim_now_ns() < limit) {
+        gate_close(GATE_HOLD_SYNC);
+        r->h.stat_count = gate_held();
+        reply_msg(r, CUIP_STATUS_PENDING,
+                  "QUIESCE: pid %d not quiet yet after %.0f ms%s %s: %s; %s; the gate stays "
+                  "closed until the next round",
+                  (int)getpid(), (double)(shim_now_ns() - started) / 1e6, moved, stage, why,
+                  held);
+        return PHASE_PENDING;
+    }
     gate_open();
     reply_msg(r, idle < 0 ? CUIP_STATUS_CUDA_FAILED : CUIP_STATUS_REFUSED,
-              "QUIESCE: pid %d did not reach a quiet point within %ld ms %s: %s; %s; "
+              "QUIESCE: pid %d did not reach a quiet point within %.0f ms%s %s: %s; %s; "
               "the gate is open again and the process runs on",
-              (int)getpid(), timeout_ms, stage, why, held);
+              (int)getpid(), (double)(deadline - started) / 1e6, moved, stage, why, held);
     shim_log(LOG_WARN, "%.*s", (int)r->h.message_length, r->msg);
     return PHASE_REFUSED;
 }

@@ -225,11 +225,21 @@ SHIM_HIDDEN void gate_enter(enum gate_class c, const char *call);
 SHIM_HIDDEN void gate_leave(enum gate_class c);
 /* Blocks until the gate is open (a tracked call outside ACTIVE). */
 SHIM_HIDDEN void gate_wait_open(const char *call);
+/* Sets the level (closing, or from HOLD_ALL back to HOLD_SYNC). */
 SHIM_HIDDEN void gate_close(enum gate_level level);
+/* Back to HOLD_SYNC, and every thread held at a synchronizing call may make
+ * exactly that call, then is held at its next one: the process advances by
+ * one synchronization (specs/quiesce.md). The threads granted. */
+SHIM_HIDDEN unsigned gate_advance(void);
+/* Until every granted call is in flight, or the monotonic `deadline_ns`. */
+SHIM_HIDDEN bool gate_wait_passes(uint64_t deadline_ns);
+/* The threads held at the gate now. */
+SHIM_HIDDEN unsigned gate_held(void);
 /* Lets every held thread go. */
 SHIM_HIDDEN void gate_open(void);
 SHIM_HIDDEN enum gate_level gate_level(void);
-/* Waits until no gated call is inside the driver (held ones are not), until
+/* Waits until no gated call is inside the driver (held ones are not) and
+ * every granted pass is taken, until
  * the monotonic `deadline_ns`; false when some still are. */
 SHIM_HIDDEN bool gate_wait_calls(uint64_t deadline_ns);
 /* Who is held at which call and what is still inside the driver, in one
@@ -262,8 +272,14 @@ struct shim_state {
     uint16_t op_in_flight;         /* that op (enum cuip_op), 0 when none; for STATUS */
     uint64_t op_started_ns;        /* when it started */
     /* The deadline the coordinator gave the QUIESCE about to run (ns; 0: none,
-     * the setting's); set under g.lock before it starts. */
+     * the setting's), and whether it is a round (PENDING when not quiet);
+     * set under g.lock before it starts. */
     uint64_t quiesce_deadline_ns;
+    bool quiesce_round;
+    /* When the gate closed for the capture being quiesced: the shim's own
+     * deadline counts from there across rounds. */
+    uint64_t quiesce_started_ns;
+    unsigned quiesce_advances;     /* advances since then */
     /* The bytes the phase op in flight has copied and will copy in all:
      * reset at its start (g.lock held), the total set by content.c, the
      * bytes done added without the lock by staging.c once per copied chunk
@@ -440,6 +456,7 @@ enum phase_result {
     PHASE_DONE = 0,     /* the op's phase is reached */
     PHASE_FAILED = -1,  /* fail-stop: the shim goes FAILED, the reply says why */
     PHASE_REFUSED = -2, /* refused before doing anything: the phase stays */
+    PHASE_PENDING = -4, /* QUIESCE round: not quiet yet, ACTIVE with the gate closed */
     PHASE_RETRY = -3,   /* transient (out of memory), nothing of the failed step kept:
                          * the phase stays, the reply says RETRY */
 };

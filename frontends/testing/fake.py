@@ -55,7 +55,15 @@ from ..engine.wire import (
 from ..phases.ops import PHASE_OP
 
 FaultKind = Literal[
-    "fail", "retry", "delay", "hang", "hangup", "wrong_participant", "wrong_op", "garbage"
+    "fail",
+    "retry",
+    "pending",
+    "delay",
+    "hang",
+    "hangup",
+    "wrong_participant",
+    "wrong_op",
+    "garbage",
 ]
 FAULT_KINDS: Final[frozenset[str]] = frozenset(get_args(FaultKind))
 
@@ -125,6 +133,8 @@ class Fault:
     - ``retry``: answer RETRY (out of memory, nothing kept, the phase unchanged) the
       first ``times`` times the op arrives, then answer normally; ``times`` 0
       answers RETRY every time. ``fail`` counts ``times`` the same way.
+    - ``pending``: QUIESCE only: answer PENDING in phase ACTIVE (not quiet yet, the gate
+      kept closed) with ``message``, counting ``times`` the same way.
     - ``delay``: wait ``seconds``, then answer normally.
     - ``hang``: never answer (until the client hangs up or the fake stops).
     - ``hangup``: close the connection without answering.
@@ -248,7 +258,7 @@ class FakeParticipant:
         )
         self._blob = b"".join(r.encode() for r in self.records)
         self._restored_blob = b"".join(r.encode() for r in self.restored_records)
-        self.stats: Mapping[Op, Stats] = dict(stats or {})
+        self.stats: dict[Op, Stats] = dict(stats or {})
         self.script: Mapping[Op, Fault] = dict(script or {})
         self.arrival = arrival
 
@@ -260,6 +270,7 @@ class FakeParticipant:
         self._releases = 0
         self._retried: dict[Op, int] = {}
         self._quiesce_deadlines: list[int] = []
+        self._advances = 0
         self._errors: list[BaseException] = []
         self._barrier_waiters = 0
         self._stopping = threading.Event()
@@ -283,6 +294,12 @@ class FakeParticipant:
         """The deadline (ns; 0: none) each QUIESCE request carried, in order."""
         with self._lock:
             return list(self._quiesce_deadlines)
+
+    @property
+    def advances(self) -> int:
+        """QUIESCE requests that found the fake QUIESCED: advances (specs/quiesce.md)."""
+        with self._lock:
+            return self._advances
 
     @property
     def releases(self) -> int:
@@ -630,7 +647,9 @@ class FakeParticipant:
                     f"{op.name} is not allowed in phase {phase.name}",
                     participant=participant,
                 )
-            if kind in ("retry", "fail"):
+            if op is Op.QUIESCE and phase is Phase.QUIESCED:
+                self._advances += 1
+            if kind in ("retry", "fail", "pending"):
                 assert fault is not None
                 answered = self._retried.get(op, 0)
                 if fault.times and answered >= fault.times:
@@ -640,8 +659,14 @@ class FakeParticipant:
                 return self._encode(
                     echoed, Status.RETRY, "out of memory (injected)", participant=participant
                 )
+            if kind == "pending":
+                assert fault is not None
+                self._phase = Phase.ACTIVE
+                return self._encode(echoed, Status.PENDING, fault.message, participant=participant)
             if kind == "fail":
                 assert fault is not None
+                if op is Op.QUIESCE:
+                    self._phase = Phase.ACTIVE  # a refused QUIESCE opens the gate, advance or not
                 if is_destructive(op) and fault.status is not Status.REFUSED:
                     self._phase = Phase.FAILED
                     self._reason = f"{op.name} failed: {fault.message}"
@@ -670,7 +695,8 @@ class FakeParticipant:
             self._restored = True
         elif op is Op.ROLLBACK_IMPORTS:
             self._restored = False  # back to what it was before the capture
-        stats = self.stats.get(op, Stats()) if op in _STATS_OPS else Stats()
+        # QUIESCE's stat_count is the threads held at the gate (a test may set it).
+        stats = self.stats.get(op, Stats()) if op in _STATS_OPS | {Op.QUIESCE} else Stats()
         return self._encode(echoed, Status.OK, "", participant=participant, stats=stats)
 
     def _encode(

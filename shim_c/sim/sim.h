@@ -498,5 +498,15 @@ SIM_EXPORT CUresult CUDAAPI cuStreamBatchMemOp_v2_ptsz(CUstream s, unsigned int 
 /* For tests of the shim's error paths: let `skip` cuMemUnmap calls of this
  * process through, then fail the next one with `result` (nothing unmapped). */
 SIM_EXPORT int cuinterposeSimFailUnmap(unsigned skip, CUresult result);
+/* For tests of QUIESCE (collective.c): a CUhostFn whose argument is one
+ * rank's view of a collective; `arrived` (one word per rank) and `abandon`
+ * lie in memory all ranks share. */
+struct cuinterpose_sim_collective {
+    uint64_t *arrived;
+    uint32_t *abandon;
+    uint32_t rank;
+    uint32_t ranks;
+};
+SIM_EXPORT void cuinterposeSimCollective(void *arg);
 
 #endif

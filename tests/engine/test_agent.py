@@ -19,7 +19,7 @@ import attrs
 import pytest
 import topologies
 from cuinterpose import cli
-from cuinterpose.engine import Options, agent, native
+from cuinterpose.engine import Options, PhaseFailed, agent, native
 from cuinterpose.engine.native import NativeError, NativeGroupError, ProcessState
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.wire import Op, Phase, Status, socket_name
@@ -511,26 +511,25 @@ def test_cli_suspend_refused_by_capture_touches_no_native_state(
     assert not (work / "ckpt" / agent.MANIFEST_FILE_NAME).exists()
 
 
-def test_a_suspend_that_is_not_quiet_starts_over_with_longer_deadlines(tmp_path: Path) -> None:
-    """Each capture attempt asks every shim for a longer QUIESCE deadline; the last one
-    leaves each shim its own (0 on the wire)."""
-    not_quiet = "QUIESCE: pid 1001 did not reach a quiet point within 500 ms"
-    script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, not_quiet, times=2)}}
-    with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as t:
-        log = logging.getLogger("test")
-        captured = agent._capture_quiet(t.endpoints, tmp_path, Options(5.0), log)
-        deadlines = [f.quiesce_deadlines for f in t.fakes]
-    assert captured.state.topology == TOPOLOGY
-    sent = [round(d * 1e9) if d is not None else 0 for d in agent.QUIESCE_DEADLINES[:3]]
-    assert sent[0] < sent[-1] and 0 not in sent  # short ones first, the shim's own last
-    assert deadlines == [sent] * len(deadlines)
-
-
-def test_an_embedders_quiesce_deadline_is_kept_for_every_attempt(tmp_path: Path) -> None:
-    not_quiet = "QUIESCE: pid 1001 did not reach a quiet point within 3000 ms"
+def test_a_suspend_refused_as_not_quiet_starts_over_once(tmp_path: Path) -> None:
+    """A shim that ran out of its own deadline refuses (its gate opened): the capture
+    starts over, and the second attempt's rounds find the team quiet."""
+    not_quiet = "QUIESCE: pid 1001 did not reach a quiet point within 10000 ms"
     script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, not_quiet, times=1)}}
     with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as t:
         log = logging.getLogger("test")
-        agent._capture_quiet(t.endpoints, tmp_path, Options(5.0, quiesce_deadline=3.0), log)
-        deadlines = [f.quiesce_deadlines for f in t.fakes]
-    assert deadlines == [[3_000_000_000] * 2] * len(deadlines)
+        captured = agent._capture_quiet(t.endpoints, tmp_path, Options(5.0), log)
+        received = [f.received.count(Op.QUIESCE) for f in t.fakes]
+    assert captured.state.topology == TOPOLOGY
+    assert received == [agent.QUIESCE_ATTEMPTS] * len(received)
+
+
+def test_a_suspend_refused_as_not_quiet_twice_is_refused(tmp_path: Path) -> None:
+    not_quiet = "QUIESCE: pid 1001 did not reach a quiet point within 10000 ms"
+    script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, not_quiet)}}
+    with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        log = logging.getLogger("test")
+        with pytest.raises(PhaseFailed, match="did not reach a quiet point") as caught:
+            agent._capture_quiet(t.endpoints, tmp_path, Options(5.0), log)
+        assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
+    assert caught.value.phase == "QUIESCE" and not caught.value.destroyed

@@ -275,6 +275,7 @@ def c_program(ints: list[str], strings: list[str], structs: dict[str, list[CFiel
     )
     lines.append("CUIP_ROLLBACK_OPS(PIN_ROLLBACK_OP)")
     lines.append('printf("rollback_from"); CUIP_ROLLBACK_FROM(PIN_PHASE) printf("\\n");')
+    lines.append('printf("quiesce_from"); CUIP_QUIESCE_FROM(PIN_PHASE) printf("\\n");')
     access_fill = "\n    ".join(
         f"r.access[{i}].location_type = {t}; r.access[{i}].location_id = {loc}; "
         f"r.access[{i}].flags = {flags}ull;"
@@ -324,6 +325,7 @@ class CLayout:
     # ((need, its value), ...))
     rollback_ops: list[tuple[str, int, str, int, int, tuple[tuple[str, int], ...]]]
     rollback_from: list[tuple[str, int]]  # CUIP_ROLLBACK_FROM: (phase, its value)
+    quiesce_from: list[tuple[str, int]]  # CUIP_QUIESCE_FROM: (phase, its value)
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +350,7 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> CLayout:
     out = subprocess.run(
         [str(binary)], check=True, capture_output=True, text=True, timeout=10
     ).stdout
-    layout = CLayout({}, {}, {}, {name: [] for name in structs}, structs, {}, [], [], [])
+    layout = CLayout({}, {}, {}, {name: [] for name in structs}, structs, {}, [], [], [], [])
     for line in out.splitlines():
         tag, rest = line.split(" ", 1)
         if tag == "int":
@@ -380,6 +382,8 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> CLayout:
             )  # fmt: skip
         elif tag == "rollback_from":
             layout.rollback_from.extend(phase_list(rest.split(" ")))
+        elif tag == "quiesce_from":
+            layout.quiesce_from.extend(phase_list(rest.split(" ")))
     return layout
 
 
@@ -525,8 +529,15 @@ def test_phase_ops_match_the_engine_table(c_layout: CLayout) -> None:
         (op, needs, reaches, transfers)
         for op, _, needs, _, reaches, _, transfers in c_layout.phase_ops
     ]
-    python_table = [(p.op, *p.needs, p.reaches, int(p.transfers)) for p in PHASE_OPS]
+    # The X-macro names the first phase an op is served in; QUIESCE's whole list
+    # is CUIP_QUIESCE_FROM (an advance in QUIESCED), every other op has one.
+    python_table = [(p.op, p.needs[0], p.reaches, int(p.transfers)) for p in PHASE_OPS]
     assert c_table == python_table
+    served = {p.op: p.needs for p in PHASE_OPS}
+    assert [name for name, _ in c_layout.quiesce_from] == list(served.pop("QUIESCE"))
+    assert all(len(needs) == 1 for needs in served.values())
+    for name, value in c_layout.quiesce_from:
+        assert Phase[name] == value
 
 
 def test_phase_ops_name_wire_members(c_layout: CLayout) -> None:

@@ -12,6 +12,7 @@ and, with CUINTERPOSE_TRACE_OUT, written to quiesce-nccl.json there.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,7 +27,8 @@ from tests.gpu.test_nccl_two_ranks import NO_MULTICAST, Rank, _free_port, _gpus,
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.usefixtures("gpu")]
 
 HERE = Path(__file__).resolve().parent
-ROUNDS = 3
+# Suspends in a row (CUINTERPOSE_NCCL_SUSPENDS overrides: the H200 runs use more).
+SUSPENDS = int(os.environ.get("CUINTERPOSE_NCCL_SUSPENDS", "3"))
 PROGRESS = 20  # iterations each rank must complete between two suspends
 
 
@@ -85,14 +87,14 @@ def test_a_looping_nccl_job_is_suspended_and_resumed_repeatedly(
     }
     ranks = [LoopRank(r, env, tmp_path / f"rank{r}.stderr") for r in range(2)]
     cenv = coordinator_env({**plain_env, **NO_MULTICAST})
-    rounds: list[dict[str, Any]] = []
+    suspends: list[dict[str, Any]] = []
     passed = False
     try:
         first = [r.answer(300.0) for r in ranks]
         assert all(a["ready"] for a in first), first
         pids = [int(a["pid"]) for a in first]
         wait_progress(ranks, PROGRESS)
-        for k in range(ROUNDS):
+        for k in range(SUSPENDS):
             ckpt = tmp_path / f"checkpoint-{k}"
             sus = run_cli(
                 "suspend", pids=pids, checkpoint_dir=ckpt, control_dir=control_dir,
@@ -107,11 +109,16 @@ def test_a_looping_nccl_job_is_suspended_and_resumed_repeatedly(
             assert res.returncode == 0, res.stderr
             wait_progress(ranks, max(at_suspend) + PROGRESS)
             quiesce = [e for e in sus.events if e.get("phase") == "QUIESCE"]
-            rounds.append(
+            # Every QUIESCE round that left a rank not quiet, and every refused attempt.
+            not_yet = [e for e in sus.events if e.get("event") == "quiesce_round"]
+            refused = [e for e in sus.events if e.get("event") == "failed"]
+            suspends.append(
                 {
                     "suspend_s": sus.seconds,
                     "resume_s": res.seconds,
                     "quiesce": quiesce,
+                    "quiesce_rounds_not_quiet": not_yet,
+                    "refused_attempts": refused,
                     "iterations_at_suspend": at_suspend,
                 }
             )
@@ -122,7 +129,7 @@ def test_a_looping_nccl_job_is_suspended_and_resumed_repeatedly(
         assert all(f["stopped"] == stop_at and not f["bad"] and not f["errors"] for f in final), (
             final
         )
-        figures = {"rounds": rounds, "iterations": stop_at}
+        figures = {"suspends": suspends, "iterations": stop_at}
         print(json.dumps(figures, indent=2, default=str))
         if trace_out is not None:
             (trace_out / "quiesce-nccl.json").write_text(json.dumps(figures, default=str))

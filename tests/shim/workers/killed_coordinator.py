@@ -4,7 +4,8 @@
 
 Runs the capture or restore machine in this process and kills itself right after
 the OCCURRENCE-th progress event of PHASE: the op has completed on every
-participant and no further op was sent. Used by tests/shim/test_faults.py; the
+participant and no further op was sent (PHASE QUIESCE_ROUND: the OCCURRENCE-th
+QUIESCE round that left someone not quiet). Used by tests/shim/test_faults.py; the
 exit status is -9 when the kill happened, 0 when the machine ended first.
 """
 
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 from cuinterpose.engine import Options, PhaseEvent, capture, endpoint_for, restore
-from cuinterpose.engine.progress import Event
+from cuinterpose.engine.progress import Event, QuiesceRound
 
 
 def main(argv: list[str]) -> int:
@@ -26,7 +27,10 @@ def main(argv: list[str]) -> int:
 
     def on_progress(event: Event) -> None:
         nonlocal seen
-        if isinstance(event, PhaseEvent) and event.machine == machine and event.phase == phase:
+        counted = (isinstance(event, PhaseEvent) and event.phase == phase) or (
+            isinstance(event, QuiesceRound) and phase == "QUIESCE_ROUND"
+        )
+        if counted and event.machine == machine:
             seen += 1
             if seen == int(occurrence):
                 os.kill(os.getpid(), signal.SIGKILL)
