@@ -17,7 +17,9 @@
  * the driver's symbol, the others are handed out by the resolvers, one per
  * distinct pointer the driver answered (the default-stream and per-thread
  * variants, internal entry points), so each wrapper calls exactly what the
- * driver would have given the application.
+ * driver would have given the application. Its per-thread default stream
+ * export (_ptsz, _ptds), where cuda.h has one, is gated as well and calls
+ * the driver's symbol of that name.
  *
  * The real driver is never linked: driver.c opens it by soname at first use.
  */
@@ -39,6 +41,17 @@ SHIM_NO_SAN static bool same(const char *a, const char *b)
 /* Defined in this file, unicast.c, multicast.c and capability.c. cuda.h maps some
  * names to _v2 with macros; the old ABIs are declared here by hand. */
 #undef cuGetProcAddress
+/* cuda.h maps the batch copies' names to their 13.0 ABI (_v2); the names
+ * themselves are the 12.8 ABI, exported by the driver as such. */
+#undef cuMemcpyBatchAsync
+#undef cuMemcpy3DBatchAsync
+/* The same for the stream memory operations: the names are CUDA 8.0's ABI,
+ * which has the same signature as 11.7's _v2. */
+#undef cuStreamWaitValue32
+#undef cuStreamWaitValue64
+#undef cuStreamWriteValue32
+#undef cuStreamWriteValue64
+#undef cuStreamBatchMemOp
 SHIM_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion,
                                       cuuint64_t flags);
 SHIM_EXPORT CUresult cuGetProcAddress_v2_ptsz(const char *symbol, void **pfn, int cudaVersion,
@@ -97,59 +110,161 @@ static const struct tracked tracked[] = {
 #define GATE_SLOTS 8
 #define NO_MAX 0x7fffffff
 
-/* X(symbol, resolver name, first version, last version + 1, class, params, args) */
-#define GATED_CALLS(X)                                                                    \
-    X(cuLaunchKernel, "cuLaunchKernel", 0, NO_MAX, GATE_LAUNCH,                           \
-      (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,  \
-       unsigned int by, unsigned int bz, unsigned int shm, CUstream s, void **p,          \
-       void **e),                                                                         \
-      (f, gx, gy, gz, bx, by, bz, shm, s, p, e))                                          \
-    X(cuLaunchKernelEx, "cuLaunchKernelEx", 0, NO_MAX, GATE_LAUNCH,                       \
-      (const CUlaunchConfig *c, CUfunction f, void **p, void **e), (c, f, p, e))          \
-    X(cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel", 0, NO_MAX, GATE_LAUNCH,     \
-      (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,  \
-       unsigned int by, unsigned int bz, unsigned int shm, CUstream s, void **p),         \
-      (f, gx, gy, gz, bx, by, bz, shm, s, p))                                             \
-    X(cuLaunchHostFunc, "cuLaunchHostFunc", 0, NO_MAX, GATE_LAUNCH,                       \
-      (CUstream s, CUhostFn fn, void *arg), (s, fn, arg))                                 \
-    X(cuGraphLaunch, "cuGraphLaunch", 0, NO_MAX, GATE_LAUNCH,                             \
-      (CUgraphExec g, CUstream s), (g, s))                                                \
-    X(cuEventRecord, "cuEventRecord", 0, NO_MAX, GATE_LAUNCH, (CUevent ev, CUstream s),   \
-      (ev, s))                                                                            \
-    X(cuMemcpyAsync, "cuMemcpyAsync", 0, NO_MAX, GATE_LAUNCH,                             \
-      (CUdeviceptr d, CUdeviceptr src, size_t n, CUstream s), (d, src, n, s))             \
-    X(cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync", 3020, NO_MAX, GATE_LAUNCH,               \
-      (CUdeviceptr d, const void *src, size_t n, CUstream s), (d, src, n, s))             \
-    X(cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync", 3020, NO_MAX, GATE_LAUNCH,               \
-      (void *d, CUdeviceptr src, size_t n, CUstream s), (d, src, n, s))                   \
-    X(cuMemcpyDtoDAsync_v2, "cuMemcpyDtoDAsync", 3020, NO_MAX, GATE_LAUNCH,               \
-      (CUdeviceptr d, CUdeviceptr src, size_t n, CUstream s), (d, src, n, s))             \
-    X(cuMemsetD8Async, "cuMemsetD8Async", 0, NO_MAX, GATE_LAUNCH,                         \
-      (CUdeviceptr d, unsigned char v, size_t n, CUstream s), (d, v, n, s))               \
-    X(cuMemsetD16Async, "cuMemsetD16Async", 0, NO_MAX, GATE_LAUNCH,                       \
-      (CUdeviceptr d, unsigned short v, size_t n, CUstream s), (d, v, n, s))              \
-    X(cuMemsetD32Async, "cuMemsetD32Async", 0, NO_MAX, GATE_LAUNCH,                       \
-      (CUdeviceptr d, unsigned int v, size_t n, CUstream s), (d, v, n, s))                \
-    X(cuMemsetD8_v2, "cuMemsetD8", 3020, NO_MAX, GATE_LAUNCH,                             \
-      (CUdeviceptr d, unsigned char v, size_t n), (d, v, n))                              \
-    X(cuMemsetD16_v2, "cuMemsetD16", 3020, NO_MAX, GATE_LAUNCH,                           \
-      (CUdeviceptr d, unsigned short v, size_t n), (d, v, n))                             \
-    X(cuMemsetD32_v2, "cuMemsetD32", 3020, NO_MAX, GATE_LAUNCH,                           \
-      (CUdeviceptr d, unsigned int v, size_t n), (d, v, n))                               \
-    X(cuCtxSynchronize, "cuCtxSynchronize", 0, 13000, GATE_SYNC, (void), ())              \
-    X(cuCtxSynchronize_v2, "cuCtxSynchronize", 13000, NO_MAX, GATE_SYNC, (CUcontext c),   \
-      (c))                                                                                \
-    X(cuStreamSynchronize, "cuStreamSynchronize", 0, NO_MAX, GATE_SYNC, (CUstream s),     \
-      (s))                                                                                \
-    X(cuEventSynchronize, "cuEventSynchronize", 0, NO_MAX, GATE_SYNC, (CUevent ev), (ev)) \
-    X(cuMemcpy, "cuMemcpy", 0, NO_MAX, GATE_SYNC,                                         \
-      (CUdeviceptr d, CUdeviceptr src, size_t n), (d, src, n))                            \
-    X(cuMemcpyHtoD_v2, "cuMemcpyHtoD", 3020, NO_MAX, GATE_SYNC,                           \
-      (CUdeviceptr d, const void *src, size_t n), (d, src, n))                            \
-    X(cuMemcpyDtoH_v2, "cuMemcpyDtoH", 3020, NO_MAX, GATE_SYNC,                           \
-      (void *d, CUdeviceptr src, size_t n), (d, src, n))                                  \
-    X(cuMemcpyDtoD_v2, "cuMemcpyDtoD", 3020, NO_MAX, GATE_SYNC,                           \
-      (CUdeviceptr d, CUdeviceptr src, size_t n), (d, src, n))
+/* X(symbol, resolver name, first version, last version + 1, class, per-thread
+ * variant, params, args). The per-thread variant is the suffix of the
+ * driver's export for the per-thread default stream (cuda.h's
+ * CUDA_API_PER_THREAD_DEFAULT_STREAM list: symbol_ptsz, symbol_ptds) or none.
+ * Launching: queues device work (copies, memsets, value waits and writes,
+ * stream-ordered allocation, event records and waits). Synchronizing: blocks
+ * the host until device work is done (synchronizes, blocking copies). */
+#define GATED_CALLS(X)                                                                         \
+    X(cuLaunchKernel, "cuLaunchKernel", 0, NO_MAX, GATE_LAUNCH, ptsz,                          \
+      (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,       \
+      unsigned int by, unsigned int bz, unsigned int shm, CUstream s, void **p, void **e),     \
+      (f, gx, gy, gz, bx, by, bz, shm, s, p, e))                                               \
+    X(cuLaunchKernelEx, "cuLaunchKernelEx", 0, NO_MAX, GATE_LAUNCH, ptsz,                      \
+      (const CUlaunchConfig *c, CUfunction f, void **p, void **e), (c, f, p, e))               \
+    X(cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel", 0, NO_MAX, GATE_LAUNCH, ptsz,    \
+      (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,       \
+      unsigned int by, unsigned int bz, unsigned int shm, CUstream s, void **p), (f, gx, gy,   \
+      gz, bx, by, bz, shm, s, p))                                                              \
+    X(cuLaunchHostFunc, "cuLaunchHostFunc", 0, NO_MAX, GATE_LAUNCH, ptsz,                      \
+      (CUstream s, CUhostFn fn, void *arg), (s, fn, arg))                                      \
+    X(cuGraphLaunch, "cuGraphLaunch", 0, NO_MAX, GATE_LAUNCH, ptsz,                            \
+      (CUgraphExec g, CUstream s), (g, s))                                                     \
+    X(cuEventRecord, "cuEventRecord", 0, NO_MAX, GATE_LAUNCH, ptsz,                            \
+      (CUevent ev, CUstream s), (ev, s))                                                       \
+    X(cuEventRecordWithFlags, "cuEventRecordWithFlags", 0, NO_MAX, GATE_LAUNCH, ptsz,          \
+      (CUevent ev, CUstream s, unsigned int fl), (ev, s, fl))                                  \
+    X(cuStreamAddCallback, "cuStreamAddCallback", 0, NO_MAX, GATE_LAUNCH, ptsz,                \
+      (CUstream s, CUstreamCallback cb, void *arg, unsigned int fl), (s, cb, arg, fl))         \
+    X(cuStreamWaitEvent, "cuStreamWaitEvent", 0, NO_MAX, GATE_LAUNCH, ptsz,                    \
+      (CUstream s, CUevent ev, unsigned int fl), (s, ev, fl))                                  \
+    X(cuMemcpyAsync, "cuMemcpyAsync", 0, NO_MAX, GATE_LAUNCH, ptsz,                            \
+      (CUdeviceptr d, CUdeviceptr src, size_t n, CUstream s), (d, src, n, s))                  \
+    X(cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync", 3020, NO_MAX, GATE_LAUNCH, ptsz,              \
+      (CUdeviceptr d, const void *src, size_t n, CUstream s), (d, src, n, s))                  \
+    X(cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync", 3020, NO_MAX, GATE_LAUNCH, ptsz,              \
+      (void *d, CUdeviceptr src, size_t n, CUstream s), (d, src, n, s))                        \
+    X(cuMemcpyDtoDAsync_v2, "cuMemcpyDtoDAsync", 3020, NO_MAX, GATE_LAUNCH, ptsz,              \
+      (CUdeviceptr d, CUdeviceptr src, size_t n, CUstream s), (d, src, n, s))                  \
+    X(cuMemcpy2DAsync_v2, "cuMemcpy2DAsync", 3020, NO_MAX, GATE_LAUNCH, ptsz,                  \
+      (const CUDA_MEMCPY2D *c, CUstream s), (c, s))                                            \
+    X(cuMemcpy3DAsync_v2, "cuMemcpy3DAsync", 3020, NO_MAX, GATE_LAUNCH, ptsz,                  \
+      (const CUDA_MEMCPY3D *c, CUstream s), (c, s))                                            \
+    X(cuMemcpyPeerAsync, "cuMemcpyPeerAsync", 0, NO_MAX, GATE_LAUNCH, ptsz,                    \
+      (CUdeviceptr d, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t n, CUstream s),      \
+      (d, dc, src, sc, n, s))                                                                  \
+    X(cuMemcpy3DPeerAsync, "cuMemcpy3DPeerAsync", 0, NO_MAX, GATE_LAUNCH, ptsz,                \
+      (const CUDA_MEMCPY3D_PEER *c, CUstream s), (c, s))                                       \
+    X(cuMemcpyHtoAAsync_v2, "cuMemcpyHtoAAsync", 3020, NO_MAX, GATE_LAUNCH, ptsz,              \
+      (CUarray a, size_t off, const void *src, size_t n, CUstream s), (a, off, src, n, s))     \
+    X(cuMemcpyAtoHAsync_v2, "cuMemcpyAtoHAsync", 3020, NO_MAX, GATE_LAUNCH, ptsz,              \
+      (void *d, CUarray a, size_t off, size_t n, CUstream s), (d, a, off, n, s))               \
+    X(cuMemcpyBatchAsync, "cuMemcpyBatchAsync", 0, 13000, GATE_LAUNCH, ptsz,                   \
+      (CUdeviceptr *d, CUdeviceptr *src, size_t *n, size_t count, CUmemcpyAttributes *a,       \
+      size_t *ai, size_t na, size_t *fail, CUstream s), (d, src, n, count, a, ai, na, fail,    \
+      s))                                                                                      \
+    X(cuMemcpyBatchAsync_v2, "cuMemcpyBatchAsync", 13000, NO_MAX, GATE_LAUNCH, ptsz,           \
+      (CUdeviceptr *d, CUdeviceptr *src, size_t *n, size_t count, CUmemcpyAttributes *a,       \
+      size_t *ai, size_t na, CUstream s), (d, src, n, count, a, ai, na, s))                    \
+    X(cuMemcpy3DBatchAsync, "cuMemcpy3DBatchAsync", 0, 13000, GATE_LAUNCH, ptsz,               \
+      (size_t n, CUDA_MEMCPY3D_BATCH_OP *ops, size_t *fail, unsigned long long fl, CUstream    \
+      s), (n, ops, fail, fl, s))                                                               \
+    X(cuMemcpy3DBatchAsync_v2, "cuMemcpy3DBatchAsync", 13000, NO_MAX, GATE_LAUNCH, ptsz,       \
+      (size_t n, CUDA_MEMCPY3D_BATCH_OP *ops, unsigned long long fl, CUstream s), (n, ops,     \
+      fl, s))                                                                                  \
+    X(cuMemsetD8Async, "cuMemsetD8Async", 0, NO_MAX, GATE_LAUNCH, ptsz,                        \
+      (CUdeviceptr d, unsigned char v, size_t n, CUstream s), (d, v, n, s))                    \
+    X(cuMemsetD16Async, "cuMemsetD16Async", 0, NO_MAX, GATE_LAUNCH, ptsz,                      \
+      (CUdeviceptr d, unsigned short v, size_t n, CUstream s), (d, v, n, s))                   \
+    X(cuMemsetD32Async, "cuMemsetD32Async", 0, NO_MAX, GATE_LAUNCH, ptsz,                      \
+      (CUdeviceptr d, unsigned int v, size_t n, CUstream s), (d, v, n, s))                     \
+    X(cuMemsetD8_v2, "cuMemsetD8", 3020, NO_MAX, GATE_LAUNCH, ptds,                            \
+      (CUdeviceptr d, unsigned char v, size_t n), (d, v, n))                                   \
+    X(cuMemsetD16_v2, "cuMemsetD16", 3020, NO_MAX, GATE_LAUNCH, ptds,                          \
+      (CUdeviceptr d, unsigned short v, size_t n), (d, v, n))                                  \
+    X(cuMemsetD32_v2, "cuMemsetD32", 3020, NO_MAX, GATE_LAUNCH, ptds,                          \
+      (CUdeviceptr d, unsigned int v, size_t n), (d, v, n))                                    \
+    X(cuMemsetD2D8_v2, "cuMemsetD2D8", 3020, NO_MAX, GATE_LAUNCH, ptds,                        \
+      (CUdeviceptr d, size_t pitch, unsigned char v, size_t w, size_t h), (d, pitch, v, w, h)) \
+    X(cuMemsetD2D16_v2, "cuMemsetD2D16", 3020, NO_MAX, GATE_LAUNCH, ptds,                      \
+      (CUdeviceptr d, size_t pitch, unsigned short v, size_t w, size_t h), (d, pitch, v, w, h)) \
+    X(cuMemsetD2D32_v2, "cuMemsetD2D32", 3020, NO_MAX, GATE_LAUNCH, ptds,                      \
+      (CUdeviceptr d, size_t pitch, unsigned int v, size_t w, size_t h), (d, pitch, v, w, h))  \
+    X(cuMemsetD2D8Async, "cuMemsetD2D8Async", 3020, NO_MAX, GATE_LAUNCH, ptsz,                 \
+      (CUdeviceptr d, size_t pitch, unsigned char v, size_t w, size_t h, CUstream s),          \
+      (d, pitch, v, w, h, s))                                                                  \
+    X(cuMemsetD2D16Async, "cuMemsetD2D16Async", 3020, NO_MAX, GATE_LAUNCH, ptsz,               \
+      (CUdeviceptr d, size_t pitch, unsigned short v, size_t w, size_t h, CUstream s),         \
+      (d, pitch, v, w, h, s))                                                                  \
+    X(cuMemsetD2D32Async, "cuMemsetD2D32Async", 3020, NO_MAX, GATE_LAUNCH, ptsz,               \
+      (CUdeviceptr d, size_t pitch, unsigned int v, size_t w, size_t h, CUstream s),           \
+      (d, pitch, v, w, h, s))                                                                  \
+    X(cuMemAllocAsync, "cuMemAllocAsync", 0, NO_MAX, GATE_LAUNCH, ptsz,                        \
+      (CUdeviceptr *d, size_t n, CUstream s), (d, n, s))                                       \
+    X(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", 0, NO_MAX, GATE_LAUNCH, ptsz,        \
+      (CUdeviceptr *d, size_t n, CUmemoryPool pool, CUstream s), (d, n, pool, s))              \
+    X(cuMemFreeAsync, "cuMemFreeAsync", 0, NO_MAX, GATE_LAUNCH, ptsz,                          \
+      (CUdeviceptr d, CUstream s), (d, s))                                                     \
+    X(cuStreamWaitValue32, "cuStreamWaitValue32", 0, 11070, GATE_LAUNCH, ptsz,                 \
+      (CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int fl), (s, a, v, fl))               \
+    X(cuStreamWaitValue32_v2, "cuStreamWaitValue32", 11070, NO_MAX, GATE_LAUNCH, ptsz,         \
+      (CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int fl), (s, a, v, fl))               \
+    X(cuStreamWaitValue64, "cuStreamWaitValue64", 0, 11070, GATE_LAUNCH, ptsz,                 \
+      (CUstream s, CUdeviceptr a, cuuint64_t v, unsigned int fl), (s, a, v, fl))               \
+    X(cuStreamWaitValue64_v2, "cuStreamWaitValue64", 11070, NO_MAX, GATE_LAUNCH, ptsz,         \
+      (CUstream s, CUdeviceptr a, cuuint64_t v, unsigned int fl), (s, a, v, fl))               \
+    X(cuStreamWriteValue32, "cuStreamWriteValue32", 0, 11070, GATE_LAUNCH, ptsz,               \
+      (CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int fl), (s, a, v, fl))               \
+    X(cuStreamWriteValue32_v2, "cuStreamWriteValue32", 11070, NO_MAX, GATE_LAUNCH, ptsz,       \
+      (CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int fl), (s, a, v, fl))               \
+    X(cuStreamWriteValue64, "cuStreamWriteValue64", 0, 11070, GATE_LAUNCH, ptsz,               \
+      (CUstream s, CUdeviceptr a, cuuint64_t v, unsigned int fl), (s, a, v, fl))               \
+    X(cuStreamWriteValue64_v2, "cuStreamWriteValue64", 11070, NO_MAX, GATE_LAUNCH, ptsz,       \
+      (CUstream s, CUdeviceptr a, cuuint64_t v, unsigned int fl), (s, a, v, fl))               \
+    X(cuStreamBatchMemOp, "cuStreamBatchMemOp", 0, 11070, GATE_LAUNCH, ptsz,                   \
+      (CUstream s, unsigned int n, CUstreamBatchMemOpParams *ops, unsigned int fl), (s, n,     \
+      ops, fl))                                                                                \
+    X(cuStreamBatchMemOp_v2, "cuStreamBatchMemOp", 11070, NO_MAX, GATE_LAUNCH, ptsz,           \
+      (CUstream s, unsigned int n, CUstreamBatchMemOpParams *ops, unsigned int fl), (s, n,     \
+      ops, fl))                                                                                \
+    X(cuCtxSynchronize, "cuCtxSynchronize", 0, 13000, GATE_SYNC, none, (void), ())             \
+    X(cuCtxSynchronize_v2, "cuCtxSynchronize", 13000, NO_MAX, GATE_SYNC, none,                 \
+      (CUcontext c), (c))                                                                      \
+    X(cuStreamSynchronize, "cuStreamSynchronize", 0, NO_MAX, GATE_SYNC, ptsz,                  \
+      (CUstream s), (s))                                                                       \
+    X(cuEventSynchronize, "cuEventSynchronize", 0, NO_MAX, GATE_SYNC, none,                    \
+      (CUevent ev), (ev))                                                                      \
+    X(cuMemcpy, "cuMemcpy", 0, NO_MAX, GATE_SYNC, ptds,                                        \
+      (CUdeviceptr d, CUdeviceptr src, size_t n), (d, src, n))                                 \
+    X(cuMemcpyHtoD_v2, "cuMemcpyHtoD", 3020, NO_MAX, GATE_SYNC, ptds,                          \
+      (CUdeviceptr d, const void *src, size_t n), (d, src, n))                                 \
+    X(cuMemcpyDtoH_v2, "cuMemcpyDtoH", 3020, NO_MAX, GATE_SYNC, ptds,                          \
+      (void *d, CUdeviceptr src, size_t n), (d, src, n))                                       \
+    X(cuMemcpyDtoD_v2, "cuMemcpyDtoD", 3020, NO_MAX, GATE_SYNC, ptds,                          \
+      (CUdeviceptr d, CUdeviceptr src, size_t n), (d, src, n))                                 \
+    X(cuMemcpy2D_v2, "cuMemcpy2D", 3020, NO_MAX, GATE_SYNC, ptds,                              \
+      (const CUDA_MEMCPY2D *c), (c))                                                           \
+    X(cuMemcpy2DUnaligned_v2, "cuMemcpy2DUnaligned", 3020, NO_MAX, GATE_SYNC, ptds,            \
+      (const CUDA_MEMCPY2D *c), (c))                                                           \
+    X(cuMemcpy3D_v2, "cuMemcpy3D", 3020, NO_MAX, GATE_SYNC, ptds,                              \
+      (const CUDA_MEMCPY3D *c), (c))                                                           \
+    X(cuMemcpyPeer, "cuMemcpyPeer", 0, NO_MAX, GATE_SYNC, ptds,                                \
+      (CUdeviceptr d, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t n), (d, dc, src,     \
+      sc, n))                                                                                  \
+    X(cuMemcpy3DPeer, "cuMemcpy3DPeer", 0, NO_MAX, GATE_SYNC, ptds,                            \
+      (const CUDA_MEMCPY3D_PEER *c), (c))                                                      \
+    X(cuMemcpyAtoH_v2, "cuMemcpyAtoH", 3020, NO_MAX, GATE_SYNC, ptds,                          \
+      (void *d, CUarray a, size_t off, size_t n), (d, a, off, n))                              \
+    X(cuMemcpyHtoA_v2, "cuMemcpyHtoA", 3020, NO_MAX, GATE_SYNC, ptds,                          \
+      (CUarray a, size_t off, const void *src, size_t n), (a, off, src, n))                    \
+    X(cuMemcpyAtoD_v2, "cuMemcpyAtoD", 3020, NO_MAX, GATE_SYNC, ptds,                          \
+      (CUdeviceptr d, CUarray a, size_t off, size_t n), (d, a, off, n))                        \
+    X(cuMemcpyDtoA_v2, "cuMemcpyDtoA", 3020, NO_MAX, GATE_SYNC, ptds,                          \
+      (CUarray a, size_t off, CUdeviceptr src, size_t n), (a, off, src, n))                    \
+    X(cuMemcpyAtoA_v2, "cuMemcpyAtoA", 3020, NO_MAX, GATE_SYNC, ptds,                          \
+      (CUarray d, size_t doff, CUarray a, size_t off, size_t n), (d, doff, a, off, n))
 
 /* The driver's own export, found once (slot 0). */
 static void *direct(void **slot, const char *symbol)
@@ -174,7 +289,7 @@ static void *direct(void **slot, const char *symbol)
         return r_;                                                                        \
     }
 
-#define GATED_DEFINE(sym, base, from, until, cls, params, args)                           \
+#define GATED_DEFINE(sym, base, from, until, cls, pt, params, args)                       \
     typedef CUresult(CUDAAPI *sym##_fn) params;                                           \
     static void *sym##_slot[GATE_SLOTS];                                                  \
     GATED_VIA(sym, base, cls, params, args, 1)                                            \
@@ -202,6 +317,33 @@ _Static_assert(GATE_SLOTS == 8, "GATED_DEFINE writes 7 resolver slots");
 
 GATED_CALLS(GATED_DEFINE)
 
+/* The per-thread default stream exports (cuMemcpyAsync_ptsz, ...), for
+ * programs built with CUDA_API_PER_THREAD_DEFAULT_STREAM or that dlsym these
+ * names: each calls the driver's own per-thread symbol, never the plain one
+ * (what NULL means as a stream differs). The resolvers hand the driver's
+ * per-thread pointers out through the plain call's slots. */
+#define PER_THREAD_EXPORT(name, cls, params, args)                                        \
+    typedef CUresult(CUDAAPI *name##_fn) params;                                          \
+    static void *name##_driver;                                                           \
+    SHIM_EXPORT CUresult CUDAAPI name params                                              \
+    {                                                                                     \
+        name##_fn f_ = (name##_fn)direct(&name##_driver, #name);                          \
+        CUresult r_;                                                                      \
+        if (!f_)                                                                          \
+            return CUDA_ERROR_NOT_INITIALIZED;                                            \
+        gate_enter(cls, #name);                                                           \
+        r_ = f_ args;                                                                     \
+        gate_leave(cls);                                                                  \
+        return r_;                                                                        \
+    }
+#define PER_THREAD_none(sym, cls, params, args)
+#define PER_THREAD_ptsz(sym, cls, params, args) PER_THREAD_EXPORT(sym##_ptsz, cls, params, args)
+#define PER_THREAD_ptds(sym, cls, params, args) PER_THREAD_EXPORT(sym##_ptds, cls, params, args)
+#define PER_THREAD_DEFINE(sym, base, from, until, cls, pt, params, args)                  \
+    PER_THREAD_##pt(sym, cls, params, args)
+
+GATED_CALLS(PER_THREAD_DEFINE)
+
 struct gated {
     const char *base;           /* as the resolvers are asked */
     const char *symbol;         /* the driver's export */
@@ -210,7 +352,7 @@ struct gated {
     void *const *vias;
 };
 
-#define GATED_ENTRY(sym, base, from, until, cls, params, args) \
+#define GATED_ENTRY(sym, base, from, until, cls, pt, params, args) \
     {base, #sym, from, until, sym##_slot, sym##_vias},
 static const struct gated gated[] = {GATED_CALLS(GATED_ENTRY)};
 #define NGATED (sizeof gated / sizeof gated[0])
@@ -268,9 +410,15 @@ static const struct named named[] = {
     {"cuMulticastBindAddr", (void *)cuMulticastBindAddr},
     {"cuMulticastBindAddr_v2", (void *)cuMulticastBindAddr_v2},
     {"cuMulticastUnbind", (void *)cuMulticastUnbind},
-#define GATED_NAMED(sym, base, from, until, cls, params, args) {#sym, (void *)sym},
+#define GATED_NAMED(sym, base, from, until, cls, pt, params, args) {#sym, (void *)sym},
     GATED_CALLS(GATED_NAMED)
 #undef GATED_NAMED
+#define NAMED_none(sym)
+#define NAMED_ptsz(sym) {#sym "_ptsz", (void *)sym##_ptsz},
+#define NAMED_ptds(sym) {#sym "_ptds", (void *)sym##_ptds},
+#define PER_THREAD_NAMED(sym, base, from, until, cls, pt, params, args) NAMED_##pt(sym)
+    GATED_CALLS(PER_THREAD_NAMED)
+#undef PER_THREAD_NAMED
     {"cudaGetDriverEntryPoint", (void *)cudaGetDriverEntryPoint},
     {"cudaGetDriverEntryPoint_ptsz", (void *)cudaGetDriverEntryPoint_ptsz},
     {"cudaGetDriverEntryPointByVersion", (void *)cudaGetDriverEntryPointByVersion},

@@ -322,7 +322,7 @@ static CUresult device_attr(int *pi, CUdevice_attribute attrib, CUdevice dev)
     case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: *pi = 0; break;
     case CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED: *pi = 1; break;
     case CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: *pi = 1; break;
-    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: *pi = 0; break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: *pi = 1; break; /* ordered.c */
     case CU_DEVICE_ATTRIBUTE_GENERIC_COMPRESSION_SUPPORTED: *pi = 0; break;
     case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: *pi = 49152; break;
     case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY: *pi = 65536; break;
@@ -902,6 +902,21 @@ CUresult CUDAAPI cuStreamSynchronize(CUstream hStream)
     SIM_API(stream_sync(hStream));
 }
 
+CUresult CUDAAPI cuStreamSynchronize_ptsz(CUstream hStream)
+{
+    SIM_API(stream_sync(sim_per_thread(hStream)));
+}
+
+CUresult sim_stream_wait(CUstream order)
+{
+    return stream_sync(order);
+}
+
+CUstream sim_per_thread(CUstream s)
+{
+    return s ? s : CU_STREAM_PER_THREAD;
+}
+
 CUresult CUDAAPI cuStreamQuery(CUstream hStream)
 {
     SIM_API(stream_query(hStream));
@@ -925,11 +940,65 @@ CUresult CUDAAPI cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
     SIM_API(launch_host_fn(hStream, fn, userData));
 }
 
+CUresult CUDAAPI cuLaunchHostFunc_ptsz(CUstream hStream, CUhostFn fn, void *userData)
+{
+    SIM_API(launch_host_fn(sim_per_thread(hStream), fn, userData));
+}
+
+/* Work that reached the callback ran without error (a failed context's
+ * work is not queued). */
+static CUresult run_callback(struct sim_work *w)
+{
+    w->callback(w->stream, CUDA_SUCCESS, w->host_arg);
+    return CUDA_SUCCESS;
+}
+
+static CUresult add_callback(CUstream h, CUstreamCallback cb, void *arg, unsigned flags)
+{
+    if (!cb || flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return sim_enqueue(h, &(struct sim_work){.run = run_callback, .callback = cb,
+                                             .host_arg = arg, .stream = h});
+}
+
+CUresult CUDAAPI cuStreamAddCallback(CUstream hStream, CUstreamCallback callback, void *userData,
+                                     unsigned int flags)
+{
+    SIM_API(add_callback(hStream, callback, userData, flags));
+}
+
+CUresult CUDAAPI cuStreamAddCallback_ptsz(CUstream hStream, CUstreamCallback callback,
+                                          void *userData, unsigned int flags)
+{
+    SIM_API(add_callback(sim_per_thread(hStream), callback, userData, flags));
+}
+
+static struct sim_event *event_check(CUevent h);
+
+/* Events complete when recorded, so the dependency is met when queued. */
+static CUresult stream_wait_event(CUstream s, CUevent h, unsigned flags)
+{
+    struct sim_event *e;
+    CUresult r = sim_stream_check(s);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (flags & ~(unsigned)CU_EVENT_WAIT_EXTERNAL)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_lock();
+    e = event_check(h);
+    sim_unlock();
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
 CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
 {
-    (void)hEvent;
-    (void)Flags;
-    SIM_API(sim_stream_check(hStream));
+    SIM_API(stream_wait_event(hStream, hEvent, Flags));
+}
+
+CUresult CUDAAPI cuStreamWaitEvent_ptsz(CUstream hStream, CUevent hEvent, unsigned int Flags)
+{
+    SIM_API(stream_wait_event(sim_per_thread(hStream), hEvent, Flags));
 }
 
 static CUresult stream_ctx(CUstream h, CUcontext *pctx)
@@ -1061,6 +1130,29 @@ static CUresult event_record(CUevent h, CUstream s)
 CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream)
 {
     SIM_API(event_record(hEvent, hStream));
+}
+
+CUresult CUDAAPI cuEventRecord_ptsz(CUevent hEvent, CUstream hStream)
+{
+    SIM_API(event_record(hEvent, sim_per_thread(hStream)));
+}
+
+static CUresult event_record_flags(CUevent h, CUstream s, unsigned flags)
+{
+    if (flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL)
+        return CUDA_ERROR_INVALID_VALUE;
+    return event_record(h, s);
+}
+
+CUresult CUDAAPI cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags)
+{
+    SIM_API(event_record_flags(hEvent, hStream, flags));
+}
+
+CUresult CUDAAPI cuEventRecordWithFlags_ptsz(CUevent hEvent, CUstream hStream,
+                                             unsigned int flags)
+{
+    SIM_API(event_record_flags(hEvent, sim_per_thread(hStream), flags));
 }
 
 static CUresult event_query(CUevent h)

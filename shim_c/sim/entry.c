@@ -291,9 +291,11 @@ static const struct proc procs[] = {
     P("cuStreamGetPriority", 5050, cuStreamGetPriority),
     P("cuStreamWaitEvent", 3020, cuStreamWaitEvent),
     P("cuLaunchHostFunc", 10000, cuLaunchHostFunc),
+    P("cuStreamAddCallback", 5000, cuStreamAddCallback),
     P("cuEventCreate", 2000, cuEventCreate),
     P("cuEventDestroy", 4000, cuEventDestroy_v2),
     P("cuEventRecord", 2000, cuEventRecord),
+    P("cuEventRecordWithFlags", 11010, cuEventRecordWithFlags),
     P("cuEventQuery", 2000, cuEventQuery),
     P("cuEventSynchronize", 2000, cuEventSynchronize),
     P("cuEventElapsedTime", 12080, cuEventElapsedTime_v2),
@@ -326,12 +328,53 @@ static const struct proc procs[] = {
     P("cuMemcpyDtoDAsync", 3020, cuMemcpyDtoDAsync_v2),
     P("cuMemcpyPeer", 4000, cuMemcpyPeer),
     P("cuMemcpyPeerAsync", 4000, cuMemcpyPeerAsync),
+    P("cuArrayCreate", 3020, cuArrayCreate_v2),
+    P("cuArrayDestroy", 2000, cuArrayDestroy),
+    P("cuMemcpyAtoH", 3020, cuMemcpyAtoH_v2),
+    P("cuMemcpyHtoA", 3020, cuMemcpyHtoA_v2),
+    P("cuMemcpyAtoD", 3020, cuMemcpyAtoD_v2),
+    P("cuMemcpyDtoA", 3020, cuMemcpyDtoA_v2),
+    P("cuMemcpyAtoA", 3020, cuMemcpyAtoA_v2),
+    P("cuMemcpyAtoHAsync", 3020, cuMemcpyAtoHAsync_v2),
+    P("cuMemcpyHtoAAsync", 3020, cuMemcpyHtoAAsync_v2),
+    P("cuMemcpy2D", 3020, cuMemcpy2D_v2),
+    P("cuMemcpy2DUnaligned", 3020, cuMemcpy2DUnaligned_v2),
+    P("cuMemcpy2DAsync", 3020, cuMemcpy2DAsync_v2),
+    P("cuMemcpy3D", 3020, cuMemcpy3D_v2),
+    P("cuMemcpy3DAsync", 3020, cuMemcpy3DAsync_v2),
+    P("cuMemcpy3DPeer", 4000, cuMemcpy3DPeer),
+    P("cuMemcpy3DPeerAsync", 4000, cuMemcpy3DPeerAsync),
+    P("cuMemcpyBatchAsync", 12080, sim_memcpy_batch_v1),
+    P("cuMemcpyBatchAsync", 13000, cuMemcpyBatchAsync_v2),
+    P("cuMemcpy3DBatchAsync", 12080, sim_memcpy_3d_batch_v1),
+    P("cuMemcpy3DBatchAsync", 13000, cuMemcpy3DBatchAsync_v2),
     P("cuMemsetD8", 3020, cuMemsetD8_v2),
     P("cuMemsetD16", 3020, cuMemsetD16_v2),
     P("cuMemsetD32", 3020, cuMemsetD32_v2),
     P("cuMemsetD8Async", 3020, cuMemsetD8Async),
     P("cuMemsetD16Async", 3020, cuMemsetD16Async),
     P("cuMemsetD32Async", 3020, cuMemsetD32Async),
+    P("cuMemsetD2D8", 3020, cuMemsetD2D8_v2),
+    P("cuMemsetD2D16", 3020, cuMemsetD2D16_v2),
+    P("cuMemsetD2D32", 3020, cuMemsetD2D32_v2),
+    P("cuMemsetD2D8Async", 3020, cuMemsetD2D8Async),
+    P("cuMemsetD2D16Async", 3020, cuMemsetD2D16Async),
+    P("cuMemsetD2D32Async", 3020, cuMemsetD2D32Async),
+    /* stream-ordered work */
+    P("cuStreamWaitValue32", 8000, sim_wait_value32_v1),
+    P("cuStreamWaitValue32", 11070, cuStreamWaitValue32_v2),
+    P("cuStreamWaitValue64", 9000, sim_wait_value64_v1),
+    P("cuStreamWaitValue64", 11070, cuStreamWaitValue64_v2),
+    P("cuStreamWriteValue32", 8000, sim_write_value32_v1),
+    P("cuStreamWriteValue32", 11070, cuStreamWriteValue32_v2),
+    P("cuStreamWriteValue64", 9000, sim_write_value64_v1),
+    P("cuStreamWriteValue64", 11070, cuStreamWriteValue64_v2),
+    P("cuStreamBatchMemOp", 8000, sim_batch_mem_op_v1),
+    P("cuStreamBatchMemOp", 11070, cuStreamBatchMemOp_v2),
+    P("cuDeviceGetDefaultMemPool", 11020, cuDeviceGetDefaultMemPool),
+    P("cuMemAllocAsync", 11020, cuMemAllocAsync),
+    P("cuMemAllocFromPoolAsync", 11020, cuMemAllocFromPoolAsync),
+    P("cuMemFreeAsync", 11020, cuMemFreeAsync),
     P("cuMemHostAlloc", 2020, cuMemHostAlloc),
     P("cuMemAllocHost", 3020, cuMemAllocHost_v2),
     P("cuMemFreeHost", 2000, cuMemFreeHost),
@@ -356,8 +399,89 @@ static const struct proc procs[] = {
     P("cuCheckpointProcessGetState", 12080, cuCheckpointProcessGetState),
     P("cuCheckpointProcessGetRestoreThreadId", 12080, cuCheckpointProcessGetRestoreThreadId),
 };
+
+/* What a request with CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM gets
+ * instead, from the version its per-thread variant appeared in. */
+static const struct proc procs_per_thread[] = {
+    P("cuMemcpy", 7000, cuMemcpy_ptds),
+    P("cuMemcpyAsync", 7000, cuMemcpyAsync_ptsz),
+    P("cuMemcpyHtoD", 7000, cuMemcpyHtoD_v2_ptds),
+    P("cuMemcpyDtoH", 7000, cuMemcpyDtoH_v2_ptds),
+    P("cuMemcpyDtoD", 7000, cuMemcpyDtoD_v2_ptds),
+    P("cuMemcpyHtoDAsync", 7000, cuMemcpyHtoDAsync_v2_ptsz),
+    P("cuMemcpyDtoHAsync", 7000, cuMemcpyDtoHAsync_v2_ptsz),
+    P("cuMemcpyDtoDAsync", 7000, cuMemcpyDtoDAsync_v2_ptsz),
+    P("cuMemcpyPeer", 7000, cuMemcpyPeer_ptds),
+    P("cuMemcpyPeerAsync", 7000, cuMemcpyPeerAsync_ptsz),
+    P("cuMemcpyAtoH", 7000, cuMemcpyAtoH_v2_ptds),
+    P("cuMemcpyHtoA", 7000, cuMemcpyHtoA_v2_ptds),
+    P("cuMemcpyAtoD", 7000, cuMemcpyAtoD_v2_ptds),
+    P("cuMemcpyDtoA", 7000, cuMemcpyDtoA_v2_ptds),
+    P("cuMemcpyAtoA", 7000, cuMemcpyAtoA_v2_ptds),
+    P("cuMemcpyAtoHAsync", 7000, cuMemcpyAtoHAsync_v2_ptsz),
+    P("cuMemcpyHtoAAsync", 7000, cuMemcpyHtoAAsync_v2_ptsz),
+    P("cuMemcpy2D", 7000, cuMemcpy2D_v2_ptds),
+    P("cuMemcpy2DUnaligned", 7000, cuMemcpy2DUnaligned_v2_ptds),
+    P("cuMemcpy2DAsync", 7000, cuMemcpy2DAsync_v2_ptsz),
+    P("cuMemcpy3D", 7000, cuMemcpy3D_v2_ptds),
+    P("cuMemcpy3DAsync", 7000, cuMemcpy3DAsync_v2_ptsz),
+    P("cuMemcpy3DPeer", 7000, cuMemcpy3DPeer_ptds),
+    P("cuMemcpy3DPeerAsync", 7000, cuMemcpy3DPeerAsync_ptsz),
+    P("cuMemcpyBatchAsync", 12080, cuMemcpyBatchAsync_ptsz),
+    P("cuMemcpyBatchAsync", 13000, cuMemcpyBatchAsync_v2_ptsz),
+    P("cuMemcpy3DBatchAsync", 12080, cuMemcpy3DBatchAsync_ptsz),
+    P("cuMemcpy3DBatchAsync", 13000, cuMemcpy3DBatchAsync_v2_ptsz),
+    P("cuMemsetD8", 7000, cuMemsetD8_v2_ptds),
+    P("cuMemsetD16", 7000, cuMemsetD16_v2_ptds),
+    P("cuMemsetD32", 7000, cuMemsetD32_v2_ptds),
+    P("cuMemsetD8Async", 7000, cuMemsetD8Async_ptsz),
+    P("cuMemsetD16Async", 7000, cuMemsetD16Async_ptsz),
+    P("cuMemsetD32Async", 7000, cuMemsetD32Async_ptsz),
+    P("cuStreamSynchronize", 7000, cuStreamSynchronize_ptsz),
+    P("cuStreamWaitEvent", 7000, cuStreamWaitEvent_ptsz),
+    P("cuEventRecord", 7000, cuEventRecord_ptsz),
+    P("cuEventRecordWithFlags", 11010, cuEventRecordWithFlags_ptsz),
+    P("cuStreamAddCallback", 7000, cuStreamAddCallback_ptsz),
+    P("cuMemsetD2D8", 7000, cuMemsetD2D8_v2_ptds),
+    P("cuMemsetD2D16", 7000, cuMemsetD2D16_v2_ptds),
+    P("cuMemsetD2D32", 7000, cuMemsetD2D32_v2_ptds),
+    P("cuMemsetD2D8Async", 7000, cuMemsetD2D8Async_ptsz),
+    P("cuMemsetD2D16Async", 7000, cuMemsetD2D16Async_ptsz),
+    P("cuMemsetD2D32Async", 7000, cuMemsetD2D32Async_ptsz),
+    P("cuLaunchHostFunc", 10000, cuLaunchHostFunc_ptsz),
+    P("cuStreamWaitValue32", 8000, sim_wait_value32_v1_ptsz),
+    P("cuStreamWaitValue32", 11070, cuStreamWaitValue32_v2_ptsz),
+    P("cuStreamWaitValue64", 9000, sim_wait_value64_v1_ptsz),
+    P("cuStreamWaitValue64", 11070, cuStreamWaitValue64_v2_ptsz),
+    P("cuStreamWriteValue32", 8000, sim_write_value32_v1_ptsz),
+    P("cuStreamWriteValue32", 11070, cuStreamWriteValue32_v2_ptsz),
+    P("cuStreamWriteValue64", 9000, sim_write_value64_v1_ptsz),
+    P("cuStreamWriteValue64", 11070, cuStreamWriteValue64_v2_ptsz),
+    P("cuStreamBatchMemOp", 8000, sim_batch_mem_op_v1_ptsz),
+    P("cuStreamBatchMemOp", 11070, cuStreamBatchMemOp_v2_ptsz),
+    P("cuMemAllocAsync", 11020, cuMemAllocAsync_ptsz),
+    P("cuMemAllocFromPoolAsync", 11020, cuMemAllocFromPoolAsync_ptsz),
+    P("cuMemFreeAsync", 11020, cuMemFreeAsync_ptsz),
+};
 #undef P
 #pragma GCC diagnostic pop
+
+/* The entry of `table` for `symbol` with the highest version not above
+ * `version`; `*seen`: the name is in the table at all. */
+static const struct proc *best_of(const struct proc *table, size_t n, const char *symbol,
+                                  int version, int *seen)
+{
+    const struct proc *best = NULL;
+
+    for (size_t i = 0; i < n; i++) {
+        if (strcmp(table[i].name, symbol) != 0)
+            continue;
+        *seen = 1;
+        if (table[i].version <= version && (!best || table[i].version > best->version))
+            best = &table[i];
+    }
+    return best;
+}
 
 static CUresult resolve(const char *symbol, void **pfn, int version, cuuint64_t flags,
                         CUdriverProcAddressQueryResult *status)
@@ -374,18 +498,16 @@ static CUresult resolve(const char *symbol, void **pfn, int version, cuuint64_t 
      * against CUDA 13.0's header must still answer cuda.bindings 13.5. */
     if (version <= 0 || version > SIM_NEWEST_API_VERSION)
         return CUDA_ERROR_INVALID_VALUE;
-    /* Per-thread default stream requests get the same functions: the
-     * simulator's streams are synchronous, so the two semantics agree. */
     if (flags & ~(cuuint64_t)(CU_GET_PROC_ADDRESS_LEGACY_STREAM |
                               CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM))
         return CUDA_ERROR_INVALID_VALUE;
-    for (size_t i = 0; i < sizeof(procs) / sizeof(procs[0]); i++) {
-        if (strcmp(procs[i].name, symbol) != 0)
-            continue;
-        seen = 1;
-        if (procs[i].version <= version && (!best || procs[i].version > best->version))
-            best = &procs[i];
-    }
+    /* Per-thread default stream requests get the _ptsz/_ptds variant where
+     * there is one, as from the driver; the rest is the same function. */
+    if (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)
+        best = best_of(procs_per_thread, sizeof procs_per_thread / sizeof procs_per_thread[0],
+                       symbol, version, &seen);
+    if (!best)
+        best = best_of(procs, sizeof procs / sizeof procs[0], symbol, version, &seen);
     /* Measured on the real driver (specs/records): an unknown symbol is
      * CUDA_SUCCESS with a NULL pointer and the status saying why. */
     if (!best) {

@@ -58,6 +58,7 @@ CUresult CUDAAPI cuMulticastBindAddr_v2(CUmemGenericAllocationHandle mcHandle, C
 #define SIM_MAX_RESV 1024
 #define SIM_MAX_MAPS 4096
 #define SIM_MAX_HOST 512
+#define SIM_MAX_ARRAYS 256
 #define SIM_MAX_STREAMS 256
 #define SIM_MAX_EVENTS 1024
 #define SIM_MAX_CTXS 64
@@ -173,6 +174,16 @@ struct sim_work {
     int dst_dev, src_dev;
     void (*host_fn)(void *);
     void *host_arg;
+    CUstreamCallback callback; /* cuStreamAddCallback's, with host_arg */
+    CUstream stream;           /* as the caller named it, for the callback */
+    /* Copies of more than one row (2D, 3D): `n` bytes a row, `rows` rows a
+     * slice, `slices` slices (0 reads as 1); each side's rows lie `pitch`
+     * bytes apart and its slices `slice` bytes apart. */
+    size_t rows, slices;
+    size_t dst_pitch, src_pitch, dst_slice, src_slice;
+    /* Stream memory operations (ordered.c). */
+    uint64_t value64;
+    unsigned flags;
 };
 
 struct sim_queue {
@@ -200,6 +211,15 @@ struct sim_stream {
     struct sim_ctx *ctx;
     unsigned flags;
     int priority;
+};
+
+/* A CUDA array: plain host memory of width x height elements (copy.c). */
+struct sim_array {
+    int used;
+    void *p;
+    size_t bytes;
+    size_t row;    /* bytes a row: width x element size */
+    size_t height; /* rows (1 for a 1D array) */
 };
 
 struct sim_event {
@@ -235,6 +255,11 @@ struct sim_state {
     struct sim_resv resv[SIM_MAX_RESV];
     struct sim_map maps[SIM_MAX_MAPS];
     struct sim_host host[SIM_MAX_HOST];
+    struct sim_array arrays[SIM_MAX_ARRAYS];
+    struct sim_pool {
+        int used; /* handed out by cuDeviceGetDefaultMemPool */
+        int dev;
+    } pools[SIM_MAX_DEVICES]; /* each device's default pool (ordered.c) */
     struct sim_ctx primary[SIM_MAX_DEVICES];
     struct sim_ctx ctxs[SIM_MAX_CTXS];
     struct sim_stream streams[SIM_MAX_STREAMS];
@@ -298,6 +323,13 @@ SIM_HIDDEN CUresult sim_enqueue(CUstream s, const struct sim_work *work);
  * current context is done (what a legacy-stream synchronous call waits
  * for); the context's sticky error, if any. */
 SIM_HIDDEN CUresult sim_legacy_wait(void);
+/* Wait until the work a synchronous call is ordered after is done: stream
+ * NULL is the legacy stream (as sim_legacy_wait), CU_STREAM_PER_THREAD the
+ * calling thread's default stream (the _ptds variants); the context's
+ * sticky error, if any. */
+SIM_HIDDEN CUresult sim_stream_wait(CUstream order);
+/* The stream a _ptsz variant means by `s`: NULL is the per-thread stream. */
+SIM_HIDDEN CUstream sim_per_thread(CUstream s);
 
 /* vmm.c (called with sim.mu held unless noted) */
 SIM_HIDDEN struct sim_obj *sim_obj_find(CUmemGenericAllocationHandle h);
@@ -310,6 +342,10 @@ SIM_HIDDEN CUresult sim_alloc_memfd(uint64_t size, const struct sim_props *p, in
 SIM_HIDDEN CUresult sim_range_check(uintptr_t p, size_t n, int dev, int want_write);
 SIM_HIDDEN int sim_is_device_ptr(uintptr_t p);
 SIM_HIDDEN CUresult sim_map_apply_prot(struct sim_map *m);
+/* cuMemAlloc / cuMemFree (sim.mu not held): also the stream-ordered ones. */
+SIM_HIDDEN CUresult sim_mem_alloc(CUdeviceptr *dptr, size_t bytes);
+SIM_HIDDEN CUresult sim_mem_free(CUdeviceptr dptr);
+SIM_HIDDEN int sim_mem_is_alloc(CUdeviceptr dptr);
 
 /* meta.c: the metadata page (sim.mu not needed: the page has its own lock) */
 SIM_HIDDEN CUresult sim_memfd_new(const char *name, uint64_t size, int *fd_out,
@@ -330,6 +366,135 @@ SIM_HIDDEN int sim_service_start(void);
  * build (legacy versions still handed out by cuGetProcAddress). */
 SIM_EXPORT CUresult CUDAAPI cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
 SIM_EXPORT int cuinterposeSimIsSimulated(void);
+/* The 12.8 batch copies under their exported names (the header maps both
+ * names to the 13.0 ABI, _v2). */
+SIM_EXPORT CUresult CUDAAPI sim_memcpy_batch_v1(CUdeviceptr *dsts, CUdeviceptr *srcs,
+                                                size_t *sizes, size_t count,
+                                                CUmemcpyAttributes *attrs, size_t *attrsIdxs,
+                                                size_t numAttrs, size_t *failIdx,
+                                                CUstream hStream) __asm__("cuMemcpyBatchAsync");
+SIM_EXPORT CUresult CUDAAPI sim_memcpy_3d_batch_v1(size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList,
+                                                   size_t *failIdx, unsigned long long flags,
+                                                   CUstream hStream)
+    __asm__("cuMemcpy3DBatchAsync");
+
+/* The stream memory operations of CUDA 8.0 to 11.6 (the header maps their
+ * names to the _v2 ABI, whose signature is the same). */
+#define SIM_MEMOP_V1(fn, name, vt)                                                        \
+    SIM_EXPORT CUresult CUDAAPI fn(CUstream s, CUdeviceptr addr, vt value, unsigned int flags) \
+        __asm__(name)
+SIM_MEMOP_V1(sim_wait_value32_v1, "cuStreamWaitValue32", cuuint32_t);
+SIM_MEMOP_V1(sim_wait_value32_v1_ptsz, "cuStreamWaitValue32_ptsz", cuuint32_t);
+SIM_MEMOP_V1(sim_wait_value64_v1, "cuStreamWaitValue64", cuuint64_t);
+SIM_MEMOP_V1(sim_wait_value64_v1_ptsz, "cuStreamWaitValue64_ptsz", cuuint64_t);
+SIM_MEMOP_V1(sim_write_value32_v1, "cuStreamWriteValue32", cuuint32_t);
+SIM_MEMOP_V1(sim_write_value32_v1_ptsz, "cuStreamWriteValue32_ptsz", cuuint32_t);
+SIM_MEMOP_V1(sim_write_value64_v1, "cuStreamWriteValue64", cuuint64_t);
+SIM_MEMOP_V1(sim_write_value64_v1_ptsz, "cuStreamWriteValue64_ptsz", cuuint64_t);
+SIM_EXPORT CUresult CUDAAPI sim_batch_mem_op_v1(CUstream s, unsigned int count,
+                                                CUstreamBatchMemOpParams *params,
+                                                unsigned int flags) __asm__("cuStreamBatchMemOp");
+SIM_EXPORT CUresult CUDAAPI sim_batch_mem_op_v1_ptsz(CUstream s, unsigned int count,
+                                                     CUstreamBatchMemOpParams *params,
+                                                     unsigned int flags)
+    __asm__("cuStreamBatchMemOp_ptsz");
+
+/* The per-thread default stream variants (cuda.h declares them only for the
+ * driver's own build): _ptsz calls take NULL as the calling thread's
+ * default stream, _ptds synchronous calls are ordered after that stream
+ * instead of the legacy one. */
+SIM_EXPORT CUresult CUDAAPI cuMemcpy_ptds(CUdeviceptr dst, CUdeviceptr src, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n,
+                                               CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyHtoD_v2_ptds(CUdeviceptr dst, const void *src, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyDtoH_v2_ptds(void *dst, CUdeviceptr src, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyDtoD_v2_ptds(CUdeviceptr dst, CUdeviceptr src, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dst, const void *src, size_t n,
+                                                      CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyDtoHAsync_v2_ptsz(void *dst, CUdeviceptr src, size_t n,
+                                                      CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n,
+                                                      CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy2D_v2_ptds(const CUDA_MEMCPY2D *p);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy2DUnaligned_v2_ptds(const CUDA_MEMCPY2D *p);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy3D_v2_ptds(const CUDA_MEMCPY3D *p);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy2DAsync_v2_ptsz(const CUDA_MEMCPY2D *p, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy3DAsync_v2_ptsz(const CUDA_MEMCPY3D *p, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyPeer_ptds(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src,
+                                              CUcontext sctx, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyPeerAsync_ptsz(CUdeviceptr dst, CUcontext dctx,
+                                                   CUdeviceptr src, CUcontext sctx, size_t n,
+                                                   CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy3DPeer_ptds(const CUDA_MEMCPY3D_PEER *p);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy3DPeerAsync_ptsz(const CUDA_MEMCPY3D_PEER *p, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyBatchAsync_ptsz(CUdeviceptr *dsts, CUdeviceptr *srcs,
+                                                    size_t *sizes, size_t count,
+                                                    CUmemcpyAttributes *attrs, size_t *attrsIdxs,
+                                                    size_t numAttrs, size_t *failIdx, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyBatchAsync_v2_ptsz(CUdeviceptr *dsts, CUdeviceptr *srcs,
+                                                       size_t *sizes, size_t count,
+                                                       CUmemcpyAttributes *attrs,
+                                                       size_t *attrsIdxs, size_t numAttrs,
+                                                       CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy3DBatchAsync_ptsz(size_t numOps, CUDA_MEMCPY3D_BATCH_OP *ops,
+                                                      size_t *failIdx, unsigned long long flags,
+                                                      CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemcpy3DBatchAsync_v2_ptsz(size_t numOps,
+                                                         CUDA_MEMCPY3D_BATCH_OP *ops,
+                                                         unsigned long long flags, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD8_v2_ptds(CUdeviceptr d, unsigned char v, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD16_v2_ptds(CUdeviceptr d, unsigned short v, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD32_v2_ptds(CUdeviceptr d, unsigned int v, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD8Async_ptsz(CUdeviceptr d, unsigned char v, size_t n,
+                                                 CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD16Async_ptsz(CUdeviceptr d, unsigned short v, size_t n,
+                                                  CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD32Async_ptsz(CUdeviceptr d, unsigned int v, size_t n,
+                                                  CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD2D8_v2_ptds(CUdeviceptr d, size_t pitch, unsigned char v,
+                                                size_t w, size_t h);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD2D8Async_ptsz(CUdeviceptr d, size_t pitch, unsigned char v,
+                                                 size_t w, size_t h, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD2D16_v2_ptds(CUdeviceptr d, size_t pitch, unsigned short v,
+                                                size_t w, size_t h);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD2D16Async_ptsz(CUdeviceptr d, size_t pitch, unsigned short v,
+                                                 size_t w, size_t h, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD2D32_v2_ptds(CUdeviceptr d, size_t pitch, unsigned int v,
+                                                size_t w, size_t h);
+SIM_EXPORT CUresult CUDAAPI cuMemsetD2D32Async_ptsz(CUdeviceptr d, size_t pitch, unsigned int v,
+                                                 size_t w, size_t h, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuEventRecordWithFlags_ptsz(CUevent e, CUstream s, unsigned int f);
+SIM_EXPORT CUresult CUDAAPI cuStreamAddCallback_ptsz(CUstream s, CUstreamCallback cb, void *arg,
+                                                     unsigned int flags);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyAtoH_v2_ptds(void *d, CUarray a, size_t off, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyHtoA_v2_ptds(CUarray a, size_t off, const void *s, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyAtoD_v2_ptds(CUdeviceptr d, CUarray a, size_t off, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyDtoA_v2_ptds(CUarray a, size_t off, CUdeviceptr s, size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyAtoA_v2_ptds(CUarray d, size_t doff, CUarray s, size_t soff,
+                                                 size_t n);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyAtoHAsync_v2_ptsz(void *d, CUarray a, size_t off, size_t n,
+                                                      CUstream st);
+SIM_EXPORT CUresult CUDAAPI cuMemcpyHtoAAsync_v2_ptsz(CUarray a, size_t off, const void *s,
+                                                      size_t n, CUstream st);
+SIM_EXPORT CUresult CUDAAPI cuStreamSynchronize_ptsz(CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuStreamWaitEvent_ptsz(CUstream s, CUevent e, unsigned int flags);
+SIM_EXPORT CUresult CUDAAPI cuEventRecord_ptsz(CUevent e, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuLaunchHostFunc_ptsz(CUstream s, CUhostFn fn, void *arg);
+SIM_EXPORT CUresult CUDAAPI cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t n, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t n,
+                                                         CUmemoryPool pool, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream s);
+SIM_EXPORT CUresult CUDAAPI cuStreamWaitValue32_v2_ptsz(CUstream s, CUdeviceptr addr,
+                                                        cuuint32_t value, unsigned int flags);
+SIM_EXPORT CUresult CUDAAPI cuStreamWaitValue64_v2_ptsz(CUstream s, CUdeviceptr addr,
+                                                        cuuint64_t value, unsigned int flags);
+SIM_EXPORT CUresult CUDAAPI cuStreamWriteValue32_v2_ptsz(CUstream s, CUdeviceptr addr,
+                                                         cuuint32_t value, unsigned int flags);
+SIM_EXPORT CUresult CUDAAPI cuStreamWriteValue64_v2_ptsz(CUstream s, CUdeviceptr addr,
+                                                         cuuint64_t value, unsigned int flags);
+SIM_EXPORT CUresult CUDAAPI cuStreamBatchMemOp_v2_ptsz(CUstream s, unsigned int count,
+                                                       CUstreamBatchMemOpParams *params,
+                                                       unsigned int flags);
 /* For tests of the shim's error paths: let `skip` cuMemUnmap calls of this
  * process through, then fail the next one with `result` (nothing unmapped). */
 SIM_EXPORT int cuinterposeSimFailUnmap(unsigned skip, CUresult result);

@@ -838,7 +838,7 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *ha
 
 /* ---- cuMemAlloc: a private VMM allocation with full access ------------ */
 
-static CUresult mem_alloc(CUdeviceptr *dptr, size_t bytes)
+CUresult sim_mem_alloc(CUdeviceptr *dptr, size_t bytes)
 {
     CUmemAllocationProp prop = {0};
     CUdeviceptr va = 0;
@@ -892,10 +892,22 @@ fail:
 
 CUresult CUDAAPI cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
-    SIM_API(mem_alloc(dptr, bytesize));
+    SIM_API(sim_mem_alloc(dptr, bytesize));
 }
 
-static CUresult mem_free(CUdeviceptr dptr)
+int sim_mem_is_alloc(CUdeviceptr dptr)
+{
+    struct sim_map *m;
+    int ok;
+
+    sim_lock();
+    m = sim_map_find((uintptr_t)dptr);
+    ok = m && m->va == (uintptr_t)dptr && sim.objs[m->obj].legacy;
+    sim_unlock();
+    return ok;
+}
+
+CUresult sim_mem_free(CUdeviceptr dptr)
 {
     struct sim_map *m;
     struct sim_obj *o;
@@ -917,7 +929,7 @@ static CUresult mem_free(CUdeviceptr dptr)
 
 CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr)
 {
-    SIM_API(mem_free(dptr));
+    SIM_API(sim_mem_free(dptr));
 }
 
 static CUresult address_range(CUdeviceptr *base, size_t *size, CUdeviceptr dptr)
