@@ -744,7 +744,8 @@ def _capture_quiet(
         try:
             return capture(endpoints, directory, options)
         except PhaseFailed as error:
-            if attempt == QUIESCE_ATTEMPTS or not not_quiet(error):
+            stopped = options.stop is not None and options.stop.is_set()
+            if attempt == QUIESCE_ATTEMPTS or stopped or not not_quiet(error):
                 raise
             log.warning("capture attempt %d of %d not quiet: %s", attempt, QUIESCE_ATTEMPTS,
                         error.reason)  # fmt: skip

@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import topologies
 from cuinterpose import cli
 from cuinterpose.engine import Options, PhaseFailed, agent, native
 from cuinterpose.engine.native import NativeError, NativeGroupError, ProcessState
+from cuinterpose.engine.progress import QuiesceRound
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.wire import Op, Phase, Status, socket_name
 from cuinterpose.testing import Fault
@@ -533,3 +535,24 @@ def test_a_suspend_refused_as_not_quiet_twice_is_refused(tmp_path: Path) -> None
             agent._capture_quiet(t.endpoints, tmp_path, Options(5.0), log)
         assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
     assert caught.value.phase == "QUIESCE" and not caught.value.destroyed
+
+
+def test_a_suspend_told_to_stop_during_quiesce_rounds_does_not_start_over(tmp_path: Path) -> None:
+    """The stop event ends the rounds (the pending participant is reported not quiet),
+    and the capture is not tried again."""
+    stop = threading.Event()
+    busy = "QUIESCE: pid 1002 not quiet yet after 20 ms: device work still running"
+    script = {1: {Op.QUIESCE: Fault("pending", message=busy)}}
+
+    def on_progress(event: object) -> None:
+        if isinstance(event, QuiesceRound):
+            stop.set()
+
+    with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        log = logging.getLogger("test")
+        options = Options(5.0, stop=stop, on_progress=on_progress)
+        with pytest.raises(PhaseFailed, match="did not reach a quiet point"):
+            agent._capture_quiet(t.endpoints, tmp_path, options, log)
+        received = [f.received.count(Op.QUIESCE) for f in t.fakes]
+        assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
+    assert received == [1] * len(received)
