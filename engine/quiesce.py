@@ -26,7 +26,7 @@ opens their gates.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, TypeGuard
 
 import attrs
 
@@ -48,7 +48,7 @@ def round_length(index: int) -> float:
     return min(FIRST_ROUND_S * 2.0**index, LONGEST_ROUND_S)
 
 
-def pending(result: Reply | ParticipantError) -> bool:
+def pending(result: Reply | ParticipantError) -> TypeGuard[Reply]:
     """Whether ``result`` is a shim still getting quiet, its gate closed."""
     return (
         isinstance(result, Reply)
@@ -57,7 +57,7 @@ def pending(result: Reply | ParticipantError) -> bool:
     )
 
 
-def quiet(result: Reply | ParticipantError) -> bool:
+def quiet(result: Reply | ParticipantError) -> TypeGuard[Reply]:
     return (
         isinstance(result, Reply) and result.status is Status.OK and result.phase is Phase.QUIESCED
     )
@@ -98,7 +98,7 @@ def converge(
         ]
         results = send(asked, options.phase_timeout + length)
         rounds += 1
-        if not any(quiet(r) and r.stats.count for r in results if isinstance(r, Reply)):
+        if not any(quiet(r) and r.stats.count for r in results):
             index += 1  # nobody to advance: wait longer
         elapsed = clock() - began
         _report(machine, rounds, length, elapsed, calls, results, options)
@@ -138,10 +138,8 @@ def _report(
     busy: list[PendingParticipant] = []
     for (endpoint, _, _), result in zip(calls, results, strict=True):
         if quiet(result):
-            assert isinstance(result, Reply)
             quiet_ones.append(result.participant)
         elif pending(result):
-            assert isinstance(result, Reply)
             busy.append(PendingParticipant(result.participant, endpoint.observed_pid,
                                            result.stats.count, result.message))  # fmt: skip
     options.on_progress(

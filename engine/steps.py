@@ -204,10 +204,10 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
             for b in run.bound
         ]
     began = options.clock()
-    rounds = None
+    quieting = None
     if op is Op.QUIESCE:
-        rounds = quiesce.converge(run.spec.name, calls, partial(_attempt, run), options)
-        results = rounds.results
+        quieting = quiesce.converge(run.spec.name, calls, partial(_attempt, run), options)
+        results = quieting.results
     else:
         results = _send(run, calls, options.timeout_for(_transfer_bytes(run, op)))
     elapsed = options.clock() - began
@@ -222,12 +222,7 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
         problems = [
             p
             for (endpoint, _, _), result in zip(calls, results, strict=True)
-            if (
-                p := quiesce.not_quiet_problem(endpoint, result, rounds)
-                if rounds is not None and isinstance(result, Reply) and quiesce.pending(result)
-                else reply_problem(op, expected, endpoint, result)
-            )
-            is not None
+            if (p := _problem(op, expected, endpoint, result, quieting)) is not None
         ]
         if problems:
             raise PhaseFailed(run.spec.name, op.name, problems)
@@ -243,6 +238,20 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
             elapsed,
         )  # fmt: skip
     return PhaseEvent(run.spec.name, op.name, elapsed, len(run.endpoints), transfer)
+
+
+def _problem(
+    op: Op,
+    expected: Phase | None,
+    endpoint: Endpoint,
+    result: Reply | ParticipantError,
+    quieting: quiesce.Outcome | None,
+) -> Problem | None:
+    """``reply_problem``, except that a shim still PENDING when QUIESCE's rounds ended
+    is reported as not quiet."""
+    if quieting is not None and quiesce.pending(result):
+        return quiesce.not_quiet_problem(endpoint, result, quieting)
+    return reply_problem(op, expected, endpoint, result)
 
 
 def _transfer_bytes(run: Run, op: Op) -> int:

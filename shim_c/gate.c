@@ -183,45 +183,49 @@ enum gate_level gate_level(void)
     return (enum gate_level)__atomic_load_n(&gate.level, __ATOMIC_SEQ_CST);
 }
 
-bool gate_wait_passes(uint64_t deadline_ns)
+/* Under gate.mu: every granted pass is taken. */
+static bool passes_taken(void)
 {
-    bool taken;
+    return gate.passes == 0;
+}
+
+/* Under gate.mu: no gated call inside the driver, and none about to enter
+ * (a granted pass not yet taken). */
+static bool calls_out(void)
+{
+    return __atomic_load_n(&gate.in_flight[GATE_LAUNCH], __ATOMIC_SEQ_CST) == 0 &&
+           __atomic_load_n(&gate.in_flight[GATE_SYNC], __ATOMIC_SEQ_CST) == 0 && passes_taken();
+}
+
+/* Until `settled()` (asked under gate.mu, woken by `changed`) or the
+ * monotonic `deadline_ns`; whether it settled. */
+static bool wait_settled(bool (*settled)(void), uint64_t deadline_ns)
+{
+    bool done;
 
     pthread_mutex_lock(&gate.mu);
     for (;;) {
         uint64_t now = shim_now_ns();
         struct timespec ts;
 
-        taken = gate.passes == 0;
-        if (taken || now >= deadline_ns)
+        done = settled();
+        if (done || now >= deadline_ns)
             break;
         deadline_in(&ts, (long)((deadline_ns - now) / 1000000u) + 1);
         pthread_cond_timedwait(&gate.changed, &gate.mu, &ts);
     }
     pthread_mutex_unlock(&gate.mu);
-    return taken;
+    return done;
+}
+
+bool gate_wait_passes(uint64_t deadline_ns)
+{
+    return wait_settled(passes_taken, deadline_ns);
 }
 
 bool gate_wait_calls(uint64_t deadline_ns)
 {
-    bool quiet;
-
-    pthread_mutex_lock(&gate.mu);
-    for (;;) {
-        uint64_t now = shim_now_ns();
-        struct timespec ts;
-
-        /* A granted pass not yet taken is a call about to enter. */
-        quiet = __atomic_load_n(&gate.in_flight[GATE_LAUNCH], __ATOMIC_SEQ_CST) == 0 &&
-                __atomic_load_n(&gate.in_flight[GATE_SYNC], __ATOMIC_SEQ_CST) == 0 &&
-                gate.passes == 0;
-        if (quiet || now >= deadline_ns)
-            break;
-        deadline_in(&ts, (long)((deadline_ns - now) / 1000000u) + 1);
-        pthread_cond_timedwait(&gate.changed, &gate.mu, &ts);
-    }
-    pthread_mutex_unlock(&gate.mu);
-    return quiet;
+    return wait_settled(calls_out, deadline_ns);
 }
 
 size_t gate_describe(char *buf, size_t n)

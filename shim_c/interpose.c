@@ -289,6 +289,21 @@ static void *direct(void **slot, const char *symbol)
         return r_;                                                                        \
     }
 
+/* The shim's export `name`: the driver's own export of that name, found once
+ * in *slot, called through the gate as `call`. */
+#define GATED_EXPORT(name, fn, slot, call, cls, params, args)                             \
+    SHIM_EXPORT CUresult CUDAAPI name params                                              \
+    {                                                                                     \
+        fn f_ = (fn)direct(slot, #name);                                                  \
+        CUresult r_;                                                                      \
+        if (!f_)                                                                          \
+            return CUDA_ERROR_NOT_INITIALIZED;                                            \
+        gate_enter(cls, call);                                                            \
+        r_ = f_ args;                                                                     \
+        gate_leave(cls);                                                                  \
+        return r_;                                                                        \
+    }
+
 #define GATED_DEFINE(sym, base, from, until, cls, pt, params, args)                       \
     typedef CUresult(CUDAAPI *sym##_fn) params;                                           \
     static void *sym##_slot[GATE_SLOTS];                                                  \
@@ -299,17 +314,7 @@ static void *direct(void **slot, const char *symbol)
     GATED_VIA(sym, base, cls, params, args, 5)                                            \
     GATED_VIA(sym, base, cls, params, args, 6)                                            \
     GATED_VIA(sym, base, cls, params, args, 7)                                            \
-    SHIM_EXPORT CUresult CUDAAPI sym params                                               \
-    {                                                                                     \
-        sym##_fn f_ = (sym##_fn)direct(&sym##_slot[0], #sym);                             \
-        CUresult r_;                                                                      \
-        if (!f_)                                                                          \
-            return CUDA_ERROR_NOT_INITIALIZED;                                            \
-        gate_enter(cls, base);                                                            \
-        r_ = f_ args;                                                                     \
-        gate_leave(cls);                                                                  \
-        return r_;                                                                        \
-    }                                                                                     \
+    GATED_EXPORT(sym, sym##_fn, &sym##_slot[0], base, cls, params, args)                  \
     static void *const sym##_vias[GATE_SLOTS] = {                                         \
         (void *)sym,         (void *)sym##_via1, (void *)sym##_via2, (void *)sym##_via3,  \
         (void *)sym##_via4,  (void *)sym##_via5, (void *)sym##_via6, (void *)sym##_via7};
@@ -325,17 +330,7 @@ GATED_CALLS(GATED_DEFINE)
 #define PER_THREAD_EXPORT(name, cls, params, args)                                        \
     typedef CUresult(CUDAAPI *name##_fn) params;                                          \
     static void *name##_driver;                                                           \
-    SHIM_EXPORT CUresult CUDAAPI name params                                              \
-    {                                                                                     \
-        name##_fn f_ = (name##_fn)direct(&name##_driver, #name);                          \
-        CUresult r_;                                                                      \
-        if (!f_)                                                                          \
-            return CUDA_ERROR_NOT_INITIALIZED;                                            \
-        gate_enter(cls, #name);                                                           \
-        r_ = f_ args;                                                                     \
-        gate_leave(cls);                                                                  \
-        return r_;                                                                        \
-    }
+    GATED_EXPORT(name, name##_fn, &name##_driver, #name, cls, params, args)
 #define PER_THREAD_none(sym, cls, params, args)
 #define PER_THREAD_ptsz(sym, cls, params, args) PER_THREAD_EXPORT(sym##_ptsz, cls, params, args)
 #define PER_THREAD_ptds(sym, cls, params, args) PER_THREAD_EXPORT(sym##_ptds, cls, params, args)

@@ -288,13 +288,9 @@ enum phase_result quiesce_run(struct reply *r)
     idle = quiet_by(deadline, &stage, why, sizeof why);
     if (idle == 1) {
         r->h.stat_count = gate_held();
-        shim_log(LOG_INFO, "quiet after %.1f ms%s (%u thread%s held)",
-                 (double)(shim_now_ns() - started) / 1e6,
-                 advance ? ", advanced" : "", (unsigned)r->h.stat_count,
-                 r->h.stat_count == 1 ? "" : "s");
-        if (advance)
-            shim_log(LOG_DEBUG, "advance granted %u synchronizing call%s", granted,
-                     granted == 1 ? "" : "s");
+        shim_log(LOG_INFO, "quiet after %.1f ms (%u thread%s held; this advance granted %u "
+                 "synchronizing calls)", (double)(shim_now_ns() - started) / 1e6,
+                 (unsigned)r->h.stat_count, r->h.stat_count == 1 ? "" : "s", granted);
         return PHASE_DONE;
     }
 not_quiet:

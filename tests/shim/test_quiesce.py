@@ -12,6 +12,7 @@ that work really is in flight when a capture starts.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -409,3 +410,33 @@ def test_a_coordinator_killed_while_quiesced_leaves_the_gates_open(
         w("stop()")
         assert w("result = RUN['errors']") == []
         assert w("result = missing(X)") == [], w.name
+
+
+def test_a_pending_gate_that_no_round_follows_opens_at_the_shims_own_deadline(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path
+) -> None:
+    """A coordinator that lives on but sends no further round (hung, or stopped
+    between rounds without RELEASE) must not keep the application held: once the
+    shim's own deadline from its first round has passed, a held thread opens the gate."""
+    slow = {"CUINTERPOSE_SIM_WORK_US": "200000", "SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S": "1"}
+    creator, _ = _group(spawn, shim_env, slow)
+    creator("start(X)")
+    wait_until(lambda: min(creator("result = RUN['done']")) >= 1, "every thread ran")
+    path = shimenv.socket_path(control_dir, creator.pid)
+    lease = os.urandom(16)
+    bound, _ = shimenv.request(path, wire.Request(wire.Op.HANDSHAKE, authorization=lease))
+    asked = wire.Request(wire.Op.QUIESCE, participant=bound.participant, authorization=lease,
+                         deadline_ns=20_000_000, round=True)  # fmt: skip
+    reply, _ = shimenv.request(path, asked)
+    assert (reply.status, reply.phase) == (wire.Status.PENDING, wire.Phase.ACTIVE), reply
+    assert "the gate stays closed until the next round" in reply.message
+    # This process holds the lease and lives: only the deadline can open the gate. Until
+    # then each thread finishes at most the synchronize it was in.
+    held = _progress(creator)
+    wait_until(lambda: _progress(creator) > held + THREADS, "the threads run on")
+    assert _phase(control_dir, creator.pid) is wire.Phase.ACTIVE
+    released, _ = shimenv.request(path, wire.Request(wire.Op.RELEASE, authorization=lease))
+    assert released.status is wire.Status.OK
+    creator("stop()")
+    assert creator("result = RUN['errors']") == []
+    assert creator("result = missing(X)") == []
