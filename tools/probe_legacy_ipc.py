@@ -19,12 +19,27 @@ import sys
 import time
 from typing import Any
 
-ATTRS = (
-    "CONTEXT MEMORY_TYPE DEVICE_POINTER HOST_POINTER SYNC_MEMOPS BUFFER_ID IS_MANAGED "
-    "DEVICE_ORDINAL IS_LEGACY_CUDA_IPC_CAPABLE RANGE_START_ADDR RANGE_SIZE MAPPED "
-    "ALLOWED_HANDLE_TYPES IS_GPU_DIRECT_RDMA_CAPABLE ACCESS_FLAGS MEMPOOL_HANDLE "
-    "MAPPING_SIZE MAPPING_BASE_ADDR MEMORY_BLOCK_ID"
-).split()
+ATTRS = [
+    "CONTEXT",
+    "MEMORY_TYPE",
+    "DEVICE_POINTER",
+    "HOST_POINTER",
+    "SYNC_MEMOPS",
+    "BUFFER_ID",
+    "IS_MANAGED",
+    "DEVICE_ORDINAL",
+    "IS_LEGACY_CUDA_IPC_CAPABLE",
+    "RANGE_START_ADDR",
+    "RANGE_SIZE",
+    "MAPPED",
+    "ALLOWED_HANDLE_TYPES",
+    "IS_GPU_DIRECT_RDMA_CAPABLE",
+    "ACCESS_FLAGS",
+    "MEMPOOL_HANDLE",
+    "MAPPING_SIZE",
+    "MAPPING_BASE_ADDR",
+    "MEMORY_BLOCK_ID",
+]
 
 
 class Handle(ctypes.Structure):
@@ -101,8 +116,12 @@ def worker() -> None:
         elif op == "pitch":
             p, pitch = u64(), ctypes.c_size_t()
             out["r"] = call(
-                "cuMemAllocPitch_v2", ctypes.byref(p), ctypes.byref(pitch),
-                ctypes.c_size_t(cmd["w"]), ctypes.c_size_t(cmd["h"]), cmd["elem"],
+                "cuMemAllocPitch_v2",
+                ctypes.byref(p),
+                ctypes.byref(pitch),
+                ctypes.c_size_t(cmd["w"]),
+                ctypes.c_size_t(cmd["h"]),
+                cmd["elem"],
             )
             out.update(ptr=p.value, pitch=pitch.value)
         elif op == "vmm":
@@ -111,8 +130,9 @@ def worker() -> None:
             out["r"] = call("cuMemFree_v2", u64(cmd["ptr"]))
         elif op == "range":
             b, s = u64(), ctypes.c_size_t()
-            out["r"] = call("cuMemGetAddressRange_v2", ctypes.byref(b), ctypes.byref(s),
-                            u64(cmd["ptr"]))
+            out["r"] = call(
+                "cuMemGetAddressRange_v2", ctypes.byref(b), ctypes.byref(s), u64(cmd["ptr"])
+            )
             out.update(base=b.value, size=s.value)
         elif op == "attrs":
             out["attrs"] = attrs(cmd["ptr"])
@@ -171,8 +191,10 @@ class W:
     def __init__(self, label: str) -> None:
         self.label = label
         self.p = subprocess.Popen(
-            [sys.executable, __file__, "worker"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True,
+            [sys.executable, __file__, "worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         self.pid = self("pid")["pid"]
 
