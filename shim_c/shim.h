@@ -635,6 +635,11 @@ SHIM_HIDDEN CUresult owned_granularity(CUdevice dev, size_t *gran);
  * caller's); both are tried, the first failure is returned. */
 SHIM_HIDDEN CUresult owned_unmap_range(CUdeviceptr va, size_t size);
 SHIM_HIDDEN void owned_after_fork(void);
+/* What a gated call's hook answers when the call is not the shim's business. */
+#define SHIM_NOT_MINE ((CUresult)0x7fff0001)
+/* cuMemFreeAsync of owned memory (its stream waited for, then freed), or
+ * SHIM_NOT_MINE. */
+SHIM_HIDDEN CUresult CUDAAPI owned_free_async(CUdeviceptr dptr, CUstream stream);
 
 /* ---------------------------------------------------------------- staging.c */
 /* Where a phase's staging time went (nanoseconds). The *_ns of a step are

@@ -1,0 +1,164 @@
+"""Owned memory and legacy CUDA IPC on real shims over the simulated driver.
+
+The shim backs cuMemAlloc memory with VMM allocations it owns and hands out its own
+64-byte IPC handles for it (specs/shim.md, "Owned memory"). What the driver's callers
+see must not change (the H200's answers: specs/records/2026-12-01-h200-legacy-ipc.txt),
+and a creator sharing that memory with an importer must go through prepare, the native
+checkpoint and restore, suspend and resume, and every interrupted capture, with every
+byte at its VA in both and the sharing live both ways afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from cuinterpose.demo import pattern_digest
+from cuinterpose.engine import Interrupted, Options, PhaseEvent, capture, endpoint_for
+
+from tests.shim.legacy import BIG, SMALL, share_legacy, shared_both_ways
+from tests.shim.workers.cycle import cli
+from tests.simenv import Spawn
+
+SEED = 91
+
+
+def test_owned_memory_answers_as_cuMemAlloc_memory(spawn: Spawn, shim_env: dict[str, str]) -> None:
+    app = spawn("app", shim_env)
+    small = int(app.check("alloc", size=1000)["va"])
+    neighbour = int(app.check("alloc", size=1000)["va"])
+    big = int(app.check("alloc", size=BIG)["va"])
+    # Ranges are the sizes asked for; small ones share a slab, 512-byte aligned.
+    assert app.check("address_range", va=small + 100) == {"ok": True, "base": small, "size": 1000}
+    assert app.check("address_range", va=big + BIG - 1)["size"] == BIG
+    assert small % 512 == 0 and neighbour % 512 == 0 and neighbour != small
+    attrs = app(
+        "names = ['RANGE_START_ADDR', 'RANGE_SIZE', 'IS_LEGACY_CUDA_IPC_CAPABLE',"
+        " 'ALLOWED_HANDLE_TYPES', 'MEMORY_TYPE']\n"
+        "attrs = [getattr(cu.CUpointer_attribute, 'CU_POINTER_ATTRIBUTE_' + n) for n in names]\n"
+        f"vals = check(cu.cuPointerGetAttributes(len(attrs), attrs, {small + 8}))\n"
+        "result = dict(zip(names, [int(v) for v in vals]))"
+    )
+    assert attrs == {
+        "RANGE_START_ADDR": small,
+        "RANGE_SIZE": 1000,
+        "IS_LEGACY_CUDA_IPC_CAPABLE": 1,
+        "ALLOWED_HANDLE_TYPES": 0,
+        "MEMORY_TYPE": 2,  # device
+    }
+    # Only what cuMemAlloc returned frees; VMM calls on it fail as on cuMemAlloc memory.
+    assert app.call("free", va=small + 8)["result"] == "CUDA_ERROR_INVALID_VALUE"
+    assert app.call("unmap", va=big, size=BIG)["result"] == "CUDA_ERROR_INVALID_VALUE"
+    assert app.call("retain", va=big)["result"] == "CUDA_ERROR_INVALID_VALUE"
+    assert app.call("address_free", va=big, size=BIG)["result"] == "CUDA_ERROR_INVALID_VALUE"
+    app.check("fill", va=neighbour, size=1000, seed=3)
+    app.check("free", va=small)
+    assert app.digest(neighbour, 1000) == pattern_digest(3, 1000)
+    assert app.check("alloc", size=900)["va"] == small  # the freed range is reused
+    app.check("free", va=big)
+    app.close_clean()
+
+
+def test_legacy_ipc_follows_the_driver(spawn: Spawn, shim_env: dict[str, str]) -> None:
+    pair = share_legacy(spawn, shim_env, SEED)
+    c, i = pair.creator, pair.importer
+    interior = c.check("ipc_get", va=pair.big + 4096)["handle"]
+    assert interior == c.check("ipc_get", va=pair.big)["handle"]  # the whole allocation
+    assert c.call("ipc_open", handle=interior)["result"] == "CUDA_ERROR_INVALID_CONTEXT"
+    # A second open returns the same pointer; each open needs its close.
+    assert int(i.check("ipc_open", handle=interior)["va"]) == pair.big_in_importer
+    assert i.check("address_range", va=pair.big_in_importer + 8) == {
+        "ok": True,
+        "base": pair.big_in_importer,
+        "size": BIG,
+    }
+    assert i.call("ipc_close", va=pair.big_in_importer + 8)["result"] == "CUDA_ERROR_INVALID_VALUE"
+    i.check("ipc_close", va=pair.big_in_importer)
+    assert i.digest(pair.big_in_importer, BIG) == pattern_digest(SEED, BIG)  # one open left
+    assert i.call("ipc_open", handle="00" * 64)["result"] == "CUDA_ERROR_INVALID_VALUE"
+    shared_both_ways(pair, write_seed=SEED + 10)
+    # Freed by the creator, the memory lives on in the importer; the handle opens no more.
+    c.check("free", va=pair.big)
+    assert i.digest(pair.big_in_importer, BIG) == pattern_digest(SEED + 10, BIG)
+    i.check("ipc_close", va=pair.big_in_importer)
+    assert i.call("ipc_open", handle=interior)["result"] == "CUDA_ERROR_INVALID_VALUE"
+    c.close_clean()
+    i.close_clean()
+
+
+@pytest.mark.slow
+def test_prepare_native_restore_keeps_legacy_ipc_sharing(
+    spawn: Spawn,
+    shim_env: dict[str, str],
+    plain_env: dict[str, str],
+    control_dir: Path,
+    tmp_path: Path,
+) -> None:
+    from cuinterpose import native
+
+    pair = share_legacy(spawn, shim_env, SEED)
+    prepared = cli("prepare", pair.pids, control_dir, tmp_path)
+    assert prepared.returncode == 0, prepared.stderr
+    saved = [e for e in prepared.events if e.get("phase") == "SAVE_ALLOCATIONS"]
+    assert sum(int(e.get("bytes", 0)) for e in saved) >= BIG + SMALL, saved
+    native.run_in_subprocess("checkpoint-all", pair.pids, env=plain_env)
+    native.run_in_subprocess("restore-all", pair.pids, env=plain_env)
+    restored = cli("restore", pair.pids, control_dir, tmp_path)
+    assert restored.returncode == 0, restored.stderr
+    shared_both_ways(pair, write_seed=SEED + 20)
+    pair.creator.close_clean()
+    pair.importer.close_clean()
+
+
+@pytest.mark.slow
+def test_suspend_and_resume_keep_legacy_ipc_sharing(
+    spawn: Spawn,
+    shim_env: dict[str, str],
+    plain_env: dict[str, str],
+    control_dir: Path,
+    tmp_path: Path,
+) -> None:
+    from tests.shim.test_agent import run_cli
+
+    pair = share_legacy(spawn, shim_env, SEED)
+    common = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--control-dir", str(control_dir)]
+    procs = [w for p in pair.pids for w in ("--process", str(p), str(p))]
+    run = run_cli(["suspend", *common, *procs, "--progress", "json"], plain_env)
+    assert run.returncode == 0, run.stderr
+    events = [json.loads(line) for line in run.stdout.splitlines()]
+    capture_done = next(e for e in events if e.get("step") == "capture" and e["status"] == "done")
+    assert capture_done["bytes"] > 0, capture_done  # the shared cudaMalloc memory was staged
+    run = run_cli(["resume", *common, *procs], plain_env)
+    assert run.returncode == 0, run.stderr
+    shared_both_ways(pair, write_seed=SEED + 30)
+    pair.creator.close_clean()
+    pair.importer.close_clean()
+
+
+STOP_AT = ["QUIESCE", "PREPARE_MULTICAST", "SAVE_ALLOCATIONS", "PREPARE_UNICAST"]
+
+
+@pytest.mark.parametrize("phase", STOP_AT)
+def test_a_capture_stopped_after_any_phase_rolls_back_legacy_sharing(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path, phase: str
+) -> None:
+    pair = share_legacy(spawn, shim_env, SEED)
+    stop = threading.Event()
+
+    def on_progress(event: object) -> None:
+        if isinstance(event, PhaseEvent) and event.phase == phase:
+            stop.set()
+
+    endpoints = [endpoint_for(p, p, control_dir=control_dir) for p in pair.pids]
+    (tmp_path / "ckpt").mkdir()
+    try:
+        capture(endpoints, tmp_path / "ckpt", Options(30.0, on_progress=on_progress, stop=stop))
+    except Interrupted as caught:
+        assert caught.rolled_back and caught.rollback_error is None, caught
+    else:
+        pytest.fail(f"the capture was not stopped after {phase}")
+    shared_both_ways(pair, write_seed=SEED + 40)
+    pair.creator.close_clean()
+    pair.importer.close_clean()
