@@ -210,6 +210,7 @@ static CUresult recreate(struct sim_obj *o)
     r = sim_alloc_memfd(o->size, &o->props, &fd, &meta);
     if (r != CUDA_SUCCESS)
         return r;
+    meta->alloc_id = o->id;
     if (io_all(fd, o->saved, o->size, 1) != 0) {
         munmap(meta, SIM_META_SIZE);
         close(fd);

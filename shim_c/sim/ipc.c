@@ -19,6 +19,9 @@
  * records and synchronizes as the creator's own does. */
 #include "sim.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -35,12 +38,14 @@ struct ipc_handle {
     uint32_t pad;
     uint64_t ino, dev;
     uint64_t bytes; /* memory: the allocation's size as asked for */
+    uint64_t id;    /* memory: the creator's allocation id */
 };
 _Static_assert(sizeof(struct ipc_handle) <= CU_IPC_HANDLE_SIZE, "a handle is 64 bytes");
 
-static CUresult handle_fill(void *out, uint32_t magic, int fd, uint64_t bytes)
+static CUresult handle_fill(void *out, uint32_t magic, int fd, uint64_t bytes, uint64_t id)
 {
-    struct ipc_handle h = {.magic = magic, .pid = (int32_t)getpid(), .fd = fd, .bytes = bytes};
+    struct ipc_handle h = {
+        .magic = magic, .pid = (int32_t)getpid(), .fd = fd, .bytes = bytes, .id = id};
     struct stat st;
 
     if (fstat(fd, &st) != 0)
@@ -69,7 +74,7 @@ static CUresult get_mem_handle(CUipcMemHandle *out, CUdeviceptr dptr)
     o = m ? &sim.objs[m->obj] : NULL;
     if (o && !m->taken && o->origin == SIM_FROM_ALLOC &&
         (uintptr_t)dptr - (m->va - m->offset) < o->bytes)
-        r = handle_fill(out->reserved, IPC_MEM_MAGIC, o->fd, o->bytes);
+        r = handle_fill(out->reserved, IPC_MEM_MAGIC, o->fd, o->bytes, o->id);
     sim_unlock();
     return r;
 }
@@ -99,6 +104,43 @@ static uintptr_t base_of(const struct sim_obj *o)
         if (sim.maps[i].used && &sim.objs[sim.maps[i].obj] == o)
             return sim.maps[i].va - sim.maps[i].offset;
     return 0;
+}
+
+/* Why a handle no longer opens: the allocation is gone (freed, or its
+ * creator exited) or, still allocated, has had new memory since the handle
+ * was made (its creator was checkpointed and restored: the H200 then says
+ * CUDA_ERROR_INVALID_HANDLE). The creator's memfds say which: one still
+ * carries the allocation's id. */
+static int restored_since(const struct ipc_handle *h)
+{
+    char dir[40];
+    struct dirent *d;
+    DIR *dp;
+    int found = 0;
+
+    snprintf(dir, sizeof dir, "/proc/%d/fd", (int)h->pid);
+    dp = opendir(dir);
+    if (!dp)
+        return 0;
+    while (!found && (d = readdir(dp)) != NULL) {
+        struct sim_meta meta;
+        struct stat st;
+        int fd;
+
+        if (d->d_name[0] == '.')
+            continue;
+        fd = openat(dirfd(dp), d->d_name, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+        if (fd < 0)
+            continue;
+        if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_size > SIM_META_SIZE &&
+            pread(fd, &meta, sizeof meta, st.st_size - (off_t)SIM_META_SIZE) ==
+                (ssize_t)sizeof meta)
+            found = meta.magic == SIM_META_MAGIC && meta.kind == SIM_KIND_ALLOC &&
+                    meta.creator_pid == h->pid && meta.alloc_id == h->id;
+        close(fd);
+    }
+    closedir(dp);
+    return found;
 }
 
 /* The allocation's device may access it, and the opening context's device
@@ -152,10 +194,9 @@ static CUresult open_mem_handle(CUdeviceptr *out, CUipcMemHandle handle, unsigne
         *out = (CUdeviceptr)va;
         return CUDA_SUCCESS;
     }
-    /* Freed by its creator (or its creator gone): nothing to open. */
     fd = sim_peer_fd_open(h.pid, h.fd, h.ino, h.dev);
     if (fd < 0)
-        return CUDA_ERROR_INVALID_VALUE;
+        return restored_since(&h) ? CUDA_ERROR_INVALID_HANDLE : CUDA_ERROR_INVALID_VALUE;
     r = sim_obj_import_fd(fd, &o);
     if (r != CUDA_SUCCESS)
         return CUDA_ERROR_INVALID_VALUE;
@@ -165,6 +206,7 @@ static CUresult open_mem_handle(CUdeviceptr *out, CUipcMemHandle handle, unsigne
     o->bytes = h.bytes;
     o->ctx = sim_current_ctx();
     o->ipc_refs = 1;
+    o->id = h.id; /* BUFFER_ID and MEMORY_BLOCK_ID are the creator's (H200) */
     o->peer_pid = h.pid;
     o->peer_ino = h.ino;
     o->peer_dev = h.dev;
@@ -228,8 +270,8 @@ static CUresult get_event_handle(CUipcEventHandle *out, CUevent event)
     struct sim_event *e;
     CUresult r;
 
-    if (!out)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (!out || !event)
+        return CUDA_ERROR_INVALID_VALUE; /* a NULL event: seen on the H200 */
     sim_lock();
     e = sim_event_check(event);
     if (!e)
@@ -237,7 +279,7 @@ static CUresult get_event_handle(CUipcEventHandle *out, CUevent event)
     else if (!(e->flags & CU_EVENT_INTERPROCESS) || !e->shared)
         r = CUDA_ERROR_INVALID_VALUE;
     else
-        r = handle_fill(out->reserved, IPC_EVENT_MAGIC, e->fd, 0);
+        r = handle_fill(out->reserved, IPC_EVENT_MAGIC, e->fd, 0, 0);
     sim_unlock();
     return r;
 }

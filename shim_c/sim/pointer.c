@@ -171,7 +171,10 @@ static CUresult device_attr(int attr, const struct ptr_info *in, uintptr_t p,
     case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: *v = o->origin == SIM_FROM_ALLOC; break;
     case CU_POINTER_ATTRIBUTE_MAPPED: *v = 1; break;
     case CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES: *v = o->props.handle_types; break;
-    case CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE: *v = o->legacy || o->props.rdma; break;
+    case CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE:
+        /* An IPC open is not (seen on the H200), its creator's memory is. */
+        *v = o->origin == SIM_FROM_ALLOC || o->origin == SIM_FROM_POOL || o->props.rdma;
+        break;
     case CU_POINTER_ATTRIBUTE_ACCESS_FLAGS: *v = access_flag(in->m->access[cur->dev]); break;
     case CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE:
         *v = o->origin == SIM_FROM_POOL || o->origin == SIM_FROM_POOL_IMPORT

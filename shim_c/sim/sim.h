@@ -92,6 +92,9 @@ struct sim_meta {
     uint64_t size;       /* bytes of data before this page */
     int32_t creator_pid; /* process that created the object */
     struct sim_props props;
+    /* The creator's id of the allocation (sim_obj.id), kept when a restore
+     * gives it new memory: names it to legacy IPC (ipc.c). */
+    uint64_t alloc_id;
     /* multicast team, guarded by `lock` */
     pthread_mutex_t lock;
     uint32_t num_devices;

@@ -119,7 +119,8 @@ CUresult sim_obj_new(int kind, int fd, struct sim_meta *meta, uint64_t size, str
         o->handle_refs = 1;
         o->props = meta->props;
         o->handle = sim.next_handle;
-        o->id = ++sim.next_obj_id;
+        /* Unique beyond this process: an IPC open keeps its creator's. */
+        o->id = ((unsigned long long)getpid() << 32) | ++sim.next_obj_id;
         sim.next_handle += 0x10;
         *out = o;
         return CUDA_SUCCESS;
@@ -370,6 +371,7 @@ static CUresult create_alloc(struct sim_obj **out, size_t size, const CUmemAlloc
     r = sim_obj_new(SIM_KIND_ALLOC, fd, meta, size, &o);
     if (r != CUDA_SUCCESS)
         goto fail;
+    meta->alloc_id = o->id;
     sim_acct_add(prop->location.id, (long long)size);
     *out = o;
     return CUDA_SUCCESS;
