@@ -25,8 +25,14 @@ def batch(p, names=NAMES):
 """
 
 # What varies between runs: addresses, ids, the context handle.
-VARYING = {"CONTEXT", "DEVICE_POINTER", "BUFFER_ID", "RANGE_START_ADDR", "MAPPING_BASE_ADDR",
-           "MEMORY_BLOCK_ID"}
+VARYING = {
+    "CONTEXT",
+    "DEVICE_POINTER",
+    "BUFFER_ID",
+    "RANGE_START_ADDR",
+    "MAPPING_BASE_ADDR",
+    "MEMORY_BLOCK_ID",
+}
 
 
 def worker(spawn):

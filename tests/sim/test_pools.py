@@ -90,9 +90,8 @@ def test_allocation_from_a_created_pool_names_it(spawn):
     r = w("""
 pool = check(cu.cuMemPoolCreate(pool_props(dev=1)))
 d = check(cu.cuMemAllocFromPoolAsync(4096, pool, 0))
-result = [int(check(cu.cuPointerGetAttribute(PA.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, d))) == int(pool),
-          int(check(cu.cuPointerGetAttribute(PA.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, d))),
-          int(check(cu.cuPointerGetAttribute(PA.CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, d)))]
+get = lambda a: int(check(cu.cuPointerGetAttribute(getattr(PA, "CU_POINTER_ATTRIBUTE_" + a), d)))
+result = [get("MEMPOOL_HANDLE") == int(pool), get("DEVICE_ORDINAL"), get("ALLOWED_HANDLE_TYPES")]
 """)
     assert r == [True, 1, 1]  # on the pool's device, whatever the stream's
 
