@@ -10,9 +10,11 @@
  *   state.c     the shared state `g`, its lock, entering the shim
  *   handles.c   the logical handle table and its objects
  *   io.c        bounded socket I/O and replies
- *   capability.c, multicast.c, unicast.c, staging.c, content.c   the tracked
- *               calls, the staging pool and
- *               the phase work
+ *   capability.c, multicast.c, unicast.c   the tracked VMM calls and their
+ *               phase work
+ *   unowned.c, owned.c, ipc.c   sharing the shim refuses, cudaMalloc memory it
+ *               owns, legacy IPC over tracked sharing
+ *   staging.c, content.c   the staging pool, SAVE and LOAD
  *   quiesce.c   QUIESCE: closing the gate until the process is quiet
  *   rollback.c  the way back to ACTIVE (CUIP_ROLLBACK_OPS)
  *   control.c   the control server: connections, validation, phase machine
