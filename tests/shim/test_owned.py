@@ -285,3 +285,40 @@ def test_a_shared_memory_pool_refuses(
     assert cli("restore", pids, control_dir, _dir(tmp_path, "again")).returncode == 0
     exporter.close_clean()
     importer.close_clean()
+
+
+PEERS = """
+import ctypes
+ctx0 = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(0))))
+ctx1 = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(1))))
+check(cu.cuCtxSetCurrent(ctx0))
+a = int(check(cu.cuMemAlloc(1 << 20)))
+check(cu.cuMemsetD8(a, 7, 1 << 20))
+def read_from_1(ptr):
+    check(cu.cuCtxSetCurrent(ctx1))
+    buf = ctypes.create_string_buffer(16)
+    try:
+        return err(cu.cuMemcpyDtoH(buf, ptr, 16)), buf.raw[0]
+    finally:
+        check(cu.cuCtxSetCurrent(ctx0))
+"""
+
+
+def test_peer_access_reaches_owned_memory(spawn: Spawn, shim_env: dict[str, str]) -> None:
+    app = spawn("app", shim_env)
+    app(PEERS)
+    assert app("result = read_from_1(a)") == ["CUDA_ERROR_INVALID_VALUE", 0]
+    app("check(cu.cuCtxSetCurrent(ctx1)); check(cu.cuCtxEnablePeerAccess(ctx0, 0))")
+    assert app("result = err(cu.cuCtxEnablePeerAccess(ctx0, 0))") == (
+        "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED"
+    )
+    app("check(cu.cuCtxSetCurrent(ctx0))")
+    assert app("result = read_from_1(a)") == ["CUDA_SUCCESS", 7]
+    # Made after peer access was enabled: reachable from device 1 at once.
+    app("b = int(check(cu.cuMemAlloc(4 << 20))); check(cu.cuMemsetD8(b, 9, 4 << 20))")
+    assert app("result = read_from_1(b)") == ["CUDA_SUCCESS", 9]
+    app("check(cu.cuCtxSetCurrent(ctx1)); check(cu.cuCtxDisablePeerAccess(ctx0))")
+    app("check(cu.cuCtxSetCurrent(ctx0))")
+    assert app("result = read_from_1(a)")[0] == "CUDA_ERROR_INVALID_VALUE"
+    assert app("result = read_from_1(b)")[0] == "CUDA_ERROR_INVALID_VALUE"
+    app.close_clean()
