@@ -49,6 +49,7 @@ struct owned *owned_new(CUdeviceptr base, size_t reserved, bool slab)
             free(w);
             return NULL;
         }
+        w->free_units = (uint32_t)(reserved / OWNED_UNIT);
     }
     return w;
 }
@@ -294,11 +295,6 @@ undo_map:
 }
 
 /* ------------------------------------------------------------ slabs */
-static bool unit_used(const struct owned *w, uint32_t u)
-{
-    return w->units[u / 64] >> (u % 64) & 1;
-}
-
 static void units_set(struct owned *w, uint32_t first, uint32_t n, bool used)
 {
     for (uint32_t u = first; u < first + n; u++) {
@@ -307,17 +303,33 @@ static void units_set(struct owned *w, uint32_t first, uint32_t n, bool used)
         else
             w->units[u / 64] &= ~(1ull << (u % 64));
     }
+    w->free_units = used ? w->free_units - n : w->free_units + n;
 }
 
-/* The first run of `n` free units, or -1. */
+/* The first run of `n` free units, or -1. Full words are skipped whole: a
+ * slab of 4096 units is 64 words. */
 static int64_t units_find(const struct owned *w, uint32_t n)
 {
     uint32_t total = (uint32_t)(w->reserved / OWNED_UNIT), run = 0;
 
-    for (uint32_t u = 0; u < total; u++) {
-        run = unit_used(w, u) ? 0 : run + 1;
+    if (w->free_units < n)
+        return -1;
+    for (uint32_t u = 0; u < total;) {
+        uint64_t word = w->units[u / 64];
+        if (u % 64 == 0 && word == ~0ull) {
+            run = 0;
+            u += 64;
+            continue;
+        }
+        if (u % 64 == 0 && word == 0 && run + 64 < n) {
+            run += 64;
+            u += 64;
+            continue;
+        }
+        run = (word >> (u % 64) & 1) ? 0 : run + 1;
         if (run == n)
             return (int64_t)(u + 1 - n);
+        u++;
     }
     return -1;
 }

@@ -451,6 +451,7 @@ struct owned {
     struct owned_range *ranges;
     uint32_t nranges, capranges;
     uint64_t *units;              /* slab: a bit per OWNED_UNIT bytes in use or retired */
+    uint32_t free_units;          /* slab: bits clear */
 };
 
 /* The application's cuMemUnmap, cuMemAddressFree, cuMemSetAccess and
