@@ -110,6 +110,9 @@ static void resolve_once(void)
       "cuMemGetAllocationGranularity", 10020);
     R(real.cuPointerGetAttribute, "cuPointerGetAttribute", "cuPointerGetAttribute", 4000);
     R(real.cuPointerGetAttributes, "cuPointerGetAttributes", "cuPointerGetAttributes", 7000);
+    R(real.cuCtxDestroy, "cuCtxDestroy_v2", "cuCtxDestroy", 4000);
+    R(real.cuDevicePrimaryCtxReset, "cuDevicePrimaryCtxReset_v2", "cuDevicePrimaryCtxReset",
+      11000);
     R(real.cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", "cuCtxEnablePeerAccess", 4000);
     R(real.cuCtxDisablePeerAccess, "cuCtxDisablePeerAccess", "cuCtxDisablePeerAccess", 4000);
     R(real.cuIpcGetMemHandle, "cuIpcGetMemHandle", "cuIpcGetMemHandle", 4010);

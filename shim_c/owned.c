@@ -719,6 +719,91 @@ CUresult CUDAAPI cuCtxDisablePeerAccess(CUcontext peerContext)
     return peer_change(peerContext, false, 0);
 }
 
+/* ------------------------------------------------------------ contexts */
+/* Under g.lock: free the owned memory of context `ctx` (what it allocated, and what
+ * it opened), as the driver frees a context's cuMemAlloc memory with it. */
+static void drop_context(CUcontext ctx)
+{
+    for (uint32_t i = 0; i < obj_count(); i++) {
+        struct obj *o = obj_at(i);
+        if (o && o->own && o->ctx == ctx)
+            owned_release(o);
+    }
+}
+
+/* The primary context of `dev` while it is active (a reference taken and given
+ * back), else NULL. */
+static CUcontext active_primary(CUdevice dev)
+{
+    unsigned int flags;
+    int active = 0;
+    CUcontext ctx = NULL;
+
+    if (real.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || !active ||
+        real.cuDevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS)
+        return NULL;
+    real.cuDevicePrimaryCtxRelease(dev);
+    return ctx;
+}
+
+CUresult CUDAAPI cuCtxDestroy(CUcontext ctx)
+{
+    bool pushed;
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!real.cuCtxDestroy)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    /* Only a context the driver knows: a bad one is the driver's to refuse. */
+    if (ctx && shim_ctx_enter(ctx, &pushed) == CUDA_SUCCESS) {
+        shim_ctx_leave(pushed);
+        drop_context(ctx);
+    }
+    pthread_mutex_unlock(&g.lock);
+    return real.cuCtxDestroy(ctx);
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxReset(CUdevice dev)
+{
+    CUcontext primary;
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!real.cuDevicePrimaryCtxReset)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    if ((primary = active_primary(dev)) != NULL)
+        drop_context(primary);
+    pthread_mutex_unlock(&g.lock);
+    return real.cuDevicePrimaryCtxReset(dev);
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev)
+{
+    CUcontext primary;
+    unsigned int flags;
+    int active = 1;
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    primary = active_primary(dev);
+    r = real.cuDevicePrimaryCtxRelease(dev);
+    /* The last reference destroyed it, and its memory with it. */
+    if (r == CUDA_SUCCESS && primary &&
+        real.cuDevicePrimaryCtxGetState(dev, &flags, &active) == CUDA_SUCCESS && !active)
+        drop_context(primary);
+    pthread_mutex_unlock(&g.lock);
+    return r;
+}
+
 void owned_after_fork(void)
 {
     /* The objects are dropped with the rest of the table. */

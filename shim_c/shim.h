@@ -204,6 +204,8 @@ struct shim_real {
     CUresult (*cuPointerGetAttribute)(void *, CUpointer_attribute, CUdeviceptr);
     CUresult (*cuPointerGetAttributes)(unsigned int, CUpointer_attribute *, void **,
                                        CUdeviceptr);
+    CUresult (*cuCtxDestroy)(CUcontext);
+    CUresult (*cuDevicePrimaryCtxReset)(CUdevice);
     CUresult (*cuCtxEnablePeerAccess)(CUcontext, unsigned int);
     CUresult (*cuCtxDisablePeerAccess)(CUcontext);
     CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);

@@ -322,3 +322,59 @@ def test_peer_access_reaches_owned_memory(spawn: Spawn, shim_env: dict[str, str]
     assert app("result = read_from_1(a)")[0] == "CUDA_ERROR_INVALID_VALUE"
     assert app("result = read_from_1(b)")[0] == "CUDA_ERROR_INVALID_VALUE"
     app.close_clean()
+
+
+RESTORE_STOP_AT = ["LOAD_ALLOCATIONS", "RESTORE_UNICAST"]
+
+
+@pytest.mark.parametrize("phase", RESTORE_STOP_AT)
+def test_a_restore_stopped_after_any_phase_rolls_back_legacy_sharing(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path, phase: str
+) -> None:
+    from cuinterpose.engine import restore
+
+    pair = share_legacy(spawn, shim_env, SEED)
+    endpoints = [endpoint_for(p, p, control_dir=control_dir) for p in pair.pids]
+    ckpt = _dir(tmp_path, "ckpt")
+    capture(endpoints, ckpt, Options(30.0))
+    stop = threading.Event()
+
+    def on_progress(event: object) -> None:
+        if isinstance(event, PhaseEvent) and event.phase == phase:
+            stop.set()
+
+    with pytest.raises(Interrupted) as caught:
+        restore(endpoints, ckpt, Options(30.0, on_progress=on_progress, stop=stop))
+    assert caught.value.rolled_back and caught.value.rollback_error is None, caught.value
+    shared_both_ways(pair, write_seed=SEED + 50)
+    pair.creator.close_clean()
+    pair.importer.close_clean()
+
+
+def test_a_reset_or_destroyed_context_takes_its_owned_memory_along(
+    spawn: Spawn, shim_env: dict[str, str]
+) -> None:
+    app = spawn("app", shim_env)
+    used = "f, t = check(cu.cuMemGetInfo()); result = int(t) - int(f)"
+    before = app(used)
+    small = int(app.check("alloc", size=1000)["va"])
+    big = int(app.check("alloc", size=BIG)["va"])
+    assert app(used) > before
+    app("check(cu.cuDevicePrimaryCtxReset(check(cu.cuDeviceGet(0))))")
+    assert app(used) == before
+    app(
+        "ctx = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(0))))\n"
+        "check(cu.cuCtxSetCurrent(ctx))"
+    )
+    for va in (small, big):
+        assert app.call("address_range", va=va)["result"] == "CUDA_ERROR_NOT_FOUND"
+    # A context of the application's own: its memory goes with it.
+    app(
+        "own = check(cu.cuCtxCreate(None, 0, check(cu.cuDeviceGet(0))))\n"
+        "mine = int(check(cu.cuMemAlloc(1 << 20)))"
+    )
+    assert app(used) > before
+    app("check(cu.cuCtxDestroy(own)); check(cu.cuCtxSetCurrent(ctx))")
+    assert app(used) == before
+    assert app.call("alloc", size=1000)["ok"]  # the primary context allocates again
+    app.close_clean()
