@@ -684,13 +684,10 @@ static CUresult peer_change(CUcontext peer, bool enable, unsigned int flags)
 {
     CUcontext ctx;
     CUdevice self, owner;
-    CUresult r = shim_enter();
+    CUresult r = enable ? app_lock_for(real.cuCtxEnablePeerAccess)
+                        : app_lock_for(real.cuCtxDisablePeerAccess);
 
     if (r != CUDA_SUCCESS)
-        return r;
-    if (!real.cuCtxEnablePeerAccess || !real.cuCtxDisablePeerAccess)
-        return CUDA_ERROR_NOT_SUPPORTED;
-    if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
     r = enable ? real.cuCtxEnablePeerAccess(peer, flags) : real.cuCtxDisablePeerAccess(peer);
     if (r != CUDA_SUCCESS || current_device(&ctx, &self) != CUDA_SUCCESS ||
@@ -749,13 +746,9 @@ static CUcontext active_primary(CUdevice dev)
 CUresult CUDAAPI cuCtxDestroy(CUcontext ctx)
 {
     bool pushed;
-    CUresult r = shim_enter();
+    CUresult r = app_lock_for(real.cuCtxDestroy);
 
     if (r != CUDA_SUCCESS)
-        return r;
-    if (!real.cuCtxDestroy)
-        return CUDA_ERROR_NOT_SUPPORTED;
-    if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
     /* Only a context the driver knows: a bad one is the driver's to refuse. */
     if (ctx && shim_ctx_enter(ctx, &pushed) == CUDA_SUCCESS) {
@@ -769,13 +762,9 @@ CUresult CUDAAPI cuCtxDestroy(CUcontext ctx)
 CUresult CUDAAPI cuDevicePrimaryCtxReset(CUdevice dev)
 {
     CUcontext primary;
-    CUresult r = shim_enter();
+    CUresult r = app_lock_for(real.cuDevicePrimaryCtxReset);
 
     if (r != CUDA_SUCCESS)
-        return r;
-    if (!real.cuDevicePrimaryCtxReset)
-        return CUDA_ERROR_NOT_SUPPORTED;
-    if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
     if ((primary = active_primary(dev)) != NULL)
         drop_context(primary);
@@ -788,11 +777,9 @@ CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev)
     CUcontext primary;
     unsigned int flags;
     int active = 1;
-    CUresult r = shim_enter();
+    CUresult r = app_lock_for(real.cuDevicePrimaryCtxRelease);
 
     if (r != CUDA_SUCCESS)
-        return r;
-    if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
     primary = active_primary(dev);
     r = real.cuDevicePrimaryCtxRelease(dev);

@@ -347,6 +347,10 @@ SHIM_HIDDEN void app_gate_lock(const char *call);
  * may change tracked state; on CUDA_SUCCESS the caller holds g.lock. */
 SHIM_HIDDEN CUresult app_lock_at(const char *call);
 #define app_lock() app_lock_at(__func__)
+/* app_lock for a call that needs the driver's entry point *fn (resolved by then):
+ * CUDA_ERROR_NOT_SUPPORTED, unlocked, when the driver lacks it. */
+SHIM_HIDDEN CUresult app_lock_driver(const char *call, void *const *fn);
+#define app_lock_for(fn) app_lock_driver(__func__, (void *const *)&(fn))
 /* Fork child, before anything else runs: fresh locks, phase ACTIVE, no id,
  * not started. */
 SHIM_HIDDEN void shim_state_after_fork(void);

@@ -185,6 +185,13 @@ def _dir(parent: Path, name: str) -> Path:
     return path
 
 
+def captures_again(pids: list[int], control_dir: Path, tmp_path: Path) -> None:
+    """With the unowned sharing gone, prepare and restore go through."""
+    for command in ("prepare", "restore"):
+        run = cli(command, pids, control_dir, _dir(tmp_path, "again"))
+        assert run.returncode == 0, (command, run.stderr)
+
+
 def refused_and_running(
     app: Worker, pids: list[int], call: str, control_dir: Path, tmp_path: Path
 ) -> None:
@@ -208,9 +215,7 @@ def test_legacy_ipc_of_driver_memory_refuses(
     refused_and_running(app, [app.pid], "cuIpcGetMemHandle", control_dir, tmp_path)
     # Freed, the handle is gone with its memory: nothing stands in the way any more.
     app.check("free", va=mine)
-    again = cli("prepare", [app.pid], control_dir, _dir(tmp_path, "again"))
-    assert again.returncode == 0, again.stderr
-    assert cli("restore", [app.pid], control_dir, _dir(tmp_path, "again")).returncode == 0
+    captures_again([app.pid], control_dir, tmp_path)
     app.close_clean()
 
 
@@ -240,8 +245,7 @@ def test_an_import_from_a_process_without_the_shim_refuses_suspend(
     outsider.check("fill", va=theirs, size=BIG, seed=6)
     assert app.digest(opened, BIG) == pattern_digest(6, BIG)
     app.check("ipc_close", va=opened)
-    assert cli("prepare", [app.pid], control_dir, _dir(tmp_path, "again")).returncode == 0
-    assert cli("restore", [app.pid], control_dir, _dir(tmp_path, "again")).returncode == 0
+    captures_again([app.pid], control_dir, tmp_path)
     app.close_clean()
     outsider.close_clean()
 
@@ -281,8 +285,7 @@ def test_a_shared_memory_pool_refuses(
     importer("check(cu.cuMemPoolDestroy(pool))")
     exporter("check(cu.cuMemPoolDestroy(pool))")
     pids = [exporter.pid, importer.pid]
-    assert cli("prepare", pids, control_dir, _dir(tmp_path, "again")).returncode == 0
-    assert cli("restore", pids, control_dir, _dir(tmp_path, "again")).returncode == 0
+    captures_again(pids, control_dir, tmp_path)
     exporter.close_clean()
     importer.close_clean()
 
