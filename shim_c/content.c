@@ -147,10 +147,6 @@ static int temp_unmap(const struct obj *o, CUdeviceptr va, char *msg, size_t n)
 }
 
 /* ------------------------------------------------------------ phases */
-static bool creator_shared(const struct obj *o)
-{
-    return o && obj_shared(o) && o->is_creator;
-}
 
 /* Whether `p` lies in the resident mapping (which outlives its slices). */
 static bool in_resident(const char *p)
@@ -243,7 +239,7 @@ static uint32_t phase_items(bool saving, struct item **items, uint64_t *total)
     *total = 0;
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
-        if (!creator_shared(o) || (saving ? !o->live || o->host : o->live))
+        if (!obj_staged(o) || (saving ? !o->live || o->host : o->live))
             continue;
         count++;
         *total += o->size;
@@ -442,7 +438,7 @@ enum phase_result content_save(struct reply *r)
     }
     for (uint32_t i = 0; i < obj_count() && k < count; i++) {
         struct obj *o = obj_at(i);
-        if (creator_shared(o) && o->live && !o->host)
+        if (obj_staged(o) && o->live && !o->host)
             items[k++].o = o;
     }
     /* Nothing is torn down before PREPARE_UNICAST: all stay live. */
@@ -620,7 +616,7 @@ static enum phase_result load_all(struct reply *r, const char *op, bool keep)
     memset(&st, 0, sizeof st);
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
-        if (!creator_shared(o) || o->live || o->host)
+        if (!obj_staged(o) || o->live || o->host)
             continue;
         msg[0] = 0;
         name_allocation(msg, sizeof msg, o);
@@ -634,7 +630,7 @@ static enum phase_result load_all(struct reply *r, const char *op, bool keep)
     }
     for (uint32_t i = 0; i < obj_count() && k < count; i++) {
         struct obj *o = obj_at(i);
-        if (creator_shared(o) && !o->live)
+        if (obj_staged(o) && !o->live)
             items[k++].o = o;
     }
     if (count && load_items(items, count, total, keep, &st, &retry, msg, sizeof msg) != 0) {
@@ -666,7 +662,7 @@ enum phase_result content_reload(struct reply *r)
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
         char what[128] = "";
-        if (!creator_shared(o) || o->live || o->host)
+        if (!obj_staged(o) || o->live || o->host)
             continue;
         name_allocation(what, sizeof what, o);
         reply_msg(r, CUIP_STATUS_REFUSED,
