@@ -173,6 +173,10 @@ struct shim_real {
     CUresult (*cuStreamCreate)(CUstream *, unsigned int);
     CUresult (*cuStreamSynchronize)(CUstream);
     CUresult (*cuStreamDestroy)(CUstream);
+    CUresult (*cuEventCreate)(CUevent *, unsigned int);
+    CUresult (*cuEventRecord)(CUevent, CUstream);
+    CUresult (*cuEventSynchronize)(CUevent);
+    CUresult (*cuEventDestroy)(CUevent);
     CUresult (*cuCtxGetCurrent)(CUcontext *);
     CUresult (*cuCtxPushCurrent)(CUcontext);
     CUresult (*cuCtxPopCurrent)(CUcontext *);

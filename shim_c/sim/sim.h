@@ -226,6 +226,10 @@ struct sim_event {
     int used;
     unsigned flags;
     double t_ms;
+    /* Stream-ordered completion (device.c): markers recorded and run, and
+     * the slot's use, so that a marker of a destroyed event is ignored. */
+    unsigned gen;
+    uint64_t recorded, completed;
 };
 
 /* Device-wide memory use, shared between every simulated process of one
