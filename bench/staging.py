@@ -1,8 +1,9 @@
 """SAVE/LOAD staging throughput for big and for many small allocations (issue 12).
 
-One run, one GPU, three workloads (``--sim``: the same shapes, small):
+One run, one GPU, four workloads (``--sim``: the same shapes, small):
 
 - ``1x8GiB``: one 8 GiB allocation;
+- ``100x20MiB``: 100 allocations of 20 MiB (what torch's expandable segments make);
 - ``96x6MiB``: 96 allocations of 6 MiB (NCCL-sized buffers);
 - ``2048x2MiB``: 2048 allocations of 2 MiB.
 
@@ -44,7 +45,12 @@ from cuinterpose.demo import CliRun, Worker, coordinator_env
 
 MIB = 1 << 20
 GIB = 1 << 30
-WORKLOADS = {"1x8GiB": (1, 8 * GIB), "96x6MiB": (96, 6 * MIB), "2048x2MiB": (2048, 2 * MIB)}
+WORKLOADS = {
+    "1x8GiB": (1, 8 * GIB),
+    "100x20MiB": (100, 20 * MIB),  # torch's expandable segments map 20 MiB pieces
+    "96x6MiB": (96, 6 * MIB),
+    "2048x2MiB": (2048, 2 * MIB),
+}
 SIM_WORKLOADS = {"1x32MiB": (1, 32 * MIB), "12x6MiB": (12, 6 * MIB), "48x2MiB": (48, 2 * MIB)}
 
 # Runs in the worker (``exec``): allocations of SIZE bytes, COUNT of them, each MiB
