@@ -21,11 +21,22 @@
  *    unregistered by one worker: population and pinning of one chunk run
  *    while other workers copy, and no registration outlives its chunk, so
  *    the native checkpoint and CRIU see plain anonymous memory between SAVE
- *    and LOAD and the pinned memory at any time is at most threads x chunk;
+ *    and LOAD and the pinned memory at any time is at most threads x chunk
+ *    (with SNAPSHOT_SHIM_STAGING_BOUNCE_MIB=0);
  *  - by default nothing is pinned per phase at all: each thread copies
  *    through its own pinned bounce buffer (SNAPSHOT_SHIM_STAGING_BOUNCE_MIB,
  *    cuMemHostAlloc once, kept for the life of the process) and memcpy's
- *    between it and the staging memory. Measured on the H200 (run 1 of
+ *    between it and the staging memory, double-buffered (bounce_copy): the
+ *    copy engine fills or drains one half while the thread memcpy's the
+ *    other, and the thread waits on a blocking-sync event, so that a waiting
+ *    worker gives its CPU to the ones that memcpy and fault pages (on the
+ *    H200 a SAVE of 8 GiB was CPU-bound: populate 2.7 + memcpy 2.0 of 5.1
+ *    thread-s in a 0.34 s op on 16 CPUs, against a 0.18 s copy);
+ *  - through the bounce buffers, fresh staging memory is faulted in by the
+ *    memcpy that fills it: each 2 MiB page zeroed by the kernel just before
+ *    it is written, while it is still in cache, instead of a pass of its own
+ *    over the whole chunk first (SNAPSHOT_SHIM_STAGING_PREFAULT=1 keeps that
+ *    pass; a registration in place always needs it). Measured on the H200 (run 1 of
  *    docs/benchmarks.md): registering and unregistering 8 GiB in 64 MiB
  *    chunks from 16 threads cost 0.5 s per op, against 0.16 s of copy; the
  *    driver serializes that work, so more threads do not help. With
