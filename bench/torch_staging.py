@@ -202,6 +202,7 @@ class Bench:
         """Suspend, note the host memory, resume; through the CLI or the library."""
         ckpt = self._dir(path)
         extra = ("--not-requested",) if native_only else ()
+        running = _rss(job.pids)
         if path == "library":
             sus = self.library("suspend", job, ckpt)
         else:
@@ -214,7 +215,12 @@ class Bench:
             if path == "library"
             else self.cli("resume", job, ckpt)
         )
-        return {"suspend": sus, "resume": res, "suspended_rss_bytes": rss}
+        return {
+            "suspend": sus,
+            "resume": res,
+            "running_rss_bytes": running,
+            "suspended_rss_bytes": rss,
+        }
 
     def job(self, kind: str, gib: float, repeat: int) -> dict[str, Any]:
         self.log(f"{kind}: {gib} GiB")
@@ -305,6 +311,9 @@ def _summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 entry[command]["native_tracked_bytes"] = staged[0]["native_tracked_bytes"]
                 entry[command]["gb_per_s"] = _stats([s["gb_per_s"] for s in staged])
         entry["suspended_rss_bytes"] = _stats([r["suspended_rss_bytes"] for r in ok])
+        entry["added_rss_bytes"] = _stats(
+            [r["suspended_rss_bytes"] - r["running_rss_bytes"] for r in ok]
+        )
         out[path] = entry
     native = out.get("native")
     for path in ("cuinterpose", "library"):
@@ -346,7 +355,13 @@ def report(result: dict[str, Any], out: Callable[[str], None]) -> None:
                     f" resume {entry['resume_x_faster']:.2f}x faster"
                 )
             rss = entry["suspended_rss_bytes"]["median"]
-            out(f"  {path:<11} host memory of the suspended job (RSS) {rss / 2**30:.2f} GiB")
+            added = entry["added_rss_bytes"]["median"]
+            gpu = ready["reserved_bytes"]
+            out(
+                f"  {path:<11} host memory of the suspended job (RSS) {rss / 2**30:.2f} GiB,"
+                f" {added / 2**30:.2f} GiB more than running = {added / gpu:.3f} x the"
+                f" {gpu / 2**30:.2f} GiB torch reserved on the GPU"
+            )
         off = job["private_off"]
         out(f"  private left to the native checkpoint (shim loaded): {_brief(off)}")
         refused = [r for r in job["runs"]["native"] if r["suspend"]["returncode"] != 0]
