@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cuinterpose.demo import Worker, coordinator_env
@@ -259,23 +260,27 @@ def test_rollback_brings_private_allocations_back(
         app_still_works(w)
 
 
+@pytest.mark.parametrize("stage", ["staged", "left-to-native"])
 def test_state_file_and_topology_with_private_allocations(
-    spawn: Spawn, control_dir: Path, sim_namespace: str, tmp_path: Path
+    spawn: Spawn, control_dir: Path, sim_namespace: str, tmp_path: Path, stage: str
 ) -> None:
     """``cuinterpose suspend`` and ``resume`` of a process holding only private memory:
     the state file records each allocation and mapping (CREATOR, CONTENT), the summary
     says what the shim staged and that nothing it tracks was left to the native
-    checkpoint, and the restore verifies the same topology."""
-    w, total = private_worker(spawn, seed=700)
+    checkpoint, and the restore verifies the same topology. Left to the native
+    checkpoint: no records, nothing staged, the summary says how much it kept."""
+    staged = stage == "staged"
+    extra = {} if staged else {"SNAPSHOT_SHIM_STAGE_PRIVATE": "0"}
+    w, total = private_worker(spawn, extra, seed=700)
     ckpt = tmp_path / "ckpt"
     env = simenv.sim_env(namespace=sim_namespace)
     env.pop("SNAPSHOT_CONTROL_DIR", None)
     common = ["--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir)]
-    common += ["--process", str(w.pid), str(w.pid), "--progress", "json"]
+    common += ["--process", str(w.pid), str(w.pid)]
 
-    def run(command: str) -> list[dict[str, object]]:
+    def run(command: str, progress: str = "json") -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
-            [sys.executable, "-m", "cuinterpose", command, *common],
+            [sys.executable, "-m", "cuinterpose", command, *common, "--progress", progress],
             env=coordinator_env(env),
             capture_output=True,
             text=True,
@@ -283,22 +288,29 @@ def test_state_file_and_topology_with_private_allocations(
             check=False,
         )
         assert done.returncode == 0, done.stderr
+        return done
+
+    def events(done: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
         return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
-    events = run("suspend")
+    suspended = events(run("suspend"))
     state = statefile.read_state(ckpt)
     (participant,) = state.topology.participants
     allocations = [r for r in participant.records if r.kind is K.ALLOCATION]
-    assert len(allocations) == PRIVATE_COUNT
+    assert len(allocations) == (PRIVATE_COUNT if staged else 0)
     assert all(F.CREATOR in r.flags and F.CONTENT in r.flags for r in allocations)
-    assert state.topology.allocation_bytes == total
-    summary = events[-1]
+    assert state.topology.allocation_bytes == (total if staged else 0)
+    inspect = next(e for e in suspended if e.get("phase") == "INSPECT")
+    assert inspect["native_kept_bytes"] == (0 if staged else total)
+    summary = suspended[-1]
     assert summary["event"] == "summary"
-    assert summary["staging"]["staged_bytes"] == total
-    assert summary["staging"]["staged_allocations"] == PRIVATE_COUNT
-    assert summary["staging"]["native_tracked_bytes"] == 0
-    assert summary["staging"]["gb_per_s"] > 0
-    events = run("resume")
-    assert events[-1]["staging"]["staged_bytes"] == total
+    assert summary["staging"]["staged_bytes"] == (total if staged else 0)
+    assert summary["staging"]["staged_allocations"] == (PRIVATE_COUNT if staged else 0)
+    assert summary["staging"]["native_tracked_bytes"] == (0 if staged else total)
+    assert summary["staging"]["native_tracked_allocations"] == (0 if staged else PRIVATE_COUNT)
+    assert (summary["staging"]["gb_per_s"] > 0) is staged
+    # The human summary says the same in one line.
+    resumed = run("resume", "human").stdout
+    assert f"staged by the shims: {PRIVATE_COUNT if staged else 0} allocations" in resumed
     assert w("result = state()") == EXPECTED_STATE
     w.close_clean()
