@@ -10,7 +10,7 @@
 #
 #   OUT=/path/to/results [WHEELS=.whl] bash bench/run_stage_h200.sh
 #
-# Time limits (seconds): GPU_TESTS_S (120), BENCH_S (200), TORCH_S (260); GPU_TESTS=none,
+# Time limits (seconds): GPU_TESTS_S (90), BENCH_S (180), TORCH_S (240); GPU_TESTS=none,
 # BENCH_S=0 or TORCH_S=0 skip a part; STAGING_ARGS / TORCH_ARGS are passed on. Multicast
 # is never created (CUINTERPOSE_ALLOW_MULTICAST=0, NVLS off).
 set -uo pipefail
@@ -33,19 +33,19 @@ print("cuda-bindings", cuda.bindings.__version__)'; } >"$OUT/environment.txt" 2>
     -DPython_EXECUTABLE="$(command -v python3)" && cmake --build build -j16; } >"$OUT/build.log" 2>&1 \
   || { tail -30 "$OUT/build.log"; echo "status 1" | tee "$OUT/status.txt"; exit 1; }
 if [ "${GPU_TESTS:-tests/gpu/test_gpu_checkpoint.py}" != none ]; then
-  timeout "${GPU_TESTS_S:-120}" python3 -m pytest -p no:cacheprovider -v -rs -s \
+  timeout "${GPU_TESTS_S:-90}" python3 -m pytest -p no:cacheprovider -v -rs -s \
     ${GPU_TESTS:-tests/gpu/test_gpu_checkpoint.py} 2>&1 | tee "$OUT/pytest-gpu.log" \
     | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
-if [ "${BENCH_S:-200}" -gt 0 ]; then
-  timeout "${BENCH_S:-200}" python3 bench/staging.py --repeat "${REPEAT:-3}" --out "$OUT/staging.json" \
-    ${STAGING_ARGS:---variant prefault:SNAPSHOT_SHIM_STAGING_PREFAULT=1} \
+if [ "${BENCH_S:-180}" -gt 0 ]; then
+  timeout "${BENCH_S:-180}" python3 bench/staging.py --repeat "${REPEAT:-3}" --out "$OUT/staging.json" \
+    ${STAGING_ARGS:---variant prefault:SNAPSHOT_SHIM_STAGING_PREFAULT=1 --variant-only 1x8GiB --variant-only 100x20MiB} \
     >"$OUT/staging.log" 2>/tmp/staging.stderr || status=1
   cat "$OUT/staging.log"; tail -5 /tmp/staging.stderr
 fi
-if [ "${TORCH_S:-260}" -gt 0 ]; then
-  timeout "${TORCH_S:-260}" python3 bench/torch_staging.py --repeat "${REPEAT:-3}" \
+if [ "${TORCH_S:-240}" -gt 0 ]; then
+  timeout "${TORCH_S:-240}" python3 bench/torch_staging.py --repeat "${REPEAT:-3}" \
     --out "$OUT/torch.json" ${TORCH_ARGS:-} >"$OUT/torch.log" 2>/tmp/torch.stderr || status=1
   cat "$OUT/torch.log"; tail -20 /tmp/torch.stderr
   cat /tmp/torch.stderr >>"$OUT/torch.log"

@@ -473,6 +473,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="NAME:VAR=VALUE,...",
         help="also run the group with these shim settings (the defaults run first)",
     )
+    parser.add_argument(
+        "--variant-only",
+        action="append",
+        default=[],
+        metavar="WORKLOAD",
+        help="run the --variant groups for these workloads only (default: all)",
+    )
     args = parser.parse_args(argv)
     variants: dict[str, dict[str, str]] = {"default": {}}
     for text in args.variant:
@@ -506,7 +513,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "workloads": {},
             }
             for n, (c, s) in chosen.items():
-                result["workloads"][n] = bench.workload(n, c, s, variants)
+                mine = variants
+                if args.variant_only and n not in args.variant_only:
+                    mine = {"default": {}}
+                result["workloads"][n] = bench.workload(n, c, s, mine)
                 if args.out:  # what is done survives a run cut short
                     args.out.parent.mkdir(parents=True, exist_ok=True)
                     args.out.write_text(json.dumps(result, indent=2))
