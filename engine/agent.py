@@ -53,7 +53,7 @@ from .native import (
     undo_suspend,
 )
 from .options import Options
-from .progress import Event, PhaseEvent
+from .progress import Event, PhaseEvent, StagingSummary
 from .runner import CaptureResult, capture, restore
 from .statefile import STATE_FILE_NAME, StateFileError, utc_timestamp, write_atomically
 from .wire import InFlight, Op, Reply, Request, WireError
@@ -624,6 +624,8 @@ class SuspendResult:
     manifest: Manifest
     manifest_path: Path
     timings: tuple[Timing, ...]
+    # What the shims staged and left to the native checkpoint (None: nothing staged).
+    staging: StagingSummary | None = None
 
 
 def _participant_ids(endpoints: Sequence[Endpoint], timeout: float) -> tuple[str, ...]:
@@ -695,6 +697,7 @@ def suspend(
         if detection.mode == "cuinterpose":
             ids = _participant_ids(detection.endpoints, options.phase_timeout)
     prepared = False
+    staging = None
     if detection.mode == "cuinterpose":
         with report.step("capture") as moved:
             engine_options = attrs.evolve(options, on_progress=report.emit)
@@ -704,6 +707,7 @@ def suspend(
                     detection.endpoints, directory, engine_options, report.logger
                 )
             moved.append(_bytes_moved(result.phases))
+            staging = StagingSummary.from_phases(result.phases)
         prepared = True
     try:
         with report.step("native_lock"):
@@ -726,7 +730,7 @@ def suspend(
     except (StateFileError, OSError) as failure:
         lines = [f"the manifest could not be written: {failure}"]
         _undo(lines, group, detection, directory, native, options, report, where)
-    return SuspendResult(manifest, path, tuple(report.timings))
+    return SuspendResult(manifest, path, tuple(report.timings), staging)
 
 
 # QUIESCE rounds bring a team a collective apart to a quiet point (engine/quiesce.py).
@@ -798,6 +802,8 @@ class ResumeResult:
     manifest: Manifest
     coordinator_restored: bool
     timings: tuple[Timing, ...]
+    # What the shims loaded (None: nothing).
+    staging: StagingSummary | None = None
 
 
 def resume(
@@ -844,6 +850,7 @@ def resume(
     )
     pids = [p.observed_pid for p in group]
     endpoints = [where.endpoint(p) for p in group]
+    staging = None
     try:
         with report.step("native_restore"):
             run_step(native, "restore", pids)
@@ -856,6 +863,7 @@ def resume(
                 with _CopyWatcher(list(zip(endpoints, ids, strict=True)), report.emit):
                     result = restore(endpoints, directory, engine_options)
                 moved.append(_bytes_moved(result.phases))
+                staging = StagingSummary.from_phases(result.phases)
     except (NativeGroupError, CoordinatorError) as failure:
         lines = list(failure.lines())
         if isinstance(failure, CoordinatorError) and failure.rolled_back:
@@ -863,7 +871,7 @@ def resume(
         lines += [f"now {line}" for line in _status_lines(group, where, native)]
         raise ResumeFailed("resume failed:", lines, changed=True) from failure
     write_manifest(directory, attrs.evolve(manifest, resumed_at=utc_timestamp()))
-    return ResumeResult(manifest, coordinate, tuple(report.timings))
+    return ResumeResult(manifest, coordinate, tuple(report.timings), staging)
 
 
 __all__ = [

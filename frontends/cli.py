@@ -409,14 +409,16 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
     except NativeUnavailableError as exc:
         return _fail([f"{command}: {exc}"], stderr)
     if view is not None:
-        view.summary(done.timings)
+        view.summary(done.timings, done.staging)
     elif mode == "json":
         with contextlib.suppress(OSError):
-            summary = {
+            summary: dict[str, object] = {
                 "event": "summary",
                 "command": command,
                 "timings": [t.to_json() for t in done.timings],
             }
+            if done.staging is not None:
+                summary["staging"] = done.staging.to_json()
             stdout.write(json.dumps(summary) + "\n")
             stdout.flush()
     return EXIT_OK

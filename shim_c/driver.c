@@ -91,6 +91,10 @@ static void resolve_once(void)
     R(real.cuStreamCreate, "cuStreamCreate", "cuStreamCreate", 2000);
     R(real.cuStreamSynchronize, "cuStreamSynchronize", "cuStreamSynchronize", 2000);
     R(real.cuStreamDestroy, "cuStreamDestroy_v2", "cuStreamDestroy", 4000);
+    R(real.cuEventCreate, "cuEventCreate", "cuEventCreate", 2000);
+    R(real.cuEventRecord, "cuEventRecord", "cuEventRecord", 2000);
+    R(real.cuEventSynchronize, "cuEventSynchronize", "cuEventSynchronize", 2000);
+    R(real.cuEventDestroy, "cuEventDestroy_v2", "cuEventDestroy", 4000);
     R(real.cuCtxGetCurrent, "cuCtxGetCurrent", "cuCtxGetCurrent", 4000);
     R(real.cuCtxPushCurrent, "cuCtxPushCurrent_v2", "cuCtxPushCurrent", 4000);
     R(real.cuCtxPopCurrent, "cuCtxPopCurrent_v2", "cuCtxPopCurrent", 4000);

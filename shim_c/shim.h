@@ -116,6 +116,13 @@ struct shim_settings {
     size_t staging_resident;    /* SNAPSHOT_SHIM_STAGING_RESIDENT_MIB: staging memory kept
                                  * across cycles, at most; 0: none */
     bool timing;                /* SNAPSHOT_SHIM_TIMING: one JSON line per SAVE/LOAD on stderr */
+    /* SNAPSHOT_SHIM_STAGE_PRIVATE (default on): SAVE moves the private
+     * allocations this process created too; off, they stay with the native
+     * checkpoint (not reported, not torn down). */
+    bool stage_private;
+    /* SNAPSHOT_SHIM_STAGING_PREFAULT: fault a SAVE chunk's staging memory in
+     * before the bounce copies (default off: the memcpy faults it). */
+    bool staging_prefault;
     char control_dir[4096];     /* as given (the default when unset); checked at start */
     /* SNAPSHOT_PARTICIPANT_ID as given, cut after one character too many so
      * that a long value still fails the length check; empty when unset. */
@@ -174,6 +181,10 @@ struct shim_real {
     CUresult (*cuStreamCreate)(CUstream *, unsigned int);
     CUresult (*cuStreamSynchronize)(CUstream);
     CUresult (*cuStreamDestroy)(CUstream);
+    CUresult (*cuEventCreate)(CUevent *, unsigned int);
+    CUresult (*cuEventRecord)(CUevent, CUstream);
+    CUresult (*cuEventSynchronize)(CUevent);
+    CUresult (*cuEventDestroy)(CUevent);
     CUresult (*cuCtxGetCurrent)(CUcontext *);
     CUresult (*cuCtxPushCurrent)(CUcontext);
     CUresult (*cuCtxPopCurrent)(CUcontext *);
@@ -500,6 +511,13 @@ SHIM_HIDDEN CUresult mapping_restore_access(const struct mapping *m, char *msg, 
 SHIM_HIDDEN int obj_ptr_id_cmp(const void *a, const void *b);
 SHIM_HIDDEN int mapping_va_cmp(const void *a, const void *b);
 SHIM_HIDDEN bool obj_shared(const struct obj *o);
+/* Whether SAVE_ALLOCATIONS moves `o`'s bytes and PREPARE_UNICAST tears it
+ * down: an allocation this process created (is_creator) that is shared,
+ * or private unless SNAPSHOT_SHIM_STAGE_PRIVATE=0. Never a raw import nor
+ * one exportable through another handle type (those refuse the capture).
+ * In content mode native nothing is staged, but the predicate still says
+ * which allocations are the creator's to keep. */
+SHIM_HIDDEN bool obj_staged(const struct obj *o);
 /* Under g.lock: a new live object of `kind` for driver handle `h`, held once
  * by the application; NULL on ENOMEM, after releasing `h`. */
 SHIM_HIDDEN struct obj *obj_adopt(enum obj_kind kind, CUmemGenericAllocationHandle h);
