@@ -793,6 +793,20 @@ def _undo(
 
 
 # --------------------------------------------------------------- resume
+def _recreated(recorded: Sequence[Process], given: Sequence[Process]) -> tuple[Process, ...]:
+    """The manifest's processes in its order, with the observed pids a restore gave them."""
+    by_namespace = {p.namespace_pid: p for p in given}
+    if len(by_namespace) != len(given) or set(by_namespace) != {
+        p.namespace_pid for p in recorded
+    }:
+        raise ManifestError(
+            "resume refused: the restored processes' namespace pids are not the manifest's "
+            f"({', '.join(p.describe() for p in given)})",
+            [f"the manifest holds {p.describe()}" for p in recorded],
+        )
+    return tuple(by_namespace[p.namespace_pid] for p in recorded)
+
+
 @attrs.frozen
 class ResumeResult:
     manifest: Manifest
@@ -806,6 +820,7 @@ def resume(
     where: Where,
     native: NativeBackend,
     processes: Sequence[Process | tuple[int, int]] | None = None,
+    restored: bool = False,
     options: Options | None = None,
     on_event: AgentCallback | None = None,
     logger: logging.Logger | None = None,
@@ -814,7 +829,9 @@ def resume(
     restore when it says prepared. On return every process is RUNNING with its bytes,
     VAs and sharing back.
 
-    ``processes``, when given, must be the manifest's. Raises :class:`ManifestError` or
+    ``processes``, when given, must be the manifest's. With ``restored`` they are the
+    processes a restore (CRIU) recreated: matched to the manifest's by namespace pid,
+    their observed pids may be new (specs/criu.md). Raises :class:`ManifestError` or
     :class:`StateRefused` (nothing changed), :class:`ResumeFailed` naming every
     process's native state and shim phase.
     """
@@ -828,7 +845,9 @@ def resume(
             ["suspend it again first"],
         )
     group = manifest.processes()
-    if processes is not None and set(_processes(processes)) != set(group):
+    if processes is not None and restored:
+        group = _recreated(group, _processes(processes))
+    elif processes is not None and set(_processes(processes)) != set(group):
         given = ", ".join(p.describe() for p in _processes(processes))
         raise ManifestError(
             f"resume refused: the processes given are not the manifest's ({given})",
