@@ -796,9 +796,7 @@ def _undo(
 def _recreated(recorded: Sequence[Process], given: Sequence[Process]) -> tuple[Process, ...]:
     """The manifest's processes in its order, with the observed pids a restore gave them."""
     by_namespace = {p.namespace_pid: p for p in given}
-    if len(by_namespace) != len(given) or set(by_namespace) != {
-        p.namespace_pid for p in recorded
-    }:
+    if len(by_namespace) != len(given) or set(by_namespace) != {p.namespace_pid for p in recorded}:
         raise ManifestError(
             "resume refused: the restored processes' namespace pids are not the manifest's "
             f"({', '.join(p.describe() for p in given)})",

@@ -238,9 +238,11 @@ def _script_argv(args: argparse.Namespace) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- verbs
-def _check(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+def _check(
+    args: argparse.Namespace, environ: Mapping[str, str], stdout: TextIO, stderr: TextIO
+) -> int:
     try:
-        found = criu.usable_criu(args.criu)
+        found = criu.usable_criu(args.criu, environ)
     except criu.CriuUnavailable as exc:
         return _fail([str(exc)], stderr)
     stdout.write(f"{found.describe()}: `criu check` passes\n")
@@ -250,9 +252,10 @@ def _check(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 def _dump(
     args: argparse.Namespace, environ: Mapping[str, str], stdout: TextIO, stderr: TextIO
 ) -> int:
-    binary = criu.usable_criu(args.criu)
+    processes = _processes(args)
+    binary = criu.usable_criu(args.criu, environ)
     done = criu.dump(
-        _processes(args),
+        processes,
         args.checkpoint_dir,
         args.images_dir,
         tree=args.tree,
@@ -273,7 +276,7 @@ def _dump(
 def _restore(
     args: argparse.Namespace, environ: Mapping[str, str], stdout: TextIO, stderr: TextIO
 ) -> int:
-    binary = criu.usable_criu(args.criu)
+    binary = criu.usable_criu(args.criu, environ)
     where = _where(args, environ)
     done = criu.restore(
         args.checkpoint_dir,
@@ -357,7 +360,7 @@ def main(
         except SystemExit as exit_:  # --help
             return int(exit_.code or 0) if isinstance(exit_.code, int | None) else EXIT_USAGE
         if args.verb == "check":
-            return _check(args, out, err)
+            return _check(args, env, out, err)
         if args.verb == "action-script":
             _processes(args)
             path = write_action_script(args.out, _script_argv(args), env, args.keep_env)

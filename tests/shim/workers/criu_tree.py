@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -27,12 +28,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 SOCKET_PREFIX: Final = "cuip-tree"
 _MESSAGE_MAX: Final = 1 << 16
+_PR_SET_CHILD_SUBREAPER: Final = 36
 
 
 def address(token: str, name: str) -> str:
@@ -71,8 +73,8 @@ def _serve(token: str, name: str, device: int) -> int:
                         raise RuntimeError(f"give_fd carries {len(fds)} FDs, not 1")
                     held.pop(fds[0])
                     reply = {"ok": True, "fd": fds[0]}
-                elif op == "fds":
-                    reply = {"ok": True, "fds": sorted(os.listdir("/proc/self/fd"))}
+                elif op == "fds":  # what each open descriptor is
+                    reply = {"ok": True, "fds": _descriptors()}
                 elif callable(getattr(demo.Worker, f"do_{op}", None)):
                     reply = {"ok": True, **getattr(worker, f"do_{op}")(**request)}
                 else:
@@ -84,6 +86,14 @@ def _serve(token: str, name: str, device: int) -> int:
             socket.send_fds(conn, [json.dumps(reply).encode()], out_fds)
             if op == "take_fd" and request.get("close"):
                 os.close(out_fds[0])
+
+
+def _descriptors() -> dict[str, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the directory's own descriptor is gone
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+    return out
 
 
 def _root(token: str, env_file: Path, names: Sequence[str], device: int) -> int:
@@ -240,19 +250,15 @@ class Tree:
         deadline = time.monotonic() + timeout_s
         for worker in self.workers.values():
             while not worker.answers():
-                if self.root.poll() is not None and not self.restored_pid_alive():
+                if not self.restored_pid_alive():
                     raise TreeError(f"the tree's root exited: {self.log_tail()}")
                 if time.monotonic() > deadline:
                     raise TreeError(f"{worker.name} not ready in {timeout_s} s: {self.log_tail()}")
                 time.sleep(0.02)
 
     def restored_pid_alive(self) -> bool:
-        """After a restore the root is no child of ours: is its pid alive?"""
-        try:
-            os.kill(self.root_pid, 0)
-        except ProcessLookupError:
-            return False
-        return Path(f"/proc/{self.root_pid}").exists() and _state(self.root_pid) != "Z"
+        """Is the root's pid alive (a child of ours, or restored)?"""
+        return _state(self.root_pid) not in ("Z", "?")
 
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers.values()]
@@ -262,20 +268,89 @@ class Tree:
             return self.log_path.read_text(errors="replace")[-limit:]
         return ""
 
+    def reap(self, timeout_s: float = 30.0) -> None:
+        """Collect the tree's processes once they ended (``criu dump`` kills them), so that
+        their pids, the session's among them, are free for ``criu restore``. The root is
+        our child; its workers, and a restored root, are ours through :func:`subreaper`."""
+        if self.root.returncode is None:
+            self.root.wait(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for pid in [self.root_pid, *self.pids()]:
+            while _state(pid) != "?":
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+                if time.monotonic() > deadline:
+                    raise TreeError(f"pid {pid} of the tree did not end: state {_state(pid)}")
+                time.sleep(0.01)
+
     def close(self) -> None:
-        """Ask every worker to quit, then end the root (a child of ours, or restored)."""
+        """Ask every worker to quit, then collect the tree; kill what is left."""
         for worker in self.workers.values():
             with contextlib.suppress(OSError, TreeError):
                 worker.call("quit", timeout_s=10)
-        if self.root.poll() is None:
-            try:
-                self.root.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.root.kill()
-                self.root.wait()
-        elif self.restored_pid_alive():
+        try:
+            self.reap(timeout_s=30)
+        except (TreeError, subprocess.TimeoutExpired):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.root_pid, signal.SIGKILL)
+            self.reap(timeout_s=30)
+
+
+@contextlib.contextmanager
+def subreaper() -> Iterator[None]:
+    """This process adopts its descendants' orphans while the block runs: the workers of
+    a dumped tree (their root is gone) and a tree restored by ``criu restore -d`` (whose
+    parent, CRIU, exits), so that they can be collected and their pids reused."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+    try:
+        yield
+    finally:
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+class TreeGroup:
+    """The creator/importer group of tests/shim/agentgroup.py on a tree: the creator holds
+    X (exportable, filled with SEED_X) and P (private, SEED_P), the importer maps X."""
+
+    SEED_X = 71
+    SEED_P = 72
+
+    def __init__(self, tree: Tree, size: int) -> None:
+        self.tree = tree
+        self.creator = tree.workers["creator"]
+        self.importer = tree.workers["importer"]
+        self.size = size
+        self.handle, self.creator_x = self.creator.create_mapped(size, seed=self.SEED_X)
+        _, self.creator_p = self.creator.create_mapped(size, handle_type="none", seed=self.SEED_P)
+        self.importer_x = self.share(self.handle)
+
+    def share(self, handle: int) -> int:
+        """Export ``handle`` from the creator, import and map it in the importer: its VA."""
+        fd = int(self.creator.check("export", handle=handle)["fd"])
+        theirs = self.creator.send_fd_to(self.importer, fd)
+        imported = int(self.importer.check("import", fd=theirs)["handle"])
+        return self.importer.map_at_new_va(imported, self.size)
+
+    @property
+    def processes(self) -> list[tuple[int, int]]:
+        return [(p, p) for p in self.tree.pids()]
+
+    def mismatches(self, seed_x: int = SEED_X) -> list[str]:
+        from cuinterpose.demo import pattern_digest
+
+        checks = [
+            (self.creator, "creator X", self.creator_x, seed_x),
+            (self.creator, "creator P", self.creator_p, self.SEED_P),
+            (self.importer, "importer X", self.importer_x, seed_x),
+        ]
+        bad = []
+        for worker, label, va, seed in checks:
+            reply, _ = worker.call("digest", va=va, size=self.size)
+            if not reply.get("ok") or reply.get("digest") != pattern_digest(seed, self.size):
+                bad.append(f"{label} (pid {worker.pid}, VA {va:#x}): {reply}")
+        return bad
 
 
 def _state(pid: int) -> str:
