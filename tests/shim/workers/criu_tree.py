@@ -28,7 +28,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -42,14 +42,17 @@ def address(token: str, name: str) -> str:
 
 
 # ---------------------------------------------------------------- the tree's side
-def _serve(token: str, name: str, device: int) -> int:
-    from cuinterpose.demo import worker as demo  # cuda.bindings: in the worker only
+# A command handler: (op, arguments) -> the reply's fields; raising answers the error.
+Handler = Callable[[str, dict[str, Any]], dict[str, Any]]
 
-    worker = demo.Worker(None, device)
+
+def serve(token: str, name: str, handle: Handler) -> int:
+    """Answer one request per connection until ``quit``. Served here: ``pid``, ``fds``
+    (what each descriptor is), ``take_fd`` (the FD goes back with the reply) and
+    ``give_fd`` (the FD came with the request: its number here); the rest ``handle``."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     listener.bind(address(token, name))
     listener.listen(8)
-    held: dict[int, int] = {}  # fds received and not yet used by a command
     while True:
         conn, _ = listener.accept()
         with conn:
@@ -57,35 +60,47 @@ def _serve(token: str, name: str, device: int) -> int:
             if not message:
                 continue
             request = json.loads(message)
-            for fd in fds:
-                held[fd] = fd
-            out_fds: list[int] = []
             op = request.pop("op")
+            out_fds: list[int] = []
             try:
                 if op == "quit":
                     conn.send(json.dumps({"ok": True}).encode())
                     return 0
-                if op == "take_fd":  # the FD goes back with the reply
+                if op == "pid":
+                    reply: dict[str, Any] = {"ok": True, "pid": os.getpid()}
+                elif op == "fds":
+                    reply = {"ok": True, "fds": _descriptors()}
+                elif op == "take_fd":
                     out_fds = [int(request["fd"])]
-                    reply: dict[str, Any] = {"ok": True}
-                elif op == "give_fd":  # the FD came with the request
+                    reply = {"ok": True}
+                elif op == "give_fd":
                     if len(fds) != 1:
                         raise RuntimeError(f"give_fd carries {len(fds)} FDs, not 1")
-                    held.pop(fds[0])
                     reply = {"ok": True, "fd": fds[0]}
-                elif op == "fds":  # what each open descriptor is
-                    reply = {"ok": True, "fds": _descriptors()}
-                elif callable(getattr(demo.Worker, f"do_{op}", None)):
-                    reply = {"ok": True, **getattr(worker, f"do_{op}")(**request)}
                 else:
-                    raise ValueError(f"unknown op {op!r}")
-            except demo.CudaCallError as exc:
-                reply = {"ok": False, "call": exc.call, "result": exc.result, "error": str(exc)}
+                    reply = {"ok": True, **handle(op, request)}
             except Exception as exc:
                 reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                for key in ("call", "result"):  # a CUDA call's name and CUresult
+                    if hasattr(exc, key):
+                        reply[key] = getattr(exc, key)
             socket.send_fds(conn, [json.dumps(reply).encode()], out_fds)
             if op == "take_fd" and request.get("close"):
                 os.close(out_fds[0])
+
+
+def _serve_demo_worker(token: str, name: str, device: int) -> int:
+    from cuinterpose.demo import worker as demo  # cuda.bindings: in the worker only
+
+    worker = demo.Worker(None, device)
+
+    def handle(op: str, request: dict[str, Any]) -> dict[str, Any]:
+        method = getattr(worker, f"do_{op}", None)
+        if not callable(method):
+            raise ValueError(f"unknown op {op!r}")
+        return dict(method(**request))
+
+    return serve(token, name, handle)
 
 
 def _descriptors() -> dict[str, str]:
@@ -122,7 +137,7 @@ def main() -> int:
     parser.add_argument("names", nargs="*")
     args = parser.parse_args()
     if args.serve:
-        return _serve(args.token, args.serve, args.device)
+        return _serve_demo_worker(args.token, args.serve, args.device)
     return _root(args.token, args.env_file, args.names, args.device)
 
 
@@ -207,7 +222,12 @@ class TreeWorker:
 
 
 class Tree:
-    """The tree's root process and its workers, started in a new session."""
+    """The tree's root process and its workers, started in a new session.
+
+    By default the root is this file's (a demo worker per name, on ``env``); ``program``
+    (given the token) is another root's command line, whose workers serve ``names``
+    with :func:`serve` and whose environment is ``env``.
+    """
 
     def __init__(
         self,
@@ -217,26 +237,23 @@ class Tree:
         *,
         root_env: Mapping[str, str] | None = None,
         device: int = 0,
+        program: Callable[[str], list[str]] | None = None,
     ) -> None:
         self.token = f"{os.getpid()}-{time.monotonic_ns():x}"
         self.work_dir = work_dir
-        env_file = work_dir / f"tree-{self.token}.env.json"
-        env_file.write_text(json.dumps(dict(env)))
         self.log_path = work_dir / f"tree-{self.token}.log"
+        if program is None:
+            env_file = work_dir / f"tree-{self.token}.env.json"
+            env_file.write_text(json.dumps(dict(env)))
+            argv = [sys.executable, __file__, "--token", self.token, "--env-file", str(env_file)]
+            argv += ["--device", str(device), *names]
+            environment = dict(root_env if root_env is not None else env)
+        else:
+            argv, environment = program(self.token), dict(env)
         with self.log_path.open("ab") as log:
             self.root = subprocess.Popen(
-                [
-                    sys.executable,
-                    __file__,
-                    "--token",
-                    self.token,
-                    "--env-file",
-                    str(env_file),
-                    "--device",
-                    str(device),
-                    *names,
-                ],
-                env=dict(root_env if root_env is not None else env),
+                argv,
+                env=environment,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
