@@ -215,6 +215,35 @@ def test_resume_takes_restored_processes_by_namespace_pid(work: Path) -> None:
         assert [pid for step, pid in fake.calls if step == "restore"] == [6000, 6001]
 
 
+def test_resume_of_restored_processes_skips_what_criu_restored_natively(work: Path) -> None:
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        where = agent.Where(team.control_dir)
+        agent.suspend([(p, p) for p in PIDS], work / "ckpt", where=where, native=fake)
+        fake.states[PIDS[0]] = ProcessState.LOCKED  # half way: refused, nothing done
+        with pytest.raises(agent.StateRefused, match=r"pid 1000 \(ns pid 1000\) is LOCKED"):
+            agent.resume(
+                work / "ckpt",
+                where=where,
+                native=fake,
+                processes=[(p, p) for p in PIDS],
+                restored=True,
+            )
+        # CRIU's CUDA plugin restored and unlocked the first one by itself.
+        fake.states[PIDS[0]] = ProcessState.RUNNING
+        fake.calls.clear()
+        back = agent.resume(
+            work / "ckpt",
+            where=where,
+            native=fake,
+            processes=[(p, p) for p in PIDS],
+            restored=True,
+        )
+        assert back.coordinator_restored
+        assert fake.calls == [("restore", 1001), ("unlock", 1001)]
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+
+
 # ------------------------------------------------------------------ a failed dump
 def test_a_failed_criu_dump_resumes_the_group(work: Path) -> None:
     fake = running()
