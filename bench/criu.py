@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 from cuinterpose import launch
 from cuinterpose.demo import pattern_digest
 from cuinterpose.engine import criu
@@ -72,46 +73,52 @@ def cli(args: list[str], env: dict[str, str], log: Callable[[str], None]) -> dic
     return {"seconds": seconds, "steps": steps, "summary": summary}
 
 
-def round_trip(
-    tree: Tree,
-    processes: list[int],
-    control: Path,
-    plain: dict[str, str],
-    work: Path,
-    criu_path: Path,
-    log: Callable[[str], None],
-) -> dict[str, Any]:
+@attrs.frozen
+class Setup:
+    """What a scenario runs with: N bytes, the driver, the shim's and the command line's
+    environments, the control directory, its own work directory, CRIU, the log."""
+
+    size: int
+    driver: str
+    env: dict[str, str]
+    plain: dict[str, str]
+    control: Path
+    work: Path
+    criu_path: Path
+    log: Callable[[str], None]
+    logs: Path | None  # where CRIU's own logs are copied (a failure's diagnosis)
+
+
+def round_trip(tree: Tree, s: Setup) -> dict[str, Any]:
     """criu dump, then criu restore into an emptied control directory."""
-    ckpt, images = work / "ckpt", work / "images"
+    ckpt, images = s.work / "ckpt", s.work / "images"
     common = ["--checkpoint-dir", str(ckpt), "--images-dir", str(images)]
-    common += ["--control-dir", str(control), "--criu", str(criu_path)]
-    procs = [w for p in processes for w in ("--process", str(p), str(p))]
-    dump = cli(["criu", "dump", *common, "--tree", str(tree.root_pid), *procs], plain, log)
-    tree.reap()
-    shutil.rmtree(control)  # as on another node: the restore makes it again
-    restore = cli(["criu", "restore", *common], plain, log)
-    images_now = criu.image_size(images).to_json()
-    shutil.rmtree(images)  # they can be large; their size is recorded
+    common += ["--control-dir", str(s.control), "--criu", str(s.criu_path)]
+    procs = [w for p in tree.pids() for w in ("--process", str(p), str(p))]
+    try:
+        dump = cli(["criu", "dump", *common, "--tree", str(tree.root_pid), *procs], s.plain, s.log)
+        tree.reap()
+        shutil.rmtree(s.control)  # as on another node: the restore makes it again
+        restore = cli(["criu", "restore", *common], s.plain, s.log)
+        images_now = criu.image_size(images).to_json()
+    finally:
+        if s.logs is not None:
+            for name in (criu.DUMP_LOG, criu.RESTORE_LOG):
+                if (images / name).is_file():
+                    shutil.copy(images / name, s.logs / f"{s.work.name}-{name}")
+        shutil.rmtree(images, ignore_errors=True)  # they can be large; the size is recorded
     return {"dump": dump, "restore": restore, "images": images_now}
 
 
-def scenario_group(
-    size: int,
-    driver: str,
-    env: dict[str, str],
-    plain: dict[str, str],
-    control: Path,
-    work: Path,
-    criu_path: Path,
-    log: Callable[[str], None],
-) -> dict[str, Any]:
+def scenario_group(s: Setup) -> dict[str, Any]:
     root_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    tree = Tree(["creator", "importer"], env, work, root_env=root_env)
+    tree = Tree(["creator", "importer"], s.env, s.work, root_env=root_env)
+    size = s.size
     try:
         tree.wait_ready(timeout_s=600)
-        log(f"group: X and P of {size / 2**20:.0f} MiB each ...")
+        s.log(f"group: X and P of {size / 2**20:.0f} MiB each ...")
         group = TreeGroup(tree, size)
-        result = round_trip(tree, tree.pids(), control, plain, work, criu_path, log)
+        result = round_trip(tree, s)
         bytes_ok = group.mismatches() == []
         group.importer.check("fill", va=group.importer_x, size=size, seed=5)
         write_ok = group.creator.digest(group.creator_x, size) == pattern_digest(5, size)
@@ -125,58 +132,39 @@ def scenario_group(
     return result
 
 
-def scenario_torch(
-    size: int,
-    driver: str,
-    env: dict[str, str],
-    plain: dict[str, str],
-    control: Path,
-    work: Path,
-    criu_path: Path,
-    log: Callable[[str], None],
-) -> dict[str, Any]:
-    if driver != "system":
+def scenario_torch(s: Setup) -> dict[str, Any]:
+    if s.driver != "system":
         raise RuntimeError("the torch scenario needs a real GPU (--driver system)")
-    env = {**env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    mib = size >> 20
-    tree = Tree(
-        ["producer", "consumer"],
-        env,
-        work,
-        program=lambda token: [
-            sys.executable,
-            str(TORCH_PAIR),
-            "--token",
-            token,
-            "--mib",
-            str(mib),
-        ],
-    )
+    env = {**s.env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    mib = s.size >> 20
+
+    def program(token: str) -> list[str]:
+        return [sys.executable, str(TORCH_PAIR), "--token", token, "--mib", str(mib)]
+
+    tree = Tree(["producer", "consumer"], env, s.work, program=program)
     try:
         tree.wait_ready(timeout_s=600)
         producer, consumer = tree.workers["producer"], tree.workers["consumer"]
-        before = producer.check("digest")["digest"]
-        shared_ok = consumer.check("digest")["digest"] == before
-        log(f"torch: a {mib} MiB tensor shared, digests equal: {shared_ok}")
-        result = round_trip(tree, tree.pids(), control, plain, work, criu_path, log)
-        bytes_ok = {producer.check("digest")["digest"], consumer.check("digest")["digest"]} == {
-            before
-        }
+
+        def digests(which: str = "t") -> set[str]:
+            return {str(w.check("digest", which=which)["digest"]) for w in (producer, consumer)}
+
+        before = digests()
+        s.log(f"torch: a {mib} MiB tensor shared, one digest in both: {len(before) == 1}")
+        result = round_trip(tree, s)
+        bytes_ok = digests() == before
         consumer.check("fill", seed=5)
-        after = consumer.check("digest")["digest"]
-        write_ok = after != before and producer.check("digest")["digest"] == after
+        after = digests()
+        write_ok = len(after) == 1 and after != before
         producer.check("share", seed=9)
         consumer.check("take")
-        share_ok = (
-            producer.check("digest", which="t2")["digest"]
-            == consumer.check("digest", which="t2")["digest"]
-        )
+        share_ok = len(digests("t2")) == 1
     finally:
         tree.close()
-    result["gpu_bytes"] = size
-    result["shared_bytes"] = size
+    result["gpu_bytes"] = s.size
+    result["shared_bytes"] = s.size
     result["verified"] = {
-        "shared_before": shared_ok,
+        "shared_before": len(before) == 1,
         "bytes": bytes_ok,
         "write_reaches": write_ok,
         "new_share": share_ok,
@@ -215,7 +203,10 @@ def main() -> int:
     parser.add_argument("--criu", help="the criu binary (default $CUINTERPOSE_CRIU, else PATH)")
     parser.add_argument("--work", type=Path, help="where images go (default: a temp dir)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--logs", type=Path, help="copy CRIU's dump and restore logs here")
     args = parser.parse_args()
+    if args.logs is not None:
+        args.logs.mkdir(parents=True, exist_ok=True)
     found = criu.usable_criu(args.criu)
     work = Path(tempfile.mkdtemp(prefix="criu-bench-", dir=args.work))
     out: dict[str, Any] = {"driver": args.driver, "mib": args.mib, "criu": found.describe()}
@@ -238,9 +229,18 @@ def main() -> int:
                     driver=args.driver, control_dir=control, base=base, preload_shim=False
                 )
                 try:
-                    result = SCENARIOS[name](
-                        args.mib << 20, args.driver, env, plain, control, here, found.path, log
+                    setup = Setup(
+                        args.mib << 20,
+                        args.driver,
+                        env,
+                        plain,
+                        control,
+                        here,
+                        found.path,
+                        log,
+                        args.logs,
                     )
+                    result = SCENARIOS[name](setup)
                 except Exception as exc:  # one scenario's failure is recorded, the next runs
                     out[name] = {"error": f"{type(exc).__name__}: {exc}"}
                     log(f"{name}: FAILED: {exc}")

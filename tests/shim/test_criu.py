@@ -29,7 +29,7 @@ from cuinterpose.engine import agent, criu
 
 from tests.shim.agentgroup import WorkerBackend
 from tests.shim.workers.criu_tree import Tree, TreeGroup, subreaper
-from tests.simenv import Spawn
+from tests.simenv import REPO, Spawn
 
 pytestmark = pytest.mark.slow
 
@@ -250,3 +250,31 @@ def test_plain_criu_drives_the_action_script(
     run_criu("restore", "-d")
     assert agent.read_manifest(ckpt).resumed_at  # post-resume resumed it
     assert_sharing_back(group, agent.Where(control_dir), WorkerBackend(observer))
+
+
+def test_the_criu_benchmark_runs_on_the_simulator(
+    criu_binary: criu.Criu, stack: None, tmp_path: Path
+) -> None:
+    """bench/criu.py is what the H200 run executes (tests/gpu/run_criu_h200.sh)."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    out = tmp_path / "criu.json"
+    args = ["--driver", "sim", "--mib", "4", "--criu", str(criu_binary.path), "--out", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "criu.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())["group"]
+    assert all(result["verified"].values()), result
+    assert result["images"]["pages_bytes"] >= result["gpu_bytes"]
+    assert result["dump"]["steps"]["capture"]["bytes"] == result["shared_bytes"]
+    assert set(result["restore"]["steps"]) == {
+        "criu_restore",
+        "native_restore",
+        "native_unlock",
+        "coordinator_restore",
+    }
