@@ -229,7 +229,11 @@ def _trusted_control_dir(path: Path) -> None:
     try:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         os.mkdir(path, 0o700)
-        os.chmod(path, 0o700, follow_symlinks=False)  # mkdir's mode passes the umask
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, 0o700)  # mkdir's mode passes the umask
+        finally:
+            os.close(fd)
     except FileExistsError:
         pass
     except OSError as exc:

@@ -67,7 +67,9 @@ def _pid(text: str) -> int:
     return value
 
 
-def _group_options(parser: argparse.ArgumentParser, *, processes: bool) -> None:
+def _group_options(
+    parser: argparse.ArgumentParser, *, processes: bool, restores: bool = True
+) -> None:
     parser.add_argument("--checkpoint-dir", type=Path, required=True)
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
@@ -93,13 +95,14 @@ def _group_options(parser: argparse.ArgumentParser, *, processes: bool) -> None:
             action="store_true",
             help="the group did not opt in: native checkpoint only",
         )
-    parser.add_argument(
-        "--before-restore-dir",
-        type=Path,
-        metavar="DIR",
-        help="the control directory as seen here before the processes exist "
-        "(default: the control directory, unless --proc-root)",
-    )
+    if restores:
+        parser.add_argument(
+            "--before-restore-dir",
+            type=Path,
+            metavar="DIR",
+            help="the control directory as seen here before the processes exist "
+            "(default: the control directory, unless --proc-root)",
+        )
     parser.add_argument("--phase-timeout", type=float, default=DEFAULT_PHASE_TIMEOUT_S)
     parser.add_argument("--progress", choices=("json", "none"), default="json")
 
@@ -111,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (check,):
         sub.add_argument("--criu", help=f"the criu binary (default ${criu.CRIU_ENV}, else PATH)")
     dump = verbs.add_parser("dump", help="suspend, then criu dump")
-    _group_options(dump, processes=True)
+    _group_options(dump, processes=True, restores=False)
     dump.add_argument("--images-dir", type=Path, required=True)
     dump.add_argument("--tree", type=_pid, required=True, help="the root of the tree to dump")
     dump.add_argument("--lock-timeout", type=float, default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000)
