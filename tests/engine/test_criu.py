@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cuinterpose import criu_action
+from cuinterpose import cli, criu_action
 from cuinterpose.engine import agent, criu
 from cuinterpose.engine.native import ProcessState
 from cuinterpose.engine.statefile import STATE_FILE_NAME
@@ -305,6 +305,17 @@ def test_the_action_script_bakes_its_arguments_and_environment(work: Path) -> No
     lost = action("post-resume", CRTOOLS_INIT_PID="")
     assert lost.returncode == 1
     assert "$CRTOOLS_INIT_PID is '', not a pid" in lost.stderr
+
+
+def test_the_cuinterpose_command_hands_criu_to_its_verbs(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(criu.CRIU_ENV, raising=False)
+    out, err = io.StringIO(), io.StringIO()
+    binary = fake_criu(work / "criu")
+    assert cli.main(["criu", "check", "--criu", str(binary)], stdout=out, stderr=err) == 0
+    assert out.getvalue() == f"{binary} (CRIU 4.2): `criu check` passes\n", err.getvalue()
+    assert cli.main(["criu"], stdout=out, stderr=err) == 2
 
 
 def test_the_verbs_usage_errors_exit_2(work: Path) -> None:

@@ -75,7 +75,8 @@ def group(
 
 
 def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in env.items() if k != "SNAPSHOT_CONTROL_DIR"}
+    if "--proc-root" not in args:  # else the control directory comes from the environment
+        env = {k: v for k, v in env.items() if k != "SNAPSHOT_CONTROL_DIR"}
     return subprocess.run(
         [sys.executable, "-m", "cuinterpose", *args],
         env=env,
@@ -162,6 +163,9 @@ def test_a_sharing_group_goes_through_criu_dump_and_restore(
     assert agent.read_manifest(ckpt).resumed_at
     done = {e.step for e in steps if isinstance(e, agent.StepEvent) and e.status == "done"}
     assert "criu_dump" in done
+    # CRIU re-created each listener at its bind name; the shim published it again.
+    log = group.tree.log_tail(1 << 20)
+    assert log.count("control endpoint healed: the listening socket is a new one") == 2, log
     assert_sharing_back(group, where, native)
 
 
@@ -194,7 +198,14 @@ def test_the_cli_verbs_restore_into_a_fresh_control_directory(
     # Restored on a node whose control directory is new: nothing of the old one is left.
     shutil.rmtree(control_dir)
 
-    restore = run_cli(["criu", "restore", *common], plain_env)
+    # After the restore the shims are reached through /proc/<pid>/root, as from outside
+    # a container; before it, the directory as seen here.
+    where = ["--proc-root", "/proc", "--before-restore-dir", str(control_dir)]
+    paths = ["--checkpoint-dir", str(ckpt), "--images-dir", str(images)]
+    restore = run_cli(
+        ["criu", "restore", *paths, *where, "--criu", str(criu_binary.path)],
+        {**plain_env, "SNAPSHOT_CONTROL_DIR": str(control_dir)},
+    )
     assert restore.returncode == 0, restore.stderr
     restored = summary(restore)
     assert [p["observed_pid"] for p in restored["processes"]] == group.tree.pids()
@@ -278,3 +289,24 @@ def test_the_criu_benchmark_runs_on_the_simulator(
         "native_unlock",
         "coordinator_restore",
     }
+
+
+def test_the_bundle_runs_criu_with_its_own_libraries(
+    criu_binary: criu.Criu, tmp_path: Path
+) -> None:
+    """tools/bundle_criu.sh is how CRIU reaches the GPU machines (no network there)."""
+    if criu_binary.path.read_bytes()[:4] != b"\x7fELF":
+        pytest.skip(f"{criu_binary.path} is not the binary itself (a wrapper?)")
+    dest = tmp_path / "bundle"
+    made = subprocess.run(
+        [str(REPO / "tools" / "bundle_criu.sh"), str(dest), str(criu_binary.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert made.returncode == 0, made.stderr
+    assert sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()) < 40 << 20
+    bundled = criu.usable_criu(dest / "criu")  # --version and `criu check` through it
+    assert bundled.version == criu_binary.version
+    assert any(p.name.startswith("ld-linux") for p in (dest / "lib").iterdir())
