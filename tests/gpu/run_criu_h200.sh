@@ -20,6 +20,7 @@ WHEELS=${WHEELS:-.whl}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CUINTERPOSE_ALLOW_MULTICAST=0 CUINTERPOSE_TEST_DRIVER=system PYTHONUNBUFFERED=1
 export CUINTERPOSE_CRIU=${CUINTERPOSE_CRIU:-$PWD/.criu/criu}
+[ -d .criu ] && chmod +x .criu/criu .criu/bin/criu .criu/lib/ld-linux* 2>/dev/null
 status=0
 finish() {
   tar -czf "$OUT/criu-logs.tar.gz" -C /tmp criu-logs 2>/dev/null
