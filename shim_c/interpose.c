@@ -52,6 +52,10 @@ SHIM_NO_SAN static bool same(const char *a, const char *b)
 #undef cuStreamWriteValue32
 #undef cuStreamWriteValue64
 #undef cuStreamBatchMemOp
+/* CUDA 4.1's cuIpcOpenMemHandle has the ABI of 11.0's _v2 (ipc.c). */
+#undef cuIpcOpenMemHandle
+SHIM_EXPORT CUresult CUDAAPI cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle,
+                                                unsigned int Flags);
 SHIM_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion,
                                       cuuint64_t flags);
 SHIM_EXPORT CUresult cuGetProcAddress_v2_ptsz(const char *symbol, void **pfn, int cudaVersion,
@@ -82,6 +86,10 @@ struct tracked {
 };
 
 #define T1(name) {#name, (void *)name, NULL, 0, (void **)&real.name, NULL}
+/* A name whose first ABI the shim does not wrap (CUDA 2.x's 32-bit device
+ * pointers): its _v2, from `split` on. */
+static void *const no_v1 = NULL;
+#define T2(name, v2, split) {#name, NULL, (void *)v2, split, (void **)&no_v1, (void **)&real.v2}
 static const struct tracked tracked[] = {
     {"cuGetProcAddress", (void *)cuGetProcAddress, (void *)cuGetProcAddress_v2, 12000,
      (void **)&real.gpa_v1, (void **)&real.cuGetProcAddress_v2},
@@ -103,6 +111,23 @@ static const struct tracked tracked[] = {
     {"cuMulticastBindAddr", (void *)cuMulticastBindAddr, (void *)cuMulticastBindAddr_v2, 13010,
      (void **)&real.cuMulticastBindAddr, (void **)&real.cuMulticastBindAddr_v2},
     T1(cuMulticastUnbind),
+    T2(cuMemAlloc, cuMemAlloc_v2, 3020),
+    T2(cuMemAllocPitch, cuMemAllocPitch_v2, 3020),
+    T2(cuMemFree, cuMemFree_v2, 3020),
+    T2(cuMemGetAddressRange, cuMemGetAddressRange_v2, 3020),
+    T1(cuPointerGetAttribute),
+    T1(cuPointerGetAttributes),
+    T1(cuCtxEnablePeerAccess),
+    T1(cuCtxDisablePeerAccess),
+    T1(cuIpcGetMemHandle),
+    {"cuIpcOpenMemHandle", (void *)cuIpcOpenMemHandle, (void *)cuIpcOpenMemHandle_v2, 11000,
+     (void **)&real.cuIpcOpenMemHandle_v1, (void **)&real.cuIpcOpenMemHandle_v2},
+    T1(cuIpcCloseMemHandle),
+    T1(cuMemPoolExportToShareableHandle),
+    T1(cuMemPoolImportFromShareableHandle),
+    T1(cuMemPoolExportPointer),
+    T1(cuMemPoolImportPointer),
+    T1(cuMemPoolDestroy),
 };
 #define NTRACKED (sizeof tracked / sizeof tracked[0])
 
@@ -283,6 +308,8 @@ static void *direct(void **slot, const char *symbol)
     {                                                                                     \
         sym##_fn f_ = (sym##_fn)__atomic_load_n(&sym##_slot[k], __ATOMIC_ACQUIRE);        \
         CUresult r_;                                                                      \
+        if (sym##_hook && (r_ = sym##_hook args) != SHIM_NOT_MINE)                        \
+            return r_;                                                                    \
         gate_enter(cls, base);                                                            \
         r_ = f_ args;                                                                     \
         gate_leave(cls);                                                                  \
@@ -291,11 +318,13 @@ static void *direct(void **slot, const char *symbol)
 
 /* The shim's export `name`: the driver's own export of that name, found once
  * in *slot, called through the gate as `call`. */
-#define GATED_EXPORT(name, fn, slot, call, cls, params, args)                             \
+#define GATED_EXPORT(name, fn, slot, call, cls, hook, params, args)                       \
     SHIM_EXPORT CUresult CUDAAPI name params                                              \
     {                                                                                     \
         fn f_ = (fn)direct(slot, #name);                                                  \
         CUresult r_;                                                                      \
+        if (hook && (r_ = hook args) != SHIM_NOT_MINE)                                    \
+            return r_;                                                                    \
         if (!f_)                                                                          \
             return CUDA_ERROR_NOT_INITIALIZED;                                            \
         gate_enter(cls, call);                                                            \
@@ -307,6 +336,7 @@ static void *direct(void **slot, const char *symbol)
 #define GATED_DEFINE(sym, base, from, until, cls, pt, params, args)                       \
     typedef CUresult(CUDAAPI *sym##_fn) params;                                           \
     static void *sym##_slot[GATE_SLOTS];                                                  \
+    static sym##_fn sym##_hook;                                                           \
     GATED_VIA(sym, base, cls, params, args, 1)                                            \
     GATED_VIA(sym, base, cls, params, args, 2)                                            \
     GATED_VIA(sym, base, cls, params, args, 3)                                            \
@@ -314,7 +344,7 @@ static void *direct(void **slot, const char *symbol)
     GATED_VIA(sym, base, cls, params, args, 5)                                            \
     GATED_VIA(sym, base, cls, params, args, 6)                                            \
     GATED_VIA(sym, base, cls, params, args, 7)                                            \
-    GATED_EXPORT(sym, sym##_fn, &sym##_slot[0], base, cls, params, args)                  \
+    GATED_EXPORT(sym, sym##_fn, &sym##_slot[0], base, cls, sym##_hook, params, args)      \
     static void *const sym##_vias[GATE_SLOTS] = {                                         \
         (void *)sym,         (void *)sym##_via1, (void *)sym##_via2, (void *)sym##_via3,  \
         (void *)sym##_via4,  (void *)sym##_via5, (void *)sym##_via6, (void *)sym##_via7};
@@ -322,18 +352,24 @@ _Static_assert(GATE_SLOTS == 8, "GATED_DEFINE writes 7 resolver slots");
 
 GATED_CALLS(GATED_DEFINE)
 
+/* A gated call may first be offered to the shim (SHIM_NOT_MINE: not its
+ * business): a stream-ordered free of owned memory (owned.c). */
+static cuMemFreeAsync_fn cuMemFreeAsync_hook = owned_free_async;
+
 /* The per-thread default stream exports (cuMemcpyAsync_ptsz, ...), for
  * programs built with CUDA_API_PER_THREAD_DEFAULT_STREAM or that dlsym these
  * names: each calls the driver's own per-thread symbol, never the plain one
  * (what NULL means as a stream differs). The resolvers hand the driver's
  * per-thread pointers out through the plain call's slots. */
-#define PER_THREAD_EXPORT(name, cls, params, args)                                        \
+#define PER_THREAD_EXPORT(name, cls, hook, params, args)                                  \
     typedef CUresult(CUDAAPI *name##_fn) params;                                          \
     static void *name##_driver;                                                           \
-    GATED_EXPORT(name, name##_fn, &name##_driver, #name, cls, params, args)
+    GATED_EXPORT(name, name##_fn, &name##_driver, #name, cls, hook, params, args)
 #define PER_THREAD_none(sym, cls, params, args)
-#define PER_THREAD_ptsz(sym, cls, params, args) PER_THREAD_EXPORT(sym##_ptsz, cls, params, args)
-#define PER_THREAD_ptds(sym, cls, params, args) PER_THREAD_EXPORT(sym##_ptds, cls, params, args)
+#define PER_THREAD_ptsz(sym, cls, params, args)                                           \
+    PER_THREAD_EXPORT(sym##_ptsz, cls, sym##_hook, params, args)
+#define PER_THREAD_ptds(sym, cls, params, args)                                           \
+    PER_THREAD_EXPORT(sym##_ptds, cls, sym##_hook, params, args)
 #define PER_THREAD_DEFINE(sym, base, from, until, cls, pt, params, args)                  \
     PER_THREAD_##pt(sym, cls, params, args)
 
@@ -405,6 +441,23 @@ static const struct named named[] = {
     {"cuMulticastBindAddr", (void *)cuMulticastBindAddr},
     {"cuMulticastBindAddr_v2", (void *)cuMulticastBindAddr_v2},
     {"cuMulticastUnbind", (void *)cuMulticastUnbind},
+    {"cuMemAlloc_v2", (void *)cuMemAlloc_v2},
+    {"cuMemAllocPitch_v2", (void *)cuMemAllocPitch_v2},
+    {"cuMemFree_v2", (void *)cuMemFree_v2},
+    {"cuMemGetAddressRange_v2", (void *)cuMemGetAddressRange_v2},
+    {"cuPointerGetAttribute", (void *)cuPointerGetAttribute},
+    {"cuPointerGetAttributes", (void *)cuPointerGetAttributes},
+    {"cuCtxEnablePeerAccess", (void *)cuCtxEnablePeerAccess},
+    {"cuCtxDisablePeerAccess", (void *)cuCtxDisablePeerAccess},
+    {"cuIpcGetMemHandle", (void *)cuIpcGetMemHandle},
+    {"cuIpcOpenMemHandle", (void *)cuIpcOpenMemHandle},
+    {"cuIpcOpenMemHandle_v2", (void *)cuIpcOpenMemHandle_v2},
+    {"cuIpcCloseMemHandle", (void *)cuIpcCloseMemHandle},
+    {"cuMemPoolExportToShareableHandle", (void *)cuMemPoolExportToShareableHandle},
+    {"cuMemPoolImportFromShareableHandle", (void *)cuMemPoolImportFromShareableHandle},
+    {"cuMemPoolExportPointer", (void *)cuMemPoolExportPointer},
+    {"cuMemPoolImportPointer", (void *)cuMemPoolImportPointer},
+    {"cuMemPoolDestroy", (void *)cuMemPoolDestroy},
 #define GATED_NAMED(sym, base, from, until, cls, pt, params, args) {#sym, (void *)sym},
     GATED_CALLS(GATED_NAMED)
 #undef GATED_NAMED
