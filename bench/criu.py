@@ -7,7 +7,8 @@ Scenarios (``--scenario``, repeatable; default ``group``):
   mapping X (tests/shim/workers/criu_tree.py: demo workers, cuda.bindings only).
 - ``torch`` (real GPU only): a torch.multiprocessing producer/consumer pair sharing an
   N MiB tensor with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
-  (tests/gpu/criu_torch_pair.py).
+  (tests/gpu/criu_torch_pair.py); ``torch-default``: the same pair on the default
+  allocator (cudaMalloc and legacy CUDA IPC, owned by the shim).
 
 Each runs as one process tree under the shim: ``cuinterpose criu dump`` (suspend,
 then criu dump, which kills the tree), ``cuinterpose criu restore`` (into the same
@@ -132,10 +133,12 @@ def scenario_group(s: Setup) -> dict[str, Any]:
     return result
 
 
-def scenario_torch(s: Setup) -> dict[str, Any]:
+def scenario_torch(s: Setup, *, expandable: bool = True) -> dict[str, Any]:
     if s.driver != "system":
-        raise RuntimeError("the torch scenario needs a real GPU (--driver system)")
-    env = {**s.env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+        raise RuntimeError("the torch scenarios need a real GPU (--driver system)")
+    env = {k: v for k, v in s.env.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    if expandable:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     mib = s.size >> 20
 
     def program(token: str) -> list[str]:
@@ -172,7 +175,17 @@ def scenario_torch(s: Setup) -> dict[str, Any]:
     return result
 
 
-SCENARIOS = {"group": scenario_group, "torch": scenario_torch}
+def scenario_torch_default(s: Setup) -> dict[str, Any]:
+    """The pair on PyTorch's default allocator: cudaMalloc memory shared through legacy
+    CUDA IPC, which the shim owns and tracks (issue 18)."""
+    return scenario_torch(s, expandable=False)
+
+
+SCENARIOS = {
+    "group": scenario_group,
+    "torch": scenario_torch,
+    "torch-default": scenario_torch_default,
+}
 
 
 def report(name: str, r: dict[str, Any]) -> tuple[list[str], bool]:

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The round trip through CRIU on one H200 (specs/criu.md): suspend, criu dump, criu
-# restore (into an emptied control directory), resume, for the creator/importer group
-# and for a torch.multiprocessing producer/consumer pair with expandable segments
-# (bench/criu.py). The machine has no CRIU and no network: the bundle made here with
-# tools/bundle_criu.sh travels in .criu/ (gitignored: carry it). Results in $OUT (at
-# most 8 files): environment.txt, build.log, criu-check.txt, criu.json, criu.log,
-# criu-logs.tar.gz (CRIU's own dump and restore logs), status.txt; after a failure also
-# criu-bounce0.json, the same without pinned bounce buffers.
+# restore (into an emptied control directory), resume, for the creator/importer group,
+# a torch.multiprocessing producer/consumer pair with expandable segments, and the same
+# pair on the default allocator (bench/criu.py). The machine has no CRIU and no
+# network: the bundle made here with tools/bundle_criu.sh travels in .criu/ (gitignored:
+# carry it). Results in $OUT (at most 8 files): environment.txt, build.log,
+# criu-check.txt, criu.json, criu.log, criu-logs.tar.gz (CRIU's own dump and restore
+# logs), status.txt; after a failure also criu-bounce0.json, the same without pinned
+# bounce buffers.
 #
 #   tools/bundle_criu.sh .criu /opt/criu/sbin/criu          # here, once
 #   OUT=/path [WHEELS=.whl] [CRIU_MIB=1024] tests/gpu/run_criu_h200.sh   # there
@@ -47,7 +48,7 @@ print("cuda-bindings", cuda.bindings.__version__)'; } >"$OUT/environment.txt" 2>
   || { cat "$OUT/criu-check.txt"; status=1; finish; }
 rm -rf /tmp/criu-logs && mkdir -p /tmp/criu-logs
 timeout "${CRIU_S:-480}" python3 bench/criu.py --driver system --mib "${CRIU_MIB:-1024}" \
-  --scenario group --scenario torch --work /tmp --logs /tmp/criu-logs --out "$OUT/criu.json" \
+  --scenario group --scenario torch --scenario torch-default --work /tmp --logs /tmp/criu-logs --out "$OUT/criu.json" \
   2>&1 | tee "$OUT/criu.log"
 if [ "${PIPESTATUS[0]}" -ne 0 ]; then
   status=1
@@ -55,7 +56,7 @@ if [ "${PIPESTATUS[0]}" -ne 0 ]; then
   # checkpoint) would pass without them: say which it was.
   echo "=== again with SNAPSHOT_SHIM_STAGING_BOUNCE_MIB=0" | tee -a "$OUT/criu.log"
   SNAPSHOT_SHIM_STAGING_BOUNCE_MIB=0 timeout "${CRIU_S:-480}" python3 bench/criu.py \
-    --driver system --mib "${CRIU_MIB:-1024}" --scenario group --scenario torch --work /tmp \
+    --driver system --mib "${CRIU_MIB:-1024}" --scenario group --scenario torch --scenario torch-default --work /tmp \
     --logs /tmp/criu-logs/bounce0 --out "$OUT/criu-bounce0.json" 2>&1 | tee -a "$OUT/criu.log"
 fi
 finish
