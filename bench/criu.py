@@ -262,6 +262,8 @@ def main() -> int:
                 finally:
                     shutil.rmtree(control.parent, ignore_errors=True)
                 out[name] = result
+                if args.out:  # after each scenario: a run cut short keeps what it measured
+                    args.out.write_text(json.dumps(out, indent=2) + "\n")
                 lines, ok = report(name, result)
                 for line in lines:
                     log(line)
