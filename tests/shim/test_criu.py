@@ -310,3 +310,37 @@ def test_the_bundle_runs_criu_with_its_own_libraries(
     bundled = criu.usable_criu(dest / "criu")  # --version and `criu check` through it
     assert bundled.version == criu_binary.version
     assert any(p.name.startswith("ld-linux") for p in (dest / "lib").iterdir())
+
+
+def test_a_refused_pre_dump_aborts_criu_dump_and_the_group_runs_on(
+    group: TreeGroup,
+    criu_binary: criu.Criu,
+    observer: Worker,
+    control_dir: Path,
+    plain_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    ckpt, images, script = tmp_path / "ckpt", tmp_path / "images", tmp_path / "action"
+    images.mkdir()
+    keep = [w for name in SIM_VARIABLES for w in ("--keep-env", name)]
+    creator = str(group.creator.pid)
+    # Only the creator: its importer is outside the team, which the capture refuses
+    # before anything changes (specs/recovery.md, whole teams only).
+    args = ["criu", "action-script", "--out", str(script), "--checkpoint-dir", str(ckpt)]
+    args += ["--control-dir", str(control_dir), "--process", creator, creator, *keep]
+    assert run_cli(args, plain_env).returncode == 0
+    argv = [str(criu_binary.path), "dump", "-t", str(group.tree.root_pid), "-D", str(images)]
+    argv += ["--action-script", str(script), "-o", "dump.log"]
+    dump = subprocess.run(
+        argv,
+        env=criu.criu_env(plain_env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert dump.returncode != 0
+    log = (images / "dump.log").read_text(errors="replace")  # the script's output too
+    assert "[preflight.whole_team]" in log and "Pre dump script failed" in log, log[-3000:]
+    assert not (ckpt / agent.MANIFEST_FILE_NAME).exists()
+    assert_sharing_back(group, agent.Where(control_dir), WorkerBackend(observer))
