@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import sys
@@ -67,6 +68,16 @@ def _pid(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 def _group_options(
     parser: argparse.ArgumentParser, *, processes: bool, restores: bool = True
 ) -> None:
@@ -103,7 +114,7 @@ def _group_options(
             help="the control directory as seen here before the processes exist "
             "(default: the control directory, unless --proc-root)",
         )
-    parser.add_argument("--phase-timeout", type=float, default=DEFAULT_PHASE_TIMEOUT_S)
+    parser.add_argument("--phase-timeout", type=_seconds, default=DEFAULT_PHASE_TIMEOUT_S)
     parser.add_argument("--progress", choices=("json", "none"), default="json")
 
 
@@ -117,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     _group_options(dump, processes=True, restores=False)
     dump.add_argument("--images-dir", type=Path, required=True)
     dump.add_argument("--tree", type=_pid, required=True, help="the root of the tree to dump")
-    dump.add_argument("--lock-timeout", type=float, default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000)
+    dump.add_argument("--lock-timeout", type=_seconds, default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000)
     restore = verbs.add_parser("restore", help="criu restore, then resume")
     _group_options(restore, processes=False)
     restore.add_argument("--images-dir", type=Path, required=True)

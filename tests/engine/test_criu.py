@@ -327,3 +327,6 @@ def test_the_verbs_usage_errors_exit_2(work: Path) -> None:
     twice = [*args, "--tree", "1", "--process", "1", "1", "--process", "1", "1"]
     assert criu_action.main(twice, stderr=err, environ={criu.CRIU_ENV: "/bin/true"}) == 2
     assert "is given twice" in err.getvalue()
+    err = io.StringIO()
+    assert criu_action.main([*twice[:-3], "--phase-timeout", "-1"], stderr=err) == 2
+    assert "'-1' is not a positive number of seconds" in err.getvalue()
