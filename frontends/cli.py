@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--driver", choices=("sim", "system"), default="sim")
     launch.add_argument("--control-dir", type=Path)
     launch.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND...")
+    criu_cmd = sub("criu", "the round trip through CRIU: check, dump, restore, action-script")
+    criu_cmd.add_argument("argv", nargs=argparse.REMAINDER, metavar="VERB ...")
     demo = sub("demo", "run the end-to-end demo")
     demo.add_argument("--driver", choices=("sim", "system"), default="sim")
     return parser
@@ -627,6 +629,11 @@ def main(
             return _launch(args, err)
         if command == "demo":
             return _demo(args, err)
+        if command == "criu":  # its own parser: frontends/criu_action.py
+            module = _delegate("criu_action", err)
+            if module is None:
+                return EXIT_FAILED
+            return int(module.main(args.argv, stdout=out, stderr=err))
         raise AssertionError(f"unhandled command {command}")
     except _UsageError as exc:
         err.write(f"{exc}\n")

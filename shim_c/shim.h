@@ -722,8 +722,16 @@ SHIM_HIDDEN phase_work_fn rollback_allocations;
 SHIM_HIDDEN phase_work_fn rollback_imports;
 
 /* ---------------------------------------------------------------- control.c */
+/* How often, at least, the listener thread checks that its published path
+ * still leads to it (lifecycle.c heals it otherwise). */
+#define CONTROL_HEAL_MS 100
 /* The listener thread: accepts on the socket `arg` (an int) for ever. */
 SHIM_HIDDEN void *control_listen(void *arg);
+/* `heal(fd)` is called by the listener thread at least every
+ * CONTROL_HEAL_MS and returns the socket to accept on from then on: `fd`,
+ * or a new one, in which case the listener serves what is queued on `fd`
+ * and closes it. Set before the thread starts. */
+SHIM_HIDDEN void control_set_heal(int (*heal)(int fd));
 /* Fork child: no connection of the parent's is ours. */
 SHIM_HIDDEN void control_after_fork(void);
 
