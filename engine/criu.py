@@ -65,6 +65,12 @@ RESTORED_PIDFILE: Final = "criu-restored.pid"
 _BIND_NAME: Final = re.compile(r"\.cuinterpose-(\d+)\.[0-9a-f]+\.tmp")
 _CHECK_TIMEOUT_S: Final = 120.0
 
+# Always given to ``criu dump``: a file the job unlinked while keeping it open
+# (torch.multiprocessing's POSIX semaphores in /dev/shm) is dumped as a link remap,
+# which ``criu restore`` puts back; without it the dump fails ("Can't create link
+# remap"), as it did on the H200.
+DUMP_ARGS: Final = ("--link-remap",)
+
 
 class CriuUnavailable(RuntimeError):
     """No usable CRIU: missing, too old, or its ``criu check`` fails (the reason says)."""
@@ -433,7 +439,7 @@ def dump(
         lock_timeout_ms=lock_timeout_ms,
         on_event=on_event,
     )
-    args = ["dump", "-t", str(tree), "-D", str(images), *criu_args]
+    args = ["dump", "-t", str(tree), "-D", str(images), *DUMP_ARGS, *criu_args]
     try:
         timing = _timed(
             "criu_dump",
