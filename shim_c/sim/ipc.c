@@ -14,9 +14,9 @@
  * their own means.
  *
  * An interprocess event's state is a memfd page (device.c); its handle
- * names that memfd the same way, and an opened event maps the page. Events
- * complete when recorded here, so an opened event observes the creator's
- * records and synchronizes as the creator's own does. */
+ * names that memfd the same way, and an opened event maps the page: the
+ * records of every process holding the event, and their stream-ordered
+ * completion, are the same for all. */
 #include "sim.h"
 
 #include <dirent.h>

@@ -210,6 +210,27 @@ result = [err(cu.cuEventSynchronize(e1)), err(cu.cuEventQuery(e1)),
     assert a("result = [err(cu.cuEventQuery(e)), err(cu.cuEventSynchronize(e))]") == [ok, ok]
 
 
+def test_an_opened_event_waits_for_the_creators_stream(spawn):
+    """The creator's record completes in its stream order, and the opened event sees
+    it: NOT_READY while the creator's stream is held (by a value wait), then done."""
+    a, b = pair(spawn)
+    text = a("""
+e = check(cu.cuEventCreate(IPC_EVENT))
+NB = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+held, writer = check(cu.cuStreamCreate(NB)), check(cu.cuStreamCreate(NB))
+word = check(cu.cuMemAlloc(4)); check(cu.cuMemsetD32(word, 0, 1))
+result = event_handle(e)
+""")
+    b(f"e = check(event_open({text!r}))")
+    a("check(cu.cuStreamWaitValue32(held, word, 1, 1)); check(cu.cuEventRecord(e, held))")
+    assert b("result = err(cu.cuEventQuery(e))") == "CUDA_ERROR_NOT_READY"
+    assert a("result = err(cu.cuEventQuery(e))") == "CUDA_ERROR_NOT_READY"
+    b.send("result = err(cu.cuEventSynchronize(e))")
+    a("check(cu.cuStreamWriteValue32(writer, word, 1, 0))")  # lets the held stream go
+    assert b.reply() == "CUDA_SUCCESS"
+    assert b("result = err(cu.cuEventQuery(e))") == "CUDA_SUCCESS"
+
+
 def test_native_checkpoint_of_a_process_holding_an_ipc_open(spawn):
     """As on the H200: both checkpoint; the creator restores, the importer's restore is
     CUDA_ERROR_INVALID_VALUE and it stays CHECKPOINTED (its unlock ILLEGAL_STATE)."""
