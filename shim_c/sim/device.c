@@ -6,7 +6,8 @@
  * returned: async copies, async memsets and host functions are in flight
  * until a synchronize (or a query) says they are done, as on the GPU.
  * Work that finds its memory gone when it runs fails the context for good
- * (the GPU's illegal address). Events complete when recorded. */
+ * (the GPU's illegal address). Events complete in stream order; an
+ * interprocess event's records complete in whichever process queued them. */
 #include "sim.h"
 
 #include <stdio.h>
@@ -1120,13 +1121,44 @@ static struct sim_event *event_check(CUevent h)
 static pthread_mutex_t event_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t event_cv = PTHREAD_COND_INITIALIZER;
 
+/* How often a wait for an interprocess event looks at its shared page
+ * again: another process's marker cannot signal this one's condition. */
+#define EVENT_POLL_NS 20000L
+
+static void atomic_max(_Atomic uint64_t *v, uint64_t seq)
+{
+    uint64_t have = atomic_load(v);
+
+    while (seq > have && !atomic_compare_exchange_weak(v, &have, seq))
+        ;
+}
+
+/* event_mu held: what the event's records and completion are. */
+static uint64_t recorded_of(const struct sim_event *e)
+{
+    return e->shared ? atomic_load(&e->shared->recorded) : e->recorded;
+}
+
+static uint64_t completed_of(const struct sim_event *e)
+{
+    return e->shared ? atomic_load(&e->shared->completed) : e->completed;
+}
+
+/* An interprocess event's marker carries its own mapping of the shared
+ * page (`dst`): it completes the record even after this process destroyed
+ * its handle, as the GPU completes it, for the other processes waiting. */
 static CUresult run_event_mark(struct sim_work *w)
 {
     struct sim_event *e = w->host_arg;
+    struct sim_event_shared *sh = (struct sim_event_shared *)w->dst;
 
     pthread_mutex_lock(&event_mu);
-    if (e->gen == w->value && w->value64 > e->completed)
+    if (sh) {
+        atomic_max(&sh->completed, w->value64);
+        munmap(sh, sizeof(*sh));
+    } else if (e->gen == w->value && w->value64 > e->completed) {
         e->completed = w->value64;
+    }
     pthread_cond_broadcast(&event_cv);
     pthread_mutex_unlock(&event_mu);
     return CUDA_SUCCESS;
@@ -1168,13 +1200,18 @@ fail:
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
+/* The slot's generation moves on first, under event_mu: a marker still
+ * queued no longer touches the page unmapped after. */
 static void event_release(struct sim_event *e)
 {
-    if (e->shared)
-        munmap(e->shared, sizeof(*e->shared));
-    if (e->fd >= 0)
-        close(e->fd);
+    struct sim_event_shared *sh = e->shared;
+    int fd = e->fd;
+
     event_clear(e);
+    if (sh)
+        munmap(sh, sizeof(*sh));
+    if (fd >= 0)
+        close(fd);
 }
 
 struct sim_event *sim_event_check(CUevent h)
@@ -1258,30 +1295,42 @@ static CUresult event_record(CUevent h, CUstream s)
 
     if (r != CUDA_SUCCESS)
         return r;
+    struct sim_event_shared *mark = NULL;
     uint64_t seq;
     unsigned gen;
 
     sim_lock();
     e = event_check(h);
-    if (e) {
+    if (e)
         e->t_ms = sim_now_ms();
-        /* Seen by every process holding an interprocess event. */
-        if (e->shared)
-            atomic_fetch_add(&e->shared->records, 1);
-    }
     sim_unlock();
     if (!e)
         return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&event_mu);
-    seq = ++e->recorded;
+    if (e->shared) {
+        mark = mmap(NULL, sizeof(*mark), PROT_READ | PROT_WRITE, MAP_SHARED, e->fd, 0);
+        if (mark == MAP_FAILED) {
+            pthread_mutex_unlock(&event_mu);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    /* An interprocess event's record counts in every process holding it. */
+    seq = e->shared ? atomic_fetch_add(&e->shared->recorded, 1) + 1 : ++e->recorded;
     gen = e->gen;
     pthread_mutex_unlock(&event_mu);
     r = sim_enqueue(s, &(struct sim_work){.run = run_event_mark, .host_arg = e, .value = gen,
-                                          .value64 = seq});
+                                          .value64 = seq, .dst = (uintptr_t)mark});
     if (r != CUDA_SUCCESS) {
+        if (mark)
+            munmap(mark, sizeof(*mark));
         pthread_mutex_lock(&event_mu);
-        if (e->gen == gen && e->recorded == seq)
+        if (e->gen == gen && e->shared) {
+            uint64_t mine = seq;
+
+            atomic_compare_exchange_strong(&e->shared->recorded, &mine, seq - 1);
+        } else if (e->gen == gen && e->recorded == seq) {
             e->recorded--;
+        }
         pthread_mutex_unlock(&event_mu);
     }
     return r;
@@ -1330,11 +1379,20 @@ static CUresult event_wait(CUevent h, int wait)
     if (!e)
         return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&event_mu);
-    target = e->recorded;
+    target = recorded_of(e);
     gen = e->gen;
-    while (wait && e->gen == gen && e->completed < target)
-        pthread_cond_wait(&event_cv, &event_mu);
-    if (e->gen == gen && e->completed < target)
+    while (wait && e->gen == gen && completed_of(e) < target) {
+        if (e->shared) { /* its marker may run in another process */
+            const struct timespec poll = {0, EVENT_POLL_NS};
+
+            pthread_mutex_unlock(&event_mu);
+            nanosleep(&poll, NULL);
+            pthread_mutex_lock(&event_mu);
+        } else {
+            pthread_cond_wait(&event_cv, &event_mu);
+        }
+    }
+    if (e->gen == gen && completed_of(e) < target)
         r = CUDA_ERROR_NOT_READY;
     pthread_mutex_unlock(&event_mu);
     return r;

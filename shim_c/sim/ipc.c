@@ -14,9 +14,9 @@
  * their own means.
  *
  * An interprocess event's state is a memfd page (device.c); its handle
- * names that memfd the same way, and an opened event maps the page. Events
- * complete when recorded here, so an opened event observes the creator's
- * records and synchronizes as the creator's own does. */
+ * names that memfd the same way, and an opened event maps the page: the
+ * records of every process holding the event, and their stream-ordered
+ * completion, are the same for all. */
 #include "sim.h"
 
 #include <dirent.h>
@@ -29,6 +29,7 @@
 
 #define IPC_MEM_MAGIC 0x4d435049u   /* "IPCM" */
 #define IPC_EVENT_MAGIC 0x45435049u /* "IPCE" */
+#define ALLOC_MEMFD "/memfd:cuinterpose-sim-alloc" /* what /proc says an allocation is */
 
 /* The layout of a CUipcMemHandle's or CUipcEventHandle's 64 bytes. */
 struct ipc_handle {
@@ -127,9 +128,20 @@ static int restored_since(const struct ipc_handle *h)
         struct stat st;
         int fd;
 
+        char link[64];
+        ssize_t n;
+
         if (d->d_name[0] == '.')
             continue;
-        fd = openat(dirfd(dp), d->d_name, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+        /* Only the simulator's allocations: opening anything else could have
+         * effects (a terminal, a device). */
+        n = readlinkat(dirfd(dp), d->d_name, link, sizeof link - 1);
+        if (n <= 0)
+            continue;
+        link[n] = '\0';
+        if (strncmp(link, ALLOC_MEMFD, sizeof ALLOC_MEMFD - 1) != 0)
+            continue;
+        fd = openat(dirfd(dp), d->d_name, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
         if (fd < 0)
             continue;
         if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_size > SIM_META_SIZE &&

@@ -259,7 +259,10 @@ struct sim_array {
 struct sim_event_shared {
     uint32_t magic;
     int32_t creator_pid;
-    _Atomic uint64_t records; /* cuEventRecord calls, in any process */
+    /* Stream-ordered completion of the event's records, in any process
+     * holding it (device.c): markers recorded, and the latest that ran. */
+    _Atomic uint64_t recorded;
+    _Atomic uint64_t completed;
 };
 
 struct sim_event {

@@ -1065,15 +1065,24 @@ int sim_mem_is_alloc(CUdeviceptr dptr)
     return ok;
 }
 
+/* Checked and unmapped under one lock: of two frees racing, the loser
+ * finds the mapping gone; the VA stays reserved until address_free. */
 CUresult sim_mem_free(CUdeviceptr dptr)
 {
-    int ok;
+    struct sim_map *m;
+    size_t size;
 
     sim_lock();
-    ok = freeable(sim_map_find((uintptr_t)dptr), dptr);
+    m = sim_map_find((uintptr_t)dptr);
+    if (!freeable(m, dptr)) {
+        sim_unlock();
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    size = m->size;
+    sim.objs[m->obj].handle_refs = 0;
+    unmap_one(m);
     sim_unlock();
-    /* Two frees racing: the loser finds the mapping gone. */
-    return ok ? sim_unmap_fresh((uintptr_t)dptr) : CUDA_ERROR_INVALID_VALUE;
+    return address_free(dptr, size);
 }
 
 CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr)

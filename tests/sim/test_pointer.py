@@ -166,6 +166,7 @@ result = batch(d, ["MEMORY_TYPE", "HOST_POINTER", "RANGE_SIZE"])
     assert r == {"MEMORY_TYPE": 2, "HOST_POINTER": 0, "RANGE_SIZE": 1000}
 
 
+@sim_only  # the H200 packs small allocations into one mapping: not recorded
 def test_past_the_asked_size_is_not_the_allocation(spawn):
     w = worker(spawn)
     r = w("d = check(cu.cuMemAlloc(1000)); result = attr('MEMORY_TYPE', int(d) + 1000)")

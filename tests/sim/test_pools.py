@@ -4,6 +4,8 @@ errors cuda.h documents (CUDA_ERROR_INVALID_VALUE)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.sim.simtest import MiB, hand_over, psha, sim_only
 from tests.sim.test_checkpoint import controller
 
@@ -87,6 +89,8 @@ result = export_ptr(e)
 
 def test_allocation_from_a_created_pool_names_it(spawn):
     w = worker(spawn)
+    if w("result = check(cu.cuDeviceGetCount())") < 2:
+        pytest.skip("a pool on another device than the stream's needs two devices")
     r = w("""
 pool = check(cu.cuMemPoolCreate(pool_props(dev=1)))
 d = check(cu.cuMemAllocFromPoolAsync(4096, pool, 0))
@@ -124,11 +128,11 @@ def test_destroy_keeps_outstanding_allocations(spawn):
     r = w("""
 pool = check(cu.cuMemPoolCreate(pool_props()))
 d = check(cu.cuMemAllocFromPoolAsync(4096, pool, 0)); write(d, b'alive')
-out = [err(cu.cuMemPoolDestroy(pool)), err(cu.cuMemPoolDestroy(pool)), read(d, 5)]
+out = [err(cu.cuMemPoolDestroy(pool)), read(d, 5)]
 out.append(err(cu.cuMemFreeAsync(d, 0)))
 result = out
 """)
-    assert r == ["CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE", b"alive".hex(), "CUDA_SUCCESS"]
+    assert r == ["CUDA_SUCCESS", b"alive".hex(), "CUDA_SUCCESS"]
 
 
 def test_bad_pool_properties_are_invalid_value(spawn):
@@ -167,3 +171,13 @@ result = [f(p) for f in (lock, ckpt) for p in pids] + [restore(pids[0]), restore
 """)
     assert r == ["CUDA_SUCCESS"] * 5 + ["CUDA_ERROR_NOT_SUPPORTED"]
     b.kill()
+
+
+@sim_only  # the real driver's answer to a destroyed pool's handle is not recorded
+def test_destroy_of_a_destroyed_pool_is_invalid_value(spawn):
+    w = worker(spawn)
+    r = w("""
+pool = check(cu.cuMemPoolCreate(pool_props()))
+result = [err(cu.cuMemPoolDestroy(pool)), err(cu.cuMemPoolDestroy(pool))]
+""")
+    assert r == ["CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE"]
