@@ -60,6 +60,18 @@ class RecoveryReport:
         return tuple(lines)
 
 
+def native_check_refusal(command: str, why: object) -> tuple[str, ...]:
+    """Why ``command`` refuses when no driver can tell it every process's native state:
+    a process still natively checkpointed would be wedged by it (fail closed)."""
+    return (
+        f"{command} refused: the native state of the processes cannot be checked: {why}",
+        "a process natively LOCKED or CHECKPOINTED would be left unreachable by this run; "
+        "nothing was changed",
+        "load the driver the processes run on (LD_LIBRARY_PATH), or pass --skip-native-check "
+        "if you know every process is natively RUNNING",
+    )
+
+
 def survey(endpoints: Sequence[Endpoint], options: Options) -> tuple[ProcessBefore, ...]:
     """Every process's phase, from a HANDSHAKE; one that does not answer says why."""
     results = options.transport(

@@ -41,7 +41,7 @@ from .engine.errors import CoordinatorError
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
 from .engine.native import CudaBackend, NativeBackend, NativeUnavailableError, ProcessState
 from .engine.progress import Event, FailedEvent, ProgressCallback, human_line, json_printer
-from .engine.recovery import recover
+from .engine.recovery import native_check_refusal, recover
 from .engine.replay import replay
 from .engine.topology import describe_record
 from .engine.trace import TraceError, TraceWriter, read_trace
@@ -164,7 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument(
         "--replace", action="store_true", help="overwrite a capture that was never restored"
     )
-    _add_machine_options(sub("restore", "run the restore machine against the state file"))
+    restore_cmd = sub("restore", "run the restore machine against the state file")
+    _add_machine_options(restore_cmd)
+    for checked in (prepare, restore_cmd):
+        checked.add_argument(
+            "--skip-native-check",
+            action="store_true",
+            help="go on when no CUDA driver can be loaded to check that every process is "
+            "natively RUNNING (for those who know it is)",
+        )
     _add_machine_options(
         sub("recover", "bring the group back to running from wherever a run left it")
     )
@@ -339,7 +347,10 @@ def _native_check(
     try:
         agent.require_states(_native_backend(), processes, ProcessState.RUNNING, spec.name, hint)
     except NativeUnavailableError as exc:
-        stderr.write(f"{PROG}: note: the native state was not checked: {exc}\n")
+        if not args.skip_native_check:
+            return _fail(native_check_refusal(args.command, exc), stderr)
+        stderr.write(f"{PROG}: note: the native state was not checked (--skip-native-check): "
+                     f"{exc}\n")  # fmt: skip
     except agent.StateRefused as refused:
         return _fail(refused.lines(), stderr)
     return None

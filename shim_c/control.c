@@ -266,6 +266,7 @@ static void run_phase_op(uint16_t op, struct reply *r)
         return;
     }
     g.busy = true;
+    g.hold_for_verify = false; /* a rollback after a restore: held again at its end */
     g.op_in_flight = op;
     g.op_started_ns = t0;
     __atomic_store_n(&g.phase_bytes_done, 0, __ATOMIC_RELAXED);
@@ -322,6 +323,16 @@ static void run_phase_op(uint16_t op, struct reply *r)
      * gate opens last, once the topology is back. A pending QUIESCE keeps
      * it closed. */
     reopen = g.phase == CUIP_PHASE_ACTIVE && rc != PHASE_PENDING;
+    /* Restored or rolled back (not a QUIESCE, which never left ACTIVE's
+     * topology): under a lease the gate opens at the RELEASE that follows the
+     * coordinator's verification, or when its holder is gone. */
+    if (reopen && op != CUIP_OP_QUIESCE && from != CUIP_PHASE_ACTIVE && g.lease.held &&
+        gate_level() != GATE_OPEN) {
+        g.hold_for_verify = true;
+        reopen = false;
+        shim_log(LOG_INFO, "%s: ACTIVE; the gate opens once the coordinator releases",
+                 op_name(op));
+    }
     pthread_mutex_unlock(&g.lock);
     if (reopen && gate_level() != GATE_OPEN) {
         gate_open();
@@ -341,8 +352,13 @@ static void serve_status(struct reply *r)
         r->h.stat_bytes = __atomic_load_n(&g.phase_bytes_done, __ATOMIC_RELAXED);
         r->h.stat_copy_ns = __atomic_load_n(&g.phase_bytes_total, __ATOMIC_RELAXED);
     }
-    if (g.phase == CUIP_PHASE_FAILED)
+    if (g.phase == CUIP_PHASE_FAILED) {
         reply_msg(r, CUIP_STATUS_OK, "%s", g.reason);
+    } else if (gate_held() > 0) {
+        char held[256];
+        gate_describe(held, sizeof held);
+        reply_msg(r, CUIP_STATUS_OK, "%s", held);
+    }
     pthread_mutex_unlock(&g.lock);
 }
 
@@ -397,6 +413,7 @@ static void unquiesce(void)
     pthread_mutex_lock(&g.lock);
     if (gated_untouched()) {
         g.phase = CUIP_PHASE_ACTIVE;
+        g.hold_for_verify = false;
         gate_open();
         shim_log(LOG_INFO, "gated without a coordinator: ACTIVE, gate open");
     }
@@ -417,9 +434,15 @@ static void gate_watch(void)
     pthread_mutex_lock(&g.lock);
     if (gated_untouched()) {
         gone = !g.lease.held || lease_holder_gone(&g.lease, now);
-        overdue = g.phase == CUIP_PHASE_ACTIVE &&
-                  now - g.quiesce_started_ns >
-                      (uint64_t)shim_settings()->quiesce_timeout_ms * 1000000ull;
+        /* Between QUIESCE rounds: the shim's own deadline. Held for a
+         * verification: the holder's silence for SNAPSHOT_LEASE_IDLE_S. */
+        if (g.hold_for_verify)
+            overdue = now - g.lease.last_ns >
+                      (uint64_t)shim_settings()->lease_idle_ms * 1000000ull;
+        else
+            overdue = g.phase == CUIP_PHASE_ACTIVE &&
+                      now - g.quiesce_started_ns >
+                          (uint64_t)shim_settings()->quiesce_timeout_ms * 1000000ull;
         if (gone || overdue) {
             holder = g.lease.held ? g.lease.pid : 0;
             if (gone)
@@ -428,8 +451,10 @@ static void gate_watch(void)
             gate_open();
             shim_log(LOG_WARN, "gated, and %s (pid %d; 0: none): ACTIVE, gate open",
                      gone ? "its coordinator is gone"
-                          : "no QUIESCE round came within the shim's own deadline",
+                     : g.hold_for_verify ? "its coordinator sent nothing after the restore"
+                                         : "no QUIESCE round came within the shim's own deadline",
                      (int)holder);
+            g.hold_for_verify = false;
         }
     }
     pthread_mutex_unlock(&g.lock);

@@ -1,0 +1,128 @@
+"""No dead ends (specs/recovery.md, "Every way a run ends"), on real shims over the
+simulated driver.
+
+Each case ends with every survivor running with its bytes checked and a report that
+says what happened. Waits are on observable states: a shim's STATUS naming the call
+its gate holds, a process's exit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cuinterpose.demo import coordinator_env, pattern_digest
+from cuinterpose.engine import wire
+
+from tests.shim import shimenv
+from tests.shim.pair import Pair, running_as_before, share
+from tests.shim.workers.cycle import assert_still_active, cli
+from tests.simenv import Spawn
+from tests.waiting import wait_until
+
+SEED = 131
+
+
+def _held(control_dir: Path, pid: int) -> str:
+    """What the shim's gate holds, from STATUS (empty when nothing)."""
+    reply, _ = shimenv.request(shimenv.socket_path(control_dir, pid), wire.Request(wire.Op.STATUS))
+    return reply.message
+
+
+def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    env = dict(env)
+    env.pop("SNAPSHOT_CONTROL_DIR", None)
+    return subprocess.run(
+        [sys.executable, "-m", "cuinterpose", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _processes(pair: Pair) -> list[str]:
+    return [w for p in pair.pids for w in ("--process", str(p), str(p))]
+
+
+def _phases(pair: Pair, control_dir: Path, env: dict[str, str]) -> dict[int, str]:
+    run = run_cli(["status", "--control-dir", str(control_dir), *_processes(pair), "--json"], env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return {p["observed_pid"]: p["shim_phase"] for p in json.loads(run.stdout)["processes"]}
+
+
+# -- the gate opens last ---------------------------------------------------------------------
+
+
+def test_a_call_held_while_prepared_runs_after_the_restore_is_verified(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
+) -> None:
+    """The importer unmaps its view while the group is PREPARED: the call waits at the
+    gate through the whole restore, its last INSPECT and VERIFY included, and runs once
+    the coordinator released the group; the restore succeeds."""
+    pair = share(spawn, shim_env, SEED)
+    importer = pair.importer
+    kept = int(importer.check("retain", va=pair.importer_va)["handle"])  # to map it again
+    prepared = cli("prepare", pair.pids, control_dir, tmp_path)
+    assert prepared.returncode == 0, prepared.stderr
+    importer.send(f"result = err(cu.cuMemUnmap(cu.CUdeviceptr({pair.importer_va}), {pair.size}))")
+    wait_until(lambda: "cuMemUnmap" in _held(control_dir, importer.pid), "the unmap is held")
+    restored = cli("restore", pair.pids, control_dir, tmp_path)
+    assert restored.returncode == 0, restored.stderr
+    assert importer.reply() == "CUDA_SUCCESS"  # it ran, after the verification
+    assert _held(control_dir, importer.pid) == ""
+    # The import is live: mapped again, its bytes are the creator's, and shared.
+    va = importer.map_at_new_va(kept, pair.size)
+    assert importer.digest(va, pair.size) == pattern_digest(SEED, pair.size)
+    pair.creator.check("fill", va=pair.va, size=pair.size, seed=SEED + 1)
+    assert importer.digest(va, pair.size) == pattern_digest(SEED + 1, pair.size)
+    assert_still_active(pair.creator, pair.handle, pair.va, pair.size, SEED + 1)
+    pair.creator.close_clean()
+    importer.close_clean()
+
+
+# -- fail closed -----------------------------------------------------------------------------
+
+
+def _no_driver_env() -> dict[str, str]:
+    env = coordinator_env()
+    probe = "from cuinterpose.engine.native import CudaBackend; CudaBackend().driver()"
+    loads = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, check=False)
+    if loads.returncode == 0:
+        pytest.skip("a CUDA driver loads without the simulated one here")
+    return env
+
+
+def _machine(verb: str, pair: Pair, control_dir: Path, ckpt: Path, *extra: str) -> list[str]:
+    return [verb, "--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir),
+            *_processes(pair), "--progress", "json", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize("verb", ["prepare", "restore"])
+def test_a_native_state_that_cannot_be_checked_refuses(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path, verb: str
+) -> None:
+    pair = share(spawn, shim_env, SEED)
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    env = _no_driver_env()
+    if verb == "restore":
+        prepared = cli("prepare", pair.pids, control_dir, tmp_path)
+        assert prepared.returncode == 0, prepared.stderr
+    run = run_cli(_machine(verb, pair, control_dir, ckpt), env)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"{verb} refused: the native state of the processes cannot be checked" in run.stderr
+    assert "--skip-native-check" in run.stderr
+    assert '"event": "phase"' not in run.stdout  # nothing was sent
+    # The override: for those who know every process is RUNNING.
+    if verb == "prepare":
+        run = run_cli(_machine("prepare", pair, control_dir, ckpt, "--skip-native-check"), env)
+        assert run.returncode == 0, run.stderr
+        assert "not checked (--skip-native-check)" in run.stderr
+    run = run_cli(_machine("restore", pair, control_dir, ckpt, "--skip-native-check"), env)
+    assert run.returncode == 0, run.stderr
+    running_as_before(pair, write_seed=SEED + 2)
