@@ -40,7 +40,7 @@ from typing import Any, Final, Literal
 
 import attrs
 
-from .client import Endpoint, ParticipantError, call_all, endpoint_for
+from .client import Endpoint, ParticipantError, call_all, endpoint_for, pid_visible
 from .errors import CoordinatorError, PhaseFailed, not_quiet
 from .native import (
     DEFAULT_LOCK_TIMEOUT_MS,
@@ -148,7 +148,15 @@ class SuspendFailed(AgentError):
 
 
 class ResumeFailed(AgentError):
-    """A resume failed; every process's native state and shim phase are in the lines."""
+    """A resume failed; every process's native state and shim phase are in the lines.
+
+    ``running`` says whether the group runs with its bytes (a coordinator restore
+    rolled back); otherwise a native step ran, and ``cuinterpose recover`` (or
+    ``restore``) is the way on."""
+
+    def __init__(self, what: str, lines: Sequence[str], *, running: bool) -> None:
+        super().__init__(what, lines, changed=True)
+        self.running = running
 
 
 # --------------------------------------------------------------- detection
@@ -609,11 +617,26 @@ def require_states(
     the message names each other one and says what to run."""
     group = _processes(processes)
     states = state_names(native, [p.observed_pid for p in group])
-    wrong = [
-        f"{p.describe()} is {states[p.observed_pid]}, not {wanted.name}"
-        for p in group
-        if states[p.observed_pid] != wanted.name
+    odd = [p for p in group if states[p.observed_pid] != wanted.name]
+    # The driver could not say (a state it names is a live process's), and no process
+    # has the pid: it is gone, which the driver's error does not say.
+    gone = [
+        p
+        for p in odd
+        if states[p.observed_pid] not in ProcessState.__members__
+        and not pid_visible(p.observed_pid)
     ]
+    wrong = [
+        f"{p.describe()} is gone (no process has pid {p.observed_pid})"
+        if p in gone
+        else f"{p.describe()} is {states[p.observed_pid]}, not {wanted.name}"
+        for p in odd
+    ]
+    if gone:
+        wrong.append(
+            "a process that is gone cannot take part: `cuinterpose recover` brings the "
+            "survivors back (specs/recovery.md)"
+        )
     if wrong:
         raise StateRefused(f"{command} refused: {hint}", wrong)
 
@@ -858,10 +881,16 @@ def resume(
                 moved.append(_bytes_moved(result.phases))
     except (NativeGroupError, CoordinatorError) as failure:
         lines = list(failure.lines())
-        if isinstance(failure, CoordinatorError) and failure.rolled_back:
+        running = isinstance(failure, CoordinatorError) and failure.rolled_back
+        if running:
             lines.append("rolled back: every process runs with the bytes it had at suspend")
+        else:
+            lines.append(
+                "the native restore ran: the group is not as it was suspended, nor running "
+                "with its bytes"
+            )
         lines += [f"now {line}" for line in _status_lines(group, where, native)]
-        raise ResumeFailed("resume failed:", lines, changed=True) from failure
+        raise ResumeFailed("resume failed:", lines, running=running) from failure
     write_manifest(directory, attrs.evolve(manifest, resumed_at=utc_timestamp()))
     return ResumeResult(manifest, coordinate, tuple(report.timings))
 

@@ -395,7 +395,7 @@ class _Exchange:
         endpoint's pid here (then it is gone, and waiting would change nothing)."""
         now = time.monotonic()
         if self.heal_since is None:
-            if not _pid_visible(self.endpoint.observed_pid):
+            if not pid_visible(self.endpoint.observed_pid):
                 return False
             self.heal_since = now
         if now - self.heal_since >= _HEAL_WAIT_S:
@@ -555,7 +555,7 @@ def _server_problem(sock: socket.socket) -> str | None:
     return f"the control socket is served by pid {pid} of uid {uid}, not root nor uid {own}"
 
 
-def _pid_visible(pid: int) -> bool:
+def pid_visible(pid: int) -> bool:
     """Whether some process has ``pid`` in the coordinator's pid namespace."""
     try:
         os.kill(pid, 0)

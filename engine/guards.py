@@ -98,6 +98,8 @@ def all_can_roll_back(run: Run) -> list[Problem]:
 def topology_matches_record(run: Run) -> list[Problem]:
     if run.captured is None or run.gone:
         return []  # nothing recorded, or survivors only: nothing whole to compare with
+    if not set(run.captured.participant_ids) <= {b.participant for b in run.bound}:
+        return []  # a recorded participant not given (it died): survivors only
     return topology_matches_capture(run)
 
 

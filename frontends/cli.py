@@ -1,21 +1,12 @@
 """The ``cuinterpose`` command line.
 
-Exit status (stderr names the participant, its pid, the phase and the reason):
-
-- 0: done;
-- 1: refused or failed before anything changed: the group is as it was;
-- 2: a usage error (argparse's own convention, kept for every bad option or
-  environment value);
-- 3: failed after the group was changed, and rolled back: it runs as before;
-- 4: failed, and could not be rolled back: run the ``cuinterpose recover``
-  command printed on stderr.
-
-SIGINT and SIGTERM stop ``prepare`` and ``restore`` at the next phase boundary;
-what was changed is then rolled back (status 3, or 4).
+Exit status: :data:`EXIT_TABLE` (also in ``--help`` and specs/recovery.md); stderr
+names the participant, its pid, the phase and the reason. SIGINT and SIGTERM stop
+``prepare`` and ``restore`` at the next phase boundary; what was changed is then
+rolled back (status 3, or 4).
 
 ``suspend``, ``resume`` and ``status`` are the one-command verbs of
-:mod:`cuinterpose.engine.agent` (the native checkpoint included); a suspend that
-fails after capture is undone and exits 1 when the group runs as before, else 4.
+:mod:`cuinterpose.engine.agent` (the native checkpoint included).
 """
 
 from __future__ import annotations
@@ -56,6 +47,18 @@ EXIT_FAILED: Final = 1  # refused, or failed before anything changed
 EXIT_USAGE: Final = 2
 EXIT_ROLLED_BACK: Final = 3
 EXIT_NEEDS_RECOVER: Final = 4
+# One table for every verb (specs/recovery.md, "Exit status").
+EXIT_TABLE: Final = """exit status (every verb):
+  0  done
+  1  refused, or failed and undone: the group is as it was (a suspend whose
+     capture or native steps failed: running as before)
+  2  usage error
+  3  failed after changing the group, and rolled back: it runs (prepare,
+     restore, recover: as before the run; resume: with the bytes it had at
+     suspend, no longer checkpointed)
+  4  failed, and the group is not back: stderr prints the command to run
+     (`cuinterpose recover ...`)
+"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -153,11 +156,22 @@ def _add_agent_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Checkpoint/restore of CUDA processes sharing memory")
+    parser = _Parser(
+        prog=PROG,
+        description="Checkpoint/restore of CUDA processes sharing memory",
+        epilog=EXIT_TABLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def sub(name: str, text: str) -> argparse.ArgumentParser:
-        return commands.add_parser(name, help=text, description=text)
+        return commands.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=EXIT_TABLE,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
 
     prepare = sub("prepare", "run the capture machine; writes the state file")
     _add_machine_options(prepare)
@@ -413,10 +427,20 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
     except agent.SuspendFailed as failed:
         _fail(failed.lines(), stderr)
         return EXIT_FAILED if failed.restored else EXIT_NEEDS_RECOVER
+    except agent.ResumeFailed as failed:
+        # A native step ran: never "nothing changed" (exit 1).
+        if failed.running:
+            _fail(failed.lines(), stderr)
+            return EXIT_ROLLED_BACK
+        _fail([*failed.lines(), f"once every process is RUNNING, run: {_recover_command(args)}"],
+              stderr)  # fmt: skip
+        return EXIT_NEEDS_RECOVER
     except agent.AgentError as error:
         return _fail(error.lines(), stderr)
     except CoordinatorError as error:
-        return _failure(error, args, stderr)
+        code = _failure(error, args, stderr)
+        # A suspend whose capture was rolled back: the group runs as it was (exit 1).
+        return EXIT_FAILED if command == "suspend" and code == EXIT_ROLLED_BACK else code
     except NativeUnavailableError as exc:
         return _fail([f"{command}: {exc}"], stderr)
     if view is not None:
@@ -498,7 +522,7 @@ def _failure(error: CoordinatorError, args: argparse.Namespace, stderr: TextIO) 
         return EXIT_ROLLED_BACK
     if error.rollback_error is not None:
         lines += [f"rollback: {line}" for line in error.rollback_error.lines()]
-    else:
+    elif args.no_rollback:
         lines.append("left where it stopped (--no-rollback)")
     lines.append(f"the group is not running as before; run: {_recover_command(args)}")
     _fail(lines, stderr)

@@ -126,3 +126,39 @@ def test_a_native_state_that_cannot_be_checked_refuses(
     run = run_cli(_machine("restore", pair, control_dir, ckpt, "--skip-native-check"), env)
     assert run.returncode == 0, run.stderr
     running_as_before(pair, write_seed=SEED + 2)
+
+
+# -- survivors run ---------------------------------------------------------------------------
+
+
+def _recover_cli(
+    pids: list[int], control_dir: Path, tmp_path: Path
+) -> subprocess.CompletedProcess[str]:
+    argv = ["recover", "--checkpoint-dir", str(tmp_path / "checkpoint"), "--control-dir",
+            str(control_dir), "--progress", "none"]  # fmt: skip
+    for pid in pids:
+        argv += ["--process", str(pid), str(pid)]
+    return run_cli(argv, shimenv.coordinator_cli_env(control_dir))
+
+
+@pytest.mark.parametrize("named", ["everyone", "survivor"])
+def test_an_importer_dead_between_prepare_and_restore_leaves_a_way_back(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path, named: str
+) -> None:
+    pair = share(spawn, shim_env, SEED)
+    prepared = cli("prepare", pair.pids, control_dir, tmp_path)
+    assert prepared.returncode == 0, prepared.stderr
+    dead = pair.importer.pid
+    pair.importer.kill()
+    # The restore of the whole group refuses, naming the dead process and the way back.
+    refused = cli("restore", pair.pids, control_dir, tmp_path)
+    assert refused.returncode == 1, refused.stderr
+    assert f"pid {dead} (ns pid {dead}) is gone" in refused.stderr, refused.stderr
+    assert "cuinterpose recover" in refused.stderr, refused.stderr
+    pids = pair.pids if named == "everyone" else [pair.creator.pid]
+    recovered = _recover_cli(pids, control_dir, tmp_path)
+    assert recovered.returncode == 0, recovered.stdout + recovered.stderr
+    assert "recover: rolled back" in recovered.stdout, recovered.stdout
+    assert f"pid {dead}" in recovered.stdout, recovered.stdout  # named: gone, or not given
+    assert_still_active(pair.creator, pair.handle, pair.va, pair.size, SEED)
+    pair.creator.close_clean()

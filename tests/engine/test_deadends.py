@@ -1,0 +1,78 @@
+"""No dead ends at the CLI (specs/recovery.md): one exit-code table for every verb, and
+a resume whose native steps ran never reports "nothing changed"."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cuinterpose import cli
+from cuinterpose.engine.native import ProcessState
+from cuinterpose.engine.wire import Op, Phase, Status
+from cuinterpose.testing import Fault
+from engine_harness import short_dir, team_of
+from test_agent import TOPOLOGY, run_cli, running
+
+SPEC = Path(__file__).resolve().parents[2] / "specs" / "recovery.md"
+
+
+@pytest.fixture
+def work() -> Iterator[Path]:
+    with short_dir() as path:
+        yield path
+
+
+@pytest.mark.parametrize("verb", [None, "prepare", "restore", "recover", "suspend", "resume"])
+def test_every_verb_s_help_has_the_one_exit_code_table(
+    verb: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main([*([verb] if verb else []), "--help"]) == 0
+    assert cli.EXIT_TABLE in capsys.readouterr().out
+
+
+def test_the_spec_has_the_same_table() -> None:
+    spec = SPEC.read_text()
+    block = re.search(r"## Exit status\n.*?```\n(.*?)```", spec, re.S)
+    assert block, "specs/recovery.md has no exit status block"
+    assert block[1] == cli.EXIT_TABLE
+
+
+def test_a_resume_whose_native_steps_ran_exits_4_with_the_way_on(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(team.control_dir)]
+        code, _, err = run_cli(["suspend", *common, *team.processes], fake, monkeypatch)
+        assert code == 0, err
+        fake.fail = ("unlock", 1001)
+        code, _, err = run_cli(["resume", *common, *team.processes], fake, monkeypatch)
+        assert code == cli.EXIT_NEEDS_RECOVER, err
+        assert "the native restore ran" in err and "run: cuinterpose recover" in err, err
+        assert fake.states[1000] is ProcessState.RUNNING  # it ran: not "nothing changed"
+        assert {f.phase for f in team.fakes} == {Phase.PREPARED}
+        # The way on: unlock the process, then recover rolls the group forward.
+        fake.fail = None
+        fake.unlock(1001)
+        code, out, err = run_cli(
+            ["recover", *common, *team.processes, "--progress", "none"], fake, monkeypatch
+        )
+        assert code == 0, err
+        assert "recover: restored" in out
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+
+
+def test_a_suspend_whose_capture_rolled_back_exits_1_not_3(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = running()
+    script = {1: {Op.PREPARE_UNICAST: Fault("fail", status=Status.INTERNAL, message="boom")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as team:
+        common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(team.control_dir)]
+        code, _, err = run_cli(["suspend", *common, *team.processes], fake, monkeypatch)
+        assert code == cli.EXIT_FAILED, err
+        assert "rolled back: every process is running as before the run" in err, err
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+    assert [c for c in fake.calls if c[0] != "state"] == []  # no native step ran
