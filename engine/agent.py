@@ -821,6 +821,8 @@ class ResumeResult:
     manifest: Manifest
     coordinator_restored: bool
     timings: tuple[Timing, ...]
+    # Late steps that did not go through after the group ran (the directory is usable).
+    warnings: tuple[str, ...] = ()
 
 
 def resume(
@@ -891,8 +893,28 @@ def resume(
             )
         lines += [f"now {line}" for line in _status_lines(group, where, native)]
         raise ResumeFailed("resume failed:", lines, running=running) from failure
-    write_manifest(directory, attrs.evolve(manifest, resumed_at=utc_timestamp()))
-    return ResumeResult(manifest, coordinate, tuple(report.timings))
+    warnings = (*(result.warnings if coordinate else ()), *_mark_resumed(directory, manifest))
+    return ResumeResult(manifest, coordinate, tuple(report.timings), warnings)
+
+
+def _mark_resumed(directory: Path, manifest: Manifest) -> tuple[str, ...]:
+    """Record the resume in the manifest, or, when it cannot be written, remove the
+    manifest, so that the directory takes a new suspend either way. Never raises: the
+    group runs already."""
+    try:
+        write_manifest(directory, attrs.evolve(manifest, resumed_at=utc_timestamp()))
+        return ()
+    except StateFileError as exc:
+        problem = str(exc)
+    path = directory / MANIFEST_FILE_NAME
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        return (
+            f"the group runs, but {problem}, and {path} could not be removed either "
+            f"({exc.strerror}): suspend into another directory next time",
+        )
+    return (f"the group runs, but {problem}; {path} was removed instead",)
 
 
 __all__ = [

@@ -128,15 +128,55 @@ def promote_intent(directory: Path) -> Path:
     return target
 
 
-def clear_intent(directory: Path) -> None:
-    (Path(directory) / INTENT_FILE_NAME).unlink(missing_ok=True)
-    fsync_directory(directory)
+def clear_intent(directory: Path) -> str | None:
+    """Remove the intent once the group is back; None, or why it could not be.
+
+    Never raises: it runs after the work is done, and an intent left behind only
+    makes the next ``prepare`` ask for ``recover``, which finds the group ACTIVE
+    and removes it."""
+    path = Path(directory) / INTENT_FILE_NAME
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        return f"{path} could not be removed ({exc.strerror}): run `cuinterpose recover` once"
+    with contextlib.suppress(OSError):  # removed; only its durability is unsure
+        fsync_directory(directory)
+    return None
 
 
 def mark_restored(directory: Path, state: CheckpointState) -> None:
     """Record that the state file of ``state`` was restored (atomically, durably)."""
     body = json.dumps({"state_created_at": state.created_at, "restored_at": utc_timestamp()})
     write_atomically(Path(directory), RESTORED_FILE_NAME, body.encode() + b"\n")
+
+
+def finish_restore(directory: Path, state: CheckpointState) -> tuple[str, ...]:
+    """After a restore: record it, or when that cannot be written (a full disk, a file
+    size limit), retire the state file instead, so that the directory takes a new
+    capture either way. Never raises (the group runs already): what went wrong, if
+    anything, one line each."""
+    directory = Path(directory)
+    try:
+        mark_restored(directory, state)
+        return ()
+    except StateFileError as exc:
+        if (directory / RESTORED_FILE_NAME).is_file() and exc.problem.startswith("written, but"):
+            return (f"the group runs; {exc}",)
+        problem = str(exc)
+    target = directory / STATE_FILE_NAME
+    try:
+        target.unlink(missing_ok=True)
+    except OSError as exc:
+        return (
+            f"the group runs, but {problem}, and {target} could not be removed either "
+            f"({exc.strerror}): the next prepare into {directory} needs --replace",
+        )
+    with contextlib.suppress(OSError):
+        fsync_directory(directory)
+    return (
+        f"the group runs, but {problem}; {target} (restored) was removed instead, so "
+        f"{directory} takes a new prepare",
+    )
 
 
 def _restored_created_at(directory: Path) -> str | None:

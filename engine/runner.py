@@ -22,7 +22,7 @@ from transitions import EventData, Machine
 from ..phases import Step
 from . import trace as tracing
 from .client import Endpoint, call_all
-from .directory import DirectoryBusy, clear_intent, locked, mark_restored
+from .directory import DirectoryBusy, clear_intent, finish_restore, locked
 from .errors import (
     REFUSALS,
     CheckpointDirRefused,
@@ -80,6 +80,8 @@ class RestoreResult:
     topology: Topology
     phases: tuple[PhaseEvent, ...]
     elapsed_s: float
+    # Late steps that did not go through after the group ran (the directory is usable).
+    warnings: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -120,8 +122,8 @@ def restore(
     _execute(loop)
     run = loop.run
     assert run.state_file is not None and run.topology is not None
-    mark_restored(loop.run.checkpoint_dir, run.state_file)
-    return RestoreResult(run.state_file, run.topology, tuple(run.events), loop.elapsed())
+    warnings = finish_restore(loop.run.checkpoint_dir, run.state_file)
+    return RestoreResult(run.state_file, run.topology, tuple(run.events), loop.elapsed(), warnings)
 
 
 def rollback(

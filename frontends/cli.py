@@ -330,8 +330,11 @@ def _run_machine(
                 report = recover(endpoints, checkpoint_dir, options)
                 for line in report.lines():
                     stdout.write(line + "\n")
+                result: object = report.result
             else:
-                runner.run_machine(spec, endpoints, checkpoint_dir, options)
+                result = runner.run_machine(spec, endpoints, checkpoint_dir, options)
+        for warning in getattr(result, "warnings", ()):
+            stderr.write(f"{PROG}: note: {warning}\n")
     except CoordinatorError as error:
         return _failure(error, args, stderr)
     except ValueError as exc:
@@ -443,6 +446,8 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
         return EXIT_FAILED if command == "suspend" and code == EXIT_ROLLED_BACK else code
     except NativeUnavailableError as exc:
         return _fail([f"{command}: {exc}"], stderr)
+    for warning in getattr(done, "warnings", ()):
+        stderr.write(f"{PROG}: note: {warning}\n")
     if view is not None:
         view.summary(done.timings)
     elif mode == "json":

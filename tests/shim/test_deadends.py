@@ -9,6 +9,7 @@ its gate holds, a process's exit.
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -162,3 +163,58 @@ def test_an_importer_dead_between_prepare_and_restore_leaves_a_way_back(
     assert f"pid {dead}" in recovered.stdout, recovered.stdout  # named: gone, or not given
     assert_still_active(pair.creator, pair.handle, pair.va, pair.size, SEED)
     pair.creator.close_clean()
+
+
+# -- late writes ---------------------------------------------------------------------------
+
+
+def _small_files() -> None:
+    # Room for the lock file's pid line, not for the restore marker or the manifest.
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16))
+
+
+def _limited(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    env = dict(env)
+    env.pop("SNAPSHOT_CONTROL_DIR", None)
+    return subprocess.run(
+        [sys.executable, "-m", "cuinterpose", *args], env=env, capture_output=True, text=True,
+        timeout=120, check=False, preexec_fn=_small_files,
+    )  # fmt: skip
+
+
+def test_a_restore_whose_marker_cannot_be_written_says_so_and_leaves_a_usable_directory(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
+) -> None:
+    pair = share(spawn, shim_env, SEED)
+    ckpt = tmp_path / "checkpoint"
+    assert cli("prepare", pair.pids, control_dir, tmp_path).returncode == 0
+    run = _limited(_machine("restore", pair, control_dir, ckpt),
+                   shimenv.coordinator_cli_env(control_dir))  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr
+    assert "note: the group runs, but" in run.stderr and "removed instead" in run.stderr
+    # The directory takes the next capture without --replace.
+    again = cli("prepare", pair.pids, control_dir, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert cli("restore", pair.pids, control_dir, tmp_path).returncode == 0
+    running_as_before(pair, write_seed=SEED + 3)
+
+
+def test_a_resume_whose_manifest_cannot_be_written_says_so_and_leaves_a_usable_directory(
+    spawn: Spawn,
+    shim_env: dict[str, str],
+    plain_env: dict[str, str],
+    control_dir: Path,
+    tmp_path: Path,
+) -> None:
+    pair = share(spawn, shim_env, SEED)
+    ckpt = tmp_path / "ckpt"
+    common = ["--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir), *_processes(pair)]
+    assert run_cli(["suspend", *common], plain_env).returncode == 0
+    run = _limited(["resume", *common, "--progress", "none"], plain_env)
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr
+    assert "manifest.json was removed instead" in run.stderr, run.stderr
+    assert run_cli(["suspend", *common], plain_env).returncode == 0  # not "resume it first"
+    assert run_cli(["resume", *common], plain_env).returncode == 0
+    running_as_before(pair, write_seed=SEED + 4)
