@@ -41,6 +41,7 @@ from typing import Any, Final, Literal
 import attrs
 
 from .client import Endpoint, ParticipantError, call_all, endpoint_for, pid_visible
+from .directory import checkpoint_dir_problem
 from .errors import CoordinatorError, PhaseFailed, not_quiet
 from .native import (
     DEFAULT_LOCK_TIMEOUT_MS,
@@ -649,6 +650,12 @@ class SuspendResult:
     timings: tuple[Timing, ...]
 
 
+def _trusted_directory(command: str, directory: Path) -> None:
+    problem = checkpoint_dir_problem(directory)
+    if problem is not None:
+        raise AgentError(f"{command} refused:", [problem, "nothing was changed"])
+
+
 def _participant_ids(endpoints: Sequence[Endpoint], timeout: float) -> tuple[str, ...]:
     """Each shim's id, from STATUS (binds nothing: the capture's HANDSHAKE binds)."""
     replies = call_all([(e, Request(Op.STATUS), None) for e in endpoints], timeout=timeout)
@@ -689,6 +696,7 @@ def suspend(
     report = _Reporter(on_event, logger or logging.getLogger(LOGGER_NAME))
     options = options or Options()
     pids = [p.observed_pid for p in group]
+    _trusted_directory("suspend", directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -846,6 +854,7 @@ def resume(
     directory = Path(checkpoint_dir)
     report = _Reporter(on_event, logger or logging.getLogger(LOGGER_NAME))
     options = options or Options()
+    _trusted_directory("resume", directory)
     manifest = read_manifest(directory)
     if manifest.resumed_at:
         raise ManifestError(

@@ -22,7 +22,7 @@ from transitions import EventData, Machine
 from ..phases import Step
 from . import trace as tracing
 from .client import Endpoint, call_all
-from .directory import DirectoryBusy, clear_intent, finish_restore, locked
+from .directory import DirectoryBusy, DirectoryUntrusted, clear_intent, finish_restore, locked
 from .errors import (
     REFUSALS,
     CheckpointDirRefused,
@@ -172,8 +172,9 @@ def _execute(loop: _Loop) -> None:
                 # native checkpoint, or recover, is another coordinator's run.
                 release(loop.run)
     except DirectoryBusy as busy:
+        guard = "checkpoint_dir_trusted" if isinstance(busy, DirectoryUntrusted) else None
         raise CheckpointDirRefused(
-            loop.spec.name, "LOCK", "checkpoint_dir_free", [Problem(str(busy))]
+            loop.spec.name, "LOCK", guard or "checkpoint_dir_free", [Problem(str(busy))]
         ) from None
 
 

@@ -3,6 +3,7 @@ a resume whose native steps ran never reports "nothing changed"."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,3 +77,43 @@ def test_a_suspend_whose_capture_rolled_back_exits_1_not_3(
         assert "rolled back: every process is running as before the run" in err, err
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
     assert [c for c in fake.calls if c[0] != "state"] == []  # no native step ran
+
+
+# -- a trusted checkpoint directory ----------------------------------------------------------
+
+
+def _plant(kind: str, work: Path) -> tuple[Path, str]:
+    """A checkpoint directory someone else could have planted, and the word refusing it."""
+    ckpt = work / "ckpt"
+    if kind == "symlink":
+        real = work / "elsewhere"
+        real.mkdir(mode=0o700)
+        ckpt.symlink_to(real)
+        return ckpt, "is a symbolic link"
+    ckpt.mkdir(mode=0o700)
+    if kind == "group-writable":
+        ckpt.chmod(0o770)
+        return ckpt, "is writable by group or others"
+    if os.getuid() != 0:
+        pytest.skip("making a directory owned by another user needs root")
+    os.chown(ckpt, 4242, 4242)
+    return ckpt, "is owned by uid 4242"
+
+
+@pytest.mark.parametrize("kind", ["symlink", "group-writable", "foreign-owner"])
+@pytest.mark.parametrize("verb", ["prepare", "suspend"])
+def test_an_untrusted_checkpoint_directory_is_refused_before_anything_changes(
+    work: Path, monkeypatch: pytest.MonkeyPatch, kind: str, verb: str
+) -> None:
+    ckpt, why = _plant(kind, work)
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        argv = [verb, "--checkpoint-dir", str(ckpt), "--control-dir", str(team.control_dir),
+                *team.processes, "--progress", "none"]  # fmt: skip
+        code, _, err = run_cli(argv, fake, monkeypatch)
+        assert code == cli.EXIT_FAILED, err
+        assert why in err and "not trusted" in err, err
+        assert all(not f.received or set(f.received) <= {Op.STATUS} for f in team.fakes)
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+    assert [c for c in fake.calls if c[0] != "state"] == []
+    assert not any(p.name.startswith("cuinterpose") for p in Path(os.path.realpath(ckpt)).iterdir())
