@@ -116,11 +116,12 @@ def recover(
 
 
 def _not_answering(directory: Path, before: Sequence[ProcessBefore]) -> tuple[str, ...]:
-    """The state file's participants that no process answered as: one line each."""
+    """Why the state file cannot be restored as captured: its participants that no
+    process answered as, or its own problem; one line each (none: restore it)."""
     try:
         state = read_state(directory)
-    except StateFileError:
-        return ()  # the restore refuses it, by name
+    except StateFileError as exc:
+        return (f"the state file cannot be restored from ({exc}): rolled back instead",)
     answered = {p.participant for p in before if p.participant}
     return tuple(
         f"participant {p.participant} (pid {p.pid} at capture): in the state file, and no "

@@ -401,7 +401,10 @@ def read_record(run: Run) -> None:
         if record is None and (run.checkpoint_dir / STATE_FILE_NAME).is_file():
             record = read_state(run.checkpoint_dir)
     except (OSError, StateFileError) as exc:
-        raise _local_failure(run, "READ_RECORD", f"cannot read the record: {exc}") from exc
+        # Every shim holds its own staged bytes: the record only lets VERIFY compare.
+        # A corrupt or swapped one must not strand the group PREPARED.
+        run.record["record_unreadable"] = str(exc)
+        return
     if record is not None:
         run.captured = record.topology
         run.state_file = record

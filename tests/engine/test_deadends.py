@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from cuinterpose import cli
 from cuinterpose.engine.native import ProcessState
+from cuinterpose.engine.statefile import MAX_STATE_NESTING, STATE_FILE_NAME
 from cuinterpose.engine.wire import Op, Phase, Status
 from cuinterpose.testing import Fault
-from engine_harness import short_dir, team_of
+from engine_harness import Team, short_dir, team_of
 from test_agent import TOPOLOGY, run_cli, running
 
 SPEC = Path(__file__).resolve().parents[2] / "specs" / "recovery.md"
@@ -117,3 +118,30 @@ def test_an_untrusted_checkpoint_directory_is_refused_before_anything_changes(
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
     assert [c for c in fake.calls if c[0] != "state"] == []
     assert not any(p.name.startswith("cuinterpose") for p in Path(os.path.realpath(ckpt)).iterdir())
+
+
+# -- a state file nested too deeply ----------------------------------------------------------
+
+
+def test_a_deeply_nested_state_file_is_refused_by_name(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        code, _, err = run_cli(machine("prepare", team, work), fake, monkeypatch)
+        assert code == 0, err
+        (work / "ckpt" / STATE_FILE_NAME).write_text("[" * 100_000 + "]" * 100_000)
+        code, _, err = run_cli(machine("restore", team, work), fake, monkeypatch)
+        assert code == cli.EXIT_FAILED, err
+        assert f"nested deeper than {MAX_STATE_NESTING} levels" in err, err
+        assert "internal error" not in err and "RecursionError" not in err
+        # The group is as it was (PREPARED): recover rolls it back.
+        code, out, err = run_cli(machine("recover", team, work), fake, monkeypatch)
+        assert code == 0, err
+        assert "recover: rolled back" in out and "cannot be restored from" in out, out
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+
+
+def machine(verb: str, team: Team, work: Path) -> list[str]:
+    return [verb, "--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(team.control_dir),
+            *team.processes, "--progress", "none"]  # fmt: skip
