@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import resource
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,46 @@ def test_a_resume_whose_manifest_cannot_be_written_says_so_and_leaves_a_usable_d
     assert run_cli(["suspend", *common], plain_env).returncode == 0  # not "resume it first"
     assert run_cli(["resume", *common], plain_env).returncode == 0
     running_as_before(pair, write_seed=SEED + 4)
+
+
+# -- one control-path limit ------------------------------------------------------------------
+
+
+def _dir_of_length(base: Path, size: int) -> Path:
+    path = base / ("d" * (size - len(str(base)) - 1))
+    assert len(str(path)) == size
+    return path
+
+
+def test_the_control_path_limit_is_the_same_for_launch_the_shim_and_the_coordinator(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path
+) -> None:
+    base = Path("/tmp") / f"cip-limit-{control_dir.name}"
+    base.mkdir(mode=0o700)
+    try:
+        at_limit, over = _dir_of_length(base, 60), _dir_of_length(base, 61)
+        for path in (at_limit, over):
+            path.mkdir(mode=0o700)
+        # The shim: serves at the limit, refuses one byte more with the reason.
+        served = spawn("served", {**shim_env, "SNAPSHOT_CONTROL_DIR": str(at_limit)})
+        shimenv.wait_socket(at_limit, served.pid)
+        refused = spawn("refused", {**shim_env, "SNAPSHOT_CONTROL_DIR": str(over)})
+        refused.check("granularity")  # a tracked start of the shim
+        wait_until(lambda: "at most 60 bytes" in refused.stderr_text(), "the shim says why")
+        assert not list(over.iterdir())
+        # The coordinator and launch refuse the same path, with the same reason.
+        env = shimenv.coordinator_cli_env(control_dir)
+        for args in (
+            ["status", "--control-dir", str(over), "--process", "1", "1"],
+            ["launch", "--control-dir", str(over), "--", "true"],
+        ):
+            run = run_cli(args, env)
+            assert run.returncode in (1, 2), run.stdout + run.stderr
+            assert "over the 60 a shim accepts" in run.stderr, run.stderr
+        run = run_cli(["status", "--control-dir", str(at_limit), "--process", str(served.pid),
+                       str(served.pid), "--json"], env)  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        served.close_clean()
+        refused.close_clean()
+    finally:
+        shutil.rmtree(base)
