@@ -20,6 +20,7 @@
 #include "shim.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -649,6 +650,49 @@ void control_set_heal(int (*heal)(int fd))
     endpoint_heal = heal;
 }
 
+/* A descriptor kept in reserve by the listener thread: out of descriptors,
+ * it is given up for one accept, so that the coordinator hears why at once
+ * instead of waiting for a reply that cannot come. */
+static int reserve_fd = -1;
+static struct reply out_of_fds; /* the listener thread's own */
+
+static void answer_out_of_fds(int lfd, int err)
+{
+    struct cuip_header q;
+    struct ucred cr;
+    socklen_t cl = sizeof cr;
+    uint64_t deadline;
+    int s;
+
+    if (reserve_fd < 0) {
+        usleep(10000); /* nothing to give up: the queued request waits */
+        return;
+    }
+    close(reserve_fd);
+    reserve_fd = -1;
+    s = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+    if (s >= 0) {
+        deadline = shim_now_ns() + 1000000000ull; /* the listener waits at most this */
+        if (getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cr, &cl) == 0 && shim_trusted_uid(cr.uid) &&
+            io_read_all(s, &q, sizeof q, deadline, NULL) == 0) {
+            reply_init(&out_of_fds, q.op);
+            reply_msg(&out_of_fds, CUIP_STATUS_REFUSED,
+                      "%s refused: this process is out of file descriptors (%s); nothing "
+                      "was done", op_name(q.op),
+                      err == EMFILE ? "EMFILE: its RLIMIT_NOFILE is reached"
+                                    : "ENFILE: the system's file table is full");
+            pthread_mutex_lock(&g.lock);
+            out_of_fds.h.phase = g.phase;
+            pthread_mutex_unlock(&g.lock);
+            reply_send(s, &out_of_fds, deadline);
+        }
+        close(s);
+    }
+    shim_log(LOG_ERROR, "out of file descriptors (%s): a control request was refused",
+             strerror(err));
+    reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+}
+
 /* One connection to its own thread; false when the listener must stop. */
 static bool accept_one(int lfd)
 {
@@ -659,7 +703,11 @@ static bool accept_one(int lfd)
     if (s < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED)
             return true;
-        if (errno == EMFILE || errno == ENFILE || errno == ENOMEM || errno == ENOBUFS) {
+        if (errno == EMFILE || errno == ENFILE) {
+            answer_out_of_fds(lfd, errno);
+            return true;
+        }
+        if (errno == ENOMEM || errno == ENOBUFS) {
             usleep(10000);
             return true;
         }
@@ -699,6 +747,8 @@ void *control_listen(void *arg)
     uint64_t next = shim_now_ns() + period;
 
     gate_set_watch(gate_watch);
+    if (reserve_fd < 0)
+        reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     for (;;) {
         struct pollfd p = {.fd = lfd, .events = POLLIN};
         int n = poll(&p, 1, CONTROL_HEAL_MS);
@@ -724,4 +774,7 @@ void *control_listen(void *arg)
 void control_after_fork(void)
 {
     connections = 0;
+    if (reserve_fd >= 0)
+        close(reserve_fd); /* the parent's listener's; the child's opens its own */
+    reserve_fd = -1;
 }

@@ -262,3 +262,41 @@ def test_the_control_path_limit_is_the_same_for_launch_the_shim_and_the_coordina
         refused.close_clean()
     finally:
         shutil.rmtree(base)
+
+
+# -- a shim out of file descriptors ----------------------------------------------------------
+
+FILL_FDS = """
+import resource
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 32, hard))
+FILLED = []
+try:
+    while True:
+        FILLED.append(os.open('/dev/null', os.O_RDONLY))
+except OSError:
+    pass
+result = len(FILLED)
+"""
+FREE_FDS = """
+for fd in FILLED:
+    os.close(fd)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+result = len(FILLED)
+"""
+
+
+def test_a_shim_out_of_file_descriptors_is_named_at_once(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
+) -> None:
+    pair = share(spawn, shim_env, SEED)
+    assert pair.importer(FILL_FDS) > 0
+    run = cli("prepare", pair.pids, control_dir, tmp_path, timeout_s=60)
+    assert run.returncode == 1, run.stderr
+    assert "out of file descriptors (EMFILE" in run.stderr, run.stderr
+    assert str(pair.importer.pid) in run.stderr
+    assert run.seconds < 30, run.seconds  # named at once, not after the phase timeout
+    pair.importer(FREE_FDS)
+    assert cli("prepare", pair.pids, control_dir, tmp_path).returncode == 0
+    assert cli("restore", pair.pids, control_dir, tmp_path).returncode == 0
+    running_as_before(pair, write_seed=SEED + 5)
