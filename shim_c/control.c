@@ -387,15 +387,24 @@ static void lease_take(const uint8_t token[CUIP_AUTH_LEN], pid_t pid, uint64_t n
     g.lease.last_ns = now;
 }
 
+/* Under g.lock. In PREPARED, a holder that sent nothing for
+ * SNAPSHOT_LEASE_IDLE_S has let its lease lapse, alive or not: a process that
+ * took the free lease of a PREPARED group with one HANDSHAKE does not keep it
+ * for as long as it lives (a restore's run sends something at every phase,
+ * and no op of this shim runs then). */
 static bool lease_holder_gone(const struct shim_lease *l, uint64_t now)
 {
+    uint64_t idle = (uint64_t)shim_settings()->lease_idle_ms * 1000000ull;
+
+    if (g.phase == CUIP_PHASE_PREPARED && !g.busy && now - l->last_ns > idle)
+        return true;
     if (l->pidfd >= 0) {
         struct pollfd p = {.fd = l->pidfd, .events = POLLIN};
         return poll(&p, 1, 0) == 1; /* readable once the process has exited */
     }
     if (l->pid > 0)
         return kill(l->pid, 0) != 0 && errno == ESRCH;
-    return now - l->last_ns > (uint64_t)shim_settings()->lease_idle_ms * 1000000ull;
+    return now - l->last_ns > idle; /* not visible here: its silence ends it */
 }
 
 /* Under g.lock: the gate is closed and nothing is torn down (QUIESCED, or
@@ -489,8 +498,8 @@ static bool lease_admit(const struct cuip_header *q, pid_t peer, struct reply *r
     bool mine;
 
     if (g.lease.held && lease_holder_gone(&g.lease, now)) {
-        shim_log(LOG_WARN, "coordinator lease of pid %d is free: its holder is gone",
-                 (int)g.lease.pid);
+        shim_log(LOG_WARN, "coordinator lease of pid %d is free: its holder is gone or "
+                 "sent nothing for SNAPSHOT_LEASE_IDLE_S", (int)g.lease.pid);
         lease_drop();
     }
     mine = g.lease.held && token && shim_ct_equal(g.lease.token, q->authorization, CUIP_AUTH_LEN);

@@ -9,6 +9,7 @@ its gate holds, a process's exit.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -300,3 +301,30 @@ def test_a_shim_out_of_file_descriptors_is_named_at_once(
     assert cli("prepare", pair.pids, control_dir, tmp_path).returncode == 0
     assert cli("restore", pair.pids, control_dir, tmp_path).returncode == 0
     running_as_before(pair, write_seed=SEED + 5)
+
+
+# -- a lease that lapses ---------------------------------------------------------------------
+
+
+def test_a_lease_taken_on_a_prepared_group_lapses_when_its_holder_is_silent(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
+) -> None:
+    pair = share(spawn, {**shim_env, "SNAPSHOT_LEASE_IDLE_S": "5"}, SEED)
+    assert cli("prepare", pair.pids, control_dir, tmp_path).returncode == 0
+    # This test's process takes the free lease with one HANDSHAKE, and lives on.
+    path = shimenv.socket_path(control_dir, pair.creator.pid)
+    taken, _ = shimenv.request(path, wire.Request(wire.Op.HANDSHAKE, authorization=os.urandom(16)))
+    assert taken.status is wire.Status.OK
+    refused = cli("restore", pair.pids, control_dir, tmp_path)
+    assert refused.returncode == 1, refused.stderr
+    assert f"another coordinator holds this process (pid {os.getpid()}" in refused.stderr
+    # Silent for SNAPSHOT_LEASE_IDLE_S while PREPARED: the lease lapses, a restore goes on.
+    outcomes: list[int] = []
+
+    def restored() -> bool:
+        outcomes.append(cli("restore", pair.pids, control_dir, tmp_path).returncode)
+        return outcomes[-1] == 0
+
+    wait_until(restored, "the lease lapses")
+    assert set(outcomes) <= {0, 1}, outcomes  # refused, never failed half way
+    running_as_before(pair, write_seed=SEED + 6)
