@@ -59,6 +59,7 @@ class RecoveryReport:
         lines.append(f"recover: {self.action}")
         if isinstance(self.result, RollbackResult):
             lines += [f"left out (gone) {g}" for g in self.result.gone]
+            lines += [f"lost {line}" for line in self.result.lost]
         lines += list(self.left_out)
         return tuple(lines)
 

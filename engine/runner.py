@@ -90,6 +90,7 @@ class RollbackResult:
     gone: tuple[Problem, ...]  # participants whose process was not there any more
     phases: tuple[PhaseEvent, ...]
     elapsed_s: float
+    lost: tuple[str, ...] = ()  # shared ranges whose creator died with their bytes
 
 
 def capture(
@@ -147,7 +148,9 @@ def rollback(
     run = loop.run
     assert run.topology is not None
     clear_intent(run.checkpoint_dir)
-    return RollbackResult(run.topology, run.gone, tuple(run.events), loop.elapsed())
+    return RollbackResult(
+        run.topology, run.gone, tuple(run.events), loop.elapsed(), tuple(run.lost)
+    )
 
 
 def _execute(loop: _Loop) -> None:
@@ -189,6 +192,7 @@ def _roll_back_after(loop: _Loop, error: CoordinatorError) -> None:
         inner.execute()
         clear_intent(loop.run.checkpoint_dir)
         error.rolled_back = True
+        error.rollback_lost = tuple(inner.run.lost)
     except CoordinatorError as failed:
         error.rollback_error = failed
 

@@ -73,6 +73,8 @@ class Run:
     record: dict[str, Any] = attrs.Factory(dict)
     # Participants whose process was gone at HANDSHAKE (machines that drop them).
     gone: tuple[Problem, ...] = ()
+    # What a rollback could not bring back, as the shims named it (ROLLBACK_IMPORTS).
+    lost: list[str] = attrs.Factory(list)
     intent_path: Path | None = None
     # The run's lease token, carried by every request: each shim serves one
     # coordinator at a time (specs/recovery.md). A rollback after a failure
@@ -227,6 +229,12 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
         if problems:
             raise PhaseFailed(run.spec.name, op.name, problems)
     run.replies = tuple(r for r in results if isinstance(r, Reply))
+    if op is Op.ROLLBACK_IMPORTS:
+        run.lost += [
+            f"participant {r.participant} (pid {r.pid}): {r.message}"
+            for r in run.replies
+            if r.message
+        ]
     if op is Op.INSPECT:
         run.topology = Topology.from_inspect((r.participant, r.pid, r.records) for r in run.replies)
     transfer = None

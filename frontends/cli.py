@@ -522,7 +522,11 @@ def _failure(error: CoordinatorError, args: argparse.Namespace, stderr: TextIO) 
         _fail(lines, stderr)
         return EXIT_FAILED
     if error.rolled_back:
-        lines.append("rolled back: every process is running as before the run")
+        if error.rollback_lost:
+            lines += [f"lost: {line}" for line in error.rollback_lost]
+            lines.append("rolled back: every surviving process runs, without what is lost")
+        else:
+            lines.append("rolled back: every process is running as before the run")
         _fail(lines, stderr)
         return EXIT_ROLLED_BACK
     if error.rollback_error is not None:

@@ -18,7 +18,15 @@ from pathlib import Path
 
 import pytest
 from cuinterpose.demo import coordinator_env, pattern_digest
-from cuinterpose.engine import wire
+from cuinterpose.engine import (
+    Options,
+    PhaseEvent,
+    PhaseFailed,
+    capture,
+    endpoint_for,
+    restore,
+    wire,
+)
 
 from tests.shim import shimenv
 from tests.shim.pair import Pair, running_as_before, share
@@ -328,3 +336,40 @@ def test_a_lease_taken_on_a_prepared_group_lapses_when_its_holder_is_silent(
     wait_until(restored, "the lease lapses")
     assert set(outcomes) <= {0, 1}, outcomes  # refused, never failed half way
     running_as_before(pair, write_seed=SEED + 6)
+
+
+# -- a creator lost mid-restore --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("phase", ["LOAD_ALLOCATIONS", "INSPECT"])
+def test_a_creator_lost_mid_restore_leaves_its_importer_running_with_its_own_memory(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path, phase: str
+) -> None:
+    pair = share(spawn, shim_env, SEED)
+    importer = pair.importer
+    own_handle, own_va = importer.create_mapped(pair.size, seed=SEED + 9)  # private memory
+    endpoints = [endpoint_for(w.pid, w.pid, control_dir=control_dir) for w in
+                 (pair.creator, importer)]  # fmt: skip
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    capture(endpoints, ckpt, Options(60.0))
+    creator = pair.creator
+
+    def on_progress(event: object) -> None:
+        done = isinstance(event, PhaseEvent) and (event.machine, event.phase) == ("restore", phase)
+        if done and not creator.closed:
+            creator.kill()
+
+    with pytest.raises(PhaseFailed) as caught:
+        restore(endpoints, ckpt, Options(60.0, on_progress=on_progress))
+    error = caught.value
+    assert str(creator.pid) in str(error)
+    assert error.rolled_back, error.rollback_error
+    # The importer runs: ACTIVE, its gate open, its own bytes there, and the range it
+    # imported from the dead creator named as lost.
+    assert any("lost (creator gone)" in line and f"0x{pair.importer_va:x}" in line
+               for line in error.rollback_lost), error.rollback_lost  # fmt: skip
+    assert _held(control_dir, importer.pid) == ""
+    assert importer.digest(own_va, pair.size) == pattern_digest(SEED + 9, pair.size)
+    assert_still_active(importer, own_handle, own_va, pair.size, SEED + 9)
+    importer.close_clean()
