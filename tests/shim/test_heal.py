@@ -191,7 +191,7 @@ def test_a_peer_import_right_after_the_creator_s_socket_was_removed_succeeds(
     creator = spawn("creator", shim_env)
     importer = spawn("importer", shim_env)
     size = 2 * int(creator.check("granularity")["granularity"])
-    handle, va = creator.create_mapped(size, seed=SEED)
+    handle, _ = creator.create_mapped(size, seed=SEED)
     fd = int(creator.check("export", handle=handle)["fd"])
     theirs = creator.send_fd_to(importer, fd, close=True)
     (control_dir / socket_name(creator.pid)).unlink()
