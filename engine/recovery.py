@@ -22,6 +22,7 @@ import attrs
 
 from .client import Endpoint, ParticipantError
 from .directory import INTENT_FILE_NAME, clear_intent
+from .native import NativeBackend, ProcessState, state_names
 from .options import Options
 from .runner import RestoreResult, RollbackResult, restore, rollback
 from .statefile import STATE_FILE_NAME, StateFileError, read_state
@@ -73,6 +74,20 @@ def native_check_refusal(command: str, why: object) -> tuple[str, ...]:
         "nothing was changed",
         "load the driver the processes run on (LD_LIBRARY_PATH), or pass --skip-native-check "
         "if you know every process is natively RUNNING",
+    )
+
+
+def native_blockers(native: NativeBackend, endpoints: Sequence[Endpoint]) -> tuple[str, ...]:
+    """The processes ``recover`` must not touch: natively LOCKED or CHECKPOINTED (a
+    restore or rollback would wedge them). Gone or unknown ones are left to the survey.
+    Raises NativeUnavailableError when no driver can say."""
+    states = state_names(native, [e.observed_pid for e in endpoints])
+    held = (ProcessState.LOCKED.name, ProcessState.CHECKPOINTED.name)
+    return tuple(
+        f"{e.describe()} is natively {states[e.observed_pid]}: run the native restore and "
+        "unlock (or `cuinterpose resume`) first"
+        for e in endpoints
+        if states[e.observed_pid] in held
     )
 
 

@@ -32,7 +32,7 @@ from .engine.errors import CoordinatorError
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
 from .engine.native import CudaBackend, NativeBackend, NativeUnavailableError, ProcessState
 from .engine.progress import Event, FailedEvent, ProgressCallback, human_line, json_printer
-from .engine.recovery import native_check_refusal, recover
+from .engine.recovery import native_blockers, native_check_refusal, recover
 from .engine.replay import replay
 from .engine.topology import describe_record
 from .engine.trace import TraceError, TraceWriter, read_trace
@@ -180,16 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     restore_cmd = sub("restore", "run the restore machine against the state file")
     _add_machine_options(restore_cmd)
-    for checked in (prepare, restore_cmd):
+    recover_cmd = sub("recover", "bring the group back to running from wherever a run left it")
+    _add_machine_options(recover_cmd)
+    for checked in (prepare, restore_cmd, recover_cmd):
         checked.add_argument(
             "--skip-native-check",
             action="store_true",
             help="go on when no CUDA driver can be loaded to check that every process is "
             "natively RUNNING (for those who know it is)",
         )
-    _add_machine_options(
-        sub("recover", "bring the group back to running from wherever a run left it")
-    )
     suspend = sub("suspend", "capture, then natively lock and checkpoint every process")
     _add_agent_options(suspend)
     suspend.add_argument(
@@ -311,10 +310,13 @@ def _run_machine(
             writer = TraceWriter(args.trace)
         except OSError as exc:
             raise _UsageError(f"{PROG}: error: cannot write trace {args.trace}: {exc}") from None
-    if spec is not None:
-        refusal = _native_check(spec, args, endpoints, stderr)
-        if refusal is not None:
-            return refusal
+    refusal = (
+        _native_check(spec, args, endpoints, stderr)
+        if spec is not None
+        else _recover_native_check(args, endpoints, stderr)
+    )
+    if refusal is not None:
+        return refusal
     stop = threading.Event()
     options = runner.Options(
         phase_timeout=timeout,
@@ -370,6 +372,23 @@ def _native_check(
                      f"{exc}\n")  # fmt: skip
     except agent.StateRefused as refused:
         return _fail(refused.lines(), stderr)
+    return None
+
+
+def _recover_native_check(
+    args: argparse.Namespace, endpoints: Sequence[Endpoint], stderr: TextIO
+) -> int | None:
+    """recover refuses a process natively LOCKED or CHECKPOINTED, and fails closed."""
+    try:
+        blockers = native_blockers(_native_backend(), endpoints)
+    except NativeUnavailableError as exc:
+        if not args.skip_native_check:
+            return _fail(native_check_refusal("recover", exc), stderr)
+        stderr.write(f"{PROG}: note: the native state was not checked (--skip-native-check): "
+                     f"{exc}\n")  # fmt: skip
+        return None
+    if blockers:
+        return _fail(["recover refused: nothing was changed", *blockers], stderr)
     return None
 
 

@@ -373,3 +373,30 @@ def test_a_creator_lost_mid_restore_leaves_its_importer_running_with_its_own_mem
     assert importer.digest(own_va, pair.size) == pattern_digest(SEED + 9, pair.size)
     assert_still_active(importer, own_handle, own_va, pair.size, SEED + 9)
     importer.close_clean()
+
+
+def test_recover_refuses_a_natively_checkpointed_group_and_fails_closed(
+    spawn: Spawn,
+    shim_env: dict[str, str],
+    plain_env: dict[str, str],
+    control_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """A restore or rollback of a process whose CUDA state is natively checkpointed
+    would wedge it: recover refuses, naming it, and refuses when it cannot tell."""
+    pair = share(spawn, shim_env, SEED)
+    ckpt = tmp_path / "checkpoint"
+    common = ["--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir), *_processes(pair)]
+    assert run_cli(["suspend", *common], plain_env).returncode == 0
+    refused = run_cli(["recover", *common, "--progress", "none"], plain_env)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert f"pid {pair.creator.pid} (ns pid {pair.creator.pid})" in refused.stderr
+    assert "is natively CHECKPOINTED" in refused.stderr, refused.stderr
+    blind = run_cli(["recover", *common, "--progress", "none"], _no_driver_env())
+    assert blind.returncode == 1 and "recover refused: the native state" in blind.stderr
+    assert _phases(pair, control_dir, plain_env) == {
+        pair.creator.pid: "PREPARED",
+        pair.importer.pid: "PREPARED",
+    }
+    assert run_cli(["resume", *common], plain_env).returncode == 0
+    running_as_before(pair, write_seed=SEED + 8)
