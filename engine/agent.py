@@ -179,6 +179,22 @@ def _socket_evidence(path: Path) -> Literal["socket", "absent", "other"]:
     return "socket" if stat.S_ISSOCK(info.st_mode) else "other"
 
 
+# A live shim re-creates a removed socket within its heal period (specs/protocol.md).
+_HEAL_WAIT_S: Final = 1.0
+
+
+def _healed_evidence(endpoint: Endpoint) -> Literal["socket", "absent", "other"]:
+    """An absent socket of a live process, looked at again while its shim may heal it."""
+    if not pid_visible(endpoint.observed_pid):
+        return "absent"
+    deadline = time.monotonic() + _HEAL_WAIT_S
+    evidence = _socket_evidence(endpoint.path)
+    while evidence == "absent" and time.monotonic() < deadline:
+        time.sleep(0.01)
+        evidence = _socket_evidence(endpoint.path)
+    return evidence
+
+
 def detect(
     requested: bool, processes: Sequence[Process | tuple[int, int]], where: Where
 ) -> Detection:
@@ -193,6 +209,8 @@ def detect(
     problems: list[str] = []
     for process, endpoint in zip(group, endpoints, strict=True):
         evidence = _socket_evidence(endpoint.path)
+        if requested and evidence == "absent":
+            evidence = _healed_evidence(endpoint)
         if evidence == "other":
             problems.append(f"{process.describe()}: {endpoint.path} is not a socket")
         elif requested and evidence == "absent":

@@ -200,3 +200,19 @@ def test_a_peer_import_right_after_the_creator_s_socket_was_removed_succeeds(
     assert importer.digest(importer_va, size) == pattern_digest(SEED, size)
     creator.close_clean()
     importer.close_clean()
+
+
+def test_a_suspend_right_after_the_removal_detects_the_shims(
+    spawn: Spawn,
+    shim_env: dict[str, str],
+    plain_env: dict[str, str],
+    control_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """Detection looks again at a live process's missing socket while its shim heals it."""
+    pair = share(spawn, shim_env, SEED)
+    ckpt = tmp_path / "ckpt"
+    _remove(control_dir, pair)
+    _verb("suspend", pair, control_dir, ckpt, plain_env)
+    _verb("resume", pair, control_dir, ckpt, plain_env)
+    running_as_before(pair, write_seed=SEED + 4)
