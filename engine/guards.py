@@ -109,7 +109,8 @@ def participants_match_state(run: Run) -> list[Problem]:
     answering = {b.participant for b in run.bound}
     problems = [
         Problem(
-            f"is in the state file but no given process answers as it (pid {pid} at capture)",
+            f"is in the state file but no given process answers as it (pid {pid} at capture); "
+            "if it is gone, `cuinterpose recover` brings the survivors back",
             participant,
         )
         for participant, pid in sorted(recorded.items())

@@ -167,6 +167,9 @@ def test_an_importer_dead_between_prepare_and_restore_leaves_a_way_back(
     assert f"pid {dead} (ns pid {dead}) is gone" in refused.stderr, refused.stderr
     assert "cuinterpose recover" in refused.stderr, refused.stderr
     pids = pair.pids if named == "everyone" else [pair.creator.pid]
+    if named == "survivor":  # the restore of the survivor alone names the way back too
+        alone = cli("restore", pids, control_dir, tmp_path)
+        assert alone.returncode == 1 and "cuinterpose recover" in alone.stderr, alone.stderr
     recovered = _recover_cli(pids, control_dir, tmp_path)
     assert recovered.returncode == 0, recovered.stdout + recovered.stderr
     assert "recover: rolled back" in recovered.stdout, recovered.stdout
