@@ -40,7 +40,8 @@ from typing import Any, Final, Literal
 
 import attrs
 
-from .client import Endpoint, ParticipantError, call_all, endpoint_for
+from .client import Endpoint, ParticipantError, call_all, endpoint_for, pid_visible
+from .directory import checkpoint_dir_problem
 from .errors import CoordinatorError, PhaseFailed, not_quiet
 from .native import (
     DEFAULT_LOCK_TIMEOUT_MS,
@@ -148,7 +149,15 @@ class SuspendFailed(AgentError):
 
 
 class ResumeFailed(AgentError):
-    """A resume failed; every process's native state and shim phase are in the lines."""
+    """A resume failed; every process's native state and shim phase are in the lines.
+
+    ``running`` says whether the group runs with its bytes (a coordinator restore
+    rolled back); otherwise a native step ran, and ``cuinterpose recover`` (or
+    ``restore``) is the way on."""
+
+    def __init__(self, what: str, lines: Sequence[str], *, running: bool) -> None:
+        super().__init__(what, lines, changed=True)
+        self.running = running
 
 
 # --------------------------------------------------------------- detection
@@ -170,6 +179,22 @@ def _socket_evidence(path: Path) -> Literal["socket", "absent", "other"]:
     return "socket" if stat.S_ISSOCK(info.st_mode) else "other"
 
 
+# A live shim re-creates a removed socket within its heal period (specs/protocol.md).
+_HEAL_WAIT_S: Final = 1.0
+
+
+def _healed_evidence(endpoint: Endpoint) -> Literal["socket", "absent", "other"]:
+    """An absent socket of a live process, looked at again while its shim may heal it."""
+    if not pid_visible(endpoint.observed_pid):
+        return "absent"
+    deadline = time.monotonic() + _HEAL_WAIT_S
+    evidence = _socket_evidence(endpoint.path)
+    while evidence == "absent" and time.monotonic() < deadline:
+        time.sleep(0.01)
+        evidence = _socket_evidence(endpoint.path)
+    return evidence
+
+
 def detect(
     requested: bool, processes: Sequence[Process | tuple[int, int]], where: Where
 ) -> Detection:
@@ -184,6 +209,8 @@ def detect(
     problems: list[str] = []
     for process, endpoint in zip(group, endpoints, strict=True):
         evidence = _socket_evidence(endpoint.path)
+        if requested and evidence == "absent":
+            evidence = _healed_evidence(endpoint)
         if evidence == "other":
             problems.append(f"{process.describe()}: {endpoint.path} is not a socket")
         elif requested and evidence == "absent":
@@ -609,11 +636,26 @@ def require_states(
     the message names each other one and says what to run."""
     group = _processes(processes)
     states = state_names(native, [p.observed_pid for p in group])
-    wrong = [
-        f"{p.describe()} is {states[p.observed_pid]}, not {wanted.name}"
-        for p in group
-        if states[p.observed_pid] != wanted.name
+    odd = [p for p in group if states[p.observed_pid] != wanted.name]
+    # The driver could not say (a state it names is a live process's), and no process
+    # has the pid: it is gone, which the driver's error does not say.
+    gone = [
+        p
+        for p in odd
+        if states[p.observed_pid] not in ProcessState.__members__
+        and not pid_visible(p.observed_pid)
     ]
+    wrong = [
+        f"{p.describe()} is gone (no process has pid {p.observed_pid})"
+        if p in gone
+        else f"{p.describe()} is {states[p.observed_pid]}, not {wanted.name}"
+        for p in odd
+    ]
+    if gone:
+        wrong.append(
+            "a process that is gone cannot take part: `cuinterpose recover` brings the "
+            "survivors back (specs/recovery.md)"
+        )
     if wrong:
         raise StateRefused(f"{command} refused: {hint}", wrong)
 
@@ -626,6 +668,12 @@ class SuspendResult:
     timings: tuple[Timing, ...]
     # What the shims staged and left to the native checkpoint (None: nothing staged).
     staging: StagingSummary | None = None
+
+
+def _trusted_directory(command: str, directory: Path) -> None:
+    problem = checkpoint_dir_problem(directory)
+    if problem is not None:
+        raise AgentError(f"{command} refused:", [problem, "nothing was changed"])
 
 
 def _participant_ids(endpoints: Sequence[Endpoint], timeout: float) -> tuple[str, ...]:
@@ -668,6 +716,7 @@ def suspend(
     report = _Reporter(on_event, logger or logging.getLogger(LOGGER_NAME))
     options = options or Options()
     pids = [p.observed_pid for p in group]
+    _trusted_directory("suspend", directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -839,6 +888,8 @@ class ResumeResult:
     timings: tuple[Timing, ...]
     # What the shims loaded (None: nothing).
     staging: StagingSummary | None = None
+    # Late steps that did not go through after the group ran (the directory is usable).
+    warnings: tuple[str, ...] = ()
 
 
 def resume(
@@ -866,6 +917,7 @@ def resume(
     directory = Path(checkpoint_dir)
     report = _Reporter(on_event, logger or logging.getLogger(LOGGER_NAME))
     options = options or Options()
+    _trusted_directory("resume", directory)
     manifest = read_manifest(directory)
     if manifest.resumed_at:
         raise ManifestError(
@@ -901,12 +953,38 @@ def resume(
                 staging = StagingSummary.from_phases(result.phases)
     except (NativeGroupError, CoordinatorError) as failure:
         lines = list(failure.lines())
-        if isinstance(failure, CoordinatorError) and failure.rolled_back:
+        running = isinstance(failure, CoordinatorError) and failure.rolled_back
+        if running:
             lines.append("rolled back: every process runs with the bytes it had at suspend")
+        else:
+            lines.append(
+                "the native restore ran: the group is not as it was suspended, nor running "
+                "with its bytes"
+            )
         lines += [f"now {line}" for line in _status_lines(group, where, native)]
-        raise ResumeFailed("resume failed:", lines, changed=True) from failure
-    write_manifest(directory, attrs.evolve(manifest, resumed_at=utc_timestamp()))
-    return ResumeResult(manifest, coordinate, tuple(report.timings), staging)
+        raise ResumeFailed("resume failed:", lines, running=running) from failure
+    warnings = (*(result.warnings if coordinate else ()), *_mark_resumed(directory, manifest))
+    return ResumeResult(manifest, coordinate, tuple(report.timings), staging, warnings)
+
+
+def _mark_resumed(directory: Path, manifest: Manifest) -> tuple[str, ...]:
+    """Record the resume in the manifest, or, when it cannot be written, remove the
+    manifest, so that the directory takes a new suspend either way. Never raises: the
+    group runs already."""
+    try:
+        write_manifest(directory, attrs.evolve(manifest, resumed_at=utc_timestamp()))
+        return ()
+    except StateFileError as exc:
+        problem = str(exc)
+    path = directory / MANIFEST_FILE_NAME
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        return (
+            f"the group runs, but {problem}, and {path} could not be removed either "
+            f"({exc.strerror}): suspend into another directory next time",
+        )
+    return (f"the group runs, but {problem}; {path} was removed instead",)
 
 
 __all__ = [

@@ -37,6 +37,7 @@ from typing import Final
 import attrs
 
 from .wire import (
+    CONTROL_DIR_MAX,
     HEADER_SIZE,
     RECORD_SIZE,
     Header,
@@ -98,6 +99,19 @@ def control_dir_problem(path: Path, own_uid: int | None = None) -> str | None:
     return f"control directory {path} {why} (uid {st.st_uid}, mode {mode:04o}): not trusted"
 
 
+def control_dir_length_problem(control_dir: Path) -> str | None:
+    """Why the shim would refuse ``control_dir`` for its length, or None (protocol.h's
+    CUIP_CONTROL_DIR_MAX: room for the socket names it binds in it)."""
+    size = len(os.fsencode(str(control_dir)))
+    if size <= CONTROL_DIR_MAX:
+        return None
+    return (
+        f"control directory {control_dir} is {size} bytes long, over the {CONTROL_DIR_MAX} "
+        "a shim accepts (a socket path is at most 107 bytes, and the names bound in the "
+        "directory take up to 37): choose a shorter one"
+    )
+
+
 def _positive_pid(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
@@ -132,6 +146,9 @@ def endpoint_for(
     _positive_pid(None, attrs.fields(Endpoint).observed_pid, observed_pid)
     _positive_pid(None, attrs.fields(Endpoint).namespace_pid, namespace_pid)
     control_dir = Path(control_dir)
+    too_long = control_dir_length_problem(control_dir)
+    if too_long is not None:
+        raise ValueError(too_long)
     name = socket_name(namespace_pid)
     if proc_root is None:
         return Endpoint(observed_pid, namespace_pid, control_dir / name)
@@ -395,7 +412,7 @@ class _Exchange:
         endpoint's pid here (then it is gone, and waiting would change nothing)."""
         now = time.monotonic()
         if self.heal_since is None:
-            if not _pid_visible(self.endpoint.observed_pid):
+            if not pid_visible(self.endpoint.observed_pid):
                 return False
             self.heal_since = now
         if now - self.heal_since >= _HEAL_WAIT_S:
@@ -555,7 +572,7 @@ def _server_problem(sock: socket.socket) -> str | None:
     return f"the control socket is served by pid {pid} of uid {uid}, not root nor uid {own}"
 
 
-def _pid_visible(pid: int) -> bool:
+def pid_visible(pid: int) -> bool:
     """Whether some process has ``pid`` in the coordinator's pid namespace."""
     try:
         os.kill(pid, 0)

@@ -12,7 +12,8 @@ Besides the state file, a directory holds:
   file it restored (its ``created_at``), so that a capture refuses to overwrite
   a capture nobody has restored yet unless told to replace it.
 
-Every file is opened without following links, and must be a regular file.
+Every file is opened without following links, and must be a regular file; the
+directory itself must be trusted (:func:`checkpoint_dir_problem`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import errno
 import fcntl
 import json
 import os
+import pwd
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +50,50 @@ class DirectoryBusy(Exception):
     """Another coordinator holds the checkpoint directory."""
 
 
+class DirectoryUntrusted(DirectoryBusy):
+    """The checkpoint directory is not one to trust: nothing is read or written there."""
+
+
+def _owner(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def checkpoint_dir_problem(directory: Path, own_uid: int | None = None) -> str | None:
+    """Why the checkpoint directory cannot be trusted, or None (also when it is missing).
+
+    As for the control directory: not a symbolic link (it is never followed), a real
+    directory, owned by the caller (``own_uid``, default ours) or root, writable by
+    nobody else (a sticky parent such as /tmp is fine for its parent, not for the
+    directory itself). Otherwise its owner, or whoever may write it, could plant or
+    swap the state file between a prepare and its restore."""
+    own = os.getuid() if own_uid is None else own_uid
+    path = Path(directory)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"checkpoint directory {path}: {exc.strerror}"
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        why = "is a symbolic link (never followed)"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "is not a directory"
+    elif st.st_uid not in (0, own):
+        why = f"is owned by {_owner(st.st_uid)}, not by root nor {_owner(own)}"
+    elif mode & (stat.S_IWGRP | stat.S_IWOTH):
+        why = "is writable by group or others"
+    else:
+        return None
+    return (
+        f"checkpoint directory {path} {why} (owner {_owner(st.st_uid)}, mode {mode:04o}): "
+        "not trusted; use a directory of your own, mode 0700 or 0755"
+    )
+
+
 def _holder(fd: int) -> str:
     try:
         text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
@@ -63,6 +109,9 @@ def locked(directory: Path) -> Iterator[None]:
     The lock dies with its holder, so a killed coordinator leaves nothing to clean up.
     """
     path = Path(directory) / LOCK_FILE_NAME
+    problem = checkpoint_dir_problem(Path(directory))
+    if problem is not None:
+        raise DirectoryUntrusted(problem)
     if not Path(directory).is_dir():
         yield  # nothing there to protect; the machine's own checks say what is missing
         return
@@ -128,15 +177,55 @@ def promote_intent(directory: Path) -> Path:
     return target
 
 
-def clear_intent(directory: Path) -> None:
-    (Path(directory) / INTENT_FILE_NAME).unlink(missing_ok=True)
-    fsync_directory(directory)
+def clear_intent(directory: Path) -> str | None:
+    """Remove the intent once the group is back; None, or why it could not be.
+
+    Never raises: it runs after the work is done, and an intent left behind only
+    makes the next ``prepare`` ask for ``recover``, which finds the group ACTIVE
+    and removes it."""
+    path = Path(directory) / INTENT_FILE_NAME
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        return f"{path} could not be removed ({exc.strerror}): run `cuinterpose recover` once"
+    with contextlib.suppress(OSError):  # removed; only its durability is unsure
+        fsync_directory(directory)
+    return None
 
 
 def mark_restored(directory: Path, state: CheckpointState) -> None:
     """Record that the state file of ``state`` was restored (atomically, durably)."""
     body = json.dumps({"state_created_at": state.created_at, "restored_at": utc_timestamp()})
     write_atomically(Path(directory), RESTORED_FILE_NAME, body.encode() + b"\n")
+
+
+def finish_restore(directory: Path, state: CheckpointState) -> tuple[str, ...]:
+    """After a restore: record it, or when that cannot be written (a full disk, a file
+    size limit), retire the state file instead, so that the directory takes a new
+    capture either way. Never raises (the group runs already): what went wrong, if
+    anything, one line each."""
+    directory = Path(directory)
+    try:
+        mark_restored(directory, state)
+        return ()
+    except StateFileError as exc:
+        if (directory / RESTORED_FILE_NAME).is_file() and exc.problem.startswith("written, but"):
+            return (f"the group runs; {exc}",)
+        problem = str(exc)
+    target = directory / STATE_FILE_NAME
+    try:
+        target.unlink(missing_ok=True)
+    except OSError as exc:
+        return (
+            f"the group runs, but {problem}, and {target} could not be removed either "
+            f"({exc.strerror}): the next prepare into {directory} needs --replace",
+        )
+    with contextlib.suppress(OSError):
+        fsync_directory(directory)
+    return (
+        f"the group runs, but {problem}; {target} (restored) was removed instead, so "
+        f"{directory} takes a new prepare",
+    )
 
 
 def _restored_created_at(directory: Path) -> str | None:

@@ -47,6 +47,8 @@ class CoordinatorError(Exception):
     destroyed: bool = False
     rolled_back: bool = False
     rollback_error: CoordinatorError | None = None
+    # Rolled back, but these could not come back (a creator died with the bytes).
+    rollback_lost: tuple[str, ...] = ()
 
     def __init__(self, machine: str, phase: str, problems: Sequence[Problem]) -> None:
         if not problems:

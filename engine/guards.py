@@ -98,6 +98,8 @@ def all_can_roll_back(run: Run) -> list[Problem]:
 def topology_matches_record(run: Run) -> list[Problem]:
     if run.captured is None or run.gone:
         return []  # nothing recorded, or survivors only: nothing whole to compare with
+    if not set(run.captured.participant_ids) <= {b.participant for b in run.bound}:
+        return []  # a recorded participant not given (it died): survivors only
     return topology_matches_capture(run)
 
 
@@ -107,7 +109,8 @@ def participants_match_state(run: Run) -> list[Problem]:
     answering = {b.participant for b in run.bound}
     problems = [
         Problem(
-            f"is in the state file but no given process answers as it (pid {pid} at capture)",
+            f"is in the state file but no given process answers as it (pid {pid} at capture); "
+            "if it is gone, `cuinterpose recover` brings the survivors back",
             participant,
         )
         for participant, pid in sorted(recorded.items())

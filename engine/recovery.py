@@ -5,7 +5,8 @@ Every process is asked its phase (HANDSHAKE changes nothing). Then:
 - all ACTIVE and no interrupted capture recorded: nothing to do;
 - all PREPARED with a completed capture's state file and no interrupted capture:
   roll forward, a restore (the native checkpoint was undone already, or never
-  happened);
+  happened), when every participant of the state file answers; when one does not
+  (it died between prepare and restore), roll the survivors back, naming it;
 - anything else: roll back to ACTIVE with the staged bytes.
 
 Processes that are gone are left out and reported; the survivors are brought back.
@@ -21,9 +22,10 @@ import attrs
 
 from .client import Endpoint, ParticipantError
 from .directory import INTENT_FILE_NAME, clear_intent
+from .native import NativeBackend, ProcessState, state_names
 from .options import Options
 from .runner import RestoreResult, RollbackResult, restore, rollback
-from .statefile import STATE_FILE_NAME
+from .statefile import STATE_FILE_NAME, StateFileError, read_state
 from .steps import check_endpoints
 from .wire import Op, Phase, Reply, Request
 
@@ -51,13 +53,42 @@ class RecoveryReport:
     action: Action
     before: tuple[ProcessBefore, ...]
     result: RestoreResult | RollbackResult | None
+    left_out: tuple[str, ...] = ()  # the capture's participants not brought back
 
     def lines(self) -> tuple[str, ...]:
         lines = [f"found {p.describe()}" for p in self.before]
         lines.append(f"recover: {self.action}")
         if isinstance(self.result, RollbackResult):
             lines += [f"left out (gone) {g}" for g in self.result.gone]
+            lines += [f"lost {line}" for line in self.result.lost]
+        lines += list(self.left_out)
         return tuple(lines)
+
+
+def native_check_refusal(command: str, why: object) -> tuple[str, ...]:
+    """Why ``command`` refuses when no driver can tell it every process's native state:
+    a process still natively checkpointed would be wedged by it (fail closed)."""
+    return (
+        f"{command} refused: the native state of the processes cannot be checked: {why}",
+        "a process natively LOCKED or CHECKPOINTED would be left unreachable by this run; "
+        "nothing was changed",
+        "load the driver the processes run on (LD_LIBRARY_PATH), or pass --skip-native-check "
+        "if you know every process is natively RUNNING",
+    )
+
+
+def native_blockers(native: NativeBackend, endpoints: Sequence[Endpoint]) -> tuple[str, ...]:
+    """The processes ``recover`` must not touch: natively LOCKED or CHECKPOINTED (a
+    restore or rollback would wedge them). Gone or unknown ones are left to the survey.
+    Raises NativeUnavailableError when no driver can say."""
+    states = state_names(native, [e.observed_pid for e in endpoints])
+    held = (ProcessState.LOCKED.name, ProcessState.CHECKPOINTED.name)
+    return tuple(
+        f"{e.describe()} is natively {states[e.observed_pid]}: run the native restore and "
+        "unlock (or `cuinterpose resume`) first"
+        for e in endpoints
+        if states[e.observed_pid] in held
+    )
 
 
 def survey(endpoints: Sequence[Endpoint], options: Options) -> tuple[ProcessBefore, ...]:
@@ -90,5 +121,27 @@ def recover(
             clear_intent(directory)
         return RecoveryReport("nothing", before, None)
     if phases == {Phase.PREPARED} and not interrupted and (directory / STATE_FILE_NAME).exists():
-        return RecoveryReport("restored", before, restore(endpoints, directory, options))
+        missing = _not_answering(directory, before)
+        if not missing:
+            return RecoveryReport("restored", before, restore(endpoints, directory, options))
+        # A participant of the capture died (or is not given): the group cannot be
+        # restored as captured, and the survivors go back to ACTIVE with their bytes.
+        result = rollback(endpoints, directory, options)
+        return RecoveryReport("rolled back", before, result, missing)
     return RecoveryReport("rolled back", before, rollback(endpoints, directory, options))
+
+
+def _not_answering(directory: Path, before: Sequence[ProcessBefore]) -> tuple[str, ...]:
+    """Why the state file cannot be restored as captured: its participants that no
+    process answered as, or its own problem; one line each (none: restore it)."""
+    try:
+        state = read_state(directory)
+    except StateFileError as exc:
+        return (f"the state file cannot be restored from ({exc}): rolled back instead",)
+    answered = {p.participant for p in before if p.participant}
+    return tuple(
+        f"participant {p.participant} (pid {p.pid} at capture): in the state file, and no "
+        "given process answers as it (gone, or not given): left out"
+        for p in state.participants
+        if p.participant not in answered
+    )

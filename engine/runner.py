@@ -22,7 +22,7 @@ from transitions import EventData, Machine
 from ..phases import Step
 from . import trace as tracing
 from .client import Endpoint, call_all
-from .directory import DirectoryBusy, clear_intent, locked, mark_restored
+from .directory import DirectoryBusy, DirectoryUntrusted, clear_intent, finish_restore, locked
 from .errors import (
     REFUSALS,
     CheckpointDirRefused,
@@ -80,6 +80,8 @@ class RestoreResult:
     topology: Topology
     phases: tuple[PhaseEvent, ...]
     elapsed_s: float
+    # Late steps that did not go through after the group ran (the directory is usable).
+    warnings: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -88,6 +90,7 @@ class RollbackResult:
     gone: tuple[Problem, ...]  # participants whose process was not there any more
     phases: tuple[PhaseEvent, ...]
     elapsed_s: float
+    lost: tuple[str, ...] = ()  # shared ranges whose creator died with their bytes
 
 
 def capture(
@@ -120,8 +123,8 @@ def restore(
     _execute(loop)
     run = loop.run
     assert run.state_file is not None and run.topology is not None
-    mark_restored(loop.run.checkpoint_dir, run.state_file)
-    return RestoreResult(run.state_file, run.topology, tuple(run.events), loop.elapsed())
+    warnings = finish_restore(loop.run.checkpoint_dir, run.state_file)
+    return RestoreResult(run.state_file, run.topology, tuple(run.events), loop.elapsed(), warnings)
 
 
 def rollback(
@@ -145,7 +148,9 @@ def rollback(
     run = loop.run
     assert run.topology is not None
     clear_intent(run.checkpoint_dir)
-    return RollbackResult(run.topology, run.gone, tuple(run.events), loop.elapsed())
+    return RollbackResult(
+        run.topology, run.gone, tuple(run.events), loop.elapsed(), tuple(run.lost)
+    )
 
 
 def _execute(loop: _Loop) -> None:
@@ -170,8 +175,9 @@ def _execute(loop: _Loop) -> None:
                 # native checkpoint, or recover, is another coordinator's run.
                 release(loop.run)
     except DirectoryBusy as busy:
+        guard = "checkpoint_dir_trusted" if isinstance(busy, DirectoryUntrusted) else None
         raise CheckpointDirRefused(
-            loop.spec.name, "LOCK", "checkpoint_dir_free", [Problem(str(busy))]
+            loop.spec.name, "LOCK", guard or "checkpoint_dir_free", [Problem(str(busy))]
         ) from None
 
 
@@ -186,6 +192,7 @@ def _roll_back_after(loop: _Loop, error: CoordinatorError) -> None:
         inner.execute()
         clear_intent(loop.run.checkpoint_dir)
         error.rolled_back = True
+        error.rollback_lost = tuple(inner.run.lost)
     except CoordinatorError as failed:
         error.rollback_error = failed
 

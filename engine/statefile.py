@@ -543,6 +543,25 @@ def _format_error(exc: BaseException, type_: type | None) -> str:
     return format_exception(exc, type_)
 
 
+# A state file nests a few levels (document, topology, participant, record, access);
+# anything deeper is refused before it is structured (never a RecursionError).
+MAX_STATE_NESTING: Final = 16
+_too_deep = f"is corrupt: nested deeper than {MAX_STATE_NESTING} levels"
+
+
+def _nested_deeper(document: object, limit: int) -> bool:
+    """Whether ``document`` nests lists and objects deeper than ``limit`` (no recursion)."""
+    stack: list[tuple[object, int]] = [(document, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > limit:
+                return True
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def decode_state(data: bytes, path: Path) -> CheckpointState:
     """Parse and check a state file's bytes; StateFileError (naming ``path``) if unfit."""
     if not data.strip():
@@ -569,6 +588,10 @@ def decode_state(data: bytes, path: Path) -> CheckpointState:
         ) from exc
     except _Invalid as exc:
         raise StateFileError(path, f"is corrupt: {exc}") from exc
+    except RecursionError:
+        raise StateFileError(path, _too_deep) from None
+    if _nested_deeper(document, MAX_STATE_NESTING):
+        raise StateFileError(path, _too_deep)
     if not isinstance(document, dict):
         raise StateFileError(path, f"is not a JSON object but a {type(document).__name__}")
     if "format" not in document:

@@ -73,6 +73,8 @@ class Run:
     record: dict[str, Any] = attrs.Factory(dict)
     # Participants whose process was gone at HANDSHAKE (machines that drop them).
     gone: tuple[Problem, ...] = ()
+    # What a rollback could not bring back, as the shims named it (ROLLBACK_IMPORTS).
+    lost: list[str] = attrs.Factory(list)
     intent_path: Path | None = None
     # The run's lease token, carried by every request: each shim serves one
     # coordinator at a time (specs/recovery.md). A rollback after a failure
@@ -227,6 +229,12 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
         if problems:
             raise PhaseFailed(run.spec.name, op.name, problems)
     run.replies = tuple(r for r in results if isinstance(r, Reply))
+    if op is Op.ROLLBACK_IMPORTS:
+        run.lost += [
+            f"participant {r.participant} (pid {r.pid}): {r.message}"
+            for r in run.replies
+            if r.message
+        ]
     if op is Op.INSPECT:
         run.topology = Topology.from_inspect((r.participant, r.pid, r.records) for r in run.replies)
     transfer = kept = None
@@ -405,7 +413,10 @@ def read_record(run: Run) -> None:
         if record is None and (run.checkpoint_dir / STATE_FILE_NAME).is_file():
             record = read_state(run.checkpoint_dir)
     except (OSError, StateFileError) as exc:
-        raise _local_failure(run, "READ_RECORD", f"cannot read the record: {exc}") from exc
+        # Every shim holds its own staged bytes: the record only lets VERIFY compare.
+        # A corrupt or swapped one must not strand the group PREPARED.
+        run.record["record_unreadable"] = str(exc)
+        return
     if record is not None:
         run.captured = record.topology
         run.state_file = record

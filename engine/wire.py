@@ -27,6 +27,8 @@ RECORDS_MAX: Final = 65536
 ACCESS_MAX: Final = 8
 SOCKET_PREFIX: Final = "cuinterpose-"
 SOCKET_SUFFIX: Final = ".sock"
+# The control directory's path, in bytes, at most (protocol.h says why).
+CONTROL_DIR_MAX: Final = 60
 
 HEADER_STRUCT: Final = struct.Struct("<IHHiI32s16s16sIIIHHQQQQ")
 ACCESS_STRUCT: Final = struct.Struct("<iiQ")

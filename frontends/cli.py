@@ -1,21 +1,12 @@
 """The ``cuinterpose`` command line.
 
-Exit status (stderr names the participant, its pid, the phase and the reason):
-
-- 0: done;
-- 1: refused or failed before anything changed: the group is as it was;
-- 2: a usage error (argparse's own convention, kept for every bad option or
-  environment value);
-- 3: failed after the group was changed, and rolled back: it runs as before;
-- 4: failed, and could not be rolled back: run the ``cuinterpose recover``
-  command printed on stderr.
-
-SIGINT and SIGTERM stop ``prepare`` and ``restore`` at the next phase boundary;
-what was changed is then rolled back (status 3, or 4).
+Exit status: :data:`EXIT_TABLE` (also in ``--help`` and specs/recovery.md); stderr
+names the participant, its pid, the phase and the reason. SIGINT and SIGTERM stop
+``prepare`` and ``restore`` at the next phase boundary; what was changed is then
+rolled back (status 3, or 4).
 
 ``suspend``, ``resume`` and ``status`` are the one-command verbs of
-:mod:`cuinterpose.engine.agent` (the native checkpoint included); a suspend that
-fails after capture is undone and exits 1 when the group runs as before, else 4.
+:mod:`cuinterpose.engine.agent` (the native checkpoint included).
 """
 
 from __future__ import annotations
@@ -41,7 +32,7 @@ from .engine.errors import CoordinatorError
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
 from .engine.native import CudaBackend, NativeBackend, NativeUnavailableError, ProcessState
 from .engine.progress import Event, FailedEvent, ProgressCallback, human_line, json_printer
-from .engine.recovery import recover
+from .engine.recovery import native_blockers, native_check_refusal, recover
 from .engine.replay import replay
 from .engine.topology import describe_record
 from .engine.trace import TraceError, TraceWriter, read_trace
@@ -56,6 +47,18 @@ EXIT_FAILED: Final = 1  # refused, or failed before anything changed
 EXIT_USAGE: Final = 2
 EXIT_ROLLED_BACK: Final = 3
 EXIT_NEEDS_RECOVER: Final = 4
+# One table for every verb (specs/recovery.md, "Exit status").
+EXIT_TABLE: Final = """exit status (every verb):
+  0  done
+  1  refused, or failed and undone: the group is as it was (a suspend whose
+     capture or native steps failed: running as before)
+  2  usage error
+  3  failed after changing the group, and rolled back: it runs (prepare,
+     restore, recover: as before the run; resume: with the bytes it had at
+     suspend, no longer checkpointed)
+  4  failed, and the group is not back: stderr prints the command to run
+     (`cuinterpose recover ...`)
+"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -153,21 +156,39 @@ def _add_agent_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Checkpoint/restore of CUDA processes sharing memory")
+    parser = _Parser(
+        prog=PROG,
+        description="Checkpoint/restore of CUDA processes sharing memory",
+        epilog=EXIT_TABLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def sub(name: str, text: str) -> argparse.ArgumentParser:
-        return commands.add_parser(name, help=text, description=text)
+        return commands.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=EXIT_TABLE,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
 
     prepare = sub("prepare", "run the capture machine; writes the state file")
     _add_machine_options(prepare)
     prepare.add_argument(
         "--replace", action="store_true", help="overwrite a capture that was never restored"
     )
-    _add_machine_options(sub("restore", "run the restore machine against the state file"))
-    _add_machine_options(
-        sub("recover", "bring the group back to running from wherever a run left it")
-    )
+    restore_cmd = sub("restore", "run the restore machine against the state file")
+    _add_machine_options(restore_cmd)
+    recover_cmd = sub("recover", "bring the group back to running from wherever a run left it")
+    _add_machine_options(recover_cmd)
+    for checked in (prepare, restore_cmd, recover_cmd):
+        checked.add_argument(
+            "--skip-native-check",
+            action="store_true",
+            help="go on when no CUDA driver can be loaded to check that every process is "
+            "natively RUNNING (for those who know it is)",
+        )
     suspend = sub("suspend", "capture, then natively lock and checkpoint every process")
     _add_agent_options(suspend)
     suspend.add_argument(
@@ -291,10 +312,13 @@ def _run_machine(
             writer = TraceWriter(args.trace)
         except OSError as exc:
             raise _UsageError(f"{PROG}: error: cannot write trace {args.trace}: {exc}") from None
-    if spec is not None:
-        refusal = _native_check(spec, args, endpoints, stderr)
-        if refusal is not None:
-            return refusal
+    refusal = (
+        _native_check(spec, args, endpoints, stderr)
+        if spec is not None
+        else _recover_native_check(args, endpoints, stderr)
+    )
+    if refusal is not None:
+        return refusal
     stop = threading.Event()
     options = runner.Options(
         phase_timeout=timeout,
@@ -310,8 +334,11 @@ def _run_machine(
                 report = recover(endpoints, checkpoint_dir, options)
                 for line in report.lines():
                     stdout.write(line + "\n")
+                result: object = report.result
             else:
-                runner.run_machine(spec, endpoints, checkpoint_dir, options)
+                result = runner.run_machine(spec, endpoints, checkpoint_dir, options)
+        for warning in getattr(result, "warnings", ()):
+            stderr.write(f"{PROG}: note: {warning}\n")
     except CoordinatorError as error:
         return _failure(error, args, stderr)
     except ValueError as exc:
@@ -341,9 +368,29 @@ def _native_check(
     try:
         agent.require_states(_native_backend(), processes, ProcessState.RUNNING, spec.name, hint)
     except NativeUnavailableError as exc:
-        stderr.write(f"{PROG}: note: the native state was not checked: {exc}\n")
+        if not args.skip_native_check:
+            return _fail(native_check_refusal(args.command, exc), stderr)
+        stderr.write(f"{PROG}: note: the native state was not checked (--skip-native-check): "
+                     f"{exc}\n")  # fmt: skip
     except agent.StateRefused as refused:
         return _fail(refused.lines(), stderr)
+    return None
+
+
+def _recover_native_check(
+    args: argparse.Namespace, endpoints: Sequence[Endpoint], stderr: TextIO
+) -> int | None:
+    """recover refuses a process natively LOCKED or CHECKPOINTED, and fails closed."""
+    try:
+        blockers = native_blockers(_native_backend(), endpoints)
+    except NativeUnavailableError as exc:
+        if not args.skip_native_check:
+            return _fail(native_check_refusal("recover", exc), stderr)
+        stderr.write(f"{PROG}: note: the native state was not checked (--skip-native-check): "
+                     f"{exc}\n")  # fmt: skip
+        return None
+    if blockers:
+        return _fail(["recover refused: nothing was changed", *blockers], stderr)
     return None
 
 
@@ -404,12 +451,24 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
     except agent.SuspendFailed as failed:
         _fail(failed.lines(), stderr)
         return EXIT_FAILED if failed.restored else EXIT_NEEDS_RECOVER
+    except agent.ResumeFailed as failed:
+        # A native step ran: never "nothing changed" (exit 1).
+        if failed.running:
+            _fail(failed.lines(), stderr)
+            return EXIT_ROLLED_BACK
+        _fail([*failed.lines(), f"once every process is RUNNING, run: {_recover_command(args)}"],
+              stderr)  # fmt: skip
+        return EXIT_NEEDS_RECOVER
     except agent.AgentError as error:
         return _fail(error.lines(), stderr)
     except CoordinatorError as error:
-        return _failure(error, args, stderr)
+        code = _failure(error, args, stderr)
+        # A suspend whose capture was rolled back: the group runs as it was (exit 1).
+        return EXIT_FAILED if command == "suspend" and code == EXIT_ROLLED_BACK else code
     except NativeUnavailableError as exc:
         return _fail([f"{command}: {exc}"], stderr)
+    for warning in getattr(done, "warnings", ()):
+        stderr.write(f"{PROG}: note: {warning}\n")
     if view is not None:
         view.summary(done.timings, done.staging)
     elif mode == "json":
@@ -486,12 +545,16 @@ def _failure(error: CoordinatorError, args: argparse.Namespace, stderr: TextIO) 
         _fail(lines, stderr)
         return EXIT_FAILED
     if error.rolled_back:
-        lines.append("rolled back: every process is running as before the run")
+        if error.rollback_lost:
+            lines += [f"lost: {line}" for line in error.rollback_lost]
+            lines.append("rolled back: every surviving process runs, without what is lost")
+        else:
+            lines.append("rolled back: every process is running as before the run")
         _fail(lines, stderr)
         return EXIT_ROLLED_BACK
     if error.rollback_error is not None:
         lines += [f"rollback: {line}" for line in error.rollback_error.lines()]
-    else:
+    elif args.no_rollback:
         lines.append("left where it stopped (--no-rollback)")
     lines.append(f"the group is not running as before; run: {_recover_command(args)}")
     _fail(lines, stderr)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from . import artifacts
-from .engine.client import control_dir_problem
+from .engine.client import control_dir_length_problem, control_dir_problem
 
 DRIVERS: Final = ("sim", "system")
 DEFAULT_CONTROL_DIR: Final = Path("/snapshot-control")
@@ -53,6 +53,9 @@ def ensure_control_dir(path: Path) -> Path:
     with the reason, as the shim and the coordinator refuse it.
     """
     path = Path(path)
+    too_long = control_dir_length_problem(path)
+    if too_long is not None:
+        raise LaunchError(too_long)
     try:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         os.mkdir(path, 0o700)

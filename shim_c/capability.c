@@ -129,6 +129,23 @@ static bool server_trusted(int fd, const char *path, char *msg, size_t n)
     return true;
 }
 
+/* Ten heal periods of the creator's listener (control.c's CONTROL_HEAL_MS). */
+#define HEAL_WAIT_NS (1000ull * 1000000ull)
+
+/* Whether the process whose endpoint name this is ("cuinterpose-<pid>.sock")
+ * lives, as far as this pid namespace shows (a name we cannot read: alive). */
+static bool endpoint_pid_alive(const char *endpoint)
+{
+    char name[CUIP_CAP_ENDPOINT_LEN + 1];
+    int pid;
+
+    memcpy(name, endpoint, CUIP_CAP_ENDPOINT_LEN);
+    name[CUIP_CAP_ENDPOINT_LEN] = 0;
+    if (sscanf(name, CUIP_SOCKET_PREFIX "%d", &pid) != 1 || pid <= 0)
+        return true;
+    return kill((pid_t)pid, 0) == 0 || errno == EPERM;
+}
+
 static int connect_endpoint(const char *endpoint, char *msg, size_t n)
 {
     struct sockaddr_un a;
@@ -142,16 +159,25 @@ static int connect_endpoint(const char *endpoint, char *msg, size_t n)
         snprintf(msg, n, "endpoint path too long");
         return -1;
     }
-    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-        snprintf(msg, n, "socket: %s", strerror(errno));
-        return -1;
-    }
-    if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
-        int gone = errno == ECONNREFUSED || errno == ENOENT;
-        snprintf(msg, n, "connect %s: %s", a.sun_path, strerror(errno));
+    for (uint64_t since = shim_now_ns();;) {
+        fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0) {
+            snprintf(msg, n, "socket: %s", strerror(errno));
+            return -1;
+        }
+        if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0)
+            break;
+        int err = errno;
+        bool gone = err == ECONNREFUSED || err == ENOENT;
+        snprintf(msg, n, "connect %s: %s", a.sun_path, strerror(err));
         close(fd);
-        return gone ? CAP_CREATOR_GONE : -1;
+        if (!gone)
+            return -1;
+        /* A live creator re-creates its endpoint within CONTROL_HEAL_MS: it is
+         * gone only when its process is, or the endpoint stays away. */
+        if (!endpoint_pid_alive(endpoint) || shim_now_ns() - since > HEAL_WAIT_NS)
+            return CAP_CREATOR_GONE;
+        usleep(10000);
     }
     if (!server_trusted(fd, a.sun_path, msg, n)) {
         close(fd);

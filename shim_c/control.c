@@ -20,6 +20,7 @@
 #include "shim.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -266,6 +267,7 @@ static void run_phase_op(uint16_t op, struct reply *r)
         return;
     }
     g.busy = true;
+    g.hold_for_verify = false; /* a rollback after a restore: held again at its end */
     g.op_in_flight = op;
     g.op_started_ns = t0;
     __atomic_store_n(&g.phase_bytes_done, 0, __ATOMIC_RELAXED);
@@ -322,6 +324,16 @@ static void run_phase_op(uint16_t op, struct reply *r)
      * gate opens last, once the topology is back. A pending QUIESCE keeps
      * it closed. */
     reopen = g.phase == CUIP_PHASE_ACTIVE && rc != PHASE_PENDING;
+    /* Restored or rolled back (not a QUIESCE, which never left ACTIVE's
+     * topology): under a lease the gate opens at the RELEASE that follows the
+     * coordinator's verification, or when its holder is gone. */
+    if (reopen && op != CUIP_OP_QUIESCE && from != CUIP_PHASE_ACTIVE && g.lease.held &&
+        gate_level() != GATE_OPEN) {
+        g.hold_for_verify = true;
+        reopen = false;
+        shim_log(LOG_INFO, "%s: ACTIVE; the gate opens once the coordinator releases",
+                 op_name(op));
+    }
     pthread_mutex_unlock(&g.lock);
     if (reopen && gate_level() != GATE_OPEN) {
         gate_open();
@@ -341,8 +353,13 @@ static void serve_status(struct reply *r)
         r->h.stat_bytes = __atomic_load_n(&g.phase_bytes_done, __ATOMIC_RELAXED);
         r->h.stat_copy_ns = __atomic_load_n(&g.phase_bytes_total, __ATOMIC_RELAXED);
     }
-    if (g.phase == CUIP_PHASE_FAILED)
+    if (g.phase == CUIP_PHASE_FAILED) {
         reply_msg(r, CUIP_STATUS_OK, "%s", g.reason);
+    } else if (gate_held() > 0) {
+        char held[256];
+        gate_describe(held, sizeof held);
+        reply_msg(r, CUIP_STATUS_OK, "%s", held);
+    }
     pthread_mutex_unlock(&g.lock);
 }
 
@@ -370,15 +387,24 @@ static void lease_take(const uint8_t token[CUIP_AUTH_LEN], pid_t pid, uint64_t n
     g.lease.last_ns = now;
 }
 
+/* Under g.lock. In PREPARED, a holder that sent nothing for
+ * SNAPSHOT_LEASE_IDLE_S has let its lease lapse, alive or not: a process that
+ * took the free lease of a PREPARED group with one HANDSHAKE does not keep it
+ * for as long as it lives (a restore's run sends something at every phase,
+ * and no op of this shim runs then). */
 static bool lease_holder_gone(const struct shim_lease *l, uint64_t now)
 {
+    uint64_t idle = (uint64_t)shim_settings()->lease_idle_ms * 1000000ull;
+
+    if (g.phase == CUIP_PHASE_PREPARED && !g.busy && now - l->last_ns > idle)
+        return true;
     if (l->pidfd >= 0) {
         struct pollfd p = {.fd = l->pidfd, .events = POLLIN};
         return poll(&p, 1, 0) == 1; /* readable once the process has exited */
     }
     if (l->pid > 0)
         return kill(l->pid, 0) != 0 && errno == ESRCH;
-    return now - l->last_ns > (uint64_t)shim_settings()->lease_idle_ms * 1000000ull;
+    return now - l->last_ns > idle; /* not visible here: its silence ends it */
 }
 
 /* Under g.lock: the gate is closed and nothing is torn down (QUIESCED, or
@@ -397,6 +423,7 @@ static void unquiesce(void)
     pthread_mutex_lock(&g.lock);
     if (gated_untouched()) {
         g.phase = CUIP_PHASE_ACTIVE;
+        g.hold_for_verify = false;
         gate_open();
         shim_log(LOG_INFO, "gated without a coordinator: ACTIVE, gate open");
     }
@@ -417,9 +444,15 @@ static void gate_watch(void)
     pthread_mutex_lock(&g.lock);
     if (gated_untouched()) {
         gone = !g.lease.held || lease_holder_gone(&g.lease, now);
-        overdue = g.phase == CUIP_PHASE_ACTIVE &&
-                  now - g.quiesce_started_ns >
-                      (uint64_t)shim_settings()->quiesce_timeout_ms * 1000000ull;
+        /* Between QUIESCE rounds: the shim's own deadline. Held for a
+         * verification: the holder's silence for SNAPSHOT_LEASE_IDLE_S. */
+        if (g.hold_for_verify)
+            overdue = now - g.lease.last_ns >
+                      (uint64_t)shim_settings()->lease_idle_ms * 1000000ull;
+        else
+            overdue = g.phase == CUIP_PHASE_ACTIVE &&
+                      now - g.quiesce_started_ns >
+                          (uint64_t)shim_settings()->quiesce_timeout_ms * 1000000ull;
         if (gone || overdue) {
             holder = g.lease.held ? g.lease.pid : 0;
             if (gone)
@@ -428,8 +461,10 @@ static void gate_watch(void)
             gate_open();
             shim_log(LOG_WARN, "gated, and %s (pid %d; 0: none): ACTIVE, gate open",
                      gone ? "its coordinator is gone"
-                          : "no QUIESCE round came within the shim's own deadline",
+                     : g.hold_for_verify ? "its coordinator sent nothing after the restore"
+                                         : "no QUIESCE round came within the shim's own deadline",
                      (int)holder);
+            g.hold_for_verify = false;
         }
     }
     pthread_mutex_unlock(&g.lock);
@@ -463,8 +498,8 @@ static bool lease_admit(const struct cuip_header *q, pid_t peer, struct reply *r
     bool mine;
 
     if (g.lease.held && lease_holder_gone(&g.lease, now)) {
-        shim_log(LOG_WARN, "coordinator lease of pid %d is free: its holder is gone",
-                 (int)g.lease.pid);
+        shim_log(LOG_WARN, "coordinator lease of pid %d is free: its holder is gone or "
+                 "sent nothing for SNAPSHOT_LEASE_IDLE_S", (int)g.lease.pid);
         lease_drop();
     }
     mine = g.lease.held && token && shim_ct_equal(g.lease.token, q->authorization, CUIP_AUTH_LEN);
@@ -624,6 +659,49 @@ void control_set_heal(int (*heal)(int fd))
     endpoint_heal = heal;
 }
 
+/* A descriptor kept in reserve by the listener thread: out of descriptors,
+ * it is given up for one accept, so that the coordinator hears why at once
+ * instead of waiting for a reply that cannot come. */
+static int reserve_fd = -1;
+static struct reply out_of_fds; /* the listener thread's own */
+
+static void answer_out_of_fds(int lfd, int err)
+{
+    struct cuip_header q;
+    struct ucred cr;
+    socklen_t cl = sizeof cr;
+    uint64_t deadline;
+    int s;
+
+    if (reserve_fd < 0) {
+        usleep(10000); /* nothing to give up: the queued request waits */
+        return;
+    }
+    close(reserve_fd);
+    reserve_fd = -1;
+    s = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+    if (s >= 0) {
+        deadline = shim_now_ns() + 1000000000ull; /* the listener waits at most this */
+        if (getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cr, &cl) == 0 && shim_trusted_uid(cr.uid) &&
+            io_read_all(s, &q, sizeof q, deadline, NULL) == 0) {
+            reply_init(&out_of_fds, q.op);
+            reply_msg(&out_of_fds, CUIP_STATUS_REFUSED,
+                      "%s refused: this process is out of file descriptors (%s); nothing "
+                      "was done", op_name(q.op),
+                      err == EMFILE ? "EMFILE: its RLIMIT_NOFILE is reached"
+                                    : "ENFILE: the system's file table is full");
+            pthread_mutex_lock(&g.lock);
+            out_of_fds.h.phase = g.phase;
+            pthread_mutex_unlock(&g.lock);
+            reply_send(s, &out_of_fds, deadline);
+        }
+        close(s);
+    }
+    shim_log(LOG_ERROR, "out of file descriptors (%s): a control request was refused",
+             strerror(err));
+    reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+}
+
 /* One connection to its own thread; false when the listener must stop. */
 static bool accept_one(int lfd)
 {
@@ -634,7 +712,11 @@ static bool accept_one(int lfd)
     if (s < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED)
             return true;
-        if (errno == EMFILE || errno == ENFILE || errno == ENOMEM || errno == ENOBUFS) {
+        if (errno == EMFILE || errno == ENFILE) {
+            answer_out_of_fds(lfd, errno);
+            return true;
+        }
+        if (errno == ENOMEM || errno == ENOBUFS) {
             usleep(10000);
             return true;
         }
@@ -674,6 +756,8 @@ void *control_listen(void *arg)
     uint64_t next = shim_now_ns() + period;
 
     gate_set_watch(gate_watch);
+    if (reserve_fd < 0)
+        reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     for (;;) {
         struct pollfd p = {.fd = lfd, .events = POLLIN};
         int n = poll(&p, 1, CONTROL_HEAL_MS);
@@ -699,4 +783,7 @@ void *control_listen(void *arg)
 void control_after_fork(void)
 {
     connections = 0;
+    if (reserve_fd >= 0)
+        close(reserve_fd); /* the parent's listener's; the child's opens its own */
+    reserve_fd = -1;
 }

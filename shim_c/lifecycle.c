@@ -59,10 +59,12 @@ static bool control_dir_init(void)
     const char *d = shim_settings()->control_dir;
     struct stat st;
 
-    /* Room for "/cuinterpose-<pid>.sock" and the temporary name. */
-    if (d[0] != '/' || strlen(d) + 48 >= sizeof g.control_dir) {
-        shim_log(LOG_ERROR, "%s=%s must be an absolute path of at most %zu bytes",
-                 CUIP_CONTROL_DIR_ENV, d, sizeof g.control_dir - 48);
+    /* Room for "/cuinterpose-<pid>.sock" and the temporary name (protocol.h). */
+    _Static_assert(CUIP_CONTROL_DIR_MAX < sizeof g.control_dir, "the limit fits");
+    if (d[0] != '/' || strlen(d) > CUIP_CONTROL_DIR_MAX) {
+        shim_log(LOG_ERROR, "%s=%s must be an absolute path of at most %u bytes (a socket "
+                 "path is at most 107 bytes, and the names bound in it take up to 37); no "
+                 "control server", CUIP_CONTROL_DIR_ENV, d, CUIP_CONTROL_DIR_MAX);
         return false;
     }
     memcpy(g.control_dir, d, strlen(d) + 1); /* fits: checked above */

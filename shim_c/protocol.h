@@ -24,6 +24,11 @@
 #define CUIP_SOCKET_PREFIX "cuinterpose-"
 #define CUIP_SOCKET_SUFFIX ".sock"
 #define CUIP_CONTROL_DIR_DEFAULT "/snapshot-control"
+/* The control dir's path, in bytes, at most: a socket's path is at most 107
+ * bytes (sun_path), and the longest name the shim binds in the dir,
+ * "/.cuinterpose-<pid>.<8 hex>.tmp", takes up to 37; the rest is margin.
+ * Checked where the path is chosen: launch, the shim, the coordinator. */
+#define CUIP_CONTROL_DIR_MAX 60u
 #define CUIP_CONTROL_DIR_ENV "SNAPSHOT_CONTROL_DIR"
 #define CUIP_PARTICIPANT_ENV "SNAPSHOT_PARTICIPANT_ID"
 

@@ -326,6 +326,11 @@ struct shim_state {
      * deadline counts from there across rounds. */
     uint64_t quiesce_started_ns;
     unsigned quiesce_advances;     /* advances since then */
+    /* A restore or rollback brought the shim back to ACTIVE while a lease was
+     * held: the gate stays closed until the holder's RELEASE (its last
+     * INSPECT and VERIFY done) or its lease's end, so that no held call of
+     * the application changes the topology being verified. */
+    bool hold_for_verify;
     /* The bytes the phase op in flight has copied and will copy in all:
      * reset at its start (g.lock held), the total set by content.c, the
      * bytes done added without the lock by staging.c once per copied chunk

@@ -746,14 +746,38 @@ enum phase_result unicast_restore(struct reply *r)
     return PHASE_DONE;
 }
 
+/* A torn-down import whose creator is gone: its bytes went with the creator,
+ * and nothing can map them again. It is forgotten (its logical handle dead,
+ * its VAs unmapped), so that the process runs on with its own memory; `lost`
+ * names it for the reply. */
+static void forget_lost_import(struct obj *o, char *lost, size_t n)
+{
+    size_t len = strlen(lost);
+    char id[2 * CUIP_ID_LEN + 1];
+
+    shim_hex(id, o->id, CUIP_ID_LEN);
+    id[2 * CUIP_ID_LEN] = 0;
+    snprintf(lost + len, n - len, "%sallocation %s of creator %.*s (%llu bytes, mapped at "
+             "0x%llx%s)", len ? "; " : "", id, CUIP_PARTICIPANT_LEN, o->creator,
+             (unsigned long long)o->size, o->nmaps ? (unsigned long long)o->maps[0].va : 0ull,
+             o->nmaps > 1 ? " and more" : "");
+    shim_log(LOG_ERROR, "ROLLBACK_IMPORTS: the creator of allocation %s is gone with its "
+             "bytes; this import is dropped and its VAs stay unmapped", id);
+    pthread_mutex_lock(&g.lock);
+    obj_free(o);
+    pthread_mutex_unlock(&g.lock);
+}
+
 /* Every import again: a live one may map memory that its creator has since
  * replaced (re-created from its staged bytes), so it is dropped, but only once
  * a fresh export is in hand. A live import whose creator is gone is kept: a
  * dead creator replaced nothing, and the import is the last reference to the
- * bytes. */
+ * bytes. A torn-down one whose creator is gone is lost, and named in the
+ * reply (OK): the process comes back with everything else. */
 enum phase_result unicast_reimport_all(struct reply *r)
 {
     char msg[512];
+    char lost[CUIP_MESSAGE_MAX - 64] = "";
 
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
@@ -764,6 +788,10 @@ enum phase_result unicast_reimport_all(struct reply *r)
             shim_log(LOG_WARN, "ROLLBACK_IMPORTS: creator %.*s is gone (%s); the import "
                      "that still maps its memory is kept", CUIP_PARTICIPANT_LEN, o->creator,
                      msg);
+            continue;
+        }
+        if (fd == CAP_CREATOR_GONE) {
+            forget_lost_import(o, lost, sizeof lost);
             continue;
         }
         if (fd < 0) {
@@ -778,5 +806,7 @@ enum phase_result unicast_reimport_all(struct reply *r)
         if (import_fetched(o, fd, "ROLLBACK_IMPORTS", r) != 0)
             return PHASE_FAILED;
     }
+    if (lost[0])
+        reply_msg(r, CUIP_STATUS_OK, "lost (creator gone): %s", lost);
     return PHASE_DONE;
 }

@@ -248,7 +248,7 @@ def test_a_socket_that_comes_back_within_the_window_is_reached(
         away.rename(fake.socket_path)
         return True
 
-    monkeypatch.setattr(client, "_pid_visible", heal)
+    monkeypatch.setattr(client, "pid_visible", heal)
     assert handshake(fake).status == Status.OK
 
 

@@ -113,6 +113,7 @@ def python_constants() -> dict[str, int | str]:
         "CUIP_ACCESS_MAX": wire.ACCESS_MAX,
         "CUIP_SOCKET_PREFIX": wire.SOCKET_PREFIX,
         "CUIP_SOCKET_SUFFIX": wire.SOCKET_SUFFIX,
+        "CUIP_CONTROL_DIR_MAX": wire.CONTROL_DIR_MAX,
         "CUIP_OP_MAX": max(Op),
         **CONTRACT_ONLY,
     }

@@ -51,7 +51,7 @@ def stack() -> None:
 def sim_namespace(control_dir: Path) -> Iterator[str]:
     """One simulated-driver namespace per test (device-wide memory accounting), shared by
     the shim processes and the plain ones, and removed afterwards."""
-    name = f"shim-{control_dir.name}"
+    name = shimenv.sim_namespace_for(control_dir)
     yield name
     Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-{name}").unlink(missing_ok=True)
 

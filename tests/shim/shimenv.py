@@ -23,6 +23,21 @@ from tests.waiting import wait_until
 REPO = simenv.REPO
 
 
+def sim_namespace_for(control_dir: Path | str) -> str:
+    """The simulated driver's namespace of the test whose control directory this is."""
+    return f"shim-{Path(control_dir).name}"
+
+
+def coordinator_cli_env(control_dir: Path | str) -> dict[str, str]:
+    """The coordinator CLI's environment: no shim, and on the simulated driver its
+    release build in the test's namespace, so that the native state checks run."""
+    env = dict(os.environ)
+    if simenv.is_simulated():
+        env = simenv.sim_env("release", namespace=sim_namespace_for(control_dir))
+    env.pop("LD_PRELOAD", None)
+    return env
+
+
 def build_kind(build: str | None = None) -> str:
     """``asan`` or ``release``; ``system`` (the real driver) uses the release shim."""
     kind = build or simenv.driver_kind()

@@ -42,6 +42,7 @@ from cuinterpose.engine import (
 from cuinterpose.engine import directory as checkpoint_directory
 from cuinterpose.engine.progress import Event
 
+from tests.shim import shimenv
 from tests.shim.pair import Pair, running_as_before, share
 from tests.shim.workers.cycle import assert_still_active, cli
 from tests.simenv import Spawn
@@ -89,9 +90,8 @@ def _recover(pair: Pair, control_dir: Path, tmp_path: Path) -> str:
     argv += [str(_ckpt(tmp_path)), "--control-dir", str(control_dir), "--progress", "none"]
     for pid in pair.pids:
         argv += ["--process", str(pid), str(pid)]
-    run = subprocess.run(
-        argv, env=coordinator_env(), capture_output=True, text=True, timeout=120, check=False
-    )
+    env = shimenv.coordinator_cli_env(control_dir)  # recover checks the native states
+    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     return run.stdout
 

@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from cuinterpose.demo import pattern_digest
 from cuinterpose.engine.wire import socket_name
 
 from tests.shim.pair import Pair, running_as_before, share
@@ -179,3 +180,39 @@ def test_a_gone_process_is_not_waited_for(
     assert "connection refused" in gone and "retried" not in gone, gone  # SIGKILL: the file stays
     assert rows[pair.creator.pid]["shim_phase"] == "ACTIVE"
     pair.creator.close_clean()
+
+
+def test_a_peer_import_right_after_the_creator_s_socket_was_removed_succeeds(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path
+) -> None:
+    """A shim importing a capability reaches the creator's endpoint as the coordinator
+    does: a missing socket of a live creator is waited for (it heals), not taken for a
+    creator gone."""
+    creator = spawn("creator", shim_env)
+    importer = spawn("importer", shim_env)
+    size = 2 * int(creator.check("granularity")["granularity"])
+    handle, _ = creator.create_mapped(size, seed=SEED)
+    fd = int(creator.check("export", handle=handle)["fd"])
+    theirs = creator.send_fd_to(importer, fd, close=True)
+    (control_dir / socket_name(creator.pid)).unlink()
+    imported = int(importer.check("import", fd=theirs)["handle"])
+    importer_va = importer.map_at_new_va(imported, size)
+    assert importer.digest(importer_va, size) == pattern_digest(SEED, size)
+    creator.close_clean()
+    importer.close_clean()
+
+
+def test_a_suspend_right_after_the_removal_detects_the_shims(
+    spawn: Spawn,
+    shim_env: dict[str, str],
+    plain_env: dict[str, str],
+    control_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """Detection looks again at a live process's missing socket while its shim heals it."""
+    pair = share(spawn, shim_env, SEED)
+    ckpt = tmp_path / "ckpt"
+    _remove(control_dir, pair)
+    _verb("suspend", pair, control_dir, ckpt, plain_env)
+    _verb("resume", pair, control_dir, ckpt, plain_env)
+    running_as_before(pair, write_seed=SEED + 4)

@@ -26,6 +26,7 @@ from cuinterpose.demo import (
     run_cli,
 )
 
+from tests.shim import shimenv
 from tests.simenv import Spawn
 
 DESTRUCTIVE = {"SAVE_ALLOCATIONS", "PREPARE_UNICAST", "PREPARE_MULTICAST"}  # QUIESCE is released
@@ -46,7 +47,7 @@ def cli(
         pids=pids,
         checkpoint_dir=ckpt,
         control_dir=control_dir,
-        env=coordinator_env(),
+        env=shimenv.coordinator_cli_env(control_dir),
         trace=work_dir / f"{command}.trace.jsonl",
         timeout_s=timeout_s,
     )
