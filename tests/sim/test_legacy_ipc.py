@@ -232,6 +232,9 @@ result = event_handle(e)
     assert b("result = err(cu.cuEventQuery(e))") == "CUDA_SUCCESS"
 
 
+# The H200's answers (specs/records), but not run there: the importer it left
+# CHECKPOINTED did not exit within 270 s of its kill, which would stall the suite.
+@sim_only
 def test_native_checkpoint_of_a_process_holding_an_ipc_open(spawn):
     """As on the H200: both checkpoint; the creator restores, the importer's restore is
     CUDA_ERROR_INVALID_VALUE and it stays CHECKPOINTED (its unlock ILLEGAL_STATE)."""
