@@ -15,23 +15,13 @@
 # is never created (CUINTERPOSE_ALLOW_MULTICAST=0, NVLS off).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${OUT:?set OUT}"
-WHEELS=${WHEELS:-.whl}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export CUINTERPOSE_ALLOW_MULTICAST=0 CUINTERPOSE_TEST_DRIVER=system PYTHONUNBUFFERED=1
+. tests/gpu/h200_env.sh
 status=0
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site "$WHEELS"/*.whl || exit 1
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r frontends /tmp/pkg/cuinterpose \
-  && cp -r engine /tmp/pkg/cuinterpose/engine && cp -r phases /tmp/pkg/cuinterpose/phases
-export PYTHONPATH=/tmp/pkg:/tmp/site:$PWD CUINTERPOSE_BUILD_DIR=$PWD/build
 { nvidia-smi; uname -r; nproc; free -g; cat /sys/kernel/mm/transparent_hugepage/enabled \
     /sys/kernel/mm/transparent_hugepage/defrag; python3 -c 'import torch, cuda.bindings
 print("torch", torch.__version__, "gpus", torch.cuda.device_count())
 print("cuda-bindings", cuda.bindings.__version__)'; } >"$OUT/environment.txt" 2>&1
-{ cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUINTERPOSE_CUDA_INCLUDE=/usr/local/cuda/include \
-    -DPython_EXECUTABLE="$(command -v python3)" && cmake --build build -j16; } >"$OUT/build.log" 2>&1 \
-  || { tail -30 "$OUT/build.log"; echo "status 1" | tee "$OUT/status.txt"; exit 1; }
+h200_build || { echo "status 1" | tee "$OUT/status.txt"; exit 1; }
 if [ "${GPU_TESTS:-tests/gpu/test_gpu_checkpoint.py}" != none ]; then
   timeout "${GPU_TESTS_S:-90}" python3 -m pytest -p no:cacheprovider -v -rs -s \
     ${GPU_TESTS:-tests/gpu/test_gpu_checkpoint.py} 2>&1 | tee "$OUT/pytest-gpu.log" \

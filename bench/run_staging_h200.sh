@@ -16,16 +16,8 @@
 # Multicast stays off: CUINTERPOSE_ALLOW_MULTICAST=0 and NCCL/PyTorch/NVSHMEM NVLS off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${OUT:?set OUT}"
-WHEELS=${WHEELS:-.whl}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export CUINTERPOSE_ALLOW_MULTICAST=0 CUINTERPOSE_TEST_DRIVER=system PYTHONUNBUFFERED=1
+. tests/gpu/h200_env.sh
 status=0
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site "$WHEELS"/*.whl || exit 1
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r frontends /tmp/pkg/cuinterpose \
-  && cp -r engine /tmp/pkg/cuinterpose/engine && cp -r phases /tmp/pkg/cuinterpose/phases
-export PYTHONPATH=/tmp/pkg:/tmp/site:$PWD CUINTERPOSE_BUILD_DIR=$PWD/build
 { nvidia-smi; uname -r; nproc; cat /sys/kernel/mm/transparent_hugepage/enabled \
     /sys/kernel/mm/transparent_hugepage/defrag; python3 -c 'import torch, cuda.bindings;
 print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count());
@@ -34,9 +26,7 @@ print("cuda-bindings", cuda.bindings.__version__)'
       TIMEFORMAT="python3 -m cuinterpose --help: %R s"; time python3 -m cuinterpose --help >/dev/null
     done; } >"$OUT/environment.txt" 2>&1
 python3 -X importtime -m cuinterpose --help 2>"$OUT/importtime.txt" >/dev/null
-{ cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUINTERPOSE_CUDA_INCLUDE=/usr/local/cuda/include \
-    -DPython_EXECUTABLE="$(command -v python3)" && cmake --build build -j16; } >"$OUT/build.log" 2>&1 \
-  || { tail -30 "$OUT/build.log"; exit 1; }
+h200_build || exit 1
 mkdir -p /tmp/traces
 if [ "${GPU_TESTS:-tests/gpu}" != none ]; then
   CUINTERPOSE_TRACE_OUT=/tmp/traces timeout "${GPU_TESTS_S:-200}" python3 -m pytest -p no:cacheprovider \

@@ -17,10 +17,7 @@
 # cuda-bindings, the wheels in $WHEELS in /tmp/site, the package laid out in /tmp/pkg).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-: "${OUT:?set OUT to the directory that receives the results}"
-WHEELS=${WHEELS:-.whl}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export CUINTERPOSE_ALLOW_MULTICAST=0 CUINTERPOSE_TEST_DRIVER=system PYTHONUNBUFFERED=1
+. tests/gpu/h200_env.sh
 export CUINTERPOSE_CRIU=${CUINTERPOSE_CRIU:-$PWD/.criu/criu}
 [ -d .criu ] && chmod +x .criu/criu .criu/bin/criu .criu/lib/ld-linux* 2>/dev/null
 status=0
@@ -29,21 +26,12 @@ finish() {
   echo "status $status" | tee "$OUT/status.txt"
   exit "$status"
 }
-if compgen -G "$WHEELS/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$WHEELS"/*.whl || exit 1
-fi
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r frontends /tmp/pkg/cuinterpose \
-  && cp -r engine /tmp/pkg/cuinterpose/engine && cp -r phases /tmp/pkg/cuinterpose/phases
-export PYTHONPATH=/tmp/site:/tmp/pkg:$PWD CUINTERPOSE_BUILD_DIR=$PWD/build
 { nvidia-smi; uname -r; nproc; cat /etc/os-release; ldd --version | head -1
   python3 -c 'import torch, cuda.bindings, cuinterpose.engine
 print("torch", torch.__version__, "gpus", torch.cuda.device_count())
 print("cuda-bindings", cuda.bindings.__version__)'; } >"$OUT/environment.txt" 2>&1 \
   || { cat "$OUT/environment.txt"; status=1; finish; }
-{ cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUINTERPOSE_CUDA_INCLUDE=/usr/local/cuda/include \
-    -DPython_EXECUTABLE="$(command -v python3)" && cmake --build build -j16; } >"$OUT/build.log" 2>&1 \
-  || { tail -30 "$OUT/build.log"; status=1; finish; }
+h200_build || { status=1; finish; }
 # Only CRIU's own answer decides; the plugin directory and cuda-checkpoint are noted.
 { "$CUINTERPOSE_CRIU" --version && "$CUINTERPOSE_CRIU" check; } >"$OUT/criu-check.txt" 2>&1 \
   || { cat "$OUT/criu-check.txt"; status=1; finish; }

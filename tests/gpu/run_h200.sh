@@ -17,28 +17,18 @@
 # and NVLS off for NCCL, PyTorch and NVSHMEM.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-: "${OUT:?set OUT to the directory that receives the results}"
-WHEELS=${WHEELS:-.whl}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export CUINTERPOSE_ALLOW_MULTICAST=0 CUINTERPOSE_TEST_DRIVER=system PYTHONUNBUFFERED=1
+. tests/gpu/h200_env.sh
 status=0
 finish() {
   tar -czf "$OUT/traces.tar.gz" -C /tmp traces 2>/dev/null
   echo "status $status" | tee "$OUT/status.txt"
   exit "$status"
 }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site "$WHEELS"/*.whl || exit 1
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r frontends /tmp/pkg/cuinterpose \
-  && cp -r engine /tmp/pkg/cuinterpose/engine && cp -r phases /tmp/pkg/cuinterpose/phases
-export PYTHONPATH=/tmp/site:/tmp/pkg:$PWD CUINTERPOSE_BUILD_DIR=$PWD/build
 { nvidia-smi; uname -r; nproc; python3 -c 'import torch, cuda.bindings, cuinterpose.engine
 print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())
 print("cuda-bindings", cuda.bindings.__version__)'; } >"$OUT/environment.txt" 2>&1 \
   || { cat "$OUT/environment.txt"; status=1; finish; }
-{ cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUINTERPOSE_CUDA_INCLUDE=/usr/local/cuda/include \
-    -DPython_EXECUTABLE="$(command -v python3)" && cmake --build build -j16; } >"$OUT/build.log" 2>&1 \
-  || { tail -30 "$OUT/build.log"; status=1; finish; }
+h200_build || { status=1; finish; }
 
 mkdir -p /tmp/traces
 CUINTERPOSE_TRACE_OUT=/tmp/traces timeout "${GPU_TESTS_S:-240}" python3 -m pytest -p no:cacheprovider \

@@ -11,19 +11,9 @@
 # owned-alloc.log, event-link.txt. Multicast is never created.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-: "${OUT:?set OUT to the directory that receives the results}"
-WHEELS=${WHEELS:-.whl}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export CUINTERPOSE_ALLOW_MULTICAST=0 CUINTERPOSE_TEST_DRIVER=system PYTHONUNBUFFERED=1
+. tests/gpu/h200_env.sh
 status=0
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site "$WHEELS"/*.whl || exit 1
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r frontends /tmp/pkg/cuinterpose \
-  && cp -r engine /tmp/pkg/cuinterpose/engine && cp -r phases /tmp/pkg/cuinterpose/phases
-export PYTHONPATH=/tmp/site:/tmp/pkg:$PWD CUINTERPOSE_BUILD_DIR=$PWD/build
-{ cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUINTERPOSE_CUDA_INCLUDE=/usr/local/cuda/include \
-    -DPython_EXECUTABLE="$(command -v python3)" && cmake --build build -j16; } >"$OUT/build.log" 2>&1 \
-  || { tail -30 "$OUT/build.log"; exit 1; }
+h200_build || exit 1
 
 mkdir -p /tmp/figures
 CUINTERPOSE_TRACE_OUT=/tmp/figures timeout "${GPU_TESTS_S:-300}" python3 -m pytest \
