@@ -26,9 +26,10 @@ from typing import Any
 import pytest
 from cuinterpose.demo import Worker, pattern_digest
 from cuinterpose.engine import agent, criu
+from cuinterpose.engine.errors import CoordinatorError
 
 from tests.shim.agentgroup import WorkerBackend
-from tests.shim.workers.criu_tree import Tree, TreeGroup, subreaper
+from tests.shim.workers.criu_tree import Tree, TreeGroup, subreaper, thread_states
 from tests.simenv import REPO, Spawn
 
 pytestmark = pytest.mark.slow
@@ -148,9 +149,14 @@ def test_a_sharing_group_goes_through_criu_dump_and_restore(
     # The creator's staged X and P are host memory now: both are in the images.
     assert dumped.images.pages >= 2 * group.size, dumped.images
 
-    restored = criu.restore(
-        ckpt, images, criu=criu_binary, where=where, native=native, control_dir=control_dir
-    )
+    try:
+        restored = criu.restore(
+            ckpt, images, criu=criu_binary, where=where, native=native, control_dir=control_dir
+        )
+    except (agent.AgentError, CoordinatorError) as exc:
+        # What the restored processes' threads are doing says why a shim did not
+        # answer (its listener heals the endpoint from poll: shim_c/control.c).
+        pytest.fail(f"{exc}\nthreads:\n{thread_states(pids)}\ntree log:\n{group.tree.log_tail()}")
     assert [p.observed_pid for p in restored.processes] == pids
     assert [t.phase for t in restored.timings] == [
         "criu_restore",
