@@ -370,6 +370,30 @@ class TreeGroup:
         return bad
 
 
+def thread_states(pids: Sequence[int]) -> str:
+    """Each thread of each process: its name, where it sleeps (``wchan``), its system
+    call and, where readable (root), its kernel stack. What a failed round trip needs
+    to say: a shim whose listener thread is not in ``poll`` cannot heal its endpoint
+    (shim_c/control.c)."""
+    lines = []
+    for pid in pids:
+        task = Path(f"/proc/{pid}/task")
+        try:
+            tids = sorted(task.iterdir(), key=lambda t: int(t.name))
+        except OSError as exc:
+            lines.append(f"pid {pid}: {exc.strerror}")
+            continue
+        lines.append(f"pid {pid}: {len(tids)} threads")
+        for tid in tids:
+            fields = []
+            for name in ("comm", "wchan", "syscall", "stack"):
+                with contextlib.suppress(OSError):
+                    text = (tid / name).read_text(errors="replace").strip()
+                    fields.append(f"{name}={' | '.join(text.splitlines()[:6])}")
+            lines.append(f"  {tid.name} " + " ".join(fields))
+    return "\n".join(lines)
+
+
 def _state(pid: int) -> str:
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
