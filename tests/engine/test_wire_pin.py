@@ -99,6 +99,7 @@ def python_constants() -> dict[str, int | str]:
         "CUIP_SOCKET_PREFIX": wire.SOCKET_PREFIX,
         "CUIP_SOCKET_SUFFIX": wire.SOCKET_SUFFIX,
         "CUIP_OP_MAX": max(Op),
+        "CUIP_ASK_DRIVER": wire.ASK_DRIVER,
         **CONTRACT_ONLY,
     }
     prefixes: list[tuple[str, type[enum.Enum]]] = [
