@@ -40,6 +40,7 @@ from typing import Any, Final, Literal
 
 import attrs
 
+from . import discovery
 from .client import Endpoint, ParticipantError, call_all, endpoint_for
 from .errors import CoordinatorError, PhaseFailed, not_quiet
 from .native import (
@@ -189,7 +190,7 @@ def detect(
         elif requested and evidence == "absent":
             problems.append(
                 f"{process.describe()}: no control socket at {endpoint.path}, yet the group "
-                "requested cuinterpose (is the shim preloaded in it?)"
+                f"requested cuinterpose: {_no_shim_hint(process, endpoint, where)}"
             )
         elif not requested and evidence == "socket":
             problems.append(
@@ -200,6 +201,12 @@ def detect(
         wanted = "requested" if requested else "not requested"
         raise DetectionRefused(f"detection refused (cuinterpose {wanted}):", problems)
     return Detection("cuinterpose" if requested else "native", endpoints)
+
+
+def _no_shim_hint(process: Process, endpoint: Endpoint, where: Where) -> str:
+    if not discovery.pid_exists(process.observed_pid, where.proc_root):
+        return f"pid {process.observed_pid} does not exist"
+    return discovery.missing_shim_hint(process.observed_pid, endpoint.path.parent)
 
 
 def remove_stale_sockets(
@@ -679,7 +686,8 @@ def suspend(
                 f"suspend refused: {directory} holds the manifest of a group never resumed:",
                 [
                     *(p.describe() for p in held.processes()),
-                    "resume it first, or suspend into another directory",
+                    f"resume it first (cuinterpose resume --checkpoint-dir {directory}), "
+                    "or suspend into another directory",
                 ],
             )
     with report.step("detect"):

@@ -423,8 +423,11 @@ def test_launch_and_demo_delegate(monkeypatch: pytest.MonkeyPatch) -> None:
 
     calls: list[object] = []
 
-    def fake_launch(command: list[str], *, driver: str, control_dir: Path | None) -> int:
+    def fake_launch(
+        command: list[str], *, driver: str, control_dir: Path | None, **given: object
+    ) -> int:
         calls.append((command, driver, control_dir))
+        assert given.keys() == {"pidfile", "exec_", "announce"}
         return 7
 
     def fake_demo(*, driver: str = "sim") -> int:
