@@ -113,8 +113,8 @@ def missing_shim_hint(pid: int, control_dir: Path) -> str:
     if with_shim:
         named = " ".join(f"--pid {c}" for c in with_shim)
         return (
-            f"pid {pid} has no shim, but its child pid {with_shim[0]} has one "
-            f"(`cuinterpose launch` prints it): name {named}"
+            f"its child pid {with_shim[0]} has one (the program a `cuinterpose launch` "
+            f"started, whose pid it prints): name {named}"
         )
     return (
         "start the program with `cuinterpose launch -- COMMAND` (or LD_PRELOAD the shim); "

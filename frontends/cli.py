@@ -514,16 +514,17 @@ def _run_machine(
         if refusal is not None:
             return refusal
     stop = threading.Event()
+    where_now = _Whereabouts(_progress(args.progress, stdout), undone=not args.no_rollback)
     options = runner.Options(
         phase_timeout=timeout,
-        on_progress=_progress(args.progress, stdout),
+        on_progress=where_now,
         trace=writer,
         replace=bool(getattr(args, "replace", False)),
         stop=stop,
         rollback_on_failure=not args.no_rollback,
     )
     try:
-        with _stopping_on_signals(stop):
+        with _stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)):
             if spec is None:
                 report = recover(endpoints, checkpoint_dir, options)
                 for line in report.lines():
@@ -724,6 +725,7 @@ class _Summary:
     processes: int
     timings: tuple[agent.Timing, ...]
     next_command: str
+    checkpoint_dir: Path
 
     @classmethod
     def of(
@@ -747,25 +749,30 @@ class _Summary:
             len(args.group),
             done.timings,
             shlex.join(words),
+            args.checkpoint_dir,
         )
 
     def lines(self) -> list[str]:
+        who = f"{self.processes} process{'es' if self.processes != 1 else ''}"
         if self.command == "suspend":
-            where = (
-                f"{_size(self.bytes_staged)} of shared GPU memory staged in the host memory of "
-                f"the processes themselves (the shims' buffers), the rest of their GPU memory "
-                f"moved to their host memory by the native checkpoint; the checkpoint "
-                f"directory holds only the manifest and the state file"
+            shared = (
+                f", {_size(self.bytes_staged)} of it shared memory staged by the shims"
+                if self.bytes_staged
+                else ""
             )
             return [
-                f"suspended {self.processes} process(es) in {self.seconds:.3f} s: {where}",
+                f"suspended {who} in {self.seconds:.3f} s",
+                f"where the bytes are: each process's GPU memory is in its own host memory "
+                f"(the native checkpoint){shared}; {self.checkpoint_dir} holds only the "
+                "manifest and the state file",
                 "every process is CHECKPOINTED: its GPU memory is free until the resume",
                 f"next: {self.next_command}",
             ]
+        shared = f", {_size(self.bytes_staged)} of shared memory loaded back" if (
+            self.bytes_staged) else ""  # fmt: skip
         return [
-            f"resumed {self.processes} process(es) in {self.seconds:.3f} s: "
-            f"{_size(self.bytes_staged)} of shared GPU memory loaded back, sharing rebuilt",
-            "every process is RUNNING",
+            f"resumed {who} in {self.seconds:.3f} s{shared}: every process is RUNNING, "
+            "its sharing as before",
         ]
 
     def to_json(self) -> dict[str, Any]:
@@ -789,8 +796,9 @@ class _Whereabouts:
     """Passes every event on, remembering where the run is, so that a Ctrl-C can be
     acknowledged at once with what is in flight."""
 
-    def __init__(self, inner: agent.AgentCallback | None) -> None:
+    def __init__(self, inner: Callable[[Any], None] | None, *, undone: bool = True) -> None:
         self.inner = inner
+        self.undone = undone
         self.step = ""
         self.phase = ""
         self.copy: agent.CopyProgress | None = None
@@ -813,15 +821,18 @@ class _Whereabouts:
         at = self.step or "the first step"
         if self.copy is not None:
             at = (
-                f"{self.copy.phase}, {self.copy.bytes_done / (1 << 30):.1f}/"
-                f"{self.copy.bytes_total / (1 << 30):.1f} GiB copied"
+                f"{self.copy.phase} (in flight: {self.copy.bytes_done / (1 << 30):.1f}/"
+                f"{self.copy.bytes_total / (1 << 30):.1f} GiB copied)"
             )
         elif self.phase:
-            at = f"{self.step} (after {self.phase})" if self.step else self.phase
+            at = f"{self.phase} of the {self.step}" if self.step else self.phase
         with contextlib.suppress(OSError):
-            stderr.write(
-                f"{PROG}: stopping after {at}: what was done is undone, the group runs as before\n"
+            then = (
+                "what was changed is undone, the group runs as before"
+                if self.undone
+                else "the group is left where it stops (--no-rollback)"
             )
+            stderr.write(f"{PROG}: stopping after {at}: {then}\n")
             stderr.flush()
 
 

@@ -88,9 +88,13 @@ def resolve(
             )
         return given
     if recorded is None:
-        where = f" and {checkpoint_dir} records no group" if checkpoint_dir is not None else ""
-        raise TargetError([f"no process named (--pid PID, or --process OBSERVED NS){where}"],
-                          usage=checkpoint_dir is None)  # fmt: skip
+        if checkpoint_dir is None:
+            raise TargetError(["no process named: give --pid PID (or --process OBSERVED NS)"],
+                              usage=True)  # fmt: skip
+        raise TargetError(
+            [f"{checkpoint_dir} records no group (no manifest, interrupted capture or state "
+             "file: nothing was suspended or prepared into it); name the processes with "
+             "--pid PID"])  # fmt: skip
     if proc_root is not None and recorded[1].endswith(STATE_FILE_NAME):
         raise TargetError(
             ["the state file holds namespace pids only: with --proc-root, name each process "
