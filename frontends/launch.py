@@ -29,6 +29,11 @@ DEFAULT_CONTROL_DIR: Final = Path("/snapshot-control")
 CONTROL_DIR_ENV: Final = "SNAPSHOT_CONTROL_DIR"
 
 
+# The shim's room for its control directory: sun_path (108) less the socket's own
+# name and its temporary one (shim_c/lifecycle.c, control_dir_init).
+CONTROL_DIR_MAX_BYTES: Final = 108 - 48 - 1
+
+
 class LaunchError(RuntimeError):
     """The command could not be started as asked (bad driver, control dir, command)."""
 
@@ -55,6 +60,12 @@ def ensure_control_dir(path: Path) -> Path:
     with the reason, as the shim and the coordinator refuse it.
     """
     path = Path(path)
+    size = len(os.fsencode(path))
+    if not path.is_absolute() or size > CONTROL_DIR_MAX_BYTES:
+        raise LaunchError(
+            f"control directory {path} must be an absolute path of at most "
+            f"{CONTROL_DIR_MAX_BYTES} bytes (it is {size}): the shim would refuse it"
+        )
     try:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         os.mkdir(path, 0o700)
