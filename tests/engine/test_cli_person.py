@@ -374,3 +374,40 @@ def test_the_public_api_exports_what_the_readme_and_the_cli_use() -> None:
     used |= {"NativeUnavailableError", "status", "Process", "ProcessStatus", "StateRefused"}
     assert used <= set(engine.__all__), used - set(engine.__all__)
     assert all(hasattr(engine, name) for name in engine.__all__)
+
+
+# ------------------------------------------------------------------ launch keeps the pid
+@pytest.mark.parametrize("exec_", [False, True])
+def test_launch_says_and_writes_the_programs_pid(work: Path, exec_: bool) -> None:
+    build = REPO / "build"
+    if not (build / "shim_c" / "libcuinterpose.so").is_file():
+        pytest.skip("no build/: run `make build`")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LD_", "ASAN_"))}
+    env.update(CUINTERPOSE_BUILD_DIR=str(build), SNAPSHOT_CONTROL_DIR=str(work / "control"))
+    pidfile = work / "app.pid"
+    argv = [sys.executable, "-m", "cuinterpose", "launch", "--pidfile", str(pidfile)]
+    argv += ["--exec"] if exec_ else []
+    program = "import os; print(os.getpid(), flush=True)"
+    launcher = subprocess.Popen(
+        [*argv, "--", sys.executable, "-c", program],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0, err
+    pid = int(out)
+    assert int(pidfile.read_text()) == pid
+    if exec_:
+        assert pid == launcher.pid  # the launcher became the program
+    else:
+        assert pid != launcher.pid
+        assert f"cuinterpose launch: pid {pid} runs " in err and f"--pid {pid}" in err
+
+
+def test_launch_refuses_a_control_directory_the_shim_would_refuse(work: Path) -> None:
+    long = work / ("d" * 80)
+    code, _, err = run("launch", "--control-dir", str(long), "--", "true")
+    assert code == cli.EXIT_FAILED
+    assert "must be an absolute path of at most 59 bytes" in err and not long.exists()
