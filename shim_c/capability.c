@@ -326,20 +326,6 @@ static bool fetch_live(const struct fetch *f)
     return f->pid <= 0 || kill(f->pid, 0) == 0 || errno != ESRCH;
 }
 
-/* A participant id's 32 hex digits as the 16 bytes FETCH carries. */
-static bool participant_bytes(uint8_t out[CUIP_PARTICIPANT_LEN / 2],
-                              const char id[CUIP_PARTICIPANT_LEN])
-{
-    if (!shim_is_participant(id))
-        return false;
-    for (int i = 0; i < CUIP_PARTICIPANT_LEN / 2; i++) {
-        char hi = id[2 * i], lo = id[2 * i + 1];
-        out[i] = (uint8_t)(((hi <= '9' ? hi - '0' : hi - 'a' + 10) << 4) |
-                           (lo <= '9' ? lo - '0' : lo - 'a' + 10));
-    }
-    return true;
-}
-
 static bool reported_creation(const struct obj *o)
 {
     return o->kind == OBJ_ALLOC && o->is_creator && !obj_unused(o) && obj_shared(o);
@@ -376,7 +362,7 @@ int cap_inspect_fetches(struct reply *r)
             const struct fetch *f = &o->fetches[k];
             struct cuip_record *rec = &recs[at];
             uint8_t raw[CUIP_PARTICIPANT_LEN / 2];
-            if (!fetch_live(f) || !participant_bytes(raw, f->participant))
+            if (!fetch_live(f) || !shim_unhex(raw, f->participant, CUIP_PARTICIPANT_LEN))
                 continue;
             memset(rec, 0, sizeof *rec);
             rec->kind = CUIP_RECORD_FETCH;

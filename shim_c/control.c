@@ -557,8 +557,8 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
                       "PREPARED; the shim is in phase %u", g.phase);
         else if (g.busy)
             reply_msg(r, CUIP_STATUS_REFUSED, "another phase op is running");
-        else if (unicast_inspect(r) == 0)
-            cap_inspect_fetches(r);
+        else if (unicast_inspect(r) == 0 && cap_inspect_fetches(r) == 0)
+            unowned_inspect(r);
         pthread_mutex_unlock(&g.lock);
         return;
     default:

@@ -117,6 +117,27 @@ static void resolve_once(void)
     R(real.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", 7000);
     R(real.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2",
       "cuDevicePrimaryCtxRelease", 11000);
+    R(real.cuMemAlloc, "cuMemAlloc_v2", "cuMemAlloc", 3020);
+    R(real.cuMemAllocPitch, "cuMemAllocPitch_v2", "cuMemAllocPitch", 3020);
+    R(real.cuMemFree, "cuMemFree_v2", "cuMemFree", 3020);
+    R(real.cuMemGetAddressRange, "cuMemGetAddressRange_v2", "cuMemGetAddressRange", 3020);
+    R(real.cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity",
+      "cuMemGetAllocationGranularity", 10020);
+    R(real.cuPointerGetAttribute, "cuPointerGetAttribute", "cuPointerGetAttribute", 4000);
+    R(real.cuPointerGetAttributes, "cuPointerGetAttributes", "cuPointerGetAttributes", 7000);
+    R(real.cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", "cuCtxEnablePeerAccess", 4000);
+    R(real.cuCtxDisablePeerAccess, "cuCtxDisablePeerAccess", "cuCtxDisablePeerAccess", 4000);
+    R(real.cuIpcGetMemHandle, "cuIpcGetMemHandle", "cuIpcGetMemHandle", 4010);
+    R(real.cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle", 11000);
+    R(real.cuIpcOpenMemHandle_v1, "cuIpcOpenMemHandle", NULL, 0);
+    R(real.cuIpcCloseMemHandle, "cuIpcCloseMemHandle", "cuIpcCloseMemHandle", 4010);
+    R(real.cuMemPoolExportToShareableHandle, "cuMemPoolExportToShareableHandle",
+      "cuMemPoolExportToShareableHandle", 11020);
+    R(real.cuMemPoolImportFromShareableHandle, "cuMemPoolImportFromShareableHandle",
+      "cuMemPoolImportFromShareableHandle", 11020);
+    R(real.cuMemPoolExportPointer, "cuMemPoolExportPointer", "cuMemPoolExportPointer", 11020);
+    R(real.cuMemPoolImportPointer, "cuMemPoolImportPointer", "cuMemPoolImportPointer", 11020);
+    R(real.cuMemPoolDestroy, "cuMemPoolDestroy", "cuMemPoolDestroy", 11020);
     R(real.cuMulticastCreate, "cuMulticastCreate", "cuMulticastCreate", 12010);
     R(real.cuMulticastAddDevice, "cuMulticastAddDevice", "cuMulticastAddDevice", 12010);
     R(real.cuMulticastBindMem, "cuMulticastBindMem", "cuMulticastBindMem", 12010);

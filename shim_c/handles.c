@@ -78,6 +78,11 @@ void obj_free(struct obj *o)
     free(o->maps);
     free(o->binds);
     free(o->fetches);
+    if (o->own) {
+        free(o->own->ranges);
+        free(o->own->units);
+        free(o->own);
+    }
     free(o);
 }
 

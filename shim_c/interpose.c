@@ -52,6 +52,10 @@ SHIM_NO_SAN static bool same(const char *a, const char *b)
 #undef cuStreamWriteValue32
 #undef cuStreamWriteValue64
 #undef cuStreamBatchMemOp
+/* CUDA 4.1's cuIpcOpenMemHandle has the ABI of 11.0's _v2 (ipc.c). */
+#undef cuIpcOpenMemHandle
+SHIM_EXPORT CUresult CUDAAPI cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle,
+                                                unsigned int Flags);
 SHIM_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion,
                                       cuuint64_t flags);
 SHIM_EXPORT CUresult cuGetProcAddress_v2_ptsz(const char *symbol, void **pfn, int cudaVersion,
@@ -82,6 +86,10 @@ struct tracked {
 };
 
 #define T1(name) {#name, (void *)name, NULL, 0, (void **)&real.name, NULL}
+/* A name whose first ABI the shim does not wrap (CUDA 2.x's 32-bit device
+ * pointers): its _v2, from `split` on. */
+static void *const no_v1 = NULL;
+#define T2(name, v2, split) {#name, NULL, (void *)v2, split, (void **)&no_v1, (void **)&real.v2}
 static const struct tracked tracked[] = {
     {"cuGetProcAddress", (void *)cuGetProcAddress, (void *)cuGetProcAddress_v2, 12000,
      (void **)&real.gpa_v1, (void **)&real.cuGetProcAddress_v2},
@@ -103,6 +111,23 @@ static const struct tracked tracked[] = {
     {"cuMulticastBindAddr", (void *)cuMulticastBindAddr, (void *)cuMulticastBindAddr_v2, 13010,
      (void **)&real.cuMulticastBindAddr, (void **)&real.cuMulticastBindAddr_v2},
     T1(cuMulticastUnbind),
+    T2(cuMemAlloc, cuMemAlloc_v2, 3020),
+    T2(cuMemAllocPitch, cuMemAllocPitch_v2, 3020),
+    T2(cuMemFree, cuMemFree_v2, 3020),
+    T2(cuMemGetAddressRange, cuMemGetAddressRange_v2, 3020),
+    T1(cuPointerGetAttribute),
+    T1(cuPointerGetAttributes),
+    T1(cuCtxEnablePeerAccess),
+    T1(cuCtxDisablePeerAccess),
+    T1(cuIpcGetMemHandle),
+    {"cuIpcOpenMemHandle", (void *)cuIpcOpenMemHandle, (void *)cuIpcOpenMemHandle_v2, 11000,
+     (void **)&real.cuIpcOpenMemHandle_v1, (void **)&real.cuIpcOpenMemHandle_v2},
+    T1(cuIpcCloseMemHandle),
+    T1(cuMemPoolExportToShareableHandle),
+    T1(cuMemPoolImportFromShareableHandle),
+    T1(cuMemPoolExportPointer),
+    T1(cuMemPoolImportPointer),
+    T1(cuMemPoolDestroy),
 };
 #define NTRACKED (sizeof tracked / sizeof tracked[0])
 
@@ -405,6 +430,23 @@ static const struct named named[] = {
     {"cuMulticastBindAddr", (void *)cuMulticastBindAddr},
     {"cuMulticastBindAddr_v2", (void *)cuMulticastBindAddr_v2},
     {"cuMulticastUnbind", (void *)cuMulticastUnbind},
+    {"cuMemAlloc_v2", (void *)cuMemAlloc_v2},
+    {"cuMemAllocPitch_v2", (void *)cuMemAllocPitch_v2},
+    {"cuMemFree_v2", (void *)cuMemFree_v2},
+    {"cuMemGetAddressRange_v2", (void *)cuMemGetAddressRange_v2},
+    {"cuPointerGetAttribute", (void *)cuPointerGetAttribute},
+    {"cuPointerGetAttributes", (void *)cuPointerGetAttributes},
+    {"cuCtxEnablePeerAccess", (void *)cuCtxEnablePeerAccess},
+    {"cuCtxDisablePeerAccess", (void *)cuCtxDisablePeerAccess},
+    {"cuIpcGetMemHandle", (void *)cuIpcGetMemHandle},
+    {"cuIpcOpenMemHandle", (void *)cuIpcOpenMemHandle},
+    {"cuIpcOpenMemHandle_v2", (void *)cuIpcOpenMemHandle_v2},
+    {"cuIpcCloseMemHandle", (void *)cuIpcCloseMemHandle},
+    {"cuMemPoolExportToShareableHandle", (void *)cuMemPoolExportToShareableHandle},
+    {"cuMemPoolImportFromShareableHandle", (void *)cuMemPoolImportFromShareableHandle},
+    {"cuMemPoolExportPointer", (void *)cuMemPoolExportPointer},
+    {"cuMemPoolImportPointer", (void *)cuMemPoolImportPointer},
+    {"cuMemPoolDestroy", (void *)cuMemPoolDestroy},
 #define GATED_NAMED(sym, base, from, until, cls, pt, params, args) {#sym, (void *)sym},
     GATED_CALLS(GATED_NAMED)
 #undef GATED_NAMED

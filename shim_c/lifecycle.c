@@ -257,6 +257,8 @@ static void atfork_child(void)
     shim_state_after_fork();
     inherited_state = obj_count() > 0;
     obj_drop_all();
+    owned_after_fork();
+    unowned_after_fork();
     if (g.listen_fd >= 0)
         close(g.listen_fd); /* the parent's socket file stays: it is the parent's */
     g.listen_fd = -1;

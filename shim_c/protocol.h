@@ -201,6 +201,25 @@ enum cuip_record_kind {
      * fetching process as SO_PEERCRED showed it to the creator. Not part of
      * the topology: it says who must be in the team. */
     CUIP_RECORD_FETCH = 9,
+    /* Sharing the shim does not own, and so cannot rebuild: op_flags the way
+     * (enum cuip_unowned), address and size the memory where known,
+     * handle_count how many are live. Refuses the capture, like RAW_IMPORT. */
+    CUIP_RECORD_UNOWNED_SHARING = 10,
+};
+
+/* UNOWNED_SHARING's op_flags: which call made the sharing. */
+enum cuip_unowned {
+    /* cuIpcGetMemHandle of memory the driver allocated (ownership off): the
+     * handle stops opening once the process went through the native
+     * checkpoint. */
+    CUIP_UNOWNED_IPC_EXPORT = 1,
+    /* cuIpcOpenMemHandle of a driver handle (not one of the shim's): the
+     * native restore of the opening process fails. */
+    CUIP_UNOWNED_IPC_OPEN = 2,
+    /* cuMemPoolExportToShareableHandle / cuMemPoolExportPointer of a pool. */
+    CUIP_UNOWNED_POOL_EXPORT = 3,
+    /* cuMemPoolImportFromShareableHandle / cuMemPoolImportPointer. */
+    CUIP_UNOWNED_POOL_IMPORT = 4,
 };
 
 /* Record flags. */
@@ -271,6 +290,27 @@ struct cuip_capability {
     uint16_t num_devices;
 };
 
+/* What cuIpcGetMemHandle hands out for memory the shim owns (cuMemAlloc):
+ * it fits CUipcMemHandle's 64 bytes and names the creator's allocation, so
+ * cuIpcOpenMemHandle in another shim fetches it from the creator's endpoint
+ * (`cuinterpose-<creator_pid>.sock`) exactly as a capability import does.
+ * The authorization is the allocation's, whose last 4 bytes are zero for
+ * owned memory (96 random bits). The range is the one cuMemAlloc returned,
+ * within the allocation (a small one shares an allocation with others). */
+#define CUIP_IPC_MAGIC 0x48495543u       /* bytes "CUIH" */
+#define CUIP_IPC_AUTH_LEN 12
+
+struct cuip_ipc_handle {
+    uint32_t magic;
+    uint32_t creator_pid;
+    uint8_t creator[CUIP_PARTICIPANT_LEN / 2]; /* the 32 hex digits as bytes */
+    uint8_t resource_id[CUIP_ID_LEN];
+    uint8_t authorization[CUIP_IPC_AUTH_LEN];
+    uint32_t offset;
+    uint64_t size;
+};
+
+_Static_assert(sizeof(struct cuip_ipc_handle) == 64, "IPC handle is 64 bytes");
 _Static_assert(sizeof(struct cuip_header) == 128, "header is 128 bytes");
 _Static_assert(sizeof(struct cuip_access) == 16, "access is 16 bytes");
 _Static_assert(sizeof(struct cuip_record) == 288, "record is 288 bytes");

@@ -21,6 +21,8 @@
  *    SAVE of at most this many MiB is kept, populated, from one cycle to the
  *    next: content.c).
  *  - SNAPSHOT_SHIM_TIMING: 0 (1: where a SAVE/LOAD's time went, on stderr).
+ *  - SNAPSHOT_SHIM_OWN_ALLOCATIONS: 1 (cuMemAlloc memory is backed by VMM
+ *    allocations the shim owns and shares: owned.c, ipc.c).
  */
 #include "shim.h"
 
@@ -45,6 +47,7 @@
 #define TIMING_ENV "SNAPSHOT_SHIM_TIMING"
 #define QUIESCE_TIMEOUT_ENV "SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S"
 #define GATE_ENV "SNAPSHOT_SHIM_GATE"
+#define OWN_ENV "SNAPSHOT_SHIM_OWN_ALLOCATIONS"
 /* CUIP_CONTROL_DIR_ENV and CUIP_PARTICIPANT_ENV are in protocol.h: the
  * coordinator sets them too. */
 
@@ -178,6 +181,7 @@ static void settings_load(void)
     if (!s->gate)
         shim_log(LOG_WARN, "%s=0: the gate never closes; QUIESCE only drains the device once, "
                  "and a capture under running work can lose updates or fault", GATE_ENV);
+    s->own_allocations = env_bool(OWN_ENV, true);
     /* Unset, or a bad value (named in the warning): the usual trust. */
     s->trust_uid = (long)env_count(TRUST_UID_ENV, 0, UID_MAX_TRUSTED, UID_MAX_TRUSTED + 1,
                                    "a uid");

@@ -90,6 +90,9 @@ SHIM_HIDDEN void shim_random_id(uint8_t id[CUIP_ID_LEN]);
 SHIM_HIDDEN void shim_hex(char *out, const uint8_t *in, size_t len);
 SHIM_HIDDEN bool shim_is_participant(const char *p);
 SHIM_HIDDEN bool shim_is_zero(const void *p, size_t len);
+/* `hexlen` lowercase hex digits of `in` as bytes in `out` (NULL: only
+ * checked); false when `in` is not that. */
+SHIM_HIDDEN bool shim_unhex(uint8_t *out, const char *in, size_t hexlen);
 SHIM_HIDDEN bool shim_ct_equal(const void *a, const void *b, size_t len);
 
 /* ---------------------------------------------------------------- settings.c */
@@ -127,6 +130,9 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_GATE=0 (diagnosis, and the test that shows what the gate
      * prevents): QUIESCE drains once and closes nothing. Warned at start. */
     bool gate;
+    /* SNAPSHOT_SHIM_OWN_ALLOCATIONS=0: cuMemAlloc memory is the driver's, and
+     * legacy IPC of it refuses the capture (owned.c, unowned.c). */
+    bool own_allocations;
 };
 /* The settings, read from the environment on the first call. */
 SHIM_HIDDEN const struct shim_settings *shim_settings(void);
@@ -185,6 +191,31 @@ struct shim_real {
                                     unsigned long long);
     shim_bind_addr_v2_fn cuMulticastBindAddr_v2;
     CUresult (*cuMulticastUnbind)(CUmemGenericAllocationHandle, CUdevice, size_t, size_t);
+    /* Owned memory (owned.c), legacy IPC (ipc.c) and the sharing the shim
+     * refuses (unowned.c). */
+    CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);
+    CUresult (*cuMemAllocPitch)(CUdeviceptr *, size_t *, size_t, size_t, unsigned int);
+    CUresult (*cuMemFree)(CUdeviceptr);
+    CUresult (*cuMemGetAddressRange)(CUdeviceptr *, size_t *, CUdeviceptr);
+    CUresult (*cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *,
+                                              CUmemAllocationGranularity_flags);
+    CUresult (*cuPointerGetAttribute)(void *, CUpointer_attribute, CUdeviceptr);
+    CUresult (*cuPointerGetAttributes)(unsigned int, CUpointer_attribute *, void **,
+                                       CUdeviceptr);
+    CUresult (*cuCtxEnablePeerAccess)(CUcontext, unsigned int);
+    CUresult (*cuCtxDisablePeerAccess)(CUcontext);
+    CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
+    CUresult (*cuIpcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
+    CUresult (*cuIpcOpenMemHandle_v1)(CUdeviceptr *, CUipcMemHandle, unsigned int);
+    CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
+    CUresult (*cuMemPoolExportToShareableHandle)(void *, CUmemoryPool, CUmemAllocationHandleType,
+                                                 unsigned long long);
+    CUresult (*cuMemPoolImportFromShareableHandle)(CUmemoryPool *, void *,
+                                                   CUmemAllocationHandleType,
+                                                   unsigned long long);
+    CUresult (*cuMemPoolExportPointer)(CUmemPoolPtrExportData *, CUdeviceptr);
+    CUresult (*cuMemPoolImportPointer)(CUdeviceptr *, CUmemoryPool, CUmemPoolPtrExportData *);
+    CUresult (*cuMemPoolDestroy)(CUmemoryPool);
     /* Not wrapped: resolved on first use by shim_resolve_host_register(). */
     CUresult (*cuMemHostRegister)(void *, size_t, unsigned int);
     CUresult (*cuMemHostUnregister)(void *);
@@ -397,7 +428,40 @@ struct obj {
     struct mc_binding *binds;
     uint32_t nbinds, capbinds;
     size_t host_len;              /* bytes mapped at `host` (staging_len(size)) */
+    /* Memory the shim owns for the application (owned.c): a cuMemAlloc
+     * allocation the shim backs with this object (its creator), or the
+     * ranges this process opened by cuIpcOpenMemHandle (an importer). NULL
+     * for the application's own VMM objects. */
+    struct owned *own;
 };
+
+/* One range the application holds a pointer to: what cuMemAlloc returned
+ * (creator), or what cuIpcOpenMemHandle returned (importer; `opens` times). */
+struct owned_range {
+    uint64_t offset;              /* from the object's mapping */
+    uint64_t size;                /* as asked (cuMemGetAddressRange answers it) */
+    uint32_t opens;               /* importer: opens not yet closed */
+    bool live;                    /* creator: not freed yet */
+    bool exported;                /* creator: an IPC handle was handed out */
+};
+
+/* The shim's bookkeeping of an owned object (owned.c). */
+struct owned {
+    bool slab;                    /* small allocations packed into one object */
+    CUdeviceptr base;             /* the reservation the shim made (the mapping's VA) */
+    size_t reserved;              /* its size */
+    struct owned_range *ranges;
+    uint32_t nranges, capranges;
+    uint64_t *units;              /* slab: a bit per OWNED_UNIT bytes in use or retired */
+};
+
+/* The application's cuMemUnmap, cuMemAddressFree, cuMemSetAccess and
+ * cuMemRetainAllocationHandle of owned memory fail as they would on
+ * cuMemAlloc memory. */
+static inline bool obj_owned(const struct obj *o)
+{
+    return o->own != NULL;
+}
 
 /* Allocate a fresh object and its logical handle; NULL on ENOMEM. */
 SHIM_HIDDEN struct obj *obj_new(enum obj_kind kind);
@@ -538,6 +602,43 @@ SHIM_HIDDEN phase_work_fn unicast_restore;
 /* ROLLBACK_IMPORTS' imports: every import dropped (when live) and imported
  * again from its creator. */
 SHIM_HIDDEN phase_work_fn unicast_reimport_all;
+
+/* ---------------------------------------------------------------- unowned.c */
+/* Sharing the shim cannot rebuild (enum cuip_unowned): recorded by the calls
+ * that make it, reported by INSPECT as UNOWNED_SHARING records so that the
+ * capture refuses. Each function takes g.lock itself. */
+SHIM_HIDDEN void unowned_add(uint16_t kind, uint64_t key, CUdeviceptr address, uint64_t size);
+/* One of `kind` with `key` gone (an export's memory freed, an open closed, a
+ * pool destroyed: key 0 with kind 0 matches every kind of that key). */
+SHIM_HIDDEN void unowned_drop(uint16_t kind, uint64_t key);
+/* Under g.lock: how many records unowned_inspect appends; append them
+ * (-1 and a reply message on failure). */
+SHIM_HIDDEN uint32_t unowned_count(void);
+SHIM_HIDDEN int unowned_inspect(struct reply *r);
+SHIM_HIDDEN void unowned_after_fork(void);
+
+/* ---------------------------------------------------------------- owned.c */
+/* Under g.lock: the owned object whose mapping holds `p`, and the range of it
+ * that holds `p` (a live one for the creator, an open one for an importer);
+ * NULL when `p` is in no owned range. */
+SHIM_HIDDEN struct obj *owned_find(CUdeviceptr p, struct owned_range **range);
+/* The bookkeeping of an owned object mapped at [base, base+reserved); NULL
+ * on ENOMEM. */
+SHIM_HIDDEN struct owned *owned_new(CUdeviceptr base, size_t reserved, bool slab);
+SHIM_HIDDEN struct owned_range *owned_add_range(struct owned *w, uint64_t offset,
+                                                uint64_t size);
+SHIM_HIDDEN void owned_drop_range(struct owned *w, struct owned_range *range);
+/* Reserve `size` bytes of VA and map `h` there with read-write access for
+ * the current device (and the devices that enabled peer access to it, when
+ * `with_peers`); nothing left on failure. */
+SHIM_HIDDEN CUresult owned_map_new(CUmemGenericAllocationHandle h, size_t size, bool with_peers,
+                                   CUdeviceptr *va, struct mapping *m);
+/* Under g.lock: the minimum granularity of device `dev` (owned memory's). */
+SHIM_HIDDEN CUresult owned_granularity(CUdevice dev, size_t *gran);
+/* Unmap [va, va+size) and free its reservation (a driver reference is the
+ * caller's); both are tried, the first failure is returned. */
+SHIM_HIDDEN CUresult owned_unmap_range(CUdeviceptr va, size_t size);
+SHIM_HIDDEN void owned_after_fork(void);
 
 /* ---------------------------------------------------------------- staging.c */
 /* Where a phase's staging time went (nanoseconds). The *_ns of a step are

@@ -90,6 +90,19 @@ static bool overlaps_kept(CUdeviceptr va, size_t size)
     return false;
 }
 
+/* Under g.lock: does [va, va + size) overlap memory the shim owns for the
+ * application (owned.c)? The driver refuses VMM calls on cuMemAlloc memory,
+ * and so does the shim on what stands for it. */
+static bool overlaps_owned(CUdeviceptr va, size_t size)
+{
+    for (uint32_t i = 0; i < obj_count(); i++) {
+        const struct obj *o = obj_at(i);
+        if (o && obj_owned(o) && o->own->base < va + size && va < o->own->base + o->own->reserved)
+            return true;
+    }
+    return false;
+}
+
 /* Enter the shim for a call on [va, va + size) the shim does not track,
  * which must not touch a range the shim keeps while not ACTIVE (a torn-down
  * mapping's reservation is where the rebuild maps it again). Answers
@@ -106,6 +119,10 @@ static CUresult range_enter(const char *call, CUdeviceptr va, size_t size, bool 
         return r;
     app_gate_lock(call);
     if (g.phase == CUIP_PHASE_ACTIVE) {
+        if (overlaps_owned(va, size)) {
+            pthread_mutex_unlock(&g.lock);
+            return CUDA_ERROR_INVALID_VALUE;
+        }
         *locked = true;
         return CUDA_SUCCESS;
     }
@@ -233,6 +250,10 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
 
     if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
+    if (overlaps_owned(ptr, size)) {
+        r = CUDA_ERROR_INVALID_VALUE;
+        goto out;
+    }
     r = real.cuMemUnmap(ptr, size);
     if (r != CUDA_SUCCESS)
         goto out;
@@ -277,6 +298,10 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
 
     if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
+    if (overlaps_owned(ptr, size)) {
+        r = CUDA_ERROR_INVALID_VALUE;
+        goto out;
+    }
     r = real.cuMemSetAccess(ptr, size, desc, count);
     if (r != CUDA_SUCCESS || !desc)
         goto out;
@@ -311,6 +336,12 @@ CUresult CUDAAPI cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handl
     if (r != CUDA_SUCCESS)
         goto out;
     o = obj_by_address((CUdeviceptr)(uintptr_t)addr, NULL);
+    if (o && obj_owned(o)) {
+        /* cuMemAlloc memory has no allocation handle. */
+        real.cuMemRelease(h);
+        r = CUDA_ERROR_INVALID_VALUE;
+        goto out;
+    }
     if (!o) {
         /* Not a mapping the shim made: hand the driver's answer back. */
         *handle = h;

@@ -125,6 +125,29 @@ bool shim_is_participant(const char *p)
     return true;
 }
 
+static int hex_digit(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    return -1;
+}
+
+bool shim_unhex(uint8_t *out, const char *in, size_t hexlen)
+{
+    if (hexlen % 2)
+        return false;
+    for (size_t i = 0; i < hexlen; i += 2) {
+        int hi = hex_digit(in[i]), lo = hex_digit(in[i + 1]);
+        if (hi < 0 || lo < 0)
+            return false;
+        if (out)
+            out[i / 2] = (uint8_t)(hi << 4 | lo);
+    }
+    return true;
+}
+
 bool shim_is_zero(const void *p, size_t len)
 {
     const uint8_t *b = p;

@@ -1,0 +1,368 @@
+/*
+ * Legacy CUDA IPC (cuIpcGetMemHandle, cuIpcOpenMemHandle, cuIpcCloseMemHandle)
+ * over tracked sharing. For memory the shim owns (owned.c), the 64-byte
+ * handle is a struct cuip_ipc_handle naming the creator's allocation; opening
+ * it in another shim fetches the allocation from the creator's endpoint
+ * exactly as a capability import does (capability.c: the same EXPORT, the
+ * same authorization and server checks, the same FETCH record), and maps it
+ * at a new VA. Capture, restore and rollback then see an importer like any
+ * other. The driver's own rules hold (specs/records/2026-12-01-h200-legacy-ipc.txt):
+ * a handle of an interior pointer names the whole allocation, opening in the
+ * creating process is CUDA_ERROR_INVALID_CONTEXT, a second open in one
+ * process returns the same pointer and needs its own close, a close takes
+ * the opened pointer only.
+ *
+ * Everything else (driver memory when ownership is off, a driver handle from
+ * a process without the shim) goes to the driver and is recorded as
+ * unowned sharing (unowned.c), which refuses the capture.
+ */
+#include "shim.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+/* ------------------------------------------------------------ handles */
+static void to_hex(char out[CUIP_PARTICIPANT_LEN], const uint8_t *in)
+{
+    char buf[CUIP_PARTICIPANT_LEN + 1];
+    shim_hex(buf, in, CUIP_PARTICIPANT_LEN / 2);
+    memcpy(out, buf, CUIP_PARTICIPANT_LEN);
+}
+
+/* The full authorization: the handle's 12 bytes and 4 zeros. */
+static void full_auth(uint8_t out[CUIP_AUTH_LEN], const struct cuip_ipc_handle *h)
+{
+    memset(out, 0, CUIP_AUTH_LEN);
+    memcpy(out, h->authorization, CUIP_IPC_AUTH_LEN);
+}
+
+static bool handle_ok(const struct cuip_ipc_handle *h)
+{
+    return h->creator_pid > 0 && h->creator_pid <= 0x7fffffffu && h->size > 0 &&
+           h->offset <= UINT64_MAX - h->size && !shim_is_zero(h->resource_id, CUIP_ID_LEN) &&
+           !shim_is_zero(h->creator, sizeof h->creator);
+}
+
+/* Under g.lock: fill `h` for the creator's range `rg` of owned `o`. */
+static CUresult make_handle(struct obj *o, struct owned_range *rg, struct cuip_ipc_handle *h)
+{
+    if (!o->has_auth) {
+        if (shim_random(o->auth, CUIP_IPC_AUTH_LEN) != 0)
+            return CUDA_ERROR_OPERATING_SYSTEM;
+        memset(o->auth + CUIP_IPC_AUTH_LEN, 0, CUIP_AUTH_LEN - CUIP_IPC_AUTH_LEN);
+        o->has_auth = true;
+    }
+    memset(h, 0, sizeof *h);
+    h->magic = CUIP_IPC_MAGIC;
+    h->creator_pid = (uint32_t)getpid();
+    if (!shim_unhex(h->creator, g.participant, CUIP_PARTICIPANT_LEN))
+        return CUDA_ERROR_NOT_INITIALIZED;
+    memcpy(h->resource_id, o->id, CUIP_ID_LEN);
+    memcpy(h->authorization, o->auth, CUIP_IPC_AUTH_LEN);
+    h->offset = (uint32_t)rg->offset;
+    h->size = rg->size;
+    rg->exported = true;
+    o->exported = true; /* shared from now on: captured and rebuilt */
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
+{
+    struct cuip_ipc_handle h;
+    struct owned_range *rg;
+    struct obj *o;
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!real.cuIpcGetMemHandle)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    o = owned_find(dptr, &rg);
+    if (o) {
+        /* An opened pointer is VMM memory to the driver too: not shareable. */
+        r = !pHandle || !o->is_creator ? CUDA_ERROR_INVALID_VALUE : make_handle(o, rg, &h);
+        if (r == CUDA_SUCCESS)
+            memcpy(pHandle, &h, sizeof h);
+        pthread_mutex_unlock(&g.lock);
+        return r;
+    }
+    pthread_mutex_unlock(&g.lock);
+    r = real.cuIpcGetMemHandle(pHandle, dptr);
+    if (r == CUDA_SUCCESS &&
+        real.cuMemGetAddressRange(&base, &size, dptr) == CUDA_SUCCESS)
+        unowned_add(CUIP_UNOWNED_IPC_EXPORT, base, base, size);
+    return r;
+}
+
+/* ------------------------------------------------------------ open */
+/* Under g.lock: one more open of [offset, offset+size) of a known import of
+ * the same allocation; false when this process has none. */
+static bool reopen_known(const struct cuip_ipc_handle *h, CUdeviceptr *out, CUresult *r)
+{
+    uint8_t auth[CUIP_AUTH_LEN];
+    struct owned_range *rg = NULL;
+    struct obj *o = obj_by_id(h->resource_id);
+
+    if (!o || !o->own || o->is_creator)
+        return false;
+    full_auth(auth, h);
+    if (!o->live || !shim_ct_equal(o->auth, auth, CUIP_AUTH_LEN) ||
+        h->offset + h->size > o->own->reserved) {
+        *r = CUDA_ERROR_INVALID_VALUE;
+        return true;
+    }
+    for (uint32_t i = 0; i < o->own->nranges && !rg; i++)
+        if (o->own->ranges[i].offset == h->offset && o->own->ranges[i].size == h->size)
+            rg = &o->own->ranges[i];
+    if (!rg && !(rg = owned_add_range(o->own, h->offset, h->size))) {
+        *r = CUDA_ERROR_OUT_OF_MEMORY;
+        return true;
+    }
+    rg->opens++;
+    *out = o->own->base + h->offset;
+    *r = CUDA_SUCCESS;
+    return true;
+}
+
+/* The creator's allocation, imported and mapped here (no lock held: the
+ * creator may be asking us for an export at the same time). */
+static CUresult fetch_and_map(const struct cuip_ipc_handle *h, CUmemGenericAllocationHandle *out,
+                              size_t *size, CUdeviceptr *va, struct mapping *m)
+{
+    char creator[CUIP_PARTICIPANT_LEN], endpoint[CUIP_CAP_ENDPOINT_LEN], msg[512];
+    uint8_t auth[CUIP_AUTH_LEN];
+    CUmemAllocationProp prop;
+    CUmemGenericAllocationHandle mh;
+    size_t gran;
+    CUresult r;
+    int fd;
+
+    to_hex(creator, h->creator);
+    full_auth(auth, h);
+    memset(endpoint, 0, sizeof endpoint);
+    snprintf(endpoint, sizeof endpoint, "%s%u%s", CUIP_SOCKET_PREFIX, h->creator_pid,
+             CUIP_SOCKET_SUFFIX);
+    fd = cap_fetch(creator, h->resource_id, auth, endpoint, msg, sizeof msg);
+    if (fd < 0) {
+        /* As the driver answers a handle whose memory is gone. */
+        shim_log(LOG_WARN, "cuIpcOpenMemHandle: %s", msg);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    r = real.cuMemImportFromShareableHandle(&mh, (void *)(intptr_t)fd,
+                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    close(fd);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (SHIM_IS_TAGGED(mh)) {
+        real.cuMemRelease(mh);
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    /* The allocation is one granularity (a slab) or the range rounded up
+     * to it (owned.c), so its size follows from the range. */
+    r = real.cuMemGetAllocationPropertiesFromHandle(&prop, mh);
+    if (r == CUDA_SUCCESS)
+        r = owned_granularity(prop.location.id, &gran);
+    if (r == CUDA_SUCCESS) {
+        *size = (size_t)((h->offset + h->size + gran - 1) / gran * gran);
+        r = owned_map_new(mh, *size, false, va, m);
+    }
+    if (r != CUDA_SUCCESS) {
+        real.cuMemRelease(mh);
+        return r;
+    }
+    *out = mh;
+    return CUDA_SUCCESS;
+}
+
+/* Under g.lock: the importer's object for what fetch_and_map mapped. */
+static CUresult adopt_import(const struct cuip_ipc_handle *h, CUmemGenericAllocationHandle mh,
+                             size_t size, const struct mapping *m)
+{
+    struct owned_range *rg;
+    struct obj *o = obj_adopt(OBJ_ALLOC, mh); /* releases mh on failure */
+
+    if (!o)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    o->refs = 0; /* the application holds the pointer, not a handle */
+    memcpy(o->id, h->resource_id, CUIP_ID_LEN);
+    to_hex(o->creator, h->creator);
+    full_auth(o->auth, h);
+    snprintf(o->endpoint, sizeof o->endpoint, "%s%u%s", CUIP_SOCKET_PREFIX, h->creator_pid,
+             CUIP_SOCKET_SUFFIX);
+    o->has_auth = true;
+    o->imported = true;
+    o->size = size;
+    o->handle_types = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    if (real.cuMemGetAllocationPropertiesFromHandle(&o->prop, mh) != CUDA_SUCCESS)
+        memset(&o->prop, 0, sizeof o->prop);
+    o->prop.win32HandleMetaData = NULL;
+    o->own = owned_new(m->va, size, false);
+    if (!o->own || obj_add_mapping(o, m) != 0 ||
+        !(rg = owned_add_range(o->own, h->offset, h->size))) {
+        real.cuMemRelease(mh);
+        o->nmaps = 0;
+        obj_free(o);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    rg->opens = 1;
+    return CUDA_SUCCESS;
+}
+
+static CUresult open_owned(CUdeviceptr *pdptr, const struct cuip_ipc_handle *h)
+{
+    char creator[CUIP_PARTICIPANT_LEN];
+    CUmemGenericAllocationHandle mh;
+    struct mapping m;
+    CUdeviceptr va;
+    CUcontext ctx;
+    size_t size;
+    CUresult r;
+
+    if (!handle_ok(h))
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((r = real.cuCtxGetCurrent(&ctx)) != CUDA_SUCCESS)
+        return r;
+    if (!ctx)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    if (reopen_known(h, pdptr, &r)) {
+        pthread_mutex_unlock(&g.lock);
+        return r;
+    }
+    to_hex(creator, h->creator);
+    if (!g.participant[0])
+        r = CUDA_ERROR_NOT_INITIALIZED; /* no control server: nobody to fetch for */
+    else if (!memcmp(creator, g.participant, CUIP_PARTICIPANT_LEN))
+        r = CUDA_ERROR_INVALID_CONTEXT; /* the driver's answer in the creating process */
+    pthread_mutex_unlock(&g.lock);
+    if (r != CUDA_SUCCESS)
+        return r;
+
+    r = fetch_and_map(h, &mh, &size, &va, &m);
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&g.lock);
+    if (g.phase != CUIP_PHASE_ACTIVE) {
+        r = CUDA_ERROR_NOT_READY;
+    } else if (!reopen_known(h, pdptr, &r)) { /* else another thread opened it meanwhile */
+        r = adopt_import(h, mh, size, &m); /* owns mh from here, even on failure */
+        mh = 0;
+        if (r == CUDA_SUCCESS)
+            *pdptr = va + h->offset;
+        else
+            owned_unmap_range(va, size);
+    }
+    pthread_mutex_unlock(&g.lock);
+    if (mh) {
+        real.cuMemUnmap(va, size);
+        real.cuMemAddressFree(va, size);
+        real.cuMemRelease(mh);
+    }
+    return r;
+}
+
+static CUresult open_handle(CUresult (*driver)(CUdeviceptr *, CUipcMemHandle, unsigned int),
+                            CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int flags)
+{
+    struct cuip_ipc_handle h;
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!driver)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    memcpy(&h, &handle, sizeof h);
+    if (h.magic == CUIP_IPC_MAGIC && pdptr)
+        return open_owned(pdptr, &h);
+    r = driver(pdptr, handle, flags);
+    if (r == CUDA_SUCCESS && pdptr) {
+        if (real.cuMemGetAddressRange(&base, &size, *pdptr) != CUDA_SUCCESS)
+            size = 0;
+        unowned_add(CUIP_UNOWNED_IPC_OPEN, *pdptr, *pdptr, size);
+    }
+    return r;
+}
+
+_Static_assert(sizeof(CUipcMemHandle) == sizeof(struct cuip_ipc_handle),
+               "the shim's handle fills CUipcMemHandle");
+
+/* The fetch passes the gate for its whole length, as a capability import
+ * does: QUIESCE waits for it. */
+static CUresult open_gated(CUresult (*driver)(CUdeviceptr *, CUipcMemHandle, unsigned int),
+                           CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int flags)
+{
+    CUresult r;
+
+    gate_enter(GATE_LAUNCH, "cuIpcOpenMemHandle");
+    r = open_handle(driver, pdptr, handle, flags);
+    gate_leave(GATE_LAUNCH);
+    return r;
+}
+
+CUresult CUDAAPI cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle,
+                                    unsigned int Flags)
+{
+    return open_gated(real.cuIpcOpenMemHandle, pdptr, handle, Flags);
+}
+
+/* CUDA 4.1's name for the same ABI (cuda.h maps the name to _v2). */
+#undef cuIpcOpenMemHandle
+SHIM_EXPORT CUresult CUDAAPI cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle,
+                                                unsigned int Flags);
+CUresult CUDAAPI cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle,
+                                    unsigned int Flags)
+{
+    return open_gated(real.cuIpcOpenMemHandle_v1, pdptr, handle, Flags);
+}
+
+/* ------------------------------------------------------------ close */
+CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr)
+{
+    struct owned_range *rg;
+    struct obj *o;
+    bool any = false;
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!real.cuIpcCloseMemHandle)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    o = owned_find(dptr, &rg);
+    if (!o) {
+        pthread_mutex_unlock(&g.lock);
+        r = real.cuIpcCloseMemHandle(dptr);
+        if (r == CUDA_SUCCESS)
+            unowned_drop(CUIP_UNOWNED_IPC_OPEN, dptr);
+        return r;
+    }
+    if (o->is_creator || o->own->base + rg->offset != dptr) {
+        pthread_mutex_unlock(&g.lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (--rg->opens == 0)
+        owned_drop_range(o->own, rg);
+    for (uint32_t i = 0; i < o->own->nranges; i++)
+        any |= o->own->ranges[i].opens > 0;
+    if (!any) {
+        CUresult u = owned_unmap_range(o->own->base, o->own->reserved);
+        if (u == CUDA_SUCCESS && o->live)
+            u = real.cuMemRelease(o->real);
+        if (u != CUDA_SUCCESS)
+            shim_log(LOG_WARN, "cuIpcCloseMemHandle: freeing the import failed: %s",
+                     shim_cu_name(u));
+        o->nmaps = 0;
+        obj_free(o);
+    }
+    pthread_mutex_unlock(&g.lock);
+    return CUDA_SUCCESS;
+}

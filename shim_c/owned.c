@@ -1,0 +1,695 @@
+/*
+ * Owned memory: the application's cuMemAlloc (cudaMalloc) memory, backed by
+ * VMM allocations the shim creates (POSIX-FD exportable, mapped at a
+ * reservation of the shim's, read-write for the allocating device and its
+ * enabled peers), so that the shim can share it (ipc.c), tear it down and
+ * build it again like any tracked allocation. The application never sees a
+ * handle: it holds pointers, and every call that takes one answers as the
+ * driver does for cuMemAlloc memory (specs/shim.md, "Owned memory"; the
+ * driver's answers are in specs/records/2026-12-01-h200-legacy-ipc.txt).
+ *
+ * Small requests (at most SLAB_MAX bytes, and half a granularity) share an
+ * allocation of one granularity (2 MiB on the H200), a slab, carved in OWNED_UNIT steps, as
+ * the driver itself packs small cuMemAllocs into 2 MiB mappings. A range of
+ * a slab that was handed out by cuIpcGetMemHandle is never given out again
+ * (an importer may still map it); the slab goes when its last live range is
+ * freed.
+ *
+ * Every function here runs with g.lock held across short driver calls, as
+ * the other tracked calls do.
+ */
+#include "shim.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define OWNED_UNIT 512u
+#define SLAB_MAX (1u << 20)
+#define PITCH_ALIGN 512u
+#define MAX_DEVICES 64
+
+/* Under g.lock: the slabs, and which devices may access memory owned on a
+ * device (bit a of peers[d]: device a enabled peer access to device d). */
+static struct obj **slabs;
+static uint32_t nslabs, capslabs;
+static uint64_t peers[MAX_DEVICES];
+
+/* ------------------------------------------------------------ bookkeeping */
+struct owned *owned_new(CUdeviceptr base, size_t reserved, bool slab)
+{
+    struct owned *w = calloc(1, sizeof *w);
+    if (!w)
+        return NULL;
+    w->base = base;
+    w->reserved = reserved;
+    w->slab = slab;
+    if (slab) {
+        w->units = calloc((reserved / OWNED_UNIT + 63) / 64, sizeof *w->units);
+        if (!w->units) {
+            free(w);
+            return NULL;
+        }
+    }
+    return w;
+}
+
+struct owned_range *owned_add_range(struct owned *w, uint64_t offset, uint64_t size)
+{
+    struct owned_range *r;
+
+    if (w->nranges == w->capranges) {
+        uint32_t cap = w->capranges ? 2 * w->capranges : 4;
+        struct owned_range *n = realloc(w->ranges, cap * sizeof *n);
+        if (!n)
+            return NULL;
+        w->ranges = n;
+        w->capranges = cap;
+    }
+    r = &w->ranges[w->nranges++];
+    memset(r, 0, sizeof *r);
+    r->offset = offset;
+    r->size = size;
+    return r;
+}
+
+void owned_drop_range(struct owned *w, struct owned_range *range)
+{
+    *range = w->ranges[--w->nranges];
+}
+
+static bool range_holds(const struct owned_range *r, uint64_t off)
+{
+    /* A zero-size range never holds anything; cuMemAlloc refuses size 0. */
+    return off >= r->offset && off - r->offset < r->size;
+}
+
+struct obj *owned_find(CUdeviceptr p, struct owned_range **range)
+{
+    struct obj *o = obj_by_address(p, NULL);
+    uint64_t off;
+
+    if (!o || !o->own || p < o->own->base)
+        return NULL;
+    off = p - o->own->base;
+    for (uint32_t i = 0; i < o->own->nranges; i++) {
+        struct owned_range *r = &o->own->ranges[i];
+        if ((o->is_creator ? r->live : r->opens > 0) && range_holds(r, off)) {
+            if (range)
+                *range = r;
+            return o;
+        }
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------ devices */
+static CUresult current_device(CUcontext *ctx, CUdevice *dev)
+{
+    CUresult r = real.cuCtxGetCurrent(ctx);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!*ctx)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    r = real.cuCtxGetDevice(dev);
+    if (r == CUDA_SUCCESS && (*dev < 0 || *dev >= MAX_DEVICES))
+        r = CUDA_ERROR_INVALID_DEVICE;
+    return r;
+}
+
+static void device_prop(CUmemAllocationProp *prop, CUdevice dev)
+{
+    memset(prop, 0, sizeof *prop);
+    prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop->location.id = dev;
+    prop->requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+}
+
+CUresult owned_granularity(CUdevice dev, size_t *gran)
+{
+    CUmemAllocationProp prop;
+    device_prop(&prop, dev);
+    if (!real.cuMemGetAllocationGranularity)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    return real.cuMemGetAllocationGranularity(gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+}
+
+/* The access a fresh owned mapping gets: read-write for the devices in `who`. */
+static uint32_t access_for(uint64_t who, CUmemAccessDesc *d)
+{
+    uint32_t n = 0;
+
+    for (int a = 0; a < MAX_DEVICES && n < CUIP_ACCESS_MAX; a++) {
+        if (!(who >> a & 1))
+            continue;
+        memset(&d[n], 0, sizeof d[n]);
+        d[n].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        d[n].location.id = a;
+        d[n].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        n++;
+    }
+    return n;
+}
+
+static void record_access(struct mapping *m, const CUmemAccessDesc *d, uint32_t n)
+{
+    /* Sorted by location, as unicast.c merges them: ascending device ids. */
+    m->access_count = n;
+    for (uint32_t i = 0; i < n; i++) {
+        m->access[i].location_type = (int32_t)d[i].location.type;
+        m->access[i].location_id = d[i].location.id;
+        m->access[i].flags = (uint64_t)d[i].flags;
+    }
+}
+
+CUresult owned_map_new(CUmemGenericAllocationHandle h, size_t size, bool with_peers,
+                       CUdeviceptr *va, struct mapping *m)
+{
+    CUmemAccessDesc d[CUIP_ACCESS_MAX];
+    CUcontext ctx;
+    CUdevice dev;
+    uint32_t n;
+    CUresult r;
+
+    r = current_device(&ctx, &dev);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = real.cuMemAddressReserve(va, size, 0, 0, 0);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = real.cuMemMap(*va, size, 0, h, 0);
+    if (r != CUDA_SUCCESS)
+        goto free_va;
+    /* The creator's device and the devices that enabled peer access to it,
+     * or an importer's own device. */
+    n = access_for((with_peers ? peers[dev] : 0) | 1ull << dev, d);
+    r = real.cuMemSetAccess(*va, size, d, n);
+    if (r != CUDA_SUCCESS)
+        goto unmap;
+    memset(m, 0, sizeof *m);
+    m->va = *va;
+    m->size = size;
+    record_access(m, d, n);
+    return CUDA_SUCCESS;
+unmap:
+    real.cuMemUnmap(*va, size);
+free_va:
+    real.cuMemAddressFree(*va, size);
+    return r;
+}
+
+CUresult owned_unmap_range(CUdeviceptr va, size_t size)
+{
+    CUresult r = real.cuMemUnmap(va, size), u = real.cuMemAddressFree(va, size);
+    return r != CUDA_SUCCESS ? r : u;
+}
+
+/* ------------------------------------------------------------ objects */
+static void slab_forget(struct obj *o)
+{
+    for (uint32_t i = 0; i < nslabs; i++)
+        if (slabs[i] == o) {
+            slabs[i] = slabs[--nslabs];
+            return;
+        }
+}
+
+/* Unmap, release and forget `o`, an owned object nothing holds any more. */
+static void owned_release(struct obj *o)
+{
+    CUresult r;
+    bool pushed;
+
+    if (shim_ctx_enter(o->ctx, &pushed) != CUDA_SUCCESS)
+        pushed = false;
+    r = owned_unmap_range(o->own->base, o->own->reserved);
+    if (r != CUDA_SUCCESS)
+        shim_log(LOG_WARN, "freeing owned memory at %#llx: %s", (unsigned long long)o->own->base,
+                 shim_cu_name(r));
+    if (o->live && (r = real.cuMemRelease(o->real)) != CUDA_SUCCESS)
+        shim_log(LOG_WARN, "cuMemRelease of owned memory failed: %s", shim_cu_name(r));
+    shim_ctx_leave(pushed);
+    if (o->own->slab)
+        slab_forget(o);
+    o->nmaps = 0;
+    obj_free(o);
+}
+
+/* Under g.lock: a new owned object of `size` bytes (a multiple of the
+ * granularity) on the current device, mapped; a slab when `slab`. */
+static CUresult owned_create(size_t size, bool slab, struct obj **out)
+{
+    CUmemAllocationProp prop;
+    CUmemGenericAllocationHandle h;
+    struct mapping m;
+    struct obj *o = NULL;
+    CUdeviceptr va;
+    CUcontext ctx;
+    CUdevice dev;
+    CUresult r;
+
+    r = current_device(&ctx, &dev);
+    if (r != CUDA_SUCCESS)
+        return r;
+    device_prop(&prop, dev);
+    r = real.cuMemCreate(&h, size, &prop, 0);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = owned_map_new(h, size, true, &va, &m);
+    if (r != CUDA_SUCCESS) {
+        real.cuMemRelease(h);
+        return r;
+    }
+    r = obj_adopt_created(OBJ_ALLOC, h, &o); /* releases h on failure */
+    if (r != CUDA_SUCCESS)
+        goto undo_map;
+    o->refs = 0; /* the application holds a pointer, never a handle */
+    o->size = size;
+    o->prop = prop;
+    o->handle_types = (uint64_t)prop.requestedHandleTypes;
+    o->own = owned_new(va, size, slab);
+    if (!o->own || obj_add_mapping(o, &m) != 0)
+        goto nomem;
+    if (slab) {
+        if (nslabs == capslabs) {
+            uint32_t cap = capslabs ? 2 * capslabs : 8;
+            struct obj **n = realloc(slabs, cap * sizeof *n);
+            if (!n)
+                goto nomem;
+            slabs = n;
+            capslabs = cap;
+        }
+        slabs[nslabs++] = o;
+    }
+    *out = o;
+    return CUDA_SUCCESS;
+nomem:
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+    real.cuMemRelease(o->real);
+    o->nmaps = 0;
+    obj_free(o);
+undo_map:
+    owned_unmap_range(va, size);
+    return r;
+}
+
+/* ------------------------------------------------------------ slabs */
+static bool unit_used(const struct owned *w, uint32_t u)
+{
+    return w->units[u / 64] >> (u % 64) & 1;
+}
+
+static void units_set(struct owned *w, uint32_t first, uint32_t n, bool used)
+{
+    for (uint32_t u = first; u < first + n; u++) {
+        if (used)
+            w->units[u / 64] |= 1ull << (u % 64);
+        else
+            w->units[u / 64] &= ~(1ull << (u % 64));
+    }
+}
+
+/* The first run of `n` free units, or -1. */
+static int64_t units_find(const struct owned *w, uint32_t n)
+{
+    uint32_t total = (uint32_t)(w->reserved / OWNED_UNIT), run = 0;
+
+    for (uint32_t u = 0; u < total; u++) {
+        run = unit_used(w, u) ? 0 : run + 1;
+        if (run == n)
+            return (int64_t)(u + 1 - n);
+    }
+    return -1;
+}
+
+static CUresult slab_alloc(size_t size, CUdeviceptr *dptr)
+{
+    uint32_t n = (uint32_t)((size + OWNED_UNIT - 1) / OWNED_UNIT);
+    CUcontext ctx;
+    CUdevice dev;
+    struct obj *o = NULL;
+    int64_t first = -1;
+    size_t gran;
+    CUresult r;
+
+    r = current_device(&ctx, &dev);
+    if (r == CUDA_SUCCESS)
+        r = owned_granularity(dev, &gran);
+    if (r != CUDA_SUCCESS)
+        return r;
+    for (uint32_t i = 0; i < nslabs && first < 0; i++) {
+        if (slabs[i]->ctx != ctx || !slabs[i]->live)
+            continue;
+        first = units_find(slabs[i]->own, n);
+        if (first >= 0)
+            o = slabs[i];
+    }
+    if (first < 0) {
+        r = owned_create(gran, true, &o);
+        if (r != CUDA_SUCCESS)
+            return r;
+        first = 0;
+    }
+    if (!owned_add_range(o->own, (uint64_t)first * OWNED_UNIT, size)) {
+        if (o->own->nranges == 0)
+            owned_release(o);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    o->own->ranges[o->own->nranges - 1].live = true;
+    units_set(o->own, (uint32_t)first, n, true);
+    *dptr = o->own->base + (uint64_t)first * OWNED_UNIT;
+    return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------ allocation */
+/* Under g.lock. */
+static CUresult owned_alloc(CUdeviceptr *dptr, size_t size)
+{
+    struct obj *o;
+    CUcontext ctx;
+    CUdevice dev;
+    size_t gran, asz;
+    CUresult r;
+
+    r = current_device(&ctx, &dev);
+    if (r == CUDA_SUCCESS)
+        r = owned_granularity(dev, &gran);
+    if (r != CUDA_SUCCESS)
+        return r;
+    /* A slab is one granularity, so that an importer knows its size from the
+     * range it opens (ipc.c). */
+    if (size <= SLAB_MAX && size <= gran / 2)
+        return slab_alloc(size, dptr);
+    if (size > SIZE_MAX - gran)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    asz = (size + gran - 1) / gran * gran;
+    r = owned_create(asz, false, &o);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!owned_add_range(o->own, 0, size)) {
+        owned_release(o);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    o->own->ranges[0].live = true;
+    *dptr = o->own->base;
+    return CUDA_SUCCESS;
+}
+
+/* Ownership applies once the shim serves its endpoint: memory it owns but
+ * could not share would break the application's legacy IPC. */
+static bool owning(void)
+{
+    return shim_settings()->own_allocations && g.sock_name[0] && real.cuMemGetAllocationGranularity;
+}
+
+CUresult CUDAAPI cuMemAlloc(CUdeviceptr *dptr, size_t bytesize)
+{
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!dptr || bytesize == 0 || !owning())
+        return real.cuMemAlloc(dptr, bytesize);
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    r = owned_alloc(dptr, bytesize);
+    pthread_mutex_unlock(&g.lock);
+    return r;
+}
+
+CUresult CUDAAPI cuMemAllocPitch(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
+                                 unsigned int elementSize)
+{
+    size_t p;
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!dptr || !pitch || !owning() || width == 0 || height == 0 ||
+        (elementSize != 4 && elementSize != 8 && elementSize != 16))
+        return real.cuMemAllocPitch(dptr, pitch, width, height, elementSize);
+    p = (width + PITCH_ALIGN - 1) / PITCH_ALIGN * PITCH_ALIGN;
+    if (p < width || height > SIZE_MAX / p)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    r = owned_alloc(dptr, p * height);
+    pthread_mutex_unlock(&g.lock);
+    if (r == CUDA_SUCCESS)
+        *pitch = p;
+    return r;
+}
+
+/* Under g.lock: free the creator's range `rg` of `o` (what cuMemAlloc
+ * returned). */
+static void owned_free(struct obj *o, struct owned_range *rg)
+{
+    struct owned *w = o->own;
+    bool any = false;
+
+    if (w->slab && !rg->exported)
+        units_set(w, (uint32_t)(rg->offset / OWNED_UNIT),
+                  (uint32_t)((rg->size + OWNED_UNIT - 1) / OWNED_UNIT), false);
+    if (rg->exported)
+        rg->live = false; /* retired: an importer may still map it */
+    else
+        owned_drop_range(w, rg);
+    for (uint32_t i = 0; i < w->nranges; i++)
+        any |= w->ranges[i].live;
+    if (!any)
+        owned_release(o);
+}
+
+CUresult CUDAAPI cuMemFree(CUdeviceptr dptr)
+{
+    struct owned_range *rg;
+    struct obj *o;
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (dptr == 0)
+        return real.cuMemFree(dptr);
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    o = owned_find(dptr, &rg);
+    if (o && o->is_creator) {
+        /* Only what cuMemAlloc returned frees, as the driver wants. */
+        if (o->own->base + rg->offset == dptr)
+            owned_free(o, rg);
+        else
+            r = CUDA_ERROR_INVALID_VALUE;
+        pthread_mutex_unlock(&g.lock);
+        return r;
+    }
+    pthread_mutex_unlock(&g.lock);
+    if (o) /* an IPC-opened pointer: cuIpcCloseMemHandle, not cuMemFree */
+        return CUDA_ERROR_INVALID_VALUE;
+    r = real.cuMemFree(dptr);
+    if (r == CUDA_SUCCESS)
+        unowned_drop(CUIP_UNOWNED_IPC_EXPORT, dptr);
+    return r;
+}
+
+CUresult CUDAAPI cuMemGetAddressRange(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
+{
+    struct owned_range *rg;
+    struct obj *o;
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&g.lock);
+    o = owned_find(dptr, &rg);
+    if (o) {
+        if (pbase)
+            *pbase = o->own->base + rg->offset;
+        if (psize)
+            *psize = rg->size;
+    }
+    pthread_mutex_unlock(&g.lock);
+    return o ? CUDA_SUCCESS : real.cuMemGetAddressRange(pbase, psize, dptr);
+}
+
+/* ------------------------------------------------------------ pointer attributes */
+/* What the driver says of cuMemAlloc memory where its answer for the VMM
+ * allocation behind it differs (specs/records/2026-12-01-h200-legacy-ipc.txt).
+ * A boolean or a small mask is written as its first byte only: callers pass
+ * ints or bools, and the driver already zeroed the rest. */
+static void owned_attribute(CUpointer_attribute a, void *data, const struct obj *o,
+                            const struct owned_range *rg)
+{
+    switch (a) {
+    case CU_POINTER_ATTRIBUTE_CONTEXT:
+        memcpy(data, &o->ctx, sizeof o->ctx);
+        break;
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: {
+        CUdeviceptr start = o->own->base + rg->offset;
+        memcpy(data, &start, sizeof start);
+        break;
+    }
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE: {
+        size_t size = (size_t)rg->size;
+        memcpy(data, &size, sizeof size);
+        break;
+    }
+    case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE:
+        *(unsigned char *)data = o->is_creator ? 1 : 0;
+        break;
+    case CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES:
+        *(unsigned char *)data = 0;
+        break;
+    default:
+        break;
+    }
+}
+
+CUresult CUDAAPI cuPointerGetAttribute(void *data, CUpointer_attribute attribute,
+                                       CUdeviceptr ptr)
+{
+    struct owned_range *rg;
+    struct obj *o;
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = real.cuPointerGetAttribute(data, attribute, ptr);
+    if (r != CUDA_SUCCESS || !data)
+        return r;
+    pthread_mutex_lock(&g.lock);
+    o = owned_find(ptr, &rg);
+    if (o)
+        owned_attribute(attribute, data, o, rg);
+    pthread_mutex_unlock(&g.lock);
+    return r;
+}
+
+CUresult CUDAAPI cuPointerGetAttributes(unsigned int numAttributes,
+                                        CUpointer_attribute *attributes, void **data,
+                                        CUdeviceptr ptr)
+{
+    struct owned_range *rg;
+    struct obj *o;
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = real.cuPointerGetAttributes(numAttributes, attributes, data, ptr);
+    if (r != CUDA_SUCCESS || !attributes || !data)
+        return r;
+    pthread_mutex_lock(&g.lock);
+    o = owned_find(ptr, &rg);
+    for (unsigned i = 0; o && i < numAttributes; i++)
+        if (data[i])
+            owned_attribute(attributes[i], data[i], o, rg);
+    pthread_mutex_unlock(&g.lock);
+    return r;
+}
+
+/* ------------------------------------------------------------ peer access */
+static CUresult ctx_device(CUcontext ctx, CUdevice *dev)
+{
+    bool pushed;
+    CUresult r = shim_ctx_enter(ctx, &pushed);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = real.cuCtxGetDevice(dev);
+    shim_ctx_leave(pushed);
+    if (r == CUDA_SUCCESS && (*dev < 0 || *dev >= MAX_DEVICES))
+        r = CUDA_ERROR_INVALID_DEVICE;
+    return r;
+}
+
+/* Under g.lock: give (or take back) device `who` its access to every owned
+ * mapping on device `owner`, as the driver does for cuMemAlloc memory when
+ * peer access is enabled (disabled). */
+static CUresult peer_apply(CUdevice owner, CUdevice who, bool enable)
+{
+    CUmemAccessDesc d;
+
+    memset(&d, 0, sizeof d);
+    d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    d.location.id = who;
+    d.flags = enable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
+    for (uint32_t i = 0; i < obj_count(); i++) {
+        struct obj *o = obj_at(i);
+        struct mapping *m;
+        uint32_t k;
+        CUresult r;
+
+        if (!o || !o->own || !o->is_creator || !o->live || o->nmaps != 1 ||
+            o->prop.location.id != owner)
+            continue;
+        m = &o->maps[0];
+        r = real.cuMemSetAccess(m->va, m->size, &d, 1);
+        if (r != CUDA_SUCCESS)
+            return r;
+        for (k = 0; k < m->access_count && m->access[k].location_id != who; k++)
+            ;
+        if (enable && k == m->access_count && k < CUIP_ACCESS_MAX) {
+            m->access[k].location_type = CU_MEM_LOCATION_TYPE_DEVICE;
+            m->access[k].location_id = who;
+            m->access[k].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            m->access_count++;
+            for (; k > 0 && m->access[k - 1].location_id > who; k--) {
+                struct cuip_access t = m->access[k];
+                m->access[k] = m->access[k - 1];
+                m->access[k - 1] = t;
+            }
+        } else if (!enable && k < m->access_count) {
+            memmove(&m->access[k], &m->access[k + 1],
+                    (m->access_count - k - 1) * sizeof m->access[0]);
+            m->access_count--;
+            memset(&m->access[m->access_count], 0, sizeof m->access[0]);
+        }
+    }
+    return CUDA_SUCCESS;
+}
+
+static CUresult peer_change(CUcontext peer, bool enable, unsigned int flags)
+{
+    CUcontext ctx;
+    CUdevice self, owner;
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!real.cuCtxEnablePeerAccess || !real.cuCtxDisablePeerAccess)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if ((r = app_lock()) != CUDA_SUCCESS)
+        return r;
+    r = enable ? real.cuCtxEnablePeerAccess(peer, flags) : real.cuCtxDisablePeerAccess(peer);
+    if (r != CUDA_SUCCESS || current_device(&ctx, &self) != CUDA_SUCCESS ||
+        ctx_device(peer, &owner) != CUDA_SUCCESS)
+        goto out;
+    if (enable)
+        peers[owner] |= 1ull << self;
+    else
+        peers[owner] &= ~(1ull << self);
+    r = peer_apply(owner, self, enable);
+    if (r != CUDA_SUCCESS)
+        shim_log(LOG_ERROR, "peer access %s for device %d on owned memory of device %d: %s",
+                 enable ? "enabled" : "disabled", self, owner, shim_cu_name(r));
+out:
+    pthread_mutex_unlock(&g.lock);
+    return r;
+}
+
+CUresult CUDAAPI cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags)
+{
+    return peer_change(peerContext, true, Flags);
+}
+
+CUresult CUDAAPI cuCtxDisablePeerAccess(CUcontext peerContext)
+{
+    return peer_change(peerContext, false, 0);
+}
+
+void owned_after_fork(void)
+{
+    /* The objects are dropped with the rest of the table. */
+    free(slabs);
+    slabs = NULL;
+    nslabs = capslabs = 0;
+    memset(peers, 0, sizeof peers);
+}
