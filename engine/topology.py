@@ -32,6 +32,7 @@ _IDENTITY_FIELDS: Final[Mapping[RecordKind, tuple[str, ...]]] = {
     RecordKind.RAW_IMPORT: ("address", "size"),
     RecordKind.UNSUPPORTED_EXPORTABLE: ("size",),
     RecordKind.FETCH: (),
+    RecordKind.UNOWNED_SHARING: ("op_flags", "address"),
 }
 _T = TypeVar("_T")
 _HEX_FIELDS: Final = frozenset({"address", "offset", "member_offset", "op_flags", "object_flags"})

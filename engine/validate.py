@@ -19,7 +19,15 @@ from typing import Final
 import attrs
 
 from .topology import Topology, resource_hex
-from .wire import ACCESS_MAX, BindingKind, Record, RecordFlag, RecordKind, is_participant_id
+from .wire import (
+    ACCESS_MAX,
+    BindingKind,
+    Record,
+    RecordFlag,
+    RecordKind,
+    Unowned,
+    is_participant_id,
+)
 
 # CUmemAllocationHandleType: the only handle type the shim can move between processes.
 HANDLE_TYPE_POSIX_FD: Final = 0x1
@@ -784,6 +792,56 @@ def check_unsupported_exportables(topology: Topology) -> tuple[Violation, ...]:
     )
 
 
+_OWN_IT: Final = (
+    "run it under the shim with cudaMalloc memory owned (SNAPSHOT_SHIM_OWN_ALLOCATIONS=1, the"
+    " default), or share VMM memory instead (PyTorch: PYTORCH_CUDA_ALLOC_CONF="
+    "expandable_segments:True)"
+)
+_UNOWNED_TEXT: Final[Mapping[int, str]] = {
+    Unowned.IPC_EXPORT: (
+        "cuIpcGetMemHandle of memory the driver allocated, not the shim: such a handle no"
+        " longer opens once the process went through the native checkpoint; " + _OWN_IT
+    ),
+    Unowned.IPC_OPEN: (
+        "cuIpcOpenMemHandle of a handle the shim did not hand out (its exporter runs without"
+        " the shim, or without owned memory): the native restore of this process fails; start"
+        " the exporter under the shim too (cuinterpose launch), with cudaMalloc memory owned"
+    ),
+    Unowned.POOL_EXPORT: (
+        "a stream-ordered memory pool shared by cuMemPoolExportToShareableHandle or"
+        " cuMemPoolExportPointer: the shim does not own pool memory and cannot rebuild the"
+        " sharing; share memory from cudaMalloc or cuMemCreate instead, or destroy the pool"
+    ),
+    Unowned.POOL_IMPORT: (
+        "a stream-ordered memory pool imported by cuMemPoolImportFromShareableHandle or"
+        " cuMemPoolImportPointer: the shim does not own pool memory and cannot rebuild the"
+        " sharing; share memory from cudaMalloc or cuMemCreate instead, or destroy the pool"
+    ),
+}
+
+
+def _unowned_where(record: Record) -> str:
+    where = f"at {record.address:#x}" if record.address else "address unknown"
+    if record.size:
+        where += f", size {record.size:#x}"
+    return f"{where}, {record.handle_count} live"
+
+
+def check_unowned_sharing(topology: Topology) -> tuple[Violation, ...]:
+    """Sharing the shim does not own (legacy IPC of driver memory, pools shared between
+    processes): neither the shim nor the native checkpoint can rebuild it."""
+    return tuple(
+        _violation(
+            "preflight.unowned_sharing",
+            p,
+            r,
+            f"{_UNOWNED_TEXT.get(r.op_flags, f'sharing of an unknown kind {r.op_flags}')}"
+            f" ({_unowned_where(r)}); capture refused",
+        )
+        for p, r in _of_kind(topology, RecordKind.UNOWNED_SHARING)
+    )
+
+
 def check_whole_team(topology: Topology) -> tuple[Violation, ...]:
     """A participant that fetched a creator's allocation (the creator's FETCH record, for
     a process still alive) is in the team: left out, it would keep mapping memory that
@@ -833,6 +891,7 @@ TOPOLOGY_CHECKS: Final[tuple[Check, ...]] = (
 PREFLIGHT_CHECKS: Final[tuple[Check, ...]] = (
     check_raw_imports,
     check_unsupported_exportables,
+    check_unowned_sharing,
     check_whole_team,
 )
 
@@ -847,6 +906,7 @@ def validate(topology: Topology) -> tuple[Violation, ...]:
 
 
 def preflight(topology: Topology) -> tuple[Violation, ...]:
-    """What refuses a capture outright: RAW_IMPORT and UNSUPPORTED_EXPORTABLE records, and
-    a live participant that fetched a team member's allocation but is not in the team."""
+    """What refuses a capture outright: RAW_IMPORT, UNSUPPORTED_EXPORTABLE and UNOWNED_SHARING
+    records, and a live participant that fetched a team member's allocation but is not in
+    the team."""
     return _run(PREFLIGHT_CHECKS, topology)

@@ -109,6 +109,17 @@ class RecordKind(enum.IntEnum):
     # A creator's note that a participant fetched one of its allocations: not part of
     # the topology (see Topology.fetches); member_id carries the fetcher's id as bytes.
     FETCH = 9
+    # Sharing the shim does not own (op_flags: an Unowned), so it cannot rebuild it.
+    UNOWNED_SHARING = 10
+
+
+class Unowned(enum.IntEnum):
+    """UNOWNED_SHARING's op_flags: the call that made the sharing (protocol.h)."""
+
+    IPC_EXPORT = 1
+    IPC_OPEN = 2
+    POOL_EXPORT = 3
+    POOL_IMPORT = 4
 
 
 class RecordFlag(enum.IntFlag):

@@ -32,7 +32,7 @@ CAPTURE = MachineSpec(
         _TOPOLOGY_VALID,
         Guard(
             "preflight_clean",
-            "no RAW_IMPORT or UNSUPPORTED_EXPORTABLE record",
+            "no RAW_IMPORT, UNSUPPORTED_EXPORTABLE or UNOWNED_SHARING record",
             Refusal.PREFLIGHT,
         ),
         Guard(

@@ -308,6 +308,8 @@ static void *direct(void **slot, const char *symbol)
     {                                                                                     \
         sym##_fn f_ = (sym##_fn)__atomic_load_n(&sym##_slot[k], __ATOMIC_ACQUIRE);        \
         CUresult r_;                                                                      \
+        if (sym##_hook && (r_ = sym##_hook args) != SHIM_NOT_MINE)                        \
+            return r_;                                                                    \
         gate_enter(cls, base);                                                            \
         r_ = f_ args;                                                                     \
         gate_leave(cls);                                                                  \
@@ -316,11 +318,13 @@ static void *direct(void **slot, const char *symbol)
 
 /* The shim's export `name`: the driver's own export of that name, found once
  * in *slot, called through the gate as `call`. */
-#define GATED_EXPORT(name, fn, slot, call, cls, params, args)                             \
+#define GATED_EXPORT(name, fn, slot, call, cls, hook, params, args)                       \
     SHIM_EXPORT CUresult CUDAAPI name params                                              \
     {                                                                                     \
         fn f_ = (fn)direct(slot, #name);                                                  \
         CUresult r_;                                                                      \
+        if (hook && (r_ = hook args) != SHIM_NOT_MINE)                                    \
+            return r_;                                                                    \
         if (!f_)                                                                          \
             return CUDA_ERROR_NOT_INITIALIZED;                                            \
         gate_enter(cls, call);                                                            \
@@ -332,6 +336,7 @@ static void *direct(void **slot, const char *symbol)
 #define GATED_DEFINE(sym, base, from, until, cls, pt, params, args)                       \
     typedef CUresult(CUDAAPI *sym##_fn) params;                                           \
     static void *sym##_slot[GATE_SLOTS];                                                  \
+    static sym##_fn sym##_hook;                                                           \
     GATED_VIA(sym, base, cls, params, args, 1)                                            \
     GATED_VIA(sym, base, cls, params, args, 2)                                            \
     GATED_VIA(sym, base, cls, params, args, 3)                                            \
@@ -339,7 +344,7 @@ static void *direct(void **slot, const char *symbol)
     GATED_VIA(sym, base, cls, params, args, 5)                                            \
     GATED_VIA(sym, base, cls, params, args, 6)                                            \
     GATED_VIA(sym, base, cls, params, args, 7)                                            \
-    GATED_EXPORT(sym, sym##_fn, &sym##_slot[0], base, cls, params, args)                  \
+    GATED_EXPORT(sym, sym##_fn, &sym##_slot[0], base, cls, sym##_hook, params, args)      \
     static void *const sym##_vias[GATE_SLOTS] = {                                         \
         (void *)sym,         (void *)sym##_via1, (void *)sym##_via2, (void *)sym##_via3,  \
         (void *)sym##_via4,  (void *)sym##_via5, (void *)sym##_via6, (void *)sym##_via7};
@@ -347,18 +352,24 @@ _Static_assert(GATE_SLOTS == 8, "GATED_DEFINE writes 7 resolver slots");
 
 GATED_CALLS(GATED_DEFINE)
 
+/* A gated call may first be offered to the shim (SHIM_NOT_MINE: not its
+ * business): a stream-ordered free of owned memory (owned.c). */
+static cuMemFreeAsync_fn cuMemFreeAsync_hook = owned_free_async;
+
 /* The per-thread default stream exports (cuMemcpyAsync_ptsz, ...), for
  * programs built with CUDA_API_PER_THREAD_DEFAULT_STREAM or that dlsym these
  * names: each calls the driver's own per-thread symbol, never the plain one
  * (what NULL means as a stream differs). The resolvers hand the driver's
  * per-thread pointers out through the plain call's slots. */
-#define PER_THREAD_EXPORT(name, cls, params, args)                                        \
+#define PER_THREAD_EXPORT(name, cls, hook, params, args)                                  \
     typedef CUresult(CUDAAPI *name##_fn) params;                                          \
     static void *name##_driver;                                                           \
-    GATED_EXPORT(name, name##_fn, &name##_driver, #name, cls, params, args)
+    GATED_EXPORT(name, name##_fn, &name##_driver, #name, cls, hook, params, args)
 #define PER_THREAD_none(sym, cls, params, args)
-#define PER_THREAD_ptsz(sym, cls, params, args) PER_THREAD_EXPORT(sym##_ptsz, cls, params, args)
-#define PER_THREAD_ptds(sym, cls, params, args) PER_THREAD_EXPORT(sym##_ptds, cls, params, args)
+#define PER_THREAD_ptsz(sym, cls, params, args)                                           \
+    PER_THREAD_EXPORT(sym##_ptsz, cls, sym##_hook, params, args)
+#define PER_THREAD_ptds(sym, cls, params, args)                                           \
+    PER_THREAD_EXPORT(sym##_ptds, cls, sym##_hook, params, args)
 #define PER_THREAD_DEFINE(sym, base, from, until, cls, pt, params, args)                  \
     PER_THREAD_##pt(sym, cls, params, args)
 

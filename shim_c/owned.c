@@ -491,6 +491,28 @@ CUresult CUDAAPI cuMemFree(CUdeviceptr dptr)
     return r;
 }
 
+/* Owned memory has no stream-ordered free: the context's work is waited for
+ * (every stream: the per-thread variants name theirs by 0), then it is freed
+ * as cuMemFree frees it. Passes the gate as the synchronizing call it is. */
+CUresult CUDAAPI owned_free_async(CUdeviceptr dptr, CUstream stream)
+{
+    bool mine;
+    CUresult r = shim_enter();
+
+    (void)stream;
+    if (r != CUDA_SUCCESS || !dptr)
+        return SHIM_NOT_MINE;
+    pthread_mutex_lock(&g.lock);
+    mine = owned_find(dptr, NULL) != NULL;
+    pthread_mutex_unlock(&g.lock);
+    if (!mine)
+        return SHIM_NOT_MINE;
+    gate_enter(GATE_SYNC, "cuMemFreeAsync");
+    r = real.cuCtxSynchronize();
+    gate_leave(GATE_SYNC);
+    return r != CUDA_SUCCESS ? r : cuMemFree(dptr);
+}
+
 CUresult CUDAAPI cuMemGetAddressRange(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
 {
     struct owned_range *rg;

@@ -299,11 +299,12 @@ struct cuip_capability {
  * within the allocation (a small one shares an allocation with others). */
 #define CUIP_IPC_MAGIC 0x48495543u       /* bytes "CUIH" */
 #define CUIP_IPC_AUTH_LEN 12
+#define CUIP_PARTICIPANT_BYTES 16         /* a participant id's 32 hex digits as bytes */
 
 struct cuip_ipc_handle {
     uint32_t magic;
     uint32_t creator_pid;
-    uint8_t creator[CUIP_PARTICIPANT_LEN / 2]; /* the 32 hex digits as bytes */
+    uint8_t creator[CUIP_PARTICIPANT_BYTES];
     uint8_t resource_id[CUIP_ID_LEN];
     uint8_t authorization[CUIP_IPC_AUTH_LEN];
     uint32_t offset;

@@ -10,9 +10,11 @@
  *   state.c     the shared state `g`, its lock, entering the shim
  *   handles.c   the logical handle table and its objects
  *   io.c        bounded socket I/O and replies
- *   capability.c, multicast.c, unicast.c, staging.c, content.c   the tracked
- *               calls, the staging pool and
- *               the phase work
+ *   capability.c, multicast.c, unicast.c   the tracked VMM calls and their
+ *               phase work
+ *   unowned.c, owned.c, ipc.c   sharing the shim refuses, cudaMalloc memory it
+ *               owns, legacy IPC over tracked sharing
+ *   staging.c, content.c   the staging pool, SAVE and LOAD
  *   quiesce.c   QUIESCE: closing the gate until the process is quiet
  *   rollback.c  the way back to ACTIVE (CUIP_ROLLBACK_OPS)
  *   control.c   the control server: connections, validation, phase machine
@@ -639,6 +641,11 @@ SHIM_HIDDEN CUresult owned_granularity(CUdevice dev, size_t *gran);
  * caller's); both are tried, the first failure is returned. */
 SHIM_HIDDEN CUresult owned_unmap_range(CUdeviceptr va, size_t size);
 SHIM_HIDDEN void owned_after_fork(void);
+/* What a gated call's hook answers when the call is not the shim's business. */
+#define SHIM_NOT_MINE ((CUresult)0x7fff0001)
+/* cuMemFreeAsync of owned memory (its stream waited for, then freed), or
+ * SHIM_NOT_MINE. */
+SHIM_HIDDEN CUresult CUDAAPI owned_free_async(CUdeviceptr dptr, CUstream stream);
 
 /* ---------------------------------------------------------------- staging.c */
 /* Where a phase's staging time went (nanoseconds). The *_ns of a step are

@@ -22,6 +22,8 @@ Commands (``op`` plus arguments; integers for handles, addresses and FDs):
   recv_fd                             -> fd received over the channel
   import fd [handle_type posix] [close true]  -> handle
   unmap va size | release handle | retain va -> handle | address_free va size
+  alloc size -> va (cuMemAlloc) | free va | address_range va -> base, size
+  ipc_get va -> handle (64 bytes, hex) | ipc_open handle -> va | ipc_close va
   close fd | sync | pid -> pid | mem_info -> free, total | device -> name, driver_version
   host_copy va size                   DtoH and HtoD through pinned memory -> seconds, GB/s
   exec code                           runs a Python snippet -> result (what it left in ``result``)
@@ -57,6 +59,7 @@ from typing import Any
 from cuda.bindings import driver as cu  # type: ignore[import-untyped]
 
 CHUNK = 32 << 20
+IPC_HANDLE_SIZE = 64  # CUipcMemHandle
 
 
 class CudaCallError(Exception):
@@ -250,6 +253,31 @@ class Worker:
 
     def do_address_free(self, va: int, size: int) -> dict[str, Any]:
         check("cuMemAddressFree", cu.cuMemAddressFree(self._va(va), size))
+        return {}
+
+    def do_alloc(self, size: int) -> dict[str, Any]:
+        return {"va": int(check("cuMemAlloc", cu.cuMemAlloc(size)))}
+
+    def do_free(self, va: int) -> dict[str, Any]:
+        check("cuMemFree", cu.cuMemFree(self._va(va)))
+        return {}
+
+    def do_address_range(self, va: int) -> dict[str, Any]:
+        base, size = check("cuMemGetAddressRange", cu.cuMemGetAddressRange(self._va(va)))
+        return {"base": int(base), "size": int(size)}
+
+    def do_ipc_get(self, va: int) -> dict[str, Any]:
+        handle = check("cuIpcGetMemHandle", cu.cuIpcGetMemHandle(self._va(va)))
+        return {"handle": ctypes.string_at(handle.getPtr(), IPC_HANDLE_SIZE).hex()}
+
+    def do_ipc_open(self, handle: str) -> dict[str, Any]:
+        raw = ctypes.create_string_buffer(bytes.fromhex(handle), IPC_HANDLE_SIZE)
+        ipc = cu.CUipcMemHandle(_ptr=ctypes.addressof(raw))
+        lazy = cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        return {"va": int(check("cuIpcOpenMemHandle", cu.cuIpcOpenMemHandle(ipc, lazy)))}
+
+    def do_ipc_close(self, va: int) -> dict[str, Any]:
+        check("cuIpcCloseMemHandle", cu.cuIpcCloseMemHandle(self._va(va)))
         return {}
 
     def do_close(self, fd: int) -> dict[str, Any]:

@@ -70,17 +70,30 @@ static socklen_t ck_addr(struct sockaddr_un *a, int pid)
 
 /* ---- the target's side (sim.mu held for the memory work) -------------- */
 
-/* A process holding memory of another process (an import) or a multicast
- * object cannot be restored, as observed on the real driver for imports. */
-static int any_unrestorable(void)
+/* Why the restore of this process fails, or CUDA_SUCCESS: it holds memory
+ * of another process or a multicast object, as observed on the real driver
+ * for imports. A legacy IPC import (cuIpcOpenMemHandle) was seen to fail
+ * with CUDA_ERROR_INVALID_VALUE, a VMM import with NOT_SUPPORTED once, then
+ * OPERATING_SYSTEM on every later attempt. */
+static CUresult restore_refusal(void)
 {
+    int ipc = 0, other = 0;
+
     for (int i = 0; i < SIM_MAX_OBJS; i++) {
         const struct sim_obj *o = &sim.objs[i];
 
-        if (o->used && (o->foreign || o->kind == SIM_KIND_MULTICAST))
-            return 1;
+        if (!o->used)
+            continue;
+        if (o->foreign && o->origin == SIM_FROM_IPC)
+            ipc = 1;
+        else if (o->foreign || o->kind == SIM_KIND_MULTICAST)
+            other = 1;
     }
-    return 0;
+    if (ipc)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (other)
+        return sim.restore_refused++ ? CUDA_ERROR_OPERATING_SYSTEM : CUDA_ERROR_NOT_SUPPORTED;
+    return CUDA_SUCCESS;
 }
 
 static int io_all(int fd, void *buf, size_t n, int write_it)
@@ -197,6 +210,7 @@ static CUresult recreate(struct sim_obj *o)
     r = sim_alloc_memfd(o->size, &o->props, &fd, &meta);
     if (r != CUDA_SUCCESS)
         return r;
+    meta->alloc_id = o->id;
     if (io_all(fd, o->saved, o->size, 1) != 0) {
         munmap(meta, SIM_META_SIZE);
         close(fd);
@@ -288,11 +302,8 @@ static CUresult do_op(const struct ck_req *q)
         if (sim.ck_state != CU_PROCESS_STATE_CHECKPOINTED)
             return CUDA_ERROR_ILLEGAL_STATE;
         sim_lock();
-        /* The real driver refuses the first restore of such a process with
-         * NOT_SUPPORTED and every later attempt with OPERATING_SYSTEM. */
-        if (any_unrestorable())
-            r = sim.restore_refused++ ? CUDA_ERROR_OPERATING_SYSTEM : CUDA_ERROR_NOT_SUPPORTED;
-        else
+        r = restore_refusal();
+        if (r == CUDA_SUCCESS)
             r = restore_memory();
         sim_unlock();
         if (r == CUDA_SUCCESS)

@@ -26,7 +26,7 @@ static CUresult check_side(uintptr_t p, size_t n, int dev, int write, int must_b
     if (p == 0)
         return CUDA_ERROR_INVALID_VALUE;
     if (sim_is_device_ptr(p))
-        return sim_range_check(p, n, dev, write);
+        return sim_copy_range_check(p, n, dev, write);
     return must_be_device ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
 }
 

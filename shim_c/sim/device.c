@@ -12,7 +12,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 /* The calling thread's context stack (cuCtxPush/Pop, cuCtxSetCurrent):
  * per-thread by definition, so it cannot live in struct sim_state. */
@@ -42,6 +44,39 @@ struct sim_ctx *sim_ctx_check(CUcontext c)
     if (p >= &sim.ctxs[0] && p < &sim.ctxs[SIM_MAX_CTXS] && p->used)
         return p;
     return NULL;
+}
+
+struct sim_ctx *sim_current_ctx(void)
+{
+    struct sim_ctx *c = current();
+
+    return c && c->used ? c : NULL;
+}
+
+/* A context's index in the peer tables: primaries first, then created. */
+int sim_ctx_slot(const struct sim_ctx *c)
+{
+    if (c >= &sim.primary[0] && c < &sim.primary[SIM_MAX_DEVICES])
+        return (int)(c - sim.primary);
+    return SIM_MAX_DEVICES + (int)(c - sim.ctxs);
+}
+
+/* sim.mu held: may device `dev` access the cuMemAlloc memory of `owner`?
+ * Its own device may; another one once a context of it enabled peer
+ * access to `owner` (peer.c). */
+int sim_dev_sees_ctx(int dev, const struct sim_ctx *owner)
+{
+    int slot = sim_ctx_slot(owner);
+
+    if (dev == owner->dev)
+        return 1;
+    for (int i = 0; i < SIM_MAX_DEVICES; i++)
+        if (sim.primary[i].used && sim.primary[i].dev == dev && sim.primary[i].peer[slot])
+            return 1;
+    for (int i = 0; i < SIM_MAX_CTXS; i++)
+        if (sim.ctxs[i].used && sim.ctxs[i].dev == dev && sim.ctxs[i].peer[slot])
+            return 1;
+    return 0;
 }
 
 CUresult sim_current_dev(int *dev)
@@ -329,6 +364,8 @@ static CUresult device_attr(int *pi, CUdevice_attribute attrib, CUdevice dev)
     case CU_DEVICE_ATTRIBUTE_CLOCK_RATE: *pi = 1980000; break;
     case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: *pi = 5120; break;
     case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS: *pi = 1; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_PITCH: *pi = (int)SIM_MAX_PITCH; break;
+    case CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED: *pi = 1; break; /* ipc.c */
     default: *pi = 0; break;
     }
     return CUDA_SUCCESS;
@@ -559,8 +596,16 @@ static CUresult ctx_destroy(CUcontext ctx)
 
     sim_lock();
     c = sim_ctx_check(ctx);
-    if (c && !c->primary)
+    if (c && !c->primary) {
+        int slot = sim_ctx_slot(c);
+
         c->used = 0;
+        /* Peer access to a context ends with it. */
+        for (int i = 0; i < SIM_MAX_DEVICES; i++)
+            sim.primary[i].peer[slot] = 0;
+        for (int i = 0; i < SIM_MAX_CTXS; i++)
+            sim.ctxs[i].peer[slot] = 0;
+    }
     sim_unlock();
     if (!c || c->primary)
         return CUDA_ERROR_INVALID_CONTEXT;
@@ -1066,26 +1111,87 @@ static struct sim_event *event_check(CUevent h)
     return NULL;
 }
 
-static CUresult event_create(CUevent *ph, unsigned int flags)
+/* An interprocess event's state lives in a memfd page that the processes
+ * holding the event map (ipc.c hands out the memfd). */
+static CUresult event_shared_new(struct sim_event *e)
+{
+    struct sim_event_shared *sh;
+    int fd = memfd_create("cuinterpose-sim-event", MFD_CLOEXEC);
+
+    if (fd < 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (ftruncate(fd, (off_t)sizeof(*sh)) != 0)
+        goto fail;
+    sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (sh == MAP_FAILED)
+        goto fail;
+    sh->magic = SIM_EVENT_MAGIC;
+    sh->creator_pid = (int32_t)getpid();
+    e->fd = fd;
+    e->shared = sh;
+    return CUDA_SUCCESS;
+fail:
+    close(fd);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+static void event_release(struct sim_event *e)
+{
+    if (e->shared)
+        munmap(e->shared, sizeof(*e->shared));
+    if (e->fd >= 0)
+        close(e->fd);
+    memset(e, 0, sizeof(*e));
+}
+
+struct sim_event *sim_event_check(CUevent h)
+{
+    return event_check(h);
+}
+
+CUresult sim_event_new(unsigned flags, struct sim_event **out)
 {
     struct sim_event *e = NULL;
 
-    if (!ph)
+    for (int i = 0; i < SIM_MAX_EVENTS && !e; i++)
+        if (!sim.events[i].used)
+            e = &sim.events[i];
+    if (!e)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    memset(e, 0, sizeof(*e));
+    e->used = 1;
+    e->flags = flags;
+    e->t_ms = -1;
+    e->fd = -1;
+    *out = e;
+    return CUDA_SUCCESS;
+}
+
+#define EVENT_FLAGS_KNOWN \
+    ((unsigned)(CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS))
+
+static CUresult event_create(CUevent *ph, unsigned int flags)
+{
+    struct sim_event *e = NULL;
+    CUresult r;
+
+    if (!ph || (flags & ~EVENT_FLAGS_KNOWN))
+        return CUDA_ERROR_INVALID_VALUE;
+    /* An interprocess event cannot time (cuda.h). */
+    if ((flags & CU_EVENT_INTERPROCESS) && !(flags & CU_EVENT_DISABLE_TIMING))
         return CUDA_ERROR_INVALID_VALUE;
     if (!current())
         return CUDA_ERROR_INVALID_CONTEXT;
     sim_lock();
-    for (int i = 0; i < SIM_MAX_EVENTS && !e; i++)
-        if (!sim.events[i].used)
-            e = &sim.events[i];
-    if (e) {
-        e->used = 1;
-        e->flags = flags;
-        e->t_ms = -1;
+    r = sim_event_new(flags, &e);
+    if (r == CUDA_SUCCESS && (flags & CU_EVENT_INTERPROCESS)) {
+        r = event_shared_new(e);
+        if (r != CUDA_SUCCESS)
+            event_release(e);
     }
     sim_unlock();
-    if (!e)
-        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (r != CUDA_SUCCESS)
+        return r;
     *ph = (CUevent)e;
     return CUDA_SUCCESS;
 }
@@ -1102,7 +1208,7 @@ static CUresult event_destroy(CUevent h)
     sim_lock();
     e = event_check(h);
     if (e)
-        e->used = 0;
+        event_release(e);
     sim_unlock();
     return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
@@ -1121,8 +1227,12 @@ static CUresult event_record(CUevent h, CUstream s)
         return r;
     sim_lock();
     e = event_check(h);
-    if (e)
+    if (e) {
         e->t_ms = sim_now_ms();
+        /* Seen by every process holding an interprocess event. */
+        if (e->shared)
+            atomic_fetch_add(&e->shared->records, 1);
+    }
     sim_unlock();
     return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
@@ -1187,6 +1297,8 @@ static CUresult event_elapsed(float *ms, CUevent a, CUevent b)
     eb = event_check(b);
     if (!ea || !eb)
         r = CUDA_ERROR_INVALID_HANDLE;
+    else if ((ea->flags | eb->flags) & CU_EVENT_DISABLE_TIMING)
+        r = CUDA_ERROR_INVALID_HANDLE; /* cuda.h: such events do not time */
     else if (ea->t_ms < 0 || eb->t_ms < 0)
         r = CUDA_ERROR_INVALID_HANDLE;
     else

@@ -133,22 +133,26 @@ void sim_mc_drop_binds(struct sim_obj *mc)
 
 /* The bound member's memfd, opened through the binding process; -1 when
  * that process or that memory is gone. */
-static int member_open(const struct sim_bind *b)
+int sim_peer_fd_open(int32_t pid, int32_t peer_fd, uint64_t ino, uint64_t dev)
 {
     char path[64];
     struct stat st;
     int fd;
 
-    snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)b->pid, (int)b->mem_fd);
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)pid, (int)peer_fd);
     fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0)
         return -1;
-    if (fstat(fd, &st) != 0 || (uint64_t)st.st_ino != b->mem_ino ||
-        (uint64_t)st.st_dev != b->mem_dev) {
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_ino != ino || (uint64_t)st.st_dev != dev) {
         close(fd);
         return -1;
     }
     return fd;
+}
+
+static int member_open(const struct sim_bind *b)
+{
+    return sim_peer_fd_open(b->pid, b->mem_fd, b->mem_ino, b->mem_dev);
 }
 
 /* [off, off + n) of `mc`, whose bytes are at `src`, to every member bound

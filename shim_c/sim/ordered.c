@@ -1,14 +1,11 @@
 /* Stream-ordered work that is not a copy: value writes and waits (and their
- * batch form), and stream-ordered allocation.
+ * batch form); stream-ordered allocation is pool.c's.
  *
  * A write or a wait is checked when called (a mapped, accessible, aligned
  * device word) and queued on its stream like a copy (device.c): a wait holds
  * its queue until the word satisfies it, as it holds a GPU stream, so later
  * work on that stream waits too. Memory gone when the work runs fails the
- * context (the GPU's illegal address). Stream-ordered allocation has one
- * pool per device, its default; an allocation is made when called (usable
- * from then on, which stream order allows) and freed when its stream
- * reaches the free. */
+ * context (the GPU's illegal address). */
 #include "sim.h"
 
 #include <time.h>
@@ -302,114 +299,4 @@ CUresult CUDAAPI sim_batch_mem_op_v1_ptsz(CUstream s, unsigned int count,
                                           unsigned int flags)
 {
     SIM_API(batch_mem_op(sim_per_thread(s), count, paramArray, flags, 1));
-}
-
-/* ---- stream-ordered allocation ---------------------------------------- */
-
-/* A pool handle is the address of a device's entry in sim.pools. */
-static CUresult default_pool(CUmemoryPool *pool, CUdevice dev)
-{
-    if (!pool)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (!sim_dev_valid(dev))
-        return CUDA_ERROR_INVALID_DEVICE;
-    sim_lock();
-    sim.pools[dev] = (struct sim_pool){.used = 1, .dev = dev};
-    sim_unlock();
-    *pool = (CUmemoryPool)&sim.pools[dev];
-    return CUDA_SUCCESS;
-}
-
-CUresult CUDAAPI cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev)
-{
-    SIM_API(default_pool(pool_out, dev));
-}
-
-/* The device of pool `h`; -1 when it names none. */
-static int pool_device(CUmemoryPool h)
-{
-    struct sim_pool *p = (struct sim_pool *)h;
-    int dev = -1;
-
-    sim_lock();
-    if (p >= &sim.pools[0] && p < &sim.pools[SIM_MAX_DEVICES] && p->used)
-        dev = p->dev;
-    sim_unlock();
-    return dev;
-}
-
-/* On the calling context's device (the stream's, in this simulator's
- * one-context-per-device use); `pool` NULL is that device's default. */
-static CUresult alloc_async(CUdeviceptr *dptr, size_t n, CUmemoryPool pool, int from_pool,
-                            CUstream s)
-{
-    int dev;
-    CUresult r;
-
-    if (!dptr || n == 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    r = sim_current_dev(&dev);
-    if (r == CUDA_SUCCESS)
-        r = sim_stream_check(s);
-    if (r != CUDA_SUCCESS)
-        return r;
-    if (from_pool) {
-        int owner = pool_device(pool);
-
-        if (owner < 0)
-            return CUDA_ERROR_INVALID_VALUE;
-        if (owner != dev)
-            return CUDA_ERROR_INVALID_DEVICE;
-    }
-    return sim_mem_alloc(dptr, n);
-}
-
-CUresult CUDAAPI cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
-{
-    SIM_API(alloc_async(dptr, bytesize, NULL, 0, hStream));
-}
-
-CUresult CUDAAPI cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
-{
-    SIM_API(alloc_async(dptr, bytesize, NULL, 0, sim_per_thread(hStream)));
-}
-
-CUresult CUDAAPI cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
-                                         CUstream hStream)
-{
-    SIM_API(alloc_async(dptr, bytesize, pool, 1, hStream));
-}
-
-CUresult CUDAAPI cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize,
-                                              CUmemoryPool pool, CUstream hStream)
-{
-    SIM_API(alloc_async(dptr, bytesize, pool, 1, sim_per_thread(hStream)));
-}
-
-static CUresult run_free(struct sim_work *w)
-{
-    /* Freed already (a second free raced this one): the GPU would fault. */
-    return sim_mem_free((CUdeviceptr)w->dst) == CUDA_SUCCESS ? CUDA_SUCCESS
-                                                             : CUDA_ERROR_ILLEGAL_ADDRESS;
-}
-
-static CUresult free_async(CUdeviceptr dptr, CUstream s)
-{
-    CUresult r = sim_stream_check(s);
-
-    if (r != CUDA_SUCCESS)
-        return r;
-    if (!sim_mem_is_alloc(dptr))
-        return CUDA_ERROR_INVALID_VALUE;
-    return sim_enqueue(s, &(struct sim_work){.run = run_free, .dst = (uintptr_t)dptr});
-}
-
-CUresult CUDAAPI cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
-{
-    SIM_API(free_async(dptr, hStream));
-}
-
-CUresult CUDAAPI cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
-{
-    SIM_API(free_async(dptr, sim_per_thread(hStream)));
 }

@@ -64,6 +64,9 @@ CUresult CUDAAPI cuMulticastBindAddr_v2(CUmemGenericAllocationHandle mcHandle, C
 #define SIM_MAX_CTXS 64
 #define SIM_CTX_STACK 16
 #define SIM_MC_MAX_BINDS 64
+#define SIM_MAX_POOLS 64 /* created or imported pools, after each device's default */
+#define SIM_PITCH_ALIGN ((size_t)512) /* cuMemAllocPitch's row alignment */
+#define SIM_MAX_PITCH ((size_t)2147483647) /* CU_DEVICE_ATTRIBUTE_MAX_PITCH of an H200 */
 
 #define SIM_META_MAGIC 0x4d495350u /* "PSIM" */
 enum sim_kind { SIM_KIND_ALLOC = 1, SIM_KIND_MULTICAST = 2 };
@@ -89,6 +92,9 @@ struct sim_meta {
     uint64_t size;       /* bytes of data before this page */
     int32_t creator_pid; /* process that created the object */
     struct sim_props props;
+    /* The creator's id of the allocation (sim_obj.id), kept when a restore
+     * gives it new memory: names it to legacy IPC (ipc.c). */
+    uint64_t alloc_id;
     /* multicast team, guarded by `lock` */
     pthread_mutex_t lock;
     uint32_t num_devices;
@@ -113,6 +119,19 @@ struct sim_meta {
 };
 _Static_assert(sizeof(struct sim_meta) <= SIM_META_SIZE, "meta must fit its page");
 
+/* Where an allocation came from: VMM handles (cuMemCreate, an FD import)
+ * are the driver's generic handles; the others are memory a pointer names
+ * (freed by cuMemFree or cuIpcCloseMemHandle, not by cuMemRelease). */
+enum sim_origin {
+    SIM_FROM_VMM = 0,     /* cuMemCreate, cuMemImportFromShareableHandle */
+    SIM_FROM_ALLOC,       /* cuMemAlloc, cuMemAllocPitch */
+    SIM_FROM_POOL,        /* cuMemAllocAsync, cuMemAllocFromPoolAsync */
+    SIM_FROM_IPC,         /* cuIpcOpenMemHandle: another process's cuMemAlloc memory */
+    SIM_FROM_POOL_IMPORT, /* cuMemPoolImportPointer: another process's pool memory */
+};
+
+struct sim_pool;
+
 /* A generic allocation handle: a physical allocation or a multicast object. */
 struct sim_obj {
     int used;
@@ -120,7 +139,16 @@ struct sim_obj {
     int fd;                     /* our own reference on the memfd */
     int imported;               /* came from cuMemImportFromShareableHandle */
     int foreign;                /* imported from another process */
-    int legacy;                 /* made by cuMemAlloc: freed by cuMemFree */
+    int legacy;                 /* not a VMM handle (origin other than SIM_FROM_VMM) */
+    int origin;                 /* enum sim_origin */
+    uint64_t bytes;             /* a pointer's allocation: the size asked for */
+    struct sim_ctx *ctx;        /* the context it was allocated (or opened) in */
+    struct sim_pool *pool;      /* SIM_FROM_POOL: the pool; POOL_IMPORT: the imported pool */
+    unsigned long long id;      /* process-wide unique (BUFFER_ID, MEMORY_BLOCK_ID) */
+    int ipc_refs;               /* SIM_FROM_IPC: opens not yet closed */
+    /* SIM_FROM_IPC / POOL_IMPORT: the exporter's memfd as its handle named it */
+    int32_t peer_pid;
+    uint64_t peer_ino, peer_dev;
     int handle_refs;            /* create/import/retain minus release */
     int map_count;              /* mappings referencing it */
     CUmemGenericAllocationHandle handle;
@@ -203,6 +231,9 @@ struct sim_ctx {
     int refs;     /* primary: retain count */
     unsigned flags;
     unsigned long long id;
+    /* cuCtxEnablePeerAccess: this context may access the cuMemAlloc memory
+     * of the context in slot i (sim_ctx_slot) */
+    uint8_t peer[SIM_MAX_DEVICES + SIM_MAX_CTXS];
 };
 
 struct sim_stream {
@@ -222,10 +253,22 @@ struct sim_array {
     size_t height; /* rows (1 for a 1D array) */
 };
 
+/* An interprocess event's state, in a memfd page every process that holds
+ * the event maps (ipc.c). */
+#define SIM_EVENT_MAGIC 0x56455053u /* "SPEV" */
+struct sim_event_shared {
+    uint32_t magic;
+    int32_t creator_pid;
+    _Atomic uint64_t records; /* cuEventRecord calls, in any process */
+};
+
 struct sim_event {
     int used;
     unsigned flags;
     double t_ms;
+    int opened;                      /* cuIpcOpenEventHandle */
+    int fd;                          /* CU_EVENT_INTERPROCESS: the shared page's memfd */
+    struct sim_event_shared *shared; /* mapped; NULL for a process-local event */
 };
 
 /* Device-wide memory use, shared between every simulated process of one
@@ -256,10 +299,18 @@ struct sim_state {
     struct sim_map maps[SIM_MAX_MAPS];
     struct sim_host host[SIM_MAX_HOST];
     struct sim_array arrays[SIM_MAX_ARRAYS];
+    /* Each device's default pool, then created and imported ones (pool.c). */
     struct sim_pool {
-        int used; /* handed out by cuDeviceGetDefaultMemPool */
+        int used;    /* default: handed out by cuDeviceGetDefaultMemPool */
         int dev;
-    } pools[SIM_MAX_DEVICES]; /* each device's default pool (ordered.c) */
+        int created; /* cuMemPoolCreate */
+        int imported; /* cuMemPoolImportFromShareableHandle: allocates nothing */
+        uint64_t handle_types;
+        unsigned long long id; /* names the pool across processes: pid, number */
+        int fd;      /* exportable: the token memfd an export dups (-1: none) */
+    } pools[SIM_MAX_DEVICES + SIM_MAX_POOLS];
+    unsigned long long next_obj_id;
+    unsigned next_pool_number;
     struct sim_ctx primary[SIM_MAX_DEVICES];
     struct sim_ctx ctxs[SIM_MAX_CTXS];
     struct sim_stream streams[SIM_MAX_STREAMS];
@@ -315,6 +366,15 @@ SIM_HIDDEN unsigned long long sim_acct_used(int dev);
 SIM_HIDDEN int sim_dev_valid(CUdevice dev);
 SIM_HIDDEN CUresult sim_current_dev(int *dev);
 SIM_HIDDEN struct sim_ctx *sim_ctx_check(CUcontext c);
+/* The calling thread's current context, NULL when none (or destroyed). */
+SIM_HIDDEN struct sim_ctx *sim_current_ctx(void);
+SIM_HIDDEN int sim_ctx_slot(const struct sim_ctx *c);
+/* sim.mu held: may device `dev` access the cuMemAlloc memory of `owner`
+ * (its own device, or peer access enabled from a context of `dev`)? */
+SIM_HIDDEN int sim_dev_sees_ctx(int dev, const struct sim_ctx *owner);
+/* Events (sim.mu held): a live event, or NULL; a new one with `flags`. */
+SIM_HIDDEN struct sim_event *sim_event_check(CUevent h);
+SIM_HIDDEN CUresult sim_event_new(unsigned flags, struct sim_event **out);
 SIM_HIDDEN CUresult sim_stream_check(CUstream s);
 /* Queue a copy of `work` on stream `s` of the current context; its ctx and dev
  * are set here (dev: the context's device), the copy is freed once run. */
@@ -340,10 +400,26 @@ SIM_HIDDEN CUresult sim_obj_new(int kind, int fd, struct sim_meta *meta, uint64_
 SIM_HIDDEN CUresult sim_alloc_memfd(uint64_t size, const struct sim_props *p, int *fd,
                                     struct sim_meta **meta_out);
 SIM_HIDDEN CUresult sim_range_check(uintptr_t p, size_t n, int dev, int want_write);
+/* The same for a copy: cuMemAlloc-like memory is copied from any device
+ * (the driver stages what the device cannot reach). */
+SIM_HIDDEN CUresult sim_copy_range_check(uintptr_t p, size_t n, int dev, int want_write);
 SIM_HIDDEN int sim_is_device_ptr(uintptr_t p);
 SIM_HIDDEN CUresult sim_map_apply_prot(struct sim_map *m);
-/* cuMemAlloc / cuMemFree (sim.mu not held): also the stream-ordered ones. */
+/* cuMemAlloc / cuMemFree (sim.mu not held): also the stream-ordered ones,
+ * and the pointers of pool imports. */
 SIM_HIDDEN CUresult sim_mem_alloc(CUdeviceptr *dptr, size_t bytes);
+/* `bytes` of memory named by a pointer (enum sim_origin), of the current
+ * context (of `pool`'s device when given). */
+SIM_HIDDEN CUresult sim_mem_alloc_from(CUdeviceptr *dptr, size_t bytes, int origin,
+                                       struct sim_pool *pool);
+/* An allocation FD someone handed over becomes an imported object (the FD
+ * is taken, closed on failure). sim.mu not held. */
+SIM_HIDDEN CUresult sim_obj_import_fd(int fd, struct sim_obj **out);
+/* All of `o` mapped at a new VA, and back (sim.mu not held). */
+SIM_HIDDEN CUresult sim_map_fresh(struct sim_obj *o, uintptr_t *va_out);
+SIM_HIDDEN CUresult sim_unmap_fresh(uintptr_t va);
+/* sim.mu held: peer access changed; cuMemAlloc mappings follow it. */
+SIM_HIDDEN void sim_legacy_access_refresh(void);
 SIM_HIDDEN CUresult sim_mem_free(CUdeviceptr dptr);
 SIM_HIDDEN int sim_mem_is_alloc(CUdeviceptr dptr);
 
@@ -358,6 +434,9 @@ SIM_HIDDEN void sim_mc_drop_binds(struct sim_obj *mc);
 /* sim.mu held, after `n` bytes were written at device address `va`: the
  * part that lies in multicast mappings reaches every member bound there. */
 SIM_HIDDEN CUresult sim_mc_mirror(uintptr_t va, size_t n);
+/* Another process's FD `fd`, opened through /proc (same user) when it is
+ * still the file of inode `ino` on `dev`; -1 otherwise. */
+SIM_HIDDEN int sim_peer_fd_open(int32_t pid, int32_t fd, uint64_t ino, uint64_t dev);
 
 /* checkpoint.c */
 SIM_HIDDEN int sim_service_start(void);
@@ -365,6 +444,10 @@ SIM_HIDDEN int sim_service_start(void);
 /* Entry points whose ABI the 13.x header only declares for the driver's own
  * build (legacy versions still handed out by cuGetProcAddress). */
 SIM_EXPORT CUresult CUDAAPI cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
+/* cuIpcOpenMemHandle's 4.1 ABI under its exported name (the header maps
+ * the name to _v2, whose signature is the same). */
+SIM_EXPORT CUresult CUDAAPI sim_ipc_open_mem_v1(CUdeviceptr *pdptr, CUipcMemHandle handle,
+                                                unsigned int Flags) __asm__("cuIpcOpenMemHandle");
 SIM_EXPORT int cuinterposeSimIsSimulated(void);
 /* The 12.8 batch copies under their exported names (the header maps both
  * names to the 13.0 ABI, _v2). */

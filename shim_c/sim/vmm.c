@@ -119,6 +119,8 @@ CUresult sim_obj_new(int kind, int fd, struct sim_meta *meta, uint64_t size, str
         o->handle_refs = 1;
         o->props = meta->props;
         o->handle = sim.next_handle;
+        /* Unique beyond this process: an IPC open keeps its creator's. */
+        o->id = ((unsigned long long)getpid() << 32) | ++sim.next_obj_id;
         sim.next_handle += 0x10;
         *out = o;
         return CUDA_SUCCESS;
@@ -143,10 +145,26 @@ CUresult sim_map_apply_prot(struct sim_map *m)
     return CUDA_SUCCESS;
 }
 
-/* [p, p+n) must be mapped throughout, with the access the calling device
- * needs. A copy from or to anything else is refused with
- * CUDA_ERROR_INVALID_VALUE before any byte moves: never a fault. */
-CUresult sim_range_check(uintptr_t p, size_t n, int dev, int want_write)
+/* Memory a pointer names (cuMemAlloc and the like) ends where its
+ * allocation ends, not where its granule does. */
+static uintptr_t map_end(const struct sim_map *m)
+{
+    const struct sim_obj *o = &sim.objs[m->obj];
+    uintptr_t end = m->va + m->size;
+
+    if (o->legacy && o->bytes) {
+        uintptr_t alloc_end = m->va - m->offset + o->bytes;
+
+        if (alloc_end < end)
+            end = alloc_end;
+    }
+    return end;
+}
+
+/* `copy`: the driver copies cuMemAlloc-like memory from any device's
+ * context (staged when the device has no peer access); everything else,
+ * and VMM memory always, needs the calling device's own access. */
+static CUresult range_check(uintptr_t p, size_t n, int dev, int want_write, int copy)
 {
     uintptr_t cur = p, end;
 
@@ -159,16 +177,31 @@ CUresult sim_range_check(uintptr_t p, size_t n, int dev, int want_write)
         struct sim_map *m = sim_map_find(cur);
         unsigned acc;
 
-        if (!m || m->taken)
+        if (!m || m->taken || cur >= map_end(m))
             return CUDA_ERROR_INVALID_VALUE;
         acc = m->access[dev];
+        if (copy && sim.objs[m->obj].legacy)
+            acc = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
         if (acc == CU_MEM_ACCESS_FLAGS_PROT_NONE)
             return CUDA_ERROR_INVALID_VALUE;
         if (want_write && acc != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
             return CUDA_ERROR_INVALID_VALUE;
-        cur = m->va + m->size;
+        cur = map_end(m);
     }
     return CUDA_SUCCESS;
+}
+
+/* [p, p+n) must be mapped throughout, with the access the calling device
+ * needs. A copy from or to anything else is refused with
+ * CUDA_ERROR_INVALID_VALUE before any byte moves: never a fault. */
+CUresult sim_range_check(uintptr_t p, size_t n, int dev, int want_write)
+{
+    return range_check(p, n, dev, want_write, 0);
+}
+
+CUresult sim_copy_range_check(uintptr_t p, size_t n, int dev, int want_write)
+{
+    return range_check(p, n, dev, want_write, 1);
 }
 
 /* ---- granularity and properties --------------------------------------- */
@@ -338,6 +371,7 @@ static CUresult create_alloc(struct sim_obj **out, size_t size, const CUmemAlloc
     r = sim_obj_new(SIM_KIND_ALLOC, fd, meta, size, &o);
     if (r != CUDA_SUCCESS)
         goto fail;
+    meta->alloc_id = o->id;
     sim_acct_add(prop->location.id, (long long)size);
     *out = o;
     return CUDA_SUCCESS;
@@ -787,13 +821,40 @@ static CUresult open_meta(int fd, uint64_t *size, struct sim_meta **meta_out)
     return CUDA_SUCCESS;
 }
 
-static CUresult import_handle(CUmemGenericAllocationHandle *h, void *os_handle,
-                              CUmemAllocationHandleType type)
+/* Takes `fd` (closed on failure). sim.mu not held. */
+CUresult sim_obj_import_fd(int fd, struct sim_obj **out)
 {
     struct sim_meta *meta = NULL;
     struct sim_obj *o;
     uint64_t size;
-    int fd = -1;
+    CUresult r;
+
+    r = open_meta(fd, &size, &meta);
+    if (r != CUDA_SUCCESS)
+        goto fail;
+    sim_lock();
+    r = sim_obj_new((int)meta->kind, fd, meta, size, &o);
+    if (r == CUDA_SUCCESS) {
+        o->imported = 1;
+        o->foreign = meta->creator_pid != (int32_t)getpid();
+        *out = o;
+    }
+    sim_unlock();
+    if (r != CUDA_SUCCESS)
+        goto fail;
+    return CUDA_SUCCESS;
+fail:
+    if (meta)
+        munmap(meta, SIM_META_SIZE);
+    close(fd);
+    return r;
+}
+
+static CUresult import_handle(CUmemGenericAllocationHandle *h, void *os_handle,
+                              CUmemAllocationHandleType type)
+{
+    struct sim_obj *o;
+    int fd;
     CUresult r;
 
     if (!h)
@@ -808,24 +869,9 @@ static CUresult import_handle(CUmemGenericAllocationHandle *h, void *os_handle,
     fd = fcntl((int)(intptr_t)os_handle, F_DUPFD_CLOEXEC, 0);
     if (fd < 0)
         return CUDA_ERROR_UNKNOWN;
-    r = open_meta(fd, &size, &meta);
-    if (r != CUDA_SUCCESS)
-        goto fail;
-    sim_lock();
-    r = sim_obj_new((int)meta->kind, fd, meta, size, &o);
-    if (r == CUDA_SUCCESS) {
-        o->imported = 1;
-        o->foreign = meta->creator_pid != (int32_t)getpid();
-        *h = o->handle;
-    }
-    sim_unlock();
-    if (r != CUDA_SUCCESS)
-        goto fail;
-    return CUDA_SUCCESS;
-fail:
-    if (meta)
-        munmap(meta, SIM_META_SIZE);
-    close(fd);
+    r = sim_obj_import_fd(fd, &o);
+    if (r == CUDA_SUCCESS)
+        *h = o->handle; /* read under no lock: the value never changes */
     return r;
 }
 
@@ -836,14 +882,81 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *ha
     SIM_API(import_handle(handle, osHandle, shHandleType));
 }
 
-/* ---- cuMemAlloc: a private VMM allocation with full access ------------ */
+/* ---- memory a pointer names: fresh mappings ------------------------- */
 
-CUresult sim_mem_alloc(CUdeviceptr *dptr, size_t bytes)
+/* Map all of `o` at a new VA (sim.mu not held). */
+CUresult sim_map_fresh(struct sim_obj *o, uintptr_t *va_out)
+{
+    CUdeviceptr va = 0;
+    CUresult r = reserve(&va, o->size, 0, 0, 0);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    sim_lock();
+    r = map_locked((uintptr_t)va, o->size, 0, o);
+    sim_unlock();
+    if (r != CUDA_SUCCESS) {
+        address_free(va, o->size);
+        return r;
+    }
+    *va_out = (uintptr_t)va;
+    return CUDA_SUCCESS;
+}
+
+/* Undo sim_map_fresh: the mapping at `va` and its reservation go; the
+ * object goes with its last reference (sim.mu not held). */
+CUresult sim_unmap_fresh(uintptr_t va)
+{
+    struct sim_map *m;
+    size_t size;
+
+    sim_lock();
+    m = sim_map_find(va);
+    if (!m || m->va != va) {
+        sim_unlock();
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    size = m->size;
+    sim.objs[m->obj].handle_refs = 0;
+    unmap_one(m);
+    sim_unlock();
+    return address_free(va, size);
+}
+
+/* Which devices may access `o`'s mapping `m` (sim.mu held): cuMemAlloc
+ * memory its own device, and every device whose context enabled peer
+ * access to the allocating one (device.c); pool memory its device. */
+static void legacy_access(struct sim_map *m, const struct sim_obj *o)
+{
+    for (int d = 0; d < SIM_MAX_DEVICES; d++) {
+        int ok = d == o->props.loc_id;
+
+        if (!ok && o->origin == SIM_FROM_ALLOC && o->ctx)
+            ok = d < sim.ndev && sim_dev_sees_ctx(d, o->ctx);
+        m->access[d] = ok ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
+    }
+}
+
+void sim_legacy_access_refresh(void)
+{
+    for (int i = 0; i < SIM_MAX_MAPS; i++) {
+        struct sim_map *m = &sim.maps[i];
+
+        if (m->used && !m->taken && sim.objs[m->obj].origin == SIM_FROM_ALLOC) {
+            legacy_access(m, &sim.objs[m->obj]);
+            (void)sim_map_apply_prot(m); /* the own device keeps RW: no change */
+        }
+    }
+}
+
+/* cuMemAlloc and its kin: a private allocation of the current context's
+ * device, mapped at a new VA. */
+CUresult sim_mem_alloc_from(CUdeviceptr *dptr, size_t bytes, int origin, struct sim_pool *pool)
 {
     CUmemAllocationProp prop = {0};
-    CUdeviceptr va = 0;
     struct sim_obj *o = NULL;
     struct sim_map *m;
+    uintptr_t va;
     size_t size;
     int dev;
     CUresult r;
@@ -853,41 +966,49 @@ CUresult sim_mem_alloc(CUdeviceptr *dptr, size_t bytes)
     r = sim_current_dev(&dev);
     if (r != CUDA_SUCCESS)
         return r;
+    if (bytes > UINT64_MAX - SIM_GRANULARITY)
+        return CUDA_ERROR_OUT_OF_MEMORY;
     size = (bytes + SIM_GRANULARITY - 1) & ~(SIM_GRANULARITY - 1);
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = dev;
-    r = reserve(&va, size, 0, 0, 0);
-    if (r != CUDA_SUCCESS)
-        return r;
+    prop.location.id = pool ? pool->dev : dev;
+    if (pool)
+        prop.requestedHandleTypes = (CUmemAllocationHandleType)pool->handle_types;
     sim_lock();
     r = create_alloc(&o, size, &prop);
-    if (r != CUDA_SUCCESS)
-        goto fail;
-    o->legacy = 1;
-    r = map_locked((uintptr_t)va, size, 0, o);
-    if (r != CUDA_SUCCESS)
-        goto fail;
-    m = sim_map_find((uintptr_t)va);
-    for (int d = 0; d < sim.ndev; d++)
-        m->access[d] = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    r = sim_map_apply_prot(m);
-    if (r != CUDA_SUCCESS) {
-        unmap_one(m);
-        o = NULL;
-        goto fail;
+    if (r == CUDA_SUCCESS) {
+        o->legacy = 1;
+        o->origin = origin;
+        o->bytes = bytes;
+        o->ctx = sim_current_ctx();
+        o->pool = pool;
     }
     sim_unlock();
-    *dptr = va;
-    return CUDA_SUCCESS;
-fail:
-    if (o) {
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = sim_map_fresh(o, &va);
+    sim_lock();
+    if (r != CUDA_SUCCESS) {
         o->handle_refs = 0;
         sim_obj_unref(o);
+        sim_unlock();
+        return r;
     }
+    m = sim_map_find(va);
+    legacy_access(m, o);
+    r = sim_map_apply_prot(m);
     sim_unlock();
-    address_free(va, size);
-    return r;
+    if (r != CUDA_SUCCESS) {
+        sim_unmap_fresh(va);
+        return r;
+    }
+    *dptr = (CUdeviceptr)va;
+    return CUDA_SUCCESS;
+}
+
+CUresult sim_mem_alloc(CUdeviceptr *dptr, size_t bytes)
+{
+    return sim_mem_alloc_from(dptr, bytes, SIM_FROM_ALLOC, NULL);
 }
 
 CUresult CUDAAPI cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
@@ -895,36 +1016,64 @@ CUresult CUDAAPI cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     SIM_API(sim_mem_alloc(dptr, bytesize));
 }
 
+/* Rows padded to SIM_PITCH_ALIGN bytes; the element size must be one of
+ * cuda.h's and a row no wider than the device's maximum pitch. */
+static CUresult alloc_pitch(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
+                            unsigned elem)
+{
+    size_t p;
+    CUresult r;
+
+    if (!dptr || !pitch || width == 0 || height == 0 || width > SIM_MAX_PITCH)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (elem != 4 && elem != 8 && elem != 16)
+        return CUDA_ERROR_INVALID_VALUE;
+    p = (width + SIM_PITCH_ALIGN - 1) & ~(SIM_PITCH_ALIGN - 1);
+    if (height > SIZE_MAX / p)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    r = sim_mem_alloc(dptr, p * height);
+    if (r == CUDA_SUCCESS)
+        *pitch = p;
+    return r;
+}
+
+CUresult CUDAAPI cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes,
+                                    size_t Height, unsigned int ElementSizeBytes)
+{
+    SIM_API(alloc_pitch(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes));
+}
+
+/* What cuMemFree frees: memory from cuMemAlloc, a pool, or a pool import
+ * (an IPC-opened pointer is closed by cuIpcCloseMemHandle instead). */
+static int freeable(const struct sim_map *m, CUdeviceptr dptr)
+{
+    int origin;
+
+    if (!m || m->va != (uintptr_t)dptr)
+        return 0;
+    origin = sim.objs[m->obj].origin;
+    return origin == SIM_FROM_ALLOC || origin == SIM_FROM_POOL || origin == SIM_FROM_POOL_IMPORT;
+}
+
 int sim_mem_is_alloc(CUdeviceptr dptr)
 {
-    struct sim_map *m;
     int ok;
 
     sim_lock();
-    m = sim_map_find((uintptr_t)dptr);
-    ok = m && m->va == (uintptr_t)dptr && sim.objs[m->obj].legacy;
+    ok = freeable(sim_map_find((uintptr_t)dptr), dptr);
     sim_unlock();
     return ok;
 }
 
 CUresult sim_mem_free(CUdeviceptr dptr)
 {
-    struct sim_map *m;
-    struct sim_obj *o;
-    size_t size;
+    int ok;
 
     sim_lock();
-    m = sim_map_find((uintptr_t)dptr);
-    if (!m || m->va != (uintptr_t)dptr || !sim.objs[m->obj].legacy) {
-        sim_unlock();
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    o = &sim.objs[m->obj];
-    size = m->size;
-    o->handle_refs = 0;
-    unmap_one(m);
+    ok = freeable(sim_map_find((uintptr_t)dptr), dptr);
     sim_unlock();
-    return address_free(dptr, size);
+    /* Two frees racing: the loser finds the mapping gone. */
+    return ok ? sim_unmap_fresh((uintptr_t)dptr) : CUDA_ERROR_INVALID_VALUE;
 }
 
 CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr)
@@ -932,20 +1081,26 @@ CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr)
     SIM_API(sim_mem_free(dptr));
 }
 
+/* The allocation holding `dptr`: a pointer's allocation as asked for
+ * (cuMemAlloc, a pool, an IPC open), a VMM mapping's whole allocation. */
 static CUresult address_range(CUdeviceptr *base, size_t *size, CUdeviceptr dptr)
 {
     struct sim_map *m;
+    CUresult r = CUDA_ERROR_NOT_FOUND;
 
     sim_lock();
     m = sim_map_find((uintptr_t)dptr);
-    if (m) {
+    if (m && (uintptr_t)dptr < map_end(m)) {
+        const struct sim_obj *o = &sim.objs[m->obj];
+
         if (base)
             *base = m->va - m->offset;
         if (size)
-            *size = sim.objs[m->obj].size;
+            *size = o->legacy && o->bytes ? o->bytes : o->size;
+        r = CUDA_SUCCESS;
     }
     sim_unlock();
-    return m ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+    return r;
 }
 
 CUresult CUDAAPI cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)

@@ -59,6 +59,9 @@ CONTRACT_ONLY: Mapping[str, int | str] = {
     "CUIP_CAP_MAGIC": 0x43495543,
     "CUIP_CAP_VERSION": 1,
     "CUIP_CAP_ENDPOINT_LEN": 40,
+    "CUIP_IPC_MAGIC": 0x48495543,
+    "CUIP_IPC_AUTH_LEN": 12,
+    "CUIP_PARTICIPANT_BYTES": 16,
 }
 
 # The capability never crosses to the coordinator, so Python has no codec for
@@ -75,6 +78,18 @@ CAPABILITY_LAYOUT = [
     ("handle_types", 120, 4),
     ("flags", 124, 2),
     ("num_devices", 126, 2),
+]
+
+# The shim's legacy IPC handle travels between shims only, inside CUipcMemHandle's
+# 64 bytes (specs/protocol.md, "Legacy IPC handle").
+IPC_HANDLE_LAYOUT = [
+    ("magic", 0, 4),
+    ("creator_pid", 4, 4),
+    ("creator", 8, 16),
+    ("resource_id", 24, 16),
+    ("authorization", 40, 12),
+    ("offset", 52, 4),
+    ("size", 56, 8),
 ]
 
 
@@ -109,6 +124,7 @@ def python_constants() -> dict[str, int | str]:
         ("CUIP_RESOURCE_", ResourceKind),
         ("CUIP_RECORD_", RecordKind),
         ("CUIP_FLAG_", RecordFlag),
+        ("CUIP_UNOWNED_", wire.Unowned),
         ("CUIP_", BindingKind),  # CUIP_BIND_MEM, CUIP_BIND_ADDR
     ]
     for prefix, enum_type in prefixes:
@@ -480,6 +496,7 @@ def test_sizes_are_the_documented_ones(c_layout: CLayout) -> None:
         "cuip_access": wire.ACCESS_STRUCT.size,
         "cuip_record": wire.RECORD_SIZE,
         "cuip_capability": 128,
+        "cuip_ipc_handle": 64,
     }
     assert Record.SIZE == wire.RECORD_SIZE == 288
     assert wire.HEADER_SIZE == 128
@@ -487,6 +504,10 @@ def test_sizes_are_the_documented_ones(c_layout: CLayout) -> None:
 
 def test_capability_layout(c_layout: CLayout) -> None:
     assert c_layout.fields["cuip_capability"] == CAPABILITY_LAYOUT
+
+
+def test_ipc_handle_layout(c_layout: CLayout) -> None:
+    assert c_layout.fields["cuip_ipc_handle"] == IPC_HANDLE_LAYOUT
 
 
 def test_every_constant_matches(c_layout: CLayout) -> None:
