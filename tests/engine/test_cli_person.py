@@ -411,3 +411,29 @@ def test_launch_refuses_a_control_directory_the_shim_would_refuse(work: Path) ->
     code, _, err = run("launch", "--control-dir", str(long), "--", "true")
     assert code == cli.EXIT_FAILED
     assert "must be an absolute path of at most 59 bytes" in err and not long.exists()
+
+
+def test_a_failed_capture_is_said_before_its_rollback(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    fake = running()
+    monkeypatch.setattr(cli, "_native_backend", lambda: fake)
+    script = {0: {Op.PREPARE_UNICAST: Fault("fail", message="cuMemRelease: CUDA_ERROR_X")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        out, err = Terminal(), io.StringIO()
+        argv = ["suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
+                str(t.control_dir), *t.processes]  # fmt: skip
+        code = cli.main(argv, stdout=out, stderr=err)
+        assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
+    # rich draws for a terminal: its control sequences are not the text
+    lines = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue()).splitlines()
+    assert code == cli.EXIT_ROLLED_BACK, err.getvalue()
+    failed = lines.index("capture: FAILED at PREPARE_UNICAST")
+    rolled = next(i for i, line in enumerate(lines) if line.startswith("rollback done"))
+    assert failed < rolled, lines
+    assert not [line for line in lines if "FAILED after" in line], lines
+    assert "CUDA_ERROR_X" in err.getvalue() and "CUDA_ERROR_X" not in out.getvalue()
