@@ -10,8 +10,15 @@ Exit status (stderr names the participant, its pid, the phase and the reason):
 - 4: failed, and could not be rolled back: run the ``cuinterpose recover``
   command printed on stderr.
 
-SIGINT and SIGTERM stop ``prepare`` and ``restore`` at the next phase boundary;
-what was changed is then rolled back (status 3, or 4).
+SIGINT and SIGTERM stop ``prepare`` and ``restore`` at the next phase boundary
+(said at once on stderr); what was changed is then rolled back (status 3, or 4).
+
+The processes are named with ``--pid P`` or ``--process OBSERVED NS``; ``resume``,
+``restore`` and ``recover`` default to the checkpoint directory's group, ``status``
+to every shim of the control directory (frontends/targets.py). The native calls
+load the driver the shims report (``--driver`` overrides). Each failure is said
+once on stderr (logging: frontends/logs.py); with JSON progress the last line is a
+summary with the outcome and the exit code.
 
 ``suspend``, ``resume`` and ``status`` are the one-command verbs of
 :mod:`cuinterpose.engine.agent` (the native checkpoint included); a suspend that
@@ -490,7 +497,25 @@ def _progress(mode: str, stdout: TextIO) -> ProgressCallback | None:
 def _run_machine(
     spec: MachineSpec | None, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
 ) -> int:
-    """Run ``spec``'s machine, or ``recover`` (None), and say how it ended."""
+    """Run ``spec``'s machine, or ``recover`` (None), and say how it ended: with JSON
+    progress, a last summary line with the outcome and the exit code, as suspend's."""
+    code = _machine(spec, args, stdout, stderr)
+    if args.progress == "json":
+        args.mode = "json"
+        _finish(args.command, args, stdout, stderr, code, _OUTCOMES[code], ())
+    elif code == EXIT_OK and spec is CAPTURE and args.progress == "human":
+        with contextlib.suppress(OSError):
+            stdout.write(
+                f"next: the native lock and checkpoint of every process, later their native "
+                f"restore and unlock, then: {PROG} restore --checkpoint-dir "
+                f"{shlex.quote(str(args.checkpoint_dir))}\n"
+            )
+    return code
+
+
+def _machine(
+    spec: MachineSpec | None, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
+) -> int:
     endpoints = _endpoints(args)
     timeout = _phase_timeout(args.phase_timeout)
     if spec is not None:  # recover reports and leaves out the processes that are gone

@@ -437,3 +437,20 @@ def test_a_failed_capture_is_said_before_its_rollback(
     assert failed < rolled, lines
     assert not [line for line in lines if "FAILED after" in line], lines
     assert "CUDA_ERROR_X" in err.getvalue() and "CUDA_ERROR_X" not in out.getvalue()
+
+
+def test_prepare_restore_and_recover_end_with_a_summary_like_suspend(work: Path) -> None:
+    script = {0: {Op.PREPARE_UNICAST: Fault("fail", message="cuMemRelease: CUDA_ERROR_X")}}
+    common = ["--checkpoint-dir", str(work / "ckpt"), "--progress", "json"]
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        code, out, _ = run("prepare", *common, "--control-dir", str(t.control_dir), *t.processes)
+        assert code == cli.EXIT_ROLLED_BACK
+        ended = summary(out)
+        assert (ended["command"], ended["exit_code"]) == ("prepare", cli.EXIT_ROLLED_BACK)
+        assert ended["outcome"] == "failed and rolled back: the group runs as before"
+    with team_of(TOPOLOGY, work / "control2") as t:
+        for verb in ("prepare", "restore", "recover"):
+            names = t.processes if verb == "prepare" else []
+            code, out, err = run(verb, *common, "--control-dir", str(t.control_dir), *names)
+            assert code == 0, err
+            assert (summary(out)["outcome"], summary(out)["exit_code"]) == ("done", 0)
