@@ -88,6 +88,23 @@ def loaded_driver() -> str | None:
     return None
 
 
+def _needs_asan(library: str) -> bool:
+    """Whether ``library`` links the ASan runtime (its dynamic strings name libasan)."""
+    try:
+        with open(library, "rb") as lib:
+            return b"libasan.so" in lib.read()
+    except OSError:
+        return False  # the loader says what is wrong with it
+
+
+def _asan_loaded() -> bool:
+    try:
+        with open("/proc/self/maps") as maps:
+            return "libasan.so" in maps.read()
+    except OSError:
+        return False
+
+
 class CudaBackend:
     """The calls through ``cuda.bindings.driver`` (imported, and ``cuInit(0)`` run, on
     first use), reaching ``library`` when given (the path of the ``libcuda.so.1`` the
@@ -107,6 +124,13 @@ class CudaBackend:
             raise NativeUnavailableError(
                 f"this process already runs on the CUDA driver {loaded}, "
                 f"not {self.library}: one process reaches one driver"
+            )
+        if _needs_asan(self.library) and not _asan_loaded():
+            # Loading it would abort this process ("ASan runtime does not come first").
+            raise NativeUnavailableError(
+                f"the CUDA driver {self.library} is built with AddressSanitizer and this "
+                "process has no ASan runtime: LD_PRELOAD it (gcc -print-file-name=libasan.so), "
+                "or name another driver"
             )
         try:
             ctypes.CDLL(self.library, mode=os.RTLD_GLOBAL)

@@ -130,12 +130,12 @@ def test_native_errors_name_pid_call_and_result(
     app.close_clean()
 
 
-def test_launch_preloads_the_shim_and_creates_the_control_dir(tmp_path: Path) -> None:
+def test_launch_preloads_the_shim_and_creates_the_control_dir(control_dir: Path) -> None:
     try:
         shim, sim = artifacts.shim_library(), artifacts.sim_library_dir()
     except artifacts.ArtifactMissingError as exc:
         pytest.skip(str(exc))
-    control = tmp_path / "new" / "control"
+    control = control_dir / "new" / "control"  # short: the shim takes at most 59 bytes
     probe = (
         "import json, os, sys; "
         "print(json.dumps({k: os.environ.get(k, '') for k in "
