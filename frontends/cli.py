@@ -126,8 +126,20 @@ READING_EXITS: Final = """exit status:
   2  usage error"""
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The epilogs keep their lines; every option's default is shown."""
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """The epilogs keep their lines; an option's default is shown where it says
+    something (not for flags, counts, or options whose help names it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default in (None, False, 0, argparse.SUPPRESS)
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _version() -> str:
@@ -195,7 +207,9 @@ def _add_phase_timeout(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_machine_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
-    parser.add_argument("--checkpoint-dir", type=Path, required=True)
+    parser.add_argument(
+        "--checkpoint-dir", type=Path, required=True, help="where the state file is kept"
+    )
     _add_endpoints(parser, required=required)
     parser.add_argument("--progress", choices=("human", "json", "none"), default="human")
     _add_phase_timeout(parser)
@@ -208,7 +222,12 @@ def _add_machine_options(parser: argparse.ArgumentParser, *, required: bool = Tr
 
 
 def _add_agent_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
-    parser.add_argument("--checkpoint-dir", type=Path, required=True)
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        required=True,
+        help="where the manifest and the state file are kept",
+    )
     _add_endpoints(parser, required=required)
     parser.add_argument(
         "--progress",
@@ -225,7 +244,7 @@ def _add_agent_options(parser: argparse.ArgumentParser, *, required: bool = True
 def _logging_options() -> _Parser:
     common = _Parser(add_help=False)
     group = common.add_argument_group("messages")
-    loud = group.add_mutually_exclusive_group()
+    loud = group.add_mutually_exclusive_group()  # argparse lists these under options
     loud.add_argument(
         "-v",
         "--verbose",
