@@ -64,7 +64,7 @@ from .native import (
     undo_suspend,
 )
 from .options import Options
-from .progress import Event, PhaseEvent
+from .progress import Event, PhaseEvent, StagingSummary
 from .runner import CaptureResult, capture, restore
 from .statefile import StateFileError, utc_timestamp
 from .wire import InFlight, Op, Reply, Request, WireError
@@ -472,6 +472,8 @@ class SuspendResult:
     manifest: Manifest
     manifest_path: Path
     timings: tuple[Timing, ...]
+    # What the shims staged and left to the native checkpoint (None: nothing staged).
+    staging: StagingSummary | None = None
 
 
 def _participant_ids(endpoints: Sequence[Endpoint], timeout: float) -> tuple[str, ...]:
@@ -544,6 +546,7 @@ def suspend(
         if detection.mode == "cuinterpose":
             ids = _participant_ids(detection.endpoints, options.phase_timeout)
     prepared = False
+    staging = None
     if detection.mode == "cuinterpose":
         with report.step("capture") as moved:
             engine_options = attrs.evolve(options, on_progress=report.emit)
@@ -553,6 +556,7 @@ def suspend(
                     detection.endpoints, directory, engine_options, report.logger
                 )
             moved.append(_bytes_moved(result.phases))
+            staging = StagingSummary.from_phases(result.phases)
         prepared = True
     try:
         with report.step("native_lock"):
@@ -575,7 +579,7 @@ def suspend(
     except (StateFileError, OSError) as failure:
         lines = [f"the manifest could not be written: {failure}"]
         _undo(lines, group, detection, directory, native, options, report, where)
-    return SuspendResult(manifest, path, tuple(report.timings))
+    return SuspendResult(manifest, path, tuple(report.timings), staging)
 
 
 # QUIESCE rounds bring a team a collective apart to a quiet point (engine/quiesce.py).
@@ -642,11 +646,48 @@ def _undo(
 
 
 # --------------------------------------------------------------- resume
+def _natively_checkpointed(
+    native: NativeBackend, group: Sequence[Process], restored: bool
+) -> list[Process]:
+    """The processes whose native restore and unlock are to come: all of them, each
+    CHECKPOINTED; after a restore by CRIU, whose CUDA plugin (where installed) restores
+    and unlocks by itself, those still CHECKPOINTED, the others RUNNING."""
+    hint = "every process must be CHECKPOINTED by `cuinterpose suspend`"
+    if not restored:
+        require_states(native, group, ProcessState.CHECKPOINTED, "resume", hint)
+        return list(group)
+    states = state_names(native, [p.observed_pid for p in group])
+    fine = (ProcessState.CHECKPOINTED.name, ProcessState.RUNNING.name)
+    wrong = [
+        f"{p.describe()} is {states[p.observed_pid]}, not CHECKPOINTED (nor RUNNING, "
+        "restored natively by CRIU's CUDA plugin)"
+        for p in group
+        if states[p.observed_pid] not in fine
+    ]
+    if wrong:
+        raise StateRefused(f"resume refused: {hint}", wrong)
+    return [p for p in group if states[p.observed_pid] == ProcessState.CHECKPOINTED.name]
+
+
+def _recreated(recorded: Sequence[Process], given: Sequence[Process]) -> tuple[Process, ...]:
+    """The manifest's processes in its order, with the observed pids a restore gave them."""
+    by_namespace = {p.namespace_pid: p for p in given}
+    if len(by_namespace) != len(given) or set(by_namespace) != {p.namespace_pid for p in recorded}:
+        raise ManifestError(
+            "resume refused: the restored processes' namespace pids are not the manifest's "
+            f"({', '.join(p.describe() for p in given)})",
+            [f"the manifest holds {p.describe()}" for p in recorded],
+        )
+    return tuple(by_namespace[p.namespace_pid] for p in recorded)
+
+
 @attrs.frozen
 class ResumeResult:
     manifest: Manifest
     coordinator_restored: bool
     timings: tuple[Timing, ...]
+    # What the shims loaded (None: nothing).
+    staging: StagingSummary | None = None
 
 
 def resume(
@@ -655,6 +696,7 @@ def resume(
     where: Where,
     native: NativeBackend,
     processes: Sequence[Process | tuple[int, int]] | None = None,
+    restored: bool = False,
     options: Options | None = None,
     on_event: AgentCallback | None = None,
     logger: logging.Logger | None = None,
@@ -663,9 +705,12 @@ def resume(
     restore when it says prepared. On return every process is RUNNING with its bytes,
     VAs and sharing back.
 
-    ``processes``, when given, must be the manifest's. Raises :class:`ManifestError` or
-    :class:`StateRefused` (nothing changed), :class:`ResumeFailed` naming every
-    process's native state and shim phase.
+    ``processes``, when given, must be the manifest's. With ``restored`` they are the
+    processes a restore (CRIU) recreated: matched to the manifest's by namespace pid,
+    their observed pids may be new, and those already natively RUNNING (restored and
+    unlocked by CRIU's CUDA plugin) skip the native steps (specs/criu.md). Raises
+    :class:`ManifestError` or :class:`StateRefused` (nothing changed),
+    :class:`ResumeFailed` naming every process's native state and shim phase.
     """
     directory = Path(checkpoint_dir)
     report = _Reporter(on_event, logger or logging.getLogger(LOGGER_NAME))
@@ -677,27 +722,24 @@ def resume(
             ["suspend it again first"],
         )
     group = manifest.processes()
-    if processes is not None and set(_processes(processes)) != set(group):
+    if processes is not None and restored:
+        group = _recreated(group, _processes(processes))
+    elif processes is not None and set(_processes(processes)) != set(group):
         given = ", ".join(p.describe() for p in _processes(processes))
         raise ManifestError(
             f"resume refused: the processes given are not the manifest's ({given})",
             [f"the manifest holds {p.describe()}" for p in group],
         )
     coordinate = restore_plan(manifest, directory)
-    require_states(
-        native,
-        group,
-        ProcessState.CHECKPOINTED,
-        "resume",
-        "every process must be CHECKPOINTED by `cuinterpose suspend`",
-    )
-    pids = [p.observed_pid for p in group]
+    pids = [p.observed_pid for p in _natively_checkpointed(native, group, restored)]
     endpoints = [where.endpoint(p) for p in group]
+    staging = None
     try:
-        with report.step("native_restore"):
-            run_step(native, "restore", pids)
-        with report.step("native_unlock"):
-            run_step(native, "unlock", pids)
+        if pids:
+            with report.step("native_restore"):
+                run_step(native, "restore", pids)
+            with report.step("native_unlock"):
+                run_step(native, "unlock", pids)
         if coordinate:
             ids = tuple(p.participant or "" for p in manifest.participants)
             with report.step("coordinator_restore") as moved:
@@ -705,6 +747,7 @@ def resume(
                 with _CopyWatcher(list(zip(endpoints, ids, strict=True)), report.emit):
                     result = restore(endpoints, directory, engine_options)
                 moved.append(_bytes_moved(result.phases))
+                staging = StagingSummary.from_phases(result.phases)
     except (NativeGroupError, CoordinatorError) as failure:
         lines = list(failure.lines())
         if isinstance(failure, CoordinatorError) and failure.rolled_back:
@@ -712,7 +755,7 @@ def resume(
         lines += [f"now {line}" for line in _status_lines(group, where, native)]
         raise ResumeFailed("resume failed:", lines, changed=True) from failure
     write_manifest(directory, attrs.evolve(manifest, resumed_at=utc_timestamp()))
-    return ResumeResult(manifest, coordinate, tuple(report.timings))
+    return ResumeResult(manifest, coordinate, tuple(report.timings), staging)
 
 
 __all__ = [

@@ -14,6 +14,10 @@ Endpoints are trusted only as far as the shim trusts its own: a control
 directory that is a symbolic link, owned by another user than root or us, or
 writable by group or others is refused before anything is sent through it, and
 so is a socket whose server (``SO_PEERCRED``) runs as another user.
+
+A connect that finds no socket, or nobody listening, is retried for a short,
+bounded time while a process has the endpoint's pid: a live shim re-creates its
+endpoint within its heal period (specs/protocol.md).
 """
 
 from __future__ import annotations
@@ -49,6 +53,13 @@ _SUN_PATH_MAX: Final = 107
 # (it never returns EINPROGRESS), so such connects are retried on this schedule.
 _RETRY_FIRST_S: Final = 0.001
 _RETRY_MAX_S: Final = 0.02
+# A shim re-creates a control socket whose file was removed or replaced, or that a
+# restore left at its bind name, within its heal period (CONTROL_HEAL_MS, 0.1 s:
+# specs/protocol.md); a connect that finds no socket, or nobody listening, is
+# retried for this long on this schedule before it counts as the process gone.
+_HEAL_WAIT_S: Final = 1.0
+_HEAL_RETRY_FIRST_S: Final = 0.01
+_HEAL_RETRY_MAX_S: Final = 0.1
 # struct ucred: pid, uid, gid.
 _UCRED: Final = struct.Struct("3i")
 
@@ -296,6 +307,9 @@ class _Exchange:
         self.dir_fd: int | None = None
         self.retry_at: float | None = None
         self.retry_delay = _RETRY_FIRST_S
+        self.heal_since: float | None = None  # the first connect that found no listener
+        self.heal_delay = _HEAL_RETRY_FIRST_S
+        self.connect_error: str | None = None  # that connect's reason
         self.connected = False
         self.registered = False
         self.header: Header | None = None
@@ -313,6 +327,11 @@ class _Exchange:
         return self.outcome
 
     def expire(self) -> None:
+        if not self.connected and self.connect_error is not None:
+            waited = time.monotonic() - (self.heal_since or time.monotonic())
+            reason = f"{self.connect_error} (retried for {waited:.1f} s)"
+            self.fail(ParticipantHangup, reason, None)
+            return
         if not self.connected:
             reason = f"could not connect within {self.timeout:g} s (listen backlog full)"
         elif self.header is None and self.filled == 0:
@@ -341,8 +360,13 @@ class _Exchange:
             self.retry_at = time.monotonic() + self.retry_delay
             self.retry_delay = min(self.retry_delay * 2, _RETRY_MAX_S)
             return
+        if code in (errno.ENOENT, errno.ECONNREFUSED) and self._wait_for_heal(code):
+            return
         if code != 0:
-            self.fail(ParticipantHangup, _connect_reason(code, os.strerror(code)), None)
+            reason = _connect_reason(code, os.strerror(code))
+            if self.heal_since is not None:
+                reason += f" (retried for {time.monotonic() - self.heal_since:.1f} s)"
+            self.fail(ParticipantHangup, reason, None)
             return
         self.connected = True
         self._close_dir_fd()
@@ -362,6 +386,27 @@ class _Exchange:
             return
         poller.register(self.sock, self)
         self.registered = True
+
+    def _wait_for_heal(self, code: int) -> bool:
+        """Whether to retry a connect that found no socket or nobody listening.
+
+        A live shim heals its endpoint within its period: the connect is retried
+        on a fresh socket, for at most ``_HEAL_WAIT_S``, unless no process has the
+        endpoint's pid here (then it is gone, and waiting would change nothing)."""
+        now = time.monotonic()
+        if self.heal_since is None:
+            if not _pid_visible(self.endpoint.observed_pid):
+                return False
+            self.heal_since = now
+        if now - self.heal_since >= _HEAL_WAIT_S:
+            return False
+        self.connect_error = _connect_reason(code, os.strerror(code))
+        assert self.sock is not None
+        self.sock.close()  # a connect that failed is not retried on the same socket
+        self.sock = None
+        self.retry_at = now + self.heal_delay
+        self.heal_delay = min(self.heal_delay * 2, _HEAL_RETRY_MAX_S)
+        return True
 
     def _address(self) -> str:
         path = os.fsencode(self.endpoint.path)
@@ -508,6 +553,17 @@ def _server_problem(sock: socket.socket) -> str | None:
     if uid_trusted(uid, own):
         return None
     return f"the control socket is served by pid {pid} of uid {uid}, not root nor uid {own}"
+
+
+def _pid_visible(pid: int) -> bool:
+    """Whether some process has ``pid`` in the coordinator's pid namespace."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: it exists, as another user
+    return True
 
 
 def _op_name(value: int) -> str:

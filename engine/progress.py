@@ -96,6 +96,17 @@ class Transfer:
 
 
 @attrs.frozen
+class NativeKept:
+    """What INSPECT says the native checkpoint keeps of the allocations the shims track:
+    the ones their processes created and the shims do not stage (private ones with
+    SNAPSHOT_SHIM_STAGE_PRIVATE=0, every one in content mode native), summed over the
+    team. Memory the shims do not track (contexts, modules, pools) is not counted."""
+
+    allocation_count: int
+    allocation_bytes: int
+
+
+@attrs.frozen
 class PhaseEvent:
     """A wire op completed on every participant."""
 
@@ -104,6 +115,7 @@ class PhaseEvent:
     elapsed_s: float
     participants: int
     transfer: Transfer | None = None
+    native_kept: NativeKept | None = None  # INSPECT only
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -122,7 +134,60 @@ class PhaseEvent:
                 copy_gb_per_s=t.copy_gb_per_s,
                 per_participant=[p.to_json() for p in t.per_participant],
             )
+        if self.native_kept is not None:
+            out.update(
+                native_kept_allocations=self.native_kept.allocation_count,
+                native_kept_bytes=self.native_kept.allocation_bytes,
+            )
         return out
+
+
+@attrs.frozen
+class StagingSummary:
+    """What a suspend or resume says about the bytes: how many the shims staged
+    (SAVE_ALLOCATIONS, or LOAD_ALLOCATIONS), in how long, and how many bytes of the
+    allocations they track they left to the native checkpoint."""
+
+    allocation_count: int
+    allocation_bytes: int
+    seconds: float
+    gb_per_s: float
+    native_kept: NativeKept
+
+    @classmethod
+    def from_phases(cls, phases: Sequence[PhaseEvent]) -> StagingSummary | None:
+        """From a capture's or a restore's phase events; None when none moved bytes."""
+        moved = next((p for p in phases if p.transfer is not None), None)
+        if moved is None or moved.transfer is None:
+            return None
+        kept = next((p.native_kept for p in phases if p.native_kept is not None), None)
+        t = moved.transfer
+        return cls(
+            t.allocation_count,
+            t.allocation_bytes,
+            moved.elapsed_s,
+            t.gb_per_s,
+            kept or NativeKept(0, 0),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "staged_allocations": self.allocation_count,
+            "staged_bytes": self.allocation_bytes,
+            "seconds": self.seconds,
+            "gb_per_s": self.gb_per_s,
+            "native_tracked_allocations": self.native_kept.allocation_count,
+            "native_tracked_bytes": self.native_kept.allocation_bytes,
+        }
+
+    def human(self) -> str:
+        return (
+            f"staged by the shims: {self.allocation_count} allocations,"
+            f" {_size(self.allocation_bytes)} in {self.seconds:.3f} s ({self.gb_per_s:.2f} GB/s);"
+            f" left to the native checkpoint: {self.native_kept.allocation_count} tracked"
+            f" allocations, {_size(self.native_kept.allocation_bytes)} (plus what the shims"
+            " do not track: contexts, modules, pools)"
+        )
 
 
 @attrs.frozen

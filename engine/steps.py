@@ -26,7 +26,7 @@ from .directory import promote_intent, read_intent, write_intent
 from .errors import PhaseFailed, Problem
 from .fsm import step_op, step_reply_phase
 from .options import RETRY_PAUSE_S, Options
-from .progress import PhaseEvent, Transfer
+from .progress import NativeKept, PhaseEvent, Transfer
 from .statefile import (
     STATE_FILE_NAME,
     CheckpointState,
@@ -229,7 +229,11 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
     run.replies = tuple(r for r in results if isinstance(r, Reply))
     if op is Op.INSPECT:
         run.topology = Topology.from_inspect((r.participant, r.pid, r.records) for r in run.replies)
-    transfer = None
+    transfer = kept = None
+    if op is Op.INSPECT:
+        kept = NativeKept(
+            sum(r.stats.count for r in run.replies), sum(r.stats.bytes for r in run.replies)
+        )
     if step.progress is ProgressKind.TRANSFER:
         by_id = {b.participant: b for b in run.bound}
         transfer = Transfer.from_stats(
@@ -237,7 +241,7 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
              for r in run.replies],
             elapsed,
         )  # fmt: skip
-    return PhaseEvent(run.spec.name, op.name, elapsed, len(run.endpoints), transfer)
+    return PhaseEvent(run.spec.name, op.name, elapsed, len(run.endpoints), transfer, kept)
 
 
 def _problem(

@@ -336,6 +336,11 @@ _VERBS: Final = {
         "LD_PRELOAD=$(cuinterpose shim-path) python app.py",
         READING_EXITS,
     ),
+    "criu": (
+        "the round trip through CRIU: check, dump, restore, action-script",
+        "cuinterpose criu check",
+        "exit status: the CRIU verb's own (cuinterpose criu VERB --help says)",
+    ),
     "demo": (
         "run the end-to-end demo",
         "cuinterpose demo",
@@ -419,6 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay_cmd.add_argument("trace", type=Path, metavar="TRACE")
     sub("sim-path")
     sub("shim-path")
+    criu_cmd = sub("criu")
+    criu_cmd.add_argument("argv", nargs=argparse.REMAINDER, metavar="VERB ...")
     demo = sub("demo")
     demo.add_argument("--driver", choices=("sim", "system"), default="sim")
     return parser
@@ -716,7 +723,7 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
                        _no_driver(command, exc))  # fmt: skip
     summary = _Summary.of(command, args, done)
     if view is not None:
-        view.summary(done.timings)
+        view.summary(done.timings, done.staging)
         with contextlib.suppress(OSError):
             for line in summary.lines():
                 stdout.write(line + "\n")
@@ -770,6 +777,7 @@ class _Summary:
     timings: tuple[agent.Timing, ...]
     next_command: str
     checkpoint_dir: Path
+    staging: dict[str, Any] | None = None  # the shims' staging figures (engine/agent.py)
 
     @classmethod
     def of(
@@ -794,6 +802,7 @@ class _Summary:
             done.timings,
             shlex.join(words),
             args.checkpoint_dir,
+            done.staging.to_json() if done.staging is not None else None,
         )
 
     def lines(self) -> list[str]:
@@ -826,6 +835,7 @@ class _Summary:
             "processes": self.processes,
             "timings": [t.to_json() for t in self.timings],
             "next": self.next_command,
+            **({"staging": self.staging} if self.staging is not None else {}),
         }
 
 
@@ -1158,6 +1168,11 @@ def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) 
         return _launch(args, err)
     if command == "demo":
         return _demo(args, err)
+    if command == "criu":  # its own parser: frontends/criu_action.py
+        module = _delegate("criu_action", err)
+        if module is None:
+            return EXIT_FAILED
+        return int(module.main(args.argv, stdout=out, stderr=err))
     if command == "check":
         from . import check
 

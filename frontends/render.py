@@ -24,7 +24,7 @@ from rich.progress import (
 from rich.table import Table
 
 from .engine.agent import AgentEvent, CopyProgress, ProcessStatus, StepEvent, Timing
-from .engine.progress import FailedEvent, PhaseEvent, human_line
+from .engine.progress import FailedEvent, PhaseEvent, StagingSummary, human_line
 
 
 class HumanView:
@@ -81,7 +81,7 @@ class HumanView:
         else:
             self.console.print(human_line(event))
 
-    def summary(self, timings: Sequence[Timing]) -> None:
+    def summary(self, timings: Sequence[Timing], staging: StagingSummary | None = None) -> None:
         table = Table(title="cuinterpose")
         for column in ("phase", "seconds", "bytes", "GB/s"):
             table.add_column(column, justify="left" if column == "phase" else "right")
@@ -89,6 +89,8 @@ class HumanView:
             rate = f"{t.gb_per_s:.2f}" if t.bytes else ""
             table.add_row(t.phase, f"{t.seconds:.3f}", f"{t.bytes:,}" if t.bytes else "", rate)
         self.console.print(table)
+        if staging is not None:
+            self.console.print(staging.human())
         if not self.per_participant:
             return
         for phase in self.phases:

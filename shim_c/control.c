@@ -623,37 +623,81 @@ out:
     return NULL;
 }
 
+static int (*endpoint_heal)(int fd);
+
+void control_set_heal(int (*heal)(int fd))
+{
+    endpoint_heal = heal;
+}
+
+/* One connection to its own thread; false when the listener must stop. */
+static bool accept_one(int lfd)
+{
+    pthread_t t;
+    pthread_attr_t at;
+    int s = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+
+    if (s < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED)
+            return true;
+        if (errno == EMFILE || errno == ENFILE || errno == ENOMEM || errno == ENOBUFS) {
+            usleep(10000);
+            return true;
+        }
+        shim_log(LOG_ERROR, "accept failed: %s; control server stops", strerror(errno));
+        return false;
+    }
+    if (__atomic_add_fetch(&connections, 1, __ATOMIC_RELAXED) > MAX_CONNECTIONS) {
+        close(s); /* a flood: drop, the coordinator retries or fails */
+        __atomic_sub_fetch(&connections, 1, __ATOMIC_RELAXED);
+        return true;
+    }
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &at, conn_main, (void *)(intptr_t)s) != 0) {
+        close(s);
+        __atomic_sub_fetch(&connections, 1, __ATOMIC_RELAXED);
+    }
+    pthread_attr_destroy(&at);
+    return true;
+}
+
+/* A replaced listener: what was queued on it before it lost its path is
+ * served, then it is closed. */
+static void retire(int old)
+{
+    struct pollfd p = {.fd = old, .events = POLLIN};
+
+    while (poll(&p, 1, 0) == 1 && (p.revents & POLLIN) && accept_one(old))
+        p.revents = 0;
+    close(old);
+}
+
 void *control_listen(void *arg)
 {
     int lfd = (int)(intptr_t)arg;
+    uint64_t period = (uint64_t)CONTROL_HEAL_MS * 1000000ull;
+    uint64_t next = shim_now_ns() + period;
 
     gate_set_watch(gate_watch);
     for (;;) {
-        pthread_t t;
-        pthread_attr_t at;
-        int s = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
-        if (s < 0) {
-            if (errno == EINTR || errno == ECONNABORTED)
-                continue;
-            if (errno == EMFILE || errno == ENFILE || errno == ENOMEM || errno == ENOBUFS) {
-                usleep(10000);
+        struct pollfd p = {.fd = lfd, .events = POLLIN};
+        int n = poll(&p, 1, CONTROL_HEAL_MS);
+        uint64_t now = shim_now_ns();
+
+        /* Checked on the poll's timeout and between connections alike: a
+         * busy listener heals as soon as an idle one. */
+        if (endpoint_heal && now >= next) {
+            int fd = endpoint_heal(lfd);
+            next = now + period;
+            if (fd != lfd) {
+                retire(lfd);
+                lfd = fd;
                 continue;
             }
-            shim_log(LOG_ERROR, "accept failed: %s; control server stops", strerror(errno));
+        }
+        if (n == 1 && !accept_one(lfd))
             return NULL;
-        }
-        if (__atomic_add_fetch(&connections, 1, __ATOMIC_RELAXED) > MAX_CONNECTIONS) {
-            close(s); /* a flood: drop, the coordinator retries or fails */
-            __atomic_sub_fetch(&connections, 1, __ATOMIC_RELAXED);
-            continue;
-        }
-        pthread_attr_init(&at);
-        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-        if (pthread_create(&t, &at, conn_main, (void *)(intptr_t)s) != 0) {
-            close(s);
-            __atomic_sub_fetch(&connections, 1, __ATOMIC_RELAXED);
-        }
-        pthread_attr_destroy(&at);
     }
     return NULL;
 }

@@ -106,6 +106,10 @@ static void resolve_once(void)
     R(real.cuStreamCreate, "cuStreamCreate", "cuStreamCreate", 2000);
     R(real.cuStreamSynchronize, "cuStreamSynchronize", "cuStreamSynchronize", 2000);
     R(real.cuStreamDestroy, "cuStreamDestroy_v2", "cuStreamDestroy", 4000);
+    R(real.cuEventCreate, "cuEventCreate", "cuEventCreate", 2000);
+    R(real.cuEventRecord, "cuEventRecord", "cuEventRecord", 2000);
+    R(real.cuEventSynchronize, "cuEventSynchronize", "cuEventSynchronize", 2000);
+    R(real.cuEventDestroy, "cuEventDestroy_v2", "cuEventDestroy", 4000);
     R(real.cuCtxGetCurrent, "cuCtxGetCurrent", "cuCtxGetCurrent", 4000);
     R(real.cuCtxPushCurrent, "cuCtxPushCurrent_v2", "cuCtxPushCurrent", 4000);
     R(real.cuCtxPopCurrent, "cuCtxPopCurrent_v2", "cuCtxPopCurrent", 4000);
@@ -125,6 +129,9 @@ static void resolve_once(void)
       "cuMemGetAllocationGranularity", 10020);
     R(real.cuPointerGetAttribute, "cuPointerGetAttribute", "cuPointerGetAttribute", 4000);
     R(real.cuPointerGetAttributes, "cuPointerGetAttributes", "cuPointerGetAttributes", 7000);
+    R(real.cuCtxDestroy, "cuCtxDestroy_v2", "cuCtxDestroy", 4000);
+    R(real.cuDevicePrimaryCtxReset, "cuDevicePrimaryCtxReset_v2", "cuDevicePrimaryCtxReset",
+      11000);
     R(real.cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", "cuCtxEnablePeerAccess", 4000);
     R(real.cuCtxDisablePeerAccess, "cuCtxDisablePeerAccess", "cuCtxDisablePeerAccess", 4000);
     R(real.cuIpcGetMemHandle, "cuIpcGetMemHandle", "cuIpcGetMemHandle", 4010);

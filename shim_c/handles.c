@@ -266,6 +266,13 @@ bool obj_shared(const struct obj *o)
            (o->exported || o->imported || o->mc_member);
 }
 
+bool obj_staged(const struct obj *o)
+{
+    if (!o || o->kind != OBJ_ALLOC || !o->is_creator || o->raw_import || o->unsupported)
+        return false;
+    return obj_shared(o) || shim_settings()->stage_private;
+}
+
 /* ------------------------------------------------------------ adoption */
 /* Under g.lock: a new object of `kind` for the driver handle `h`, which the
  * application now holds once (live, the current context); NULL on ENOMEM,

@@ -74,13 +74,9 @@ CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
     struct obj *o;
     CUdeviceptr base = 0;
     size_t size = 0;
-    CUresult r = shim_enter();
+    CUresult r = app_lock_for(real.cuIpcGetMemHandle);
 
     if (r != CUDA_SUCCESS)
-        return r;
-    if (!real.cuIpcGetMemHandle)
-        return CUDA_ERROR_NOT_SUPPORTED;
-    if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
     o = owned_find(dptr, &rg);
     if (o) {
@@ -329,13 +325,9 @@ CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr)
     struct owned_range *rg;
     struct obj *o;
     bool any = false;
-    CUresult r = shim_enter();
+    CUresult r = app_lock_for(real.cuIpcCloseMemHandle);
 
     if (r != CUDA_SUCCESS)
-        return r;
-    if (!real.cuIpcCloseMemHandle)
-        return CUDA_ERROR_NOT_SUPPORTED;
-    if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
     o = owned_find(dptr, &rg);
     if (!o) {

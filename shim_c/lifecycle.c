@@ -154,19 +154,33 @@ static void participant_init(bool fork_child)
     g.participant[CUIP_PARTICIPANT_LEN] = 0;
 }
 
-static int listener_create(void)
+/* The endpoint as published, which endpoint_heal compares the control dir
+ * with. Set by start() before the listener thread exists, then only by that
+ * thread. */
+static struct {
+    pid_t pid;                      /* getpid() when published */
+    dev_t dev;                      /* the socket file at g.sock_path */
+    ino_t ino;
+    ino_t sock_ino;                 /* the listening socket itself (sockfs) */
+    char bind_path[sizeof g.sock_path]; /* the name it was bound at */
+} published;
+
+/* A listening socket at `<control dir>/cuinterpose-<pid>.sock`, names and
+ * identity in `*name`, `*path` and `published` (committed by the caller);
+ * -1 when it cannot be made (logged). */
+static int listener_create_at(char *name, size_t name_len, char *path)
 {
     struct sockaddr_un a;
     char tmp[sizeof a.sun_path];
     uint8_t rnd[4];
     char rhex[9];
+    struct stat st;
     int fd, n;
 
     memset(&a, 0, sizeof a);
     a.sun_family = AF_UNIX;
-    snprintf(g.sock_name, sizeof g.sock_name, "%s%d%s", CUIP_SOCKET_PREFIX, (int)getpid(),
-             CUIP_SOCKET_SUFFIX);
-    n = snprintf(g.sock_path, sizeof g.sock_path, "%s/%s", g.control_dir, g.sock_name);
+    snprintf(name, name_len, "%s%d%s", CUIP_SOCKET_PREFIX, (int)getpid(), CUIP_SOCKET_SUFFIX);
+    n = snprintf(path, sizeof g.sock_path, "%s/%s", g.control_dir, name);
     if (n < 0 || (size_t)n >= sizeof a.sun_path)
         goto fail_name;
     if (shim_random(rnd, sizeof rnd) != 0)
@@ -177,29 +191,144 @@ static int listener_create(void)
                  rhex);
     if (n < 0 || (size_t)n >= sizeof tmp)
         goto fail_name;
-    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    /* Non-blocking: the listener polls, and may swap sockets between the
+     * poll and the accept (endpoint_heal). */
+    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) {
         shim_log(LOG_ERROR, "socket: %s", strerror(errno));
-        goto fail;
+        return -1;
     }
     /* Bind under a temporary name, restrict it to 0600, then rename: no
      * client ever sees the socket with the umask's mode. */
     memcpy(a.sun_path, tmp, strlen(tmp) + 1);
     unlink(tmp);
     if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || chmod(tmp, 0600) != 0 ||
-        listen(fd, 64) != 0 || rename(tmp, g.sock_path) != 0) {
-        shim_log(LOG_ERROR, "control socket %s: %s", g.sock_path, strerror(errno));
+        listen(fd, 64) != 0 || rename(tmp, path) != 0 || lstat(path, &st) != 0) {
+        shim_log(LOG_ERROR, "control socket %s: %s", path, strerror(errno));
         unlink(tmp);
         close(fd);
-        goto fail;
+        return -1;
     }
+    published.pid = getpid();
+    published.dev = st.st_dev;
+    published.ino = st.st_ino;
+    published.sock_ino = fstat(fd, &st) == 0 ? st.st_ino : 0;
+    memcpy(published.bind_path, tmp, strlen(tmp) + 1);
     return fd;
 fail_name:
     shim_log(LOG_ERROR, "control socket path too long in %s", g.control_dir);
-fail:
-    g.sock_name[0] = 0;
-    g.sock_path[0] = 0;
     return -1;
+}
+
+static int listener_create(void)
+{
+    int fd = listener_create_at(g.sock_name, sizeof g.sock_name, g.sock_path);
+    if (fd < 0) {
+        g.sock_name[0] = 0;
+        g.sock_path[0] = 0;
+    }
+    return fd;
+}
+
+/* ------------------------------------------------------------ healing */
+/* Why the published path no longer leads to the listener `lfd`, or NULL:
+ * the file is gone or another one (a cleanup, a restarted container's
+ * tmpfs, a foreign file), the socket is a new one (CRIU re-created it at
+ * its bind name, the .tmp path), or the pid changed (a restore under
+ * another pid: the name carries the pid). */
+static const char *endpoint_problem(int lfd)
+{
+    struct stat st;
+
+    if (getpid() != published.pid)
+        return "the process id changed (restored under another pid)";
+    if (fstat(lfd, &st) != 0 || st.st_ino != published.sock_ino)
+        return "the listening socket is a new one (restored)";
+    if (lstat(g.sock_path, &st) != 0)
+        return errno == ENOENT ? "the socket file is gone" : "the socket file cannot be read";
+    if (!S_ISSOCK(st.st_mode) || st.st_dev != published.dev || st.st_ino != published.ino)
+        return "the socket file was replaced";
+    return NULL;
+}
+
+/* The control dir, re-created when it is gone, and trusted as at start. */
+static bool control_dir_ready(void)
+{
+    struct stat st;
+
+    if (mkdir(g.control_dir, 0700) != 0 && errno != EEXIST) {
+        shim_log(LOG_ERROR, "cannot re-create control directory %s: %s", g.control_dir,
+                 strerror(errno));
+        return false;
+    }
+    if (lstat(g.control_dir, &st) != 0) {
+        shim_log(LOG_ERROR, "control directory %s: %s", g.control_dir, strerror(errno));
+        return false;
+    }
+    return control_dir_trusted(&st, g.control_dir);
+}
+
+/* The pinned id's claim, written again when its file went with the
+ * directory (a restored process keeps its id, and the claim says so). */
+static void claim_heal(void)
+{
+    struct stat st;
+
+    if (g.pinned && g.claim_path[0] && lstat(g.claim_path, &st) != 0 && errno == ENOENT &&
+        !claim_pin(g.participant))
+        shim_log(LOG_WARN, "the claim on participant id %s could not be written again",
+                 g.participant);
+}
+
+/* Run by the listener thread at least every CONTROL_HEAL_MS (control.c):
+ * whenever the published path no longer leads to `lfd`, a new listener is
+ * made as at start (a fresh temporary name, mode 0600, renamed over the
+ * path) and returned; the caller drains and closes the old one. Otherwise,
+ * or when healing fails (retried at the next check), `lfd`. */
+static int endpoint_heal(int lfd)
+{
+    static const char *reported; /* a failing heal is logged once per cause */
+    const char *why = endpoint_problem(lfd);
+    char name[sizeof g.sock_name], path[sizeof g.sock_path], old_bind[sizeof g.sock_path];
+    pid_t old_pid = published.pid;
+    int fd;
+
+    if (!why) {
+        reported = NULL;
+        return lfd;
+    }
+    if (!control_dir_ready())
+        goto fail;
+    memcpy(old_bind, published.bind_path, sizeof old_bind);
+    fd = listener_create_at(name, sizeof name, path);
+    if (fd < 0)
+        goto fail;
+    /* Where CRIU re-bound the old socket; a name with our pid and a random
+     * part in a directory nobody else writes, so it is ours to remove. */
+    if (strcmp(old_bind, published.bind_path) != 0)
+        unlink(old_bind);
+    pthread_mutex_lock(&g.lock);
+    memcpy(g.sock_name, name, sizeof name);
+    memcpy(g.sock_path, path, sizeof path);
+    __atomic_store_n(&g.listen_fd, fd, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&g.lock);
+    if (old_pid != published.pid) {
+        /* Not a fork (a fork child has no listener thread): this process
+         * carries on under its new pid, and must not start again. */
+        pthread_mutex_lock(&g.init_lock);
+        __atomic_store_n(&g.started_pid, published.pid, __ATOMIC_RELEASE);
+        pthread_mutex_unlock(&g.init_lock);
+    }
+    claim_heal();
+    shim_log(LOG_WARN, "control endpoint healed: %s; listening on %s again", why, path);
+    reported = NULL;
+    return fd;
+fail:
+    if (reported != why)
+        shim_log(LOG_ERROR, "control endpoint %s: %s, and it cannot be re-created now; "
+                 "retried every %d ms", g.sock_path, why, CONTROL_HEAL_MS);
+    reported = why;
+    return lfd;
 }
 
 /* Our threads take no signals: the application's handlers run on its own
@@ -224,6 +353,13 @@ static int start_thread(void *(*fn)(void *), void *arg)
 /* Under g.init_lock (state.c), once per process. */
 static void start(void)
 {
+    if (g.listen_fd >= 0) {
+        /* A listener thread runs (a fork child has none): the process was
+         * restored under another pid; that thread heals the endpoint. */
+        shim_log(LOG_WARN, "running under a new pid %d: the endpoint follows it",
+                 (int)getpid());
+        return;
+    }
     control_dir_init();
     pthread_mutex_lock(&g.lock);
     participant_init(fork_child_flag);
@@ -232,6 +368,7 @@ static void start(void)
         int fd = listener_create();
         if (fd >= 0) {
             g.listen_fd = fd;
+            control_set_heal(endpoint_heal);
             if (start_thread(control_listen, (void *)(intptr_t)fd) != 0) {
                 shim_log(LOG_ERROR, "cannot start the control thread");
                 unlink(g.sock_path);

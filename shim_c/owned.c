@@ -49,6 +49,7 @@ struct owned *owned_new(CUdeviceptr base, size_t reserved, bool slab)
             free(w);
             return NULL;
         }
+        w->free_units = (uint32_t)(reserved / OWNED_UNIT);
     }
     return w;
 }
@@ -294,11 +295,6 @@ undo_map:
 }
 
 /* ------------------------------------------------------------ slabs */
-static bool unit_used(const struct owned *w, uint32_t u)
-{
-    return w->units[u / 64] >> (u % 64) & 1;
-}
-
 static void units_set(struct owned *w, uint32_t first, uint32_t n, bool used)
 {
     for (uint32_t u = first; u < first + n; u++) {
@@ -307,17 +303,33 @@ static void units_set(struct owned *w, uint32_t first, uint32_t n, bool used)
         else
             w->units[u / 64] &= ~(1ull << (u % 64));
     }
+    w->free_units = used ? w->free_units - n : w->free_units + n;
 }
 
-/* The first run of `n` free units, or -1. */
+/* The first run of `n` free units, or -1. Full words are skipped whole: a
+ * slab of 4096 units is 64 words. */
 static int64_t units_find(const struct owned *w, uint32_t n)
 {
     uint32_t total = (uint32_t)(w->reserved / OWNED_UNIT), run = 0;
 
-    for (uint32_t u = 0; u < total; u++) {
-        run = unit_used(w, u) ? 0 : run + 1;
+    if (w->free_units < n)
+        return -1;
+    for (uint32_t u = 0; u < total;) {
+        uint64_t word = w->units[u / 64];
+        if (u % 64 == 0 && word == ~0ull) {
+            run = 0;
+            u += 64;
+            continue;
+        }
+        if (u % 64 == 0 && word == 0 && run + 64 < n) {
+            run += 64;
+            u += 64;
+            continue;
+        }
+        run = (word >> (u % 64) & 1) ? 0 : run + 1;
         if (run == n)
             return (int64_t)(u + 1 - n);
+        u++;
     }
     return -1;
 }
@@ -672,13 +684,10 @@ static CUresult peer_change(CUcontext peer, bool enable, unsigned int flags)
 {
     CUcontext ctx;
     CUdevice self, owner;
-    CUresult r = shim_enter();
+    CUresult r = enable ? app_lock_for(real.cuCtxEnablePeerAccess)
+                        : app_lock_for(real.cuCtxDisablePeerAccess);
 
     if (r != CUDA_SUCCESS)
-        return r;
-    if (!real.cuCtxEnablePeerAccess || !real.cuCtxDisablePeerAccess)
-        return CUDA_ERROR_NOT_SUPPORTED;
-    if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
     r = enable ? real.cuCtxEnablePeerAccess(peer, flags) : real.cuCtxDisablePeerAccess(peer);
     if (r != CUDA_SUCCESS || current_device(&ctx, &self) != CUDA_SUCCESS ||
@@ -705,6 +714,81 @@ CUresult CUDAAPI cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags
 CUresult CUDAAPI cuCtxDisablePeerAccess(CUcontext peerContext)
 {
     return peer_change(peerContext, false, 0);
+}
+
+/* ------------------------------------------------------------ contexts */
+/* Under g.lock: free the owned memory of context `ctx` (what it allocated, and what
+ * it opened), as the driver frees a context's cuMemAlloc memory with it. */
+static void drop_context(CUcontext ctx)
+{
+    for (uint32_t i = 0; i < obj_count(); i++) {
+        struct obj *o = obj_at(i);
+        if (o && o->own && o->ctx == ctx)
+            owned_release(o);
+    }
+}
+
+/* The primary context of `dev` while it is active (a reference taken and given
+ * back), else NULL. */
+static CUcontext active_primary(CUdevice dev)
+{
+    unsigned int flags;
+    int active = 0;
+    CUcontext ctx = NULL;
+
+    if (real.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || !active ||
+        real.cuDevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS)
+        return NULL;
+    real.cuDevicePrimaryCtxRelease(dev);
+    return ctx;
+}
+
+CUresult CUDAAPI cuCtxDestroy(CUcontext ctx)
+{
+    bool pushed;
+    CUresult r = app_lock_for(real.cuCtxDestroy);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    /* Only a context the driver knows: a bad one is the driver's to refuse. */
+    if (ctx && shim_ctx_enter(ctx, &pushed) == CUDA_SUCCESS) {
+        shim_ctx_leave(pushed);
+        drop_context(ctx);
+    }
+    pthread_mutex_unlock(&g.lock);
+    return real.cuCtxDestroy(ctx);
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxReset(CUdevice dev)
+{
+    CUcontext primary;
+    CUresult r = app_lock_for(real.cuDevicePrimaryCtxReset);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if ((primary = active_primary(dev)) != NULL)
+        drop_context(primary);
+    pthread_mutex_unlock(&g.lock);
+    return real.cuDevicePrimaryCtxReset(dev);
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev)
+{
+    CUcontext primary;
+    unsigned int flags;
+    int active = 1;
+    CUresult r = app_lock_for(real.cuDevicePrimaryCtxRelease);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    primary = active_primary(dev);
+    r = real.cuDevicePrimaryCtxRelease(dev);
+    /* The last reference destroyed it, and its memory with it. */
+    if (r == CUDA_SUCCESS && primary &&
+        real.cuDevicePrimaryCtxGetState(dev, &flags, &active) == CUDA_SUCCESS && !active)
+        drop_context(primary);
+    pthread_mutex_unlock(&g.lock);
+    return r;
 }
 
 void owned_after_fork(void)

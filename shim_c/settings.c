@@ -21,6 +21,12 @@
  *    SAVE of at most this many MiB is kept, populated, from one cycle to the
  *    next: content.c).
  *  - SNAPSHOT_SHIM_TIMING: 0 (1: where a SAVE/LOAD's time went, on stderr).
+ *  - SNAPSHOT_SHIM_STAGE_PRIVATE: 1 (SAVE moves every allocation this
+ *    process created, shared or private; 0: private ones stay with the
+ *    native checkpoint, as before issue 19).
+ *  - SNAPSHOT_SHIM_STAGING_PREFAULT: 0 (1: SAVE faults a chunk's fresh
+ *    staging memory in with MADV_POPULATE_WRITE before copying through the
+ *    bounce buffers, instead of letting the memcpy fault it: staging.c).
  *  - SNAPSHOT_SHIM_OWN_ALLOCATIONS: 1 (cuMemAlloc memory is backed by VMM
  *    allocations the shim owns and shares: owned.c, ipc.c).
  */
@@ -45,6 +51,8 @@
 #define STAGING_BOUNCE_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB"
 #define STAGING_RESIDENT_ENV "SNAPSHOT_SHIM_STAGING_RESIDENT_MIB"
 #define TIMING_ENV "SNAPSHOT_SHIM_TIMING"
+#define STAGE_PRIVATE_ENV "SNAPSHOT_SHIM_STAGE_PRIVATE"
+#define STAGING_PREFAULT_ENV "SNAPSHOT_SHIM_STAGING_PREFAULT"
 #define QUIESCE_TIMEOUT_ENV "SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S"
 #define GATE_ENV "SNAPSHOT_SHIM_GATE"
 #define OWN_ENV "SNAPSHOT_SHIM_OWN_ALLOCATIONS"
@@ -172,6 +180,8 @@ static void settings_load(void)
                                             "a size in MiB")
                           << 20;
     s->timing = env_bool(TIMING_ENV, false);
+    s->stage_private = env_bool(STAGE_PRIVATE_ENV, true);
+    s->staging_prefault = env_bool(STAGING_PREFAULT_ENV, false);
     snprintf(s->control_dir, sizeof s->control_dir, "%s",
              dir && *dir ? dir : CUIP_CONTROL_DIR_DEFAULT);
     snprintf(s->participant, sizeof s->participant, "%s", pin ? pin : "");

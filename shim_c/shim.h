@@ -116,6 +116,13 @@ struct shim_settings {
     size_t staging_resident;    /* SNAPSHOT_SHIM_STAGING_RESIDENT_MIB: staging memory kept
                                  * across cycles, at most; 0: none */
     bool timing;                /* SNAPSHOT_SHIM_TIMING: one JSON line per SAVE/LOAD on stderr */
+    /* SNAPSHOT_SHIM_STAGE_PRIVATE (default on): SAVE moves the private
+     * allocations this process created too; off, they stay with the native
+     * checkpoint (not reported, not torn down). */
+    bool stage_private;
+    /* SNAPSHOT_SHIM_STAGING_PREFAULT: fault a SAVE chunk's staging memory in
+     * before the bounce copies (default off: the memcpy faults it). */
+    bool staging_prefault;
     char control_dir[4096];     /* as given (the default when unset); checked at start */
     /* SNAPSHOT_PARTICIPANT_ID as given, cut after one character too many so
      * that a long value still fails the length check; empty when unset. */
@@ -174,6 +181,10 @@ struct shim_real {
     CUresult (*cuStreamCreate)(CUstream *, unsigned int);
     CUresult (*cuStreamSynchronize)(CUstream);
     CUresult (*cuStreamDestroy)(CUstream);
+    CUresult (*cuEventCreate)(CUevent *, unsigned int);
+    CUresult (*cuEventRecord)(CUevent, CUstream);
+    CUresult (*cuEventSynchronize)(CUevent);
+    CUresult (*cuEventDestroy)(CUevent);
     CUresult (*cuCtxGetCurrent)(CUcontext *);
     CUresult (*cuCtxPushCurrent)(CUcontext);
     CUresult (*cuCtxPopCurrent)(CUcontext *);
@@ -204,6 +215,8 @@ struct shim_real {
     CUresult (*cuPointerGetAttribute)(void *, CUpointer_attribute, CUdeviceptr);
     CUresult (*cuPointerGetAttributes)(unsigned int, CUpointer_attribute *, void **,
                                        CUdeviceptr);
+    CUresult (*cuCtxDestroy)(CUcontext);
+    CUresult (*cuDevicePrimaryCtxReset)(CUdevice);
     CUresult (*cuCtxEnablePeerAccess)(CUcontext, unsigned int);
     CUresult (*cuCtxDisablePeerAccess)(CUcontext);
     CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
@@ -349,6 +362,10 @@ SHIM_HIDDEN void app_gate_lock(const char *call);
  * may change tracked state; on CUDA_SUCCESS the caller holds g.lock. */
 SHIM_HIDDEN CUresult app_lock_at(const char *call);
 #define app_lock() app_lock_at(__func__)
+/* app_lock for a call that needs the driver's entry point *fn (resolved by then):
+ * CUDA_ERROR_NOT_SUPPORTED, unlocked, when the driver lacks it. */
+SHIM_HIDDEN CUresult app_lock_driver(const char *call, void *const *fn);
+#define app_lock_for(fn) app_lock_driver(__func__, (void *const *)&(fn))
 /* Fork child, before anything else runs: fresh locks, phase ACTIVE, no id,
  * not started. */
 SHIM_HIDDEN void shim_state_after_fork(void);
@@ -455,6 +472,7 @@ struct owned {
     struct owned_range *ranges;
     uint32_t nranges, capranges;
     uint64_t *units;              /* slab: a bit per OWNED_UNIT bytes in use or retired */
+    uint32_t free_units;          /* slab: bits clear */
 };
 
 /* The application's cuMemUnmap, cuMemAddressFree, cuMemSetAccess and
@@ -497,6 +515,13 @@ SHIM_HIDDEN CUresult mapping_restore_access(const struct mapping *m, char *msg, 
 SHIM_HIDDEN int obj_ptr_id_cmp(const void *a, const void *b);
 SHIM_HIDDEN int mapping_va_cmp(const void *a, const void *b);
 SHIM_HIDDEN bool obj_shared(const struct obj *o);
+/* Whether SAVE_ALLOCATIONS moves `o`'s bytes and PREPARE_UNICAST tears it
+ * down: an allocation this process created (is_creator) that is shared,
+ * or private unless SNAPSHOT_SHIM_STAGE_PRIVATE=0. Never a raw import nor
+ * one exportable through another handle type (those refuse the capture).
+ * In content mode native nothing is staged, but the predicate still says
+ * which allocations are the creator's to keep. */
+SHIM_HIDDEN bool obj_staged(const struct obj *o);
 /* Under g.lock: a new live object of `kind` for driver handle `h`, held once
  * by the application; NULL on ENOMEM, after releasing `h`. */
 SHIM_HIDDEN struct obj *obj_adopt(enum obj_kind kind, CUmemGenericAllocationHandle h);
@@ -701,8 +726,16 @@ SHIM_HIDDEN phase_work_fn rollback_allocations;
 SHIM_HIDDEN phase_work_fn rollback_imports;
 
 /* ---------------------------------------------------------------- control.c */
+/* How often, at least, the listener thread checks that its published path
+ * still leads to it (lifecycle.c heals it otherwise). */
+#define CONTROL_HEAL_MS 100
 /* The listener thread: accepts on the socket `arg` (an int) for ever. */
 SHIM_HIDDEN void *control_listen(void *arg);
+/* `heal(fd)` is called by the listener thread at least every
+ * CONTROL_HEAL_MS and returns the socket to accept on from then on: `fd`,
+ * or a new one, in which case the listener serves what is queued on `fd`
+ * and closes it. Set before the thread starts. */
+SHIM_HIDDEN void control_set_heal(int (*heal)(int fd));
 /* Fork child: no connection of the parent's is ours. */
 SHIM_HIDDEN void control_after_fork(void);
 

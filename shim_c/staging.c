@@ -21,11 +21,22 @@
  *    unregistered by one worker: population and pinning of one chunk run
  *    while other workers copy, and no registration outlives its chunk, so
  *    the native checkpoint and CRIU see plain anonymous memory between SAVE
- *    and LOAD and the pinned memory at any time is at most threads x chunk;
+ *    and LOAD and the pinned memory at any time is at most threads x chunk
+ *    (with SNAPSHOT_SHIM_STAGING_BOUNCE_MIB=0);
  *  - by default nothing is pinned per phase at all: each thread copies
  *    through its own pinned bounce buffer (SNAPSHOT_SHIM_STAGING_BOUNCE_MIB,
  *    cuMemHostAlloc once, kept for the life of the process) and memcpy's
- *    between it and the staging memory. Measured on the H200 (run 1 of
+ *    between it and the staging memory, double-buffered (bounce_copy): the
+ *    copy engine fills or drains one half while the thread memcpy's the
+ *    other, and the thread waits on a blocking-sync event, so that a waiting
+ *    worker gives its CPU to the ones that memcpy and fault pages (on the
+ *    H200 a SAVE of 8 GiB was CPU-bound: populate 2.7 + memcpy 2.0 of 5.1
+ *    thread-s in a 0.34 s op on 16 CPUs, against a 0.18 s copy);
+ *  - through the bounce buffers, fresh staging memory is faulted in by the
+ *    memcpy that fills it: each 2 MiB page zeroed by the kernel just before
+ *    it is written, while it is still in cache, instead of a pass of its own
+ *    over the whole chunk first (SNAPSHOT_SHIM_STAGING_PREFAULT=1 keeps that
+ *    pass; a registration in place always needs it). Measured on the H200 (run 1 of
  *    docs/benchmarks.md): registering and unregistering 8 GiB in 64 MiB
  *    chunks from 16 threads cost 0.5 s per op, against 0.16 s of copy; the
  *    driver serializes that work, so more threads do not help. With
@@ -204,6 +215,9 @@ struct worker {
     CUcontext ctx;
     bool entered, pushed;
     CUstream stream;
+    /* One per half of the bounce buffer: recorded after that half's copies,
+     * waited for (blocking, not spinning) before the half is touched again. */
+    CUevent done[2];
     struct staging_times t;     /* this thread's, added to the pool's at the end */
 };
 
@@ -211,6 +225,14 @@ static void worker_leave(struct staging *s, struct worker *w)
 {
     if (!w->entered)
         return;
+    for (int i = 0; i < 2; i++) {
+        if (w->done[i]) {
+            CUresult r = real.cuEventDestroy(w->done[i]);
+            if (r != CUDA_SUCCESS)
+                cu_fail(s, NULL, "cuEventDestroy", r);
+            w->done[i] = NULL;
+        }
+    }
     if (w->stream) {
         CUresult r = real.cuStreamDestroy(w->stream);
         if (r != CUDA_SUCCESS)
@@ -242,6 +264,17 @@ static int worker_use(struct staging *s, struct worker *w, CUcontext ctx)
         w->stream = NULL;
         cu_fail(s, NULL, "cuStreamCreate", r);
         return -1;
+    }
+    /* Blocking sync: a worker waiting for its copy sleeps instead of spinning
+     * (the context's default schedule spins while it has fewer threads than
+     * CPUs), so the CPUs stay with the workers that memcpy and fault pages. */
+    for (int i = 0; i < 2; i++) {
+        r = real.cuEventCreate(&w->done[i], CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING);
+        if (r != CUDA_SUCCESS) {
+            w->done[i] = NULL;
+            cu_fail(s, NULL, "cuEventCreate", r);
+            return -1;
+        }
     }
     return 0;
 }
@@ -314,50 +347,124 @@ static char *bounce_get(struct staging *s, struct worker *w, const struct segmen
     return b->p;
 }
 
-/* One chunk through the bounce buffer: [populate,] then piece by piece a
- * copy to or from the buffer, a sync, and a memcpy on the host side. */
+/* Where the next byte of a chunk lies: segment seg0 + i, `off` bytes in. */
+struct cursor {
+    uint32_t i;
+    size_t off;
+};
+
+/* Queue the copies of the next `n` bytes of task `k` between the device and
+ * `buf` (one copy per segment part: a piece may span several small
+ * allocations), then record `done` after them. */
+static int piece_dma(struct staging *s, struct worker *w, const struct task *k,
+                     struct cursor *c, char *buf, size_t n, CUevent done)
+{
+    size_t at = 0;
+    CUresult r;
+
+    while (at < n) {
+        const struct segment *sg = &s->segs[k->seg0 + c->i];
+        size_t take = sg->len - c->off < n - at ? sg->len - c->off : n - at;
+        r = s->to_host ? real.cuMemcpyDtoHAsync(buf + at, sg->dev + c->off, take, w->stream)
+                       : real.cuMemcpyHtoDAsync(sg->dev + c->off, buf + at, take, w->stream);
+        if (r != CUDA_SUCCESS) {
+            cu_fail(s, sg, s->to_host ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync", r);
+            return -1;
+        }
+        at += take;
+        c->off += take;
+        if (c->off == sg->len) {
+            c->i++;
+            c->off = 0;
+        }
+    }
+    r = real.cuEventRecord(done, w->stream);
+    if (r != CUDA_SUCCESS) {
+        cu_fail(s, &s->segs[k->seg0], "cuEventRecord", r);
+        return -1;
+    }
+    return 0;
+}
+
+static int piece_wait(struct staging *s, struct worker *w, const struct task *k, CUevent done)
+{
+    uint64_t t0 = shim_now_ns();
+    CUresult r = real.cuEventSynchronize(done);
+
+    w->t.copy_ns += shim_now_ns() - t0;
+    if (r != CUDA_SUCCESS) {
+        cu_fail(s, &s->segs[k->seg0], "cuEventSynchronize", r);
+        return -1;
+    }
+    return 0;
+}
+
+static void timed_memcpy(struct worker *w, char *to, const char *from, size_t n)
+{
+    uint64_t t0 = shim_now_ns();
+    memcpy(to, from, n);
+    w->t.memcpy_ns += shim_now_ns() - t0;
+}
+
+/* One chunk through the bounce buffer, double-buffered: piece j of the
+ * chunk (half a bounce buffer) goes through half j % 2, so that the copy
+ * engine moves one half while this thread memcpy's the other. SAVE: the
+ * copy of piece j is queued before piece j - 1 is memcpy'd out (that memcpy
+ * faults the fresh staging pages in as it writes them, each 2 MiB page
+ * zeroed just before it is written: no pass of its own); LOAD: piece j is
+ * memcpy'd in once the copy of piece j - 2 (the same half) is done, then
+ * queued. On any error the stream is drained before returning: the bounce
+ * buffer is never left with a copy in flight. */
 static int bounce_copy(struct staging *s, struct worker *w, const struct task *k)
 {
-    size_t piece = shim_settings()->staging_bounce;
+    size_t half = shim_settings()->staging_bounce / 2;
     char *buf = bounce_get(s, w, &s->segs[k->seg0]);
-    CUresult r, r2;
+    size_t pieces, j;
+    struct cursor c = {0, 0};
+    int rc = 0;
     uint64_t t0;
 
     if (!buf)
         return -1;
-    for (uint32_t i = 0; i < k->nseg; i++) {
-        const struct segment *sg = &s->segs[k->seg0 + i];
-        for (size_t off = 0; off < sg->len; off += piece) {
-            size_t n = sg->len - off < piece ? sg->len - off : piece;
+    pieces = (k->len + half - 1) / half;
+    copy_begin(s);
+    for (j = 0; j <= pieces && rc == 0; j++) {
+        if (j < pieces) {
+            size_t at = j * half, n = k->len - at < half ? k->len - at : half;
+            char *b = buf + (j % 2) * half;
             if (!s->to_host) {
-                t0 = shim_now_ns();
-                memcpy(buf, sg->host + off, n);
-                w->t.memcpy_ns += shim_now_ns() - t0;
+                if (j >= 2 && piece_wait(s, w, k, w->done[j % 2]) != 0) {
+                    rc = -1;
+                    break;
+                }
+                timed_memcpy(w, b, k->host + at, n);
             }
             t0 = shim_now_ns();
-            copy_begin(s);
-            r = s->to_host ? real.cuMemcpyDtoHAsync(buf, sg->dev + off, n, w->stream)
-                           : real.cuMemcpyHtoDAsync(sg->dev + off, buf, n, w->stream);
-            /* Always drain the stream before the buffer is touched again. */
-            r2 = real.cuStreamSynchronize(w->stream);
-            copy_end(s);
+            rc = piece_dma(s, w, k, &c, b, n, w->done[j % 2]);
             w->t.copy_ns += shim_now_ns() - t0;
-            if (r != CUDA_SUCCESS) {
-                cu_fail(s, sg, s->to_host ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync", r);
-                return -1;
+            if (rc != 0)
+                break;
+        }
+        if (s->to_host && j >= 1) {
+            size_t at = (j - 1) * half, n = k->len - at < half ? k->len - at : half;
+            if (piece_wait(s, w, k, w->done[(j - 1) % 2]) != 0) {
+                rc = -1;
+                break;
             }
-            if (r2 != CUDA_SUCCESS) {
-                cu_fail(s, sg, "cuStreamSynchronize", r2);
-                return -1;
-            }
-            if (s->to_host) {
-                t0 = shim_now_ns();
-                memcpy(sg->host + off, buf, n);
-                w->t.memcpy_ns += shim_now_ns() - t0;
-            }
+            timed_memcpy(w, k->host + at, buf + ((j - 1) % 2) * half, n);
         }
     }
-    return 0;
+    if (rc == 0 && !s->to_host)
+        for (j = pieces > 2 ? pieces - 2 : 0; j < pieces && rc == 0; j++)
+            rc = piece_wait(s, w, k, w->done[j % 2]);
+    if (rc != 0) {
+        /* Nothing may still write into (or read from) the buffer. */
+        CUresult r = real.cuStreamSynchronize(w->stream);
+        if (r != CUDA_SUCCESS)
+            cu_fail(s, &s->segs[k->seg0], "cuStreamSynchronize", r);
+    }
+    copy_end(s);
+    return rc;
 }
 
 /* One chunk registered in place: [populate,] register, every segment's
@@ -410,7 +517,11 @@ static void run_copy(struct staging *s, struct worker *w, const struct task *k)
 
     if (worker_use(s, w, k->ctx) != 0)
         return;
-    if (s->to_host && !s->populated) {
+    /* Through the bounce buffers the memcpy faults the pages in; only a
+     * registration in place (or SNAPSHOT_SHIM_STAGING_PREFAULT=1) needs them
+     * populated first. */
+    if (s->to_host && !s->populated &&
+        (!shim_settings()->staging_bounce || shim_settings()->staging_prefault)) {
         t0 = shim_now_ns();
         if (populate(k->host, k->len) != 0) {
             int e = errno;
@@ -521,9 +632,10 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
 
     if (!shim_resolve_host_register() || !real.cuStreamCreate || !real.cuStreamSynchronize ||
         !real.cuStreamDestroy || !real.cuMemcpyDtoHAsync || !real.cuMemcpyHtoDAsync ||
-        !real.cuMemHostAlloc) {
+        !real.cuMemHostAlloc || !real.cuEventCreate || !real.cuEventRecord ||
+        !real.cuEventSynchronize || !real.cuEventDestroy) {
         snprintf(msg, n, "the driver lacks cuMemHostRegister/cuMemHostUnregister, "
-                         "cuMemHostAlloc or the stream entry points");
+                         "cuMemHostAlloc or the stream and event entry points");
         return NULL;
     }
     s = calloc(1, sizeof *s);

@@ -88,6 +88,16 @@ CUresult app_lock_at(const char *call)
     return CUDA_SUCCESS;
 }
 
+CUresult app_lock_driver(const char *call, void *const *fn)
+{
+    CUresult r = app_lock_at(call);
+    if (r == CUDA_SUCCESS && !*fn) {
+        pthread_mutex_unlock(&g.lock);
+        r = CUDA_ERROR_NOT_SUPPORTED; /* a driver older than the call */
+    }
+    return r;
+}
+
 void shim_state_after_fork(void)
 {
     /* Only this thread survives: the locks may have been held by threads

@@ -429,7 +429,27 @@ static void rec_refusal(struct cuip_record *rec, const struct obj *o, uint16_t k
     }
 }
 
-/* Called with g.lock held; no driver calls. */
+/* What INSPECT reports as topology: every shared allocation (creator or
+ * importer) and every allocation SAVE moves (the private ones this process
+ * created, unless SNAPSHOT_SHIM_STAGE_PRIVATE=0). */
+static bool reported(const struct obj *o)
+{
+    return obj_shared(o) || obj_staged(o);
+}
+
+/* Whether the native checkpoint keeps `o`'s bytes: an allocation this
+ * process created that the shim leaves in place (a private one with
+ * SNAPSHOT_SHIM_STAGE_PRIVATE=0, every one in content mode native). */
+static bool left_to_native(const struct obj *o)
+{
+    if (o->kind != OBJ_ALLOC || !o->is_creator || o->raw_import || o->unsupported)
+        return false;
+    return shim_settings()->native_content || !obj_staged(o);
+}
+
+/* Called with g.lock held; no driver calls. The reply's stat_count and
+ * stat_bytes say how many allocations (and bytes) this process created that
+ * the native checkpoint keeps: the shim's part of "what is left to it". */
 int unicast_inspect(struct reply *r)
 {
     uint32_t n = obj_count(), nobj = 0, nrec = 0, nraw = 0, nuns = 0, mc = 0;
@@ -443,7 +463,11 @@ int unicast_inspect(struct reply *r)
         struct obj *o = obj_at(i);
         if (!o || o->kind != OBJ_ALLOC || obj_unused(o))
             continue;
-        if (obj_shared(o)) {
+        if (left_to_native(o)) {
+            r->h.stat_count++;
+            r->h.stat_bytes += o->size;
+        }
+        if (reported(o)) {
             list[nobj++] = o;
             nrec += 1 + o->nmaps;
         } else if (o->raw_import) {
@@ -478,7 +502,7 @@ int unicast_inspect(struct reply *r)
     /* Refusal records after the topology, in slot order. */
     for (uint32_t i = 0; i < n; i++) {
         struct obj *o = obj_at(i);
-        if (!o || o->kind != OBJ_ALLOC || obj_unused(o) || obj_shared(o))
+        if (!o || o->kind != OBJ_ALLOC || obj_unused(o) || reported(o))
             continue;
         if (o->raw_import)
             rec_refusal(&recs[nrec++], o, CUIP_RECORD_RAW_IMPORT);
@@ -587,7 +611,7 @@ enum phase_result unicast_prepare(struct reply *r)
 {
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
-        if (!o || !obj_shared(o) || !o->live)
+        if (!o || !reported(o) || !o->live)
             continue;
         if (o->is_creator && shim_settings()->native_content)
             continue; /* kept: the native checkpoint saves it */

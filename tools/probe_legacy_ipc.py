@@ -4,6 +4,7 @@ processes that share through legacy IPC. Its output is a record in
 specs/records/ that the simulated driver is checked against.
 
     python3 tools/probe_legacy_ipc.py > record.txt
+    python3 tools/probe_legacy_ipc.py event-link   # an IPC event across the checkpoint
 
 Workers are child processes obeying JSON commands on stdin; IPC handles travel
 between them as hex. The driver is called through ctypes so that the 64 handle
@@ -179,6 +180,12 @@ def worker() -> None:
             out["r"] = call("cuStreamWaitEvent", stream, events[cmd["event"]], 0)
         elif op == "event_destroy":
             out["r"] = call("cuEventDestroy_v2", events[cmd["event"]])
+        elif op == "busy":  # queue ~`n` GiB of memsets on the stream, then record the event
+            buf = u64()
+            call("cuMemAlloc_v2", ctypes.byref(buf), ctypes.c_size_t(1 << 30))
+            for _ in range(cmd["n"]):
+                call("cuMemsetD8Async", buf, 1, ctypes.c_size_t(1 << 30), stream)
+            out["r"] = call("cuEventRecord", events[cmd["event"]], stream)
         elif op == "sync":
             out["r"] = call("cuCtxSynchronize")
         elif op == "quit":
@@ -344,11 +351,35 @@ def scenario_native(kind: str) -> None:
         b.kill()
 
 
+def scenario_event_link() -> None:
+    """Does an event opened in B still follow A's records after both were checkpointed
+    and restored? A queues long work, records; B's query must say NOT_READY."""
+    print("== IPC event link across the native checkpoint")
+    a, b = W("A"), W("B")
+    try:
+        e = a("event", flags=6)["event"]
+        be = b("event_open", handle=a("event_handle", event=e)["handle"])["event"]
+        a("busy", event=e, n=400)
+        b("event_query", event=be)  # before: NOT_READY expected
+        b("event_sync", event=be)
+        native([a.pid, b.pid], "event-link")
+        a("busy", event=e, n=400)
+        b("event_query", event=be)  # NOT_READY: still linked; SUCCESS: the link is gone
+        b("event_sync", event=be)
+        a("event_query", event=e)
+    finally:
+        a.kill()
+        b.kill()
+
+
 def main() -> None:
     from cuda.bindings import driver as cu
 
     cu.cuInit(0)
     print("driver", cu.cuDriverGetVersion())
+    if sys.argv[1:] == ["event-link"]:
+        scenario_event_link()
+        return
     scenario_rules()
     for kind in ("exporter-only", "memory-closed", "event-creator-only", "event", "memory"):
         scenario_native(kind)
@@ -358,4 +389,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["worker"]:
         worker()
     else:
-        main()
+        main()  # `event-link`: only the event scenario

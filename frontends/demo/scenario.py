@@ -124,6 +124,12 @@ class Scenario:
     def shared_bytes(self) -> int:
         return self.x_size + self.y_size
 
+    @property
+    def staged_bytes(self) -> int:
+        """What the creator's SAVE moves: its shared and its private allocations (the
+        shim stages every allocation it created, SNAPSHOT_SHIM_STAGE_PRIVATE)."""
+        return self.x_size + self.y_size + self.p_size
+
     def build(self) -> None:
         c, t, b = self.creator, self.twice, self.both
         x, y, p = self.x_size, self.y_size, self.p_size
@@ -375,9 +381,9 @@ def _demo(
     freed = used_before - used_suspended
     out(f"suspend: {suspended.seconds:.3f} s ({steps(suspended)})")
     out(
-        f"  saved {save.get('allocation_count', '?')} shared allocations, "
+        f"  saved {save.get('allocation_count', '?')} allocations (shared and private), "
         f"{_mib(int(save.get('allocation_bytes', 0)))}, SAVE "
-        f"{_gbps(save, 'gb_per_s', scen.shared_bytes, suspended.seconds)}; every process "
+        f"{_gbps(save, 'gb_per_s', scen.staged_bytes, suspended.seconds)}; every process "
         f"CHECKPOINTED; GPU memory used {_mib(used_suspended - used_idle)}, "
         f"{_mib(freed)} freed while suspended"
     )
@@ -386,9 +392,9 @@ def _demo(
     load = resumed.phase("LOAD_ALLOCATIONS")
     out(f"resume: {resumed.seconds:.3f} s ({steps(resumed)})")
     out(
-        f"  loaded {load.get('allocation_count', '?')} shared allocations, "
+        f"  loaded {load.get('allocation_count', '?')} allocations, "
         f"{_mib(int(load.get('allocation_bytes', 0)))}, LOAD "
-        f"{_gbps(load, 'gb_per_s', scen.shared_bytes, resumed.seconds)}; GPU memory used "
+        f"{_gbps(load, 'gb_per_s', scen.staged_bytes, resumed.seconds)}; GPU memory used "
         f"{_mib(used_after - used_idle)}"
     )
 

@@ -1020,7 +1020,8 @@ CUresult CUDAAPI cuStreamAddCallback_ptsz(CUstream hStream, CUstreamCallback cal
 
 static struct sim_event *event_check(CUevent h);
 
-/* Events complete when recorded, so the dependency is met when queued. */
+/* The dependency is taken as met when queued: streams are not ordered
+ * against each other (an event's own completion is: event_record). */
 static CUresult stream_wait_event(CUstream s, CUevent h, unsigned flags)
 {
     struct sim_event *e;
@@ -1111,6 +1112,38 @@ static struct sim_event *event_check(CUevent h)
     return NULL;
 }
 
+/* Events complete in stream order, as the driver's: a record queues a
+ * marker behind the work already in the stream, and a synchronize (or a
+ * query) looks at whether every marker recorded before it has run. A
+ * slot's `gen` survives its reuse, so that a marker of a destroyed event
+ * changes nothing. */
+static pthread_mutex_t event_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t event_cv = PTHREAD_COND_INITIALIZER;
+
+static CUresult run_event_mark(struct sim_work *w)
+{
+    struct sim_event *e = w->host_arg;
+
+    pthread_mutex_lock(&event_mu);
+    if (e->gen == w->value && w->value64 > e->completed)
+        e->completed = w->value64;
+    pthread_cond_broadcast(&event_cv);
+    pthread_mutex_unlock(&event_mu);
+    return CUDA_SUCCESS;
+}
+
+/* sim.mu held: the slot cleared, its next use a new generation. */
+static void event_clear(struct sim_event *e)
+{
+    unsigned gen;
+
+    pthread_mutex_lock(&event_mu);
+    gen = e->gen;
+    memset(e, 0, sizeof(*e));
+    e->gen = gen + 1;
+    pthread_mutex_unlock(&event_mu);
+}
+
 /* An interprocess event's state lives in a memfd page that the processes
  * holding the event map (ipc.c hands out the memfd). */
 static CUresult event_shared_new(struct sim_event *e)
@@ -1141,7 +1174,7 @@ static void event_release(struct sim_event *e)
         munmap(e->shared, sizeof(*e->shared));
     if (e->fd >= 0)
         close(e->fd);
-    memset(e, 0, sizeof(*e));
+    event_clear(e);
 }
 
 struct sim_event *sim_event_check(CUevent h)
@@ -1158,7 +1191,7 @@ CUresult sim_event_new(unsigned flags, struct sim_event **out)
             e = &sim.events[i];
     if (!e)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    memset(e, 0, sizeof(*e));
+    event_clear(e);
     e->used = 1;
     e->flags = flags;
     e->t_ms = -1;
@@ -1225,6 +1258,9 @@ static CUresult event_record(CUevent h, CUstream s)
 
     if (r != CUDA_SUCCESS)
         return r;
+    uint64_t seq;
+    unsigned gen;
+
     sim_lock();
     e = event_check(h);
     if (e) {
@@ -1234,7 +1270,21 @@ static CUresult event_record(CUevent h, CUstream s)
             atomic_fetch_add(&e->shared->records, 1);
     }
     sim_unlock();
-    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    if (!e)
+        return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&event_mu);
+    seq = ++e->recorded;
+    gen = e->gen;
+    pthread_mutex_unlock(&event_mu);
+    r = sim_enqueue(s, &(struct sim_work){.run = run_event_mark, .host_arg = e, .value = gen,
+                                          .value64 = seq});
+    if (r != CUDA_SUCCESS) {
+        pthread_mutex_lock(&event_mu);
+        if (e->gen == gen && e->recorded == seq)
+            e->recorded--;
+        pthread_mutex_unlock(&event_mu);
+    }
+    return r;
 }
 
 CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream)
@@ -1265,24 +1315,39 @@ CUresult CUDAAPI cuEventRecordWithFlags_ptsz(CUevent hEvent, CUstream hStream,
     SIM_API(event_record_flags(hEvent, sim_per_thread(hStream), flags));
 }
 
-static CUresult event_query(CUevent h)
+/* NOT_READY while a marker recorded before the call has not run; with
+ * `wait`, until it has. */
+static CUresult event_wait(CUevent h, int wait)
 {
     struct sim_event *e;
+    uint64_t target;
+    unsigned gen;
+    CUresult r = CUDA_SUCCESS;
 
     sim_lock();
     e = event_check(h);
     sim_unlock();
-    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    if (!e)
+        return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&event_mu);
+    target = e->recorded;
+    gen = e->gen;
+    while (wait && e->gen == gen && e->completed < target)
+        pthread_cond_wait(&event_cv, &event_mu);
+    if (e->gen == gen && e->completed < target)
+        r = CUDA_ERROR_NOT_READY;
+    pthread_mutex_unlock(&event_mu);
+    return r;
 }
 
 CUresult CUDAAPI cuEventQuery(CUevent hEvent)
 {
-    SIM_API(event_query(hEvent));
+    SIM_API(event_wait(hEvent, 0));
 }
 
 CUresult CUDAAPI cuEventSynchronize(CUevent hEvent)
 {
-    SIM_API(event_query(hEvent));
+    SIM_API(event_wait(hEvent, 1));
 }
 
 static CUresult event_elapsed(float *ms, CUevent a, CUevent b)

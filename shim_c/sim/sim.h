@@ -269,6 +269,10 @@ struct sim_event {
     int opened;                      /* cuIpcOpenEventHandle */
     int fd;                          /* CU_EVENT_INTERPROCESS: the shared page's memfd */
     struct sim_event_shared *shared; /* mapped; NULL for a process-local event */
+    /* Stream-ordered completion (device.c): markers recorded and run, and
+     * the slot's use, so that a marker of a destroyed event is ignored. */
+    unsigned gen;
+    uint64_t recorded, completed;
 };
 
 /* Device-wide memory use, shared between every simulated process of one

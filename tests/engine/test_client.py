@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import re
 import socket
@@ -223,6 +224,32 @@ def test_a_missing_socket_is_a_hangup(control_dir: Path) -> None:
         call(endpoint, Request(Op.HANDSHAKE), timeout=1, expect_participant=None)
     assert caught.value.participant is None
     assert endpoint.describe() in str(caught.value)
+
+
+def test_a_missing_socket_of_a_live_process_is_retried_for_a_bounded_time(
+    control_dir: Path,
+) -> None:
+    # Our own pid: a live process whose shim would re-create its socket (it has none).
+    endpoint = endpoint_for(os.getpid(), os.getpid(), control_dir=control_dir)
+    started = time.monotonic()
+    with pytest.raises(ParticipantHangup, match=r"does not exist \(retried for 1\.\d s\)"):
+        call(endpoint, Request(Op.HANDSHAKE), timeout=10, expect_participant=None)
+    assert time.monotonic() - started < 5
+
+
+def test_a_socket_that_comes_back_within_the_window_is_reached(
+    start_fake: StartFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = start_fake()
+    away = fake.socket_path.with_name("away")
+    fake.socket_path.rename(away)  # removed, as a cleanup script would
+
+    def heal(pid: int) -> bool:  # asked once, at the first failed connect: the shim heals
+        away.rename(fake.socket_path)
+        return True
+
+    monkeypatch.setattr(client, "_pid_visible", heal)
+    assert handshake(fake).status == Status.OK
 
 
 def test_a_socket_nobody_listens_on_is_a_hangup(control_dir: Path) -> None:

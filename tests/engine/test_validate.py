@@ -595,3 +595,39 @@ def test_every_rule_is_documented() -> None:
     rules = {p.values[0].rule for p in CASES}  # type: ignore[attr-defined]
     rules |= {"preflight.raw_import", "preflight.unsupported_exportable", "preflight.whole_team"}
     assert {rule for rule in rules if f"`{rule}`" not in spec} == set()
+
+
+def test_a_process_s_private_allocations_are_a_valid_topology(tmp_path: Path) -> None:
+    """What a shim reports for private allocations it stages (issue 19): one participant
+    alone, CREATOR and CONTENT; one kept by its handle, one not exportable, one held by
+    its mapping only (the application released its handle), one mapped twice. Valid,
+    nothing to refuse, and the state file keeps them as they are."""
+    from cuinterpose.engine import statefile
+
+    owned = RecordFlag.CREATOR | RecordFlag.CONTENT
+    ids = [allocation_id(10 + k) for k in range(4)]
+    records = (
+        allocation(ids[0], P0, flags=CREATOR_FLAGS, size=3 * GRANULARITY),
+        mapping(ids[0], va(0), size=3 * GRANULARITY),
+        allocation(ids[1], P0, flags=CREATOR_FLAGS, handle_types=0),
+        mapping(ids[1], va(4)),
+        allocation(ids[2], P0, flags=owned, handle_count=0),
+        mapping(ids[2], va(6)),
+        allocation(ids[3], P0, flags=CREATOR_FLAGS, device=1),
+        mapping(ids[3], va(8), access=(rw(0), rw(1))),
+        mapping(ids[3], va(10), access=(Access(1, 0, 1),)),
+    )
+    topology = Topology((ParticipantTopology(P0, 1000, records),))
+    assert v.validate(topology) == ()
+    assert v.preflight(topology) == ()
+    assert topology.allocation_count == 4
+    assert topology.allocation_bytes == 6 * GRANULARITY
+    state = statefile.CheckpointState(
+        protocol_version=1,
+        content_mode="host",
+        created_at=statefile.utc_timestamp(),
+        participants=(statefile.StateParticipant(P0, 1000),),
+        topology=topology,
+    )
+    statefile.write_state(tmp_path, state)
+    assert statefile.read_state(tmp_path) == state

@@ -79,7 +79,7 @@ def test_suspend_and_resume_through_the_cli(
     steps = [e["step"] for e in events if e["event"] == "step" and e["status"] == "done"]
     assert steps == ["detect", "capture", "native_lock", "native_checkpoint"], events
     save = next(e for e in events if e.get("phase") == "SAVE_ALLOCATIONS" and "machine" in e)
-    assert save["allocation_bytes"] == group.size
+    assert save["allocation_bytes"] == 2 * group.size  # X and the private P
     summary = events[-1]
     assert summary["event"] == "summary"
     assert [t["phase"] for t in summary["timings"]] == steps
@@ -119,7 +119,7 @@ def test_suspend_and_resume_through_the_library(
     assert before - group.used() >= 2 * group.size
     phases = [t.phase for t in done.timings]
     assert phases == ["detect", "capture", "native_lock", "native_checkpoint"]
-    assert dict((t.phase, t.bytes) for t in done.timings)["capture"] == group.size
+    assert dict((t.phase, t.bytes) for t in done.timings)["capture"] == 2 * group.size
     # Every event reached the logger too, with its fields in extra.
     logged = [r.cuinterpose for r in caplog.records if hasattr(r, "cuinterpose")]
     assert logged == [e.to_json() for e in seen]
@@ -242,7 +242,7 @@ def test_status_is_served_while_a_phase_op_is_in_flight(
     steps = (
         (wire.Op.QUIESCE, 0),  # its idle check waits in cuCtxSynchronize
         (wire.Op.PREPARE_MULTICAST, 0),
-        (wire.Op.SAVE_ALLOCATIONS, group.size),
+        (wire.Op.SAVE_ALLOCATIONS, 2 * group.size),  # X and the private P
     )
     for op, total in steps:
         native.lock(creator, 10_000)
@@ -262,12 +262,12 @@ def test_status_is_served_while_a_phase_op_is_in_flight(
             with agent._CopyWatcher([(endpoints[0], me)], seen.append):
                 wait_until(lambda seen=seen: seen, "a copy progress event")
             assert seen[0].phase == "SAVE_ALLOCATIONS"
-            assert (seen[0].bytes_done, seen[0].bytes_total) == (0, group.size)
+            assert (seen[0].bytes_done, seen[0].bytes_total) == (0, 2 * group.size)
         native.unlock(creator)
         sender.join()
         assert answers[0].status is wire.Status.OK, answers[0]
         assert in_flight().op is None
-    assert answers[0].stats.bytes == group.size
+    assert answers[0].stats.bytes == 2 * group.size
     assert in_flight().bytes_done == 0  # nothing in flight: nothing reported
     # Only the creator moved; bring it back with the importer.
     runner.rollback(endpoints, tmp_path, recorded=topology)

@@ -162,6 +162,8 @@ def test_multi_chunk_cycle(
         ("SNAPSHOT_SHIM_COPY_CHUNK_MIB", "0", "a chunk size in MiB in [1, 4096]"),
         ("SNAPSHOT_SHIM_COPY_CHUNK_MIB", "1.5", "a chunk size in MiB in [1, 4096]"),
         ("SNAPSHOT_SHIM_STAGING_THP", "yes", "neither 0 nor 1"),
+        ("SNAPSHOT_SHIM_STAGE_PRIVATE", "no", "neither 0 nor 1"),
+        ("SNAPSHOT_SHIM_STAGING_PREFAULT", "2", "neither 0 nor 1"),
         ("SNAPSHOT_SHIM_TIMING", "2", "neither 0 nor 1"),
         ("SNAPSHOT_SHIM_STAGING_RESIDENT_MIB", "-1", "a size in MiB in [0, 4194304]"),
         ("SNAPSHOT_SHIM_STAGING_RESIDENT_MIB", "4194305", "a size in MiB in [0, 4194304]"),
@@ -176,7 +178,7 @@ def test_bad_setting_refused(
     make_shared(creator, [2], seed=7)
     log = plain_cycle(control_dir, creator)
     if what.startswith("neither"):
-        default = 1 if name.endswith("THP") else 0
+        default = 1 if name.endswith(("THP", "STAGE_PRIVATE")) else 0
         assert f"{name}={value} is {what}; using {default}" in log, log
         assert "cuinterpose-timing" not in log  # timing off by default
         return
@@ -263,7 +265,9 @@ def timing_lines(log: str) -> dict[str, dict[str, object]]:
     return found
 
 
-@pytest.mark.parametrize("bounce_mib", [0, 1], ids=["registered-in-place", "bounce-1MiB"])
+@pytest.mark.parametrize(
+    "bounce_mib", [0, 1, 16], ids=["registered-in-place", "bounce-1MiB", "bounce-16MiB"]
+)
 def test_many_small_and_a_few_large(
     spawn: Spawn, control_dir: Path, sim_namespace: str, bounce_mib: int
 ) -> None:
@@ -271,8 +275,10 @@ def test_many_small_and_a_few_large(
     most 3 MiB: small neighbours share a chunk (fewer chunks than cutting each alone), large
     ones are split with a short last piece; the bytes survive the native checkpoint in
     between, the timing line accounts for every byte and its parts add up. Registered in
-    place, every op registers and unregisters; through 1 MiB bounce buffers (pieces of a
-    chunk), only the first op pins (the buffers are kept) and nothing is unregistered."""
+    place, every op registers and unregisters; through bounce buffers only the first op
+    pins (the buffers are kept) and nothing is unregistered: 1 MiB ones (halves of 512 KiB:
+    several pieces per chunk and per allocation, double-buffered), 16 MiB ones (one piece
+    per chunk, spanning the small neighbours that share it)."""
     creator = spawn(
         extra={
             "SNAPSHOT_SHIM_COPY_CHUNK_MIB": "3",
@@ -421,6 +427,9 @@ def test_resident_staging_memory(
             "SNAPSHOT_SHIM_STAGING_RESIDENT_MIB": str(resident_mib),
             "SNAPSHOT_SHIM_COPY_THREADS": "3",
             "SNAPSHOT_SHIM_TIMING": "1",
+            # Fresh staging memory populated in a pass of its own, so that the timing
+            # shows which SAVE found it populated (by default the memcpy faults it in).
+            "SNAPSHOT_SHIM_STAGING_PREFAULT": "1",
         }
     )
     sizes = [3, 1, 4, 1, 5]

@@ -297,7 +297,7 @@ def test_inspect_records(spawn: Spawn, control_dir: Path) -> None:
         """
 H['x'] = check(cu.cuMemCreate(2 * gran, prop(), 0))
 H['va'] = map_rw(H['x'], 2 * gran)
-H['p'] = check(cu.cuMemCreate(gran, prop(), 0))      # private: never reported
+H['p'] = check(cu.cuMemCreate(gran, prop(), 0))      # private: reported, staged too
 H['pva'] = map_rw(H['p'], gran)
 send_fd(export(H['x']))
 """
@@ -324,11 +324,15 @@ result = [int(H['r']) == int(H['y'])]
     cr = c.ok(Op.INSPECT).records
     ir = i.ok(Op.INSPECT).records
     K = wire.RecordKind
-    assert [r.kind for r in cr] == [K.ALLOCATION, K.MAPPING, K.FETCH]  # FETCH last
-    fetch = cr[2]  # the importer fetched the export: its id and pid, as the creator saw them
-    assert (fetch.id, fetch.fetcher, fetch.pid) == (cr[0].id, i.participant, importer.pid)
+    # The private allocation is the creator's to stage as well (SNAPSHOT_SHIM_STAGE_PRIVATE,
+    # on by default): two allocations by id, each followed by its mapping, then the FETCH.
+    assert [r.kind for r in cr] == [K.ALLOCATION, K.MAPPING] * 2 + [K.FETCH]
+    fetch = cr[4]  # the importer fetched the export: its id and pid, as the creator saw them
+    (alloc,) = [r for r in cr[::2] if r.kind is K.ALLOCATION and r.id == fetch.id]
+    (private,) = [r for r in cr[::2] if r.kind is K.ALLOCATION and r.id != fetch.id]
+    assert (fetch.id, fetch.fetcher, fetch.pid) == (alloc.id, i.participant, importer.pid)
     assert fetch.creator == c.participant and not fetch.flags and not fetch.access
-    alloc = cr[0]
+    assert private.flags == alloc.flags and private.size == gran
     F = wire.RecordFlag
     assert alloc.flags == F.CREATOR | F.HANDLE_LIVE | F.CONTENT
     assert alloc.creator == c.participant and alloc.handle_count == 1
@@ -430,11 +434,16 @@ RESTORE = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["host", "native"])
+@pytest.mark.parametrize("mode", ["host", "private-native", "native"])
 def test_unicast_cycle(spawn: Spawn, control_dir: Path, sim_namespace: str, mode: str) -> None:
-    """The whole unicast cycle; ``native``: the creator keeps its allocation
+    """The whole unicast cycle; ``host``: the creator stages its shared and its private
+    allocation; ``private-native``: only the shared one (SNAPSHOT_SHIM_STAGE_PRIVATE=0),
+    the private one stays with the native checkpoint; ``native``: the creator keeps both
     (SNAPSHOT_CONTENT_MODE=native) and copies nothing, the importer still tears down."""
-    creator, importer = spawn(extra={"SNAPSHOT_CONTENT_MODE": mode}), spawn()
+    extra = {"SNAPSHOT_CONTENT_MODE": "native" if mode == "native" else "host"}
+    if mode == "private-native":
+        extra["SNAPSHOT_SHIM_STAGE_PRIVATE"] = "0"
+    creator, importer = spawn(extra=extra), spawn()
     c, i = Shim(control_dir, creator.pid), Shim(control_dir, importer.pid)
     creator(
         """
@@ -460,12 +469,22 @@ H['va1'] = map_rw(H['y'], 2 * gran)
 H['va2'] = map_rw(H['y'], SZ2, offset=OFF)
 """
     )
-    captured = {p.participant: p.ok(Op.INSPECT).records for p in (c, i)}
+    gran = int(creator("result = gran"))
+    inspected = c.ok(Op.INSPECT)
+    captured = {c.participant: inspected.records, i.participant: i.ok(Op.INSPECT).records}
+    # What the creator stages, and what it leaves to the native checkpoint (INSPECT's
+    # stats): allocations and bytes.
+    moved, left = {
+        "host": ((2, 3 * gran), (0, 0)),
+        "private-native": ((1, 2 * gran), (1, gran)),
+        "native": ((0, 0), (2, 3 * gran)),
+    }[mode]
+    assert (inspected.stats.count, inspected.stats.bytes) == left
+    allocations = [r for r in inspected.records if r.kind is wire.RecordKind.ALLOCATION]
+    assert len(allocations) == (1 if mode == "private-native" else 2)
     for op in CAPTURE:
         replies = [p.ok(op) for p in (c, i)]
         if op == Op.SAVE_ALLOCATIONS:
-            gran = int(creator("result = gran"))
-            moved = (1, 2 * gran) if mode == "host" else (0, 0)
             assert (replies[0].stats.count, replies[0].stats.bytes) == moved
             assert replies[1].stats.count == 0
     assert {p.ok(Op.HANDSHAKE).phase for p in (c, i)} == {Phase.PREPARED}

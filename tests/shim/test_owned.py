@@ -185,6 +185,13 @@ def _dir(parent: Path, name: str) -> Path:
     return path
 
 
+def captures_again(pids: list[int], control_dir: Path, tmp_path: Path) -> None:
+    """With the unowned sharing gone, prepare and restore go through."""
+    for command in ("prepare", "restore"):
+        run = cli(command, pids, control_dir, _dir(tmp_path, "again"))
+        assert run.returncode == 0, (command, run.stderr)
+
+
 def refused_and_running(
     app: Worker, pids: list[int], call: str, control_dir: Path, tmp_path: Path
 ) -> None:
@@ -208,9 +215,7 @@ def test_legacy_ipc_of_driver_memory_refuses(
     refused_and_running(app, [app.pid], "cuIpcGetMemHandle", control_dir, tmp_path)
     # Freed, the handle is gone with its memory: nothing stands in the way any more.
     app.check("free", va=mine)
-    again = cli("prepare", [app.pid], control_dir, _dir(tmp_path, "again"))
-    assert again.returncode == 0, again.stderr
-    assert cli("restore", [app.pid], control_dir, _dir(tmp_path, "again")).returncode == 0
+    captures_again([app.pid], control_dir, tmp_path)
     app.close_clean()
 
 
@@ -240,8 +245,7 @@ def test_an_import_from_a_process_without_the_shim_refuses_suspend(
     outsider.check("fill", va=theirs, size=BIG, seed=6)
     assert app.digest(opened, BIG) == pattern_digest(6, BIG)
     app.check("ipc_close", va=opened)
-    assert cli("prepare", [app.pid], control_dir, _dir(tmp_path, "again")).returncode == 0
-    assert cli("restore", [app.pid], control_dir, _dir(tmp_path, "again")).returncode == 0
+    captures_again([app.pid], control_dir, tmp_path)
     app.close_clean()
     outsider.close_clean()
 
@@ -281,7 +285,99 @@ def test_a_shared_memory_pool_refuses(
     importer("check(cu.cuMemPoolDestroy(pool))")
     exporter("check(cu.cuMemPoolDestroy(pool))")
     pids = [exporter.pid, importer.pid]
-    assert cli("prepare", pids, control_dir, _dir(tmp_path, "again")).returncode == 0
-    assert cli("restore", pids, control_dir, _dir(tmp_path, "again")).returncode == 0
+    captures_again(pids, control_dir, tmp_path)
     exporter.close_clean()
     importer.close_clean()
+
+
+PEERS = """
+import ctypes
+ctx0 = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(0))))
+ctx1 = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(1))))
+check(cu.cuCtxSetCurrent(ctx0))
+a = int(check(cu.cuMemAlloc(1 << 20)))
+check(cu.cuMemsetD8(a, 7, 1 << 20))
+def read_from_1(ptr):
+    check(cu.cuCtxSetCurrent(ctx1))
+    buf = ctypes.create_string_buffer(16)
+    try:
+        return err(cu.cuMemcpyDtoH(buf, ptr, 16)), buf.raw[0]
+    finally:
+        check(cu.cuCtxSetCurrent(ctx0))
+"""
+
+
+def test_peer_access_reaches_owned_memory(spawn: Spawn, shim_env: dict[str, str]) -> None:
+    app = spawn("app", shim_env)
+    app(PEERS)
+    assert app("result = read_from_1(a)") == ["CUDA_ERROR_INVALID_VALUE", 0]
+    app("check(cu.cuCtxSetCurrent(ctx1)); check(cu.cuCtxEnablePeerAccess(ctx0, 0))")
+    assert app("result = err(cu.cuCtxEnablePeerAccess(ctx0, 0))") == (
+        "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED"
+    )
+    app("check(cu.cuCtxSetCurrent(ctx0))")
+    assert app("result = read_from_1(a)") == ["CUDA_SUCCESS", 7]
+    # Made after peer access was enabled: reachable from device 1 at once.
+    app("b = int(check(cu.cuMemAlloc(4 << 20))); check(cu.cuMemsetD8(b, 9, 4 << 20))")
+    assert app("result = read_from_1(b)") == ["CUDA_SUCCESS", 9]
+    app("check(cu.cuCtxSetCurrent(ctx1)); check(cu.cuCtxDisablePeerAccess(ctx0))")
+    app("check(cu.cuCtxSetCurrent(ctx0))")
+    assert app("result = read_from_1(a)")[0] == "CUDA_ERROR_INVALID_VALUE"
+    assert app("result = read_from_1(b)")[0] == "CUDA_ERROR_INVALID_VALUE"
+    app.close_clean()
+
+
+RESTORE_STOP_AT = ["LOAD_ALLOCATIONS", "RESTORE_UNICAST"]
+
+
+@pytest.mark.parametrize("phase", RESTORE_STOP_AT)
+def test_a_restore_stopped_after_any_phase_rolls_back_legacy_sharing(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path, phase: str
+) -> None:
+    from cuinterpose.engine import restore
+
+    pair = share_legacy(spawn, shim_env, SEED)
+    endpoints = [endpoint_for(p, p, control_dir=control_dir) for p in pair.pids]
+    ckpt = _dir(tmp_path, "ckpt")
+    capture(endpoints, ckpt, Options(30.0))
+    stop = threading.Event()
+
+    def on_progress(event: object) -> None:
+        if isinstance(event, PhaseEvent) and event.phase == phase:
+            stop.set()
+
+    with pytest.raises(Interrupted) as caught:
+        restore(endpoints, ckpt, Options(30.0, on_progress=on_progress, stop=stop))
+    assert caught.value.rolled_back and caught.value.rollback_error is None, caught.value
+    shared_both_ways(pair, write_seed=SEED + 50)
+    pair.creator.close_clean()
+    pair.importer.close_clean()
+
+
+def test_a_reset_or_destroyed_context_takes_its_owned_memory_along(
+    spawn: Spawn, shim_env: dict[str, str]
+) -> None:
+    app = spawn("app", shim_env)
+    used = "f, t = check(cu.cuMemGetInfo()); result = int(t) - int(f)"
+    before = app(used)
+    small = int(app.check("alloc", size=1000)["va"])
+    big = int(app.check("alloc", size=BIG)["va"])
+    assert app(used) > before
+    app("check(cu.cuDevicePrimaryCtxReset(check(cu.cuDeviceGet(0))))")
+    assert app(used) == before
+    app(
+        "ctx = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(0))))\n"
+        "check(cu.cuCtxSetCurrent(ctx))"
+    )
+    for va in (small, big):
+        assert app.call("address_range", va=va)["result"] == "CUDA_ERROR_NOT_FOUND"
+    # A context of the application's own: its memory goes with it.
+    app(
+        "own = check(cu.cuCtxCreate(None, 0, check(cu.cuDeviceGet(0))))\n"
+        "mine = int(check(cu.cuMemAlloc(1 << 20)))"
+    )
+    assert app(used) > before
+    app("check(cu.cuCtxDestroy(own)); check(cu.cuCtxSetCurrent(ctx))")
+    assert app(used) == before
+    assert app.call("alloc", size=1000)["ok"]  # the primary context allocates again
+    app.close_clean()

@@ -32,6 +32,33 @@ result = {"queued": queued, "legacy": ctx_busy, "done": err(cu.cuStreamQuery(s))
     assert r["bytes"] == "5a5a5a5a"
 
 
+def test_an_event_completes_in_stream_order(spawn):
+    """As on the driver: an event recorded behind queued work is NOT_READY until that
+    work ran, and synchronizing it waits for it (the staging pool's double-buffered
+    bounce copies rely on it)."""
+    w = spawn(extra=SLOW)
+    r = w("""
+h, va = alloc(2 * MiB)
+s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+e = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC))
+idle = check(cu.cuEventCreate(0))
+never = err(cu.cuEventQuery(idle))
+check(cu.cuMemsetD8Async(va, 0x6B, 4096, s))
+check(cu.cuEventRecord(e, s))
+queued = err(cu.cuEventQuery(e))
+synced = err(cu.cuEventSynchronize(e))
+result = {"never": never, "queued": queued, "synced": synced, "after": err(cu.cuEventQuery(e)),
+          "bytes": read(va, 4)}
+""")
+    assert r == {
+        "never": "CUDA_SUCCESS",  # never recorded: complete
+        "queued": "CUDA_ERROR_NOT_READY",
+        "synced": "CUDA_SUCCESS",
+        "after": "CUDA_SUCCESS",
+        "bytes": "6b6b6b6b",
+    }
+
+
 def test_a_synchronous_copy_waits_for_the_legacy_streams_work(spawn):
     w = spawn(extra=SLOW)
     r = w("""

@@ -30,7 +30,7 @@ out["back"] = int(check(cu.cuCtxGetCurrent())) == int(ctx)
 s = check(cu.cuStreamCreate(0))
 e1 = check(cu.cuEventCreate(0)); e2 = check(cu.cuEventCreate(0))
 check(cu.cuEventRecord(e1, s)); check(cu.cuEventRecord(e2, s))
-out["stream"] = [err(cu.cuStreamQuery(s)), err(cu.cuEventSynchronize(e2))]
+out["stream"] = [err(cu.cuEventSynchronize(e2)), err(cu.cuStreamSynchronize(s))]
 out["elapsed"] = float(check(cu.cuEventElapsedTime(e1, e2))) >= 0
 check(cu.cuEventDestroy(e1)); check(cu.cuEventDestroy(e2)); check(cu.cuStreamDestroy(s))
 # no current context

@@ -134,12 +134,13 @@ def three_process_cycle(
     assert prep.returncode == 0, prep.stderr
     assert (work_dir / "checkpoint" / "cuinterpose.state").is_file()
     save = prep.phase("SAVE_ALLOCATIONS")
-    assert save.get("allocation_count") == 2, prep.events
-    assert save.get("allocation_bytes") == scen.shared_bytes, prep.events
-    # Prepared: the shared allocations are off the device (the application's calls
+    # The creator stages X, Y and its private P (SNAPSHOT_SHIM_STAGE_PRIVATE).
+    assert save.get("allocation_count") == 3, prep.events
+    assert save.get("allocation_bytes") == scen.staged_bytes, prep.events
+    # Prepared: every allocation the shim owns is off the device (the application's calls
     # would wait at the closed gate: tests/shim/test_quiesce.py).
     used_prepared = used(observer)
-    assert used_before - used_prepared >= scen.shared_bytes - slack, (used_before, used_prepared)
+    assert used_before - used_prepared >= scen.staged_bytes - slack, (used_before, used_prepared)
 
     ck = native.run_in_subprocess("checkpoint-all", scen.pids, env=plain_env)
     assert set(ck["states"].values()) == {"CHECKPOINTED"}, ck
@@ -154,8 +155,8 @@ def three_process_cycle(
     rest = cli("restore", scen.pids, control_dir, work_dir, timeout_s=timeout_s)
     assert rest.returncode == 0, rest.stderr
     load = rest.phase("LOAD_ALLOCATIONS")
-    assert load.get("allocation_count") == 2, rest.events
-    assert load.get("allocation_bytes") == scen.shared_bytes, rest.events
+    assert load.get("allocation_count") == 3, rest.events
+    assert load.get("allocation_bytes") == scen.staged_bytes, rest.events
     assert scen.mismatches() == []
     used_after = used(observer)
     assert used_after - used_ckpt >= all_bytes, (used_ckpt, used_after)

@@ -1,0 +1,283 @@
+"""The round trip through CRIU, timed and weighed: suspend, ``criu dump``, ``criu
+restore``, resume, for groups that share GPU memory (specs/criu.md).
+
+Scenarios (``--scenario``, repeatable; default ``group``):
+
+- ``group``: a creator holding X (N MiB, exported) and P (N MiB, private), an importer
+  mapping X (tests/shim/workers/criu_tree.py: demo workers, cuda.bindings only).
+- ``torch`` (real GPU only): a torch.multiprocessing producer/consumer pair sharing an
+  N MiB tensor with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+  (tests/gpu/criu_torch_pair.py); ``torch-default``: the same pair on the default
+  allocator (cudaMalloc and legacy CUDA IPC, owned by the shim).
+
+Each runs as one process tree under the shim: ``cuinterpose criu dump`` (suspend,
+then criu dump, which kills the tree), ``cuinterpose criu restore`` (into the same
+control directory, emptied first as on a new node: criu restore -d, then native
+restore and unlock and the coordinator restore), then checks every byte in both
+processes, a write of the importer (consumer) reaching the creator (producer) and a
+new share. Reports each step's seconds, the images' size (all, and memory pages)
+against the GPU bytes and the bytes staged. ``--out`` writes it all as JSON. Exit
+status 0 only when every scenario verified. GB is 10^9 bytes.
+
+CRIU: ``--criu``, else ``$CUINTERPOSE_CRIU``, else ``criu`` on PATH; it must pass
+``criu check`` (root). On a machine without one: tools/bundle_criu.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+from cuinterpose import launch
+from cuinterpose.demo import pattern_digest
+from cuinterpose.engine import criu
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.shim.workers.criu_tree
+
+from tests.shim.workers.criu_tree import Tree, TreeGroup, subreaper  # noqa: E402
+
+TORCH_PAIR = REPO / "tests" / "gpu" / "criu_torch_pair.py"
+
+
+def cli(args: list[str], env: dict[str, str], log: Callable[[str], None]) -> dict[str, Any]:
+    """``cuinterpose ARGS``: its summary line, whole seconds, and the steps' events."""
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "cuinterpose", *args],
+        env={k: v for k, v in env.items() if k != "SNAPSHOT_CONTROL_DIR"},
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        check=False,
+    )
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"cuinterpose {' '.join(args[:2])} exited {done.returncode}: {done.stderr[-4000:]}"
+        )
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    summary = events[-1]
+    steps = {t["phase"]: {"seconds": t["seconds"], "bytes": t["bytes"]} for t in summary["timings"]}
+    for name, step in steps.items():
+        log(f"  {args[1]} {name}: {step['seconds']:.3f} s, {step['bytes']:,} bytes")
+    return {"seconds": seconds, "steps": steps, "summary": summary}
+
+
+@attrs.frozen
+class Setup:
+    """What a scenario runs with: N bytes, the driver, the shim's and the command line's
+    environments, the control directory, its own work directory, CRIU, the log."""
+
+    size: int
+    driver: str
+    env: dict[str, str]
+    plain: dict[str, str]
+    control: Path
+    work: Path
+    criu_path: Path
+    log: Callable[[str], None]
+    logs: Path | None  # where CRIU's own logs are copied (a failure's diagnosis)
+
+
+def round_trip(tree: Tree, s: Setup) -> dict[str, Any]:
+    """criu dump, then criu restore into an emptied control directory."""
+    ckpt, images = s.work / "ckpt", s.work / "images"
+    common = ["--checkpoint-dir", str(ckpt), "--images-dir", str(images)]
+    common += ["--control-dir", str(s.control), "--criu", str(s.criu_path)]
+    procs = [w for p in tree.pids() for w in ("--process", str(p), str(p))]
+    try:
+        dump = cli(["criu", "dump", *common, "--tree", str(tree.root_pid), *procs], s.plain, s.log)
+        tree.reap()
+        shutil.rmtree(s.control)  # as on another node: the restore makes it again
+        restore = cli(["criu", "restore", *common], s.plain, s.log)
+        images_now = criu.image_size(images).to_json()
+    finally:
+        if s.logs is not None:
+            for name in (criu.DUMP_LOG, criu.RESTORE_LOG):
+                if (images / name).is_file():
+                    shutil.copy(images / name, s.logs / f"{s.work.name}-{name}")
+        shutil.rmtree(images, ignore_errors=True)  # they can be large; the size is recorded
+    return {"dump": dump, "restore": restore, "images": images_now}
+
+
+def scenario_group(s: Setup) -> dict[str, Any]:
+    root_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    tree = Tree(["creator", "importer"], s.env, s.work, root_env=root_env)
+    size = s.size
+    try:
+        tree.wait_ready(timeout_s=600)
+        s.log(f"group: X and P of {size / 2**20:.0f} MiB each ...")
+        group = TreeGroup(tree, size)
+        result = round_trip(tree, s)
+        bytes_ok = group.mismatches() == []
+        group.importer.check("fill", va=group.importer_x, size=size, seed=5)
+        write_ok = group.creator.digest(group.creator_x, size) == pattern_digest(5, size)
+        handle, _ = group.creator.create_mapped(size, seed=9)
+        share_ok = group.importer.digest(group.share(handle), size) == pattern_digest(9, size)
+    finally:
+        tree.close()
+    result["gpu_bytes"] = 2 * size
+    result["shared_bytes"] = size
+    result["verified"] = {"bytes": bytes_ok, "write_reaches": write_ok, "new_share": share_ok}
+    return result
+
+
+def scenario_torch(s: Setup, *, expandable: bool = True) -> dict[str, Any]:
+    if s.driver != "system":
+        raise RuntimeError("the torch scenarios need a real GPU (--driver system)")
+    env = {k: v for k, v in s.env.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    if expandable:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    mib = s.size >> 20
+
+    def program(token: str) -> list[str]:
+        return [sys.executable, str(TORCH_PAIR), "--token", token, "--mib", str(mib)]
+
+    tree = Tree(["producer", "consumer"], env, s.work, program=program)
+    try:
+        tree.wait_ready(timeout_s=600)
+        producer, consumer = tree.workers["producer"], tree.workers["consumer"]
+
+        def digests(which: str = "t") -> set[str]:
+            return {str(w.check("digest", which=which)["digest"]) for w in (producer, consumer)}
+
+        before = digests()
+        s.log(f"torch: a {mib} MiB tensor shared, one digest in both: {len(before) == 1}")
+        result = round_trip(tree, s)
+        bytes_ok = digests() == before
+        consumer.check("fill", seed=5)
+        after = digests()
+        write_ok = len(after) == 1 and after != before
+        producer.check("share", seed=9)
+        consumer.check("take")
+        share_ok = len(digests("t2")) == 1
+    finally:
+        tree.close()
+    result["gpu_bytes"] = s.size
+    result["shared_bytes"] = s.size
+    result["verified"] = {
+        "shared_before": len(before) == 1,
+        "bytes": bytes_ok,
+        "write_reaches": write_ok,
+        "new_share": share_ok,
+    }
+    return result
+
+
+def scenario_torch_default(s: Setup) -> dict[str, Any]:
+    """The pair on PyTorch's default allocator: cudaMalloc memory shared through legacy
+    CUDA IPC, which the shim owns and tracks (issue 18)."""
+    return scenario_torch(s, expandable=False)
+
+
+SCENARIOS = {
+    "group": scenario_group,
+    "torch": scenario_torch,
+    "torch-default": scenario_torch_default,
+}
+
+
+def report(name: str, r: dict[str, Any]) -> tuple[list[str], bool]:
+    images = r["images"]
+    staged = r["dump"]["steps"].get("capture", {}).get("bytes", 0)
+    dump, restore = r["dump"]["steps"], r["restore"]["steps"]
+    ok = all(r["verified"].values())
+    lines = [
+        f"{name}: GPU {r['gpu_bytes'] / 2**20:.0f} MiB (shared {r['shared_bytes'] / 2**20:.0f}"
+        f" MiB), staged {staged / 2**20:.0f} MiB; images {images['total_bytes'] / 2**20:.0f} "
+        f"MiB (pages {images['pages_bytes'] / 2**20:.0f} MiB, "
+        f"{images['total_bytes'] / r['gpu_bytes']:.2f} x the GPU bytes)",
+        f"  criu dump {dump['criu_dump']['seconds']:.3f} s "
+        f"({images['total_bytes'] / dump['criu_dump']['seconds'] / 1e9:.2f} GB/s); "
+        f"whole dump verb {r['dump']['seconds']:.3f} s",
+        f"  criu restore {restore['criu_restore']['seconds']:.3f} s; whole restore verb "
+        f"{r['restore']['seconds']:.3f} s",
+        f"  verified {r['verified']}: ok {ok}",
+    ]
+    return lines, ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--driver", choices=("system", "sim"), default="system")
+    parser.add_argument("--mib", type=int, default=1024, help="N: MiB of X and of P")
+    parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS))
+    parser.add_argument("--criu", help="the criu binary (default $CUINTERPOSE_CRIU, else PATH)")
+    parser.add_argument("--work", type=Path, help="where images go (default: a temp dir)")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--logs", type=Path, help="copy CRIU's dump and restore logs here")
+    args = parser.parse_args()
+    if args.logs is not None:
+        args.logs.mkdir(parents=True, exist_ok=True)
+    found = criu.usable_criu(args.criu)
+    work = Path(tempfile.mkdtemp(prefix="criu-bench-", dir=args.work))
+    out: dict[str, Any] = {"driver": args.driver, "mib": args.mib, "criu": found.describe()}
+    status = 0
+
+    def log(text: str) -> None:
+        print(text, flush=True)
+
+    base = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if args.driver == "sim":
+        base["CUINTERPOSE_SIM_NAMESPACE"] = f"criu-bench-{os.getpid()}"
+    try:
+        with subreaper():
+            for name in args.scenario or ["group"]:
+                here = work / name
+                here.mkdir()
+                control = launch.ensure_control_dir(Path(tempfile.mkdtemp(prefix="cip-")) / "c")
+                env = launch.launch_env(driver=args.driver, control_dir=control, base=base)
+                plain = launch.launch_env(
+                    driver=args.driver, control_dir=control, base=base, preload_shim=False
+                )
+                try:
+                    setup = Setup(
+                        args.mib << 20,
+                        args.driver,
+                        env,
+                        plain,
+                        control,
+                        here,
+                        found.path,
+                        log,
+                        args.logs,
+                    )
+                    result = SCENARIOS[name](setup)
+                except Exception as exc:  # one scenario's failure is recorded, the next runs
+                    out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                    log(f"{name}: FAILED: {exc}")
+                    status = 1
+                    continue
+                finally:
+                    shutil.rmtree(control.parent, ignore_errors=True)
+                out[name] = result
+                if args.out:  # after each scenario: a run cut short keeps what it measured
+                    args.out.write_text(json.dumps(out, indent=2) + "\n")
+                lines, ok = report(name, result)
+                for line in lines:
+                    log(line)
+                status |= 0 if ok else 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if args.driver == "sim":
+            Path(
+                f"/dev/shm/cuinterpose-sim-{os.getuid()}-{base['CUINTERPOSE_SIM_NAMESPACE']}"
+            ).unlink(missing_ok=True)
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

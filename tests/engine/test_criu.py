@@ -1,0 +1,332 @@
+"""The CRIU round trip's library and verbs, without CRIU: stand-in binaries, fake
+participants and an in-memory native driver (specs/criu.md).
+
+Finding a usable CRIU (named, ``$CUINTERPOSE_CRIU``, PATH; too old; ``criu check``
+failing), what must hold before a restore (manifest, control directory, stale
+sockets under both names), finding restored processes by namespace pid, a resume
+of processes whose pids changed, a failed ``criu dump`` resuming the group, the
+action script and the verbs' usage errors.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cuinterpose import cli, criu_action
+from cuinterpose.engine import agent, criu
+from cuinterpose.engine.native import ProcessState
+from cuinterpose.engine.statefile import STATE_FILE_NAME
+from cuinterpose.engine.wire import Phase, socket_name
+from engine_harness import short_dir, team_of
+from test_agent import PIDS, TOPOLOGY, running
+
+
+@pytest.fixture
+def work() -> Iterator[Path]:
+    with short_dir() as path:
+        yield path
+
+
+def fake_criu(path: Path, *, version: str = "4.2", check: int = 0, dump: int = 0) -> Path:
+    """A stand-in ``criu``: its version, ``check``'s status, ``dump``'s status (a failed
+    dump writes an error line to its ``-o`` log, as CRIU does)."""
+    path.write_text(
+        "#!/bin/sh\n"
+        'log=/dev/null; prev=""\n'
+        'for a in "$@"; do [ "$prev" = -o ] && log=$a; prev=$a; done\n'
+        'case "$1" in\n'
+        f'  --version) echo "Version: {version}" ;;\n'
+        f'  check) echo "Error (criu/cr-check.c:1): injected check failure" >&2; exit {check} ;;\n'
+        f'  dump) echo "(00.1) Error (criu/cr-dump.c:2): injected dump failure" >"$log"; '
+        f"exit {dump} ;;\n"
+        "esac\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+# ------------------------------------------------------------------ finding CRIU
+def test_criu_is_found_named_then_by_variable_then_on_path(work: Path) -> None:
+    named = fake_criu(work / "named")
+    by_env = fake_criu(work / "by-env")
+    on_path = fake_criu(work / "criu")
+    env = {criu.CRIU_ENV: str(by_env), "PATH": str(work)}
+    assert criu.find_criu(named, env) == named
+    assert criu.find_criu(None, env) == by_env
+    assert criu.find_criu(None, {"PATH": str(work)}) == on_path
+    with pytest.raises(criu.CriuUnavailable, match=r"\$CUINTERPOSE_CRIU\) is not an executable"):
+        criu.find_criu(None, {criu.CRIU_ENV: str(work / "missing")})
+    (work / "criu").unlink()
+    if not any(Path(d, "criu").exists() for d in ("/usr/local/sbin", "/usr/sbin", "/sbin")):
+        with pytest.raises(criu.CriuUnavailable, match="no criu on PATH"):
+            criu.find_criu(None, {"PATH": str(work)})
+
+
+def test_a_usable_criu_is_at_least_4_and_passes_its_check(work: Path) -> None:
+    good = criu.usable_criu(fake_criu(work / "good"), {})
+    assert good.version == (4, 2)
+    with pytest.raises(criu.CriuUnavailable, match=r"CRIU 3\.17\.1: at least 4\.0 is needed"):
+        criu.usable_criu(fake_criu(work / "old", version="3.17.1"), {})
+    with pytest.raises(criu.CriuUnavailable, match=r"check` exited 1: .*injected check failure"):
+        criu.usable_criu(fake_criu(work / "failing", check=1), {})
+
+
+def test_criu_runs_without_ld_preload() -> None:
+    env = criu.criu_env({"LD_PRELOAD": "libcuinterpose.so", "PATH": "/bin"})
+    assert env == {"PATH": "/bin"}
+
+
+# ------------------------------------------------------------------ before the restore
+def suspended(work: Path, *, resumed: bool = False, state_file: bool = True) -> Path:
+    directory = work / f"ckpt-{resumed}-{state_file}"
+    directory.mkdir()
+    participants = tuple(agent.Participant(p, p, f"{p:032x}") for p in (7, 8))
+    manifest = agent.Manifest(True, True, participants, resumed_at="x" if resumed else "")
+    agent.write_manifest(directory, manifest)
+    if state_file:
+        (directory / STATE_FILE_NAME).write_text("{}")
+    return directory
+
+
+def bound(path: Path, *, listening: bool) -> socket.socket | None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    if listening:
+        s.listen()
+        return s
+    s.close()  # the file stays: stale
+    return None
+
+
+def test_before_restore_frees_both_names_of_the_recreated_processes(work: Path) -> None:
+    directory = suspended(work)
+    control = work / "control"
+    control.mkdir(mode=0o700)
+    bound(control / socket_name(7), listening=False)
+    bound(control / ".cuinterpose-8.0a1b2c3d.tmp", listening=False)  # where CRIU binds again
+    bound(control / socket_name(9), listening=False)  # another process's: left alone
+    done = criu.before_restore(directory, control)
+    assert set(done.removed) == {control / socket_name(7), control / ".cuinterpose-8.0a1b2c3d.tmp"}
+    assert sorted(os.listdir(control)) == [socket_name(9)]
+
+
+def test_before_restore_refuses_a_socket_a_live_shim_serves(work: Path) -> None:
+    directory = suspended(work)
+    control = work / "control"
+    control.mkdir(mode=0o700)
+    live = bound(control / socket_name(8), listening=True)
+    assert live is not None
+    with live, pytest.raises(agent.AgentError, match=r"pid 8 \(ns pid 8\): .* served by a live"):
+        criu.before_restore(directory, control)
+
+
+def test_before_restore_makes_a_missing_control_directory_and_refuses_an_open_one(
+    work: Path,
+) -> None:
+    directory = suspended(work)
+    fresh = work / "node" / "control"
+    assert criu.before_restore(directory, fresh).removed == ()
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    fresh.chmod(0o777)
+    with pytest.raises(agent.AgentError, match="writable by group or others"):
+        criu.before_restore(directory, fresh)
+
+
+def test_before_restore_is_driven_by_the_manifest(work: Path) -> None:
+    with pytest.raises(agent.ManifestError, match="no manifest"):
+        criu.before_restore(work, work / "control")
+    with pytest.raises(agent.ManifestError, match="was resumed at x"):
+        criu.before_restore(suspended(work, resumed=True), work / "control")
+    with pytest.raises(agent.ManifestError, match="says prepared, but there is no"):
+        criu.before_restore(suspended(work, state_file=False), work / "control")
+    # Not seen before the processes exist (a tmpfs of their mount namespace): no removal.
+    assert criu.before_restore(suspended(work), None).removed == ()
+
+
+# ------------------------------------------------------------------ after the restore
+def fake_proc(root: Path, tasks: dict[int, tuple[int, list[int]]]) -> Path:
+    """A /proc holding ``pid: (parent, NSpid fields)``."""
+    for pid, (parent, nspid) in tasks.items():
+        (root / str(pid)).mkdir(parents=True)
+        (root / str(pid) / "stat").write_text(f"{pid} (py thon) S {parent} 1 1 0\n")
+        fields = "\t".join(map(str, nspid))
+        (root / str(pid) / "status").write_text(f"Name:\tpython\nNSpid:\t{fields}\n")
+    return root
+
+
+def test_restored_processes_are_found_by_namespace_pid_under_the_root(work: Path) -> None:
+    # Restored into a new pid namespace: the root is 1 there, the workers 7 and 8.
+    proc = fake_proc(
+        work / "proc",
+        {500: (1, [500, 1]), 501: (500, [501, 7]), 502: (500, [502, 8]), 600: (1, [600])},
+    )
+    recorded = [agent.Process(4242, 7), agent.Process(4243, 8)]
+    assert criu.locate(recorded, 500, proc) == (agent.Process(501, 7), agent.Process(502, 8))
+    with pytest.raises(agent.AgentError, match=r"pid 1 \(ns pid 600\): no process .* pid 500"):
+        criu.locate([agent.Process(1, 600)], 500, proc)  # not under the root
+    with pytest.raises(agent.AgentError, match="pid 999, does not exist"):
+        criu.locate(recorded, 999, proc)
+
+
+def test_a_live_tree_is_located_through_the_real_proc() -> None:
+    with subprocess.Popen(
+        [sys.executable, "-c", "import subprocess,sys; subprocess.run(['sleep', '30'])"]
+    ) as root:
+        try:
+            for _ in range(500):
+                children = Path(f"/proc/{root.pid}/task/{root.pid}/children").read_text().split()
+                if children:
+                    break
+                subprocess.run(["sleep", "0.01"], check=True)
+            child = int(children[0])
+            assert criu.locate([agent.Process(1, child)], root.pid) == (
+                agent.Process(child, child),
+            )
+        finally:
+            root.kill()
+
+
+def test_resume_takes_restored_processes_by_namespace_pid(work: Path) -> None:
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        where = agent.Where(team.control_dir)
+        agent.suspend([(p, p) for p in PIDS], work / "ckpt", where=where, native=fake)
+        # CRIU recreated them in a new pid namespace: the same namespace pids, new pids here.
+        moved = [agent.Process(p + 5000, p) for p in PIDS]
+        fake.states = {p.observed_pid: ProcessState.CHECKPOINTED for p in moved}
+        with pytest.raises(agent.ManifestError, match="namespace pids are not the manifest's"):
+            agent.resume(
+                work / "ckpt", where=where, native=fake, processes=moved[:1], restored=True
+            )
+        back = agent.resume(
+            work / "ckpt", where=where, native=fake, processes=moved[::-1], restored=True
+        )
+        assert back.coordinator_restored
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+        assert set(fake.states.values()) == {ProcessState.RUNNING}
+        assert [pid for step, pid in fake.calls if step == "restore"] == [6000, 6001]
+
+
+def test_resume_of_restored_processes_skips_what_criu_restored_natively(work: Path) -> None:
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        where = agent.Where(team.control_dir)
+        agent.suspend([(p, p) for p in PIDS], work / "ckpt", where=where, native=fake)
+        fake.states[PIDS[0]] = ProcessState.LOCKED  # half way: refused, nothing done
+        with pytest.raises(agent.StateRefused, match=r"pid 1000 \(ns pid 1000\) is LOCKED"):
+            agent.resume(
+                work / "ckpt",
+                where=where,
+                native=fake,
+                processes=[(p, p) for p in PIDS],
+                restored=True,
+            )
+        # CRIU's CUDA plugin restored and unlocked the first one by itself.
+        fake.states[PIDS[0]] = ProcessState.RUNNING
+        fake.calls.clear()
+        back = agent.resume(
+            work / "ckpt",
+            where=where,
+            native=fake,
+            processes=[(p, p) for p in PIDS],
+            restored=True,
+        )
+        assert back.coordinator_restored
+        assert fake.calls == [("restore", 1001), ("unlock", 1001)]
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+
+
+# ------------------------------------------------------------------ a failed dump
+def test_a_failed_criu_dump_resumes_the_group(work: Path) -> None:
+    fake = running()
+    binary = criu.usable_criu(fake_criu(work / "criu", dump=1), {})
+    with team_of(TOPOLOGY, work / "control") as team:
+        with pytest.raises(criu.CriuDumpFailed) as info:
+            criu.dump(
+                [(p, p) for p in PIDS],
+                work / "ckpt",
+                work / "images",
+                tree=1,
+                criu=binary,
+                where=agent.Where(team.control_dir),
+                native=fake,
+            )
+        assert info.value.restored
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+        assert set(fake.states.values()) == {ProcessState.RUNNING}
+    text = str(info.value)
+    assert "injected dump failure" in text and "exit status 1" in text, text
+    assert "resumed: the group runs as before the suspend" in text
+
+
+def test_the_check_verb_says_why_criu_is_unusable(work: Path) -> None:
+    err = io.StringIO()
+    status = criu_action.main(
+        ["check", "--criu", str(fake_criu(work / "old", version="3.17"))], stderr=err
+    )
+    assert status == criu_action.EXIT_FAILED
+    assert "at least 4.0 is needed" in err.getvalue()
+
+
+# ------------------------------------------------------------------ the action script
+def test_the_action_script_bakes_its_arguments_and_environment(work: Path) -> None:
+    directory = suspended(work)
+    control = work / "control"
+    control.mkdir(mode=0o700)
+    bound(control / socket_name(7), listening=False)
+    script = work / "action"
+    out = io.StringIO()
+    args = ["action-script", "--out", str(script), "--checkpoint-dir", str(directory)]
+    args += ["--control-dir", str(control), "--process", "7", "7", "--process", "8", "8"]
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "KEPT": "a b'c"}
+    assert criu_action.main([*args, "--keep-env", "KEPT"], stdout=out, environ=env) == 0
+    text = script.read_text()
+    assert "export KEPT='a b'\"'\"'c'" in text
+    assert os.access(script, os.X_OK)
+
+    def action(step: str, **more: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "CRTOOLS_SCRIPT_ACTION": step, **more}
+        return subprocess.run(
+            [str(script)], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+
+    assert action("network-lock").returncode == 0  # not ours: nothing done
+    freed = action("pre-restore")
+    assert freed.returncode == 0, freed.stderr
+    assert f"removed the stale socket {control / socket_name(7)}" in freed.stderr
+    lost = action("post-resume", CRTOOLS_INIT_PID="")
+    assert lost.returncode == 1
+    assert "$CRTOOLS_INIT_PID is '', not a pid" in lost.stderr
+
+
+def test_the_cuinterpose_command_hands_criu_to_its_verbs(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(criu.CRIU_ENV, raising=False)
+    out, err = io.StringIO(), io.StringIO()
+    binary = fake_criu(work / "criu")
+    assert cli.main(["criu", "check", "--criu", str(binary)], stdout=out, stderr=err) == 0
+    assert out.getvalue() == f"{binary} (CRIU 4.2): `criu check` passes\n", err.getvalue()
+    assert cli.main(["criu"], stdout=out, stderr=err) == 2
+
+
+def test_the_verbs_usage_errors_exit_2(work: Path) -> None:
+    err = io.StringIO()
+    args = ["dump", "--checkpoint-dir", str(work), "--images-dir", str(work)]
+    assert criu_action.main([*args, "--process", "1", "1"], stderr=err) == 2
+    assert "--tree" in err.getvalue()
+    err = io.StringIO()
+    twice = [*args, "--tree", "1", "--process", "1", "1", "--process", "1", "1"]
+    assert criu_action.main(twice, stderr=err, environ={criu.CRIU_ENV: "/bin/true"}) == 2
+    assert "is given twice" in err.getvalue()
+    err = io.StringIO()
+    assert criu_action.main([*twice[:-3], "--phase-timeout", "-1"], stderr=err) == 2
+    assert "'-1' is not a positive number of seconds" in err.getvalue()

@@ -1,0 +1,346 @@
+"""The round trip through CRIU on real shims and the simulated driver (specs/criu.md).
+
+A creator and an importer sharing memory, in one process tree
+(tests/shim/workers/criu_tree.py), suspended, dumped by CRIU (which kills them),
+restored by CRIU and resumed: every byte at its VA in both, the importer's write
+reaching the creator, a new share working, the shims ACTIVE at their published
+paths with no lease left. Through the library, through ``cuinterpose criu`` into a
+fresh control directory, and through plain ``criu`` driving the action script.
+
+Needs a usable CRIU (>= 4.0, ``criu check`` passing: root): ``$CUINTERPOSE_CRIU`` or
+``criu`` on PATH (tools/build_criu.sh); skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cuinterpose.demo import Worker, pattern_digest
+from cuinterpose.engine import agent, criu
+
+from tests.shim.agentgroup import WorkerBackend
+from tests.shim.workers.criu_tree import Tree, TreeGroup, subreaper
+from tests.simenv import REPO, Spawn
+
+pytestmark = pytest.mark.slow
+
+# What the action script needs of this environment: the simulated driver (and the
+# sanitizer runtime it is built with) for its native calls.
+SIM_VARIABLES = (
+    "LD_LIBRARY_PATH",
+    "LD_PRELOAD",
+    "ASAN_OPTIONS",
+    "UBSAN_OPTIONS",
+    "CUINTERPOSE_SIM_NAMESPACE",
+    "CUINTERPOSE_SIM_DEVICES",
+)
+
+
+@pytest.fixture(scope="session")
+def criu_binary() -> criu.Criu:
+    try:
+        return criu.usable_criu()
+    except criu.CriuUnavailable as exc:
+        pytest.skip(f"no usable CRIU: {exc}")
+
+
+@pytest.fixture
+def observer(spawn: Spawn, plain_env: dict[str, str]) -> Worker:
+    """A plain process on the simulated driver: the native checkpoint calls."""
+    return spawn("observer", plain_env)
+
+
+@pytest.fixture
+def group(
+    criu_binary: criu.Criu, shim_env: dict[str, str], observer: Worker, tmp_path: Path
+) -> Iterator[TreeGroup]:
+    root_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    size = 2 * int(observer.check("granularity")["granularity"])
+    with subreaper():
+        tree = Tree(["creator", "importer"], shim_env, tmp_path, root_env=root_env)
+        try:
+            tree.wait_ready()
+            yield TreeGroup(tree, size)
+        finally:
+            tree.close()
+
+
+def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    if "--proc-root" not in args:  # else the control directory comes from the environment
+        env = {k: v for k, v in env.items() if k != "SNAPSHOT_CONTROL_DIR"}
+    return subprocess.run(
+        [sys.executable, "-m", "cuinterpose", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def process_args(group: TreeGroup) -> list[str]:
+    return [w for p in group.tree.pids() for w in ("--process", str(p), str(p))]
+
+
+def gone(pids: list[int]) -> bool:
+    return not any(Path(f"/proc/{p}").exists() for p in pids)
+
+
+def assert_sharing_back(group: TreeGroup, where: agent.Where, native: WorkerBackend) -> None:
+    """Bytes at their VAs, the importer's write reaching the creator, a new share, and
+    each shim ACTIVE at its published path, holding no lease (no pidfd)."""
+    assert group.mismatches() == []
+    size = group.size
+    group.importer.check("fill", va=group.importer_x, size=size, seed=5)
+    assert group.creator.digest(group.creator_x, size) == pattern_digest(5, size)
+    handle, _ = group.creator.create_mapped(size, seed=9)
+    assert group.importer.digest(group.share(handle), size) == pattern_digest(9, size)
+    rows = agent.status(group.processes, where, native)
+    assert {(r.native_state, r.shim_phase) for r in rows} == {("RUNNING", "ACTIVE")}, rows
+    for path in (where.endpoint(agent.Process(p, p)).path for p in group.tree.pids()):
+        assert stat.S_ISSOCK(os.lstat(path).st_mode), path
+    for worker in (group.creator, group.importer):
+        fds = worker.check("fds")["fds"]
+        assert not [t for t in fds.values() if "pidfd" in t], fds
+
+
+def test_a_sharing_group_goes_through_criu_dump_and_restore(
+    group: TreeGroup,
+    criu_binary: criu.Criu,
+    observer: Worker,
+    control_dir: Path,
+    tmp_path: Path,
+) -> None:
+    native = WorkerBackend(observer)
+    where = agent.Where(control_dir)
+    ckpt, images = tmp_path / "ckpt", tmp_path / "images"
+    pids = group.tree.pids()
+    steps: list[agent.AgentEvent] = []
+    dumped = criu.dump(
+        group.processes,
+        ckpt,
+        images,
+        tree=group.tree.root_pid,
+        criu=criu_binary,
+        where=where,
+        native=native,
+        on_event=steps.append,
+    )
+    assert [t.phase for t in dumped.timings] == [
+        "detect",
+        "capture",
+        "native_lock",
+        "native_checkpoint",
+        "criu_dump",
+    ]
+    assert dumped.manifest.prepared
+    group.tree.reap()  # criu dump killed the tree
+    assert gone([group.tree.root_pid, *pids])
+    # The creator's staged X and the native checkpoint's copy of its private P are
+    # host memory now: both are in the images.
+    assert dumped.images.pages >= 2 * group.size, dumped.images
+
+    restored = criu.restore(
+        ckpt, images, criu=criu_binary, where=where, native=native, control_dir=control_dir
+    )
+    assert [p.observed_pid for p in restored.processes] == pids
+    assert [t.phase for t in restored.timings] == [
+        "criu_restore",
+        "native_restore",
+        "native_unlock",
+        "coordinator_restore",
+    ]
+    assert restored.resumed.coordinator_restored
+    assert agent.read_manifest(ckpt).resumed_at
+    done = {e.step for e in steps if isinstance(e, agent.StepEvent) and e.status == "done"}
+    assert "criu_dump" in done
+    # CRIU re-created each listener at its bind name; the shim published it again.
+    log = group.tree.log_tail(1 << 20)
+    assert log.count("control endpoint healed: the listening socket is a new one") == 2, log
+    assert_sharing_back(group, where, native)
+
+
+def summary(run: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert lines and lines[-1]["event"] == "summary", run.stdout
+    return lines[-1]
+
+
+def test_the_cli_verbs_restore_into_a_fresh_control_directory(
+    group: TreeGroup,
+    criu_binary: criu.Criu,
+    observer: Worker,
+    control_dir: Path,
+    plain_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    ckpt, images = tmp_path / "ckpt", tmp_path / "images"
+    common = ["--checkpoint-dir", str(ckpt), "--images-dir", str(images)]
+    common += ["--control-dir", str(control_dir), "--criu", str(criu_binary.path)]
+    dump = run_cli(
+        ["criu", "dump", *common, "--tree", str(group.tree.root_pid), *process_args(group)],
+        plain_env,
+    )
+    assert dump.returncode == 0, dump.stderr
+    dumped = summary(dump)
+    assert [t["phase"] for t in dumped["timings"]][-1] == "criu_dump"
+    assert dumped["images"]["pages_bytes"] >= 2 * group.size
+    group.tree.reap()
+    # Restored on a node whose control directory is new: nothing of the old one is left.
+    shutil.rmtree(control_dir)
+
+    # After the restore the shims are reached through /proc/<pid>/root, as from outside
+    # a container; before it, the directory as seen here.
+    where = ["--proc-root", "/proc", "--before-restore-dir", str(control_dir)]
+    paths = ["--checkpoint-dir", str(ckpt), "--images-dir", str(images)]
+    restore = run_cli(
+        ["criu", "restore", *paths, *where, "--criu", str(criu_binary.path)],
+        {**plain_env, "SNAPSHOT_CONTROL_DIR": str(control_dir)},
+    )
+    assert restore.returncode == 0, restore.stderr
+    restored = summary(restore)
+    assert [p["observed_pid"] for p in restored["processes"]] == group.tree.pids()
+    assert stat.S_IMODE(control_dir.stat().st_mode) == 0o700
+    assert_sharing_back(group, agent.Where(control_dir), WorkerBackend(observer))
+
+
+def test_plain_criu_drives_the_action_script(
+    group: TreeGroup,
+    criu_binary: criu.Criu,
+    observer: Worker,
+    control_dir: Path,
+    plain_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    ckpt, images, script = tmp_path / "ckpt", tmp_path / "images", tmp_path / "action"
+    images.mkdir()
+    keep = [w for name in SIM_VARIABLES for w in ("--keep-env", name)]
+    wrote = run_cli(
+        [
+            "criu",
+            "action-script",
+            "--out",
+            str(script),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--control-dir",
+            str(control_dir),
+            *process_args(group),
+            *keep,
+        ],
+        plain_env,
+    )
+    assert wrote.returncode == 0, wrote.stderr
+    base = [str(criu_binary.path), "-D", str(images), "--action-script", str(script), "-v4"]
+
+    def run_criu(verb: str, *args: str) -> None:
+        done = subprocess.run(
+            [*base, verb, *args, "-o", f"{verb}.log"],
+            env=criu.criu_env(plain_env),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        log = (images / f"{verb}.log").read_text(errors="replace")
+        assert done.returncode == 0, done.stderr + log[-3000:]
+
+    run_criu("dump", "-t", str(group.tree.root_pid))
+    manifest = agent.read_manifest(ckpt)  # pre-dump suspended the group
+    assert manifest.prepared and not manifest.resumed_at
+    group.tree.reap()
+    run_criu("restore", "-d")
+    assert agent.read_manifest(ckpt).resumed_at  # post-resume resumed it
+    assert_sharing_back(group, agent.Where(control_dir), WorkerBackend(observer))
+
+
+def test_the_criu_benchmark_runs_on_the_simulator(
+    criu_binary: criu.Criu, stack: None, tmp_path: Path
+) -> None:
+    """bench/criu.py is what the H200 run executes (tests/gpu/run_criu_h200.sh)."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    out = tmp_path / "criu.json"
+    args = ["--driver", "sim", "--mib", "4", "--criu", str(criu_binary.path), "--out", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "criu.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())["group"]
+    assert all(result["verified"].values()), result
+    assert result["images"]["pages_bytes"] >= result["gpu_bytes"]
+    assert result["dump"]["steps"]["capture"]["bytes"] == result["shared_bytes"]
+    assert set(result["restore"]["steps"]) == {
+        "criu_restore",
+        "native_restore",
+        "native_unlock",
+        "coordinator_restore",
+    }
+
+
+def test_the_bundle_runs_criu_with_its_own_libraries(
+    criu_binary: criu.Criu, tmp_path: Path
+) -> None:
+    """tools/bundle_criu.sh is how CRIU reaches the GPU machines (no network there)."""
+    if criu_binary.path.read_bytes()[:4] != b"\x7fELF":
+        pytest.skip(f"{criu_binary.path} is not the binary itself (a wrapper?)")
+    dest = tmp_path / "bundle"
+    made = subprocess.run(
+        [str(REPO / "tools" / "bundle_criu.sh"), str(dest), str(criu_binary.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert made.returncode == 0, made.stderr
+    assert sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()) < 40 << 20
+    bundled = criu.usable_criu(dest / "criu")  # --version and `criu check` through it
+    assert bundled.version == criu_binary.version
+    assert any(p.name.startswith("ld-linux") for p in (dest / "lib").iterdir())
+
+
+def test_a_refused_pre_dump_aborts_criu_dump_and_the_group_runs_on(
+    group: TreeGroup,
+    criu_binary: criu.Criu,
+    observer: Worker,
+    control_dir: Path,
+    plain_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    ckpt, images, script = tmp_path / "ckpt", tmp_path / "images", tmp_path / "action"
+    images.mkdir()
+    keep = [w for name in SIM_VARIABLES for w in ("--keep-env", name)]
+    creator = str(group.creator.pid)
+    # Only the creator: its importer is outside the team, which the capture refuses
+    # before anything changes (specs/recovery.md, whole teams only).
+    args = ["criu", "action-script", "--out", str(script), "--checkpoint-dir", str(ckpt)]
+    args += ["--control-dir", str(control_dir), "--process", creator, creator, *keep]
+    assert run_cli(args, plain_env).returncode == 0
+    argv = [str(criu_binary.path), "dump", "-t", str(group.tree.root_pid), "-D", str(images)]
+    argv += ["--action-script", str(script), "-o", "dump.log"]
+    dump = subprocess.run(
+        argv,
+        env=criu.criu_env(plain_env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert dump.returncode != 0
+    log = (images / "dump.log").read_text(errors="replace")  # the script's output too
+    assert "[preflight.whole_team]" in log and "Pre dump script failed" in log, log[-3000:]
+    assert not (ckpt / agent.MANIFEST_FILE_NAME).exists()
+    assert_sharing_back(group, agent.Where(control_dir), WorkerBackend(observer))
