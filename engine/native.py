@@ -125,12 +125,13 @@ class CudaBackend:
                 f"this process already runs on the CUDA driver {loaded}, "
                 f"not {self.library}: one process reaches one driver"
             )
-        if _needs_asan(self.library) and not _asan_loaded():
+        lenient = "verify_asan_link_order=0" in os.environ.get("ASAN_OPTIONS", "")
+        if not lenient and _needs_asan(self.library) and not _asan_loaded():
             # Loading it would abort this process ("ASan runtime does not come first").
             raise NativeUnavailableError(
                 f"the CUDA driver {self.library} is built with AddressSanitizer and this "
-                "process has no ASan runtime: LD_PRELOAD it (gcc -print-file-name=libasan.so), "
-                "or name another driver"
+                "process has no ASan runtime: LD_PRELOAD it (gcc -print-file-name=libasan.so) "
+                "or set ASAN_OPTIONS=verify_asan_link_order=0, or name another driver"
             )
         try:
             ctypes.CDLL(self.library, mode=os.RTLD_GLOBAL)
