@@ -8,18 +8,31 @@ agent's (or :mod:`cuinterpose.native`'s) part. What is listed here is the
 public API; everything else may change between releases.
 """
 
+import logging
+
 from .agent import (
+    AgentCallback,
     AgentError,
+    AgentEvent,
+    CopyProgress,
     DetectionRefused,
     Manifest,
     ManifestError,
+    Process,
+    ProcessStatus,
     ResumeFailed,
+    ResumeResult,
+    StateRefused,
+    StepEvent,
     SuspendFailed,
+    SuspendResult,
+    Timing,
     Where,
     detect,
     read_manifest,
     remove_stale_sockets,
     resume,
+    status,
     suspend,
 )
 from .client import (
@@ -33,6 +46,7 @@ from .client import (
     control_dir_problem,
     endpoint_for,
 )
+from .discovery import DriverMismatch, DriverReport, shim_drivers, shims_in
 from .errors import (
     CheckpointDirRefused,
     CoordinatorError,
@@ -45,7 +59,14 @@ from .errors import (
     TopologyRefused,
     VerificationFailed,
 )
-from .native import CudaBackend, NativeBackend, NativeError, NativeGroupError, ProcessState
+from .native import (
+    CudaBackend,
+    NativeBackend,
+    NativeError,
+    NativeGroupError,
+    NativeUnavailableError,
+    ProcessState,
+)
 from .options import DEFAULT_PHASE_TIMEOUT_S, Options, Transport
 from .progress import (
     DoneEvent,
@@ -76,20 +97,28 @@ from .statefile import STATE_FILE_NAME, CheckpointState, StateFileError, read_st
 from .topology import Topology
 from .trace import TraceError, TraceRecorder, TraceSink, TraceWriter, read_trace
 
+# A library logs; its user decides where the records go (the CLI: frontends/logs.py).
+logging.getLogger("cuinterpose").addHandler(logging.NullHandler())
+
 __all__ = [
     "DEFAULT_PHASE_TIMEOUT_S",
     "STATE_FILE_NAME",
+    "AgentCallback",
     "AgentError",
+    "AgentEvent",
     "BadReply",
     "Bound",
     "CaptureResult",
     "CheckpointDirRefused",
     "CheckpointState",
     "CoordinatorError",
+    "CopyProgress",
     "CudaBackend",
     "DetectionRefused",
     "Divergence",
     "DoneEvent",
+    "DriverMismatch",
+    "DriverReport",
     "Endpoint",
     "Event",
     "FailedEvent",
@@ -100,6 +129,7 @@ __all__ = [
     "NativeError",
     "NativeGroupError",
     "NativeKept",
+    "NativeUnavailableError",
     "Options",
     "ParticipantError",
     "ParticipantHangup",
@@ -109,17 +139,24 @@ __all__ = [
     "PhaseFailed",
     "PreflightRefused",
     "Problem",
+    "Process",
     "ProcessState",
+    "ProcessStatus",
     "ProgressCallback",
     "RecoveryReport",
     "Refused",
     "ReplayReport",
     "RestoreResult",
     "ResumeFailed",
+    "ResumeResult",
     "RollbackResult",
     "StagingSummary",
     "StateFileError",
+    "StateRefused",
+    "StepEvent",
     "SuspendFailed",
+    "SuspendResult",
+    "Timing",
     "Topology",
     "TopologyRefused",
     "TraceError",
@@ -151,5 +188,8 @@ __all__ = [
     "resume",
     "rollback",
     "run_machine",
+    "shim_drivers",
+    "shims_in",
+    "status",
     "suspend",
 ]

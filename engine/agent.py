@@ -26,7 +26,6 @@ callback and to the ``cuinterpose.agent`` logger with the event's fields in
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -40,9 +39,21 @@ from typing import Any, Final, Literal
 
 import attrs
 
+from . import discovery
 from .client import Endpoint, ParticipantError, call_all, endpoint_for, pid_visible
 from .directory import checkpoint_dir_problem
-from .errors import CoordinatorError, PhaseFailed, not_quiet
+from .errors import AgentError, CoordinatorError, PhaseFailed, not_quiet
+from .manifest import (
+    MANIFEST_FILE_NAME,
+    Manifest,
+    ManifestError,
+    Participant,
+    Process,
+    Timing,
+    read_manifest,
+    restore_plan,
+    write_manifest,
+)
 from .native import (
     DEFAULT_LOCK_TIMEOUT_MS,
     NativeBackend,
@@ -56,13 +67,10 @@ from .native import (
 from .options import Options
 from .progress import Event, PhaseEvent, StagingSummary
 from .runner import CaptureResult, capture, restore
-from .statefile import STATE_FILE_NAME, StateFileError, utc_timestamp, write_atomically
+from .statefile import StateFileError, utc_timestamp
 from .wire import InFlight, Op, Reply, Request, WireError
 
-MANIFEST_FILE_NAME: Final = "manifest.json"
-MANIFEST_VERSION: Final = 1
 LOGGER_NAME: Final = "cuinterpose.agent"
-_MANIFEST_MAX: Final = 1 << 20
 _POLL_S: Final = 0.1
 _COPY_OPS: Final = frozenset({Op.SAVE_ALLOCATIONS, Op.LOAD_ALLOCATIONS, Op.ROLLBACK_ALLOCATIONS})
 
@@ -70,17 +78,6 @@ Mode = Literal["cuinterpose", "native"]
 
 
 # --------------------------------------------------------------- processes
-@attrs.frozen
-class Process:
-    """One process of the group: its pid as seen here and inside its pid namespace."""
-
-    observed_pid: int
-    namespace_pid: int
-
-    def describe(self) -> str:
-        return f"pid {self.observed_pid} (ns pid {self.namespace_pid})"
-
-
 @attrs.frozen
 class Where:
     """Where the shims' sockets are: a control directory, reached directly or through
@@ -109,31 +106,8 @@ def _processes(processes: Sequence[Process | tuple[int, int]]) -> tuple[Process,
 
 
 # --------------------------------------------------------------- errors
-class AgentError(Exception):
-    """Why a suspend, resume or detection did not go through: one line per fact.
-
-    ``changed`` says whether the group was left other than as it was found.
-    """
-
-    def __init__(self, what: str, lines: Sequence[str], *, changed: bool = False) -> None:
-        super().__init__(what, tuple(lines), changed)
-        self.what = what
-        self.detail: tuple[str, ...] = tuple(lines)
-        self.changed = changed
-
-    def lines(self) -> tuple[str, ...]:
-        return (self.what, *self.detail)
-
-    def __str__(self) -> str:
-        return "\n".join(self.lines())
-
-
 class DetectionRefused(AgentError):
     """The sockets contradict the group's request (or each other): nothing was done."""
-
-
-class ManifestError(AgentError):
-    """The manifest is missing, malformed, or contradicts the checkpoint directory."""
 
 
 class StateRefused(AgentError):
@@ -216,7 +190,7 @@ def detect(
         elif requested and evidence == "absent":
             problems.append(
                 f"{process.describe()}: no control socket at {endpoint.path}, yet the group "
-                "requested cuinterpose (is the shim preloaded in it?)"
+                f"requested cuinterpose: {_no_shim_hint(process, endpoint, where)}"
             )
         elif not requested and evidence == "socket":
             problems.append(
@@ -227,6 +201,12 @@ def detect(
         wanted = "requested" if requested else "not requested"
         raise DetectionRefused(f"detection refused (cuinterpose {wanted}):", problems)
     return Detection("cuinterpose" if requested else "native", endpoints)
+
+
+def _no_shim_hint(process: Process, endpoint: Endpoint, where: Where) -> str:
+    if not discovery.pid_exists(process.observed_pid, where.proc_root):
+        return f"pid {process.observed_pid} does not exist"
+    return discovery.missing_shim_hint(process.observed_pid, endpoint.path.parent)
 
 
 def remove_stale_sockets(
@@ -264,23 +244,6 @@ def remove_stale_sockets(
 
 
 # --------------------------------------------------------------- timings and events
-@attrs.frozen
-class Timing:
-    """One timed step: detect, capture, native_lock, native_checkpoint, native_restore,
-    native_unlock, coordinator_restore (and the undo steps of a failed suspend)."""
-
-    phase: str
-    seconds: float
-    bytes: int = 0
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.bytes and self.seconds > 0 else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"phase": self.phase, "seconds": self.seconds, "bytes": self.bytes}
-
-
 @attrs.frozen
 class StepEvent:
     """An agent step started, ended or failed."""
@@ -420,121 +383,6 @@ class _CopyWatcher:
                         max(f.elapsed_ns for f in copying) / 1e9,
                     )
                 )
-
-
-# --------------------------------------------------------------- the manifest
-@attrs.frozen
-class Participant:
-    observed_pid: int
-    namespace_pid: int
-    participant: str | None  # the shim's id; None for a native-only group
-
-
-@attrs.frozen
-class Manifest:
-    """``manifest.json``: what a suspend did, for the resume (and the agent) to read."""
-
-    requested: bool
-    prepared: bool
-    participants: tuple[Participant, ...]
-    timings: tuple[Timing, ...] = ()
-    created_at: str = ""
-    resumed_at: str = ""  # set once a resume completed: the directory may be reused
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "version": MANIFEST_VERSION,
-            "cuinterpose": {"requested": self.requested, "prepared": self.prepared},
-            "participants": [attrs.asdict(p) for p in self.participants],
-            "timings": [t.to_json() for t in self.timings],
-            "created_at": self.created_at,
-        }
-        if self.resumed_at:
-            out["resumed_at"] = self.resumed_at
-        return out
-
-    @classmethod
-    def from_json(cls, data: Any, path: Path) -> Manifest:
-        def bad(why: str) -> ManifestError:
-            return ManifestError(f"manifest {path} refused:", [why])
-
-        if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
-            raise bad(f"not a version {MANIFEST_VERSION} manifest")
-        flags = data.get("cuinterpose")
-        if not isinstance(flags, dict) or not all(
-            isinstance(flags.get(k), bool) for k in ("requested", "prepared")
-        ):
-            raise bad('"cuinterpose" must hold the booleans "requested" and "prepared"')
-        if flags["prepared"] and not flags["requested"]:
-            raise bad("prepared, yet cuinterpose was not requested")
-        try:
-            participants = tuple(
-                Participant(
-                    int(p["observed_pid"]),
-                    int(p["namespace_pid"]),
-                    None if p["participant"] is None else str(p["participant"]),
-                )
-                for p in data["participants"]
-            )
-            timings = tuple(
-                Timing(str(t["phase"]), float(t["seconds"]), int(t["bytes"]))
-                for t in data.get("timings", [])
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise bad(f"malformed participants or timings: {exc!r}") from None
-        if not participants:
-            raise bad("no participants")
-        return cls(
-            flags["requested"],
-            flags["prepared"],
-            participants,
-            timings,
-            str(data.get("created_at", "")),
-            str(data.get("resumed_at", "")),
-        )
-
-    def processes(self) -> tuple[Process, ...]:
-        return tuple(Process(p.observed_pid, p.namespace_pid) for p in self.participants)
-
-
-def write_manifest(checkpoint_dir: Path, manifest: Manifest) -> Path:
-    body = json.dumps(manifest.to_json(), indent=2).encode() + b"\n"
-    write_atomically(Path(checkpoint_dir), MANIFEST_FILE_NAME, body)
-    return Path(checkpoint_dir) / MANIFEST_FILE_NAME
-
-
-def read_manifest(checkpoint_dir: Path) -> Manifest:
-    path = Path(checkpoint_dir) / MANIFEST_FILE_NAME
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ManifestError(
-            f"no manifest at {path}:", ["nothing was suspended into this directory"]
-        ) from None
-    except OSError as exc:
-        raise ManifestError(f"manifest {path} unreadable:", [str(exc.strerror)]) from None
-    try:
-        raw = os.read(fd, _MANIFEST_MAX + 1)
-    finally:
-        os.close(fd)
-    if len(raw) > _MANIFEST_MAX:
-        raise ManifestError(f"manifest {path} refused:", [f"larger than {_MANIFEST_MAX} bytes"])
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise ManifestError(f"manifest {path} refused:", [f"not JSON: {exc}"]) from None
-    return Manifest.from_json(data, path)
-
-
-def restore_plan(manifest: Manifest, checkpoint_dir: Path) -> bool:
-    """Whether the coordinator restore runs after the native restore. Prepared without a
-    state file is an error, never a silent native-only restore."""
-    if manifest.prepared and not (Path(checkpoint_dir) / STATE_FILE_NAME).is_file():
-        raise ManifestError(
-            f"manifest in {checkpoint_dir} says prepared, but there is no {STATE_FILE_NAME}:",
-            ["refusing a native-only restore of a group whose sharing was torn down"],
-        )
-    return manifest.prepared
 
 
 # --------------------------------------------------------------- status
@@ -730,7 +578,8 @@ def suspend(
                 f"suspend refused: {directory} holds the manifest of a group never resumed:",
                 [
                     *(p.describe() for p in held.processes()),
-                    "resume it first, or suspend into another directory",
+                    f"resume it first (cuinterpose resume --checkpoint-dir {directory}), "
+                    "or suspend into another directory",
                 ],
             )
     with report.step("detect"):

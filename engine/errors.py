@@ -161,3 +161,20 @@ class VerificationFailed(PhaseFailed):
         return tuple(
             f"{self.machine} failed at {self.phase} ({self.guard}): {p}" for p in self.problems
         )
+
+
+class AgentError(Exception):
+    """Why a suspend, resume or detection did not go through (engine/agent.py): one line
+    per fact. ``changed`` says whether the group was left other than as it was found."""
+
+    def __init__(self, what: str, lines: Sequence[str], *, changed: bool = False) -> None:
+        super().__init__(what, tuple(lines), changed)
+        self.what = what
+        self.detail: tuple[str, ...] = tuple(lines)
+        self.changed = changed
+
+    def lines(self) -> tuple[str, ...]:
+        return (self.what, *self.detail)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())

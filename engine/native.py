@@ -13,8 +13,10 @@ anything on its own: :func:`undo_suspend` is the way back, driven by the states.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import importlib
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -65,18 +67,84 @@ class NativeBackend(Protocol):
     def state(self, pid: int) -> ProcessState: ...
 
 
+NO_DRIVER_HINT: Final = (
+    "install the NVIDIA driver, or name the libcuda.so.1 the processes run on "
+    "(CudaBackend(library=PATH); on the command line --driver sim for the simulated one, "
+    "which `cuinterpose launch` processes report by themselves)"
+)
+
+
+def loaded_driver() -> str | None:
+    """The path of the ``libcuda.so.1`` this process has loaded, if any (from its maps)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                path = parts[5].strip() if len(parts) == 6 else ""
+                if path.startswith("/") and os.path.basename(path).startswith("libcuda.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _needs_asan(library: str) -> bool:
+    """Whether ``library`` links the ASan runtime (its dynamic strings name libasan)."""
+    try:
+        with open(library, "rb") as lib:
+            return b"libasan.so" in lib.read()
+    except OSError:
+        return False  # the loader says what is wrong with it
+
+
+def _asan_loaded() -> bool:
+    try:
+        with open("/proc/self/maps") as maps:
+            return "libasan.so" in maps.read()
+    except OSError:
+        return False
+
+
 class CudaBackend:
     """The calls through ``cuda.bindings.driver`` (imported, and ``cuInit(0)`` run, on
-    first use), reaching whichever ``libcuda.so.1`` this process loads."""
+    first use), reaching ``library`` when given (the path of the ``libcuda.so.1`` the
+    group's shims report, loaded first so that the bindings find it loaded), else
+    whichever ``libcuda.so.1`` the loader finds."""
 
-    def __init__(self) -> None:
+    def __init__(self, library: str | os.PathLike[str] | None = None) -> None:
         self._lock = threading.Lock()
         self._cu: Any = None
+        self.library = None if library is None else os.fspath(library)
+
+    def _preload(self) -> None:
+        if self.library is None:
+            return
+        loaded = loaded_driver()
+        if loaded is not None and os.path.realpath(loaded) != os.path.realpath(self.library):
+            raise NativeUnavailableError(
+                f"this process already runs on the CUDA driver {loaded}, "
+                f"not {self.library}: one process reaches one driver"
+            )
+        lenient = "verify_asan_link_order=0" in os.environ.get("ASAN_OPTIONS", "")
+        if not lenient and _needs_asan(self.library) and not _asan_loaded():
+            # Loading it would abort this process ("ASan runtime does not come first").
+            raise NativeUnavailableError(
+                f"the CUDA driver {self.library} is built with AddressSanitizer and this "
+                "process has no ASan runtime: LD_PRELOAD it (gcc -print-file-name=libasan.so) "
+                "or set ASAN_OPTIONS=verify_asan_link_order=0, or name another driver"
+            )
+        try:
+            ctypes.CDLL(self.library, mode=os.RTLD_GLOBAL)
+        except OSError as exc:
+            raise NativeUnavailableError(
+                f"cannot load the CUDA driver {self.library}: {exc}"
+            ) from exc
 
     def driver(self) -> Any:
         with self._lock:
             if self._cu is not None:
                 return self._cu
+            self._preload()
             try:
                 module: Any = importlib.import_module("cuda.bindings.driver")
             except ImportError as exc:
@@ -88,7 +156,8 @@ class CudaBackend:
                 result = module.cuInit(0)
             except Exception as exc:  # the loader's own errors (library not found)
                 raise NativeUnavailableError(
-                    f"no CUDA driver could be loaded for the native checkpoint calls: {exc}"
+                    f"no CUDA driver could be loaded for the native checkpoint calls ({exc}): "
+                    + NO_DRIVER_HINT
                 ) from exc
             err = result[0] if isinstance(result, tuple) else result
             if err != module.CUresult.CUDA_SUCCESS:
@@ -149,6 +218,10 @@ class CudaBackend:
             raise NativeError(
                 pid, "cuCheckpointProcessGetState", "CUDA_SUCCESS", f"unknown state {raw!r}"
             ) from exc
+
+    def driver_version(self) -> int:
+        """``cuDriverGetVersion``: 1000 * major + 10 * minor."""
+        return int(self.call(0, "cuDriverGetVersion", lambda cu: cu.cuDriverGetVersion()))
 
     def restore_thread_id(self, pid: int) -> int:
         raw = self.call(

@@ -29,6 +29,8 @@ SOCKET_PREFIX: Final = "cuinterpose-"
 SOCKET_SUFFIX: Final = ".sock"
 # The control directory's path, in bytes, at most (protocol.h says why).
 CONTROL_DIR_MAX: Final = 60
+# A STATUS request's stat_count asking for the path of the shim's libcuda.
+ASK_DRIVER: Final = 1
 
 HEADER_STRUCT: Final = struct.Struct("<IHHiI32s16s16sIIIHHQQQQ")
 ACCESS_STRUCT: Final = struct.Struct("<iiQ")
@@ -504,6 +506,9 @@ class Request:
     # gate closed instead of refusing (carried in stat_count).
     deadline_ns: int = 0
     round: bool = False
+    # STATUS only: ask which driver the shim loaded (the reply's message is its path
+    # instead of the stored failure reason; carried in stat_count as ASK_DRIVER).
+    ask_driver: bool = False
 
     @property
     def lease(self) -> bytes:
@@ -524,6 +529,8 @@ class Request:
             raise WireError("RELEASE request carries no lease token")
         if (self.deadline_ns or self.round) and self.op is not Op.QUIESCE:
             raise WireError(f"{self.op.name} request carries a deadline (QUIESCE only)")
+        if self.ask_driver and self.op is not Op.STATUS:
+            raise WireError(f"{self.op.name} request asks for the driver (STATUS only)")
         if not 0 <= self.deadline_ns < 2**64:
             raise WireError(f"deadline_ns {self.deadline_ns} does not fit 64 bits")
         text = _participant_bytes(self.fetcher, "fetcher") if exporting else b""
@@ -545,7 +552,7 @@ class Request:
                     0,
                     0,
                     0,
-                    int(self.round),
+                    ASK_DRIVER if self.ask_driver else int(self.round),
                     0,
                     self.deadline_ns,
                     0,
@@ -652,11 +659,13 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
     quiescing = op is Op.QUIESCE
     deadline = header.stats.elapsed_ns if quiescing else 0
     round_flag = header.stats.count if quiescing else 0
+    ask_driver = header.stats.count if op is Op.STATUS else 0
     if (
         attrs.evolve(header.stats, elapsed_ns=0, count=0) != Stats()
         or (header.stats.elapsed_ns and not deadline)
-        or (header.stats.count and not quiescing)
+        or (header.stats.count and not (quiescing or op is Op.STATUS))
         or round_flag > 1
+        or ask_driver > ASK_DRIVER
     ):
         raise WireError(f"{op.name} request has stats set")
     text = raw[HEADER_SIZE:]
@@ -675,6 +684,7 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         fetcher=_participant_text(text, "fetcher") if text else "",
         deadline_ns=deadline,
         round=bool(round_flag),
+        ask_driver=bool(ask_driver),
     )
     request.encode()  # the same field rules as for sending
     return request, header

@@ -2,8 +2,15 @@
 
 Exit status: :data:`EXIT_TABLE` (also in ``--help`` and specs/recovery.md); stderr
 names the participant, its pid, the phase and the reason. SIGINT and SIGTERM stop
-``prepare`` and ``restore`` at the next phase boundary; what was changed is then
-rolled back (status 3, or 4).
+``prepare`` and ``restore`` at the next phase boundary (said at once on stderr); what
+was changed is then rolled back (status 3, or 4).
+
+The processes are named with ``--pid P`` or ``--process OBSERVED NS``; ``resume``,
+``restore`` and ``recover`` default to the checkpoint directory's group, ``status``
+to every shim of the control directory (frontends/targets.py). The native calls
+load the driver the shims report (``--driver`` overrides). Each failure is said
+once on stderr (logging: frontends/logs.py); with JSON progress the last line is a
+summary with the outcome and the exit code.
 
 ``suspend``, ``resume`` and ``status`` are the one-command verbs of
 :mod:`cuinterpose.engine.agent` (the native checkpoint included).
@@ -14,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.metadata
 import json
 import math
 import os
@@ -25,13 +33,28 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn, TextIO
 
-from . import artifacts
-from .engine import agent, runner
+import attrs
+
+from . import artifacts, logs, targets
+from .engine import agent, discovery, runner
 from .engine.client import Endpoint, endpoint_for
 from .engine.errors import CoordinatorError
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
-from .engine.native import CudaBackend, NativeBackend, NativeUnavailableError, ProcessState
-from .engine.progress import Event, FailedEvent, ProgressCallback, human_line, json_printer
+from .engine.native import (
+    CudaBackend,
+    NativeBackend,
+    NativeError,
+    NativeUnavailableError,
+    ProcessState,
+)
+from .engine.progress import (
+    Event,
+    FailedEvent,
+    PhaseEvent,
+    ProgressCallback,
+    human_line,
+    json_printer,
+)
 from .engine.recovery import native_blockers, native_check_refusal, recover
 from .engine.replay import replay
 from .engine.topology import describe_record
@@ -93,7 +116,40 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _add_endpoints(parser: argparse.ArgumentParser) -> None:
+# The verbs that change a group answer with the one table.
+CHANGING_EXITS: Final = EXIT_TABLE
+READING_EXITS: Final = """exit status:
+  0  done
+  1  failed (stderr says why)
+  2  usage error"""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """The epilogs keep their lines; an option's default is shown where it says
+    something (not for flags, counts, or options whose help names it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default in (None, False, 0, argparse.SUPPRESS)
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("cuinterpose")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _add_endpoints(
+    parser: argparse.ArgumentParser, *, required: bool = True, driver: bool = True
+) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
         "--control-dir",
@@ -106,14 +162,35 @@ def _add_endpoints(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="reach each process's control directory through PROC_ROOT/<observed pid>/root",
     )
+    named = "(repeatable)" if required else "(repeatable; default: see the description)"
+    parser.add_argument(
+        "--pid",
+        action="append",
+        type=_pid,
+        metavar="PID",
+        help=f"a participant whose pid is the same here and in its pid namespace {named}",
+    )
     parser.add_argument(
         "--process",
         nargs=2,
         action="append",
-        required=True,
         type=_pid,
         metavar=("OBSERVED_PID", "NAMESPACE_PID"),
-        help="a participant: its pid as seen here and inside its pid namespace (repeatable)",
+        help=f"a participant: its pid as seen here and inside its pid namespace {named}",
+    )
+    parser.set_defaults(processes_required=required)
+    if driver:
+        _add_driver(parser)
+
+
+def _add_driver(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--driver",
+        choices=("auto", "sim", "system"),
+        default="auto",
+        help="the CUDA driver of the native checkpoint calls: auto, the one the processes' "
+        "shims report (else the system's); sim, the simulated one; system, the "
+        "libcuda.so.1 the loader finds",
     )
 
 
@@ -127,9 +204,11 @@ def _add_phase_timeout(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_machine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint-dir", type=Path, required=True)
-    _add_endpoints(parser)
+def _add_machine_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    parser.add_argument(
+        "--checkpoint-dir", type=Path, required=True, help="where the state file is kept"
+    )
+    _add_endpoints(parser, required=required)
     parser.add_argument("--progress", choices=("human", "json", "none"), default="human")
     _add_phase_timeout(parser)
     parser.add_argument("--trace", type=Path, metavar="FILE", help="record the run as JSON lines")
@@ -140,14 +219,19 @@ def _add_machine_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_agent_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint-dir", type=Path, required=True)
-    _add_endpoints(parser)
+def _add_agent_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        required=True,
+        help="where the manifest and the state file are kept",
+    )
+    _add_endpoints(parser, required=required)
     parser.add_argument(
         "--progress",
         choices=("auto", "human", "json", "none"),
         default="auto",
-        help="auto (the default): human on a terminal, JSON lines otherwise",
+        help="auto: human on a terminal, JSON lines otherwise",
     )
     _add_phase_timeout(parser)
     parser.add_argument(
@@ -155,41 +239,136 @@ def _add_agent_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _logging_options() -> _Parser:
+    common = _Parser(add_help=False)
+    group = common.add_argument_group("messages")
+    loud = group.add_mutually_exclusive_group()  # argparse lists these under options
+    loud.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="also show the library's log (-vv: debug, the state machines' too)",
+    )
+    loud.add_argument("-q", "--quiet", action="store_true", help="only errors")
+    group.add_argument(
+        "--log-file", type=Path, metavar="FILE", help="append the full log (debug) to FILE"
+    )
+    return common
+
+
+# (name, one line, examples, exit status) of every verb, in --help's order.
+_VERBS: Final = {
+    "suspend": (
+        "capture, then natively lock and checkpoint every process",
+        "cuinterpose suspend --checkpoint-dir /var/ckpt/job --pid 4242 --pid 4243",
+        CHANGING_EXITS,
+    ),
+    "resume": (
+        "natively restore and unlock, then the coordinator restore; the processes "
+        "default to the manifest's",
+        "cuinterpose resume --checkpoint-dir /var/ckpt/job",
+        CHANGING_EXITS,
+    ),
+    "status": (
+        "every process's native state and shim phase (changes nothing); without "
+        "processes, every shim of the control directory",
+        "cuinterpose status\n  cuinterpose status --pid 4242 --json",
+        READING_EXITS,
+    ),
+    "check": (
+        "can suspend work here? the driver, the native checkpoint API, cuda-bindings, "
+        "the control directory, the shim, pidfd and ptrace (changes nothing)",
+        "cuinterpose check\n  cuinterpose check --driver sim --json",
+        "exit status:\n  0  suspend can work here\n  1  it cannot (the lines marked FAIL say why)"
+        "\n  2  usage error",
+    ),
+    "launch": (
+        "run COMMAND under the shim; prints its pid",
+        "cuinterpose launch --pidfile app.pid -- python train.py &\n"
+        "  cuinterpose launch --exec -- python train.py    # the launcher's pid is the program's",
+        "exit status: COMMAND's own (128 + N when signal N ended it); 1 when it could not "
+        "start; 2 usage error",
+    ),
+    "prepare": (
+        "run the capture machine; writes the state file",
+        "cuinterpose prepare --checkpoint-dir /var/ckpt/job --pid 4242 --pid 4243",
+        CHANGING_EXITS,
+    ),
+    "restore": (
+        "run the restore machine against the state file; the processes default to the state file's",
+        "cuinterpose restore --checkpoint-dir /var/ckpt/job",
+        CHANGING_EXITS,
+    ),
+    "recover": (
+        "bring the group back to running from wherever a run left it; the processes "
+        "default to the manifest's, else the state file's",
+        "cuinterpose recover --checkpoint-dir /var/ckpt/job",
+        CHANGING_EXITS,
+    ),
+    "inspect": (
+        "show the participants' topology (changes nothing)",
+        "cuinterpose inspect --pid 4242 --json",
+        READING_EXITS,
+    ),
+    "diagram": (
+        "print a machine's mermaid state diagram",
+        "cuinterpose diagram --machine capture",
+        READING_EXITS,
+    ),
+    "replay": (
+        "replay a trace against fake participants; report divergence",
+        "cuinterpose prepare ... --trace run.jsonl; cuinterpose replay run.jsonl",
+        "exit status:\n  0  replays clean\n  1  diverges, or unreadable\n  2  usage error",
+    ),
+    "sim-path": (
+        "print the directory of the simulated libcuda.so.1",
+        "LD_LIBRARY_PATH=$(cuinterpose sim-path) python app.py",
+        READING_EXITS,
+    ),
+    "shim-path": (
+        "print the path of libcuinterpose.so",
+        "LD_PRELOAD=$(cuinterpose shim-path) python app.py",
+        READING_EXITS,
+    ),
+    "criu": (
+        "the round trip through CRIU: check, dump, restore, action-script",
+        "cuinterpose criu check",
+        "exit status: the CRIU verb's own (cuinterpose criu VERB --help says)",
+    ),
+    "demo": (
+        "run the end-to-end demo",
+        "cuinterpose demo",
+        "exit status:\n  0  every byte came back\n  1  it did not",
+    ),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
         description="Checkpoint/restore of CUDA processes sharing memory",
-        epilog=EXIT_TABLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Formatter,
+        epilog="A first session: cuinterpose check; cuinterpose launch -- COMMAND; "
+        "cuinterpose status; cuinterpose suspend --checkpoint-dir DIR --pid PID; "
+        'cuinterpose resume --checkpoint-dir DIR (README.md, "Using it").\n\n' + EXIT_TABLE,
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = _logging_options()
 
-    def sub(name: str, text: str) -> argparse.ArgumentParser:
+    def sub(name: str) -> argparse.ArgumentParser:
+        text, example, exits = _VERBS[name]
         return commands.add_parser(
             name,
             help=text,
             description=text,
-            epilog=EXIT_TABLE,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=f"example:\n  {example}\n\n{exits}",
+            formatter_class=_Formatter,
+            parents=[common],
         )
 
-    prepare = sub("prepare", "run the capture machine; writes the state file")
-    _add_machine_options(prepare)
-    prepare.add_argument(
-        "--replace", action="store_true", help="overwrite a capture that was never restored"
-    )
-    restore_cmd = sub("restore", "run the restore machine against the state file")
-    _add_machine_options(restore_cmd)
-    recover_cmd = sub("recover", "bring the group back to running from wherever a run left it")
-    _add_machine_options(recover_cmd)
-    for checked in (prepare, restore_cmd, recover_cmd):
-        checked.add_argument(
-            "--skip-native-check",
-            action="store_true",
-            help="go on when no CUDA driver can be loaded to check that every process is "
-            "natively RUNNING (for those who know it is)",
-        )
-    suspend = sub("suspend", "capture, then natively lock and checkpoint every process")
+    suspend = sub("suspend")
     _add_agent_options(suspend)
     suspend.add_argument(
         "--not-requested",
@@ -203,26 +382,54 @@ def build_parser() -> argparse.ArgumentParser:
         default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000,
         help="how long each native lock may wait for the process's CUDA calls to drain",
     )
-    _add_agent_options(sub("resume", "natively restore and unlock, then the coordinator restore"))
-    status_cmd = sub("status", "every process's native state and shim phase (changes nothing)")
-    _add_endpoints(status_cmd)
+    _add_agent_options(sub("resume"), required=False)
+    status_cmd = sub("status")
+    _add_endpoints(status_cmd, required=False)
     status_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    inspect = sub("inspect", "show the participants' topology (changes nothing)")
-    _add_endpoints(inspect)
-    inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
-    diagram = sub("diagram", "print a machine's mermaid state diagram")
-    diagram.add_argument("--machine", choices=sorted(MACHINES), required=True)
-    replay_cmd = sub("replay", "replay a trace against fake participants; report divergence")
-    replay_cmd.add_argument("trace", type=Path, metavar="TRACE")
-    sub("sim-path", "print the directory of the simulated libcuda.so.1")
-    sub("shim-path", "print the path of libcuinterpose.so")
-    launch = sub("launch", "run COMMAND under the shim")
+    check = sub("check")
+    check.add_argument("--control-dir", type=Path, help=f"default ${CONTROL_DIR_ENV}")
+    _add_driver(check)
+    check.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    launch = sub("launch")
     launch.add_argument("--driver", choices=("sim", "system"), default="sim")
     launch.add_argument("--control-dir", type=Path)
+    launch.add_argument(
+        "--pidfile", type=Path, metavar="FILE", help="write the program's pid to FILE"
+    )
+    launch.add_argument(
+        "--exec",
+        dest="exec_",
+        action="store_true",
+        help="become COMMAND (exec): the launcher's own pid is the one to name",
+    )
     launch.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND...")
-    criu_cmd = sub("criu", "the round trip through CRIU: check, dump, restore, action-script")
+    prepare = sub("prepare")
+    _add_machine_options(prepare)
+    prepare.add_argument(
+        "--replace", action="store_true", help="overwrite a capture that was never restored"
+    )
+    restore_cmd, recover_cmd = sub("restore"), sub("recover")
+    _add_machine_options(restore_cmd, required=False)
+    _add_machine_options(recover_cmd, required=False)
+    for checked in (prepare, restore_cmd, recover_cmd):
+        checked.add_argument(
+            "--skip-native-check",
+            action="store_true",
+            help="go on when no CUDA driver can be loaded to check that every process is "
+            "natively RUNNING (for those who know it is)",
+        )
+    inspect = sub("inspect")
+    _add_endpoints(inspect, driver=False)
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
+    diagram = sub("diagram")
+    diagram.add_argument("--machine", choices=sorted(MACHINES), required=True)
+    replay_cmd = sub("replay")
+    replay_cmd.add_argument("trace", type=Path, metavar="TRACE")
+    sub("sim-path")
+    sub("shim-path")
+    criu_cmd = sub("criu")
     criu_cmd.add_argument("argv", nargs=argparse.REMAINDER, metavar="VERB ...")
-    demo = sub("demo", "run the end-to-end demo")
+    demo = sub("demo")
     demo.add_argument("--driver", choices=("sim", "system"), default="sim")
     return parser
 
@@ -247,16 +454,38 @@ def _phase_timeout(given: float | None) -> float:
         raise _UsageError(f"{PROG}: error: ${PHASE_TIMEOUT_ENV}: {exc}") from None
 
 
+def _control_dir(args: argparse.Namespace) -> Path:
+    given: Path | None = getattr(args, "control_dir", None)
+    return given if given is not None else _env_control_dir()
+
+
+def _resolve_group(args: argparse.Namespace) -> None:
+    """``args.group``: the processes named, else the ones the checkpoint directory (or,
+    for status, the control directory) holds; usage errors as such."""
+    try:
+        given = targets.named(args.pid, args.process)
+        if args.command == "status" and not given:
+            args.group = targets.shims(_where(args))
+        elif args.processes_required and not given:
+            raise targets.TargetError(
+                ["no process named: give --pid PID (or --process OBSERVED_PID NAMESPACE_PID)"],
+                usage=True,
+            )
+        else:
+            directory = None if args.processes_required else getattr(args, "checkpoint_dir", None)
+            args.group = targets.resolve(given, directory, proc_root=args.proc_root)
+    except targets.TargetError as error:
+        if error.usage:
+            text = "\n".join(f"{PROG}: error: {line}" for line in error.lines)
+            raise _UsageError(text) from None
+        raise
+
+
 def _endpoints(args: argparse.Namespace) -> list[Endpoint]:
-    control_dir = args.control_dir if args.control_dir is not None else _env_control_dir()
-    pairs = [tuple(p) for p in args.process]
-    for pair in pairs:
-        if pairs.count(pair) > 1:
-            raise _UsageError(f"{PROG}: error: --process {pair[0]} {pair[1]} is given twice")
     try:
         return [
-            endpoint_for(observed, namespace, control_dir=control_dir, proc_root=args.proc_root)
-            for observed, namespace in pairs
+            endpoint_for(o, n, control_dir=_control_dir(args), proc_root=args.proc_root)
+            for o, n in args.group
         ]
     except ValueError as exc:
         raise _UsageError(f"{PROG}: error: {exc}") from None
@@ -297,9 +526,31 @@ def _progress(mode: str, stdout: TextIO) -> ProgressCallback | None:
 def _run_machine(
     spec: MachineSpec | None, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
 ) -> int:
-    """Run ``spec``'s machine, or ``recover`` (None), and say how it ended."""
+    """Run ``spec``'s machine, or ``recover`` (None), and say how it ended: with JSON
+    progress, a last summary line with the outcome and the exit code, as suspend's."""
+    code = _machine(spec, args, stdout, stderr)
+    if args.progress == "json":
+        args.mode = "json"
+        _finish(args.command, args, stdout, stderr, code, _OUTCOMES[code], ())
+    elif code == EXIT_OK and spec is CAPTURE and args.progress == "human":
+        with contextlib.suppress(OSError):
+            stdout.write(
+                f"next: the native lock and checkpoint of every process, later their native "
+                f"restore and unlock, then: {PROG} restore --checkpoint-dir "
+                f"{shlex.quote(str(args.checkpoint_dir))}\n"
+            )
+    return code
+
+
+def _machine(
+    spec: MachineSpec | None, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
+) -> int:
     endpoints = _endpoints(args)
     timeout = _phase_timeout(args.phase_timeout)
+    if spec is not None:  # recover reports and leaves out the processes that are gone
+        problems = targets.problems(args.group, _where(args), shim=True)
+        if problems:
+            return _fail([f"{args.command} refused:", *problems], stderr)
     checkpoint_dir: Path = args.checkpoint_dir
     if spec is CAPTURE:
         try:
@@ -320,16 +571,17 @@ def _run_machine(
     if refusal is not None:
         return refusal
     stop = threading.Event()
+    where_now = _Whereabouts(_progress(args.progress, stdout), undone=not args.no_rollback)
     options = runner.Options(
         phase_timeout=timeout,
-        on_progress=_progress(args.progress, stdout),
+        on_progress=where_now,
         trace=writer,
         replace=bool(getattr(args, "replace", False)),
         stop=stop,
         rollback_on_failure=not args.no_rollback,
     )
     try:
-        with _stopping_on_signals(stop):
+        with _stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)):
             if spec is None:
                 report = recover(endpoints, checkpoint_dir, options)
                 for line in report.lines():
@@ -358,15 +610,16 @@ def _native_check(
     if spec is CAPTURE:
         hint = (
             "a process is natively locked or checkpointed; bring it back first "
-            f"(`{PROG} resume`, or the native restore and unlock), then prepare"
+            f"(`{PROG} resume --checkpoint-dir DIR`, or the native restore and unlock), "
+            "then prepare"
         )
     else:
         hint = (
             "restore runs after the native restore and unlock of every process; run them "
-            f"first (or `{PROG} resume --checkpoint-dir {args.checkpoint_dir} ...`)"
+            f"first (or `{PROG} resume --checkpoint-dir {args.checkpoint_dir}`)"
         )
     try:
-        agent.require_states(_native_backend(), processes, ProcessState.RUNNING, spec.name, hint)
+        agent.require_states(_native(args), processes, ProcessState.RUNNING, spec.name, hint)
     except NativeUnavailableError as exc:
         if not args.skip_native_check:
             return _fail(native_check_refusal(args.command, exc), stderr)
@@ -382,7 +635,7 @@ def _recover_native_check(
 ) -> int | None:
     """recover refuses a process natively LOCKED or CHECKPOINTED, and fails closed."""
     try:
-        blockers = native_blockers(_native_backend(), endpoints)
+        blockers = native_blockers(_native(args), endpoints)
     except NativeUnavailableError as exc:
         if not args.skip_native_check:
             return _fail(native_check_refusal("recover", exc), stderr)
@@ -394,18 +647,47 @@ def _recover_native_check(
     return None
 
 
-def _native_backend() -> NativeBackend:
-    return CudaBackend()
+def _native_backend() -> NativeBackend | None:
+    """The tests' hook for a backend of their own; None: the driver (below)."""
+    return None
+
+
+def _driver_library(args: argparse.Namespace) -> str | None:
+    """The libcuda.so.1 the native calls load: --driver's, else the one the shims
+    report (none reporting: the loader's own search)."""
+    choice = getattr(args, "driver", "auto")
+    if choice == "sim":
+        try:
+            return str(artifacts.sim_library_dir() / "libcuda.so.1")
+        except artifacts.ArtifactMissingError as exc:
+            raise NativeUnavailableError(str(exc)) from exc
+    if choice == "system":
+        return None
+    try:
+        return discovery.shim_drivers(_endpoints(args)).one()
+    except discovery.DriverMismatch as exc:
+        raise NativeUnavailableError(f"{exc}; run one command per driver") from exc
+
+
+def _native(args: argparse.Namespace) -> NativeBackend:
+    injected = _native_backend()
+    return injected if injected is not None else CudaBackend(_driver_library(args))
+
+
+def _no_driver(command: str, exc: NativeUnavailableError) -> list[str]:
+    return [
+        f"{command}: {exc}",
+        f"to see what this machine offers: {PROG} check",
+    ]
 
 
 def _where(args: argparse.Namespace) -> agent.Where:
-    control_dir = args.control_dir if args.control_dir is not None else _env_control_dir()
-    return agent.Where(control_dir, args.proc_root)
+    return agent.Where(_control_dir(args), args.proc_root)
 
 
 def _agent_processes(args: argparse.Namespace) -> list[agent.Process]:
     _endpoints(args)  # the same usage checks as every other command
-    return [agent.Process(observed, namespace) for observed, namespace in args.process]
+    return [agent.Process(observed, namespace) for observed, namespace in args.group]
 
 
 def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
@@ -413,6 +695,12 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
     mode = args.progress
     if mode == "auto":
         mode = "human" if stdout.isatty() else "json"
+    args.mode = mode
+    shim_needed = command == "suspend" and not args.not_requested
+    problems = targets.problems(args.group, _where(args), shim=shim_needed)
+    if problems:
+        return _finish(command, args, stdout, stderr, EXIT_FAILED, "refused",
+                       [f"{command} refused:", *problems])  # fmt: skip
     view = None
     on_event: agent.AgentCallback | None = None
     live: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
@@ -423,11 +711,12 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
         on_event, live = view, view.live()
     elif mode == "json":
         on_event = _json_events(stdout)
+    where_now = _Whereabouts(on_event)
     stop = threading.Event()
     options = runner.Options(phase_timeout=_phase_timeout(args.phase_timeout), stop=stop)
-    native = _native_backend()
     try:
-        with _stopping_on_signals(stop), live:
+        native = _native(args)
+        with _stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)), live:
             if command == "suspend":
                 done: agent.SuspendResult | agent.ResumeResult = agent.suspend(
                     processes,
@@ -437,7 +726,7 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
                     requested=not args.not_requested,
                     options=options,
                     lock_timeout_ms=int(args.lock_timeout * 1000),
-                    on_event=on_event,
+                    on_event=where_now,
                 )
             else:
                 done = agent.resume(
@@ -446,43 +735,201 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
                     native=native,
                     processes=processes,
                     options=options,
-                    on_event=on_event,
+                    on_event=where_now,
                 )
     except agent.SuspendFailed as failed:
-        _fail(failed.lines(), stderr)
-        return EXIT_FAILED if failed.restored else EXIT_NEEDS_RECOVER
+        code = EXIT_FAILED if failed.restored else EXIT_NEEDS_RECOVER
+        outcome = "failed, undone: the group runs as before" if failed.restored else (
+            "failed, not undone")  # fmt: skip
+        return _finish(command, args, stdout, stderr, code, outcome, failed.lines())
     except agent.ResumeFailed as failed:
         # A native step ran: never "nothing changed" (exit 1).
         if failed.running:
-            _fail(failed.lines(), stderr)
-            return EXIT_ROLLED_BACK
-        _fail([*failed.lines(), f"once every process is RUNNING, run: {_recover_command(args)}"],
-              stderr)  # fmt: skip
-        return EXIT_NEEDS_RECOVER
+            return _finish(command, args, stdout, stderr, EXIT_ROLLED_BACK,
+                           _OUTCOMES[EXIT_ROLLED_BACK], failed.lines())  # fmt: skip
+        way_on = f"once every process is RUNNING, run: {_recover_command(args)}"
+        return _finish(command, args, stdout, stderr, EXIT_NEEDS_RECOVER,
+                       _OUTCOMES[EXIT_NEEDS_RECOVER], [*failed.lines(), way_on])  # fmt: skip
     except agent.AgentError as error:
-        return _fail(error.lines(), stderr)
+        return _finish(command, args, stdout, stderr, EXIT_FAILED, "refused", error.lines())
     except CoordinatorError as error:
         code = _failure(error, args, stderr)
         # A suspend whose capture was rolled back: the group runs as it was (exit 1).
-        return EXIT_FAILED if command == "suspend" and code == EXIT_ROLLED_BACK else code
+        if command == "suspend" and code == EXIT_ROLLED_BACK:
+            code = EXIT_FAILED
+        return _finish(command, args, stdout, stderr, code, _OUTCOMES[code], ())
     except NativeUnavailableError as exc:
-        return _fail([f"{command}: {exc}"], stderr)
+        return _finish(command, args, stdout, stderr, EXIT_FAILED, "refused",
+                       _no_driver(command, exc))  # fmt: skip
     for warning in getattr(done, "warnings", ()):
         stderr.write(f"{PROG}: note: {warning}\n")
+    summary = _Summary.of(command, args, done)
     if view is not None:
         view.summary(done.timings, done.staging)
-    elif mode == "json":
         with contextlib.suppress(OSError):
-            summary: dict[str, object] = {
-                "event": "summary",
-                "command": command,
-                "timings": [t.to_json() for t in done.timings],
-            }
-            if done.staging is not None:
-                summary["staging"] = done.staging.to_json()
-            stdout.write(json.dumps(summary) + "\n")
+            for line in summary.lines():
+                stdout.write(line + "\n")
             stdout.flush()
-    return EXIT_OK
+    return _finish(command, args, stdout, stderr, EXIT_OK, summary.outcome, (), summary)
+
+
+_OUTCOMES: Final = {
+    EXIT_OK: "done",
+    EXIT_FAILED: "refused or failed: the group runs as before",
+    EXIT_ROLLED_BACK: "failed and rolled back: the group runs as before",
+    EXIT_NEEDS_RECOVER: "failed: the group needs recover",
+}
+
+
+def _finish(
+    command: str,
+    args: argparse.Namespace,
+    stdout: TextIO,
+    stderr: TextIO,
+    code: int,
+    outcome: str,
+    lines: Sequence[str],
+    summary: _Summary | None = None,
+) -> int:
+    """Say how the command ended once: the lines on stderr, and in JSON mode one
+    summary line with the outcome and the exit code."""
+    if lines:
+        _fail(lines, stderr)
+    if getattr(args, "mode", None) == "json":
+        document: dict[str, Any] = {"event": "summary", "command": command}
+        document.update(summary.to_json() if summary is not None else {})
+        document.update(outcome=outcome, exit_code=code)
+        if lines:
+            document["reason"] = list(lines)
+        with contextlib.suppress(OSError):
+            stdout.write(json.dumps(document, allow_nan=False) + "\n")
+            stdout.flush()
+    return code
+
+
+@attrs.frozen
+class _Summary:
+    """What a suspend or resume did and what comes next."""
+
+    command: str
+    outcome: str
+    seconds: float
+    bytes_staged: int
+    processes: int
+    timings: tuple[agent.Timing, ...]
+    next_command: str
+    checkpoint_dir: Path
+    staging: dict[str, Any] | None = None  # the shims' staging figures (engine/agent.py)
+
+    @classmethod
+    def of(
+        cls, command: str, args: argparse.Namespace, done: agent.SuspendResult | agent.ResumeResult
+    ) -> _Summary:
+        staged = sum(t.bytes for t in done.timings if t.phase in ("capture", "coordinator_restore"))
+        words = [PROG, "resume" if command == "suspend" else "suspend",
+                 "--checkpoint-dir", str(args.checkpoint_dir)]  # fmt: skip
+        if args.control_dir is not None:
+            words += ["--control-dir", str(args.control_dir)]
+        if args.proc_root is not None:
+            words += ["--proc-root", str(args.proc_root)]
+        if command == "resume":  # a new suspend names the processes, here the manifest's
+            for o, n in args.group:
+                words += ["--pid", str(o)] if o == n else ["--process", str(o), str(n)]
+        return cls(
+            command,
+            "suspended" if command == "suspend" else "resumed",
+            sum(t.seconds for t in done.timings),
+            staged,
+            len(args.group),
+            done.timings,
+            shlex.join(words),
+            args.checkpoint_dir,
+            done.staging.to_json() if done.staging is not None else None,
+        )
+
+    def lines(self) -> list[str]:
+        who = f"{self.processes} process{'es' if self.processes != 1 else ''}"
+        if self.command == "suspend":
+            shared = (
+                f", {_size(self.bytes_staged)} of it shared memory staged by the shims"
+                if self.bytes_staged
+                else ""
+            )
+            return [
+                f"suspended {who} in {self.seconds:.3f} s",
+                f"where the bytes are: each process's GPU memory is in its own host memory "
+                f"(the native checkpoint){shared}; {self.checkpoint_dir} holds only the "
+                "manifest and the state file",
+                "every process is CHECKPOINTED: its GPU memory is free until the resume",
+                f"next: {self.next_command}",
+            ]
+        shared = f", {_size(self.bytes_staged)} of shared memory loaded back" if (
+            self.bytes_staged) else ""  # fmt: skip
+        return [
+            f"resumed {who} in {self.seconds:.3f} s{shared}: every process is RUNNING, "
+            "its sharing as before",
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seconds": self.seconds,
+            "bytes_staged": self.bytes_staged,
+            "processes": self.processes,
+            "timings": [t.to_json() for t in self.timings],
+            "next": self.next_command,
+            **({"staging": self.staging} if self.staging is not None else {}),
+        }
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+class _Whereabouts:
+    """Passes every event on, remembering where the run is, so that a Ctrl-C can be
+    acknowledged at once with what is in flight."""
+
+    def __init__(self, inner: Callable[[Any], None] | None, *, undone: bool = True) -> None:
+        self.inner = inner
+        self.undone = undone
+        self.step = ""
+        self.phase = ""
+        self.copy: agent.CopyProgress | None = None
+        self.acknowledged = False
+
+    def __call__(self, event: agent.AgentEvent) -> None:
+        if isinstance(event, agent.StepEvent) and event.status == "started":
+            self.step, self.phase, self.copy = event.step, "", None
+        elif isinstance(event, PhaseEvent):
+            self.phase, self.copy = event.phase, None
+        elif isinstance(event, agent.CopyProgress):
+            self.copy = event
+        if self.inner is not None:
+            self.inner(event)
+
+    def acknowledge(self, stderr: TextIO) -> None:
+        if self.acknowledged:
+            return
+        self.acknowledged = True
+        at = self.step or "the first step"
+        if self.copy is not None:
+            at = (
+                f"{self.copy.phase} (in flight: {self.copy.bytes_done / (1 << 30):.1f}/"
+                f"{self.copy.bytes_total / (1 << 30):.1f} GiB copied)"
+            )
+        elif self.phase:
+            at = f"{self.phase} of the {self.step}" if self.step else self.phase
+        with contextlib.suppress(OSError):
+            then = (
+                "what was changed is undone, the group runs as before"
+                if self.undone
+                else "the group is left where it stops (--no-rollback)"
+            )
+            stderr.write(f"{PROG}: stopping after {at}: {then}\n")
+            stderr.flush()
 
 
 def _json_events(stream: TextIO) -> agent.AgentCallback:
@@ -494,12 +941,45 @@ def _json_events(stream: TextIO) -> agent.AgentCallback:
     return emit
 
 
+class _NoDriver:
+    """The native calls when no driver could be loaded: each fails, saying so."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def _none(self, pid: int, call: str) -> NoReturn:
+        raise NativeError(pid, call, "no driver", self.reason)
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        self._none(pid, "cuCheckpointProcessLock")
+
+    def checkpoint(self, pid: int) -> None:
+        self._none(pid, "cuCheckpointProcessCheckpoint")
+
+    def restore(self, pid: int) -> None:
+        self._none(pid, "cuCheckpointProcessRestore")
+
+    def unlock(self, pid: int) -> None:
+        self._none(pid, "cuCheckpointProcessUnlock")
+
+    def state(self, pid: int) -> ProcessState:
+        self._none(pid, "cuCheckpointProcessGetState")
+
+
 def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     processes = _agent_processes(args)
+    where = _where(args)
+    if not processes:
+        stdout.write(f"no shim in {where.control_dir} (start a program with `{PROG} launch`)\n")
+        return EXIT_OK
+    gone = targets.problems(args.group, where, shim=False)
+    if gone and (args.pid or args.process):
+        return _fail(gone, stderr)
     try:
-        rows = agent.status(processes, _where(args), _native_backend())
+        rows = agent.status(processes, where, _native(args))
     except NativeUnavailableError as exc:
-        return _fail([f"status: {exc}"], stderr)
+        stderr.write(f"{PROG}: note: native states unknown: {exc}\n")
+        rows = agent.status(processes, where, _NoDriver("no CUDA driver loaded"))
     if args.json:
         document = {"processes": [r.to_json() for r in rows]}
         stdout.write(json.dumps(document, indent=2) + "\n")
@@ -511,14 +991,19 @@ def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 
 
 @contextlib.contextmanager
-def _stopping_on_signals(stop: threading.Event) -> Iterator[None]:
-    """SIGINT/SIGTERM set ``stop`` (the run ends at the next phase boundary) for the block."""
+def _stopping_on_signals(
+    stop: threading.Event, acknowledge: Callable[[], None] | None = None
+) -> Iterator[None]:
+    """SIGINT/SIGTERM set ``stop`` (the run ends at the next phase boundary) for the
+    block, and ``acknowledge`` says so at once."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers belong to the main thread; an embedder's thread keeps its own
         return
 
     def on_signal(number: int, frame: object) -> None:
         stop.set()
+        if acknowledge is not None:
+            acknowledge()
 
     previous = {n: signal.signal(n, on_signal) for n in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -534,8 +1019,9 @@ def _recover_command(args: argparse.Namespace) -> str:
         words += ["--control-dir", str(args.control_dir)]
     if args.proc_root is not None:
         words += ["--proc-root", str(args.proc_root)]
-    for observed, namespace in args.process:
-        words += ["--process", str(observed), str(namespace)]
+    for observed, namespace in args.group:
+        words += ["--pid", str(observed)] if observed == namespace else [
+            "--process", str(observed), str(namespace)]  # fmt: skip
     return shlex.join(words)
 
 
@@ -643,7 +1129,16 @@ def _launch(args: argparse.Namespace, stderr: TextIO) -> int:
     if module is None:
         return EXIT_FAILED
     try:
-        return int(module.launch(command, driver=args.driver, control_dir=args.control_dir))
+        return int(
+            module.launch(
+                command,
+                driver=args.driver,
+                control_dir=args.control_dir,
+                pidfile=args.pidfile,
+                exec_=args.exec_,
+                announce=stderr,
+            )
+        )
     except module.LaunchError as exc:
         return _fail([f"launch: {exc}"], stderr)
 
@@ -667,37 +1162,67 @@ def main(
         except SystemExit as exit_:  # --help, or argparse's own exit
             return int(exit_.code or 0) if isinstance(exit_.code, int | None) else EXIT_USAGE
         command: str = args.command
-        if command == "prepare":
-            return _run_machine(CAPTURE, args, out, err)
-        if command == "restore":
-            return _run_machine(RESTORE, args, out, err)
-        if command == "recover":
-            return _run_machine(None, args, out, err)
-        if command in ("suspend", "resume"):
-            return _agent_command(command, args, out, err)
-        if command == "status":
-            return _status(args, out, err)
-        if command == "inspect":
-            return _inspect(args, out, err)
-        if command == "diagram":
-            out.write(mermaid(MACHINES[args.machine]))
-            return EXIT_OK
-        if command == "replay":
-            return _replay(args, out, err)
-        if command == "sim-path":
-            return _artifact(artifacts.sim_library_dir, out, err)
-        if command == "shim-path":
-            return _artifact(artifacts.shim_library, out, err)
-        if command == "launch":
-            return _launch(args, err)
-        if command == "demo":
-            return _demo(args, err)
-        if command == "criu":  # its own parser: frontends/criu_action.py
-            module = _delegate("criu_action", err)
-            if module is None:
-                return EXIT_FAILED
-            return int(module.main(args.argv, stdout=out, stderr=err))
-        raise AssertionError(f"unhandled command {command}")
+        try:
+            logs.configure(
+                verbosity=getattr(args, "verbose", 0),
+                quiet=getattr(args, "quiet", False),
+                log_file=getattr(args, "log_file", None),
+                stream=err,
+            )
+            return _dispatch(command, args, out, err)
+        except targets.TargetError as error:
+            return _fail(error.lines, err)
+        except agent.ManifestError as error:
+            return _fail(error.lines(), err)
+        except OSError as exc:
+            # The checkpoint directory (or a file named on the command line) is not
+            # what the command needs: a plain message, never a traceback.
+            where = f"{exc.filename}: " if exc.filename else ""
+            return _fail([f"{command}: {where}{exc.strerror or exc}"], err)
+        finally:
+            logs.reset()
     except _UsageError as exc:
         err.write(f"{exc}\n")
         return EXIT_USAGE
+
+
+def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    if hasattr(args, "processes_required"):
+        _resolve_group(args)
+    if command == "prepare":
+        return _run_machine(CAPTURE, args, out, err)
+    if command == "restore":
+        return _run_machine(RESTORE, args, out, err)
+    if command == "recover":
+        return _run_machine(None, args, out, err)
+    if command in ("suspend", "resume"):
+        return _agent_command(command, args, out, err)
+    if command == "status":
+        return _status(args, out, err)
+    if command == "inspect":
+        return _inspect(args, out, err)
+    if command == "diagram":
+        out.write(mermaid(MACHINES[args.machine]))
+        return EXIT_OK
+    if command == "replay":
+        return _replay(args, out, err)
+    if command == "sim-path":
+        return _artifact(artifacts.sim_library_dir, out, err)
+    if command == "shim-path":
+        return _artifact(artifacts.shim_library, out, err)
+    if command == "launch":
+        return _launch(args, err)
+    if command == "demo":
+        return _demo(args, err)
+    if command == "criu":  # its own parser: frontends/criu_action.py
+        module = _delegate("criu_action", err)
+        if module is None:
+            return EXIT_FAILED
+        return int(module.main(args.argv, stdout=out, stderr=err))
+    if command == "check":
+        from . import check
+
+        return check.run(
+            control_dir=_control_dir(args), driver=args.driver, as_json=args.json, out=out
+        )
+    raise AssertionError(f"unhandled command {command}")

@@ -11,13 +11,15 @@ here: the libraries are the installed package's, or a build tree's
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TextIO
 
 from . import artifacts
 from .engine.client import control_dir_length_problem, control_dir_problem
@@ -53,6 +55,8 @@ def ensure_control_dir(path: Path) -> Path:
     with the reason, as the shim and the coordinator refuse it.
     """
     path = Path(path)
+    if not path.is_absolute():
+        raise LaunchError(f"control directory {path} must be an absolute path")
     too_long = control_dir_length_problem(path)
     if too_long is not None:
         raise LaunchError(too_long)
@@ -115,12 +119,32 @@ def launch_env(
     return env
 
 
-def launch(command: Sequence[str], *, driver: str, control_dir: Path | None) -> int:
+def _write_pidfile(path: Path, pid: int) -> None:
+    try:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(f"{pid}\n")
+        os.replace(tmp, path)  # a reader never sees a half-written pid
+    except OSError as exc:
+        raise LaunchError(f"cannot write the pid file {path}: {exc}") from exc
+
+
+def launch(
+    command: Sequence[str],
+    *,
+    driver: str,
+    control_dir: Path | None,
+    pidfile: Path | None = None,
+    exec_: bool = False,
+    announce: TextIO | None = None,
+) -> int:
     """Run ``command`` under the shim and return its exit status.
 
-    A child killed by a signal gives 128 + the signal number, as a shell does.
-    SIGINT and SIGTERM reaching this process are passed on to the child, and the
-    child's own status is still what is returned.
+    The program's pid (the one to name in ``suspend --pid``) goes to ``announce`` and
+    to ``pidfile``. With ``exec_`` this process becomes the program, so its own pid
+    is the program's (never returns unless the exec fails). A child killed by a
+    signal gives 128 + the signal number, as a shell does. SIGINT and SIGTERM
+    reaching this process are passed on to the child, and the child's own status is
+    still what is returned.
     """
     if not command:
         raise LaunchError("no command to launch")
@@ -129,10 +153,31 @@ def launch(command: Sequence[str], *, driver: str, control_dir: Path | None) -> 
     except artifacts.ArtifactMissingError as exc:
         raise LaunchError(str(exc)) from exc
     ensure_control_dir(Path(env[CONTROL_DIR_ENV]))
+    if exec_:
+        if pidfile is not None:
+            _write_pidfile(Path(pidfile), os.getpid())
+        try:
+            os.execvpe(command[0], list(command), env)
+        except OSError as exc:
+            raise LaunchError(f"cannot start {command[0]!r}: {exc}") from exc
     try:
         child = subprocess.Popen(list(command), env=env)
     except OSError as exc:
         raise LaunchError(f"cannot start {command[0]!r}: {exc}") from exc
+    if pidfile is not None:
+        try:
+            _write_pidfile(Path(pidfile), child.pid)
+        except LaunchError:
+            child.kill()
+            child.wait()
+            raise
+    if announce is not None:
+        with contextlib.suppress(OSError):
+            announce.write(
+                f"cuinterpose launch: pid {child.pid} runs {shlex.join(command)} "
+                f"(name it: --pid {child.pid})\n"
+            )
+            announce.flush()
 
     def forward(signum: int, _frame: object) -> None:
         child.send_signal(signum)

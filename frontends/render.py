@@ -43,6 +43,7 @@ class HumanView:
             transient=False,
         )
         self.tasks: dict[str, TaskID] = {}
+        self.machine_failed = False  # the step's machine said FAILED already
         self.phases: list[PhaseEvent] = []
 
     @contextlib.contextmanager
@@ -64,15 +65,20 @@ class HumanView:
         elif isinstance(event, StepEvent):
             if event.status == "done":
                 self.console.print(f"{event.step}: done in {event.seconds:.3f} s")
-            elif event.status == "failed":
+            elif event.status == "failed" and not self.machine_failed:
                 self.console.print(f"{event.step}: FAILED after {event.seconds:.3f} s")
+            self.machine_failed = False
         elif isinstance(event, PhaseEvent):
             self.phases.append(event)
             task = self.tasks.get(event.phase)
             if task is not None and event.transfer is not None:
                 nbytes = event.transfer.allocation_bytes
                 self.progress.update(task, completed=nbytes, total=nbytes)
-        elif not isinstance(event, FailedEvent):  # failures reach stderr in full
+        elif isinstance(event, FailedEvent):
+            # Said when it happens, before the rollback's own lines; stderr has it in full.
+            self.machine_failed = True
+            self.console.print(f"{event.machine}: FAILED at {event.phase}")
+        else:
             self.console.print(human_line(event))
 
     def summary(self, timings: Sequence[Timing], staging: StagingSummary | None = None) -> None:

@@ -62,9 +62,10 @@ static bool validate(const struct cuip_header *q, struct reply *r)
         return false;
     }
     /* QUIESCE's stat_elapsed_ns is the coordinator's deadline for it, its
-     * stat_count 1 for a round (protocol.h). */
+     * stat_count 1 for a round; STATUS's stat_count CUIP_ASK_DRIVER asks for
+     * the driver's path (protocol.h). */
     if (q->status || q->count || q->pid || q->phase || q->reserved ||
-        q->stat_count > (q->op == CUIP_OP_QUIESCE ? 1u : 0u) ||
+        q->stat_count > (q->op == CUIP_OP_QUIESCE || q->op == CUIP_OP_STATUS ? 1u : 0u) ||
         q->stat_bytes || (q->stat_elapsed_ns && q->op != CUIP_OP_QUIESCE) || q->stat_copy_ns ||
         q->message_length != (exporting ? CUIP_PARTICIPANT_LEN : 0)) {
         reply_msg(r, CUIP_STATUS_BAD_REQUEST, "%s request has reply-only fields set",
@@ -343,8 +344,10 @@ static void run_phase_op(uint16_t op, struct reply *r)
 
 /* STATUS: what is in flight, never waiting for it (g.lock is only held by
  * a phase op around its bookkeeping, never across its work). */
-static void serve_status(struct reply *r)
+static void serve_status(struct reply *r, bool ask_driver)
 {
+    const char *driver = ask_driver ? shim_driver_path() : NULL;
+
     pthread_mutex_lock(&g.lock);
     if (g.busy) {
         /* The layout protocol.h gives a STATUS reply's stat fields. */
@@ -353,7 +356,9 @@ static void serve_status(struct reply *r)
         r->h.stat_bytes = __atomic_load_n(&g.phase_bytes_done, __ATOMIC_RELAXED);
         r->h.stat_copy_ns = __atomic_load_n(&g.phase_bytes_total, __ATOMIC_RELAXED);
     }
-    if (g.phase == CUIP_PHASE_FAILED) {
+    if (driver) {
+        reply_msg(r, CUIP_STATUS_OK, "%s", driver);
+    } else if (g.phase == CUIP_PHASE_FAILED) {
         reply_msg(r, CUIP_STATUS_OK, "%s", g.reason);
     } else if (gate_held() > 0) {
         char held[256];
@@ -558,7 +563,8 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
         return;
     }
     if (q->op == CUIP_OP_STATUS) {
-        serve_status(r); /* read-only: served to anyone trusted, lease or not */
+        /* read-only: served to anyone trusted, lease or not */
+        serve_status(r, q->stat_count == CUIP_ASK_DRIVER);
         return;
     }
     pthread_mutex_lock(&g.lock);

@@ -7,6 +7,7 @@
 #include "shim.h"
 
 #include <dlfcn.h>
+#include <link.h>
 #include <stdio.h>
 
 SHIM_HIDDEN struct shim_real real;
@@ -35,6 +36,8 @@ SHIM_NO_SAN shim_dlsym_fn shim_real_dlsym(void)
 static pthread_once_t resolve_once_ctl = PTHREAD_ONCE_INIT;
 static bool resolve_ok;
 static void *driver_lib; /* set once by resolve_once */
+static char driver_path[512]; /* set once by resolve_once, before resolve_done */
+static bool resolve_done;     /* atomic: resolve_once has finished */
 
 static void *sym(void *lib, const char *name, const char *base, int version)
 {
@@ -47,6 +50,17 @@ static void *sym(void *lib, const char *name, const char *base, int version)
         real.cuGetProcAddress_v2(base, &p, version, 0, &st) != CUDA_SUCCESS)
         p = NULL;
     return p;
+}
+
+/* What the loader calls the library (the path it found it at): what a
+ * coordinator must dlopen to reach the same driver (protocol.h,
+ * CUIP_ASK_DRIVER). */
+static void remember_path(void *lib)
+{
+    struct link_map *map = NULL;
+
+    if (dlinfo(lib, RTLD_DI_LINKMAP, &map) == 0 && map && map->l_name)
+        snprintf(driver_path, sizeof driver_path, "%s", map->l_name);
 }
 
 static void resolve_once(void)
@@ -64,6 +78,7 @@ static void resolve_once(void)
         return;
     }
     driver_lib = lib;
+    remember_path(lib);
 #define R(field, name, base, ver) field = (__typeof__(field))sym(lib, name, base, ver)
     R(real.cuGetProcAddress_v2, "cuGetProcAddress_v2", NULL, 0);
     R(real.gpa_v1, "cuGetProcAddress", NULL, 0);
@@ -147,10 +162,21 @@ static void resolve_once(void)
     resolve_ok = true;
 }
 
+static void resolve_and_mark(void)
+{
+    resolve_once();
+    __atomic_store_n(&resolve_done, true, __ATOMIC_RELEASE);
+}
+
 bool shim_resolve_real(void)
 {
-    pthread_once(&resolve_once_ctl, resolve_once);
+    pthread_once(&resolve_once_ctl, resolve_and_mark);
     return resolve_ok;
+}
+
+const char *shim_driver_path(void)
+{
+    return __atomic_load_n(&resolve_done, __ATOMIC_ACQUIRE) ? driver_path : "";
 }
 
 void *shim_driver_symbol(const char *name)

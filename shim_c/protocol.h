@@ -72,7 +72,13 @@ enum cuip_op {
 /* A STATUS reply's stat fields (its phase is the header's phase):
  * stat_count the op in flight (enum cuip_op, 0 when none), stat_bytes the
  * bytes that op has copied so far, stat_elapsed_ns how long it has run,
- * stat_copy_ns the bytes it copies in all (0 when it copies nothing). */
+ * stat_copy_ns the bytes it copies in all (0 when it copies nothing).
+ * A STATUS request with stat_count CUIP_ASK_DRIVER asks which driver the
+ * process runs on: the reply's message is then the path of the
+ * libcuda.so.1 the shim loaded (empty while none is loaded), instead of the
+ * stored failure reason, so that the coordinator's native checkpoint calls
+ * load the same one. */
+#define CUIP_ASK_DRIVER 1u
 
 /* The shim's phase, reported in every reply. */
 enum cuip_phase {

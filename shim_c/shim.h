@@ -245,6 +245,10 @@ SHIM_HIDDEN bool shim_resolve_host_register(void);
 /* The driver's own export `name` (exact symbol name, no resolver); NULL
  * when the driver cannot be loaded or lacks it. */
 SHIM_HIDDEN void *shim_driver_symbol(const char *name);
+/* The path the loader gave the libcuda.so.1 that `real` comes from; "" while
+ * none is loaded (the application has not reached the driver yet). Never
+ * loads the driver itself. */
+SHIM_HIDDEN const char *shim_driver_path(void);
 /* The real dlsym (found with dlvsym: a dlsym interposer cannot ask dlsym);
  * NULL when none of the known versions exists. */
 typedef void *(*shim_dlsym_fn)(void *, const char *);

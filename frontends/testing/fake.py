@@ -240,8 +240,10 @@ class FakeParticipant:
         stats: Mapping[Op, Stats] | None = None,
         script: Mapping[Op, Fault] | None = None,
         arrival: threading.Barrier | None = None,
+        driver: str = "",
     ) -> None:
         self.socket_path = Path(socket_path)
+        self.driver = driver  # what STATUS with ask_driver answers (protocol.h)
         self.participant = participant if participant is not None else secrets.token_hex(16)
         # Encoding once validates the id and every record up front, and spares
         # each INSPECT reply from re-encoding them.
@@ -647,6 +649,8 @@ class FakeParticipant:
                     f"{op.name} is not allowed in phase {phase.name}",
                     participant=participant,
                 )
+            if op is Op.STATUS and request.ask_driver and kind is None:
+                return self._encode(echoed, Status.OK, self.driver, participant=participant)
             if op is Op.QUIESCE and phase is Phase.QUIESCED:
                 self._advances += 1
             if kind in ("retry", "fail", "pending"):

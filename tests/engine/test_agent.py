@@ -210,10 +210,18 @@ def test_manifest_round_trips_and_drives_the_restore(work: Path) -> None:
     [
         ("[]", "not a version 1 manifest"),
         ('{"version": 2}', "not a version 1 manifest"),
-        ('{"version": 1, "cuinterpose": {"requested": true}}', "booleans"),
-        ('{"version": 1, "cuinterpose": {"requested": "yes", "prepared": false}}', "booleans"),
         (
-            '{"version": 1, "cuinterpose": {"requested": false, "prepared": true}}',
+            '{"version": 1, "cuinterpose": {"requested": true}, "participants": []}',
+            r"required field missing @ \$\.cuinterpose\.prepared",
+        ),
+        (
+            '{"version": 1, "cuinterpose": {"requested": "yes", "prepared": false}, '
+            '"participants": []}',
+            r"expected bool @ \$\.cuinterpose\.requested",
+        ),
+        (
+            '{"version": 1, "cuinterpose": {"requested": false, "prepared": true}, '
+            '"participants": []}',
             "prepared, yet cuinterpose was not requested",
         ),
         (
@@ -223,8 +231,8 @@ def test_manifest_round_trips_and_drives_the_restore(work: Path) -> None:
         ),
         (
             '{"version": 1, "cuinterpose": {"requested": true, "prepared": true}, '
-            '"participants": [{"observed_pid": 1}]}',
-            "malformed",
+            '"participants": [{"observed_pid": 1, "namespace_pid": "2", "participant": null}]}',
+            r"expected int @ \$\.participants\[0\]\.namespace_pid",
         ),
         ("{not json", "not JSON"),
     ],

@@ -58,7 +58,10 @@ def machine_args(command: str, t: Team, work: Path, *extra: str) -> list[str]:
 
 
 def json_lines(text: str) -> list[dict[str, object]]:
-    return [json.loads(line) for line in text.splitlines()]
+    """The progress events (the last line, the command's summary, left out)."""
+    events = [json.loads(line) for line in text.splitlines()]
+    assert events[-1]["event"] == "summary", events[-1]
+    return events[:-1]
 
 
 def test_prepare_and_restore_with_json_progress(work: Path) -> None:
@@ -89,11 +92,12 @@ def test_human_progress_is_one_line_per_phase(work: Path) -> None:
         code, out, _ = run(*machine_args("prepare", t, work))
     assert code == 0
     lines = out.splitlines()
-    assert len(lines) == 7
+    assert len(lines) == 8
+    assert lines[-1].startswith("next: the native lock and checkpoint of every process")
     assert lines[0].startswith("capture HANDSHAKE: ") and "2 participants" in lines[0]
     assert lines[1].startswith("capture QUIESCE: ") and lines[2].startswith("capture INSPECT: ")
     assert "GB/s" in lines[4] and lines[4].startswith("capture SAVE_ALLOCATIONS")
-    assert lines[-1].startswith("capture done")
+    assert lines[-2].startswith("capture done")
 
 
 def test_progress_none_prints_nothing(work: Path) -> None:
@@ -286,7 +290,7 @@ def test_proc_root_reaches_sockets_through_each_process_root(
             args += ["--process", str(observed), str(fake.pid)]
         code, out, err = run(*args)
     assert (code, err) == (0, ""), err
-    assert out.splitlines()[-1].startswith("capture done")
+    assert out.splitlines()[-2].startswith("capture done")
 
 
 @pytest.mark.parametrize(
@@ -423,8 +427,11 @@ def test_launch_and_demo_delegate(monkeypatch: pytest.MonkeyPatch) -> None:
 
     calls: list[object] = []
 
-    def fake_launch(command: list[str], *, driver: str, control_dir: Path | None) -> int:
+    def fake_launch(
+        command: list[str], *, driver: str, control_dir: Path | None, **given: object
+    ) -> int:
         calls.append((command, driver, control_dir))
+        assert given.keys() == {"pidfile", "exec_", "announce"}
         return 7
 
     def fake_demo(*, driver: str = "sim") -> int:

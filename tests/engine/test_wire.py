@@ -389,3 +389,17 @@ def test_quiesce_carries_its_deadline_and_only_it_does() -> None:
     smuggled[HEADER_SIZE - 16 : HEADER_SIZE - 8] = (7).to_bytes(8, "little")
     with pytest.raises(WireError, match="INSPECT request has stats set"):
         decode_request(bytes(smuggled))
+
+
+def test_status_asks_for_the_driver_in_stat_count() -> None:
+    """protocol.h: a STATUS request's stat_count CUIP_ASK_DRIVER asks for the shim's
+    libcuda path; no other op carries it, and no other value is accepted."""
+    raw = Request(Op.STATUS, ask_driver=True).encode()
+    assert struct.unpack_from("<Q", raw, 96)[0] == wire.ASK_DRIVER == 1
+    decoded, _ = decode_request(raw)
+    assert decoded.ask_driver and decoded.op is Op.STATUS
+    assert not decode_request(Request(Op.STATUS).encode())[0].ask_driver
+    with pytest.raises(WireError, match="STATUS only"):
+        Request(Op.HANDSHAKE, ask_driver=True).encode()
+    with pytest.raises(WireError, match="stats"):
+        decode_request(patched(raw, "<Q", 96, 2))

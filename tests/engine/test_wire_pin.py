@@ -115,6 +115,7 @@ def python_constants() -> dict[str, int | str]:
         "CUIP_SOCKET_SUFFIX": wire.SOCKET_SUFFIX,
         "CUIP_CONTROL_DIR_MAX": wire.CONTROL_DIR_MAX,
         "CUIP_OP_MAX": max(Op),
+        "CUIP_ASK_DRIVER": wire.ASK_DRIVER,
         **CONTRACT_ONLY,
     }
     prefixes: list[tuple[str, type[enum.Enum]]] = [

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import readme_session
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -217,3 +219,23 @@ def test_demo_passes(installed: Installed) -> None:
     lines = result.stdout.strip().splitlines()
     assert lines[-1].startswith("PASS: 7 ranges"), result.stdout
     assert any(line.startswith("suspend: ") for line in lines), result.stdout
+
+
+def test_version_comes_from_the_package_metadata(installed: Installed) -> None:
+    version = run(
+        [installed.venv / "bin" / "python", "-c",
+         "import importlib.metadata as m; print(m.version('cuinterpose'))"],
+        cwd=installed.outside,
+        env=installed.env,
+    ).stdout.strip()  # fmt: skip
+    assert installed.cuinterpose("--version").stdout.strip() == f"cuinterpose {version}"
+
+
+def test_the_readme_session_finds_the_simulated_driver_by_itself(
+    installed: Installed, tmp_path: Path
+) -> None:
+    """README.md's Using it, from the wheel, with nothing on the library path: the
+    native checkpoint calls load the driver the launched program's shim reports."""
+    assert not [k for k in installed.env if k.startswith("LD_")]
+    ran = readme_session.run(tmp_path / "session", installed.venv / "bin", installed.env)
+    readme_session.check(ran)

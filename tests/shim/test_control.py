@@ -549,3 +549,25 @@ def test_failed_is_sticky_and_reported(spawn: Spawn, control_dir: Path) -> None:
     assert i.call(Op.RESTORE_UNICAST).status == Status.WRONG_PHASE
     shimenv.send_held(importer, "result = err(cu.cuMemUnmap(H['va'], gran))")
     importer.kill()  # held until a rollback, which cannot re-import from a dead creator
+
+
+def test_status_names_the_driver_the_shim_loaded(spawn: Spawn, control_dir: Path) -> None:
+    """STATUS with ask_driver (protocol.h, CUIP_ASK_DRIVER): the path of the libcuda.so.1
+    the process runs on, for the coordinator's native calls; a plain STATUS is as before,
+    and a STATUS asking anything else is refused."""
+    w = spawn()
+    shim = Shim(control_dir, w.pid)
+    reply, _ = shimenv.request(shim.path, wire.Request(Op.STATUS, ask_driver=True))
+    assert reply.status is Status.OK and reply.phase is Phase.ACTIVE, reply
+    if simenv.is_simulated():
+        expected = simenv.sim_dir() / "libcuda.so.1"
+        assert Path(reply.message).resolve() == expected.resolve(), reply.message
+    else:  # the machine's own, wherever the loader found it
+        assert Path(reply.message).name.startswith("libcuda.so"), reply.message
+    plain, _ = shimenv.request(shim.path, wire.Request(Op.STATUS))
+    assert (plain.status, plain.message) == (Status.OK, "")
+    me = shim.participant.encode()
+    got = shimenv.raw_exchange(shim.path, bytes(header(op=Op.STATUS, participant=me,
+                                                       stat_count=2)))  # fmt: skip
+    assert struct.unpack_from("<i", got, 8)[0] == Status.BAD_REQUEST
+    app_still_works(w)

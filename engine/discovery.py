@@ -1,0 +1,136 @@
+"""What the coordinator finds out about a group before it acts: which processes exist,
+which have a shim, which driver their shims loaded, and every shim a control
+directory holds.
+
+The driver report is STATUS with ``ask_driver`` (protocol.h, ``CUIP_ASK_DRIVER``):
+the path of the ``libcuda.so.1`` a shim's process runs on, which the native
+checkpoint calls must load too (a simulated driver and a real one answer only for
+the processes that loaded them). Nothing here changes or binds anything.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+import attrs
+
+from .client import Endpoint, call_all
+from .wire import SOCKET_PREFIX, SOCKET_SUFFIX, Op, Reply, Request, Status, socket_name
+
+_SOCKET_NAME: Final = re.compile(
+    rf"{re.escape(SOCKET_PREFIX)}([1-9][0-9]*){re.escape(SOCKET_SUFFIX)}"
+)
+
+
+class DriverMismatch(RuntimeError):
+    """The processes' shims loaded different drivers: one coordinator cannot reach all."""
+
+    def __init__(self, drivers: dict[int, str]) -> None:
+        super().__init__(drivers)
+        self.drivers = drivers
+
+    def __str__(self) -> str:
+        named = ", ".join(f"pid {pid}: {path}" for pid, path in self.drivers.items())
+        return f"the processes run on different CUDA drivers ({named})"
+
+
+@attrs.frozen
+class DriverReport:
+    """Which driver each shim that answered loaded (pid as seen here -> path)."""
+
+    drivers: dict[int, str]
+    silent: tuple[int, ...] = ()  # shims that did not say (not answering, an older shim)
+
+    def one(self) -> str | None:
+        """The driver of the whole group; None when no shim named one."""
+        paths = set(self.drivers.values())
+        if len(paths) > 1:
+            raise DriverMismatch(self.drivers)
+        return next(iter(paths), None)
+
+
+def is_socket(path: Path) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def shim_drivers(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> DriverReport:
+    """Ask every endpoint that has a socket which driver its shim loaded."""
+    asked = [e for e in endpoints if is_socket(e.path)]
+    replies = call_all([(e, Request(Op.STATUS, ask_driver=True), None) for e in asked],
+                       timeout=timeout)  # fmt: skip
+    drivers: dict[int, str] = {}
+    silent: list[int] = []
+    for endpoint, reply in zip(asked, replies, strict=True):
+        if isinstance(reply, Reply) and reply.status is Status.OK and reply.message:
+            drivers[endpoint.observed_pid] = reply.message
+        else:  # not answering, or a shim older than the driver report
+            silent.append(endpoint.observed_pid)
+    return DriverReport(drivers, tuple(silent))
+
+
+def pid_exists(pid: int, proc_root: Path | None = None) -> bool:
+    """Whether ``pid`` names a process (under ``proc_root`` when the coordinator sees the
+    processes through another /proc)."""
+    if proc_root is not None:
+        return (Path(proc_root) / str(pid)).exists()
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, owned by another user
+    return True
+
+
+def children(pid: int) -> tuple[int, ...]:
+    """The pids of ``pid``'s children (empty when /proc does not say)."""
+    found: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return ()
+    for task in tasks:
+        try:
+            text = (task / "children").read_text()
+        except OSError:
+            continue
+        found += [int(word) for word in text.split()]
+    return tuple(sorted(set(found)))
+
+
+def missing_shim_hint(pid: int, control_dir: Path) -> str:
+    """What to do about a process without a control socket: name its child that has one
+    (a launcher's), or start the program under the shim."""
+    with_shim = [c for c in children(pid) if is_socket(control_dir / socket_name(c))]
+    if with_shim:
+        named = " ".join(f"--pid {c}" for c in with_shim)
+        return (
+            f"its child pid {with_shim[0]} has one (the program a `cuinterpose launch` "
+            f"started, whose pid it prints): name {named}"
+        )
+    return (
+        "start the program with `cuinterpose launch -- COMMAND` (or LD_PRELOAD the shim); "
+        "for the native checkpoint alone, of processes without a shim, give --not-requested"
+    )
+
+
+def shims_in(control_dir: Path) -> tuple[int, ...]:
+    """The namespace pids of every control socket in ``control_dir``, in order."""
+    try:
+        names = os.listdir(control_dir)
+    except OSError:
+        return ()
+    pids = []
+    for name in names:
+        match = _SOCKET_NAME.fullmatch(name)
+        if match and is_socket(Path(control_dir) / name):
+            pids.append(int(match[1]))
+    return tuple(sorted(pids))

@@ -1,0 +1,211 @@
+"""``manifest.json``: what a suspend did, for the resume (and the agent) to read.
+
+The document (specs/detection.md, "The manifest")::
+
+    {"version": 1,
+     "cuinterpose": {"requested": bool, "prepared": bool},
+     "participants": [{"observed_pid": int, "namespace_pid": int, "participant": str|null}],
+     "timings": [{"phase": str, "seconds": float, "bytes": int}],
+     "created_at": str, "resumed_at": str (once resumed)}
+
+Written and read through one cattrs converter over the classes below: strict in (an
+integer is an integer, a boolean a boolean; every problem named by its path), the
+same layout out. Unknown keys are ignored, so a newer agent's additions stay
+readable.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+import cattrs
+from cattrs.gen import make_dict_unstructure_fn, override
+
+from .errors import AgentError
+from .statefile import STATE_FILE_NAME, write_atomically
+
+MANIFEST_FILE_NAME: Final = "manifest.json"
+MANIFEST_VERSION: Final = 1
+_MANIFEST_MAX: Final = 1 << 20
+
+
+class ManifestError(AgentError):
+    """The manifest is missing, malformed, or contradicts the checkpoint directory."""
+
+
+@attrs.frozen
+class Process:
+    """One process of the group: its pid as seen here and inside its pid namespace."""
+
+    observed_pid: int
+    namespace_pid: int
+
+    def describe(self) -> str:
+        return f"pid {self.observed_pid} (ns pid {self.namespace_pid})"
+
+
+@attrs.frozen
+class Timing:
+    """One timed step: detect, capture, native_lock, native_checkpoint, native_restore,
+    native_unlock, coordinator_restore (and the undo steps of a failed suspend)."""
+
+    phase: str
+    seconds: float
+    bytes: int = 0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.bytes and self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(_converter().unstructure(self))
+
+
+@attrs.frozen
+class Participant:
+    observed_pid: int
+    namespace_pid: int
+    participant: str | None  # the shim's id; None for a native-only group
+
+
+@attrs.frozen
+class Flags:
+    requested: bool
+    prepared: bool
+
+
+@attrs.frozen
+class _Document:
+    """The file's own layout."""
+
+    version: int
+    cuinterpose: Flags
+    participants: tuple[Participant, ...]
+    timings: tuple[Timing, ...] = ()
+    created_at: str = ""
+    resumed_at: str = ""
+
+
+@attrs.frozen
+class Manifest:
+    """What a suspend did: the group's opt-in (``requested``), whether capture completed
+    and the state file was written (``prepared``), the group, the timings."""
+
+    requested: bool
+    prepared: bool
+    participants: tuple[Participant, ...]
+    timings: tuple[Timing, ...] = ()
+    created_at: str = ""
+    resumed_at: str = ""  # set once a resume completed: the directory may be reused
+
+    def to_json(self) -> dict[str, Any]:
+        document = _Document(
+            MANIFEST_VERSION,
+            Flags(self.requested, self.prepared),
+            self.participants,
+            self.timings,
+            self.created_at,
+            self.resumed_at,
+        )
+        return dict(_converter().unstructure(document))
+
+    @classmethod
+    def from_json(cls, data: Any, path: Path) -> Manifest:
+        def bad(*why: str) -> ManifestError:
+            return _error(f"manifest {path} refused:", why)
+
+        if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
+            raise bad(f"not a version {MANIFEST_VERSION} manifest")
+        try:
+            document = _converter().structure(data, _Document)
+        except Exception as exc:  # cattrs' ClassValidationError: every problem by path
+            raise bad(*cattrs.transform_error(exc, path="$")) from None
+        flags = document.cuinterpose
+        if flags.prepared and not flags.requested:
+            raise bad("prepared, yet cuinterpose was not requested")
+        if not document.participants:
+            raise bad("no participants")
+        return cls(
+            flags.requested,
+            flags.prepared,
+            document.participants,
+            document.timings,
+            document.created_at,
+            document.resumed_at,
+        )
+
+    def processes(self) -> tuple[Process, ...]:
+        return tuple(Process(p.observed_pid, p.namespace_pid) for p in self.participants)
+
+
+def _error(what: str, lines: tuple[str, ...]) -> ManifestError:
+    return ManifestError(what, lines)
+
+
+def _strict(kind: type, name: str) -> Any:
+    def structure(value: object, _: type) -> object:
+        # cattrs would call kind(value): "12", 1.5 and "yes" would all pass silently.
+        if type(value) is not kind and not (kind is float and type(value) is int):
+            raise ValueError(f"expected {name}, got {value!r}")
+        return value
+
+    return structure
+
+
+@functools.cache
+def _converter() -> cattrs.Converter:
+    conv = cattrs.Converter()
+    conv.register_structure_hook(int, _strict(int, "an integer"))
+    conv.register_structure_hook(bool, _strict(bool, "a boolean"))
+    conv.register_structure_hook(float, _strict(float, "a number"))
+    conv.register_structure_hook(str, _strict(str, "a string"))
+    conv.register_unstructure_hook(
+        _Document,
+        make_dict_unstructure_fn(_Document, conv, resumed_at=override(omit_if_default=True)),
+    )
+    return conv
+
+
+def write_manifest(checkpoint_dir: Path, manifest: Manifest) -> Path:
+    body = json.dumps(manifest.to_json(), indent=2).encode() + b"\n"
+    write_atomically(Path(checkpoint_dir), MANIFEST_FILE_NAME, body)
+    return Path(checkpoint_dir) / MANIFEST_FILE_NAME
+
+
+def read_manifest(checkpoint_dir: Path) -> Manifest:
+    path = Path(checkpoint_dir) / MANIFEST_FILE_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise _error(
+            f"no manifest at {path}:", ("nothing was suspended into this directory",)
+        ) from None
+    except OSError as exc:
+        raise _error(f"manifest {path} unreadable:", (str(exc.strerror),)) from None
+    try:
+        raw = os.read(fd, _MANIFEST_MAX + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > _MANIFEST_MAX:
+        raise _error(f"manifest {path} refused:", (f"larger than {_MANIFEST_MAX} bytes",))
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise _error(f"manifest {path} refused:", (f"not JSON: {exc}",)) from None
+    return Manifest.from_json(data, path)
+
+
+def restore_plan(manifest: Manifest, checkpoint_dir: Path) -> bool:
+    """Whether the coordinator restore runs after the native restore. Prepared without a
+    state file is an error, never a silent native-only restore."""
+    if manifest.prepared and not (Path(checkpoint_dir) / STATE_FILE_NAME).is_file():
+        raise _error(
+            f"manifest in {checkpoint_dir} says prepared, but there is no {STATE_FILE_NAME}:",
+            ("refusing a native-only restore of a group whose sharing was torn down",),
+        )
+    return manifest.prepared

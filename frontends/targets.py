@@ -1,0 +1,141 @@
+"""Which processes a command acts on, and what is wrong with them before it starts.
+
+The command line names them with ``--pid P`` (the same pid here and in its pid
+namespace) or ``--process OBSERVED NS``; ``resume``, ``restore`` and ``recover`` take
+them from the checkpoint directory when none is named (the manifest, else an
+interrupted capture's intent, else the state file), and ``status`` lists every
+shim of the control directory. A pid that names no process, and a process without
+a shim where one is needed, are said so, with what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from .engine import agent, discovery
+from .engine.directory import read_intent
+from .engine.statefile import STATE_FILE_NAME, CheckpointState, StateFileError, read_state
+
+Pair = tuple[int, int]
+
+
+class TargetError(Exception):
+    """The processes could not be worked out: one line per fact."""
+
+    def __init__(self, lines: Sequence[str], *, usage: bool = False) -> None:
+        super().__init__(*lines)
+        self.lines = tuple(lines)
+        self.usage = usage
+
+
+def named(pids: Sequence[int] | None, processes: Sequence[Sequence[int]] | None) -> list[Pair]:
+    """The processes named on the command line, in order; a repeat is a usage error."""
+    pairs: list[Pair] = [(p, p) for p in pids or ()]
+    pairs += [(int(o), int(n)) for o, n in processes or ()]
+    seen: set[Pair] = set()
+    for pair in pairs:
+        if pair in seen:
+            text = f"--pid {pair[0]}" if pair[0] == pair[1] else f"--process {pair[0]} {pair[1]}"
+            raise TargetError([f"{text} is given twice"], usage=True)
+        seen.add(pair)
+    return pairs
+
+
+def from_checkpoint_dir(directory: Path) -> tuple[list[Pair], str] | None:
+    """The group a checkpoint directory records and where it says so; None when it
+    records none. The manifest names both pids; the state file only the namespace
+    pid (the same here, unless the processes live in another pid namespace)."""
+    directory = Path(directory)
+    if (directory / agent.MANIFEST_FILE_NAME).exists():
+        manifest = agent.read_manifest(directory)
+        return [(p.observed_pid, p.namespace_pid) for p in manifest.participants], str(
+            directory / agent.MANIFEST_FILE_NAME
+        )
+    state: CheckpointState | None = None
+    source = ""
+    try:
+        state = read_intent(directory)
+        source = "the interrupted capture's intent"
+        if state is None and (directory / STATE_FILE_NAME).exists():
+            state = read_state(directory)
+            source = str(directory / STATE_FILE_NAME)
+    except StateFileError as exc:
+        raise TargetError([f"the group's record in {directory} is unreadable: {exc}"]) from None
+    if state is None:
+        return None
+    return [(p.pid, p.pid) for p in state.participants], source
+
+
+def resolve(
+    given: list[Pair],
+    checkpoint_dir: Path | None,
+    *,
+    proc_root: Path | None,
+) -> list[Pair]:
+    """``given``, else the checkpoint directory's group; a mismatch with the recorded
+    group is refused, naming both."""
+    try:
+        recorded = from_checkpoint_dir(checkpoint_dir) if checkpoint_dir is not None else None
+    except TargetError:
+        if not given:
+            raise
+        # Named processes need no record: the run itself says what is wrong with it
+        # (restore refuses the file by name; recover rolls the group back without it).
+        recorded = None
+    if given:
+        if recorded is not None and set(given) != set(recorded[0]):
+            raise TargetError(
+                [
+                    f"the processes given are not the group recorded in {recorded[1]}:",
+                    f"given {describe(given)}",
+                    f"recorded {describe(recorded[0])}",
+                    "name the recorded ones, or none (they are taken from there)",
+                ]
+            )
+        return given
+    if recorded is None:
+        if checkpoint_dir is None:
+            raise TargetError(["no process named: give --pid PID (or --process OBSERVED NS)"],
+                              usage=True)  # fmt: skip
+        raise TargetError(
+            [f"{checkpoint_dir} records no group (no manifest, interrupted capture or state "
+             "file: nothing was suspended or prepared into it); name the processes with "
+             "--pid PID"])  # fmt: skip
+    if proc_root is not None and recorded[1].endswith(STATE_FILE_NAME):
+        raise TargetError(
+            ["the state file holds namespace pids only: with --proc-root, name each process "
+             "(--process OBSERVED NS)"], usage=True)  # fmt: skip
+    return recorded[0]
+
+
+def describe(pairs: Sequence[Pair]) -> str:
+    return ", ".join(f"pid {o}" if o == n else f"pid {o} (ns pid {n})" for o, n in pairs)
+
+
+def problems(pairs: Sequence[Pair], where: agent.Where, *, shim: bool) -> list[str]:
+    """A line for each process without a control socket: one that does not exist is
+    said so; one that exists but has no shim, when ``shim``, gets what to do."""
+    lines: list[str] = []
+    for o, n in pairs:
+        endpoint = where.endpoint(agent.Process(o, n))
+        if discovery.is_socket(endpoint.path):
+            continue  # a live shim, or a stale socket the run itself will name
+        if not discovery.pid_exists(o, where.proc_root):
+            under = f" under {where.proc_root}" if where.proc_root is not None else ""
+            lines.append(f"pid {o} does not exist (no such process{under})")
+        elif shim:
+            lines.append(
+                f"pid {o} has no shim: its control socket {endpoint.path} does not exist; "
+                + discovery.missing_shim_hint(o, endpoint.path.parent)
+            )
+    return lines
+
+
+def shims(where: agent.Where) -> list[Pair]:
+    """Every shim of the control directory, as (pid, pid)."""
+    if where.proc_root is not None:
+        raise TargetError(
+            ["with --proc-root, name the processes (--process OBSERVED NS): "
+             "the control directories are each process's own"], usage=True)  # fmt: skip
+    return [(p, p) for p in discovery.shims_in(where.control_dir)]

@@ -1,0 +1,458 @@
+"""The command a person reaches for (issue 21): naming processes simply, the group taken
+from where it is recorded, one message per failure, the outcome and the next step,
+Ctrl-C acknowledged at once, the driver the shims report, ``check``, ``--version``,
+an example and the exit codes in every ``--help``, the public API.
+
+Against fake participants (and tests/engine/test_agent.py's in-memory native driver);
+what needs a real shim is in tests/shim (test_using_it.py: README's session), what
+needs the installed wheel in tests/packaging.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import importlib.metadata
+import io
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import topologies
+from cuinterpose import cli, engine
+from cuinterpose.engine import discovery
+from cuinterpose.engine.native import CudaBackend, NativeUnavailableError
+from cuinterpose.engine.wire import Op, Phase, socket_name
+from cuinterpose.testing import Fault
+from engine_harness import short_dir, team_of
+from test_agent import FakeNative, running
+
+TOPOLOGY = topologies.team(2, 2, multicast=False)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def work() -> Iterator[Path]:
+    with short_dir() as path:
+        yield path
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SNAPSHOT_CONTROL_DIR", raising=False)
+    monkeypatch.delenv("SNAPSHOT_PHASE_TIMEOUT_S", raising=False)
+
+
+def run(*argv: str, native: FakeNative | None = None, **patch: Any) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    previous = cli._native_backend
+    if native is not None:
+        cli._native_backend = lambda: native  # type: ignore[assignment]
+    try:
+        code = cli.main(list(argv), stdout=out, stderr=err)
+    finally:
+        cli._native_backend = previous  # type: ignore[method-assign]
+    return code, out.getvalue(), err.getvalue()
+
+
+def summary(out: str) -> dict[str, Any]:
+    last = json.loads(out.splitlines()[-1])
+    assert last["event"] == "summary", last
+    return dict(last)
+
+
+def a_gone_pid() -> int:
+    """A pid that named a process a moment ago and names none now."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    assert not discovery.pid_exists(child.pid)
+    return child.pid
+
+
+# ------------------------------------------------------------------ naming processes
+def test_pid_names_the_same_pid_in_both_namespaces_and_restore_takes_the_state_files(
+    work: Path,
+) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(t.control_dir)]
+        pids = [w for f in t.fakes for w in ("--pid", str(f.pid))]
+        code, _, err = run("prepare", *common, *pids, "--progress", "none")
+        assert (code, err) == (0, "")
+        assert {f.phase for f in t.fakes} == {Phase.PREPARED}
+        code, _, err = run("restore", *common, "--pid", str(t.fakes[0].pid))
+        assert code == cli.EXIT_FAILED
+        assert "not the group recorded in" in err and f"given pid {t.fakes[0].pid}" in err
+        assert {f.phase for f in t.fakes} == {Phase.PREPARED}  # nothing was sent
+        code, _, err = run("restore", *common, "--progress", "none")  # the state file's group
+        assert (code, err) == (0, "")
+        assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
+        code, out, err = run("recover", *common)
+        assert code == 0 and "recover: nothing" in out, err
+
+
+def test_recover_without_a_record_says_so(work: Path) -> None:
+    (work / "ckpt").mkdir()
+    code, _, err = run("recover", "--checkpoint-dir", str(work / "ckpt"))
+    assert code == cli.EXIT_FAILED
+    assert f"{work / 'ckpt'} records no group" in err and "--pid PID" in err
+
+
+def test_prepare_without_processes_is_a_usage_error() -> None:
+    code, _, err = run("prepare", "--checkpoint-dir", "/x")
+    assert code == cli.EXIT_USAGE and "give --pid PID" in err
+
+
+def test_resume_takes_the_group_from_the_manifest_and_says_what_comes_next(work: Path) -> None:
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as t:
+        common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(t.control_dir)]
+        pids = [w for f in t.fakes for w in ("--pid", str(f.pid))]
+        code, out, err = run("suspend", *common, *pids, native=fake)
+        assert (code, err) == (0, "")
+        done = summary(out)
+        assert (done["outcome"], done["exit_code"], done["processes"]) == ("suspended", 0, 2)
+        capture = next(x for x in done["timings"] if x["phase"] == "capture")
+        assert done["bytes_staged"] == capture["bytes"] > 0
+        assert done["next"] == (
+            f"cuinterpose resume --checkpoint-dir {work / 'ckpt'} --control-dir {t.control_dir}"
+        )
+        assert done["seconds"] == pytest.approx(sum(x["seconds"] for x in done["timings"]))
+        code, _, err = run("resume", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
+                           str(t.control_dir), "--pid", "1000", native=fake)  # fmt: skip
+        assert code == cli.EXIT_FAILED and "not the group recorded in" in err
+        code, out, err = run(*["resume", *common], native=fake)
+        assert (code, err) == (0, "")
+        assert (summary(out)["outcome"], summary(out)["exit_code"]) == ("resumed", 0)
+        assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
+
+
+def test_suspend_on_a_terminal_says_where_the_bytes_are_and_the_resume_command(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    fake = running()
+    monkeypatch.setattr(cli, "_native_backend", lambda: fake)
+    with team_of(TOPOLOGY, work / "control") as t:
+        out, err = Terminal(), io.StringIO()
+        argv = ["suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
+                str(t.control_dir), *t.processes]  # fmt: skip
+        code = cli.main(argv, stdout=out, stderr=err)
+    text = out.getvalue()
+    assert (code, err.getvalue()) == (0, ""), err.getvalue()
+    assert "suspended 2 processes in" in text
+    assert "where the bytes are: each process's GPU memory is in its own host memory" in text
+    assert "MiB of it shared memory staged by the shims" in text
+    assert f"next: cuinterpose resume --checkpoint-dir {work / 'ckpt'}" in text
+
+
+def test_status_without_processes_lists_every_shim_of_the_control_directory(
+    work: Path,
+) -> None:
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as t:
+        code, out, err = run("status", "--control-dir", str(t.control_dir), "--json",
+                             native=fake)  # fmt: skip
+        assert (code, err) == (0, "")
+        rows = json.loads(out)["processes"]
+        assert [r["observed_pid"] for r in rows] == [f.pid for f in t.fakes]
+        assert {(r["native_state"], r["shim_phase"]) for r in rows} == {("RUNNING", "ACTIVE")}
+    (work / "empty").mkdir()
+    code, out, _ = run("status", "--control-dir", str(work / "empty"))
+    assert code == 0 and f"no shim in {work / 'empty'}" in out
+
+
+# ------------------------------------------------------------------ what is wrong, said once
+def test_a_pid_that_does_not_exist_is_said_not_to_exist(work: Path) -> None:
+    gone = a_gone_pid()
+    (work / "control").mkdir()
+    common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(work / "control")]
+    for argv in (
+        ["prepare", *common, "--pid", str(gone)],
+        ["suspend", *common, "--pid", str(gone), "--progress", "json"],
+        ["suspend", *common, "--pid", str(gone), "--not-requested", "--progress", "none"],
+        ["status", "--control-dir", str(work / "control"), "--pid", str(gone)],
+    ):
+        code, out, err = run(*argv, native=running([gone]))
+        assert code == cli.EXIT_FAILED, argv
+        assert f"pid {gone} does not exist" in err, (argv, err)
+        assert "control socket" not in err
+        if "json" in argv:
+            assert (summary(out)["outcome"], summary(out)["exit_code"]) == ("refused", 1)
+
+
+def test_a_process_without_the_shim_gets_a_hint(work: Path) -> None:
+    (work / "control").mkdir()
+    me = os.getpid()  # exists, and has no shim
+    code, _, err = run("suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
+                       str(work / "control"), "--pid", str(me), "--progress", "none",
+                       native=running([me]))  # fmt: skip
+    assert code == cli.EXIT_FAILED
+    assert f"pid {me} has no shim" in err
+    assert "cuinterpose launch -- COMMAND" in err and "--not-requested" in err
+    assert err.count("has no shim") == 1
+
+
+def test_a_launchers_pid_names_its_child_with_the_shim(work: Path) -> None:
+    """What `$!` gives after `cuinterpose launch ... &` is the launcher: its child, the
+    program with the shim, is the one to name."""
+    control = work / "control"
+    control.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)  # fmt: skip
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(control / socket_name(child.pid)))
+        code, _, err = run("prepare", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
+                           str(control), "--pid", str(os.getpid()))  # fmt: skip
+    finally:
+        listener.close()
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+    assert code == cli.EXIT_FAILED
+    assert f"its child pid {child.pid} has one" in err and f"--pid {child.pid}" in err, err
+
+
+def test_an_unusable_checkpoint_directory_is_a_plain_message(work: Path) -> None:
+    (work / "ckpt" / "cuinterpose.lock").mkdir(parents=True)  # where the lock file goes
+    with team_of(TOPOLOGY, work / "control") as t:
+        code, _, err = run("prepare", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
+                           str(t.control_dir), *t.processes)  # fmt: skip
+        assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
+    assert code == cli.EXIT_FAILED
+    assert err == f"cuinterpose: prepare: {work / 'ckpt' / 'cuinterpose.lock'}: Is a directory\n"
+
+
+def test_every_failure_is_said_once_and_the_log_only_on_request(work: Path) -> None:
+    fake = running()
+    fake.fail = ("checkpoint", 1001)
+    with team_of(TOPOLOGY, work / "control") as t:
+        common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(t.control_dir)]
+        code, out, err = run("suspend", *common, *t.processes, native=fake)
+        assert code == cli.EXIT_FAILED
+        lines = err.splitlines()
+        assert all(line.startswith("cuinterpose: ") for line in lines), err
+        assert len(lines) == len(set(lines)) and "event=step" not in err
+        assert "native checkpoint failed: pid 1001" in err
+        ended = summary(out)
+        assert ended["exit_code"] == cli.EXIT_FAILED and "the group runs as before" in (
+            ended["outcome"])  # fmt: skip
+        log = work / "log"
+        fake.fail = None
+        code, _, err = run("suspend", *common, *t.processes, "-v", "--log-file", str(log),
+                           "--progress", "none", native=fake)  # fmt: skip
+        assert code == 0, err
+    assert "cuinterpose: INFO: cuinterpose event=step step=detect status=started" in err
+    assert "Executed callback" not in err  # transitions is quieted
+    text = log.read_text()
+    assert "event=step step=native_checkpoint status=done" in text
+    assert "Executed callback" not in text
+    library = logging.getLogger("cuinterpose")
+    assert [type(h) for h in library.handlers] == [logging.NullHandler]  # the CLI's are gone
+
+
+def test_sigint_is_acknowledged_at_once(work: Path) -> None:
+    script = {0: {Op.SAVE_ALLOCATIONS: Fault("delay", seconds=30.0)}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cuinterpose", "prepare", "--checkpoint-dir",
+             str(work / "ckpt"), "--control-dir", str(t.control_dir), *t.processes,
+             "--skip-native-check"],  # fake participants: no driver knows their pids
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        for line in proc.stdout:  # the phase before SAVE_ALLOCATIONS has been reported
+            if line.startswith("capture PREPARE_MULTICAST"):
+                break
+        while Op.SAVE_ALLOCATIONS not in t.fakes[0].received:
+            assert proc.poll() is None
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        said = proc.stderr.readline()
+        while said.startswith("cuinterpose: note: "):  # no driver here for the native check
+            said = proc.stderr.readline()
+        still_running = proc.poll() is None  # SAVE_ALLOCATIONS is still in its 30 s
+        proc.kill()
+        proc.communicate()
+    assert still_running
+    assert said.startswith("cuinterpose: stopping after PREPARE_MULTICAST: "), said
+    assert "undone, the group runs as before" in said
+
+
+# ------------------------------------------------------------------ the driver
+def test_the_native_calls_load_the_driver_the_shims_report(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as t:
+        for fake in t.fakes:
+            fake.driver = "/opt/sim/libcuda.so.1"
+        report = discovery.shim_drivers(t.endpoints)
+        assert report.one() == "/opt/sim/libcuda.so.1" and report.silent == ()
+        t.fakes[1].driver = "/usr/lib/libcuda.so.1"
+        with pytest.raises(discovery.DriverMismatch, match="different CUDA drivers"):
+            discovery.shim_drivers(t.endpoints).one()
+        t.fakes[0].driver = t.fakes[1].driver = ""  # not loaded yet: no report
+        assert discovery.shim_drivers(t.endpoints).one() is None
+
+
+def test_a_driver_that_cannot_be_loaded_says_what_to_do(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(NativeUnavailableError, match="cannot load the CUDA driver /nowhere"):
+        CudaBackend("/nowhere/libcuda.so.1").driver()
+    monkeypatch.setenv("CUINTERPOSE_BUILD_DIR", str(work / "no-build"))
+    monkeypatch.setattr(cli, "_native_backend", lambda: None)  # the real driver, then
+    with team_of(TOPOLOGY, work / "control") as t:
+        code, _, err = run("suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
+                           str(t.control_dir), *t.processes, "--driver", "sim",
+                           "--progress", "none")  # fmt: skip
+        assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
+    assert code == cli.EXIT_FAILED
+    assert "make build" in err and "cuinterpose check" in err, err
+
+
+def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cuinterpose", *argv], capture_output=True,
+                          text=True, env=env, timeout=120, check=False)  # fmt: skip
+
+
+def test_check_on_the_simulated_driver(work: Path) -> None:
+    build = REPO / "build"
+    if not (build / "shim_c" / "sim" / "libcuda.so.1").is_file():
+        pytest.skip("no build/: run `make build`")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LD_", "ASAN_"))}
+    env.update(CUINTERPOSE_BUILD_DIR=str(build), SNAPSHOT_CONTROL_DIR=str(work / "control"))
+    done = _cli("check", "--driver", "sim", "--json", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = {f["name"]: f for f in json.loads(done.stdout)["findings"]}
+    assert found["driver"]["verdict"] == "OK" and "simulated" in found["driver"]["detail"]
+    assert found["native checkpoint API"]["verdict"] == "OK"
+    assert found["control directory"]["verdict"] == "WARN"  # not there yet
+    assert {f["verdict"] for f in found.values()} <= {"OK", "WARN"}
+    if ctypes.util.find_library("cuda") is None:  # no driver of the machine's own
+        done = _cli("check", "--driver", "system", env=env)
+        assert done.returncode == 1
+        assert re.search(r"^FAIL driver: .*install the NVIDIA driver", done.stdout, re.M)
+        assert done.stdout.endswith("suspend cannot work here\n")
+
+
+# ------------------------------------------------------------------ help, version, API
+@pytest.mark.parametrize("verb", sorted(cli._VERBS))
+def test_every_verb_has_an_example_and_its_exit_codes_in_help(
+    verb: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main([verb, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "example:\n  " in text and "exit status" in text, text
+    assert f"cuinterpose {verb}" in text.split("example:")[1] or verb in ("sim-path", "shim-path")
+
+
+def test_version_is_the_package_metadata() -> None:
+    done = _cli("--version")
+    assert done.returncode == 0
+    assert done.stdout == f"cuinterpose {importlib.metadata.version('cuinterpose')}\n"
+
+
+def test_the_public_api_exports_what_the_readme_and_the_cli_use() -> None:
+    readme = (REPO / "README.md").read_text()
+    used = {
+        name.strip()
+        for group in re.findall(r"from cuinterpose\.engine import ([^\n]+)", readme)
+        for name in group.split(",")
+    }
+    used |= {"NativeUnavailableError", "status", "Process", "ProcessStatus", "StateRefused"}
+    assert used <= set(engine.__all__), used - set(engine.__all__)
+    assert all(hasattr(engine, name) for name in engine.__all__)
+
+
+# ------------------------------------------------------------------ launch keeps the pid
+@pytest.mark.parametrize("exec_", [False, True])
+def test_launch_says_and_writes_the_programs_pid(work: Path, exec_: bool) -> None:
+    build = REPO / "build"
+    if not (build / "shim_c" / "libcuinterpose.so").is_file():
+        pytest.skip("no build/: run `make build`")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LD_", "ASAN_"))}
+    env.update(CUINTERPOSE_BUILD_DIR=str(build), SNAPSHOT_CONTROL_DIR=str(work / "control"))
+    pidfile = work / "app.pid"
+    argv = [sys.executable, "-m", "cuinterpose", "launch", "--pidfile", str(pidfile)]
+    argv += ["--exec"] if exec_ else []
+    program = "import os; print(os.getpid(), flush=True)"
+    launcher = subprocess.Popen(
+        [*argv, "--", sys.executable, "-c", program],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0, err
+    pid = int(out)
+    assert int(pidfile.read_text()) == pid
+    if exec_:
+        assert pid == launcher.pid  # the launcher became the program
+    else:
+        assert pid != launcher.pid
+        assert f"cuinterpose launch: pid {pid} runs " in err and f"--pid {pid}" in err
+
+
+def test_launch_refuses_a_control_directory_the_shim_would_refuse(work: Path) -> None:
+    long = work / ("d" * 80)
+    code, _, err = run("launch", "--control-dir", str(long), "--", "true")
+    assert code == cli.EXIT_FAILED
+    assert "over the 60 a shim accepts" in err and not long.exists()
+
+
+def test_a_failed_capture_is_said_before_its_rollback(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    fake = running()
+    monkeypatch.setattr(cli, "_native_backend", lambda: fake)
+    script = {0: {Op.PREPARE_UNICAST: Fault("fail", message="cuMemRelease: CUDA_ERROR_X")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        out, err = Terminal(), io.StringIO()
+        argv = ["suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
+                str(t.control_dir), *t.processes]  # fmt: skip
+        code = cli.main(argv, stdout=out, stderr=err)
+        assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
+    # rich draws for a terminal: its control sequences are not the text
+    lines = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue()).splitlines()
+    # suspend's capture rolled back: the group runs as it was (exit 1, specs/recovery.md)
+    assert code == cli.EXIT_FAILED, err.getvalue()
+    failed = lines.index("capture: FAILED at PREPARE_UNICAST")
+    rolled = next(i for i, line in enumerate(lines) if line.startswith("rollback done"))
+    assert failed < rolled, lines
+    assert not [line for line in lines if "FAILED after" in line], lines
+    assert "CUDA_ERROR_X" in err.getvalue() and "CUDA_ERROR_X" not in out.getvalue()
+
+
+def test_prepare_restore_and_recover_end_with_a_summary_like_suspend(work: Path) -> None:
+    script = {0: {Op.PREPARE_UNICAST: Fault("fail", message="cuMemRelease: CUDA_ERROR_X")}}
+    common = ["--checkpoint-dir", str(work / "ckpt"), "--progress", "json"]
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        code, out, _ = run("prepare", *common, "--control-dir", str(t.control_dir), *t.processes)
+        assert code == cli.EXIT_ROLLED_BACK
+        ended = summary(out)
+        assert (ended["command"], ended["exit_code"]) == ("prepare", cli.EXIT_ROLLED_BACK)
+        assert ended["outcome"] == "failed and rolled back: the group runs as before"
+    with team_of(TOPOLOGY, work / "control2") as t:
+        for verb in ("prepare", "restore", "recover"):
+            names = t.processes if verb == "prepare" else []
+            code, out, err = run(verb, *common, "--control-dir", str(t.control_dir), *names)
+            assert code == 0, err
+            assert (summary(out)["outcome"], summary(out)["exit_code"]) == ("done", 0)
