@@ -84,7 +84,17 @@ def resolve(
         # (restore refuses the file by name; recover rolls the group back without it).
         recorded = None
     if given:
-        if recorded is not None and set(given) != set(recorded[0]):
+        # The survivors alone may be named once the others are gone (recover brings
+        # them back: specs/recovery.md); anything else that differs is refused.
+        survivors = (
+            recorded is not None
+            and set(given) < set(recorded[0])
+            and not any(
+                discovery.pid_exists(observed, proc_root)
+                for observed, _ in set(recorded[0]) - set(given)
+            )
+        )
+        if recorded is not None and set(given) != set(recorded[0]) and not survivors:
             raise TargetError(
                 [
                     f"the processes given are not the group recorded in {recorded[1]}:",
