@@ -89,6 +89,7 @@ def resolve(
         survivors = (
             recorded is not None
             and set(given) < set(recorded[0])
+            and all(discovery.pid_exists(observed, proc_root) for observed, _ in given)
             and not any(
                 discovery.pid_exists(observed, proc_root)
                 for observed, _ in set(recorded[0]) - set(given)
