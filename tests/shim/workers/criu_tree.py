@@ -293,7 +293,10 @@ class Tree:
             self.root.wait(timeout=timeout_s)
         deadline = time.monotonic() + timeout_s
         for pid in [self.root_pid, *self.pids()]:
-            while _state(pid) != "?":
+            # A pid is free for the restore only once /proc no longer has it: a process
+            # still exiting (a GPU context's teardown can take seconds) may already
+            # hide its stat file.
+            while Path(f"/proc/{pid}").exists():
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
                 if time.monotonic() > deadline:
