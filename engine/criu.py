@@ -221,11 +221,28 @@ def run_criu(
         raise CriuFailed(f"`{' '.join(argv)}` failed:", [str(exc)]) from None
     seconds = time.perf_counter() - began
     if done.returncode != 0:
-        lines = [f"exit status {done.returncode}", *_log_errors(log)]
+        errors = _log_errors(log)
+        lines = [f"exit status {done.returncode}", *errors, *_pid_holders(errors)]
         if done.stderr.strip():
             lines.insert(1, done.stderr.strip()[-500:])
         raise CriuFailed(f"`{' '.join(argv)}` failed:", lines)
     return seconds
+
+
+_TAKEN_PID: Final = re.compile(r"Can't fork for (\d+): File exists")
+
+
+def _pid_holders(errors: Sequence[str]) -> list[str]:
+    """For a restore that found a pid of the tree taken: which process holds it now."""
+    held = []
+    for pid in dict.fromkeys(m[1] for line in errors for m in _TAKEN_PID.finditer(line)):
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+            who = " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
+        except OSError as exc:
+            who = f"gone by now ({exc.strerror})"
+        held.append(f"pid {pid} of the tree is taken by: {who or '(no command line)'}")
+    return held
 
 
 # --------------------------------------------------------------- before the restore

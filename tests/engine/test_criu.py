@@ -330,3 +330,25 @@ def test_the_verbs_usage_errors_exit_2(work: Path) -> None:
     err = io.StringIO()
     assert criu_action.main([*twice[:-3], "--phase-timeout", "-1"], stderr=err) == 2
     assert "'-1' is not a positive number of seconds" in err.getvalue()
+
+
+def test_a_restore_that_finds_a_pid_taken_names_what_holds_it(work: Path) -> None:
+    holder, gone = os.getpid(), 4194303  # this test's own process; a pid past any in use
+    stand_in = work / "criu"
+    stand_in.write_text(
+        "#!/bin/sh\n"
+        'log=/dev/null; prev=""\n'
+        'for a in "$@"; do [ "$prev" = -o ] && log=$a; prev=$a; done\n'
+        f'echo "(00.1) Error (criu/cr-restore.c:1230): Can\'t fork for {holder}: File exists"'
+        ' >"$log"\n'
+        f'echo "(00.1) Error (criu/cr-restore.c:1230): Can\'t fork for {gone}: File exists"'
+        ' >>"$log"\n'
+        "exit 1\n"
+    )
+    stand_in.chmod(0o755)
+    with pytest.raises(criu.CriuFailed) as failed:
+        criu.run_criu(criu.Criu(stand_in, (4, 2)), ["restore", "-d"], work / "restore.log")
+    lines = failed.value.lines()
+    mine = next(line for line in lines if f"pid {holder} of the tree is taken by:" in line)
+    assert "pytest" in mine or sys.executable in mine, mine
+    assert any(f"pid {gone} of the tree is taken by: gone by now" in line for line in lines)
