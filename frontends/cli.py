@@ -23,7 +23,6 @@ import contextlib
 import importlib
 import importlib.metadata
 import json
-import math
 import os
 import shlex
 import signal
@@ -36,6 +35,7 @@ from typing import Any, Final, NoReturn, TextIO
 import attrs
 
 from . import artifacts, logs, targets
+from .arguments import Parser, UsageError, pid, seconds
 from .engine import agent, discovery, runner
 from .engine.client import Endpoint, endpoint_for
 from .engine.errors import CoordinatorError
@@ -82,38 +82,6 @@ EXIT_TABLE: Final = """exit status (every verb):
   4  failed, and the group is not back: stderr prints the command to run
      (`cuinterpose recover ...`)
 """
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but usage errors raise instead of exiting, so main() returns 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        raise _UsageError(f"{self.prog}: error: {message}")
-
-
-class _UsageError(Exception):
-    pass
-
-
-def _pid(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a pid") from None
-    if not 0 < value < 2**32:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive pid")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
 
 
 # The verbs that change a group answer with the one table.
@@ -166,7 +134,7 @@ def _add_endpoints(
     parser.add_argument(
         "--pid",
         action="append",
-        type=_pid,
+        type=pid,
         metavar="PID",
         help=f"a participant whose pid is the same here and in its pid namespace {named}",
     )
@@ -174,7 +142,7 @@ def _add_endpoints(
         "--process",
         nargs=2,
         action="append",
-        type=_pid,
+        type=pid,
         metavar=("OBSERVED_PID", "NAMESPACE_PID"),
         help=f"a participant: its pid as seen here and inside its pid namespace {named}",
     )
@@ -197,7 +165,7 @@ def _add_driver(parser: argparse.ArgumentParser) -> None:
 def _add_phase_timeout(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--phase-timeout",
-        type=_seconds,
+        type=seconds,
         metavar="SECONDS",
         help=f"per-phase timeout (default ${PHASE_TIMEOUT_ENV}, else "
         f"{runner.DEFAULT_PHASE_TIMEOUT_S:g})",
@@ -239,8 +207,8 @@ def _add_agent_options(parser: argparse.ArgumentParser, *, required: bool = True
     )
 
 
-def _logging_options() -> _Parser:
-    common = _Parser(add_help=False)
+def _logging_options() -> Parser:
+    common = Parser(add_help=False)
     group = common.add_argument_group("messages")
     loud = group.add_mutually_exclusive_group()  # argparse lists these under options
     loud.add_argument(
@@ -345,7 +313,7 @@ _VERBS: Final = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog=PROG,
         description="Checkpoint/restore of CUDA processes sharing memory",
         formatter_class=_Formatter,
@@ -377,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     suspend.add_argument(
         "--lock-timeout",
-        type=_seconds,
+        type=seconds,
         metavar="SECONDS",
         default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000,
         help="how long each native lock may wait for the process's CUDA calls to drain",
@@ -449,9 +417,9 @@ def _phase_timeout(given: float | None) -> float:
     if not value:
         return runner.DEFAULT_PHASE_TIMEOUT_S
     try:
-        return _seconds(value)
+        return seconds(value)
     except argparse.ArgumentTypeError as exc:
-        raise _UsageError(f"{PROG}: error: ${PHASE_TIMEOUT_ENV}: {exc}") from None
+        raise UsageError(f"{PROG}: error: ${PHASE_TIMEOUT_ENV}: {exc}") from None
 
 
 def _control_dir(args: argparse.Namespace) -> Path:
@@ -477,7 +445,7 @@ def _resolve_group(args: argparse.Namespace) -> None:
     except targets.TargetError as error:
         if error.usage:
             text = "\n".join(f"{PROG}: error: {line}" for line in error.lines)
-            raise _UsageError(text) from None
+            raise UsageError(text) from None
         raise
 
 
@@ -488,7 +456,7 @@ def _endpoints(args: argparse.Namespace) -> list[Endpoint]:
             for o, n in args.group
         ]
     except ValueError as exc:
-        raise _UsageError(f"{PROG}: error: {exc}") from None
+        raise UsageError(f"{PROG}: error: {exc}") from None
 
 
 def _fail(lines: Sequence[str], stderr: TextIO) -> int:
@@ -562,7 +530,7 @@ def _machine(
         try:
             writer = TraceWriter(args.trace)
         except OSError as exc:
-            raise _UsageError(f"{PROG}: error: cannot write trace {args.trace}: {exc}") from None
+            raise UsageError(f"{PROG}: error: cannot write trace {args.trace}: {exc}") from None
     refusal = (
         _native_check(spec, args, endpoints, stderr)
         if spec is not None
@@ -594,7 +562,7 @@ def _machine(
     except CoordinatorError as error:
         return _failure(error, args, stderr)
     except ValueError as exc:
-        raise _UsageError(f"{PROG}: error: {exc}") from None
+        raise UsageError(f"{PROG}: error: {exc}") from None
     finally:
         if writer is not None:
             writer.close()
@@ -1124,7 +1092,7 @@ def _launch(args: argparse.Namespace, stderr: TextIO) -> int:
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
-        raise _UsageError(f"{PROG} launch: error: no COMMAND given after --")
+        raise UsageError(f"{PROG} launch: error: no COMMAND given after --")
     module = _delegate("launch", stderr)
     if module is None:
         return EXIT_FAILED
@@ -1181,7 +1149,7 @@ def main(
             return _fail([f"{command}: {where}{exc.strerror or exc}"], err)
         finally:
             logs.reset()
-    except _UsageError as exc:
+    except UsageError as exc:
         err.write(f"{exc}\n")
         return EXIT_USAGE
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, NoReturn, TextIO
+from typing import Any, Final, TextIO
 
+from .arguments import Parser, UsageError, pid, seconds
 from .engine import agent, criu
 from .engine.errors import CoordinatorError
 from .engine.native import CudaBackend, NativeBackend, NativeUnavailableError
@@ -46,36 +46,6 @@ EXIT_USAGE: Final = 2
 EXIT_NEEDS_RECOVER: Final = 4
 # Baked into an action script when set: CRIU runs it with CRIU's environment.
 ALWAYS_KEPT: Final = ("PYTHONPATH", CONTROL_DIR_ENV)
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        raise _UsageError(f"{self.prog}: error: {message}")
-
-
-def _pid(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a pid") from None
-    if not 0 < value < 2**32:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive pid")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
 
 
 def _group_options(
@@ -98,7 +68,7 @@ def _group_options(
             nargs=2,
             action="append",
             required=True,
-            type=_pid,
+            type=pid,
             metavar=("OBSERVED_PID", "NAMESPACE_PID"),
         )
         parser.add_argument(
@@ -114,12 +84,12 @@ def _group_options(
             help="the control directory as seen here before the processes exist "
             "(default: the control directory, unless --proc-root)",
         )
-    parser.add_argument("--phase-timeout", type=_seconds, default=DEFAULT_PHASE_TIMEOUT_S)
+    parser.add_argument("--phase-timeout", type=seconds, default=DEFAULT_PHASE_TIMEOUT_S)
     parser.add_argument("--progress", choices=("json", "none"), default="json")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="The round trip through CRIU (specs/criu.md)")
+    parser = Parser(prog=PROG, description="The round trip through CRIU (specs/criu.md)")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     check = verbs.add_parser("check", help="which CRIU, and does `criu check` pass")
     for sub in (check,):
@@ -127,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     dump = verbs.add_parser("dump", help="suspend, then criu dump")
     _group_options(dump, processes=True, restores=False)
     dump.add_argument("--images-dir", type=Path, required=True)
-    dump.add_argument("--tree", type=_pid, required=True, help="the root of the tree to dump")
-    dump.add_argument("--lock-timeout", type=_seconds, default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000)
+    dump.add_argument("--tree", type=pid, required=True, help="the root of the tree to dump")
+    dump.add_argument("--lock-timeout", type=seconds, default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000)
     restore = verbs.add_parser("restore", help="criu restore, then resume")
     _group_options(restore, processes=False)
     restore.add_argument("--images-dir", type=Path, required=True)
@@ -168,7 +138,7 @@ def _processes(args: argparse.Namespace) -> list[agent.Process]:
     group = [agent.Process(o, n) for o, n in args.process]
     for p in group:
         if group.count(p) > 1:
-            raise _UsageError(
+            raise UsageError(
                 f"{PROG}: error: --process {p.observed_pid} {p.namespace_pid} is given twice"
             )
     return group
@@ -382,7 +352,7 @@ def main(
             return EXIT_OK
         verbs = {"dump": _dump, "restore": _restore, "action": _action}
         return verbs[args.verb](args, env, out, err)
-    except _UsageError as exc:
+    except UsageError as exc:
         err.write(f"{exc}\n")
         return EXIT_USAGE
     except criu.CriuUnavailable as exc:
