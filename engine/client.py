@@ -188,6 +188,11 @@ class ParticipantHangup(ParticipantError):
     """The socket was missing, refused or reset, or closed before a whole reply."""
 
 
+class ParticipantGone(ParticipantHangup):
+    """The process is not there: its control socket is missing, or nobody listens on it
+    (after the heal wait, when the process is still visible)."""
+
+
 class BadReply(ParticipantError):
     """The reply was malformed, echoed another op or came from another participant."""
 
@@ -347,7 +352,7 @@ class _Exchange:
         if not self.connected and self.connect_error is not None:
             waited = time.monotonic() - (self.heal_since or time.monotonic())
             reason = f"{self.connect_error} (retried for {waited:.1f} s)"
-            self.fail(ParticipantHangup, reason, None)
+            self.fail(ParticipantGone, reason, None)  # only a missing or refused socket heals
             return
         if not self.connected:
             reason = f"could not connect within {self.timeout:g} s (listen backlog full)"
@@ -371,7 +376,7 @@ class _Exchange:
                 self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
             code = self.sock.connect_ex(self._address())
         except OSError as exc:
-            self.fail(ParticipantHangup, _connect_reason(exc.errno, exc.strerror), None)
+            self.fail(_unreachable(exc.errno), _connect_reason(exc.errno, exc.strerror), None)
             return
         if code in (errno.EAGAIN, errno.EINPROGRESS):
             self.retry_at = time.monotonic() + self.retry_delay
@@ -383,7 +388,7 @@ class _Exchange:
             reason = _connect_reason(code, os.strerror(code))
             if self.heal_since is not None:
                 reason += f" (retried for {time.monotonic() - self.heal_since:.1f} s)"
-            self.fail(ParticipantHangup, reason, None)
+            self.fail(_unreachable(code), reason, None)
             return
         self.connected = True
         self._close_dir_fd()
@@ -588,6 +593,11 @@ def _op_name(value: int) -> str:
         return Op(value).name
     except ValueError:
         return f"unknown op {value}"
+
+
+def _unreachable(code: int | None) -> type[ParticipantHangup]:
+    """A connect that found no socket, or nobody listening, means the process is gone."""
+    return ParticipantGone if code in (errno.ENOENT, errno.ECONNREFUSED) else ParticipantHangup
 
 
 def _connect_reason(code: int | None, text: str | None) -> str:

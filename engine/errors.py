@@ -124,7 +124,10 @@ REFUSALS: Final[Mapping[Refusal, type[Refused]]] = {
 class PhaseFailed(CoordinatorError):
     """A participant failed, timed out, hung up or answered wrongly; or a local step failed.
 
-    Fail-stop: no later op was sent to anyone, and nothing was rolled back.
+    Fail-stop: no later op of the machine was sent to anyone. When it stopped after
+    an op that tears something down, the runner rolled the group back before raising
+    (unless ``Options.rollback_on_failure`` is off): ``destroyed``, ``rolled_back``
+    and ``rollback_error`` say how that went.
     """
 
 

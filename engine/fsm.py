@@ -11,9 +11,9 @@ from what runs.
 
 from __future__ import annotations
 
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
-from transitions import EventData, Machine
+from transitions import Machine
 
 from ..phases import (
     CAPTURE,
@@ -41,7 +41,6 @@ __all__ = [
     "MachineSpec",
     "ProgressKind",
     "Step",
-    "StepModel",
     "build_machine",
     "mermaid",
     "step_op",
@@ -51,14 +50,6 @@ __all__ = [
 
 # The model method every step's ``before`` callback names.
 PERFORM: Final = "perform"
-
-
-class StepModel(Protocol):
-    """What a model driven by a built machine provides (plus one method per guard)."""
-
-    state: str
-
-    def perform(self, event: EventData) -> None: ...
 
 
 def step_op(step: Step) -> Op | None:

@@ -339,13 +339,3 @@ def json_printer(stream: TextIO) -> ProgressCallback:
         stream.flush()
 
     return emit
-
-
-def human_printer(stream: TextIO) -> ProgressCallback:
-    """A callback printing one readable line per event to ``stream``."""
-
-    def emit(event: Event) -> None:
-        stream.write(human_line(event) + "\n")
-        stream.flush()
-
-    return emit

@@ -25,6 +25,7 @@ from .client import (
     BadReply,
     Endpoint,
     ParticipantError,
+    ParticipantGone,
     ParticipantHangup,
     ParticipantTimeout,
 )
@@ -48,7 +49,8 @@ _UNCOMPARED: Final = frozenset(
     }
 )
 _ERRORS: Final[Mapping[str, type[ParticipantError]]] = {
-    cls.__name__: cls for cls in (ParticipantError, ParticipantTimeout, ParticipantHangup, BadReply)
+    cls.__name__: cls
+    for cls in (ParticipantError, ParticipantTimeout, ParticipantHangup, ParticipantGone, BadReply)
 }
 
 

@@ -3,7 +3,10 @@
 Each wire step sends its op to every participant at once and waits for every
 reply, a barrier, before the machine moves on (:mod:`.steps`). Anything other
 than an OK reply in the expected phase from the expected participant stops the
-machine (fail-stop: nothing is rolled back) and no later op is sent to anyone.
+machine (fail-stop: no later op of that machine is sent to anyone). A machine
+stopped after its first op that tears something down is then rolled back
+(the ROLLBACK machine, unless ``Options.rollback_on_failure`` is off: then
+``cuinterpose recover`` undoes it); one stopped before changed nothing to undo.
 Guards (:mod:`.guards`) run before the step they sit on; those before the first
 destructive op refuse, later ones fail. This module is the loop alone: it
 moves the ``transitions`` machine, and traces and reports every transition.

@@ -21,7 +21,14 @@ import attrs
 from ..phases import PHASE_OP, Action, MachineSpec, ProgressKind, Step
 from . import quiesce
 from . import trace as tracing
-from .client import BadReply, Endpoint, ParticipantError, ParticipantHangup, ParticipantTimeout
+from .client import (
+    BadReply,
+    Endpoint,
+    ParticipantError,
+    ParticipantGone,
+    ParticipantHangup,
+    ParticipantTimeout,
+)
 from .directory import promote_intent, read_intent, write_intent
 from .errors import PhaseFailed, Problem
 from .fsm import step_op, step_reply_phase
@@ -38,9 +45,6 @@ from .statefile import (
 )
 from .topology import Topology
 from .wire import VERSION, Op, Phase, Reply, Request, Status
-
-# How the client words a process that is not there (no socket, or nobody listening).
-_GONE: Final = ("control socket does not exist", "connection refused")
 
 
 @attrs.frozen
@@ -329,7 +333,7 @@ def _drop_gone(
     kept: list[Reply | ParticipantError | None] = []
     gone: list[Problem] = []
     for (endpoint, _, _), result in zip(calls, results, strict=True):
-        if isinstance(result, ParticipantHangup) and result.reason.startswith(_GONE):
+        if isinstance(result, ParticipantGone):
             gone.append(Problem(f"gone: {result.reason}", None, endpoint.observed_pid))
             kept.append(None)
         else:

@@ -191,13 +191,6 @@ class MachineSpec:
                 return guard
         raise KeyError(f"machine {self.name} has no guard {name!r}")
 
-    def first_destructive(self) -> int | None:
-        """Index of the first step whose op changes a participant, or None."""
-        for index, step in enumerate(self.steps):
-            if step.destructive:
-                return index
-        return None
-
     def first_teardown(self) -> int | None:
         """Index of the first step after which a stopped run needs a rollback, or None."""
         for index, step in enumerate(self.steps):

@@ -125,16 +125,6 @@ void gate_leave(enum gate_class c)
     }
 }
 
-void gate_wait_open(const char *call)
-{
-    /* GATE_SYNC is held from the first closing step on: the strictest. A
-     * pass granted here is given back: this call waits for the gate to
-     * open, not for one synchronization. */
-    while (__atomic_load_n(&gate.level, __ATOMIC_SEQ_CST) != GATE_OPEN)
-        if (hold(GATE_SYNC, call))
-            gate_leave(GATE_SYNC);
-}
-
 void gate_close(enum gate_level level)
 {
     pthread_mutex_lock(&gate.mu);

@@ -273,8 +273,6 @@ enum gate_level {
  * that outlives the call): blocks while the gate holds `c`, never failing. */
 SHIM_HIDDEN void gate_enter(enum gate_class c, const char *call);
 SHIM_HIDDEN void gate_leave(enum gate_class c);
-/* Blocks until the gate is open (a tracked call outside ACTIVE). */
-SHIM_HIDDEN void gate_wait_open(const char *call);
 /* Sets the level (closing, or from HOLD_ALL back to HOLD_SYNC). */
 SHIM_HIDDEN void gate_close(enum gate_level level);
 /* Back to HOLD_SYNC, and every thread held at a synchronizing call may make

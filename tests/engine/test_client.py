@@ -18,6 +18,7 @@ from cuinterpose.engine.client import (
     BadReply,
     Endpoint,
     ParticipantError,
+    ParticipantGone,
     ParticipantHangup,
     ParticipantTimeout,
     call,
@@ -187,8 +188,12 @@ def test_a_delay_beyond_the_timeout_times_out(start_fake: StartFake) -> None:
 
 def test_a_hangup_is_reported(start_fake: StartFake) -> None:
     fake = start_fake(script={Op.INSPECT: Fault("hangup")})
-    with pytest.raises(ParticipantHangup, match=r"INSPECT: closed the connection after 0 of"):
+    with pytest.raises(
+        ParticipantHangup, match=r"INSPECT: closed the connection after 0 of"
+    ) as caught:
         ask(fake, Op.INSPECT, timeout=2)
+    # A process that answered and then hung up is there: only a missing socket is gone.
+    assert not isinstance(caught.value, ParticipantGone)
 
 
 def test_a_reply_from_another_participant_is_refused(start_fake: StartFake) -> None:
@@ -218,9 +223,9 @@ def test_garbage_is_refused(start_fake: StartFake) -> None:
         handshake(fake)
 
 
-def test_a_missing_socket_is_a_hangup(control_dir: Path) -> None:
+def test_a_missing_socket_is_a_participant_gone(control_dir: Path) -> None:
     endpoint = endpoint_for(3, 3, control_dir=control_dir)
-    with pytest.raises(ParticipantHangup, match="control socket does not exist") as caught:
+    with pytest.raises(ParticipantGone, match="control socket does not exist") as caught:
         call(endpoint, Request(Op.HANDSHAKE), timeout=1, expect_participant=None)
     assert caught.value.participant is None
     assert endpoint.describe() in str(caught.value)
@@ -232,7 +237,7 @@ def test_a_missing_socket_of_a_live_process_is_retried_for_a_bounded_time(
     # Our own pid: a live process whose shim would re-create its socket (it has none).
     endpoint = endpoint_for(os.getpid(), os.getpid(), control_dir=control_dir)
     started = time.monotonic()
-    with pytest.raises(ParticipantHangup, match=r"does not exist \(retried for 1\.\d s\)"):
+    with pytest.raises(ParticipantGone, match=r"does not exist \(retried for 1\.\d s\)"):
         call(endpoint, Request(Op.HANDSHAKE), timeout=10, expect_participant=None)
     assert time.monotonic() - started < 5
 
@@ -252,11 +257,11 @@ def test_a_socket_that_comes_back_within_the_window_is_reached(
     assert handshake(fake).status == Status.OK
 
 
-def test_a_socket_nobody_listens_on_is_a_hangup(control_dir: Path) -> None:
+def test_a_socket_nobody_listens_on_is_a_participant_gone(control_dir: Path) -> None:
     endpoint = endpoint_for(3, 3, control_dir=control_dir)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
         stale.bind(str(endpoint.path))  # bound, never listening: a dead shim's file
-        with pytest.raises(ParticipantHangup, match="connection refused"):
+        with pytest.raises(ParticipantGone, match="connection refused"):
             call(endpoint, Request(Op.HANDSHAKE), timeout=1, expect_participant=None)
 
 
@@ -492,7 +497,7 @@ def test_call_all_collects_every_outcome_in_order(start_fake: StartFake, control
         BadReply,
         Reply,
         BadReply,
-        ParticipantHangup,
+        ParticipantGone,
         Reply,
     ]
     first, failed, last = results[0], results[4], results[7]

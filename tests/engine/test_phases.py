@@ -120,7 +120,6 @@ def test_transfer_progress_only_where_bytes_move() -> None:
 def test_lookups() -> None:
     assert machine_spec("capture") is CAPTURE and machine_spec("restore") is RESTORE
     assert CAPTURE.guard("all_active").name == "all_active"
-    assert CAPTURE.first_destructive() == 1  # QUIESCE
     assert CAPTURE.first_teardown() == 3  # PREPARE_MULTICAST
     assert CAPTURE.states[0] == "start" and CAPTURE.states[-1] == "captured"
     assert CAPTURE.all_states[-2:] == ("refused", "failed")

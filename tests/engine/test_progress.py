@@ -12,7 +12,6 @@ from cuinterpose.engine.progress import (
     PhaseEvent,
     Transfer,
     human_line,
-    human_printer,
     json_line,
     json_printer,
 )
@@ -106,7 +105,7 @@ def test_human_lines() -> None:
     )
 
 
-def test_printers_write_one_line_per_event() -> None:
+def test_the_json_printer_writes_one_line_per_event() -> None:
     events = [PhaseEvent("capture", "HANDSHAKE", 0.001, 2), DoneEvent("capture", 0.1, 2, "/c")]
     out = io.StringIO()
     emit = json_printer(out)
@@ -116,8 +115,3 @@ def test_printers_write_one_line_per_event() -> None:
         "phase",
         "done",
     ]
-    text = io.StringIO()
-    emit = human_printer(text)
-    for event in events:
-        emit(event)
-    assert text.getvalue().count("\n") == 2
