@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
+from .errors import AgentError
 from .statefile import (
     STATE_FILE_NAME,
     CheckpointState,
@@ -92,6 +93,14 @@ def checkpoint_dir_problem(directory: Path, own_uid: int | None = None) -> str |
         f"checkpoint directory {path} {why} (owner {_owner(st.st_uid)}, mode {mode:04o}): "
         "not trusted; use a directory of your own, mode 0700 or 0755"
     )
+
+
+def require_trusted(command: str, directory: Path) -> None:
+    """Refuse ``command`` (an :class:`~.errors.AgentError`, nothing changed) in a
+    checkpoint directory that is not one to trust."""
+    problem = checkpoint_dir_problem(directory)
+    if problem is not None:
+        raise AgentError(f"{command} refused:", [problem, "nothing was changed"])
 
 
 def _holder(fd: int) -> str:

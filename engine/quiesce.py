@@ -21,26 +21,42 @@ the team quiet, with a refusal (a shim's own deadline, counted from its first
 round, ran out: its gate is open again), or when ``Options.quiesce_deadline`` is
 spent: the pending shims are then reported as not quiet, and the run's RELEASE
 opens their gates.
+
+A capture still refused as not quiet (an application that did not synchronize for
+a shim's whole deadline; ranks whose synchronizations interleave so that every
+advance overtakes the other) changed nothing, and its gates open as the run ends:
+:func:`until_quiet` starts it over, up to :data:`CAPTURE_ATTEMPTS` in all, closing
+the gates at another moment. Every verb that captures (``suspend``, ``prepare``)
+runs its capture through it; the machine itself (:func:`~.runner.capture`, trace
+replay) runs once.
+
+This module is the whole QUIESCE policy: the steps send what it says and report
+what it finds (:func:`problem`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
-from typing import Final, TypeGuard
+from typing import Final, TypeGuard, TypeVar
 
 import attrs
 
+from . import errors
 from .client import Endpoint, ParticipantError
-from .errors import NOT_QUIET, Problem
+from .errors import NOT_QUIET, CoordinatorError, PhaseFailed, Problem
 from .options import Options
 from .progress import PendingParticipant, QuiesceRound
 from .wire import Phase, Reply, Request, Status
 
 FIRST_ROUND_S: Final = 0.02
 LONGEST_ROUND_S: Final = 0.5
+# A capture refused as not quiet starts over once (see above).
+CAPTURE_ATTEMPTS: Final = 2
 
 Call = tuple[Endpoint, Request, str | None]
 Send = Callable[[Sequence[Call], float], list[Reply | ParticipantError]]
+T = TypeVar("T")
 
 
 def round_length(index: int) -> float:
@@ -111,6 +127,15 @@ def converge(
             return Outcome(results, rounds, elapsed)
 
 
+def problem(
+    endpoint: Endpoint, result: Reply | ParticipantError, outcome: Outcome
+) -> Problem | None:
+    """What the rounds say of one participant's last answer beyond the ordinary reply
+    check: a shim still PENDING when they ended is not quiet (None: check it as any
+    other reply)."""
+    return not_quiet_problem(endpoint, result, outcome) if pending(result) else None
+
+
 def not_quiet_problem(endpoint: Endpoint, reply: Reply, outcome: Outcome) -> Problem:
     """A participant still PENDING when the rounds ended, worded as a refusal."""
     return Problem(
@@ -145,3 +170,28 @@ def _report(
     options.on_progress(
         QuiesceRound(machine, index, length, elapsed, tuple(quiet_ones), tuple(busy))
     )
+
+
+def restartable(error: CoordinatorError, options: Options) -> bool:
+    """Whether a capture stopped by ``error`` may start over: it stopped at QUIESCE only
+    because participants did not get quiet (nothing changed, every gate reopens as the
+    run's lease ends), the run was not told to stop, and it is not traced (a trace is
+    one run, replayed as recorded)."""
+    stopped = options.stop is not None and options.stop.is_set()
+    return not stopped and options.trace is None and errors.not_quiet(error)
+
+
+def until_quiet(capture: Callable[[], T], options: Options, log: logging.Logger | None = None) -> T:
+    """Run ``capture`` (a whole capture machine under ``options``) and start it over
+    while :func:`restartable` says so, up to :data:`CAPTURE_ATTEMPTS` runs in all; each
+    restart is a warning on ``log`` (this module's logger by default)."""
+    log = log or logging.getLogger(__name__)
+    for attempt in range(1, CAPTURE_ATTEMPTS + 1):
+        try:
+            return capture()
+        except PhaseFailed as error:
+            if attempt == CAPTURE_ATTEMPTS or not restartable(error, options):
+                raise
+            log.warning("capture attempt %d of %d not quiet: %s", attempt, CAPTURE_ATTEMPTS,
+                        error.reason)  # fmt: skip
+    raise AssertionError("unreachable: the last attempt returns or raises")

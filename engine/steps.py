@@ -263,10 +263,9 @@ def _problem(
     result: Reply | ParticipantError,
     quieting: quiesce.Outcome | None,
 ) -> Problem | None:
-    """``reply_problem``, except that a shim still PENDING when QUIESCE's rounds ended
-    is reported as not quiet."""
-    if quieting is not None and quiesce.pending(result):
-        return quiesce.not_quiet_problem(endpoint, result, quieting)
+    """``reply_problem``, after what QUIESCE's rounds say of the answer (quiesce.problem)."""
+    if quieting is not None and (found := quiesce.problem(endpoint, result, quieting)):
+        return found
     return reply_problem(op, expected, endpoint, result)
 
 

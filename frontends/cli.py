@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import importlib.metadata
 import json
@@ -36,7 +37,7 @@ import attrs
 
 from . import artifacts, logs, targets
 from .arguments import Parser, UsageError, pid, seconds
-from .engine import agent, discovery, runner
+from .engine import agent, discovery, quiesce, runner
 from .engine.client import Endpoint, endpoint_for
 from .engine.errors import CoordinatorError
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
@@ -555,6 +556,9 @@ def _machine(
                 for line in report.lines():
                     stdout.write(line + "\n")
                 result: object = report.result
+            elif spec is CAPTURE:  # started over when not quiet, as suspend's capture is
+                attempt = functools.partial(runner.capture, endpoints, checkpoint_dir, options)
+                result = quiesce.until_quiet(attempt, options)
             else:
                 result = runner.run_machine(spec, endpoints, checkpoint_dir, options)
         for warning in getattr(result, "warnings", ()):

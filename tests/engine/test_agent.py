@@ -13,6 +13,7 @@ import logging
 import socket
 import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ import attrs
 import pytest
 import topologies
 from cuinterpose import cli
-from cuinterpose.engine import Options, PhaseFailed, agent, native
+from cuinterpose.engine import Options, PhaseFailed, agent, native, quiesce, runner
+from cuinterpose.engine.client import Endpoint
 from cuinterpose.engine.native import NativeError, NativeGroupError, ProcessState
 from cuinterpose.engine.progress import QuiesceRound
 from cuinterpose.engine.statefile import STATE_FILE_NAME
@@ -521,6 +523,13 @@ def test_cli_suspend_refused_by_capture_touches_no_native_state(
     assert not (work / "ckpt" / agent.MANIFEST_FILE_NAME).exists()
 
 
+def _capture_until_quiet(
+    endpoints: list[Endpoint], directory: Path, options: Options, log: logging.Logger
+) -> runner.CaptureResult:
+    """A capture as suspend runs it (engine/suspension.py)."""
+    return quiesce.until_quiet(partial(runner.capture, endpoints, directory, options), options, log)
+
+
 def test_a_suspend_refused_as_not_quiet_starts_over_once(tmp_path: Path) -> None:
     """A shim that ran out of its own deadline refuses (its gate opened): the capture
     starts over, and the second attempt's rounds find the team quiet."""
@@ -528,10 +537,10 @@ def test_a_suspend_refused_as_not_quiet_starts_over_once(tmp_path: Path) -> None
     script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, not_quiet, times=1)}}
     with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as t:
         log = logging.getLogger("test")
-        captured = agent._capture_quiet(t.endpoints, tmp_path, Options(5.0), log)
+        captured = _capture_until_quiet(t.endpoints, tmp_path, Options(5.0), log)
         received = [f.received.count(Op.QUIESCE) for f in t.fakes]
     assert captured.state.topology == TOPOLOGY
-    assert received == [agent.QUIESCE_ATTEMPTS] * len(received)
+    assert received == [quiesce.CAPTURE_ATTEMPTS] * len(received)
 
 
 def test_a_suspend_refused_as_not_quiet_twice_is_refused(tmp_path: Path) -> None:
@@ -540,7 +549,7 @@ def test_a_suspend_refused_as_not_quiet_twice_is_refused(tmp_path: Path) -> None
     with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as t:
         log = logging.getLogger("test")
         with pytest.raises(PhaseFailed, match="did not reach a quiet point") as caught:
-            agent._capture_quiet(t.endpoints, tmp_path, Options(5.0), log)
+            _capture_until_quiet(t.endpoints, tmp_path, Options(5.0), log)
         assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
     assert caught.value.phase == "QUIESCE" and not caught.value.destroyed
 
@@ -560,7 +569,7 @@ def test_a_suspend_told_to_stop_during_quiesce_rounds_does_not_start_over(tmp_pa
         log = logging.getLogger("test")
         options = Options(5.0, stop=stop, on_progress=on_progress)
         with pytest.raises(PhaseFailed, match="did not reach a quiet point"):
-            agent._capture_quiet(t.endpoints, tmp_path, options, log)
+            _capture_until_quiet(t.endpoints, tmp_path, options, log)
         received = [f.received.count(Op.QUIESCE) for f in t.fakes]
         assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
     assert received == [1] * len(received)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 from cuinterpose import cli
-from cuinterpose.engine import runner
+from cuinterpose.engine import quiesce, runner
 from cuinterpose.engine.directory import locked
 from cuinterpose.engine.fsm import CAPTURE, RESTORE, mermaid
 from cuinterpose.engine.statefile import STATE_FILE_NAME
-from cuinterpose.engine.wire import Op, Phase, RecordKind
+from cuinterpose.engine.wire import Op, Phase, RecordKind, Status
 from cuinterpose.testing import Fault
 from engine_harness import DESTRUCTIVE_OPS, Team, short_dir, team_of
 from topologies import participant, replace_records, team, unsupported_exportable, with_records
@@ -514,3 +514,47 @@ def test_an_untrusted_control_dir_is_refused_before_anything_is_sent(work: Path)
         assert t.received() == [[]] * len(t.fakes)  # nothing reached any participant
     assert code == 1
     assert f"control directory {work / 'control'} is writable by group or others" in err
+
+
+NOT_QUIET = "QUIESCE: pid 1001 did not reach a quiet point within 10000 ms"
+
+
+def test_prepare_refused_as_not_quiet_starts_over_as_suspend_does(work: Path) -> None:
+    # engine/quiesce.py: a capture that changed nothing but found no quiet point is
+    # run again, once, by every verb that captures.
+    script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, NOT_QUIET, times=1)}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        code, out, err = run(*machine_args("prepare", t, work, "-v"))
+        received = [f.received.count(Op.QUIESCE) for f in t.fakes]
+    assert code == cli.EXIT_OK, err
+    assert received == [quiesce.CAPTURE_ATTEMPTS] * len(received)
+    assert "WARNING: capture attempt 1 of 2 not quiet" in err and NOT_QUIET in err
+    assert out.count("capture HANDSHAKE") == 2 and "capture done" in out
+    assert (work / "ckpt" / STATE_FILE_NAME).is_file()
+
+
+def test_prepare_refused_as_not_quiet_twice_fails_and_changes_nothing(work: Path) -> None:
+    script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, NOT_QUIET)}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        code, _, err = run(*machine_args("prepare", t, work))
+        received = [f.received.count(Op.QUIESCE) for f in t.fakes]
+        phases = {f.phase for f in t.fakes}
+    assert code == cli.EXIT_FAILED
+    assert "capture failed at QUIESCE" in err and "did not reach a quiet point" in err
+    assert received == [quiesce.CAPTURE_ATTEMPTS] * len(received)
+    assert phases == {Phase.ACTIVE}
+    assert not (work / "ckpt" / STATE_FILE_NAME).exists()
+
+
+def test_a_traced_prepare_is_one_run(work: Path) -> None:
+    # A trace records one run, for its replay to check: a traced capture does not restart.
+    script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, NOT_QUIET, times=1)}}
+    trace = work / "run.jsonl"
+    with team_of(TOPOLOGY, work / "control", scripts=script) as t:
+        code, _, err = run(*machine_args("prepare", t, work, "--trace", str(trace)))
+        received = [f.received.count(Op.QUIESCE) for f in t.fakes]
+    assert code == cli.EXIT_FAILED
+    assert "did not reach a quiet point" in err and "attempt" not in err
+    assert received == [1] * len(received)
+    starts = [line for line in trace.read_text().splitlines() if '"type": "start"' in line]
+    assert len(starts) == 1

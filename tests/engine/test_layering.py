@@ -44,3 +44,45 @@ def test_every_module_is_seen() -> None:
     names = set(py_imports.modules())
     assert {"cuinterpose.cli", "cuinterpose.engine.runner", "cuinterpose.phases.ops"} <= names
     assert "cuinterpose.engine.guards" in py_imports.graph()["cuinterpose.engine.runner"]
+
+
+# The agent's verbs, each in its room (engine/agent.py is their public face).
+AGENT_ROOMS = frozenset(
+    f"cuinterpose.engine.{name}"
+    for name in (
+        "agent", "detection", "events", "group_status", "resumption", "suspension", "watch",
+    )
+)  # fmt: skip
+# What runs one machine: it knows nothing of the verbs built on it.
+MACHINE_ROOMS = frozenset(
+    f"cuinterpose.engine.{name}"
+    for name in (
+        "client", "directory", "errors", "fsm", "guards", "options", "progress", "quiesce",
+        "replay", "runner", "statefile", "steps", "topology", "trace", "validate", "wire",
+    )
+)  # fmt: skip
+
+
+def test_the_agent_rooms_exist() -> None:
+    assert set(py_imports.graph()) >= AGENT_ROOMS | MACHINE_ROOMS
+
+
+def test_the_machines_never_import_the_agent_verbs() -> None:
+    edges = py_imports.graph()
+    for module in MACHINE_ROOMS:
+        assert not edges[module] & AGENT_ROOMS, (module, edges[module] & AGENT_ROOMS)
+
+
+def test_only_the_face_and_its_users_import_the_agent() -> None:
+    # The rooms are below their face: a room importing engine.agent would be a circle
+    # waiting to happen, and the face re-exports, it decides nothing.
+    edges = py_imports.graph()
+    importers = {m for m, targets in edges.items() if "cuinterpose.engine.agent" in targets}
+    assert not importers & AGENT_ROOMS
+    assert "cuinterpose.engine.agent" in edges["cuinterpose.engine"]
+
+
+def test_suspend_and_resume_are_apart() -> None:
+    edges = py_imports.graph()
+    assert "cuinterpose.engine.suspension" not in edges["cuinterpose.engine.resumption"]
+    assert "cuinterpose.engine.resumption" not in edges["cuinterpose.engine.suspension"]

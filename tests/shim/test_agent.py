@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cuinterpose.engine import PhaseFailed, agent, runner, wire
+from cuinterpose.engine import PhaseFailed, agent, runner, watch, wire
 from cuinterpose.engine.client import ParticipantHangup, call_all
 from cuinterpose.engine.native import ProcessState
 
@@ -259,7 +259,7 @@ def test_status_is_served_while_a_phase_op_is_in_flight(
         assert not answers  # still blocked on the locked driver
         if op is wire.Op.SAVE_ALLOCATIONS:  # the agent's progress sees it too
             seen: list[agent.CopyProgress] = []
-            with agent._CopyWatcher([(endpoints[0], me)], seen.append):
+            with watch.CopyWatcher([(endpoints[0], me)], seen.append):
                 wait_until(lambda seen=seen: seen, "a copy progress event")
             assert seen[0].phase == "SAVE_ALLOCATIONS"
             assert (seen[0].bytes_done, seen[0].bytes_total) == (0, 2 * group.size)

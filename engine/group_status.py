@@ -1,0 +1,138 @@
+"""A group's standing: every process's native state and its shim's phase (``status``),
+and the refusal of a verb whose processes are not in the native state it needs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from .client import ParticipantError, call_all, pid_visible
+from .detection import Where, group_of, socket_evidence
+from .errors import AgentError
+from .manifest import Process
+from .native import NativeBackend, ProcessState, state_names
+from .wire import InFlight, Op, Request
+
+
+class StateRefused(AgentError):
+    """A process is not in the native state the command needs: nothing was done."""
+
+
+@attrs.frozen
+class ProcessStatus:
+    """One process as :func:`status` found it."""
+
+    process: Process
+    native_state: str  # a ProcessState name, or "unknown (<why>)"
+    shim_phase: str | None  # None: no control socket
+    participant: str | None = None
+    in_flight: InFlight | None = None
+    problem: str = ""  # why the shim did not answer, or its stored failure reason
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "observed_pid": self.process.observed_pid,
+            "namespace_pid": self.process.namespace_pid,
+            "native_state": self.native_state,
+            "shim_phase": self.shim_phase,
+            "participant": self.participant,
+        }
+        if self.in_flight is not None and self.in_flight.op is not None:
+            out["in_flight"] = {
+                "op": self.in_flight.op.name,
+                "bytes_done": self.in_flight.bytes_done,
+                "bytes_total": self.in_flight.bytes_total,
+                "elapsed_s": self.in_flight.elapsed_ns / 1e9,
+            }
+        if self.problem:
+            out["problem"] = self.problem
+        return out
+
+    def describe(self) -> str:
+        shim = self.shim_phase or "no shim socket"
+        text = f"{self.process.describe()}: native {self.native_state}, shim {shim}"
+        return f"{text} ({self.problem})" if self.problem else text
+
+
+def status(
+    processes: Sequence[Process | tuple[int, int]],
+    where: Where,
+    native: NativeBackend,
+    *,
+    timeout: float = 5.0,
+) -> tuple[ProcessStatus, ...]:
+    """Every process's native state and its shim's phase and op in flight (STATUS, which
+    changes and binds nothing and is served while a phase op runs)."""
+    group = group_of(processes)
+    states = state_names(native, [p.observed_pid for p in group])
+    endpoints = [where.endpoint(p) for p in group]
+    present = [socket_evidence(e.path) == "socket" for e in endpoints]
+    asked = [e for e, here in zip(endpoints, present, strict=True) if here]
+    answers = iter(call_all([(e, Request(Op.STATUS), None) for e in asked], timeout=timeout))
+    out: list[ProcessStatus] = []
+    for process, here in zip(group, present, strict=True):
+        native_state = states[process.observed_pid]
+        if not here:
+            out.append(ProcessStatus(process, native_state, None))
+            continue
+        reply = next(answers)
+        if isinstance(reply, ParticipantError):
+            out.append(ProcessStatus(process, native_state, "not answering", problem=reply.reason))
+            continue
+        if reply.status != 0:
+            problem = f"STATUS answered {reply.status.name}: {reply.message}"
+            out.append(ProcessStatus(process, native_state, reply.phase.name, problem=problem))
+            continue
+        out.append(
+            ProcessStatus(
+                process,
+                native_state,
+                reply.phase.name,
+                reply.participant,
+                InFlight.from_stats(reply.stats),
+                reply.message,
+            )
+        )
+    return tuple(out)
+
+
+def status_lines(group: Sequence[Process], where: Where, native: NativeBackend) -> list[str]:
+    """One line per process, as a failure's report ends (``now ...``)."""
+    return [s.describe() for s in status(group, where, native)]
+
+
+def require_states(
+    native: NativeBackend,
+    processes: Sequence[Process | tuple[int, int]],
+    wanted: ProcessState,
+    command: str,
+    hint: str,
+) -> None:
+    """Refuse (:class:`StateRefused`, nothing changed) unless every process is ``wanted``;
+    the message names each other one and says what to run."""
+    group = group_of(processes)
+    states = state_names(native, [p.observed_pid for p in group])
+    odd = [p for p in group if states[p.observed_pid] != wanted.name]
+    # The driver could not say (a state it names is a live process's), and no process
+    # has the pid: it is gone, which the driver's error does not say.
+    gone = [
+        p
+        for p in odd
+        if states[p.observed_pid] not in ProcessState.__members__
+        and not pid_visible(p.observed_pid)
+    ]
+    wrong = [
+        f"{p.describe()} is gone (no process has pid {p.observed_pid})"
+        if p in gone
+        else f"{p.describe()} is {states[p.observed_pid]}, not {wanted.name}"
+        for p in odd
+    ]
+    if gone:
+        wrong.append(
+            "a process that is gone cannot take part: `cuinterpose recover` brings the "
+            "survivors back (specs/recovery.md)"
+        )
+    if wrong:
+        raise StateRefused(f"{command} refused: {hint}", wrong)

@@ -1,0 +1,197 @@
+"""``resume``: native restore and unlock of every process of the manifest, then the
+coordinator restore when the manifest says prepared; the manifest marked resumed."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+from .detection import Where, group_of
+from .directory import require_trusted
+from .errors import AgentError, CoordinatorError
+from .events import AgentCallback, bytes_moved, reporter
+from .group_status import StateRefused, require_states, status_lines
+from .manifest import (
+    MANIFEST_FILE_NAME,
+    Manifest,
+    ManifestError,
+    Process,
+    Timing,
+    read_manifest,
+    restore_plan,
+    write_manifest,
+)
+from .native import NativeBackend, NativeGroupError, ProcessState, run_step, state_names
+from .options import Options
+from .progress import StagingSummary
+from .runner import restore
+from .statefile import StateFileError, utc_timestamp
+from .watch import CopyWatcher
+
+
+class ResumeFailed(AgentError):
+    """A resume failed; every process's native state and shim phase are in the lines.
+
+    ``running`` says whether the group runs with its bytes (a coordinator restore
+    rolled back); otherwise a native step ran, and ``cuinterpose recover`` (or
+    ``restore``) is the way on."""
+
+    def __init__(self, what: str, lines: Sequence[str], *, running: bool) -> None:
+        super().__init__(what, lines, changed=True)
+        self.running = running
+
+
+@attrs.frozen
+class ResumeResult:
+    manifest: Manifest
+    coordinator_restored: bool
+    timings: tuple[Timing, ...]
+    # What the shims loaded (None: nothing).
+    staging: StagingSummary | None = None
+    # Late steps that did not go through after the group ran (the directory is usable).
+    warnings: tuple[str, ...] = ()
+
+
+def _natively_checkpointed(
+    native: NativeBackend, group: Sequence[Process], restored: bool
+) -> list[Process]:
+    """The processes whose native restore and unlock are to come: all of them, each
+    CHECKPOINTED; after a restore by CRIU, whose CUDA plugin (where installed) restores
+    and unlocks by itself, those still CHECKPOINTED, the others RUNNING."""
+    hint = "every process must be CHECKPOINTED by `cuinterpose suspend`"
+    if not restored:
+        require_states(native, group, ProcessState.CHECKPOINTED, "resume", hint)
+        return list(group)
+    states = state_names(native, [p.observed_pid for p in group])
+    fine = (ProcessState.CHECKPOINTED.name, ProcessState.RUNNING.name)
+    wrong = [
+        f"{p.describe()} is {states[p.observed_pid]}, not CHECKPOINTED (nor RUNNING, "
+        "restored natively by CRIU's CUDA plugin)"
+        for p in group
+        if states[p.observed_pid] not in fine
+    ]
+    if wrong:
+        raise StateRefused(f"resume refused: {hint}", wrong)
+    return [p for p in group if states[p.observed_pid] == ProcessState.CHECKPOINTED.name]
+
+
+def _recreated(recorded: Sequence[Process], given: Sequence[Process]) -> tuple[Process, ...]:
+    """The manifest's processes in its order, with the observed pids a restore gave them."""
+    by_namespace = {p.namespace_pid: p for p in given}
+    if len(by_namespace) != len(given) or set(by_namespace) != {p.namespace_pid for p in recorded}:
+        raise ManifestError(
+            "resume refused: the restored processes' namespace pids are not the manifest's "
+            f"({', '.join(p.describe() for p in given)})",
+            [f"the manifest holds {p.describe()}" for p in recorded],
+        )
+    return tuple(by_namespace[p.namespace_pid] for p in recorded)
+
+
+def _group(
+    manifest: Manifest,
+    directory: Path,
+    processes: Sequence[Process | tuple[int, int]] | None,
+    restored: bool,
+) -> tuple[Process, ...]:
+    """The manifest's processes, checked against (or, after a restore, matched to)
+    those given."""
+    if manifest.resumed_at:
+        raise ManifestError(
+            f"resume refused: the group in {directory} was resumed at {manifest.resumed_at}:",
+            ["suspend it again first"],
+        )
+    group = manifest.processes()
+    if processes is not None and restored:
+        return _recreated(group, group_of(processes))
+    if processes is not None and set(group_of(processes)) != set(group):
+        given = ", ".join(p.describe() for p in group_of(processes))
+        raise ManifestError(
+            f"resume refused: the processes given are not the manifest's ({given})",
+            [f"the manifest holds {p.describe()}" for p in group],
+        )
+    return group
+
+
+def resume(
+    checkpoint_dir: Path,
+    *,
+    where: Where,
+    native: NativeBackend,
+    processes: Sequence[Process | tuple[int, int]] | None = None,
+    restored: bool = False,
+    options: Options | None = None,
+    on_event: AgentCallback | None = None,
+    logger: logging.Logger | None = None,
+) -> ResumeResult:
+    """Native restore and unlock of every process of the manifest, then the coordinator
+    restore when it says prepared. On return every process is RUNNING with its bytes,
+    VAs and sharing back.
+
+    ``processes``, when given, must be the manifest's. With ``restored`` they are the
+    processes a restore (CRIU) recreated: matched to the manifest's by namespace pid,
+    their observed pids may be new, and those already natively RUNNING (restored and
+    unlocked by CRIU's CUDA plugin) skip the native steps (specs/criu.md). Raises
+    :class:`ManifestError` or :class:`StateRefused` (nothing changed),
+    :class:`ResumeFailed` naming every process's native state and shim phase.
+    """
+    directory = Path(checkpoint_dir)
+    report = reporter(on_event, logger)
+    options = options or Options()
+    require_trusted("resume", directory)
+    manifest = read_manifest(directory)
+    group = _group(manifest, directory, processes, restored)
+    coordinate = restore_plan(manifest, directory)
+    pids = [p.observed_pid for p in _natively_checkpointed(native, group, restored)]
+    endpoints = [where.endpoint(p) for p in group]
+    staging = None
+    try:
+        if pids:
+            with report.step("native_restore"):
+                run_step(native, "restore", pids)
+            with report.step("native_unlock"):
+                run_step(native, "unlock", pids)
+        if coordinate:
+            ids = tuple(p.participant or "" for p in manifest.participants)
+            with report.step("coordinator_restore") as moved:
+                engine_options = attrs.evolve(options, on_progress=report.emit)
+                with CopyWatcher(list(zip(endpoints, ids, strict=True)), report.emit):
+                    result = restore(endpoints, directory, engine_options)
+                moved.append(bytes_moved(result.phases))
+                staging = StagingSummary.from_phases(result.phases)
+    except (NativeGroupError, CoordinatorError) as failure:
+        lines = list(failure.lines())
+        running = isinstance(failure, CoordinatorError) and failure.rolled_back
+        if running:
+            lines.append("rolled back: every process runs with the bytes it had at suspend")
+        else:
+            lines.append(
+                "the native restore ran: the group is not as it was suspended, nor running "
+                "with its bytes"
+            )
+        lines += [f"now {line}" for line in status_lines(group, where, native)]
+        raise ResumeFailed("resume failed:", lines, running=running) from failure
+    warnings = (*(result.warnings if coordinate else ()), *_mark_resumed(directory, manifest))
+    return ResumeResult(manifest, coordinate, tuple(report.timings), staging, warnings)
+
+
+def _mark_resumed(directory: Path, manifest: Manifest) -> tuple[str, ...]:
+    """Record the resume in the manifest, or, when it cannot be written, remove the
+    manifest, so that the directory takes a new suspend either way. Never raises: the
+    group runs already."""
+    try:
+        write_manifest(directory, attrs.evolve(manifest, resumed_at=utc_timestamp()))
+        return ()
+    except StateFileError as exc:
+        problem = str(exc)
+    path = directory / MANIFEST_FILE_NAME
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        return (
+            f"the group runs, but {problem}, and {path} could not be removed either "
+            f"({exc.strerror}): suspend into another directory next time",
+        )
+    return (f"the group runs, but {problem}; {path} was removed instead",)

@@ -1,0 +1,218 @@
+"""``suspend``: detection, capture (when requested), native lock and checkpoint of every
+process, the manifest; and the undo of a suspend whose native part failed.
+
+A failure after capture undoes what was done (native restore and unlock, then the
+coordinator restore): the group runs as before, and :class:`SuspendFailed` says so
+with every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import NoReturn
+
+import attrs
+
+from . import quiesce
+from .client import Endpoint, ParticipantError, call_all
+from .detection import Detection, DetectionRefused, Where, detect, group_of
+from .directory import require_trusted
+from .errors import AgentError, CoordinatorError
+from .events import AgentCallback, Reporter, bytes_moved, reporter
+from .group_status import require_states, status_lines
+from .manifest import (
+    MANIFEST_FILE_NAME,
+    Manifest,
+    ManifestError,
+    Participant,
+    Process,
+    Timing,
+    read_manifest,
+    write_manifest,
+)
+from .native import (
+    DEFAULT_LOCK_TIMEOUT_MS,
+    NativeBackend,
+    NativeGroupError,
+    ProcessState,
+    run_step,
+    state_names,
+    undo_suspend,
+)
+from .options import Options
+from .progress import StagingSummary
+from .runner import capture, restore
+from .statefile import StateFileError, utc_timestamp
+from .watch import CopyWatcher
+from .wire import Op, Request
+
+
+class SuspendFailed(AgentError):
+    """A suspend failed; ``restored`` says whether the group runs as before."""
+
+    def __init__(self, what: str, lines: Sequence[str], *, restored: bool) -> None:
+        super().__init__(what, lines, changed=not restored)
+        self.restored = restored
+
+
+@attrs.frozen
+class SuspendResult:
+    manifest: Manifest
+    manifest_path: Path
+    timings: tuple[Timing, ...]
+    # What the shims staged and left to the native checkpoint (None: nothing staged).
+    staging: StagingSummary | None = None
+
+
+def _participant_ids(endpoints: Sequence[Endpoint], timeout: float) -> tuple[str, ...]:
+    """Each shim's id, from STATUS (binds nothing: the capture's HANDSHAKE binds)."""
+    replies = call_all([(e, Request(Op.STATUS), None) for e in endpoints], timeout=timeout)
+    ids: list[str] = []
+    problems: list[str] = []
+    for reply in replies:
+        if isinstance(reply, ParticipantError):
+            problems.append(str(reply))
+        else:
+            ids.append(reply.participant)
+    if problems:
+        raise DetectionRefused("a shim did not answer STATUS:", problems)
+    return tuple(ids)
+
+
+def _fresh_directory(directory: Path) -> None:
+    """Create the checkpoint directory, and refuse one holding a group never resumed."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AgentError(
+            f"suspend refused: checkpoint directory {directory}:", [str(exc)]
+        ) from None
+    if (directory / MANIFEST_FILE_NAME).exists():
+        held = read_manifest(directory)
+        if not held.resumed_at:
+            raise ManifestError(
+                f"suspend refused: {directory} holds the manifest of a group never resumed:",
+                [
+                    *(p.describe() for p in held.processes()),
+                    f"resume it first (cuinterpose resume --checkpoint-dir {directory}), "
+                    "or suspend into another directory",
+                ],
+            )
+
+
+def suspend(
+    processes: Sequence[Process | tuple[int, int]],
+    checkpoint_dir: Path,
+    *,
+    where: Where,
+    native: NativeBackend,
+    requested: bool = True,
+    options: Options | None = None,
+    lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
+    on_event: AgentCallback | None = None,
+    logger: logging.Logger | None = None,
+) -> SuspendResult:
+    """Detect, capture (when requested), lock and checkpoint every process, write the
+    manifest. On return every process is CHECKPOINTED and its GPU memory is free.
+
+    Raises :class:`DetectionRefused` or :class:`StateRefused` (nothing changed),
+    :class:`~.errors.CoordinatorError` from the capture (rolled back by the runner
+    when it had changed anything), or :class:`SuspendFailed` when a native step
+    failed: what was done is undone first (``restored`` says whether it worked).
+    """
+    group = group_of(processes)
+    directory = Path(checkpoint_dir)
+    report = reporter(on_event, logger)
+    options = options or Options()
+    pids = [p.observed_pid for p in group]
+    require_trusted("suspend", directory)
+    _fresh_directory(directory)
+    with report.step("detect"):
+        detection = detect(requested, group, where)
+        require_states(
+            native,
+            group,
+            ProcessState.RUNNING,
+            "suspend",
+            "every process must be RUNNING (run `cuinterpose status` to see the group)",
+        )
+        ids: tuple[str | None, ...] = (None,) * len(group)
+        if detection.mode == "cuinterpose":
+            ids = _participant_ids(detection.endpoints, options.phase_timeout)
+    prepared = False
+    staging = None
+    if detection.mode == "cuinterpose":
+        with report.step("capture") as moved:
+            engine_options = attrs.evolve(options, on_progress=report.emit)
+            bound = [(e, i) for e, i in zip(detection.endpoints, ids, strict=True) if i]
+            attempt = partial(capture, detection.endpoints, directory, engine_options)
+            with CopyWatcher(bound, report.emit):
+                result = quiesce.until_quiet(attempt, engine_options, report.logger)
+            moved.append(bytes_moved(result.phases))
+            staging = StagingSummary.from_phases(result.phases)
+        prepared = True
+    undo = _Undo(group, detection, directory, native, options, report, where)
+    try:
+        with report.step("native_lock"):
+            run_step(native, "lock", pids, lock_timeout_ms=lock_timeout_ms)
+        with report.step("native_checkpoint"):
+            run_step(native, "checkpoint", pids)
+        manifest = Manifest(
+            requested,
+            prepared,
+            tuple(
+                Participant(p.observed_pid, p.namespace_pid, i)
+                for p, i in zip(group, ids, strict=True)
+            ),
+            tuple(report.timings),
+            utc_timestamp(),
+        )
+        path = write_manifest(directory, manifest)
+    except NativeGroupError as failure:
+        _undo(undo, list(failure.lines()))
+    except (StateFileError, OSError) as failure:
+        _undo(undo, [f"the manifest could not be written: {failure}"])
+    return SuspendResult(manifest, path, tuple(report.timings), staging)
+
+
+@attrs.frozen
+class _Undo:
+    """What the undo of a suspend needs: the group, how it was detected, where its
+    state file is, and how the suspend reaches its processes and reports."""
+
+    group: tuple[Process, ...]
+    detection: Detection
+    directory: Path
+    native: NativeBackend
+    options: Options
+    report: Reporter
+    where: Where
+
+
+def _undo(undo: _Undo, lines: list[str]) -> NoReturn:
+    """A native step of a suspend (or the manifest) failed: native restore and unlock what
+    was done, then the coordinator restore; raise SuspendFailed with every step and every
+    state. ``lines`` says what failed."""
+    pids = [p.observed_pid for p in undo.group]
+    with undo.report.step("undo_native"):
+        lines += undo_suspend(undo.native, pids)
+    now = state_names(undo.native, pids)
+    back = all(s == ProcessState.RUNNING.name for s in now.values())
+    if back and undo.detection.mode == "cuinterpose":
+        try:
+            with undo.report.step("undo_coordinator_restore"):
+                options = attrs.evolve(undo.options, on_progress=undo.report.emit)
+                restore(undo.detection.endpoints, undo.directory, options)
+            lines.append("coordinator restore done: bytes, VAs and sharing are back")
+        except CoordinatorError as error:
+            back = False
+            lines += [f"coordinator restore: {line}" for line in error.lines()]
+    elif not back:
+        lines.append("the coordinator restore was not run: not every process is RUNNING")
+    lines += [f"now {line}" for line in status_lines(undo.group, undo.where, undo.native)]
+    if back:
+        lines.append("the group runs as before the suspend")
+    raise SuspendFailed("suspend failed:", lines, restored=back)
