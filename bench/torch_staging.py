@@ -193,7 +193,7 @@ class Bench:
         return {
             "returncode": 0,
             "seconds": seconds,
-            "steps": {t.phase: t.seconds for t in done.timings},
+            "steps": {t.step: t.seconds for t in done.timings},
             "process_start_s": 0.0,
             "staging": done.staging.to_json() if done.staging is not None else None,
         }

@@ -1,6 +1,6 @@
 """Why a capture or restore stopped: refused before anything changed, or failed.
 
-Every error names the machine and the phase (the op, or the local step) and
+Every error names the machine and the step it stopped at (the op, or the local step) and
 carries one :class:`Problem` per participant that caused it, each with the
 participant id, its pid and the reason. The first problem is the primary one
 (``participant``, ``pid``, ``reason``); all of them reach stderr and the
@@ -35,7 +35,8 @@ class Problem:
 
 
 class CoordinatorError(Exception):
-    """A machine stopped. ``phase`` is the op or local step it stopped at.
+    """A machine stopped. ``step`` is the step it stopped at: its op's name, or the local
+    step's (``LOCK``, ``READ_STATE``, ``WRITE_STATE``, ...).
 
     The runner notes on the error whether a destructive op had been sent
     (``destroyed``) and, if so, how the rollback that followed ended:
@@ -50,13 +51,18 @@ class CoordinatorError(Exception):
     # Rolled back, but these could not come back (a creator died with the bytes).
     rollback_lost: tuple[str, ...] = ()
 
-    def __init__(self, machine: str, phase: str, problems: Sequence[Problem]) -> None:
+    def __init__(self, machine: str, step: str, problems: Sequence[Problem]) -> None:
         if not problems:
             raise ValueError("a coordinator error needs at least one problem")
-        super().__init__(machine, phase, tuple(problems))
+        super().__init__(machine, step, tuple(problems))
         self.machine = machine
-        self.phase = phase
+        self.step = step
         self.problems: tuple[Problem, ...] = tuple(problems)
+
+    @property
+    def phase(self) -> str:
+        """The former name of ``step`` (a phase is the shim's, specs/architecture.md)."""
+        return self.step
 
     @property
     def participant(self) -> str | None:
@@ -71,8 +77,8 @@ class CoordinatorError(Exception):
         return self.problems[0].reason
 
     def lines(self) -> tuple[str, ...]:
-        """One line per problem, each naming the machine, phase, participant, pid, reason."""
-        return tuple(f"{self.machine} {self.kind} at {self.phase}: {p}" for p in self.problems)
+        """One line per problem, each naming the machine, step, participant, pid, reason."""
+        return tuple(f"{self.machine} {self.kind} at {self.step}: {p}" for p in self.problems)
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -86,13 +92,13 @@ class Refused(CoordinatorError):
 
     kind = "refused"
 
-    def __init__(self, machine: str, phase: str, guard: str, problems: Sequence[Problem]) -> None:
-        super().__init__(machine, phase, problems)
+    def __init__(self, machine: str, step: str, guard: str, problems: Sequence[Problem]) -> None:
+        super().__init__(machine, step, problems)
         self.guard = guard
 
     def lines(self) -> tuple[str, ...]:
         return tuple(
-            f"{self.machine} refused at {self.phase} ({self.guard}): {p}" for p in self.problems
+            f"{self.machine} refused at {self.step} ({self.guard}): {p}" for p in self.problems
         )
 
 
@@ -156,13 +162,13 @@ class Interrupted(PhaseFailed):
 class VerificationFailed(PhaseFailed):
     """After the destructive ops, a guard failed (restored topology invalid or not equal)."""
 
-    def __init__(self, machine: str, phase: str, guard: str, problems: Sequence[Problem]) -> None:
-        super().__init__(machine, phase, problems)
+    def __init__(self, machine: str, step: str, guard: str, problems: Sequence[Problem]) -> None:
+        super().__init__(machine, step, problems)
         self.guard = guard
 
     def lines(self) -> tuple[str, ...]:
         return tuple(
-            f"{self.machine} failed at {self.phase} ({self.guard}): {p}" for p in self.problems
+            f"{self.machine} failed at {self.step} ({self.guard}): {p}" for p in self.problems
         )
 
 

@@ -43,10 +43,10 @@ class StepEvent:
 
 @attrs.frozen
 class CopyProgress:
-    """Bytes copied so far by the phase op in flight, summed over the participants
-    (from the shims' STATUS replies while SAVE/LOAD/ROLLBACK_ALLOCATIONS run)."""
+    """Bytes copied so far by the op in flight, summed over the participants (from the
+    shims' STATUS replies while SAVE/LOAD/ROLLBACK_ALLOCATIONS run)."""
 
-    phase: str
+    op: str
     bytes_done: int
     bytes_total: int
     elapsed_s: float
@@ -54,7 +54,7 @@ class CopyProgress:
     def to_json(self) -> dict[str, Any]:
         return {
             "event": "copy",
-            "phase": self.phase,
+            "phase": self.op,  # the JSON lines keep the key they always had
             "bytes_done": self.bytes_done,
             "bytes_total": self.bytes_total,
             "elapsed_s": self.elapsed_s,

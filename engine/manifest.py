@@ -5,7 +5,7 @@ The document (specs/detection.md, "The manifest")::
     {"version": 1,
      "cuinterpose": {"requested": bool, "prepared": bool},
      "participants": [{"observed_pid": int, "namespace_pid": int, "participant": str|null}],
-     "timings": [{"phase": str, "seconds": float, "bytes": int}],
+     "timings": [{"phase": str, "seconds": float, "bytes": int}],  # "phase": the step
      "created_at": str, "resumed_at": str (once resumed)}
 
 Written and read through one cattrs converter over the classes below: strict in (an
@@ -54,7 +54,7 @@ class Timing:
     """One timed step: detect, capture, native_lock, native_checkpoint, native_restore,
     native_unlock, coordinator_restore (and the undo steps of a failed suspend)."""
 
-    phase: str
+    step: str
     seconds: float
     bytes: int = 0
 
@@ -63,7 +63,24 @@ class Timing:
         return self.bytes / self.seconds / 1e9 if self.bytes and self.seconds > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return dict(_converter().unstructure(self))
+        return dict(_converter().unstructure(_Timed.of(self)))
+
+
+@attrs.frozen
+class _Timed:
+    """A timing as the file (and the commands' JSON summaries) hold it: version 1 names
+    the step ``phase``."""
+
+    phase: str
+    seconds: float
+    bytes: int = 0
+
+    @classmethod
+    def of(cls, timing: Timing) -> _Timed:
+        return cls(timing.step, timing.seconds, timing.bytes)
+
+    def timing(self) -> Timing:
+        return Timing(self.phase, self.seconds, self.bytes)
 
 
 @attrs.frozen
@@ -86,7 +103,7 @@ class _Document:
     version: int
     cuinterpose: Flags
     participants: tuple[Participant, ...]
-    timings: tuple[Timing, ...] = ()
+    timings: tuple[_Timed, ...] = ()
     created_at: str = ""
     resumed_at: str = ""
 
@@ -108,7 +125,7 @@ class Manifest:
             MANIFEST_VERSION,
             Flags(self.requested, self.prepared),
             self.participants,
-            self.timings,
+            tuple(_Timed.of(t) for t in self.timings),
             self.created_at,
             self.resumed_at,
         )
@@ -134,7 +151,7 @@ class Manifest:
             flags.requested,
             flags.prepared,
             document.participants,
-            document.timings,
+            tuple(t.timing() for t in document.timings),
             document.created_at,
             document.resumed_at,
         )

@@ -286,7 +286,7 @@ class _Loop:
         )
         for step in self.spec.steps:
             source = self.machine_state
-            self.run.record = {}
+            self.run.trace_extra = {}
             self.problems = {}
             began = self.options.clock()
             if self.options.stop is not None and self.options.stop.is_set():
@@ -371,7 +371,7 @@ class _Loop:
             FailedEvent(
                 machine=self.spec.name,
                 kind=error.kind,
-                phase=error.phase,
+                phase=error.step,
                 participant=first.participant,
                 pid=first.pid,
                 reason=first.reason,
@@ -395,7 +395,7 @@ class _Loop:
     ) -> None:
         if self.options.trace is None:
             return
-        extra = dict(self.run.record)
+        extra = dict(self.run.trace_extra)
         if self.problems:
             extra["guards"] = {
                 name: [tracing.problem_entry(p) for p in problems]

@@ -74,7 +74,7 @@ class Run:
     state_path: Path | None = None
     events: list[PhaseEvent] = attrs.Factory(list)
     # What the step in progress adds to its trace entry.
-    record: dict[str, Any] = attrs.Factory(dict)
+    trace_extra: dict[str, Any] = attrs.Factory(dict)
     # Participants whose process was gone at HANDSHAKE (machines that drop them).
     gone: tuple[Problem, ...] = ()
     # What a rollback could not bring back, as the shims named it (ROLLBACK_IMPORTS).
@@ -304,7 +304,7 @@ def _attempt(
     options = run.options
     results = list(options.transport(calls, timeout=timeout))
     if options.trace is not None:  # hex-encoding every record is not free
-        run.record.setdefault("exchanges", []).extend(
+        run.trace_extra.setdefault("exchanges", []).extend(
             tracing.exchange_entry(endpoint, request, result)
             for (endpoint, request, _), result in zip(calls, results, strict=True)
         )
@@ -341,7 +341,7 @@ def _drop_gone(
         raise PhaseFailed(run.spec.name, Op.HANDSHAKE.name, gone)
     run.gone = tuple(gone)
     if gone:
-        run.record["gone"] = [str(p) for p in gone]
+        run.trace_extra["gone"] = [str(p) for p in gone]
     return kept
 
 
@@ -376,7 +376,7 @@ def write_state_file(run: Run) -> None:
     except (OSError, StateFileError) as exc:
         raise _local_failure(run, "WRITE_STATE", f"writing the state file failed: {exc}") from exc
     run.intent_path = None
-    run.record["state_path"] = str(run.state_path)
+    run.trace_extra["state_path"] = str(run.state_path)
 
 
 def write_intent_file(run: Run) -> None:
@@ -388,7 +388,7 @@ def write_intent_file(run: Run) -> None:
     except (OSError, StateFileError) as exc:
         raise _local_failure(run, step, f"recording the intent failed: {exc}") from exc
     run.state_file = state
-    run.record["intent_path"] = str(run.intent_path)
+    run.trace_extra["intent_path"] = str(run.intent_path)
 
 
 def _state_of(run: Run) -> CheckpointState:
@@ -407,27 +407,28 @@ def _state_of(run: Run) -> CheckpointState:
     )
 
 
-def read_record(run: Run) -> None:
-    """The topology recorded before the capture: the intent's, else the state file's."""
+def read_topology_before(run: Run) -> None:
+    """The topology before the capture, as the checkpoint directory keeps it: the
+    intent's, else the state file's (the rollback's READ_RECORD step)."""
     if run.captured is not None:  # handed over by the run that failed
         return
     try:
-        record = read_intent(run.checkpoint_dir)
-        if record is None and (run.checkpoint_dir / STATE_FILE_NAME).is_file():
-            record = read_state(run.checkpoint_dir)
+        kept = read_intent(run.checkpoint_dir)
+        if kept is None and (run.checkpoint_dir / STATE_FILE_NAME).is_file():
+            kept = read_state(run.checkpoint_dir)
     except (OSError, StateFileError) as exc:
-        # Every shim holds its own staged bytes: the record only lets VERIFY compare.
+        # Every shim holds its own staged bytes: the file only lets VERIFY compare.
         # A corrupt or swapped one must not strand the group PREPARED.
-        run.record["record_unreadable"] = str(exc)
+        run.trace_extra["record_unreadable"] = str(exc)  # the trace's key, kept
         return
-    if record is not None:
-        run.captured = record.topology
-        run.state_file = record
+    if kept is not None:
+        run.captured = kept.topology
+        run.state_file = kept
 
 
 def read_state_file(run: Run) -> None:
     if run.options.trace is not None:
-        run.record["state_file"] = tracing.read_state_text(run.checkpoint_dir)
+        run.trace_extra["state_file"] = tracing.read_state_text(run.checkpoint_dir)
     try:
         state = read_state(run.checkpoint_dir)
     except StateFileError as exc:
@@ -452,6 +453,6 @@ def _nothing(run: Run) -> None:
 ACTIONS: Final[Mapping[Action, Callable[[Run], None]]] = {
     Action.WRITE_STATE: write_state_file,
     Action.READ_STATE: read_state_file,
-    Action.READ_RECORD: read_record,
+    Action.READ_RECORD: read_topology_before,
     Action.NOTHING: _nothing,
 }

@@ -155,7 +155,7 @@ def end_entry(
         "elapsed_s": round(elapsed_s, 6),
     }
     if error is not None:
-        entry["phase"] = error.phase
+        entry["phase"] = error.step  # the trace format keeps its key
         entry["problems"] = [problem_entry(p) for p in error.problems]
     return entry
 

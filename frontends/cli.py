@@ -797,7 +797,7 @@ class _Summary:
     def of(
         cls, command: str, args: argparse.Namespace, done: agent.SuspendResult | agent.ResumeResult
     ) -> _Summary:
-        staged = sum(t.bytes for t in done.timings if t.phase in ("capture", "coordinator_restore"))
+        staged = sum(t.bytes for t in done.timings if t.step in ("capture", "coordinator_restore"))
         words = [PROG, "resume" if command == "suspend" else "suspend",
                  "--checkpoint-dir", str(args.checkpoint_dir)]  # fmt: skip
         if args.control_dir is not None:
@@ -889,7 +889,7 @@ class _Whereabouts:
         at = self.step or "the first step"
         if self.copy is not None:
             at = (
-                f"{self.copy.phase} (in flight: {self.copy.bytes_done / (1 << 30):.1f}/"
+                f"{self.copy.op} (in flight: {self.copy.bytes_done / (1 << 30):.1f}/"
                 f"{self.copy.bytes_total / (1 << 30):.1f} GiB copied)"
             )
         elif self.phase:

@@ -57,10 +57,10 @@ class HumanView:
 
     def _show(self, event: AgentEvent) -> None:
         if isinstance(event, CopyProgress):
-            task = self.tasks.get(event.phase)
+            task = self.tasks.get(event.op)
             if task is None:
-                task = self.progress.add_task(event.phase, total=event.bytes_total or None)
-                self.tasks[event.phase] = task
+                task = self.progress.add_task(event.op, total=event.bytes_total or None)
+                self.tasks[event.op] = task
             self.progress.update(task, completed=event.bytes_done, total=event.bytes_total)
         elif isinstance(event, StepEvent):
             if event.status == "done":
@@ -83,11 +83,11 @@ class HumanView:
 
     def summary(self, timings: Sequence[Timing], staging: StagingSummary | None = None) -> None:
         table = Table(title="cuinterpose")
-        for column in ("phase", "seconds", "bytes", "GB/s"):
-            table.add_column(column, justify="left" if column == "phase" else "right")
+        for column in ("step", "seconds", "bytes", "GB/s"):
+            table.add_column(column, justify="left" if column == "step" else "right")
         for t in timings:
             rate = f"{t.gb_per_s:.2f}" if t.bytes else ""
-            table.add_row(t.phase, f"{t.seconds:.3f}", f"{t.bytes:,}" if t.bytes else "", rate)
+            table.add_row(t.step, f"{t.seconds:.3f}", f"{t.bytes:,}" if t.bytes else "", rate)
         self.console.print(table)
         if staging is not None:
             self.console.print(staging.human())

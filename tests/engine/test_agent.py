@@ -198,6 +198,10 @@ def test_manifest_round_trips_and_drives_the_restore(work: Path) -> None:
     assert agent.read_manifest(work) == manifest
     data = json.loads((work / agent.MANIFEST_FILE_NAME).read_text())
     assert data["cuinterpose"] == {"requested": True, "prepared": True}
+    # Version 1 names a timed step "phase": the file keeps it, manifests already written
+    # stay readable.
+    assert data["timings"] == [{"phase": "capture", "seconds": 0.5, "bytes": 1 << 20}]
+    assert agent.read_manifest(work).timings[0].step == "capture"
     # Prepared without a state file: an error, never a native-only restore.
     with pytest.raises(agent.ManifestError, match=r"no cuinterpose\.state"):
         agent.restore_plan(manifest, work)
@@ -235,6 +239,12 @@ def test_manifest_round_trips_and_drives_the_restore(work: Path) -> None:
             '{"version": 1, "cuinterpose": {"requested": true, "prepared": true}, '
             '"participants": [{"observed_pid": 1, "namespace_pid": "2", "participant": null}]}',
             r"expected int @ \$\.participants\[0\]\.namespace_pid",
+        ),
+        (
+            '{"version": 1, "cuinterpose": {"requested": true, "prepared": true}, '
+            '"participants": [{"observed_pid": 1, "namespace_pid": 2, "participant": null}], '
+            '"timings": [{"step": "capture", "seconds": 1.0}]}',
+            r"required field missing @ \$\.timings\[0\]\.phase",
         ),
         ("{not json", "not JSON"),
     ],
@@ -399,7 +409,7 @@ def test_a_group_that_did_not_request_is_checkpointed_natively_only(work: Path) 
         [(p, p) for p in PIDS], work / "ckpt", where=where, native=fake, requested=False
     )
     assert (done.manifest.requested, done.manifest.prepared) == (False, False)
-    assert [t.phase for t in done.timings] == ["detect", "native_lock", "native_checkpoint"]
+    assert [t.step for t in done.timings] == ["detect", "native_lock", "native_checkpoint"]
     assert not (work / "ckpt" / STATE_FILE_NAME).exists()
     back = agent.resume(work / "ckpt", where=where, native=fake)
     assert not back.coordinator_restored
@@ -551,7 +561,7 @@ def test_a_suspend_refused_as_not_quiet_twice_is_refused(tmp_path: Path) -> None
         with pytest.raises(PhaseFailed, match="did not reach a quiet point") as caught:
             _capture_until_quiet(t.endpoints, tmp_path, Options(5.0), log)
         assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
-    assert caught.value.phase == "QUIESCE" and not caught.value.destroyed
+    assert caught.value.step == "QUIESCE" and not caught.value.destroyed
 
 
 def test_a_suspend_told_to_stop_during_quiesce_rounds_does_not_start_over(tmp_path: Path) -> None:

@@ -73,7 +73,7 @@ def test_rounds_end_when_the_embedders_deadline_is_spent(tmp_path: Path) -> None
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
         assert all(f.releases == 1 for f in team.fakes)
     error = caught.value
-    assert error.phase == "QUIESCE" and not error.destroyed and not_quiet(error)
+    assert error.step == "QUIESCE" and not error.destroyed and not_quiet(error)
     (problem,) = error.problems
     assert problem.pid == TOPOLOGY.participants[2].pid
     assert "QUIESCE: did not reach a quiet point within" in problem.reason

@@ -156,7 +156,7 @@ def test_invalid_topology_is_refused_before_any_destructive_op(work: Path) -> No
             capture(t, work / "ckpt")
         assert_nothing_destroyed(t)
         assert all(f.phase is Phase.ACTIVE for f in t.fakes)  # QUIESCED, then released
-    assert caught.value.phase == "PREPARE_MULTICAST"
+    assert caught.value.step == "PREPARE_MULTICAST"
     assert caught.value.guard == "topology_valid"
     assert any(p.participant == participant(1) for p in caught.value.problems)
     assert not (work / "ckpt" / STATE_FILE_NAME).exists()
@@ -190,7 +190,7 @@ def test_capture_refuses_a_participant_not_active(work: Path) -> None:
         with pytest.raises(ParticipantsRefused) as caught:
             capture(t, work / "ckpt")
         assert [ops[len(CAPTURE_OPS) :] for ops in t.received()] == [[Op.HANDSHAKE]] * 3
-    assert caught.value.phase == "QUIESCE"
+    assert caught.value.step == "QUIESCE"
     assert "phase PREPARED, expected ACTIVE" in caught.value.reason
     assert len(caught.value.problems) == 3
 
@@ -220,7 +220,7 @@ def test_participant_failing_mid_phase_stops_everyone(work: Path) -> None:
         assert t.received() == [CAPTURE_OPS[:5]] * 3
         pid = t.fakes[1].pid
     error = caught.value
-    assert (error.phase, error.participant, error.pid) == ("SAVE_ALLOCATIONS", participant(1), pid)
+    assert (error.step, error.participant, error.pid) == ("SAVE_ALLOCATIONS", participant(1), pid)
     assert "CUDA_FAILED" in error.reason and "CUDA_ERROR_X" in error.reason
     assert not (work / "ckpt" / STATE_FILE_NAME).exists()
     failed = events[-1]
@@ -240,7 +240,7 @@ def test_a_hanging_participant_is_bounded_by_the_timeout(work: Path) -> None:
         # The hang ends only by the client's timeout: the reason says it was 0.3 s.
         assert "0.3" in caught.value.reason
         assert t.received() == [CAPTURE_OPS[:4]] * 3
-    assert caught.value.phase == "PREPARE_MULTICAST"
+    assert caught.value.step == "PREPARE_MULTICAST"
     assert caught.value.participant == participant(0)
     assert caught.value.reason.startswith("timed out")
 
@@ -252,7 +252,7 @@ def test_a_participant_hanging_up_mid_restore_stops_everyone(work: Path) -> None
         with pytest.raises(PhaseFailed) as caught:
             runner.restore(t.endpoints, work / "ckpt", options())
         assert t.received() == [CAPTURE_OPS + RESTORE_OPS[:5]] * 3
-    assert (caught.value.phase, caught.value.participant) == (
+    assert (caught.value.step, caught.value.participant) == (
         "RESTORE_MULTICAST_CREATORS",
         participant(2),
     )
@@ -266,7 +266,7 @@ def test_a_mismatched_reply_fails_the_phase(work: Path, kind: str) -> None:
         with pytest.raises(PhaseFailed) as caught:
             capture(t, work / "ckpt")
         assert t.received() == [CAPTURE_OPS[:3]] * 3
-    assert caught.value.phase == "INSPECT"
+    assert caught.value.step == "INSPECT"
     assert caught.value.participant == participant(1)
     assert caught.value.reason.startswith("bad reply")
     if kind == "wrong_participant":
@@ -279,7 +279,7 @@ def test_a_missing_socket_fails_the_handshake(work: Path) -> None:
         with pytest.raises(PhaseFailed) as caught:
             runner.capture([*t.endpoints, ghost], work / "ckpt", options())
         assert t.received() == [[Op.HANDSHAKE]] * 3
-    assert (caught.value.phase, caught.value.pid) == ("HANDSHAKE", 4242)
+    assert (caught.value.step, caught.value.pid) == ("HANDSHAKE", 4242)
     assert "does not exist" in caught.value.reason
 
 
@@ -358,7 +358,7 @@ def test_restore_without_a_state_file_fails_before_sending_anything(work: Path) 
         with pytest.raises(PhaseFailed) as caught:
             runner.restore(t.endpoints, work / "ckpt", options())
         assert t.received() == [[]] * 3
-    assert caught.value.phase == "READ_STATE"
+    assert caught.value.step == "READ_STATE"
     assert "missing" in caught.value.reason
 
 
@@ -373,7 +373,7 @@ def test_restore_with_a_corrupt_state_file_fails_before_sending_anything(
         with pytest.raises(PhaseFailed) as caught:
             runner.restore(t.endpoints, work / "ckpt", options())
         assert t.received() == [[]] * 3
-    assert caught.value.phase == "READ_STATE"
+    assert caught.value.step == "READ_STATE"
     assert STATE_FILE_NAME in caught.value.reason
 
 
@@ -387,7 +387,7 @@ def test_restore_fails_when_the_restored_topology_differs(work: Path) -> None:
         with pytest.raises(VerificationFailed) as caught:
             runner.restore(t.endpoints, work / "ckpt", options())
         assert t.received() == [CAPTURE_OPS + RESTORE_OPS] * 3
-    assert (caught.value.phase, caught.value.guard) == ("VERIFY", "topology_matches_capture")
+    assert (caught.value.step, caught.value.guard) == ("VERIFY", "topology_matches_capture")
     assert participant(1) in caught.value.reason and "handle_count" in caught.value.reason
 
 
@@ -399,7 +399,7 @@ def test_restore_fails_when_a_participant_reports_failure(work: Path) -> None:
             runner.restore(t.endpoints, work / "ckpt", options())
         assert t.received() == [CAPTURE_OPS + RESTORE_OPS[:3]] * 3
         assert t.fakes[0].phase is Phase.FAILED
-    assert (caught.value.phase, caught.value.participant) == ("LOAD_ALLOCATIONS", participant(0))
+    assert (caught.value.step, caught.value.participant) == ("LOAD_ALLOCATIONS", participant(0))
 
 
 def assert_nothing_destroyed_since_capture(team_: Team) -> None:
@@ -433,7 +433,7 @@ def test_an_unexpected_exception_still_fails_stop_and_closes_the_trace(work: Pat
         with pytest.raises(PhaseFailed) as caught:
             runner.capture(t.endpoints, work / "ckpt", opts)
         assert t.received() == [CAPTURE_OPS[:4]] * 3
-    assert caught.value.phase == "SAVE_ALLOCATIONS"
+    assert caught.value.step == "SAVE_ALLOCATIONS"
     assert "internal error: RuntimeError('transport bug')" in caught.value.reason
     assert isinstance(caught.value.__cause__, RuntimeError)
     assert recorder.entries[-1]["outcome"] == "failed"
@@ -455,7 +455,7 @@ def test_a_stop_request_ends_the_run_at_the_next_boundary_and_rolls_back(work: P
         sent = [f.received for f in t.fakes]
         phases = [f.phase for f in t.fakes]
     error = caught.value
-    assert error.phase == "PREPARE_UNICAST" and error.destroyed and error.rolled_back
+    assert error.step == "PREPARE_UNICAST" and error.destroyed and error.rolled_back
     assert all(Op.PREPARE_UNICAST not in r and r[-1] is Op.INSPECT for r in sent)
     assert phases == [Phase.ACTIVE] * len(phases)
     assert not (work / "ckpt" / "cuinterpose.intent").exists()
@@ -513,7 +513,7 @@ def test_retry_that_never_clears_fails_the_phase_naming_the_participant(work: Pa
         # RETRY kept the shim's phase: still PREPARED, nothing lost, retryable later.
         assert t.fakes[1].phase is Phase.PREPARED
     assert loads == [1, 3, 1]
-    assert (caught.value.phase, caught.value.participant) == ("LOAD_ALLOCATIONS", participant(1))
+    assert (caught.value.step, caught.value.participant) == ("LOAD_ALLOCATIONS", participant(1))
     assert "RETRY in phase PREPARED" in caught.value.reason
 
 
@@ -590,7 +590,7 @@ def test_a_refused_quiesce_is_left_to_the_lease_not_rolled_back(work: Path) -> N
         assert [t.fakes[i].phase for i in (0, 2)] == [Phase.ACTIVE, Phase.ACTIVE]
         assert all(f.releases == 1 for f in t.fakes)
     error = caught.value
-    assert (error.phase, error.participant, error.destroyed) == ("QUIESCE", participant(1), False)
+    assert (error.step, error.participant, error.destroyed) == ("QUIESCE", participant(1), False)
     assert why in error.reason
     assert not (work / "ckpt" / "cuinterpose.intent").exists()
     assert not (work / "ckpt" / STATE_FILE_NAME).exists()
@@ -607,3 +607,13 @@ def test_only_a_quiesce_nobody_got_quiet_for_may_start_over() -> None:
     assert not not_quiet(Interrupted("capture", "QUIESCE", refused.problems))
     refused.destroyed = True
     assert not not_quiet(refused)
+
+
+def test_an_error_names_the_step_it_stopped_at() -> None:
+    # A phase is the shim's (specs/architecture.md): the error names the machine's step,
+    # an op or a local step; ``phase`` stays as the former name, for embedders.
+    failed = PhaseFailed("capture", "WRITE_STATE", [Problem("disk full")])
+    refused = TopologyRefused("capture", "PREPARE_MULTICAST", "topology_valid", [Problem("no")])
+    assert (failed.step, failed.phase) == ("WRITE_STATE", "WRITE_STATE")
+    assert str(failed) == "capture failed at WRITE_STATE: disk full"
+    assert str(refused) == "capture refused at PREPARE_MULTICAST (topology_valid): no"

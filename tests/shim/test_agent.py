@@ -117,9 +117,9 @@ def test_suspend_and_resume_through_the_library(
     assert done.manifest.prepared and done.manifest.requested
     assert {native.state(p) for p in group.pids} == {ProcessState.CHECKPOINTED}
     assert before - group.used() >= 2 * group.size
-    phases = [t.phase for t in done.timings]
+    phases = [t.step for t in done.timings]
     assert phases == ["detect", "capture", "native_lock", "native_checkpoint"]
-    assert dict((t.phase, t.bytes) for t in done.timings)["capture"] == 2 * group.size
+    assert dict((t.step, t.bytes) for t in done.timings)["capture"] == 2 * group.size
     # Every event reached the logger too, with its fields in extra.
     logged = [r.cuinterpose for r in caplog.records if hasattr(r, "cuinterpose")]
     assert logged == [e.to_json() for e in seen]
@@ -127,7 +127,7 @@ def test_suspend_and_resume_through_the_library(
 
     back = agent.resume(tmp_path, where=where, native=native, on_event=seen.append)
     assert back.coordinator_restored
-    assert [t.phase for t in back.timings] == [
+    assert [t.step for t in back.timings] == [
         "native_restore",
         "native_unlock",
         "coordinator_restore",
@@ -261,7 +261,7 @@ def test_status_is_served_while_a_phase_op_is_in_flight(
             seen: list[agent.CopyProgress] = []
             with watch.CopyWatcher([(endpoints[0], me)], seen.append):
                 wait_until(lambda seen=seen: seen, "a copy progress event")
-            assert seen[0].phase == "SAVE_ALLOCATIONS"
+            assert seen[0].op == "SAVE_ALLOCATIONS"
             assert (seen[0].bytes_done, seen[0].bytes_total) == (0, 2 * group.size)
         native.unlock(creator)
         sender.join()
@@ -359,7 +359,7 @@ def test_a_drain_that_cannot_enter_a_context_refuses_before_any_teardown(
     with pytest.raises(PhaseFailed) as info:
         runner.capture([endpoint], tmp_path)
     error = info.value
-    assert error.phase == "QUIESCE", error
+    assert error.step == "QUIESCE", error
     assert "cuCtxPushCurrent failed: CUDA_ERROR_INVALID_CONTEXT" in str(error), error
     assert not error.destroyed, error
     reply, _ = shimenv.request(

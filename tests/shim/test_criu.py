@@ -136,7 +136,7 @@ def test_a_sharing_group_goes_through_criu_dump_and_restore(
         native=native,
         on_event=steps.append,
     )
-    assert [t.phase for t in dumped.timings] == [
+    assert [t.step for t in dumped.timings] == [
         "detect",
         "capture",
         "native_lock",
@@ -158,7 +158,7 @@ def test_a_sharing_group_goes_through_criu_dump_and_restore(
         # answer (its listener heals the endpoint from poll: shim_c/control.c).
         pytest.fail(f"{exc}\nthreads:\n{thread_states(pids)}\ntree log:\n{group.tree.log_tail()}")
     assert [p.observed_pid for p in restored.processes] == pids
-    assert [t.phase for t in restored.timings] == [
+    assert [t.step for t in restored.timings] == [
         "criu_restore",
         "native_restore",
         "native_unlock",

@@ -219,7 +219,7 @@ def test_no_space_for_the_state_file_rolls_the_capture_back(
     endpoints = _endpoints(control_dir, [pair.creator, pair.importer])
     with pytest.raises(PhaseFailed) as caught:
         capture(endpoints, _ckpt(tmp_path), Options(60.0))
-    assert caught.value.phase == "WRITE_STATE"
+    assert caught.value.step == "WRITE_STATE"
     assert "No space left on device" in str(caught.value)
     assert caught.value.rolled_back, caught.value.rollback_error
     assert not (_ckpt(tmp_path) / "cuinterpose.intent").exists()

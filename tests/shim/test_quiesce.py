@@ -356,7 +356,7 @@ def test_a_process_that_never_synchronizes_is_refused_and_runs_on(
         capture(endpoints, tmp_path / "ckpt", Options(60.0, quiesce_deadline=sent_s))
     error = caught.value
     text = str(error)
-    assert error.phase == "QUIESCE" and not error.destroyed, text
+    assert error.step == "QUIESCE" and not error.destroyed, text
     # The creator first; the importer, quiet in every round, was advanced each time the
     # creator was not and may have been caught busy by the last one: it says so.
     assert error.problems[0].pid == creator.pid, text
