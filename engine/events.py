@@ -51,6 +51,11 @@ class CopyProgress:
     bytes_total: int
     elapsed_s: float
 
+    @property
+    def phase(self) -> str:
+        """The former name of ``op`` (a phase is the shim's, specs/architecture.md)."""
+        return self.op
+
     def to_json(self) -> dict[str, Any]:
         return {
             "event": "copy",
