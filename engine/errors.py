@@ -77,8 +77,8 @@ class CoordinatorError(Exception):
         return self.problems[0].reason
 
     def lines(self) -> tuple[str, ...]:
-        """One line per problem, each naming the machine, step, participant, pid, reason."""
-        return tuple(f"{self.machine} {self.kind} at {self.step}: {p}" for p in self.problems)
+        """One line per problem, each naming the machine, phase, participant, pid, reason."""
+        return tuple(f"{self.machine} {self.kind} at {self.phase}: {p}" for p in self.problems)
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -92,13 +92,13 @@ class Refused(CoordinatorError):
 
     kind = "refused"
 
-    def __init__(self, machine: str, step: str, guard: str, problems: Sequence[Problem]) -> None:
-        super().__init__(machine, step, problems)
+    def __init__(self, machine: str, phase: str, guard: str, problems: Sequence[Problem]) -> None:
+        super().__init__(machine, phase, problems)
         self.guard = guard
 
     def lines(self) -> tuple[str, ...]:
         return tuple(
-            f"{self.machine} refused at {self.step} ({self.guard}): {p}" for p in self.problems
+            f"{self.machine} refused at {self.phase} ({self.guard}): {p}" for p in self.problems
         )
 
 
@@ -162,13 +162,13 @@ class Interrupted(PhaseFailed):
 class VerificationFailed(PhaseFailed):
     """After the destructive ops, a guard failed (restored topology invalid or not equal)."""
 
-    def __init__(self, machine: str, step: str, guard: str, problems: Sequence[Problem]) -> None:
-        super().__init__(machine, step, problems)
+    def __init__(self, machine: str, phase: str, guard: str, problems: Sequence[Problem]) -> None:
+        super().__init__(machine, phase, problems)
         self.guard = guard
 
     def lines(self) -> tuple[str, ...]:
         return tuple(
-            f"{self.machine} failed at {self.step} ({self.guard}): {p}" for p in self.problems
+            f"{self.machine} failed at {self.phase} ({self.guard}): {p}" for p in self.problems
         )
 
 
