@@ -37,7 +37,7 @@ import attrs
 
 from . import artifacts, logs, targets
 from .arguments import Parser, UsageError, pid, seconds
-from .engine import agent, discovery, quiesce, runner
+from .engine import agent, discovery, runner
 from .engine.client import Endpoint, endpoint_for
 from .engine.errors import CoordinatorError
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
@@ -56,6 +56,7 @@ from .engine.progress import (
     human_line,
     json_printer,
 )
+from .engine.quiesce import until_quiet
 from .engine.recovery import native_blockers, native_check_refusal, recover
 from .engine.replay import replay
 from .engine.topology import describe_record
@@ -558,7 +559,7 @@ def _machine(
                 result: object = report.result
             elif spec is CAPTURE:  # started over when not quiet, as suspend's capture is
                 attempt = functools.partial(runner.capture, endpoints, checkpoint_dir, options)
-                result = quiesce.until_quiet(attempt, options)
+                result = until_quiet(attempt, options)
             else:
                 result = runner.run_machine(spec, endpoints, checkpoint_dir, options)
         for warning in getattr(result, "warnings", ()):
@@ -889,7 +890,7 @@ class _Whereabouts:
         at = self.step or "the first step"
         if self.copy is not None:
             at = (
-                f"{self.copy.op} (in flight: {self.copy.bytes_done / (1 << 30):.1f}/"
+                f"{self.copy.phase} (in flight: {self.copy.bytes_done / (1 << 30):.1f}/"
                 f"{self.copy.bytes_total / (1 << 30):.1f} GiB copied)"
             )
         elif self.phase:
