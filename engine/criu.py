@@ -232,16 +232,51 @@ def run_criu(
 _TAKEN_PID: Final = re.compile(r"Can't fork for (\d+): File exists")
 
 
-def _pid_holders(errors: Sequence[str]) -> list[str]:
+def _stat_fields(text: str) -> list[str]:
+    return text.rsplit(")", 1)[1].split()
+
+
+def _command(pid: int | str, proc: Path) -> str:
+    raw = (proc / str(pid) / "cmdline").read_bytes()
+    return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
+
+
+def _id_users(pid: int, proc: Path) -> list[str]:
+    """The processes whose process group or session is ``pid``: the kernel keeps a pid
+    taken while any process (a zombie too) still uses it as such, though /proc no longer
+    lists it. A dumped tree started in a session of its own leaves that session's id
+    taken until every process of it, a helper the tree forked among them, is reaped."""
+    users = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = _stat_fields((entry / "stat").read_text())
+            state, group, session = fields[0], int(fields[2]), int(fields[3])
+            command = _command(entry.name, proc) or "(no command line)"
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        role = "session" if session == pid else "process group" if group == pid else None
+        if role is not None:
+            dead = ", a zombie its parent has not reaped" if state == "Z" else ""
+            users.append(f"{role} id of pid {entry.name} ({command}{dead})")
+    return users
+
+
+def _pid_holders(errors: Sequence[str], proc: Path = Path("/proc")) -> list[str]:
     """For a restore that found a pid of the tree taken: which process holds it now."""
     held = []
-    for pid in dict.fromkeys(m[1] for line in errors for m in _TAKEN_PID.finditer(line)):
+    for pid in dict.fromkeys(int(m[1]) for line in errors for m in _TAKEN_PID.finditer(line)):
         try:
-            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-            who = " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
+            who = _command(pid, proc) or "(no command line)"
         except OSError as exc:
-            who = f"gone by now ({exc.strerror})"
-        held.append(f"pid {pid} of the tree is taken by: {who or '(no command line)'}")
+            users = _id_users(pid, proc)
+            who = (
+                "no process, but it is still the " + "; the ".join(users)
+                if users
+                else f"gone by now ({exc.strerror})"
+            )
+        held.append(f"pid {pid} of the tree is taken by: {who}")
     return held
 
 
@@ -327,10 +362,6 @@ def before_restore(checkpoint_dir: Path, control_dir: Path | None) -> Prepared:
 
 
 # --------------------------------------------------------------- after the restore
-def _stat_fields(text: str) -> list[str]:
-    return text.rsplit(")", 1)[1].split()
-
-
 def _descendants(root: int, proc: Path) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in proc.iterdir():
