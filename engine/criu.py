@@ -222,7 +222,8 @@ def run_criu(
     seconds = time.perf_counter() - began
     if done.returncode != 0:
         errors = _log_errors(log)
-        lines = [f"exit status {done.returncode}", *errors, *_pid_holders(errors)]
+        hints = [*_pid_holders(errors), *_remaps_in_the_way(errors)]
+        lines = [f"exit status {done.returncode}", *errors, *hints]
         if done.stderr.strip():
             lines.insert(1, done.stderr.strip()[-500:])
         raise CriuFailed(f"`{' '.join(argv)}` failed:", lines)
@@ -230,6 +231,22 @@ def run_criu(
 
 
 _TAKEN_PID: Final = re.compile(r"Can't fork for (\d+): File exists")
+_REMAP_TAKEN: Final = re.compile(r"Can't link\s+-> \.(/\S*link_remap\.\d+)")
+
+
+def _remaps_in_the_way(errors: Sequence[str]) -> list[str]:
+    """For a dump that found a link-remap name taken: CRIU names the hard links it makes
+    for open files that lost their name (``--link-remap``) by their id in the image, and
+    the restore removes them. One left by a dump whose restore failed or never ran
+    blocks a later dump of a process with the same files (multiprocessing's semaphores
+    in /dev/shm)."""
+    hints = []
+    for path in dict.fromkeys(m[1] for line in errors for m in _REMAP_TAKEN.finditer(line)):
+        hints.append(
+            f"{path} is left from an earlier dump (CRIU removes it when that dump is "
+            "restored): restore that dump first, or remove the file if it is abandoned"
+        )
+    return hints
 
 
 def _stat_fields(text: str) -> list[str]:

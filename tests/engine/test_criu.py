@@ -378,3 +378,14 @@ def test_a_pid_still_the_session_of_a_process_is_named_as_taken() -> None:
         assert f"the session id of pid {helper} (sleep 60)" in line, line
     finally:
         os.kill(helper, signal.SIGKILL)
+
+
+def test_a_dump_that_finds_a_link_remap_left_names_it() -> None:
+    errors = [
+        "(00.045048) Warn  (criu/files-reg.c:1881): Can't link  -> ./dev/shm/link_remap.62",
+        "(00.04) Error (criu/files-reg.c:1159): Can't link remap to /dev/shm/sem.W: File exists",
+    ]
+    (hint,) = criu._remaps_in_the_way(errors)
+    assert hint.startswith("/dev/shm/link_remap.62 is left from an earlier dump"), hint
+    assert "remove the file if it is abandoned" in hint
+    assert criu._remaps_in_the_way(errors[1:]) == []
