@@ -6,7 +6,7 @@
  * participants that import from each other during RESTORE_UNICAST would
  * deadlock otherwise). One request per connection, read and answered with
  * io.c's deadlines. Every request is validated strictly; phase ops go
- * through one phase machine (CUIP_PHASE_OPS and CUIP_ROLLBACK_OPS in
+ * through one phase machine (CUIP_OPS, CUIP_PHASE_OPS and CUIP_ROLLBACK_OPS in
  * protocol.h): a failed one leaves the shim FAILED with its reason, a
  * refused or retryable one (RETRY) in the phase it was in.
  *
@@ -38,14 +38,7 @@ static int connections; /* atomic */
 /* ------------------------------------------------------------ requests */
 static const char *op_name(unsigned op)
 {
-    static const char *const names[] = {
-        "?", "HANDSHAKE", "INSPECT", "PREPARE_MULTICAST", "SAVE_ALLOCATIONS",
-        "PREPARE_UNICAST", "LOAD_ALLOCATIONS", "RESTORE_UNICAST",
-        "RESTORE_MULTICAST_CREATORS", "RESTORE_MULTICAST_IMPORTERS",
-        "RESTORE_MULTICAST_DEVICES", "RESTORE_MULTICAST_BINDINGS", "EXPORT",
-        "ROLLBACK_ALLOCATIONS", "ROLLBACK_IMPORTS", "RELEASE", "STATUS", "QUIESCE"};
-    _Static_assert(sizeof names / sizeof names[0] == CUIP_OP_MAX + 1, "a name per op");
-    return op <= CUIP_OP_MAX ? names[op] : "?";
+    return cuip_op_name(op); /* from the op table, CUIP_OPS */
 }
 
 /* Strict validation: anything non-zero where zero is required, a wrong
@@ -110,34 +103,19 @@ static bool validate(const struct cuip_header *q, struct reply *r)
     return true;
 }
 
-/* What each phase op needs and reaches: the tables in protocol.h. `needs`
- * is a set of phases (bit p for phase p); the forward ops need one each. */
+/* What each phase op reaches: the tables in protocol.h (the phases it is
+ * served in: CUIP_OPS). `next` is 0 for an op that is no phase op. */
 struct phase_op {
-    uint32_t needs;
     uint16_t next;
     bool stats; /* the reply carries the transfer statistics */
 };
 
-#define PHASE_BIT(p) | (1u << CUIP_PHASE_##p)
-_Static_assert(CUIP_PHASE_FAILED < 32, "a phase set fits 32 bits");
-
 static const struct phase_op phase_ops[CUIP_OP_MAX + 1] = {
-#define PHASE_OP(op, need, next, stats) \
-    [CUIP_OP_##op] = {1u << CUIP_PHASE_##need, CUIP_PHASE_##next, stats},
+#define PHASE_OP(op, next, stats) [CUIP_OP_##op] = {CUIP_PHASE_##next, stats},
     CUIP_PHASE_OPS(PHASE_OP)
+    CUIP_ROLLBACK_OPS(PHASE_OP)
 #undef PHASE_OP
-#define ROLLBACK_OP(op, needs, next, stats) \
-    [CUIP_OP_##op] = {0 needs(PHASE_BIT), CUIP_PHASE_##next, stats},
-    CUIP_ROLLBACK_OPS(ROLLBACK_OP)
-#undef ROLLBACK_OP
 };
-
-/* The phases `op` is served in: QUIESCE's list is its own (an advance in
- * QUIESCED, protocol.h). */
-static uint32_t served_in(uint16_t op)
-{
-    return op == CUIP_OP_QUIESCE ? 0 CUIP_QUIESCE_FROM(PHASE_BIT) : phase_ops[op].needs;
-}
 
 /* The work of each phase op. A switch over the enum: an op added to the
  * protocol without its work here does not compile (-Wswitch). */
@@ -250,7 +228,7 @@ static void run_phase_op(uint16_t op, struct reply *r)
     uint16_t from;
     bool reopen;
 
-    if (!work || !d->needs) {
+    if (!work || !d->next) {
         reply_msg(r, CUIP_STATUS_INTERNAL, "%s is not a phase op", op_name(op));
         return;
     }
@@ -261,7 +239,7 @@ static void run_phase_op(uint16_t op, struct reply *r)
         return;
     }
     from = g.phase;
-    if (from >= 32 || !(served_in(op) & (1u << from))) {
+    if (!cuip_op_served_in(op, from)) {
         reply_msg(r, CUIP_STATUS_WRONG_PHASE, "%s is not served in phase %u", op_name(op),
                   from);
         pthread_mutex_unlock(&g.lock);
@@ -586,8 +564,7 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
         /* QUIESCED: a capture reads the records once the gate keeps the
          * application from changing them. PREPARED: a restore compares them
          * with its state file before it changes anything. */
-        if (g.phase != CUIP_PHASE_ACTIVE && g.phase != CUIP_PHASE_QUIESCED &&
-            g.phase != CUIP_PHASE_PREPARED)
+        if (!cuip_op_served_in(CUIP_OP_INSPECT, g.phase))
             reply_msg(r, CUIP_STATUS_WRONG_PHASE, "INSPECT needs phase ACTIVE, QUIESCED or "
                       "PREPARED; the shim is in phase %u", g.phase);
         else if (g.busy)

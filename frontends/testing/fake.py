@@ -52,7 +52,7 @@ from ..engine.wire import (
     WireError,
     decode_request,
 )
-from ..phases.ops import PHASE_OP
+from ..phases.ops import OP, PHASE_OP
 
 FaultKind = Literal[
     "fail",
@@ -67,21 +67,8 @@ FaultKind = Literal[
 ]
 FAULT_KINDS: Final[frozenset[str]] = frozenset(get_args(FaultKind))
 
-# What a shim may do in which phase (specs/protocol.md, "Ops").
-_RESTORE_PHASES: Final = frozenset(
-    {
-        Phase.ALLOCATIONS_LOADED,
-        Phase.UNICAST_RESTORED,
-        Phase.MULTICAST_CREATED,
-        Phase.MULTICAST_IMPORTED,
-        Phase.MULTICAST_JOINED,
-        Phase.ROLLBACK_LOADED,
-    }
-)
 # The shim's phase table, as phases/ declares it once for the shim and this fake.
-_TRANSITIONS: Final[Mapping[Op, tuple[frozenset[Phase], Phase]]] = {
-    Op[p.op]: (frozenset(Phase[n] for n in p.needs), Phase[p.reaches]) for p in PHASE_OP.values()
-}
+_REACHES: Final[Mapping[Op, Phase]] = {Op[p.op]: Phase[p.reaches] for p in PHASE_OP.values()}
 _STATS_OPS: Final = frozenset(Op[p.op] for p in PHASE_OP.values() if p.transfers)
 
 _GARBAGE: Final = b"\xff" * HEADER_SIZE
@@ -99,18 +86,12 @@ _SUN_PATH_MAX: Final = 107
 
 def allowed_phases(op: Op) -> frozenset[Phase]:
     """The shim phases in which ``op`` is served (anything else is WRONG_PHASE)."""
-    if op in (Op.HANDSHAKE, Op.RELEASE, Op.STATUS):
-        return frozenset(Phase)
-    if op is Op.INSPECT:
-        return frozenset({Phase.ACTIVE, Phase.QUIESCED, Phase.PREPARED})
-    if op is Op.EXPORT:
-        return frozenset({Phase.ACTIVE, Phase.QUIESCED}) | _RESTORE_PHASES
-    return _TRANSITIONS[op][0]
+    return frozenset(Phase[n] for n in OP[op.name].served_in)
 
 
-def is_destructive(op: Op) -> bool:
-    """Ops that change the shim's phase; failing one leaves the shim FAILED."""
-    return op in _TRANSITIONS
+def is_phase_op(op: Op) -> bool:
+    """Ops that move the shim's phase; failing one leaves the shim FAILED."""
+    return op in _REACHES
 
 
 def _check_kind(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
@@ -128,7 +109,7 @@ class Fault:
     """What a fake does instead of (or on top of) answering an op normally.
 
     - ``fail``: answer ``status`` with ``message`` (after the phase check, like a
-      shim whose CUDA work failed); a destructive op leaves the fake FAILED, unless
+      shim whose CUDA work failed); a phase op leaves the fake FAILED, unless
       the status is REFUSED (a shim's refusal leaves its phase as it was).
     - ``retry``: answer RETRY (out of memory, nothing kept, the phase unchanged) the
       first ``times`` times the op arrives, then answer normally; ``times`` 0
@@ -671,7 +652,7 @@ class FakeParticipant:
                 assert fault is not None
                 if op is Op.QUIESCE:
                     self._phase = Phase.ACTIVE  # a refused QUIESCE opens the gate, advance or not
-                if is_destructive(op) and fault.status is not Status.REFUSED:
+                if is_phase_op(op) and fault.status is not Status.REFUSED:
                     self._phase = Phase.FAILED
                     self._reason = f"{op.name} failed: {fault.message}"
                 return self._encode(echoed, fault.status, fault.message, participant=participant)
@@ -694,7 +675,7 @@ class FakeParticipant:
                 "fake participant exports nothing",
                 participant=participant,
             )
-        self._phase = _TRANSITIONS[op][1]
+        self._phase = _REACHES[op]
         if op is Op.RESTORE_MULTICAST_BINDINGS:
             self._restored = True
         elif op is Op.ROLLBACK_IMPORTS:

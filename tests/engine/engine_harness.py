@@ -17,25 +17,15 @@ import attrs
 from cuinterpose.engine.client import Endpoint
 from cuinterpose.engine.topology import Topology
 from cuinterpose.engine.wire import Op, Phase, Record, Stats, socket_name
+from cuinterpose.phases import PHASE_OPS, TEARS_DOWN
 from cuinterpose.testing import FakeParticipant, Fault
 
 SAVE_STATS = Stats(count=1, bytes=4 << 20, elapsed_ns=2_000_000, copy_ns=1_000_000)
 LOAD_STATS = Stats(count=1, bytes=4 << 20, elapsed_ns=3_000_000, copy_ns=2_000_000)
-# The ops that tear something down: QUIESCE only holds the application at its gate,
-# and the run's RELEASE (or its death) opens it again.
-DESTRUCTIVE_OPS = frozenset(
-    {
-        Op.PREPARE_MULTICAST,
-        Op.SAVE_ALLOCATIONS,
-        Op.PREPARE_UNICAST,
-        Op.LOAD_ALLOCATIONS,
-        Op.RESTORE_UNICAST,
-        Op.RESTORE_MULTICAST_CREATORS,
-        Op.RESTORE_MULTICAST_IMPORTERS,
-        Op.RESTORE_MULTICAST_DEVICES,
-        Op.RESTORE_MULTICAST_BINDINGS,
-    }
-)
+# The capture and restore ops that tear something down (the op table's tears_down:
+# not QUIESCE, which only holds the application at its gate until the run's lease
+# ends). A run refused or failed early may still be sent the rollback's ops.
+TEARS_DOWN_OPS = frozenset(Op[p.op] for p in PHASE_OPS if p.op in TEARS_DOWN)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from cuinterpose.engine.progress import DoneEvent, Event, FailedEvent, PhaseEven
 from cuinterpose.engine.statefile import STATE_FILE_NAME, read_state
 from cuinterpose.engine.wire import Op, Phase, RecordKind, Reply, Request, Status
 from cuinterpose.testing import Fault
-from engine_harness import DESTRUCTIVE_OPS, Team, short_dir, team_of
+from engine_harness import TEARS_DOWN_OPS, Team, short_dir, team_of
 from topologies import (
     allocation_id,
     participant,
@@ -84,7 +84,7 @@ def options(
 def assert_nothing_destroyed(team_: Team) -> None:
     """Nothing torn down, and every gate open again: the group runs as before."""
     for received in team_.received():
-        assert not DESTRUCTIVE_OPS & set(received), received
+        assert not TEARS_DOWN_OPS & set(received), received
     assert Phase.QUIESCED not in {f.phase for f in team_.fakes}
 
 
@@ -404,7 +404,7 @@ def test_restore_fails_when_a_participant_reports_failure(work: Path) -> None:
 
 def assert_nothing_destroyed_since_capture(team_: Team) -> None:
     for received in team_.received():
-        assert not DESTRUCTIVE_OPS & set(received[len(CAPTURE_OPS) :]), received
+        assert not TEARS_DOWN_OPS & set(received[len(CAPTURE_OPS) :]), received
 
 
 def test_inspect_changes_nothing(work: Path) -> None:

@@ -3,11 +3,12 @@
 A C program, generated from the header's own declarations and compiled with
 ``cc``, prints the size and offset of every field of every struct, the value
 of every constant, and the bytes of a header and a record filled with
-distinctive values, and the phase machine (``CUIP_PHASE_OPS``, and the way back:
-``CUIP_ROLLBACK_OPS``, ``CUIP_ROLLBACK_FROM``). The Python side must agree on all
-of it: struct formats (derived from the C field types), field order, sizes, enums,
-limits, the bytes that encoding produces and decoding accepts, and the phase
-tables (``phases/ops.py``: ``PHASE_OPS``, ``ROLLBACK_OPS``, ``ROLLBACK_FROM``).
+distinctive values, the op table (``CUIP_OPS``: every op's number, the phases it is
+served in, whether it tears something down) and the phase machine
+(``CUIP_PHASE_OPS``, and the way back: ``CUIP_ROLLBACK_OPS``). The Python side must
+agree on all of it: struct formats (derived from the C field types), field order,
+sizes, enums, limits, the bytes that encoding produces and decoding accepts, and the
+tables (``phases/ops.py``: ``OPS``, ``PHASE_OPS``, ``ROLLBACK_OPS``).
 A change on either side, a new constant or field included, fails here.
 """
 
@@ -37,7 +38,7 @@ from cuinterpose.engine.wire import (
     Stats,
     Status,
 )
-from cuinterpose.phases.ops import PHASE_OPS, ROLLBACK_FROM, ROLLBACK_OPS
+from cuinterpose.phases.ops import EVERY_PHASE, OPS, PHASE_OPS, ROLLBACK_OPS
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL_H = ROOT / "shim_c" / "protocol.h"
@@ -116,6 +117,7 @@ def python_constants() -> dict[str, int | str]:
         "CUIP_CONTROL_DIR_MAX": wire.CONTROL_DIR_MAX,
         "CUIP_OP_MAX": max(Op),
         "CUIP_ASK_DRIVER": wire.ASK_DRIVER,
+        "CUIP_EVERY_PHASE": phase_set(EVERY_PHASE),
         **CONTRACT_ONLY,
     }
     prefixes: list[tuple[str, type[enum.Enum]]] = [
@@ -136,6 +138,11 @@ def python_constants() -> dict[str, int | str]:
     return constants
 
 
+def phase_set(names: tuple[str, ...]) -> int:
+    """A set of phases as protocol.h writes it: bit p for phase p."""
+    return sum(1 << Phase[name] for name in set(names))
+
+
 def parse_header(text: str) -> tuple[list[str], list[str], dict[str, list[CField]]]:
     """Integer constant names, string constant names and struct fields, as declared."""
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
@@ -145,6 +152,10 @@ def parse_header(text: str) -> tuple[list[str], list[str], dict[str, list[CField
         (strings if value.startswith('"') else ints).append(name)
     for body in re.findall(r"enum\s+\w+\s*\{(.*?)\};", text, flags=re.S):
         ints.extend(re.findall(r"(CUIP_\w+)\s*=", body))
+    # The ops' enum comes from the op table: one constant per row.
+    table = re.search(r"^#define CUIP_OPS\(X\)((?:.*\\\n)*.*)$", text, flags=re.M)
+    assert table, "protocol.h declares no op table (CUIP_OPS)"
+    ints.extend(f"CUIP_OP_{name}" for name in re.findall(r"\bX\((\w+),", table[1]))
     structs: dict[str, list[CField]] = {}
     for name, body in re.findall(r"struct\s+(cuip_\w+)\s*\{(.*?)\};", text, flags=re.S):
         fields = []
@@ -275,25 +286,30 @@ def c_program(ints: list[str], strings: list[str], structs: dict[str, list[CFiel
                 f"offsetof(struct {struct_name}, {f.name}), "
                 f"sizeof(((struct {struct_name} *)0)->{f.name}));"
             )
-    # The phase machine as the X-macro declares it, with the enum values its
-    # names stand for (an unknown name does not compile).
+    # The op table as the X-macro declares it, with the enum value each name stands
+    # for (an unknown name does not compile).
     lines.append(
-        "#define PIN_PHASE_OP(op, needs, reaches, transfers) "
-        'printf("phase_op %s %d %s %d %s %d %d\\n", #op, (int)CUIP_OP_##op, '
-        "#needs, (int)CUIP_PHASE_##needs, #reaches, (int)CUIP_PHASE_##reaches, (int)(transfers));"
+        "#define PIN_OP(name, number, served_in, tears_down) "
+        'printf("op %s %d %d %u %d\\n", #name, (int)CUIP_OP_##name, (int)(number), '
+        "(unsigned)(served_in), (int)(tears_down));"
     )
-    lines.append("CUIP_PHASE_OPS(PIN_PHASE_OP)")
-    # The rollback ops: their `needs` is a list macro, printed phase by phase.
-    lines.append('#define PIN_PHASE(p) printf(" %s %d", #p, (int)CUIP_PHASE_##p);')
+    lines.append("CUIP_OPS(PIN_OP)")
+    # The phase machine, and the way back.
     lines.append(
-        "#define PIN_ROLLBACK_OP(op, needs, reaches, transfers) "
-        'printf("rollback_op %s %d %s %d %d", #op, (int)CUIP_OP_##op, '
-        "#reaches, (int)CUIP_PHASE_##reaches, (int)(transfers)); "
-        'needs(PIN_PHASE) printf("\\n");'
+        "#define PIN_PHASE_OP(op, reaches, transfers) "
+        'printf("%s %s %d %s %d %d\\n", pin_table, #op, (int)CUIP_OP_##op, '
+        "#reaches, (int)CUIP_PHASE_##reaches, (int)(transfers));"
     )
-    lines.append("CUIP_ROLLBACK_OPS(PIN_ROLLBACK_OP)")
-    lines.append('printf("rollback_from"); CUIP_ROLLBACK_FROM(PIN_PHASE) printf("\\n");')
-    lines.append('printf("quiesce_from"); CUIP_QUIESCE_FROM(PIN_PHASE) printf("\\n");')
+    lines.append('{ const char *pin_table = "phase_op"; CUIP_PHASE_OPS(PIN_PHASE_OP) }')
+    lines.append('{ const char *pin_table = "rollback_op"; CUIP_ROLLBACK_OPS(PIN_PHASE_OP) }')
+    # The shim's own accessors of the op table.
+    lines.append(
+        "for (unsigned op = 0; op <= CUIP_OP_MAX + 1; op++) {"
+        ' printf("op_name %u %s", op, cuip_op_name(op));'
+        " for (unsigned p = 0; p < 32; p++)"
+        '  if (cuip_op_served_in(op, p)) printf(" %u", p);'
+        ' printf("\\n"); }'
+    )
     access_fill = "\n    ".join(
         f"r.access[{i}].location_type = {t}; r.access[{i}].location_id = {loc}; "
         f"r.access[{i}].flags = {flags}ull;"
@@ -337,13 +353,14 @@ class CLayout:
     fields: dict[str, list[tuple[str, int, int]]]  # struct -> [(field, offset, size)]
     declared: dict[str, list[CField]]
     dumps: dict[str, bytes]
-    # CUIP_PHASE_OPS in order: (op, its value, needs, its value, reaches, its value, transfers)
-    phase_ops: list[tuple[str, int, str, int, str, int, int]]
-    # CUIP_ROLLBACK_OPS in order: (op, its value, reaches, its value, transfers,
-    # ((need, its value), ...))
-    rollback_ops: list[tuple[str, int, str, int, int, tuple[tuple[str, int], ...]]]
-    rollback_from: list[tuple[str, int]]  # CUIP_ROLLBACK_FROM: (phase, its value)
-    quiesce_from: list[tuple[str, int]]  # CUIP_QUIESCE_FROM: (phase, its value)
+    # CUIP_OPS in order: (name, its enum value, its number, served-in set, tears_down)
+    ops: list[tuple[str, int, int, int, int]]
+    # CUIP_PHASE_OPS and CUIP_ROLLBACK_OPS in order: (op, its value, reaches, its
+    # value, transfers)
+    phase_ops: list[tuple[str, int, str, int, int]]
+    rollback_ops: list[tuple[str, int, str, int, int]]
+    # cuip_op_name and cuip_op_served_in for every number 0 .. CUIP_OP_MAX + 1
+    accessors: dict[int, tuple[str, frozenset[int]]]
 
 
 @pytest.fixture(scope="module")
@@ -368,7 +385,7 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> CLayout:
     out = subprocess.run(
         [str(binary)], check=True, capture_output=True, text=True, timeout=10
     ).stdout
-    layout = CLayout({}, {}, {}, {name: [] for name in structs}, structs, {}, [], [], [], [])
+    layout = CLayout({}, {}, {}, {name: [] for name in structs}, structs, {}, [], [], [], {})
     for line in out.splitlines():
         tag, rest = line.split(" ", 1)
         if tag == "int":
@@ -386,29 +403,17 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> CLayout:
         elif tag == "bytes":
             what, hexdump = rest.split(" ")
             layout.dumps[what] = bytes.fromhex(hexdump)
-        elif tag == "phase_op":
-            op, op_value, needs, needs_value, reaches, reaches_value, transfers = rest.split(" ")
-            layout.phase_ops.append(
-                (op, int(op_value), needs, int(needs_value), reaches, int(reaches_value),
-                 int(transfers))
-            )  # fmt: skip
-        elif tag == "rollback_op":
-            op, op_value, reaches, reaches_value, transfers, *needs = rest.split(" ")
-            layout.rollback_ops.append(
-                (op, int(op_value), reaches, int(reaches_value), int(transfers),
-                 phase_list(needs))
-            )  # fmt: skip
-        elif tag == "rollback_from":
-            layout.rollback_from.extend(phase_list(rest.split(" ")))
-        elif tag == "quiesce_from":
-            layout.quiesce_from.extend(phase_list(rest.split(" ")))
+        elif tag == "op":
+            name, value, number, served, tears_down = rest.split(" ")
+            layout.ops.append((name, int(value), int(number), int(served), int(tears_down)))
+        elif tag in ("phase_op", "rollback_op"):
+            op, op_value, reaches, reaches_value, transfers = rest.split(" ")
+            table = layout.phase_ops if tag == "phase_op" else layout.rollback_ops
+            table.append((op, int(op_value), reaches, int(reaches_value), int(transfers)))
+        elif tag == "op_name":
+            number, name, *phases = rest.split(" ")
+            layout.accessors[int(number)] = (name, frozenset(int(p) for p in phases))
     return layout
-
-
-def phase_list(words: list[str]) -> tuple[tuple[str, int], ...]:
-    """``NAME VALUE NAME VALUE ...`` as ((NAME, VALUE), ...)."""
-    words = [w for w in words if w]
-    return tuple((name, int(value)) for name, value in zip(words[::2], words[1::2], strict=True))
 
 
 def expected_format(layout: CLayout, struct_name: str) -> str:
@@ -545,64 +550,46 @@ def test_pin_values_cover_every_c_field(c_layout: CLayout) -> None:
     assert [*RECORD_VALUES, "access"] == record_fields
 
 
+def test_the_op_table_matches_the_engine_table(c_layout: CLayout) -> None:
+    # One op table: the shim's CUIP_OPS and the engine's OPS, the same ops in the same
+    # order, each with the same number, phases and tearing down; numbered 1 up.
+    c_table = [
+        (name, number, served, bool(tears_down))
+        for name, _, number, served, tears_down in c_layout.ops
+    ]
+    python_table = [(o.name, o.number, phase_set(o.served_in), o.tears_down) for o in OPS]
+    assert c_table == python_table
+    assert [number for _, _, number, _, _ in c_layout.ops] == list(range(1, len(OPS) + 1))
+    for name, value, number, _, tears_down in c_layout.ops:
+        assert Op[name] == value == number
+        assert tears_down in (0, 1)
+    assert c_layout.ints["CUIP_OP_MAX"] == len(OPS)
+
+
+def test_the_shims_op_accessors_read_the_table(c_layout: CLayout) -> None:
+    # cuip_op_name and cuip_op_served_in, which the shim's control server and
+    # EXPORT server use, say what the table says, and nothing for other numbers.
+    expected = {o.number: (o.name, frozenset(int(Phase[p]) for p in o.served_in)) for o in OPS}
+    for number in (0, len(OPS) + 1):
+        expected[number] = ("?", frozenset())
+    assert c_layout.accessors == expected
+
+
 def test_phase_ops_match_the_engine_table(c_layout: CLayout) -> None:
-    # One phase machine: the shim's CUIP_PHASE_OPS and the engine's PHASE_OPS,
-    # the same ops in the same order, each with the same phases and statistics.
-    c_table = [
-        (op, needs, reaches, transfers)
-        for op, _, needs, _, reaches, _, transfers in c_layout.phase_ops
-    ]
-    # The X-macro names the first phase an op is served in; QUIESCE's whole list
-    # is CUIP_QUIESCE_FROM (an advance in QUIESCED), every other op has one.
-    python_table = [(p.op, p.needs[0], p.reaches, int(p.transfers)) for p in PHASE_OPS]
-    assert c_table == python_table
-    served = {p.op: p.needs for p in PHASE_OPS}
-    assert [name for name, _ in c_layout.quiesce_from] == list(served.pop("QUIESCE"))
-    assert all(len(needs) == 1 for needs in served.values())
-    for name, value in c_layout.quiesce_from:
-        assert Phase[name] == value
-
-
-def test_phase_ops_name_wire_members(c_layout: CLayout) -> None:
-    # The X-macro's names are the CUIP_OP_/CUIP_PHASE_ suffixes; their values are
-    # the wire's, and `transfers` is a flag, not a count.
-    assert c_layout.phase_ops, "CUIP_PHASE_OPS printed nothing"
-    for op, op_value, needs, needs_value, reaches, reaches_value, transfers in c_layout.phase_ops:
-        assert Op[op] == op_value
-        assert Phase[needs] == needs_value
-        assert Phase[reaches] == reaches_value
-        assert transfers in (0, 1)
-
-
-def test_rollback_ops_match_the_engine_table(c_layout: CLayout) -> None:
-    # The way back: the shim's CUIP_ROLLBACK_OPS and the engine's ROLLBACK_OPS, the
-    # same ops in the same order, each served in the same phases (in enum order),
-    # reaching the same phase, with the same statistics.
-    c_table = [
-        (op, tuple(name for name, _ in needs), reaches, transfers)
-        for op, _, reaches, _, transfers, needs in c_layout.rollback_ops
-    ]
-    python_table = [(p.op, p.needs, p.reaches, int(p.transfers)) for p in ROLLBACK_OPS]
-    assert c_table == python_table
-    assert [name for name, _ in c_layout.rollback_from] == list(ROLLBACK_FROM)
-    assert c_layout.rollback_ops[0][0] == "ROLLBACK_ALLOCATIONS"
-    assert c_layout.rollback_ops[0][5] == tuple(c_layout.rollback_from)
-
-
-def test_rollback_ops_name_wire_members(c_layout: CLayout) -> None:
-    assert c_layout.rollback_ops, "CUIP_ROLLBACK_OPS printed nothing"
-    assert c_layout.rollback_from, "CUIP_ROLLBACK_FROM printed nothing"
-    for op, op_value, reaches, reaches_value, transfers, needs in c_layout.rollback_ops:
-        assert Op[op] == op_value
-        assert Phase[reaches] == reaches_value
-        assert transfers in (0, 1)
-        assert needs, f"{op} is served in no phase"
-        for name, value in needs:
-            assert Phase[name] == value
-        values = [value for _, value in needs]
-        assert values == sorted(set(values)), f"{op}: phases repeated or not in enum order"
-    for name, value in c_layout.rollback_from:
-        assert Phase[name] == value
+    # One phase machine: the shim's CUIP_PHASE_OPS and the engine's PHASE_OPS, the
+    # same ops in the same order, each reaching the same phase with the same
+    # statistics; and the way back, CUIP_ROLLBACK_OPS and ROLLBACK_OPS.
+    for c_rows, python_rows in (
+        (c_layout.phase_ops, PHASE_OPS),
+        (c_layout.rollback_ops, ROLLBACK_OPS),
+    ):
+        assert c_rows, "a phase table printed nothing"
+        c_table = [(op, reaches, transfers) for op, _, reaches, _, transfers in c_rows]
+        assert c_table == [(p.op, p.reaches, int(p.transfers)) for p in python_rows]
+        for op, op_value, reaches, reaches_value, transfers in c_rows:
+            assert Op[op] == op_value
+            assert Phase[reaches] == reaches_value
+            assert transfers in (0, 1)
     # No op is both a forward op and a rollback op.
     forward = {op for op, *_ in c_layout.phase_ops}
     assert forward.isdisjoint(op for op, *_ in c_layout.rollback_ops)
