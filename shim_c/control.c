@@ -41,25 +41,42 @@ static const char *op_name(unsigned op)
     return cuip_op_name(op); /* from the op table, CUIP_OPS */
 }
 
+/* The stat fields a request of its op may carry (protocol.h's per-op names):
+ * QUIESCE its deadline and round flag, STATUS what it asks; others none. */
+static bool request_stats_ok(const struct cuip_header *q)
+{
+    switch (q->op) {
+    case CUIP_OP_QUIESCE:
+        return cuip_quiesce_round(q) <= 1 && !q->stat_bytes && !q->stat_copy_ns;
+    case CUIP_OP_STATUS:
+        return cuip_status_ask(q) <= CUIP_ASK_DRIVER && !q->stat_bytes && !q->stat_elapsed_ns &&
+               !q->stat_copy_ns;
+    default:
+        return !q->stat_count && !q->stat_bytes && !q->stat_elapsed_ns && !q->stat_copy_ns;
+    }
+}
+
 /* Strict validation: anything non-zero where zero is required, a wrong
  * magic or version, an unknown op or a foreign participant is refused. */
 static bool validate(const struct cuip_header *q, struct reply *r)
 {
     bool exporting = q->op == CUIP_OP_EXPORT;
-    if (q->magic != CUIP_MAGIC || q->version != CUIP_VERSION) {
-        reply_msg(r, CUIP_STATUS_BAD_REQUEST, "bad magic or version");
+    if (q->magic != CUIP_MAGIC) {
+        reply_msg(r, CUIP_STATUS_BAD_REQUEST, "bad magic %#x", q->magic);
+        return false;
+    }
+    if (q->version != CUIP_VERSION) {
+        /* The reply's header carries this shim's version: the coordinator
+         * names both and which side to upgrade. */
+        reply_msg(r, CUIP_STATUS_BAD_REQUEST, "this shim speaks protocol version %u, the "
+                  "request version %u: nothing was done", CUIP_VERSION, q->version);
         return false;
     }
     if (q->op < CUIP_OP_HANDSHAKE || q->op > CUIP_OP_MAX) {
         reply_msg(r, CUIP_STATUS_BAD_REQUEST, "unknown op %u", q->op);
         return false;
     }
-    /* QUIESCE's stat_elapsed_ns is the coordinator's deadline for it, its
-     * stat_count 1 for a round; STATUS's stat_count CUIP_ASK_DRIVER asks for
-     * the driver's path (protocol.h). */
-    if (q->status || q->count || q->pid || q->phase || q->reserved ||
-        q->stat_count > (q->op == CUIP_OP_QUIESCE || q->op == CUIP_OP_STATUS ? 1u : 0u) ||
-        q->stat_bytes || (q->stat_elapsed_ns && q->op != CUIP_OP_QUIESCE) || q->stat_copy_ns ||
+    if (q->status || q->count || q->pid || q->phase || q->flags || !request_stats_ok(q) ||
         q->message_length != (exporting ? CUIP_PARTICIPANT_LEN : 0)) {
         reply_msg(r, CUIP_STATUS_BAD_REQUEST, "%s request has reply-only fields set",
                   op_name(q->op));
@@ -328,11 +345,10 @@ static void serve_status(struct reply *r, bool ask_driver)
 
     pthread_mutex_lock(&g.lock);
     if (g.busy) {
-        /* The layout protocol.h gives a STATUS reply's stat fields. */
-        r->h.stat_count = g.op_in_flight;
-        r->h.stat_elapsed_ns = shim_now_ns() - g.op_started_ns;
-        r->h.stat_bytes = __atomic_load_n(&g.phase_bytes_done, __ATOMIC_RELAXED);
-        r->h.stat_copy_ns = __atomic_load_n(&g.phase_bytes_total, __ATOMIC_RELAXED);
+        cuip_set_status_in_flight(&r->h, g.op_in_flight,
+                                  __atomic_load_n(&g.phase_bytes_done, __ATOMIC_RELAXED),
+                                  __atomic_load_n(&g.phase_bytes_total, __ATOMIC_RELAXED),
+                                  shim_now_ns() - g.op_started_ns);
     }
     if (driver) {
         reply_msg(r, CUIP_STATUS_OK, "%s", driver);
@@ -542,7 +558,7 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
     }
     if (q->op == CUIP_OP_STATUS) {
         /* read-only: served to anyone trusted, lease or not */
-        serve_status(r, q->stat_count == CUIP_ASK_DRIVER);
+        serve_status(r, cuip_status_ask(q) == CUIP_ASK_DRIVER);
         return;
     }
     pthread_mutex_lock(&g.lock);
@@ -576,8 +592,8 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
     default:
         if (q->op == CUIP_OP_QUIESCE) {
             pthread_mutex_lock(&g.lock);
-            g.quiesce_deadline_ns = q->stat_elapsed_ns;
-            g.quiesce_round = q->stat_count == 1;
+            g.quiesce_deadline_ns = cuip_quiesce_deadline_ns(q);
+            g.quiesce_round = cuip_quiesce_round(q) == 1;
             pthread_mutex_unlock(&g.lock);
         }
         run_phase_op(q->op, r);

@@ -1,5 +1,5 @@
 /*
- * cuinterpose control protocol, version 1: the single source of truth.
+ * cuinterpose control protocol, version 2: the single source of truth.
  *
  * The coordinator engine (engine/wire.py) is pinned to this header by a test
  * that compiles a program printing every size and offset below. Any change to
@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #define CUIP_MAGIC 0x50495543u   /* bytes "CUIP" */
-#define CUIP_VERSION 1u
+#define CUIP_VERSION 2u
 
 /* Limits. */
 #define CUIP_PARTICIPANT_LEN 32      /* lowercase hex, no NUL */
@@ -78,7 +78,7 @@ enum cuip_phase {
  * RELEASE ends the coordinator's lease (see `authorization`).
  * STATUS is read-only and served while a phase op runs (never a phase op,
  * changes nothing, binds nothing; the participant may be all zero): its
- * reply's stat fields say what is in flight (below).
+ * reply's stat fields say what is in flight (cuip_status_*, after the header).
  * QUIESCE, the first op of a capture, closes the gate that the
  * application's driver calls pass until the process is quiet
  * (specs/quiesce.md); its request carries a deadline and a round flag
@@ -157,15 +157,12 @@ static inline int cuip_op_served_in(uint32_t op, uint32_t phase)
     return phase < 32 && (set >> phase) & 1u;
 }
 
-/* A STATUS reply's stat fields (its phase is the header's phase):
- * stat_count the op in flight (enum cuip_op, 0 when none), stat_bytes the
- * bytes that op has copied so far, stat_elapsed_ns how long it has run,
- * stat_copy_ns the bytes it copies in all (0 when it copies nothing).
- * A STATUS request with stat_count CUIP_ASK_DRIVER asks which driver the
- * process runs on: the reply's message is then the path of the
+/* A STATUS request asking CUIP_ASK_DRIVER (cuip_status_ask) asks which
+ * driver the process runs on: the reply's message is then the path of the
  * libcuda.so.1 the shim loaded (empty while none is loaded), instead of the
  * stored failure reason, so that the coordinator's native checkpoint calls
- * load the same one. */
+ * load the same one. What a STATUS reply's stat fields carry: below the
+ * header, cuip_status_*. */
 #define CUIP_ASK_DRIVER 1u
 
 
@@ -240,13 +237,93 @@ struct cuip_header {
     uint32_t message_length;
     uint32_t pid;                            /* reply: the shim's getpid() */
     uint16_t phase;                          /* reply: enum cuip_phase after the op */
-    uint16_t reserved;
-    uint64_t stat_count;                     /* SAVE/LOAD/ROLLBACK_ALLOCATIONS: allocations moved */
+    uint16_t flags;                          /* reply: CUIP_REPLY_ bits; 0 in requests */
+    /* The stat fields: a transfer's statistics (SAVE/LOAD/ROLLBACK_ALLOCATIONS,
+     * INSPECT), or what the op names below make of them (QUIESCE, STATUS). */
+    uint64_t stat_count;                     /* allocations moved */
     uint64_t stat_bytes;                     /* bytes moved */
-    uint64_t stat_elapsed_ns;                /* time inside the shim for the whole op;
-                                              * in a QUIESCE request: its deadline */
+    uint64_t stat_elapsed_ns;                /* time inside the shim for the whole op */
     uint64_t stat_copy_ns;                   /* time spent in device copies */
 };
+
+/* The reply's flags. NOT_QUIET: a QUIESCE refused (REFUSED) because the
+ * process did not get quiet within its deadline; nothing changed, its gate
+ * is open again, and a capture may start over. The message says the same
+ * for humans; code decides on the flag. */
+#define CUIP_REPLY_NOT_QUIET 0x1u
+
+/* The stat fields whose meaning is the op's, by name: code reads and writes
+ * them through these only. */
+
+/* QUIESCE request: the longest the coordinator lets it take (ns; 0: the
+ * shim's own deadline, which also bounds it). */
+static inline uint64_t cuip_quiesce_deadline_ns(const struct cuip_header *h)
+{
+    return h->stat_elapsed_ns;
+}
+static inline void cuip_set_quiesce_deadline_ns(struct cuip_header *h, uint64_t ns)
+{
+    h->stat_elapsed_ns = ns;
+}
+
+/* QUIESCE request: 1 for a round (PENDING instead of a refusal). */
+static inline uint64_t cuip_quiesce_round(const struct cuip_header *h)
+{
+    return h->stat_count;
+}
+static inline void cuip_set_quiesce_round(struct cuip_header *h, uint64_t round)
+{
+    h->stat_count = round;
+}
+
+/* QUIESCE reply: the number of threads held at the gate. */
+static inline uint64_t cuip_quiesce_held(const struct cuip_header *h)
+{
+    return h->stat_count;
+}
+static inline void cuip_set_quiesce_held(struct cuip_header *h, uint64_t threads)
+{
+    h->stat_count = threads;
+}
+
+/* STATUS request: CUIP_ASK_DRIVER to ask for the driver's path, else 0. */
+static inline uint64_t cuip_status_ask(const struct cuip_header *h)
+{
+    return h->stat_count;
+}
+static inline void cuip_set_status_ask(struct cuip_header *h, uint64_t ask)
+{
+    h->stat_count = ask;
+}
+
+/* STATUS reply: the op in flight (enum cuip_op, 0 when none), the bytes it
+ * has copied so far, the bytes it copies in all (0 when it copies nothing),
+ * how long it has run. */
+static inline uint64_t cuip_status_op(const struct cuip_header *h)
+{
+    return h->stat_count;
+}
+static inline uint64_t cuip_status_bytes_done(const struct cuip_header *h)
+{
+    return h->stat_bytes;
+}
+static inline uint64_t cuip_status_bytes_total(const struct cuip_header *h)
+{
+    return h->stat_copy_ns;
+}
+static inline uint64_t cuip_status_elapsed_ns(const struct cuip_header *h)
+{
+    return h->stat_elapsed_ns;
+}
+static inline void cuip_set_status_in_flight(struct cuip_header *h, uint64_t op,
+                                             uint64_t bytes_done, uint64_t bytes_total,
+                                             uint64_t elapsed_ns)
+{
+    h->stat_count = op;
+    h->stat_bytes = bytes_done;
+    h->stat_copy_ns = bytes_total;
+    h->stat_elapsed_ns = elapsed_ns;
+}
 
 /* Record kinds. */
 enum cuip_record_kind {

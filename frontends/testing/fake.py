@@ -42,10 +42,12 @@ from ..engine.wire import (
     RECORDS_MAX,
     SOCKET_PREFIX,
     SOCKET_SUFFIX,
+    VERSION,
     Header,
     Op,
     Phase,
     Record,
+    ReplyFlag,
     Request,
     Stats,
     Status,
@@ -58,6 +60,7 @@ FaultKind = Literal[
     "fail",
     "retry",
     "pending",
+    "not_quiet",
     "delay",
     "hang",
     "hangup",
@@ -116,6 +119,9 @@ class Fault:
       answers RETRY every time. ``fail`` counts ``times`` the same way.
     - ``pending``: QUIESCE only: answer PENDING in phase ACTIVE (not quiet yet, the gate
       kept closed) with ``message``, counting ``times`` the same way.
+    - ``not_quiet``: QUIESCE only: answer REFUSED in phase ACTIVE with the NOT_QUIET
+      flag (not quiet within the deadline, the gate open again) and ``message``,
+      counting ``times`` the same way.
     - ``delay``: wait ``seconds``, then answer normally.
     - ``hang``: never answer (until the client hangs up or the fake stops).
     - ``hangup``: close the connection without answering.
@@ -137,6 +143,8 @@ class Fault:
     def __attrs_post_init__(self) -> None:
         if self.kind == "fail" and self.status is Status.OK:
             raise ValueError("a 'fail' fault needs a non-OK status")
+        if self.kind == "not_quiet" and self.status is not Status.REFUSED:
+            raise ValueError("a 'not_quiet' fault answers REFUSED (its status is not chosen)")
 
 
 class FakeParticipantError(RuntimeError):
@@ -222,8 +230,13 @@ class FakeParticipant:
         script: Mapping[Op, Fault] | None = None,
         arrival: threading.Barrier | None = None,
         driver: str = "",
+        version: int = VERSION,
     ) -> None:
         self.socket_path = Path(socket_path)
+        # The protocol version it speaks: of another than the coordinator's, it
+        # answers every request BAD_REQUEST in its own version and changes nothing,
+        # as a shim does a request of another version.
+        self.version = version
         self.driver = driver  # what STATUS with ask_driver answers (protocol.h)
         self.participant = participant if participant is not None else secrets.token_hex(16)
         # Encoding once validates the id and every record up front, and spares
@@ -483,6 +496,9 @@ class FakeParticipant:
 
     def _dispatch(self, conn: _Conn, conns: _Conns) -> None:
         raw = bytes(conn.request)
+        if self.version != VERSION:
+            self._reply_now(conn, self._refusal(raw, "bad magic or version"), conns)
+            return
         try:
             request, _ = decode_request(raw)
         except WireError as exc:
@@ -634,7 +650,7 @@ class FakeParticipant:
                 return self._encode(echoed, Status.OK, self.driver, participant=participant)
             if op is Op.QUIESCE and phase is Phase.QUIESCED:
                 self._advances += 1
-            if kind in ("retry", "fail", "pending"):
+            if kind in ("retry", "fail", "pending", "not_quiet"):
                 assert fault is not None
                 answered = self._retried.get(op, 0)
                 if fault.times and answered >= fault.times:
@@ -648,6 +664,16 @@ class FakeParticipant:
                 assert fault is not None
                 self._phase = Phase.ACTIVE
                 return self._encode(echoed, Status.PENDING, fault.message, participant=participant)
+            if kind == "not_quiet":
+                assert fault is not None
+                self._phase = Phase.ACTIVE  # the shim opened its gate again
+                return self._encode(
+                    echoed,
+                    Status.REFUSED,
+                    fault.message,
+                    participant=participant,
+                    flags=int(ReplyFlag.NOT_QUIET),
+                )
             if kind == "fail":
                 assert fault is not None
                 if op is Op.QUIESCE:
@@ -693,6 +719,7 @@ class FakeParticipant:
         participant: str | None = None,
         count: int = 0,
         stats: Stats | None = None,
+        flags: int = 0,
     ) -> bytes:
         text = _text(message)
         header = Header(
@@ -706,6 +733,8 @@ class FakeParticipant:
             # holds the lock, so the reply reports the phase after the op.
             phase=int(self._phase),
             stats=stats if stats is not None else Stats(),
+            flags=flags,
+            version=self.version,
         )
         return header.encode() + text
 

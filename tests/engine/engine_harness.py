@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 from cuinterpose.engine.client import Endpoint
 from cuinterpose.engine.topology import Topology
-from cuinterpose.engine.wire import Op, Phase, Record, Stats, socket_name
+from cuinterpose.engine.wire import VERSION, Op, Phase, Record, Stats, socket_name
 from cuinterpose.phases import PHASE_OPS, TEARS_DOWN
 from cuinterpose.testing import FakeParticipant, Fault
 
@@ -69,10 +69,12 @@ def team_of(
     barrier: bool = False,
     barrier_timeout: float = 10.0,
     pids: Mapping[int, int] | None = None,
+    versions: Mapping[int, int] | None = None,
 ) -> Iterator[Team]:
     """One started fake per participant of ``topology``, serving its records.
 
-    ``scripts``/``restored``/``pids`` are keyed by the participant's index.
+    ``scripts``/``restored``/``pids``/``versions`` (the protocol version a fake
+    speaks) are keyed by the participant's index.
     With ``barrier``, no fake answers an op until every fake has received it.
     """
     control_dir.mkdir(parents=True, exist_ok=True)
@@ -92,6 +94,7 @@ def team_of(
                 stats={Op.SAVE_ALLOCATIONS: SAVE_STATS, Op.LOAD_ALLOCATIONS: LOAD_STATS},
                 script=(scripts or {}).get(i),
                 arrival=arrival,
+                version=(versions or {}).get(i, VERSION),
             )
         )
     with contextlib.ExitStack() as stack:

@@ -34,9 +34,11 @@ from cuinterpose.engine.wire import (
     Record,
     RecordFlag,
     RecordKind,
+    Request,
     ResourceKind,
     Stats,
     Status,
+    decode_request,
 )
 from cuinterpose.phases.ops import EVERY_PHASE, OPS, PHASE_OPS, ROLLBACK_OPS
 
@@ -127,6 +129,7 @@ def python_constants() -> dict[str, int | str]:
         ("CUIP_RESOURCE_", ResourceKind),
         ("CUIP_RECORD_", RecordKind),
         ("CUIP_FLAG_", RecordFlag),
+        ("CUIP_REPLY_", wire.ReplyFlag),
         ("CUIP_UNOWNED_", wire.Unowned),
         ("CUIP_", BindingKind),  # CUIP_BIND_MEM, CUIP_BIND_ADDR
     ]
@@ -198,7 +201,7 @@ HEADER_VALUES: dict[str, int | bytes] = {
     "message_length": 0x0302,  # decoding refuses more than MESSAGE_MAX
     "pid": 0x41424344,
     "phase": 0x5152,
-    "reserved": 0,
+    "flags": 1,  # decoding refuses unknown flags
     "stat_count": 0x6162636465666768,
     "stat_bytes": 0x7172737475767778,
     "stat_elapsed_ns": 0x0102030405060708,
@@ -217,6 +220,7 @@ PIN_HEADER = Header(
     pid=0x41424344,
     phase=0x5152,
     stats=Stats(0x6162636465666768, 0x7172737475767778, 0x0102030405060708, 0x1112131415161718),
+    flags=1,
 )
 
 ACCESS_VALUES = [(-0x0101, 0x0202, 0x0303030303030303), (0x0404, -0x0505, 0x0606), (7, 8, 9)]
@@ -310,6 +314,9 @@ def c_program(ints: list[str], strings: list[str], structs: dict[str, list[CFiel
         '  if (cuip_op_served_in(op, p)) printf(" %u", p);'
         ' printf("\\n"); }'
     )
+    # The stat fields' per-op names: each setter on a header of zeros (dumped), and
+    # each getter of what the setters wrote.
+    lines.append(PER_OP_PROGRAM)
     access_fill = "\n    ".join(
         f"r.access[{i}].location_type = {t}; r.access[{i}].location_id = {loc}; "
         f"r.access[{i}].flags = {flags}ull;"
@@ -345,6 +352,42 @@ int main(void) {{
 """
 
 
+# Distinctive values for the per-op names of the stat fields.
+DEADLINE_NS = 0x0102030405060708
+IN_FLIGHT = wire.InFlight(Op.LOAD_ALLOCATIONS, 0x1112131415161718, 0x2122232425262728, 0x313233)
+HELD = 0x0A0B
+
+PER_OP_PROGRAM = f"""
+{{
+    struct cuip_header q;
+    memset(&q, 0, sizeof q);
+    q.magic = CUIP_MAGIC; q.version = CUIP_VERSION; q.op = CUIP_OP_QUIESCE;
+    cuip_set_quiesce_deadline_ns(&q, {DEADLINE_NS}ull);
+    cuip_set_quiesce_round(&q, 1);
+    dump("quiesce_request", &q, sizeof q);
+    printf("read quiesce_request %llu %llu\\n", (unsigned long long)cuip_quiesce_deadline_ns(&q),
+           (unsigned long long)cuip_quiesce_round(&q));
+    memset(&q, 0, sizeof q);
+    q.magic = CUIP_MAGIC; q.version = CUIP_VERSION; q.op = CUIP_OP_STATUS;
+    cuip_set_status_ask(&q, CUIP_ASK_DRIVER);
+    dump("status_request", &q, sizeof q);
+    printf("read status_request %llu\\n", (unsigned long long)cuip_status_ask(&q));
+    memset(&q, 0, sizeof q);
+    cuip_set_status_in_flight(&q, CUIP_OP_{IN_FLIGHT.op.name}, {IN_FLIGHT.bytes_done}ull,
+                              {IN_FLIGHT.bytes_total}ull, {IN_FLIGHT.elapsed_ns}ull);
+    dump("status_reply", &q, sizeof q);
+    printf("read status_reply %llu %llu %llu %llu\\n", (unsigned long long)cuip_status_op(&q),
+           (unsigned long long)cuip_status_bytes_done(&q),
+           (unsigned long long)cuip_status_bytes_total(&q),
+           (unsigned long long)cuip_status_elapsed_ns(&q));
+    memset(&q, 0, sizeof q);
+    cuip_set_quiesce_held(&q, {HELD}ull);
+    dump("quiesce_reply", &q, sizeof q);
+    printf("read quiesce_reply %llu\\n", (unsigned long long)cuip_quiesce_held(&q));
+}}
+"""
+
+
 @attrs.frozen
 class CLayout:
     ints: dict[str, int]
@@ -361,6 +404,8 @@ class CLayout:
     rollback_ops: list[tuple[str, int, str, int, int]]
     # cuip_op_name and cuip_op_served_in for every number 0 .. CUIP_OP_MAX + 1
     accessors: dict[int, tuple[str, frozenset[int]]]
+    # What the per-op getters read, by dump name.
+    reads: dict[str, tuple[int, ...]]
 
 
 @pytest.fixture(scope="module")
@@ -385,7 +430,7 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> CLayout:
     out = subprocess.run(
         [str(binary)], check=True, capture_output=True, text=True, timeout=10
     ).stdout
-    layout = CLayout({}, {}, {}, {name: [] for name in structs}, structs, {}, [], [], [], {})
+    layout = CLayout({}, {}, {}, {name: [] for name in structs}, structs, {}, [], [], [], {}, {})
     for line in out.splitlines():
         tag, rest = line.split(" ", 1)
         if tag == "int":
@@ -410,6 +455,9 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> CLayout:
             op, op_value, reaches, reaches_value, transfers = rest.split(" ")
             table = layout.phase_ops if tag == "phase_op" else layout.rollback_ops
             table.append((op, int(op_value), reaches, int(reaches_value), int(transfers)))
+        elif tag == "read":
+            what, *values = rest.split(" ")
+            layout.reads[what] = tuple(int(v) for v in values)
         elif tag == "op_name":
             number, name, *phases = rest.split(" ")
             layout.accessors[int(number)] = (name, frozenset(int(p) for p in phases))
@@ -593,3 +641,46 @@ def test_phase_ops_match_the_engine_table(c_layout: CLayout) -> None:
     # No op is both a forward op and a rollback op.
     forward = {op for op, *_ in c_layout.phase_ops}
     assert forward.isdisjoint(op for op, *_ in c_layout.rollback_ops)
+
+
+def _stat_fields(raw: bytes) -> Stats:
+    return Stats(*struct.unpack_from("<QQQQ", raw, 96))
+
+
+def test_the_per_op_stat_names_match_the_shims(c_layout: CLayout) -> None:
+    # A QUIESCE request's deadline and round, a STATUS request's ask, a STATUS reply's
+    # op in flight and bytes, a QUIESCE reply's threads held: the C accessors and the
+    # Python codec put each in the same field, and read back what was put there.
+    dumps, reads = c_layout.dumps, c_layout.reads
+    quiesce = Request(Op.QUIESCE, deadline_ns=DEADLINE_NS, round=True)
+    assert quiesce.encode() == dumps["quiesce_request"]
+    assert decode_request(dumps["quiesce_request"])[0] == quiesce
+    assert reads["quiesce_request"] == (DEADLINE_NS, 1)
+    status = Request(Op.STATUS, ask_driver=True)
+    assert status.encode() == dumps["status_request"]
+    assert decode_request(dumps["status_request"])[0] == status
+    assert reads["status_request"] == (wire.ASK_DRIVER,)
+    in_flight = dumps["status_reply"]
+    assert in_flight[:96] == bytes(96)  # the setter touches the stat fields only
+    assert wire.InFlight.from_stats(_stat_fields(in_flight)) == IN_FLIGHT
+    assert _stat_fields(in_flight) == IN_FLIGHT.stats()
+    assert reads["status_reply"] == (
+        int(Op.LOAD_ALLOCATIONS),
+        IN_FLIGHT.bytes_done,
+        IN_FLIGHT.bytes_total,
+        IN_FLIGHT.elapsed_ns,
+    )
+    held = dumps["quiesce_reply"]
+    assert held[:96] == bytes(96) and wire.quiesce_held(_stat_fields(held)) == HELD
+    assert reads["quiesce_reply"] == (HELD,)
+
+
+def test_a_header_of_another_version_is_refused_by_number(c_layout: CLayout) -> None:
+    # The version is the header's second field in every version: a coordinator reads
+    # it before anything else of a reply, and names it (client.ProtocolMismatch).
+    assert ("version", 4, 2) in c_layout.fields["cuip_header"]
+    older = bytearray(c_layout.dumps["header"])
+    struct.pack_into("<H", older, 4, wire.VERSION - 1)
+    with pytest.raises(wire.VersionMismatch) as caught:
+        Header.decode(bytes(older))
+    assert caught.value.version == wire.VERSION - 1
