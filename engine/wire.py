@@ -425,8 +425,23 @@ def status_request_stats(ask_driver: bool) -> Stats:
     return Stats(count=ASK_DRIVER if ask_driver else 0)
 
 
+def quiesce_deadline_ns(stats: Stats) -> int:
+    """A QUIESCE request's deadline (ns; 0: the shim's own)."""
+    return stats.elapsed_ns
+
+
+def quiesce_round(stats: Stats) -> int:
+    """A QUIESCE request's round flag (1: a round)."""
+    return stats.count
+
+
 def quiesce_held(stats: Stats) -> int:
     """A QUIESCE reply's threads held at the gate."""
+    return stats.count
+
+
+def status_ask(stats: Stats) -> int:
+    """What a STATUS request asks (ASK_DRIVER, or 0)."""
     return stats.count
 
 
@@ -727,9 +742,9 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
     ):
         raise WireError(f"{op.name} request has reply-only fields set")
     stats = header.stats
-    deadline = stats.elapsed_ns if op is Op.QUIESCE else 0
-    round_flag = stats.count if op is Op.QUIESCE else 0
-    ask = stats.count if op is Op.STATUS else 0
+    deadline = quiesce_deadline_ns(stats) if op is Op.QUIESCE else 0
+    round_flag = quiesce_round(stats) if op is Op.QUIESCE else 0
+    ask = status_ask(stats) if op is Op.STATUS else 0
     if round_flag > 1 or ask > ASK_DRIVER:
         raise WireError(f"{op.name} request has stats set")
     if op is Op.QUIESCE:
