@@ -27,6 +27,7 @@ from .client import (
     ParticipantError,
     ParticipantHangup,
     ParticipantTimeout,
+    ProtocolMismatch,
 )
 from .errors import CoordinatorError
 from .fsm import MACHINES
@@ -48,7 +49,8 @@ _UNCOMPARED: Final = frozenset(
     }
 )
 _ERRORS: Final[Mapping[str, type[ParticipantError]]] = {
-    cls.__name__: cls for cls in (ParticipantError, ParticipantTimeout, ParticipantHangup, BadReply)
+    cls.__name__: cls
+    for cls in (ParticipantError, ParticipantTimeout, ParticipantHangup, BadReply, ProtocolMismatch)
 }
 
 
