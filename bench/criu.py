@@ -153,7 +153,8 @@ def scenario_torch(s: Setup, *, expandable: bool = True) -> dict[str, Any]:
             return {str(w.check("digest", which=which)["digest"]) for w in (producer, consumer)}
 
         before = digests()
-        s.log(f"torch: a {mib} MiB tensor shared, one digest in both: {len(before) == 1}")
+        name = "torch" if expandable else "torch-default"
+        s.log(f"{name}: a {mib} MiB tensor shared, one digest in both: {len(before) == 1}")
         result = round_trip(tree, s)
         bytes_ok = digests() == before
         consumer.check("fill", seed=5)

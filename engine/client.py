@@ -40,10 +40,12 @@ from .wire import (
     CONTROL_DIR_MAX,
     HEADER_SIZE,
     RECORD_SIZE,
+    VERSION,
     Header,
     Op,
     Reply,
     Request,
+    VersionMismatch,
     WireError,
     socket_name,
 )
@@ -195,6 +197,43 @@ class ParticipantGone(ParticipantHangup):
 
 class BadReply(ParticipantError):
     """The reply was malformed, echoed another op or came from another participant."""
+
+
+class ProtocolMismatch(BadReply):
+    """The shim speaks another protocol ``version`` (0: not known, as in a replayed
+    trace): refused before anything changed, since a shim refuses a request of another
+    version and the coordinator reads no further than the reply's version."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        op: Op,
+        reason: str,
+        participant: str | None = None,
+        version: int = 0,
+    ) -> None:
+        super().__init__(endpoint, op, reason, participant)
+        self.version = version
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            type(self),
+            (self.endpoint, self.op, self.reason, self.participant, self.version),
+        )
+
+
+def mismatch_reason(version: int) -> str:
+    """What an operator does about a shim speaking protocol ``version``."""
+    if version < VERSION:
+        upgrade = "upgrade the shim preloaded in the workload (or use a cuinterpose matching it)"
+    else:
+        upgrade = (
+            "upgrade cuinterpose, the coordinator's package on this node "
+            "(or preload a shim matching it in the workload)"
+        )
+    return (
+        f"its shim speaks protocol version {version}, this coordinator speaks {VERSION}: {upgrade}"
+    )
 
 
 class UntrustedEndpoint(ParticipantError):
@@ -504,6 +543,16 @@ class _Exchange:
     def _on_header(self, poller: _Poller) -> None:
         try:
             header = Header.decode(bytes(self.buffer))
+        except VersionMismatch as exc:
+            self._finish(poller)
+            self.outcome = ProtocolMismatch(
+                self.endpoint,
+                self.request.op,
+                mismatch_reason(exc.version),
+                self.expect,
+                exc.version,
+            )
+            return
         except WireError as exc:
             self._finish(poller)
             self.fail(BadReply, f"malformed reply: {exc}", None)

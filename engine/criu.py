@@ -222,7 +222,8 @@ def run_criu(
     seconds = time.perf_counter() - began
     if done.returncode != 0:
         errors = _log_errors(log)
-        lines = [f"exit status {done.returncode}", *errors, *_pid_holders(errors)]
+        hints = [*_pid_holders(errors), *_remaps_in_the_way(errors)]
+        lines = [f"exit status {done.returncode}", *errors, *hints]
         if done.stderr.strip():
             lines.insert(1, done.stderr.strip()[-500:])
         raise CriuFailed(f"`{' '.join(argv)}` failed:", lines)
@@ -230,18 +231,69 @@ def run_criu(
 
 
 _TAKEN_PID: Final = re.compile(r"Can't fork for (\d+): File exists")
+_REMAP_TAKEN: Final = re.compile(r"Can't link\s+-> \.(/\S*link_remap\.\d+)")
 
 
-def _pid_holders(errors: Sequence[str]) -> list[str]:
+def _remaps_in_the_way(errors: Sequence[str]) -> list[str]:
+    """For a dump that found a link-remap name taken: CRIU names the hard links it makes
+    for open files that lost their name (``--link-remap``) by their id in the image, and
+    the restore removes them. One left by a dump whose restore failed or never ran
+    blocks a later dump of a process with the same files (multiprocessing's semaphores
+    in /dev/shm)."""
+    hints = []
+    for path in dict.fromkeys(m[1] for line in errors for m in _REMAP_TAKEN.finditer(line)):
+        hints.append(
+            f"{path} is left from an earlier dump (CRIU removes it when that dump is "
+            "restored): restore that dump first, or remove the file if it is abandoned"
+        )
+    return hints
+
+
+def _stat_fields(text: str) -> list[str]:
+    return text.rsplit(")", 1)[1].split()
+
+
+def _command(pid: int | str, proc: Path) -> str:
+    raw = (proc / str(pid) / "cmdline").read_bytes()
+    return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
+
+
+def _id_users(pid: int, proc: Path) -> list[str]:
+    """The processes whose process group or session is ``pid``: the kernel keeps a pid
+    taken while any process (a zombie too) still uses it as such, though /proc no longer
+    lists it. A dumped tree started in a session of its own leaves that session's id
+    taken until every process of it, a helper the tree forked among them, is reaped."""
+    users = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = _stat_fields((entry / "stat").read_text())
+            state, group, session = fields[0], int(fields[2]), int(fields[3])
+            command = _command(entry.name, proc) or "(no command line)"
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        role = "session" if session == pid else "process group" if group == pid else None
+        if role is not None:
+            dead = ", a zombie its parent has not reaped" if state == "Z" else ""
+            users.append(f"{role} id of pid {entry.name} ({command}{dead})")
+    return users
+
+
+def _pid_holders(errors: Sequence[str], proc: Path = Path("/proc")) -> list[str]:
     """For a restore that found a pid of the tree taken: which process holds it now."""
     held = []
-    for pid in dict.fromkeys(m[1] for line in errors for m in _TAKEN_PID.finditer(line)):
+    for pid in dict.fromkeys(int(m[1]) for line in errors for m in _TAKEN_PID.finditer(line)):
         try:
-            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-            who = " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
+            who = _command(pid, proc) or "(no command line)"
         except OSError as exc:
-            who = f"gone by now ({exc.strerror})"
-        held.append(f"pid {pid} of the tree is taken by: {who or '(no command line)'}")
+            users = _id_users(pid, proc)
+            who = (
+                "no process, but it is still the " + "; the ".join(users)
+                if users
+                else f"gone by now ({exc.strerror})"
+            )
+        held.append(f"pid {pid} of the tree is taken by: {who}")
     return held
 
 
@@ -327,10 +379,6 @@ def before_restore(checkpoint_dir: Path, control_dir: Path | None) -> Prepared:
 
 
 # --------------------------------------------------------------- after the restore
-def _stat_fields(text: str) -> list[str]:
-    return text.rsplit(")", 1)[1].split()
-
-
 def _descendants(root: int, proc: Path) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in proc.iterdir():

@@ -24,6 +24,9 @@ class Problem:
     reason: str
     participant: str | None = None
     pid: int | None = None
+    # QUIESCE's typed "not quiet in time" (the reply's NOT_QUIET flag, or rounds
+    # that ended with the participant still PENDING): what decides a restart.
+    not_quiet: bool = False
 
     def __str__(self) -> str:
         who = []
@@ -137,8 +140,8 @@ class PhaseFailed(CoordinatorError):
     """
 
 
-# The words of a shim's QUIESCE refusal (shim_c/quiesce.c): its process did not get
-# quiet by the deadline, and its gate is open again.
+# The words a "not quiet" refusal uses, for humans (shim_c/quiesce.c, and the
+# coordinator's own for rounds that ended PENDING); code decides on Problem.not_quiet.
 NOT_QUIET: Final = "did not reach a quiet point"
 
 
@@ -148,9 +151,9 @@ def not_quiet(error: CoordinatorError) -> bool:
     with the run's lease, and the capture may start over (specs/quiesce.md)."""
     return (
         type(error) is PhaseFailed
-        and error.phase == "QUIESCE"
+        and error.step == "QUIESCE"
         and not error.destroyed
-        and all(NOT_QUIET in p.reason for p in error.problems)
+        and all(p.not_quiet for p in error.problems)
     )
 
 

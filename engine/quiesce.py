@@ -144,6 +144,7 @@ def not_quiet_problem(endpoint: Endpoint, reply: Reply, outcome: Outcome) -> Pro
         f"its last answer: {reply.message}",
         reply.participant,
         endpoint.observed_pid,
+        not_quiet=True,
     )
 
 

@@ -28,6 +28,7 @@ from .client import (
     ParticipantGone,
     ParticipantHangup,
     ParticipantTimeout,
+    ProtocolMismatch,
 )
 from .errors import CoordinatorError
 from .fsm import MACHINES
@@ -50,7 +51,14 @@ _UNCOMPARED: Final = frozenset(
 )
 _ERRORS: Final[Mapping[str, type[ParticipantError]]] = {
     cls.__name__: cls
-    for cls in (ParticipantError, ParticipantTimeout, ParticipantHangup, ParticipantGone, BadReply)
+    for cls in (
+        ParticipantError,
+        ParticipantTimeout,
+        ParticipantHangup,
+        ParticipantGone,
+        BadReply,
+        ProtocolMismatch,
+    )
 }
 
 

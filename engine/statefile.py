@@ -38,6 +38,11 @@ from .wire import Access, BindingKind, Record, RecordFlag, RecordKind
 STATE_FILE_NAME: Final = "cuinterpose.state"
 STATE_FORMAT: Final = "cuinterpose.state"
 STATE_VERSION: Final = 1
+# The protocol versions whose records a state file may hold: the record layout has
+# not changed since version 1, so one written by a version-1 coordinator reads the
+# same (its restore then meets the shims at HANDSHAKE, which refuses another
+# version before anything changes).
+READABLE_PROTOCOL_VERSIONS: Final = (1, wire.VERSION)
 # A record takes about 150-300 bytes, so this holds a quarter million records: far more
 # than real teams report, small enough that a corrupt or hostile file is never read
 # into memory whole. encode_state() lets a caller learn before any destructive op
@@ -280,9 +285,10 @@ def _register_lists_only(conv: cattrs.Converter, sequence: object) -> None:
 def state_problems(state: CheckpointState) -> list[str]:
     """What makes ``state`` unfit to be written or trusted after reading (empty if fine)."""
     problems: list[str] = []
-    if state.protocol_version != wire.VERSION:
+    if state.protocol_version not in READABLE_PROTOCOL_VERSIONS:
         problems.append(
-            f"protocol_version {state.protocol_version}; this engine speaks {wire.VERSION}"
+            f"protocol_version {state.protocol_version}; this engine reads "
+            f"{' and '.join(map(str, READABLE_PROTOCOL_VERSIONS))}"
         )
     if state.content_mode not in CONTENT_MODES:
         problems.append(f"content_mode {state.content_mode!r} is not one of {CONTENT_MODES}")

@@ -35,6 +35,7 @@ from .fsm import step_op, step_reply_phase
 from .options import RETRY_PAUSE_S, Options
 from .progress import NativeKept, PhaseEvent, Transfer
 from .statefile import (
+    READABLE_PROTOCOL_VERSIONS,
     STATE_FILE_NAME,
     CheckpointState,
     StateFileError,
@@ -128,7 +129,10 @@ def reply_problem(
     if result.status is not Status.OK:
         text = result.message or "no message"
         return Problem(
-            f"{result.status.name} in phase {result.phase.name}: {text}", result.participant, pid
+            f"{result.status.name} in phase {result.phase.name}: {text}",
+            result.participant,
+            pid,
+            result.not_quiet,
         )
     if phase is not None and result.phase is not phase:
         return Problem(
@@ -435,7 +439,7 @@ def read_state_file(run: Run) -> None:
         raise _local_failure(run, "READ_STATE", str(exc)) from exc
     except OSError as exc:
         raise _local_failure(run, "READ_STATE", f"state file unreadable: {exc}") from exc
-    if state.protocol_version != VERSION:
+    if state.protocol_version not in READABLE_PROTOCOL_VERSIONS:
         raise _local_failure(
             run,
             "READ_STATE",

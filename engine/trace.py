@@ -28,6 +28,7 @@ from .wire import (
     Phase,
     Record,
     Reply,
+    ReplyFlag,
     Request,
     Stats,
     Status,
@@ -165,7 +166,7 @@ def problem_entry(problem: Problem) -> dict[str, Any]:
 
 
 def reply_entry(reply: Reply) -> dict[str, Any]:
-    return {
+    entry = {
         "op": reply.op.name,
         "status": reply.status.name,
         "participant": reply.participant,
@@ -175,6 +176,9 @@ def reply_entry(reply: Reply) -> dict[str, Any]:
         "stats": attrs.asdict(reply.stats),
         "records": [r.encode().hex() for r in reply.records],
     }
+    if reply.flags:  # protocol version 2's reply flags; absent: none
+        entry["flags"] = int(reply.flags)
+    return entry
 
 
 def exchange_entry(
@@ -209,6 +213,7 @@ def reply_from_entry(entry: Mapping[str, Any]) -> Reply:
             message=str(entry["message"]),
             stats=Stats(**entry["stats"]),
             records=tuple(Record.decode(bytes.fromhex(r)) for r in entry["records"]),
+            flags=ReplyFlag(int(entry.get("flags", 0))),
         )
     except (KeyError, TypeError, ValueError) as exc:  # WireError is a ValueError
         raise TraceError(f"recorded reply is malformed: {exc!r}") from exc

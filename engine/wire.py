@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Final
 import attrs
 
 MAGIC: Final = 0x50495543
-VERSION: Final = 1
+VERSION: Final = 2
 HEADER_SIZE: Final = 128
 RECORD_SIZE: Final = 288
 PARTICIPANT_LEN: Final = 32
@@ -124,6 +124,14 @@ class Unowned(enum.IntEnum):
     POOL_IMPORT = 4
 
 
+class ReplyFlag(enum.IntFlag):
+    """The reply header's ``flags`` (zero in requests)."""
+
+    # A QUIESCE refused because the process did not get quiet within its deadline:
+    # nothing changed, the gate is open again, the capture may start over.
+    NOT_QUIET = 1
+
+
 class RecordFlag(enum.IntFlag):
     CREATOR = 1
     HANDLE_LIVE = 2
@@ -142,11 +150,22 @@ _PHASES: Final = {int(p): p for p in Phase}
 _RECORD_KINDS: Final = {int(k): k for k in RecordKind}
 _BINDING_KINDS: Final = {int(k): k for k in BindingKind}
 _KNOWN_FLAGS: Final = int(RecordFlag.CREATOR | RecordFlag.HANDLE_LIVE | RecordFlag.CONTENT)
+_KNOWN_REPLY_FLAGS: Final = int(ReplyFlag.NOT_QUIET)
+_REPLY_FLAGS: Final = tuple(ReplyFlag(v) for v in range(_KNOWN_REPLY_FLAGS + 1))
+_NO_FLAGS: Final = ReplyFlag(0)
 _RECORD_FLAGS: Final = tuple(RecordFlag(v) for v in range(_KNOWN_FLAGS + 1))
 
 
 class WireError(ValueError):
     """Bytes that are not a well-formed message, or values that cannot be encoded."""
+
+
+class VersionMismatch(WireError):
+    """A message of another protocol version: its ``version`` is the peer's."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"unsupported protocol version {version}, expected {VERSION}")
+        self.version = version
 
 
 def is_participant_id(value: str) -> bool:
@@ -389,13 +408,50 @@ class Stats:
     copy_ns: int = 0
 
 
+# The stat fields whose meaning is the op's, by name (protocol.h's cuip_quiesce_*
+# and cuip_status_* accessors; tests/engine/test_wire_pin.py pins both to the bytes):
+# QUIESCE request: deadline_ns in elapsed_ns, round in count; QUIESCE reply: the
+# threads held at the gate in count; STATUS request: what it asks in count; STATUS
+# reply: InFlight's fields.
+
+
+def quiesce_request_stats(deadline_ns: int, round_: bool) -> Stats:
+    """A QUIESCE request's stat fields: its deadline and its round flag."""
+    return Stats(count=int(round_), elapsed_ns=deadline_ns)
+
+
+def status_request_stats(ask_driver: bool) -> Stats:
+    """A STATUS request's stat fields: what it asks (ASK_DRIVER, or nothing)."""
+    return Stats(count=ASK_DRIVER if ask_driver else 0)
+
+
+def quiesce_deadline_ns(stats: Stats) -> int:
+    """A QUIESCE request's deadline (ns; 0: the shim's own)."""
+    return stats.elapsed_ns
+
+
+def quiesce_round(stats: Stats) -> int:
+    """A QUIESCE request's round flag (1: a round)."""
+    return stats.count
+
+
+def quiesce_held(stats: Stats) -> int:
+    """A QUIESCE reply's threads held at the gate."""
+    return stats.count
+
+
+def status_ask(stats: Stats) -> int:
+    """What a STATUS request asks (ASK_DRIVER, or 0)."""
+    return stats.count
+
+
 @attrs.frozen
 class InFlight:
     """A STATUS reply's stat fields, named: the phase op in flight and its bytes.
 
     ``op`` is None when no phase op runs; ``bytes_total`` is 0 for an op that
-    copies nothing (protocol.h: stat_count, stat_bytes, stat_elapsed_ns,
-    stat_copy_ns, in that order).
+    copies nothing (protocol.h: cuip_status_op, cuip_status_bytes_done,
+    cuip_status_bytes_total, cuip_status_elapsed_ns).
     """
 
     op: Op | None
@@ -409,6 +465,14 @@ class InFlight:
         if stats.count and op is None:
             raise WireError(f"STATUS reply names unknown op {stats.count} in flight")
         return cls(op, stats.bytes, stats.copy_ns, stats.elapsed_ns)
+
+    def stats(self) -> Stats:
+        """The stat fields a shim's STATUS reply carries for this."""
+        op = int(self.op) if self.op is not None else 0
+        return Stats(op, self.bytes_done, self.elapsed_ns, self.bytes_total)
+
+
+_NO_STATS: Final = Stats()
 
 
 @attrs.frozen
@@ -426,12 +490,16 @@ class Header:
     pid: int = 0
     phase: int = 0
     stats: Stats = attrs.field(factory=Stats)
+    flags: int = 0  # replies: ReplyFlag bits
+    # Only a test double speaking another version encodes anything but VERSION;
+    # decoding refuses any other (VersionMismatch).
+    version: int = VERSION
 
     def encode(self) -> bytes:
         try:
             return HEADER_STRUCT.pack(
                 MAGIC,
-                VERSION,
+                self.version,
                 self.op,
                 self.status,
                 self.count,
@@ -442,7 +510,7 @@ class Header:
                 self.message_length,
                 self.pid,
                 self.phase,
-                0,
+                self.flags,
                 self.stats.count,
                 self.stats.bytes,
                 self.stats.elapsed_ns,
@@ -457,14 +525,14 @@ class Header:
             raise WireError(f"header must be {HEADER_SIZE} bytes, got {len(raw)}")
         (
             magic, version, op, status, count, participant, resource_id, authorization,
-            resource_kind, message_length, pid, phase, reserved, *stats,
+            resource_kind, message_length, pid, phase, flags, *stats,
         ) = HEADER_STRUCT.unpack(raw)  # fmt: skip
         if magic != MAGIC:
             raise WireError(f"bad magic {magic:#010x}, expected {MAGIC:#010x}")
         if version != VERSION:
-            raise WireError(f"unsupported protocol version {version}, expected {VERSION}")
-        if reserved:
-            raise WireError("header reserved field is not zero")
+            raise VersionMismatch(version)
+        if flags & ~_KNOWN_REPLY_FLAGS:
+            raise WireError(f"header has unknown flags {flags:#x}")
         if message_length > MESSAGE_MAX:
             raise WireError(f"message_length {message_length} exceeds {MESSAGE_MAX}")
         if count > RECORDS_MAX:
@@ -482,6 +550,7 @@ class Header:
             pid,
             phase,
             Stats(*stats),
+            flags,
         )
 
 
@@ -534,8 +603,14 @@ class Request:
         if not 0 <= self.deadline_ns < 2**64:
             raise WireError(f"deadline_ns {self.deadline_ns} does not fit 64 bits")
         text = _participant_bytes(self.fetcher, "fetcher") if exporting else b""
-        # What Header(op, participant, ids, kind).encode() packs, without building
-        # the Header: the reply-only fields and the stats are zero.
+        if self.op is Op.QUIESCE:
+            stats = quiesce_request_stats(self.deadline_ns, self.round)
+        elif self.op is Op.STATUS:
+            stats = status_request_stats(self.ask_driver)
+        else:
+            stats = _NO_STATS
+        # What Header(op, participant, ids, kind, stats).encode() packs, without
+        # building the Header: the reply-only fields are zero.
         try:
             return (
                 HEADER_STRUCT.pack(
@@ -552,10 +627,10 @@ class Request:
                     0,
                     0,
                     0,
-                    ASK_DRIVER if self.ask_driver else int(self.round),
-                    0,
-                    self.deadline_ns,
-                    0,
+                    stats.count,
+                    stats.bytes,
+                    stats.elapsed_ns,
+                    stats.copy_ns,
                 )
                 + text
             )
@@ -575,6 +650,13 @@ class Reply:
     message: str = ""
     stats: Stats = attrs.field(factory=Stats)
     records: tuple[Record, ...] = ()
+    flags: ReplyFlag = _NO_FLAGS
+
+    @property
+    def not_quiet(self) -> bool:
+        """A QUIESCE refused because the process did not get quiet in time (nothing
+        changed, the gate is open again: the capture may start over)."""
+        return ReplyFlag.NOT_QUIET in self.flags
 
     def encode(self) -> bytes:
         text = self.message.encode("utf-8")
@@ -591,6 +673,7 @@ class Reply:
             pid=self.pid,
             phase=int(self.phase),
             stats=self.stats,
+            flags=int(self.flags),
         )
         return b"".join([header.encode(), text, *(r.encode() for r in self.records)])
 
@@ -627,6 +710,7 @@ class Reply:
             text,
             header.stats,
             decode_records(records, header.count),
+            _REPLY_FLAGS[header.flags],
         )
 
     @classmethod
@@ -654,19 +738,22 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         or header.message_length != text_length
         or header.pid
         or header.phase
+        or header.flags
     ):
         raise WireError(f"{op.name} request has reply-only fields set")
-    quiescing = op is Op.QUIESCE
-    deadline = header.stats.elapsed_ns if quiescing else 0
-    round_flag = header.stats.count if quiescing else 0
-    ask_driver = header.stats.count if op is Op.STATUS else 0
-    if (
-        attrs.evolve(header.stats, elapsed_ns=0, count=0) != Stats()
-        or (header.stats.elapsed_ns and not deadline)
-        or (header.stats.count and not (quiescing or op is Op.STATUS))
-        or round_flag > 1
-        or ask_driver > ASK_DRIVER
-    ):
+    stats = header.stats
+    deadline = quiesce_deadline_ns(stats) if op is Op.QUIESCE else 0
+    round_flag = quiesce_round(stats) if op is Op.QUIESCE else 0
+    ask = status_ask(stats) if op is Op.STATUS else 0
+    if round_flag > 1 or ask > ASK_DRIVER:
+        raise WireError(f"{op.name} request has stats set")
+    if op is Op.QUIESCE:
+        allowed = quiesce_request_stats(deadline, bool(round_flag))
+    elif op is Op.STATUS:
+        allowed = status_request_stats(bool(ask))
+    else:
+        allowed = _NO_STATS
+    if stats != allowed:
         raise WireError(f"{op.name} request has stats set")
     text = raw[HEADER_SIZE:]
     if len(text) != text_length:
@@ -684,7 +771,7 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         fetcher=_participant_text(text, "fetcher") if text else "",
         deadline_ns=deadline,
         round=bool(round_flag),
-        ask_driver=bool(ask_driver),
+        ask_driver=bool(ask),
     )
     request.encode()  # the same field rules as for sending
     return request, header

@@ -17,13 +17,27 @@ from .model import (
     Refusal,
     Step,
 )
-from .ops import PHASE_OP, PHASE_OPS, ROLLBACK_FROM, ROLLBACK_OPS, PhaseOp
+from .ops import (
+    EVERY_PHASE,
+    OP,
+    OPS,
+    PHASE_OP,
+    PHASE_OPS,
+    ROLLBACK_FROM,
+    ROLLBACK_OPS,
+    TEARS_DOWN,
+    PhaseOp,
+    WireOp,
+)
 
 __all__ = [
     "CAPTURE",
+    "EVERY_PHASE",
     "FAILED_STATE",
     "FAIL_TRIGGER",
     "MACHINES",
+    "OP",
+    "OPS",
     "PHASE_OP",
     "PHASE_OPS",
     "REFUSED_STATE",
@@ -32,6 +46,7 @@ __all__ = [
     "ROLLBACK",
     "ROLLBACK_FROM",
     "ROLLBACK_OPS",
+    "TEARS_DOWN",
     "Action",
     "Guard",
     "MachineSpec",
@@ -39,5 +54,6 @@ __all__ = [
     "ProgressKind",
     "Refusal",
     "Step",
+    "WireOp",
     "machine_spec",
 ]

@@ -15,7 +15,7 @@ import enum
 
 import attrs
 
-from .ops import PHASE_OP
+from .ops import OP, PHASE_OP
 
 # Triggers the engine adds to every machine: a guard that fails before the
 # first destructive op refuses; anything else that goes wrong fails.
@@ -102,16 +102,11 @@ class Step:
             raise ValueError(f"step {self.trigger}: a guard is listed twice")
 
     @property
-    def destructive(self) -> bool:
-        """Whether the op changes a participant: every phase op does."""
-        return self.op in PHASE_OP
-
-    @property
     def tears_down(self) -> bool:
-        """Whether a run stopped after this op needs a rollback (QUIESCE's phase ends
-        with the coordinator's lease: see ``ops.PhaseOp.undone_by_release``)."""
-        phase_op = PHASE_OP.get(self.op) if self.op is not None else None
-        return phase_op is not None and not phase_op.undone_by_release
+        """Whether a run stopped after this step needs a rollback (the op table's
+        ``tears_down``: QUIESCE's gate opens with the coordinator's lease)."""
+        wire_op = OP.get(self.op) if self.op is not None else None
+        return wire_op is not None and wire_op.tears_down
 
     @property
     def expected_phase(self) -> str | None:

@@ -271,14 +271,11 @@ fail:
 }
 
 /* ------------------------------------------------------------ EXPORT server */
-/* Where a creator's allocations are live for its importers: ACTIVE,
- * QUIESCED (a peer's import may still be in flight until its own gate
- * closes), every restore phase, and ROLLBACK_LOADED (importers re-import). */
+/* Where a creator's allocations are live for its importers: the phases
+ * CUIP_OPS serves EXPORT in. */
 static bool export_phase_ok(uint16_t p)
 {
-    return p == CUIP_PHASE_ACTIVE || p == CUIP_PHASE_ROLLBACK_LOADED ||
-           p == CUIP_PHASE_QUIESCED ||
-           (p >= CUIP_PHASE_ALLOCATIONS_LOADED && p <= CUIP_PHASE_MULTICAST_JOINED);
+    return cuip_op_served_in(CUIP_OP_EXPORT, p);
 }
 
 /* The object kind a capability's resource kind names. */

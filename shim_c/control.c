@@ -6,7 +6,7 @@
  * participants that import from each other during RESTORE_UNICAST would
  * deadlock otherwise). One request per connection, read and answered with
  * io.c's deadlines. Every request is validated strictly; phase ops go
- * through one phase machine (CUIP_PHASE_OPS and CUIP_ROLLBACK_OPS in
+ * through one phase machine (CUIP_OPS, CUIP_PHASE_OPS and CUIP_ROLLBACK_OPS in
  * protocol.h): a failed one leaves the shim FAILED with its reason, a
  * refused or retryable one (RETRY) in the phase it was in.
  *
@@ -38,14 +38,22 @@ static int connections; /* atomic */
 /* ------------------------------------------------------------ requests */
 static const char *op_name(unsigned op)
 {
-    static const char *const names[] = {
-        "?", "HANDSHAKE", "INSPECT", "PREPARE_MULTICAST", "SAVE_ALLOCATIONS",
-        "PREPARE_UNICAST", "LOAD_ALLOCATIONS", "RESTORE_UNICAST",
-        "RESTORE_MULTICAST_CREATORS", "RESTORE_MULTICAST_IMPORTERS",
-        "RESTORE_MULTICAST_DEVICES", "RESTORE_MULTICAST_BINDINGS", "EXPORT",
-        "ROLLBACK_ALLOCATIONS", "ROLLBACK_IMPORTS", "RELEASE", "STATUS", "QUIESCE"};
-    _Static_assert(sizeof names / sizeof names[0] == CUIP_OP_MAX + 1, "a name per op");
-    return op <= CUIP_OP_MAX ? names[op] : "?";
+    return cuip_op_name(op); /* from the op table, CUIP_OPS */
+}
+
+/* The stat fields a request of its op may carry (protocol.h's per-op names):
+ * QUIESCE its deadline and round flag, STATUS what it asks; others none. */
+static bool request_stats_ok(const struct cuip_header *q)
+{
+    switch (q->op) {
+    case CUIP_OP_QUIESCE:
+        return cuip_quiesce_round(q) <= 1 && !q->stat_bytes && !q->stat_copy_ns;
+    case CUIP_OP_STATUS:
+        return cuip_status_ask(q) <= CUIP_ASK_DRIVER && !q->stat_bytes && !q->stat_elapsed_ns &&
+               !q->stat_copy_ns;
+    default:
+        return !q->stat_count && !q->stat_bytes && !q->stat_elapsed_ns && !q->stat_copy_ns;
+    }
 }
 
 /* Strict validation: anything non-zero where zero is required, a wrong
@@ -53,20 +61,22 @@ static const char *op_name(unsigned op)
 static bool validate(const struct cuip_header *q, struct reply *r)
 {
     bool exporting = q->op == CUIP_OP_EXPORT;
-    if (q->magic != CUIP_MAGIC || q->version != CUIP_VERSION) {
-        reply_msg(r, CUIP_STATUS_BAD_REQUEST, "bad magic or version");
+    if (q->magic != CUIP_MAGIC) {
+        reply_msg(r, CUIP_STATUS_BAD_REQUEST, "bad magic %#x", q->magic);
+        return false;
+    }
+    if (q->version != CUIP_VERSION) {
+        /* The reply's header carries this shim's version: the coordinator
+         * names both and which side to upgrade. */
+        reply_msg(r, CUIP_STATUS_BAD_REQUEST, "this shim speaks protocol version %u, the "
+                  "request version %u: nothing was done", CUIP_VERSION, q->version);
         return false;
     }
     if (q->op < CUIP_OP_HANDSHAKE || q->op > CUIP_OP_MAX) {
         reply_msg(r, CUIP_STATUS_BAD_REQUEST, "unknown op %u", q->op);
         return false;
     }
-    /* QUIESCE's stat_elapsed_ns is the coordinator's deadline for it, its
-     * stat_count 1 for a round; STATUS's stat_count CUIP_ASK_DRIVER asks for
-     * the driver's path (protocol.h). */
-    if (q->status || q->count || q->pid || q->phase || q->reserved ||
-        q->stat_count > (q->op == CUIP_OP_QUIESCE || q->op == CUIP_OP_STATUS ? 1u : 0u) ||
-        q->stat_bytes || (q->stat_elapsed_ns && q->op != CUIP_OP_QUIESCE) || q->stat_copy_ns ||
+    if (q->status || q->count || q->pid || q->phase || q->flags || !request_stats_ok(q) ||
         q->message_length != (exporting ? CUIP_PARTICIPANT_LEN : 0)) {
         reply_msg(r, CUIP_STATUS_BAD_REQUEST, "%s request has reply-only fields set",
                   op_name(q->op));
@@ -110,34 +120,19 @@ static bool validate(const struct cuip_header *q, struct reply *r)
     return true;
 }
 
-/* What each phase op needs and reaches: the tables in protocol.h. `needs`
- * is a set of phases (bit p for phase p); the forward ops need one each. */
+/* What each phase op reaches: the tables in protocol.h (the phases it is
+ * served in: CUIP_OPS). `next` is 0 for an op that is no phase op. */
 struct phase_op {
-    uint32_t needs;
     uint16_t next;
     bool stats; /* the reply carries the transfer statistics */
 };
 
-#define PHASE_BIT(p) | (1u << CUIP_PHASE_##p)
-_Static_assert(CUIP_PHASE_FAILED < 32, "a phase set fits 32 bits");
-
 static const struct phase_op phase_ops[CUIP_OP_MAX + 1] = {
-#define PHASE_OP(op, need, next, stats) \
-    [CUIP_OP_##op] = {1u << CUIP_PHASE_##need, CUIP_PHASE_##next, stats},
+#define PHASE_OP(op, next, stats) [CUIP_OP_##op] = {CUIP_PHASE_##next, stats},
     CUIP_PHASE_OPS(PHASE_OP)
+    CUIP_ROLLBACK_OPS(PHASE_OP)
 #undef PHASE_OP
-#define ROLLBACK_OP(op, needs, next, stats) \
-    [CUIP_OP_##op] = {0 needs(PHASE_BIT), CUIP_PHASE_##next, stats},
-    CUIP_ROLLBACK_OPS(ROLLBACK_OP)
-#undef ROLLBACK_OP
 };
-
-/* The phases `op` is served in: QUIESCE's list is its own (an advance in
- * QUIESCED, protocol.h). */
-static uint32_t served_in(uint16_t op)
-{
-    return op == CUIP_OP_QUIESCE ? 0 CUIP_QUIESCE_FROM(PHASE_BIT) : phase_ops[op].needs;
-}
 
 /* The work of each phase op. A switch over the enum: an op added to the
  * protocol without its work here does not compile (-Wswitch). */
@@ -250,7 +245,7 @@ static void run_phase_op(uint16_t op, struct reply *r)
     uint16_t from;
     bool reopen;
 
-    if (!work || !d->needs) {
+    if (!work || !d->next) {
         reply_msg(r, CUIP_STATUS_INTERNAL, "%s is not a phase op", op_name(op));
         return;
     }
@@ -261,7 +256,7 @@ static void run_phase_op(uint16_t op, struct reply *r)
         return;
     }
     from = g.phase;
-    if (from >= 32 || !(served_in(op) & (1u << from))) {
+    if (!cuip_op_served_in(op, from)) {
         reply_msg(r, CUIP_STATUS_WRONG_PHASE, "%s is not served in phase %u", op_name(op),
                   from);
         pthread_mutex_unlock(&g.lock);
@@ -350,11 +345,10 @@ static void serve_status(struct reply *r, bool ask_driver)
 
     pthread_mutex_lock(&g.lock);
     if (g.busy) {
-        /* The layout protocol.h gives a STATUS reply's stat fields. */
-        r->h.stat_count = g.op_in_flight;
-        r->h.stat_elapsed_ns = shim_now_ns() - g.op_started_ns;
-        r->h.stat_bytes = __atomic_load_n(&g.phase_bytes_done, __ATOMIC_RELAXED);
-        r->h.stat_copy_ns = __atomic_load_n(&g.phase_bytes_total, __ATOMIC_RELAXED);
+        cuip_set_status_in_flight(&r->h, g.op_in_flight,
+                                  __atomic_load_n(&g.phase_bytes_done, __ATOMIC_RELAXED),
+                                  __atomic_load_n(&g.phase_bytes_total, __ATOMIC_RELAXED),
+                                  shim_now_ns() - g.op_started_ns);
     }
     if (driver) {
         reply_msg(r, CUIP_STATUS_OK, "%s", driver);
@@ -564,7 +558,7 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
     }
     if (q->op == CUIP_OP_STATUS) {
         /* read-only: served to anyone trusted, lease or not */
-        serve_status(r, q->stat_count == CUIP_ASK_DRIVER);
+        serve_status(r, cuip_status_ask(q) == CUIP_ASK_DRIVER);
         return;
     }
     pthread_mutex_lock(&g.lock);
@@ -586,8 +580,7 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
         /* QUIESCED: a capture reads the records once the gate keeps the
          * application from changing them. PREPARED: a restore compares them
          * with its state file before it changes anything. */
-        if (g.phase != CUIP_PHASE_ACTIVE && g.phase != CUIP_PHASE_QUIESCED &&
-            g.phase != CUIP_PHASE_PREPARED)
+        if (!cuip_op_served_in(CUIP_OP_INSPECT, g.phase))
             reply_msg(r, CUIP_STATUS_WRONG_PHASE, "INSPECT needs phase ACTIVE, QUIESCED or "
                       "PREPARED; the shim is in phase %u", g.phase);
         else if (g.busy)
@@ -599,8 +592,8 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
     default:
         if (q->op == CUIP_OP_QUIESCE) {
             pthread_mutex_lock(&g.lock);
-            g.quiesce_deadline_ns = q->stat_elapsed_ns;
-            g.quiesce_round = q->stat_count == 1;
+            g.quiesce_deadline_ns = cuip_quiesce_deadline_ns(q);
+            g.quiesce_round = cuip_quiesce_round(q) == 1;
             pthread_mutex_unlock(&g.lock);
         }
         run_phase_op(q->op, r);

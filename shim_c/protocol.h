@@ -1,5 +1,5 @@
 /*
- * cuinterpose control protocol, version 1: the single source of truth.
+ * cuinterpose control protocol, version 2: the single source of truth.
  *
  * The coordinator engine (engine/wire.py) is pinned to this header by a test
  * that compiles a program printing every size and offset below. Any change to
@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #define CUIP_MAGIC 0x50495543u   /* bytes "CUIP" */
-#define CUIP_VERSION 1u
+#define CUIP_VERSION 2u
 
 /* Limits. */
 #define CUIP_PARTICIPANT_LEN 32      /* lowercase hex, no NUL */
@@ -32,54 +32,6 @@
 #define CUIP_CONTROL_DIR_ENV "SNAPSHOT_CONTROL_DIR"
 #define CUIP_PARTICIPANT_ENV "SNAPSHOT_PARTICIPANT_ID"
 
-/* Ops: every op goes to every participant; one with nothing to do answers OK. */
-enum cuip_op {
-    CUIP_OP_HANDSHAKE = 1,
-    CUIP_OP_INSPECT = 2,
-    CUIP_OP_PREPARE_MULTICAST = 3,
-    CUIP_OP_SAVE_ALLOCATIONS = 4,
-    CUIP_OP_PREPARE_UNICAST = 5,
-    CUIP_OP_LOAD_ALLOCATIONS = 6,
-    CUIP_OP_RESTORE_UNICAST = 7,
-    CUIP_OP_RESTORE_MULTICAST_CREATORS = 8,
-    CUIP_OP_RESTORE_MULTICAST_IMPORTERS = 9,
-    CUIP_OP_RESTORE_MULTICAST_DEVICES = 10,
-    CUIP_OP_RESTORE_MULTICAST_BINDINGS = 11,
-    CUIP_OP_EXPORT = 12,
-    CUIP_OP_ROLLBACK_ALLOCATIONS = 13,
-    CUIP_OP_ROLLBACK_IMPORTS = 14,
-    /* Ends the coordinator's lease (served in any phase; see `authorization`). */
-    CUIP_OP_RELEASE = 15,
-    /* Read-only, served while a phase op runs (never a phase op, changes
-     * nothing, binds nothing; the participant may be all zero): the reply's
-     * stat fields say what is in flight (below). */
-    CUIP_OP_STATUS = 16,
-    /* The first op of a capture: closes the gate that the application's
-     * driver calls pass until the process is quiet (specs/quiesce.md). Its
-     * request may carry in stat_elapsed_ns the longest the coordinator lets
-     * it take (ns; 0: the shim's own deadline, which also bounds it), and in
-     * stat_count 1 to ask for a round: a process not quiet when that time
-     * is up answers PENDING and keeps its gate closed, instead of being
-     * refused, until the shim's own deadline counted from the first round.
-     * Sent again to a QUIESCED process (CUIP_QUIESCE_FROM), it lets every
-     * thread held at a synchronizing call make that one call, then quiets
-     * the process again: an advance. Its reply's stat_count is the number
-     * of threads held at the gate. */
-    CUIP_OP_QUIESCE = 17,
-};
-#define CUIP_OP_MAX CUIP_OP_QUIESCE
-
-/* A STATUS reply's stat fields (its phase is the header's phase):
- * stat_count the op in flight (enum cuip_op, 0 when none), stat_bytes the
- * bytes that op has copied so far, stat_elapsed_ns how long it has run,
- * stat_copy_ns the bytes it copies in all (0 when it copies nothing).
- * A STATUS request with stat_count CUIP_ASK_DRIVER asks which driver the
- * process runs on: the reply's message is then the path of the
- * libcuda.so.1 the shim loaded (empty while none is loaded), instead of the
- * stored failure reason, so that the coordinator's native checkpoint calls
- * load the same one. */
-#define CUIP_ASK_DRIVER 1u
-
 /* The shim's phase, reported in every reply. */
 enum cuip_phase {
     CUIP_PHASE_ACTIVE = 1,
@@ -98,44 +50,147 @@ enum cuip_phase {
     CUIP_PHASE_FAILED = 15,
 };
 
-/* The phase machine: X(op, needs, reaches, transfers) for every phase op, in
- * order. `needs` is the only phase the op is served in, `reaches` the phase
- * every successful reply reports, `transfers` 1 when the reply carries the
- * byte and allocation statistics. Names are the CUIP_OP_ and CUIP_PHASE_
+/* A set of phases: bit p for phase p. */
+#define CUIP_IN(p) (1u << CUIP_PHASE_##p)
+#define CUIP_EVERY_PHASE                                                       \
+    (CUIP_IN(ACTIVE) | CUIP_IN(MULTICAST_DETACHED) | CUIP_IN(ALLOCATIONS_SAVED) | \
+     CUIP_IN(PREPARED) | CUIP_IN(ALLOCATIONS_LOADED) | CUIP_IN(UNICAST_RESTORED) | \
+     CUIP_IN(MULTICAST_CREATED) | CUIP_IN(MULTICAST_IMPORTED) |                \
+     CUIP_IN(MULTICAST_JOINED) | CUIP_IN(ROLLBACK_LOADED) | CUIP_IN(QUIESCED) |  \
+     CUIP_IN(FAILED))
+
+/* Every op, once: X(name, number, served_in, tears_down), numbered 1 up in
+ * order. `served_in` is the set of phases the shim serves it in (any other
+ * answers WRONG_PHASE); `tears_down` 1 when a run that stops after it needs
+ * a rollback (it took something of the application's apart; QUIESCE only
+ * holds the application at its gate, which the lease's end opens again).
+ * Every op goes to every participant; one with nothing to do answers OK.
+ * The enum below, the shim's op names and phase checks, and the engine's
+ * table (phases/ops.py OPS, pinned to this one) come from here.
+ *
+ * INSPECT: QUIESCED for a capture (the gate keeps the records still),
+ * PREPARED for a restore's comparison with its state file.
+ * EXPORT: wherever a creator's allocations are live for its importers (a
+ * peer's import may still be in flight in QUIESCED; ROLLBACK_LOADED:
+ * importers import again).
+ * ROLLBACK_ALLOCATIONS: any phase (FAILED while the staged bytes are all
+ * there; again in ROLLBACK_LOADED after an interrupted rollback).
+ * RELEASE ends the coordinator's lease (see `authorization`).
+ * STATUS is read-only and served while a phase op runs (never a phase op,
+ * changes nothing, binds nothing; the participant may be all zero): its
+ * reply's stat fields say what is in flight (cuip_status_*, after the header).
+ * QUIESCE, the first op of a capture, closes the gate that the
+ * application's driver calls pass until the process is quiet
+ * (specs/quiesce.md); its request carries a deadline and a round flag
+ * (cuip_quiesce_deadline_ns, cuip_quiesce_round): a process not quiet when
+ * that time is up answers PENDING and keeps its gate closed, instead of
+ * being refused, until the shim's own deadline counted from the first
+ * round. Sent again to a QUIESCED process it lets every thread held at a
+ * synchronizing call make that one call, then quiets the process again: an
+ * advance. Its reply carries the number of threads held at the gate
+ * (cuip_quiesce_held). */
+#define CUIP_OPS(X)                                                            \
+    X(HANDSHAKE, 1, CUIP_EVERY_PHASE, 0)                                       \
+    X(INSPECT, 2, CUIP_IN(ACTIVE) | CUIP_IN(PREPARED) | CUIP_IN(QUIESCED), 0)  \
+    X(PREPARE_MULTICAST, 3, CUIP_IN(QUIESCED), 1)                              \
+    X(SAVE_ALLOCATIONS, 4, CUIP_IN(MULTICAST_DETACHED), 1)                     \
+    X(PREPARE_UNICAST, 5, CUIP_IN(ALLOCATIONS_SAVED), 1)                       \
+    X(LOAD_ALLOCATIONS, 6, CUIP_IN(PREPARED), 1)                               \
+    X(RESTORE_UNICAST, 7, CUIP_IN(ALLOCATIONS_LOADED), 1)                      \
+    X(RESTORE_MULTICAST_CREATORS, 8, CUIP_IN(UNICAST_RESTORED), 1)             \
+    X(RESTORE_MULTICAST_IMPORTERS, 9, CUIP_IN(MULTICAST_CREATED), 1)           \
+    X(RESTORE_MULTICAST_DEVICES, 10, CUIP_IN(MULTICAST_IMPORTED), 1)           \
+    X(RESTORE_MULTICAST_BINDINGS, 11, CUIP_IN(MULTICAST_JOINED), 1)            \
+    X(EXPORT, 12,                                                              \
+      CUIP_IN(ACTIVE) | CUIP_IN(ALLOCATIONS_LOADED) | CUIP_IN(UNICAST_RESTORED) |  \
+          CUIP_IN(MULTICAST_CREATED) | CUIP_IN(MULTICAST_IMPORTED) |           \
+          CUIP_IN(MULTICAST_JOINED) | CUIP_IN(ROLLBACK_LOADED) | CUIP_IN(QUIESCED), \
+      0)                                                                       \
+    X(ROLLBACK_ALLOCATIONS, 13, CUIP_EVERY_PHASE, 1)                           \
+    X(ROLLBACK_IMPORTS, 14, CUIP_IN(ROLLBACK_LOADED), 1)                       \
+    X(RELEASE, 15, CUIP_EVERY_PHASE, 0)                                        \
+    X(STATUS, 16, CUIP_EVERY_PHASE, 0)                                         \
+    X(QUIESCE, 17, CUIP_IN(ACTIVE) | CUIP_IN(QUIESCED), 0)
+
+enum cuip_op {
+#define CUIP_OP_ENUM(name, number, served_in, tears_down) CUIP_OP_##name = number,
+    CUIP_OPS(CUIP_OP_ENUM)
+#undef CUIP_OP_ENUM
+};
+#define CUIP_OP_COUNT_ONE(name, number, served_in, tears_down) +1
+enum { cuip_op_count = 0 CUIP_OPS(CUIP_OP_COUNT_ONE) };
+#undef CUIP_OP_COUNT_ONE
+#define CUIP_OP_MAX ((uint32_t)cuip_op_count)
+/* Numbered 1 up without a gap: each number is at most the count, and no two
+ * are equal (cuip_op_name's switch would not compile). */
+#define CUIP_OP_NUMBERED(name, number, served_in, tears_down) \
+    _Static_assert((number) >= 1 && (number) <= CUIP_OP_MAX, #name " numbered 1 up, no gap");
+CUIP_OPS(CUIP_OP_NUMBERED)
+#undef CUIP_OP_NUMBERED
+
+/* An op's name (the CUIP_OP_ suffix), "?" for a number that is none. */
+static inline const char *cuip_op_name(uint32_t op)
+{
+    switch (op) {
+#define CUIP_OP_NAME(name, number, served_in, tears_down) \
+    case CUIP_OP_##name:                                  \
+        return #name;
+        CUIP_OPS(CUIP_OP_NAME)
+#undef CUIP_OP_NAME
+    }
+    return "?";
+}
+
+/* Whether the shim serves `op` in `phase`. */
+static inline int cuip_op_served_in(uint32_t op, uint32_t phase)
+{
+    uint32_t set = 0;
+
+    switch (op) {
+#define CUIP_OP_SERVED(name, number, served_in, tears_down) \
+    case CUIP_OP_##name:                                    \
+        set = (served_in);                                  \
+        break;
+        CUIP_OPS(CUIP_OP_SERVED)
+#undef CUIP_OP_SERVED
+    }
+    return phase < 32 && (set >> phase) & 1u;
+}
+
+/* A STATUS request asking CUIP_ASK_DRIVER (cuip_status_ask) asks which
+ * driver the process runs on: the reply's message is then the path of the
+ * libcuda.so.1 the shim loaded (empty while none is loaded), instead of the
+ * stored failure reason, so that the coordinator's native checkpoint calls
+ * load the same one. What a STATUS reply's stat fields carry: below the
+ * header, cuip_status_*. */
+#define CUIP_ASK_DRIVER 1u
+
+
+/* The phase machine: X(op, reaches, transfers) for every phase op, in order
+ * (the phases each is served in: CUIP_OPS). `reaches` is the phase every
+ * successful reply reports, `transfers` 1 when the reply carries the byte
+ * and allocation statistics. Names are the CUIP_OP_ and CUIP_PHASE_
  * suffixes; the engine's table (phases/ops.py) is pinned to this one. */
 #define CUIP_PHASE_OPS(X)                                                      \
-    X(QUIESCE, ACTIVE, QUIESCED, 0)                                            \
-    X(PREPARE_MULTICAST, QUIESCED, MULTICAST_DETACHED, 0)                      \
-    X(SAVE_ALLOCATIONS, MULTICAST_DETACHED, ALLOCATIONS_SAVED, 1)              \
-    X(PREPARE_UNICAST, ALLOCATIONS_SAVED, PREPARED, 0)                         \
-    X(LOAD_ALLOCATIONS, PREPARED, ALLOCATIONS_LOADED, 1)                       \
-    X(RESTORE_UNICAST, ALLOCATIONS_LOADED, UNICAST_RESTORED, 0)                \
-    X(RESTORE_MULTICAST_CREATORS, UNICAST_RESTORED, MULTICAST_CREATED, 0)      \
-    X(RESTORE_MULTICAST_IMPORTERS, MULTICAST_CREATED, MULTICAST_IMPORTED, 0)   \
-    X(RESTORE_MULTICAST_DEVICES, MULTICAST_IMPORTED, MULTICAST_JOINED, 0)      \
-    X(RESTORE_MULTICAST_BINDINGS, MULTICAST_JOINED, ACTIVE, 0)
+    X(QUIESCE, QUIESCED, 0)                                                    \
+    X(PREPARE_MULTICAST, MULTICAST_DETACHED, 0)                                \
+    X(SAVE_ALLOCATIONS, ALLOCATIONS_SAVED, 1)                                  \
+    X(PREPARE_UNICAST, PREPARED, 0)                                            \
+    X(LOAD_ALLOCATIONS, ALLOCATIONS_LOADED, 1)                                 \
+    X(RESTORE_UNICAST, UNICAST_RESTORED, 0)                                    \
+    X(RESTORE_MULTICAST_CREATORS, MULTICAST_CREATED, 0)                        \
+    X(RESTORE_MULTICAST_IMPORTERS, MULTICAST_IMPORTED, 0)                      \
+    X(RESTORE_MULTICAST_DEVICES, MULTICAST_JOINED, 0)                          \
+    X(RESTORE_MULTICAST_BINDINGS, ACTIVE, 0)
 
-/* The way back to ACTIVE from any phase short of the native checkpoint:
- * X(op, needs, reaches, transfers) as above, except that `needs` names a
- * list of phases, X(phase) for each, in enum order. ROLLBACK_ALLOCATIONS
- * re-creates and refills the creators' torn-down allocations from their
- * staged bytes (FAILED included, while the bytes are all there; again in
- * ROLLBACK_LOADED after an interrupted rollback); ROLLBACK_IMPORTS then
+/* The way back to ACTIVE from any phase short of the native checkpoint, as
+ * above. ROLLBACK_ALLOCATIONS re-creates and refills the creators'
+ * torn-down allocations from their staged bytes; ROLLBACK_IMPORTS then
  * imports every import again and frees the staged bytes. Pinned to the
- * engine's ROLLBACK_OPS and ROLLBACK_FROM (phases/ops.py). */
-#define CUIP_ROLLBACK_FROM(X)                                                  \
-    X(ACTIVE) X(MULTICAST_DETACHED) X(ALLOCATIONS_SAVED) X(PREPARED)           \
-    X(ALLOCATIONS_LOADED) X(UNICAST_RESTORED) X(MULTICAST_CREATED)             \
-    X(MULTICAST_IMPORTED) X(MULTICAST_JOINED) X(ROLLBACK_LOADED) X(QUIESCED)   \
-    X(FAILED)
-#define CUIP_ROLLBACK_IMPORTS_FROM(X) X(ROLLBACK_LOADED)
-
-/* Every phase QUIESCE is served in: its CUIP_PHASE_OPS entry names the
- * first; in QUIESCED it is an advance (above). */
-#define CUIP_QUIESCE_FROM(X) X(ACTIVE) X(QUIESCED)
+ * engine's ROLLBACK_OPS (phases/ops.py). */
 #define CUIP_ROLLBACK_OPS(X)                                                   \
-    X(ROLLBACK_ALLOCATIONS, CUIP_ROLLBACK_FROM, ROLLBACK_LOADED, 1)            \
-    X(ROLLBACK_IMPORTS, CUIP_ROLLBACK_IMPORTS_FROM, ACTIVE, 0)
+    X(ROLLBACK_ALLOCATIONS, ROLLBACK_LOADED, 1)                                \
+    X(ROLLBACK_IMPORTS, ACTIVE, 0)
 
 enum cuip_status {
     CUIP_STATUS_OK = 0,
@@ -182,13 +237,93 @@ struct cuip_header {
     uint32_t message_length;
     uint32_t pid;                            /* reply: the shim's getpid() */
     uint16_t phase;                          /* reply: enum cuip_phase after the op */
-    uint16_t reserved;
-    uint64_t stat_count;                     /* SAVE/LOAD/ROLLBACK_ALLOCATIONS: allocations moved */
+    uint16_t flags;                          /* reply: CUIP_REPLY_ bits; 0 in requests */
+    /* The stat fields: a transfer's statistics (SAVE/LOAD/ROLLBACK_ALLOCATIONS,
+     * INSPECT), or what the op names below make of them (QUIESCE, STATUS). */
+    uint64_t stat_count;                     /* allocations moved */
     uint64_t stat_bytes;                     /* bytes moved */
-    uint64_t stat_elapsed_ns;                /* time inside the shim for the whole op;
-                                              * in a QUIESCE request: its deadline */
+    uint64_t stat_elapsed_ns;                /* time inside the shim for the whole op */
     uint64_t stat_copy_ns;                   /* time spent in device copies */
 };
+
+/* The reply's flags. NOT_QUIET: a QUIESCE refused (REFUSED) because the
+ * process did not get quiet within its deadline; nothing changed, its gate
+ * is open again, and a capture may start over. The message says the same
+ * for humans; code decides on the flag. */
+#define CUIP_REPLY_NOT_QUIET 0x1u
+
+/* The stat fields whose meaning is the op's, by name: code reads and writes
+ * them through these only. */
+
+/* QUIESCE request: the longest the coordinator lets it take (ns; 0: the
+ * shim's own deadline, which also bounds it). */
+static inline uint64_t cuip_quiesce_deadline_ns(const struct cuip_header *h)
+{
+    return h->stat_elapsed_ns;
+}
+static inline void cuip_set_quiesce_deadline_ns(struct cuip_header *h, uint64_t ns)
+{
+    h->stat_elapsed_ns = ns;
+}
+
+/* QUIESCE request: 1 for a round (PENDING instead of a refusal). */
+static inline uint64_t cuip_quiesce_round(const struct cuip_header *h)
+{
+    return h->stat_count;
+}
+static inline void cuip_set_quiesce_round(struct cuip_header *h, uint64_t round)
+{
+    h->stat_count = round;
+}
+
+/* QUIESCE reply: the number of threads held at the gate. */
+static inline uint64_t cuip_quiesce_held(const struct cuip_header *h)
+{
+    return h->stat_count;
+}
+static inline void cuip_set_quiesce_held(struct cuip_header *h, uint64_t threads)
+{
+    h->stat_count = threads;
+}
+
+/* STATUS request: CUIP_ASK_DRIVER to ask for the driver's path, else 0. */
+static inline uint64_t cuip_status_ask(const struct cuip_header *h)
+{
+    return h->stat_count;
+}
+static inline void cuip_set_status_ask(struct cuip_header *h, uint64_t ask)
+{
+    h->stat_count = ask;
+}
+
+/* STATUS reply: the op in flight (enum cuip_op, 0 when none), the bytes it
+ * has copied so far, the bytes it copies in all (0 when it copies nothing),
+ * how long it has run. */
+static inline uint64_t cuip_status_op(const struct cuip_header *h)
+{
+    return h->stat_count;
+}
+static inline uint64_t cuip_status_bytes_done(const struct cuip_header *h)
+{
+    return h->stat_bytes;
+}
+static inline uint64_t cuip_status_bytes_total(const struct cuip_header *h)
+{
+    return h->stat_copy_ns;
+}
+static inline uint64_t cuip_status_elapsed_ns(const struct cuip_header *h)
+{
+    return h->stat_elapsed_ns;
+}
+static inline void cuip_set_status_in_flight(struct cuip_header *h, uint64_t op,
+                                             uint64_t bytes_done, uint64_t bytes_total,
+                                             uint64_t elapsed_ns)
+{
+    h->stat_count = op;
+    h->stat_bytes = bytes_done;
+    h->stat_copy_ns = bytes_total;
+    h->stat_elapsed_ns = elapsed_ns;
+}
 
 /* Record kinds. */
 enum cuip_record_kind {

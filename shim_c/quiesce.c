@@ -287,10 +287,11 @@ enum phase_result quiesce_run(struct reply *r)
     }
     idle = quiet_by(deadline, &stage, why, sizeof why);
     if (idle == 1) {
-        r->h.stat_count = gate_held();
+        cuip_set_quiesce_held(&r->h, gate_held());
         shim_log(LOG_INFO, "quiet after %.1f ms (%u thread%s held; this advance granted %u "
                  "synchronizing calls)", (double)(shim_now_ns() - started) / 1e6,
-                 (unsigned)r->h.stat_count, r->h.stat_count == 1 ? "" : "s", granted);
+                 (unsigned)cuip_quiesce_held(&r->h), cuip_quiesce_held(&r->h) == 1 ? "" : "s",
+                 granted);
         return PHASE_DONE;
     }
 not_quiet:
@@ -304,7 +305,7 @@ not_quiet:
                  advances == 1 ? "" : "s");
     if (idle == 0 && round && shim_now_ns() < limit) {
         gate_close(GATE_HOLD_SYNC);
-        r->h.stat_count = gate_held();
+        cuip_set_quiesce_held(&r->h, gate_held());
         reply_msg(r, CUIP_STATUS_PENDING,
                   "QUIESCE: pid %d not quiet yet after %.0f ms%s %s: %s; %s; the gate stays "
                   "closed until the next round",
@@ -313,6 +314,8 @@ not_quiet:
         return PHASE_PENDING;
     }
     gate_open();
+    if (idle == 0)
+        r->h.flags |= CUIP_REPLY_NOT_QUIET; /* a synchronize that failed is another reason */
     reply_msg(r, idle < 0 ? CUIP_STATUS_CUDA_FAILED : CUIP_STATUS_REFUSED,
               "QUIESCE: pid %d did not reach a quiet point within %.0f ms%s %s: %s; %s; "
               "the gate is open again and the process runs on",

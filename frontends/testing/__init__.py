@@ -12,7 +12,7 @@ from .fake import (
     Fault,
     FaultKind,
     allowed_phases,
-    is_destructive,
+    is_phase_op,
 )
 
 __all__ = [
@@ -22,5 +22,5 @@ __all__ = [
     "Fault",
     "FaultKind",
     "allowed_phases",
-    "is_destructive",
+    "is_phase_op",
 ]

@@ -42,22 +42,25 @@ from ..engine.wire import (
     RECORDS_MAX,
     SOCKET_PREFIX,
     SOCKET_SUFFIX,
+    VERSION,
     Header,
     Op,
     Phase,
     Record,
+    ReplyFlag,
     Request,
     Stats,
     Status,
     WireError,
     decode_request,
 )
-from ..phases.ops import PHASE_OP
+from ..phases.ops import OP, PHASE_OP
 
 FaultKind = Literal[
     "fail",
     "retry",
     "pending",
+    "not_quiet",
     "delay",
     "hang",
     "hangup",
@@ -67,21 +70,8 @@ FaultKind = Literal[
 ]
 FAULT_KINDS: Final[frozenset[str]] = frozenset(get_args(FaultKind))
 
-# What a shim may do in which phase (specs/protocol.md, "Ops").
-_RESTORE_PHASES: Final = frozenset(
-    {
-        Phase.ALLOCATIONS_LOADED,
-        Phase.UNICAST_RESTORED,
-        Phase.MULTICAST_CREATED,
-        Phase.MULTICAST_IMPORTED,
-        Phase.MULTICAST_JOINED,
-        Phase.ROLLBACK_LOADED,
-    }
-)
 # The shim's phase table, as phases/ declares it once for the shim and this fake.
-_TRANSITIONS: Final[Mapping[Op, tuple[frozenset[Phase], Phase]]] = {
-    Op[p.op]: (frozenset(Phase[n] for n in p.needs), Phase[p.reaches]) for p in PHASE_OP.values()
-}
+_REACHES: Final[Mapping[Op, Phase]] = {Op[p.op]: Phase[p.reaches] for p in PHASE_OP.values()}
 _STATS_OPS: Final = frozenset(Op[p.op] for p in PHASE_OP.values() if p.transfers)
 
 _GARBAGE: Final = b"\xff" * HEADER_SIZE
@@ -99,18 +89,12 @@ _SUN_PATH_MAX: Final = 107
 
 def allowed_phases(op: Op) -> frozenset[Phase]:
     """The shim phases in which ``op`` is served (anything else is WRONG_PHASE)."""
-    if op in (Op.HANDSHAKE, Op.RELEASE, Op.STATUS):
-        return frozenset(Phase)
-    if op is Op.INSPECT:
-        return frozenset({Phase.ACTIVE, Phase.QUIESCED, Phase.PREPARED})
-    if op is Op.EXPORT:
-        return frozenset({Phase.ACTIVE, Phase.QUIESCED}) | _RESTORE_PHASES
-    return _TRANSITIONS[op][0]
+    return frozenset(Phase[n] for n in OP[op.name].served_in)
 
 
-def is_destructive(op: Op) -> bool:
-    """Ops that change the shim's phase; failing one leaves the shim FAILED."""
-    return op in _TRANSITIONS
+def is_phase_op(op: Op) -> bool:
+    """Ops that move the shim's phase; failing one leaves the shim FAILED."""
+    return op in _REACHES
 
 
 def _check_kind(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
@@ -128,13 +112,16 @@ class Fault:
     """What a fake does instead of (or on top of) answering an op normally.
 
     - ``fail``: answer ``status`` with ``message`` (after the phase check, like a
-      shim whose CUDA work failed); a destructive op leaves the fake FAILED, unless
+      shim whose CUDA work failed); a phase op leaves the fake FAILED, unless
       the status is REFUSED (a shim's refusal leaves its phase as it was).
     - ``retry``: answer RETRY (out of memory, nothing kept, the phase unchanged) the
       first ``times`` times the op arrives, then answer normally; ``times`` 0
       answers RETRY every time. ``fail`` counts ``times`` the same way.
     - ``pending``: QUIESCE only: answer PENDING in phase ACTIVE (not quiet yet, the gate
       kept closed) with ``message``, counting ``times`` the same way.
+    - ``not_quiet``: QUIESCE only: answer REFUSED in phase ACTIVE with the NOT_QUIET
+      flag (not quiet within the deadline, the gate open again) and ``message``,
+      counting ``times`` the same way.
     - ``delay``: wait ``seconds``, then answer normally.
     - ``hang``: never answer (until the client hangs up or the fake stops).
     - ``hangup``: close the connection without answering.
@@ -156,6 +143,8 @@ class Fault:
     def __attrs_post_init__(self) -> None:
         if self.kind == "fail" and self.status is Status.OK:
             raise ValueError("a 'fail' fault needs a non-OK status")
+        if self.kind == "not_quiet" and self.status is not Status.REFUSED:
+            raise ValueError("a 'not_quiet' fault answers REFUSED (its status is not chosen)")
 
 
 class FakeParticipantError(RuntimeError):
@@ -241,8 +230,13 @@ class FakeParticipant:
         script: Mapping[Op, Fault] | None = None,
         arrival: threading.Barrier | None = None,
         driver: str = "",
+        version: int = VERSION,
     ) -> None:
         self.socket_path = Path(socket_path)
+        # The protocol version it speaks: of another than the coordinator's, it
+        # answers every request BAD_REQUEST in its own version and changes nothing,
+        # as a shim does a request of another version.
+        self.version = version
         self.driver = driver  # what STATUS with ask_driver answers (protocol.h)
         self.participant = participant if participant is not None else secrets.token_hex(16)
         # Encoding once validates the id and every record up front, and spares
@@ -502,6 +496,9 @@ class FakeParticipant:
 
     def _dispatch(self, conn: _Conn, conns: _Conns) -> None:
         raw = bytes(conn.request)
+        if self.version != VERSION:
+            self._reply_now(conn, self._refusal(raw, "bad magic or version"), conns)
+            return
         try:
             request, _ = decode_request(raw)
         except WireError as exc:
@@ -653,7 +650,7 @@ class FakeParticipant:
                 return self._encode(echoed, Status.OK, self.driver, participant=participant)
             if op is Op.QUIESCE and phase is Phase.QUIESCED:
                 self._advances += 1
-            if kind in ("retry", "fail", "pending"):
+            if kind in ("retry", "fail", "pending", "not_quiet"):
                 assert fault is not None
                 answered = self._retried.get(op, 0)
                 if fault.times and answered >= fault.times:
@@ -667,11 +664,21 @@ class FakeParticipant:
                 assert fault is not None
                 self._phase = Phase.ACTIVE
                 return self._encode(echoed, Status.PENDING, fault.message, participant=participant)
+            if kind == "not_quiet":
+                assert fault is not None
+                self._phase = Phase.ACTIVE  # the shim opened its gate again
+                return self._encode(
+                    echoed,
+                    Status.REFUSED,
+                    fault.message,
+                    participant=participant,
+                    flags=int(ReplyFlag.NOT_QUIET),
+                )
             if kind == "fail":
                 assert fault is not None
                 if op is Op.QUIESCE:
                     self._phase = Phase.ACTIVE  # a refused QUIESCE opens the gate, advance or not
-                if is_destructive(op) and fault.status is not Status.REFUSED:
+                if is_phase_op(op) and fault.status is not Status.REFUSED:
                     self._phase = Phase.FAILED
                     self._reason = f"{op.name} failed: {fault.message}"
                 return self._encode(echoed, fault.status, fault.message, participant=participant)
@@ -694,7 +701,7 @@ class FakeParticipant:
                 "fake participant exports nothing",
                 participant=participant,
             )
-        self._phase = _TRANSITIONS[op][1]
+        self._phase = _REACHES[op]
         if op is Op.RESTORE_MULTICAST_BINDINGS:
             self._restored = True
         elif op is Op.ROLLBACK_IMPORTS:
@@ -712,6 +719,7 @@ class FakeParticipant:
         participant: str | None = None,
         count: int = 0,
         stats: Stats | None = None,
+        flags: int = 0,
     ) -> bytes:
         text = _text(message)
         header = Header(
@@ -725,6 +733,8 @@ class FakeParticipant:
             # holds the lock, so the reply reports the phase after the op.
             phase=int(self._phase),
             stats=stats if stats is not None else Stats(),
+            flags=flags,
+            version=self.version,
         )
         return header.encode() + text
 

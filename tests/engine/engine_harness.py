@@ -16,26 +16,16 @@ from pathlib import Path
 import attrs
 from cuinterpose.engine.client import Endpoint
 from cuinterpose.engine.topology import Topology
-from cuinterpose.engine.wire import Op, Phase, Record, Stats, socket_name
+from cuinterpose.engine.wire import VERSION, Op, Phase, Record, Stats, socket_name
+from cuinterpose.phases import PHASE_OPS, TEARS_DOWN
 from cuinterpose.testing import FakeParticipant, Fault
 
 SAVE_STATS = Stats(count=1, bytes=4 << 20, elapsed_ns=2_000_000, copy_ns=1_000_000)
 LOAD_STATS = Stats(count=1, bytes=4 << 20, elapsed_ns=3_000_000, copy_ns=2_000_000)
-# The ops that tear something down: QUIESCE only holds the application at its gate,
-# and the run's RELEASE (or its death) opens it again.
-DESTRUCTIVE_OPS = frozenset(
-    {
-        Op.PREPARE_MULTICAST,
-        Op.SAVE_ALLOCATIONS,
-        Op.PREPARE_UNICAST,
-        Op.LOAD_ALLOCATIONS,
-        Op.RESTORE_UNICAST,
-        Op.RESTORE_MULTICAST_CREATORS,
-        Op.RESTORE_MULTICAST_IMPORTERS,
-        Op.RESTORE_MULTICAST_DEVICES,
-        Op.RESTORE_MULTICAST_BINDINGS,
-    }
-)
+# The capture and restore ops that tear something down (the op table's tears_down:
+# not QUIESCE, which only holds the application at its gate until the run's lease
+# ends). A run refused or failed early may still be sent the rollback's ops.
+TEARS_DOWN_OPS = frozenset(Op[p.op] for p in PHASE_OPS if p.op in TEARS_DOWN)
 
 
 @contextlib.contextmanager
@@ -79,10 +69,12 @@ def team_of(
     barrier: bool = False,
     barrier_timeout: float = 10.0,
     pids: Mapping[int, int] | None = None,
+    versions: Mapping[int, int] | None = None,
 ) -> Iterator[Team]:
     """One started fake per participant of ``topology``, serving its records.
 
-    ``scripts``/``restored``/``pids`` are keyed by the participant's index.
+    ``scripts``/``restored``/``pids``/``versions`` (the protocol version a fake
+    speaks) are keyed by the participant's index.
     With ``barrier``, no fake answers an op until every fake has received it.
     """
     control_dir.mkdir(parents=True, exist_ok=True)
@@ -102,6 +94,7 @@ def team_of(
                 stats={Op.SAVE_ALLOCATIONS: SAVE_STATS, Op.LOAD_ALLOCATIONS: LOAD_STATS},
                 script=(scripts or {}).get(i),
                 arrival=arrival,
+                version=(versions or {}).get(i, VERSION),
             )
         )
     with contextlib.ExitStack() as stack:

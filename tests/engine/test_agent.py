@@ -544,7 +544,7 @@ def test_a_suspend_refused_as_not_quiet_starts_over_once(tmp_path: Path) -> None
     """A shim that ran out of its own deadline refuses (its gate opened): the capture
     starts over, and the second attempt's rounds find the team quiet."""
     not_quiet = "QUIESCE: pid 1001 did not reach a quiet point within 10000 ms"
-    script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, not_quiet, times=1)}}
+    script = {1: {Op.QUIESCE: Fault("not_quiet", Status.REFUSED, not_quiet, times=1)}}
     with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as t:
         log = logging.getLogger("test")
         captured = _capture_until_quiet(t.endpoints, tmp_path, Options(5.0), log)
@@ -555,7 +555,7 @@ def test_a_suspend_refused_as_not_quiet_starts_over_once(tmp_path: Path) -> None
 
 def test_a_suspend_refused_as_not_quiet_twice_is_refused(tmp_path: Path) -> None:
     not_quiet = "QUIESCE: pid 1001 did not reach a quiet point within 10000 ms"
-    script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, not_quiet)}}
+    script = {1: {Op.QUIESCE: Fault("not_quiet", Status.REFUSED, not_quiet)}}
     with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as t:
         log = logging.getLogger("test")
         with pytest.raises(PhaseFailed, match="did not reach a quiet point") as caught:

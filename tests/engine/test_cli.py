@@ -20,7 +20,7 @@ from cuinterpose.engine.fsm import CAPTURE, RESTORE, mermaid
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.wire import Op, Phase, RecordKind, Status
 from cuinterpose.testing import Fault
-from engine_harness import DESTRUCTIVE_OPS, Team, short_dir, team_of
+from engine_harness import TEARS_DOWN_OPS, Team, short_dir, team_of
 from topologies import participant, replace_records, team, unsupported_exportable, with_records
 
 TOPOLOGY = team(participants=2, allocations=2, multicast=True)
@@ -109,7 +109,7 @@ def test_preflight_refusal_exits_1_naming_participant_pid_phase_reason(work: Pat
     tainted = with_records(TOPOLOGY, participant(1), unsupported_exportable())
     with team_of(tainted, work / "control") as t:
         code, out, err = run(*machine_args("prepare", t, work, "--progress", "json"))
-        assert all(not DESTRUCTIVE_OPS & set(ops) for ops in t.received())
+        assert all(not TEARS_DOWN_OPS & set(ops) for ops in t.received())
         pid = t.fakes[1].pid
     assert code == 1
     assert "refused at PREPARE_MULTICAST (preflight_clean)" in err
@@ -157,7 +157,7 @@ def test_a_failure_before_teardown_changes_nothing_and_exits_1(work: Path) -> No
         code, _, err = run(*machine_args("prepare", t, work))
         sent = [f.received for f in t.fakes]
     assert code == cli.EXIT_FAILED
-    assert not any(set(r) & DESTRUCTIVE_OPS for r in sent)
+    assert not any(set(r) & TEARS_DOWN_OPS for r in sent)
     assert "recover" not in err and "rolled back" not in err
 
 
@@ -522,7 +522,7 @@ NOT_QUIET = "QUIESCE: pid 1001 did not reach a quiet point within 10000 ms"
 def test_prepare_refused_as_not_quiet_starts_over_as_suspend_does(work: Path) -> None:
     # engine/quiesce.py: a capture that changed nothing but found no quiet point is
     # run again, once, by every verb that captures.
-    script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, NOT_QUIET, times=1)}}
+    script = {1: {Op.QUIESCE: Fault("not_quiet", Status.REFUSED, NOT_QUIET, times=1)}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
         code, out, err = run(*machine_args("prepare", t, work, "-v"))
         received = [f.received.count(Op.QUIESCE) for f in t.fakes]
@@ -534,7 +534,7 @@ def test_prepare_refused_as_not_quiet_starts_over_as_suspend_does(work: Path) ->
 
 
 def test_prepare_refused_as_not_quiet_twice_fails_and_changes_nothing(work: Path) -> None:
-    script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, NOT_QUIET)}}
+    script = {1: {Op.QUIESCE: Fault("not_quiet", Status.REFUSED, NOT_QUIET)}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
         code, _, err = run(*machine_args("prepare", t, work))
         received = [f.received.count(Op.QUIESCE) for f in t.fakes]
@@ -548,7 +548,7 @@ def test_prepare_refused_as_not_quiet_twice_fails_and_changes_nothing(work: Path
 
 def test_a_traced_prepare_is_one_run(work: Path) -> None:
     # A trace records one run, for its replay to check: a traced capture does not restart.
-    script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, NOT_QUIET, times=1)}}
+    script = {1: {Op.QUIESCE: Fault("not_quiet", Status.REFUSED, NOT_QUIET, times=1)}}
     trace = work / "run.jsonl"
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
         code, _, err = run(*machine_args("prepare", t, work, "--trace", str(trace)))

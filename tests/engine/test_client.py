@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from cuinterpose.engine import client
+from cuinterpose.engine import client, wire
 from cuinterpose.engine.client import (
     BadReply,
     Endpoint,
@@ -21,6 +21,7 @@ from cuinterpose.engine.client import (
     ParticipantGone,
     ParticipantHangup,
     ParticipantTimeout,
+    ProtocolMismatch,
     call,
     call_all,
     endpoint_for,
@@ -202,6 +203,28 @@ def test_a_reply_from_another_participant_is_refused(start_fake: StartFake) -> N
         ask(fake, Op.INSPECT, timeout=2)
     assert caught.value.participant == fake.participant
     assert "reply comes from participant" in caught.value.reason
+
+
+def test_a_shim_of_another_version_is_a_typed_error_naming_both(start_fake: StartFake) -> None:
+    older = start_fake(version=wire.VERSION - 1)
+    with pytest.raises(ProtocolMismatch) as caught:
+        handshake(older)
+    error = caught.value
+    assert isinstance(error, BadReply) and error.version == wire.VERSION - 1
+    assert error.reason == (
+        f"its shim speaks protocol version {wire.VERSION - 1}, this coordinator speaks "
+        f"{wire.VERSION}: upgrade the shim preloaded in the workload "
+        "(or use a cuinterpose matching it)"
+    )
+    # It crosses processes whole (the agent's workers pickle errors).
+    again = pickle.loads(pickle.dumps(error))
+    assert (type(again), again.version, again.reason) == (
+        ProtocolMismatch,
+        error.version,
+        error.reason,
+    )
+    # The fake of another version received nothing it would act on.
+    assert older.received == [] and older.phase is Phase.ACTIVE
 
 
 def test_handshake_accepts_any_participant(start_fake: StartFake) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -352,3 +353,39 @@ def test_a_restore_that_finds_a_pid_taken_names_what_holds_it(work: Path) -> Non
     mine = next(line for line in lines if f"pid {holder} of the tree is taken by:" in line)
     assert "pytest" in mine or sys.executable in mine, mine
     assert any(f"pid {gone} of the tree is taken by: gone by now" in line for line in lines)
+
+
+def test_a_pid_still_the_session_of_a_process_is_named_as_taken() -> None:
+    # The H200 torch pair's restore: the tree's root (a session leader) was gone from
+    # /proc, but a helper it forked still lived in its session, so its pid stayed taken.
+    leader = subprocess.run(
+        ["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"],
+        start_new_session=True,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    helper = int(leader.stdout)
+    try:
+        session = int(Path(f"/proc/{helper}/stat").read_text().rsplit(")", 1)[1].split()[3])
+        assert not Path(f"/proc/{session}").exists()
+        (line,) = criu._pid_holders(
+            [f"Error (cr-restore.c:1230): Can't fork for {session}: File exists"]
+        )
+        assert line.startswith(
+            f"pid {session} of the tree is taken by: no process, but it is still"
+        )
+        assert f"the session id of pid {helper} (sleep 60)" in line, line
+    finally:
+        os.kill(helper, signal.SIGKILL)
+
+
+def test_a_dump_that_finds_a_link_remap_left_names_it() -> None:
+    errors = [
+        "(00.045048) Warn  (criu/files-reg.c:1881): Can't link  -> ./dev/shm/link_remap.62",
+        "(00.04) Error (criu/files-reg.c:1159): Can't link remap to /dev/shm/sem.W: File exists",
+    ]
+    (hint,) = criu._remaps_in_the_way(errors)
+    assert hint.startswith("/dev/shm/link_remap.62 is left from an earlier dump"), hint
+    assert "remove the file if it is abandoned" in hint
+    assert criu._remaps_in_the_way(errors[1:]) == []

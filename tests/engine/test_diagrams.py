@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from cuinterpose.engine.fsm import MACHINES, MachineSpec, mermaid
+from cuinterpose.phases import OPS
 from transitions.extensions.diagrams import GraphMachine
 
 SPECS = Path(__file__).resolve().parent.parent.parent / "specs"
@@ -21,13 +22,13 @@ REGENERATE = os.environ.get("CUINTERPOSE_REGENERATE_SPECS") == "1"
 
 def steps_table(spec: MachineSpec) -> str:
     rows = [
-        "| step | op sent | reply phase | guards (before) | destructive | progress |",
+        "| step | op sent | reply phase | guards (before) | tears down | progress |",
         "|---|---|---|---|---|---|",
     ]
     for step in spec.steps:
         rows.append(
             f"| {step.trigger} | {step.op or '(local)'} | {step.expected_phase or '-'} | "
-            f"{', '.join(step.guards) or '-'} | {'yes' if step.destructive else 'no'} | "
+            f"{', '.join(step.guards) or '-'} | {'yes' if step.tears_down else 'no'} | "
             f"{step.progress.value} |"
         )
     rows.append("")
@@ -108,6 +109,9 @@ def test_protocol_spec_lists_the_codecs_values() -> None:
     for enum_type in (Op, Phase, Status):
         for member in enum_type:
             assert (str(member.value), member.name) in rows, f"{enum_type.__name__}.{member.name}"
+    # The op table's last column is the engine's tears_down.
+    tears = dict(re.findall(r"^\| (\d+) \| \w+ \|(?: [^|]* \|){3} (yes|no) \|$", text, re.M))
+    assert tears == {str(o.number): "yes" if o.tears_down else "no" for o in OPS}
     assert f"`'{HEADER_STRUCT.format}'`" in text
     assert "'<HHI16s16s32sQQQQQQQiiiiIBBHII' + 'iiQ' * 8" in text
     assert RECORD_STRUCT.size == 288 and HEADER_STRUCT.size == 128

@@ -7,11 +7,14 @@ import pytest
 from cuinterpose.engine.wire import Op, Phase
 from cuinterpose.phases import (
     CAPTURE,
+    EVERY_PHASE,
     FAIL_TRIGGER,
+    OPS,
     PHASE_OP,
     PHASE_OPS,
     RESTORE,
     ROLLBACK_OPS,
+    TEARS_DOWN,
     Action,
     Guard,
     MachineSpec,
@@ -50,6 +53,18 @@ def test_restore_sends_the_design_order() -> None:
     assert RESTORE.steps[-1].trigger == "VERIFY"
 
 
+def test_the_op_table_is_the_wire_enum() -> None:
+    # Every op once, in number order, served in phases listed in enum order; and the
+    # phase ops are all and only the ops with a phase to reach.
+    assert [(o.name, o.number) for o in OPS] == [(op.name, int(op)) for op in Op]
+    assert list(EVERY_PHASE) == [p.name for p in Phase]
+    for entry in OPS:
+        values = [Phase[name] for name in entry.served_in]
+        assert values and values == sorted(set(values)), entry.name
+    # Tearing down is a phase op's: the others change nothing of the application's.
+    assert set(PHASE_OP) > TEARS_DOWN and set(PHASE_OP) - TEARS_DOWN == {"QUIESCE"}
+
+
 def test_the_phase_table_names_wire_ops_and_phases() -> None:
     for entry in PHASE_OP.values():
         assert Op[entry.op] and Phase[entry.reaches]
@@ -74,7 +89,7 @@ def test_phase_ops_lead_the_shim_from_phase_to_phase(
     for step in spec.steps:
         entry = PHASE_OP.get(step.op or "")
         if entry is None:
-            assert not step.destructive, step.trigger
+            assert not step.tears_down, step.trigger
             if step.op is None:
                 assert step.action is not None and step.expected_phase is None
             elif step.op == "HANDSHAKE":
@@ -82,7 +97,7 @@ def test_phase_ops_lead_the_shim_from_phase_to_phase(
             else:
                 assert step.expected_phase == phase, step.trigger
             continue
-        assert step.destructive and phase in entry.needs, step.trigger
+        assert step.tears_down is (step.op != "QUIESCE") and phase in entry.needs, step.trigger
         phase = entry.reaches
         assert step.expected_phase == phase
     assert phase == ends
@@ -99,8 +114,8 @@ def test_refusals_come_before_the_first_destructive_op() -> None:
     )
     assert CAPTURE.is_refusal("QUIESCE") and CAPTURE.is_refusal("PREPARE_MULTICAST")
     assert not CAPTURE.is_refusal("SAVE_ALLOCATIONS")
-    # QUIESCE changes the participants, yet a run stopped there needs no rollback.
-    assert CAPTURE.step("QUIESCE").destructive and not CAPTURE.step("QUIESCE").tears_down
+    # QUIESCE changes the participants' phase, yet a run stopped there needs no rollback.
+    assert "QUIESCE" in PHASE_OP and not CAPTURE.step("QUIESCE").tears_down
     assert CAPTURE.step("PREPARE_MULTICAST").tears_down
     assert RESTORE.step("INSPECT_PREPARED").guards == ("participants_match_state", "all_prepared")
     # The shims' records are compared with the state file before anything changes.

@@ -84,7 +84,7 @@ def test_a_refusal_ends_the_rounds_for_everyone(tmp_path: Path) -> None:
     refused = "QUIESCE: pid 1002 did not reach a quiet point within 10000 ms"
     script = {
         0: {Op.QUIESCE: Fault("pending", message=BUSY)},
-        2: {Op.QUIESCE: Fault("fail", Status.REFUSED, refused)},
+        2: {Op.QUIESCE: Fault("not_quiet", Status.REFUSED, refused)},
     }
     with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as team:
         with pytest.raises(PhaseFailed) as caught:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import attrs
 import pytest
-from cuinterpose.engine import runner
+from cuinterpose.engine import runner, wire
 from cuinterpose.engine.client import Endpoint, ParticipantError, call_all
 from cuinterpose.engine.errors import (
     Interrupted,
@@ -26,7 +26,7 @@ from cuinterpose.engine.progress import DoneEvent, Event, FailedEvent, PhaseEven
 from cuinterpose.engine.statefile import STATE_FILE_NAME, read_state
 from cuinterpose.engine.wire import Op, Phase, RecordKind, Reply, Request, Status
 from cuinterpose.testing import Fault
-from engine_harness import DESTRUCTIVE_OPS, Team, short_dir, team_of
+from engine_harness import TEARS_DOWN_OPS, Team, short_dir, team_of
 from topologies import (
     allocation_id,
     participant,
@@ -84,7 +84,7 @@ def options(
 def assert_nothing_destroyed(team_: Team) -> None:
     """Nothing torn down, and every gate open again: the group runs as before."""
     for received in team_.received():
-        assert not DESTRUCTIVE_OPS & set(received), received
+        assert not TEARS_DOWN_OPS & set(received), received
     assert Phase.QUIESCED not in {f.phase for f in team_.fakes}
 
 
@@ -404,7 +404,7 @@ def test_restore_fails_when_a_participant_reports_failure(work: Path) -> None:
 
 def assert_nothing_destroyed_since_capture(team_: Team) -> None:
     for received in team_.received():
-        assert not DESTRUCTIVE_OPS & set(received[len(CAPTURE_OPS) :]), received
+        assert not TEARS_DOWN_OPS & set(received[len(CAPTURE_OPS) :]), received
 
 
 def test_inspect_changes_nothing(work: Path) -> None:
@@ -576,6 +576,34 @@ def test_a_directory_under_the_state_file_name_is_refused_before_teardown(work: 
     assert "is not a regular file" in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("version", "upgrade"),
+    [
+        (1, "upgrade the shim preloaded in the workload (or use a cuinterpose matching it)"),
+        (3, "upgrade cuinterpose, the coordinator's package on this node"),
+    ],
+)
+def test_a_shim_of_another_protocol_version_is_refused_at_handshake(
+    work: Path, version: int, upgrade: str
+) -> None:
+    # A shim of another version refuses every request of this one (as version 1's
+    # does: "bad magic or version", in its own version): the coordinator names both
+    # versions and the side to upgrade, and sends nothing past HANDSHAKE.
+    with team_of(TOPOLOGY, work / "control", versions={1: version}) as t:
+        rolling_back = attrs.evolve(options(), rollback_on_failure=True)
+        with pytest.raises(PhaseFailed) as caught:
+            runner.capture(t.endpoints, work / "ckpt", rolling_back)
+        assert t.received() == [[Op.HANDSHAKE], [], [Op.HANDSHAKE]]
+        assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
+    error = caught.value
+    assert (error.phase, error.pid, error.destroyed) == ("HANDSHAKE", 1001, False)
+    assert error.reason.startswith(
+        f"bad reply: its shim speaks protocol version {version}, "
+        f"this coordinator speaks {wire.VERSION}: {upgrade}"
+    )
+    assert not (work / "ckpt" / "cuinterpose.intent").exists()
+
+
 def test_a_refused_quiesce_is_left_to_the_lease_not_rolled_back(work: Path) -> None:
     # QUIESCE tears nothing down: the participants that reached QUIESCED go back to
     # ACTIVE when the run's lease ends (RELEASE), so no rollback op is sent.
@@ -597,8 +625,12 @@ def test_a_refused_quiesce_is_left_to_the_lease_not_rolled_back(work: Path) -> N
 
 
 def test_only_a_quiesce_nobody_got_quiet_for_may_start_over() -> None:
+    # The typed reason decides, never the words: the same words without it are
+    # another refusal, and the reason with other words is still not quiet.
     quiet = "QUIESCE: pid 7 did not reach a quiet point within 10000 ms"
-    refused = PhaseFailed("capture", "QUIESCE", [Problem(f"REFUSED in phase ACTIVE: {quiet}")])
+    words = PhaseFailed("capture", "QUIESCE", [Problem(f"REFUSED in phase ACTIVE: {quiet}")])
+    assert not not_quiet(words)
+    refused = PhaseFailed("capture", "QUIESCE", [Problem("REFUSED: busy", not_quiet=True)])
     assert not_quiet(refused)
     # Anything else is reported at once: another reason, another phase, a change made.
     hangup = Problem("hung up: connection reset", "a" * 32, 8)

@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 import pytest
 from cuinterpose.engine import statefile as st
+from cuinterpose.engine import wire
 from cuinterpose.engine.statefile import (
     MAX_STATE_BYTES,
     STATE_FILE_NAME,
@@ -69,6 +70,13 @@ def test_round_trip_of_any_wire_topology(tmp_path: Path, topology: Topology) -> 
     assert read_state(tmp_path) == state
 
 
+def test_a_state_file_of_protocol_version_1_still_reads(tmp_path: Path) -> None:
+    # Version 2 changed no record: what a version-1 coordinator wrote reads the same.
+    state = attrs.evolve(example_state(participants=2), protocol_version=1)
+    write_state(tmp_path, state)
+    assert read_state(tmp_path) == state
+
+
 def test_from_topology_takes_participants_and_time(tmp_path: Path) -> None:
     state = example_state(participants=2)
     assert state.participants == (
@@ -76,7 +84,7 @@ def test_from_topology_takes_participants_and_time(tmp_path: Path) -> None:
         StateParticipant(participant(1), 1001),
     )
     assert state.created_at == "2026-11-29T12:30:15.250Z"
-    assert state.protocol_version == 1
+    assert state.protocol_version == wire.VERSION
     fresh = CheckpointState.from_topology(team(), "host")
     assert datetime.fromisoformat(fresh.created_at).utcoffset() is not None
 
@@ -176,7 +184,7 @@ def test_unencodable_state_is_refused_before_any_file(tmp_path: Path) -> None:
     [
         ({"created_at": "yesterday"}, "not an ISO 8601 time"),
         ({"created_at": "2026-11-29T12:30:15+02:00"}, "not in UTC"),
-        ({"protocol_version": 2}, "protocol_version 2"),
+        ({"protocol_version": 3}, "protocol_version 3; this engine reads 1 and 2"),
         ({"participants": ()}, "participants and topology disagree"),
         (
             {"participants": (StateParticipant("XYZ", 1),)},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import attrs
 import pytest
 from cuinterpose.engine import wire
 from cuinterpose.engine.wire import (
@@ -20,10 +21,12 @@ from cuinterpose.engine.wire import (
     RecordFlag,
     RecordKind,
     Reply,
+    ReplyFlag,
     Request,
     ResourceKind,
     Stats,
     Status,
+    VersionMismatch,
     WireError,
     decode_request,
 )
@@ -190,12 +193,34 @@ def test_unknown_phases_are_refused(phase: int) -> None:
         Reply.decode(patched(OK_REPLY.encode(), "<H", 92, phase))
 
 
-@given(st.integers(1, 2**16 - 1))
-def test_non_zero_header_reserved_is_refused(value: int) -> None:
-    with pytest.raises(WireError, match="reserved field is not zero"):
+@given(st.integers(2, 2**16 - 1))
+def test_unknown_reply_flags_are_refused(value: int) -> None:
+    with pytest.raises(WireError, match="unknown flags"):
         Reply.decode(patched(OK_REPLY.encode(), "<H", 94, value))
-    with pytest.raises(WireError, match="reserved field is not zero"):
+
+
+@given(st.integers(1, 2**16 - 1))
+def test_a_request_carries_no_flags(value: int) -> None:
+    with pytest.raises(WireError, match=r"reply-only fields set|unknown flags"):
         decode_request(patched(Request(Op.HANDSHAKE).encode(), "<H", 94, value))
+
+
+def test_the_not_quiet_flag_is_the_replys_typed_reason() -> None:
+    # protocol.h CUIP_REPLY_NOT_QUIET, at offset 94; the message plays no part.
+    refused = attrs.evolve(
+        OK_REPLY, op=Op.QUIESCE, status=Status.REFUSED, message="", flags=ReplyFlag.NOT_QUIET
+    )
+    raw = refused.encode()
+    assert struct.unpack_from("<H", raw, 94) == (1,)
+    assert Reply.decode(raw).not_quiet and Reply.decode(raw) == refused
+    assert not OK_REPLY.not_quiet and not Reply.decode(OK_REPLY.encode()).not_quiet
+
+
+@given(U16.filter(lambda v: v != wire.VERSION))
+def test_another_version_is_named_with_its_number(version: int) -> None:
+    with pytest.raises(VersionMismatch) as caught:
+        Reply.decode(patched(OK_REPLY.encode(), "<H", 4, version))
+    assert caught.value.version == version
 
 
 @given(st.integers(RECORDS_MAX + 1, 2**32 - 1))

@@ -3,11 +3,12 @@
 A C program, generated from the header's own declarations and compiled with
 ``cc``, prints the size and offset of every field of every struct, the value
 of every constant, and the bytes of a header and a record filled with
-distinctive values, and the phase machine (``CUIP_PHASE_OPS``, and the way back:
-``CUIP_ROLLBACK_OPS``, ``CUIP_ROLLBACK_FROM``). The Python side must agree on all
-of it: struct formats (derived from the C field types), field order, sizes, enums,
-limits, the bytes that encoding produces and decoding accepts, and the phase
-tables (``phases/ops.py``: ``PHASE_OPS``, ``ROLLBACK_OPS``, ``ROLLBACK_FROM``).
+distinctive values, the op table (``CUIP_OPS``: every op's number, the phases it is
+served in, whether it tears something down) and the phase machine
+(``CUIP_PHASE_OPS``, and the way back: ``CUIP_ROLLBACK_OPS``). The Python side must
+agree on all of it: struct formats (derived from the C field types), field order,
+sizes, enums, limits, the bytes that encoding produces and decoding accepts, and the
+tables (``phases/ops.py``: ``OPS``, ``PHASE_OPS``, ``ROLLBACK_OPS``).
 A change on either side, a new constant or field included, fails here.
 """
 
@@ -33,11 +34,13 @@ from cuinterpose.engine.wire import (
     Record,
     RecordFlag,
     RecordKind,
+    Request,
     ResourceKind,
     Stats,
     Status,
+    decode_request,
 )
-from cuinterpose.phases.ops import PHASE_OPS, ROLLBACK_FROM, ROLLBACK_OPS
+from cuinterpose.phases.ops import EVERY_PHASE, OPS, PHASE_OPS, ROLLBACK_OPS
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL_H = ROOT / "shim_c" / "protocol.h"
@@ -116,6 +119,7 @@ def python_constants() -> dict[str, int | str]:
         "CUIP_CONTROL_DIR_MAX": wire.CONTROL_DIR_MAX,
         "CUIP_OP_MAX": max(Op),
         "CUIP_ASK_DRIVER": wire.ASK_DRIVER,
+        "CUIP_EVERY_PHASE": phase_set(EVERY_PHASE),
         **CONTRACT_ONLY,
     }
     prefixes: list[tuple[str, type[enum.Enum]]] = [
@@ -125,6 +129,7 @@ def python_constants() -> dict[str, int | str]:
         ("CUIP_RESOURCE_", ResourceKind),
         ("CUIP_RECORD_", RecordKind),
         ("CUIP_FLAG_", RecordFlag),
+        ("CUIP_REPLY_", wire.ReplyFlag),
         ("CUIP_UNOWNED_", wire.Unowned),
         ("CUIP_", BindingKind),  # CUIP_BIND_MEM, CUIP_BIND_ADDR
     ]
@@ -136,6 +141,11 @@ def python_constants() -> dict[str, int | str]:
     return constants
 
 
+def phase_set(names: tuple[str, ...]) -> int:
+    """A set of phases as protocol.h writes it: bit p for phase p."""
+    return sum(1 << Phase[name] for name in set(names))
+
+
 def parse_header(text: str) -> tuple[list[str], list[str], dict[str, list[CField]]]:
     """Integer constant names, string constant names and struct fields, as declared."""
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
@@ -145,6 +155,10 @@ def parse_header(text: str) -> tuple[list[str], list[str], dict[str, list[CField
         (strings if value.startswith('"') else ints).append(name)
     for body in re.findall(r"enum\s+\w+\s*\{(.*?)\};", text, flags=re.S):
         ints.extend(re.findall(r"(CUIP_\w+)\s*=", body))
+    # The ops' enum comes from the op table: one constant per row.
+    table = re.search(r"^#define CUIP_OPS\(X\)((?:.*\\\n)*.*)$", text, flags=re.M)
+    assert table, "protocol.h declares no op table (CUIP_OPS)"
+    ints.extend(f"CUIP_OP_{name}" for name in re.findall(r"\bX\((\w+),", table[1]))
     structs: dict[str, list[CField]] = {}
     for name, body in re.findall(r"struct\s+(cuip_\w+)\s*\{(.*?)\};", text, flags=re.S):
         fields = []
@@ -187,7 +201,7 @@ HEADER_VALUES: dict[str, int | bytes] = {
     "message_length": 0x0302,  # decoding refuses more than MESSAGE_MAX
     "pid": 0x41424344,
     "phase": 0x5152,
-    "reserved": 0,
+    "flags": 1,  # decoding refuses unknown flags
     "stat_count": 0x6162636465666768,
     "stat_bytes": 0x7172737475767778,
     "stat_elapsed_ns": 0x0102030405060708,
@@ -206,6 +220,7 @@ PIN_HEADER = Header(
     pid=0x41424344,
     phase=0x5152,
     stats=Stats(0x6162636465666768, 0x7172737475767778, 0x0102030405060708, 0x1112131415161718),
+    flags=1,
 )
 
 ACCESS_VALUES = [(-0x0101, 0x0202, 0x0303030303030303), (0x0404, -0x0505, 0x0606), (7, 8, 9)]
@@ -275,25 +290,33 @@ def c_program(ints: list[str], strings: list[str], structs: dict[str, list[CFiel
                 f"offsetof(struct {struct_name}, {f.name}), "
                 f"sizeof(((struct {struct_name} *)0)->{f.name}));"
             )
-    # The phase machine as the X-macro declares it, with the enum values its
-    # names stand for (an unknown name does not compile).
+    # The op table as the X-macro declares it, with the enum value each name stands
+    # for (an unknown name does not compile).
     lines.append(
-        "#define PIN_PHASE_OP(op, needs, reaches, transfers) "
-        'printf("phase_op %s %d %s %d %s %d %d\\n", #op, (int)CUIP_OP_##op, '
-        "#needs, (int)CUIP_PHASE_##needs, #reaches, (int)CUIP_PHASE_##reaches, (int)(transfers));"
+        "#define PIN_OP(name, number, served_in, tears_down) "
+        'printf("op %s %d %d %u %d\\n", #name, (int)CUIP_OP_##name, (int)(number), '
+        "(unsigned)(served_in), (int)(tears_down));"
     )
-    lines.append("CUIP_PHASE_OPS(PIN_PHASE_OP)")
-    # The rollback ops: their `needs` is a list macro, printed phase by phase.
-    lines.append('#define PIN_PHASE(p) printf(" %s %d", #p, (int)CUIP_PHASE_##p);')
+    lines.append("CUIP_OPS(PIN_OP)")
+    # The phase machine, and the way back.
     lines.append(
-        "#define PIN_ROLLBACK_OP(op, needs, reaches, transfers) "
-        'printf("rollback_op %s %d %s %d %d", #op, (int)CUIP_OP_##op, '
-        "#reaches, (int)CUIP_PHASE_##reaches, (int)(transfers)); "
-        'needs(PIN_PHASE) printf("\\n");'
+        "#define PIN_PHASE_OP(op, reaches, transfers) "
+        'printf("%s %s %d %s %d %d\\n", pin_table, #op, (int)CUIP_OP_##op, '
+        "#reaches, (int)CUIP_PHASE_##reaches, (int)(transfers));"
     )
-    lines.append("CUIP_ROLLBACK_OPS(PIN_ROLLBACK_OP)")
-    lines.append('printf("rollback_from"); CUIP_ROLLBACK_FROM(PIN_PHASE) printf("\\n");')
-    lines.append('printf("quiesce_from"); CUIP_QUIESCE_FROM(PIN_PHASE) printf("\\n");')
+    lines.append('{ const char *pin_table = "phase_op"; CUIP_PHASE_OPS(PIN_PHASE_OP) }')
+    lines.append('{ const char *pin_table = "rollback_op"; CUIP_ROLLBACK_OPS(PIN_PHASE_OP) }')
+    # The shim's own accessors of the op table.
+    lines.append(
+        "for (unsigned op = 0; op <= CUIP_OP_MAX + 1; op++) {"
+        ' printf("op_name %u %s", op, cuip_op_name(op));'
+        " for (unsigned p = 0; p < 32; p++)"
+        '  if (cuip_op_served_in(op, p)) printf(" %u", p);'
+        ' printf("\\n"); }'
+    )
+    # The stat fields' per-op names: each setter on a header of zeros (dumped), and
+    # each getter of what the setters wrote.
+    lines.append(PER_OP_PROGRAM)
     access_fill = "\n    ".join(
         f"r.access[{i}].location_type = {t}; r.access[{i}].location_id = {loc}; "
         f"r.access[{i}].flags = {flags}ull;"
@@ -329,6 +352,42 @@ int main(void) {{
 """
 
 
+# Distinctive values for the per-op names of the stat fields.
+DEADLINE_NS = 0x0102030405060708
+IN_FLIGHT = wire.InFlight(Op.LOAD_ALLOCATIONS, 0x1112131415161718, 0x2122232425262728, 0x313233)
+HELD = 0x0A0B
+
+PER_OP_PROGRAM = f"""
+{{
+    struct cuip_header q;
+    memset(&q, 0, sizeof q);
+    q.magic = CUIP_MAGIC; q.version = CUIP_VERSION; q.op = CUIP_OP_QUIESCE;
+    cuip_set_quiesce_deadline_ns(&q, {DEADLINE_NS}ull);
+    cuip_set_quiesce_round(&q, 1);
+    dump("quiesce_request", &q, sizeof q);
+    printf("read quiesce_request %llu %llu\\n", (unsigned long long)cuip_quiesce_deadline_ns(&q),
+           (unsigned long long)cuip_quiesce_round(&q));
+    memset(&q, 0, sizeof q);
+    q.magic = CUIP_MAGIC; q.version = CUIP_VERSION; q.op = CUIP_OP_STATUS;
+    cuip_set_status_ask(&q, CUIP_ASK_DRIVER);
+    dump("status_request", &q, sizeof q);
+    printf("read status_request %llu\\n", (unsigned long long)cuip_status_ask(&q));
+    memset(&q, 0, sizeof q);
+    cuip_set_status_in_flight(&q, CUIP_OP_{IN_FLIGHT.op.name}, {IN_FLIGHT.bytes_done}ull,
+                              {IN_FLIGHT.bytes_total}ull, {IN_FLIGHT.elapsed_ns}ull);
+    dump("status_reply", &q, sizeof q);
+    printf("read status_reply %llu %llu %llu %llu\\n", (unsigned long long)cuip_status_op(&q),
+           (unsigned long long)cuip_status_bytes_done(&q),
+           (unsigned long long)cuip_status_bytes_total(&q),
+           (unsigned long long)cuip_status_elapsed_ns(&q));
+    memset(&q, 0, sizeof q);
+    cuip_set_quiesce_held(&q, {HELD}ull);
+    dump("quiesce_reply", &q, sizeof q);
+    printf("read quiesce_reply %llu\\n", (unsigned long long)cuip_quiesce_held(&q));
+}}
+"""
+
+
 @attrs.frozen
 class CLayout:
     ints: dict[str, int]
@@ -337,13 +396,16 @@ class CLayout:
     fields: dict[str, list[tuple[str, int, int]]]  # struct -> [(field, offset, size)]
     declared: dict[str, list[CField]]
     dumps: dict[str, bytes]
-    # CUIP_PHASE_OPS in order: (op, its value, needs, its value, reaches, its value, transfers)
-    phase_ops: list[tuple[str, int, str, int, str, int, int]]
-    # CUIP_ROLLBACK_OPS in order: (op, its value, reaches, its value, transfers,
-    # ((need, its value), ...))
-    rollback_ops: list[tuple[str, int, str, int, int, tuple[tuple[str, int], ...]]]
-    rollback_from: list[tuple[str, int]]  # CUIP_ROLLBACK_FROM: (phase, its value)
-    quiesce_from: list[tuple[str, int]]  # CUIP_QUIESCE_FROM: (phase, its value)
+    # CUIP_OPS in order: (name, its enum value, its number, served-in set, tears_down)
+    ops: list[tuple[str, int, int, int, int]]
+    # CUIP_PHASE_OPS and CUIP_ROLLBACK_OPS in order: (op, its value, reaches, its
+    # value, transfers)
+    phase_ops: list[tuple[str, int, str, int, int]]
+    rollback_ops: list[tuple[str, int, str, int, int]]
+    # cuip_op_name and cuip_op_served_in for every number 0 .. CUIP_OP_MAX + 1
+    accessors: dict[int, tuple[str, frozenset[int]]]
+    # What the per-op getters read, by dump name.
+    reads: dict[str, tuple[int, ...]]
 
 
 @pytest.fixture(scope="module")
@@ -368,7 +430,7 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> CLayout:
     out = subprocess.run(
         [str(binary)], check=True, capture_output=True, text=True, timeout=10
     ).stdout
-    layout = CLayout({}, {}, {}, {name: [] for name in structs}, structs, {}, [], [], [], [])
+    layout = CLayout({}, {}, {}, {name: [] for name in structs}, structs, {}, [], [], [], {}, {})
     for line in out.splitlines():
         tag, rest = line.split(" ", 1)
         if tag == "int":
@@ -386,29 +448,20 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> CLayout:
         elif tag == "bytes":
             what, hexdump = rest.split(" ")
             layout.dumps[what] = bytes.fromhex(hexdump)
-        elif tag == "phase_op":
-            op, op_value, needs, needs_value, reaches, reaches_value, transfers = rest.split(" ")
-            layout.phase_ops.append(
-                (op, int(op_value), needs, int(needs_value), reaches, int(reaches_value),
-                 int(transfers))
-            )  # fmt: skip
-        elif tag == "rollback_op":
-            op, op_value, reaches, reaches_value, transfers, *needs = rest.split(" ")
-            layout.rollback_ops.append(
-                (op, int(op_value), reaches, int(reaches_value), int(transfers),
-                 phase_list(needs))
-            )  # fmt: skip
-        elif tag == "rollback_from":
-            layout.rollback_from.extend(phase_list(rest.split(" ")))
-        elif tag == "quiesce_from":
-            layout.quiesce_from.extend(phase_list(rest.split(" ")))
+        elif tag == "op":
+            name, value, number, served, tears_down = rest.split(" ")
+            layout.ops.append((name, int(value), int(number), int(served), int(tears_down)))
+        elif tag in ("phase_op", "rollback_op"):
+            op, op_value, reaches, reaches_value, transfers = rest.split(" ")
+            table = layout.phase_ops if tag == "phase_op" else layout.rollback_ops
+            table.append((op, int(op_value), reaches, int(reaches_value), int(transfers)))
+        elif tag == "read":
+            what, *values = rest.split(" ")
+            layout.reads[what] = tuple(int(v) for v in values)
+        elif tag == "op_name":
+            number, name, *phases = rest.split(" ")
+            layout.accessors[int(number)] = (name, frozenset(int(p) for p in phases))
     return layout
-
-
-def phase_list(words: list[str]) -> tuple[tuple[str, int], ...]:
-    """``NAME VALUE NAME VALUE ...`` as ((NAME, VALUE), ...)."""
-    words = [w for w in words if w]
-    return tuple((name, int(value)) for name, value in zip(words[::2], words[1::2], strict=True))
 
 
 def expected_format(layout: CLayout, struct_name: str) -> str:
@@ -545,64 +598,89 @@ def test_pin_values_cover_every_c_field(c_layout: CLayout) -> None:
     assert [*RECORD_VALUES, "access"] == record_fields
 
 
+def test_the_op_table_matches_the_engine_table(c_layout: CLayout) -> None:
+    # One op table: the shim's CUIP_OPS and the engine's OPS, the same ops in the same
+    # order, each with the same number, phases and tearing down; numbered 1 up.
+    c_table = [
+        (name, number, served, bool(tears_down))
+        for name, _, number, served, tears_down in c_layout.ops
+    ]
+    python_table = [(o.name, o.number, phase_set(o.served_in), o.tears_down) for o in OPS]
+    assert c_table == python_table
+    assert [number for _, _, number, _, _ in c_layout.ops] == list(range(1, len(OPS) + 1))
+    for name, value, number, _, tears_down in c_layout.ops:
+        assert Op[name] == value == number
+        assert tears_down in (0, 1)
+    assert c_layout.ints["CUIP_OP_MAX"] == len(OPS)
+
+
+def test_the_shims_op_accessors_read_the_table(c_layout: CLayout) -> None:
+    # cuip_op_name and cuip_op_served_in, which the shim's control server and
+    # EXPORT server use, say what the table says, and nothing for other numbers.
+    expected = {o.number: (o.name, frozenset(int(Phase[p]) for p in o.served_in)) for o in OPS}
+    for number in (0, len(OPS) + 1):
+        expected[number] = ("?", frozenset())
+    assert c_layout.accessors == expected
+
+
 def test_phase_ops_match_the_engine_table(c_layout: CLayout) -> None:
-    # One phase machine: the shim's CUIP_PHASE_OPS and the engine's PHASE_OPS,
-    # the same ops in the same order, each with the same phases and statistics.
-    c_table = [
-        (op, needs, reaches, transfers)
-        for op, _, needs, _, reaches, _, transfers in c_layout.phase_ops
-    ]
-    # The X-macro names the first phase an op is served in; QUIESCE's whole list
-    # is CUIP_QUIESCE_FROM (an advance in QUIESCED), every other op has one.
-    python_table = [(p.op, p.needs[0], p.reaches, int(p.transfers)) for p in PHASE_OPS]
-    assert c_table == python_table
-    served = {p.op: p.needs for p in PHASE_OPS}
-    assert [name for name, _ in c_layout.quiesce_from] == list(served.pop("QUIESCE"))
-    assert all(len(needs) == 1 for needs in served.values())
-    for name, value in c_layout.quiesce_from:
-        assert Phase[name] == value
-
-
-def test_phase_ops_name_wire_members(c_layout: CLayout) -> None:
-    # The X-macro's names are the CUIP_OP_/CUIP_PHASE_ suffixes; their values are
-    # the wire's, and `transfers` is a flag, not a count.
-    assert c_layout.phase_ops, "CUIP_PHASE_OPS printed nothing"
-    for op, op_value, needs, needs_value, reaches, reaches_value, transfers in c_layout.phase_ops:
-        assert Op[op] == op_value
-        assert Phase[needs] == needs_value
-        assert Phase[reaches] == reaches_value
-        assert transfers in (0, 1)
-
-
-def test_rollback_ops_match_the_engine_table(c_layout: CLayout) -> None:
-    # The way back: the shim's CUIP_ROLLBACK_OPS and the engine's ROLLBACK_OPS, the
-    # same ops in the same order, each served in the same phases (in enum order),
-    # reaching the same phase, with the same statistics.
-    c_table = [
-        (op, tuple(name for name, _ in needs), reaches, transfers)
-        for op, _, reaches, _, transfers, needs in c_layout.rollback_ops
-    ]
-    python_table = [(p.op, p.needs, p.reaches, int(p.transfers)) for p in ROLLBACK_OPS]
-    assert c_table == python_table
-    assert [name for name, _ in c_layout.rollback_from] == list(ROLLBACK_FROM)
-    assert c_layout.rollback_ops[0][0] == "ROLLBACK_ALLOCATIONS"
-    assert c_layout.rollback_ops[0][5] == tuple(c_layout.rollback_from)
-
-
-def test_rollback_ops_name_wire_members(c_layout: CLayout) -> None:
-    assert c_layout.rollback_ops, "CUIP_ROLLBACK_OPS printed nothing"
-    assert c_layout.rollback_from, "CUIP_ROLLBACK_FROM printed nothing"
-    for op, op_value, reaches, reaches_value, transfers, needs in c_layout.rollback_ops:
-        assert Op[op] == op_value
-        assert Phase[reaches] == reaches_value
-        assert transfers in (0, 1)
-        assert needs, f"{op} is served in no phase"
-        for name, value in needs:
-            assert Phase[name] == value
-        values = [value for _, value in needs]
-        assert values == sorted(set(values)), f"{op}: phases repeated or not in enum order"
-    for name, value in c_layout.rollback_from:
-        assert Phase[name] == value
+    # One phase machine: the shim's CUIP_PHASE_OPS and the engine's PHASE_OPS, the
+    # same ops in the same order, each reaching the same phase with the same
+    # statistics; and the way back, CUIP_ROLLBACK_OPS and ROLLBACK_OPS.
+    for c_rows, python_rows in (
+        (c_layout.phase_ops, PHASE_OPS),
+        (c_layout.rollback_ops, ROLLBACK_OPS),
+    ):
+        assert c_rows, "a phase table printed nothing"
+        c_table = [(op, reaches, transfers) for op, _, reaches, _, transfers in c_rows]
+        assert c_table == [(p.op, p.reaches, int(p.transfers)) for p in python_rows]
+        for op, op_value, reaches, reaches_value, transfers in c_rows:
+            assert Op[op] == op_value
+            assert Phase[reaches] == reaches_value
+            assert transfers in (0, 1)
     # No op is both a forward op and a rollback op.
     forward = {op for op, *_ in c_layout.phase_ops}
     assert forward.isdisjoint(op for op, *_ in c_layout.rollback_ops)
+
+
+def _stat_fields(raw: bytes) -> Stats:
+    return Stats(*struct.unpack_from("<QQQQ", raw, 96))
+
+
+def test_the_per_op_stat_names_match_the_shims(c_layout: CLayout) -> None:
+    # A QUIESCE request's deadline and round, a STATUS request's ask, a STATUS reply's
+    # op in flight and bytes, a QUIESCE reply's threads held: the C accessors and the
+    # Python codec put each in the same field, and read back what was put there.
+    dumps, reads = c_layout.dumps, c_layout.reads
+    quiesce = Request(Op.QUIESCE, deadline_ns=DEADLINE_NS, round=True)
+    assert quiesce.encode() == dumps["quiesce_request"]
+    assert decode_request(dumps["quiesce_request"])[0] == quiesce
+    assert reads["quiesce_request"] == (DEADLINE_NS, 1)
+    status = Request(Op.STATUS, ask_driver=True)
+    assert status.encode() == dumps["status_request"]
+    assert decode_request(dumps["status_request"])[0] == status
+    assert reads["status_request"] == (wire.ASK_DRIVER,)
+    in_flight = dumps["status_reply"]
+    assert in_flight[:96] == bytes(96)  # the setter touches the stat fields only
+    assert wire.InFlight.from_stats(_stat_fields(in_flight)) == IN_FLIGHT
+    assert _stat_fields(in_flight) == IN_FLIGHT.stats()
+    assert reads["status_reply"] == (
+        int(Op.LOAD_ALLOCATIONS),
+        IN_FLIGHT.bytes_done,
+        IN_FLIGHT.bytes_total,
+        IN_FLIGHT.elapsed_ns,
+    )
+    held = dumps["quiesce_reply"]
+    assert held[:96] == bytes(96) and wire.quiesce_held(_stat_fields(held)) == HELD
+    assert reads["quiesce_reply"] == (HELD,)
+
+
+def test_a_header_of_another_version_is_refused_by_number(c_layout: CLayout) -> None:
+    # The version is the header's second field in every version: a coordinator reads
+    # it before anything else of a reply, and names it (client.ProtocolMismatch).
+    assert ("version", 4, 2) in c_layout.fields["cuip_header"]
+    older = bytearray(c_layout.dumps["header"])
+    struct.pack_into("<H", older, 4, wire.VERSION - 1)
+    with pytest.raises(wire.VersionMismatch) as caught:
+        Header.decode(bytes(older))
+    assert caught.value.version == wire.VERSION - 1

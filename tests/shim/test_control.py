@@ -61,7 +61,7 @@ def header(op: int = 1, participant: bytes = b"\0" * 32, **fields: int) -> bytea
         "message_length": (84, "<I"),
         "pid": (88, "<I"),
         "phase": (92, "<H"),
-        "reserved": (94, "<H"),
+        "flags": (94, "<H"),
         "stat_count": (96, "<Q"),
         "stat_copy_ns": (120, "<Q"),
     }.items():
@@ -111,7 +111,7 @@ def test_hostile_requests_get_errors(spawn: Spawn, control_dir: Path) -> None:
         (bytes(header(op=Op.INSPECT, participant=b"G" * 32)), Status.BAD_REQUEST),
         (bytes(header(op=Op.INSPECT, participant=b"\0" * 32)), Status.BAD_REQUEST),
         (bytes(header(op=Op.HANDSHAKE, participant=me)), Status.BAD_REQUEST),
-        (bytes(header(op=Op.INSPECT, participant=me, reserved=1)), Status.BAD_REQUEST),
+        (bytes(header(op=Op.INSPECT, participant=me, flags=1)), Status.BAD_REQUEST),
         (bytes(header(op=Op.INSPECT, participant=me, status=3)), Status.BAD_REQUEST),
         (bytes(header(op=Op.INSPECT, participant=me, count=1)), Status.BAD_REQUEST),
         (bytes(header(op=Op.INSPECT, participant=me, pid=7)), Status.BAD_REQUEST),
@@ -139,6 +139,32 @@ def test_hostile_requests_get_errors(spawn: Spawn, control_dir: Path) -> None:
     # A valid request followed by trailing garbage is still one request.
     got = shimenv.raw_exchange(shim.path, wire.Request(op=Op.HANDSHAKE).encode() + b"junk")
     assert reply_of(got).status == Status.OK
+    app_still_works(w)
+
+
+def test_a_request_of_another_version_is_answered_in_the_shims_and_changes_nothing(
+    spawn: Spawn, control_dir: Path
+) -> None:
+    # What a coordinator of another version meets: BAD_REQUEST in this shim's version,
+    # naming both, before the lease or anything else is taken (specs/protocol.md).
+    w = spawn()
+    shim = Shim(control_dir, w.pid)
+    for version in (1, wire.VERSION + 1):
+        raw = bytearray(wire.Request(Op.HANDSHAKE, authorization=b"\1" * 16).encode())
+        struct.pack_into("<H", raw, 4, version)
+        got = shimenv.raw_exchange(shim.path, bytes(raw))
+        assert struct.unpack_from("<HH", got, 4) == (wire.VERSION, Op.HANDSHAKE)
+        reply = reply_of(got)
+        assert (reply.status, reply.phase) == (Status.BAD_REQUEST, Phase.ACTIVE)
+        assert reply.message == (
+            f"this shim speaks protocol version {wire.VERSION}, the request version "
+            f"{version}: nothing was done"
+        )
+    # No lease was taken: another coordinator's token is served.
+    taken = shimenv.request(shim.path, wire.Request(Op.HANDSHAKE, authorization=b"\2" * 16))[0]
+    assert taken.status == Status.OK, taken.message
+    released = shimenv.request(shim.path, wire.Request(Op.RELEASE, authorization=b"\2" * 16))
+    assert released[0].status == Status.OK
     app_still_works(w)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from cuinterpose.demo import Worker, coordinator_env
 from cuinterpose.engine import Options, PhaseFailed, agent, capture, endpoint_for, wire
+from cuinterpose.engine.errors import not_quiet
 from cuinterpose.engine.progress import FailedEvent, QuiesceRound
 
 from tests.shim import shimenv
@@ -368,6 +369,9 @@ def test_a_process_that_never_synchronizes_is_refused_and_runs_on(
         assert "QUIESCE: did not reach a quiet point within" in text
         assert f"its last answer: QUIESCE: pid {creator.pid} not quiet yet after" in text
     assert "device work still running" in text
+    # The shim's refusal carries the typed reason (the NOT_QUIET flag), which is what
+    # lets a capture start over; so does a participant the rounds left PENDING.
+    assert error.problems[0].not_quiet and not_quiet(error), text
     # Both back in ACTIVE, gates open: the importer's threads synchronize again and the
     # creator keeps launching.
     assert {_phase(control_dir, w.pid) for w in (creator, importer)} == {wire.Phase.ACTIVE}

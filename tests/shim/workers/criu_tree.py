@@ -288,20 +288,25 @@ class Tree:
     def reap(self, timeout_s: float = 30.0) -> None:
         """Collect the tree's processes once they ended (``criu dump`` kills them), so that
         their pids, the session's among them, are free for ``criu restore``. The root is
-        our child; its workers, and a restored root, are ours through :func:`subreaper`."""
+        our child; its workers, the helpers a program forks (torch's resource tracker),
+        and a restored root are ours through :func:`subreaper`. The session's id stays
+        taken while any process of the session, a zombie too, is left, though /proc no
+        longer lists the root: every one of them must be gone."""
         if self.root.returncode is None:
             self.root.wait(timeout=timeout_s)
         deadline = time.monotonic() + timeout_s
-        for pid in [self.root_pid, *self.pids()]:
-            # A pid is free for the restore only once /proc no longer has it: a process
-            # still exiting (a GPU context's teardown can take seconds) may already
-            # hide its stat file.
-            while Path(f"/proc/{pid}").exists():
+        # A process still exiting (a GPU context's teardown can take seconds) may hide
+        # its stat file before /proc drops it: one seen in the session is waited for
+        # until /proc no longer has it.
+        left = set(self.pids())
+        while left := {p for p in left | _in_session(self.root_pid) if Path(f"/proc/{p}").exists()}:
+            for pid in left:
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
-                if time.monotonic() > deadline:
-                    raise TreeError(f"pid {pid} of the tree did not end: state {_state(pid)}")
-                time.sleep(0.01)
+            if time.monotonic() > deadline:
+                states = ", ".join(f"{pid} {_state(pid)}" for pid in sorted(left))
+                raise TreeError(f"the tree's processes did not end: {states}")
+            time.sleep(0.01)
 
     def close(self) -> None:
         """Ask every worker to quit, then collect the tree; kill what is left."""
@@ -395,6 +400,21 @@ def thread_states(pids: Sequence[int]) -> str:
                     fields.append(f"{name}={' | '.join(text.splitlines()[:6])}")
             lines.append(f"  {tid.name} " + " ".join(fields))
     return "\n".join(lines)
+
+
+def _in_session(session: int) -> set[int]:
+    """The processes, zombies among them, whose session is ``session``."""
+    members = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[3]) == session:
+            members.add(int(entry.name))
+    return members
 
 
 def _state(pid: int) -> str:

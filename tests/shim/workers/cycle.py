@@ -25,11 +25,14 @@ from cuinterpose.demo import (
     pattern_digest,
     run_cli,
 )
+from cuinterpose.phases import PHASE_OPS, TEARS_DOWN
 
 from tests.shim import shimenv
 from tests.simenv import Spawn
 
-DESTRUCTIVE = {"SAVE_ALLOCATIONS", "PREPARE_UNICAST", "PREPARE_MULTICAST"}  # QUIESCE is released
+# The capture and restore ops that tear something down (QUIESCE is released by the
+# lease's end; a refusal's rollback may still send the rollback ops).
+FORWARD_TEARS_DOWN = {p.op for p in PHASE_OPS} & TEARS_DOWN
 
 
 def cli(
@@ -76,7 +79,7 @@ def assert_refused(run: CliRun, what: str, pid: int) -> None:
     assert what in run.stderr, run.stderr
     assert str(pid) in run.stderr, run.stderr
     sent = {e.get("phase") for e in run.events if e.get("event") == "phase"}
-    assert not sent & DESTRUCTIVE, f"destructive phases ran before the refusal: {sent}"
+    assert not sent & FORWARD_TEARS_DOWN, f"phases that tear down ran before the refusal: {sent}"
 
 
 def assert_still_active(app: Worker, handle: int, va: int, size: int, seed: int) -> None:
