@@ -182,10 +182,11 @@ class StagingSummary:
 
     def human(self) -> str:
         return (
-            f"staged by the shims: {self.allocation_count} allocations,"
+            f"staged by the shims: {_count(self.allocation_count, 'allocation')},"
             f" {_size(self.allocation_bytes)} in {self.seconds:.3f} s ({self.gb_per_s:.2f} GB/s);"
-            f" left to the native checkpoint: {self.native_kept.allocation_count} tracked"
-            f" allocations, {_size(self.native_kept.allocation_bytes)} (plus what the shims"
+            " left to the native checkpoint:"
+            f" {_count(self.native_kept.allocation_count, 'tracked allocation')},"
+            f" {_size(self.native_kept.allocation_bytes)} (plus what the shims"
             " do not track: contexts, modules, pools)"
         )
 
@@ -287,6 +288,10 @@ ProgressCallback = Callable[[Event], None]
 
 def json_line(event: Event) -> str:
     return json.dumps(event.to_json(), sort_keys=False, allow_nan=False)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _size(nbytes: int) -> str:

@@ -56,6 +56,7 @@ from .engine.progress import (
     json_printer,
 )
 from .engine.recovery import native_blockers, native_check_refusal, recover
+from .engine.released import Released, released_by_suspend, size
 from .engine.replay import replay
 from .engine.topology import describe_record
 from .engine.trace import TraceError, TraceWriter, read_trace
@@ -788,6 +789,7 @@ class _Summary:
     next_command: str
     checkpoint_dir: Path
     staging: dict[str, Any] | None = None  # the shims' staging figures (engine/agent.py)
+    released: Released | None = None  # suspend: the GPU memory it released
 
     @classmethod
     def of(
@@ -803,6 +805,11 @@ class _Summary:
         if command == "resume":  # a new suspend names the processes, here the manifest's
             for o, n in args.group:
                 words += ["--pid", str(o)] if o == n else ["--process", str(o), str(n)]
+        freed = None
+        if isinstance(done, agent.SuspendResult):
+            freed = released_by_suspend(
+                args.checkpoint_dir, done.staging, len(args.group), prepared=done.manifest.prepared
+            )
         return cls(
             command,
             "suspended" if command == "suspend" else "resumed",
@@ -813,33 +820,38 @@ class _Summary:
             shlex.join(words),
             args.checkpoint_dir,
             done.staging.to_json() if done.staging is not None else None,
+            freed,
         )
 
     def lines(self) -> list[str]:
         who = f"{self.processes} process{'es' if self.processes != 1 else ''}"
         if self.command == "suspend":
-            shared = (
-                f", {_size(self.bytes_staged)} of it shared memory staged by the shims"
+            staged = (
+                f"{size(self.bytes_staged)} staged by the shims, the rest kept by the native "
+                "checkpoint"
                 if self.bytes_staged
-                else ""
+                else "kept by the native checkpoint"
             )
+            lines = [f"suspended {who} in {self.seconds:.3f} s"]
+            if self.released is not None:
+                lines.append(self.released.human())
             return [
-                f"suspended {who} in {self.seconds:.3f} s",
-                f"where the bytes are: each process's GPU memory is in its own host memory "
-                f"(the native checkpoint){shared}; {self.checkpoint_dir} holds only the "
-                "manifest and the state file",
-                "every process is CHECKPOINTED: its GPU memory is free until the resume",
+                *lines,
+                f"where the bytes are: in the host memory of each process ({staged}); they "
+                f"end with the process unless it is dumped (`{PROG} criu dump`); "
+                f"{self.checkpoint_dir} holds only the manifest and the state file",
+                "every process is CHECKPOINTED until the resume",
                 f"next: {self.next_command}",
             ]
-        shared = f", {_size(self.bytes_staged)} of shared memory loaded back" if (
+        loaded = f", {size(self.bytes_staged)} loaded back by the shims" if (
             self.bytes_staged) else ""  # fmt: skip
         return [
-            f"resumed {who} in {self.seconds:.3f} s{shared}: every process is RUNNING, "
+            f"resumed {who} in {self.seconds:.3f} s{loaded}: every process is RUNNING, "
             "its sharing as before",
         ]
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "seconds": self.seconds,
             "bytes_staged": self.bytes_staged,
             "processes": self.processes,
@@ -847,13 +859,10 @@ class _Summary:
             "next": self.next_command,
             **({"staging": self.staging} if self.staging is not None else {}),
         }
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
+        if self.released is not None:
+            out["gpu_memory_released"] = self.released.to_json()
+            out["bytes_in"] = "host memory of each process"
+        return out
 
 
 class _Whereabouts:

@@ -126,6 +126,14 @@ def test_resume_takes_the_group_from_the_manifest_and_says_what_comes_next(work:
             f"cuinterpose resume --checkpoint-dir {work / 'ckpt'} --control-dir {t.control_dir}"
         )
         assert done["seconds"] == pytest.approx(sum(x["seconds"] for x in done["timings"]))
+        assert done["gpu_memory_released"] == {
+            "processes": 2,
+            "all_device_memory": True,
+            "tracked_bytes": 8 << 20,
+            "shared_bytes": 8 << 20,
+            "private_bytes": 0,
+        }
+        assert done["bytes_in"] == "host memory of each process"
         code, _, err = run("resume", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
                            str(t.control_dir), "--pid", "1000", native=fake)  # fmt: skip
         assert code == cli.EXIT_FAILED and "not the group recorded in" in err
@@ -152,8 +160,12 @@ def test_suspend_on_a_terminal_says_where_the_bytes_are_and_the_resume_command(
     text = out.getvalue()
     assert (code, err.getvalue()) == (0, ""), err.getvalue()
     assert "suspended 2 processes in" in text
-    assert "where the bytes are: each process's GPU memory is in its own host memory" in text
-    assert "MiB of it shared memory staged by the shims" in text
+    # Two allocations of 4 MiB, each shared by both processes (topologies.team).
+    assert (
+        "GPU memory released: 8.0 MiB (all of it shared) in 2 processes (the allocations the "
+        "shims tracked; the native checkpoint released all device memory of each)"
+    ) in text
+    assert "where the bytes are: in the host memory of each process (8.0 MiB staged" in text
     assert f"next: cuinterpose resume --checkpoint-dir {work / 'ckpt'}" in text
 
 
