@@ -40,6 +40,7 @@ from .engine import agent, discovery, runner
 from .engine.client import Endpoint, endpoint_for
 from .engine.errors import CoordinatorError
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
+from .engine.manifest import resume_hint
 from .engine.native import (
     CudaBackend,
     NativeBackend,
@@ -579,7 +580,7 @@ def _native_check(
     if spec is CAPTURE:
         hint = (
             "a process is natively locked or checkpointed; bring it back first "
-            f"(`{PROG} resume --checkpoint-dir DIR`, or the native restore and unlock), "
+            f"({resume_hint(args.checkpoint_dir)}, or the native restore and unlock), "
             "then prepare"
         )
     else:
@@ -604,7 +605,7 @@ def _recover_native_check(
 ) -> int | None:
     """recover refuses a process natively LOCKED or CHECKPOINTED, and fails closed."""
     try:
-        blockers = native_blockers(_native(args), endpoints)
+        blockers = native_blockers(_native(args), endpoints, args.checkpoint_dir)
     except NativeUnavailableError as exc:
         if not args.skip_native_check:
             return _fail(native_check_refusal("recover", exc), stderr)
@@ -768,8 +769,15 @@ def _finish(
         document: dict[str, Any] = {"event": "summary", "command": command}
         document.update(summary.to_json() if summary is not None else {})
         document.update(outcome=outcome, exit_code=code)
+        failure: CoordinatorError | None = getattr(args, "failure", None)
         if lines:
             document["reason"] = list(lines)
+        elif failure is not None:
+            document["reason"] = list(failure.lines())
+        if failure is not None and failure.guard:
+            document["check"] = failure.guard
+            rules = sorted({p.rule for p in failure.problems if p.rule})
+            document.update({"rules": rules} if rules else {})
         with contextlib.suppress(OSError):
             stdout.write(json.dumps(document, allow_nan=False) + "\n")
             stdout.flush()
@@ -1003,7 +1011,10 @@ def _recover_command(args: argparse.Namespace) -> str:
 
 
 def _failure(error: CoordinatorError, args: argparse.Namespace, stderr: TextIO) -> int:
+    args.failure = error  # for the JSON summary's reason (_finish)
     lines = list(error.lines())
+    if getattr(args, "verbose", 0):
+        lines += [f"detail: {line}" for line in error.details()]
     if not error.destroyed:
         _fail(lines, stderr)
         return EXIT_FAILED

@@ -112,9 +112,15 @@ def test_preflight_refusal_exits_1_naming_participant_pid_phase_reason(work: Pat
         assert all(not DESTRUCTIVE_OPS & set(ops) for ops in t.received())
         pid = t.fakes[1].pid
     assert code == 1
-    assert "refused at PREPARE_MULTICAST (preflight_clean)" in err
-    assert f"participant {participant(1)}, pid {pid}" in err
-    assert "UNSUPPORTED_EXPORTABLE" in err
+    # The check is named, not the step it guards (PREPARE_MULTICAST was never sent),
+    # and the predicate's name is left to -v and JSON.
+    assert err.startswith(
+        "cuinterpose: capture refused by the check for memory and sharing that cannot be "
+        f"checkpointed, nothing changed: participant {participant(1)}, pid {pid}: "
+        "UNSUPPORTED_EXPORTABLE"
+    ), err
+    assert "PREPARE_MULTICAST" not in err and "preflight" not in err and "team" not in err
+    assert "create it exportable as CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR only" in err
     failed = json_lines(out)[-1]
     assert failed["event"] == "failed"
     assert (failed["phase"], failed["participant"], failed["pid"]) == (
@@ -122,7 +128,25 @@ def test_preflight_refusal_exits_1_naming_participant_pid_phase_reason(work: Pat
         participant(1),
         pid,
     )
+    assert (failed["check"], failed["rules"]) == (
+        "preflight_clean",
+        ["preflight.unsupported_exportable"],
+    )
     assert "UNSUPPORTED_EXPORTABLE" in str(failed["reason"])
+    done = json.loads(out.splitlines()[-1])
+    assert (done["check"], done["rules"]) == (failed["check"], failed["rules"])
+    assert done["reason"] == err.replace("cuinterpose: ", "").splitlines()
+
+
+def test_verbose_names_the_step_the_guard_and_the_rules(work: Path) -> None:
+    tainted = with_records(TOPOLOGY, participant(1), unsupported_exportable())
+    with team_of(tainted, work / "control") as t:
+        code, _, err = run(*machine_args("prepare", t, work, "--progress", "none", "-v"))
+    assert code == 1
+    assert (
+        "cuinterpose: detail: capture stopped at step PREPARE_MULTICAST (guard preflight_clean); "
+        "rules: preflight.unsupported_exportable\n"
+    ) in err
 
 
 def test_invalid_topology_exits_1(work: Path) -> None:
@@ -130,7 +154,8 @@ def test_invalid_topology_exits_1(work: Path) -> None:
     with team_of(broken, work / "control") as t:
         code, _, err = run(*machine_args("prepare", t, work))
     assert code == 1
-    assert "(topology_valid)" in err and participant(0) in err
+    assert "refused by the consistency check of the shims' sharing records" in err
+    assert participant(0) in err and "[mapping.empty]" not in err
 
 
 def test_a_failure_after_teardown_rolls_back_and_exits_3(work: Path) -> None:

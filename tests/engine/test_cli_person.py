@@ -169,6 +169,35 @@ def test_suspend_on_a_terminal_says_where_the_bytes_are_and_the_resume_command(
     assert f"next: cuinterpose resume --checkpoint-dir {work / 'ckpt'}" in text
 
 
+def test_refusals_of_checkpointed_processes_name_resume_with_its_directory(work: Path) -> None:
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as t:
+        ckpt = work / "ckpt"
+        common = ["--control-dir", str(t.control_dir)]
+        code, _, err = run("suspend", "--checkpoint-dir", str(ckpt), *common, *t.processes,
+                           "--progress", "none", native=fake)  # fmt: skip
+        assert (code, err) == (0, "")
+        resume = f"`cuinterpose resume --checkpoint-dir {ckpt}`"
+        # The directory holds the manifest of the suspend: the hint names it.
+        for verb, names in (("prepare", t.processes), ("recover", [])):
+            code, _, err = run(verb, "--checkpoint-dir", str(ckpt), *common, *names,
+                               "--progress", "none", native=fake)  # fmt: skip
+            assert code == cli.EXIT_FAILED, err
+            assert resume in err, err
+        # Another directory: nothing records where they were suspended; DIR says which.
+        code, _, err = run("prepare", "--checkpoint-dir", str(work / "other"), *common,
+                           *t.processes, "--progress", "none", native=fake)  # fmt: skip
+        assert code == cli.EXIT_FAILED
+        assert (
+            "`cuinterpose resume --checkpoint-dir DIR` (DIR: the directory of their suspend)" in err
+        )
+        code, _, err = run("suspend", "--checkpoint-dir", str(work / "again"), *common,
+                           *t.processes, "--progress", "none", native=fake)  # fmt: skip
+        assert code == cli.EXIT_FAILED and "CHECKPOINTED, not RUNNING" in err
+        assert "comes back with `cuinterpose resume --checkpoint-dir DIR`" in err
+        assert {f.phase for f in t.fakes} == {Phase.PREPARED}  # nothing was sent
+
+
 def test_status_without_processes_lists_every_shim_of_the_control_directory(
     work: Path,
 ) -> None:
