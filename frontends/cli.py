@@ -38,7 +38,7 @@ from . import artifacts, logs, targets
 from .arguments import Parser, UsageError, pid, seconds
 from .engine import agent, discovery, runner
 from .engine.client import Endpoint, endpoint_for
-from .engine.errors import CoordinatorError
+from .engine.errors import CoordinatorError, Refused
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
 from .engine.manifest import resume_hint
 from .engine.native import (
@@ -501,7 +501,9 @@ def _run_machine(
     code = _machine(spec, args, stdout, stderr)
     if args.progress == "json":
         args.mode = "json"
-        _finish(args.command, args, stdout, stderr, code, _OUTCOMES[code], ())
+        refused = isinstance(getattr(args, "failure", None), Refused)
+        _finish(args.command, args, stdout, stderr, code,
+                "refused" if refused else _OUTCOMES[code], ())  # fmt: skip
     elif code == EXIT_OK and spec is CAPTURE and args.progress == "human":
         with contextlib.suppress(OSError):
             stdout.write(
@@ -727,7 +729,8 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
         # A suspend whose capture was rolled back: the group runs as it was (exit 1).
         if command == "suspend" and code == EXIT_ROLLED_BACK:
             code = EXIT_FAILED
-        return _finish(command, args, stdout, stderr, code, _OUTCOMES[code], ())
+        outcome = "refused" if isinstance(error, Refused) else _OUTCOMES[code]
+        return _finish(command, args, stdout, stderr, code, outcome, ())
     except NativeUnavailableError as exc:
         return _finish(command, args, stdout, stderr, EXIT_FAILED, "refused",
                        _no_driver(command, exc))  # fmt: skip

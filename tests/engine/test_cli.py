@@ -135,6 +135,7 @@ def test_preflight_refusal_exits_1_naming_participant_pid_phase_reason(work: Pat
     assert "UNSUPPORTED_EXPORTABLE" in str(failed["reason"])
     done = json.loads(out.splitlines()[-1])
     assert (done["check"], done["rules"]) == (failed["check"], failed["rules"])
+    assert (done["outcome"], done["exit_code"]) == ("refused", 1)
     assert done["reason"] == err.replace("cuinterpose: ", "").splitlines()
 
 
