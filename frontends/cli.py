@@ -34,9 +34,29 @@ from typing import Any, Final, NoReturn, TextIO
 
 import attrs
 
-from . import artifacts, logs, targets
-from .arguments import Parser, UsageError, pid, seconds
-from .engine import agent, discovery, runner
+from . import artifacts, drivers, logs, targets
+from .arguments import (
+    CHANGING_EXITS,
+    CONTROL_DIR_ENV,
+    DEFAULT_CONTROL_DIR,
+    EXIT_FAILED,
+    EXIT_NEEDS_RECOVER,
+    EXIT_OK,
+    EXIT_ROLLED_BACK,
+    EXIT_TABLE,
+    EXIT_USAGE,
+    READING_EXITS,
+    Formatter,
+    Parser,
+    UsageError,
+    add_driver,
+    add_endpoints,
+    add_phase_timeout,
+    logging_options,
+    phase_timeout,
+    seconds,
+)
+from .engine import agent, runner
 from .engine.client import Endpoint, endpoint_for
 from .engine.errors import CoordinatorError, Refused
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
@@ -62,52 +82,7 @@ from .engine.replay import replay
 from .engine.topology import describe_record
 from .engine.trace import TraceError, TraceWriter, read_trace
 
-CONTROL_DIR_ENV: Final = "SNAPSHOT_CONTROL_DIR"
-DEFAULT_CONTROL_DIR: Final = Path("/snapshot-control")
-PHASE_TIMEOUT_ENV: Final = "SNAPSHOT_PHASE_TIMEOUT_S"
 PROG: Final = "cuinterpose"
-
-EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1  # refused, or failed before anything changed
-EXIT_USAGE: Final = 2
-EXIT_ROLLED_BACK: Final = 3
-EXIT_NEEDS_RECOVER: Final = 4
-# One table for every verb (specs/recovery.md, "Exit status").
-EXIT_TABLE: Final = """exit status (every verb):
-  0  done
-  1  refused, or failed and undone: the group is as it was (a suspend whose
-     capture or native steps failed: running as before)
-  2  usage error
-  3  failed after changing the group, and rolled back: it runs (prepare,
-     restore, recover: as before the run; resume: with the bytes it had at
-     suspend, no longer checkpointed)
-  4  failed, and the group is not back: stderr prints the command to run
-     (`cuinterpose recover ...`)
-"""
-
-
-# The verbs that change a group answer with the one table.
-CHANGING_EXITS: Final = EXIT_TABLE
-READING_EXITS: Final = """exit status:
-  0  done
-  1  failed (stderr says why)
-  2  usage error"""
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """The epilogs keep their lines; an option's default is shown where it says
-    something (not for flags, counts, or options whose help names it)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        if (
-            "default" in text
-            or default in (None, False, 0, argparse.SUPPRESS)
-            or not action.option_strings
-        ):
-            return text
-        return f"{text} (default: %(default)s)"
 
 
 def _version() -> str:
@@ -117,70 +92,13 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _add_endpoints(
-    parser: argparse.ArgumentParser, *, required: bool = True, driver: bool = True
-) -> None:
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument(
-        "--control-dir",
-        type=Path,
-        help=f"the shims' control directory "
-        f"(default ${CONTROL_DIR_ENV}, else {DEFAULT_CONTROL_DIR})",
-    )
-    where.add_argument(
-        "--proc-root",
-        type=Path,
-        help="reach each process's control directory through PROC_ROOT/<observed pid>/root",
-    )
-    named = "(repeatable)" if required else "(repeatable; default: see the description)"
-    parser.add_argument(
-        "--pid",
-        action="append",
-        type=pid,
-        metavar="PID",
-        help=f"a participant whose pid is the same here and in its pid namespace {named}",
-    )
-    parser.add_argument(
-        "--process",
-        nargs=2,
-        action="append",
-        type=pid,
-        metavar=("OBSERVED_PID", "NAMESPACE_PID"),
-        help=f"a participant: its pid as seen here and inside its pid namespace {named}",
-    )
-    parser.set_defaults(processes_required=required)
-    if driver:
-        _add_driver(parser)
-
-
-def _add_driver(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--driver",
-        choices=("auto", "sim", "system"),
-        default="auto",
-        help="the CUDA driver of the native checkpoint calls: auto, the one the processes' "
-        "shims report (else the system's); sim, the simulated one; system, the "
-        "libcuda.so.1 the loader finds",
-    )
-
-
-def _add_phase_timeout(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--phase-timeout",
-        type=seconds,
-        metavar="SECONDS",
-        help=f"per-phase timeout (default ${PHASE_TIMEOUT_ENV}, else "
-        f"{runner.DEFAULT_PHASE_TIMEOUT_S:g})",
-    )
-
-
 def _add_machine_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     parser.add_argument(
         "--checkpoint-dir", type=Path, required=True, help="where the state file is kept"
     )
-    _add_endpoints(parser, required=required)
+    add_endpoints(parser, required=required)
     parser.add_argument("--progress", choices=("human", "json", "none"), default="human")
-    _add_phase_timeout(parser)
+    add_phase_timeout(parser)
     parser.add_argument("--trace", type=Path, metavar="FILE", help="record the run as JSON lines")
     parser.add_argument(
         "--no-rollback",
@@ -196,35 +114,17 @@ def _add_agent_options(parser: argparse.ArgumentParser, *, required: bool = True
         required=True,
         help="where the manifest and the state file are kept",
     )
-    _add_endpoints(parser, required=required)
+    add_endpoints(parser, required=required)
     parser.add_argument(
         "--progress",
         choices=("auto", "human", "json", "none"),
         default="auto",
         help="auto: human on a terminal, JSON lines otherwise",
     )
-    _add_phase_timeout(parser)
+    add_phase_timeout(parser)
     parser.add_argument(
         "--per-participant", action="store_true", help="add per-participant copy tables"
     )
-
-
-def _logging_options() -> Parser:
-    common = Parser(add_help=False)
-    group = common.add_argument_group("messages")
-    loud = group.add_mutually_exclusive_group()  # argparse lists these under options
-    loud.add_argument(
-        "-v",
-        "--verbose",
-        action="count",
-        default=0,
-        help="also show the library's log (-vv: debug, the state machines' too)",
-    )
-    loud.add_argument("-q", "--quiet", action="store_true", help="only errors")
-    group.add_argument(
-        "--log-file", type=Path, metavar="FILE", help="append the full log (debug) to FILE"
-    )
-    return common
 
 
 # (name, one line, examples, exit status) of every verb, in --help's order.
@@ -304,7 +204,7 @@ _VERBS: Final = {
     "criu": (
         "the round trip through CRIU: check, dump, restore, action-script",
         "cuinterpose criu check",
-        "exit status: the CRIU verb's own (cuinterpose criu VERB --help says)",
+        EXIT_TABLE + "(cuinterpose criu VERB --help: each verb's example and options)",
     ),
     "demo": (
         "run the end-to-end demo",
@@ -318,14 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog=PROG,
         description="Checkpoint/restore of CUDA processes sharing memory",
-        formatter_class=_Formatter,
+        formatter_class=Formatter,
         epilog="A first session: cuinterpose check; cuinterpose launch -- COMMAND; "
         "cuinterpose status; cuinterpose suspend --checkpoint-dir DIR --pid PID; "
         'cuinterpose resume --checkpoint-dir DIR (README.md, "Using it").\n\n' + EXIT_TABLE,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    common = _logging_options()
+    common = logging_options()
 
     def sub(name: str) -> argparse.ArgumentParser:
         text, example, exits = _VERBS[name]
@@ -334,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=text,
             description=text,
             epilog=f"example:\n  {example}\n\n{exits}",
-            formatter_class=_Formatter,
+            formatter_class=Formatter,
             parents=[common],
         )
 
@@ -354,11 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_agent_options(sub("resume"), required=False)
     status_cmd = sub("status")
-    _add_endpoints(status_cmd, required=False)
+    add_endpoints(status_cmd, required=False)
     status_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
     check = sub("check")
     check.add_argument("--control-dir", type=Path, help=f"default ${CONTROL_DIR_ENV}")
-    _add_driver(check)
+    add_driver(check)
     check.add_argument("--json", action="store_true", help="print JSON instead of lines")
     launch = sub("launch")
     launch.add_argument("--driver", choices=("sim", "system"), default="sim")
@@ -389,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
             "natively RUNNING (for those who know it is)",
         )
     inspect = sub("inspect")
-    _add_endpoints(inspect, driver=False)
+    add_endpoints(inspect, driver=False)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
     diagram = sub("diagram")
     diagram.add_argument("--machine", choices=sorted(MACHINES), required=True)
@@ -410,18 +310,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _env_control_dir() -> Path:
     value = os.environ.get(CONTROL_DIR_ENV, "")
     return Path(value) if value else DEFAULT_CONTROL_DIR
-
-
-def _phase_timeout(given: float | None) -> float:
-    if given is not None:
-        return given
-    value = os.environ.get(PHASE_TIMEOUT_ENV, "")
-    if not value:
-        return runner.DEFAULT_PHASE_TIMEOUT_S
-    try:
-        return seconds(value)
-    except argparse.ArgumentTypeError as exc:
-        raise UsageError(f"{PROG}: error: ${PHASE_TIMEOUT_ENV}: {exc}") from None
 
 
 def _control_dir(args: argparse.Namespace) -> Path:
@@ -518,7 +406,7 @@ def _machine(
     spec: MachineSpec | None, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
 ) -> int:
     endpoints = _endpoints(args)
-    timeout = _phase_timeout(args.phase_timeout)
+    timeout = phase_timeout(args.phase_timeout)
     if spec is not None:  # recover reports and leaves out the processes that are gone
         problems = targets.problems(args.group, _where(args), shim=True)
         if problems:
@@ -625,20 +513,8 @@ def _native_backend() -> NativeBackend | None:
 
 
 def _driver_library(args: argparse.Namespace) -> str | None:
-    """The libcuda.so.1 the native calls load: --driver's, else the one the shims
-    report (none reporting: the loader's own search)."""
-    choice = getattr(args, "driver", "auto")
-    if choice == "sim":
-        try:
-            return str(artifacts.sim_library_dir() / "libcuda.so.1")
-        except artifacts.ArtifactMissingError as exc:
-            raise NativeUnavailableError(str(exc)) from exc
-    if choice == "system":
-        return None
-    try:
-        return discovery.shim_drivers(_endpoints(args)).one()
-    except discovery.DriverMismatch as exc:
-        raise NativeUnavailableError(f"{exc}; run one command per driver") from exc
+    """The libcuda.so.1 the native calls load (frontends/drivers.py)."""
+    return drivers.library(getattr(args, "driver", "auto"), lambda: _endpoints(args))
 
 
 def _native(args: argparse.Namespace) -> NativeBackend:
@@ -685,7 +561,7 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
         on_event = _json_events(stdout)
     where_now = _Whereabouts(on_event)
     stop = threading.Event()
-    options = runner.Options(phase_timeout=_phase_timeout(args.phase_timeout), stop=stop)
+    options = runner.Options(phase_timeout=phase_timeout(args.phase_timeout), stop=stop)
     try:
         native = _native(args)
         with _stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)), live:
@@ -1043,7 +919,7 @@ def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 
     endpoints = _endpoints(args)
     try:
-        bound, topology = runner.inspect(endpoints, timeout=_phase_timeout(None))
+        bound, topology = runner.inspect(endpoints, timeout=phase_timeout(None))
     except CoordinatorError as error:
         return _fail(error.lines(), stderr)
     records = topology.records_by_participant()
@@ -1205,7 +1081,7 @@ def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) 
         return _launch(args, err)
     if command == "demo":
         return _demo(args, err)
-    if command == "criu":  # its own parser: frontends/criu_action.py
+    if command == "criu":  # its verbs' parser: frontends/criu_action.py
         module = _delegate("criu_action", err)
         if module is None:
             return EXIT_FAILED
