@@ -781,8 +781,8 @@ class _Whereabouts:
         at = self.step or "the first step"
         if self.copy is not None:
             at = (
-                f"{self.copy.phase} (in flight: {self.copy.bytes_done / (1 << 30):.1f}/"
-                f"{self.copy.bytes_total / (1 << 30):.1f} GiB copied)"
+                f"{self.copy.phase} (in flight: {size(self.copy.bytes_done)} of "
+                f"{size(self.copy.bytes_total)} copied)"
             )
         elif self.phase:
             at = f"{self.phase} of the {self.step}" if self.step else self.phase
