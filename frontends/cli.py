@@ -28,7 +28,7 @@ import shlex
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn, TextIO
 
@@ -387,19 +387,47 @@ def _run_machine(
     """Run ``spec``'s machine, or ``recover`` (None), and say how it ended: with JSON
     progress, a last summary line with the outcome and the exit code, as suspend's."""
     code = _machine(spec, args, stdout, stderr)
+    said = _machine_summary(spec, args) if code == EXIT_OK else {}
     if args.progress == "json":
         args.mode = "json"
         refused = isinstance(getattr(args, "failure", None), Refused)
+        said.pop("lines", None)
         _finish(args.command, args, stdout, stderr, code,
-                "refused" if refused else _OUTCOMES[code], ())  # fmt: skip
-    elif code == EXIT_OK and spec is CAPTURE and args.progress == "human":
+                "refused" if refused else _OUTCOMES[code], (), extra=said)  # fmt: skip
+    elif said and args.progress == "human":
         with contextlib.suppress(OSError):
-            stdout.write(
-                f"next: the native lock and checkpoint of every process, later their native "
-                f"restore and unlock, then: {PROG} restore --checkpoint-dir "
-                f"{shlex.quote(str(args.checkpoint_dir))}\n"
-            )
+            for line in said["lines"]:
+                stdout.write(line + "\n")
+            stdout.flush()
     return code
+
+
+def _machine_summary(spec: MachineSpec | None, args: argparse.Namespace) -> dict[str, Any]:
+    """What a prepare or restore did and what comes next, as suspend and resume say it:
+    the lines for a person, the figures for the JSON summary (recover says its own)."""
+    result = getattr(args, "result", None)
+    if spec is None or not isinstance(result, runner.CaptureResult | runner.RestoreResult):
+        return {}
+    moved = sum(p.transfer.allocation_bytes for p in result.phases if p.transfer is not None)
+    n = len(args.group)
+    who = f"{n} process{'es' if n != 1 else ''}"
+    out: dict[str, Any] = {"seconds": result.elapsed_s, "bytes_staged": moved, "processes": n}
+    if isinstance(result, runner.CaptureResult):
+        restore = shlex.join([PROG, "restore", "--checkpoint-dir", str(args.checkpoint_dir)])
+        out["next"] = restore
+        out["lines"] = [
+            f"captured {who} in {result.elapsed_s:.3f} s: {size(moved)} staged by the shims "
+            f"into their processes' host memory and released from the GPU; the state file is "
+            f"{result.state_path}",
+            "next: the native lock and checkpoint of every process, later their native "
+            f"restore and unlock, then: {restore}",
+        ]
+    else:
+        out["lines"] = [
+            f"restored {who} in {result.elapsed_s:.3f} s, {size(moved)} loaded back by the "
+            "shims: every process runs, its sharing as before",
+        ]
+    return out
 
 
 def _machine(
@@ -449,6 +477,7 @@ def _machine(
                 result: object = report.result
             else:
                 result = runner.run_machine(spec, endpoints, checkpoint_dir, options)
+                args.result = result
         for warning in getattr(result, "warnings", ()):
             stderr.write(f"{PROG}: note: {warning}\n")
     except CoordinatorError as error:
@@ -639,6 +668,7 @@ def _finish(
     outcome: str,
     lines: Sequence[str],
     summary: _Summary | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> int:
     """Say how the command ended once: the lines on stderr, and in JSON mode one
     summary line with the outcome and the exit code."""
@@ -647,6 +677,7 @@ def _finish(
     if getattr(args, "mode", None) == "json":
         document: dict[str, Any] = {"event": "summary", "command": command}
         document.update(summary.to_json() if summary is not None else {})
+        document.update(extra or {})
         document.update(outcome=outcome, exit_code=code)
         failure: CoordinatorError | None = getattr(args, "failure", None)
         if lines:

@@ -92,12 +92,15 @@ def test_human_progress_is_one_line_per_phase(work: Path) -> None:
         code, out, _ = run(*machine_args("prepare", t, work))
     assert code == 0
     lines = out.splitlines()
-    assert len(lines) == 8
+    assert len(lines) == 9
     assert lines[-1].startswith("next: the native lock and checkpoint of every process")
     assert lines[0].startswith("capture HANDSHAKE: ") and "2 participants" in lines[0]
     assert lines[1].startswith("capture QUIESCE: ") and lines[2].startswith("capture INSPECT: ")
     assert "GB/s" in lines[4] and lines[4].startswith("capture SAVE_ALLOCATIONS")
-    assert lines[-2].startswith("capture done")
+    assert lines[-3].startswith("capture done")
+    # The summary, as suspend's: what was done, then what comes next.
+    assert lines[-2].startswith("captured 2 processes in ")
+    assert "8.0 MiB staged by the shims into their processes' host memory" in lines[-2]
 
 
 def test_progress_none_prints_nothing(work: Path) -> None:
@@ -316,7 +319,7 @@ def test_proc_root_reaches_sockets_through_each_process_root(
             args += ["--process", str(observed), str(fake.pid)]
         code, out, err = run(*args)
     assert (code, err) == (0, ""), err
-    assert out.splitlines()[-2].startswith("capture done")
+    assert out.splitlines()[-3].startswith("capture done")
 
 
 @pytest.mark.parametrize(

@@ -497,3 +497,17 @@ def test_prepare_restore_and_recover_end_with_a_summary_like_suspend(work: Path)
             code, out, err = run(verb, *common, "--control-dir", str(t.control_dir), *names)
             assert code == 0, err
             assert (summary(out)["outcome"], summary(out)["exit_code"]) == ("done", 0)
+            if verb != "recover":  # which says what it did in its own lines
+                assert summary(out)["processes"] == 2 and summary(out)["bytes_staged"] == 8 << 20
+            if verb == "prepare":
+                assert summary(out)["next"] == f"cuinterpose restore --checkpoint-dir {work / 'ckpt'}"
+    # A person reads the same, as suspend and resume say it.
+    with team_of(TOPOLOGY, work / "control3") as t:
+        common = ["--checkpoint-dir", str(work / "ckpt3"), "--control-dir", str(t.control_dir)]
+        code, out, err = run("prepare", *common, *t.processes)
+        assert code == 0, err
+        assert "captured 2 processes in " in out and "8.0 MiB staged by the shims" in out
+        code, out, err = run("restore", *common)
+        assert code == 0, err
+        assert out.splitlines()[-1].startswith("restored 2 processes in ")
+        assert "8.0 MiB loaded back by the shims: every process runs" in out
