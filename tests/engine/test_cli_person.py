@@ -500,7 +500,8 @@ def test_prepare_restore_and_recover_end_with_a_summary_like_suspend(work: Path)
             if verb != "recover":  # which says what it did in its own lines
                 assert summary(out)["processes"] == 2 and summary(out)["bytes_staged"] == 8 << 20
             if verb == "prepare":
-                assert summary(out)["next"] == f"cuinterpose restore --checkpoint-dir {work / 'ckpt'}"
+                restore = f"cuinterpose restore --checkpoint-dir {work / 'ckpt'}"
+                assert summary(out)["next"] == restore
     # A person reads the same, as suspend and resume say it.
     with team_of(TOPOLOGY, work / "control3") as t:
         common = ["--checkpoint-dir", str(work / "ckpt3"), "--control-dir", str(t.control_dir)]
