@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import topologies
-from cuinterpose import cli, engine
+from cuinterpose import cli, engine, logs
 from cuinterpose.engine import discovery
 from cuinterpose.engine.native import CudaBackend, NativeUnavailableError
 from cuinterpose.engine.wire import Op, Phase, socket_name
@@ -302,6 +302,25 @@ def test_every_failure_is_said_once_and_the_log_only_on_request(work: Path) -> N
     assert "Executed callback" not in text
     library = logging.getLogger("cuinterpose")
     assert [type(h) for h in library.handlers] == [logging.NullHandler]  # the CLI's are gone
+
+
+def test_a_person_at_a_terminal_reads_the_log_through_rich() -> None:
+    from rich.logging import RichHandler
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, kind in ((Terminal(), RichHandler), (io.StringIO(), logging.StreamHandler)):
+        logs.configure(verbosity=1, stream=stream)
+        try:
+            installed = logging.getLogger("cuinterpose").handlers[-1]
+            assert type(installed) is kind
+            logging.getLogger("cuinterpose.agent").info("hello")
+        finally:
+            logs.reset()
+        assert "hello" in stream.getvalue()
+    assert "cuinterpose: INFO: hello" in stream.getvalue()  # the plain one, last
 
 
 def test_sigint_is_acknowledged_at_once(work: Path) -> None:
