@@ -82,6 +82,7 @@ from .progress import (
     json_printer,
 )
 from .recovery import RecoveryReport, recover
+from .released import Released, released, released_by_suspend
 from .replay import Divergence, ReplayReport, machine_mismatch, replay, replay_file
 from .runner import (
     Bound,
@@ -147,6 +148,7 @@ __all__ = [
     "ProgressCallback",
     "RecoveryReport",
     "Refused",
+    "Released",
     "ReplayReport",
     "RestoreResult",
     "ResumeFailed",
@@ -183,6 +185,8 @@ __all__ = [
     "read_state",
     "read_trace",
     "recover",
+    "released",
+    "released_by_suspend",
     "remove_stale_sockets",
     "replay",
     "replay_file",

@@ -27,6 +27,9 @@ class Problem:
     # QUIESCE's typed "not quiet in time" (the reply's NOT_QUIET flag, or rounds
     # that ended with the participant still PENDING): what decides a restart.
     not_quiet: bool = False
+    # The validation predicate that found it (specs/validation.md), for -v and JSON:
+    # never part of the sentence a person reads.
+    rule: str = ""
 
     def __str__(self) -> str:
         who = []
@@ -83,25 +86,69 @@ class CoordinatorError(Exception):
         """One line per problem, each naming the machine, phase, participant, pid, reason."""
         return tuple(f"{self.machine} {self.kind} at {self.phase}: {p}" for p in self.problems)
 
+    def details(self) -> tuple[str, ...]:
+        """What a person does not need to read, for ``-v``: the machine's own names of
+        where it stopped and of the predicates that found each problem."""
+        rules = sorted({p.rule for p in self.problems if p.rule})
+        return (
+            f"{self.machine} stopped at step {self.phase}"
+            + (f" (guard {self.guard})" if self.guard else "")
+            + (f"; rules: {', '.join(rules)}" if rules else ""),
+        )
+
+    @property
+    def guard(self) -> str:
+        """The guard that refused or failed; empty for an op's own failure."""
+        return ""
+
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+
+# What each guard checks, in a person's words: a refusal names its check, never the
+# step it sits on (a preflight refusal is not "at PREPARE_MULTICAST": that op was never
+# sent). The guard's own name stays in details() and the JSON events.
+CHECKS: Final[Mapping[str, str]] = {
+    "all_active": "the check that every process runs normally (no capture under way)",
+    "all_prepared": "the check that every process was captured (its shim PREPARED)",
+    "topology_valid": "the consistency check of the shims' sharing records",
+    "preflight_clean": "the check for memory and sharing that cannot be checkpointed",
+    "checkpoint_dir_writable": "the checkpoint directory check",
+    "checkpoint_dir_free": "the checkpoint directory lock (one run at a time)",
+    "checkpoint_dir_trusted": "the checkpoint directory's trust check",
+    "participants_match_state": "the check that the processes are the state file's",
+    "records_match_state": "the check that the shims hold what the state file says",
+    "topology_matches_capture": "the check that the restored sharing equals the captured",
+    "topology_matches_record": "the check that the rolled-back sharing equals the recorded",
+    "all_can_roll_back": "the check that every process is where a rollback can start",
+}
+
+
+def check_title(guard: str) -> str:
+    return CHECKS.get(guard, f"the check {guard}")
 
 
 class Refused(CoordinatorError):
     """A guard failed before the first destructive op: nothing was changed.
 
-    ``guard`` names the predicate that refused (as declared in ``phases``).
+    ``guard`` names the predicate that refused (as declared in ``phases``); ``phase``
+    the step it guards, whose op was not sent.
     """
 
     kind = "refused"
 
     def __init__(self, machine: str, phase: str, guard: str, problems: Sequence[Problem]) -> None:
         super().__init__(machine, phase, problems)
-        self.guard = guard
+        self._guard = guard
+
+    @property
+    def guard(self) -> str:
+        return self._guard
 
     def lines(self) -> tuple[str, ...]:
         return tuple(
-            f"{self.machine} refused at {self.phase} ({self.guard}): {p}" for p in self.problems
+            f"{self.machine} refused by {check_title(self.guard)}, nothing changed: {p}"
+            for p in self.problems
         )
 
 
@@ -167,11 +214,16 @@ class VerificationFailed(PhaseFailed):
 
     def __init__(self, machine: str, phase: str, guard: str, problems: Sequence[Problem]) -> None:
         super().__init__(machine, phase, problems)
-        self.guard = guard
+        self._guard = guard
+
+    @property
+    def guard(self) -> str:
+        return self._guard
 
     def lines(self) -> tuple[str, ...]:
         return tuple(
-            f"{self.machine} failed at {self.phase} ({self.guard}): {p}" for p in self.problems
+            f"{self.machine} failed at {self.phase}, {check_title(self.guard)}: {p}"
+            for p in self.problems
         )
 
 

@@ -26,19 +26,17 @@ def violation_problems(
     violations: Sequence[Violation], observed: Mapping[str, int]
 ) -> list[Problem]:
     return [
-        Problem(_violation_text(v), v.participant or None, observed.get(v.participant))
+        Problem(_violation_text(v), v.participant or None, observed.get(v.participant), rule=v.rule)
         for v in violations
     ]
 
 
 def _violation_text(violation: Violation) -> str:
-    # The problem names the participant already; a team-wide violation keeps its own text.
-    if not violation.participant:
-        return str(violation)
+    # The problem names the participant already (a group-wide violation: nobody), and
+    # carries the rule apart (-v, JSON): the sentence is what was found and what to do.
     kind = violation.kind.name if violation.kind is not None else ""
     where = " ".join(part for part in (kind, violation.resource) if part)
-    text = f"{violation.reason} [{violation.rule}]"
-    return f"{where}: {text}" if where else text
+    return f"{where}: {violation.reason}" if where else violation.reason
 
 
 def _phase_problems(run: Run, expected: Phase) -> list[Problem]:

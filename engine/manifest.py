@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Final
 
@@ -231,3 +232,17 @@ def restore_plan(manifest: Manifest, checkpoint_dir: Path) -> bool:
             ("refusing a native-only restore of a group whose sharing was torn down",),
         )
     return manifest.prepared
+
+
+def resume_hint(checkpoint_dir: Path | None) -> str:
+    """The command that brings natively checkpointed processes back: ``cuinterpose resume``
+    with ``checkpoint_dir`` when it holds a manifest never resumed, else with the
+    directory of their suspend, which nothing here records."""
+    if checkpoint_dir is not None:
+        try:
+            held = read_manifest(checkpoint_dir)
+        except ManifestError:
+            held = None
+        if held is not None and not held.resumed_at:
+            return f"`cuinterpose resume --checkpoint-dir {shlex.quote(str(checkpoint_dir))}`"
+    return "`cuinterpose resume --checkpoint-dir DIR` (DIR: the directory of their suspend)"

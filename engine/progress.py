@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 import attrs
 
+from .errors import check_title
 from .wire import Stats
 
 _GB = 1e9
@@ -182,10 +183,11 @@ class StagingSummary:
 
     def human(self) -> str:
         return (
-            f"staged by the shims: {self.allocation_count} allocations,"
+            f"staged by the shims: {_count(self.allocation_count, 'allocation')},"
             f" {_size(self.allocation_bytes)} in {self.seconds:.3f} s ({self.gb_per_s:.2f} GB/s);"
-            f" left to the native checkpoint: {self.native_kept.allocation_count} tracked"
-            f" allocations, {_size(self.native_kept.allocation_bytes)} (plus what the shims"
+            " left to the native checkpoint:"
+            f" {_count(self.native_kept.allocation_count, 'tracked allocation')},"
+            f" {_size(self.native_kept.allocation_bytes)} (plus what the shims"
             " do not track: contexts, modules, pools)"
         )
 
@@ -266,9 +268,13 @@ class FailedEvent:
     reason: str
     elapsed_s: float
     problems: tuple[str, ...] = ()
+    # The guard that refused or failed ("": an op's own failure; a refusal's ``phase`` is
+    # the step it guards, whose op was not sent) and the validation rules behind it.
+    check: str = ""
+    rules: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "event": "failed",
             "machine": self.machine,
             "kind": self.kind,
@@ -279,6 +285,17 @@ class FailedEvent:
             "elapsed_s": self.elapsed_s,
             "problems": list(self.problems),
         }
+        if self.check:
+            out.update(check=self.check, check_title=check_title(self.check))
+        if self.rules:
+            out["rules"] = list(self.rules)
+        return out
+
+    def headline(self) -> str:
+        """Where the machine stopped, in a person's words: a refusal names its check."""
+        if self.kind == "refused" and self.check:
+            return f"{self.machine} refused by {check_title(self.check)}"
+        return f"{self.machine} {self.kind} at {self.phase}"
 
 
 Event = PhaseEvent | QuiesceRound | DoneEvent | FailedEvent
@@ -287,6 +304,10 @@ ProgressCallback = Callable[[Event], None]
 
 def json_line(event: Event) -> str:
     return json.dumps(event.to_json(), sort_keys=False, allow_nan=False)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _size(nbytes: int) -> str:
@@ -328,7 +349,7 @@ def human_line(event: Event) -> str:
         who += f" participant {event.participant}"
     if event.pid is not None:
         who += f" (pid {event.pid})"
-    return f"{event.machine} {event.kind} at {event.phase}:{who} {event.reason}"
+    return f"{event.headline()}:{who} {event.reason}"
 
 
 def json_printer(stream: TextIO) -> ProgressCallback:

@@ -22,6 +22,7 @@ import attrs
 
 from .client import Endpoint, ParticipantError
 from .directory import INTENT_FILE_NAME, clear_intent
+from .manifest import resume_hint
 from .native import NativeBackend, ProcessState, state_names
 from .options import Options
 from .runner import RestoreResult, RollbackResult, restore, rollback
@@ -77,17 +78,20 @@ def native_check_refusal(command: str, why: object) -> tuple[str, ...]:
     )
 
 
-def native_blockers(native: NativeBackend, endpoints: Sequence[Endpoint]) -> tuple[str, ...]:
+def native_blockers(
+    native: NativeBackend, endpoints: Sequence[Endpoint], checkpoint_dir: Path | None = None
+) -> tuple[str, ...]:
     """The processes ``recover`` must not touch: natively LOCKED or CHECKPOINTED (a
     restore or rollback would wedge them). Gone or unknown ones are left to the survey.
     Raises NativeUnavailableError when no driver can say."""
     states = state_names(native, [e.observed_pid for e in endpoints])
     held = (ProcessState.LOCKED.name, ProcessState.CHECKPOINTED.name)
-    return tuple(
-        f"{e.describe()} is natively {states[e.observed_pid]}: run the native restore and "
-        "unlock (or `cuinterpose resume`) first"
-        for e in endpoints
-        if states[e.observed_pid] in held
+    blocked = [e for e in endpoints if states[e.observed_pid] in held]
+    if not blocked:
+        return ()
+    return (
+        *(f"{e.describe()} is natively {states[e.observed_pid]}" for e in blocked),
+        f"bring it back first: {resume_hint(checkpoint_dir)}, or the native restore and unlock",
     )
 
 

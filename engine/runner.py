@@ -377,6 +377,8 @@ class _Loop:
                 reason=first.reason,
                 elapsed_s=self.elapsed(),
                 problems=tuple(str(p) for p in error.problems),
+                check=error.guard,
+                rules=tuple(sorted({p.rule for p in error.problems if p.rule})),
             )
         )
 

@@ -31,6 +31,7 @@ from .manifest import (
     Process,
     Timing,
     read_manifest,
+    resume_hint,
     write_manifest,
 )
 from .native import (
@@ -137,7 +138,8 @@ def suspend(
             group,
             ProcessState.RUNNING,
             "suspend",
-            "every process must be RUNNING (run `cuinterpose status` to see the group)",
+            "every process must be RUNNING (`cuinterpose status` shows the group; one "
+            f"CHECKPOINTED by an earlier suspend comes back with {resume_hint(None)})",
         )
         ids: tuple[str | None, ...] = (None,) * len(group)
         if detection.mode == "cuinterpose":

@@ -62,7 +62,7 @@ class Violation:
     reason: str
 
     def __str__(self) -> str:
-        where = f"participant {self.participant}" if self.participant else "team"
+        where = f"participant {self.participant}" if self.participant else "the group"
         if self.kind is not None:
             where += f", {self.kind.name}"
         if self.resource:
@@ -254,7 +254,7 @@ def _creator_agreement(topology: Topology, kind: RecordKind, rule: str) -> tuple
                         rule,
                         participant,
                         record,
-                        f"names creator {record.creator!r}; the team's records name"
+                        f"names creator {record.creator!r}; the group's records name"
                         f" {_names(repr(c) for c in creators)}",
                     )
                 )
@@ -280,7 +280,8 @@ def _field_agreement(
                         rule,
                         participant,
                         record,
-                        f"{field} {getattr(record, field)} disagrees with the team ({listing})",
+                        f"{field} {getattr(record, field)} disagrees with the other"
+                        f" processes' records ({listing})",
                     )
                 )
     return tuple(found)
@@ -769,8 +770,10 @@ def check_raw_imports(topology: Topology) -> tuple[Violation, ...]:
             "preflight.raw_import",
             p,
             r,
-            f"live import of a raw file descriptor the shim did not hand out"
-            f" ({_size_text(r)}, handle_types {r.handle_types:#x}); capture refused",
+            f"imports memory through a file descriptor the shim did not hand out"
+            f" ({_size_text(r)}, handle_types {r.handle_types:#x}), so whose memory it is"
+            f" and how to rebuild it are unknown: run the exporting process under the shim"
+            f" too (cuinterpose launch) and import the descriptor it exported",
         )
         for p, r in _of_kind(topology, RecordKind.RAW_IMPORT)
     )
@@ -784,9 +787,10 @@ def check_unsupported_exportables(topology: Topology) -> tuple[Violation, ...]:
             "preflight.unsupported_exportable",
             p,
             r,
-            f"live resource exportable as handle_types {r.handle_types:#x}, not POSIX file"
-            f" descriptor only ({_size_text(r)}, location type {r.location_type}"
-            f" id {r.location_id}); capture refused",
+            f"holds memory exportable as handle_types {r.handle_types:#x}, not POSIX file"
+            f" descriptors only ({_size_text(r)}, location type {r.location_type}"
+            f" id {r.location_id}): it may be shared in ways the shim cannot see or rebuild;"
+            f" create it exportable as CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR only",
         )
         for p, r in _of_kind(topology, RecordKind.UNSUPPORTED_EXPORTABLE)
     )
@@ -836,9 +840,21 @@ def check_unowned_sharing(topology: Topology) -> tuple[Violation, ...]:
             p,
             r,
             f"{_UNOWNED_TEXT.get(r.op_flags, f'sharing of an unknown kind {r.op_flags}')}"
-            f" ({_unowned_where(r)}); capture refused",
+            f" ({_unowned_where(r)})",
         )
         for p, r in _of_kind(topology, RecordKind.UNOWNED_SHARING)
+    )
+
+
+def _left_out(record: Record) -> str:
+    who = (
+        f"the process with pid {record.pid} (as this process sees it; participant {record.fetcher})"
+        if record.pid
+        else f"a process this one cannot see (participant {record.fetcher})"
+    )
+    return (
+        f"{who} imported this allocation and is not among the processes named: name it"
+        " too, or stop it first"
     )
 
 
@@ -849,13 +865,7 @@ def check_whole_team(topology: Topology) -> tuple[Violation, ...]:
     members = frozenset(topology.participant_ids)
     return tuple(
         Violation(
-            "preflight.whole_team",
-            p,
-            RecordKind.ALLOCATION,
-            resource_hex(r.id),
-            f"participant {r.fetcher} (pid {r.pid or 'not visible'} as the creator sees it)"
-            f" fetched this allocation and is not in the team; name its process too, or"
-            f" stop it first; capture refused",
+            "preflight.whole_team", p, RecordKind.ALLOCATION, resource_hex(r.id), _left_out(r)
         )
         for p, r in topology.fetches()
         if r.fetcher not in members

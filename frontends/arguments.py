@@ -1,13 +1,47 @@
 """What the command lines (``cli``, ``criu_action``) share: a parser whose usage errors
-raise (so that ``main()`` returns 2 instead of exiting), and the argument types whose
-bad values are named in the error."""
+raise (so that ``main()`` returns 2 instead of exiting), the argument types whose
+bad values are named in the error, the one exit-status table, and the option groups
+every verb that acts on processes takes (``--pid``/``--process``, the control
+directory, ``--driver``, ``-v``/``-q``/``--log-file``)."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
-from typing import NoReturn
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Final, NoReturn
+
+from .engine.options import DEFAULT_PHASE_TIMEOUT_S
+
+CONTROL_DIR_ENV: Final = "SNAPSHOT_CONTROL_DIR"
+DEFAULT_CONTROL_DIR: Final = Path("/snapshot-control")
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1  # refused, or failed before anything changed
+EXIT_USAGE: Final = 2
+EXIT_ROLLED_BACK: Final = 3
+EXIT_NEEDS_RECOVER: Final = 4
+# One table for every verb (specs/recovery.md, "Exit status").
+EXIT_TABLE: Final = """exit status (every verb):
+  0  done
+  1  refused, or failed and undone: the group is as it was (a suspend whose
+     capture or native steps failed: running as before)
+  2  usage error
+  3  failed after changing the group, and rolled back: it runs (prepare,
+     restore, recover: as before the run; resume: with the bytes it had at
+     suspend, no longer checkpointed)
+  4  failed, and the group is not back: stderr prints the command to run
+     (`cuinterpose recover ...`)
+"""
+# The verbs that change a group answer with the one table.
+CHANGING_EXITS: Final = EXIT_TABLE
+READING_EXITS: Final = """exit status:
+  0  done
+  1  failed (stderr says why)
+  2  usage error"""
 
 
 class UsageError(Exception):
@@ -20,6 +54,22 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         raise UsageError(f"{self.prog}: error: {message}")
+
+
+class Formatter(argparse.RawDescriptionHelpFormatter):
+    """The epilogs keep their lines; an option's default is shown where it says
+    something (not for flags, counts, or options whose help names it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default in (None, False, 0, argparse.SUPPRESS)
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def pid(text: str) -> int:
@@ -40,3 +90,105 @@ def seconds(text: str) -> float:
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
     return value
+
+
+def add_control_dir(parser: argparse.ArgumentParser) -> None:
+    """``--control-dir`` or ``--proc-root``: where the shims' sockets are."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--control-dir",
+        type=Path,
+        help=f"the shims' control directory "
+        f"(default ${CONTROL_DIR_ENV}, else {DEFAULT_CONTROL_DIR})",
+    )
+    where.add_argument(
+        "--proc-root",
+        type=Path,
+        help="reach each process's control directory through PROC_ROOT/<observed pid>/root",
+    )
+
+
+def add_processes(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    """``--pid P`` and ``--process OBSERVED NS`` (frontends/targets.py reads them);
+    ``processes_required``: whether none named is a usage error."""
+    named = "(repeatable)" if required else "(repeatable; default: see the description)"
+    parser.add_argument(
+        "--pid",
+        action="append",
+        type=pid,
+        metavar="PID",
+        help=f"a participant whose pid is the same here and in its pid namespace {named}",
+    )
+    parser.add_argument(
+        "--process",
+        nargs=2,
+        action="append",
+        type=pid,
+        metavar=("OBSERVED_PID", "NAMESPACE_PID"),
+        help=f"a participant: its pid as seen here and inside its pid namespace {named}",
+    )
+    parser.set_defaults(processes_required=required)
+
+
+def add_endpoints(
+    parser: argparse.ArgumentParser, *, required: bool = True, driver: bool = True
+) -> None:
+    add_control_dir(parser)
+    add_processes(parser, required=required)
+    if driver:
+        add_driver(parser)
+
+
+def add_driver(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--driver",
+        choices=("auto", "sim", "system"),
+        default="auto",
+        help="the CUDA driver of the native checkpoint calls: auto, the one the processes' "
+        "shims report (else the system's); sim, the simulated one; system, the "
+        "libcuda.so.1 the loader finds",
+    )
+
+
+def logging_options() -> Parser:
+    """A parent parser: ``-v``/``-q`` and ``--log-file`` (frontends/logs.py)."""
+    common = Parser(add_help=False)
+    group = common.add_argument_group("messages")
+    loud = group.add_mutually_exclusive_group()  # argparse lists these under options
+    loud.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="also show the library's log (-vv: debug, the state machines' too)",
+    )
+    loud.add_argument("-q", "--quiet", action="store_true", help="only errors")
+    group.add_argument(
+        "--log-file", type=Path, metavar="FILE", help="append the full log (debug) to FILE"
+    )
+    return common
+
+
+PHASE_TIMEOUT_ENV: Final = "SNAPSHOT_PHASE_TIMEOUT_S"
+
+
+def add_phase_timeout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--phase-timeout",
+        type=seconds,
+        metavar="SECONDS",
+        help=f"per-phase timeout (default ${PHASE_TIMEOUT_ENV}, else {DEFAULT_PHASE_TIMEOUT_S:g})",
+    )
+
+
+def phase_timeout(given: float | None, environ: Mapping[str, str] | None = None) -> float:
+    """``--phase-timeout``'s value, else ``$SNAPSHOT_PHASE_TIMEOUT_S``, else the default."""
+    if given is not None:
+        return given
+    value = (os.environ if environ is None else environ).get(PHASE_TIMEOUT_ENV, "")
+    if not value:
+        return DEFAULT_PHASE_TIMEOUT_S
+    try:
+        return seconds(value)
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(f"cuinterpose: error: ${PHASE_TIMEOUT_ENV}: {exc}") from None

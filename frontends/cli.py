@@ -29,18 +29,39 @@ import shlex
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn, TextIO
 
 import attrs
 
-from . import artifacts, logs, targets
-from .arguments import Parser, UsageError, pid, seconds
-from .engine import agent, discovery, runner
+from . import artifacts, drivers, logs, targets
+from .arguments import (
+    CHANGING_EXITS,
+    CONTROL_DIR_ENV,
+    DEFAULT_CONTROL_DIR,
+    EXIT_FAILED,
+    EXIT_NEEDS_RECOVER,
+    EXIT_OK,
+    EXIT_ROLLED_BACK,
+    EXIT_TABLE,
+    EXIT_USAGE,
+    READING_EXITS,
+    Formatter,
+    Parser,
+    UsageError,
+    add_driver,
+    add_endpoints,
+    add_phase_timeout,
+    logging_options,
+    phase_timeout,
+    seconds,
+)
+from .engine import agent, runner
 from .engine.client import Endpoint, endpoint_for
-from .engine.errors import CoordinatorError
+from .engine.errors import CoordinatorError, Refused
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
+from .engine.manifest import resume_hint
 from .engine.native import (
     CudaBackend,
     NativeBackend,
@@ -58,56 +79,12 @@ from .engine.progress import (
 )
 from .engine.quiesce import until_quiet
 from .engine.recovery import native_blockers, native_check_refusal, recover
+from .engine.released import Released, released_by_suspend, size
 from .engine.replay import replay
 from .engine.topology import describe_record
 from .engine.trace import TraceError, TraceWriter, read_trace
 
-CONTROL_DIR_ENV: Final = "SNAPSHOT_CONTROL_DIR"
-DEFAULT_CONTROL_DIR: Final = Path("/snapshot-control")
-PHASE_TIMEOUT_ENV: Final = "SNAPSHOT_PHASE_TIMEOUT_S"
 PROG: Final = "cuinterpose"
-
-EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1  # refused, or failed before anything changed
-EXIT_USAGE: Final = 2
-EXIT_ROLLED_BACK: Final = 3
-EXIT_NEEDS_RECOVER: Final = 4
-# One table for every verb (specs/recovery.md, "Exit status").
-EXIT_TABLE: Final = """exit status (every verb):
-  0  done
-  1  refused, or failed and undone: the group is as it was (a suspend whose
-     capture or native steps failed: running as before)
-  2  usage error
-  3  failed after changing the group, and rolled back: it runs (prepare,
-     restore, recover: as before the run; resume: with the bytes it had at
-     suspend, no longer checkpointed)
-  4  failed, and the group is not back: stderr prints the command to run
-     (`cuinterpose recover ...`)
-"""
-
-
-# The verbs that change a group answer with the one table.
-CHANGING_EXITS: Final = EXIT_TABLE
-READING_EXITS: Final = """exit status:
-  0  done
-  1  failed (stderr says why)
-  2  usage error"""
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """The epilogs keep their lines; an option's default is shown where it says
-    something (not for flags, counts, or options whose help names it)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        if (
-            "default" in text
-            or default in (None, False, 0, argparse.SUPPRESS)
-            or not action.option_strings
-        ):
-            return text
-        return f"{text} (default: %(default)s)"
 
 
 def _version() -> str:
@@ -117,70 +94,13 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _add_endpoints(
-    parser: argparse.ArgumentParser, *, required: bool = True, driver: bool = True
-) -> None:
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument(
-        "--control-dir",
-        type=Path,
-        help=f"the shims' control directory "
-        f"(default ${CONTROL_DIR_ENV}, else {DEFAULT_CONTROL_DIR})",
-    )
-    where.add_argument(
-        "--proc-root",
-        type=Path,
-        help="reach each process's control directory through PROC_ROOT/<observed pid>/root",
-    )
-    named = "(repeatable)" if required else "(repeatable; default: see the description)"
-    parser.add_argument(
-        "--pid",
-        action="append",
-        type=pid,
-        metavar="PID",
-        help=f"a participant whose pid is the same here and in its pid namespace {named}",
-    )
-    parser.add_argument(
-        "--process",
-        nargs=2,
-        action="append",
-        type=pid,
-        metavar=("OBSERVED_PID", "NAMESPACE_PID"),
-        help=f"a participant: its pid as seen here and inside its pid namespace {named}",
-    )
-    parser.set_defaults(processes_required=required)
-    if driver:
-        _add_driver(parser)
-
-
-def _add_driver(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--driver",
-        choices=("auto", "sim", "system"),
-        default="auto",
-        help="the CUDA driver of the native checkpoint calls: auto, the one the processes' "
-        "shims report (else the system's); sim, the simulated one; system, the "
-        "libcuda.so.1 the loader finds",
-    )
-
-
-def _add_phase_timeout(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--phase-timeout",
-        type=seconds,
-        metavar="SECONDS",
-        help=f"per-phase timeout (default ${PHASE_TIMEOUT_ENV}, else "
-        f"{runner.DEFAULT_PHASE_TIMEOUT_S:g})",
-    )
-
-
 def _add_machine_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     parser.add_argument(
         "--checkpoint-dir", type=Path, required=True, help="where the state file is kept"
     )
-    _add_endpoints(parser, required=required)
+    add_endpoints(parser, required=required)
     parser.add_argument("--progress", choices=("human", "json", "none"), default="human")
-    _add_phase_timeout(parser)
+    add_phase_timeout(parser)
     parser.add_argument("--trace", type=Path, metavar="FILE", help="record the run as JSON lines")
     parser.add_argument(
         "--no-rollback",
@@ -196,35 +116,17 @@ def _add_agent_options(parser: argparse.ArgumentParser, *, required: bool = True
         required=True,
         help="where the manifest and the state file are kept",
     )
-    _add_endpoints(parser, required=required)
+    add_endpoints(parser, required=required)
     parser.add_argument(
         "--progress",
         choices=("auto", "human", "json", "none"),
         default="auto",
         help="auto: human on a terminal, JSON lines otherwise",
     )
-    _add_phase_timeout(parser)
+    add_phase_timeout(parser)
     parser.add_argument(
         "--per-participant", action="store_true", help="add per-participant copy tables"
     )
-
-
-def _logging_options() -> Parser:
-    common = Parser(add_help=False)
-    group = common.add_argument_group("messages")
-    loud = group.add_mutually_exclusive_group()  # argparse lists these under options
-    loud.add_argument(
-        "-v",
-        "--verbose",
-        action="count",
-        default=0,
-        help="also show the library's log (-vv: debug, the state machines' too)",
-    )
-    loud.add_argument("-q", "--quiet", action="store_true", help="only errors")
-    group.add_argument(
-        "--log-file", type=Path, metavar="FILE", help="append the full log (debug) to FILE"
-    )
-    return common
 
 
 # (name, one line, examples, exit status) of every verb, in --help's order.
@@ -304,7 +206,7 @@ _VERBS: Final = {
     "criu": (
         "the round trip through CRIU: check, dump, restore, action-script",
         "cuinterpose criu check",
-        "exit status: the CRIU verb's own (cuinterpose criu VERB --help says)",
+        EXIT_TABLE + "(cuinterpose criu VERB --help: each verb's example and options)",
     ),
     "demo": (
         "run the end-to-end demo",
@@ -318,14 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog=PROG,
         description="Checkpoint/restore of CUDA processes sharing memory",
-        formatter_class=_Formatter,
+        formatter_class=Formatter,
         epilog="A first session: cuinterpose check; cuinterpose launch -- COMMAND; "
         "cuinterpose status; cuinterpose suspend --checkpoint-dir DIR --pid PID; "
         'cuinterpose resume --checkpoint-dir DIR (README.md, "Using it").\n\n' + EXIT_TABLE,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    common = _logging_options()
+    common = logging_options()
 
     def sub(name: str) -> argparse.ArgumentParser:
         text, example, exits = _VERBS[name]
@@ -334,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=text,
             description=text,
             epilog=f"example:\n  {example}\n\n{exits}",
-            formatter_class=_Formatter,
+            formatter_class=Formatter,
             parents=[common],
         )
 
@@ -354,11 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_agent_options(sub("resume"), required=False)
     status_cmd = sub("status")
-    _add_endpoints(status_cmd, required=False)
+    add_endpoints(status_cmd, required=False)
     status_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
     check = sub("check")
     check.add_argument("--control-dir", type=Path, help=f"default ${CONTROL_DIR_ENV}")
-    _add_driver(check)
+    add_driver(check)
     check.add_argument("--json", action="store_true", help="print JSON instead of lines")
     launch = sub("launch")
     launch.add_argument("--driver", choices=("sim", "system"), default="sim")
@@ -389,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
             "natively RUNNING (for those who know it is)",
         )
     inspect = sub("inspect")
-    _add_endpoints(inspect, driver=False)
+    add_endpoints(inspect, driver=False)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
     diagram = sub("diagram")
     diagram.add_argument("--machine", choices=sorted(MACHINES), required=True)
@@ -410,18 +312,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _env_control_dir() -> Path:
     value = os.environ.get(CONTROL_DIR_ENV, "")
     return Path(value) if value else DEFAULT_CONTROL_DIR
-
-
-def _phase_timeout(given: float | None) -> float:
-    if given is not None:
-        return given
-    value = os.environ.get(PHASE_TIMEOUT_ENV, "")
-    if not value:
-        return runner.DEFAULT_PHASE_TIMEOUT_S
-    try:
-        return seconds(value)
-    except argparse.ArgumentTypeError as exc:
-        raise UsageError(f"{PROG}: error: ${PHASE_TIMEOUT_ENV}: {exc}") from None
 
 
 def _control_dir(args: argparse.Namespace) -> Path:
@@ -499,24 +389,54 @@ def _run_machine(
     """Run ``spec``'s machine, or ``recover`` (None), and say how it ended: with JSON
     progress, a last summary line with the outcome and the exit code, as suspend's."""
     code = _machine(spec, args, stdout, stderr)
+    said = _machine_summary(spec, args) if code == EXIT_OK else {}
     if args.progress == "json":
         args.mode = "json"
-        _finish(args.command, args, stdout, stderr, code, _OUTCOMES[code], ())
-    elif code == EXIT_OK and spec is CAPTURE and args.progress == "human":
+        refused = isinstance(getattr(args, "failure", None), Refused)
+        said.pop("lines", None)
+        _finish(args.command, args, stdout, stderr, code,
+                "refused" if refused else _OUTCOMES[code], (), extra=said)  # fmt: skip
+    elif said and args.progress == "human":
         with contextlib.suppress(OSError):
-            stdout.write(
-                f"next: the native lock and checkpoint of every process, later their native "
-                f"restore and unlock, then: {PROG} restore --checkpoint-dir "
-                f"{shlex.quote(str(args.checkpoint_dir))}\n"
-            )
+            for line in said["lines"]:
+                stdout.write(line + "\n")
+            stdout.flush()
     return code
+
+
+def _machine_summary(spec: MachineSpec | None, args: argparse.Namespace) -> dict[str, Any]:
+    """What a prepare or restore did and what comes next, as suspend and resume say it:
+    the lines for a person, the figures for the JSON summary (recover says its own)."""
+    result = getattr(args, "result", None)
+    if spec is None or not isinstance(result, runner.CaptureResult | runner.RestoreResult):
+        return {}
+    moved = sum(p.transfer.allocation_bytes for p in result.phases if p.transfer is not None)
+    n = len(args.group)
+    who = f"{n} process{'es' if n != 1 else ''}"
+    out: dict[str, Any] = {"seconds": result.elapsed_s, "bytes_staged": moved, "processes": n}
+    if isinstance(result, runner.CaptureResult):
+        restore = shlex.join([PROG, "restore", "--checkpoint-dir", str(args.checkpoint_dir)])
+        out["next"] = restore
+        out["lines"] = [
+            f"captured {who} in {result.elapsed_s:.3f} s: {size(moved)} staged by the shims "
+            f"into their processes' host memory and released from the GPU; the state file is "
+            f"{result.state_path}",
+            "next: the native lock and checkpoint of every process, later their native "
+            f"restore and unlock, then: {restore}",
+        ]
+    else:
+        out["lines"] = [
+            f"restored {who} in {result.elapsed_s:.3f} s, {size(moved)} loaded back by the "
+            "shims: every process runs, its sharing as before",
+        ]
+    return out
 
 
 def _machine(
     spec: MachineSpec | None, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
 ) -> int:
     endpoints = _endpoints(args)
-    timeout = _phase_timeout(args.phase_timeout)
+    timeout = phase_timeout(args.phase_timeout)
     if spec is not None:  # recover reports and leaves out the processes that are gone
         problems = targets.problems(args.group, _where(args), shim=True)
         if problems:
@@ -562,6 +482,7 @@ def _machine(
                 result = until_quiet(attempt, options)
             else:
                 result = runner.run_machine(spec, endpoints, checkpoint_dir, options)
+            args.result = result
         for warning in getattr(result, "warnings", ()):
             stderr.write(f"{PROG}: note: {warning}\n")
     except CoordinatorError as error:
@@ -583,7 +504,7 @@ def _native_check(
     if spec is CAPTURE:
         hint = (
             "a process is natively locked or checkpointed; bring it back first "
-            f"(`{PROG} resume --checkpoint-dir DIR`, or the native restore and unlock), "
+            f"({resume_hint(args.checkpoint_dir)}, or the native restore and unlock), "
             "then prepare"
         )
     else:
@@ -608,7 +529,7 @@ def _recover_native_check(
 ) -> int | None:
     """recover refuses a process natively LOCKED or CHECKPOINTED, and fails closed."""
     try:
-        blockers = native_blockers(_native(args), endpoints)
+        blockers = native_blockers(_native(args), endpoints, args.checkpoint_dir)
     except NativeUnavailableError as exc:
         if not args.skip_native_check:
             return _fail(native_check_refusal("recover", exc), stderr)
@@ -626,20 +547,8 @@ def _native_backend() -> NativeBackend | None:
 
 
 def _driver_library(args: argparse.Namespace) -> str | None:
-    """The libcuda.so.1 the native calls load: --driver's, else the one the shims
-    report (none reporting: the loader's own search)."""
-    choice = getattr(args, "driver", "auto")
-    if choice == "sim":
-        try:
-            return str(artifacts.sim_library_dir() / "libcuda.so.1")
-        except artifacts.ArtifactMissingError as exc:
-            raise NativeUnavailableError(str(exc)) from exc
-    if choice == "system":
-        return None
-    try:
-        return discovery.shim_drivers(_endpoints(args)).one()
-    except discovery.DriverMismatch as exc:
-        raise NativeUnavailableError(f"{exc}; run one command per driver") from exc
+    """The libcuda.so.1 the native calls load (frontends/drivers.py)."""
+    return drivers.library(getattr(args, "driver", "auto"), lambda: _endpoints(args))
 
 
 def _native(args: argparse.Namespace) -> NativeBackend:
@@ -686,7 +595,7 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
         on_event = _json_events(stdout)
     where_now = _Whereabouts(on_event)
     stop = threading.Event()
-    options = runner.Options(phase_timeout=_phase_timeout(args.phase_timeout), stop=stop)
+    options = runner.Options(phase_timeout=phase_timeout(args.phase_timeout), stop=stop)
     try:
         native = _native(args)
         with _stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)), live:
@@ -730,7 +639,8 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
         # A suspend whose capture was rolled back: the group runs as it was (exit 1).
         if command == "suspend" and code == EXIT_ROLLED_BACK:
             code = EXIT_FAILED
-        return _finish(command, args, stdout, stderr, code, _OUTCOMES[code], ())
+        outcome = "refused" if isinstance(error, Refused) else _OUTCOMES[code]
+        return _finish(command, args, stdout, stderr, code, outcome, ())
     except NativeUnavailableError as exc:
         return _finish(command, args, stdout, stderr, EXIT_FAILED, "refused",
                        _no_driver(command, exc))  # fmt: skip
@@ -763,6 +673,7 @@ def _finish(
     outcome: str,
     lines: Sequence[str],
     summary: _Summary | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> int:
     """Say how the command ended once: the lines on stderr, and in JSON mode one
     summary line with the outcome and the exit code."""
@@ -771,9 +682,17 @@ def _finish(
     if getattr(args, "mode", None) == "json":
         document: dict[str, Any] = {"event": "summary", "command": command}
         document.update(summary.to_json() if summary is not None else {})
+        document.update(extra or {})
         document.update(outcome=outcome, exit_code=code)
+        failure: CoordinatorError | None = getattr(args, "failure", None)
         if lines:
             document["reason"] = list(lines)
+        elif failure is not None:
+            document["reason"] = list(failure.lines())
+        if failure is not None and failure.guard:
+            document["check"] = failure.guard
+            rules = sorted({p.rule for p in failure.problems if p.rule})
+            document.update({"rules": rules} if rules else {})
         with contextlib.suppress(OSError):
             stdout.write(json.dumps(document, allow_nan=False) + "\n")
             stdout.flush()
@@ -793,6 +712,7 @@ class _Summary:
     next_command: str
     checkpoint_dir: Path
     staging: dict[str, Any] | None = None  # the shims' staging figures (engine/agent.py)
+    released: Released | None = None  # suspend: the GPU memory it released
 
     @classmethod
     def of(
@@ -808,6 +728,11 @@ class _Summary:
         if command == "resume":  # a new suspend names the processes, here the manifest's
             for o, n in args.group:
                 words += ["--pid", str(o)] if o == n else ["--process", str(o), str(n)]
+        freed = None
+        if isinstance(done, agent.SuspendResult):
+            freed = released_by_suspend(
+                args.checkpoint_dir, done.staging, len(args.group), prepared=done.manifest.prepared
+            )
         return cls(
             command,
             "suspended" if command == "suspend" else "resumed",
@@ -818,33 +743,38 @@ class _Summary:
             shlex.join(words),
             args.checkpoint_dir,
             done.staging.to_json() if done.staging is not None else None,
+            freed,
         )
 
     def lines(self) -> list[str]:
         who = f"{self.processes} process{'es' if self.processes != 1 else ''}"
         if self.command == "suspend":
-            shared = (
-                f", {_size(self.bytes_staged)} of it shared memory staged by the shims"
+            staged = (
+                f"{size(self.bytes_staged)} staged by the shims, the rest kept by the native "
+                "checkpoint"
                 if self.bytes_staged
-                else ""
+                else "kept by the native checkpoint"
             )
+            lines = [f"suspended {who} in {self.seconds:.3f} s"]
+            if self.released is not None:
+                lines.append(self.released.human())
             return [
-                f"suspended {who} in {self.seconds:.3f} s",
-                f"where the bytes are: each process's GPU memory is in its own host memory "
-                f"(the native checkpoint){shared}; {self.checkpoint_dir} holds only the "
-                "manifest and the state file",
-                "every process is CHECKPOINTED: its GPU memory is free until the resume",
+                *lines,
+                f"where the bytes are: in the host memory of each process ({staged}); they "
+                f"end with the process unless it is dumped (`{PROG} criu dump`); "
+                f"{self.checkpoint_dir} holds only the manifest and the state file",
+                "every process is CHECKPOINTED until the resume",
                 f"next: {self.next_command}",
             ]
-        shared = f", {_size(self.bytes_staged)} of shared memory loaded back" if (
+        loaded = f", {size(self.bytes_staged)} loaded back by the shims" if (
             self.bytes_staged) else ""  # fmt: skip
         return [
-            f"resumed {who} in {self.seconds:.3f} s{shared}: every process is RUNNING, "
+            f"resumed {who} in {self.seconds:.3f} s{loaded}: every process is RUNNING, "
             "its sharing as before",
         ]
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "seconds": self.seconds,
             "bytes_staged": self.bytes_staged,
             "processes": self.processes,
@@ -852,13 +782,10 @@ class _Summary:
             "next": self.next_command,
             **({"staging": self.staging} if self.staging is not None else {}),
         }
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
+        if self.released is not None:
+            out["gpu_memory_released"] = self.released.to_json()
+            out["bytes_in"] = "host memory of each process"
+        return out
 
 
 class _Whereabouts:
@@ -890,8 +817,8 @@ class _Whereabouts:
         at = self.step or "the first step"
         if self.copy is not None:
             at = (
-                f"{self.copy.phase} (in flight: {self.copy.bytes_done / (1 << 30):.1f}/"
-                f"{self.copy.bytes_total / (1 << 30):.1f} GiB copied)"
+                f"{self.copy.phase} (in flight: {size(self.copy.bytes_done)} of "
+                f"{size(self.copy.bytes_total)} copied)"
             )
         elif self.phase:
             at = f"{self.phase} of the {self.step}" if self.step else self.phase
@@ -999,7 +926,10 @@ def _recover_command(args: argparse.Namespace) -> str:
 
 
 def _failure(error: CoordinatorError, args: argparse.Namespace, stderr: TextIO) -> int:
+    args.failure = error  # for the JSON summary's reason (_finish)
     lines = list(error.lines())
+    if getattr(args, "verbose", 0):
+        lines += [f"detail: {line}" for line in error.details()]
     if not error.destroyed:
         _fail(lines, stderr)
         return EXIT_FAILED
@@ -1025,7 +955,7 @@ def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 
     endpoints = _endpoints(args)
     try:
-        bound, topology = runner.inspect(endpoints, timeout=_phase_timeout(None))
+        bound, topology = runner.inspect(endpoints, timeout=phase_timeout(None))
     except CoordinatorError as error:
         return _fail(error.lines(), stderr)
     records = topology.records_by_participant()
@@ -1187,7 +1117,7 @@ def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) 
         return _launch(args, err)
     if command == "demo":
         return _demo(args, err)
-    if command == "criu":  # its own parser: frontends/criu_action.py
+    if command == "criu":  # its verbs' parser: frontends/criu_action.py
         module = _delegate("criu_action", err)
         if module is None:
             return EXIT_FAILED

@@ -10,11 +10,14 @@
   suspends, ``pre-restore`` frees the socket paths, ``post-resume`` resumes the
   processes under ``$CRTOOLS_INIT_PID``; every other action does nothing.
 
-Exit status as the other verbs (frontends/cli.py): 0 done; 1 refused, or failed
-with the group as it was; 2 usage; 4 failed and the group does not run (its state
-is on stderr). CRIU ignores a failed ``post-resume``: after ``criu restore
---action-script``, check the manifest's ``resumed_at`` or ``cuinterpose status``.
-Events are JSON lines on stdout (``--progress none``: none), then a summary line.
+The same command line as the other verbs (frontends/arguments.py): ``--pid P`` or
+``--process OBSERVED NS``, ``--driver auto|sim|system`` (auto: the driver the shims
+report; for a restore, asked once CRIU recreated them), ``-v``/``-q``/``--log-file``,
+and the one exit-status table (``EXIT_TABLE``). CRIU ignores a failed
+``post-resume``: after ``criu restore --action-script``, check the manifest's
+``resumed_at`` or ``cuinterpose status``. Output: lines for a person on a terminal,
+JSON lines otherwise (``--progress``, ``--json``), whose last is a summary with the
+outcome and the exit code.
 """
 
 from __future__ import annotations
@@ -25,57 +28,128 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from .arguments import Parser, UsageError, pid, seconds
+from . import drivers, logs, targets
+from .arguments import (
+    CONTROL_DIR_ENV,
+    DEFAULT_CONTROL_DIR,
+    EXIT_FAILED,
+    EXIT_NEEDS_RECOVER,
+    EXIT_OK,
+    EXIT_ROLLED_BACK,
+    EXIT_TABLE,
+    EXIT_USAGE,
+    Formatter,
+    Parser,
+    UsageError,
+    add_control_dir,
+    add_driver,
+    add_phase_timeout,
+    add_processes,
+    logging_options,
+    phase_timeout,
+    pid,
+    seconds,
+)
 from .engine import agent, criu
 from .engine.errors import CoordinatorError
-from .engine.native import CudaBackend, NativeBackend, NativeUnavailableError
-from .engine.options import DEFAULT_PHASE_TIMEOUT_S, Options
+from .engine.native import NativeBackend, NativeUnavailableError
+from .engine.options import Options
+from .engine.released import size
 
 PROG: Final = "cuinterpose criu"
-CONTROL_DIR_ENV: Final = "SNAPSHOT_CONTROL_DIR"
-DEFAULT_CONTROL_DIR: Final = Path("/snapshot-control")
 ACTION_ENV: Final = "CRTOOLS_SCRIPT_ACTION"
 ROOT_PID_ENV: Final = "CRTOOLS_INIT_PID"
-EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1
-EXIT_USAGE: Final = 2
-EXIT_NEEDS_RECOVER: Final = 4
 # Baked into an action script when set: CRIU runs it with CRIU's environment.
 ALWAYS_KEPT: Final = ("PYTHONPATH", CONTROL_DIR_ENV)
+__all__ = [
+    "ACTION_ENV",
+    "ALWAYS_KEPT",
+    "EXIT_FAILED",
+    "EXIT_NEEDS_RECOVER",
+    "EXIT_OK",
+    "EXIT_ROLLED_BACK",
+    "EXIT_USAGE",
+    "ROOT_PID_ENV",
+    "build_parser",
+    "main",
+    "write_action_script",
+]
+
+_OUTCOMES: Final = {
+    EXIT_OK: "done",
+    EXIT_FAILED: "refused or failed: the group runs as before",
+    EXIT_ROLLED_BACK: "failed and rolled back: the group runs",
+    EXIT_NEEDS_RECOVER: "failed: the group does not run as before",
+}
+_CHECK_EXITS: Final = (
+    "exit status:\n  0  CRIU is usable\n  1  it is not (stderr says why)\n  2  usage error"
+)
+# (one line, example, exit status) of every verb.
+_VERBS: Final = {
+    "check": ("which CRIU, and does `criu check` pass", "cuinterpose criu check", _CHECK_EXITS),
+    "dump": (
+        "suspend the group, then criu dump its process tree (a failed dump resumes it)",
+        "cuinterpose criu dump --checkpoint-dir /var/ckpt/job --images-dir /var/img/job "
+        "--tree 4242 --pid 4242 --pid 4243",
+        EXIT_TABLE,
+    ),
+    "restore": (
+        "criu restore the tree, then resume the processes it recreated (from the manifest)",
+        "cuinterpose criu restore --checkpoint-dir /var/ckpt/job --images-dir /var/img/job",
+        EXIT_TABLE,
+    ),
+    "action-script": (
+        "write an executable for criu dump/restore --action-script",
+        "cuinterpose criu action-script --out /var/ckpt/action --checkpoint-dir /var/ckpt/job "
+        "--pid 4242\n  criu dump -t 4242 -D /var/img/job --action-script /var/ckpt/action",
+        EXIT_TABLE,
+    ),
+    "action": (
+        "what the action script runs, per $CRTOOLS_SCRIPT_ACTION (pre-dump, pre-restore, "
+        "post-resume)",
+        "CRTOOLS_SCRIPT_ACTION=pre-dump cuinterpose criu action --checkpoint-dir DIR --pid 4242",
+        EXIT_TABLE,
+    ),
+}
+
+
+# ----------------------------------------------------------------------------- parser
+def _criu_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--criu", help=f"the criu binary (default ${criu.CRIU_ENV}, else PATH)")
+
+
+def _output_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "human", "json", "none"),
+        default="auto",
+        help="auto: human on a terminal, JSON lines otherwise",
+    )
+    parser.add_argument("--json", action="store_true", help="the same as --progress json")
 
 
 def _group_options(
     parser: argparse.ArgumentParser, *, processes: bool, restores: bool = True
 ) -> None:
-    parser.add_argument("--checkpoint-dir", type=Path, required=True)
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument(
-        "--control-dir",
+    parser.add_argument(
+        "--checkpoint-dir",
         type=Path,
-        help=f"the shims' control directory (default ${CONTROL_DIR_ENV}, "
-        f"else {DEFAULT_CONTROL_DIR})",
+        required=True,
+        help="where the manifest and the state file are kept",
     )
-    where.add_argument(
-        "--proc-root", type=Path, help="reach each control directory through PROC_ROOT/<pid>/root"
-    )
+    add_control_dir(parser)
     if processes:
-        parser.add_argument(
-            "--process",
-            nargs=2,
-            action="append",
-            required=True,
-            type=pid,
-            metavar=("OBSERVED_PID", "NAMESPACE_PID"),
-        )
+        add_processes(parser)
         parser.add_argument(
             "--not-requested",
             action="store_true",
             help="the group did not opt in: native checkpoint only",
         )
+    add_driver(parser)
     if restores:
         parser.add_argument(
             "--before-restore-dir",
@@ -84,30 +158,54 @@ def _group_options(
             help="the control directory as seen here before the processes exist "
             "(default: the control directory, unless --proc-root)",
         )
-    parser.add_argument("--phase-timeout", type=seconds, default=DEFAULT_PHASE_TIMEOUT_S)
-    parser.add_argument("--progress", choices=("json", "none"), default="json")
+    add_phase_timeout(parser)
+    _output_options(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog=PROG, description="The round trip through CRIU (specs/criu.md)")
+    parser = Parser(
+        prog=PROG,
+        description="The round trip through CRIU (specs/criu.md)",
+        formatter_class=Formatter,
+        epilog=EXIT_TABLE,
+    )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
-    check = verbs.add_parser("check", help="which CRIU, and does `criu check` pass")
-    for sub in (check,):
-        sub.add_argument("--criu", help=f"the criu binary (default ${criu.CRIU_ENV}, else PATH)")
-    dump = verbs.add_parser("dump", help="suspend, then criu dump")
+    common = logging_options()
+
+    def sub(name: str) -> argparse.ArgumentParser:
+        text, example, exits = _VERBS[name]
+        return verbs.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=f"example:\n  {example}\n\n{exits}",
+            formatter_class=Formatter,
+            parents=[common],
+        )
+
+    check = sub("check")
+    _criu_option(check)
+    check.add_argument("--json", action="store_true", help="print JSON instead of a line")
+    dump = sub("dump")
     _group_options(dump, processes=True, restores=False)
-    dump.add_argument("--images-dir", type=Path, required=True)
+    dump.add_argument("--images-dir", type=Path, required=True, help="where CRIU's images go")
     dump.add_argument("--tree", type=pid, required=True, help="the root of the tree to dump")
-    dump.add_argument("--lock-timeout", type=seconds, default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000)
-    restore = verbs.add_parser("restore", help="criu restore, then resume")
+    dump.add_argument(
+        "--lock-timeout",
+        type=seconds,
+        metavar="SECONDS",
+        default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000,
+        help="how long each native lock may wait for the process's CUDA calls to drain",
+    )
+    restore = sub("restore")
     _group_options(restore, processes=False)
-    restore.add_argument("--images-dir", type=Path, required=True)
-    for sub in (dump, restore):
-        sub.add_argument("--criu", help=f"the criu binary (default ${criu.CRIU_ENV}, else PATH)")
-        sub.add_argument("criu_args", nargs=argparse.REMAINDER, metavar="-- CRIU_ARGS...")
-    script = verbs.add_parser("action-script", help="write an action script for criu")
+    restore.add_argument("--images-dir", type=Path, required=True, help="CRIU's images")
+    for verb in (dump, restore):
+        _criu_option(verb)
+        verb.add_argument("criu_args", nargs=argparse.REMAINDER, metavar="-- CRIU_ARGS...")
+    script = sub("action-script")
     _group_options(script, processes=True)
-    script.add_argument("--out", type=Path, required=True)
+    script.add_argument("--out", type=Path, required=True, help="the script to write")
     script.add_argument(
         "--keep-env",
         action="append",
@@ -115,17 +213,32 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="bake this variable's value into the script (repeatable)",
     )
-    action = verbs.add_parser("action", help="run by the action script, per $CRTOOLS_SCRIPT_ACTION")
-    _group_options(action, processes=True)
+    _group_options(sub("action"), processes=True)
     return parser
 
 
 # ----------------------------------------------------------------------------- helpers
+def _native_backend() -> NativeBackend | None:
+    """The tests' hook for a backend of their own; None: the driver ``--driver`` names."""
+    return None
+
+
 def _where(args: argparse.Namespace, environ: Mapping[str, str]) -> agent.Where:
     control = args.control_dir
     if control is None:
         control = Path(environ.get(CONTROL_DIR_ENV) or DEFAULT_CONTROL_DIR)
     return agent.Where(control, args.proc_root)
+
+
+def _native(
+    args: argparse.Namespace, where: agent.Where, processes: Callable[[], Sequence[agent.Process]]
+) -> NativeBackend:
+    """The native calls on the driver ``--driver`` names; ``auto`` asks the shims of
+    ``processes`` at the first call (a restore's exist only once CRIU recreated them)."""
+    injected = _native_backend()
+    if injected is not None:
+        return injected
+    return drivers.LateBackend(args.driver, lambda: [where.endpoint(p) for p in processes()])
 
 
 def _before_dir(args: argparse.Namespace, where: agent.Where) -> Path | None:
@@ -135,52 +248,88 @@ def _before_dir(args: argparse.Namespace, where: agent.Where) -> Path | None:
 
 
 def _processes(args: argparse.Namespace) -> list[agent.Process]:
-    group = [agent.Process(o, n) for o, n in args.process]
-    for p in group:
-        if group.count(p) > 1:
-            raise UsageError(
-                f"{PROG}: error: --process {p.observed_pid} {p.namespace_pid} is given twice"
-            )
-    return group
+    try:
+        pairs = targets.named(args.pid, args.process)
+    except targets.TargetError as error:
+        raise UsageError("\n".join(f"{PROG}: error: {line}" for line in error.lines)) from None
+    if not pairs:
+        raise UsageError(
+            f"{PROG}: error: no process named: give --pid PID (or --process OBSERVED_PID "
+            "NAMESPACE_PID)"
+        )
+    return [agent.Process(o, n) for o, n in pairs]
 
 
 def _criu_args(given: Sequence[str]) -> list[str]:
     return list(given[1:] if given[:1] == ["--"] else given)
 
 
-def _events(mode: str, stream: TextIO) -> agent.AgentCallback | None:
-    if mode == "none":
-        return None
-
-    def emit(event: agent.AgentEvent) -> None:
-        with contextlib.suppress(OSError):  # a closed stdout must not stop a checkpoint
-            stream.write(json.dumps(event.to_json(), allow_nan=False) + "\n")
-            stream.flush()
-
-    return emit
+def _mode(args: argparse.Namespace, stream: TextIO) -> str:
+    if args.json:
+        return "json"
+    if args.progress == "auto":
+        return "human" if stream.isatty() else "json"
+    return str(args.progress)
 
 
-def _summary(stream: TextIO, verb: str, timings: Sequence[agent.Timing], **more: Any) -> None:
+@contextlib.contextmanager
+def _events(mode: str, stream: TextIO) -> Iterator[agent.AgentCallback | None]:
+    """The callback of the run's events: JSON lines, a person's view (rich), or none."""
+    if mode == "json":
+
+        def emit(event: agent.AgentEvent) -> None:
+            with contextlib.suppress(OSError):  # a closed stdout must not stop a checkpoint
+                stream.write(json.dumps(event.to_json(), allow_nan=False) + "\n")
+                stream.flush()
+
+        yield emit
+    elif mode == "human":
+        from . import render  # rich: only for a person's output
+
+        view = render.HumanView(stream)
+        with view.live():
+            yield view
+    else:
+        yield None
+
+
+def _say(stream: TextIO, lines: Sequence[str]) -> None:
     with contextlib.suppress(OSError):
-        line = {
-            "event": "summary",
-            "command": f"criu {verb}",
-            "timings": [t.to_json() for t in timings],
-            **more,
-        }
-        stream.write(json.dumps(line) + "\n")
+        for line in lines:
+            stream.write(line + "\n")
         stream.flush()
 
 
-def _fail(lines: Sequence[str], stderr: TextIO, status: int = EXIT_FAILED) -> int:
+def _finish(
+    args: argparse.Namespace,
+    stdout: TextIO,
+    stderr: TextIO,
+    code: int,
+    lines: Sequence[str] = (),
+    **summary: Any,
+) -> int:
+    """Say how the verb ended once: the lines on stderr, and with JSON output one summary
+    line with the outcome and the exit code."""
     for line in lines:
         stderr.write(f"{PROG}: {line}\n")
     stderr.flush()
-    return status
+    if getattr(args, "mode", None) == "json":
+        document: dict[str, Any] = {"event": "summary", "command": f"criu {args.verb}"}
+        document.update(summary)
+        document.update(outcome=summary.pop("outcome", _OUTCOMES[code]), exit_code=code)
+        document.pop("human", None)
+        if lines:
+            document["reason"] = list(lines)
+        with contextlib.suppress(OSError):
+            stdout.write(json.dumps(document, allow_nan=False) + "\n")
+            stdout.flush()
+    elif getattr(args, "mode", None) == "human" and summary.get("human"):
+        _say(stdout, summary["human"])
+    return code
 
 
-def native_backend() -> NativeBackend:
-    return CudaBackend()
+def _seconds(timings: Sequence[agent.Timing]) -> float:
+    return sum(t.seconds for t in timings)
 
 
 def write_action_script(
@@ -205,7 +354,7 @@ def write_action_script(
     return path
 
 
-def _script_argv(args: argparse.Namespace) -> list[str]:
+def _script_argv(args: argparse.Namespace, processes: Sequence[agent.Process]) -> list[str]:
     words = ["--checkpoint-dir", str(args.checkpoint_dir.resolve())]
     if args.control_dir is not None:
         words += ["--control-dir", str(args.control_dir)]
@@ -213,11 +362,16 @@ def _script_argv(args: argparse.Namespace) -> list[str]:
         words += ["--proc-root", str(args.proc_root)]
     if args.before_restore_dir is not None:
         words += ["--before-restore-dir", str(args.before_restore_dir)]
-    for observed, namespace in args.process:
-        words += ["--process", str(observed), str(namespace)]
+    for p in processes:
+        words += ["--process", str(p.observed_pid), str(p.namespace_pid)]
     if args.not_requested:
         words.append("--not-requested")
-    words += ["--phase-timeout", str(args.phase_timeout), "--progress", args.progress]
+    words += ["--driver", args.driver, "--progress", "json" if args.json else args.progress]
+    if args.phase_timeout is not None:
+        words += ["--phase-timeout", str(args.phase_timeout)]
+    words += ["-v"] * args.verbose + (["-q"] if args.quiet else [])
+    if args.log_file is not None:
+        words += ["--log-file", str(args.log_file.resolve())]
     return words
 
 
@@ -228,8 +382,16 @@ def _check(
     try:
         found = criu.usable_criu(args.criu, environ)
     except criu.CriuUnavailable as exc:
-        return _fail([str(exc)], stderr)
-    stdout.write(f"{found.describe()}: `criu check` passes\n")
+        if args.json:
+            stdout.write(json.dumps({"usable": False, "reason": str(exc)}) + "\n")
+        stderr.write(f"{PROG}: {exc}\n")
+        return EXIT_FAILED
+    if args.json:
+        version = ".".join(str(n) for n in found.version)
+        document = {"usable": True, "criu": str(found.path), "version": version}
+        stdout.write(json.dumps(document) + "\n")
+    else:
+        stdout.write(f"{found.describe()}: `criu check` passes\n")
     return EXIT_OK
 
 
@@ -238,23 +400,39 @@ def _dump(
 ) -> int:
     processes = _processes(args)
     binary = criu.usable_criu(args.criu, environ)
-    done = criu.dump(
-        processes,
-        args.checkpoint_dir,
-        args.images_dir,
-        tree=args.tree,
-        criu=binary,
-        where=_where(args, environ),
-        native=native_backend(),
-        requested=not args.not_requested,
-        options=Options(phase_timeout=args.phase_timeout),
-        lock_timeout_ms=int(args.lock_timeout * 1000),
-        criu_args=_criu_args(args.criu_args),
-        on_event=_events(args.progress, stdout),
-    )
-    if args.progress != "none":
-        _summary(stdout, "dump", done.timings, images=done.images.to_json())
-    return EXIT_OK
+    where = _where(args, environ)
+    with _events(args.mode, stdout) as on_event:
+        done = criu.dump(
+            processes,
+            args.checkpoint_dir,
+            args.images_dir,
+            tree=args.tree,
+            criu=binary,
+            where=where,
+            native=_native(args, where, lambda: processes),
+            requested=not args.not_requested,
+            options=Options(phase_timeout=phase_timeout(args.phase_timeout, environ)),
+            lock_timeout_ms=int(args.lock_timeout * 1000),
+            criu_args=_criu_args(args.criu_args),
+            on_event=on_event,
+        )
+    restore = shlex.join(
+        [
+            "cuinterpose", "criu", "restore", "--checkpoint-dir", str(args.checkpoint_dir),
+            "--images-dir", str(args.images_dir),
+        ]
+    )  # fmt: skip
+    who = f"{len(processes)} process{'es' if len(processes) != 1 else ''}"
+    human = [
+        f"dumped {who} (the tree of pid {args.tree}) in {_seconds(done.timings):.3f} s: "
+        f"{args.images_dir} holds {size(done.images.total)} of images "
+        f"({size(done.images.pages)} of memory pages, the GPU memory's among them), "
+        f"{args.checkpoint_dir} the manifest and the state file",
+        f"next: {restore}",
+    ]
+    return _finish(args, stdout, stderr, EXIT_OK, outcome="dumped",
+                   timings=[t.to_json() for t in done.timings],
+                   images=done.images.to_json(), next=restore, human=human)  # fmt: skip
 
 
 def _restore(
@@ -262,30 +440,43 @@ def _restore(
 ) -> int:
     binary = criu.usable_criu(args.criu, environ)
     where = _where(args, environ)
-    done = criu.restore(
-        args.checkpoint_dir,
-        args.images_dir,
-        criu=binary,
-        where=where,
-        native=native_backend(),
-        control_dir=_before_dir(args, where),
-        options=Options(phase_timeout=args.phase_timeout),
-        criu_args=_criu_args(args.criu_args),
-        on_event=_events(args.progress, stdout),
-    )
-    if args.progress != "none":
-        restored = [
-            {"observed_pid": p.observed_pid, "namespace_pid": p.namespace_pid}
-            for p in done.processes
-        ]
-        _summary(
-            stdout,
-            "restore",
-            done.timings,
-            images=done.images.to_json(),
-            processes=restored,
-            removed=[str(p) for p in done.removed],
+
+    def recorded() -> Sequence[agent.Process]:
+        return agent.read_manifest(args.checkpoint_dir).processes()
+
+    with _events(args.mode, stdout) as on_event:
+        done = criu.restore(
+            args.checkpoint_dir,
+            args.images_dir,
+            criu=binary,
+            where=where,
+            native=_native(args, where, recorded),
+            control_dir=_before_dir(args, where),
+            options=Options(phase_timeout=phase_timeout(args.phase_timeout, environ)),
+            criu_args=_criu_args(args.criu_args),
+            on_event=on_event,
         )
+    restored = [
+        {"observed_pid": p.observed_pid, "namespace_pid": p.namespace_pid} for p in done.processes
+    ]
+    pids = ", ".join(p.describe() for p in done.processes)
+    human = [
+        f"restored {len(done.processes)} process{'es' if len(done.processes) != 1 else ''} "
+        f"from {args.images_dir} in {_seconds(done.timings):.3f} s: every process is RUNNING, "
+        f"its GPU memory and sharing as before ({pids})",
+    ]
+    return _finish(args, stdout, stderr, EXIT_OK, outcome="restored",
+                   timings=[t.to_json() for t in done.timings], images=done.images.to_json(),
+                   processes=restored, removed=[str(p) for p in done.removed],
+                   human=human)  # fmt: skip
+
+
+def _action_script(
+    args: argparse.Namespace, environ: Mapping[str, str], stdout: TextIO, stderr: TextIO
+) -> int:
+    processes = _processes(args)
+    path = write_action_script(args.out, _script_argv(args, processes), environ, args.keep_env)
+    stdout.write(f"{path}\n")
     return EXIT_OK
 
 
@@ -294,38 +485,54 @@ def _action(
 ) -> int:
     step = environ.get(ACTION_ENV, "")
     where = _where(args, environ)
-    on_event = _events(args.progress, stdout)
-    options = Options(phase_timeout=args.phase_timeout)
+    options = Options(phase_timeout=phase_timeout(args.phase_timeout, environ))
+    processes = _processes(args)
     if step == "pre-dump":
-        agent.suspend(
-            _processes(args),
-            args.checkpoint_dir,
-            where=where,
-            native=native_backend(),
-            requested=not args.not_requested,
-            options=options,
-            on_event=on_event,
-        )
-    elif step == "pre-restore":
+        with _events(args.mode, stdout) as on_event:
+            agent.suspend(
+                processes,
+                args.checkpoint_dir,
+                where=where,
+                native=_native(args, where, lambda: processes),
+                requested=not args.not_requested,
+                options=options,
+                on_event=on_event,
+            )
+        return _finish(args, stdout, stderr, EXIT_OK, outcome="suspended", step=step)
+    if step == "pre-restore":
         done = criu.before_restore(args.checkpoint_dir, _before_dir(args, where))
         for path in done.removed:
             stderr.write(f"{PROG}: removed the stale socket {path}\n")
-    elif step == "post-resume":
+        return _finish(args, stdout, stderr, EXIT_OK, step=step,
+                       removed=[str(p) for p in done.removed])  # fmt: skip
+    if step == "post-resume":
         root = environ.get(ROOT_PID_ENV, "")
         if not root.isdigit():
-            return _fail([f"post-resume: ${ROOT_PID_ENV} is {root!r}, not a pid"], stderr)
+            return _finish(args, stdout, stderr, EXIT_FAILED,
+                           [f"post-resume: ${ROOT_PID_ENV} is {root!r}, not a pid"])  # fmt: skip
         manifest = agent.read_manifest(args.checkpoint_dir)
         located = criu.locate(manifest.processes(), int(root))
-        agent.resume(
-            args.checkpoint_dir,
-            where=where,
-            native=native_backend(),
-            processes=located,
-            restored=True,
-            options=options,
-            on_event=on_event,
-        )
-    return EXIT_OK
+        with _events(args.mode, stdout) as on_event:
+            agent.resume(
+                args.checkpoint_dir,
+                where=where,
+                native=_native(args, where, lambda: located),
+                processes=located,
+                restored=True,
+                options=options,
+                on_event=on_event,
+            )
+        return _finish(args, stdout, stderr, EXIT_OK, outcome="resumed", step=step)
+    return EXIT_OK  # another action of CRIU's: nothing to do
+
+
+_RUN: Final = {
+    "check": _check,
+    "dump": _dump,
+    "restore": _restore,
+    "action-script": _action_script,
+    "action": _action,
+}
 
 
 def main(
@@ -343,31 +550,48 @@ def main(
             args = build_parser().parse_args(argv)
         except SystemExit as exit_:  # --help
             return int(exit_.code or 0) if isinstance(exit_.code, int | None) else EXIT_USAGE
-        if args.verb == "check":
-            return _check(args, env, out, err)
-        if args.verb == "action-script":
-            _processes(args)
-            path = write_action_script(args.out, _script_argv(args), env, args.keep_env)
-            out.write(f"{path}\n")
-            return EXIT_OK
-        verbs = {"dump": _dump, "restore": _restore, "action": _action}
-        return verbs[args.verb](args, env, out, err)
+        if hasattr(args, "progress"):
+            args.mode = _mode(args, out)
+        logs.configure(verbosity=args.verbose, quiet=args.quiet, log_file=args.log_file,
+                       stream=err)  # fmt: skip
+        try:
+            return _ended(args, env, out, err)
+        finally:
+            logs.reset()
     except UsageError as exc:
         err.write(f"{exc}\n")
         return EXIT_USAGE
+
+
+def _ended(args: argparse.Namespace, env: Mapping[str, str], out: TextIO, err: TextIO) -> int:
+    """Run the verb; every failure is said once, with the exit status of EXIT_TABLE."""
+    try:
+        return _RUN[args.verb](args, env, out, err)
     except criu.CriuUnavailable as exc:
-        return _fail([str(exc)], err)
+        return _finish(args, out, err, EXIT_FAILED, [str(exc)], outcome="refused")
     except (criu.CriuDumpFailed, agent.SuspendFailed) as failed:
-        return _fail(failed.lines(), err, EXIT_FAILED if failed.restored else EXIT_NEEDS_RECOVER)
+        code = EXIT_FAILED if failed.restored else EXIT_NEEDS_RECOVER
+        return _finish(args, out, err, code, failed.lines())
     except agent.ResumeFailed as failed:
-        return _fail(failed.lines(), err, EXIT_NEEDS_RECOVER)
+        code = EXIT_ROLLED_BACK if failed.running else EXIT_NEEDS_RECOVER
+        return _finish(args, out, err, code, failed.lines())
     except agent.AgentError as error:
-        return _fail(error.lines(), err)
+        code = EXIT_NEEDS_RECOVER if error.changed else EXIT_FAILED
+        return _finish(args, out, err, code, error.lines())
     except CoordinatorError as error:
-        status = EXIT_NEEDS_RECOVER if error.destroyed and not error.rolled_back else EXIT_FAILED
-        return _fail(list(error.lines()), err, status)
+        lines = list(error.lines())
+        if args.verbose:
+            lines += [f"detail: {line}" for line in error.details()]
+        if error.destroyed and not error.rolled_back:
+            return _finish(args, out, err, EXIT_NEEDS_RECOVER, lines)
+        # A capture rolled back (or refused) inside a suspend: the group runs as it was.
+        return _finish(args, out, err, EXIT_FAILED, lines)
     except NativeUnavailableError as exc:
-        return _fail([str(exc)], err)
+        lines = [str(exc), "to see what this machine offers: cuinterpose check"]
+        return _finish(args, out, err, EXIT_FAILED, lines, outcome="refused")
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        return _finish(args, out, err, EXIT_FAILED, [f"{args.verb}: {where}{exc.strerror or exc}"])
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ the command's own words on stderr: the library's records of the events the comma
 already shows (those carrying ``extra={"cuinterpose": ...}``) and its warnings are
 held back, and ``transitions`` (the machines' library) logs nothing below a
 warning. ``-v`` shows the library's INFO records (and the events), ``-vv`` DEBUG and
-``transitions`` too; ``-q`` only errors. ``--log-file FILE`` receives every record
-at DEBUG, whatever the terminal shows.
+``transitions`` too; ``-q`` only errors. On a terminal the records go through rich's
+logging handler. ``--log-file FILE`` receives every record at DEBUG, whatever the
+terminal shows.
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ def configure(
     process, as the tests do), then install the terminal handler and the file's."""
     reset()
     root = logging.getLogger(LIBRARY_LOGGER)
-    terminal = logging.StreamHandler(stream)
-    terminal.setFormatter(logging.Formatter("cuinterpose: %(levelname)s: %(message)s"))
+    terminal = _terminal_handler(stream)
     if quiet:
         terminal.setLevel(logging.ERROR)
     elif verbosity >= 2:
@@ -71,6 +71,30 @@ def configure(
             for handler in handlers:
                 logger.addHandler(handler)
                 _installed.append((logger, handler))
+
+
+def _terminal_handler(stream: TextIO) -> logging.Handler:
+    """rich's handler for a person at a terminal (levels in colour, long lines wrapped);
+    plain lines, one per record, for anything else (a pipe, a file, a test)."""
+    try:
+        person = stream.isatty()
+    except (OSError, ValueError):
+        person = False
+    if person:
+        from rich.console import Console
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(
+            console=Console(file=stream, highlight=False),
+            show_time=False,
+            show_path=False,
+            markup=False,
+        )
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        return handler
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("cuinterpose: %(levelname)s: %(message)s"))
+    return handler
 
 
 def reset() -> None:

@@ -77,7 +77,10 @@ class HumanView:
         elif isinstance(event, FailedEvent):
             # Said when it happens, before the rollback's own lines; stderr has it in full.
             self.machine_failed = True
-            self.console.print(f"{event.machine}: FAILED at {event.phase}")
+            if event.kind == "refused":
+                self.console.print(f"{event.headline()}: nothing was changed")
+            else:
+                self.console.print(f"{event.machine}: FAILED at {event.phase}")
         else:
             self.console.print(human_line(event))
 

@@ -92,12 +92,15 @@ def test_human_progress_is_one_line_per_phase(work: Path) -> None:
         code, out, _ = run(*machine_args("prepare", t, work))
     assert code == 0
     lines = out.splitlines()
-    assert len(lines) == 8
+    assert len(lines) == 9
     assert lines[-1].startswith("next: the native lock and checkpoint of every process")
     assert lines[0].startswith("capture HANDSHAKE: ") and "2 participants" in lines[0]
     assert lines[1].startswith("capture QUIESCE: ") and lines[2].startswith("capture INSPECT: ")
     assert "GB/s" in lines[4] and lines[4].startswith("capture SAVE_ALLOCATIONS")
-    assert lines[-2].startswith("capture done")
+    assert lines[-3].startswith("capture done")
+    # The summary, as suspend's: what was done, then what comes next.
+    assert lines[-2].startswith("captured 2 processes in ")
+    assert "8.0 MiB staged by the shims into their processes' host memory" in lines[-2]
 
 
 def test_progress_none_prints_nothing(work: Path) -> None:
@@ -112,9 +115,15 @@ def test_preflight_refusal_exits_1_naming_participant_pid_phase_reason(work: Pat
         assert all(not TEARS_DOWN_OPS & set(ops) for ops in t.received())
         pid = t.fakes[1].pid
     assert code == 1
-    assert "refused at PREPARE_MULTICAST (preflight_clean)" in err
-    assert f"participant {participant(1)}, pid {pid}" in err
-    assert "UNSUPPORTED_EXPORTABLE" in err
+    # The check is named, not the step it guards (PREPARE_MULTICAST was never sent),
+    # and the predicate's name is left to -v and JSON.
+    assert err.startswith(
+        "cuinterpose: capture refused by the check for memory and sharing that cannot be "
+        f"checkpointed, nothing changed: participant {participant(1)}, pid {pid}: "
+        "UNSUPPORTED_EXPORTABLE"
+    ), err
+    assert "PREPARE_MULTICAST" not in err and "preflight" not in err and "team" not in err
+    assert "create it exportable as CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR only" in err
     failed = json_lines(out)[-1]
     assert failed["event"] == "failed"
     assert (failed["phase"], failed["participant"], failed["pid"]) == (
@@ -122,7 +131,26 @@ def test_preflight_refusal_exits_1_naming_participant_pid_phase_reason(work: Pat
         participant(1),
         pid,
     )
+    assert (failed["check"], failed["rules"]) == (
+        "preflight_clean",
+        ["preflight.unsupported_exportable"],
+    )
     assert "UNSUPPORTED_EXPORTABLE" in str(failed["reason"])
+    done = json.loads(out.splitlines()[-1])
+    assert (done["check"], done["rules"]) == (failed["check"], failed["rules"])
+    assert (done["outcome"], done["exit_code"]) == ("refused", 1)
+    assert done["reason"] == err.replace("cuinterpose: ", "").splitlines()
+
+
+def test_verbose_names_the_step_the_guard_and_the_rules(work: Path) -> None:
+    tainted = with_records(TOPOLOGY, participant(1), unsupported_exportable())
+    with team_of(tainted, work / "control") as t:
+        code, _, err = run(*machine_args("prepare", t, work, "--progress", "none", "-v"))
+    assert code == 1
+    assert (
+        "cuinterpose: detail: capture stopped at step PREPARE_MULTICAST (guard preflight_clean); "
+        "rules: preflight.unsupported_exportable\n"
+    ) in err
 
 
 def test_invalid_topology_exits_1(work: Path) -> None:
@@ -130,7 +158,8 @@ def test_invalid_topology_exits_1(work: Path) -> None:
     with team_of(broken, work / "control") as t:
         code, _, err = run(*machine_args("prepare", t, work))
     assert code == 1
-    assert "(topology_valid)" in err and participant(0) in err
+    assert "refused by the consistency check of the shims' sharing records" in err
+    assert participant(0) in err and "[mapping.empty]" not in err
 
 
 def test_a_failure_after_teardown_rolls_back_and_exits_3(work: Path) -> None:
@@ -290,7 +319,7 @@ def test_proc_root_reaches_sockets_through_each_process_root(
             args += ["--process", str(observed), str(fake.pid)]
         code, out, err = run(*args)
     assert (code, err) == (0, ""), err
-    assert out.splitlines()[-2].startswith("capture done")
+    assert out.splitlines()[-3].startswith("capture done")
 
 
 @pytest.mark.parametrize(

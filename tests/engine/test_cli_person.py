@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import topologies
-from cuinterpose import cli, engine
+from cuinterpose import cli, engine, logs
 from cuinterpose.engine import discovery
 from cuinterpose.engine.native import CudaBackend, NativeUnavailableError
 from cuinterpose.engine.wire import Op, Phase, socket_name
@@ -126,6 +126,14 @@ def test_resume_takes_the_group_from_the_manifest_and_says_what_comes_next(work:
             f"cuinterpose resume --checkpoint-dir {work / 'ckpt'} --control-dir {t.control_dir}"
         )
         assert done["seconds"] == pytest.approx(sum(x["seconds"] for x in done["timings"]))
+        assert done["gpu_memory_released"] == {
+            "processes": 2,
+            "all_device_memory": True,
+            "tracked_bytes": 8 << 20,
+            "shared_bytes": 8 << 20,
+            "private_bytes": 0,
+        }
+        assert done["bytes_in"] == "host memory of each process"
         code, _, err = run("resume", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
                            str(t.control_dir), "--pid", "1000", native=fake)  # fmt: skip
         assert code == cli.EXIT_FAILED and "not the group recorded in" in err
@@ -152,9 +160,42 @@ def test_suspend_on_a_terminal_says_where_the_bytes_are_and_the_resume_command(
     text = out.getvalue()
     assert (code, err.getvalue()) == (0, ""), err.getvalue()
     assert "suspended 2 processes in" in text
-    assert "where the bytes are: each process's GPU memory is in its own host memory" in text
-    assert "MiB of it shared memory staged by the shims" in text
+    # Two allocations of 4 MiB, each shared by both processes (topologies.team).
+    assert (
+        "GPU memory released: 8.0 MiB (all of it shared) in 2 processes (the allocations the "
+        "shims tracked; the native checkpoint released all device memory of each)"
+    ) in text
+    assert "where the bytes are: in the host memory of each process (8.0 MiB staged" in text
     assert f"next: cuinterpose resume --checkpoint-dir {work / 'ckpt'}" in text
+
+
+def test_refusals_of_checkpointed_processes_name_resume_with_its_directory(work: Path) -> None:
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as t:
+        ckpt = work / "ckpt"
+        common = ["--control-dir", str(t.control_dir)]
+        code, _, err = run("suspend", "--checkpoint-dir", str(ckpt), *common, *t.processes,
+                           "--progress", "none", native=fake)  # fmt: skip
+        assert (code, err) == (0, "")
+        resume = f"`cuinterpose resume --checkpoint-dir {ckpt}`"
+        # The directory holds the manifest of the suspend: the hint names it.
+        for verb, names in (("prepare", t.processes), ("recover", [])):
+            code, _, err = run(verb, "--checkpoint-dir", str(ckpt), *common, *names,
+                               "--progress", "none", native=fake)  # fmt: skip
+            assert code == cli.EXIT_FAILED, err
+            assert resume in err, err
+        # Another directory: nothing records where they were suspended; DIR says which.
+        code, _, err = run("prepare", "--checkpoint-dir", str(work / "other"), *common,
+                           *t.processes, "--progress", "none", native=fake)  # fmt: skip
+        assert code == cli.EXIT_FAILED
+        assert (
+            "`cuinterpose resume --checkpoint-dir DIR` (DIR: the directory of their suspend)" in err
+        )
+        code, _, err = run("suspend", "--checkpoint-dir", str(work / "again"), *common,
+                           *t.processes, "--progress", "none", native=fake)  # fmt: skip
+        assert code == cli.EXIT_FAILED and "CHECKPOINTED, not RUNNING" in err
+        assert "comes back with `cuinterpose resume --checkpoint-dir DIR`" in err
+        assert {f.phase for f in t.fakes} == {Phase.PREPARED}  # nothing was sent
 
 
 def test_status_without_processes_lists_every_shim_of_the_control_directory(
@@ -261,6 +302,25 @@ def test_every_failure_is_said_once_and_the_log_only_on_request(work: Path) -> N
     assert "Executed callback" not in text
     library = logging.getLogger("cuinterpose")
     assert [type(h) for h in library.handlers] == [logging.NullHandler]  # the CLI's are gone
+
+
+def test_a_person_at_a_terminal_reads_the_log_through_rich() -> None:
+    from rich.logging import RichHandler
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, kind in ((Terminal(), RichHandler), (io.StringIO(), logging.StreamHandler)):
+        logs.configure(verbosity=1, stream=stream)
+        try:
+            installed = logging.getLogger("cuinterpose").handlers[-1]
+            assert type(installed) is kind
+            logging.getLogger("cuinterpose.agent").info("hello")
+        finally:
+            logs.reset()
+        assert "hello" in stream.getvalue()
+    assert "cuinterpose: INFO: hello" in stream.getvalue()  # the plain one, last
 
 
 def test_sigint_is_acknowledged_at_once(work: Path) -> None:
@@ -456,3 +516,18 @@ def test_prepare_restore_and_recover_end_with_a_summary_like_suspend(work: Path)
             code, out, err = run(verb, *common, "--control-dir", str(t.control_dir), *names)
             assert code == 0, err
             assert (summary(out)["outcome"], summary(out)["exit_code"]) == ("done", 0)
+            if verb != "recover":  # which says what it did in its own lines
+                assert summary(out)["processes"] == 2 and summary(out)["bytes_staged"] == 8 << 20
+            if verb == "prepare":
+                restore = f"cuinterpose restore --checkpoint-dir {work / 'ckpt'}"
+                assert summary(out)["next"] == restore
+    # A person reads the same, as suspend and resume say it.
+    with team_of(TOPOLOGY, work / "control3") as t:
+        common = ["--checkpoint-dir", str(work / "ckpt3"), "--control-dir", str(t.control_dir)]
+        code, out, err = run("prepare", *common, *t.processes)
+        assert code == 0, err
+        assert "captured 2 processes in " in out and "8.0 MiB staged by the shims" in out
+        code, out, err = run("restore", *common)
+        assert code == 0, err
+        assert out.splitlines()[-1].startswith("restored 2 processes in ")
+        assert "8.0 MiB loaded back by the shims: every process runs" in out

@@ -11,6 +11,7 @@ action script and the verbs' usage errors.
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import socket
@@ -26,7 +27,7 @@ from cuinterpose.engine import agent, criu
 from cuinterpose.engine.native import ProcessState
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.wire import Phase, socket_name
-from engine_harness import short_dir, team_of
+from engine_harness import Team, short_dir, team_of
 from test_agent import PIDS, TOPOLOGY, running
 
 
@@ -389,3 +390,83 @@ def test_a_dump_that_finds_a_link_remap_left_names_it() -> None:
     assert hint.startswith("/dev/shm/link_remap.62 is left from an earlier dump"), hint
     assert "remove the file if it is abandoned" in hint
     assert criu._remaps_in_the_way(errors[1:]) == []
+
+
+# ------------------------------------------------------------------ the shared command line
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def dump_verb(
+    work: Path, team: Team, *more: str, stdout: io.StringIO, dump: int = 0
+) -> tuple[int, str, str]:
+    binary = fake_criu(work / "criu", dump=dump)
+    args = ["dump", "--checkpoint-dir", str(work / "ckpt"), "--images-dir", str(work / "img")]
+    args += ["--control-dir", str(team.control_dir), "--tree", "1", "--criu", str(binary)]
+    args += [w for p in PIDS for w in ("--pid", str(p))]
+    err = io.StringIO()
+    code = criu_action.main([*args, *more], stdout=stdout, stderr=err, environ={})
+    return code, stdout.getvalue(), err.getvalue()
+
+
+def test_dump_names_processes_with_pid_and_speaks_to_a_person_on_a_terminal(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = running()
+    monkeypatch.setattr(criu_action, "_native_backend", lambda: fake)
+    with team_of(TOPOLOGY, work / "control") as team:
+        code, out, err = dump_verb(work, team, stdout=Terminal())
+        assert (code, err) == (0, ""), err
+        assert {f.phase for f in team.fakes} == {Phase.PREPARED}
+    assert "dumped 2 processes (the tree of pid 1) in " in out
+    assert "{" not in out  # no JSON for a person
+    assert (
+        f"next: cuinterpose criu restore --checkpoint-dir {work / 'ckpt'} --images-dir "
+        f"{work / 'img'}"
+    ) in out
+
+
+def test_dump_with_json_ends_with_its_outcome_and_exit_code(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = running()
+    monkeypatch.setattr(criu_action, "_native_backend", lambda: fake)
+    with team_of(TOPOLOGY, work / "control") as team:
+        code, out, err = dump_verb(work, team, "--json", stdout=Terminal(), dump=1)
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}  # resumed after the failure
+    assert code == criu_action.EXIT_FAILED == cli.EXIT_FAILED
+    assert "cuinterpose criu: criu dump failed:" in err and err.count("injected dump failure") == 1
+    last = json.loads(out.splitlines()[-1])
+    assert (last["event"], last["command"], last["exit_code"]) == ("summary", "criu dump", 1)
+    assert last["outcome"] == "refused or failed: the group runs as before"
+    assert "resumed: the group runs as before the suspend" in last["reason"]
+
+
+@pytest.mark.parametrize("verb", ["dump", "restore", "action-script", "action"])
+def test_every_verb_takes_the_shared_options_and_shows_the_exit_table(
+    verb: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert criu_action.main([verb, "--help"]) == 0
+    text = capsys.readouterr().out
+    for option in ("--driver {auto,sim,system}", "-v, --verbose", "-q, --quiet", "--log-file"):
+        assert option in text, option
+    assert ("--pid PID" in text) == (verb != "restore")
+    assert "example:\n  " in text and cli.EXIT_TABLE in text
+
+
+def test_the_action_script_bakes_the_pids_and_the_driver(work: Path) -> None:
+    script = work / "action"
+    args = ["action-script", "--out", str(script), "--checkpoint-dir", str(work / "ckpt")]
+    args += ["--pid", "7", "--process", "8", "80", "--driver", "sim", "-v"]
+    assert criu_action.main(args, stdout=io.StringIO(), environ={}) == 0
+    text = script.read_text()
+    assert "--process 7 7 --process 8 80" in text and "--driver sim" in text
+    assert "--progress auto" in text and text.rstrip().endswith("-v")
+
+
+def test_check_answers_json_on_request(work: Path) -> None:
+    out = io.StringIO()
+    binary = fake_criu(work / "criu")
+    assert criu_action.main(["check", "--criu", str(binary), "--json"], stdout=out) == 0
+    assert json.loads(out.getvalue()) == {"usable": True, "criu": str(binary), "version": "4.2"}

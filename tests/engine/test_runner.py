@@ -648,4 +648,9 @@ def test_an_error_names_the_step_it_stopped_at() -> None:
     refused = TopologyRefused("capture", "PREPARE_MULTICAST", "topology_valid", [Problem("no")])
     assert (failed.step, failed.phase) == ("WRITE_STATE", "WRITE_STATE")
     assert str(failed) == "capture failed at WRITE_STATE: disk full"
-    assert str(refused) == "capture refused at PREPARE_MULTICAST (topology_valid): no"
+    # A refusal names its check, not the step whose op was never sent.
+    assert str(refused) == (
+        "capture refused by the consistency check of the shims' sharing records, "
+        "nothing changed: no"
+    )
+    assert refused.step == "PREPARE_MULTICAST"

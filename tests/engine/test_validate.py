@@ -131,7 +131,7 @@ CASES = [
     case(
         "size-disagrees",
         lambda: replace_records(base(), P1, kind=ALLOC, id=A0, size=8 * GRANULARITY),
-        v.check_allocation_size, "unicast.size", P1, ALLOC, A0, "disagrees with the team",
+        v.check_allocation_size, "unicast.size", P1, ALLOC, A0, "disagrees with the other",
     ),
     case(
         "size-zero",
@@ -429,7 +429,7 @@ def test_each_violation_is_named(c: Case) -> None:
     for found in expected:
         text = str(found)
         assert c.rule in text
-        assert (c.participant or "team") in text
+        assert (c.participant or "the group") in text
         assert c.kind is None or c.kind.name in text
         assert resource_hex in text
     # validate() runs the predicate; the unbroken team does not trip it.
@@ -539,13 +539,16 @@ def test_preflight_refuses_a_team_that_leaves_out_a_fetcher() -> None:
         RecordKind.ALLOCATION,
         A0.hex(),
     )
-    assert f"participant {outsider} (pid 4711 as the creator sees it)" in found.reason
+    assert found.reason == (
+        f"the process with pid 4711 (as this process sees it; participant {outsider}) imported"
+        " this allocation and is not among the processes named: name it too, or stop it first"
+    )
     assert str(found).startswith(f"participant {P0}, ALLOCATION {A0.hex()}: ")
     assert v.validate(topology) == ()  # a refusal, not a topology violation
     # A fetcher in the team is fine; one the creator cannot see is named without a pid.
     assert v.preflight(_fetched_by(base(), P0, P1, 4712)) == ()
     (unseen,) = v.preflight(_fetched_by(base(), P0, outsider, 0))
-    assert "(pid not visible as the creator sees it)" in unseen.reason
+    assert f"a process this one cannot see (participant {outsider}) imported" in unseen.reason
 
 
 def test_fetch_records_are_kept_apart_from_the_topology() -> None:
@@ -573,7 +576,7 @@ def test_preflight_names_every_refusal() -> None:
 
 def test_violation_text_for_a_team_wide_violation() -> None:
     violation = v.Violation("some.rule", "", None, "", "something is off")
-    assert str(violation) == "team: something is off [some.rule]"
+    assert str(violation) == "the group: something is off [some.rule]"
 
 
 def test_violation_text_names_everything() -> None:

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -366,3 +367,44 @@ def test_a_drain_that_cannot_enter_a_context_refuses_before_any_teardown(
         shimenv.socket_path(control_dir, app.pid), wire.Request(wire.Op.STATUS)
     )
     assert reply.phase is wire.Phase.ACTIVE
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_suspends_copy_is_acknowledged_at_once_with_the_bytes_in_flight(
+    spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str], control_dir: Path,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    # Each copy chunk is a piece of stream work of 0.3 s on the simulated driver: the
+    # SAVE of the group's 8 MiB in 1 MiB chunks takes seconds.
+    slow = {**shim_env, "CUINTERPOSE_SIM_WORK_US": "300000", "SNAPSHOT_SHIM_COPY_CHUNK_MIB": "1",
+            "SNAPSHOT_SHIM_COPY_THREADS": "1"}  # fmt: skip
+    group = build_group(spawn, slow, plain_env)
+    env = {k: v for k, v in plain_env.items() if k != "SNAPSHOT_CONTROL_DIR"}
+    argv = [sys.executable, "-m", "cuinterpose", "suspend", "--checkpoint-dir",
+            str(tmp_path / "ckpt"), "--control-dir", str(control_dir), "--progress", "json",
+            *process_args(group)]  # fmt: skip
+    suspend = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert suspend.stdout is not None and suspend.stderr is not None
+    for line in suspend.stdout:  # the watcher has seen the copy under way
+        if json.loads(line).get("event") == "copy":
+            break
+    suspend.send_signal(signal.SIGINT)
+    said = suspend.stderr.readline()
+    still_copying = suspend.poll() is None
+    out, err = suspend.communicate(timeout=120)
+    assert still_copying, said
+    assert re.match(
+        r"cuinterpose: stopping after SAVE_ALLOCATIONS \(in flight: \d+(\.\d)? [KM]?i?B of "
+        r"8\.0 MiB copied\): "
+        "what was changed is undone, the group runs as before\n",
+        said,
+    ), said
+    # One exit status for "the group runs as before": the interrupted capture was undone.
+    assert suspend.returncode == 1, err
+    summary = json.loads(out.splitlines()[-1])
+    assert (summary["event"], summary["exit_code"]) == ("summary", 1)
+    assert not (tmp_path / "ckpt" / "manifest.json").exists()
+    assert group.mismatches() == []
+    group.close()

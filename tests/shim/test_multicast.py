@@ -331,7 +331,7 @@ H['fab'] = check(cu.cuMulticastCreate(p))
 
 
 def refusal(team: McTeam, tmp_path: Path, endpoints: list[Endpoint] | None = None) -> str:
-    """The capture refuses before any destructive op; its message."""
+    """The capture refuses before any destructive op; its message and details (the rules)."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir(exist_ok=True)
     events: list[str] = []
@@ -343,7 +343,7 @@ def refusal(team: McTeam, tmp_path: Path, endpoints: list[Endpoint] | None = Non
     with pytest.raises(Refused) as caught:
         capture(endpoints or team.endpoints(), ckpt, Options(TIMEOUT_S, on_progress=seen))
     assert not {"PREPARE_MULTICAST", "SAVE_ALLOCATIONS", "PREPARE_UNICAST"} & set(events)
-    return str(caught.value)
+    return "\n".join((str(caught.value), *caught.value.details()))
 
 
 def assert_untouched(team: McTeam, bound: list[int]) -> None:
@@ -367,7 +367,7 @@ def test_refused_when_a_participant_is_left_out(
     message = refusal(team, tmp_path, team.endpoints()[:1])
     assert hex_id(topology) in message
     assert "1 distinct devices added ([0]), the object was created for 2" in message
-    assert "[multicast.devices]" in message
+    assert "rules: multicast.devices" in message
     assert_untouched(team, [0, 1])
 
 
@@ -379,7 +379,7 @@ def test_refused_when_a_device_has_no_binding(
     _, topology = inspect(team.endpoints(), timeout=TIMEOUT_S)
     message = refusal(team, tmp_path)
     assert hex_id(topology) in message
-    assert "device 1 has no binding [multicast.device_binding]" in message
+    assert "device 1 has no binding" in message and "multicast.device_binding" in message
     assert_untouched(team, [0])
 
 
@@ -391,7 +391,7 @@ def test_refused_when_a_bound_member_is_gone(
     team = build_team(spawn, control_dir, 2)
     team.workers[1]("check(cu.cuMemUnmap(H['mva'], 2 * gran)); check(cu.cuMemRelease(H['m']))")
     message = refusal(team, tmp_path)
-    assert "MC_BINDING" in message and "[multicast.bind_mem_member]" in message
+    assert "MC_BINDING" in message and "rules: multicast.bind_mem_member" in message
     assert "is not an allocation the participant reported" in message
     assert_untouched(team, [0])
 

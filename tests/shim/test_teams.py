@@ -184,8 +184,14 @@ def test_prepare_refuses_a_team_that_leaves_out_a_live_importer(
     left_id = shimenv.handshake(shimenv.socket_path(control_dir, left_out.pid)).participant
     refused = cli("prepare", [creator.pid, importers[0].pid], control_dir, tmp_path)
     assert refused.returncode == 1, refused.stderr
-    assert f"participant {left_id} (pid {left_out.pid} as the creator sees it)" in refused.stderr
-    assert "[preflight.whole_team]" in refused.stderr
+    assert (
+        f"the process with pid {left_out.pid} (as this process sees it; participant {left_id}) "
+        "imported this allocation and is not among the processes named: name it too"
+    ) in refused.stderr
+    assert (
+        "refused by the check for memory and sharing that cannot be checkpointed, nothing changed"
+        in refused.stderr
+    )
     assert not (tmp_path / "checkpoint" / "cuinterpose.intent").exists()
     for w in (creator, *importers):
         assert shimenv.handshake(shimenv.socket_path(control_dir, w.pid)).phase is Phase.ACTIVE
