@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup build build-release build-asan build-system-headers typecheck-view demo \
+.PHONY: all setup build build-release build-asan build-tsan build-system-headers typecheck-view demo \
         test lint clean
 
 all: build
@@ -35,6 +35,12 @@ build-release: $(STAMP)
 build-asan: $(STAMP)
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUINTERPOSE_SANITIZE=ON $(CMAKE_PYTHON) >/dev/null
 	cmake --build build-asan -j2
+
+# build-tsan/: the ThreadSanitizer build (the gate, the listener, the staging pool
+# and the simulator's streams are threads) that `make tsan` runs the threaded tests on.
+build-tsan: $(STAMP)
+	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCUINTERPOSE_TSAN=ON $(CMAKE_PYTHON) >/dev/null
+	cmake --build build-tsan -j2
 
 # The H200 machines' toolkit has CUDA 13.0's cuda.h, older than the wheel's: where a
 # system toolkit is installed, both libraries must build against its header too.

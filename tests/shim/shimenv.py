@@ -43,7 +43,8 @@ def coordinator_cli_env(control_dir: Path | str) -> dict[str, str]:
 
 
 def build_kind(build: str | None = None) -> str:
-    """``asan`` or ``release``; ``system`` (the real driver) uses the release shim."""
+    """``asan``, ``tsan`` or ``release``; ``system`` (the real driver) uses the release
+    shim."""
     kind = build or simenv.driver_kind()
     return "release" if kind == "system" else kind
 
@@ -73,7 +74,7 @@ def shim_env(
 ) -> dict[str, str]:
     """Environment of an application process with the shim preloaded.
 
-    ``build``: ``asan`` (default, from CUINTERPOSE_TEST_DRIVER) or ``release``.
+    ``build``: ``asan`` (default, from CUINTERPOSE_TEST_DRIVER), ``tsan`` or ``release``.
     ``driver``: ``sim`` (default unless CUINTERPOSE_TEST_DRIVER=system) or ``system``.
     ``control_dir`` becomes SNAPSHOT_CONTROL_DIR (the shim creates it if missing).
     """
@@ -91,7 +92,7 @@ def shim_env(
     preload = base.get("LD_PRELOAD", "")
     # After the sanitizer runtime (which must come first), before anything else.
     parts = preload.split()
-    if parts and "libasan" in parts[0]:
+    if parts and ("libasan" in parts[0] or "libtsan" in parts[0]):
         parts.insert(1, shim)
     else:
         parts.insert(0, shim)
