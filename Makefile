@@ -74,4 +74,4 @@ test: build build-system-headers lint
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf build build-asan build-system-headers dist $(VENV)
+	rm -rf build build-asan build-tsan build-system-headers dist $(VENV)
