@@ -130,6 +130,7 @@ def test_a_dead_holders_lease_is_taken_over(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # 20 races of two coordinators: about a minute on 2 loaded cores
 def test_two_coordinators_racing_prepare_never_wedge_the_group(
     spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
 ) -> None:
