@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 .PHONY: all setup build build-release build-asan build-tsan build-system-headers typecheck-view demo \
-        test lint clean
+        test check tsan lint clean
 
 all: build
 
@@ -72,6 +72,17 @@ demo: build-release
 
 test: build build-system-headers lint
 	$(BIN)/python -m pytest -q
+
+# The inner loop (about a minute on two cores): lint, types, and the tests that start
+# no shimmed process (engine, phases, the wire pin, the simulated driver), less those
+# marked slow. `make test` is the whole suite.
+check: build lint
+	$(BIN)/python -m pytest -q -m "not slow" tests/engine tests/sim
+
+# The tests marked `threads` (the gate, the listener, the staging pool, the simulator's
+# streams) against build-tsan/; ThreadSanitizer runs them some 3 times slower.
+tsan: build-tsan
+	CUINTERPOSE_TEST_DRIVER=tsan $(BIN)/python -m pytest -q -m threads --timeout 300 tests/sim tests/shim
 
 clean:
 	rm -rf build build-asan build-tsan build-system-headers dist $(VENV)

@@ -103,6 +103,7 @@ def default_threads() -> int:
     [(1, 4), (3, 3), (1, 1), (64, 2)],
     ids=["1MiB-4threads", "short-last-chunk", "one-thread", "one-chunk-each"],
 )
+@pytest.mark.threads  # make tsan
 def test_multi_chunk_cycle(
     spawn: Spawn, control_dir: Path, sim_namespace: str, chunk_mib: int, threads: int
 ) -> None:
@@ -412,6 +413,7 @@ for h, va, size, s in A:
 """
 
 
+@pytest.mark.threads  # make tsan
 @pytest.mark.parametrize("resident_mib", [64, 4], ids=["fits", "too-small"])
 def test_resident_staging_memory(
     spawn: Spawn, control_dir: Path, sim_namespace: str, resident_mib: int

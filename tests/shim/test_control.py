@@ -88,6 +88,7 @@ check(cu.cuMemUnmap(va, gran)); check(cu.cuMemRelease(h)); check(cu.cuMemAddress
 
 
 # ---------------------------------------------------------------- transport
+@pytest.mark.threads  # make tsan
 def test_socket_mode_and_handshake(spawn: Spawn, control_dir: Path) -> None:
     w = spawn()
     shim = Shim(control_dir, w.pid)
@@ -434,6 +435,7 @@ RESTORE = [
 ]
 
 
+@pytest.mark.threads  # make tsan
 @pytest.mark.parametrize("mode", ["host", "private-native", "native"])
 def test_unicast_cycle(spawn: Spawn, control_dir: Path, sim_namespace: str, mode: str) -> None:
     """The whole unicast cycle; ``host``: the creator stages its shared and its private

@@ -290,6 +290,7 @@ def _running(
     return group, WorkerBackend(observer), agent.Where(Path(shim_env["SNAPSHOT_CONTROL_DIR"]))
 
 
+@pytest.mark.threads  # make tsan
 def test_a_running_group_is_suspended_and_resumed_without_a_lost_update(
     spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -336,6 +337,7 @@ def test_without_the_gate_the_same_suspend_loses_updates_or_faults(
 # The shim's own deadline (counted from the first round: the shim refuses and opens its
 # gate), or a shorter one the embedder gives the rounds (the coordinator stops asking;
 # the shim's last answer was PENDING, and the run's RELEASE opens its gate).
+@pytest.mark.threads  # make tsan
 @pytest.mark.parametrize(("setting_s", "sent_s"), [("1.5", None), ("30", 0.3)], ids=["own", "sent"])
 def test_a_process_that_never_synchronizes_is_refused_and_runs_on(
     spawn: Spawn,
@@ -381,6 +383,7 @@ def test_a_process_that_never_synchronizes_is_refused_and_runs_on(
         assert w("result = missing(X)") == [], w.name
 
 
+@pytest.mark.threads  # make tsan
 def test_a_coordinator_killed_while_quiesced_leaves_the_gates_open(
     spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
 ) -> None:
