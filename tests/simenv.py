@@ -19,7 +19,6 @@ import functools
 import os
 import subprocess
 import sys
-import textwrap
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -131,11 +130,12 @@ def _remove_namespaces() -> None:
 
 
 def run_python(
-    code: str, env: Mapping[str, str], timeout: float = 60
+    script: Path, *args: str, env: Mapping[str, str], timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
-    """Run a Python program in a child process; returns the completed process."""
+    """Run a Python program (a file of the suite's, with ``args``) in a child process;
+    returns the completed process."""
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, str(script), *args],
         env=dict(env),
         capture_output=True,
         text=True,
