@@ -39,6 +39,11 @@ def coordinator_cli_env(control_dir: Path | str) -> dict[str, str]:
         # accepts only with this (engine/native.py refuses it otherwise).
         env["ASAN_OPTIONS"] = "detect_leaks=0:verify_asan_link_order=0"
     env.pop("LD_PRELOAD", None)
+    if simenv.driver_kind() == "tsan":
+        # The TSan build's simulated libcuda needs its runtime loaded first, and its
+        # static TLS cannot be had by a dlopen (the native checks load that driver).
+        env["LD_PRELOAD"] = simenv.sanitizer_runtime("tsan")
+        env.update(simenv.SANITIZER_OPTIONS["tsan"])
     return env
 
 
