@@ -6,8 +6,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup build build-release build-asan build-system-headers typecheck-view demo \
-        test lint clean
+.PHONY: all setup build build-release build-asan build-tsan build-system-headers typecheck-view demo \
+        test check tsan lint clean
 
 all: build
 
@@ -35,6 +35,12 @@ build-release: $(STAMP)
 build-asan: $(STAMP)
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUINTERPOSE_SANITIZE=ON $(CMAKE_PYTHON) >/dev/null
 	cmake --build build-asan -j2
+
+# build-tsan/: the ThreadSanitizer build (the gate, the listener, the staging pool
+# and the simulator's streams are threads) that `make tsan` runs the threaded tests on.
+build-tsan: $(STAMP)
+	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCUINTERPOSE_TSAN=ON $(CMAKE_PYTHON) >/dev/null
+	cmake --build build-tsan -j2
 
 # The H200 machines' toolkit has CUDA 13.0's cuda.h, older than the wheel's: where a
 # system toolkit is installed, both libraries must build against its header too.
@@ -67,5 +73,19 @@ demo: build-release
 test: build build-system-headers lint
 	$(BIN)/python -m pytest -q
 
+# The inner loop (under a minute on two cores): lint, types, and the tests that start
+# no shimmed process (the engine, the machines, the wire pin), less those marked slow.
+# CHECK_TESTS="tests/engine tests/sim" adds the simulated driver's units (about 40 s
+# more). `make test` is the whole suite.
+CHECK_TESTS ?= tests/engine
+
+check: build lint
+	$(BIN)/python -m pytest -q -m "not slow" $(CHECK_TESTS)
+
+# The tests marked `threads` (the gate, the listener, the staging pool, the simulator's
+# streams) against build-tsan/; ThreadSanitizer runs them some 3 times slower.
+tsan: build-tsan
+	CUINTERPOSE_TEST_DRIVER=tsan $(BIN)/python -m pytest -q -m threads --timeout 300 tests/sim tests/shim
+
 clean:
-	rm -rf build build-asan build-system-headers dist $(VENV)
+	rm -rf build build-asan build-tsan build-system-headers dist $(VENV)

@@ -167,6 +167,9 @@ static struct {
     char bind_path[sizeof g.sock_path]; /* the name it was bound at */
 } published;
 
+/* Set (under g.lock) by shim_fini: the process exits, the endpoint stays gone. */
+static bool exiting;
+
 /* A listening socket at `<control dir>/cuinterpose-<pid>.sock`, names and
  * identity in `*name`, `*path` and `published` (committed by the caller);
  * -1 when it cannot be made (logged). */
@@ -295,7 +298,7 @@ static int endpoint_heal(int lfd)
     pid_t old_pid = published.pid;
     int fd;
 
-    if (!why) {
+    if (!why || __atomic_load_n(&exiting, __ATOMIC_ACQUIRE)) {
         reported = NULL;
         return lfd;
     }
@@ -310,9 +313,17 @@ static int endpoint_heal(int lfd)
     if (strcmp(old_bind, published.bind_path) != 0)
         unlink(old_bind);
     pthread_mutex_lock(&g.lock);
+    if (exiting) {
+        /* shim_fini removed the socket file: that is no problem to heal. */
+        pthread_mutex_unlock(&g.lock);
+        unlink(path);
+        close(fd);
+        return lfd;
+    }
     memcpy(g.sock_name, name, sizeof name);
     memcpy(g.sock_path, path, sizeof path);
     __atomic_store_n(&g.listen_fd, fd, __ATOMIC_RELAXED);
+    claim_heal(); /* g.claim_path is g.lock's, as at start (participant_init) */
     pthread_mutex_unlock(&g.lock);
     if (old_pid != published.pid) {
         /* Not a fork (a fork child has no listener thread): this process
@@ -321,7 +332,6 @@ static int endpoint_heal(int lfd)
         __atomic_store_n(&g.started_pid, published.pid, __ATOMIC_RELEASE);
         pthread_mutex_unlock(&g.init_lock);
     }
-    claim_heal();
     shim_log(LOG_WARN, "control endpoint healed: %s; listening on %s again", why, path);
     reported = NULL;
     return fd;
@@ -414,12 +424,22 @@ __attribute__((constructor)) static void shim_init(void)
     shim_set_starter(start);
 }
 
+/* The listener thread still runs while the process exits: the paths are read
+ * under g.lock, and `exiting` keeps it from healing the socket file this
+ * removes (which would leave a new one behind). */
 __attribute__((destructor)) static void shim_fini(void)
 {
-    if (g.started_pid != getpid())
+    char sock[sizeof g.sock_path], claim[sizeof g.claim_path];
+
+    if (__atomic_load_n(&g.started_pid, __ATOMIC_ACQUIRE) != getpid())
         return;
-    if (g.sock_path[0])
-        unlink(g.sock_path);
-    if (g.claim_path[0])
-        unlink(g.claim_path);
+    pthread_mutex_lock(&g.lock);
+    __atomic_store_n(&exiting, true, __ATOMIC_RELEASE);
+    memcpy(sock, g.sock_path, sizeof sock);
+    memcpy(claim, g.claim_path, sizeof claim);
+    pthread_mutex_unlock(&g.lock);
+    if (sock[0])
+        unlink(sock);
+    if (claim[0])
+        unlink(claim);
 }

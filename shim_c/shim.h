@@ -55,9 +55,9 @@
 
 #define SHIM_EXPORT __attribute__((visibility("default")))
 #define SHIM_HIDDEN __attribute__((visibility("hidden")))
-/* Code that may run before the sanitizer runtime is initialised (libasan
- * calls dlsym while setting up). */
-#define SHIM_NO_SAN __attribute__((no_sanitize("address", "undefined")))
+/* Code that may run before the sanitizer runtime is initialised (libasan and
+ * libtsan call dlsym while setting up their interceptors). */
+#define SHIM_NO_SAN __attribute__((no_sanitize("address", "undefined", "thread")))
 
 
 /* Headers older than CUDA 13.1 lack the device-explicit binds; cuda.h 13.5

@@ -17,6 +17,26 @@ from cuinterpose.demo import Worker, WorkerError
 
 from tests.simenv import Spawn, WorkerDefaults
 
+# A real GPU's checkpoints move gigabytes: the suite's default per-test timeout
+# (pyproject.toml) is sized for the simulator.
+GPU_TIMEOUT_S = 1800
+
+
+# Set on a test that pytest-timeout stopped: its workers are killed at teardown
+# instead of being given their 30 s to quit (a hung one would take all of them).
+TIMED_OUT = pytest.StashKey[bool]()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("gpu") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(GPU_TIMEOUT_S))
+
+
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> None:
+    if call.excinfo is not None and "from pytest-timeout" in str(call.excinfo.value):
+        item.stash[TIMED_OUT] = True
+
 
 @pytest.fixture
 def control_dir() -> Iterator[Path]:
@@ -42,7 +62,10 @@ def worker_timeout_s() -> float:
 
 @pytest.fixture
 def spawn(
-    tmp_path: Path, worker_defaults: WorkerDefaults, worker_timeout_s: float
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    worker_defaults: WorkerDefaults,
+    worker_timeout_s: float,
 ) -> Iterator[Spawn]:
     """``spawn(name="worker", env=None, *, extra=None, setup=None, device=0, wait=True)``
     starts a worker (its stderr in ``tmp_path/<name>.stderr``).
@@ -97,8 +120,14 @@ def spawn(
 
     yield start
     errors = []
+    timed_out = request.node.stash.get(TIMED_OUT, False)
     for worker in started:
         if worker.closed:
+            continue
+        if timed_out:
+            worker.kill()
+            errors.append(f"{worker.name}: killed after the test's timeout; stderr tail:\n"
+                          f"{worker.stderr_tail(1500)}")  # fmt: skip
             continue
         try:
             worker.close_clean()

@@ -7,8 +7,9 @@ with the ``spawn`` fixture (tests/conftest.py); ``WorkerDefaults`` is how a
 directory tells ``spawn`` what its workers are by default.
 
 Driver selection: ``CUINTERPOSE_TEST_DRIVER`` = ``asan`` (default: the
-ASan/UBSan build), ``release`` (the ``build/`` tree) or ``system`` (the
-machine's own libcuda, for running the same tests on a real GPU).
+ASan/UBSan build), ``tsan`` (the ThreadSanitizer build, ``make tsan``), ``release``
+(the ``build/`` tree) or ``system`` (the machine's own libcuda, for running the same
+tests on a real GPU).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import functools
 import os
 import subprocess
 import sys
-import textwrap
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,14 +30,29 @@ REPO = Path(__file__).resolve().parent.parent
 # Namespaces made here carry the test runner's pid, so that the accounting
 # files the simulator leaves in /dev/shm are removed when the runner exits.
 _RUN_PREFIX = f"t{os.getpid()}"
-BUILD_DIRS = {"asan": REPO / "build-asan", "release": REPO / "build"}
+BUILD_DIRS = {"asan": REPO / "build-asan", "tsan": REPO / "build-tsan", "release": REPO / "build"}
+# What the sanitizer builds' runtimes are told. TSan: stop at the first report (the
+# worker's exit status and stderr then fail the test), with the deliberate races of
+# the simulated driver suppressed (the file says why, one by one).
+TSAN_SUPPRESSIONS = REPO / "tests" / "tsan.supp"
+SANITIZER_OPTIONS = {
+    "asan": {
+        # Python leaks by design at exit and is not instrumented.
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:verify_asan_link_order=0",
+        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+    },
+    "tsan": {
+        "TSAN_OPTIONS": f"halt_on_error=1:exitcode=66:second_deadlock_stack=1"
+        f":suppressions={TSAN_SUPPRESSIONS}",
+    },
+}
 
 
 def driver_kind() -> str:
     """Which driver the tests run against: asan, release or system."""
     kind = os.environ.get("CUINTERPOSE_TEST_DRIVER", "asan").strip().lower()
-    if kind not in ("asan", "release", "system"):
-        raise ValueError(f"CUINTERPOSE_TEST_DRIVER={kind!r}: want asan, release or system")
+    if kind not in ("asan", "tsan", "release", "system"):
+        raise ValueError(f"CUINTERPOSE_TEST_DRIVER={kind!r}: want asan, tsan, release or system")
     return kind
 
 
@@ -51,22 +66,29 @@ def multicast_allowed() -> bool:
     return is_simulated() or os.environ.get("CUINTERPOSE_ALLOW_MULTICAST", "") == "1"
 
 
-def sim_dir(build: str = "asan") -> Path:
-    """Directory holding the built simulated libcuda.so.1."""
-    return BUILD_DIRS[build] / "shim_c" / "sim"
+def sim_dir(build: str | None = None) -> Path:
+    """Directory holding the built simulated libcuda.so.1 (default: the build the tests
+    run against; the ASan one when they run on the system's driver)."""
+    kind = build or driver_kind()
+    return BUILD_DIRS[kind if kind in BUILD_DIRS else "asan"] / "shim_c" / "sim"
 
 
 @functools.cache
-def asan_runtime() -> str:
-    """The compiler's libasan.so: Python itself is not instrumented, so the
-    runtime must be loaded first for the ASan build of the driver."""
+def sanitizer_runtime(kind: str = "asan") -> str:
+    """The compiler's libasan.so or libtsan.so (``kind``): Python itself is not
+    instrumented, so the runtime must be loaded first for a sanitizer build."""
+    name = f"lib{kind}.so"
     out = subprocess.run(
-        ["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True
+        ["gcc", f"-print-file-name={name}"], capture_output=True, text=True, check=True
     ).stdout.strip()
     path = Path(out)
     if not path.is_absolute() or not path.exists():
-        raise FileNotFoundError(f"libasan.so not found (gcc said {out!r})")
+        raise FileNotFoundError(f"{name} not found (gcc said {out!r})")
     return str(path.resolve())
+
+
+def asan_runtime() -> str:
+    return sanitizer_runtime("asan")
 
 
 def sim_env(
@@ -77,7 +99,7 @@ def sim_env(
 ) -> dict[str, str]:
     """Environment for a child process that uses the simulated driver.
 
-    ``build`` is ``asan`` or ``release`` (default: from CUINTERPOSE_TEST_DRIVER;
+    ``build`` is ``asan``, ``tsan`` or ``release`` (default: from CUINTERPOSE_TEST_DRIVER;
     ``system`` leaves the library path alone). ``namespace`` isolates the
     simulated devices' memory accounting (cuMemGetInfo) from other runs;
     processes that must see each other's memory use share one.
@@ -92,12 +114,10 @@ def sim_env(
         env["LD_LIBRARY_PATH"] = str(lib) + (":" + old if old else "")
         env["CUINTERPOSE_SIM_DEVICES"] = str(devices)
         env["CUINTERPOSE_SIM_NAMESPACE"] = namespace or f"{_RUN_PREFIX}-{uuid.uuid4().hex[:12]}"
-        if kind == "asan":
+        if kind in SANITIZER_OPTIONS:
             preload = env.get("LD_PRELOAD", "")
-            env["LD_PRELOAD"] = asan_runtime() + (" " + preload if preload else "")
-            # Python leaks by design at exit and is not instrumented.
-            env["ASAN_OPTIONS"] = "detect_leaks=0:abort_on_error=1:verify_asan_link_order=0"
-            env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
+            env["LD_PRELOAD"] = sanitizer_runtime(kind) + (" " + preload if preload else "")
+            env.update(SANITIZER_OPTIONS[kind])
     if extra:
         env.update(extra)
     return env
@@ -110,11 +130,12 @@ def _remove_namespaces() -> None:
 
 
 def run_python(
-    code: str, env: Mapping[str, str], timeout: float = 60
+    script: Path, *args: str, env: Mapping[str, str], timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
-    """Run a Python program in a child process; returns the completed process."""
+    """Run a Python program (a file of the suite's, with ``args``) in a child process;
+    returns the completed process."""
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, str(script), *args],
         env=dict(env),
         capture_output=True,
         text=True,

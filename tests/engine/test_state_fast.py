@@ -108,6 +108,7 @@ def test_a_corrupt_record_is_refused_alike(which: int, edits: list[tuple[str, ob
     both(json.dumps(document).encode())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", FIELDS)
 def test_every_odd_value_in_every_field_is_read_alike(key: str) -> None:
     document = document_of(team(2, 1))

@@ -28,7 +28,9 @@ import pytest
 
 from tests import readme_session
 
-pytestmark = pytest.mark.slow
+# Builds an sdist, a wheel from it and a virtual environment: minutes, not the default
+# per-test timeout (pyproject.toml).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 # Anything that could lead the installed copy back to this checkout or its builds.

@@ -17,7 +17,7 @@ from typing import Any
 
 from cuinterpose.engine import wire
 
-from tests import simenv
+from tests import simenv, snippet
 from tests.waiting import wait_until
 
 REPO = simenv.REPO
@@ -39,11 +39,17 @@ def coordinator_cli_env(control_dir: Path | str) -> dict[str, str]:
         # accepts only with this (engine/native.py refuses it otherwise).
         env["ASAN_OPTIONS"] = "detect_leaks=0:verify_asan_link_order=0"
     env.pop("LD_PRELOAD", None)
+    if simenv.driver_kind() == "tsan":
+        # The TSan build's simulated libcuda needs its runtime loaded first, and its
+        # static TLS cannot be had by a dlopen (the native checks load that driver).
+        env["LD_PRELOAD"] = simenv.sanitizer_runtime("tsan")
+        env.update(simenv.SANITIZER_OPTIONS["tsan"])
     return env
 
 
 def build_kind(build: str | None = None) -> str:
-    """``asan`` or ``release``; ``system`` (the real driver) uses the release shim."""
+    """``asan``, ``tsan`` or ``release``; ``system`` (the real driver) uses the release
+    shim."""
     kind = build or simenv.driver_kind()
     return "release" if kind == "system" else kind
 
@@ -73,7 +79,7 @@ def shim_env(
 ) -> dict[str, str]:
     """Environment of an application process with the shim preloaded.
 
-    ``build``: ``asan`` (default, from CUINTERPOSE_TEST_DRIVER) or ``release``.
+    ``build``: ``asan`` (default, from CUINTERPOSE_TEST_DRIVER), ``tsan`` or ``release``.
     ``driver``: ``sim`` (default unless CUINTERPOSE_TEST_DRIVER=system) or ``system``.
     ``control_dir`` becomes SNAPSHOT_CONTROL_DIR (the shim creates it if missing).
     """
@@ -91,7 +97,7 @@ def shim_env(
     preload = base.get("LD_PRELOAD", "")
     # After the sanitizer runtime (which must come first), before anything else.
     parts = preload.split()
-    if parts and "libasan" in parts[0]:
+    if parts and ("libasan" in parts[0] or "libtsan" in parts[0]):
         parts.insert(1, shim)
     else:
         parts.insert(0, shim)
@@ -162,52 +168,7 @@ def handshake(path: Path | str) -> wire.Reply:
 # Run first in each default worker of tests/shim (``worker_defaults``; cuda.bindings in
 # the child): a context, helpers to create, map, fill and digest allocations. Handles
 # live in the worker's namespace.
-WORKER_SETUP = r"""
-import ctypes, hashlib, random
-check(cu.cuInit(0))
-dev = check(cu.cuDeviceGet(0))
-ctx = check(cu.cuDevicePrimaryCtxRetain(dev))
-check(cu.cuCtxSetCurrent(ctx))
-POSIX = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-RW = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-def prop(ht=POSIX, device=0):
-    p = cu.CUmemAllocationProp()
-    p.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    p.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    p.location.id = device
-    p.requestedHandleTypes = ht
-    return p
-def access(va, size, device=0, flags=RW):
-    d = cu.CUmemAccessDesc()
-    d.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    d.location.id = device
-    d.flags = flags
-    return cu.cuMemSetAccess(va, size, [d], 1)
-gran = int(check(cu.cuMemGetAllocationGranularity(
-    prop(), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
-H = {}
-def reserve(size):
-    return int(check(cu.cuMemAddressReserve(size, 0, 0, 0)))
-def map_rw(h, size, va=None, offset=0):
-    va = reserve(size) if va is None else va
-    check(cu.cuMemMap(va, size, offset, h, 0))
-    check(access(va, size))
-    return va
-def fill(va, size, seed):
-    data = random.Random(seed).randbytes(size)
-    check(cu.cuMemcpyHtoD(va, data, size))
-def digest(va, size):
-    buf = (ctypes.c_char * size)()
-    check(cu.cuMemcpyDtoH(ctypes.addressof(buf), va, size))
-    return hashlib.sha256(bytes(buf)).hexdigest()[:16]
-def expected(seed, size):
-    return hashlib.sha256(random.Random(seed).randbytes(size)).hexdigest()[:16]
-def export(h):
-    return int(check(cu.cuMemExportToShareableHandle(h, POSIX, 0)))
-def import_fd(fd):
-    return check(cu.cuMemImportFromShareableHandle(fd, POSIX))
-result = {"gran": gran, "pid": os.getpid()}
-"""
+WORKER_SETUP = snippet.load(__file__, "worker_setup")
 
 
 def send_held(worker: Any, code: str) -> None:

@@ -27,6 +27,7 @@ import pytest
 from cuinterpose.demo import Worker
 from cuinterpose.engine import wire
 
+from tests import snippet
 from tests.shim import shimenv
 from tests.shim.test_control import CAPTURE, RESTORE, Shim, native_checkpoint_restore
 from tests.simenv import Spawn
@@ -103,6 +104,7 @@ def default_threads() -> int:
     [(1, 4), (3, 3), (1, 1), (64, 2)],
     ids=["1MiB-4threads", "short-last-chunk", "one-thread", "one-chunk-each"],
 )
+@pytest.mark.threads  # make tsan
 def test_multi_chunk_cycle(
     spawn: Spawn, control_dir: Path, sim_namespace: str, chunk_mib: int, threads: int
 ) -> None:
@@ -203,24 +205,9 @@ def test_defaults(spawn: Spawn, control_dir: Path) -> None:
 
 # The application pins host pages until the driver has no registration left (the
 # simulator keeps a fixed table), so every cuMemHostRegister of the shim fails.
-FILL_REGISTRATIONS = r"""
-PAGE = 4096
-BUF = (ctypes.c_char * (PAGE * 1024))()
-base = (ctypes.addressof(BUF) + PAGE - 1) // PAGE * PAGE
-REG = []
-while len(REG) < 1000:
-    e = cu.cuMemHostRegister(base + len(REG) * PAGE, PAGE, 0)[0]
-    if e != cu.CUresult.CUDA_SUCCESS:
-        break
-    REG.append(base + len(REG) * PAGE)
-result = (len(REG), err(e))
-"""
+FILL_REGISTRATIONS = snippet.load(__file__, "fill_registrations")
 
-UNREGISTER_ALL = r"""
-for p in REG:
-    check(cu.cuMemHostUnregister(p))
-REG = []
-"""
+UNREGISTER_ALL = snippet.load(__file__, "unregister_all")
 
 
 def test_register_failure_fails_the_op(spawn: Spawn, control_dir: Path) -> None:
@@ -405,13 +392,10 @@ def timing_list(log: str) -> list[dict[str, object]]:
     ]
 
 
-REFILL = """
-A = [(h, va, size, s + 1000) for h, va, size, s in A]
-for h, va, size, s in A:
-    fill(va, size, s)
-"""
+REFILL = snippet.load(__file__, "refill")
 
 
+@pytest.mark.threads  # make tsan
 @pytest.mark.parametrize("resident_mib", [64, 4], ids=["fits", "too-small"])
 def test_resident_staging_memory(
     spawn: Spawn, control_dir: Path, sim_namespace: str, resident_mib: int

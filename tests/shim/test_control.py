@@ -23,7 +23,7 @@ import pytest
 from cuinterpose.demo import Worker
 from cuinterpose.engine import wire
 
-from tests import simenv
+from tests import simenv, snippet
 from tests.shim import shimenv
 from tests.simenv import Spawn
 
@@ -88,6 +88,7 @@ check(cu.cuMemUnmap(va, gran)); check(cu.cuMemRelease(h)); check(cu.cuMemAddress
 
 
 # ---------------------------------------------------------------- transport
+@pytest.mark.threads  # make tsan
 def test_socket_mode_and_handshake(spawn: Spawn, control_dir: Path) -> None:
     w = spawn()
     shim = Shim(control_dir, w.pid)
@@ -419,22 +420,7 @@ for k, v in (('raw', 'rva'), ('u', 'uva')):
 
 
 # ---------------------------------------------------------------- the phase machine
-NATIVE = r"""
-check(cu.cuInit(0))
-states = []
-for pid in PIDS:
-    a = cu.CUcheckpointLockArgs()
-    a.timeoutMs = 10000
-    check(cu.cuCheckpointProcessLock(pid, a))
-for pid in PIDS:
-    check(cu.cuCheckpointProcessCheckpoint(pid, cu.CUcheckpointCheckpointArgs()))
-states = [int(check(cu.cuCheckpointProcessGetState(pid))) for pid in PIDS]
-for pid in PIDS:
-    check(cu.cuCheckpointProcessRestore(pid, cu.CUcheckpointRestoreArgs()))
-for pid in PIDS:
-    check(cu.cuCheckpointProcessUnlock(pid, cu.CUcheckpointUnlockArgs()))
-result = states
-"""
+NATIVE = snippet.load(__file__, "native")
 
 
 def native_checkpoint_restore(spawn: Spawn, namespace: str, pids: list[int]) -> list[int]:
@@ -460,6 +446,7 @@ RESTORE = [
 ]
 
 
+@pytest.mark.threads  # make tsan
 @pytest.mark.parametrize("mode", ["host", "private-native", "native"])
 def test_unicast_cycle(spawn: Spawn, control_dir: Path, sim_namespace: str, mode: str) -> None:
     """The whole unicast cycle; ``host``: the creator stages its shared and its private

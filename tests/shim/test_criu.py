@@ -32,7 +32,8 @@ from tests.shim.agentgroup import WorkerBackend
 from tests.shim.workers.criu_tree import Tree, TreeGroup, subreaper, thread_states
 from tests.simenv import REPO, Spawn
 
-pytestmark = pytest.mark.slow
+# Dumps and restores whole process trees with CRIU: longer than the default timeout.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # What the action script needs of this environment: the simulated driver (and the
 # sanitizer runtime it is built with) for its native calls.

@@ -28,6 +28,7 @@ from cuinterpose.engine import (
     wire,
 )
 
+from tests import snippet
 from tests.shim import shimenv
 from tests.shim.pair import Pair, running_as_before, share
 from tests.shim.workers.cycle import assert_still_active, cli
@@ -278,24 +279,8 @@ def test_the_control_path_limit_is_the_same_for_launch_the_shim_and_the_coordina
 
 # -- a shim out of file descriptors ----------------------------------------------------------
 
-FILL_FDS = """
-import resource
-soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 32, hard))
-FILLED = []
-try:
-    while True:
-        FILLED.append(os.open('/dev/null', os.O_RDONLY))
-except OSError:
-    pass
-result = len(FILLED)
-"""
-FREE_FDS = """
-for fd in FILLED:
-    os.close(fd)
-resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-result = len(FILLED)
-"""
+FILL_FDS = snippet.load(__file__, "fill_fds")
+FREE_FDS = snippet.load(__file__, "free_fds")
 
 
 def test_a_shim_out_of_file_descriptors_is_named_at_once(

@@ -17,6 +17,7 @@ import pytest
 from cuinterpose.demo import Worker
 from cuinterpose.engine import wire
 
+from tests import snippet
 from tests.shim import shimenv
 from tests.simenv import Spawn
 
@@ -96,26 +97,7 @@ result = [same, rel, alive, revived, gone, err(cu.cuMemRelease(h))]
     ]
 
 
-FORK = r"""
-import time
-flag = FLAG
-r, wfd = os.pipe()
-pid = os.fork()
-if pid == 0:
-    os.close(r)
-    # The first tracked call in the child starts its own control server.
-    e = cu.cuMemRelease(cu.CUmemGenericAllocationHandle(int(H['x'])))
-    os.write(wfd, (err(e) + "\n").encode())
-    deadline = time.time() + 20
-    while not os.path.exists(flag) and time.time() < deadline:
-        time.sleep(0.02)
-    os._exit(0)
-os.close(wfd)
-line = os.read(r, 100).decode().strip()
-os.close(r)
-H['child'] = pid
-result = {"child": pid, "err": line}
-"""
+FORK = snippet.load(__file__, "fork")
 
 
 @pytest.mark.parametrize("pinned", [False, True])

@@ -149,6 +149,7 @@ def test_a_damaged_endpoint_heals_while_suspended(
     running_as_before(pair, write_seed=SEED + 2)
 
 
+@pytest.mark.threads  # make tsan
 def test_a_command_sent_right_after_the_removal_reaches_the_shim(
     spawn: Spawn,
     shim_env: dict[str, str],

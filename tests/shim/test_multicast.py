@@ -45,7 +45,7 @@ from cuinterpose.engine import (
 )
 from cuinterpose.engine.validate import validate
 
-from tests import simenv
+from tests import simenv, snippet
 from tests.shim import shimenv
 from tests.shim.test_rollback import Team as RollbackTeam
 from tests.simenv import Spawn
@@ -60,24 +60,7 @@ TIMEOUT_S = 60.0  # a phase's deadline (a hang fails), not a bound on speed
 RW = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
 
 # After shimenv.WORKER_SETUP: this worker's own device DEV becomes current.
-MC_SETUP = r"""
-ctx = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(DEV))))
-check(cu.cuCtxSetCurrent(ctx))
-def mcprop(n, size):
-    p = cu.CUmulticastObjectProp()
-    p.numDevices = n; p.size = size; p.handleTypes = int(POSIX); p.flags = 0
-    return p
-def get_access(va):
-    loc = cu.CUmemLocation()
-    loc.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    loc.id = DEV
-    return int(check(cu.cuMemGetAccess(loc, va)))
-def mc_map(h, size):
-    va = reserve(size)
-    check(cu.cuMemMap(va, size, 0, h, 0))
-    check(access(va, size, device=DEV))
-    return va
-"""
+MC_SETUP = snippet.load(__file__, "mc_setup")
 
 
 @attrs.define

@@ -18,6 +18,7 @@ import pytest
 from cuinterpose.demo import Worker, pattern_digest
 from cuinterpose.engine import Interrupted, Options, PhaseEvent, capture, endpoint_for
 
+from tests import snippet
 from tests.shim.legacy import BIG, SMALL, share_legacy, shared_both_ways
 from tests.shim.workers.cycle import assert_refused, cli
 from tests.simenv import Spawn
@@ -168,15 +169,7 @@ def test_a_capture_stopped_after_any_phase_rolls_back_legacy_sharing(
 
 # --- what the shim does not own refuses the capture, before anything changes ------------
 
-POOL_SETUP = """
-import ctypes
-POSIX = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-props = cu.CUmemPoolProps()
-props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-props.handleTypes = POSIX
-props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-props.location.id = 0
-"""
+POOL_SETUP = snippet.load(__file__, "pool_setup")
 
 
 def _dir(parent: Path, name: str) -> Path:
@@ -290,21 +283,7 @@ def test_a_shared_memory_pool_refuses(
     importer.close_clean()
 
 
-PEERS = """
-import ctypes
-ctx0 = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(0))))
-ctx1 = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(1))))
-check(cu.cuCtxSetCurrent(ctx0))
-a = int(check(cu.cuMemAlloc(1 << 20)))
-check(cu.cuMemsetD8(a, 7, 1 << 20))
-def read_from_1(ptr):
-    check(cu.cuCtxSetCurrent(ctx1))
-    buf = ctypes.create_string_buffer(16)
-    try:
-        return err(cu.cuMemcpyDtoH(buf, ptr, 16)), buf.raw[0]
-    finally:
-        check(cu.cuCtxSetCurrent(ctx0))
-"""
+PEERS = snippet.load(__file__, "peers")
 
 
 def test_peer_access_reaches_owned_memory(spawn: Spawn, shim_env: dict[str, str]) -> None:

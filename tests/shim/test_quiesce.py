@@ -23,6 +23,7 @@ from cuinterpose.engine import Options, PhaseFailed, agent, capture, endpoint_fo
 from cuinterpose.engine.errors import not_quiet
 from cuinterpose.engine.progress import FailedEvent, QuiesceRound
 
+from tests import snippet
 from tests.shim import shimenv
 from tests.shim.agentgroup import WorkerBackend
 from tests.simenv import Spawn
@@ -37,54 +38,7 @@ REGION = 64 << 10  # bytes of X per thread
 # memset each on their own stream, and count a write once its synchronize returned
 # success. `sync=False` leaves the synchronize out (a process that never waits, launching
 # 250 times a second: faster than the device runs them).
-LOOPS = r"""
-import threading, time
-RUN = {"stop": False, "done": [0] * THREADS, "launched": [0] * THREADS, "errors": []}
-def loop(t, base, sync):
-    check(cu.cuCtxSetCurrent(ctx))
-    s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
-    i = 0
-    while not RUN["stop"] and (i + 1) * 4 <= REGION:
-        r = err(cu.cuMemsetD32Async(base + t * REGION + 4 * i, i + 1, 1, s))
-        if r != "CUDA_SUCCESS":
-            RUN["errors"].append(f"thread {t} launch {i}: {r}")
-            return
-        RUN["launched"][t] = i + 1
-        if sync:
-            r = err(cu.cuStreamSynchronize(s))
-            if r != "CUDA_SUCCESS":
-                RUN["errors"].append(f"thread {t} sync {i}: {r}")
-                return
-            RUN["done"][t] = i + 1
-        else:
-            time.sleep(0.004)
-        i += 1
-    r = err(cu.cuStreamSynchronize(s))
-    if r != "CUDA_SUCCESS":
-        RUN["errors"].append(f"thread {t} last sync: {r}")
-    else:
-        RUN["done"][t] = RUN["launched"][t]
-def start(base, sync=True):
-    RUN["threads"] = [threading.Thread(target=loop, args=(t, base, sync), daemon=True)
-                      for t in range(THREADS)]
-    for th in RUN["threads"]:
-        th.start()
-def stop():
-    RUN["stop"] = True
-    for th in RUN["threads"]:
-        th.join()
-def missing(base):
-    # words that a thread counted as written but that do not hold their value
-    bad = []
-    for t in range(THREADS):
-        n = RUN["done"][t]
-        buf = ctypes.create_string_buffer(4 * n)
-        if n:
-            check(cu.cuMemcpyDtoH(ctypes.addressof(buf), base + t * REGION, 4 * n))
-        words = [int.from_bytes(buf.raw[4 * i:4 * i + 4], "little") for i in range(n)]
-        bad += [f"thread {t} word {i}: {w}" for i, w in enumerate(words) if w != i + 1]
-    return bad
-"""
+LOOPS = snippet.load(__file__, "loops")
 
 
 # Two ranks looping "collective N (cuLaunchHostFunc of the simulator's
@@ -92,61 +46,7 @@ def missing(base):
 # N + 1 to word N of the rank's region of X; synchronize". A rank told to pause stops
 # between its launches and its synchronize, as a rank busy on the host would: its peer
 # then launches N + 1 and waits for it, one collective ahead.
-COLLECTIVE = r"""
-import mmap, os, threading
-LIB = ctypes.CDLL("libcuda.so.1")
-LAUNCH = ctypes.CDLL(None).cuLaunchHostFunc  # the shim's: through the gate
-LAUNCH.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-FN = ctypes.cast(LIB.cuinterposeSimCollective, ctypes.c_void_p).value
-class Coll(ctypes.Structure):
-    _fields_ = [("arrived", ctypes.c_void_p), ("abandon", ctypes.c_void_p),
-                ("rank", ctypes.c_uint32), ("ranks", ctypes.c_uint32)]
-ARENA = {}
-def join(path, rank):
-    fd = os.open(path, os.O_RDWR)
-    ARENA["map"] = m = mmap.mmap(fd, 4096)
-    os.close(fd)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    ARENA["coll"] = Coll(base, base + 64, rank, 2)
-RUN = {"stop": False, "done": 0, "launched": 0, "errors": [], "pause": False, "paused_at": None}
-GO = threading.Event()
-def coll_loop(base):
-    check(cu.cuCtxSetCurrent(ctx))
-    s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
-    i = 0
-    while not RUN["stop"] and (i + 1) * 4 <= REGION:
-        r = LAUNCH(int(s), FN, ctypes.addressof(ARENA["coll"]))
-        if r == 0:
-            r = err(cu.cuMemsetD32Async(base + 4 * i, i + 1, 1, s))
-        if r not in (0, "CUDA_SUCCESS"):
-            RUN["errors"].append(f"launch {i}: {r}")
-            return
-        RUN["launched"] = i + 1
-        if RUN["pause"]:
-            RUN["paused_at"] = i
-            GO.wait()
-        r = err(cu.cuStreamSynchronize(s))
-        if r != "CUDA_SUCCESS":
-            RUN["errors"].append(f"sync {i}: {r}")
-            return
-        RUN["done"] = i + 1
-        i += 1
-def coll_start(base):
-    RUN["thread"] = threading.Thread(target=coll_loop, args=(base,), daemon=True)
-    RUN["thread"].start()
-def coll_stop():
-    RUN["stop"] = True
-    ctypes.c_uint32.from_address(ARENA["coll"].abandon).value = 1  # a peer may be gone
-    GO.set()
-    RUN["thread"].join()
-def coll_missing(base):
-    n = RUN["done"]
-    buf = ctypes.create_string_buffer(4 * n)
-    if n:
-        check(cu.cuMemcpyDtoH(ctypes.addressof(buf), base, 4 * n))
-    words = [int.from_bytes(buf.raw[4 * i:4 * i + 4], "little") for i in range(n)]
-    return [f"word {i}: {w}" for i, w in enumerate(words) if w != i + 1]
-"""
+COLLECTIVE = snippet.load(__file__, "collective")
 
 
 def _ranks(spawn: Spawn, shim_env: dict[str, str], arena: Path) -> tuple[Worker, Worker]:
@@ -291,6 +191,7 @@ def _running(
     return group, WorkerBackend(observer), agent.Where(Path(shim_env["SNAPSHOT_CONTROL_DIR"]))
 
 
+@pytest.mark.threads  # make tsan
 def test_a_running_group_is_suspended_and_resumed_without_a_lost_update(
     spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -337,6 +238,7 @@ def test_without_the_gate_the_same_suspend_loses_updates_or_faults(
 # The shim's own deadline (counted from the first round: the shim refuses and opens its
 # gate), or a shorter one the embedder gives the rounds (the coordinator stops asking;
 # the shim's last answer was PENDING, and the run's RELEASE opens its gate).
+@pytest.mark.threads  # make tsan
 @pytest.mark.parametrize(("setting_s", "sent_s"), [("1.5", None), ("30", 0.3)], ids=["own", "sent"])
 def test_a_process_that_never_synchronizes_is_refused_and_runs_on(
     spawn: Spawn,
@@ -385,6 +287,7 @@ def test_a_process_that_never_synchronizes_is_refused_and_runs_on(
         assert w("result = missing(X)") == [], w.name
 
 
+@pytest.mark.threads  # make tsan
 def test_a_coordinator_killed_while_quiesced_leaves_the_gates_open(
     spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
 ) -> None:

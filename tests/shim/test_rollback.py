@@ -30,7 +30,7 @@ import pytest
 from cuinterpose.demo import Worker
 from cuinterpose.engine import client, wire
 
-from tests import simenv
+from tests import simenv, snippet
 from tests.shim import shimenv
 from tests.shim.test_content import FILL_REGISTRATIONS, UNREGISTER_ALL
 from tests.shim.test_control import CAPTURE, RESTORE, app_still_works
@@ -296,15 +296,7 @@ SMALL = {"CUINTERPOSE_SIM_MEM_MIB": "64"}
 
 # Fill the device until cuMemCreate answers OUT_OF_MEMORY (the hog runs without the
 # shim, in the team's simulated node).
-HOG = r"""
-HOG = []
-while True:
-    e, h = cu.cuMemCreate(gran, prop(), 0)
-    if e != cu.CUresult.CUDA_SUCCESS:
-        break
-    HOG.append(h)
-result = (len(HOG), err(e))
-"""
+HOG = snippet.load(__file__, "hog")
 
 
 def hog_release(n: int | None = None) -> str:

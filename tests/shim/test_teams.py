@@ -105,14 +105,7 @@ def test_a_dead_holders_lease_is_taken_over(
     token = os.urandom(16)
     # Another process takes the lease, then exits without releasing it.
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time\n"
-         "from tests.shim import shimenv\n"
-         "from cuinterpose.engine import wire\n"
-         f"reply, _ = shimenv.request({str(path)!r}, wire.Request(wire.Op.HANDSHAKE, "
-         f"authorization=bytes.fromhex({token.hex()!r})))\n"
-         "print(reply.status.name, flush=True)\n"
-         "sys.stdin.read()\n"],
+        [sys.executable, "-m", "tests.shim.workers.lease_holder", str(path), token.hex()],
         env=coordinator_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
@@ -130,6 +123,7 @@ def test_a_dead_holders_lease_is_taken_over(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # 20 races of two coordinators: about a minute on 2 loaded cores
 def test_two_coordinators_racing_prepare_never_wedge_the_group(
     spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
 ) -> None:

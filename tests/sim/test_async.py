@@ -7,9 +7,12 @@ import pytest
 
 from tests import simenv
 
-pytestmark = pytest.mark.skipif(
-    not simenv.is_simulated(), reason="CUINTERPOSE_SIM_WORK_US is the simulator's"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not simenv.is_simulated(), reason="CUINTERPOSE_SIM_WORK_US is the simulator's"
+    ),
+    pytest.mark.threads,  # the simulator's stream threads: make tsan
+]
 
 SLOW = {"CUINTERPOSE_SIM_WORK_US": "300000"}  # each queued piece of work takes 0.3 s
 

@@ -10,23 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests import simenv
+from tests import simenv, snippet
 from tests.sim.simtest import MiB, hand_over, needs_multicast, psha, sim_only
 
-CTL = r"""
-def lock(pid, t=5000):
-    a = cu.CUcheckpointLockArgs(); a.timeoutMs = t
-    return err(cu.cuCheckpointProcessLock(pid, a))
-def ckpt(pid):
-    return err(cu.cuCheckpointProcessCheckpoint(pid, cu.CUcheckpointCheckpointArgs()))
-def restore(pid):
-    return err(cu.cuCheckpointProcessRestore(pid, cu.CUcheckpointRestoreArgs()))
-def unlock(pid):
-    return err(cu.cuCheckpointProcessUnlock(pid, cu.CUcheckpointUnlockArgs()))
-def state(pid):
-    r = cu.cuCheckpointProcessGetState(pid)
-    return r[1].name.replace("CU_PROCESS_STATE_", "") if r[0] == 0 else err(r)
-"""
+CTL = snippet.load(__file__, "ctl")
 
 
 def controller(spawn):

@@ -118,6 +118,7 @@ def _run_probe(lines: int, timeout_s: float) -> list[str]:
     return got
 
 
+@pytest.mark.slow
 def test_legacy_ipc_probe_matches_the_real_driver() -> None:
     recorded = RECORD.read_text().splitlines()
     simulated = _run_probe(len(recorded), timeout_s=240)

@@ -9,7 +9,7 @@ import hashlib
 
 import pytest
 
-from tests import simenv
+from tests import simenv, snippet
 from tests.sim.simtest import (
     MiB,
     hand_over,
@@ -21,12 +21,7 @@ from tests.sim.simtest import (
 
 pytestmark = needs_multicast
 
-MC = r"""
-def mcprop(n, size, htypes=POSIX):
-    p = cu.CUmulticastObjectProp()
-    p.numDevices = n; p.size = size; p.handleTypes = int(htypes); p.flags = 0
-    return p
-"""
+MC = snippet.load(__file__, "mc")
 THREE = {"CUINTERPOSE_SIM_DEVICES": "3"}
 
 

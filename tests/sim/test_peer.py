@@ -8,20 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests import snippet
 from tests.sim.simtest import sim_only
 
-PEER = r"""
-ctx1 = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(1))))
-ACCESS = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_ACCESS_FLAGS
-def on(c, fn):
-    check(cu.cuCtxPushCurrent(c))
-    try:
-        return fn()
-    finally:
-        check(cu.cuCtxPopCurrent())
-def from1(fn):
-    return on(ctx1, fn)
-"""
+PEER = snippet.load(__file__, "peer")
 
 
 def two_devices(spawn):

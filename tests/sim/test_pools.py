@@ -6,26 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests import snippet
 from tests.sim.simtest import MiB, hand_over, psha, sim_only
 from tests.sim.test_checkpoint import controller
 
-POOLS = r"""
-PA = cu.CUpointer_attribute
-def pool_props(htype=POSIX, dev=DEV):
-    p = cu.CUmemPoolProps()
-    p.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    p.handleTypes = htype
-    p.location.type = DEVICE
-    p.location.id = dev
-    return p
-def export_ptr(p):
-    data = check(cu.cuMemPoolExportPointer(p))
-    return ctypes.string_at(data.getPtr(), 64).hex()
-def import_ptr(pool, text):
-    data = cu.CUmemPoolPtrExportData()
-    ctypes.memmove(data.getPtr(), bytes.fromhex(text), 64)
-    return cu.cuMemPoolImportPointer(pool, data)
-"""
+POOLS = snippet.load(__file__, "pools")
 
 
 def worker(spawn):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tests import simenv
 from tests.sim.simtest import sim_only
+
+DRIVER_PROBE = Path(__file__).parent / "workers" / "driver_probe.py"
 
 
 def test_driver_loads_and_announces_itself(spawn):
@@ -26,29 +30,14 @@ result = dict(version=check(cu.cuDriverGetVersion()), count=check(cu.cuDeviceGet
 @sim_only
 def test_device_count_is_configurable(namespace):
     env = simenv.sim_env(devices=5, namespace=namespace)
-    p = simenv.run_python(
-        """
-from cuda.bindings import driver as cu
-cu.cuInit(0)
-print(cu.cuDeviceGetCount()[1])
-print(cu.cuDeviceGet(5)[0].name)
-""",
-        env,
-    )
+    p = simenv.run_python(DRIVER_PROBE, "count", "5", env=env)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["5", "CUDA_ERROR_INVALID_DEVICE"]
 
 
 @sim_only
 def test_ctypes_marker_and_loaded_from_build():
-    p = simenv.run_python(
-        """
-import ctypes
-lib = ctypes.CDLL("libcuda.so.1")
-print(lib.cuinterposeSimIsSimulated())
-""",
-        simenv.sim_env(),
-    )
+    p = simenv.run_python(DRIVER_PROBE, "marker", env=simenv.sim_env())
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "1"
 
@@ -56,18 +45,8 @@ print(lib.cuinterposeSimIsSimulated())
 @sim_only
 def test_not_loaded_unless_asked():
     """Without the library path, libcuda.so.1 is not the simulator."""
-    p = simenv.run_python(
-        """
-import ctypes
-try:
-    lib = ctypes.CDLL("libcuda.so.1")
-except OSError:
-    print("absent")
-else:
-    print("sim" if hasattr(lib, "cuinterposeSimIsSimulated") else "real")
-""",
-        {k: v for k, v in simenv.sim_env().items() if k != "LD_LIBRARY_PATH"},
-    )
+    env = {k: v for k, v in simenv.sim_env().items() if k != "LD_LIBRARY_PATH"}
+    p = simenv.run_python(DRIVER_PROBE, "which", env=env)
     assert p.stdout.strip() in ("absent", "real"), p.stderr
 
 
@@ -140,12 +119,6 @@ result = out
 
 
 def test_calls_before_init_fail(namespace):
-    p = simenv.run_python(
-        """
-from cuda.bindings import driver as cu
-print(cu.cuDeviceGetCount()[0].name)
-""",
-        simenv.sim_env(namespace=namespace),
-    )
+    p = simenv.run_python(DRIVER_PROBE, "before-init", env=simenv.sim_env(namespace=namespace))
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "CUDA_ERROR_NOT_INITIALIZED"
