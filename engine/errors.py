@@ -119,7 +119,7 @@ CHECKS: Final[Mapping[str, str]] = {
     "participants_match_state": "the check that the processes are the state file's",
     "records_match_state": "the check that the shims hold what the state file says",
     "topology_matches_capture": "the check that the restored sharing equals the captured",
-    "topology_matches_record": "the check that the rolled-back sharing equals the recorded",
+    "topology_matches_before": "the check that the rolled-back sharing equals the recorded",
     "all_can_roll_back": "the check that every process is where a rollback can start",
 }
 

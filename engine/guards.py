@@ -93,7 +93,7 @@ def all_can_roll_back(run: Run) -> list[Problem]:
     ]
 
 
-def topology_matches_record(run: Run) -> list[Problem]:
+def topology_matches_before(run: Run) -> list[Problem]:
     if run.captured is None or run.gone:
         return []  # nothing recorded, or survivors only: nothing whole to compare with
     if not set(run.captured.participant_ids) <= {b.participant for b in run.bound}:
@@ -159,6 +159,6 @@ GUARDS: Final[Mapping[str, GuardCheck]] = {
         records_match_state,
         topology_matches_capture,
         all_can_roll_back,
-        topology_matches_record,
+        topology_matches_before,
     )
 }

@@ -413,7 +413,7 @@ def _state_of(run: Run) -> CheckpointState:
 
 def read_topology_before(run: Run) -> None:
     """The topology before the capture, as the checkpoint directory keeps it: the
-    intent's, else the state file's (the rollback's READ_RECORD step)."""
+    intent's, else the state file's (the rollback's READ_TOPOLOGY step)."""
     if run.captured is not None:  # handed over by the run that failed
         return
     try:
@@ -457,6 +457,6 @@ def _nothing(run: Run) -> None:
 ACTIONS: Final[Mapping[Action, Callable[[Run], None]]] = {
     Action.WRITE_STATE: write_state_file,
     Action.READ_STATE: read_state_file,
-    Action.READ_RECORD: read_topology_before,
+    Action.READ_TOPOLOGY: read_topology_before,
     Action.NOTHING: _nothing,
 }

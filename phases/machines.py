@@ -236,7 +236,7 @@ ROLLBACK = MachineSpec(
         ),
         _TOPOLOGY_VALID,
         Guard(
-            "topology_matches_record",
+            "topology_matches_before",
             "the topology equals the one recorded before the capture, where one is recorded "
             "and every recorded participant answered",
             Refusal.TOPOLOGY,
@@ -244,16 +244,16 @@ ROLLBACK = MachineSpec(
     ),
     steps=(
         Step(
-            "READ_RECORD",
+            "READ_TOPOLOGY",
             "start",
-            "record_read",
+            "topology_read",
             "read the intent or the state file, where the checkpoint directory holds one",
             progress=ProgressKind.NONE,
-            action=Action.READ_RECORD,
+            action=Action.READ_TOPOLOGY,
         ),
         Step(
             "HANDSHAKE",
-            "record_read",
+            "topology_read",
             "handshaken",
             "bind every endpoint still served to its participant id and pid",
             op="HANDSHAKE",
@@ -287,7 +287,7 @@ ROLLBACK = MachineSpec(
             "inspected",
             "rolled_back",
             "validate the topology and compare it with the recorded one",
-            guards=("topology_valid", "topology_matches_record"),
+            guards=("topology_valid", "topology_matches_before"),
             progress=ProgressKind.NONE,
             action=Action.NOTHING,
         ),

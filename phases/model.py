@@ -47,7 +47,7 @@ class Action(enum.Enum):
 
     WRITE_STATE = "write_state"
     READ_STATE = "read_state"
-    READ_RECORD = "read_record"  # the intent or state file, when the directory holds one
+    READ_TOPOLOGY = "read_topology"  # the intent or state file, when the directory holds one
     NOTHING = "nothing"  # the step's guards are the whole step
 
 
