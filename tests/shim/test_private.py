@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cuinterpose.demo import Worker, coordinator_env
+from cuinterpose.demo import Worker
 from cuinterpose.engine import statefile, wire
 
 from tests import simenv, snippet
@@ -224,7 +224,8 @@ def test_state_file_and_topology_with_private_allocations(
     extra = {} if staged else {"SNAPSHOT_SHIM_STAGE_PRIVATE": "0"}
     w, total = private_worker(spawn, extra, seed=700)
     ckpt = tmp_path / "ckpt"
-    env = simenv.sim_env(namespace=sim_namespace)
+    # The coordinator CLI as the other tests run it (on every build, TSan's too).
+    env = shimenv.coordinator_cli_env(control_dir)
     env.pop("SNAPSHOT_CONTROL_DIR", None)
     common = ["--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir)]
     common += ["--process", str(w.pid), str(w.pid)]
@@ -232,7 +233,7 @@ def test_state_file_and_topology_with_private_allocations(
     def run(command: str, progress: str = "json") -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
             [sys.executable, "-m", "cuinterpose", command, *common, "--progress", progress],
-            env=coordinator_env(env),
+            env=env,
             capture_output=True,
             text=True,
             timeout=120,
