@@ -10,9 +10,9 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Final, NoReturn
+from typing import Any, Final, NoReturn
 
 from .engine.options import DEFAULT_PHASE_TIMEOUT_S
 
@@ -167,6 +167,32 @@ def logging_options() -> Parser:
         "--log-file", type=Path, metavar="FILE", help="append the full log (debug) to FILE"
     )
     return common
+
+
+# A verb's help: what it does, an example, and the exit statuses it can give.
+VerbHelp = tuple[str, str, str]
+
+
+def verb_adder(
+    verbs: argparse._SubParsersAction[Any], helps: Mapping[str, VerbHelp]
+) -> Callable[[str], argparse.ArgumentParser]:
+    """Adds each verb the same way, in ``cuinterpose`` and ``cuinterpose criu`` alike: its
+    help, an example and its exit statuses in ``--help``, the logging options."""
+    common = logging_options()
+
+    def add(name: str) -> argparse.ArgumentParser:
+        text, example, exits = helps[name]
+        parser: argparse.ArgumentParser = verbs.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=f"example:\n  {example}\n\n{exits}",
+            formatter_class=Formatter,
+            parents=[common],
+        )
+        return parser
+
+    return add
 
 
 PHASE_TIMEOUT_ENV: Final = "SNAPSHOT_PHASE_TIMEOUT_S"

@@ -53,9 +53,9 @@ from .arguments import (
     add_driver,
     add_endpoints,
     add_phase_timeout,
-    logging_options,
     phase_timeout,
     seconds,
+    verb_adder,
 )
 from .engine import agent, runner
 from .engine.client import Endpoint, endpoint_for
@@ -227,18 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    common = logging_options()
-
-    def sub(name: str) -> argparse.ArgumentParser:
-        text, example, exits = _VERBS[name]
-        return commands.add_parser(
-            name,
-            help=text,
-            description=text,
-            epilog=f"example:\n  {example}\n\n{exits}",
-            formatter_class=Formatter,
-            parents=[common],
-        )
+    sub = verb_adder(commands, _VERBS)
 
     suspend = sub("suspend")
     _add_agent_options(suspend)

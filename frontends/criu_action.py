@@ -49,10 +49,10 @@ from .arguments import (
     add_driver,
     add_phase_timeout,
     add_processes,
-    logging_options,
     phase_timeout,
     pid,
     seconds,
+    verb_adder,
 )
 from .engine import agent, criu
 from .engine.errors import CoordinatorError
@@ -170,18 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_TABLE,
     )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
-    common = logging_options()
-
-    def sub(name: str) -> argparse.ArgumentParser:
-        text, example, exits = _VERBS[name]
-        return verbs.add_parser(
-            name,
-            help=text,
-            description=text,
-            epilog=f"example:\n  {example}\n\n{exits}",
-            formatter_class=Formatter,
-            parents=[common],
-        )
+    sub = verb_adder(verbs, _VERBS)
 
     check = sub("check")
     _criu_option(check)
