@@ -28,7 +28,7 @@ import socket
 import stat
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -240,17 +240,27 @@ def _remaps_in_the_way(errors: Sequence[str]) -> list[str]:
     the restore removes them. One left by a dump whose restore failed or never ran
     blocks a later dump of a process with the same files (multiprocessing's semaphores
     in /dev/shm)."""
-    hints = []
-    for path in dict.fromkeys(m[1] for line in errors for m in _REMAP_TAKEN.finditer(line)):
-        hints.append(
-            f"{path} is left from an earlier dump (CRIU removes it when that dump is "
-            "restored): restore that dump first, or remove the file if it is abandoned"
-        )
-    return hints
+    found = dict.fromkeys(m[1] for line in errors for m in _REMAP_TAKEN.finditer(line))
+    return [
+        f"{path} is left from an earlier dump (CRIU removes it when that dump is "
+        "restored): restore that dump first, or remove the file if it is abandoned"
+        for path in found
+    ]
 
 
-def _stat_fields(text: str) -> list[str]:
-    return text.rsplit(")", 1)[1].split()
+def _stats(proc: Path) -> Iterator[tuple[int, list[str]]]:
+    """Every process's pid and the fields of its stat after the command (state first),
+    skipping those that end while read."""
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:
+            continue
+        _, closed, after = text.rpartition(")")
+        if closed:
+            yield int(entry.name), after.split()
 
 
 def _command(pid: int | str, proc: Path) -> str:
@@ -264,19 +274,17 @@ def _id_users(pid: int, proc: Path) -> list[str]:
     lists it. A dumped tree started in a session of its own leaves that session's id
     taken until every process of it, a helper the tree forked among them, is reaped."""
     users = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
+    for other, fields in _stats(proc):
+        state, group, session = fields[0], int(fields[2]), int(fields[3])
+        role = "session" if session == pid else "process group" if group == pid else None
+        if role is None:
             continue
         try:
-            fields = _stat_fields((entry / "stat").read_text())
-            state, group, session = fields[0], int(fields[2]), int(fields[3])
-            command = _command(entry.name, proc) or "(no command line)"
-        except (OSError, IndexError, ValueError):
+            command = _command(other, proc) or "(no command line)"
+        except OSError:
             continue  # gone meanwhile
-        role = "session" if session == pid else "process group" if group == pid else None
-        if role is not None:
-            dead = ", a zombie its parent has not reaped" if state == "Z" else ""
-            users.append(f"{role} id of pid {entry.name} ({command}{dead})")
+        dead = ", a zombie its parent has not reaped" if state == "Z" else ""
+        users.append(f"{role} id of pid {other} ({command}{dead})")
     return users
 
 
@@ -381,14 +389,8 @@ def before_restore(checkpoint_dir: Path, control_dir: Path | None) -> Prepared:
 # --------------------------------------------------------------- after the restore
 def _descendants(root: int, proc: Path) -> list[int]:
     children: dict[int, list[int]] = {}
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int(_stat_fields((entry / "stat").read_text())[1])
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-        children.setdefault(parent, []).append(int(entry.name))
+    for pid, fields in _stats(proc):
+        children.setdefault(int(fields[1]), []).append(pid)
     out, todo = [], [root]
     while todo:
         pid = todo.pop()
