@@ -61,6 +61,28 @@ def is_socket(path: Path) -> bool:
         return False
 
 
+_KINDS: Final = (
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def what_is_at(path: Path) -> str:
+    """What sits at ``path`` (not followed), in words: "nothing", "a directory", ..."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return "nothing"
+    except OSError as exc:
+        return f"something that cannot be looked at ({exc.strerror})"
+    return next((word for test, word in _KINDS if test(mode)), f"a file of mode {mode:o}")
+
+
 def shim_drivers(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> DriverReport:
     """Ask every endpoint that has a socket which driver its shim loaded."""
     asked = [e for e in endpoints if is_socket(e.path)]
