@@ -135,3 +135,34 @@ def test_the_fidelity_probe_answers_as_the_h200_under_the_shim(shim_env: dict[st
 
     found = differences(shim_env)
     assert not found, "under the shim, owned memory differs from the H200:\n" + "\n".join(found)
+
+
+def test_imports_whose_creator_is_gone_are_refused_once_saying_to_close_them(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
+) -> None:
+    from tests.shim.test_owned import captures_again
+    from tests.shim.workers.cycle import assert_refused, cli
+
+    creator = spawn("creator", shim_env)
+    importer = spawn("importer", shim_env)
+    mine = int(importer.check("alloc", size=SIZE)["va"])
+    importer.check("fill", va=mine, size=SIZE, seed=4)
+    opened, handle = [], ""
+    for k, size in enumerate((1000, 2000, 3 * MiB)):  # two share a slab: two allocations
+        va = int(creator.check("alloc", size=size)["va"])
+        creator.check("fill", va=va, size=size, seed=10 + k)
+        handle = creator.check("ipc_get", va=va)["handle"]
+        opened.append((int(importer.check("ipc_open", handle=handle)["va"]), size, 10 + k))
+    gone = bytes.fromhex(handle)[8:24].hex()  # the creator's participant id (protocol.h)
+    creator.close_clean()
+    run = cli("prepare", [importer.pid], control_dir, tmp_path)
+    assert_refused(run, f"imports 2 allocations whose creator, participant {gone}", importer.pid)
+    assert run.stderr.count("refused") == 1, run.stderr  # once, not per allocation and rule
+    assert "Close the imports in this process" in run.stderr
+    # Nothing changed: the imports still read the creator's bytes; closed, capture works.
+    for va, size, seed in opened:
+        assert importer.digest(va, size) == pattern_digest(seed, size)
+        importer.check("ipc_close", va=va)
+    captures_again([importer.pid], control_dir, tmp_path)
+    assert importer.digest(mine, SIZE) == pattern_digest(4, SIZE)
+    importer.close_clean()
