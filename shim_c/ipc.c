@@ -12,7 +12,7 @@
  * process returns the same pointer and needs its own close, a close takes
  * the opened pointer only, an open is accessible from the allocation's device
  * and from the opener's only when it is that one or lazy peer access is asked
- * for (specs/records/2026-12-01-h200-fidelity.txt).
+ * for (specs/records/2026-12-01-h200-fidelity.jsonl).
  *
  * Everything else (driver memory when ownership is off, a driver handle from
  * a process without the shim) goes to the driver and is recorded as
