@@ -112,6 +112,20 @@ def pid_exists(pid: int, proc_root: Path | None = None) -> bool:
     return True
 
 
+def is_running(pid: int, proc_root: Path | None = None) -> bool:
+    """Whether ``pid`` names a process that has not exited: one that exited and that its
+    parent has not reaped yet (a zombie, state Z or X in ``/proc/<pid>/stat``) still has
+    its pid, but takes part in nothing."""
+    if not pid_exists(pid, proc_root):
+        return False
+    try:
+        stat_line = (Path(proc_root or "/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return True  # exists (kill said so), its state unreadable: not known to be dead
+    state = stat_line.rpartition(")")[2].split()[:1]
+    return state not in (["Z"], ["X"])
+
+
 def children(pid: int) -> tuple[int, ...]:
     """The pids of ``pid``'s children (empty when /proc does not say)."""
     found: list[int] = []

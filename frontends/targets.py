@@ -89,9 +89,9 @@ def resolve(
         survivors = (
             recorded is not None
             and set(given) < set(recorded[0])
-            and all(discovery.pid_exists(observed, proc_root) for observed, _ in given)
+            and all(discovery.is_running(observed, proc_root) for observed, _ in given)
             and not any(
-                discovery.pid_exists(observed, proc_root)
+                discovery.is_running(observed, proc_root)
                 for observed, _ in set(recorded[0]) - set(given)
             )
         )
@@ -118,15 +118,14 @@ def _not_the_group(
 ) -> list[str]:
     """Why ``given`` is not the group ``source`` records: each recorded process not
     given (and whether it runs), each given one not recorded, and what to name."""
-    runs = {pair: discovery.pid_exists(pair[0], proc_root) for pair in recorded}
+    runs = {pair: discovery.is_running(pair[0], proc_root) for pair in recorded}
     lines = [
         f"the processes given are not the group recorded in {source}:",
         f"given {describe(given)}",
         f"recorded {describe(recorded)}",
     ]
     lines += [
-        f"recorded {describe([pair])} is not given: "
-        + ("it runs" if runs[pair] else "no process has that pid (it is gone)")
+        f"recorded {describe([pair])} is not given: " + _whether_it_runs(pair[0], proc_root)
         for pair in recorded
         if pair not in given
     ]
@@ -137,6 +136,14 @@ def _not_the_group(
     if alive and len(alive) < len(recorded):
         hint += f"; or only the survivors, {describe(alive)}, to leave the gone ones out"
     return [*lines, hint]
+
+
+def _whether_it_runs(pid: int, proc_root: Path | None) -> str:
+    if discovery.is_running(pid, proc_root):
+        return "it runs"
+    if discovery.pid_exists(pid, proc_root):
+        return "it exited (a zombie its parent has not reaped: it is gone)"
+    return "no process has that pid (it is gone)"
 
 
 def describe(pairs: Sequence[Pair]) -> str:

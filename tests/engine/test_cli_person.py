@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import topologies
-from cuinterpose import cli, engine, logs
+from cuinterpose import cli, engine, logs, targets
 from cuinterpose.engine import discovery
 from cuinterpose.engine.native import CudaBackend, NativeUnavailableError
 from cuinterpose.engine.wire import Op, Phase, socket_name
@@ -107,10 +107,22 @@ def test_a_recorded_process_not_given_is_named_with_whether_it_runs(work: Path) 
             code, _, err = run("prepare", *common, "--pid", str(me), "--pid", str(other.pid),
                                "--progress", "none")  # fmt: skip
             assert (code, err) == (0, "")
-            other.kill()
-            other.wait()
             stranger = os.getppid()  # runs, and is not recorded
-            code, _, err = run("restore", *common, "--pid", str(me), "--pid", str(stranger))
+            given = ["--pid", str(me), "--pid", str(stranger)]
+            code, _, err = run("restore", *common, *given)
+            assert code == cli.EXIT_FAILED
+            assert f"recorded pid {other.pid} is not given: it runs" in err, err
+            assert "survivors" not in err
+            other.kill()
+            os.waitid(os.P_PID, other.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+            code, _, err = run("restore", *common, *given)
+            assert code == cli.EXIT_FAILED
+            assert f"recorded pid {other.pid} is not given: it exited (a zombie" in err, err
+            # A zombie is gone: the survivor alone may be named (specs/recovery.md).
+            survivor = [(me, me)]
+            assert targets.resolve(survivor, work / "ckpt", proc_root=None) == survivor
+            other.wait()
+            code, _, err = run("restore", *common, *given)
             assert code == cli.EXIT_FAILED
             assert (
                 f"recorded pid {other.pid} is not given: no process has that pid (it is gone)"
