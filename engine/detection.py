@@ -131,6 +131,8 @@ def detect(
 def _no_shim_hint(process: Process, endpoint: Endpoint, where: Where) -> str:
     if not discovery.pid_exists(process.observed_pid, where.proc_root):
         return f"pid {process.observed_pid} does not exist"
+    if not discovery.is_running(process.observed_pid, where.proc_root):
+        return f"pid {process.observed_pid} exited (a zombie its parent has not reaped)"
     return discovery.missing_shim_hint(process.observed_pid, endpoint.path.parent)
 
 

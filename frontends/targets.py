@@ -161,6 +161,8 @@ def problems(pairs: Sequence[Pair], where: agent.Where, *, shim: bool) -> list[s
         if not discovery.pid_exists(o, where.proc_root):
             under = f" under {where.proc_root}" if where.proc_root is not None else ""
             lines.append(f"pid {o} does not exist (no such process{under})")
+        elif not discovery.is_running(o, where.proc_root):
+            lines.append(f"pid {o} exited (a zombie its parent has not reaped): it takes no part")
         elif shim and (there := discovery.what_is_at(endpoint.path)) != "nothing":
             lines.append(
                 f"pid {o} has no control socket: at its path {endpoint.path} there is {there},"

@@ -10,7 +10,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from functools import partial
@@ -152,6 +154,20 @@ def test_detection_refuses_a_path_that_is_not_a_socket(
         info.value
     )
     assert "does not exist" not in str(info.value)
+
+
+def test_detection_says_a_zombie_exited(work: Path) -> None:
+    control = work / "control"
+    control.mkdir()
+    child = subprocess.Popen(["sleep", "60"])
+    child.kill()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+    try:
+        with pytest.raises(agent.DetectionRefused) as info:
+            agent.detect(True, [(child.pid, child.pid)], agent.Where(control))
+    finally:
+        child.wait()
+    assert f"pid {child.pid} exited (a zombie its parent has not reaped)" in str(info.value)
 
 
 def test_detection_through_proc_root_uses_the_namespace_pid(work: Path) -> None:

@@ -282,6 +282,22 @@ def test_a_process_without_the_shim_gets_a_hint(work: Path) -> None:
     assert err.count("has no shim") == 1
 
 
+def test_a_zombie_is_said_to_have_exited(work: Path) -> None:
+    (work / "control").mkdir()
+    child = subprocess.Popen(["sleep", "60"])
+    child.kill()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+    try:
+        code, _, err = run("suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
+                           str(work / "control"), "--pid", str(child.pid), "--progress", "none",
+                           native=running([child.pid]))  # fmt: skip
+    finally:
+        child.wait()
+    assert code == cli.EXIT_FAILED
+    assert f"pid {child.pid} exited (a zombie its parent has not reaped)" in err, err
+    assert "has no shim" not in err
+
+
 def test_a_directory_on_the_socket_path_is_said_so(work: Path) -> None:
     (work / "control").mkdir()
     me = os.getpid()
