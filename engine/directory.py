@@ -62,14 +62,17 @@ def _owner(uid: int) -> str:
         return f"uid {uid}"
 
 
-def checkpoint_dir_problem(directory: Path, own_uid: int | None = None) -> str | None:
+def checkpoint_dir_problem(
+    directory: Path, own_uid: int | None = None, *, what: str = "checkpoint directory"
+) -> str | None:
     """Why the checkpoint directory cannot be trusted, or None (also when it is missing).
 
     As for the control directory: not a symbolic link (it is never followed), a real
     directory, owned by the caller (``own_uid``, default ours) or root, writable by
     nobody else (a sticky parent such as /tmp is fine for its parent, not for the
     directory itself). Otherwise its owner, or whoever may write it, could plant or
-    swap the state file between a prepare and its restore."""
+    swap the state file between a prepare and its restore. ``what`` names the directory
+    in the answer (the CRIU images directory is held to the same rule)."""
     own = os.getuid() if own_uid is None else own_uid
     path = Path(directory)
     try:
@@ -77,7 +80,7 @@ def checkpoint_dir_problem(directory: Path, own_uid: int | None = None) -> str |
     except FileNotFoundError:
         return None
     except OSError as exc:
-        return f"checkpoint directory {path}: {exc.strerror}"
+        return f"{what} {path}: {exc.strerror}"
     mode = stat.S_IMODE(st.st_mode)
     if stat.S_ISLNK(st.st_mode):
         why = "is a symbolic link (never followed)"
@@ -90,7 +93,7 @@ def checkpoint_dir_problem(directory: Path, own_uid: int | None = None) -> str |
     else:
         return None
     return (
-        f"checkpoint directory {path} {why} (owner {_owner(st.st_uid)}, mode {mode:04o}): "
+        f"{what} {path} {why} (owner {_owner(st.st_uid)}, mode {mode:04o}): "
         "not trusted; use a directory of your own, mode 0700 or 0755"
     )
 

@@ -37,6 +37,15 @@ def work() -> Iterator[Path]:
         yield path
 
 
+@pytest.fixture(autouse=True)
+def group_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The fake participants' pids as the tree of pid 1 (they are no processes), for the
+    check that a dump's --tree holds every process of the group."""
+    proc = fake_proc(tmp_path / "proc", {1: (0, [1]), **{p: (1, [p]) for p in PIDS}})
+    monkeypatch.setattr(criu, "PROC", proc)
+    return proc
+
+
 def fake_criu(path: Path, *, version: str = "4.2", check: int = 0, dump: int = 0) -> Path:
     """A stand-in ``criu``: its version, ``check``'s status, ``dump``'s status (a failed
     dump writes an error line to its ``-o`` log, as CRIU does)."""
