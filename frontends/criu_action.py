@@ -238,7 +238,9 @@ def _native(
     injected = _native_backend()
     if injected is not None:
         return injected
-    return drivers.LateBackend(args.driver, lambda: [where.endpoint(p) for p in processes()])
+    return drivers.LateBackend(
+        args.driver, lambda: [where.endpoint(p) for p in processes()], proc_root=args.proc_root
+    )
 
 
 def _before_dir(args: argparse.Namespace, where: agent.Where) -> Path | None:
