@@ -7,12 +7,12 @@ simulated driver of this installation. ``system``: the loader's search.
 
 A report is the workload's word, and loading a library runs its constructors in
 the coordinator (often root): only a driver the coordinator finds by itself is
-loaded, the system's ``libcuda.so.1`` as the dynamic linker finds it or this
-installation's simulated one, and only when the file the process reports is that
-file (``st_dev``/``st_ino``). The path loaded is the coordinator's own, never the
-reported one. Through ``--proc-root`` a reported path is the container's: the
-file is taken from the process's own mappings (``<proc-root>/<pid>/maps``), not
-looked up in this mount namespace.
+loaded, the system's ``libcuda.so.1`` as the dynamic linker finds it or one of this
+installation's simulated ones (``artifacts.sim_drivers``), and only when the file
+the process reports is that file (``st_dev``/``st_ino``). The path loaded is the
+coordinator's own, never the reported one. Through ``--proc-root`` a reported path
+is the container's: the file is taken from the process's own mappings
+(``<proc-root>/<pid>/maps``), not looked up in this mount namespace.
 """
 
 from __future__ import annotations
@@ -72,13 +72,6 @@ def system_driver() -> Path | None:
     return None
 
 
-def _sim_driver() -> Path | None:
-    try:
-        return artifacts.sim_library_dir() / DRIVER_NAME
-    except artifacts.ArtifactMissingError:
-        return None
-
-
 def _identity(path: Path) -> Identity | None:
     try:
         st = os.stat(path)
@@ -113,15 +106,12 @@ def trusted(report: discovery.DriverReport, proc_root: Path | None = None) -> st
     reported = report.one()
     if reported is None:
         return None
-    candidates = {
-        name: path
-        for name, path in (
-            ("this installation's simulated driver", _sim_driver()),
-            ("the system's driver", system_driver()),
-        )
-        if path is not None
-    }
-    known = {_identity(path): path for path in reversed(candidates.values())}
+    system = system_driver()
+    candidates = [
+        *(("this installation's simulated driver", path) for path in artifacts.sim_drivers()),
+        *([("the system's driver", system)] if system is not None else []),
+    ]
+    known = {_identity(path): path for _, path in reversed(candidates)}
     chosen: Path | None = None
     for pid in report.drivers:
         found: Identity | str
@@ -134,7 +124,7 @@ def trusted(report: discovery.DriverReport, proc_root: Path | None = None) -> st
         path = known.get(found) if not isinstance(found, str) else None
         if path is None:
             why = found if isinstance(found, str) else "it is another file"
-            offered = "; ".join(f"{name} {path}" for name, path in candidates.items())
+            offered = "; ".join(f"{name} {path}" for name, path in candidates)
             raise NativeUnavailableError(
                 f"refused to load the CUDA driver {reported} that pid {pid} reports: {why}, "
                 "not one this coordinator trusts, compared by file identity ("
