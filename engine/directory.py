@@ -3,7 +3,8 @@
 Besides the state file, a directory holds:
 
 - ``cuinterpose.lock``: locked (``flock``) by the coordinator working on the
-  directory, and holding its pid, so that a second one is refused by name;
+  directory, and holding its pid, so that a second one is refused by name; removed
+  by the run that created it when it ends;
 - ``cuinterpose.intent``: written durably before a capture's first destructive
   op (participants and topology, as in the state file) and removed once the
   state file is written or the group is rolled back; present, it says a
@@ -114,11 +115,38 @@ def _holder(fd: int) -> str:
     return f"coordinator pid {text}" if text.isdigit() else "another coordinator"
 
 
+def _open_lock(path: Path) -> tuple[int, bool]:
+    """The lock file's descriptor, and whether this call created it."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
+        except FileExistsError:
+            return os.open(path, flags), False
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DirectoryBusy(f"{path} is a symbolic link; refused") from exc
+        raise
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (a holder that created the
+    lock file removes it when it is done: a lock taken on the removed file is no lock)."""
+    try:
+        named = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
 @contextlib.contextmanager
 def locked(directory: Path) -> Iterator[None]:
     """Hold the directory's lock for the block; :class:`DirectoryBusy` when another does.
 
-    The lock dies with its holder, so a killed coordinator leaves nothing to clean up.
+    The lock dies with its holder, so a killed coordinator leaves nothing to clean up;
+    a run that created the lock file removes it when it is done (still holding the
+    lock), so that a run, refused or not, leaves the directory as it found it.
     """
     path = Path(directory) / LOCK_FILE_NAME
     problem = checkpoint_dir_problem(Path(directory))
@@ -127,25 +155,33 @@ def locked(directory: Path) -> Iterator[None]:
     if not Path(directory).is_dir():
         yield  # nothing there to protect; the machine's own checks say what is missing
         return
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise DirectoryBusy(f"{path} is a symbolic link; refused") from exc
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise DirectoryBusy(f"{path} is not a regular file")
+    for _ in range(8):  # each retry: a holder removed the file between open and flock
+        fd, created = _open_lock(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DirectoryBusy(
-                f"checkpoint directory {directory} is in use by {_holder(fd)}"
-            ) from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise DirectoryBusy(f"{path} is not a regular file")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise DirectoryBusy(
+                    f"checkpoint directory {directory} is in use by {_holder(fd)}"
+                ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(fd, path):
+            break
+        os.close(fd)
+    else:
+        raise DirectoryBusy(f"checkpoint directory {directory}: its lock file keeps changing")
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
+        if created:
+            with contextlib.suppress(OSError):
+                path.unlink()
         os.close(fd)
 
 
