@@ -270,9 +270,9 @@ def test_a_run_leaves_the_directory_as_it_found_it(work: Path) -> None:
         assert list(ckpt.iterdir()) == []
     with locked(ckpt):
         assert [p.name for p in ckpt.iterdir()] == ["cuinterpose.lock"]
-        with pytest.raises(DirectoryBusy, match=f"in use by coordinator pid {os.getpid()}"):
-            with locked(ckpt):
-                pass
+        busy = pytest.raises(DirectoryBusy, match=f"in use by coordinator pid {os.getpid()}")
+        with busy, locked(ckpt):
+            pass
     assert list(ckpt.iterdir()) == []
     (ckpt / "cuinterpose.lock").write_text("")  # left by an older version: kept
     with locked(ckpt):
