@@ -58,18 +58,21 @@ def _cached(name: str) -> list[str]:
     return []
 
 
-def system_driver() -> Path | None:
-    """The ``libcuda.so.1`` ``dlopen`` would find here: LD_LIBRARY_PATH, the linker's
-    cache, its default directories (None: there is none)."""
+def system_drivers() -> tuple[Path, ...]:
+    """Every ``libcuda.so.1`` ``dlopen`` could find here, in its order: LD_LIBRARY_PATH,
+    the linker's cache (each architecture's entry), its default directories."""
     dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
-    for path in [
+    found = [
         *(os.path.join(d, DRIVER_NAME) for d in dirs),
         *_cached(DRIVER_NAME),
         *(os.path.join(d, DRIVER_NAME) for d in _DEFAULT_DIRS),
-    ]:
-        if os.path.isfile(path):
-            return Path(path)
-    return None
+    ]
+    return tuple(dict.fromkeys(Path(p) for p in found if os.path.isfile(p)))
+
+
+def system_driver() -> Path | None:
+    """The ``libcuda.so.1`` ``dlopen`` would find first here (None: there is none)."""
+    return next(iter(system_drivers()), None)
 
 
 def _identity(path: Path) -> Identity | None:
@@ -106,10 +109,9 @@ def trusted(report: discovery.DriverReport, proc_root: Path | None = None) -> st
     reported = report.one()
     if reported is None:
         return None
-    system = system_driver()
     candidates = [
         *(("this installation's simulated driver", path) for path in artifacts.sim_drivers()),
-        *([("the system's driver", system)] if system is not None else []),
+        *(("the system's driver", path) for path in system_drivers()),
     ]
     known = {_identity(path): path for _, path in reversed(candidates)}
     chosen: Path | None = None
