@@ -621,7 +621,7 @@ def dump(
         raise CriuDumpFailed("criu dump failed:", lines, restored=True) from failure
     try:
         manifest = seal(images, Path(checkpoint_dir))
-    except (OSError, StateFileError) as exc:
+    except (OSError, StateFileError, AgentError) as exc:
         raise AgentError(
             f"criu dump wrote the images to {images}, but they could not be sealed:",
             [str(exc), "`cuinterpose criu restore` refuses them; dump the group again"],

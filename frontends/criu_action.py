@@ -62,6 +62,7 @@ from .engine.errors import CoordinatorError
 from .engine.native import NativeBackend, NativeUnavailableError
 from .engine.options import Options
 from .engine.released import size
+from .engine.statefile import StateFileError
 
 PROG: Final = "cuinterpose criu"
 ACTION_ENV: Final = "CRTOOLS_SCRIPT_ACTION"
@@ -516,7 +517,14 @@ def _action(
         if images is None:
             unsealed = f"post-dump: ${IMAGES_ENV} is not set: the images are not sealed"
             return _finish(args, stdout, stderr, EXIT_FAILED, [unsealed])
-        criu_images.seal(images, args.checkpoint_dir)
+        try:
+            criu_images.seal(images, args.checkpoint_dir)
+        except (OSError, StateFileError) as exc:
+            resume = shlex.join(["cuinterpose", "resume", "--checkpoint-dir",
+                                 str(args.checkpoint_dir)])  # fmt: skip
+            return _finish(args, stdout, stderr, EXIT_FAILED, [
+                f"post-dump: the images in {images} could not be sealed: {exc}",
+                f"criu leaves the tree running, suspended: {resume}"])  # fmt: skip
         return _finish(args, stdout, stderr, EXIT_OK, step=step, images=str(images))
     if step == "pre-restore":
         named = environ.get(IMAGES_ENV)
