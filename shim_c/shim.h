@@ -131,6 +131,10 @@ struct shim_settings {
      * is not visible in our pid namespace) lapses after this long without a
      * request from it. */
     long lease_idle_ms;
+    /* SNAPSHOT_LEASE_HANDSHAKE_S: a lease whose holder sent nothing past
+     * HANDSHAKE and INSPECT is another coordinator's to take this long after
+     * it was taken (a stray HANDSHAKE must not hold the group). */
+    long lease_handshake_ms;
     /* SNAPSHOT_SHIM_TRUST_UID, a test hook: the one uid trusted instead of
      * root and our own (peers, servers, the control dir's owner); -1 unset. */
     long trust_uid;
@@ -306,7 +310,9 @@ struct shim_lease {
     pid_t pid;             /* the holder as SO_PEERCRED showed it; 0: not visible here */
     int pidfd;             /* watches `pid` (pidfd_open); -1 when unavailable */
     int64_t since_s;       /* wall clock when taken, for messages */
+    uint64_t taken_ns;     /* monotonic: when taken */
     uint64_t last_ns;      /* monotonic: the holder's latest request */
+    bool acting;           /* the holder sent an op past HANDSHAKE and INSPECT */
 };
 
 struct shim_state {
