@@ -49,7 +49,13 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but usage errors raise :class:`UsageError` instead of exiting."""
+    """argparse, but usage errors raise :class:`UsageError` instead of exiting, and an
+    abbreviated option is refused (``--check`` is not ``--checkpoint-dir``: a later
+    option starting the same would silently change what it means)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
@@ -167,6 +173,28 @@ def logging_options() -> Parser:
         "--log-file", type=Path, metavar="FILE", help="append the full log (debug) to FILE"
     )
     return common
+
+
+def add_early_logging(parser: argparse.ArgumentParser) -> None:
+    """``-v``/``-q``/``--log-file`` before the verb too (``cuinterpose -v status``): kept
+    apart (a verb's own defaults would overwrite them) and merged by :func:`merge_logging`."""
+    parser.add_argument("-v", "--verbose", dest="early_verbose", action="count", default=0,
+                        help="as each verb's -v")  # fmt: skip
+    parser.add_argument("-q", "--quiet", dest="early_quiet", action="store_true",
+                        help="as each verb's -q")  # fmt: skip
+    parser.add_argument("--log-file", dest="early_log_file", type=Path, metavar="FILE",
+                        help="as each verb's --log-file")  # fmt: skip
+
+
+def merge_logging(args: argparse.Namespace) -> None:
+    """The logging options given before the verb, added to those given after it."""
+    verbose = getattr(args, "verbose", 0) + getattr(args, "early_verbose", 0)
+    quiet = getattr(args, "quiet", False) or getattr(args, "early_quiet", False)
+    if verbose and quiet:
+        raise UsageError("cuinterpose: error: -v and -q cannot be given together")
+    args.verbose, args.quiet = verbose, quiet
+    if getattr(args, "log_file", None) is None:
+        args.log_file = getattr(args, "early_log_file", None)
 
 
 # A verb's help: what it does, an example, and the exit statuses it can give.

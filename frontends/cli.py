@@ -51,13 +51,15 @@ from .arguments import (
     Parser,
     UsageError,
     add_driver,
+    add_early_logging,
     add_endpoints,
     add_phase_timeout,
+    merge_logging,
     phase_timeout,
     seconds,
     verb_adder,
 )
-from .engine import agent, runner
+from .engine import agent, discovery, runner
 from .engine.client import Endpoint, endpoint_for
 from .engine.errors import CoordinatorError, Refused
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
@@ -94,12 +96,23 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _add_progress(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "human", "json", "none"),
+        default="auto",
+        help="how the run is told on stdout: auto, human on a terminal and JSON lines "
+        "otherwise (nothing with -q); human; json, one object a line ending in a summary "
+        "with the outcome and the exit code; none",
+    )
+
+
 def _add_machine_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     parser.add_argument(
         "--checkpoint-dir", type=Path, required=True, help="where the state file is kept"
     )
     add_endpoints(parser, required=required)
-    parser.add_argument("--progress", choices=("human", "json", "none"), default="human")
+    _add_progress(parser)
     add_phase_timeout(parser)
     parser.add_argument("--trace", type=Path, metavar="FILE", help="record the run as JSON lines")
     parser.add_argument(
@@ -117,12 +130,7 @@ def _add_agent_options(parser: argparse.ArgumentParser, *, required: bool = True
         help="where the manifest and the state file are kept",
     )
     add_endpoints(parser, required=required)
-    parser.add_argument(
-        "--progress",
-        choices=("auto", "human", "json", "none"),
-        default="auto",
-        help="auto: human on a terminal, JSON lines otherwise",
-    )
+    _add_progress(parser)
     add_phase_timeout(parser)
     parser.add_argument(
         "--per-participant", action="store_true", help="add per-participant copy tables"
@@ -206,7 +214,14 @@ _VERBS: Final = {
     "criu": (
         "the round trip through CRIU: check, dump, restore, action-script",
         "cuinterpose criu check",
-        EXIT_TABLE + "(cuinterpose criu VERB --help: each verb's example and options)",
+        # Written out here (tests/engine/test_first_day.py keeps it criu_action's): the
+        # verbs' own parser loads only when a criu verb runs.
+        "verbs (cuinterpose criu VERB --help: each one's example and options):\n"
+        "  check          which CRIU, and does `criu check` pass\n"
+        "  dump           suspend the group, then criu dump its process tree\n"
+        "  restore        criu restore the tree, then resume the processes it recreated\n"
+        "  action-script  write an executable for criu dump/restore --action-script\n"
+        "  action         what the action script runs, per $CRTOOLS_SCRIPT_ACTION\n\n" + EXIT_TABLE,
     ),
     "demo": (
         "run the end-to-end demo",
@@ -226,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         'cuinterpose resume --checkpoint-dir DIR (README.md, "Using it").\n\n' + EXIT_TABLE,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
+    add_early_logging(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub = verb_adder(commands, _VERBS)
 
@@ -247,13 +263,31 @@ def build_parser() -> argparse.ArgumentParser:
     status_cmd = sub("status")
     add_endpoints(status_cmd, required=False)
     status_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status_cmd.add_argument(
+        "--clear-stale",
+        action="store_true",
+        help="remove the control sockets of processes that are gone (nobody listens on "
+        "them), then show the rest",
+    )
     check = sub("check")
     check.add_argument("--control-dir", type=Path, help=f"default ${CONTROL_DIR_ENV}")
     add_driver(check)
     check.add_argument("--json", action="store_true", help="print JSON instead of lines")
     launch = sub("launch")
-    launch.add_argument("--driver", choices=("sim", "system"), default="sim")
-    launch.add_argument("--control-dir", type=Path)
+    launch.add_argument(
+        "--driver",
+        choices=("auto", "sim", "system"),
+        default="auto",
+        help="the CUDA driver COMMAND runs on: auto, the system's where an NVIDIA driver "
+        "is installed, else the simulated one (the first line says which and why); sim, "
+        "the simulated GPU of this installation; system, the libcuda.so.1 the loader finds",
+    )
+    launch.add_argument(
+        "--control-dir",
+        type=Path,
+        help=f"where the shim serves its control socket (absolute; created 0700 when "
+        f"missing; default ${CONTROL_DIR_ENV}, else {DEFAULT_CONTROL_DIR})",
+    )
     launch.add_argument(
         "--pidfile", type=Path, metavar="FILE", help="write the program's pid to FILE"
     )
@@ -283,7 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_endpoints(inspect, driver=False)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
     diagram = sub("diagram")
-    diagram.add_argument("--machine", choices=sorted(MACHINES), required=True)
+    diagram.add_argument(
+        "--machine",
+        choices=sorted(MACHINES),
+        required=True,
+        help="capture (prepare, suspend's first step) or restore (restore, resume's last)",
+    )
     replay_cmd = sub("replay")
     replay_cmd.add_argument("trace", type=Path, metavar="TRACE")
     sub("sim-path")
@@ -347,6 +386,23 @@ def _fail(lines: Sequence[str], stderr: TextIO) -> int:
     return EXIT_FAILED
 
 
+def output_mode(args: argparse.Namespace, stdout: TextIO) -> str:
+    """How a verb tells its run on stdout: ``--progress`` (or ``--json``), ``auto`` being
+    human on a terminal and JSON lines otherwise; ``-q`` keeps a person's output (and
+    ``auto``'s) to nothing but the errors on stderr, while an explicit ``--progress json``
+    stays JSON."""
+    if getattr(args, "json", False):
+        return "json"
+    mode = str(getattr(args, "progress", "none"))
+    if mode == "auto":
+        mode = "human" if stdout.isatty() else "json"
+        if getattr(args, "quiet", False):
+            mode = "none"
+    if mode == "human" and getattr(args, "quiet", False):
+        mode = "none"
+    return mode
+
+
 def _progress(mode: str, stdout: TextIO) -> ProgressCallback | None:
     if mode == "none":
         return None
@@ -379,13 +435,12 @@ def _run_machine(
     progress, a last summary line with the outcome and the exit code, as suspend's."""
     code = _machine(spec, args, stdout, stderr)
     said = _machine_summary(spec, args) if code == EXIT_OK else {}
-    if args.progress == "json":
-        args.mode = "json"
+    if args.mode == "json":
         refused = isinstance(getattr(args, "failure", None), Refused)
         said.pop("lines", None)
         _finish(args.command, args, stdout, stderr, code,
                 "refused" if refused else _OUTCOMES[code], (), extra=said)  # fmt: skip
-    elif said and args.progress == "human":
+    elif said and args.mode == "human":
         with contextlib.suppress(OSError):
             for line in said["lines"]:
                 stdout.write(line + "\n")
@@ -397,6 +452,9 @@ def _machine_summary(spec: MachineSpec | None, args: argparse.Namespace) -> dict
     """What a prepare or restore did and what comes next, as suspend and resume say it:
     the lines for a person, the figures for the JSON summary (recover says its own)."""
     result = getattr(args, "result", None)
+    report = getattr(args, "recovered", None)
+    if spec is None and report is not None:
+        return {"action": report.action, "found": list(report.lines()), "lines": []}
     if spec is None or not isinstance(result, runner.CaptureResult | runner.RestoreResult):
         return {}
     moved = sum(p.transfer.allocation_bytes for p in result.phases if p.transfer is not None)
@@ -450,7 +508,7 @@ def _machine(
     if refusal is not None:
         return refusal
     stop = threading.Event()
-    where_now = _Whereabouts(_progress(args.progress, stdout), undone=not args.no_rollback)
+    where_now = _Whereabouts(_progress(args.mode, stdout), undone=not args.no_rollback)
     options = runner.Options(
         phase_timeout=timeout,
         on_progress=where_now,
@@ -463,8 +521,10 @@ def _machine(
         with _stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)):
             if spec is None:
                 report = recover(endpoints, checkpoint_dir, options)
-                for line in report.lines():
-                    stdout.write(line + "\n")
+                if args.mode == "human":
+                    with contextlib.suppress(OSError):
+                        stdout.write("".join(line + "\n" for line in report.lines()))
+                args.recovered = report
                 result: object = report.result
             elif spec is CAPTURE:  # started over when not quiet, as suspend's capture is
                 attempt = functools.partial(runner.capture, endpoints, checkpoint_dir, options)
@@ -563,10 +623,7 @@ def _agent_processes(args: argparse.Namespace) -> list[agent.Process]:
 
 def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     processes = _agent_processes(args)
-    mode = args.progress
-    if mode == "auto":
-        mode = "human" if stdout.isatty() else "json"
-    args.mode = mode
+    mode = args.mode
     shim_needed = command == "suspend" and not args.not_requested
     problems = targets.problems(args.group, _where(args), shim=shim_needed)
     if problems:
@@ -858,12 +915,31 @@ class _NoDriver:
 def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     processes = _agent_processes(args)
     where = _where(args)
+    named = bool(args.pid or args.process)
+    stale = [] if named else _stale(processes, where)
+    if stale and args.clear_stale:
+        for path in agent.remove_stale_sockets(stale, where):
+            stderr.write(f"{PROG}: removed the stale socket {path}\n")
+        processes = [p for p in processes if p not in stale]
+        args.group = [(p.observed_pid, p.namespace_pid) for p in processes]
+        stale = []
     if not processes:
-        stdout.write(f"no shim in {where.control_dir} (start a program with `{PROG} launch`)\n")
+        if args.json:
+            document = {"processes": [], "control_dir": str(where.control_dir)}
+            stdout.write(json.dumps(document) + "\n")
+        else:
+            stdout.write(f"no shim in {where.control_dir} (start a program with `{PROG} launch`)\n")
         return EXIT_OK
     gone = targets.problems(args.group, where, shim=False)
-    if gone and (args.pid or args.process):
+    if gone and named:
         return _fail(gone, stderr)
+    for process in stale:
+        path = where.endpoint(process).path
+        clear = f"{_status_command(args)} --clear-stale"
+        stderr.write(
+            f"{PROG}: note: pid {process.observed_pid} is gone: its socket {path} is stale "
+            f"(`{clear}` removes it)\n"
+        )
     try:
         rows = agent.status(processes, where, _native(args))
     except NativeUnavailableError as exc:
@@ -877,6 +953,18 @@ def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 
         render.status_table(stdout, rows)
     return EXIT_OK
+
+
+def _stale(processes: Sequence[agent.Process], where: agent.Where) -> list[agent.Process]:
+    """The processes listed by their sockets that are gone: nobody serves those sockets."""
+    return [p for p in processes if not discovery.pid_exists(p.observed_pid, where.proc_root)]
+
+
+def _status_command(args: argparse.Namespace) -> str:
+    words = [PROG, "status"]
+    if args.control_dir is not None or os.environ.get(CONTROL_DIR_ENV):
+        words += ["--control-dir", str(_control_dir(args))]
+    return shlex.join(words)
 
 
 @contextlib.contextmanager
@@ -1053,7 +1141,9 @@ def main(
             args = parser.parse_args(argv)
         except SystemExit as exit_:  # --help, or argparse's own exit
             return int(exit_.code or 0) if isinstance(exit_.code, int | None) else EXIT_USAGE
+        merge_logging(args)
         command: str = args.command
+        args.mode = output_mode(args, out)
         try:
             logs.configure(
                 verbosity=getattr(args, "verbose", 0),
@@ -1063,14 +1153,15 @@ def main(
             )
             return _dispatch(command, args, out, err)
         except targets.TargetError as error:
-            return _fail(error.lines, err)
+            return _finish(command, args, out, err, EXIT_FAILED, "refused", error.lines)
         except agent.ManifestError as error:
-            return _fail(error.lines(), err)
+            return _finish(command, args, out, err, EXIT_FAILED, "refused", error.lines())
         except OSError as exc:
             # The checkpoint directory (or a file named on the command line) is not
             # what the command needs: a plain message, never a traceback.
             where = f"{exc.filename}: " if exc.filename else ""
-            return _fail([f"{command}: {where}{exc.strerror or exc}"], err)
+            lines = [f"{command}: {where}{exc.strerror or exc}"]
+            return _finish(command, args, out, err, EXIT_FAILED, "refused", lines)
         finally:
             logs.reset()
     except UsageError as exc:

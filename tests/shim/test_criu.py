@@ -169,9 +169,10 @@ def test_a_sharing_group_goes_through_criu_dump_and_restore(
     assert agent.read_manifest(ckpt).resumed_at
     done = {e.step for e in steps if isinstance(e, agent.StepEvent) and e.status == "done"}
     assert "criu_dump" in done
-    # CRIU re-created each listener at its bind name; the shim published it again.
+    # CRIU re-created each listener at its bind name; the shim published it again, and
+    # says so only at debug level: the application's stderr is the workload's (issue 29).
     log = group.tree.log_tail(1 << 20)
-    assert log.count("control endpoint healed: the listening socket is a new one") == 2, log
+    assert "control endpoint healed" not in log, log
     assert_sharing_back(group, where, native)
 
 
