@@ -19,7 +19,7 @@ from typing import Literal, TextIO
 
 import attrs
 
-from . import artifacts
+from . import artifacts, drivers
 from .engine import discovery
 from .engine.client import control_dir_problem, endpoint_for
 from .engine.native import CudaBackend, NativeError, NativeUnavailableError, loaded_driver
@@ -61,6 +61,11 @@ def _library(control_dir: Path, driver: str) -> tuple[str | None, str]:
             raise NativeUnavailableError(str(exc)) from exc
         if reported is not None:
             return reported, "the one the shims in the control directory report"
+        # What `cuinterpose launch` would run a program on here (frontends/drivers.py).
+        chosen = drivers.installed()
+        if chosen.kind == "sim":
+            return drivers.sim_library(), f"as launch: {chosen.line()}"
+        return None, f"as launch: {chosen.line()}"
     return None, "the loader's search for libcuda.so.1"
 
 

@@ -1108,11 +1108,20 @@ def _launch(args: argparse.Namespace, stderr: TextIO) -> int:
     module = _delegate("launch", stderr)
     if module is None:
         return EXIT_FAILED
+    driver = args.driver
+    if driver == "auto":
+        chosen = drivers.installed()
+        driver, said = chosen.kind, chosen.line()
+    else:
+        said = drivers.Installed(driver, f"--driver {driver}").line()
+    with contextlib.suppress(OSError):
+        stderr.write(f"{PROG} launch: {said}\n")
+        stderr.flush()
     try:
         return int(
             module.launch(
                 command,
-                driver=args.driver,
+                driver=driver,
                 control_dir=args.control_dir,
                 pidfile=args.pidfile,
                 exec_=args.exec_,

@@ -1,14 +1,21 @@
-"""Which CUDA driver the command line's native checkpoint calls load (``--driver``).
+"""Which CUDA driver a program runs on and the native checkpoint calls load (``--driver``).
 
-``auto``: the ``libcuda.so.1`` the group's shims report (STATUS, specs/protocol.md
-"Which driver"), so that the same commands work on the simulated driver and on a
-GPU with nothing set; none reporting: the loader's own search. ``sim``: the
-simulated driver of this installation. ``system``: the loader's search.
+``auto``: for the native calls, the ``libcuda.so.1`` the group's shims report (STATUS,
+specs/protocol.md "Which driver"), else the one its manifest recorded at suspend, so
+that the same commands work on the simulated driver and on a GPU with nothing set;
+for ``launch``, and for the native calls when nothing reports one, :func:`installed`:
+the system's driver where an NVIDIA driver is installed, else the simulated one.
+``sim``: the simulated driver of this installation. ``system``: the loader's search.
 """
 
 from __future__ import annotations
 
+import ctypes.util
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Final, Literal
+
+import attrs
 
 from . import artifacts
 from .engine import discovery
@@ -16,20 +23,62 @@ from .engine.client import Endpoint
 from .engine.native import CudaBackend, NativeUnavailableError, ProcessState
 
 
-def library(choice: str, endpoints: Callable[[], Sequence[Endpoint]]) -> str | None:
+NVIDIA_PROC: Final = Path("/proc/driver/nvidia/version")
+
+
+@attrs.frozen
+class Installed:
+    """The driver ``--driver auto`` runs a program on, and why (said on launch's first line)."""
+
+    kind: Literal["sim", "system"]
+    why: str
+
+    def line(self) -> str:
+        name = "the simulated driver" if self.kind == "sim" else "the system's driver"
+        return f"on {name}: {self.why}"
+
+
+def installed(proc: Path = NVIDIA_PROC) -> Installed:
+    """The system's driver where an NVIDIA driver is installed (its kernel module answers
+    in /proc and the loader knows a ``libcuda.so.1``), else the simulated one. Nothing is
+    loaded: the coordinator may still load another driver afterwards."""
+    try:
+        version = proc.read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        return Installed("sim", f"no NVIDIA driver here (no {proc})")
+    if ctypes.util.find_library("cuda") is None:
+        return Installed(
+            "sim", f"the NVIDIA kernel driver is loaded ({proc}), but the loader finds no "
+            "libcuda.so.1 (ldconfig -p)")  # fmt: skip
+    return Installed("system", f"NVIDIA driver installed ({version})")
+
+
+def sim_library() -> str:
+    try:
+        return str(artifacts.sim_library_dir() / "libcuda.so.1")
+    except artifacts.ArtifactMissingError as exc:
+        raise NativeUnavailableError(str(exc)) from exc
+
+
+def library(
+    choice: str, endpoints: Callable[[], Sequence[Endpoint]], recorded: str | None = None
+) -> str | None:
     """The path to load (None: the loader's search); ``endpoints`` are asked (``auto``
-    only) for the shims to ask which driver they run on."""
+    only) for the shims to ask which driver they run on; none saying, ``recorded`` (the
+    manifest's), else :func:`installed`'s choice."""
     if choice == "sim":
-        try:
-            return str(artifacts.sim_library_dir() / "libcuda.so.1")
-        except artifacts.ArtifactMissingError as exc:
-            raise NativeUnavailableError(str(exc)) from exc
+        return sim_library()
     if choice == "system":
         return None
     try:
-        return discovery.shim_drivers(endpoints()).one()
+        reported = discovery.shim_drivers(endpoints()).one()
     except discovery.DriverMismatch as exc:
         raise NativeUnavailableError(f"{exc}; run one command per driver") from exc
+    if reported is not None:
+        return reported
+    if recorded is not None:
+        return recorded
+    return sim_library() if installed().kind == "sim" else None
 
 
 class LateBackend:
@@ -37,14 +86,20 @@ class LateBackend:
     that do not exist yet when the command starts (a CRIU restore recreates them, and
     their shims then say which driver they run on)."""
 
-    def __init__(self, choice: str, endpoints: Callable[[], Sequence[Endpoint]]) -> None:
+    def __init__(
+        self,
+        choice: str,
+        endpoints: Callable[[], Sequence[Endpoint]],
+        recorded: Callable[[], str | None] = lambda: None,
+    ) -> None:
         self.choice = choice
         self.endpoints = endpoints
+        self.recorded = recorded
         self._backend: CudaBackend | None = None
 
     def _chosen(self) -> CudaBackend:
         if self._backend is None:
-            self._backend = CudaBackend(library(self.choice, self.endpoints))
+            self._backend = CudaBackend(library(self.choice, self.endpoints, self.recorded()))
         return self._backend
 
     def lock(self, pid: int, timeout_ms: int) -> None:
