@@ -205,8 +205,9 @@ def run_criu(
     timeout_s: float | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> float:
-    """Run ``criu ARGS -o LOG``; its seconds, or :class:`CriuFailed` with its errors."""
-    argv = [str(criu.path), *args, "-o", str(log), "-v4"]
+    """Run ``criu ARGS -o LOG``; its seconds, or :class:`CriuFailed` with its errors.
+    ``LOG`` is made absolute: CRIU resolves ``-o`` against its work directory (``-D``)."""
+    argv = [str(criu.path), *args, "-o", os.path.abspath(log), "-v4"]
     began = time.perf_counter()
     try:
         done = subprocess.run(
@@ -494,7 +495,7 @@ def dump(
     """Suspend the group, then ``criu dump -t TREE`` into ``images_dir`` (which kills the
     tree unless ``criu_args`` say ``--leave-running``). A failed dump leaves the tree
     running: the group is resumed (:class:`CriuDumpFailed` says whether that worked)."""
-    images = Path(images_dir)
+    images = Path(os.path.abspath(images_dir))  # CRIU resolves paths against -D
     images.mkdir(parents=True, exist_ok=True)
     done = suspend(
         processes,
@@ -545,9 +546,10 @@ def restore(
     then :func:`~.agent.resume` of those processes (``where``: their control sockets
     once they run)."""
     directory = Path(checkpoint_dir)
-    images = Path(images_dir)
+    images = Path(os.path.abspath(images_dir))
     prepared = before_restore(directory, control_dir)
-    pidfile = directory / RESTORED_PIDFILE
+    # Absolute: CRIU resolves --pidfile against its work directory (the images).
+    pidfile = Path(os.path.abspath(directory / RESTORED_PIDFILE))
     pidfile.unlink(missing_ok=True)
     args = ["restore", "-d", "-D", str(images), "--pidfile", str(pidfile), *criu_args]
     timing = _timed(

@@ -19,7 +19,7 @@ from typing import Final
 
 import attrs
 
-from .client import Endpoint, call_all
+from .client import Endpoint, ParticipantError, call_all
 from .wire import SOCKET_PREFIX, SOCKET_SUFFIX, Op, Reply, Request, Status, socket_name
 
 _SOCKET_NAME: Final = re.compile(
@@ -88,6 +88,45 @@ def pid_exists(pid: int, proc_root: Path | None = None) -> bool:
     except PermissionError:
         return True  # it exists, owned by another user
     return True
+
+
+def start_ticks(pid: int, proc_root: Path | None = None) -> int:
+    """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat`` field 22); 0
+    when it cannot be read (gone, or no /proc)."""
+    proc = Path(proc_root) if proc_root is not None else Path("/proc")
+    try:
+        text = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return 0
+    fields = text.rpartition(")")[2].split()
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else 0
+
+
+def same_process(pid: int, started: int, proc_root: Path | None = None) -> bool:
+    """Whether ``pid`` still names the process that had start time ``started`` (0: not
+    recorded, then whether the pid names any process)."""
+    if not pid_exists(pid, proc_root):
+        return False
+    if not started:
+        return True
+    now = start_ticks(pid, proc_root)
+    return now in (0, started)  # unreadable (another user's): take it as the same
+
+
+def unanswered(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> list[str]:
+    """A line for each endpoint whose shim does not answer STATUS (nothing is bound or
+    changed), naming the process and where its socket was looked for."""
+    replies = call_all([(e, Request(Op.STATUS), None) for e in endpoints], timeout=timeout)
+    lines: list[str] = []
+    for endpoint, reply in zip(endpoints, replies, strict=True):
+        if isinstance(reply, Reply):
+            continue
+        why = reply.reason if isinstance(reply, ParticipantError) else str(reply)
+        lines.append(
+            f"pid {endpoint.observed_pid} (ns pid {endpoint.namespace_pid}): no shim answers "
+            f"at {endpoint.path} ({why}); looked in {endpoint.path.parent}"
+        )
+    return lines
 
 
 def children(pid: int) -> tuple[int, ...]:

@@ -6,7 +6,9 @@ The document (specs/detection.md, "The manifest")::
      "cuinterpose": {"requested": bool, "prepared": bool},
      "participants": [{"observed_pid": int, "namespace_pid": int, "participant": str|null}],
      "timings": [{"phase": str, "seconds": float, "bytes": int}],  # "phase": the step
-     "created_at": str, "resumed_at": str (once resumed)}
+     "created_at": str, "resumed_at": str (once resumed),
+     "origin": {"control_dir": str, "proc_root": str|null, "driver": str|null,
+                "started": [int, ...]}}  # where the group lives (absent before issue 29)
 
 Written and read through one cattrs converter over the classes below: strict in (an
 integer is an integer, a boolean a boolean; every problem named by its path), the
@@ -97,6 +99,21 @@ class Participant:
 
 
 @attrs.frozen
+class Origin:
+    """Where the group lived at suspend, so that a resume from another shell (or an
+    agent that knows only the directory) reaches it: the shims' control directory
+    (through ``proc_root/<observed pid>/root`` when set), the driver the shims reported
+    (None: none did), and each participant's start time in clock ticks (``/proc/PID/stat``
+    field 22, in the participants' order; 0: unknown) that tells a process gone since from
+    a new one with its pid."""
+
+    control_dir: str
+    proc_root: str | None = None
+    driver: str | None = None
+    started: tuple[int, ...] = ()
+
+
+@attrs.frozen
 class Flags:
     requested: bool
     prepared: bool
@@ -112,6 +129,7 @@ class _Document:
     timings: tuple[_Timed, ...] = ()
     created_at: str = ""
     resumed_at: str = ""
+    origin: Origin | None = None
 
 
 @attrs.frozen
@@ -125,6 +143,7 @@ class Manifest:
     timings: tuple[Timing, ...] = ()
     created_at: str = ""
     resumed_at: str = ""  # set once a resume completed: the directory may be reused
+    origin: Origin | None = None  # where the group lives (a manifest of before issue 29: None)
 
     def to_json(self) -> dict[str, Any]:
         document = _Document(
@@ -134,6 +153,7 @@ class Manifest:
             tuple(_Timed.of(t) for t in self.timings),
             self.created_at,
             self.resumed_at,
+            self.origin,
         )
         return dict(_converter().unstructure(document))
 
@@ -153,6 +173,13 @@ class Manifest:
             raise bad("prepared, yet cuinterpose was not requested")
         if not document.participants:
             raise bad("no participants")
+        origin = document.origin
+        if (
+            origin is not None
+            and origin.started
+            and len(origin.started) != len(document.participants)
+        ):
+            raise bad("origin.started does not have one start time per participant")
         return cls(
             flags.requested,
             flags.prepared,
@@ -160,6 +187,7 @@ class Manifest:
             tuple(t.timing() for t in document.timings),
             document.created_at,
             document.resumed_at,
+            origin,
         )
 
     def processes(self) -> tuple[Process, ...]:
@@ -189,7 +217,12 @@ def _converter() -> cattrs.Converter:
     conv.register_structure_hook(str, _strict(str, "a string"))
     conv.register_unstructure_hook(
         _Document,
-        make_dict_unstructure_fn(_Document, conv, resumed_at=override(omit_if_default=True)),
+        make_dict_unstructure_fn(
+            _Document,
+            conv,
+            resumed_at=override(omit_if_default=True),
+            origin=override(omit_if_default=True),
+        ),
     )
     return conv
 

@@ -10,7 +10,7 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
@@ -173,6 +173,31 @@ def logging_options() -> Parser:
         "--log-file", type=Path, metavar="FILE", help="append the full log (debug) to FILE"
     )
     return common
+
+
+# What a run creates in a directory that did not exist before it (the lock coordinators
+# take turns by), removed again when the run is refused: a refusal leaves nothing behind.
+_LEFT_BY_A_REFUSAL: Final = ("cuinterpose.lock",)
+
+
+def missing(*paths: Path | None) -> list[Path]:
+    """The directories among ``paths`` that do not exist (yet): a refused run removes
+    them again (:func:`tidy_refused`)."""
+    return [Path(p) for p in paths if p is not None and not os.path.lexists(p)]
+
+
+def tidy_refused(created: Sequence[Path], code: int) -> None:
+    """After a refused run (exit 1), remove the directories it created, when they hold
+    nothing but what the run itself left (its lock file): never anything else."""
+    if code != EXIT_FAILED:
+        return
+    for directory in created:
+        try:
+            for name in _LEFT_BY_A_REFUSAL:
+                (directory / name).unlink(missing_ok=True)
+            directory.rmdir()
+        except OSError:
+            pass  # not created by us after all, or holds something: left as it is
 
 
 def add_early_logging(parser: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ import functools
 import importlib
 import importlib.metadata
 import json
+import logging
 import os
 import shlex
 import signal
@@ -55,8 +56,10 @@ from .arguments import (
     add_endpoints,
     add_phase_timeout,
     merge_logging,
+    missing,
     phase_timeout,
     seconds,
+    tidy_refused,
     verb_adder,
 )
 from .engine import agent, discovery, runner
@@ -462,7 +465,9 @@ def _machine_summary(spec: MachineSpec | None, args: argparse.Namespace) -> dict
     who = f"{n} process{'es' if n != 1 else ''}"
     out: dict[str, Any] = {"seconds": result.elapsed_s, "bytes_staged": moved, "processes": n}
     if isinstance(result, runner.CaptureResult):
-        restore = shlex.join([PROG, "restore", "--checkpoint-dir", str(args.checkpoint_dir)])
+        restore = shlex.join(
+            [PROG, "restore", "--checkpoint-dir", str(args.checkpoint_dir), *_where_words(args)]
+        )
         out["next"] = restore
         out["lines"] = [
             f"captured {who} in {result.elapsed_s:.3f} s: {size(moved)} staged by the shims "
@@ -488,6 +493,12 @@ def _machine(
         problems = targets.problems(args.group, _where(args), shim=True)
         if problems:
             return _fail([f"{args.command} refused:", *problems], stderr)
+    living = [e for e in endpoints if discovery.pid_exists(e.observed_pid, args.proc_root)]
+    silent = discovery.unanswered(living, timeout=min(timeout, 10.0))
+    if silent:
+        return _fail([f"{args.command} refused, nothing was changed: a shim does not answer",
+                      *silent, f"give the directory its shims serve in (--control-dir), or "
+                      f"see them: {_status_command(args)}"], stderr)  # fmt: skip
     checkpoint_dir: Path = args.checkpoint_dir
     if spec is CAPTURE:
         try:
@@ -557,9 +568,12 @@ def _native_check(
             "then prepare"
         )
     else:
+        resume = shlex.join(
+            [PROG, "resume", "--checkpoint-dir", str(args.checkpoint_dir), *_where_words(args)]
+        )
         hint = (
             "restore runs after the native restore and unlock of every process; run them "
-            f"first (or `{PROG} resume --checkpoint-dir {args.checkpoint_dir}`)"
+            f"first (`{PROG} native --action restore` and `--action unlock`, or `{resume}`)"
         )
     try:
         agent.require_states(_native(args), processes, ProcessState.RUNNING, spec.name, hint)
@@ -597,7 +611,9 @@ def _native_backend() -> NativeBackend | None:
 
 def _driver_library(args: argparse.Namespace) -> str | None:
     """The libcuda.so.1 the native calls load (frontends/drivers.py)."""
-    return drivers.library(getattr(args, "driver", "auto"), lambda: _endpoints(args))
+    return drivers.library(
+        getattr(args, "driver", "auto"), lambda: _endpoints(args), getattr(args, "recorded", None)
+    )
 
 
 def _native(args: argparse.Namespace) -> NativeBackend:
@@ -625,7 +641,9 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
     processes = _agent_processes(args)
     mode = args.mode
     shim_needed = command == "suspend" and not args.not_requested
-    problems = targets.problems(args.group, _where(args), shim=shim_needed)
+    # resume checks the group itself: the survivors of a member lost come back.
+    problems = targets.problems(args.group, _where(args), shim=shim_needed) if (
+        command == "suspend") else []  # fmt: skip
     if problems:
         return _finish(command, args, stdout, stderr, EXIT_FAILED, "refused",
                        [f"{command} refused:", *problems])  # fmt: skip
@@ -766,11 +784,7 @@ class _Summary:
     ) -> _Summary:
         staged = sum(t.bytes for t in done.timings if t.step in ("capture", "coordinator_restore"))
         words = [PROG, "resume" if command == "suspend" else "suspend",
-                 "--checkpoint-dir", str(args.checkpoint_dir)]  # fmt: skip
-        if args.control_dir is not None:
-            words += ["--control-dir", str(args.control_dir)]
-        if args.proc_root is not None:
-            words += ["--proc-root", str(args.proc_root)]
+                 "--checkpoint-dir", str(args.checkpoint_dir), *_where_words(args)]  # fmt: skip
         if command == "resume":  # a new suspend names the processes, here the manifest's
             for o, n in args.group:
                 words += ["--pid", str(o)] if o == n else ["--process", str(o), str(n)]
@@ -925,8 +939,8 @@ def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         stale = []
     if not processes:
         if args.json:
-            document = {"processes": [], "control_dir": str(where.control_dir)}
-            stdout.write(json.dumps(document) + "\n")
+            empty = {"processes": [], "control_dir": str(where.control_dir)}
+            stdout.write(json.dumps(empty) + "\n")
         else:
             stdout.write(f"no shim in {where.control_dir} (start a program with `{PROG} launch`)\n")
         return EXIT_OK
@@ -961,10 +975,7 @@ def _stale(processes: Sequence[agent.Process], where: agent.Where) -> list[agent
 
 
 def _status_command(args: argparse.Namespace) -> str:
-    words = [PROG, "status"]
-    if args.control_dir is not None or os.environ.get(CONTROL_DIR_ENV):
-        words += ["--control-dir", str(_control_dir(args))]
-    return shlex.join(words)
+    return shlex.join([PROG, "status", *_where_words(args)])
 
 
 @contextlib.contextmanager
@@ -990,12 +1001,22 @@ def _stopping_on_signals(
             signal.signal(number, handler)
 
 
-def _recover_command(args: argparse.Namespace) -> str:
-    words = [PROG, "recover", "--checkpoint-dir", str(args.checkpoint_dir)]
-    if args.control_dir is not None:
-        words += ["--control-dir", str(args.control_dir)]
-    if args.proc_root is not None:
+def _where_words(args: argparse.Namespace, *, driver: bool = True) -> list[str]:
+    """What a printed command needs to find the group from a plain shell (no
+    ``$SNAPSHOT_CONTROL_DIR``): the control directory or proc root, the driver, when
+    they are not the defaults."""
+    words: list[str] = []
+    if getattr(args, "proc_root", None) is not None:
         words += ["--proc-root", str(args.proc_root)]
+    elif _control_dir(args) != DEFAULT_CONTROL_DIR:
+        words += ["--control-dir", str(_control_dir(args))]
+    if driver and getattr(args, "driver", "auto") != "auto":
+        words += ["--driver", args.driver]
+    return words
+
+
+def _recover_command(args: argparse.Namespace) -> str:
+    words = [PROG, "recover", "--checkpoint-dir", str(args.checkpoint_dir), *_where_words(args)]
     for observed, namespace in args.group:
         words += ["--pid", str(observed)] if observed == namespace else [
             "--process", str(observed), str(namespace)]  # fmt: skip
@@ -1178,11 +1199,43 @@ def main(
         return EXIT_USAGE
 
 
+def _take_origin(args: argparse.Namespace) -> None:
+    """resume, restore and recover reach the group where its manifest says it lives (and
+    load the driver its shims reported), unless --control-dir or --proc-root say
+    otherwise; what is taken is said at debug level."""
+    directory = getattr(args, "checkpoint_dir", None)
+    if args.command not in ("resume", "restore", "recover") or directory is None:
+        return
+    if not (Path(directory) / agent.MANIFEST_FILE_NAME).is_file():
+        return
+    try:
+        origin = agent.read_manifest(directory).origin
+    except agent.ManifestError:
+        return  # the verb itself reads it again, and says what is wrong with it
+    if origin is None:
+        return
+    args.recorded = origin.driver
+    if args.control_dir is None and args.proc_root is None:
+        if origin.proc_root is not None:
+            args.proc_root = Path(origin.proc_root)
+        args.control_dir = Path(origin.control_dir)
+        logging.getLogger("cuinterpose.cli").debug(
+            "the group lives where %s/manifest.json says: %s", directory, _where(args)
+        )
+
+
 def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    _take_origin(args)
     if hasattr(args, "processes_required"):
         _resolve_group(args)
-    if command == "prepare":
-        return _run_machine(CAPTURE, args, out, err)
+    if command in ("prepare", "suspend"):
+        created = missing(args.checkpoint_dir)
+        if command == "prepare":
+            code = _run_machine(CAPTURE, args, out, err)
+        else:
+            code = _agent_command(command, args, out, err)
+        tidy_refused(created, code)
+        return code
     if command == "restore":
         return _run_machine(RESTORE, args, out, err)
     if command == "recover":

@@ -22,7 +22,6 @@ from .engine import discovery
 from .engine.client import Endpoint
 from .engine.native import CudaBackend, NativeUnavailableError, ProcessState
 
-
 NVIDIA_PROC: Final = Path("/proc/driver/nvidia/version")
 
 
