@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import stat
 from collections.abc import Sequence
 from pathlib import Path
@@ -90,6 +91,17 @@ def pid_exists(pid: int, proc_root: Path | None = None) -> bool:
     return True
 
 
+def serves(path: Path) -> bool:
+    """Whether anything listens on the Unix socket ``path`` (a stale one refuses)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 def start_ticks(pid: int, proc_root: Path | None = None) -> int:
     """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat`` field 22); 0
     when it cannot be read (gone, or no /proc)."""
@@ -113,20 +125,20 @@ def same_process(pid: int, started: int, proc_root: Path | None = None) -> bool:
     return now in (0, started)  # unreadable (another user's): take it as the same
 
 
-def unanswered(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> list[str]:
-    """A line for each endpoint whose shim does not answer STATUS (nothing is bound or
-    changed), naming the process and where its socket was looked for."""
+def unanswered(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> dict[Endpoint, str]:
+    """The endpoints whose shim does not answer STATUS (nothing is bound or changed), each
+    with a line naming the process and where its socket was looked for."""
     replies = call_all([(e, Request(Op.STATUS), None) for e in endpoints], timeout=timeout)
-    lines: list[str] = []
+    silent: dict[Endpoint, str] = {}
     for endpoint, reply in zip(endpoints, replies, strict=True):
         if isinstance(reply, Reply):
             continue
         why = reply.reason if isinstance(reply, ParticipantError) else str(reply)
-        lines.append(
+        silent[endpoint] = (
             f"pid {endpoint.observed_pid} (ns pid {endpoint.namespace_pid}): no shim answers "
             f"at {endpoint.path} ({why}); looked in {endpoint.path.parent}"
         )
-    return lines
+    return silent
 
 
 def children(pid: int) -> tuple[int, ...]:

@@ -142,16 +142,27 @@ def recorded_where(manifest: Manifest, directory: Path) -> Where:
     return Where(origin.control_dir, None if origin.proc_root is None else Path(origin.proc_root))
 
 
-def lost_members(manifest: Manifest, group: Sequence[Process], where: Where) -> list[Process]:
-    """The manifest's processes that are gone: their pid names no process, or another one
-    (started at another time than the one suspended)."""
+def _gone(manifest: Manifest, process: Process, where: Where) -> bool:
+    """Whether the manifest's ``process`` is gone: its pid names no process, or another
+    one (started at another time than the one suspended)."""
     started = manifest.origin.started if manifest.origin is not None else ()
     ticks = dict(zip(manifest.processes(), started, strict=False))
-    return [
-        p
-        for p in group
-        if not discovery.same_process(p.observed_pid, ticks.get(p, 0), where.proc_root)
-    ]
+    return not discovery.same_process(process.observed_pid, ticks.get(process, 0), where.proc_root)
+
+
+def lost_members(
+    manifest: Manifest, group: Sequence[Process], where: Where, *, timeout: float = 10.0
+) -> tuple[list[Process], list[str]]:
+    """The processes gone since the suspend (a shim that does not answer, in a process
+    that is gone), and a line for each living one whose shim does not answer (a wrong
+    control directory: refused before anything changes). A native-only group has no
+    shims to ask: its native states say (a gone process is refused by name there)."""
+    if not manifest.requested:
+        return [], []
+    endpoints = {where.endpoint(p): p for p in group}
+    silent = discovery.unanswered(list(endpoints), timeout=timeout)
+    lost = [endpoints[e] for e in silent if _gone(manifest, endpoints[e], where)]
+    return lost, [line for e, line in silent.items() if endpoints[e] not in lost]
 
 
 def _preflight(
@@ -160,28 +171,28 @@ def _preflight(
     """What must hold before anything changes: the processes gone since the suspend
     (returned: the survivors come back without them), and a shim answering in every
     living one (a wrong control directory is refused here, not after the native restore)."""
-    lost = lost_members(manifest, group, where)
-    living = [p for p in group if p not in lost]
-    if not living:
+    lost, silent = lost_members(manifest, group, where, timeout=timeout)
+    if silent:
+        recorded = (
+            f"the manifest records the control directory {manifest.origin.control_dir}"
+            if manifest.origin is not None
+            else "the manifest records no control directory"
+        )
+        raise AgentError(
+            "resume refused, nothing was changed: a process of the group is alive but "
+            "its shim does not answer",
+            [
+                *silent,
+                recorded,
+                "give the directory its shims serve in (--control-dir DIR, or --proc-root), "
+                "or `cuinterpose status` to see them",
+            ],
+        )
+    if len(lost) == len(group):
         raise ManifestError(
             "resume refused: every process of the group is gone:",
             [f"{p.describe()}: no such process now" for p in group],
         )
-    if manifest.requested:
-        silent = discovery.unanswered([where.endpoint(p) for p in living], timeout=timeout)
-        if silent:
-            raise AgentError(
-                "resume refused, nothing was changed: a process of the group is alive but "
-                "its shim does not answer",
-                [
-                    *silent,
-                    f"the manifest records the control directory {manifest.origin.control_dir}"
-                    if manifest.origin is not None
-                    else "the manifest records no control directory",
-                    "give the directory its shims serve in (--control-dir DIR, or "
-                    "--proc-root), or `cuinterpose status` to see them",
-                ],
-            )
     return lost
 
 

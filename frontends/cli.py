@@ -497,7 +497,7 @@ def _machine(
     silent = discovery.unanswered(living, timeout=min(timeout, 10.0))
     if silent:
         return _fail([f"{args.command} refused, nothing was changed: a shim does not answer",
-                      *silent, f"give the directory its shims serve in (--control-dir), or "
+                      *silent.values(), f"give the directory its shims serve in (--control-dir), or "
                       f"see them: {_status_command(args)}"], stderr)  # fmt: skip
     checkpoint_dir: Path = args.checkpoint_dir
     if spec is CAPTURE:
@@ -532,7 +532,7 @@ def _machine(
         with _stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)):
             if spec is None:
                 report = recover(endpoints, checkpoint_dir, options)
-                if args.mode == "human":
+                if args.mode != "json" and not args.quiet:  # what it did: said unless -q
                     with contextlib.suppress(OSError):
                         stdout.write("".join(line + "\n" for line in report.lines()))
                 args.recovered = report
@@ -970,8 +970,14 @@ def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 
 
 def _stale(processes: Sequence[agent.Process], where: agent.Where) -> list[agent.Process]:
-    """The processes listed by their sockets that are gone: nobody serves those sockets."""
-    return [p for p in processes if not discovery.pid_exists(p.observed_pid, where.proc_root)]
+    """The processes listed by their sockets that are gone: no such pid, and nobody
+    serves the socket."""
+    return [
+        p
+        for p in processes
+        if not discovery.pid_exists(p.observed_pid, where.proc_root)
+        and not discovery.serves(where.endpoint(p).path)
+    ]
 
 
 def _status_command(args: argparse.Namespace) -> str:

@@ -81,7 +81,8 @@ class HumanView:
                 self.console.print(f"{event.headline()}: nothing was changed")
             else:
                 self.console.print(f"{event.machine}: FAILED at {event.phase}")
-        elif not isinstance(event, DoneEvent):  # the step's own "done" line says it
+        elif not (isinstance(event, DoneEvent) and event.machine != "rollback"):
+            # A capture's or restore's end is said by its step's own "done" line.
             self.console.print(human_line(event))
 
     def summary(self, timings: Sequence[Timing], staging: StagingSummary | None = None) -> None:
