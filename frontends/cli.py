@@ -71,8 +71,11 @@ from .engine.native import (
     CudaBackend,
     NativeBackend,
     NativeError,
+    NativeGroupError,
     NativeUnavailableError,
     ProcessState,
+    run_step,
+    state_names,
 )
 from .engine.progress import (
     Event,
@@ -187,6 +190,14 @@ _VERBS: Final = {
         "bring the group back to running from wherever a run left it; the processes "
         "default to the manifest's, else the state file's",
         "cuinterpose recover --checkpoint-dir /var/ckpt/job",
+        CHANGING_EXITS,
+    ),
+    "native": (
+        "one native checkpoint step on every process of a group, in the manner of "
+        "`cuda-checkpoint --action`: lock, checkpoint, restore, unlock, or state; the "
+        "processes default to the checkpoint directory's",
+        "cuinterpose native --action lock --checkpoint-dir /var/ckpt/job\n"
+        "  cuinterpose native --action state --pid 4242 --pid 4243",
         CHANGING_EXITS,
     ),
     "inspect": (
@@ -316,6 +327,29 @@ def build_parser() -> argparse.ArgumentParser:
             help="go on when no CUDA driver can be loaded to check that every process is "
             "natively RUNNING (for those who know it is)",
         )
+    native_cmd = sub("native")
+    native_cmd.add_argument(
+        "--action",
+        choices=NATIVE_ACTIONS,
+        required=True,
+        help="lock (wait for the CUDA calls to drain), checkpoint (GPU state to host memory, "
+        "the GPU freed), restore, unlock; state changes nothing",
+    )
+    native_cmd.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="take the processes from here (the manifest, an interrupted capture's intent, "
+        "else the state file), when none is named",
+    )
+    add_endpoints(native_cmd, required=False)
+    native_cmd.add_argument(
+        "--lock-timeout",
+        type=seconds,
+        metavar="SECONDS",
+        default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000,
+        help="--action lock: how long each lock may wait for the process's CUDA calls",
+    )
+    native_cmd.add_argument("--json", action="store_true", help="print JSON lines")
     inspect = sub("inspect")
     add_endpoints(inspect, driver=False)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -396,7 +430,7 @@ def output_mode(args: argparse.Namespace, stdout: TextIO) -> str:
     stays JSON."""
     if getattr(args, "json", False):
         return "json"
-    mode = str(getattr(args, "progress", "none"))
+    mode = str(getattr(args, "progress", "human"))  # a verb without --progress: its text
     if mode == "auto":
         mode = "human" if stdout.isatty() else "json"
         if getattr(args, "quiet", False):
@@ -496,9 +530,9 @@ def _machine(
     living = [e for e in endpoints if discovery.pid_exists(e.observed_pid, args.proc_root)]
     silent = discovery.unanswered(living, timeout=min(timeout, 10.0))
     if silent:
+        way = f"give the directory its shims serve in (--control-dir), or see them: {_status_command(args)}"  # noqa: E501
         return _fail([f"{args.command} refused, nothing was changed: a shim does not answer",
-                      *silent.values(), f"give the directory its shims serve in (--control-dir), or "
-                      f"see them: {_status_command(args)}"], stderr)  # fmt: skip
+                      *silent.values(), way], stderr)  # fmt: skip
     checkpoint_dir: Path = args.checkpoint_dir
     if spec is CAPTURE:
         try:
@@ -1054,6 +1088,36 @@ def _failure(error: CoordinatorError, args: argparse.Namespace, stderr: TextIO) 
     return EXIT_NEEDS_RECOVER
 
 
+NATIVE_ACTIONS: Final = ("lock", "checkpoint", "restore", "unlock", "state")
+
+
+def _native_action(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    """One native step on every process (frontends/native.py's group helpers, from the
+    shell): each process's state after it, and on a failure every state and what to do."""
+    processes = _agent_processes(args)
+    pids = [p.observed_pid for p in processes]
+    action: str = args.action
+    try:
+        native = _native(args)
+        if action != "state":
+            run_step(native, action, pids, lock_timeout_ms=int(args.lock_timeout * 1000))
+        states = state_names(native, pids)
+    except NativeUnavailableError as exc:
+        return _finish("native", args, stdout, stderr, EXIT_FAILED, "refused",
+                       _no_driver("native", exc))  # fmt: skip
+    except NativeGroupError as failure:
+        code = EXIT_FAILED if not failure.done else EXIT_NEEDS_RECOVER
+        lines = [*failure.lines(), "each process's state is above: run the step again, or "
+                 "the opposite one (restore after checkpoint, unlock after lock)"]  # fmt: skip
+        return _finish("native", args, stdout, stderr, code, _OUTCOMES[code], lines)
+    if args.mode == "human":
+        with contextlib.suppress(OSError):
+            for p in processes:
+                stdout.write(f"{p.describe()}: {states[p.observed_pid]}\n")
+    extra = {"action": action, "states": {str(pid): state for pid, state in states.items()}}
+    return _finish("native", args, stdout, stderr, EXIT_OK, "done", (), extra=extra)
+
+
 def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     from .engine.statefile import make_converter
 
@@ -1210,7 +1274,7 @@ def _take_origin(args: argparse.Namespace) -> None:
     load the driver its shims reported), unless --control-dir or --proc-root say
     otherwise; what is taken is said at debug level."""
     directory = getattr(args, "checkpoint_dir", None)
-    if args.command not in ("resume", "restore", "recover") or directory is None:
+    if args.command not in ("resume", "restore", "recover", "native") or directory is None:
         return
     if not (Path(directory) / agent.MANIFEST_FILE_NAME).is_file():
         return
@@ -1252,6 +1316,8 @@ def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) 
         return _status(args, out, err)
     if command == "inspect":
         return _inspect(args, out, err)
+    if command == "native":
+        return _native_action(args, out, err)
     if command == "diagram":
         out.write(mermaid(MACHINES[args.machine]))
         return EXIT_OK
