@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000,
         help="--action lock: how long each lock may wait for the process's CUDA calls",
     )
-    native_cmd.add_argument("--json", action="store_true", help="print JSON lines")
+    _add_progress(native_cmd)
     inspect = sub("inspect")
     add_endpoints(inspect, driver=False)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
