@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -173,4 +175,28 @@ def test_the_step_by_step_flow_from_the_shell(
     run = cli(scratch, plain, "prepare", "--checkpoint-dir", "ck2", *where, "--pid", "999999")
     assert run.returncode == 1 and "does not exist" in run.stderr, run.stderr
     assert not (scratch / "ck2").exists()
+    group.close()
+
+
+def test_the_readme_embedding_example_runs_unchanged_with_the_reported_driver(
+    group: Group, control_dir: Path, scratch: Path, plain: dict[str, str]
+) -> None:
+    """An embedder's own process, with nothing set: ``native`` left to its default."""
+    text = (simenv.REPO / "README.md").read_text()
+    match = re.search(r"<!-- embedding example -->\s*```python\n(.*?)```", text, re.S)
+    assert match, "README.md has no embedding example"
+    agent = match[1] + textwrap.dedent(
+        f"""
+        import sys
+        took = suspend_and_resume({group.processes!r}, "ck", {str(control_dir)!r})
+        sys.stderr.write(f"steps {{sorted(took)}}\\n")
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", agent], cwd=scratch, env=plain, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "'native_checkpoint'" in run.stderr and "'capture'" in run.stderr, run.stderr
+    assert group.mismatches() == []
     group.close()
