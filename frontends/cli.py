@@ -691,7 +691,11 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
         on_event, live = view, view.live()
     elif mode == "json":
         on_event = _json_events(stdout)
-    where_now = _Whereabouts(on_event)
+    # A resume cannot undo its native restore: it stops, and its last lines say where
+    # the group is (running with its bytes, or what to run), as a failed resume does.
+    then = "" if command == "suspend" else (
+        "the resume goes no further; the lines that follow say where the group is")  # fmt: skip
+    where_now = _Whereabouts(on_event, then=then)
     stop = threading.Event()
     options = runner.Options(phase_timeout=phase_timeout(args.phase_timeout), stop=stop)
     try:
@@ -886,9 +890,12 @@ class _Whereabouts:
     """Passes every event on, remembering where the run is, so that a Ctrl-C can be
     acknowledged at once with what is in flight."""
 
-    def __init__(self, inner: Callable[[Any], None] | None, *, undone: bool = True) -> None:
+    def __init__(
+        self, inner: Callable[[Any], None] | None, *, undone: bool = True, then: str = ""
+    ) -> None:
         self.inner = inner
         self.undone = undone
+        self.then = then  # what happens next, where "undone" is not the whole truth
         self.step = ""
         self.phase = ""
         self.copy: agent.CopyProgress | None = None
@@ -917,7 +924,7 @@ class _Whereabouts:
         elif self.phase:
             at = f"{self.phase} of the {self.step}" if self.step else self.phase
         with contextlib.suppress(OSError):
-            then = (
+            then = self.then or (
                 "what was changed is undone, the group runs as before"
                 if self.undone
                 else "the group is left where it stops (--no-rollback)"

@@ -1,0 +1,205 @@
+"""A user's first day (issue 29), what needs no real shim: the defaults say what they do,
+the output contract, the smaller edges of the command line, CRIU's relative paths.
+
+What needs real shims (the manifest's record of where the group lives, a member lost
+while suspended, the native verbs, printed commands typed as printed) is in
+tests/shim/test_first_day.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cuinterpose import check, cli, criu_action, drivers, engine
+from cuinterpose.engine import agent, criu
+from cuinterpose.engine.client import control_dir_problem
+from cuinterpose.engine.progress import DoneEvent, human_line
+from engine_harness import short_dir
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SNAPSHOT_CONTROL_DIR", raising=False)
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(list(argv), stdout=out, stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def last(out: str) -> dict[str, Any]:
+    document = json.loads(out.splitlines()[-1])
+    assert document["event"] == "summary", out
+    return dict(document)
+
+
+# ------------------------------------------------------------------ 1: the driver
+def test_launch_runs_on_the_simulated_driver_where_no_nvidia_driver_is(tmp_path: Path) -> None:
+    chosen = drivers.installed(tmp_path / "no-such-file")
+    assert chosen.kind == "sim"
+    missing = tmp_path / "no-such-file"
+    assert chosen.line() == f"on the simulated driver: no NVIDIA driver here (no {missing})"
+
+
+def test_launch_runs_on_the_systems_driver_where_one_is_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    version = tmp_path / "version"
+    version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15\n")
+    monkeypatch.setattr(drivers.ctypes.util, "find_library", lambda name: "libcuda.so.1")
+    chosen = drivers.installed(version)
+    assert chosen.kind == "system" and "570.86.15" in chosen.line(), chosen
+    # The kernel driver without its user-space library is not a driver to run on.
+    monkeypatch.setattr(drivers.ctypes.util, "find_library", lambda name: None)
+    assert drivers.installed(version).kind == "sim"
+
+
+def test_launch_says_its_driver_first_and_check_agrees() -> None:
+    with short_dir() as work:
+        code, _, err = run("launch", "--control-dir", str(work / "c"), "--", sys.executable,
+                           "-c", "")  # fmt: skip
+        assert code == 0, err
+        assert err.splitlines()[0] == f"cuinterpose launch: {drivers.installed().line()}"
+        found = check.findings(work / "c", "auto")
+        assert found[0].verdict == "OK", found[0]
+        assert f"as launch: {drivers.installed().line()}" in found[0].detail
+
+
+# ------------------------------------------------------------------ 5: the output contract
+def test_json_output_ends_in_a_summary_even_for_an_early_error(tmp_path: Path) -> None:
+    for verb in ("resume", "restore", "recover"):
+        code, out, err = run(verb, "--checkpoint-dir", str(tmp_path / "missing"))
+        assert code == 1, (verb, err)
+        assert (last(out)["command"], last(out)["exit_code"]) == (verb, 1), out
+        assert last(out)["reason"], out
+
+
+def test_status_json_without_shims_is_json(tmp_path: Path) -> None:
+    code, out, _ = run("status", "--control-dir", str(tmp_path), "--json")
+    assert code == 0 and json.loads(out) == {"processes": [], "control_dir": str(tmp_path)}
+
+
+def test_every_acting_verb_takes_progress_auto() -> None:
+    parser = cli.build_parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("suspend", "resume", "prepare", "restore", "recover", "native"):
+        progress = next(a for a in verbs.choices[name]._actions if a.dest == "progress")
+        assert progress.default == "auto" and "auto" in (progress.choices or ()), name
+
+
+def test_quiet_says_nothing_but_errors(tmp_path: Path) -> None:
+    code, out, err = run("-q", "resume", "--checkpoint-dir", str(tmp_path / "missing"))
+    assert code == 1 and out == "" and "no manifest" in err
+
+
+# ------------------------------------------------------------------ 9: the smaller edges
+def test_abbreviated_options_are_refused() -> None:
+    code, _, err = run("resume", "--check", "ckpt")
+    assert code == 2 and "--check" in err
+    assert criu_action.main(["restore", "--check", "c", "--images", "i"]) == 2
+
+
+def test_logging_options_before_the_verb() -> None:
+    code, out, _ = run("-v", "diagram", "--machine", "capture")
+    assert code == 0 and "stateDiagram" in out
+    assert run("-v", "-q", "diagram", "--machine", "capture")[0] == 2
+
+
+def test_the_options_a_newcomer_meets_have_help() -> None:
+    parser = cli.build_parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for verb, dest in (("launch", "driver"), ("launch", "control_dir"),
+                       ("prepare", "progress"), ("diagram", "machine")):  # fmt: skip
+        action = next(a for a in verbs.choices[verb]._actions if a.dest == dest)
+        assert action.help, (verb, dest)
+
+
+def test_criu_help_lists_its_verbs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run("criu", "--help")[0] == 0
+    text = capsys.readouterr().out
+    for verb in criu_action._VERBS:
+        assert f"\n  {verb} " in text, verb
+
+
+def test_one_participant_is_singular() -> None:
+    done = DoneEvent("capture", 0.5, 1, "ckpt")
+    assert "(1 participant, ckpt)" in human_line(done)
+
+
+def test_a_control_directory_open_to_others_says_chmod_700(tmp_path: Path) -> None:
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    problem = control_dir_problem(open_dir)
+    assert problem is not None and problem.endswith(f"chmod 700 {open_dir}"), problem
+    assert stat.S_IMODE(os.stat(open_dir).st_mode) == 0o777  # said, not done
+
+
+def test_a_refused_suspend_or_dump_leaves_no_directory(tmp_path: Path) -> None:
+    with short_dir() as work:
+        code, _, err = run("suspend", "--checkpoint-dir", str(work / "ck"), "--control-dir",
+                           str(work), "--pid", "999999")  # fmt: skip
+        assert code == 1 and "does not exist" in err, err
+        assert not (work / "ck").exists()
+        environ = {"CUINTERPOSE_CRIU": str(tmp_path / "no-criu")}
+        code = criu_action.main(["dump", "--checkpoint-dir", str(work / "ck"), "--images-dir",
+                                 str(work / "img"), "--tree", "1", "--pid", "999999"],
+                                stdout=io.StringIO(), stderr=io.StringIO(),
+                                environ=environ)  # fmt: skip
+        assert code == 1
+        assert not (work / "ck").exists() and not (work / "img").exists()
+
+
+# ------------------------------------------------------------------ 6: the public face
+def test_the_public_face_is_an_embedders() -> None:
+    assert {"suspend", "resume", "status", "Where", "read_manifest", "native_for"} <= set(
+        engine.AGENT_API
+    )
+    # restore is the machine alone, said apart from resume (README, architecture.md)
+    assert "restore" in engine.STEP_API and "restore" not in engine.AGENT_API
+    assert "replay" not in engine.__all__ and "human_line" not in engine.__all__
+    assert len(engine.__all__) < 60 and all(hasattr(engine, n) for n in engine.__all__)
+
+
+# ------------------------------------------------------------------ 4: CRIU, relative paths
+def test_criu_is_given_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CRIU resolves -o and --pidfile against its images directory (-D)."""
+    monkeypatch.chdir(tmp_path)
+    seen: list[list[str]] = []
+    fake = tmp_path / "criu"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$FAKE_ARGS"\nexit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("FAKE_ARGS", str(tmp_path / "args"))
+    binary = criu.Criu(fake, (4, 0))
+    with pytest.raises(criu.CriuFailed):
+        criu.run_criu(binary, ["dump", "-D", "img"], Path("img/dump.log"))
+    argv = (tmp_path / "args").read_text().split("\n")
+    assert argv[argv.index("-o") + 1] == str(tmp_path / "img" / "dump.log"), argv
+    # restore: --pidfile and -D too, whatever the checkpoint and images directories are
+    ck = Path("rc1/ck")
+    ck.mkdir(parents=True)
+    ck.chmod(0o700)
+    agent.write_manifest(ck, agent.Manifest(False, False, (agent.Participant(1, 1, None),)))
+
+    def record(criu_: criu.Criu, args: list[str], log: Path, **_: Any) -> float:
+        seen.append([*args, "-o", os.path.abspath(log)])
+        raise criu.CriuFailed("fake", [])
+
+    monkeypatch.setattr(criu, "run_criu", record)
+    with pytest.raises(criu.CriuFailed):
+        criu.restore(ck, Path("rc1/img"), criu=binary, where=agent.Where(tmp_path),
+                     native=None, control_dir=None)  # type: ignore[arg-type]  # fmt: skip
+    args = seen[0]
+    assert args[args.index("-D") + 1] == str(tmp_path / "rc1" / "img")
+    assert args[args.index("--pidfile") + 1] == str(tmp_path / "rc1" / "ck" / criu.RESTORED_PIDFILE)
