@@ -13,12 +13,13 @@ import io
 import json
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cuinterpose import check, cli, criu_action, drivers, engine
+from cuinterpose import cli, criu_action, drivers, engine
 from cuinterpose.engine import agent, criu
 from cuinterpose.engine.client import control_dir_problem
 from cuinterpose.engine.progress import DoneEvent, human_line
@@ -69,9 +70,15 @@ def test_launch_says_its_driver_first_and_check_agrees() -> None:
                            "-c", "")  # fmt: skip
         assert code == 0, err
         assert err.splitlines()[0] == f"cuinterpose launch: {drivers.installed().line()}"
-        found = check.findings(work / "c", "auto")
-        assert found[0].verdict == "OK", found[0]
-        assert f"as launch: {drivers.installed().line()}" in found[0].detail
+        # In a process of its own: loading a driver here would pin this one to it.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LD_", "ASAN_"))}
+        done = subprocess.run(
+            [sys.executable, "-m", "cuinterpose", "check", "--control-dir", str(work / "c"),
+             "--json"], env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        driver = json.loads(done.stdout)["findings"][0]
+        assert driver["verdict"] == "OK", driver
+        assert f"as launch: {drivers.installed().line()}" in driver["detail"]
 
 
 # ------------------------------------------------------------------ 5: the output contract
