@@ -23,6 +23,14 @@ from .engine.client import Endpoint
 from .engine.native import CudaBackend, NativeUnavailableError, ProcessState
 
 NVIDIA_PROC: Final = Path("/proc/driver/nvidia/version")
+# Where a driver's libcuda.so.1 is when the loader's cache does not list it (a container
+# whose toolkit mounted it without running ldconfig).
+_DRIVER_DIRS: Final = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/local/nvidia/lib64",
+)
 
 
 @attrs.frozen
@@ -45,10 +53,12 @@ def installed(proc: Path = NVIDIA_PROC) -> Installed:
         version = proc.read_text().splitlines()[0].strip()
     except (OSError, IndexError):
         return Installed("sim", f"no NVIDIA driver here (no {proc})")
-    if ctypes.util.find_library("cuda") is None:
+    if ctypes.util.find_library("cuda") is None and not any(
+        (Path(d) / "libcuda.so.1").exists() for d in _DRIVER_DIRS
+    ):
         return Installed(
             "sim", f"the NVIDIA kernel driver is loaded ({proc}), but the loader finds no "
-            "libcuda.so.1 (ldconfig -p)")  # fmt: skip
+            f"libcuda.so.1 (ldconfig -p, {', '.join(_DRIVER_DIRS)})")  # fmt: skip
     return Installed("system", f"NVIDIA driver installed ({version})")
 
 
