@@ -184,8 +184,8 @@ def _preflight(
             [
                 *silent,
                 recorded,
-                "give the directory its shims serve in (--control-dir DIR, or --proc-root), "
-                "or `cuinterpose status` to see them",
+                "give the directory its shims serve in (--control-dir DIR, or --proc-root); "
+                f"`cuinterpose status --control-dir {where.control_dir}` lists the shims there",
             ],
         )
     if len(lost) == len(group):

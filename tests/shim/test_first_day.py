@@ -110,16 +110,11 @@ def test_resume_from_another_shell_finds_the_group_and_a_wrong_directory_changes
     run = cli(scratch, plain, shell=printed)
     assert run.returncode == 0, run.stderr
     assert group.mismatches() == []
-    group.close()
-
-
-def test_resume_with_no_flags_but_the_checkpoint_dir(
-    group: Group, control_dir: Path, scratch: Path, plain: dict[str, str]
-) -> None:
-    run = cli(scratch, plain, "suspend", "--checkpoint-dir", "ck", "--control-dir",
+    # Once more, quietly, and from another shell with no flag but the checkpoint dir.
+    run = cli(scratch, plain, "suspend", "--checkpoint-dir", "ck2", "--control-dir",
               str(control_dir), *pids(group), "-q")  # fmt: skip
     assert (run.returncode, run.stdout) == (0, ""), run.stderr  # -q: nothing but errors
-    run = cli(scratch, plain, "resume", "--checkpoint-dir", "ck")
+    run = cli(scratch, plain, "resume", "--checkpoint-dir", "ck2")
     assert run.returncode == 0, run.stderr
     assert summary(run)["outcome"] == "resumed"
     assert group.mismatches() == []
@@ -150,6 +145,13 @@ def test_a_member_killed_while_suspended_leaves_the_survivor_running_with_its_by
         assert "lost" in run.stderr, run.stderr
     # The manifest is done with: the directory takes the next suspend.
     assert json.loads((scratch / "ck" / "manifest.json").read_text())["resumed_at"]
+    # The dead one's socket is stale: status says so, and offers to clear it.
+    run = cli(scratch, plain, "status", "--control-dir", str(control_dir), "--json")
+    clear = f"cuinterpose status --control-dir {control_dir} --clear-stale"
+    assert f"pid {dead.pid} is gone" in run.stderr and clear in run.stderr, run.stderr
+    run = cli(scratch, plain, shell=clear + " --json")
+    assert run.returncode == 0 and "removed the stale socket" in run.stderr, run.stderr
+    assert [p["observed_pid"] for p in json.loads(run.stdout)["processes"]] == [alive.pid]
     alive.close_clean()
     group.observer.close_clean()
 
@@ -175,20 +177,15 @@ def test_the_step_by_step_flow_from_the_shell(
     run = cli(scratch, plain, "prepare", "--checkpoint-dir", "ck2", *where, "--pid", "999999")
     assert run.returncode == 1 and "does not exist" in run.stderr, run.stderr
     assert not (scratch / "ck2").exists()
-    group.close()
-
-
-def test_the_readme_embedding_example_runs_unchanged_with_the_reported_driver(
-    group: Group, control_dir: Path, scratch: Path, plain: dict[str, str]
-) -> None:
-    """An embedder's own process, with nothing set: ``native`` left to its default."""
+    # An embedder's own process, with nothing set: README's example, ``native`` left to
+    # its default (the driver the shims report), the same group.
     text = (simenv.REPO / "README.md").read_text()
     match = re.search(r"<!-- embedding example -->\s*```python\n(.*?)```", text, re.S)
     assert match, "README.md has no embedding example"
     agent = match[1] + textwrap.dedent(
         f"""
         import sys
-        took = suspend_and_resume({group.processes!r}, "ck", {str(control_dir)!r})
+        took = suspend_and_resume({group.processes!r}, "ck3", {str(control_dir)!r})
         sys.stderr.write(f"steps {{sorted(took)}}\\n")
         """
     )
