@@ -530,7 +530,8 @@ def _machine(
     living = [e for e in endpoints if discovery.pid_exists(e.observed_pid, args.proc_root)]
     silent = discovery.unanswered(living, timeout=min(timeout, 10.0))
     if silent:
-        way = f"give the directory its shims serve in (--control-dir), or see them: {_status_command(args)}"  # noqa: E501
+        listed = _status_command(args)
+        way = f"give the directory its shims serve in (--control-dir); `{listed}` lists them"
         return _fail([f"{args.command} refused, nothing was changed: a shim does not answer",
                       *silent.values(), way], stderr)  # fmt: skip
     checkpoint_dir: Path = args.checkpoint_dir
