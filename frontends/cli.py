@@ -1302,6 +1302,16 @@ def _take_origin(args: argparse.Namespace) -> None:
         )
 
 
+def _early_logging_to(args: argparse.Namespace) -> list[str]:
+    """``cuinterpose -v criu dump ...``: the logging options given before ``criu``, passed
+    on after its verb (where its own parser takes them)."""
+    argv = list(args.argv)
+    early = ["-v"] * args.early_verbose + (["-q"] if args.early_quiet else [])
+    if args.early_log_file is not None:
+        early += ["--log-file", str(args.early_log_file)]
+    return [*argv[:1], *early, *argv[1:]] if argv and early else argv
+
+
 def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     _take_origin(args)
     if hasattr(args, "processes_required"):
@@ -1343,7 +1353,7 @@ def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) 
         module = _delegate("criu_action", err)
         if module is None:
             return EXIT_FAILED
-        return int(module.main(args.argv, stdout=out, stderr=err))
+        return int(module.main(_early_logging_to(args), stdout=out, stderr=err))
     if command == "check":
         from . import check
 

@@ -119,6 +119,9 @@ def test_logging_options_before_the_verb() -> None:
     code, out, _ = run("-v", "diagram", "--machine", "capture")
     assert code == 0 and "stateDiagram" in out
     assert run("-v", "-q", "diagram", "--machine", "capture")[0] == 2
+    code, _, err = run("-q", "criu", "restore", "--checkpoint-dir", "nowhere", "--images-dir",
+                       "x", "--criu", "/nonexistent/criu")  # fmt: skip
+    assert code == 1 and "nonexistent" in err, err  # passed on: refused, not a usage error
 
 
 def test_the_options_a_newcomer_meets_have_help() -> None:
