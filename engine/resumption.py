@@ -53,9 +53,12 @@ class ResumeFailed(AgentError):
     rolled back); otherwise a native step ran, and ``cuinterpose recover`` (or
     ``restore``) is the way on."""
 
-    def __init__(self, what: str, lines: Sequence[str], *, running: bool) -> None:
+    def __init__(
+        self, what: str, lines: Sequence[str], *, running: bool, lost: Sequence[Process] = ()
+    ) -> None:
         super().__init__(what, lines, changed=True)
         self.running = running
+        self.lost = tuple(lost)  # members gone since the suspend: the survivors came back
 
 
 @attrs.frozen
@@ -311,7 +314,7 @@ def _survivors(
         "the survivors run, with the bytes they had at suspend; what the lost processes "
         "held (their memory, and the sharing of it) is lost"
     )
-    raise ResumeFailed("resume: a process of the group is gone:", lines, running=True)
+    raise ResumeFailed("resume: a process of the group is gone:", lines, running=True, lost=lost)
 
 
 def _mark_resumed(directory: Path, manifest: Manifest) -> tuple[str, ...]:

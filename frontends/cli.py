@@ -730,8 +730,10 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
     except agent.ResumeFailed as failed:
         # A native step ran: never "nothing changed" (exit 1).
         if failed.running:
-            return _finish(command, args, stdout, stderr, EXIT_ROLLED_BACK,
-                           _OUTCOMES[EXIT_ROLLED_BACK], failed.lines())  # fmt: skip
+            outcome = _OUTCOMES[EXIT_ROLLED_BACK] if not failed.lost else (
+                "a member is gone: the survivors run with the bytes they had")  # fmt: skip
+            return _finish(command, args, stdout, stderr, EXIT_ROLLED_BACK, outcome,
+                           failed.lines())  # fmt: skip
         way_on = f"once every process is RUNNING, run: {_recover_command(args)}"
         return _finish(command, args, stdout, stderr, EXIT_NEEDS_RECOVER,
                        _OUTCOMES[EXIT_NEEDS_RECOVER], [*failed.lines(), way_on])  # fmt: skip

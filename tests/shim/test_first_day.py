@@ -49,9 +49,7 @@ def plain(stack: None, sim_namespace: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def group(
-    spawn: Spawn, control_dir: Path, sim_namespace: str, plain: dict[str, str]
-) -> Group:
+def group(spawn: Spawn, control_dir: Path, sim_namespace: str, plain: dict[str, str]) -> Group:
     if not (simenv.BUILD_DIRS["release"] / "shim_c" / "libcuinterpose.so").is_file():
         pytest.skip("build/ has no shim: run `make build`")
     shim = shimenv.shim_env("release", control_dir=control_dir, namespace=sim_namespace)
@@ -134,6 +132,7 @@ def test_a_member_killed_while_suspended_leaves_the_survivor_running_with_its_by
     run = cli(scratch, plain, "resume", "--checkpoint-dir", "ck")
     # The group cannot come back whole; the survivor does, by this one command.
     assert run.returncode == 3, run.stderr
+    assert summary(run)["outcome"] == "a member is gone: the survivors run with the bytes they had"
     assert f"pid {dead.pid} (ns pid {dead.pid}) is gone since the suspend" in run.stderr
     assert "the survivors run" in run.stderr, run.stderr
     assert states(scratch, plain, control_dir, alive.pid) == {("RUNNING", "ACTIVE")}
