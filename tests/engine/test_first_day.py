@@ -213,3 +213,56 @@ def test_criu_is_given_absolute_paths(
     args = seen[0]
     assert args[args.index("-D") + 1] == str(tmp_path / "rc1" / "img")
     assert args[args.index("--pidfile") + 1] == str(tmp_path / "rc1" / "ck" / criu.RESTORED_PIDFILE)
+
+
+# ------------------------------------------------------------------ 2: where the group lives
+def test_the_manifest_keeps_its_origin_and_reads_one_without(tmp_path: Path) -> None:
+    people = (agent.Participant(7, 7, "a" * 32), agent.Participant(8, 8, "b" * 32))
+    origin = agent.Origin("/run/ctl", None, "/usr/lib/libcuda.so.1", (11, 12))
+    written = agent.Manifest(True, False, people, origin=origin)
+    assert agent.Manifest.from_json(written.to_json(), tmp_path).origin == origin
+    older = agent.Manifest(True, False, people).to_json()
+    assert "origin" not in older and agent.Manifest.from_json(older, tmp_path).origin is None
+    bad = {**written.to_json(), "origin": {"control_dir": "/run/ctl", "started": [1]}}
+    with pytest.raises(agent.ManifestError, match="one start time per participant"):
+        agent.Manifest.from_json(bad, tmp_path)
+
+
+def _suspended_here(work: Path, started: int) -> Path:
+    """A manifest of this very process, suspended with its shim in ``work/ctl`` (where no
+    shim answers), with the start time ``started``."""
+    ck = work / "ck"
+    ck.mkdir(mode=0o700)
+    (ck / "cuinterpose.state").write_text("{}")
+    me = os.getpid()
+    origin = agent.Origin(str(work / "ctl"), None, None, (started,))
+    manifest = agent.Manifest(True, True, (agent.Participant(me, me, "a" * 32),), origin=origin)
+    agent.write_manifest(ck, manifest)
+    return ck
+
+
+class _Untouchable:
+    """A native backend no call may reach: the refusals come before any step."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"native {name} called")
+
+
+def test_a_silent_shim_of_a_living_process_is_refused_before_anything() -> None:
+    from cuinterpose.engine.discovery import start_ticks
+
+    with short_dir() as work:
+        ck = _suspended_here(work, start_ticks(os.getpid()))
+        with pytest.raises(agent.AgentError, match="alive but its shim does not answer") as e:
+            agent.resume(ck, native=_Untouchable())  # type: ignore[arg-type]
+        text = "\n".join(e.value.lines())
+        assert f"looked in {work / 'ctl'}" in text and "nothing was changed" in str(e.value)
+
+
+def test_a_pid_now_of_another_process_is_a_member_gone() -> None:
+    from cuinterpose.engine.discovery import start_ticks
+
+    with short_dir() as work:  # this pid, started at another time: another process
+        ck = _suspended_here(work, start_ticks(os.getpid()) + 1)
+        with pytest.raises(agent.ManifestError, match="every process of the group is gone"):
+            agent.resume(ck, native=_Untouchable())  # type: ignore[arg-type]
