@@ -12,6 +12,7 @@ import argparse
 import io
 import json
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -19,11 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import topologies
 from cuinterpose import cli, criu_action, drivers, engine
 from cuinterpose.engine import agent, criu
 from cuinterpose.engine.client import control_dir_problem
+from cuinterpose.engine.discovery import start_ticks
 from cuinterpose.engine.progress import DoneEvent, human_line
-from engine_harness import short_dir
+from cuinterpose.engine.wire import Op, Phase
+from cuinterpose.testing import Fault
+from engine_harness import short_dir, team_of
 
 
 @pytest.fixture(autouse=True)
@@ -181,9 +186,7 @@ def test_the_public_face_is_an_embedders() -> None:
 
 
 # ------------------------------------------------------------------ 4: CRIU, relative paths
-def test_criu_is_given_absolute_paths(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_criu_is_given_absolute_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """CRIU resolves -o and --pidfile against its images directory (-D)."""
     monkeypatch.chdir(tmp_path)
     seen: list[list[str]] = []
@@ -249,8 +252,6 @@ class _Untouchable:
 
 
 def test_a_silent_shim_of_a_living_process_is_refused_before_anything() -> None:
-    from cuinterpose.engine.discovery import start_ticks
-
     with short_dir() as work:
         ck = _suspended_here(work, start_ticks(os.getpid()))
         with pytest.raises(agent.AgentError, match="alive but its shim does not answer") as e:
@@ -260,9 +261,30 @@ def test_a_silent_shim_of_a_living_process_is_refused_before_anything() -> None:
 
 
 def test_a_pid_now_of_another_process_is_a_member_gone() -> None:
-    from cuinterpose.engine.discovery import start_ticks
-
     with short_dir() as work:  # this pid, started at another time: another process
         ck = _suspended_here(work, start_ticks(os.getpid()) + 1)
         with pytest.raises(agent.ManifestError, match="every process of the group is gone"):
             agent.resume(ck, native=_Untouchable())  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ 3: printed commands
+def test_the_printed_recover_works_as_printed_from_a_plain_shell(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    script = {1: {Op.PREPARE_UNICAST: Fault("fail", message="cuMemRelease: CUDA_ERROR_Z")}}
+    with (
+        short_dir() as work,
+        team_of(topologies.team(2, 2, multicast=False), work / "control", scripts=script) as t,
+    ):
+        monkeypatch.setenv("SNAPSHOT_CONTROL_DIR", str(t.control_dir))  # this shell only
+        code, _, err = run("prepare", "--checkpoint-dir", str(work / "ck"), *t.processes,
+                           "--no-rollback")  # fmt: skip
+        assert code == cli.EXIT_NEEDS_RECOVER, err
+        printed = err.split("run: ", 1)[1].splitlines()[0]
+        assert f"--control-dir {t.control_dir}" in printed, printed
+        monkeypatch.delenv("SNAPSHOT_CONTROL_DIR")  # another shell
+        words = shlex.split(printed)
+        assert words[0] == "cuinterpose"
+        code, _, err = run(*words[1:])
+        assert code == cli.EXIT_OK, err
+        assert [f.phase for f in t.fakes] == [Phase.ACTIVE] * len(t.fakes)
