@@ -151,8 +151,9 @@ def add_driver(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "sim", "system"),
         default="auto",
         help="the CUDA driver of the native checkpoint calls: auto, the one the processes' "
-        "shims report (else the system's); sim, the simulated one; system, the "
-        "libcuda.so.1 the loader finds",
+        "shims report (else the one the manifest recorded, else launch's choice: the "
+        "system's where an NVIDIA driver is installed, the simulated one otherwise); sim, "
+        "the simulated one; system, the libcuda.so.1 the loader finds",
     )
 
 
