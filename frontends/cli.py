@@ -984,13 +984,13 @@ def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     if not processes:
         if args.json:
             empty = {"processes": [], "control_dir": str(where.control_dir)}
-            stdout.write(json.dumps(empty) + "\n")
+            return _finish("status", args, stdout, stderr, EXIT_OK, "done", (), extra=empty)
         else:
             stdout.write(f"no shim in {where.control_dir} (start a program with `{PROG} launch`)\n")
         return EXIT_OK
     gone = targets.problems(args.group, where, shim=False)
     if gone and named:
-        return _fail(gone, stderr)
+        return _finish("status", args, stdout, stderr, EXIT_FAILED, "refused", gone)
     for process in stale:
         path = where.endpoint(process).path
         clear = f"{_status_command(args)} --clear-stale"
@@ -1004,8 +1004,9 @@ def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         stderr.write(f"{PROG}: note: native states unknown: {exc}\n")
         rows = agent.status(processes, where, _NoDriver("no CUDA driver loaded"))
     if args.json:
+        # One line, the summary itself: JSON lines like every verb's, and one document.
         document = {"processes": [r.to_json() for r in rows]}
-        stdout.write(json.dumps(document, indent=2) + "\n")
+        return _finish("status", args, stdout, stderr, EXIT_OK, "done", (), extra=document)
     else:
         from . import render  # rich: only for a person's output
 
@@ -1135,7 +1136,7 @@ def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     try:
         bound, topology = runner.inspect(endpoints, timeout=phase_timeout(None))
     except CoordinatorError as error:
-        return _fail(error.lines(), stderr)
+        return _finish("inspect", args, stdout, stderr, EXIT_FAILED, "refused", error.lines())
     records = topology.records_by_participant()
     if args.json:
         converter = make_converter()
@@ -1151,8 +1152,7 @@ def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
                 for b in bound
             ]
         }
-        stdout.write(json.dumps(document, indent=2) + "\n")
-        return EXIT_OK
+        return _finish("inspect", args, stdout, stderr, EXIT_OK, "done", (), extra=document)
     for b in bound:
         mine = records[b.participant]
         stdout.write(
