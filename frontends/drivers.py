@@ -23,6 +23,7 @@ from .engine.client import Endpoint
 from .engine.native import CudaBackend, NativeUnavailableError, ProcessState
 
 NVIDIA_PROC: Final = Path("/proc/driver/nvidia/version")
+NVIDIA_DEVICE: Final = Path("/dev/nvidiactl")
 # Where a driver's libcuda.so.1 is when the loader's cache does not list it (a container
 # whose toolkit mounted it without running ldconfig).
 _DRIVER_DIRS: Final = (
@@ -45,19 +46,22 @@ class Installed:
         return f"on {name}: {self.why}"
 
 
-def installed(proc: Path = NVIDIA_PROC) -> Installed:
+def installed(proc: Path = NVIDIA_PROC, device: Path = NVIDIA_DEVICE) -> Installed:
     """The system's driver where an NVIDIA driver is installed (its kernel module answers
-    in /proc and the loader knows a ``libcuda.so.1``), else the simulated one. Nothing is
-    loaded: the coordinator may still load another driver afterwards."""
+    in /proc, or its control device is there as a container is given it, and the loader
+    knows a ``libcuda.so.1``), else the simulated one. Nothing is loaded: the coordinator
+    may still load another driver afterwards."""
     try:
         version = proc.read_text().splitlines()[0].strip()
     except (OSError, IndexError):
-        return Installed("sim", f"no NVIDIA driver here (no {proc})")
+        if not device.exists():
+            return Installed("sim", f"no NVIDIA driver here (no {proc}, no {device})")
+        version = f"{device}"
     if ctypes.util.find_library("cuda") is None and not any(
         (Path(d) / "libcuda.so.1").exists() for d in _DRIVER_DIRS
     ):
         return Installed(
-            "sim", f"the NVIDIA kernel driver is loaded ({proc}), but the loader finds no "
+            "sim", f"the NVIDIA kernel driver is loaded ({version}), but the loader finds no "
             f"libcuda.so.1 (ldconfig -p, {', '.join(_DRIVER_DIRS)})")  # fmt: skip
     return Installed("system", f"NVIDIA driver installed ({version})")
 

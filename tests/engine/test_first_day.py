@@ -50,10 +50,12 @@ def last(out: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ 1: the driver
 def test_launch_runs_on_the_simulated_driver_where_no_nvidia_driver_is(tmp_path: Path) -> None:
-    chosen = drivers.installed(tmp_path / "no-such-file")
+    missing, no_device = tmp_path / "no-such-file", tmp_path / "no-device"
+    chosen = drivers.installed(missing, no_device)
     assert chosen.kind == "sim"
-    missing = tmp_path / "no-such-file"
-    assert chosen.line() == f"on the simulated driver: no NVIDIA driver here (no {missing})"
+    assert chosen.line() == (
+        f"on the simulated driver: no NVIDIA driver here (no {missing}, no {no_device})"
+    )
 
 
 def test_launch_runs_on_the_systems_driver_where_one_is_installed(
@@ -64,8 +66,13 @@ def test_launch_runs_on_the_systems_driver_where_one_is_installed(
     monkeypatch.setattr(drivers.ctypes.util, "find_library", lambda name: "libcuda.so.1")
     chosen = drivers.installed(version)
     assert chosen.kind == "system" and "570.86.15" in chosen.line(), chosen
+    # A container given the control device, without /proc/driver/nvidia, has one too.
+    device = tmp_path / "nvidiactl"
+    device.touch()
+    assert drivers.installed(tmp_path / "no-proc", device).kind == "system"
     # The kernel driver without its user-space library is not a driver to run on.
     monkeypatch.setattr(drivers.ctypes.util, "find_library", lambda name: None)
+    monkeypatch.setattr(drivers, "_DRIVER_DIRS", (str(tmp_path),))
     assert drivers.installed(version).kind == "sim"
 
 
