@@ -410,13 +410,18 @@ def _check(
     try:
         found = criu.usable_criu(args.criu, environ)
     except criu.CriuUnavailable as exc:
-        if args.json:
-            stdout.write(json.dumps({"usable": False, "reason": str(exc)}) + "\n")
+        if args.json:  # one line, the summary, as every verb's JSON ends
+            document = {"event": "summary", "command": "criu check", "usable": False,
+                        "reason": str(exc), "outcome": "refused",
+                        "exit_code": EXIT_FAILED}  # fmt: skip
+            stdout.write(json.dumps(document) + "\n")
         stderr.write(f"{PROG}: {exc}\n")
         return EXIT_FAILED
     if args.json:
         version = ".".join(str(n) for n in found.version)
-        document = {"usable": True, "criu": str(found.path), "version": version}
+        document = {"event": "summary", "command": "criu check", "usable": True,
+                    "criu": str(found.path), "version": version, "outcome": "done",
+                    "exit_code": EXIT_OK}  # fmt: skip
         stdout.write(json.dumps(document) + "\n")
     else:
         stdout.write(f"{found.describe()}: `criu check` passes\n")
