@@ -1100,6 +1100,8 @@ def _failure(error: CoordinatorError, args: argparse.Namespace, stderr: TextIO) 
 
 
 NATIVE_ACTIONS: Final = ("lock", "checkpoint", "restore", "unlock", "state")
+_UNDO_ACTION: Final = {"lock": "unlock", "checkpoint": "restore", "restore": "checkpoint",
+                       "unlock": "lock"}  # fmt: skip
 
 
 def _native_action(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
@@ -1118,8 +1120,13 @@ def _native_action(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> 
                        _no_driver("native", exc))  # fmt: skip
     except NativeGroupError as failure:
         code = EXIT_FAILED if not failure.done else EXIT_NEEDS_RECOVER
-        lines = [*failure.lines(), "each process's state is above: run the step again, or "
-                 "the opposite one (restore after checkpoint, unlock after lock)"]  # fmt: skip
+        lines = list(failure.lines())
+        if failure.done:  # some processes took the step: undo it on them, or go on
+            named = [w for pid in failure.done for w in ("--pid", str(pid))]
+            back = [PROG, "native", "--action", _UNDO_ACTION[action], *_where_words(args)]
+            lines.append(f"the step ran on pid(s) {', '.join(map(str, failure.done))}: undo it "
+                         f"there with `{shlex.join([*back, *named])}`, or fix the failed one "
+                         "and run the step again")  # fmt: skip
         return _finish("native", args, stdout, stderr, code, _OUTCOMES[code], lines)
     if args.mode == "human":
         with contextlib.suppress(OSError):

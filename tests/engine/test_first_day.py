@@ -25,10 +25,12 @@ from cuinterpose import cli, criu_action, drivers, engine
 from cuinterpose.engine import agent, criu
 from cuinterpose.engine.client import control_dir_problem
 from cuinterpose.engine.discovery import start_ticks
+from cuinterpose.engine.native import ProcessState
 from cuinterpose.engine.progress import DoneEvent, human_line
 from cuinterpose.engine.wire import Op, Phase
 from cuinterpose.testing import Fault
 from engine_harness import short_dir, team_of
+from test_agent import running
 
 
 @pytest.fixture(autouse=True)
@@ -298,3 +300,22 @@ def test_the_printed_recover_works_as_printed_from_a_plain_shell(
         code, _, err = run(*words[1:])
         assert code == cli.EXIT_OK, err
         assert [f.phase for f in t.fakes] == [Phase.ACTIVE] * len(t.fakes)
+
+
+# ------------------------------------------------------------------ 7: the native steps
+def test_a_native_step_that_fails_half_way_prints_the_way_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = running()
+    monkeypatch.setattr(cli, "_native_backend", lambda: fake)
+    fake.fail = ("lock", 1001)
+    code, out, err = run("native", "--action", "lock", "--pid", "1000", "--pid", "1001")
+    assert code == cli.EXIT_NEEDS_RECOVER, err
+    assert last(out)["exit_code"] == cli.EXIT_NEEDS_RECOVER
+    printed = err.split("undo it there with `", 1)[1].split("`", 1)[0]
+    assert printed == "cuinterpose native --action unlock --pid 1000", printed
+    fake.fail = None
+    code, out, err = run(*shlex.split(printed)[1:])
+    assert code == 0, err
+    assert last(out)["states"] == {"1000": "RUNNING"}
+    assert set(fake.states.values()) == {ProcessState.RUNNING}
