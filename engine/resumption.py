@@ -112,9 +112,10 @@ def _group(
     directory: Path,
     processes: Sequence[Process | tuple[int, int]] | None,
     restored: bool,
+    where: Where,
 ) -> tuple[Process, ...]:
     """The manifest's processes, checked against (or, after a restore, matched to)
-    those given."""
+    those given; the survivors alone may be given once the others are gone."""
     if manifest.resumed_at:
         raise ManifestError(
             f"resume refused: the group in {directory} was resumed at {manifest.resumed_at}:",
@@ -123,7 +124,13 @@ def _group(
     group = manifest.processes()
     if processes is not None and restored:
         return _recreated(group, group_of(processes))
-    if processes is not None and set(group_of(processes)) != set(group):
+    given_set = set(group_of(processes)) if processes is not None else set(group)
+    survivors = (  # a native-only group has no survivors' way (lost_members)
+        manifest.requested
+        and given_set < set(group)
+        and all(_gone(manifest, p, where) for p in group if p not in given_set)
+    )
+    if processes is not None and given_set != set(group) and not survivors:
         given = ", ".join(p.describe() for p in group_of(processes))
         raise ManifestError(
             f"resume refused: the processes given are not the manifest's ({given})",
@@ -233,10 +240,10 @@ def resume(
     options = options or Options()
     require_trusted("resume", directory)
     manifest = read_manifest(directory)
-    group = _group(manifest, directory, processes, restored)
-    coordinate = restore_plan(manifest, directory)
     if where is None:
         where = recorded_where(manifest, directory)
+    group = _group(manifest, directory, processes, restored, where)
+    coordinate = restore_plan(manifest, directory)
     if native is None:
         native = CudaBackend(manifest.origin.driver if manifest.origin is not None else None)
     timeout = min(options.phase_timeout, _PREFLIGHT_S)
