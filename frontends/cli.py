@@ -1222,9 +1222,10 @@ def _launch(args: argparse.Namespace, stderr: TextIO) -> int:
         driver, said = chosen.kind, chosen.line()
     else:
         said = drivers.Installed(driver, f"--driver {driver}").line()
-    with contextlib.suppress(OSError):
-        stderr.write(f"{PROG} launch: {said}\n")
-        stderr.flush()
+    if not args.quiet:  # -q: nothing but the errors
+        with contextlib.suppress(OSError):
+            stderr.write(f"{PROG} launch: {said}\n")
+            stderr.flush()
     try:
         return int(
             module.launch(
@@ -1233,7 +1234,7 @@ def _launch(args: argparse.Namespace, stderr: TextIO) -> int:
                 control_dir=args.control_dir,
                 pidfile=args.pidfile,
                 exec_=args.exec_,
-                announce=stderr,
+                announce=None if args.quiet else stderr,
             )
         )
     except module.LaunchError as exc:

@@ -84,6 +84,9 @@ def test_launch_says_its_driver_first_and_check_agrees() -> None:
                            "-c", "")  # fmt: skip
         assert code == 0, err
         assert err.splitlines()[0] == f"cuinterpose launch: {drivers.installed().line()}"
+        quiet = run("launch", "-q", "--control-dir", str(work / "c"), "--", sys.executable,
+                    "-c", "")  # fmt: skip
+        assert quiet == (0, "", ""), quiet
         # In a process of its own: loading a driver here would pin this one to it.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("LD_", "ASAN_"))}
         done = subprocess.run(
