@@ -37,6 +37,7 @@ import attrs
 from .agent import (
     AgentCallback,
     AgentError,
+    GpuMap,
     Manifest,
     ManifestError,
     Process,
@@ -44,6 +45,7 @@ from .agent import (
     StepEvent,
     Timing,
     Where,
+    gpu_pairs,
     read_manifest,
     remove_stale_sockets,
     restore_plan,
@@ -538,15 +540,19 @@ def restore(
     control_dir: Path | None,
     options: Options | None = None,
     criu_args: Sequence[str] = (),
+    gpu_map: GpuMap | None = None,
     on_event: AgentCallback | None = None,
 ) -> RestoreResult:
     """:func:`before_restore` (``control_dir``: the control directory as seen here before
     the processes exist), ``criu restore -d``, :func:`locate` under the restored root,
     then :func:`~.agent.resume` of those processes (``where``: their control sockets
-    once they run)."""
+    once they run). ``gpu_map`` is checked against the manifest and this node's GPUs
+    before CRIU runs (:class:`~.gpus.GpuMapRefused`), then given to the resume."""
     directory = Path(checkpoint_dir)
     images = Path(images_dir)
     prepared = before_restore(directory, control_dir)
+    if gpu_map:
+        gpu_pairs(prepared.manifest, native, gpu_map)
     pidfile = directory / RESTORED_PIDFILE
     pidfile.unlink(missing_ok=True)
     args = ["restore", "-d", "-D", str(images), "--pidfile", str(pidfile), *criu_args]
@@ -567,6 +573,7 @@ def restore(
         native=native,
         processes=located,
         restored=True,
+        gpu_map=gpu_map,
         options=options,
         on_event=on_event,
     )

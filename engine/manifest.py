@@ -4,7 +4,8 @@ The document (specs/detection.md, "The manifest")::
 
     {"version": 1,
      "cuinterpose": {"requested": bool, "prepared": bool},
-     "participants": [{"observed_pid": int, "namespace_pid": int, "participant": str|null}],
+     "participants": [{"observed_pid": int, "namespace_pid": int, "participant": str|null,
+                       "gpus": [{"ordinal": int, "uuid": str, "name": str, "bytes": int}]}],
      "timings": [{"phase": str, "seconds": float, "bytes": int}],  # "phase": the step
      "created_at": str, "resumed_at": str (once resumed)}
 
@@ -28,6 +29,7 @@ import cattrs
 from cattrs.gen import make_dict_unstructure_fn, override
 
 from .errors import AgentError
+from .gpus import Gpu
 from .statefile import STATE_FILE_NAME, write_atomically
 
 MANIFEST_FILE_NAME: Final = "manifest.json"
@@ -94,6 +96,9 @@ class Participant:
     observed_pid: int
     namespace_pid: int
     participant: str | None  # the shim's id; None for a native-only group
+    # The GPUs the process used, from its shim (gpus.py); () when not known (a
+    # native-only group, an older suspend): a restore onto other GPUs needs them.
+    gpus: tuple[Gpu, ...] = ()
 
 
 @attrs.frozen
@@ -187,6 +192,10 @@ def _converter() -> cattrs.Converter:
     conv.register_structure_hook(bool, _strict(bool, "a boolean"))
     conv.register_structure_hook(float, _strict(float, "a number"))
     conv.register_structure_hook(str, _strict(str, "a string"))
+    conv.register_unstructure_hook(
+        Participant,
+        make_dict_unstructure_fn(Participant, conv, gpus=override(omit_if_default=True)),
+    )
     conv.register_unstructure_hook(
         _Document,
         make_dict_unstructure_fn(_Document, conv, resumed_at=override(omit_if_default=True)),

@@ -111,9 +111,15 @@ def survey(endpoints: Sequence[Endpoint], options: Options) -> tuple[ProcessBefo
 
 
 def recover(
-    endpoints: Sequence[Endpoint], checkpoint_dir: Path, options: Options | None = None
+    endpoints: Sequence[Endpoint],
+    checkpoint_dir: Path,
+    options: Options | None = None,
+    *,
+    gpu_pairs: Sequence[tuple[str, str]] = (),
 ) -> RecoveryReport:
-    """Bring the group back to running; raises as :func:`~.runner.rollback` does."""
+    """Bring the group back to running; raises as :func:`~.runner.rollback` does.
+    ``gpu_pairs``: the GPUs a native restore put the processes on, for a restore
+    forward (:func:`~.runner.restore`); a rollback never left its GPUs."""
     check_endpoints(endpoints)
     options = options or Options()
     directory = Path(checkpoint_dir)
@@ -127,7 +133,8 @@ def recover(
     if phases == {Phase.PREPARED} and not interrupted and (directory / STATE_FILE_NAME).exists():
         missing = _not_answering(directory, before)
         if not missing:
-            return RecoveryReport("restored", before, restore(endpoints, directory, options))
+            restored = restore(endpoints, directory, options, gpu_pairs=gpu_pairs)
+            return RecoveryReport("restored", before, restored)
         # A participant of the capture died (or is not given): the group cannot be
         # restored as captured, and the survivors go back to ACTIVE with their bytes.
         result = rollback(endpoints, directory, options)

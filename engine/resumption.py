@@ -13,6 +13,7 @@ from .detection import Where, group_of
 from .directory import require_trusted
 from .errors import AgentError, CoordinatorError
 from .events import AgentCallback, bytes_moved, reporter
+from .gpus import GpuMap, GpuMapRefused, checkpointed, resolve
 from .group_status import StateRefused, require_states, status_lines
 from .manifest import (
     MANIFEST_FILE_NAME,
@@ -24,7 +25,14 @@ from .manifest import (
     restore_plan,
     write_manifest,
 )
-from .native import NativeBackend, NativeGroupError, ProcessState, run_step, state_names
+from .native import (
+    NativeBackend,
+    NativeGroupError,
+    ProcessState,
+    RemappingBackend,
+    run_step,
+    state_names,
+)
 from .options import Options
 from .progress import StagingSummary
 from .runner import restore
@@ -122,6 +130,7 @@ def resume(
     native: NativeBackend,
     processes: Sequence[Process | tuple[int, int]] | None = None,
     restored: bool = False,
+    gpu_map: GpuMap | None = None,
     options: Options | None = None,
     on_event: AgentCallback | None = None,
     logger: logging.Logger | None = None,
@@ -136,6 +145,10 @@ def resume(
     unlocked by CRIU's CUDA plugin) skip the native steps (specs/criu.md). Raises
     :class:`ManifestError` or :class:`StateRefused` (nothing changed),
     :class:`ResumeFailed` naming every process's native state and shim phase.
+
+    ``gpu_map`` restores onto other GPUs (the native restore's gpuPairs, checked by
+    every shim's LOAD): refused with :class:`~.gpus.GpuMapRefused` before anything
+    changes when it does not fit the GPUs the manifest records and those here.
     """
     directory = Path(checkpoint_dir)
     report = reporter(on_event, logger)
@@ -145,12 +158,13 @@ def resume(
     group = _group(manifest, directory, processes, restored)
     coordinate = restore_plan(manifest, directory)
     pids = [p.observed_pid for p in _natively_checkpointed(native, group, restored)]
+    pairs = gpu_pairs(manifest, native, gpu_map) if gpu_map else ()
     endpoints = [where.endpoint(p) for p in group]
     staging = None
     try:
         if pids:
             with report.step("native_restore"):
-                run_step(native, "restore", pids)
+                run_step(native, "restore", pids, gpu_pairs=pairs)
             with report.step("native_unlock"):
                 run_step(native, "unlock", pids)
         if coordinate:
@@ -158,7 +172,7 @@ def resume(
             with report.step("coordinator_restore") as moved:
                 engine_options = attrs.evolve(options, on_progress=report.emit)
                 with CopyWatcher(list(zip(endpoints, ids, strict=True)), report.emit):
-                    result = restore(endpoints, directory, engine_options)
+                    result = restore(endpoints, directory, engine_options, gpu_pairs=pairs)
                 moved.append(bytes_moved(result.phases))
                 staging = StagingSummary.from_phases(result.phases)
     except (NativeGroupError, CoordinatorError) as failure:
@@ -175,6 +189,33 @@ def resume(
         raise ResumeFailed("resume failed:", lines, running=running) from failure
     warnings = (*(result.warnings if coordinate else ()), *_mark_resumed(directory, manifest))
     return ResumeResult(manifest, coordinate, tuple(report.timings), staging, warnings)
+
+
+def gpu_pairs(
+    manifest: Manifest, native: NativeBackend | None, gpu_map: GpuMap
+) -> tuple[tuple[str, str], ...]:
+    """``gpu_map`` resolved against the GPUs the manifest records and those ``native``
+    sees here (None: a restore without the native step, whose GPUs are the manifest's
+    own); refused before anything changes (gpus.resolve)."""
+    old = checkpointed(p.gpus for p in manifest.participants)
+    if not old:
+        raise GpuMapRefused(
+            f"--gpu-map {gpu_map.describe()} refused (nothing was changed):",
+            [
+                "the manifest records no GPUs (a native-only group, or a suspend older than "
+                "the GPU records): there is nothing to check the mapping against"
+            ],
+        )
+    if native is None:
+        here = old
+    elif isinstance(native, RemappingBackend):
+        here = native.gpus()
+    else:
+        raise GpuMapRefused(
+            f"--gpu-map {gpu_map.describe()} refused (nothing was changed):",
+            [f"the native backend {type(native).__name__} cannot restore onto other GPUs"],
+        )
+    return resolve(gpu_map, old, here)
 
 
 def _mark_resumed(directory: Path, manifest: Manifest) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ from .detection import Detection, DetectionRefused, Where, detect, group_of
 from .directory import require_trusted
 from .errors import AgentError, CoordinatorError
 from .events import AgentCallback, Reporter, bytes_moved, reporter
+from .gpus import Gpu, parse_report
 from .group_status import require_states, status_lines
 from .manifest import (
     MANIFEST_FILE_NAME,
@@ -48,7 +49,7 @@ from .progress import StagingSummary
 from .runner import capture, restore
 from .statefile import StateFileError, utc_timestamp
 from .watch import CopyWatcher
-from .wire import Op, Request
+from .wire import Op, Request, Status
 
 
 class SuspendFailed(AgentError):
@@ -81,6 +82,29 @@ def _participant_ids(endpoints: Sequence[Endpoint], timeout: float) -> tuple[str
     if problems:
         raise DetectionRefused("a shim did not answer STATUS:", problems)
     return tuple(ids)
+
+
+def _devices(endpoints: Sequence[Endpoint], timeout: float) -> tuple[tuple[Gpu, ...], ...]:
+    """Each shim's GPUs (STATUS ask_devices), for the manifest: a restore onto other
+    GPUs is checked against them (gpus.resolve)."""
+    replies = call_all(
+        [(e, Request(Op.STATUS, ask_devices=True), None) for e in endpoints], timeout=timeout
+    )
+    found: list[tuple[Gpu, ...]] = []
+    problems: list[str] = []
+    for endpoint, reply in zip(endpoints, replies, strict=True):
+        if isinstance(reply, ParticipantError):
+            problems.append(str(reply))
+        elif reply.status is not Status.OK:
+            problems.append(f"{endpoint.describe()}: devices report: {reply.message}")
+        else:
+            try:
+                found.append(parse_report(reply.message))
+            except ValueError as exc:
+                problems.append(f"{endpoint.describe()}: devices report refused: {exc}")
+    if problems:
+        raise DetectionRefused("a shim did not say which GPUs its process uses:", problems)
+    return tuple(found)
 
 
 def _fresh_directory(directory: Path) -> None:
@@ -142,8 +166,10 @@ def suspend(
             f"CHECKPOINTED by an earlier suspend comes back with {resume_hint(None)})",
         )
         ids: tuple[str | None, ...] = (None,) * len(group)
+        gpus: tuple[tuple[Gpu, ...], ...] = ((),) * len(group)
         if detection.mode == "cuinterpose":
             ids = _participant_ids(detection.endpoints, options.phase_timeout)
+            gpus = _devices(detection.endpoints, options.phase_timeout)
     prepared = False
     staging = None
     if detection.mode == "cuinterpose":
@@ -166,8 +192,8 @@ def suspend(
             requested,
             prepared,
             tuple(
-                Participant(p.observed_pid, p.namespace_pid, i)
-                for p, i in zip(group, ids, strict=True)
+                Participant(p.observed_pid, p.namespace_pid, i, g)
+                for p, i, g in zip(group, ids, gpus, strict=True)
             ),
             tuple(report.timings),
             utc_timestamp(),

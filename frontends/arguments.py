@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
+from .engine.gpus import GpuMap, GpuMapError
 from .engine.options import DEFAULT_PHASE_TIMEOUT_S
 
 CONTROL_DIR_ENV: Final = "SNAPSHOT_CONTROL_DIR"
@@ -137,6 +138,26 @@ def add_endpoints(
     add_processes(parser, required=required)
     if driver:
         add_driver(parser)
+
+
+def gpu_map(text: str) -> GpuMap:
+    try:
+        return GpuMap.parse(text)
+    except GpuMapError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_gpu_map(parser: argparse.ArgumentParser) -> None:
+    """``--gpu-map``, for every verb that restores (resume, restore, recover, criu
+    restore)."""
+    parser.add_argument(
+        "--gpu-map",
+        type=gpu_map,
+        metavar="OLD=NEW[,OLD=NEW...]",
+        help="restore onto other GPUs: each GPU the group used (an ordinal of the "
+        "checkpointed node, or a GPU-... UUID) onto one here (an ordinal here, or a "
+        "UUID); every GPU the group used must be named",
+    )
 
 
 def add_driver(parser: argparse.ArgumentParser) -> None:

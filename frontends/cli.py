@@ -52,6 +52,7 @@ from .arguments import (
     UsageError,
     add_driver,
     add_endpoints,
+    add_gpu_map,
     add_phase_timeout,
     phase_timeout,
     seconds,
@@ -61,6 +62,7 @@ from .engine import agent, runner
 from .engine.client import Endpoint, endpoint_for
 from .engine.errors import CoordinatorError, Refused
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
+from .engine.gpus import GpuMapRefused, uuid_pairs
 from .engine.manifest import resume_hint
 from .engine.native import (
     CudaBackend,
@@ -243,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000,
         help="how long each native lock may wait for the process's CUDA calls to drain",
     )
-    _add_agent_options(sub("resume"), required=False)
+    resume = sub("resume")
+    _add_agent_options(resume, required=False)
+    add_gpu_map(resume)
     status_cmd = sub("status")
     add_endpoints(status_cmd, required=False)
     status_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -272,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     restore_cmd, recover_cmd = sub("restore"), sub("recover")
     _add_machine_options(restore_cmd, required=False)
     _add_machine_options(recover_cmd, required=False)
+    add_gpu_map(restore_cmd)
+    add_gpu_map(recover_cmd)
     for checked in (prepare, restore_cmd, recover_cmd):
         checked.add_argument(
             "--skip-native-check",
@@ -461,19 +467,24 @@ def _machine(
     )
     try:
         with _stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)):
+            pairs = uuid_pairs(args.gpu_map) if getattr(args, "gpu_map", None) else ()
             if spec is None:
-                report = recover(endpoints, checkpoint_dir, options)
+                report = recover(endpoints, checkpoint_dir, options, gpu_pairs=pairs)
                 for line in report.lines():
                     stdout.write(line + "\n")
                 result: object = report.result
             elif spec is CAPTURE:  # started over when not quiet, as suspend's capture is
                 attempt = functools.partial(runner.capture, endpoints, checkpoint_dir, options)
                 result = until_quiet(attempt, options)
+            elif pairs:
+                result = runner.restore(endpoints, checkpoint_dir, options, gpu_pairs=pairs)
             else:
                 result = runner.run_machine(spec, endpoints, checkpoint_dir, options)
             args.result = result
         for warning in getattr(result, "warnings", ()):
             stderr.write(f"{PROG}: note: {warning}\n")
+    except GpuMapRefused as refused:
+        return _fail(list(refused.lines()), stderr)
     except CoordinatorError as error:
         return _failure(error, args, stderr)
     except ValueError as exc:
@@ -605,6 +616,7 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
                     where=_where(args),
                     native=native,
                     processes=processes,
+                    gpu_map=args.gpu_map,
                     options=options,
                     on_event=where_now,
                 )

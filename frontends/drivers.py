@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from . import artifacts
 from .engine import discovery
 from .engine.client import Endpoint
+from .engine.gpus import Gpu
 from .engine.native import CudaBackend, NativeUnavailableError, ProcessState
 
 
@@ -55,6 +56,12 @@ class LateBackend:
 
     def restore(self, pid: int) -> None:
         self._chosen().restore(pid)
+
+    def restore_onto(self, pid: int, gpu_pairs: Sequence[tuple[str, str]]) -> None:
+        self._chosen().restore_onto(pid, gpu_pairs)
+
+    def gpus(self) -> tuple[Gpu, ...]:
+        return self._chosen().gpus()
 
     def unlock(self, pid: int) -> None:
         self._chosen().unlock(pid)
