@@ -1,0 +1,162 @@
+"""A group restored onto another GPU (specs/restore.md, "Onto other GPUs"), on real shims and
+the simulated driver with two devices.
+
+The creator/importer group of agentgroup.py (a VMM allocation shared by FD, a private
+one) also shares owned cudaMalloc memory by legacy IPC (legacy.py); suspended on GPU 0
+and resumed with ``--gpu-map 0=1``: every byte at its VA, every allocation and context
+of each process on what was GPU 1 (the driver keeps ordinals and changes the GPU behind
+them), sharing live both ways and a new share opening. A native restore onto GPU 1 whose
+coordinator restore is not told is refused by every shim's LOAD, naming the GPU, and
+rolled back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cuinterpose.demo import Worker
+from cuinterpose.engine import agent
+from cuinterpose.engine.gpus import Gpu, GpuMap, uuid_text
+from cuinterpose.engine.native import NativeError
+
+from tests.shim import legacy
+from tests.shim.agentgroup import Group, WorkerBackend, build_group
+from tests.simenv import Spawn
+
+REMAP = """
+import ctypes
+def uuid_from(raw):
+    u = cu.CUuuid(); ctypes.memmove(u.getPtr(), raw, 16)
+    return u
+def remap_restore(pid, pairs):
+    ps = []
+    for old, new in pairs:
+        p = cu.CUcheckpointGpuPair()
+        p.oldUuid = uuid_from(bytes.fromhex(old)); p.newUuid = uuid_from(bytes.fromhex(new))
+        ps.append(p)
+    a = cu.CUcheckpointRestoreArgs(); a.gpuPairs = ps; a.gpuPairsCount = len(ps)
+    return err(cu.cuCheckpointProcessRestore(pid, a))
+def gpus_here():
+    out = []
+    for d in range(check(cu.cuDeviceGetCount())):
+        dev = check(cu.cuDeviceGet(d))
+        name = bytes(check(cu.cuDeviceGetName(64, dev))).split(b"\\0", 1)[0].decode()
+        out.append([d, bytes(check(cu.cuDeviceGetUuid(dev)).bytes).hex(), name,
+                    int(check(cu.cuDeviceTotalMem(dev)))])
+    return out
+"""
+
+# What each process says of its context's device and the devices of its memory.
+WHERE = """
+dev = check(cu.cuCtxGetDevice())
+result = bytes(check(cu.cuDeviceGetUuid(dev)).bytes).hex()
+"""
+
+
+class RemapBackend(WorkerBackend):
+    """WorkerBackend with the remapping restore and this node's GPUs."""
+
+    def __init__(self, worker: Worker) -> None:
+        super().__init__(worker)
+        worker(REMAP)
+
+    def restore_onto(self, pid: int, gpu_pairs: object) -> None:
+        pairs = [
+            (old[4:].replace("-", ""), new[4:].replace("-", ""))
+            for old, new in gpu_pairs  # type: ignore[attr-defined]
+        ]
+        result = self.worker(f"result = remap_restore({pid}, {pairs!r})")
+        if result != "CUDA_SUCCESS":
+            raise NativeError(pid, "cuCheckpointProcessRestore", str(result))
+
+    def gpus(self) -> tuple[Gpu, ...]:
+        found = self.worker("result = gpus_here()")
+        return tuple(Gpu(d, uuid_text(bytes.fromhex(u)), n, t) for d, u, n, t in found)
+
+
+@pytest.fixture
+def group(spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str]) -> Group:
+    return build_group(spawn, shim_env, plain_env)
+
+
+def share_legacy(group: Group, seed: int) -> legacy.LegacyPair:
+    """The legacy IPC sharing of legacy.py, between the group's creator and importer."""
+    c, i = group.creator, group.importer
+    big = int(c.check("alloc", size=legacy.BIG)["va"])
+    small = int(c.check("alloc", size=legacy.SMALL)["va"])
+    private = int(c.check("alloc", size=legacy.PRIVATE)["va"])
+    sizes = (legacy.BIG, legacy.SMALL, legacy.PRIVATE)
+    for k, (va, size) in enumerate(zip((big, small, private), sizes, strict=True)):
+        c.check("fill", va=va, size=size, seed=seed + k)
+    opened = [
+        int(i.check("ipc_open", handle=c.check("ipc_get", va=va)["handle"])["va"])
+        for va in (big, small)
+    ]
+    return legacy.LegacyPair(c, i, big, small, private, opened[0], opened[1], seed)
+
+
+def devices_of(worker: Worker, where: agent.Where) -> list[str]:
+    """The UUIDs of the GPUs a process's shim says it uses."""
+    from cuinterpose.engine.client import call_all
+    from cuinterpose.engine.gpus import parse_report
+    from cuinterpose.engine.wire import Op, Request
+
+    endpoint = where.endpoint(agent.Process(worker.pid, worker.pid))
+    (reply,) = call_all([(endpoint, Request(Op.STATUS, ask_devices=True), None)], timeout=10)
+    return [g.uuid for g in parse_report(reply.message)]  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+def test_resumed_onto_gpu_1_with_its_bytes_and_its_sharing(
+    group: Group, control_dir: Path, tmp_path: Path
+) -> None:
+    pair = share_legacy(group, 81)
+    native = RemapBackend(group.observer)
+    here = native.gpus()
+    gpu0, gpu1 = here[0].uuid, here[1].uuid
+    where = agent.Where(control_dir)
+    workers = (group.creator, group.importer)
+    assert {u for w in workers for u in devices_of(w, where)} == {gpu0}
+    done = agent.suspend(group.processes, tmp_path, where=where, native=native)
+    recorded = json.loads((tmp_path / "manifest.json").read_text())["participants"]
+    assert [[g["uuid"] for g in p["gpus"]] for p in recorded] == [[gpu0], [gpu0]]
+    creator_gpus = done.manifest.participants[0].gpus
+    assert creator_gpus[0].ordinal == 0 and creator_gpus[0].bytes >= 2 * group.size
+
+    resumed = agent.resume(tmp_path, where=where, native=native, gpu_map=GpuMap.parse("0=1"))
+    assert resumed.coordinator_restored
+    assert group.mismatches() == []
+    for worker in workers:  # contexts and every allocation the shim tracks: GPU 1 now
+        assert uuid_text(bytes.fromhex(worker(WHERE))) == gpu1
+        assert devices_of(worker, where) == [gpu1]
+    legacy.shared_both_ways(pair, write_seed=91)
+    group.close()
+
+
+@pytest.mark.slow
+def test_a_native_remap_the_shims_are_not_told_of_is_refused_at_load(
+    group: Group, control_dir: Path, tmp_path: Path
+) -> None:
+    """The native restore puts the group on GPU 1, the coordinator restore is given no
+    mapping: every shim's LOAD names the GPU that moved, nothing is re-created, the run
+    rolls back and the group runs on GPU 1 with its bytes."""
+    native = RemapBackend(group.observer)
+    here = native.gpus()
+    where = agent.Where(control_dir)
+    agent.suspend(group.processes, tmp_path, where=where, native=native)
+    pairs = ((here[0].uuid, here[1].uuid),)
+
+    class Untold(RemapBackend):
+        def restore(self, pid: int) -> None:
+            self.restore_onto(pid, pairs)
+
+    with pytest.raises(agent.ResumeFailed) as failed:
+        agent.resume(tmp_path, where=where, native=Untold(group.observer))
+    text = "\n".join(failed.value.lines())
+    assert "LOAD_ALLOCATIONS refused: GPU ordinal 0 was " + here[0].uuid in text, text
+    assert f"names {here[1].uuid} now" in text, text
+    assert failed.value.running, text
+    assert group.mismatches() == []
+    group.close()
