@@ -245,7 +245,8 @@ static enum phase_result drain_contexts(struct reply *r)
  * application's tracked calls see NOT_READY from then on; g.lock is not
  * held while the op works (copies block, RESTORE_UNICAST calls peers). A
  * refused or retryable op leaves the shim in the phase it started from. */
-static void run_phase_op(uint16_t op, struct reply *r)
+/* `text`: the request's (LOAD_ALLOCATIONS: the GPU mapping). */
+static void run_phase_op(uint16_t op, const char *text, size_t text_len, struct reply *r)
 {
     const struct phase_op *d = &phase_ops[op];
     phase_work_fn *work = phase_work((enum cuip_op)op);
@@ -286,8 +287,17 @@ static void run_phase_op(uint16_t op, struct reply *r)
     pthread_mutex_unlock(&g.lock);
 
     rc = op == CUIP_OP_PREPARE_MULTICAST ? drain_contexts(r) : PHASE_DONE;
+    /* LOAD's GPUs checked before it re-creates anything (devices.c); in
+     * flight already, as the driver's answers may wait on a natively locked
+     * process. */
+    if (op == CUIP_OP_LOAD_ALLOCATIONS && devices_check_map(text, text_len, r) != 0)
+        rc = PHASE_REFUSED;
     if (rc == PHASE_DONE)
         rc = work(r);
+    /* The GPUs as a capture found them: once quiet, the application can no
+     * longer change them, and SAVE tears down what they are read from. */
+    if (op == CUIP_OP_QUIESCE && rc == PHASE_DONE)
+        devices_remember();
 
     pthread_mutex_lock(&g.lock);
     if (rc == PHASE_DONE) {
@@ -552,7 +562,7 @@ static bool lease_admit(const struct cuip_header *q, pid_t peer, struct reply *r
 
 static void handle(const struct cuip_header *q, const char *text, pid_t peer, struct reply *r)
 {
-    bool admitted, served;
+    bool admitted;
 
     if (!validate(q, r))
         return;
@@ -608,17 +618,7 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
             g.quiesce_round = cuip_quiesce_round(q) == 1;
             pthread_mutex_unlock(&g.lock);
         }
-        pthread_mutex_lock(&g.lock);
-        served = cuip_op_served_in(q->op, g.phase) && !g.busy;
-        pthread_mutex_unlock(&g.lock);
-        /* The GPUs, before SAVE tears anything down and before LOAD
-         * re-creates anything (devices.c); the op's own checks otherwise. */
-        if (served && q->op == CUIP_OP_SAVE_ALLOCATIONS)
-            devices_remember();
-        if (served && q->op == CUIP_OP_LOAD_ALLOCATIONS &&
-            devices_check_map(text, q->message_length, r) != 0)
-            return;
-        run_phase_op(q->op, r);
+        run_phase_op(q->op, text, q->message_length, r);
         return;
     }
 }

@@ -1,6 +1,6 @@
 /*
  * The GPUs this process uses: STATUS's devices report (CUIP_ASK_DEVICES),
- * their UUIDs as SAVE_ALLOCATIONS found them, and LOAD_ALLOCATIONS' check
+ * their UUIDs as the capture's QUIESCE found them, and LOAD_ALLOCATIONS' check
  * of the GPU mapping its request carries.
  *
  * A GPU is used when an allocation the shim tracks lives there or is
@@ -21,7 +21,7 @@
 #define UUID_TEXT_LEN 40 /* "GPU-" and 8-4-4-4-12 hex digits */
 #define MAX_DEVICES 32   /* a bit each in a uint32_t */
 
-/* Written by SAVE_ALLOCATIONS on the control thread, read by LOAD on it. */
+/* Written once QUIESCE is done, read by LOAD, both on the control thread. */
 static struct {
     bool known;
     uint32_t used; /* bit per ordinal */
@@ -216,7 +216,7 @@ int devices_check_map(const char *text, size_t len, struct reply *r)
         if (n == 0)
             return 0; /* nothing recorded, nothing asked */
         reply_msg(r, CUIP_STATUS_REFUSED, "LOAD_ALLOCATIONS refused: this process's GPUs were "
-                  "not recorded at SAVE_ALLOCATIONS, so the GPU mapping cannot be checked; "
+                  "not recorded at the capture, so the GPU mapping cannot be checked; "
                   "nothing was changed");
         return -1;
     }
@@ -228,7 +228,7 @@ int devices_check_map(const char *text, size_t len, struct reply *r)
         if (d == saved.count) {
             uuid_text(&old[i], a);
             reply_msg(r, CUIP_STATUS_REFUSED, "LOAD_ALLOCATIONS refused: the GPU mapping names "
-                      "%s, which this process did not see at SAVE_ALLOCATIONS; nothing was "
+                      "%s, which this process did not see at the capture; nothing was "
                       "changed", a);
             return -1;
         }
@@ -251,7 +251,7 @@ int devices_check_map(const char *text, size_t len, struct reply *r)
             uuid_text(&want, b);
             uuid_text(&now, c);
             reply_msg(r, CUIP_STATUS_REFUSED, "LOAD_ALLOCATIONS refused: GPU ordinal %d was %s "
-                      "at SAVE_ALLOCATIONS and is to be %s, but names %s now (the native "
+                      "at the capture and is to be %s, but names %s now (the native "
                       "restore did not map it there: give it the same mapping); nothing was "
                       "changed", d, a, b, c);
             return -1;

@@ -551,7 +551,7 @@ SHIM_HIDDEN int io_write_all(int fd, const void *buf, size_t len, uint64_t deadl
 SHIM_HIDDEN int io_read_all(int fd, void *buf, size_t len, uint64_t deadline_ns, int *fd_out);
 
 /* ---------------------------------------------------------------- devices.c */
-/* SAVE_ALLOCATIONS: note every ordinal's UUID and which ordinals are used. */
+/* A QUIESCE done: note every ordinal's UUID and which ordinals are used. */
 SHIM_HIDDEN void devices_remember(void);
 /* STATUS with CUIP_ASK_DEVICES: the message lists the GPUs in use. */
 SHIM_HIDDEN void devices_report(struct reply *r);
