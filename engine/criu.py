@@ -370,7 +370,7 @@ def before_restore(checkpoint_dir: Path, control_dir: Path | None) -> Prepared:
     namespace: then nothing is removed, and the shims re-publish their sockets)."""
     directory = Path(checkpoint_dir)
     manifest = read_manifest(directory)
-    if manifest.resumed_at:
+    if manifest.resumed_at and not manifest.resumed_from_images:
         raise ManifestError(
             f"restore refused: the group in {directory} was resumed at {manifest.resumed_at}:",
             ["its images are older than the group that ran since; suspend and dump it again"],

@@ -7,7 +7,8 @@ The document (specs/detection.md, "The manifest")::
      "participants": [{"observed_pid": int, "namespace_pid": int, "participant": str|null,
                        "gpus": [{"ordinal": int, "uuid": str, "name": str, "bytes": int}]}],
      "timings": [{"phase": str, "seconds": float, "bytes": int}],  # "phase": the step
-     "created_at": str, "resumed_at": str (once resumed)}
+     "created_at": str, "resumed_at": str (once resumed),
+     "resumed_from_images": bool (once resumed after a restore from images)}
 
 Written and read through one cattrs converter over the classes below: strict in (an
 integer is an integer, a boolean a boolean; every problem named by its path), the
@@ -117,6 +118,7 @@ class _Document:
     timings: tuple[_Timed, ...] = ()
     created_at: str = ""
     resumed_at: str = ""
+    resumed_from_images: bool = False
 
 
 @attrs.frozen
@@ -130,6 +132,9 @@ class Manifest:
     timings: tuple[Timing, ...] = ()
     created_at: str = ""
     resumed_at: str = ""  # set once a resume completed: the directory may be reused
+    # That resume followed a restore from images (CRIU): the images are still the
+    # group's checkpoint, restorable again once that group is gone (specs/criu.md).
+    resumed_from_images: bool = False
 
     def to_json(self) -> dict[str, Any]:
         document = _Document(
@@ -139,6 +144,7 @@ class Manifest:
             tuple(_Timed.of(t) for t in self.timings),
             self.created_at,
             self.resumed_at,
+            self.resumed_from_images,
         )
         return dict(_converter().unstructure(document))
 
@@ -165,6 +171,7 @@ class Manifest:
             tuple(t.timing() for t in document.timings),
             document.created_at,
             document.resumed_at,
+            document.resumed_from_images,
         )
 
     def processes(self) -> tuple[Process, ...]:
@@ -198,7 +205,12 @@ def _converter() -> cattrs.Converter:
     )
     conv.register_unstructure_hook(
         _Document,
-        make_dict_unstructure_fn(_Document, conv, resumed_at=override(omit_if_default=True)),
+        make_dict_unstructure_fn(
+            _Document,
+            conv,
+            resumed_at=override(omit_if_default=True),
+            resumed_from_images=override(omit_if_default=True),
+        ),
     )
     return conv
 

@@ -106,7 +106,7 @@ def _group(
 ) -> tuple[Process, ...]:
     """The manifest's processes, checked against (or, after a restore, matched to)
     those given."""
-    if manifest.resumed_at:
+    if manifest.resumed_at and not (restored and manifest.resumed_from_images):
         raise ManifestError(
             f"resume refused: the group in {directory} was resumed at {manifest.resumed_at}:",
             ["suspend it again first"],
@@ -187,7 +187,8 @@ def resume(
             )
         lines += [f"now {line}" for line in status_lines(group, where, native)]
         raise ResumeFailed("resume failed:", lines, running=running) from failure
-    warnings = (*(result.warnings if coordinate else ()), *_mark_resumed(directory, manifest))
+    marked = _mark_resumed(directory, manifest, from_images=restored)
+    warnings = (*(result.warnings if coordinate else ()), *marked)
     return ResumeResult(manifest, coordinate, tuple(report.timings), staging, warnings)
 
 
@@ -218,12 +219,13 @@ def gpu_pairs(
     return resolve(gpu_map, old, here)
 
 
-def _mark_resumed(directory: Path, manifest: Manifest) -> tuple[str, ...]:
-    """Record the resume in the manifest, or, when it cannot be written, remove the
-    manifest, so that the directory takes a new suspend either way. Never raises: the
-    group runs already."""
+def _mark_resumed(directory: Path, manifest: Manifest, *, from_images: bool) -> tuple[str, ...]:
+    """Record the resume in the manifest (``from_images``: after a restore from images,
+    which stay restorable), or, when it cannot be written, remove the manifest, so that
+    the directory takes a new suspend either way. Never raises: the group runs already."""
     try:
-        write_manifest(directory, attrs.evolve(manifest, resumed_at=utc_timestamp()))
+        marked = attrs.evolve(manifest, resumed_at=utc_timestamp(), resumed_from_images=from_images)
+        write_manifest(directory, marked)
         return ()
     except StateFileError as exc:
         problem = str(exc)

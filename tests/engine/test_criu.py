@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 from cuinterpose import cli, criu_action
 from cuinterpose.engine import agent, criu
@@ -151,6 +152,17 @@ def test_before_restore_is_driven_by_the_manifest(work: Path) -> None:
         criu.before_restore(suspended(work, state_file=False), work / "control")
     # Not seen before the processes exist (a tmpfs of their mount namespace): no removal.
     assert criu.before_restore(suspended(work), None).removed == ()
+
+
+def test_images_resumed_from_stay_restorable(work: Path) -> None:
+    """A resume after a restore from images leaves them the group's checkpoint (restored
+    again once that group is gone); a resume in place makes them stale."""
+    directory = suspended(work, resumed=True)
+    manifest = agent.read_manifest(directory)
+    agent.write_manifest(directory, attrs.evolve(manifest, resumed_from_images=True))
+    assert criu.before_restore(directory, None).manifest.resumed_from_images
+    body = json.loads((directory / "manifest.json").read_text())
+    assert body["resumed_from_images"] is True and body["resumed_at"] == "x"
 
 
 # ------------------------------------------------------------------ after the restore
