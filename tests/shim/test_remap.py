@@ -13,6 +13,8 @@ rolled back.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,4 +161,43 @@ def test_a_native_remap_the_shims_are_not_told_of_is_refused_at_load(
     assert f"names {here[1].uuid} now" in text, text
     assert failed.value.running, text
     assert group.mismatches() == []
+    group.close()
+
+
+def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in env.items() if k != "SNAPSHOT_CONTROL_DIR"}
+    return subprocess.run(
+        [sys.executable, "-m", "cuinterpose", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_a_map_missing_a_gpu_then_resumes_onto_gpu_1_by_uuid(
+    group: Group, control_dir: Path, plain_env: dict[str, str], tmp_path: Path
+) -> None:
+    """`cuinterpose resume --gpu-map` with the command line's own native calls (the
+    simulated driver's gpuPairs through cuda.bindings): a map naming GPU 1 alone is
+    refused naming GPU 0, nothing changed; then GPU 0's UUID onto GPU 1's."""
+    here = RemapBackend(group.observer).gpus()
+    where = agent.Where(control_dir)
+    ckpt = tmp_path / "ckpt"
+    common = ["--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir)]
+    common += [w for p in group.pids for w in ("--process", str(p), str(p))]
+    assert run_cli(["suspend", *common, "--progress", "none"], plain_env).returncode == 0
+    refused = run_cli(["resume", *common, "--progress", "none", "--gpu-map", "1=0"], plain_env)
+    assert refused.returncode == 1, refused.stderr
+    assert f"GPU 0 {here[0].uuid}" in refused.stderr and "is missing" in refused.stderr
+    assert "1 is no GPU the group used" in refused.stderr
+    mapped = f"{here[0].uuid}={here[1].uuid}"
+    done = run_cli(["resume", *common, "--progress", "none", "--gpu-map", mapped], plain_env)
+    assert done.returncode == 0, done.stderr
+    assert group.mismatches() == []
+    for worker in (group.creator, group.importer):
+        assert uuid_text(bytes.fromhex(worker(WHERE))) == here[1].uuid
+        assert devices_of(worker, where) == [here[1].uuid]
     group.close()
