@@ -18,64 +18,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from cuinterpose.demo import Worker
 from cuinterpose.engine import agent
-from cuinterpose.engine.gpus import Gpu, GpuMap, uuid_text
-from cuinterpose.engine.native import NativeError
+from cuinterpose.engine.gpus import GpuMap, uuid_text
 
 from tests.shim import legacy
-from tests.shim.agentgroup import Group, WorkerBackend, build_group
+from tests.shim.agentgroup import Group, RemapBackend, build_group, devices_of
 from tests.simenv import Spawn
-
-REMAP = """
-import ctypes
-def uuid_from(raw):
-    u = cu.CUuuid(); ctypes.memmove(u.getPtr(), raw, 16)
-    return u
-def remap_restore(pid, pairs):
-    ps = []
-    for old, new in pairs:
-        p = cu.CUcheckpointGpuPair()
-        p.oldUuid = uuid_from(bytes.fromhex(old)); p.newUuid = uuid_from(bytes.fromhex(new))
-        ps.append(p)
-    a = cu.CUcheckpointRestoreArgs(); a.gpuPairs = ps; a.gpuPairsCount = len(ps)
-    return err(cu.cuCheckpointProcessRestore(pid, a))
-def gpus_here():
-    out = []
-    for d in range(check(cu.cuDeviceGetCount())):
-        dev = check(cu.cuDeviceGet(d))
-        name = bytes(check(cu.cuDeviceGetName(64, dev))).split(b"\\0", 1)[0].decode()
-        out.append([d, bytes(check(cu.cuDeviceGetUuid(dev)).bytes).hex(), name,
-                    int(check(cu.cuDeviceTotalMem(dev)))])
-    return out
-"""
 
 # What each process says of its context's device and the devices of its memory.
 WHERE = """
 dev = check(cu.cuCtxGetDevice())
 result = bytes(check(cu.cuDeviceGetUuid(dev)).bytes).hex()
 """
-
-
-class RemapBackend(WorkerBackend):
-    """WorkerBackend with the remapping restore and this node's GPUs."""
-
-    def __init__(self, worker: Worker) -> None:
-        super().__init__(worker)
-        worker(REMAP)
-
-    def restore_onto(self, pid: int, gpu_pairs: object) -> None:
-        pairs = [
-            (old[4:].replace("-", ""), new[4:].replace("-", ""))
-            for old, new in gpu_pairs  # type: ignore[attr-defined]
-        ]
-        result = self.worker(f"result = remap_restore({pid}, {pairs!r})")
-        if result != "CUDA_SUCCESS":
-            raise NativeError(pid, "cuCheckpointProcessRestore", str(result))
-
-    def gpus(self) -> tuple[Gpu, ...]:
-        found = self.worker("result = gpus_here()")
-        return tuple(Gpu(d, uuid_text(bytes.fromhex(u)), n, t) for d, u, n, t in found)
 
 
 @pytest.fixture
@@ -97,17 +51,6 @@ def share_legacy(group: Group, seed: int) -> legacy.LegacyPair:
         for va in (big, small)
     ]
     return legacy.LegacyPair(c, i, big, small, private, opened[0], opened[1], seed)
-
-
-def devices_of(worker: Worker, where: agent.Where) -> list[str]:
-    """The UUIDs of the GPUs a process's shim says it uses."""
-    from cuinterpose.engine.client import call_all
-    from cuinterpose.engine.gpus import parse_report
-    from cuinterpose.engine.wire import Op, Request
-
-    endpoint = where.endpoint(agent.Process(worker.pid, worker.pid))
-    (reply,) = call_all([(endpoint, Request(Op.STATUS, ask_devices=True), None)], timeout=10)
-    return [g.uuid for g in parse_report(reply.message)]  # type: ignore[union-attr]
 
 
 @pytest.mark.slow
