@@ -147,16 +147,22 @@ def gpu_map(text: str) -> GpuMap:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_gpu_map(parser: argparse.ArgumentParser) -> None:
-    """``--gpu-map``, for every verb that restores (resume, restore, recover, criu
-    restore)."""
+def add_gpu_map(parser: argparse.ArgumentParser, *, native: bool = True) -> None:
+    """``--gpu-map``, for every verb that restores: resume and criu restore (``native``:
+    they make the native restore), restore and recover (after a native restore made
+    elsewhere: UUIDs only)."""
+    named = (
+        "each GPU the group used (an ordinal of the checkpointed node, or a GPU-... UUID) "
+        "onto one here (an ordinal here, or a UUID)"
+        if native
+        else "the GPU-... UUID of each GPU the group used onto the one the native "
+        "restore put it on"
+    )
     parser.add_argument(
         "--gpu-map",
         type=gpu_map,
         metavar="OLD=NEW[,OLD=NEW...]",
-        help="restore onto other GPUs: each GPU the group used (an ordinal of the "
-        "checkpointed node, or a GPU-... UUID) onto one here (an ordinal here, or a "
-        "UUID); every GPU the group used must be named",
+        help=f"restore onto other GPUs: {named}; every GPU the group used must be named",
     )
 
 

@@ -141,7 +141,8 @@ _VERBS: Final = {
     "resume": (
         "natively restore and unlock, then the coordinator restore; the processes "
         "default to the manifest's",
-        "cuinterpose resume --checkpoint-dir /var/ckpt/job",
+        "cuinterpose resume --checkpoint-dir /var/ckpt/job\n"
+        "  cuinterpose resume --checkpoint-dir /var/ckpt/job --gpu-map 0=1",
         CHANGING_EXITS,
     ),
     "status": (
@@ -276,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     restore_cmd, recover_cmd = sub("restore"), sub("recover")
     _add_machine_options(restore_cmd, required=False)
     _add_machine_options(recover_cmd, required=False)
-    add_gpu_map(restore_cmd)
-    add_gpu_map(recover_cmd)
+    add_gpu_map(restore_cmd, native=False)
+    add_gpu_map(recover_cmd, native=False)
     for checked in (prepare, restore_cmd, recover_cmd):
         checked.add_argument(
             "--skip-native-check",
