@@ -155,8 +155,7 @@ def add_gpu_map(parser: argparse.ArgumentParser, *, native: bool = True) -> None
         "each GPU the group used (an ordinal of the checkpointed node, or a GPU-... UUID) "
         "onto one here (an ordinal here, or a UUID)"
         if native
-        else "the GPU-... UUID of each GPU the group used onto the one the native "
-        "restore put it on"
+        else "each GPU the group used onto the one the native restore put it on, by GPU-... UUID"
     )
     parser.add_argument(
         "--gpu-map",
