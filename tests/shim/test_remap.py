@@ -144,3 +144,29 @@ def test_the_cli_refuses_a_map_missing_a_gpu_then_resumes_onto_gpu_1_by_uuid(
         assert uuid_text(bytes.fromhex(worker(WHERE))) == here[1].uuid
         assert devices_of(worker, where) == [here[1].uuid]
     group.close()
+
+
+@pytest.mark.slow
+def test_a_group_on_both_gpus_swaps_them(
+    spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str], control_dir: Path,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """A creator on GPU 0 sharing cudaMalloc memory with an importer on GPU 1 (which
+    reaches it through its access descriptor): --gpu-map 0=1,1=0 puts each on the other
+    GPU, their bytes and sharing as before."""
+    observer = spawn("observer", plain_env)
+    creator = spawn("creator", shim_env)
+    importer = spawn("importer", shim_env, device=1)
+    pair = share_legacy(Group(creator, importer, observer, 0), 61)
+    native = RemapBackend(observer)
+    here = native.gpus()
+    where = agent.Where(control_dir)
+    assert devices_of(creator, where) == [here[0].uuid]
+    assert devices_of(importer, where) == [here[0].uuid, here[1].uuid]
+    group = [(p, p) for p in pair.pids]
+    agent.suspend(group, tmp_path, where=where, native=native)
+    agent.resume(tmp_path, where=where, native=native, gpu_map=GpuMap.parse("0=1,1=0"))
+    assert devices_of(creator, where) == [here[1].uuid]
+    assert devices_of(importer, where) == [here[1].uuid, here[0].uuid]
+    assert uuid_text(bytes.fromhex(importer(WHERE))) == here[0].uuid
+    legacy.shared_both_ways(pair, write_seed=71)
