@@ -14,15 +14,18 @@
 #   the consumer's write reaching the producer, a new share, a matmul;
 # - a single process's matmuls and a captured CUDA graph, replayed after the move;
 # - a process without the shim, through the native checkpoint alone, restored without
-#   pairs and then with the same gpuPairs GPU 0 -> GPU 1: the driver's own cost.
+#   pairs and then with the same gpuPairs GPU 0 -> GPU 1: the driver's own cost;
+# - a group spread on both GPUs (a creator on GPU 0 sharing cudaMalloc memory by legacy
+#   IPC with an importer on GPU 1, which reaches it over NVLink) moved with the GPUs
+#   swapped, --gpu-map 0=1,1=0.
 #
 #   OUT=/path/to/results [WHEELS=.whl] tests/gpu/run_remap_h200x2.sh
 #
 # Results in $OUT: environment.txt (nvidia-smi -L: both UUIDs), build.log, pytest.log,
 # remap.json (per cycle: the mapping, suspend_s, resume_s, the GPUs the manifest
 # recorded, "where" after the move; native_plain and native_map), status.txt. Ends
-# within REMAP_S (300 s) after the build. Not covered here: a two-rank job swapped
-# 0=1,1=0 and the CRIU verbs onto GPU 1 (issue 33 items 3 and 4).
+# within REMAP_S (300 s) after the build. Not covered here: a two-rank NCCL job
+# swapped, and the CRIU verbs onto GPU 1 (issue 33 items 3 and 4).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tests/gpu/h200_env.sh

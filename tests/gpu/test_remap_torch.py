@@ -9,7 +9,9 @@ identity mapping given explicitly, on one GPU; 1 on two GPUs: the move).
   driver's UUID), the consumer's write reaching the producer, a new share, a matmul;
 - a single process's matmuls and captured CUDA graph, moved the same way;
 - the native checkpoint alone (a process without the shim) with the same gpuPairs,
-  and without: what the remap costs the driver.
+  and without: what the remap costs the driver;
+- (two GPUs) a creator on GPU 0 sharing cudaMalloc memory with an importer on GPU 1,
+  moved with the GPUs swapped (0=1,1=0).
 
 Skipped without a GPU, torch, or the target GPU. Figures go to remap.json in
 ``$CUINTERPOSE_TRACE_OUT`` (printed too).
@@ -28,10 +30,14 @@ from typing import Any
 
 import pytest
 from cuinterpose.demo import coordinator_env
-from cuinterpose.engine.gpus import Gpu
+from cuinterpose.engine import agent
+from cuinterpose.engine.gpus import Gpu, GpuMap
 from cuinterpose.engine.native import CudaBackend, ProcessState, run_step
 
 from tests.gpu.test_owned_torch import Job, wait_count
+from tests.shim import legacy
+from tests.shim.agentgroup import devices_of
+from tests.simenv import Spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.usefixtures("gpu")]
 
@@ -189,3 +195,44 @@ def test_native_alone_with_the_same_gpu_pairs(
         assert job.ask("check") == {"ok": True, "bad": []}
     finally:
         job.end()
+
+
+def test_two_gpus_swapped(
+    gpus: tuple[Gpu, ...],
+    spawn: Spawn,
+    shim_env: dict[str, str],
+    control_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """A creator on GPU 0 sharing cudaMalloc memory by legacy IPC with an importer on
+    GPU 1 (reaching it over the link), moved with the GPUs swapped (0=1,1=0): each on
+    the other GPU, bytes and sharing both ways, a new share."""
+    if TARGET != 1:
+        pytest.skip("two GPUs: CUINTERPOSE_REMAP_TO=1")
+    creator = spawn("creator", shim_env)
+    importer = spawn("importer", shim_env, device=1)
+    big = int(creator.check("alloc", size=legacy.BIG)["va"])
+    small = int(creator.check("alloc", size=legacy.SMALL)["va"])
+    private = int(creator.check("alloc", size=legacy.PRIVATE)["va"])
+    for k, (va, n) in enumerate(
+        ((big, legacy.BIG), (small, legacy.SMALL), (private, legacy.PRIVATE))
+    ):
+        creator.check("fill", va=va, size=n, seed=41 + k)
+    handles = [creator.check("ipc_get", va=va)["handle"] for va in (big, small)]
+    opened = [int(importer.check("ipc_open", handle=h)["va"]) for h in handles]
+    pair = legacy.LegacyPair(creator, importer, big, small, private, opened[0], opened[1], 41)
+    native = CudaBackend()
+    where = agent.Where(control_dir)
+    began = time.perf_counter()
+    agent.suspend([(p, p) for p in pair.pids], tmp_path, where=where, native=native)
+    mid = time.perf_counter()
+    agent.resume(tmp_path, where=where, native=native, gpu_map=GpuMap.parse("0=1,1=0"))
+    end = time.perf_counter()
+    FIGURES["swap"] = {"suspend_s": round(mid - began, 3), "resume_s": round(end - mid, 3)}
+    assert devices_of(creator, where) == [gpus[1].uuid]
+    h = importer(
+        "dev = check(cu.cuCtxGetDevice())\n"
+        "result = bytes(check(cu.cuDeviceGetUuid(dev)).bytes).hex()"
+    )
+    assert f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}" == gpus[0].uuid
+    legacy.shared_both_ways(pair, write_seed=51)
