@@ -75,6 +75,15 @@ static bool uuid_parse(const char *s, CUuuid *u)
     return k == 32;
 }
 
+static int device_count(void)
+{
+    int n = 0;
+
+    if (!real.cuDeviceGetCount || real.cuDeviceGetCount(&n) != CUDA_SUCCESS || n < 0)
+        return 0;
+    return n < MAX_DEVICES ? n : MAX_DEVICES;
+}
+
 /* The ordinals in use and the bytes this process created on each. */
 static uint32_t used_now(uint64_t bytes[MAX_DEVICES])
 {
@@ -104,7 +113,7 @@ static uint32_t used_now(uint64_t bytes[MAX_DEVICES])
             }
     }
     pthread_mutex_unlock(&g.lock);
-    for (int d = 0; d < MAX_DEVICES; d++) {
+    for (int d = 0, n = device_count(); d < n; d++) {
         unsigned flags = 0;
         int active = 0;
 
@@ -115,21 +124,12 @@ static uint32_t used_now(uint64_t bytes[MAX_DEVICES])
     return used;
 }
 
-static int device_count(void)
-{
-    int n = 0;
-
-    if (!real.cuDeviceGetCount || real.cuDeviceGetCount(&n) != CUDA_SUCCESS || n < 0)
-        return 0;
-    return n < MAX_DEVICES ? n : MAX_DEVICES;
-}
-
 void devices_remember(void)
 {
     int n = device_count();
 
     memset(&saved, 0, sizeof saved);
-    saved.used = used_now(NULL) & ((n < 32 ? 1u << n : 0u) - 1u);
+    saved.used = used_now(NULL) & (n < 32 ? (1u << n) - 1u : ~0u);
     for (int d = 0; d < n; d++)
         if (!real.cuDeviceGetUuid || real.cuDeviceGetUuid(&saved.uuid[d], d) != CUDA_SUCCESS)
             return; /* not known: LOAD refuses a mapping it cannot check */
