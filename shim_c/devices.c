@@ -84,12 +84,17 @@ static int device_count(void)
     return n < MAX_DEVICES ? n : MAX_DEVICES;
 }
 
-/* The ordinals in use and the bytes this process created on each. */
-static uint32_t used_now(uint64_t bytes[MAX_DEVICES])
+/* The ordinals in use and the bytes this process created on each; false when
+ * `idle_only` and a phase op runs (it changes the tables without g.lock). */
+static bool used_now(uint64_t bytes[MAX_DEVICES], bool idle_only, uint32_t *out)
 {
     uint32_t used = 0;
 
     pthread_mutex_lock(&g.lock);
+    if (idle_only && g.busy) {
+        pthread_mutex_unlock(&g.lock);
+        return false;
+    }
     for (uint32_t i = 0; i < obj_count(); i++) {
         const struct obj *o = obj_at(i);
         int dev;
@@ -121,15 +126,18 @@ static uint32_t used_now(uint64_t bytes[MAX_DEVICES])
             real.cuDevicePrimaryCtxGetState(d, &flags, &active) == CUDA_SUCCESS && active)
             used |= 1u << d;
     }
-    return used;
+    *out = used;
+    return true;
 }
 
 void devices_remember(void)
 {
     int n = device_count();
+    uint32_t used = 0;
 
     memset(&saved, 0, sizeof saved);
-    saved.used = used_now(NULL) & (n < 32 ? (1u << n) - 1u : ~0u);
+    (void)used_now(NULL, false, &used); /* the control thread, in its own op */
+    saved.used = used & (n < 32 ? (1u << n) - 1u : ~0u);
     for (int d = 0; d < n; d++)
         if (!real.cuDeviceGetUuid || real.cuDeviceGetUuid(&saved.uuid[d], d) != CUDA_SUCCESS)
             return; /* not known: LOAD refuses a mapping it cannot check */
@@ -140,11 +148,16 @@ void devices_remember(void)
 void devices_report(struct reply *r)
 {
     uint64_t bytes[MAX_DEVICES] = {0};
-    uint32_t used = used_now(bytes);
+    uint32_t used = 0;
     char text[CUIP_MESSAGE_MAX];
     size_t len = 0;
     int n = device_count();
 
+    if (!used_now(bytes, true, &used)) {
+        reply_msg(r, CUIP_STATUS_REFUSED, "the devices report waits for the phase op in "
+                  "flight to end");
+        return;
+    }
     text[0] = '\0';
     for (int d = 0; d < n; d++) {
         CUuuid u;

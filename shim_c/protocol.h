@@ -167,7 +167,8 @@ static inline int cuip_op_served_in(uint32_t op, uint32_t phase)
 /* A STATUS request asking CUIP_ASK_DEVICES asks which GPUs the process
  * uses (an allocation the shim tracks lives there or is accessible from
  * it, or its primary context is active): the reply's message is one line a
- * GPU, "<ordinal>\t<GPU-uuid>\t<bytes it created there>\t<name>\n". */
+ * GPU, "<ordinal>\t<GPU-uuid>\t<bytes it created there>\t<name>\n";
+ * REFUSED while a phase op runs. */
 #define CUIP_ASK_DEVICES 2u
 /* A LOAD_ALLOCATIONS request may carry text (message_length bytes, at most
  * CUIP_MESSAGE_MAX): the GPU mapping of the native restore,
