@@ -344,6 +344,10 @@ def test_the_verbs_usage_errors_exit_2(work: Path) -> None:
     err = io.StringIO()
     assert criu_action.main([*twice[:-3], "--phase-timeout", "-1"], stderr=err) == 2
     assert "'-1' is not a positive number of seconds" in err.getvalue()
+    err = io.StringIO()
+    restore = ["restore", "--checkpoint-dir", str(work), "--images-dir", str(work)]
+    assert criu_action.main([*restore, "--gpu-map", "0=GPU-1"], stderr=err) == 2
+    assert "is not OLD=NEW" in err.getvalue()
 
 
 def test_a_restore_that_finds_a_pid_taken_names_what_holds_it(work: Path) -> None:
