@@ -275,8 +275,8 @@ def test_the_cli_verbs_restore_into_a_fresh_control_directory(
     # a container; before it, the directory as seen here.
     where = ["--proc-root", "/proc", "--before-restore-dir", str(control_dir)]
     paths = ["--checkpoint-dir", str(ckpt), "--images-dir", str(images)]
-    restore = run_cli(
-        ["criu", "restore", *paths, *where, "--criu", str(criu_binary.path)],
+    restore = run_cli(  # the identity mapping given: the same GPUs, named
+        ["criu", "restore", *paths, *where, "--criu", str(criu_binary.path), "--gpu-map", "0=0"],
         {**plain_env, "SNAPSHOT_CONTROL_DIR": str(control_dir)},
     )
     assert restore.returncode == 0, restore.stderr
