@@ -4,8 +4,10 @@
 # torch.multiprocessing pair on the default allocator and with expandable segments,
 # each suspended and resumed without a mapping, with --gpu-map 0=0 and with
 # --gpu-map GPU-<uuid>=GPU-<uuid>; a single process's matmuls and CUDA graph with
-# --gpu-map 0=0; a process without the shim through the native checkpoint alone, with
-# and without the pair GPU-<uuid>=GPU-<uuid> as gpuPairs. Multicast is never created.
+# --gpu-map 0=0; the creator/importer group (cudaMalloc memory shared by legacy IPC)
+# through the library with --gpu-map 0=0; a process without the shim through the
+# native checkpoint alone, with and without the pair GPU-<uuid>=GPU-<uuid> as gpuPairs.
+# Multicast is never created.
 #
 #   OUT=/path/to/results [WHEELS=.whl] tests/gpu/run_remap_h200.sh
 #

@@ -17,7 +17,7 @@
 #   pairs and then with the same gpuPairs GPU 0 -> GPU 1: the driver's own cost;
 # - a group spread on both GPUs (a creator on GPU 0 sharing cudaMalloc memory by legacy
 #   IPC with an importer on GPU 1, which reaches it over NVLink) moved with the GPUs
-#   swapped, --gpu-map 0=1,1=0.
+#   swapped, --gpu-map 0=1,1=0 (on one GPU, run_remap_h200.sh: both on GPU 0, 0=0).
 #
 #   OUT=/path/to/results [WHEELS=.whl] tests/gpu/run_remap_h200x2.sh
 #

@@ -10,8 +10,8 @@ identity mapping given explicitly, on one GPU; 1 on two GPUs: the move).
 - a single process's matmuls and captured CUDA graph, moved the same way;
 - the native checkpoint alone (a process without the shim) with the same gpuPairs,
   and without: what the remap costs the driver;
-- (two GPUs) a creator on GPU 0 sharing cudaMalloc memory with an importer on GPU 1,
-  moved with the GPUs swapped (0=1,1=0).
+- a creator on GPU 0 sharing cudaMalloc memory with an importer (on two GPUs: on
+  GPU 1), moved with the GPUs swapped (0=1,1=0; on one GPU: 0=0).
 
 Skipped without a GPU, torch, or the target GPU. Figures go to remap.json in
 ``$CUINTERPOSE_TRACE_OUT`` (printed too).
@@ -197,7 +197,7 @@ def test_native_alone_with_the_same_gpu_pairs(
         job.end()
 
 
-def test_two_gpus_swapped(
+def test_creator_importer_group_moved(
     gpus: tuple[Gpu, ...],
     spawn: Spawn,
     shim_env: dict[str, str],
@@ -205,12 +205,12 @@ def test_two_gpus_swapped(
     tmp_path: Path,
 ) -> None:
     """A creator on GPU 0 sharing cudaMalloc memory by legacy IPC with an importer on
-    GPU 1 (reaching it over the link), moved with the GPUs swapped (0=1,1=0): each on
-    the other GPU, bytes and sharing both ways, a new share."""
-    if TARGET != 1:
-        pytest.skip("two GPUs: CUINTERPOSE_REMAP_TO=1")
+    GPU ``TARGET`` (on two GPUs: reaching it over the link), resumed with the GPUs
+    swapped (0=1,1=0; one GPU: 0=0): each on the other GPU, bytes and sharing both ways,
+    a new share."""
+    mapping = "0=1,1=0" if TARGET == 1 else "0=0"
     creator = spawn("creator", shim_env)
-    importer = spawn("importer", shim_env, device=1)
+    importer = spawn("importer", shim_env, device=TARGET)
     big = int(creator.check("alloc", size=legacy.BIG)["va"])
     small = int(creator.check("alloc", size=legacy.SMALL)["va"])
     private = int(creator.check("alloc", size=legacy.PRIVATE)["va"])
@@ -226,10 +226,11 @@ def test_two_gpus_swapped(
     began = time.perf_counter()
     agent.suspend([(p, p) for p in pair.pids], tmp_path, where=where, native=native)
     mid = time.perf_counter()
-    agent.resume(tmp_path, where=where, native=native, gpu_map=GpuMap.parse("0=1,1=0"))
+    agent.resume(tmp_path, where=where, native=native, gpu_map=GpuMap.parse(mapping))
     end = time.perf_counter()
-    FIGURES["swap"] = {"suspend_s": round(mid - began, 3), "resume_s": round(end - mid, 3)}
-    assert devices_of(creator, where) == [gpus[1].uuid]
+    FIGURES["group"] = {"map": mapping, "suspend_s": round(mid - began, 3),
+                        "resume_s": round(end - mid, 3)}  # fmt: skip
+    assert devices_of(creator, where) == [gpus[TARGET].uuid]
     h = importer(
         "dev = check(cu.cuCtxGetDevice())\n"
         "result = bytes(check(cu.cuDeviceGetUuid(dev)).bytes).hex()"
