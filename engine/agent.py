@@ -29,6 +29,7 @@ from __future__ import annotations
 from .detection import Detection, DetectionRefused, Where, detect, remove_stale_sockets
 from .errors import AgentError
 from .events import LOGGER_NAME, AgentCallback, AgentEvent, CopyProgress, StepEvent
+from .gpus import Gpu, GpuMap, GpuMapRefused
 from .group_status import ProcessStatus, StateRefused, require_states, status
 from .manifest import (
     MANIFEST_FILE_NAME,
@@ -43,7 +44,14 @@ from .manifest import (
     write_manifest,
 )
 from .native import DEFAULT_LOCK_TIMEOUT_MS, NativeError
-from .resumption import ResumeFailed, ResumeResult, lost_members, recorded_where, resume
+from .resumption import (
+    ResumeFailed,
+    ResumeResult,
+    gpu_pairs,
+    lost_members,
+    recorded_where,
+    resume,
+)
 from .suspension import SuspendFailed, SuspendResult, native_for, suspend
 
 __all__ = [
@@ -56,6 +64,9 @@ __all__ = [
     "CopyProgress",
     "Detection",
     "DetectionRefused",
+    "Gpu",
+    "GpuMap",
+    "GpuMapRefused",
     "Manifest",
     "ManifestError",
     "NativeError",
@@ -72,6 +83,7 @@ __all__ = [
     "Timing",
     "Where",
     "detect",
+    "gpu_pairs",
     "lost_members",
     "native_for",
     "read_manifest",

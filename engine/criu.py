@@ -39,6 +39,7 @@ import attrs
 from .agent import (
     AgentCallback,
     AgentError,
+    GpuMap,
     Manifest,
     ManifestError,
     Process,
@@ -46,6 +47,7 @@ from .agent import (
     StepEvent,
     Timing,
     Where,
+    gpu_pairs,
     read_manifest,
     remove_stale_sockets,
     restore_plan,
@@ -401,7 +403,7 @@ def before_restore(
     directory = Path(checkpoint_dir)
     require_trusted("restore", directory)
     manifest = read_manifest(directory)
-    if manifest.resumed_at:
+    if manifest.resumed_at and not manifest.resumed_from_images:
         raise ManifestError(
             f"restore refused: the group in {directory} was resumed at {manifest.resumed_at}:",
             ["its images are older than the group that ran since; suspend and dump it again"],
@@ -641,6 +643,7 @@ def restore(
     control_dir: Path | None,
     options: Options | None = None,
     criu_args: Sequence[str] = (),
+    gpu_map: GpuMap | None = None,
     on_event: AgentCallback | None = None,
     criu_timeout_s: float = DEFAULT_CRIU_TIMEOUT_S,
 ) -> RestoreResult:
@@ -649,10 +652,13 @@ def restore(
     (killed past ``criu_timeout_s``: :class:`CriuTimedOut` says what may be left and
     the command that tries again), :func:`locate` under the restored root, then
     :func:`~.agent.resume` of those processes (``where``: their control sockets once
-    they run)."""
+    they run). ``gpu_map`` is checked against the manifest and this node's GPUs
+    before CRIU runs (:class:`~.gpus.GpuMapRefused`), then given to the resume."""
     directory = Path(checkpoint_dir)
     images = Path(os.path.abspath(images_dir))
     prepared = before_restore(directory, control_dir, images)
+    if gpu_map:
+        gpu_pairs(prepared.manifest, native, gpu_map)
     # Absolute: CRIU resolves --pidfile against its work directory (the images).
     pidfile = Path(os.path.abspath(directory / RESTORED_PIDFILE))
     pidfile.unlink(missing_ok=True)
@@ -681,6 +687,7 @@ def restore(
         native=native,
         processes=located,
         restored=True,
+        gpu_map=gpu_map,
         options=options,
         on_event=on_event,
     )

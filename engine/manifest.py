@@ -4,12 +4,14 @@ The document (specs/detection.md, "The manifest")::
 
     {"version": 1,
      "cuinterpose": {"requested": bool, "prepared": bool},
-     "participants": [{"observed_pid": int, "namespace_pid": int, "participant": str|null}],
+     "participants": [{"observed_pid": int, "namespace_pid": int, "participant": str|null,
+                       "gpus": [{"ordinal": int, "uuid": str, "name": str, "bytes": int}]}],
      "timings": [{"phase": str, "seconds": float, "bytes": int}],  # "phase": the step
      "created_at": str, "resumed_at": str (once resumed),
      "images": {"identity": str, "directory": str} (once `cuinterpose criu dump` wrote them),
      "origin": {"control_dir": str, "proc_root": str|null, "driver": str|null,
-                "started": [int, ...]}}  # where the group lives (absent before issue 29)
+                "started": [int, ...]},  # where the group lives (absent before issue 29)
+     "resumed_from_images": bool (once resumed after a restore from images)}
 
 Written and read through one cattrs converter over the classes below: strict in (an
 integer is an integer, a boolean a boolean; every problem named by its path), the
@@ -31,6 +33,7 @@ import cattrs
 from cattrs.gen import make_dict_unstructure_fn, override
 
 from .errors import AgentError
+from .gpus import Gpu
 from .statefile import STATE_FILE_NAME, write_atomically
 
 MANIFEST_FILE_NAME: Final = "manifest.json"
@@ -97,6 +100,9 @@ class Participant:
     observed_pid: int
     namespace_pid: int
     participant: str | None  # the shim's id; None for a native-only group
+    # The GPUs the process used, from its shim (gpus.py); () when not known (a
+    # native-only group, an older suspend): a restore onto other GPUs needs them.
+    gpus: tuple[Gpu, ...] = ()
 
 
 @attrs.frozen
@@ -140,8 +146,8 @@ class _Document:
     created_at: str = ""
     resumed_at: str = ""
     images: Images | None = None
-
     origin: Origin | None = None
+    resumed_from_images: bool = False
 
 
 @attrs.frozen
@@ -156,8 +162,10 @@ class Manifest:
     created_at: str = ""
     resumed_at: str = ""  # set once a resume completed: the directory may be reused
     images: Images | None = None  # set once `criu dump` wrote the group's images
-
     origin: Origin | None = None  # where the group lives (a manifest of before issue 29: None)
+    # That resume followed a restore from images (CRIU): the images are still the
+    # group's checkpoint, restorable again once that group is gone (specs/criu.md).
+    resumed_from_images: bool = False
 
     def to_json(self) -> dict[str, Any]:
         document = _Document(
@@ -169,6 +177,7 @@ class Manifest:
             self.resumed_at,
             self.images,
             self.origin,
+            self.resumed_from_images,
         )
         return dict(_converter().unstructure(document))
 
@@ -204,6 +213,7 @@ class Manifest:
             document.resumed_at,
             document.images,
             origin,
+            document.resumed_from_images,
         )
 
     def processes(self) -> tuple[Process, ...]:
@@ -232,6 +242,10 @@ def _converter() -> cattrs.Converter:
     conv.register_structure_hook(float, _strict(float, "a number"))
     conv.register_structure_hook(str, _strict(str, "a string"))
     conv.register_unstructure_hook(
+        Participant,
+        make_dict_unstructure_fn(Participant, conv, gpus=override(omit_if_default=True)),
+    )
+    conv.register_unstructure_hook(
         _Document,
         make_dict_unstructure_fn(
             _Document,
@@ -239,6 +253,7 @@ def _converter() -> cattrs.Converter:
             resumed_at=override(omit_if_default=True),
             images=override(omit_if_default=True),
             origin=override(omit_if_default=True),
+            resumed_from_images=override(omit_if_default=True),
         ),
     )
     return conv

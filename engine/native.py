@@ -20,9 +20,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, runtime_checkable
 
 import attrs
+
+from .gpus import Gpu, uuid_bytes, uuid_text
 
 DEFAULT_LOCK_TIMEOUT_MS: Final = 10_000
 
@@ -65,6 +67,14 @@ class NativeBackend(Protocol):
     def restore(self, pid: int) -> None: ...
     def unlock(self, pid: int) -> None: ...
     def state(self, pid: int) -> ProcessState: ...
+
+
+@runtime_checkable
+class RemappingBackend(Protocol):
+    """A backend that restores onto other GPUs and says which GPUs are here."""
+
+    def restore_onto(self, pid: int, gpu_pairs: Sequence[tuple[str, str]]) -> None: ...
+    def gpus(self) -> tuple[Gpu, ...]: ...
 
 
 NO_DRIVER_HINT: Final = (
@@ -201,6 +211,36 @@ class CudaBackend:
             lambda cu: cu.cuCheckpointProcessRestore(pid, cu.CUcheckpointRestoreArgs()),
         )
 
+    def restore_onto(self, pid: int, gpu_pairs: Sequence[tuple[str, str]]) -> None:
+        """The restore with ``CUcheckpointRestoreArgs.gpuPairs`` (old UUID, new UUID)."""
+
+        def go(cu: Any) -> Any:
+            pairs = []
+            for old, new in gpu_pairs:
+                pair = cu.CUcheckpointGpuPair()
+                pair.oldUuid = _cuuuid(cu, uuid_bytes(old))
+                pair.newUuid = _cuuuid(cu, uuid_bytes(new))
+                pairs.append(pair)
+            args = cu.CUcheckpointRestoreArgs()
+            args.gpuPairs = pairs
+            args.gpuPairsCount = len(pairs)
+            return cu.cuCheckpointProcessRestore(pid, args)
+
+        self.call(pid, "cuCheckpointProcessRestore", go)
+
+    def gpus(self) -> tuple[Gpu, ...]:
+        """This node's GPUs: ordinal, UUID, name, total memory."""
+        count = int(self.call(0, "cuDeviceGetCount", lambda cu: cu.cuDeviceGetCount()))
+        return tuple(self._gpu(ordinal) for ordinal in range(count))
+
+    def _gpu(self, ordinal: int) -> Gpu:
+        dev = self.call(0, "cuDeviceGet", lambda cu: cu.cuDeviceGet(ordinal))
+        raw = self.call(0, "cuDeviceGetUuid", lambda cu: cu.cuDeviceGetUuid(dev))
+        name = self.call(0, "cuDeviceGetName", lambda cu: cu.cuDeviceGetName(64, dev))
+        total = self.call(0, "cuDeviceTotalMem", lambda cu: cu.cuDeviceTotalMem(dev))
+        text = bytes(name).split(b"\0", 1)[0].decode(errors="replace")
+        return Gpu(ordinal, uuid_text(bytes(raw.bytes)), text, int(total))
+
     def unlock(self, pid: int) -> None:
         self.call(
             pid,
@@ -230,6 +270,13 @@ class CudaBackend:
             lambda cu: cu.cuCheckpointProcessGetRestoreThreadId(pid),
         )
         return int(raw)
+
+
+def _cuuuid(cu: Any, raw: bytes) -> Any:
+    """A ``CUuuid`` holding ``raw`` (its ``bytes`` is read-only in cuda.bindings)."""
+    uuid = cu.CUuuid()
+    ctypes.memmove(uuid.getPtr(), raw, 16)
+    return uuid
 
 
 def _result_name(cu: Any, err: Any) -> str:
@@ -313,12 +360,16 @@ def run_step(
     pids: Sequence[int],
     *,
     lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
+    gpu_pairs: Sequence[tuple[str, str]] = (),
     clock: Callable[[], float] = time.perf_counter,
 ) -> StepTiming:
     """Run ``step`` (lock, checkpoint, restore, unlock) on every pid in order, then check
-    that every pid reached the step's state. Stops at the first failure."""
+    that every pid reached the step's state. Stops at the first failure. A restore with
+    ``gpu_pairs`` passes them as gpuPairs (a :class:`RemappingBackend` only)."""
     if step not in _STEPS:
         raise ValueError(f"unknown native step {step!r}; one of {', '.join(_STEPS)}")
+    if gpu_pairs and (step != "restore" or not isinstance(backend, RemappingBackend)):
+        raise ValueError(f"GPU pairs for a native {step} on {type(backend).__name__}")
     group = check_pids(pids)
     _, expected = _STEPS[step]
     calls: list[tuple[int, float]] = []
@@ -328,6 +379,9 @@ def run_step(
         try:
             if step == "lock":
                 backend.lock(pid, lock_timeout_ms)
+            elif gpu_pairs:
+                assert isinstance(backend, RemappingBackend)
+                backend.restore_onto(pid, gpu_pairs)
             else:
                 getattr(backend, step)(pid)
         except NativeError as exc:

@@ -113,9 +113,15 @@ def survey(endpoints: Sequence[Endpoint], options: Options) -> tuple[ProcessBefo
 
 
 def recover(
-    endpoints: Sequence[Endpoint], checkpoint_dir: Path, options: Options | None = None
+    endpoints: Sequence[Endpoint],
+    checkpoint_dir: Path,
+    options: Options | None = None,
+    *,
+    gpu_pairs: Sequence[tuple[str, str]] = (),
 ) -> RecoveryReport:
-    """Bring the group back to running; raises as :func:`~.runner.rollback` does."""
+    """Bring the group back to running; raises as :func:`~.runner.rollback` does.
+    ``gpu_pairs``: the GPUs a native restore put the processes on, for a restore
+    forward (:func:`~.runner.restore`); a rollback never left its GPUs."""
     check_endpoints(endpoints)
     options = options or Options()
     directory = Path(checkpoint_dir)
@@ -127,7 +133,7 @@ def recover(
             clear_intent(directory)
         return RecoveryReport("nothing", before, None)
     try:
-        return _bring_back(endpoints, directory, options, before, interrupted)
+        return _bring_back(endpoints, directory, options, before, interrupted, gpu_pairs)
     except CoordinatorError as error:
         if not error.destroyed and interrupted:
             error.problems = (*error.problems, _intent_stays(directory))
@@ -140,6 +146,7 @@ def _bring_back(
     options: Options,
     before: Sequence[ProcessBefore],
     interrupted: bool,
+    gpu_pairs: Sequence[tuple[str, str]],
 ) -> RecoveryReport:
     if (
         _phases(before) == {Phase.PREPARED}
@@ -148,7 +155,8 @@ def _bring_back(
     ):
         missing = _not_answering(directory, before)
         if not missing:
-            return RecoveryReport("restored", tuple(before), restore(endpoints, directory, options))
+            restored = restore(endpoints, directory, options, gpu_pairs=gpu_pairs)
+            return RecoveryReport("restored", tuple(before), restored)
         # A participant of the capture died (or is not given): the group cannot be
         # restored as captured, and the survivors go back to ACTIVE with their bytes.
         result = rollback(endpoints, directory, options)

@@ -15,6 +15,7 @@ from .detection import Where, group_of
 from .directory import require_trusted
 from .errors import AgentError, CoordinatorError
 from .events import AgentCallback, Reporter, bytes_moved, reporter
+from .gpus import GpuMap, GpuMapRefused, checkpointed, resolve
 from .group_status import StateRefused, require_states, status_lines
 from .manifest import (
     MANIFEST_FILE_NAME,
@@ -31,6 +32,7 @@ from .native import (
     NativeBackend,
     NativeGroupError,
     ProcessState,
+    RemappingBackend,
     run_step,
     state_names,
 )
@@ -116,7 +118,7 @@ def _group(
 ) -> tuple[Process, ...]:
     """The manifest's processes, checked against (or, after a restore, matched to)
     those given; the survivors alone may be given once the others are gone."""
-    if manifest.resumed_at:
+    if manifest.resumed_at and not (restored and manifest.resumed_from_images):
         raise ManifestError(
             f"resume refused: the group in {directory} was resumed at {manifest.resumed_at}:",
             ["suspend it again first"],
@@ -213,6 +215,7 @@ def resume(
     native: NativeBackend | None = None,
     processes: Sequence[Process | tuple[int, int]] | None = None,
     restored: bool = False,
+    gpu_map: GpuMap | None = None,
     options: Options | None = None,
     on_event: AgentCallback | None = None,
     logger: logging.Logger | None = None,
@@ -234,6 +237,10 @@ def resume(
     unlocked by CRIU's CUDA plugin) skip the native steps (specs/criu.md). Raises
     :class:`ManifestError` or :class:`StateRefused` (nothing changed),
     :class:`ResumeFailed` naming every process's native state and shim phase.
+
+    ``gpu_map`` restores onto other GPUs (the native restore's gpuPairs, checked by
+    every shim's LOAD): refused with :class:`~.gpus.GpuMapRefused` before anything
+    changes when it does not fit the GPUs the manifest records and those here.
     """
     directory = Path(checkpoint_dir)
     report = reporter(on_event, logger)
@@ -251,12 +258,13 @@ def resume(
     if lost:
         return _survivors(manifest, directory, group, lost, where, native, options, report)
     pids = [p.observed_pid for p in _natively_checkpointed(native, group, restored)]
+    pairs = gpu_pairs(manifest, native, gpu_map) if gpu_map else ()
     endpoints = [where.endpoint(p) for p in group]
     staging = None
     try:
         if pids:
             with report.step("native_restore"):
-                run_step(native, "restore", pids)
+                run_step(native, "restore", pids, gpu_pairs=pairs)
             with report.step("native_unlock"):
                 run_step(native, "unlock", pids)
         if coordinate:
@@ -264,7 +272,7 @@ def resume(
             with report.step("coordinator_restore") as moved:
                 engine_options = attrs.evolve(options, on_progress=report.emit)
                 with CopyWatcher(list(zip(endpoints, ids, strict=True)), report.emit):
-                    result = restore(endpoints, directory, engine_options)
+                    result = restore(endpoints, directory, engine_options, gpu_pairs=pairs)
                 moved.append(bytes_moved(result.phases))
                 staging = StagingSummary.from_phases(result.phases)
     except (NativeGroupError, CoordinatorError) as failure:
@@ -279,7 +287,8 @@ def resume(
             )
         lines += [f"now {line}" for line in status_lines(group, where, native)]
         raise ResumeFailed("resume failed:", lines, running=running) from failure
-    warnings = (*(result.warnings if coordinate else ()), *_mark_resumed(directory, manifest))
+    marked = _mark_resumed(directory, manifest, from_images=restored)
+    warnings = (*(result.warnings if coordinate else ()), *marked)
     return ResumeResult(manifest, coordinate, tuple(report.timings), staging, warnings)
 
 
@@ -315,7 +324,7 @@ def _survivors(
         lines.append("the survivors are not back")
         lines += [f"now {line}" for line in status_lines(living, where, native)]
         raise ResumeFailed("resume failed:", lines, running=False) from failure
-    lines += list(_mark_resumed(directory, manifest))
+    lines += list(_mark_resumed(directory, manifest, from_images=False))
     lines += [f"now {line}" for line in status_lines(living, where, native)]
     lines.append(
         "the survivors run, with the bytes they had at suspend; what the lost processes "
@@ -324,12 +333,40 @@ def _survivors(
     raise ResumeFailed("resume: a process of the group is gone:", lines, running=True, lost=lost)
 
 
-def _mark_resumed(directory: Path, manifest: Manifest) -> tuple[str, ...]:
-    """Record the resume in the manifest, or, when it cannot be written, remove the
-    manifest, so that the directory takes a new suspend either way. Never raises: the
-    group runs already."""
+def gpu_pairs(
+    manifest: Manifest, native: NativeBackend | None, gpu_map: GpuMap
+) -> tuple[tuple[str, str], ...]:
+    """``gpu_map`` resolved against the GPUs the manifest records and those ``native``
+    sees here (None: a restore without the native step, whose GPUs are the manifest's
+    own); refused before anything changes (gpus.resolve)."""
+    old = checkpointed(p.gpus for p in manifest.participants)
+    if not old:
+        raise GpuMapRefused(
+            f"--gpu-map {gpu_map.describe()} refused (nothing was changed):",
+            [
+                "the manifest records no GPUs (a native-only group, or a suspend older than "
+                "the GPU records): there is nothing to check the mapping against"
+            ],
+        )
+    if native is None:
+        here = old
+    elif isinstance(native, RemappingBackend):
+        here = native.gpus()
+    else:
+        raise GpuMapRefused(
+            f"--gpu-map {gpu_map.describe()} refused (nothing was changed):",
+            [f"the native backend {type(native).__name__} cannot restore onto other GPUs"],
+        )
+    return resolve(gpu_map, old, here)
+
+
+def _mark_resumed(directory: Path, manifest: Manifest, *, from_images: bool) -> tuple[str, ...]:
+    """Record the resume in the manifest (``from_images``: after a restore from images,
+    which stay restorable), or, when it cannot be written, remove the manifest, so that
+    the directory takes a new suspend either way. Never raises: the group runs already."""
     try:
-        write_manifest(directory, attrs.evolve(manifest, resumed_at=utc_timestamp()))
+        marked = attrs.evolve(manifest, resumed_at=utc_timestamp(), resumed_from_images=from_images)
+        write_manifest(directory, marked)
         return ()
     except StateFileError as exc:
         problem = str(exc)

@@ -45,6 +45,7 @@ from .fsm import (
     MachineSpec,
     build_machine,
 )
+from .gpus import wire_text
 from .guards import GUARDS
 from .options import DEFAULT_PHASE_TIMEOUT_S, Options, Transport
 from .progress import DoneEvent, FailedEvent, PhaseEvent
@@ -115,14 +116,21 @@ def capture(
 
 
 def restore(
-    endpoints: Sequence[Endpoint], checkpoint_dir: Path, options: Options | None = None
+    endpoints: Sequence[Endpoint],
+    checkpoint_dir: Path,
+    options: Options | None = None,
+    *,
+    gpu_pairs: Sequence[tuple[str, str]] = (),
 ) -> RestoreResult:
     """Run the restore machine against the state file in ``checkpoint_dir``.
 
+    ``gpu_pairs`` (old UUID, new UUID; :func:`.gpus.resolve`): the native restore put
+    the processes onto those GPUs; every shim's LOAD_ALLOCATIONS checks it did.
     Raises as :func:`capture` does; :class:`~.errors.VerificationFailed` when the
     rebuilt topology is invalid or differs from the captured one.
     """
     loop = _Loop(RESTORE, endpoints, Path(checkpoint_dir), options or Options())
+    loop.run.gpu_map = wire_text(gpu_pairs)
     _execute(loop)
     run = loop.run
     assert run.state_file is not None and run.topology is not None

@@ -85,6 +85,9 @@ class Run:
     # coordinator at a time (specs/recovery.md). A rollback after a failure
     # is the same coordinator's and carries the same token.
     lease: bytes = attrs.Factory(lambda: os.urandom(16))
+    # A restore onto other GPUs: the mapping LOAD_ALLOCATIONS carries (gpus.wire_text),
+    # "" for the GPUs of the capture.
+    gpu_map: str = ""
 
     def observed(self) -> dict[str, int]:
         """Each bound participant's observed pid, by participant id."""
@@ -209,8 +212,13 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
         calls = [(e, Request(op, authorization=lease), None) for e in run.endpoints]
     else:
         # QUIESCE's deadline and round flag are set per round (quiesce.converge).
+        gpu_map = run.gpu_map if op is Op.LOAD_ALLOCATIONS else ""
         calls = [
-            (b.endpoint, Request(op, participant=b.participant, authorization=lease), b.participant)
+            (
+                b.endpoint,
+                Request(op, participant=b.participant, authorization=lease, gpu_map=gpu_map),
+                b.participant,
+            )
             for b in run.bound
         ]
     began = options.clock()

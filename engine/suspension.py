@@ -23,6 +23,7 @@ from .directory import require_trusted
 from .discovery import DriverMismatch, DriverReport, shim_drivers, start_ticks
 from .errors import AgentError, CoordinatorError
 from .events import AgentCallback, Reporter, bytes_moved, reporter
+from .gpus import Gpu, parse_report
 from .group_status import require_states, status_lines
 from .manifest import (
     MANIFEST_FILE_NAME,
@@ -108,6 +109,29 @@ def native_for(where: Where, processes: Sequence[Process | tuple[int, int]]) -> 
         raise NativeUnavailableError(f"{exc}: one driver per run") from exc
 
 
+def _devices(endpoints: Sequence[Endpoint], timeout: float) -> tuple[tuple[Gpu, ...], ...]:
+    """Each shim's GPUs (STATUS ask_devices), for the manifest: a restore onto other
+    GPUs is checked against them (gpus.resolve)."""
+    replies = call_all(
+        [(e, Request(Op.STATUS, ask_devices=True), None) for e in endpoints], timeout=timeout
+    )
+    found: list[tuple[Gpu, ...]] = []
+    problems: list[str] = []
+    for endpoint, reply in zip(endpoints, replies, strict=True):
+        if isinstance(reply, ParticipantError):
+            problems.append(str(reply))
+        elif reply.status is not Status.OK:
+            problems.append(f"{endpoint.describe()}: devices report: {reply.message}")
+        else:
+            try:
+                found.append(parse_report(reply.message))
+            except ValueError as exc:
+                problems.append(f"{endpoint.describe()}: devices report refused: {exc}")
+    if problems:
+        raise DetectionRefused("a shim did not say which GPUs its process uses:", problems)
+    return tuple(found)
+
+
 def _fresh_directory(directory: Path) -> None:
     """Create the checkpoint directory, and refuse one holding a group never resumed."""
     try:
@@ -173,8 +197,10 @@ def suspend(
         )
         ids: tuple[str | None, ...] = (None,) * len(group)
         driver = None
+        gpus: tuple[tuple[Gpu, ...], ...] = ((),) * len(group)
         if detection.mode == "cuinterpose":
             ids, driver = _participant_ids(detection.endpoints, options.phase_timeout)
+            gpus = _devices(detection.endpoints, options.phase_timeout)
         origin = Origin(
             str(where.control_dir),
             None if where.proc_root is None else str(where.proc_root),
@@ -203,8 +229,8 @@ def suspend(
             requested,
             prepared,
             tuple(
-                Participant(p.observed_pid, p.namespace_pid, i)
-                for p, i in zip(group, ids, strict=True)
+                Participant(p.observed_pid, p.namespace_pid, i, g)
+                for p, i, g in zip(group, ids, gpus, strict=True)
             ),
             tuple(report.timings),
             utc_timestamp(),

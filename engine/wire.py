@@ -31,6 +31,8 @@ SOCKET_SUFFIX: Final = ".sock"
 CONTROL_DIR_MAX: Final = 60
 # A STATUS request's stat_count asking for the path of the shim's libcuda.
 ASK_DRIVER: Final = 1
+# STATUS: which GPUs the shim's process uses (the reply's message, GpuLine per line).
+ASK_DEVICES: Final = 2
 
 HEADER_STRUCT: Final = struct.Struct("<IHHiI32s16s16sIIIHHQQQQ")
 ACCESS_STRUCT: Final = struct.Struct("<iiQ")
@@ -420,9 +422,9 @@ def quiesce_request_stats(deadline_ns: int, round_: bool) -> Stats:
     return Stats(count=int(round_), elapsed_ns=deadline_ns)
 
 
-def status_request_stats(ask_driver: bool) -> Stats:
-    """A STATUS request's stat fields: what it asks (ASK_DRIVER, or nothing)."""
-    return Stats(count=ASK_DRIVER if ask_driver else 0)
+def status_request_stats(ask_driver: bool, ask_devices: bool = False) -> Stats:
+    """A STATUS request's stat fields: what it asks (ASK_DRIVER, ASK_DEVICES, or nothing)."""
+    return Stats(count=ASK_DRIVER if ask_driver else ASK_DEVICES if ask_devices else 0)
 
 
 def quiesce_deadline_ns(stats: Stats) -> int:
@@ -441,7 +443,7 @@ def quiesce_held(stats: Stats) -> int:
 
 
 def status_ask(stats: Stats) -> int:
-    """What a STATUS request asks (ASK_DRIVER, or 0)."""
+    """What a STATUS request asks (ASK_DRIVER, ASK_DEVICES, or 0)."""
     return stats.count
 
 
@@ -578,6 +580,11 @@ class Request:
     # STATUS only: ask which driver the shim loaded (the reply's message is its path
     # instead of the stored failure reason; carried in stat_count as ASK_DRIVER).
     ask_driver: bool = False
+    # STATUS only: ask which GPUs the shim's process uses (carried as ASK_DEVICES).
+    ask_devices: bool = False
+    # LOAD_ALLOCATIONS only: the native restore's GPU mapping, "GPU-old=GPU-new,..." (sent
+    # as the request's text; the shim checks every GPU it used is the one named now).
+    gpu_map: str = ""
 
     @property
     def lease(self) -> bytes:
@@ -598,15 +605,21 @@ class Request:
             raise WireError("RELEASE request carries no lease token")
         if (self.deadline_ns or self.round) and self.op is not Op.QUIESCE:
             raise WireError(f"{self.op.name} request carries a deadline (QUIESCE only)")
-        if self.ask_driver and self.op is not Op.STATUS:
-            raise WireError(f"{self.op.name} request asks for the driver (STATUS only)")
+        if (self.ask_driver or self.ask_devices) and self.op is not Op.STATUS:
+            raise WireError(f"{self.op.name} request asks what STATUS only answers")
+        if self.ask_driver and self.ask_devices:
+            raise WireError("STATUS request asks for the driver and the devices at once")
+        if self.gpu_map and self.op is not Op.LOAD_ALLOCATIONS:
+            raise WireError(f"{self.op.name} request carries a GPU mapping (LOAD_ALLOCATIONS only)")
         if not 0 <= self.deadline_ns < 2**64:
             raise WireError(f"deadline_ns {self.deadline_ns} does not fit 64 bits")
         text = _participant_bytes(self.fetcher, "fetcher") if exporting else b""
+        if self.gpu_map:
+            text = _gpu_map_bytes(self.gpu_map)
         if self.op is Op.QUIESCE:
             stats = quiesce_request_stats(self.deadline_ns, self.round)
         elif self.op is Op.STATUS:
-            stats = status_request_stats(self.ask_driver)
+            stats = status_request_stats(self.ask_driver, self.ask_devices)
         else:
             stats = _NO_STATS
         # What Header(op, participant, ids, kind, stats).encode() packs, without
@@ -732,6 +745,8 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
     except ValueError as exc:
         raise WireError(f"unknown op {header.op}") from exc
     text_length = PARTICIPANT_LEN if op is Op.EXPORT else 0
+    if op is Op.LOAD_ALLOCATIONS and header.message_length <= MESSAGE_MAX:
+        text_length = header.message_length
     if (
         header.status
         or header.count
@@ -745,12 +760,12 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
     deadline = quiesce_deadline_ns(stats) if op is Op.QUIESCE else 0
     round_flag = quiesce_round(stats) if op is Op.QUIESCE else 0
     ask = status_ask(stats) if op is Op.STATUS else 0
-    if round_flag > 1 or ask > ASK_DRIVER:
+    if round_flag > 1 or ask > ASK_DEVICES:
         raise WireError(f"{op.name} request has stats set")
     if op is Op.QUIESCE:
         allowed = quiesce_request_stats(deadline, bool(round_flag))
     elif op is Op.STATUS:
-        allowed = status_request_stats(bool(ask))
+        allowed = status_request_stats(ask == ASK_DRIVER, ask == ASK_DEVICES)
     else:
         allowed = _NO_STATS
     if stats != allowed:
@@ -768,13 +783,29 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         resource_id=header.resource_id,
         authorization=header.authorization,
         resource_kind=kind,
-        fetcher=_participant_text(text, "fetcher") if text else "",
+        fetcher=_participant_text(text, "fetcher") if text and op is Op.EXPORT else "",
         deadline_ns=deadline,
         round=bool(round_flag),
-        ask_driver=bool(ask),
+        ask_driver=ask == ASK_DRIVER,
+        ask_devices=ask == ASK_DEVICES,
+        gpu_map=_gpu_map_text(text) if op is Op.LOAD_ALLOCATIONS else "",
     )
     request.encode()  # the same field rules as for sending
     return request, header
+
+
+def _gpu_map_bytes(text: str) -> bytes:
+    raw = text.encode("ascii", errors="strict") if text.isascii() else b""
+    if not raw or len(raw) > MESSAGE_MAX:
+        raise WireError(f"GPU mapping must be 1..{MESSAGE_MAX} ASCII bytes, got {text!r}")
+    return raw
+
+
+def _gpu_map_text(raw: bytes) -> str:
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise WireError("LOAD_ALLOCATIONS request's GPU mapping is not ASCII") from exc
 
 
 def socket_name(namespace_pid: int) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
+from .engine.gpus import GpuMap, GpuMapError
 from .engine.options import DEFAULT_PHASE_TIMEOUT_S
 
 CONTROL_DIR_ENV: Final = "SNAPSHOT_CONTROL_DIR"
@@ -143,6 +144,31 @@ def add_endpoints(
     add_processes(parser, required=required)
     if driver:
         add_driver(parser)
+
+
+def gpu_map(text: str) -> GpuMap:
+    try:
+        return GpuMap.parse(text)
+    except GpuMapError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_gpu_map(parser: argparse.ArgumentParser, *, native: bool = True) -> None:
+    """``--gpu-map``, for every verb that restores: resume and criu restore (``native``:
+    they make the native restore), restore and recover (after a native restore made
+    elsewhere: UUIDs only)."""
+    named = (
+        "each GPU the group used (an ordinal of the checkpointed node, or a GPU-... UUID) "
+        "onto one here (an ordinal here, or a UUID)"
+        if native
+        else "each GPU the group used onto the one the native restore put it on, by GPU-... UUID"
+    )
+    parser.add_argument(
+        "--gpu-map",
+        type=gpu_map,
+        metavar="OLD=NEW[,OLD=NEW...]",
+        help=f"restore onto other GPUs: {named}; every GPU the group used must be named",
+    )
 
 
 def add_driver(parser: argparse.ArgumentParser) -> None:

@@ -54,6 +54,7 @@ from .arguments import (
     add_driver,
     add_early_logging,
     add_endpoints,
+    add_gpu_map,
     add_phase_timeout,
     merge_logging,
     missing,
@@ -66,6 +67,7 @@ from .engine import agent, discovery, runner
 from .engine.client import Endpoint, endpoint_for
 from .engine.errors import CoordinatorError, Refused
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
+from .engine.gpus import GpuMapRefused, uuid_pairs
 from .engine.manifest import resume_hint
 from .engine.native import (
     CudaBackend,
@@ -153,7 +155,8 @@ _VERBS: Final = {
     "resume": (
         "natively restore and unlock, then the coordinator restore; the processes "
         "default to the manifest's",
-        "cuinterpose resume --checkpoint-dir /var/ckpt/job",
+        "cuinterpose resume --checkpoint-dir /var/ckpt/job\n"
+        "  cuinterpose resume --checkpoint-dir /var/ckpt/job --gpu-map 0=1",
         CHANGING_EXITS,
     ),
     "status": (
@@ -273,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000,
         help="how long each native lock may wait for the process's CUDA calls to drain",
     )
-    _add_agent_options(sub("resume"), required=False)
+    resume = sub("resume")
+    _add_agent_options(resume, required=False)
+    add_gpu_map(resume)
     status_cmd = sub("status")
     add_endpoints(status_cmd, required=False)
     status_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -320,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     restore_cmd, recover_cmd = sub("restore"), sub("recover")
     _add_machine_options(restore_cmd, required=False)
     _add_machine_options(recover_cmd, required=False)
+    add_gpu_map(restore_cmd, native=False)
+    add_gpu_map(recover_cmd, native=False)
     for checked in (prepare, restore_cmd, recover_cmd):
         checked.add_argument(
             "--skip-native-check",
@@ -565,8 +572,9 @@ def _machine(
     )
     try:
         with _stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)):
+            pairs = uuid_pairs(args.gpu_map) if getattr(args, "gpu_map", None) else ()
             if spec is None:
-                report = recover(endpoints, checkpoint_dir, options)
+                report = recover(endpoints, checkpoint_dir, options, gpu_pairs=pairs)
                 if args.mode != "json" and not args.quiet:  # what it did: said unless -q
                     with contextlib.suppress(OSError):
                         stdout.write("".join(line + "\n" for line in report.lines()))
@@ -575,11 +583,15 @@ def _machine(
             elif spec is CAPTURE:  # started over when not quiet, as suspend's capture is
                 attempt = functools.partial(runner.capture, endpoints, checkpoint_dir, options)
                 result = until_quiet(attempt, options)
+            elif pairs:
+                result = runner.restore(endpoints, checkpoint_dir, options, gpu_pairs=pairs)
             else:
                 result = runner.run_machine(spec, endpoints, checkpoint_dir, options)
             args.result = result
         for warning in getattr(result, "warnings", ()):
             stderr.write(f"{PROG}: note: {warning}\n")
+    except GpuMapRefused as refused:
+        return _fail(list(refused.lines()), stderr)
     except CoordinatorError as error:
         return _failure(error, args, stderr)
     except ValueError as exc:
@@ -722,6 +734,7 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
                     where=_where(args),
                     native=native,
                     processes=processes,
+                    gpu_map=args.gpu_map,
                     options=options,
                     on_event=where_now,
                 )

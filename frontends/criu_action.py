@@ -49,6 +49,7 @@ from .arguments import (
     UsageError,
     add_control_dir,
     add_driver,
+    add_gpu_map,
     add_phase_timeout,
     add_processes,
     missing,
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     restore = sub("restore")
     _group_options(restore, processes=False)
     restore.add_argument("--images-dir", type=Path, required=True, help="CRIU's images")
+    add_gpu_map(restore)
     for verb in (dump, restore):
         _criu_option(verb)
         verb.add_argument(
@@ -501,6 +503,7 @@ def _restore(
             control_dir=_before_dir(args, where),
             options=Options(phase_timeout=phase_timeout(args.phase_timeout, environ)),
             criu_args=_criu_args(args.criu_args),
+            gpu_map=args.gpu_map,
             on_event=on_event,
             criu_timeout_s=args.criu_timeout,
         )

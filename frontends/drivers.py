@@ -31,6 +31,7 @@ import attrs
 from . import artifacts
 from .engine import discovery
 from .engine.client import Endpoint
+from .engine.gpus import Gpu
 from .engine.native import CudaBackend, NativeUnavailableError, ProcessState
 
 DRIVER_NAME: Final = "libcuda.so.1"
@@ -157,7 +158,7 @@ def trusted_recorded(recorded: str, proc_root: Path | None = None) -> str:
     """The driver to load for the one a manifest recorded at suspend (the shims' word
     then, so checked as theirs is now); through ``proc_root`` it is a container's path,
     which no process is there to resolve: refused, naming ``--driver``."""
-    if proc_root is not None:
+    if proc_root is not None and Path(proc_root).resolve() != Path("/proc").resolve():
         raise NativeUnavailableError(
             f"no shim answers to say which CUDA driver to load, and the manifest's "
             f"{recorded} is a path in the processes' mount namespace ({proc_root}): "
@@ -277,6 +278,12 @@ class LateBackend:
 
     def restore(self, pid: int) -> None:
         self._chosen().restore(pid)
+
+    def restore_onto(self, pid: int, gpu_pairs: Sequence[tuple[str, str]]) -> None:
+        self._chosen().restore_onto(pid, gpu_pairs)
+
+    def gpus(self) -> tuple[Gpu, ...]:
+        return self._chosen().gpus()
 
     def unlock(self, pid: int) -> None:
         self._chosen().unlock(pid)

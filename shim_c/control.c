@@ -53,7 +53,7 @@ static bool request_stats_ok(const struct cuip_header *q)
     case CUIP_OP_QUIESCE:
         return cuip_quiesce_round(q) <= 1 && !q->stat_bytes && !q->stat_copy_ns;
     case CUIP_OP_STATUS:
-        return cuip_status_ask(q) <= CUIP_ASK_DRIVER && !q->stat_bytes && !q->stat_elapsed_ns &&
+        return cuip_status_ask(q) <= CUIP_ASK_DEVICES && !q->stat_bytes && !q->stat_elapsed_ns &&
                !q->stat_copy_ns;
     default:
         return !q->stat_count && !q->stat_bytes && !q->stat_elapsed_ns && !q->stat_copy_ns;
@@ -62,6 +62,15 @@ static bool request_stats_ok(const struct cuip_header *q)
 
 /* Strict validation: anything non-zero where zero is required, a wrong
  * magic or version, an unknown op or a foreign participant is refused. */
+static bool text_length_ok(const struct cuip_header *q)
+{
+    if (q->op == CUIP_OP_EXPORT)
+        return q->message_length == CUIP_PARTICIPANT_LEN;
+    if (q->op == CUIP_OP_LOAD_ALLOCATIONS)
+        return q->message_length <= CUIP_MESSAGE_MAX;
+    return q->message_length == 0;
+}
+
 static bool validate(const struct cuip_header *q, struct reply *r)
 {
     bool exporting = q->op == CUIP_OP_EXPORT;
@@ -81,7 +90,7 @@ static bool validate(const struct cuip_header *q, struct reply *r)
         return false;
     }
     if (q->status || q->count || q->pid || q->phase || q->flags || !request_stats_ok(q) ||
-        q->message_length != (exporting ? CUIP_PARTICIPANT_LEN : 0)) {
+        !text_length_ok(q)) {
         reply_msg(r, CUIP_STATUS_BAD_REQUEST, "%s request has reply-only fields set",
                   op_name(q->op));
         return false;
@@ -240,7 +249,8 @@ static enum phase_result drain_contexts(struct reply *r)
  * application's tracked calls see NOT_READY from then on; g.lock is not
  * held while the op works (copies block, RESTORE_UNICAST calls peers). A
  * refused or retryable op leaves the shim in the phase it started from. */
-static void run_phase_op(uint16_t op, struct reply *r)
+/* `text`: the request's (LOAD_ALLOCATIONS: the GPU mapping). */
+static void run_phase_op(uint16_t op, const char *text, size_t text_len, struct reply *r)
 {
     const struct phase_op *d = &phase_ops[op];
     phase_work_fn *work = phase_work((enum cuip_op)op);
@@ -281,8 +291,17 @@ static void run_phase_op(uint16_t op, struct reply *r)
     pthread_mutex_unlock(&g.lock);
 
     rc = op == CUIP_OP_PREPARE_MULTICAST ? drain_contexts(r) : PHASE_DONE;
+    /* LOAD's GPUs checked before it re-creates anything (devices.c); in
+     * flight already, as the driver's answers may wait on a natively locked
+     * process. */
+    if (op == CUIP_OP_LOAD_ALLOCATIONS && devices_check_map(text, text_len, r) != 0)
+        rc = PHASE_REFUSED;
     if (rc == PHASE_DONE)
         rc = work(r);
+    /* The GPUs as a capture found them: once quiet, the application can no
+     * longer change them, and SAVE tears down what they are read from. */
+    if (op == CUIP_OP_QUIESCE && rc == PHASE_DONE)
+        devices_remember();
 
     pthread_mutex_lock(&g.lock);
     if (rc == PHASE_DONE) {
@@ -588,7 +607,10 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
     }
     if (q->op == CUIP_OP_STATUS) {
         /* read-only: served to anyone trusted, lease or not */
-        serve_status(r, cuip_status_ask(q) == CUIP_ASK_DRIVER);
+        if (cuip_status_ask(q) == CUIP_ASK_DEVICES)
+            devices_report(r);
+        else
+            serve_status(r, cuip_status_ask(q) == CUIP_ASK_DRIVER);
         return;
     }
     pthread_mutex_lock(&g.lock);
@@ -626,7 +648,7 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
             g.quiesce_round = cuip_quiesce_round(q) == 1;
             pthread_mutex_unlock(&g.lock);
         }
-        run_phase_op(q->op, r);
+        run_phase_op(q->op, text, q->message_length, r);
         return;
     }
 }
@@ -638,7 +660,7 @@ static void *conn_main(void *arg)
     struct ucred cr;
     socklen_t cl = sizeof cr;
     struct cuip_header q;
-    char text[CUIP_PARTICIPANT_LEN];
+    char text[CUIP_MESSAGE_MAX];
     struct reply *r = NULL;
     long timeout_ms = shim_settings()->io_timeout_ms;
     uint64_t deadline = shim_now_ns() + (uint64_t)timeout_ms * 1000000ull;
@@ -650,10 +672,12 @@ static void *conn_main(void *arg)
     if (io_read_all(s, &q, sizeof q, deadline, NULL) != 0)
         goto out; /* truncated, stalled or hung up: drop it */
     memset(text, 0, sizeof text);
-    /* Only EXPORT carries text (the fetcher's id); validate() refuses any
-     * other length, so nothing more is read for a request it will refuse. */
-    if (q.op == CUIP_OP_EXPORT && q.message_length == sizeof text &&
-        io_read_all(s, text, sizeof text, deadline, NULL) != 0)
+    /* Only EXPORT (the fetcher's id) and LOAD_ALLOCATIONS (the GPU mapping)
+     * carry text; validate() refuses any other length, so nothing more is
+     * read for a request it will refuse. */
+    if (((q.op == CUIP_OP_EXPORT && q.message_length == CUIP_PARTICIPANT_LEN) ||
+         (q.op == CUIP_OP_LOAD_ALLOCATIONS && q.message_length <= sizeof text)) &&
+        q.message_length && io_read_all(s, text, q.message_length, deadline, NULL) != 0)
         goto out;
     r = malloc(sizeof *r);
     if (!r)

@@ -116,6 +116,8 @@ static void resolve_once(void)
     R(real.cuCtxGetDevice, "cuCtxGetDevice", "cuCtxGetDevice", 2000);
     R(real.cuCtxSynchronize, "cuCtxSynchronize", "cuCtxSynchronize", 2000);
     R(real.cuDeviceGetCount, "cuDeviceGetCount", "cuDeviceGetCount", 2000);
+    R(real.cuDeviceGetUuid, "cuDeviceGetUuid_v2", "cuDeviceGetUuid", 11040);
+    R(real.cuDeviceGetName, "cuDeviceGetName", "cuDeviceGetName", 2000);
     R(real.cuDevicePrimaryCtxGetState, "cuDevicePrimaryCtxGetState", "cuDevicePrimaryCtxGetState",
       7000);
     R(real.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", 7000);

@@ -164,6 +164,17 @@ static inline int cuip_op_served_in(uint32_t op, uint32_t phase)
  * load the same one. What a STATUS reply's stat fields carry: below the
  * header, cuip_status_*. */
 #define CUIP_ASK_DRIVER 1u
+/* A STATUS request asking CUIP_ASK_DEVICES asks which GPUs the process
+ * uses (an allocation the shim tracks lives there or is accessible from
+ * it, or its primary context is active): the reply's message is one line a
+ * GPU, "<ordinal>\t<GPU-uuid>\t<bytes it created there>\t<name>\n";
+ * REFUSED while a phase op runs. */
+#define CUIP_ASK_DEVICES 2u
+/* A LOAD_ALLOCATIONS request may carry text (message_length bytes, at most
+ * CUIP_MESSAGE_MAX): the GPU mapping of the native restore,
+ * "GPU-old=GPU-new[,GPU-old=GPU-new...]"; the shim checks that each GPU it
+ * used is now the one the mapping names (its own when unnamed) before it
+ * re-creates anything, and refuses naming the GPU otherwise. */
 
 
 /* The phase machine: X(op, reaches, transfers) for every phase op, in order
@@ -231,7 +242,8 @@ struct cuip_header {
      * client outside any lease, served only while no lease is held). */
     uint8_t authorization[CUIP_AUTH_LEN];
     uint32_t resource_kind;                  /* EXPORT only: enum cuip_resource_kind */
-    /* <= CUIP_MESSAGE_MAX. Requests: 0, except EXPORT, which carries the
+    /* <= CUIP_MESSAGE_MAX. Requests: 0, except LOAD_ALLOCATIONS (its GPU
+     * mapping, CUIP_ASK_DEVICES above) and EXPORT, which carries the
      * requesting participant's id (CUIP_PARTICIPANT_LEN) so that the creator
      * knows who fetched (FETCH records). */
     uint32_t message_length;

@@ -195,6 +195,8 @@ struct shim_real {
     CUresult (*cuCtxGetDevice)(CUdevice *);
     CUresult (*cuCtxSynchronize)(void);
     CUresult (*cuDeviceGetCount)(int *);
+    CUresult (*cuDeviceGetUuid)(CUuuid *, CUdevice);
+    CUresult (*cuDeviceGetName)(char *, int, CUdevice);
     CUresult (*cuDevicePrimaryCtxGetState)(CUdevice, unsigned int *, int *);
     CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
     CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
@@ -557,6 +559,16 @@ SHIM_HIDDEN int reply_send(int s, struct reply *r, uint64_t deadline_ns);
 /* Whole buffers before a deadline, or -1 with errno (0: the peer closed). */
 SHIM_HIDDEN int io_write_all(int fd, const void *buf, size_t len, uint64_t deadline_ns);
 SHIM_HIDDEN int io_read_all(int fd, void *buf, size_t len, uint64_t deadline_ns, int *fd_out);
+
+/* ---------------------------------------------------------------- devices.c */
+/* A QUIESCE done: note every ordinal's UUID and which ordinals are used. */
+SHIM_HIDDEN void devices_remember(void);
+/* STATUS with CUIP_ASK_DEVICES: the message lists the GPUs in use. */
+SHIM_HIDDEN void devices_report(struct reply *r);
+/* LOAD_ALLOCATIONS: 0 when every used ordinal names the GPU the request's
+ * mapping (`len` bytes of `text`; empty: the GPU it had) gives it, else -1
+ * with the reply saying which GPU and why; changes nothing. */
+SHIM_HIDDEN int devices_check_map(const char *text, size_t len, struct reply *r);
 
 /* ---------------------------------------------------------------- phase work */
 /* What the work of a phase op (CUIP_PHASE_OPS) answers the phase machine. */

@@ -266,6 +266,7 @@ class FakeParticipant:
         self._releases = 0
         self._retried: dict[Op, int] = {}
         self._quiesce_deadlines: list[int] = []
+        self._gpu_maps: list[str] = []
         self._advances = 0
         self._errors: list[BaseException] = []
         self._barrier_waiters = 0
@@ -290,6 +291,12 @@ class FakeParticipant:
         """The deadline (ns; 0: none) each QUIESCE request carried, in order."""
         with self._lock:
             return list(self._quiesce_deadlines)
+
+    @property
+    def gpu_maps(self) -> list[str]:
+        """The GPU mapping each LOAD_ALLOCATIONS request carried ("": none), in order."""
+        with self._lock:
+            return list(self._gpu_maps)
 
     @property
     def advances(self) -> int:
@@ -484,10 +491,13 @@ class FakeParticipant:
             return
         conn.filled += got
         if conn.filled == HEADER_SIZE and len(conn.request) == HEADER_SIZE:
-            # EXPORT's text (the fetcher's id) follows its header: read it too, so
-            # that nothing is left unread when the connection closes.
+            # EXPORT's text (the fetcher's id) and LOAD_ALLOCATIONS' (the GPU mapping)
+            # follow the header: read it too, so that nothing is left unread when the
+            # connection closes.
             op, length = _EXPORT_TEXT.unpack_from(conn.request, 6)
-            if op == Op.EXPORT and 0 < length <= PARTICIPANT_LEN:
+            if (op == Op.EXPORT and 0 < length <= PARTICIPANT_LEN) or (
+                op == Op.LOAD_ALLOCATIONS and 0 < length <= MESSAGE_MAX
+            ):
                 conn.request.extend(bytes(length))
         if conn.filled < len(conn.request):
             conns.watch(conn, selectors.EVENT_READ)
@@ -515,6 +525,8 @@ class FakeParticipant:
             self._received.append(request.op)
             if request.op is Op.QUIESCE:
                 self._quiesce_deadlines.append(request.deadline_ns)
+            if request.op is Op.LOAD_ALLOCATIONS:
+                self._gpu_maps.append(request.gpu_map)
         fault = self.script.get(request.op)
         if self.arrival is None and (fault is None or fault.kind not in ("delay", "hang")):
             self._reply_now(conn, self._answer(request, fault), conns)

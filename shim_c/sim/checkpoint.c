@@ -43,11 +43,23 @@
 
 enum ck_op { CK_LOCK = 1, CK_CHECKPOINT, CK_RESTORE, CK_UNLOCK, CK_STATE, CK_TID };
 
+struct ck_pair {
+    char old_uuid[16];
+    char new_uuid[16];
+};
+
+/* CK_RESTORE carries the controller's node, its chip and memory (the GPUs a
+ * restore lands on are the controller's: a process CRIU brought to another
+ * node restores onto that node's GPUs) and the gpuPairs. */
 struct ck_req {
     uint32_t magic;
     uint32_t op;
     uint32_t timeout_ms;
-    uint32_t pad;
+    uint32_t npairs;
+    uint64_t node;
+    uint64_t mem_total;
+    char chip[64];
+    struct ck_pair pairs[SIM_MAX_DEVICES];
 };
 
 struct ck_rep {
@@ -252,6 +264,99 @@ static CUresult restore_memory(void)
     return r;
 }
 
+/* The GPUs this process holds state on: a context (primary or not) or
+ * memory it owns. The real driver's "checkpointed GPUs", which gpuPairs must
+ * all name. */
+static unsigned checkpointed_gpus(void)
+{
+    unsigned mask = 0;
+
+    for (int d = 0; d < sim.ndev; d++)
+        if (sim.primary[d].used && sim.primary[d].refs > 0)
+            mask |= 1u << d;
+    for (int i = 0; i < SIM_MAX_CTXS; i++)
+        if (sim.ctxs[i].used && sim.ctxs[i].dev >= 0 && sim.ctxs[i].dev < sim.ndev)
+            mask |= 1u << sim.ctxs[i].dev;
+    for (int i = 0; i < SIM_MAX_OBJS; i++)
+        if (owned(&sim.objs[i]) && sim.objs[i].props.loc_id >= 0 &&
+            sim.objs[i].props.loc_id < sim.ndev)
+            mask |= 1u << sim.objs[i].props.loc_id;
+    return mask;
+}
+
+static uint64_t owned_bytes_on(int dev)
+{
+    uint64_t n = 0;
+
+    for (int i = 0; i < SIM_MAX_OBJS; i++)
+        if (owned(&sim.objs[i]) && sim.objs[i].props.loc_id == dev)
+            n += sim.objs[i].size;
+    return n;
+}
+
+static int ordinal_of(uint64_t node, const char uuid[16])
+{
+    char mine[16];
+
+    for (int d = 0; d < sim.ndev; d++) {
+        sim_gpu_uuid(node, sim.gpu[d], mine);
+        if (!memcmp(mine, uuid, 16))
+            return d;
+    }
+    return -1;
+}
+
+/* The remap as the driver documents it (specs/records/
+ * 2026-12-01-gpu-remap.md): every checkpointed GPU named, each once, onto a
+ * GPU of the restoring node of the same chip with enough memory. The
+ * ordinals stay; the GPU behind each changes (an ordinal no pair names
+ * takes a GPU no pair targets, so that the view stays one GPU an ordinal).
+ * Decided before anything changes. sim.mu held. */
+static CUresult remap_gpus(const struct ck_req *q)
+{
+    int target[SIM_MAX_DEVICES];
+    unsigned named = 0, taken = 0, need = checkpointed_gpus();
+
+    if (q->npairs == 0)
+        return q->node == sim.node ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (q->npairs > SIM_MAX_DEVICES || strncmp(q->chip, sim.chip, sizeof sim.chip))
+        return CUDA_ERROR_INVALID_VALUE;
+    for (int d = 0; d < SIM_MAX_DEVICES; d++)
+        target[d] = -1;
+    for (unsigned i = 0; i < q->npairs; i++) {
+        const struct ck_pair *p = &q->pairs[i];
+        int d = ordinal_of(sim.node, p->old_uuid);
+        int gpu = (unsigned char)p->new_uuid[15];
+        char want[16];
+
+        sim_gpu_uuid(q->node, gpu, want);
+        if (d < 0 || named >> d & 1u || gpu >= SIM_MAX_DEVICES || taken >> gpu & 1u ||
+            memcmp(want, p->new_uuid, 16))
+            return CUDA_ERROR_INVALID_VALUE;
+        if (owned_bytes_on(d) > q->mem_total)
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        named |= 1u << d;
+        taken |= 1u << gpu;
+        target[d] = gpu;
+    }
+    if ((need & named) != need)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (int d = 0, gpu = 0; d < sim.ndev; d++) {
+        if (target[d] >= 0)
+            continue;
+        while (gpu < SIM_MAX_DEVICES && taken >> gpu & 1u)
+            gpu++;
+        if (gpu >= SIM_MAX_DEVICES)
+            return CUDA_ERROR_INVALID_VALUE;
+        target[d] = gpu;
+        taken |= 1u << gpu;
+    }
+    sim.node = q->node;
+    for (int d = 0; d < sim.ndev; d++)
+        sim.gpu[d] = (uint8_t)target[d];
+    return CUDA_SUCCESS;
+}
+
 /* gate_mu held. */
 static CUresult do_lock(unsigned timeout_ms)
 {
@@ -303,6 +408,8 @@ static CUresult do_op(const struct ck_req *q)
             return CUDA_ERROR_ILLEGAL_STATE;
         sim_lock();
         r = restore_refusal();
+        if (r == CUDA_SUCCESS)
+            r = remap_gpus(q);
         if (r == CUDA_SUCCESS)
             r = restore_memory();
         sim_unlock();
@@ -416,9 +523,8 @@ fail:
 
 /* ---- the controller's side -------------------------------------------- */
 
-static CUresult call(int pid, uint32_t op, uint32_t timeout_ms, struct ck_rep *p)
+static CUresult call_req(int pid, struct ck_req *q, struct ck_rep *p)
 {
-    struct ck_req q = {CK_MAGIC, op, timeout_ms, 0};
     struct sockaddr_un a;
     socklen_t len;
     int fd;
@@ -437,7 +543,7 @@ static CUresult call(int pid, uint32_t op, uint32_t timeout_ms, struct ck_rep *p
                                                     : CUDA_ERROR_NOT_INITIALIZED;
         goto out;
     }
-    if (send(fd, &q, sizeof(q), MSG_NOSIGNAL) != (ssize_t)sizeof(q))
+    if (send(fd, q, sizeof(*q), MSG_NOSIGNAL) != (ssize_t)sizeof(*q))
         goto out;
     if (recv(fd, p, sizeof(*p), MSG_WAITALL) != (ssize_t)sizeof(*p))
         goto out;
@@ -445,6 +551,17 @@ static CUresult call(int pid, uint32_t op, uint32_t timeout_ms, struct ck_rep *p
 out:
     close(fd);
     return r;
+}
+
+static CUresult call(int pid, uint32_t op, uint32_t timeout_ms, struct ck_rep *p)
+{
+    struct ck_req q;
+
+    memset(&q, 0, sizeof q);
+    q.magic = CK_MAGIC;
+    q.op = op;
+    q.timeout_ms = timeout_ms;
+    return call_req(pid, &q, p);
 }
 
 static int zero(const void *p, size_t n)
@@ -482,6 +599,7 @@ CUresult CUDAAPI cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointAr
 CUresult CUDAAPI cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
 {
     struct ck_rep p;
+    struct ck_req q;
 
     if (args && !zero(args->reserved, sizeof(args->reserved)))
         return CUDA_ERROR_INVALID_VALUE;
@@ -489,15 +607,24 @@ CUresult CUDAAPI cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *ar
     if (args && args->customStorageInfo_out)
         return CUDA_ERROR_NOT_SUPPORTED;
 #endif
+    memset(&q, 0, sizeof q);
+    q.magic = CK_MAGIC;
+    q.op = CK_RESTORE;
+    /* The restoring node: this (the controller's) process's. */
+    q.node = sim_env_node();
+    q.mem_total = (uint64_t)sim_env_long("CUINTERPOSE_SIM_MEM_MIB", (long)SIM_DEFAULT_MEM_MIB, 64,
+                                         1L << 30) << 20;
+    sim_env_chip(q.chip, sizeof q.chip);
     if (args && args->gpuPairsCount) {
-        /* Simulated GPUs are interchangeable only with themselves. */
-        if (!args->gpuPairs)
+        if (!args->gpuPairs || args->gpuPairsCount > SIM_MAX_DEVICES)
             return CUDA_ERROR_INVALID_VALUE;
-        for (unsigned i = 0; i < args->gpuPairsCount; i++)
-            if (memcmp(&args->gpuPairs[i].oldUuid, &args->gpuPairs[i].newUuid, sizeof(CUuuid)))
-                return CUDA_ERROR_NOT_SUPPORTED;
+        q.npairs = args->gpuPairsCount;
+        for (unsigned i = 0; i < args->gpuPairsCount; i++) {
+            memcpy(q.pairs[i].old_uuid, args->gpuPairs[i].oldUuid.bytes, 16);
+            memcpy(q.pairs[i].new_uuid, args->gpuPairs[i].newUuid.bytes, 16);
+        }
     }
-    return call(pid, CK_RESTORE, 0, &p);
+    return call_req(pid, &q, &p);
 }
 
 CUresult CUDAAPI cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)

@@ -304,7 +304,7 @@ static CUresult device_name(char *name, int len, CUdevice dev)
         return CUDA_ERROR_INVALID_VALUE;
     if (!sim_dev_valid(dev))
         return CUDA_ERROR_INVALID_DEVICE;
-    snprintf(name, (size_t)len, "%s", SIM_DEVICE_NAME);
+    snprintf(name, (size_t)len, "%s", sim.chip);
     return CUDA_SUCCESS;
 }
 
@@ -313,18 +313,15 @@ CUresult CUDAAPI cuDeviceGetName(char *name, int len, CUdevice dev)
     SIM_API(device_name(name, len, dev));
 }
 
-/* Stable per ordinal and recognisable: "cuipsim" then the ordinal. */
+/* Recognisable ("cuipsim"), the node's, and the GPU the ordinal names now
+ * (a restore with gpuPairs changes it: checkpoint.c). */
 static CUresult device_uuid(CUuuid *uuid, CUdevice dev)
 {
-    static const char tag[] = "cuipsim";
-
     if (!uuid)
         return CUDA_ERROR_INVALID_VALUE;
     if (!sim_dev_valid(dev))
         return CUDA_ERROR_INVALID_DEVICE;
-    memset(uuid->bytes, 0, sizeof(uuid->bytes));
-    memcpy(uuid->bytes, tag, sizeof(tag) - 1);
-    uuid->bytes[15] = (char)dev;
+    sim_gpu_uuid(sim.node, sim.gpu[dev], uuid->bytes);
     return CUDA_SUCCESS;
 }
 

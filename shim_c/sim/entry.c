@@ -24,6 +24,10 @@ static void init_once_fn(void)
     sim.ndev = (int)sim_env_long("CUINTERPOSE_SIM_DEVICES", SIM_DEFAULT_DEVICES, 0, SIM_MAX_DEVICES);
     sim.mem_total = (uint64_t)sim_env_long("CUINTERPOSE_SIM_MEM_MIB", (long)SIM_DEFAULT_MEM_MIB, 64,
                                            1L << 30) << 20;
+    sim.node = sim_env_node();
+    sim_env_chip(sim.chip, sizeof sim.chip);
+    for (int i = 0; i < SIM_MAX_DEVICES; i++)
+        sim.gpu[i] = (uint8_t)i;
     sim.work_us = sim_env_long("CUINTERPOSE_SIM_WORK_US", 0, 0, 10L * 1000 * 1000);
     sim.next_handle = 0x5100000000ULL; /* recognisable, never a small integer */
     sim.next_ctx_id = 1;

@@ -298,6 +298,12 @@ struct sim_state {
     atomic_int initialized; /* read by every entry point, written once by cuInit */
     int ndev;
     uint64_t mem_total;
+    /* Which node's GPUs this process sees (CUINTERPOSE_SIM_NODE, hashed: 0 for
+     * none) and which of them each ordinal names: a restore with gpuPairs
+     * changes the GPU behind an ordinal, never the ordinal (checkpoint.c). */
+    uint64_t node;
+    uint8_t gpu[SIM_MAX_DEVICES];
+    char chip[64]; /* every device's name on this node (CUINTERPOSE_SIM_CHIP) */
     unsigned long long next_handle;
     unsigned long long next_ctx_id;
     int next_map_group;
@@ -350,6 +356,12 @@ SIM_HIDDEN void sim_leave(void);
 SIM_HIDDEN void sim_lock(void);
 SIM_HIDDEN void sim_unlock(void);
 SIM_HIDDEN long sim_env_long(const char *name, long def, long lo, long hi);
+/* The UUID of GPU `gpu` of node `node` ("cuipsim", the node's 8 bytes, the GPU). */
+SIM_HIDDEN void sim_gpu_uuid(uint64_t node, int gpu, char bytes[16]);
+/* This process's node from the environment (CUINTERPOSE_SIM_NODE), hashed. */
+SIM_HIDDEN uint64_t sim_env_node(void);
+/* This node's chip name (CUINTERPOSE_SIM_CHIP appended to SIM_DEVICE_NAME). */
+SIM_HIDDEN void sim_env_chip(char *out, size_t n);
 SIM_HIDDEN double sim_now_ms(void);
 SIM_HIDDEN int sim_is_aligned(uint64_t v, uint64_t a);
 SIM_HIDDEN void sim_acct_init(void);

@@ -59,6 +59,40 @@ void sim_leave(void)
 
 /* Value of an integer variable, `def` when unset or malformed: a typo in a
  * test's environment must not silently mean zero. */
+/* FNV-1a of the node's name: "" (no node) is 0, today's UUIDs. */
+uint64_t sim_env_node(void)
+{
+    const char *s = getenv("CUINTERPOSE_SIM_NODE");
+    uint64_t h = 0xcbf29ce484222325ull;
+
+    if (!s || !*s)
+        return 0;
+    for (; *s; s++)
+        h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
+    return h ? h : 1;
+}
+
+void sim_gpu_uuid(uint64_t node, int gpu, char bytes[16])
+{
+    static const char tag[] = "cuipsim";
+
+    memset(bytes, 0, 16);
+    memcpy(bytes, tag, sizeof(tag) - 1);
+    for (int i = 0; i < 8; i++)
+        bytes[7 + i] = (char)(node >> (8 * i));
+    bytes[15] = (char)gpu;
+}
+
+void sim_env_chip(char *out, size_t n)
+{
+    const char *c = getenv("CUINTERPOSE_SIM_CHIP");
+
+    if (c && *c)
+        snprintf(out, n, "%s %s", SIM_DEVICE_NAME, c);
+    else
+        snprintf(out, n, "%s", SIM_DEVICE_NAME);
+}
+
 long sim_env_long(const char *name, long def, long lo, long hi)
 {
     const char *s = getenv(name);

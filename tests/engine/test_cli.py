@@ -224,6 +224,25 @@ def test_recover_rolls_a_whole_capture_forward(work: Path) -> None:
         assert code == cli.EXIT_OK and "recover: nothing" in out
 
 
+UUID_A = "GPU-aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa"
+UUID_B = "GPU-bbbbbbbb-bbbb-bbbb-bbbb-bbbbbbbbbbbb"
+
+
+def test_recover_forward_carries_the_gpu_map_by_uuid_and_refuses_ordinals(work: Path) -> None:
+    """Without the native restore here, recover and restore name GPUs by UUID (each
+    shim's LOAD checks them); an ordinal is refused before anything is sent."""
+    with team_of(TOPOLOGY, work / "control") as t:
+        code, _, _ = run(*machine_args("prepare", t, work, "--no-rollback"))
+        assert code == cli.EXIT_OK
+        code, _, err = run(*machine_args("recover", t, work, "--gpu-map", "0=1"))
+        assert code == cli.EXIT_FAILED and "0 is an ordinal" in err, err
+        assert [f.phase for f in t.fakes] == [Phase.PREPARED] * len(t.fakes)
+        code, out, err = run(*machine_args("recover", t, work, "--gpu-map", f"{UUID_A}={UUID_B}"))
+        assert code == cli.EXIT_OK, err
+        assert "recover: restored" in out
+        assert [f.gpu_maps for f in t.fakes] == [[f"{UUID_A}={UUID_B}"]] * len(t.fakes)
+
+
 def test_recover_after_a_failure_left_in_place(work: Path) -> None:
     script = {1: {Op.PREPARE_UNICAST: Fault("fail", message="cuMemRelease: CUDA_ERROR_Z")}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
@@ -368,6 +387,9 @@ def test_proc_root_reaches_sockets_through_each_process_root(
         "launch --",
         "frobnicate",
         "",
+        "resume --checkpoint-dir /x --gpu-map 0",
+        "restore --checkpoint-dir /x --process 1 2 --gpu-map a=b",
+        "recover --checkpoint-dir /x --process 1 2 --gpu-map 0=1,",
     ],
 )
 def test_usage_errors_exit_2(argv: str) -> None:

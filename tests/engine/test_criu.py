@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 from cuinterpose import cli, criu_action
 from cuinterpose.engine import agent, criu
@@ -160,6 +161,17 @@ def test_before_restore_is_driven_by_the_manifest(work: Path) -> None:
         criu.before_restore(suspended(work, state_file=False), work / "control")
     # Not seen before the processes exist (a tmpfs of their mount namespace): no removal.
     assert criu.before_restore(suspended(work), None).removed == ()
+
+
+def test_images_resumed_from_stay_restorable(work: Path) -> None:
+    """A resume after a restore from images leaves them the group's checkpoint (restored
+    again once that group is gone); a resume in place makes them stale."""
+    directory = suspended(work, resumed=True)
+    manifest = agent.read_manifest(directory)
+    agent.write_manifest(directory, attrs.evolve(manifest, resumed_from_images=True))
+    assert criu.before_restore(directory, None).manifest.resumed_from_images
+    body = json.loads((directory / "manifest.json").read_text())
+    assert body["resumed_from_images"] is True and body["resumed_at"] == "x"
 
 
 # ------------------------------------------------------------------ after the restore
@@ -355,6 +367,10 @@ def test_the_verbs_usage_errors_exit_2(work: Path) -> None:
     err = io.StringIO()
     assert criu_action.main([*twice[:-3], "--phase-timeout", "-1"], stderr=err) == 2
     assert "'-1' is not a positive number of seconds" in err.getvalue()
+    err = io.StringIO()
+    restore = ["restore", "--checkpoint-dir", str(work), "--images-dir", str(work)]
+    assert criu_action.main([*restore, "--gpu-map", "0=GPU-1"], stderr=err) == 2
+    assert "is not OLD=NEW" in err.getvalue()
 
 
 def test_a_restore_that_finds_a_pid_taken_names_what_holds_it(work: Path) -> None:

@@ -427,4 +427,34 @@ def test_status_asks_for_the_driver_in_stat_count() -> None:
     with pytest.raises(WireError, match="STATUS only"):
         Request(Op.HANDSHAKE, ask_driver=True).encode()
     with pytest.raises(WireError, match="stats"):
-        decode_request(patched(raw, "<Q", 96, 2))
+        decode_request(patched(raw, "<Q", 96, 3))
+
+
+def test_status_asks_for_the_devices_in_stat_count() -> None:
+    """protocol.h: CUIP_ASK_DEVICES (2) asks which GPUs the process uses; never with the
+    driver, never outside STATUS."""
+    raw = Request(Op.STATUS, ask_devices=True).encode()
+    assert struct.unpack_from("<Q", raw, 96)[0] == wire.ASK_DEVICES == 2
+    decoded, _ = decode_request(raw)
+    assert decoded.ask_devices and not decoded.ask_driver
+    with pytest.raises(WireError, match="STATUS only"):
+        Request(Op.INSPECT, ask_devices=True).encode()
+    with pytest.raises(WireError, match="at once"):
+        Request(Op.STATUS, ask_devices=True, ask_driver=True).encode()
+
+
+GPU_MAP = "GPU-00000000-0000-0000-0000-000000000000=GPU-11111111-1111-1111-1111-111111111111"
+
+
+def test_load_allocations_carries_the_gpu_mapping_as_its_text() -> None:
+    """protocol.h: LOAD_ALLOCATIONS alone may carry text, the GPU mapping, at most
+    MESSAGE_MAX bytes; decoded back the same."""
+    raw = Request(Op.LOAD_ALLOCATIONS, gpu_map=GPU_MAP).encode()
+    assert struct.unpack_from("<I", raw, 84)[0] == len(GPU_MAP)
+    assert raw[wire.HEADER_SIZE:] == GPU_MAP.encode()
+    assert decode_request(raw)[0].gpu_map == GPU_MAP
+    assert decode_request(Request(Op.LOAD_ALLOCATIONS).encode())[0].gpu_map == ""
+    with pytest.raises(WireError, match="LOAD_ALLOCATIONS only"):
+        Request(Op.RESTORE_UNICAST, gpu_map=GPU_MAP).encode()
+    with pytest.raises(WireError, match="ASCII bytes"):
+        Request(Op.LOAD_ALLOCATIONS, gpu_map="x" * (wire.MESSAGE_MAX + 1)).encode()

@@ -119,6 +119,7 @@ def python_constants() -> dict[str, int | str]:
         "CUIP_CONTROL_DIR_MAX": wire.CONTROL_DIR_MAX,
         "CUIP_OP_MAX": max(Op),
         "CUIP_ASK_DRIVER": wire.ASK_DRIVER,
+        "CUIP_ASK_DEVICES": wire.ASK_DEVICES,
         "CUIP_EVERY_PHASE": phase_set(EVERY_PHASE),
         **CONTRACT_ONLY,
     }

@@ -14,7 +14,10 @@ test. Never run by the suite without a GPU: it needs torch.
 Protocol, one JSON object a line: the job prints ``{"ready": true, "pids": [...]}``;
 then ``check`` -> ``{"ok": bool, "bad": [...]}``, ``run`` / ``status`` / ``stop`` (pair)
 -> ``{"running": bool, "count": n, ...}``, ``share`` (pair: a new tensor shared and
-checked by the consumer) -> ``{"ok": bool}``, ``quit``.
+checked by the consumer) -> ``{"ok": bool}``, ``where`` -> the GPU each process's
+context is on now, as the driver says (``cuDeviceGetUuid`` of ``cuCtxGetDevice``) and
+as torch says, ``matmul`` (pair) -> ``{"ok": bool}`` (a product equal to the one made
+at start), ``quit``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,25 @@ def _bad(torch: Any, tensors: list[tuple[int, Any]]) -> list[int]:
 
 def _make(torch: Any, seeds: range, size: int) -> list[tuple[int, Any]]:
     return [(s, _pattern(torch, size // 4, s)) for s in seeds]
+
+
+def _where(torch: Any) -> dict[str, str]:
+    """The GPU of the current context: the driver's UUID (what a remap changes) and
+    torch's (its device properties, which torch may have cached at start)."""
+    from cuda.bindings import driver as cu
+
+    torch.cuda.synchronize()
+    err, dev = cu.cuCtxGetDevice()
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    err, raw = cu.cuDeviceGetUuid(dev)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    h = bytes(raw.bytes).hex()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "driver": f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}",
+        "torch": str(getattr(props, "uuid", "")),
+        "ordinal": str(int(dev)),
+    }
 
 
 # --------------------------------------------------------------------------- pair
@@ -78,6 +100,8 @@ def _consume(inbox: Any, outbox: Any) -> None:
             thread = threading.Thread(target=watch, daemon=True)
             thread.start()
             outbox.put({"running": True})
+        elif command == "where":
+            outbox.put(_where(torch))
         elif command == "stop":
             stop.set()
             if thread is not None:
@@ -102,6 +126,10 @@ def pair() -> None:
     private = _make(torch, range(200, 203), PIECE)
     counter = torch.zeros(1, dtype=torch.int64, device="cuda")
     ack = torch.zeros(1, dtype=torch.int64, device="cuda")
+    torch.manual_seed(1)
+    left = torch.randn(1024, 1024, device="cuda")
+    right = torch.randn(1024, 1024, device="cuda")
+    product = left @ right
     torch.cuda.synchronize()
     consumer = ctx.Process(target=_consume, args=(inbox, outbox), daemon=True)
     consumer.start()
@@ -144,6 +172,11 @@ def pair() -> None:
             )
         elif command == "status":
             _say(running=worker is not None and not stop.is_set(), count=count)
+        elif command == "where":
+            inbox.put("where")
+            _say(producer=_where(torch), consumer=outbox.get(timeout=300))
+        elif command == "matmul":
+            _say(ok=bool(torch.equal(left @ right, product)))
         elif command == "share":
             seed = 900 + count
             fresh = _pattern(torch, PIECE // 4, seed)
@@ -204,6 +237,8 @@ def single() -> None:
         if command == "check":
             bad = check()
             _say(ok=not bad, bad=bad)
+        elif command == "where":
+            _say(producer=_where(torch))
         elif command == "quit":
             break
 

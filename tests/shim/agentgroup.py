@@ -1,15 +1,22 @@
 """A creator/importer group on the simulated driver, and native backends for the agent API.
 
 ``WorkerBackend`` makes the native checkpoint calls from a plain worker process (one that
-loaded the simulated driver at start, which the test runner cannot), ``FaultyBackend``
-fails one chosen call. Both are :class:`cuinterpose.engine.native.NativeBackend`s.
+loaded the simulated driver at start, which the test runner cannot), ``RemapBackend``
+those and the restore onto other GPUs, ``FaultyBackend`` fails one chosen call. All are
+:class:`cuinterpose.engine.native.NativeBackend`s.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 from cuinterpose.demo import Worker, pattern_digest
+from cuinterpose.engine import agent
+from cuinterpose.engine.client import call_all
+from cuinterpose.engine.gpus import Gpu, parse_report, uuid_text
 from cuinterpose.engine.native import NativeBackend, NativeError, ProcessState
+from cuinterpose.engine.wire import Op, Request
 
 from tests.simenv import Spawn
 
@@ -49,6 +56,58 @@ class WorkerBackend:
         if answer[0] != "CUDA_SUCCESS":
             raise NativeError(pid, "cuCheckpointProcessGetState", str(answer[0]))
         return ProcessState(int(answer[1]))
+
+
+REMAP = """
+import ctypes
+def uuid_from(raw):
+    u = cu.CUuuid(); ctypes.memmove(u.getPtr(), raw, 16)
+    return u
+def remap_restore(pid, pairs):
+    ps = []
+    for old, new in pairs:
+        p = cu.CUcheckpointGpuPair()
+        p.oldUuid = uuid_from(bytes.fromhex(old)); p.newUuid = uuid_from(bytes.fromhex(new))
+        ps.append(p)
+    a = cu.CUcheckpointRestoreArgs(); a.gpuPairs = ps; a.gpuPairsCount = len(ps)
+    return err(cu.cuCheckpointProcessRestore(pid, a))
+def gpus_here():
+    out = []
+    for d in range(check(cu.cuDeviceGetCount())):
+        dev = check(cu.cuDeviceGet(d))
+        name = bytes(check(cu.cuDeviceGetName(64, dev))).split(b"\\0", 1)[0].decode()
+        out.append([d, bytes(check(cu.cuDeviceGetUuid(dev)).bytes).hex(), name,
+                    int(check(cu.cuDeviceTotalMem(dev)))])
+    return out
+"""
+
+
+class RemapBackend(WorkerBackend):
+    """WorkerBackend with the remapping restore and this node's GPUs."""
+
+    def __init__(self, worker: Worker) -> None:
+        super().__init__(worker)
+        worker(REMAP)
+
+    def restore_onto(self, pid: int, gpu_pairs: object) -> None:
+        pairs = [
+            (old[4:].replace("-", ""), new[4:].replace("-", ""))
+            for old, new in gpu_pairs  # type: ignore[attr-defined]
+        ]
+        result = self.worker(f"result = remap_restore({pid}, {pairs!r})")
+        if result != "CUDA_SUCCESS":
+            raise NativeError(pid, "cuCheckpointProcessRestore", str(result))
+
+    def gpus(self) -> tuple[Gpu, ...]:
+        found = self.worker("result = gpus_here()")
+        return tuple(Gpu(d, uuid_text(bytes.fromhex(u)), n, t) for d, u, n, t in found)
+
+
+def devices_of(worker: Any, where: agent.Where) -> list[str]:
+    """The UUIDs of the GPUs a process's shim says it uses."""
+    endpoint = where.endpoint(agent.Process(worker.pid, worker.pid))
+    (reply,) = call_all([(endpoint, Request(Op.STATUS, ask_devices=True), None)], timeout=10)
+    return [g.uuid for g in parse_report(reply.message)]  # type: ignore[union-attr]
 
 
 @attrs.define

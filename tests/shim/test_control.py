@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 import stat
 import struct
@@ -581,6 +582,21 @@ def test_status_names_the_driver_the_shim_loaded(spawn: Spawn, control_dir: Path
     assert (plain.status, plain.message) == (Status.OK, "")
     me = shim.participant.encode()
     got = shimenv.raw_exchange(shim.path, bytes(header(op=Op.STATUS, participant=me,
-                                                       stat_count=2)))  # fmt: skip
+                                                       stat_count=3)))  # fmt: skip
     assert struct.unpack_from("<i", got, 8)[0] == Status.BAD_REQUEST
+    app_still_works(w)
+
+
+def test_status_names_the_gpus_the_process_uses(spawn: Spawn, control_dir: Path) -> None:
+    """STATUS asking the devices: one line a GPU in use (its primary context is active,
+    memory is there), ordinal, UUID, bytes created, name."""
+    w = spawn()
+    w.check("alloc", size=1 << 20)
+    shim = Shim(control_dir, w.pid)
+    reply, _ = shimenv.request(shim.path, wire.Request(Op.STATUS, ask_devices=True))
+    assert reply.status is Status.OK, reply
+    (line,) = reply.message.splitlines()
+    ordinal, uuid, created, name = line.split("\t")
+    assert ordinal == "0" and re.fullmatch(r"GPU-[0-9a-f-]{36}", uuid), line
+    assert int(created) >= 1 << 20 and name, line
     app_still_works(w)

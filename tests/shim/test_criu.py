@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -27,8 +28,10 @@ import pytest
 from cuinterpose.demo import Worker, pattern_digest
 from cuinterpose.engine import agent, criu
 from cuinterpose.engine.errors import CoordinatorError
+from cuinterpose.engine.gpus import GpuMap
 
-from tests.shim.agentgroup import WorkerBackend
+from tests.shim import legacy
+from tests.shim.agentgroup import RemapBackend, WorkerBackend, devices_of
 from tests.shim.workers.criu_tree import Tree, TreeGroup, subreaper, thread_states
 from tests.simenv import REPO, Spawn
 
@@ -176,6 +179,70 @@ def test_a_sharing_group_goes_through_criu_dump_and_restore(
     assert_sharing_back(group, where, native)
 
 
+def share_legacy(group: TreeGroup, seed: int) -> legacy.LegacyPair:
+    """Owned cudaMalloc memory shared by legacy IPC (legacy.py) between the tree's creator
+    and importer, beside their VMM sharing."""
+    c, i = group.creator, group.importer
+    vas = [int(c.check("alloc", size=n)["va"]) for n in (legacy.BIG, legacy.SMALL, legacy.PRIVATE)]
+    for k, (va, n) in enumerate(zip(vas, (legacy.BIG, legacy.SMALL, legacy.PRIVATE), strict=True)):
+        c.check("fill", va=va, size=n, seed=seed + k)
+    opened = [int(i.check("ipc_open", handle=c.check("ipc_get", va=va)["handle"])["va"])
+              for va in vas[:2]]  # fmt: skip
+    return legacy.LegacyPair(c, i, vas[0], vas[1], vas[2], opened[0], opened[1], seed)  # type: ignore[arg-type]
+
+
+def test_a_copied_checkpoint_is_restored_twice_onto_another_nodes_gpu(
+    group: TreeGroup,
+    criu_binary: criu.Criu,
+    observer: Worker,
+    spawn: Spawn,
+    plain_env: dict[str, str],
+    control_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """Dumped on GPU 0 of this node; the checkpoint directory and the images copied
+    elsewhere and the originals removed; restored from the copy into an emptied control
+    directory by a coordinator of another simulated node (CUINTERPOSE_SIM_NODE), onto
+    its GPU 1 (--gpu-map 0=1); the group killed, and restored again from the same copy.
+    Each time: every byte as dumped, every process on that GPU, sharing both ways (VMM
+    and legacy IPC) and a new share."""
+    pair = share_legacy(group, 81)
+    native = RemapBackend(observer)
+    node_b = spawn("observer-b", {**plain_env, "CUINTERPOSE_SIM_NODE": "node-b"})
+    other = RemapBackend(node_b)
+    there = other.gpus()
+    assert there[1].uuid not in {g.uuid for g in native.gpus()}
+    where = agent.Where(control_dir)
+    ckpt, images = tmp_path / "ckpt", tmp_path / "images"
+    pids = group.tree.pids()
+    criu.dump(group.processes, ckpt, images, tree=group.tree.root_pid, criu=criu_binary,
+              where=where, native=native)  # fmt: skip
+    group.tree.reap()
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(ckpt, copy / "ckpt", symlinks=True)
+    shutil.copytree(images, copy / "images", symlinks=True)
+    shutil.rmtree(ckpt)
+    shutil.rmtree(images)
+    for round_ in (1, 2):
+        shutil.rmtree(control_dir)  # the restoring node's: nothing of the old one left
+        try:
+            restored = criu.restore(copy / "ckpt", copy / "images", criu=criu_binary,
+                                    where=where, native=other, control_dir=control_dir,
+                                    gpu_map=GpuMap.parse("0=1"))  # fmt: skip
+        except (agent.AgentError, CoordinatorError) as exc:
+            pytest.fail(f"round {round_}: {exc}\nthreads:\n{thread_states(pids)}\n"
+                        f"tree log:\n{group.tree.log_tail()}")  # fmt: skip
+        assert [p.observed_pid for p in restored.processes] == pids
+        assert restored.resumed.coordinator_restored
+        assert agent.read_manifest(copy / "ckpt").resumed_from_images
+        for worker in (group.creator, group.importer):
+            assert devices_of(worker, where) == [there[1].uuid], round_
+        legacy.shared_both_ways(pair, write_seed=90 + 10 * round_)
+        assert_sharing_back(group, where, other)
+        os.killpg(group.tree.root_pid, signal.SIGKILL)  # gone before the next restore
+        group.tree.reap()
+
+
 def summary(run: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert lines and lines[-1]["event"] == "summary", run.stdout
@@ -209,8 +276,8 @@ def test_the_cli_verbs_restore_into_a_fresh_control_directory(
     # a container; before it, the directory as seen here.
     where = ["--proc-root", "/proc", "--before-restore-dir", str(control_dir)]
     paths = ["--checkpoint-dir", str(ckpt), "--images-dir", str(images)]
-    restore = run_cli(
-        ["criu", "restore", *paths, *where, "--criu", str(criu_binary.path)],
+    restore = run_cli(  # the identity mapping given: the same GPUs, named
+        ["criu", "restore", *paths, *where, "--criu", str(criu_binary.path), "--gpu-map", "0=0"],
         {**plain_env, "SNAPSHOT_CONTROL_DIR": str(control_dir)},
     )
     assert restore.returncode == 0, restore.stderr

@@ -266,23 +266,104 @@ check(cu.cuMemUnmap(va, 2 * MiB)); check(cu.cuMemRelease(h))
     assert creator("result = sha(va, 2 * MiB)") == psha(4, 2 * MiB)
 
 
+REMAP = """
+def remap_restore(pid, pairs):
+    a = cu.CUcheckpointRestoreArgs()
+    ps = []
+    for old, new in pairs:
+        p = cu.CUcheckpointGpuPair(); p.oldUuid = old; p.newUuid = new; ps.append(p)
+    a.gpuPairs = ps; a.gpuPairsCount = len(ps)
+    return err(cu.cuCheckpointProcessRestore(pid, a))
+def uuid_of(d):
+    return check(cu.cuDeviceGetUuid(d))
+def uuid_from(raw):
+    import ctypes
+    u = cu.CUuuid(); ctypes.memmove(u.getPtr(), raw, 16)
+    return u
+def node_uuid(node, gpu):
+    h = 0xcbf29ce484222325
+    for ch in node.encode():
+        h = ((h ^ ch) * 0x100000001b3) % 2**64
+    return uuid_from(b"cuipsim" + h.to_bytes(8, "little") + bytes([gpu]))
+"""
+
+
 @sim_only
-def test_restore_onto_another_gpu_is_refused(spawn):
-    """Simulated GPUs only restore onto themselves; the refusal leaves the
-    process CHECKPOINTED, and a plain restore still works."""
+def test_restore_onto_another_gpu_keeps_the_ordinal_and_the_bytes(spawn):
+    """gpuPairs 0 -> 1: the process's ordinal 0 now names the GPU that was 1 (the
+    driver keeps the ordinals, specs/records/2026-12-01-gpu-remap.md), its memory
+    is back with its bytes at the same address."""
     t, c = spawn(), controller(spawn)
-    t("d = check(cu.cuMemAlloc(2 * MiB))")
+    t("d = check(cu.cuMemAlloc(2 * MiB)); write(d, pattern(5, 2 * MiB))")
+    before = t("result = [bytes(check(cu.cuDeviceGetUuid(i)).bytes).hex() for i in (0, 1)]")
+    c(REMAP)
     r = c(f"""
 pid = {t.pid}
-out = [lock(pid), ckpt(pid)]
-pair = cu.CUcheckpointGpuPair()
-pair.oldUuid = check(cu.cuDeviceGetUuid(0)); pair.newUuid = check(cu.cuDeviceGetUuid(1))
-a = cu.CUcheckpointRestoreArgs(); a.gpuPairs = [pair]; a.gpuPairsCount = 1
-out += [err(cu.cuCheckpointProcessRestore(pid, a)), state(pid), restore(pid), unlock(pid)]
+out = [lock(pid), ckpt(pid), remap_restore(pid, [(uuid_of(0), uuid_of(1))]), state(pid),
+       unlock(pid)]
 result = out
 """)
     ok = "CUDA_SUCCESS"
-    assert r == [ok, ok, "CUDA_ERROR_NOT_SUPPORTED", "CHECKPOINTED", ok, ok]
+    assert r == [ok, ok, ok, "LOCKED", ok]
+    after = t("result = [bytes(check(cu.cuDeviceGetUuid(i)).bytes).hex() for i in (0, 1)]")
+    assert after == [before[1], before[0]]  # 1 no pair named takes the GPU left over
+    assert t("result = sha(d, 2 * MiB)") == psha(5, 2 * MiB)
+
+
+@sim_only
+@pytest.mark.parametrize(
+    "case, pairs, extra, expected",
+    [
+        ("misses a checkpointed GPU", "[(uuid_of(1), uuid_of(0))]", {}, "INVALID_VALUE"),
+        ("names a GPU twice", "[(uuid_of(0), uuid_of(1)), (uuid_of(0), uuid_of(0))]", {},
+         "INVALID_VALUE"),
+        ("onto another chip", "[(uuid_of(0), uuid_of(1))]", {"CUINTERPOSE_SIM_CHIP": "B"},
+         "INVALID_VALUE"),
+        ("onto a GPU without the memory", "[(uuid_of(0), uuid_of(1))]",
+         {"CUINTERPOSE_SIM_MEM_MIB": "64"}, "OUT_OF_MEMORY"),
+        ("onto a GPU of no node here", "[(uuid_of(0), node_uuid('elsewhere', 1))]", {},
+         "INVALID_VALUE"),
+    ],
+)
+def test_restore_remap_refused(spawn, case, pairs, extra, expected):
+    """Each rule of the documented remap refused; the process stays CHECKPOINTED
+    and a plain restore still works."""
+    t = spawn()
+    c = spawn(extra=extra)
+    c(CTL)
+    c(REMAP)
+    t("d = check(cu.cuMemAlloc(128 * MiB))")
+    r = c(f"""
+pid = {t.pid}
+out = [lock(pid), ckpt(pid)]
+out += [remap_restore(pid, {pairs}), state(pid), restore(pid), unlock(pid)]
+result = out
+""")
+    ok = "CUDA_SUCCESS"
+    assert r == [ok, ok, f"CUDA_ERROR_{expected}", "CHECKPOINTED", ok, ok], case
+
+
+@sim_only
+def test_restore_on_another_node_takes_its_gpus(spawn):
+    """A controller of node "b" restores a process of the default node onto b's GPU 1:
+    the process's ordinal 0 is b's GPU 1 now; without pairs the restore is refused."""
+    t = spawn()
+    c = spawn(extra={"CUINTERPOSE_SIM_NODE": "b"})
+    c(CTL)
+    c(REMAP)
+    t("d = check(cu.cuMemAlloc(2 * MiB)); write(d, pattern(6, 2 * MiB))")
+    old = t("result = bytes(check(cu.cuDeviceGetUuid(0)).bytes).hex()")
+    r = c(f"""
+pid = {t.pid}
+o = uuid_from(bytes.fromhex("{old}"))
+out = [lock(pid), ckpt(pid), restore(pid), remap_restore(pid, [(o, node_uuid("b", 1))]),
+       unlock(pid), bytes(node_uuid("b", 1).bytes).hex()]
+result = out
+""")
+    ok = "CUDA_SUCCESS"
+    assert r[:5] == [ok, ok, "CUDA_ERROR_INVALID_VALUE", ok, ok]
+    assert t("result = bytes(check(cu.cuDeviceGetUuid(0)).bytes).hex()") == r[5]
+    assert t("result = sha(d, 2 * MiB)") == psha(6, 2 * MiB)
 
 
 def test_restore_thread_id_is_a_thread_of_the_target(spawn):
