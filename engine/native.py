@@ -13,7 +13,6 @@ anything on its own: :func:`undo_suspend` is the way back, driven by the states.
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import importlib
 import os
@@ -133,6 +132,8 @@ class CudaBackend:
                 "process has no ASan runtime: LD_PRELOAD it (gcc -print-file-name=libasan.so) "
                 "or set ASAN_OPTIONS=verify_asan_link_order=0, or name another driver"
             )
+        import ctypes  # here: a command that only names the lock timeout loads no driver
+
         try:
             ctypes.CDLL(self.library, mode=os.RTLD_GLOBAL)
         except OSError as exc:

@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import functools
 import importlib
-import importlib.metadata
 import json
 import os
 import shlex
@@ -31,11 +30,11 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, Final, NoReturn, TextIO
 
 import attrs
 
-from . import artifacts, drivers, logs, targets
+from . import __version__, artifacts, drivers, logs, targets
 from .arguments import (
     CHANGING_EXITS,
     CONTROL_DIR_ENV,
@@ -57,41 +56,26 @@ from .arguments import (
     seconds,
     verb_adder,
 )
-from .engine import agent, runner
-from .engine.client import Endpoint, endpoint_for
-from .engine.errors import CoordinatorError, Refused
-from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
-from .engine.manifest import resume_hint
-from .engine.native import (
-    CudaBackend,
-    NativeBackend,
-    NativeError,
-    NativeUnavailableError,
-    ProcessState,
-)
-from .engine.progress import (
-    Event,
-    FailedEvent,
-    PhaseEvent,
-    ProgressCallback,
-    human_line,
-    json_printer,
-)
-from .engine.quiesce import until_quiet
-from .engine.recovery import native_blockers, native_check_refusal, recover
-from .engine.released import Released, released_by_suspend, size
-from .engine.replay import replay
-from .engine.topology import describe_record
-from .engine.trace import TraceError, TraceWriter, read_trace
+
+# The engine's modules are imported where a verb uses them: a command loads only what it
+# needs (tests/engine/test_import_cost.py). These are for the annotations.
+if TYPE_CHECKING:
+    from .engine import agent
+    from .engine.client import Endpoint
+    from .engine.errors import CoordinatorError
+    from .engine.native import (
+        NativeBackend,
+        NativeUnavailableError,
+        ProcessState,
+    )
+    from .engine.progress import (
+        Event,
+        ProgressCallback,
+    )
+    from .engine.released import Released
+    from .phases import MachineSpec
 
 PROG: Final = "cuinterpose"
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("cuinterpose")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed)"
 
 
 def _add_machine_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -217,6 +201,9 @@ _VERBS: Final = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .engine.native import DEFAULT_LOCK_TIMEOUT_MS
+    from .phases import MACHINES
+
     parser = Parser(
         prog=PROG,
         description="Checkpoint/restore of CUDA processes sharing memory",
@@ -225,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         "cuinterpose status; cuinterpose suspend --checkpoint-dir DIR --pid PID; "
         'cuinterpose resume --checkpoint-dir DIR (README.md, "Using it").\n\n' + EXIT_TABLE,
     )
-    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub = verb_adder(commands, _VERBS)
 
@@ -240,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lock-timeout",
         type=seconds,
         metavar="SECONDS",
-        default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000,
+        default=DEFAULT_LOCK_TIMEOUT_MS / 1000,
         help="how long each native lock may wait for the process's CUDA calls to drain",
     )
     _add_agent_options(sub("resume"), required=False)
@@ -331,6 +318,8 @@ def _resolve_group(args: argparse.Namespace) -> None:
 
 
 def _endpoints(args: argparse.Namespace) -> list[Endpoint]:
+    from .engine.client import endpoint_for
+
     try:
         return [
             endpoint_for(o, n, control_dir=_control_dir(args), proc_root=args.proc_root)
@@ -348,6 +337,8 @@ def _fail(lines: Sequence[str], stderr: TextIO) -> int:
 
 
 def _progress(mode: str, stdout: TextIO) -> ProgressCallback | None:
+    from .engine.progress import FailedEvent, human_line, json_printer
+
     if mode == "none":
         return None
     printer = json_printer(stdout)
@@ -377,6 +368,8 @@ def _run_machine(
 ) -> int:
     """Run ``spec``'s machine, or ``recover`` (None), and say how it ended: with JSON
     progress, a last summary line with the outcome and the exit code, as suspend's."""
+    from .engine.errors import Refused
+
     code = _machine(spec, args, stdout, stderr)
     said = _machine_summary(spec, args) if code == EXIT_OK else {}
     if args.progress == "json":
@@ -396,6 +389,9 @@ def _run_machine(
 def _machine_summary(spec: MachineSpec | None, args: argparse.Namespace) -> dict[str, Any]:
     """What a prepare or restore did and what comes next, as suspend and resume say it:
     the lines for a person, the figures for the JSON summary (recover says its own)."""
+    from .engine import runner
+    from .engine.released import size
+
     result = getattr(args, "result", None)
     if spec is None or not isinstance(result, runner.CaptureResult | runner.RestoreResult):
         return {}
@@ -424,6 +420,13 @@ def _machine_summary(spec: MachineSpec | None, args: argparse.Namespace) -> dict
 def _machine(
     spec: MachineSpec | None, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
 ) -> int:
+    from .engine import runner
+    from .engine.errors import CoordinatorError
+    from .engine.quiesce import until_quiet
+    from .engine.recovery import recover
+    from .engine.trace import TraceWriter
+    from .phases import CAPTURE
+
     endpoints = _endpoints(args)
     timeout = phase_timeout(args.phase_timeout)
     if spec is not None:  # recover reports and leaves out the processes that are gone
@@ -489,6 +492,12 @@ def _native_check(
 ) -> int | None:
     """prepare and restore need every process natively RUNNING: a locked or
     checkpointed one is refused (exit 1, nothing changed) with what to run."""
+    from .engine import agent
+    from .engine.manifest import resume_hint
+    from .engine.native import NativeUnavailableError, ProcessState
+    from .engine.recovery import native_check_refusal
+    from .phases import CAPTURE
+
     processes = [agent.Process(e.observed_pid, e.namespace_pid) for e in endpoints]
     if spec is CAPTURE:
         hint = (
@@ -517,6 +526,9 @@ def _recover_native_check(
     args: argparse.Namespace, endpoints: Sequence[Endpoint], stderr: TextIO
 ) -> int | None:
     """recover refuses a process natively LOCKED or CHECKPOINTED, and fails closed."""
+    from .engine.native import NativeUnavailableError
+    from .engine.recovery import native_blockers, native_check_refusal
+
     try:
         blockers = native_blockers(_native(args), endpoints, args.checkpoint_dir)
     except NativeUnavailableError as exc:
@@ -541,6 +553,8 @@ def _driver_library(args: argparse.Namespace) -> str | None:
 
 
 def _native(args: argparse.Namespace) -> NativeBackend:
+    from .engine.native import CudaBackend
+
     injected = _native_backend()
     return injected if injected is not None else CudaBackend(_driver_library(args))
 
@@ -553,15 +567,23 @@ def _no_driver(command: str, exc: NativeUnavailableError) -> list[str]:
 
 
 def _where(args: argparse.Namespace) -> agent.Where:
-    return agent.Where(_control_dir(args), args.proc_root)
+    from .engine.detection import Where
+
+    return Where(_control_dir(args), args.proc_root)
 
 
 def _agent_processes(args: argparse.Namespace) -> list[agent.Process]:
+    from .engine.manifest import Process
+
     _endpoints(args)  # the same usage checks as every other command
-    return [agent.Process(observed, namespace) for observed, namespace in args.group]
+    return [Process(observed, namespace) for observed, namespace in args.group]
 
 
 def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from .engine import agent, runner
+    from .engine.errors import CoordinatorError, Refused
+    from .engine.native import NativeUnavailableError
+
     processes = _agent_processes(args)
     mode = args.progress
     if mode == "auto":
@@ -707,6 +729,9 @@ class _Summary:
     def of(
         cls, command: str, args: argparse.Namespace, done: agent.SuspendResult | agent.ResumeResult
     ) -> _Summary:
+        from .engine import agent
+        from .engine.released import released_by_suspend
+
         staged = sum(t.bytes for t in done.timings if t.step in ("capture", "coordinator_restore"))
         words = [PROG, "resume" if command == "suspend" else "suspend",
                  "--checkpoint-dir", str(args.checkpoint_dir)]  # fmt: skip
@@ -736,6 +761,8 @@ class _Summary:
         )
 
     def lines(self) -> list[str]:
+        from .engine.released import size
+
         who = f"{self.processes} process{'es' if self.processes != 1 else ''}"
         if self.command == "suspend":
             staged = (
@@ -790,6 +817,9 @@ class _Whereabouts:
         self.acknowledged = False
 
     def __call__(self, event: agent.AgentEvent) -> None:
+        from .engine import agent
+        from .engine.progress import PhaseEvent
+
         if isinstance(event, agent.StepEvent) and event.status == "started":
             self.step, self.phase, self.copy = event.step, "", None
         elif isinstance(event, PhaseEvent):
@@ -800,6 +830,8 @@ class _Whereabouts:
             self.inner(event)
 
     def acknowledge(self, stderr: TextIO) -> None:
+        from .engine.released import size
+
         if self.acknowledged:
             return
         self.acknowledged = True
@@ -837,6 +869,8 @@ class _NoDriver:
         self.reason = reason
 
     def _none(self, pid: int, call: str) -> NoReturn:
+        from .engine.native import NativeError
+
         raise NativeError(pid, call, "no driver", self.reason)
 
     def lock(self, pid: int, timeout_ms: int) -> None:
@@ -861,6 +895,9 @@ def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     if not processes:
         stdout.write(f"no shim in {where.control_dir} (start a program with `{PROG} launch`)\n")
         return EXIT_OK
+    from .engine import agent
+    from .engine.native import NativeUnavailableError
+
     gone = targets.problems(args.group, where, shim=False)
     if gone and (args.pid or args.process):
         return _fail(gone, stderr)
@@ -940,7 +977,10 @@ def _failure(error: CoordinatorError, args: argparse.Namespace, stderr: TextIO) 
 
 
 def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from .engine import runner
+    from .engine.errors import CoordinatorError
     from .engine.statefile import make_converter
+    from .engine.topology import describe_record
 
     endpoints = _endpoints(args)
     try:
@@ -976,6 +1016,9 @@ def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 
 
 def _replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from .engine.replay import replay
+    from .engine.trace import TraceError, read_trace
+
     try:
         report = replay(read_trace(args.trace))
     except TraceError as exc:
@@ -1045,6 +1088,8 @@ def _demo(args: argparse.Namespace, stderr: TextIO) -> int:
 def main(
     argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None
 ) -> int:
+    from .engine.manifest import ManifestError
+
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     parser = build_parser()
@@ -1064,7 +1109,7 @@ def main(
             return _dispatch(command, args, out, err)
         except targets.TargetError as error:
             return _fail(error.lines, err)
-        except agent.ManifestError as error:
+        except ManifestError as error:
             return _fail(error.lines(), err)
         except OSError as exc:
             # The checkpoint directory (or a file named on the command line) is not
@@ -1079,6 +1124,8 @@ def main(
 
 
 def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .phases import CAPTURE, MACHINES, RESTORE
+
     if hasattr(args, "processes_required"):
         _resolve_group(args)
     if command == "prepare":
@@ -1094,6 +1141,8 @@ def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) 
     if command == "inspect":
         return _inspect(args, out, err)
     if command == "diagram":
+        from .engine.fsm import mermaid  # transitions: only for the diagram
+
         out.write(mermaid(MACHINES[args.machine]))
         return EXIT_OK
     if command == "replay":

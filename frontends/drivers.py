@@ -9,16 +9,21 @@ simulated driver of this installation. ``system``: the loader's search.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from . import artifacts
 from .engine import discovery
-from .engine.client import Endpoint
-from .engine.native import CudaBackend, NativeUnavailableError, ProcessState
+
+if TYPE_CHECKING:
+    from .engine.client import Endpoint
+    from .engine.native import CudaBackend, ProcessState
 
 
 def library(choice: str, endpoints: Callable[[], Sequence[Endpoint]]) -> str | None:
     """The path to load (None: the loader's search); ``endpoints`` are asked (``auto``
     only) for the shims to ask which driver they run on."""
+    from .engine.native import NativeUnavailableError
+
     if choice == "sim":
         try:
             return str(artifacts.sim_library_dir() / "libcuda.so.1")
@@ -44,6 +49,8 @@ class LateBackend:
 
     def _chosen(self) -> CudaBackend:
         if self._backend is None:
+            from .engine.native import CudaBackend
+
             self._backend = CudaBackend(library(self.choice, self.endpoints))
         return self._backend
 
