@@ -133,11 +133,14 @@ _ORIGINS: dict[str, str] = {}
 
 
 def __getattr__(name: str) -> Any:
-    if not _ORIGINS:
-        _ORIGINS.update(_origins())
-    module = _ORIGINS.get(name)
+    module = None
+    if name in __all__:
+        if not _ORIGINS:
+            _ORIGINS.update(_origins())
+        module = _ORIGINS.get(name)
     if module is None:
-        # A submodule named as an attribute (engine.agent), as once all were loaded.
+        # A submodule named as an attribute (engine.agent, `from . import discovery`),
+        # as once all were loaded.
         try:
             return importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as exc:
