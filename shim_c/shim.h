@@ -476,6 +476,10 @@ struct owned {
     uint32_t nranges, capranges;
     uint64_t *units;              /* slab: a bit per OWNED_UNIT bytes in use or retired */
     uint32_t free_units;          /* slab: bits clear */
+    /* BUFFER_ID and MEMORY_BLOCK_ID as first answered (0: not asked yet),
+     * answered from then on: a restore rebuilds the memory under new ids,
+     * and the native checkpoint keeps them. */
+    uint64_t buffer_id, block_id;
 };
 
 /* The application's cuMemUnmap, cuMemAddressFree, cuMemSetAccess and
@@ -662,6 +666,10 @@ SHIM_HIDDEN void owned_drop_range(struct owned *w, struct owned_range *range);
  * the current device (and the devices that enabled peer access to it, when
  * `with_peers`); nothing left on failure. */
 SHIM_HIDDEN CUresult owned_map_new(CUmemGenericAllocationHandle h, size_t size, bool with_peers,
+                                   CUdeviceptr *va, struct mapping *m);
+/* The same with read-write access for the devices in `devices` (bit d:
+ * device d), none of them implied. */
+SHIM_HIDDEN CUresult owned_map_for(CUmemGenericAllocationHandle h, size_t size, uint64_t devices,
                                    CUdeviceptr *va, struct mapping *m);
 /* Under g.lock: the minimum granularity of device `dev` (owned memory's). */
 SHIM_HIDDEN CUresult owned_granularity(CUdevice dev, size_t *gran);
