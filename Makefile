@@ -63,7 +63,7 @@ typecheck-view:
 	ln -s $(CURDIR)/frontends/* $(CURDIR)/engine $(CURDIR)/phases $(TYPECHECK)/cuinterpose/
 
 lint: $(STAMP) typecheck-view
-	$(BIN)/ruff check engine phases frontends tests bench tools
+	$(BIN)/ruff check engine phases frontends tests bench tools backend
 	$(BIN)/ruff format --check engine phases frontends
 	cd $(TYPECHECK) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p cuinterpose
 

@@ -26,15 +26,17 @@ import json
 import os
 import shlex
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
-import cattrs
-from cattrs.gen import make_dict_unstructure_fn, override
 
 from .errors import AgentError
 from .gpus import Gpu
-from .statefile import STATE_FILE_NAME, write_atomically
+
+# cattrs is imported where a manifest is written or read (_converter, from_json): a
+# command that only names the processes does not load it.
+if TYPE_CHECKING:
+    import cattrs
 
 MANIFEST_FILE_NAME: Final = "manifest.json"
 MANIFEST_VERSION: Final = 1
@@ -191,7 +193,9 @@ class Manifest:
         try:
             document = _converter().structure(data, _Document)
         except Exception as exc:  # cattrs' ClassValidationError: every problem by path
-            raise bad(*cattrs.transform_error(exc, path="$")) from None
+            from cattrs import transform_error
+
+            raise bad(*transform_error(exc, path="$")) from None
         flags = document.cuinterpose
         if flags.prepared and not flags.requested:
             raise bad("prepared, yet cuinterpose was not requested")
@@ -236,6 +240,9 @@ def _strict(kind: type, name: str) -> Any:
 
 @functools.cache
 def _converter() -> cattrs.Converter:
+    import cattrs
+    from cattrs.gen import make_dict_unstructure_fn, override
+
     conv = cattrs.Converter()
     conv.register_structure_hook(int, _strict(int, "an integer"))
     conv.register_structure_hook(bool, _strict(bool, "a boolean"))
@@ -261,6 +268,8 @@ def _converter() -> cattrs.Converter:
 
 def write_manifest(checkpoint_dir: Path, manifest: Manifest) -> Path:
     body = json.dumps(manifest.to_json(), indent=2).encode() + b"\n"
+    from .statefile import write_atomically
+
     write_atomically(Path(checkpoint_dir), MANIFEST_FILE_NAME, body)
     return Path(checkpoint_dir) / MANIFEST_FILE_NAME
 
@@ -291,6 +300,8 @@ def read_manifest(checkpoint_dir: Path) -> Manifest:
 def restore_plan(manifest: Manifest, checkpoint_dir: Path) -> bool:
     """Whether the coordinator restore runs after the native restore. Prepared without a
     state file is an error, never a silent native-only restore."""
+    from .statefile import STATE_FILE_NAME
+
     if manifest.prepared and not (Path(checkpoint_dir) / STATE_FILE_NAME).is_file():
         raise _error(
             f"manifest in {checkpoint_dir} says prepared, but there is no {STATE_FILE_NAME}:",

@@ -13,7 +13,6 @@ anything on its own: :func:`undo_suspend` is the way back, driven by the states.
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import importlib
 import os
@@ -143,6 +142,8 @@ class CudaBackend:
                 "process has no ASan runtime: LD_PRELOAD it (gcc -print-file-name=libasan.so) "
                 "or set ASAN_OPTIONS=verify_asan_link_order=0, or name another driver"
             )
+        import ctypes  # here: a command that only names the lock timeout loads no driver
+
         try:
             ctypes.CDLL(self.library, mode=os.RTLD_GLOBAL)
         except OSError as exc:
@@ -274,6 +275,8 @@ class CudaBackend:
 
 def _cuuuid(cu: Any, raw: bytes) -> Any:
     """A ``CUuuid`` holding ``raw`` (its ``bytes`` is read-only in cuda.bindings)."""
+    import ctypes
+
     uuid = cu.CUuuid()
     ctypes.memmove(uuid.getPtr(), raw, 16)
     return uuid

@@ -5,14 +5,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
 from .client import ParticipantError, call_all
-from .progress import ProgressCallback
-from .trace import TraceSink
 from .wire import Reply
+
+if TYPE_CHECKING:  # annotations only: a command that only parses its options loads neither
+    from .progress import ProgressCallback
+    from .trace import TraceSink
 
 # The transport: ``client.call_all``'s signature. Replay and embedders' tests inject their own.
 Transport = Callable[..., list[Reply | ParticipantError]]

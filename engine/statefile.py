@@ -24,16 +24,18 @@ import tempfile
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final, Literal, NoReturn, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, TypeVar, get_args
 
 import attrs
-import cattrs
-from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
-from cattrs.v import format_exception, transform_error
 
 from . import wire
 from .topology import ParticipantTopology, Topology
 from .wire import Access, BindingKind, Record, RecordFlag, RecordKind
+
+# cattrs is imported where a state file is written or read (make_converter, read_state):
+# a command that only names the file does not load it.
+if TYPE_CHECKING:
+    import cattrs
 
 STATE_FILE_NAME: Final = "cuinterpose.state"
 STATE_FORMAT: Final = "cuinterpose.state"
@@ -226,6 +228,9 @@ def make_converter() -> cattrs.Converter:
     their zero/default fields; unknown keys, names and non-integer numbers refused.
     A new converter per call, so no caller can change another's.
     """
+    import cattrs
+    from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
+
     conv = cattrs.Converter(forbid_extra_keys=True)
     conv.register_structure_hook(int, _structure_int)
     conv.register_structure_hook(str, _structure_str)
@@ -546,6 +551,8 @@ def _reject_constant(name: str) -> NoReturn:
 def _format_error(exc: BaseException, type_: type | None) -> str:
     if isinstance(exc, _Invalid):
         return str(exc)
+    from cattrs.v import format_exception
+
     return format_exception(exc, type_)
 
 
@@ -616,6 +623,9 @@ def decode_state(data: bytes, path: Path) -> CheckpointState:
             path, f"has version {version}; this cuinterpose reads version {STATE_VERSION} only"
         )
     body = {k: v for k, v in document.items() if k not in ("format", "version")}
+    import cattrs
+    from cattrs.v import transform_error
+
     try:
         state = _converter().structure(body, CheckpointState)
     except (cattrs.BaseValidationError, ValueError, TypeError) as exc:

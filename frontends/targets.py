@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .engine import agent, discovery
-from .engine.directory import read_intent
-from .engine.statefile import STATE_FILE_NAME, CheckpointState, StateFileError, read_state
+from .engine import discovery
+from .engine.manifest import MANIFEST_FILE_NAME, Process, read_manifest
+
+if TYPE_CHECKING:
+    from .engine.detection import Where
+    from .engine.statefile import CheckpointState
 
 Pair = tuple[int, int]
 
@@ -47,11 +51,14 @@ def from_checkpoint_dir(directory: Path) -> tuple[list[Pair], str] | None:
     records none. The manifest names both pids; the state file only the namespace
     pid (the same here, unless the processes live in another pid namespace)."""
     directory = Path(directory)
-    if (directory / agent.MANIFEST_FILE_NAME).exists():
-        manifest = agent.read_manifest(directory)
+    if (directory / MANIFEST_FILE_NAME).exists():
+        manifest = read_manifest(directory)
         return [(p.observed_pid, p.namespace_pid) for p in manifest.participants], str(
-            directory / agent.MANIFEST_FILE_NAME
+            directory / MANIFEST_FILE_NAME
         )
+    from .engine.directory import read_intent
+    from .engine.statefile import STATE_FILE_NAME, StateFileError, read_state
+
     state: CheckpointState | None = None
     source = ""
     try:
@@ -106,6 +113,8 @@ def resolve(
             [f"{checkpoint_dir} records no group (no manifest, interrupted capture or state "
              "file: nothing was suspended or prepared into it); name the processes with "
              "--pid PID"])  # fmt: skip
+    from .engine.statefile import STATE_FILE_NAME
+
     if proc_root is not None and recorded[1].endswith(STATE_FILE_NAME):
         raise TargetError(
             ["the state file holds namespace pids only: with --proc-root, name each process "
@@ -150,12 +159,12 @@ def describe(pairs: Sequence[Pair]) -> str:
     return ", ".join(f"pid {o}" if o == n else f"pid {o} (ns pid {n})" for o, n in pairs)
 
 
-def problems(pairs: Sequence[Pair], where: agent.Where, *, shim: bool) -> list[str]:
+def problems(pairs: Sequence[Pair], where: Where, *, shim: bool) -> list[str]:
     """A line for each process without a control socket: one that does not exist is
     said so; one that exists but has no shim, when ``shim``, gets what to do."""
     lines: list[str] = []
     for o, n in pairs:
-        endpoint = where.endpoint(agent.Process(o, n))
+        endpoint = where.endpoint(Process(o, n))
         if discovery.is_socket(endpoint.path):
             continue  # a live shim, or a stale socket the run itself will name
         if not discovery.pid_exists(o, where.proc_root):
@@ -178,7 +187,7 @@ def problems(pairs: Sequence[Pair], where: agent.Where, *, shim: bool) -> list[s
     return lines
 
 
-def shims(where: agent.Where) -> list[Pair]:
+def shims(where: Where) -> list[Pair]:
     """Every shim of the control directory, as (pid, pid)."""
     if where.proc_root is not None:
         raise TargetError(

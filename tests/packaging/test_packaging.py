@@ -1,11 +1,15 @@
 """The package as a user gets it, away from this checkout.
 
 The sdist is built first and the wheel from the sdist (``pip wheel``), so a
-file the build needs but the sdist lacks fails here. The wheel goes into a
-throwaway virtual environment (``--no-deps``, its runtime dependencies from the
-index), and the installed command runs from a directory outside the checkout
-with nothing of the development set-up in its environment: the libraries, the
-demo's worker and everything else it needs must come from site-packages.
+file the build needs but the sdist lacks fails here. The wheel is a manylinux one
+(backend/: auditwheel tags it), and it goes into a throwaway virtual environment
+with its runtime dependencies from the index, as a user installs it: binaries
+only, with no compiler and no cmake to be found (``CC=false``, and ``cc``, ``gcc``,
+``cmake``, ``ninja`` on the PATH that fail), so an install that would compile
+anything fails here. The installed command runs from a directory outside the
+checkout with nothing of the development set-up in its environment: the
+libraries, the demo's worker and everything else it needs must come from
+site-packages.
 
 Needs the package index (pip's build isolation and the dependencies); pip's
 cache keeps repeated runs short.
@@ -13,8 +17,8 @@ cache keeps repeated runs short.
 
 from __future__ import annotations
 
-import email.parser
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -24,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import cuinterpose
 import pytest
 
 from tests import readme_session
@@ -36,6 +41,9 @@ REPO = Path(__file__).resolve().parents[2]
 # Anything that could lead the installed copy back to this checkout or its builds.
 SCRUBBED_PREFIXES = ("CUINTERPOSE_", "SNAPSHOT_", "PYTHON", "LD_", "ASAN_", "UBSAN_")
 SCRUBBED = {"VIRTUAL_ENV", "PIP_REQUIRE_VIRTUALENV"}
+# What a build would run; each fails where the wheel is installed.
+BUILD_TOOLS = ("cc", "gcc", "c++", "g++", "clang", "cmake", "ninja", "make")
+MANYLINUX = re.compile(r"manylinux_2_(\d+)_x86_64")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -87,14 +95,6 @@ class Installed:
         )
 
 
-def runtime_requirements(wheel: Path) -> list[str]:
-    """The wheel's own ``Requires-Dist`` lines that no extra guards."""
-    with zipfile.ZipFile(wheel) as zf:
-        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
-        metadata = email.parser.Parser().parsestr(zf.read(name).decode())
-    return [r for r in metadata.get_all("Requires-Dist", []) if "extra ==" not in r]
-
-
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     root = tmp_path_factory.mktemp("packaging")
@@ -119,14 +119,25 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     (wheel,) = dist.glob("cuinterpose-*.whl")
     timings["wheel"] = time.monotonic() - start
 
-    # No pip of its own: this environment's pip installs into it (--python).
+    # No pip of its own: this environment's pip installs into it (--python). Nothing
+    # may be built: binaries only, and every compiler and build tool fails.
     start = time.monotonic()
     venv = root / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=outside, env=env)
     python = venv / "bin" / "python"
+    no_tools = root / "no-build-tools"
+    no_tools.mkdir()
+    for tool in BUILD_TOOLS:
+        stub = no_tools / tool
+        stub.write_text(f"#!/bin/sh\necho '{tool}: no build tools where the wheel installs' >&2\n"
+                        "exit 1\n")  # fmt: skip
+        stub.chmod(0o755)
+    no_compiler = clean_env(
+        CC="false", CXX="false", PATH=f"{no_tools}{os.pathsep}{os.environ.get('PATH', '')}"
+    )
     pip = [sys.executable, "-m", "pip", "--python", python, "install", "-q"]
-    run([*pip, *runtime_requirements(wheel)], cwd=outside, env=env)
-    run([*pip, "--no-deps", wheel], cwd=outside, env=env)
+    pip += ["--only-binary", ":all:"]
+    run([*pip, wheel], cwd=outside, env=no_compiler)
     timings["install"] = time.monotonic() - start
 
     site = run(
@@ -157,7 +168,8 @@ def test_sdist_holds_the_build_and_nothing_built(installed: Installed) -> None:
     with tarfile.open(installed.sdist) as tf:
         top = installed.sdist.name.removesuffix(".tar.gz")
         names = {Path(m.name).relative_to(top).as_posix() for m in tf.getmembers() if m.isfile()}
-    needed = {"pyproject.toml", "CMakeLists.txt", "README.md", "tests/shim/c/tests.cmake"}
+    needed = {"pyproject.toml", "CMakeLists.txt", "README.md", "LICENSE",
+              "backend/cuinterpose_backend.py", "tests/shim/c/tests.cmake"}  # fmt: skip
     for pattern in ("*.c", "*.h", "CMakeLists.txt"):
         needed |= {p.relative_to(REPO).as_posix() for p in (REPO / "shim_c").rglob(pattern)}
     for folder in ("frontends", "engine", "phases"):
@@ -169,8 +181,41 @@ def test_sdist_holds_the_build_and_nothing_built(installed: Installed) -> None:
     assert not [n for n in names if "__pycache__" in n or n.endswith((".so", ".so.1", ".o"))]
 
 
-def test_wheel_is_one_per_platform_and_holds_the_libraries(installed: Installed) -> None:
-    assert installed.wheel.name.startswith("cuinterpose-0.1.0-py3-none-linux_")
+def test_wheel_is_manylinux_as_auditwheel_finds_it(installed: Installed) -> None:
+    """One wheel for every Python 3 on a glibc Linux, tagged as its symbols allow."""
+    name = installed.wheel.name
+    prefix = f"cuinterpose-{cuinterpose.__version__}-py3-none-"
+    assert name.startswith(prefix) and name.endswith(".whl"), name
+    tag = name.removeprefix(prefix).removesuffix(".whl")
+    assert MANYLINUX.fullmatch(tag), name
+    shown = run(
+        [sys.executable, "-m", "auditwheel", "show", installed.wheel],
+        cwd=installed.outside,
+        env=installed.env,
+    )
+    text = " ".join((shown.stdout + shown.stderr).split())
+    assert f'is consistent with the following platform tag: "{tag}"' in text, text
+    # Nothing grafted in: the libraries need glibc only.
+    with zipfile.ZipFile(installed.wheel) as zf:
+        assert not [n for n in zf.namelist() if ".libs/" in n]
+
+
+def test_install_built_nothing(installed: Installed) -> None:
+    """No build tool came with the dependencies (the stubs would have failed a build)."""
+    for tool in BUILD_TOOLS:
+        assert not (installed.venv / "bin" / tool).exists(), tool
+    dists = run(
+        [installed.venv / "bin" / "python", "-c",
+         "import importlib.metadata as m; print('\\n'.join(d.metadata['Name'].lower() "
+         "for d in m.distributions()))"],
+        cwd=installed.outside,
+        env=installed.env,
+    ).stdout.split()  # fmt: skip
+    assert "cuinterpose" in dists
+    assert not {"cmake", "ninja", "scikit-build-core"} & set(dists), dists
+
+
+def test_wheel_holds_the_libraries_and_the_license(installed: Installed) -> None:
     with zipfile.ZipFile(installed.wheel) as zf:
         names = set(zf.namelist())
     for needed in (
@@ -180,6 +225,7 @@ def test_wheel_is_one_per_platform_and_holds_the_libraries(installed: Installed)
         "cuinterpose/engine/runner.py",
         "cuinterpose/phases/machines.py",
         "cuinterpose/py.typed",
+        f"cuinterpose-{cuinterpose.__version__}.dist-info/licenses/LICENSE",
     ):
         assert needed in names, needed
     # The suite's C test programs are not the package's.
@@ -230,6 +276,7 @@ def test_version_comes_from_the_package_metadata(installed: Installed) -> None:
         cwd=installed.outside,
         env=installed.env,
     ).stdout.strip()  # fmt: skip
+    assert version == cuinterpose.__version__  # frontends/__init__.py, the one place
     assert installed.cuinterpose("--version").stdout.strip() == f"cuinterpose {version}"
 
 
