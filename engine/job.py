@@ -82,7 +82,7 @@ OUTCOMES: Final = {
 class NodeTarget:
     """What one node acts on: its group, its checkpoint directory, how it reaches them."""
 
-    processes: tuple[Process, ...] = attrs.field(converter=tuple)
+    processes: tuple[Process, ...]
     checkpoint_dir: Path = attrs.field(converter=Path)
     where: Where
     native: NativeBackend

@@ -66,7 +66,10 @@ class JobAborted(Interrupted):
     and rolls back what it changed. ``by`` is the node that aborted."""
 
     def __init__(self, machine: str, step: str, by: str, reason: str) -> None:
-        super().__init__(machine, step, [Problem(f"job aborted by node {by}: {reason}")])
+        # ``step`` is a barrier's ("capture:SAVE_ALLOCATIONS"): the error names the step.
+        super().__init__(
+            machine, step.rpartition(":")[2], [Problem(f"job aborted by node {by}: {reason}")]
+        )
         self.by = by
         self.why = reason
 

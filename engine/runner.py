@@ -144,9 +144,7 @@ def rollback(
     process is gone are left out and reported in ``gone``. The intent is removed
     once the group is back.
     """
-    options = attrs.evolve(
-        options or Options(), stop=None, rollback_on_failure=False, on_step=None
-    )
+    options = attrs.evolve(options or Options(), stop=None, rollback_on_failure=False, on_step=None)
     loop = _Loop(ROLLBACK, endpoints, Path(checkpoint_dir), options)
     loop.run.captured = recorded
     _execute(loop)

@@ -1,0 +1,180 @@
+"""A job across simulated nodes, coordinated through a real etcd (specs/multinode.md).
+
+Each node is its own control directory, simulated-driver namespace, creator/importer
+group and coordinator process (``cuinterpose job ...``); the ``gate`` node is the test
+itself, holding the others at the barrier it chooses. Every wait is on an observable
+state: the barrier keys in the store, a coordinator's exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.etcdserver import Etcd, start_etcd
+from tests.multinode import (
+    GATE,
+    Node,
+    arrive_until,
+    gate,
+    make_node,
+    outcome,
+    remove_node,
+    run_state,
+    wait_arrived,
+)
+from tests.simenv import Spawn
+
+pytest.importorskip("etcd3gw", reason="the multinode extra (etcd3gw) is not installed")
+
+JOB = "train"
+# Short enough for the tests, long enough for a loaded two-core machine's keepalives.
+FAST = ("--lease-ttl", "2", "--barrier-timeout", "20", "--phase-timeout", "30")
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[Etcd]:
+    server = start_etcd(tmp_path / "etcd")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nodes(stack: None, spawn: Spawn, tmp_path: Path) -> Iterator[Callable[[int], list[Node]]]:
+    made: list[Node] = []
+
+    def make(count: int) -> list[Node]:
+        for i in range(count):
+            made.append(make_node(spawn, "abcdefgh"[i], 40 + 4 * i, tmp_path))
+        return made
+
+    yield make
+    for node in made:
+        remove_node(node)
+
+
+def names(group: list[Node], *more: str) -> list[str]:
+    return [n.name for n in group] + list(more)
+
+
+def test_two_nodes_suspend_and_resume_every_byte(
+    etcd: Etcd, nodes: Callable[[int], list[Node]]
+) -> None:
+    group = nodes(2)
+    everyone = names(group)
+    suspends = [n.start("suspend", etcd.url, JOB, everyone, *FAST) for n in group]
+    results = [outcome(p) for p in suspends]
+    assert [r["code"] for r in results] == [0, 0], results
+    assert {r["decision"] for r in results} == {"commit"}
+    passed = [b["barrier"] for b in results[0]["barriers"]]
+    assert passed[0] == "000-joined" and passed[-1].endswith("-suspended"), passed
+    assert "004-capture:PREPARE_MULTICAST" in passed
+    resumes = [n.start("resume", etcd.url, JOB, everyone, *FAST) for n in group]
+    results = [outcome(p) for p in resumes]
+    assert [r["code"] for r in results] == [0, 0], results
+    for node in group:
+        assert node.mismatches() == []
+
+
+def test_a_coordinator_killed_mid_capture_rolls_back_every_node(
+    etcd: Etcd, nodes: Callable[[int], list[Node]]
+) -> None:
+    group = nodes(2)
+    everyone = names(group, GATE)
+    held = gate(etcd.url, JOB, everyone)
+    arrive_until(held, "capture:PREPARE_UNICAST")  # SAVE_ALLOCATIONS done: torn down
+    a, b = (n.start("suspend", etcd.url, JOB, everyone, *FAST) for n in group)
+    wait_arrived(held, names(group), "capture:PREPARE_UNICAST")
+    # A second job suspend on a node while the run is in progress: refused.
+    second = outcome(group[0].start("suspend", etcd.url, JOB, everyone, *FAST))
+    assert second["code"] == 1 and "already" in " ".join(second["lines"]), second
+    b.kill()
+    b.wait()
+    first = outcome(a)
+    assert first["code"] == 3, first  # rolled back: runs as before
+    assert "node(s) b lost the lease" in " ".join(first["lines"]), first
+    abort = run_state(held)["abort"]
+    assert abort["node"] == "a" and "lost the lease" in abort["reason"]
+    recovered = outcome(group[1].start("recover", etcd.url, JOB, everyone, *FAST))
+    assert recovered["code"] == 3, recovered
+    held.finish({"code": 1})
+    for node in group:
+        assert node.mismatches() == []
+
+
+@pytest.mark.slow
+def test_a_node_that_never_reaches_a_barrier_times_the_job_out(
+    etcd: Etcd, nodes: Callable[[int], list[Node]]
+) -> None:
+    group = nodes(2)
+    everyone = names(group, GATE)
+    held = gate(etcd.url, JOB, everyone)
+    arrive_until(held, "capture:SAVE_ALLOCATIONS")
+    short = ("--lease-ttl", "2", "--barrier-timeout", "3", "--phase-timeout", "30")
+    runs = [n.start("suspend", etcd.url, JOB, everyone, *short) for n in group]
+    results = [outcome(p) for p in runs]
+    assert [r["code"] for r in results] == [3, 3], results  # PREPARE_MULTICAST had run
+    abort = run_state(held)["abort"]
+    assert "gate did not reach barrier 005-capture:SAVE_ALLOCATIONS" in abort["reason"]
+    held.finish({"code": 1})
+    for node in group:
+        assert node.mismatches() == []
+
+
+@pytest.mark.slow
+def test_a_stopped_node_agent_past_its_lease_rolls_the_others_back(
+    etcd: Etcd, nodes: Callable[[int], list[Node]]
+) -> None:
+    group = nodes(2)
+    everyone = names(group, GATE)
+    held = gate(etcd.url, JOB, everyone)
+    arrive_until(held, "capture:SAVE_ALLOCATIONS")
+    a, b = (n.start("suspend", etcd.url, JOB, everyone, *FAST) for n in group)
+    wait_arrived(held, names(group), "capture:SAVE_ALLOCATIONS")
+    os.kill(b.pid, signal.SIGSTOP)
+    try:
+        held.arrive()  # the gate passes SAVE: a goes on, then waits for b
+        first = outcome(a)
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+    assert first["code"] == 3, first
+    assert "node(s) b lost the lease" in " ".join(first["lines"]), first
+    woken = outcome(b)  # woken, it finds the abort at its next barrier and rolls back
+    assert woken["code"] == 3, woken
+    held.finish({"code": 1})
+    for node in group:
+        assert node.mismatches() == []
+
+
+@pytest.mark.slow
+def test_etcd_restarted_mid_run_the_job_completes_or_rolls_back_never_half(
+    etcd: Etcd, nodes: Callable[[int], list[Node]]
+) -> None:
+    group = nodes(2)
+    everyone = names(group, GATE)
+    held = gate(etcd.url, JOB, everyone)
+    arrive_until(held, "capture:SAVE_ALLOCATIONS")
+    runs = [n.start("suspend", etcd.url, JOB, everyone, *FAST) for n in group]
+    wait_arrived(held, names(group), "capture:SAVE_ALLOCATIONS")
+    etcd.stop()
+    etcd.start()  # the same data: the run, its barriers and leases are back
+    arrive_until(held, "suspended")
+    decision, _ = held.decide({})
+    results = [outcome(p) for p in runs]
+    codes = {r["code"] for r in results}
+    assert decision in ("commit", "abort")
+    assert codes == ({0} if decision == "commit" else {3}), (decision, results)
+    held.finish({"code": 0})
+    if decision == "commit":
+        resumes = [n.start("resume", etcd.url, JOB, everyone, *FAST) for n in group]
+        held = gate(etcd.url, JOB, everyone, "resume")
+        arrive_until(held, "resumed")
+        assert held.decide({})[0] == "commit"
+        assert [outcome(p)["code"] for p in resumes] == [0, 0]
+        held.finish({"code": 0})
+    for node in group:
+        assert node.mismatches() == []
