@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from cuinterpose.engine.statefile import STATE_FILE_NAME
 
 from tests.etcdserver import Etcd, start_etcd
 from tests.multinode import (
@@ -102,6 +103,34 @@ def test_a_coordinator_killed_mid_capture_rolls_back_every_node(
     recovered = outcome(group[1].start("recover", etcd.url, JOB, everyone, *FAST))
     assert recovered["code"] == 3, recovered
     held.finish({"code": 1})
+    for node in group:
+        assert node.mismatches() == []
+
+
+def test_one_nodes_refusal_refuses_the_job_before_anything_is_torn_down(
+    etcd: Etcd, nodes: Callable[[int], list[Node]]
+) -> None:
+    group = nodes(2)
+    # b's checkpoint directory holds a capture never restored: its guard of
+    # PREPARE_MULTICAST (the first op that tears down) refuses there.
+    group[1].checkpoint_dir.mkdir()
+    (group[1].checkpoint_dir / STATE_FILE_NAME).write_text("{}")
+    runs = [n.start("suspend", etcd.url, JOB, names(group), *FAST) for n in group]
+    a, b = (outcome(p) for p in runs)
+    assert (a["code"], b["code"]) == (1, 1), (a, b)
+    assert "never restored" in " ".join(b["lines"]), b
+    assert "job aborted by node b" in " ".join(a["lines"]), a
+    assert a["barriers"][-1]["barrier"] == "003-capture:INSPECT", a  # not past it
+    for node in group:
+        assert node.mismatches() == []
+
+
+@pytest.mark.slow
+def test_three_nodes_suspend_and_resume(etcd: Etcd, nodes: Callable[[int], list[Node]]) -> None:
+    group = nodes(3)
+    for verb in ("suspend", "resume"):
+        runs = [n.start(verb, etcd.url, JOB, names(group), *FAST) for n in group]
+        assert [outcome(p)["code"] for p in runs] == [0, 0, 0]
     for node in group:
         assert node.mismatches() == []
 

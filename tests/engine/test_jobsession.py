@@ -1,0 +1,133 @@
+"""One node's run of a job (engine/jobsession.py) against a real etcd, the nodes played by
+threads of this process: the barrier's order, the one decision, what refuses joining.
+The shims' side is tests/shim/test_multinode.py."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("etcd3gw", reason="the multinode extra (etcd3gw) is not installed")
+
+from cuinterpose.engine.jobsession import (  # noqa: E402
+    BARRIERS,
+    JobAborted,
+    JobRefused,
+    JobSpec,
+    Session,
+)
+from cuinterpose.engine.jobstore import Address, Store  # noqa: E402
+
+from tests.etcdserver import Etcd, start_etcd  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    server = start_etcd(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop()
+
+
+def spec(etcd: Etcd, job: str, node: str, nodes: tuple[str, ...], **kw: float) -> JobSpec:
+    return JobSpec(job, node, nodes, Address.parse(etcd.url), **kw)  # type: ignore[arg-type]
+
+
+def test_the_barriers_follow_the_machines() -> None:
+    assert BARRIERS["suspend"][:3] == ("joined", "capture:HANDSHAKE", "capture:QUIESCE")
+    assert BARRIERS["suspend"][-1] == "suspended" and BARRIERS["resume"][-1] == "resumed"
+
+
+def test_every_node_passes_each_barrier_together_and_the_run_commits(etcd: Etcd) -> None:
+    nodes = ("a", "b", "c")
+    order: list[tuple[str, str]] = []
+    decisions: dict[str, str] = {}
+
+    def node(name: str) -> None:
+        session = Session(spec(etcd, "j1", name, nodes, lease_ttl=2), "suspend")
+        session.join()
+        for step in BARRIERS["suspend"][:-1]:
+            session.barrier(step)
+            order.append((name, step))
+        decisions[name] = session.decide({"node": name})[0]
+        session.finish({"code": 0})
+
+    threads = [threading.Thread(target=node, args=(n,)) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert decisions == dict.fromkeys(nodes, "commit")
+    steps = [step for _, step in order]
+    # No node passed a barrier before every node had passed the one before it.
+    for i in range(0, len(steps), 3):
+        assert len(set(steps[i : i + 3])) == 1, steps
+    held = Store(Address.parse(etcd.url)).snapshot("/cuinterpose/jobs/j1/", 1e18).values
+    assert held["/cuinterpose/jobs/j1/manifest"]["state"] == "suspended"
+    assert "/cuinterpose/jobs/j1/current" not in held  # every node finished: no run
+
+
+def test_an_abort_stops_every_node_at_its_next_barrier_and_excludes_a_commit(etcd: Etcd) -> None:
+    nodes = ("a", "b")
+    a = Session(spec(etcd, "j2", "a", nodes, lease_ttl=2), "suspend")
+    b = Session(spec(etcd, "j2", "b", nodes, lease_ttl=2), "suspend")
+    a.join()
+    b.join()
+    assert a.abort("capture:INSPECT", "refused by a guard") == ("a", "refused by a guard")
+    with pytest.raises(JobAborted, match="job aborted by node a: refused by a guard"):
+        b.barrier("joined")
+    assert b.abort("later", "a second reason") == ("a", "refused by a guard")  # the first stays
+    assert b.decide({})[0] == "abort"
+    for s in (a, b):
+        s.finish({"code": 1})
+
+
+def test_a_barrier_times_out_naming_the_late_node(etcd: Etcd) -> None:
+    nodes = ("a", "late")
+    a = Session(spec(etcd, "j3", "a", nodes, lease_ttl=2, barrier_timeout=0.5), "suspend")
+    late = Session(spec(etcd, "j3", "late", nodes, lease_ttl=2), "suspend")
+    a.join()
+    late.join()
+    with pytest.raises(JobAborted, match=r"node\(s\) late did not reach barrier 000-joined"):
+        a.barrier("joined")
+    a.finish({"code": 1})
+    late.finish({"code": 1})
+
+
+def test_joining_is_refused_for_another_verb_a_second_command_or_an_undecided_run(
+    etcd: Etcd,
+) -> None:
+    nodes = ("a", "b")
+    a = Session(spec(etcd, "j4", "a", nodes, lease_ttl=2), "suspend")
+    a.join()
+    with pytest.raises(JobRefused, match="node a is in job j4's run"):
+        Session(spec(etcd, "j4", "a", nodes, lease_ttl=2), "suspend").join()
+    with pytest.raises(JobRefused, match="has a run in progress"):
+        Session(spec(etcd, "j4", "b", nodes, lease_ttl=2), "resume").join()
+    with pytest.raises(JobRefused, match="has a run in progress"):
+        Session(spec(etcd, "j4", "b", ("a", "b", "c"), lease_ttl=2), "suspend").join()
+    a.finish({"code": 4})  # b never came: the run is left undecided once a's lease goes
+    store = Store(Address.parse(etcd.url))
+    store.delete_prefix("/cuinterpose/jobs/j4/current", 1e18)
+    with pytest.raises(JobRefused, match="ended undecided"):
+        Session(spec(etcd, "j4", "b", nodes, lease_ttl=2), "suspend").join()
+
+
+def test_names_and_addresses_are_checked() -> None:
+    with pytest.raises(ValueError, match="job '../x'"):
+        JobSpec("../x", "a", ("a",), Address("h", 1))
+    with pytest.raises(ValueError, match="node c among them"):
+        JobSpec("j", "c", ("a", "b"), Address("h", 1))
+    with pytest.raises(ValueError, match="not an etcd client URL"):
+        Address.parse("https://h:1/x")
+    assert Address.parse("10.0.0.1:2379") == Address("10.0.0.1", 2379)
+
+
+def test_a_store_that_never_answers_is_a_store_error(tmp_path: Path) -> None:
+    from cuinterpose.engine.jobstore import StoreError
+
+    store = Store(Address("127.0.0.1", 1))
+    with pytest.raises(StoreError, match="did not answer"):
+        store.snapshot("/x/", store.clock() + 0.2)
