@@ -238,17 +238,16 @@ class Session:
         """No run in progress: start one, unless the last one was left undecided."""
         job = self.spec.job
         last = snap.values.get(self.spec.prefix + "last")
+        old: tuple[str, ...] = ()
         if isinstance(last, str):
-            old = f"{self.spec.prefix}runs/{last}/"
-            decided = old + "commit" in snap.values or old + "abort" in snap.values
+            old = (f"{self.spec.prefix}runs/{last}/",)
+            decided = old[0] + "commit" in snap.values or old[0] + "abort" in snap.values
             if not decided:
                 raise JobRefused(
                     f"job {self.verb} refused: job {job}'s last run {last} ended undecided "
                     "(its coordinators gone):",
                     ["run `cuinterpose job recover` on every node first"],
                 )
-            # Only the last run is kept: its decision and results until a new one starts.
-            self.store.delete_prefix(old, deadline)
         problems = expect(snap) if expect else []
         if problems:
             raise JobRefused(f"job {self.verb} refused for job {job}:", problems)
@@ -262,12 +261,17 @@ class Session:
             "started_by": self.spec.node,
             "at": utc_timestamp(),
         }
+        # Only the last run is kept (its decision and results, until a new one starts):
+        # deleted in the transaction that starts the next, so that no node ever reads a
+        # last run without its decision.
         self.store.create(
             {self.current_key: record, self.spec.prefix + "last": run_id},
             deadline,
             absent=(self.current_key,),
             lease=run_lease,
             leased=(self.current_key,),
+            delete=old,
+            equal={self.spec.prefix + "last": last} if old else None,
         )
 
     # -- barriers ------------------------------------------------------------------

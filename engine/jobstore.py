@@ -209,24 +209,39 @@ class Store:
         present: tuple[str, ...] = (),
         lease: int | None = None,
         leased: tuple[str, ...] = (),
+        delete: tuple[str, ...] = (),
+        equal: Mapping[str, Any] | None = None,
     ) -> bool:
-        """One transaction: write ``puts`` (those named in ``leased`` on ``lease``) when
-        every key of ``absent`` does not exist and every key of ``present`` does;
-        whether it wrote. A retry after a lost answer may find its own earlier write:
-        callers compare what they read back, never this answer alone."""
-        compare = [
-            {"key": _b64(k), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
-            for k in absent
-        ] + [
-            {"key": _b64(k), "result": "GREATER", "target": "CREATE", "create_revision": 0}
-            for k in present
-        ]
+        """One transaction: write ``puts`` (those named in ``leased`` on ``lease``) and
+        delete every key under each prefix of ``delete``, when every key of ``absent``
+        does not exist, every key of ``present`` does and each of ``equal`` holds its
+        value there; whether it wrote. A retry
+        after a lost answer may find its own earlier write: callers compare what they
+        read back, never this answer alone."""
+        compare = (
+            [
+                {"key": _b64(k), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+                for k in absent
+            ]
+            + [
+                {"key": _b64(k), "result": "GREATER", "target": "CREATE", "create_revision": 0}
+                for k in present
+            ]
+            + [
+                {"key": _b64(k), "result": "EQUAL", "target": "VALUE", "value": _b64(json.dumps(v))}
+                for k, v in (equal or {}).items()
+            ]
+        )
         success = []
         for key, value in puts.items():
             put: dict[str, Any] = {"key": _b64(key), "value": _b64(json.dumps(value))}
             if key in leased and lease is not None:
                 put["lease"] = lease
             success.append({"request_put": put})
+        for prefix in delete:
+            success.append(
+                {"request_delete_range": {"key": _b64(prefix), "range_end": _range_end(prefix)}}
+            )
         body = {"compare": compare, "success": success, "failure": []}
 
         def call() -> bool:

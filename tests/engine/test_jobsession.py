@@ -131,3 +131,25 @@ def test_a_store_that_never_answers_is_a_store_error(tmp_path: Path) -> None:
     store = Store(Address("127.0.0.1", 1))
     with pytest.raises(StoreError, match="did not answer"):
         store.snapshot("/x/", store.clock() + 0.2)
+
+
+def test_runs_one_after_another_are_joined_by_every_node_at_once(etcd: Etcd) -> None:
+    # The run that starts the next one deletes the last in the same transaction: a
+    # node joining meanwhile never finds a last run without its decision.
+    nodes = ("a", "b", "c")
+    for verb in ("suspend", "resume") * 3:
+        decisions: list[str] = []
+
+        def node(name: str, verb: str = verb, decisions: list[str] = decisions) -> None:
+            session = Session(spec(etcd, "j5", name, nodes, lease_ttl=2), verb)  # type: ignore[arg-type]
+            session.join()
+            session.barrier("joined")
+            decisions.append(session.decide({})[0])
+            session.finish({"code": 0})
+
+        threads = [threading.Thread(target=node, args=(n,)) for n in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert decisions == ["commit"] * 3, verb
