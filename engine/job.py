@@ -355,7 +355,10 @@ def recover(
     if checkpointed:
         code, lines = _undo_suspend(target, options, None, None, lines)
         return _recorded(store, spec, run, NodeOutcome(spec.node, "recover", code, tuple(lines)))
-    endpoints = [target.where.endpoint(p) for p in target.processes]
+    try:
+        endpoints = [target.where.endpoint(p) for p in target.processes]
+    except ValueError as exc:  # a control directory no shim could have bound in
+        return NodeOutcome(spec.node, "recover", REFUSED, (*lines, f"recover refused: {exc}"), run)
     try:
         report = recover_group(endpoints, target.checkpoint_dir, options)
     except CoordinatorError as error:

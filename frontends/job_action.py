@@ -155,6 +155,10 @@ def _target(args: argparse.Namespace) -> job.NodeTarget:
     if control is None:
         control = Path(os.environ.get(CONTROL_DIR_ENV) or DEFAULT_CONTROL_DIR)
     where = agent.Where(control, args.proc_root)
+    try:
+        [where.endpoint(p) for p in processes]  # the same checks as every other verb's
+    except ValueError as exc:
+        raise UsageError(f"{PROG}: error: {exc}") from None
     native = _native_backend() or drivers.LateBackend(
         args.driver, lambda: [where.endpoint(p) for p in processes]
     )

@@ -20,6 +20,7 @@ from cuinterpose.engine.jobsession import (
     Session,
 )
 from cuinterpose.engine.jobstore import Address, Store
+from cuinterpose.engine.options import Options
 
 from tests.etcdserver import Etcd, start_etcd
 
@@ -153,3 +154,46 @@ def test_runs_one_after_another_are_joined_by_every_node_at_once(etcd: Etcd) -> 
         for t in threads:
             t.join()
         assert decisions == ["commit"] * 3, verb
+
+
+class _NoNative:
+    """A native backend no test here reaches: the verbs refuse before it."""
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"native {name} called")
+
+
+def _target(control: Path) -> object:
+    from cuinterpose.engine.agent import Process, Where
+    from cuinterpose.engine.job import NodeTarget
+
+    return NodeTarget((Process(1, 1),), control / "ckpt", Where(control), _NoNative())  # type: ignore[arg-type]
+
+
+def test_a_job_resume_is_refused_on_a_job_never_suspended(etcd: Etcd, control_dir: Path) -> None:
+    from cuinterpose.engine import job
+
+    done = job.resume_node(spec(etcd, "j6", "a", ("a", "b")), _target(control_dir))  # type: ignore[arg-type]
+    assert done.code == 1 and "job j6 is never suspended, not suspended" in done.lines[1], done
+
+
+def test_recover_aborts_a_run_left_undecided_and_refuses_one_in_progress(
+    etcd: Etcd, control_dir: Path
+) -> None:
+    from cuinterpose.engine import job
+
+    nodes = ("a", "b")
+    a = Session(spec(etcd, "j7", "a", nodes, lease_ttl=2), "suspend")
+    a.join()
+    refused = job.recover(spec(etcd, "j7", "b", nodes), _target(control_dir))  # type: ignore[arg-type]
+    assert refused.code == 1 and "in progress (node(s) a hold" in refused.lines[0], refused
+    assert a._node_keeper is not None
+    a._node_keeper.stop(revoke=True, deadline=a.clock() + 5)  # a's coordinator is gone
+    # No shim behind the target: the node's own recover cannot run (exit 4), but the
+    # run is decided first, for every node.
+    quick = Options(phase_timeout=0.3)  # the sockets are not there: fail at once
+    stranded = job.recover(spec(etcd, "j7", "b", nodes), _target(control_dir), options=quick)  # type: ignore[arg-type]
+    assert stranded.code == 4 and stranded.lines[0].endswith("(suspend): abort"), stranded
+    held = Store(Address.parse(etcd.url)).snapshot("/cuinterpose/jobs/j7/", a.clock() + 5)
+    abort = held.values[a.run_key("abort")]
+    assert abort["reason"] == "the run ended undecided" and abort["node"] == "b"

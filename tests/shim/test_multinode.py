@@ -8,14 +8,28 @@ state: the barrier keys in the store, a coordinator's exit.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+# The job modules import the store's client: without the extra, skip (with the reason).
+pytest.importorskip("etcd3gw", reason="the multinode extra (etcd3gw) is not installed")
+
+from cuinterpose.engine import job
+from cuinterpose.engine.agent import Process, Where
+from cuinterpose.engine.job import NodeTarget
+from cuinterpose.engine.jobsession import JobSpec
+from cuinterpose.engine.jobstore import Address
+from cuinterpose.engine.options import Options
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 
+from tests import simenv
 from tests.etcdserver import Etcd, start_etcd
 from tests.multinode import (
     GATE,
@@ -28,9 +42,9 @@ from tests.multinode import (
     run_state,
     wait_arrived,
 )
+from tests.shim import shimenv
+from tests.shim.agentgroup import WorkerBackend
 from tests.simenv import Spawn
-
-pytest.importorskip("etcd3gw", reason="the multinode extra (etcd3gw) is not installed")
 
 JOB = "train"
 # Short enough for the tests, long enough for a loaded two-core machine's keepalives.
@@ -74,9 +88,45 @@ def test_two_nodes_suspend_and_resume_every_byte(
     passed = [b["barrier"] for b in results[0]["barriers"]]
     assert passed[0] == "000-joined" and passed[-1].endswith("-suspended"), passed
     assert "004-capture:PREPARE_MULTICAST" in passed
+    held = subprocess.run(
+        [sys.executable, "-m", "cuinterpose", "job", "status", "--job", JOB, "--store",
+         etcd.url, "--json"],
+        capture_output=True, text=True, check=True, env=group[0].env(),
+    )  # fmt: skip
+    status = json.loads(held.stdout)
+    assert status["decision"] == "commit" and status["current"] is None, status
+    assert status["manifest"]["state"] == "suspended"
+    assert {n: e["checkpoint_dir"] for n, e in status["manifest"]["nodes"].items()} == {
+        n.name: str(n.checkpoint_dir) for n in group
+    }
+    assert {r["code"] for r in status["results"].values()} == {0}
     resumes = [n.start("resume", etcd.url, JOB, everyone, *FAST) for n in group]
     results = [outcome(p) for p in resumes]
     assert [r["code"] for r in results] == [0, 0], results
+    for node in group:
+        assert node.mismatches() == []
+
+
+@pytest.mark.slow
+def test_the_single_process_driver_suspends_and_resumes_every_node(
+    etcd: Etcd, nodes: Callable[[int], list[Node]], spawn: Spawn
+) -> None:
+    group = nodes(2)
+    specs = [
+        JobSpec(JOB, n.name, tuple(names(group)), Address.parse(etcd.url), lease_ttl=2)
+        for n in group
+    ]
+    targets = []
+    for node in group:
+        env = simenv.sim_env(namespace=shimenv.sim_namespace_for(node.control_dir))
+        native = WorkerBackend(spawn(f"{node.name}-observer", env))
+        processes = tuple(Process(p, p) for p in node.pids)
+        targets.append(NodeTarget(processes, node.checkpoint_dir, Where(node.control_dir), native))
+    options = Options(phase_timeout=30)
+    for verb in ("suspend", "resume"):
+        outcomes = job.drive(verb, specs, targets, options=options)
+        assert [o.code for o in outcomes] == [0, 0], outcomes
+        assert job.job_code([o.code for o in outcomes]) == 0
     for node in group:
         assert node.mismatches() == []
 
