@@ -74,6 +74,11 @@ class JobAborted(Interrupted):
         self.why = reason
 
 
+def _field(record: object, key: str) -> str:
+    """A field of a record read from the store, as text ("?" when it has none)."""
+    return str(record.get(key, "?")) if isinstance(record, dict) else "?"
+
+
 def check_name(what: str, name: str) -> str:
     if not _NAME.fullmatch(name):
         raise ValueError(f"{what} {name!r}: want 1 to 63 of A-Z a-z 0-9 . _ - (not first . _ -)")
@@ -129,6 +134,7 @@ class Session:
         self.waits: list[tuple[str, float]] = []  # each barrier: its name, seconds waited
         self._node_keeper: Keeper | None = None
         self._run_keeper: Keeper | None = None
+        self._current: dict[str, Any] = {}  # the run's record, as joined
 
     # -- keys --------------------------------------------------------------------
 
@@ -170,6 +176,8 @@ class Session:
     ) -> None:
         me = self.spec.node
         while True:
+            if self.clock() >= deadline:
+                raise StoreError(f"job {self.spec.job}: could not join a run in time")
             snap = self.store.snapshot(self.spec.prefix, deadline)
             current = snap.values.get(self.current_key)
             if current is None:
@@ -191,11 +199,11 @@ class Session:
                 leased=(self.run_key(f"alive/{me}"),),
             )
             if joined:
-                run_lease = int(current["lease"])
-                self._run_keeper = Keeper(self.store, run_lease, self.spec.lease_ttl)
+                self._current = dict(current)
+                run_lease = current.get("lease")
+                if isinstance(run_lease, int):
+                    self._run_keeper = Keeper(self.store, run_lease, self.spec.lease_ttl)
                 return
-            if self.clock() >= deadline:
-                raise StoreError(f"job {self.spec.job}: could not join run {self.run_id}")
 
     def _refuse_joining(
         self,
@@ -205,11 +213,13 @@ class Session:
     ) -> None:
         job, me = self.spec.job, self.spec.node
         run = self.run_key()
-        if current.get("verb") != self.verb or tuple(current.get("nodes", ())) != self.spec.nodes:
+        nodes = current.get("nodes")
+        theirs = tuple(str(n) for n in nodes) if isinstance(nodes, list) else ()
+        if current.get("verb") != self.verb or theirs != self.spec.nodes:
             raise JobRefused(
                 f"job {self.verb} refused: job {job} has a run in progress ({run}):",
                 [
-                    f"its verb {current.get('verb')}, nodes {','.join(current.get('nodes', ()))}",
+                    f"its verb {current.get('verb')}, nodes {','.join(theirs)}",
                     f"this command: {self.verb} of nodes {','.join(self.spec.nodes)}",
                 ],
             )
@@ -217,7 +227,7 @@ class Session:
         if me in members:
             raise JobRefused(
                 f"job {self.verb} refused: node {me} is in job {job}'s run {self.run_id} "
-                f"already (coordinator pid {members[me].get('pid')}): one command per node",
+                f"already (coordinator pid {_field(members[me], 'pid')}): one command per node",
             )
         if run + "abort" in snap.values or run + "commit" in snap.values:
             raise JobRefused(
@@ -347,10 +357,7 @@ class Session:
         abort = snap.values.get(self.run_key("abort"))
         if abort is not None:
             raise JobAborted(
-                MACHINE_OF[self.verb],
-                step,
-                str(abort.get("node", "?")) if isinstance(abort, dict) else "?",
-                str(abort.get("reason", abort)) if isinstance(abort, dict) else str(abort),
+                MACHINE_OF[self.verb], step, _field(abort, "node"), _field(abort, "reason")
             )
 
     def _liveness(self, snap: Snapshot) -> str | None:
@@ -384,7 +391,7 @@ class Session:
         )
         held = self.store.snapshot(self.run_key("abort"), deadline).values
         written = held.get(self.run_key("abort"), record)
-        return str(written.get("node", "?")), str(written.get("reason", "?"))
+        return _field(written, "node"), _field(written, "reason")
 
     def abort_and_raise(self, step: str, reason: str) -> Any:
         machine = MACHINE_OF[self.verb]
@@ -412,11 +419,12 @@ class Session:
                 if commit is not None:
                     self.waits.append((name, self.clock() - began))
                     return "commit", ""
-                if isinstance(abort, dict):
-                    return "abort", f"node {abort.get('node')}: {abort.get('reason')}"
+                if abort is not None:
+                    return "abort", f"node {_field(abort, 'node')}: {_field(abort, 'reason')}"
                 here = self.arrived(name, snap)
                 if here >= set(self.spec.nodes):
-                    self._commit(snap, name, deadline)
+                    if not self._commit(snap, name, deadline):
+                        time.sleep(POLL_S)  # a key of the barrier went meanwhile: read again
                     continue
                 problem = self._liveness(snap)
                 if problem is None and self.clock() >= deadline:
@@ -429,7 +437,7 @@ class Session:
         except StoreError as exc:
             return "unknown", str(exc)
 
-    def _commit(self, snap: Snapshot, name: str, deadline: float) -> None:
+    def _commit(self, snap: Snapshot, name: str, deadline: float) -> bool:
         nodes = snap.under(self.run_key("nodes/"))
         manifest = {
             "job": self.spec.job,
@@ -439,7 +447,7 @@ class Session:
             "at": utc_timestamp(),
             "nodes": {n: nodes.get(n, {}) for n in self.spec.nodes},
         }
-        self.store.create(
+        return self.store.create(
             {
                 self.run_key("commit"): {"by": self.spec.node},
                 self.spec.prefix + "manifest": manifest,
@@ -460,7 +468,9 @@ class Session:
                 self.store.put(self.run_key(f"results/{self.spec.node}"), dict(result), deadline)
                 snap = self.store.snapshot(self.run_key("results/"), deadline)
                 if set(snap.under(self.run_key("results/"))) >= set(self.spec.nodes):
-                    self.store.delete_prefix(self.current_key, deadline)
+                    # Only this run's: another node may have ended it and a new one begun.
+                    equal = {self.current_key: self._current}
+                    self.store.create({}, deadline, delete=(self.current_key,), equal=equal)
         except StoreError:
             pass  # the run's lease expires by itself: `job status` shows the rest
         for keeper in (self._run_keeper, self._node_keeper):
