@@ -379,10 +379,9 @@ def _decide_last(spec: JobSpec, store: Store, timeout: float) -> tuple[Decision,
         raise JobRefused(f"job recover: job {spec.job} has no run in the store")
     session.run_id = last
     run = session.run_key()
-    current = snap.values.get(spec.prefix + "current")
-    verb = str(current.get("verb")) if isinstance(current, dict) else "?"
+    verb = str(snap.values.get(run + "verb", "?"))
     if run + "commit" in snap.values:
-        return "commit", last, _verb_of(snap, spec, verb)
+        return "commit", last, verb
     if run + "abort" not in snap.values:
         alive = sorted(snap.under(run + "alive/"))
         if alive:
@@ -393,14 +392,7 @@ def _decide_last(spec: JobSpec, store: Store, timeout: float) -> tuple[Decision,
         record = {"node": spec.node, "step": "recover", "reason": "the run ended undecided"}
         store.create({run + "abort": record}, store.clock() + timeout, absent=(run + "commit",))
         return _decide_last(spec, store, timeout)
-    return "abort", last, _verb_of(snap, spec, verb)
-
-
-def _verb_of(snap: Snapshot, spec: JobSpec, fallback: str) -> str:
-    manifest = snap.values.get(spec.prefix + "manifest")
-    if isinstance(manifest, dict) and manifest.get("run") == snap.values.get(spec.prefix + "last"):
-        return str(manifest.get("verb", fallback))
-    return fallback
+    return "abort", last, verb
 
 
 def _recorded(store: Store, spec: JobSpec, run: str, outcome: NodeOutcome) -> NodeOutcome:

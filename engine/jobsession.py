@@ -275,7 +275,11 @@ class Session:
         # deleted in the transaction that starts the next, so that no node ever reads a
         # last run without its decision.
         self.store.create(
-            {self.current_key: record, self.spec.prefix + "last": run_id},
+            {
+                self.current_key: record,
+                self.spec.prefix + "last": run_id,
+                f"{self.spec.prefix}runs/{run_id}/verb": self.verb,
+            },
             deadline,
             absent=(self.current_key,),
             lease=run_lease,

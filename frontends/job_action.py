@@ -201,9 +201,17 @@ def _status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         out.write(json.dumps(held) + "\n")
         return EXIT_OK
     current = held["current"]
-    running = f"run {current['run']} ({current['verb']}) in progress" if current else "no run"
-    out.write(f"job {args.job}: {running}\n")
-    out.write(f"last run {held['last_run']}: {held['decision'] or 'undecided'}\n")
+    if not isinstance(current, dict):
+        out.write(f"job {args.job}: no run in progress\n")
+    else:
+        ending = " (decided: ending)" if held["decision"] else ""
+        alive = ", ".join(held["alive"]) or "none"
+        run = f"run {current.get('run')} ({current.get('verb')})"
+        out.write(f"job {args.job}: {run} in progress{ending}; nodes holding a lease: {alive}\n")
+    if held["last_run"] is None:
+        out.write("no run yet\n")
+    else:
+        out.write(f"last run {held['last_run']}: {held['decision'] or 'undecided'}\n")
     for node, result in sorted(held["results"].items()):
         out.write(f"  node {node}: {result.get('verb')} {result.get('outcome')}\n")
     manifest = held["manifest"]
