@@ -107,7 +107,8 @@ def _node_options(parser: argparse.ArgumentParser, *, processes: bool) -> None:
         type=seconds,
         metavar="SECONDS",
         default=60.0,
-        help="how long a node waits at a barrier for the others",
+        help="how long a node waits at a barrier for the others: longer than any node's "
+        "longest step",
     )
     parser.add_argument(
         "--lease-ttl",
