@@ -155,10 +155,6 @@ def _refused(spec: JobSpec, verb: str, lines: Sequence[str]) -> NodeOutcome:
     return NodeOutcome(spec.node, verb, REFUSED, tuple(lines))
 
 
-def _joined(session: Session, expect: Callable[[Snapshot], list[str]] | None) -> None:
-    session.join(expect=expect)
-
-
 def suspend_node(
     spec: JobSpec,
     target: NodeTarget,
@@ -172,11 +168,10 @@ def suspend_node(
     other node, kept only when every node's went through (else undone here)."""
     session = Session(spec, "suspend", store)
     try:
-        _joined(session, None)
+        session.join()
     except (JobRefused, StoreError) as exc:
         return _refused(spec, "suspend", _lines(exc))
     options = options or Options()
-    lines: list[str] = []
     try:
         session.barrier("joined")
         machine_options = attrs.evolve(options, on_step=session.step_hook())
@@ -196,7 +191,8 @@ def suspend_node(
         return _end(session, _capture_code(error), error.lines(), "abort")
     except SuspendFailed as failed:
         _abort(session, "suspend", failed)
-        return _end(session, ROLLED_BACK if failed.restored else NEEDS_RECOVER, failed.lines())
+        code = ROLLED_BACK if failed.restored else NEEDS_RECOVER
+        return _end(session, code, failed.lines(), "abort")
     except (AgentError, ValueError, OSError) as error:
         _abort(session, "suspend", error)
         return _end(session, REFUSED, _lines(error), "abort")
@@ -277,7 +273,7 @@ def resume_node(
     each step of the restore machine."""
     session = Session(spec, "resume", store)
     try:
-        _joined(session, _suspended(spec))
+        session.join(expect=_suspended(spec))
     except (JobRefused, StoreError) as exc:
         return _refused(spec, "resume", _lines(exc))
     options = options or Options()

@@ -175,6 +175,24 @@ def test_one_nodes_refusal_refuses_the_job_before_anything_is_torn_down(
         assert node.mismatches() == []
 
 
+def test_a_job_aborted_after_every_nodes_native_checkpoint_is_undone_everywhere(
+    etcd: Etcd, nodes: Callable[[int], list[Node]]
+) -> None:
+    group = nodes(2)
+    everyone = names(group, GATE)
+    held = gate(etcd.url, JOB, everyone)
+    arrive_until(held, "suspended")
+    runs = [n.start("suspend", etcd.url, JOB, everyone, *FAST) for n in group]
+    wait_arrived(held, names(group), "suspended")  # both checkpointed natively, waiting
+    held.abort("suspended", "the gate's native checkpoint failed")
+    results = [outcome(p) for p in runs]
+    assert [r["code"] for r in results] == [3, 3], results
+    assert all("suspend is undone" in r["lines"][0] for r in results), results
+    held.finish({"code": 1})
+    for node in group:
+        assert node.mismatches() == []
+
+
 @pytest.mark.slow
 def test_three_nodes_suspend_and_resume(etcd: Etcd, nodes: Callable[[int], list[Node]]) -> None:
     group = nodes(3)
