@@ -45,6 +45,7 @@ from tests.multinode import (
 from tests.shim import shimenv
 from tests.shim.agentgroup import WorkerBackend
 from tests.simenv import Spawn
+from tests.waiting import wait_until
 
 JOB = "train"
 # Short enough for the tests, long enough for a loaded two-core machine's keepalives.
@@ -273,5 +274,39 @@ def test_etcd_restarted_mid_run_the_job_completes_or_rolls_back_never_half(
         assert held.decide({})[0] == "commit"
         assert [outcome(p)["code"] for p in resumes] == [0, 0]
         held.finish({"code": 0})
+    for node in group:
+        assert node.mismatches() == []
+
+
+@pytest.mark.slow
+def test_the_store_gone_at_the_decision_leaves_it_to_recover_never_half(
+    etcd: Etcd, nodes: Callable[[int], list[Node]]
+) -> None:
+    group = nodes(2)
+    everyone = names(group, GATE)
+    held = gate(etcd.url, JOB, everyone)
+    arrive_until(held, "suspended")
+    short = ("--lease-ttl", "2", "--barrier-timeout", "2", "--phase-timeout", "30")
+    runs = [n.start("suspend", etcd.url, JOB, everyone, *short) for n in group]
+    wait_arrived(held, names(group), "suspended")  # suspended here, the decision to come
+    etcd.stop()
+    results = [outcome(p) for p in runs]
+    assert [r["code"] for r in results] == [4, 4], results  # they cannot know: recover
+    assert all(r["decision"] == "unknown" for r in results), results
+    etcd.start()
+    assert held._node_keeper is not None
+    held._node_keeper.stop(revoke=True, deadline=held.clock() + 5)  # the gate is gone too
+    early = outcome(group[0].start("recover", etcd.url, JOB, everyone, *FAST))
+    # etcd renewed the leases it held by their TTL when it came back: until they end,
+    # the run is in progress for all it knows, and recover changes nothing.
+    assert early["code"] == 1 and "hold their lease" in early["lines"][0], early
+    wait_until(
+        lambda: not any(k.startswith("alive/") for k in run_state(held)),
+        "the nodes' leases ended",
+    )
+    recovers = [n.start("recover", etcd.url, JOB, everyone, *FAST) for n in group]
+    recovered = [outcome(p) for p in recovers]
+    assert [r["code"] for r in recovered] == [3, 3], recovered  # aborted: undone on each
+    assert "(suspend): abort" in recovered[0]["lines"][0], recovered
     for node in group:
         assert node.mismatches() == []
