@@ -61,6 +61,28 @@ def is_socket(path: Path) -> bool:
         return False
 
 
+_KINDS: Final = (
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def what_is_at(path: Path) -> str:
+    """What sits at ``path`` (not followed), in words: "nothing", "a directory", ..."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return "nothing"
+    except OSError as exc:
+        return f"something that cannot be looked at ({exc.strerror})"
+    return next((word for test, word in _KINDS if test(mode)), f"a file of mode {mode:o}")
+
+
 def shim_drivers(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> DriverReport:
     """Ask every endpoint that has a socket which driver its shim loaded."""
     asked = [e for e in endpoints if is_socket(e.path)]
@@ -88,6 +110,20 @@ def pid_exists(pid: int, proc_root: Path | None = None) -> bool:
     except PermissionError:
         return True  # it exists, owned by another user
     return True
+
+
+def is_running(pid: int, proc_root: Path | None = None) -> bool:
+    """Whether ``pid`` names a process that has not exited: one that exited and that its
+    parent has not reaped yet (a zombie, state Z or X in ``/proc/<pid>/stat``) still has
+    its pid, but takes part in nothing."""
+    if not pid_exists(pid, proc_root):
+        return False
+    try:
+        stat_line = (Path(proc_root or "/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return True  # exists (kill said so), its state unreadable: not known to be dead
+    state = stat_line.rpartition(")")[2].split()[:1]
+    return state not in (["Z"], ["X"])
 
 
 def children(pid: int) -> tuple[int, ...]:

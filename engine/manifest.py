@@ -6,7 +6,8 @@ The document (specs/detection.md, "The manifest")::
      "cuinterpose": {"requested": bool, "prepared": bool},
      "participants": [{"observed_pid": int, "namespace_pid": int, "participant": str|null}],
      "timings": [{"phase": str, "seconds": float, "bytes": int}],  # "phase": the step
-     "created_at": str, "resumed_at": str (once resumed)}
+     "created_at": str, "resumed_at": str (once resumed),
+     "images": {"identity": str, "directory": str} (once `cuinterpose criu dump` wrote them)}
 
 Written and read through one cattrs converter over the classes below: strict in (an
 integer is an integer, a boolean a boolean; every problem named by its path), the
@@ -103,6 +104,15 @@ class Flags:
 
 
 @attrs.frozen
+class Images:
+    """The CRIU images a dump of this group wrote (specs/criu.md, "The images"): the
+    identity written into both the manifest and the images directory, and where."""
+
+    identity: str
+    directory: str
+
+
+@attrs.frozen
 class _Document:
     """The file's own layout."""
 
@@ -112,6 +122,7 @@ class _Document:
     timings: tuple[_Timed, ...] = ()
     created_at: str = ""
     resumed_at: str = ""
+    images: Images | None = None
 
 
 @attrs.frozen
@@ -125,6 +136,7 @@ class Manifest:
     timings: tuple[Timing, ...] = ()
     created_at: str = ""
     resumed_at: str = ""  # set once a resume completed: the directory may be reused
+    images: Images | None = None  # set once `criu dump` wrote the group's images
 
     def to_json(self) -> dict[str, Any]:
         document = _Document(
@@ -134,6 +146,7 @@ class Manifest:
             tuple(_Timed.of(t) for t in self.timings),
             self.created_at,
             self.resumed_at,
+            self.images,
         )
         return dict(_converter().unstructure(document))
 
@@ -160,6 +173,7 @@ class Manifest:
             tuple(t.timing() for t in document.timings),
             document.created_at,
             document.resumed_at,
+            document.images,
         )
 
     def processes(self) -> tuple[Process, ...]:
@@ -189,7 +203,12 @@ def _converter() -> cattrs.Converter:
     conv.register_structure_hook(str, _strict(str, "a string"))
     conv.register_unstructure_hook(
         _Document,
-        make_dict_unstructure_fn(_Document, conv, resumed_at=override(omit_if_default=True)),
+        make_dict_unstructure_fn(
+            _Document,
+            conv,
+            resumed_at=override(omit_if_default=True),
+            images=override(omit_if_default=True),
+        ),
     )
     return conv
 

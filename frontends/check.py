@@ -19,7 +19,7 @@ from typing import Literal, TextIO
 
 import attrs
 
-from . import artifacts
+from . import artifacts, drivers
 from .engine import discovery
 from .engine.client import control_dir_problem, endpoint_for
 from .engine.native import CudaBackend, NativeError, NativeUnavailableError, loaded_driver
@@ -56,7 +56,7 @@ def _library(control_dir: Path, driver: str) -> tuple[str | None, str]:
             endpoint_for(p, p, control_dir=control_dir) for p in discovery.shims_in(control_dir)
         ]
         try:
-            reported = discovery.shim_drivers(endpoints).one()
+            reported = drivers.trusted(discovery.shim_drivers(endpoints))
         except discovery.DriverMismatch as exc:
             raise NativeUnavailableError(str(exc)) from exc
         if reported is not None:

@@ -543,7 +543,11 @@ def _native_backend() -> NativeBackend | None:
 
 def _driver_library(args: argparse.Namespace) -> str | None:
     """The libcuda.so.1 the native calls load (frontends/drivers.py)."""
-    return drivers.library(getattr(args, "driver", "auto"), lambda: _endpoints(args))
+    return drivers.library(
+        getattr(args, "driver", "auto"),
+        lambda: _endpoints(args),
+        proc_root=getattr(args, "proc_root", None),
+    )
 
 
 def _native(args: argparse.Namespace) -> NativeBackend:

@@ -7,8 +7,10 @@
 - ``action-script --out FILE``: write an executable for ``criu dump/restore
   --action-script FILE`` that runs ``action`` with the arguments given here.
 - ``action``: what that script runs, by ``$CRTOOLS_SCRIPT_ACTION``: ``pre-dump``
-  suspends, ``pre-restore`` frees the socket paths, ``post-resume`` resumes the
-  processes under ``$CRTOOLS_INIT_PID``; every other action does nothing.
+  suspends, ``post-dump`` seals the images (``$CRTOOLS_IMAGE_DIR``) with the manifest,
+  ``pre-restore`` checks the images against it and frees the socket paths,
+  ``post-resume`` resumes the processes under ``$CRTOOLS_INIT_PID``; every other
+  action does nothing.
 
 The same command line as the other verbs (frontends/arguments.py): ``--pid P`` or
 ``--process OBSERVED NS``, ``--driver auto|sim|system`` (auto: the driver the shims
@@ -55,14 +57,17 @@ from .arguments import (
     verb_adder,
 )
 from .engine import agent, criu
+from .engine import images as criu_images
 from .engine.errors import CoordinatorError
 from .engine.native import NativeBackend, NativeUnavailableError
 from .engine.options import Options
 from .engine.released import size
+from .engine.statefile import StateFileError
 
 PROG: Final = "cuinterpose criu"
 ACTION_ENV: Final = "CRTOOLS_SCRIPT_ACTION"
 ROOT_PID_ENV: Final = "CRTOOLS_INIT_PID"
+IMAGES_ENV: Final = "CRTOOLS_IMAGE_DIR"
 # Baked into an action script when set: CRIU runs it with CRIU's environment.
 ALWAYS_KEPT: Final = ("PYTHONPATH", CONTROL_DIR_ENV)
 __all__ = [
@@ -109,8 +114,8 @@ _VERBS: Final = {
         EXIT_TABLE,
     ),
     "action": (
-        "what the action script runs, per $CRTOOLS_SCRIPT_ACTION (pre-dump, pre-restore, "
-        "post-resume)",
+        "what the action script runs, per $CRTOOLS_SCRIPT_ACTION (pre-dump, post-dump, "
+        "pre-restore, post-resume)",
         "CRTOOLS_SCRIPT_ACTION=pre-dump cuinterpose criu action --checkpoint-dir DIR --pid 4242",
         EXIT_TABLE,
     ),
@@ -191,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("--images-dir", type=Path, required=True, help="CRIU's images")
     for verb in (dump, restore):
         _criu_option(verb)
+        verb.add_argument(
+            "--criu-timeout",
+            type=seconds,
+            metavar="SECONDS",
+            default=criu.DEFAULT_CRIU_TIMEOUT_S,
+            help="how long criu may run before it is killed (a dump's group is resumed then)",
+        )
         verb.add_argument("criu_args", nargs=argparse.REMAINDER, metavar="-- CRIU_ARGS...")
     script = sub("action-script")
     _group_options(script, processes=True)
@@ -227,7 +239,9 @@ def _native(
     injected = _native_backend()
     if injected is not None:
         return injected
-    return drivers.LateBackend(args.driver, lambda: [where.endpoint(p) for p in processes()])
+    return drivers.LateBackend(
+        args.driver, lambda: [where.endpoint(p) for p in processes()], proc_root=args.proc_root
+    )
 
 
 def _before_dir(args: argparse.Namespace, where: agent.Where) -> Path | None:
@@ -330,7 +344,8 @@ def write_action_script(
     lines = [
         "#!/bin/sh",
         "# cuinterpose's action script for criu dump/restore --action-script (specs/criu.md):",
-        "# pre-dump suspends, pre-restore frees the sockets' paths, post-resume resumes.",
+        "# pre-dump suspends, post-dump seals the images, pre-restore checks them and frees",
+        "# the sockets' paths, post-resume resumes.",
     ]
     for name in dict.fromkeys([*ALWAYS_KEPT, *keep]):
         if name in environ:
@@ -404,6 +419,7 @@ def _dump(
             lock_timeout_ms=int(args.lock_timeout * 1000),
             criu_args=_criu_args(args.criu_args),
             on_event=on_event,
+            criu_timeout_s=args.criu_timeout,
         )
     restore = shlex.join(
         [
@@ -444,6 +460,7 @@ def _restore(
             options=Options(phase_timeout=phase_timeout(args.phase_timeout, environ)),
             criu_args=_criu_args(args.criu_args),
             on_event=on_event,
+            criu_timeout_s=args.criu_timeout,
         )
     restored = [
         {"observed_pid": p.observed_pid, "namespace_pid": p.namespace_pid} for p in done.processes
@@ -477,6 +494,12 @@ def _action(
     options = Options(phase_timeout=phase_timeout(args.phase_timeout, environ))
     processes = _processes(args)
     if step == "pre-dump":
+        named = environ.get(IMAGES_ENV)
+        images = Path(os.path.realpath(named)) if named else None
+        criu_images.private_directory(args.checkpoint_dir, "pre-dump", "checkpoint directory")
+        if images is not None:  # CRIU made it: it must be trusted, and holds no old seal
+            criu_images.private_directory(images, "pre-dump", "images directory")
+            criu_images.forget(images)
         with _events(args.mode, stdout) as on_event:
             agent.suspend(
                 processes,
@@ -488,8 +511,25 @@ def _action(
                 on_event=on_event,
             )
         return _finish(args, stdout, stderr, EXIT_OK, outcome="suspended", step=step)
+    if step == "post-dump":
+        # CRIU names its images directory by its own descriptor: /proc/<criu>/fd/<n>.
+        images = Path(os.path.realpath(environ[IMAGES_ENV])) if environ.get(IMAGES_ENV) else None
+        if images is None:
+            unsealed = f"post-dump: ${IMAGES_ENV} is not set: the images are not sealed"
+            return _finish(args, stdout, stderr, EXIT_FAILED, [unsealed])
+        try:
+            criu_images.seal(images, args.checkpoint_dir)
+        except (OSError, StateFileError) as exc:
+            resume = shlex.join(["cuinterpose", "resume", "--checkpoint-dir",
+                                 str(args.checkpoint_dir)])  # fmt: skip
+            return _finish(args, stdout, stderr, EXIT_FAILED, [
+                f"post-dump: the images in {images} could not be sealed: {exc}",
+                f"criu leaves the tree running, suspended: {resume}"])  # fmt: skip
+        return _finish(args, stdout, stderr, EXIT_OK, step=step, images=str(images))
     if step == "pre-restore":
-        done = criu.before_restore(args.checkpoint_dir, _before_dir(args, where))
+        named = environ.get(IMAGES_ENV)
+        images = Path(os.path.realpath(named)) if named else None
+        done = criu.before_restore(args.checkpoint_dir, _before_dir(args, where), images)
         for path in done.removed:
             stderr.write(f"{PROG}: removed the stale socket {path}\n")
         return _finish(args, stdout, stderr, EXIT_OK, step=step,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cuinterpose import cli
 from cuinterpose.engine import quiesce, runner
-from cuinterpose.engine.directory import locked
+from cuinterpose.engine.directory import DirectoryBusy, locked
 from cuinterpose.engine.fsm import CAPTURE, RESTORE, mermaid
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.wire import Op, Phase, RecordKind, Status
@@ -257,6 +257,27 @@ def test_a_second_coordinator_on_the_directory_is_refused(work: Path) -> None:
     assert code == cli.EXIT_FAILED
     assert f"in use by coordinator pid {os.getpid()}" in err
     assert sent == [[]] * len(sent)
+
+
+def test_a_run_leaves_the_directory_as_it_found_it(work: Path) -> None:
+    """The lock file goes with the run that created it, refused or not; one that was
+    there stays; a lock taken on a file its holder has since removed is taken again."""
+    ckpt = work / "ckpt"
+    ckpt.mkdir()
+    with team_of(TOPOLOGY, work / "control", phase=Phase.PREPARED) as t:  # not ACTIVE: refused
+        code, _, err = run(*machine_args("prepare", t, work))
+        assert code == cli.EXIT_FAILED, err
+        assert list(ckpt.iterdir()) == []
+    with locked(ckpt):
+        assert [p.name for p in ckpt.iterdir()] == ["cuinterpose.lock"]
+        busy = pytest.raises(DirectoryBusy, match=f"in use by coordinator pid {os.getpid()}")
+        with busy, locked(ckpt):
+            pass
+    assert list(ckpt.iterdir()) == []
+    (ckpt / "cuinterpose.lock").write_text("")  # left by an older version: kept
+    with locked(ckpt):
+        pass
+    assert [p.name for p in ckpt.iterdir()] == ["cuinterpose.lock"]
 
 
 def test_a_hang_is_bounded_by_the_phase_timeout_option(work: Path) -> None:

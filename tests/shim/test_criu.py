@@ -263,10 +263,58 @@ def test_plain_criu_drives_the_action_script(
     run_criu("dump", "-t", str(group.tree.root_pid))
     manifest = agent.read_manifest(ckpt)  # pre-dump suspended the group
     assert manifest.prepared and not manifest.resumed_at
+    assert manifest.images is not None  # post-dump sealed the images
+    assert manifest.images.directory == str(images.resolve())
     group.tree.reap()
     run_criu("restore", "-d")
     assert agent.read_manifest(ckpt).resumed_at  # post-resume resumed it
     assert_sharing_back(group, agent.Where(control_dir), WorkerBackend(observer))
+
+
+def test_a_restore_of_older_images_is_refused_and_the_newest_restores(
+    group: TreeGroup,
+    criu_binary: criu.Criu,
+    observer: Worker,
+    control_dir: Path,
+    plain_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """Dump to A, restore A, change the bytes, dump to B with the same checkpoint
+    directory: a restore of A is refused before CRIU runs (the processes stay gone),
+    naming both; B restores, with the changed bytes."""
+    native = WorkerBackend(observer)
+    where = agent.Where(control_dir)
+    ckpt, first, second = tmp_path / "ckpt", tmp_path / "A", tmp_path / "B"
+    pids = group.tree.pids()
+
+    def dump(images: Path) -> None:
+        criu.dump(group.processes, ckpt, images, tree=group.tree.root_pid, criu=criu_binary,
+                  where=where, native=native)  # fmt: skip
+        group.tree.reap()
+        assert gone([group.tree.root_pid, *pids])
+        assert stat.S_IMODE(images.stat().st_mode) == 0o700
+        pages = [p for p in images.iterdir() if p.name.startswith("pages-")]
+        assert pages and all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in pages)
+
+    def restore(images: Path) -> None:
+        criu.restore(ckpt, images, criu=criu_binary, where=where, native=native,
+                     control_dir=control_dir)  # fmt: skip
+
+    dump(first)
+    restore(first)
+    group.importer.check("fill", va=group.importer_x, size=group.size, seed=5)
+    dump(second)
+    refused = run_cli(
+        ["criu", "restore", "--checkpoint-dir", str(ckpt), "--images-dir", str(first),
+         "--control-dir", str(control_dir), "--criu", str(criu_binary.path), "--json"],
+        plain_env,
+    )  # fmt: skip
+    assert refused.returncode == 1, refused.stderr
+    assert f"the images in {first} are not the group's of {ckpt}" in refused.stderr
+    assert f"records the images dumped to {second}" in refused.stderr, refused.stderr
+    assert gone(pids)  # CRIU did not run
+    restore(second)
+    assert group.creator.digest(group.creator_x, group.size) == pattern_digest(5, group.size)
 
 
 def test_the_criu_benchmark_runs_on_the_simulator(
