@@ -161,7 +161,7 @@ def _target(args: argparse.Namespace) -> job.NodeTarget:
     except ValueError as exc:
         raise UsageError(f"{PROG}: error: {exc}") from None
     native = _native_backend() or drivers.LateBackend(
-        args.driver, lambda: [where.endpoint(p) for p in processes]
+        args.driver, lambda: [where.endpoint(p) for p in processes], proc_root=args.proc_root
     )
     return job.NodeTarget(tuple(processes), args.checkpoint_dir, where, native)
 

@@ -77,14 +77,14 @@ def names(group: list[Node], *more: str) -> list[str]:
     return [n.name for n in group] + list(more)
 
 
-def test_two_nodes_suspend_and_resume_every_byte(
+def test_three_nodes_suspend_and_resume_every_byte(
     etcd: Etcd, nodes: Callable[[int], list[Node]]
 ) -> None:
-    group = nodes(2)
+    group = nodes(3)
     everyone = names(group)
     suspends = [n.start("suspend", etcd.url, JOB, everyone, *FAST) for n in group]
     results = [outcome(p) for p in suspends]
-    assert [r["code"] for r in results] == [0, 0], results
+    assert [r["code"] for r in results] == [0, 0, 0], results
     assert {r["decision"] for r in results} == {"commit"}
     passed = [b["barrier"] for b in results[0]["barriers"]]
     assert passed[0] == "000-joined" and passed[-1].endswith("-suspended"), passed
@@ -103,7 +103,7 @@ def test_two_nodes_suspend_and_resume_every_byte(
     assert {r["code"] for r in status["results"].values()} == {0}
     resumes = [n.start("resume", etcd.url, JOB, everyone, *FAST) for n in group]
     results = [outcome(p) for p in resumes]
-    assert [r["code"] for r in results] == [0, 0], results
+    assert [r["code"] for r in results] == [0, 0, 0], results
     for node in group:
         assert node.mismatches() == []
 
@@ -190,16 +190,6 @@ def test_a_job_aborted_after_every_nodes_native_checkpoint_is_undone_everywhere(
     assert [r["code"] for r in results] == [3, 3], results
     assert all("suspend is undone" in r["lines"][0] for r in results), results
     held.finish({"code": 1})
-    for node in group:
-        assert node.mismatches() == []
-
-
-@pytest.mark.slow
-def test_three_nodes_suspend_and_resume(etcd: Etcd, nodes: Callable[[int], list[Node]]) -> None:
-    group = nodes(3)
-    for verb in ("suspend", "resume"):
-        runs = [n.start(verb, etcd.url, JOB, names(group), *FAST) for n in group]
-        assert [outcome(p)["code"] for p in runs] == [0, 0, 0]
     for node in group:
         assert node.mismatches() == []
 
