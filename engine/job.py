@@ -252,7 +252,8 @@ def _suspended(spec: JobSpec) -> Callable[[Snapshot], list[str]]:
         if not isinstance(manifest, dict) or manifest.get("state") != "suspended":
             state = manifest.get("state") if isinstance(manifest, dict) else "never suspended"
             return [f"job {spec.job} is {state}, not suspended"]
-        if spec.node not in manifest.get("nodes", {}):
+        nodes = manifest.get("nodes")
+        if not isinstance(nodes, dict) or spec.node not in nodes:
             return [f"node {spec.node} is not in job {spec.job}'s manifest"]
         return []
 
@@ -304,7 +305,8 @@ def resume_node(
     except ResumeFailed as failed:
         if not isinstance(failed.__cause__, JobAborted):
             _abort(session, "resume", failed)
-        return _end(session, ROLLED_BACK if failed.running else NEEDS_RECOVER, failed.lines())
+        code = ROLLED_BACK if failed.running else NEEDS_RECOVER
+        return _end(session, code, failed.lines(), "abort")
     except (AgentError, OSError) as error:
         _abort(session, "resume", error)
         return _end(session, REFUSED, _lines(error), "abort")

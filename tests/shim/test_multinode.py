@@ -300,3 +300,27 @@ def test_the_store_gone_at_the_decision_leaves_it_to_recover_never_half(
     assert "(suspend): abort" in recovered[0]["lines"][0], recovered
     for node in group:
         assert node.mismatches() == []
+
+
+@pytest.mark.slow
+def test_a_job_resume_aborted_mid_restore_rolls_every_node_back_to_running(
+    etcd: Etcd, nodes: Callable[[int], list[Node]]
+) -> None:
+    group = nodes(2)
+    everyone = names(group, GATE)
+    held = gate(etcd.url, JOB, everyone)
+    arrive_until(held, "suspended")
+    runs = [n.start("suspend", etcd.url, JOB, everyone, *FAST) for n in group]
+    assert held.decide({})[0] == "commit"
+    assert [outcome(p)["code"] for p in runs] == [0, 0]
+    held.finish({"code": 0})
+    held = gate(etcd.url, JOB, everyone, "resume")
+    arrive_until(held, "restore:RESTORE_UNICAST")  # LOAD_ALLOCATIONS has run
+    runs = [n.start("resume", etcd.url, JOB, everyone, *FAST) for n in group]
+    wait_arrived(held, names(group), "restore:RESTORE_UNICAST")
+    held.abort("restore:RESTORE_UNICAST", "the gate's restore failed")
+    results = [outcome(p) for p in runs]
+    assert [r["code"] for r in results] == [3, 3], results  # running, bytes of the suspend
+    held.finish({"code": 3})
+    for node in group:
+        assert node.mismatches() == []
