@@ -171,7 +171,9 @@ def test_one_nodes_refusal_refuses_the_job_before_anything_is_torn_down(
     assert (a["code"], b["code"]) == (1, 1), (a, b)
     assert "never restored" in " ".join(b["lines"]), b
     assert "job aborted by node b" in " ".join(a["lines"]), a
-    assert a["barriers"][-1]["barrier"] == "003-capture:INSPECT", a  # not past it
+    # a never passed the barrier of PREPARE_MULTICAST (it may have seen the abort
+    # already at INSPECT's, when b passed it and refused first).
+    assert all(passed["barrier"] < "004" for passed in a["barriers"]), a
     for node in group:
         assert node.mismatches() == []
 
@@ -206,8 +208,8 @@ def test_a_node_that_never_reaches_a_barrier_times_the_job_out(
     runs = [n.start("suspend", etcd.url, JOB, everyone, *short) for n in group]
     results = [outcome(p) for p in runs]
     assert [r["code"] for r in results] == [3, 3], results  # PREPARE_MULTICAST had run
-    abort = run_state(held)["abort"]
-    assert "gate did not reach barrier 005-capture:SAVE_ALLOCATIONS" in abort["reason"]
+    reason = run_state(held)["abort"]["reason"]
+    assert "did not reach barrier 005-capture:SAVE_ALLOCATIONS" in reason and "gate" in reason
     held.finish({"code": 1})
     for node in group:
         assert node.mismatches() == []
@@ -276,7 +278,9 @@ def test_the_store_gone_at_the_decision_leaves_it_to_recover_never_half(
     everyone = names(group, GATE)
     held = gate(etcd.url, JOB, everyone)
     arrive_until(held, "suspended")
-    short = ("--lease-ttl", "2", "--barrier-timeout", "2", "--phase-timeout", "30")
+    # The barrier timeout counts from a node's arrival at the decision's barrier: the
+    # store must be gone before it ends, or the nodes abort for want of the gate.
+    short = ("--lease-ttl", "2", "--barrier-timeout", "3", "--phase-timeout", "30")
     runs = [n.start("suspend", etcd.url, JOB, everyone, *short) for n in group]
     wait_arrived(held, names(group), "suspended")  # suspended here, the decision to come
     etcd.stop()
