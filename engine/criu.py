@@ -220,7 +220,8 @@ def run_criu(
     its owner's alone. Past ``timeout_s`` it is killed (:class:`CriuTimedOut`): its
     output goes to files, not pipes, so that a process it left holding them cannot
     keep this call waiting."""
-    argv = [str(criu.path), *args, "-o", str(log), "-v4"]
+    # LOG absolute: CRIU resolves ``-o`` against its work directory (``-D``).
+    argv = [str(criu.path), *args, "-o", os.path.abspath(log), "-v4"]
     began = time.perf_counter()
     with tempfile.TemporaryFile() as err:
         try:
@@ -583,7 +584,7 @@ def dump(
     to be trusted; both are created 0700 where missing. Once dumped, the images are
     made private and sealed with the manifest (:func:`~.images.seal`)."""
     group = [p if isinstance(p, Process) else Process(*p) for p in processes]
-    images = Path(images_dir)
+    images = Path(os.path.abspath(images_dir))  # CRIU resolves paths against -D
     outside = tree_problems(tree, group, proc)
     if outside:
         raise AgentError("criu dump refused: nothing was changed", outside)
@@ -650,9 +651,10 @@ def restore(
     :func:`~.agent.resume` of those processes (``where``: their control sockets once
     they run)."""
     directory = Path(checkpoint_dir)
-    images = Path(images_dir)
+    images = Path(os.path.abspath(images_dir))
     prepared = before_restore(directory, control_dir, images)
-    pidfile = directory / RESTORED_PIDFILE
+    # Absolute: CRIU resolves --pidfile against its work directory (the images).
+    pidfile = Path(os.path.abspath(directory / RESTORED_PIDFILE))
     pidfile.unlink(missing_ok=True)
     args = ["restore", "-d", "-D", str(images), "--pidfile", str(pidfile), *criu_args]
     try:

@@ -51,13 +51,16 @@ from .arguments import (
     add_driver,
     add_phase_timeout,
     add_processes,
+    missing,
     phase_timeout,
     pid,
     seconds,
+    tidy_refused,
     verb_adder,
 )
 from .engine import agent, criu
 from .engine import images as criu_images
+from .engine.client import Endpoint
 from .engine.errors import CoordinatorError
 from .engine.native import NativeBackend, NativeUnavailableError
 from .engine.options import Options
@@ -224,7 +227,22 @@ def _native_backend() -> NativeBackend | None:
     return None
 
 
+def _origin(args: argparse.Namespace) -> agent.Origin | None:
+    """Where a restore's manifest says the group lived (None: it says nowhere)."""
+    try:
+        return agent.read_manifest(args.checkpoint_dir).origin
+    except agent.ManifestError:
+        return None  # the verb reads it again and says what is wrong with it
+
+
 def _where(args: argparse.Namespace, environ: Mapping[str, str]) -> agent.Where:
+    """--control-dir or --proc-root, else (restore) where the manifest says the group
+    lived, else $SNAPSHOT_CONTROL_DIR, else the default."""
+    if args.control_dir is None and args.proc_root is None and args.verb == "restore":
+        origin = _origin(args)
+        if origin is not None:
+            root = None if origin.proc_root is None else Path(origin.proc_root)
+            return agent.Where(origin.control_dir, root)
     control = args.control_dir
     if control is None:
         control = Path(environ.get(CONTROL_DIR_ENV) or DEFAULT_CONTROL_DIR)
@@ -239,9 +257,15 @@ def _native(
     injected = _native_backend()
     if injected is not None:
         return injected
-    return drivers.LateBackend(
-        args.driver, lambda: [where.endpoint(p) for p in processes()], proc_root=args.proc_root
-    )
+
+    def recorded() -> str | None:
+        origin = _origin(args) if args.verb == "restore" else None
+        return None if origin is None else origin.driver
+
+    def endpoints() -> list[Endpoint]:
+        return [where.endpoint(p) for p in processes()]
+
+    return drivers.LateBackend(args.driver, endpoints, recorded, proc_root=args.proc_root)
 
 
 def _before_dir(args: argparse.Namespace, where: agent.Where) -> Path | None:
@@ -358,6 +382,19 @@ def write_action_script(
     return path
 
 
+def _where_words(args: argparse.Namespace, where: agent.Where) -> list[str]:
+    """What a printed command needs to find the group from a plain shell: the control
+    directory or proc root, the driver, when they are not the defaults."""
+    words: list[str] = []
+    if where.proc_root is not None:
+        words += ["--proc-root", str(where.proc_root)]
+    elif where.control_dir != DEFAULT_CONTROL_DIR:
+        words += ["--control-dir", str(where.control_dir)]
+    if args.driver != "auto":
+        words += ["--driver", args.driver]
+    return words
+
+
 def _script_argv(args: argparse.Namespace, processes: Sequence[agent.Process]) -> list[str]:
     words = ["--checkpoint-dir", str(args.checkpoint_dir.resolve())]
     if args.control_dir is not None:
@@ -386,13 +423,18 @@ def _check(
     try:
         found = criu.usable_criu(args.criu, environ)
     except criu.CriuUnavailable as exc:
-        if args.json:
-            stdout.write(json.dumps({"usable": False, "reason": str(exc)}) + "\n")
+        if args.json:  # one line, the summary, as every verb's JSON ends
+            document = {"event": "summary", "command": "criu check", "usable": False,
+                        "reason": str(exc), "outcome": "refused",
+                        "exit_code": EXIT_FAILED}  # fmt: skip
+            stdout.write(json.dumps(document) + "\n")
         stderr.write(f"{PROG}: {exc}\n")
         return EXIT_FAILED
     if args.json:
         version = ".".join(str(n) for n in found.version)
-        document = {"usable": True, "criu": str(found.path), "version": version}
+        document = {"event": "summary", "command": "criu check", "usable": True,
+                    "criu": str(found.path), "version": version, "outcome": "done",
+                    "exit_code": EXIT_OK}  # fmt: skip
         stdout.write(json.dumps(document) + "\n")
     else:
         stdout.write(f"{found.describe()}: `criu check` passes\n")
@@ -424,7 +466,7 @@ def _dump(
     restore = shlex.join(
         [
             "cuinterpose", "criu", "restore", "--checkpoint-dir", str(args.checkpoint_dir),
-            "--images-dir", str(args.images_dir),
+            "--images-dir", str(args.images_dir), *_where_words(args, where),
         ]
     )  # fmt: skip
     who = f"{len(processes)} process{'es' if len(processes) != 1 else ''}"
@@ -583,8 +625,11 @@ def main(
             args.mode = _mode(args, out)
         logs.configure(verbosity=args.verbose, quiet=args.quiet, log_file=args.log_file,
                        stream=err)  # fmt: skip
+        created = missing(args.checkpoint_dir, args.images_dir) if args.verb == "dump" else []
         try:
-            return _ended(args, env, out, err)
+            code = _ended(args, env, out, err)
+            tidy_refused(created, code)
+            return code
         finally:
             logs.reset()
     except UsageError as exc:

@@ -46,6 +46,9 @@ def run(*argv: str) -> tuple[int, str, str]:
 
 
 def machine_args(command: str, t: Team, work: Path, *extra: str) -> list[str]:
+    # A person's output unless the test asks for another (the default, auto, is JSON
+    # lines into these StringIO pipes).
+    progress = [] if "--progress" in extra else ["--progress", "human"]
     return [
         command,
         "--checkpoint-dir",
@@ -53,6 +56,7 @@ def machine_args(command: str, t: Team, work: Path, *extra: str) -> list[str]:
         "--control-dir",
         str(t.control_dir),
         *t.processes,
+        *progress,
         *extra,
     ]
 
@@ -332,7 +336,8 @@ def test_proc_root_reaches_sockets_through_each_process_root(
     proc = work / "proc"
     with team_of(TOPOLOGY, work / "control") as t:
         monkeypatch.setenv("SNAPSHOT_CONTROL_DIR", str(t.control_dir))
-        args = ["prepare", "--checkpoint-dir", str(work / "ckpt"), "--proc-root", str(proc)]
+        args = ["prepare", "--checkpoint-dir", str(work / "ckpt"), "--proc-root", str(proc),
+                "--progress", "human"]  # fmt: skip
         for i, fake in enumerate(t.fakes):
             observed = 70000 + i
             (proc / str(observed)).mkdir(parents=True)
@@ -538,6 +543,8 @@ def test_sigint_stops_at_the_next_phase_boundary_and_rolls_back(work: Path) -> N
                 "cuinterpose",
                 *machine_args("prepare", t, work),
                 "--skip-native-check",
+                "--driver",
+                "system",  # fakes: no driver knows their pids
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -396,7 +396,8 @@ def test_sigint_is_acknowledged_at_once(work: Path) -> None:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cuinterpose", "prepare", "--checkpoint-dir",
              str(work / "ckpt"), "--control-dir", str(t.control_dir), *t.processes,
-             "--skip-native-check"],  # fake participants: no driver knows their pids
+             "--skip-native-check", "--driver", "system",  # fakes: no driver knows their pids
+             "--progress", "human"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -586,15 +587,17 @@ def test_prepare_restore_and_recover_end_with_a_summary_like_suspend(work: Path)
             if verb != "recover":  # which says what it did in its own lines
                 assert summary(out)["processes"] == 2 and summary(out)["bytes_staged"] == 8 << 20
             if verb == "prepare":
-                restore = f"cuinterpose restore --checkpoint-dir {work / 'ckpt'}"
+                # with what a plain shell needs to find the group (issue 29)
+                restore = (f"cuinterpose restore --checkpoint-dir {work / 'ckpt'} "
+                           f"--control-dir {t.control_dir}")  # fmt: skip
                 assert summary(out)["next"] == restore
     # A person reads the same, as suspend and resume say it.
     with team_of(TOPOLOGY, work / "control3") as t:
         common = ["--checkpoint-dir", str(work / "ckpt3"), "--control-dir", str(t.control_dir)]
-        code, out, err = run("prepare", *common, *t.processes)
+        code, out, err = run("prepare", *common, *t.processes, "--progress", "human")
         assert code == 0, err
         assert "captured 2 processes in " in out and "8.0 MiB staged by the shims" in out
-        code, out, err = run("restore", *common)
+        code, out, err = run("restore", *common, "--progress", "human")
         assert code == 0, err
         assert out.splitlines()[-1].startswith("restored 2 processes in ")
         assert "8.0 MiB loaded back by the shims: every process runs" in out
