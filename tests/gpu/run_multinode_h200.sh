@@ -11,7 +11,7 @@
 #
 # Results in $OUT: build.log, multinode.json, multinode.log. Expect every node's code 0,
 # "bytes" checked (the script fails otherwise), and barriers of a few milliseconds.
-# Multicast is never created. About a minute.
+# Multicast is never created. A few minutes at most (bounded by $MULTINODE_S, 300 s).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tests/gpu/h200_env.sh
