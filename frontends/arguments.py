@@ -255,13 +255,16 @@ VerbHelp = tuple[str, str, str]
 
 def verb_adder(
     verbs: argparse._SubParsersAction[Any], helps: Mapping[str, VerbHelp]
-) -> Callable[[str], argparse.ArgumentParser]:
+) -> Callable[..., argparse.ArgumentParser]:
     """Adds each verb the same way, in ``cuinterpose`` and ``cuinterpose criu`` alike: its
     help, an example and its exit statuses in ``--help``, the logging options."""
     common = logging_options()
 
-    def add(name: str) -> argparse.ArgumentParser:
+    def add(name: str, *, bare: bool = False) -> argparse.ArgumentParser:
         text, example, exits = helps[name]
+        if bare:  # listed in the top-level help only: a command builds its own verb alone
+            listed: argparse.ArgumentParser = verbs.add_parser(name, help=text)
+            return listed
         parser: argparse.ArgumentParser = verbs.add_parser(
             name,
             help=text,

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -32,11 +30,11 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, Final, NoReturn, TextIO
 
 import attrs
 
-from . import artifacts, drivers, logs, targets
+from . import __version__, artifacts, logs, targets
 from .arguments import (
     CHANGING_EXITS,
     CONTROL_DIR_ENV,
@@ -63,45 +61,19 @@ from .arguments import (
     tidy_refused,
     verb_adder,
 )
-from .engine import agent, discovery, runner
-from .engine.client import Endpoint, endpoint_for
-from .engine.errors import CoordinatorError, Refused
-from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
-from .engine.gpus import GpuMapRefused, uuid_pairs
-from .engine.manifest import resume_hint
-from .engine.native import (
-    CudaBackend,
-    NativeBackend,
-    NativeError,
-    NativeGroupError,
-    NativeUnavailableError,
-    ProcessState,
-    run_step,
-    state_names,
-)
-from .engine.progress import (
-    Event,
-    FailedEvent,
-    PhaseEvent,
-    ProgressCallback,
-    human_line,
-    json_printer,
-)
-from .engine.quiesce import until_quiet
-from .engine.recovery import native_blockers, native_check_refusal, recover
-from .engine.released import Released, released_by_suspend, size
-from .engine.replay import replay
-from .engine.topology import describe_record
-from .engine.trace import TraceError, TraceWriter, read_trace
+
+# The engine's modules are imported where a verb uses them: a command loads only what it
+# needs (tests/engine/test_import_cost.py). These are for the annotations.
+if TYPE_CHECKING:
+    from .engine import agent
+    from .engine.client import Endpoint
+    from .engine.errors import CoordinatorError
+    from .engine.native import NativeBackend, NativeUnavailableError, ProcessState
+    from .engine.progress import Event, ProgressCallback
+    from .engine.released import Released
+    from .phases import MachineSpec
 
 PROG: Final = "cuinterpose"
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("cuinterpose")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed)"
 
 
 def _add_progress(parser: argparse.ArgumentParser) -> None:
@@ -253,38 +225,36 @@ _VERBS: Final = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
-        prog=PROG,
-        description="Checkpoint/restore of CUDA processes sharing memory",
-        formatter_class=Formatter,
-        epilog="A first session: cuinterpose check; cuinterpose launch -- COMMAND; "
-        "cuinterpose status; cuinterpose suspend --checkpoint-dir DIR --pid PID; "
-        'cuinterpose resume --checkpoint-dir DIR (README.md, "Using it").\n\n' + EXIT_TABLE,
-    )
-    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
-    add_early_logging(parser)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub = verb_adder(commands, _VERBS)
+def _lock_timeout(parser: argparse.ArgumentParser, text: str) -> None:
+    from .engine.native import DEFAULT_LOCK_TIMEOUT_MS
 
-    suspend = sub("suspend")
+    parser.add_argument(
+        "--lock-timeout",
+        type=seconds,
+        metavar="SECONDS",
+        default=DEFAULT_LOCK_TIMEOUT_MS / 1000,
+        help=text,
+    )
+
+
+def _suspend_options(suspend: argparse.ArgumentParser) -> None:
     _add_agent_options(suspend)
     suspend.add_argument(
         "--not-requested",
         action="store_true",
         help="the group did not opt in: native checkpoint only, and no process may have a shim",
     )
-    suspend.add_argument(
-        "--lock-timeout",
-        type=seconds,
-        metavar="SECONDS",
-        default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000,
-        help="how long each native lock may wait for the process's CUDA calls to drain",
+    _lock_timeout(
+        suspend, "how long each native lock may wait for the process's CUDA calls to drain"
     )
-    resume = sub("resume")
+
+
+def _resume_options(resume: argparse.ArgumentParser) -> None:
     _add_agent_options(resume, required=False)
     add_gpu_map(resume)
-    status_cmd = sub("status")
+
+
+def _status_options(status_cmd: argparse.ArgumentParser) -> None:
     add_endpoints(status_cmd, required=False)
     status_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status_cmd.add_argument(
@@ -293,11 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove the control sockets of processes that are gone (nobody listens on "
         "them), then show the rest",
     )
-    check = sub("check")
+
+
+def _check_options(check: argparse.ArgumentParser) -> None:
     check.add_argument("--control-dir", type=Path, help=f"default ${CONTROL_DIR_ENV}")
     add_driver(check)
     check.add_argument("--json", action="store_true", help="print JSON instead of lines")
-    launch = sub("launch")
+
+
+def _launch_options(launch: argparse.ArgumentParser) -> None:
     launch.add_argument(
         "--driver",
         choices=("auto", "sim", "system"),
@@ -322,24 +296,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="become COMMAND (exec): the launcher's own pid is the one to name",
     )
     launch.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND...")
-    prepare = sub("prepare")
+
+
+def _skip_native_check(checked: argparse.ArgumentParser) -> None:
+    checked.add_argument(
+        "--skip-native-check",
+        action="store_true",
+        help="go on when no CUDA driver can be loaded to check that every process is "
+        "natively RUNNING (for those who know it is)",
+    )
+
+
+def _prepare_options(prepare: argparse.ArgumentParser) -> None:
     _add_machine_options(prepare)
     prepare.add_argument(
         "--replace", action="store_true", help="overwrite a capture that was never restored"
     )
-    restore_cmd, recover_cmd = sub("restore"), sub("recover")
-    _add_machine_options(restore_cmd, required=False)
-    _add_machine_options(recover_cmd, required=False)
-    add_gpu_map(restore_cmd, native=False)
-    add_gpu_map(recover_cmd, native=False)
-    for checked in (prepare, restore_cmd, recover_cmd):
-        checked.add_argument(
-            "--skip-native-check",
-            action="store_true",
-            help="go on when no CUDA driver can be loaded to check that every process is "
-            "natively RUNNING (for those who know it is)",
-        )
-    native_cmd = sub("native")
+    _skip_native_check(prepare)
+
+
+def _restore_options(parser: argparse.ArgumentParser) -> None:
+    _add_machine_options(parser, required=False)
+    add_gpu_map(parser, native=False)
+    _skip_native_check(parser)
+
+
+def _native_options(native_cmd: argparse.ArgumentParser) -> None:
     native_cmd.add_argument(
         "--action",
         choices=NATIVE_ACTIONS,
@@ -354,33 +336,68 @@ def build_parser() -> argparse.ArgumentParser:
         "else the state file), when none is named",
     )
     add_endpoints(native_cmd, required=False)
-    native_cmd.add_argument(
-        "--lock-timeout",
-        type=seconds,
-        metavar="SECONDS",
-        default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000,
-        help="--action lock: how long each lock may wait for the process's CUDA calls",
+    _lock_timeout(
+        native_cmd, "--action lock: how long each lock may wait for the process's CUDA calls"
     )
     _add_progress(native_cmd)
-    inspect = sub("inspect")
+
+
+def _inspect_options(inspect: argparse.ArgumentParser) -> None:
     add_endpoints(inspect, driver=False)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
-    diagram = sub("diagram")
+
+
+def _diagram_options(diagram: argparse.ArgumentParser) -> None:
+    from .phases import MACHINES
+
     diagram.add_argument(
         "--machine",
         choices=sorted(MACHINES),
         required=True,
         help="capture (prepare, suspend's first step) or restore (restore, resume's last)",
     )
-    replay_cmd = sub("replay")
+
+
+def _replay_options(replay_cmd: argparse.ArgumentParser) -> None:
     replay_cmd.add_argument("trace", type=Path, metavar="TRACE")
-    sub("sim-path")
-    sub("shim-path")
-    criu_cmd = sub("criu")
-    criu_cmd.add_argument("argv", nargs=argparse.REMAINDER, metavar="VERB ...")
-    sub("job").add_argument("argv", nargs=argparse.REMAINDER, metavar="VERB ...")
-    demo = sub("demo")
+
+
+def _no_options(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def _verbs_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("argv", nargs=argparse.REMAINDER, metavar="VERB ...")
+
+
+def _demo_options(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--driver", choices=("sim", "system"), default="sim")
+
+
+Run = Callable[[argparse.Namespace, TextIO, TextIO], int]
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every verb, or (``only``) every verb's help line but one verb's options: a command
+    builds the options of its own verb alone (main)."""
+    parser = Parser(
+        prog=PROG,
+        description="Checkpoint/restore of CUDA processes sharing memory",
+        formatter_class=Formatter,
+        epilog="A first session: cuinterpose check; cuinterpose launch -- COMMAND; "
+        "cuinterpose status; cuinterpose suspend --checkpoint-dir DIR --pid PID; "
+        'cuinterpose resume --checkpoint-dir DIR (README.md, "Using it").\n\n' + EXIT_TABLE,
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    add_early_logging(parser)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = verb_adder(commands, _VERBS)
+    for name, (options, run) in _COMMANDS.items():
+        chosen = only is None or only == name
+        verb = sub(name, bare=not chosen)
+        if chosen:
+            options(verb)
+            verb.set_defaults(func=run)
     return parser
 
 
@@ -420,6 +437,8 @@ def _resolve_group(args: argparse.Namespace) -> None:
 
 
 def _endpoints(args: argparse.Namespace) -> list[Endpoint]:
+    from .engine.client import endpoint_for
+
     try:
         return [
             endpoint_for(o, n, control_dir=_control_dir(args), proc_root=args.proc_root)
@@ -454,6 +473,8 @@ def output_mode(args: argparse.Namespace, stdout: TextIO) -> str:
 
 
 def _progress(mode: str, stdout: TextIO) -> ProgressCallback | None:
+    from .engine.progress import FailedEvent, human_line, json_printer
+
     if mode == "none":
         return None
     printer = json_printer(stdout)
@@ -483,6 +504,8 @@ def _run_machine(
 ) -> int:
     """Run ``spec``'s machine, or ``recover`` (None), and say how it ended: with JSON
     progress, a last summary line with the outcome and the exit code, as suspend's."""
+    from .engine.errors import Refused
+
     code = _machine(spec, args, stdout, stderr)
     said = _machine_summary(spec, args) if code == EXIT_OK else {}
     if args.mode == "json":
@@ -501,6 +524,9 @@ def _run_machine(
 def _machine_summary(spec: MachineSpec | None, args: argparse.Namespace) -> dict[str, Any]:
     """What a prepare or restore did and what comes next, as suspend and resume say it:
     the lines for a person, the figures for the JSON summary (recover says its own)."""
+    from .engine import runner
+    from .engine.released import size
+
     result = getattr(args, "result", None)
     report = getattr(args, "recovered", None)
     if spec is None and report is not None:
@@ -534,6 +560,14 @@ def _machine_summary(spec: MachineSpec | None, args: argparse.Namespace) -> dict
 def _machine(
     spec: MachineSpec | None, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
 ) -> int:
+    from .engine import discovery, runner
+    from .engine.errors import CoordinatorError
+    from .engine.gpus import GpuMapRefused, uuid_pairs
+    from .engine.quiesce import until_quiet
+    from .engine.recovery import recover
+    from .engine.trace import TraceWriter
+    from .phases import CAPTURE
+
     endpoints = _endpoints(args)
     timeout = phase_timeout(args.phase_timeout)
     if spec is not None:  # recover reports and leaves out the processes that are gone
@@ -613,6 +647,12 @@ def _native_check(
 ) -> int | None:
     """prepare and restore need every process natively RUNNING: a locked or
     checkpointed one is refused (exit 1, nothing changed) with what to run."""
+    from .engine import agent
+    from .engine.manifest import resume_hint
+    from .engine.native import NativeUnavailableError, ProcessState
+    from .engine.recovery import native_check_refusal
+    from .phases import CAPTURE
+
     processes = [agent.Process(e.observed_pid, e.namespace_pid) for e in endpoints]
     if spec is CAPTURE:
         hint = (
@@ -644,6 +684,9 @@ def _recover_native_check(
     args: argparse.Namespace, endpoints: Sequence[Endpoint], stderr: TextIO
 ) -> int | None:
     """recover refuses a process natively LOCKED or CHECKPOINTED, and fails closed."""
+    from .engine.native import NativeUnavailableError
+    from .engine.recovery import native_blockers, native_check_refusal
+
     try:
         blockers = native_blockers(_native(args), endpoints, args.checkpoint_dir)
     except NativeUnavailableError as exc:
@@ -664,6 +707,8 @@ def _native_backend() -> NativeBackend | None:
 
 def _driver_library(args: argparse.Namespace) -> str | None:
     """The libcuda.so.1 the native calls load (frontends/drivers.py)."""
+    from . import drivers
+
     return drivers.library(
         getattr(args, "driver", "auto"),
         lambda: _endpoints(args),
@@ -673,6 +718,8 @@ def _driver_library(args: argparse.Namespace) -> str | None:
 
 
 def _native(args: argparse.Namespace) -> NativeBackend:
+    from .engine.native import CudaBackend
+
     injected = _native_backend()
     return injected if injected is not None else CudaBackend(_driver_library(args))
 
@@ -685,15 +732,23 @@ def _no_driver(command: str, exc: NativeUnavailableError) -> list[str]:
 
 
 def _where(args: argparse.Namespace) -> agent.Where:
-    return agent.Where(_control_dir(args), args.proc_root)
+    from .engine.detection import Where
+
+    return Where(_control_dir(args), args.proc_root)
 
 
 def _agent_processes(args: argparse.Namespace) -> list[agent.Process]:
+    from .engine.manifest import Process
+
     _endpoints(args)  # the same usage checks as every other command
-    return [agent.Process(observed, namespace) for observed, namespace in args.group]
+    return [Process(observed, namespace) for observed, namespace in args.group]
 
 
 def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from .engine import agent, runner
+    from .engine.errors import CoordinatorError, Refused
+    from .engine.native import NativeUnavailableError
+
     processes = _agent_processes(args)
     mode = args.mode
     shim_needed = command == "suspend" and not args.not_requested
@@ -845,6 +900,9 @@ class _Summary:
     def of(
         cls, command: str, args: argparse.Namespace, done: agent.SuspendResult | agent.ResumeResult
     ) -> _Summary:
+        from .engine import agent
+        from .engine.released import released_by_suspend
+
         staged = sum(t.bytes for t in done.timings if t.step in ("capture", "coordinator_restore"))
         words = [PROG, "resume" if command == "suspend" else "suspend",
                  "--checkpoint-dir", str(args.checkpoint_dir), *_where_words(args)]  # fmt: skip
@@ -870,6 +928,8 @@ class _Summary:
         )
 
     def lines(self) -> list[str]:
+        from .engine.released import size
+
         who = f"{self.processes} process{'es' if self.processes != 1 else ''}"
         if self.command == "suspend":
             staged = (
@@ -927,6 +987,9 @@ class _Whereabouts:
         self.acknowledged = False
 
     def __call__(self, event: agent.AgentEvent) -> None:
+        from .engine import agent
+        from .engine.progress import PhaseEvent
+
         if isinstance(event, agent.StepEvent) and event.status == "started":
             self.step, self.phase, self.copy = event.step, "", None
         elif isinstance(event, PhaseEvent):
@@ -937,6 +1000,8 @@ class _Whereabouts:
             self.inner(event)
 
     def acknowledge(self, stderr: TextIO) -> None:
+        from .engine.released import size
+
         if self.acknowledged:
             return
         self.acknowledged = True
@@ -974,6 +1039,8 @@ class _NoDriver:
         self.reason = reason
 
     def _none(self, pid: int, call: str) -> NoReturn:
+        from .engine.native import NativeError
+
         raise NativeError(pid, call, "no driver", self.reason)
 
     def lock(self, pid: int, timeout_ms: int) -> None:
@@ -993,12 +1060,14 @@ class _NoDriver:
 
 
 def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from .engine.detection import remove_stale_sockets
+
     processes = _agent_processes(args)
     where = _where(args)
     named = bool(args.pid or args.process)
     stale = [] if named else _stale(processes, where)
     if stale and args.clear_stale:
-        for path in agent.remove_stale_sockets(stale, where):
+        for path in remove_stale_sockets(stale, where):
             stderr.write(f"{PROG}: removed the stale socket {path}\n")
         processes = [p for p in processes if p not in stale]
         args.group = [(p.observed_pid, p.namespace_pid) for p in processes]
@@ -1020,11 +1089,14 @@ def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
             f"{PROG}: note: pid {process.observed_pid} is gone: its socket {path} is stale "
             f"(`{clear}` removes it)\n"
         )
+    from .engine.group_status import status  # a shim to ask: the verb's room, only now
+    from .engine.native import NativeUnavailableError
+
     try:
-        rows = agent.status(processes, where, _native(args))
+        rows = status(processes, where, _native(args))
     except NativeUnavailableError as exc:
         stderr.write(f"{PROG}: note: native states unknown: {exc}\n")
-        rows = agent.status(processes, where, _NoDriver("no CUDA driver loaded"))
+        rows = status(processes, where, _NoDriver("no CUDA driver loaded"))
     if args.json:
         # One line, the summary itself: JSON lines like every verb's, and one document.
         document = {"processes": [r.to_json() for r in rows]}
@@ -1039,6 +1111,8 @@ def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 def _stale(processes: Sequence[agent.Process], where: agent.Where) -> list[agent.Process]:
     """The processes listed by their sockets that are gone: no such pid, and nobody
     serves the socket."""
+    from .engine import discovery
+
     return [
         p
         for p in processes
@@ -1129,6 +1203,13 @@ _UNDO_ACTION: Final = {"lock": "unlock", "checkpoint": "restore", "restore": "ch
 def _native_action(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     """One native step on every process (frontends/native.py's group helpers, from the
     shell): each process's state after it, and on a failure every state and what to do."""
+    from .engine.native import (
+        NativeGroupError,
+        NativeUnavailableError,
+        run_step,
+        state_names,
+    )
+
     processes = _agent_processes(args)
     pids = [p.observed_pid for p in processes]
     action: str = args.action
@@ -1159,7 +1240,10 @@ def _native_action(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> 
 
 
 def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from .engine import runner
+    from .engine.errors import CoordinatorError
     from .engine.statefile import make_converter
+    from .engine.topology import describe_record
 
     endpoints = _endpoints(args)
     try:
@@ -1194,6 +1278,9 @@ def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 
 
 def _replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from .engine.replay import replay
+    from .engine.trace import TraceError, read_trace
+
     try:
         report = replay(read_trace(args.trace))
     except TraceError as exc:
@@ -1220,24 +1307,16 @@ def _artifact(find: Callable[[], Path], stdout: TextIO, stderr: TextIO) -> int:
     return EXIT_OK
 
 
-def _delegate(module: str, stderr: TextIO) -> Any | None:
-    # launch and demo pull in process management the coordinator itself never needs.
-    try:
-        return importlib.import_module(f"{__package__}.{module}")
-    except ImportError as exc:
-        _fail([f"{module} is not available in this installation: {exc}"], stderr)
-        return None
-
-
 def _launch(args: argparse.Namespace, stderr: TextIO) -> int:
+    from . import drivers
+
     command = list(args.argv)
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
         raise UsageError(f"{PROG} launch: error: no COMMAND given after --")
-    module = _delegate("launch", stderr)
-    if module is None:
-        return EXIT_FAILED
+    from . import launch  # process management the coordinator itself never needs
+
     driver = args.driver
     if driver == "auto":
         chosen = drivers.installed()
@@ -1250,7 +1329,7 @@ def _launch(args: argparse.Namespace, stderr: TextIO) -> int:
             stderr.flush()
     try:
         return int(
-            module.launch(
+            launch.launch(
                 command,
                 driver=driver,
                 control_dir=args.control_dir,
@@ -1259,26 +1338,39 @@ def _launch(args: argparse.Namespace, stderr: TextIO) -> int:
                 announce=None if args.quiet else stderr,
             )
         )
-    except module.LaunchError as exc:
+    except launch.LaunchError as exc:
         return _fail([f"launch: {exc}"], stderr)
 
 
 def _demo(args: argparse.Namespace, stderr: TextIO) -> int:
-    module = _delegate("demo", stderr)
-    if module is None:
-        return EXIT_FAILED
-    return int(module.run_demo(driver=args.driver))
+    from . import demo
+
+    return int(demo.run_demo(driver=args.driver))
+
+
+def _parse(given: list[str]) -> argparse.Namespace:
+    """Build the options of the verb named alone (most of a small command's own cost);
+    where the first verb-like word was some option's value, every verb's."""
+    verb = next((word for word in given if word in _COMMANDS), None)
+    if verb is not None:
+        with contextlib.suppress(UsageError):
+            args = build_parser(verb).parse_args(given)
+            if args.command == verb:
+                return args
+    return build_parser().parse_args(given)
 
 
 def main(
     argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None
 ) -> int:
+    from .engine.manifest import ManifestError
+
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
-    parser = build_parser()
+    given = list(sys.argv[1:] if argv is None else argv)
     try:
         try:
-            args = parser.parse_args(argv)
+            args = _parse(given)
         except SystemExit as exit_:  # --help, or argparse's own exit
             return int(exit_.code or 0) if isinstance(exit_.code, int | None) else EXIT_USAGE
         merge_logging(args)
@@ -1291,10 +1383,14 @@ def main(
                 log_file=getattr(args, "log_file", None),
                 stream=err,
             )
-            return _dispatch(command, args, out, err)
+            _take_origin(args)
+            if hasattr(args, "processes_required"):
+                _resolve_group(args)
+            run: Run = args.func
+            return run(args, out, err)
         except targets.TargetError as error:
             return _finish(command, args, out, err, EXIT_FAILED, "refused", error.lines)
-        except agent.ManifestError as error:
+        except ManifestError as error:
             return _finish(command, args, out, err, EXIT_FAILED, "refused", error.lines())
         except OSError as exc:
             # The checkpoint directory (or a file named on the command line) is not
@@ -1313,14 +1409,16 @@ def _take_origin(args: argparse.Namespace) -> None:
     """resume, restore and recover reach the group where its manifest says it lives (and
     load the driver its shims reported), unless --control-dir or --proc-root say
     otherwise; what is taken is said at debug level."""
+    from .engine.manifest import MANIFEST_FILE_NAME, ManifestError, read_manifest
+
     directory = getattr(args, "checkpoint_dir", None)
     if args.command not in ("resume", "restore", "recover", "native") or directory is None:
         return
-    if not (Path(directory) / agent.MANIFEST_FILE_NAME).is_file():
+    if not (Path(directory) / MANIFEST_FILE_NAME).is_file():
         return
     try:
-        origin = agent.read_manifest(directory).origin
-    except agent.ManifestError:
+        origin = read_manifest(directory).origin
+    except ManifestError:
         return  # the verb itself reads it again, and says what is wrong with it
     if origin is None:
         return
@@ -1344,52 +1442,87 @@ def _early_logging_to(args: argparse.Namespace) -> list[str]:
     return [*argv[:1], *early, *argv[1:]] if argv and early else argv
 
 
-def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    _take_origin(args)
-    if hasattr(args, "processes_required"):
-        _resolve_group(args)
-    if command in ("prepare", "suspend"):
-        created = missing(args.checkpoint_dir)
-        if command == "prepare":
-            code = _run_machine(CAPTURE, args, out, err)
-        else:
-            code = _agent_command(command, args, out, err)
-        tidy_refused(created, code)
-        return code
-    if command == "restore":
-        return _run_machine(RESTORE, args, out, err)
-    if command == "recover":
-        return _run_machine(None, args, out, err)
-    if command in ("suspend", "resume"):
-        return _agent_command(command, args, out, err)
-    if command == "status":
-        return _status(args, out, err)
-    if command == "inspect":
-        return _inspect(args, out, err)
-    if command == "native":
-        return _native_action(args, out, err)
-    if command == "diagram":
-        out.write(mermaid(MACHINES[args.machine]))
-        return EXIT_OK
-    if command == "replay":
-        return _replay(args, out, err)
-    if command == "sim-path":
-        return _artifact(artifacts.sim_library_dir, out, err)
-    if command == "shim-path":
-        return _artifact(artifacts.shim_library, out, err)
-    if command == "launch":
-        return _launch(args, err)
-    if command == "demo":
-        return _demo(args, err)
-    if command in ("criu", "job"):  # their verbs' parsers: frontends/{criu,job}_action.py
-        module = _delegate(f"{command}_action", err)
-        if module is None:
-            return EXIT_FAILED
-        return int(module.main(_early_logging_to(args), stdout=out, stderr=err))
-    if command == "check":
-        from . import check
+def _suspend(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    created = missing(args.checkpoint_dir)
+    code = _agent_command("suspend", args, out, err)
+    tidy_refused(created, code)
+    return code
 
-        return check.run(
-            control_dir=_control_dir(args), driver=args.driver, as_json=args.json, out=out
-        )
-    raise AssertionError(f"unhandled command {command}")
+
+def _resume(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    return _agent_command("resume", args, out, err)
+
+
+def _prepare(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .phases import CAPTURE
+
+    created = missing(args.checkpoint_dir)
+    code = _run_machine(CAPTURE, args, out, err)
+    tidy_refused(created, code)
+    return code
+
+
+def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .phases import RESTORE
+
+    return _run_machine(RESTORE, args, out, err)
+
+
+def _recover(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    return _run_machine(None, args, out, err)
+
+
+def _diagram(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .engine.fsm import mermaid  # transitions: only here
+    from .phases import MACHINES
+
+    out.write(mermaid(MACHINES[args.machine]))
+    return EXIT_OK
+
+
+def _sim_path(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    return _artifact(artifacts.sim_library_dir, out, err)
+
+
+def _shim_path(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    return _artifact(artifacts.shim_library, out, err)
+
+
+def _criu(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from . import criu_action  # its verbs' own parser
+
+    return criu_action.main(_early_logging_to(args), stdout=out, stderr=err)
+
+
+def _job(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from . import job_action  # its verbs' own parser
+
+    return job_action.main(_early_logging_to(args), stdout=out, stderr=err)
+
+
+def _check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from . import check
+
+    return check.run(control_dir=_control_dir(args), driver=args.driver, as_json=args.json, out=out)
+
+
+# Each verb: the options it adds to its parser, and what runs it (set_defaults(func=...)).
+_COMMANDS: Final[dict[str, tuple[Callable[[argparse.ArgumentParser], None], Run]]] = {
+    "suspend": (_suspend_options, _suspend),
+    "resume": (_resume_options, _resume),
+    "status": (_status_options, _status),
+    "check": (_check_options, _check),
+    "launch": (_launch_options, lambda a, o, e: _launch(a, e)),
+    "prepare": (_prepare_options, _prepare),
+    "restore": (_restore_options, _restore),
+    "recover": (_restore_options, _recover),
+    "native": (_native_options, _native_action),
+    "inspect": (_inspect_options, _inspect),
+    "diagram": (_diagram_options, _diagram),
+    "replay": (_replay_options, _replay),
+    "sim-path": (_no_options, _sim_path),
+    "shim-path": (_no_options, _shim_path),
+    "criu": (_verbs_options, _criu),
+    "job": (_verbs_options, _job),
+    "demo": (_demo_options, lambda a, o, e: _demo(a, e)),
+}
