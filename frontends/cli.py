@@ -53,11 +53,11 @@ from .arguments import (
     add_early_logging,
     add_endpoints,
     add_gpu_map,
-    add_phase_timeout,
+    add_step_timeout,
     merge_logging,
     missing,
-    phase_timeout,
     seconds,
+    step_timeout,
     tidy_refused,
     verb_adder,
 )
@@ -93,7 +93,7 @@ def _add_machine_options(parser: argparse.ArgumentParser, *, required: bool = Tr
     )
     add_endpoints(parser, required=required)
     _add_progress(parser)
-    add_phase_timeout(parser)
+    add_step_timeout(parser)
     parser.add_argument("--trace", type=Path, metavar="FILE", help="record the run as JSON lines")
     parser.add_argument(
         "--no-rollback",
@@ -111,7 +111,7 @@ def _add_agent_options(parser: argparse.ArgumentParser, *, required: bool = True
     )
     add_endpoints(parser, required=required)
     _add_progress(parser)
-    add_phase_timeout(parser)
+    add_step_timeout(parser)
     parser.add_argument(
         "--per-participant", action="store_true", help="add per-participant copy tables"
     )
@@ -569,7 +569,7 @@ def _machine(
     from .phases import CAPTURE
 
     endpoints = _endpoints(args)
-    timeout = phase_timeout(args.phase_timeout)
+    timeout = step_timeout(args.step_timeout)
     if spec is not None:  # recover reports and leaves out the processes that are gone
         problems = targets.problems(args.group, _where(args), shim=True)
         if problems:
@@ -774,7 +774,7 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
         "the resume goes no further; the lines that follow say where the group is")  # fmt: skip
     where_now = _Whereabouts(on_event, then=then)
     stop = threading.Event()
-    options = runner.Options(phase_timeout=phase_timeout(args.phase_timeout), stop=stop)
+    options = runner.Options(phase_timeout=step_timeout(args.step_timeout), stop=stop)
     try:
         native = _native(args)
         with _stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)), live:
@@ -1247,7 +1247,7 @@ def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 
     endpoints = _endpoints(args)
     try:
-        bound, topology = runner.inspect(endpoints, timeout=phase_timeout(None))
+        bound, topology = runner.inspect(endpoints, timeout=step_timeout(None))
     except CoordinatorError as error:
         return _finish("inspect", args, stdout, stderr, EXIT_FAILED, "refused", error.lines())
     records = topology.records_by_participant()

@@ -50,12 +50,12 @@ from .arguments import (
     add_control_dir,
     add_driver,
     add_gpu_map,
-    add_phase_timeout,
     add_processes,
+    add_step_timeout,
     missing,
-    phase_timeout,
     pid,
     seconds,
+    step_timeout,
     tidy_refused,
     verb_adder,
 )
@@ -167,7 +167,7 @@ def _group_options(
             help="the control directory as seen here before the processes exist "
             "(default: the control directory, unless --proc-root)",
         )
-    add_phase_timeout(parser)
+    add_step_timeout(parser)
     _output_options(parser)
 
 
@@ -410,8 +410,8 @@ def _script_argv(args: argparse.Namespace, processes: Sequence[agent.Process]) -
     if args.not_requested:
         words.append("--not-requested")
     words += ["--driver", args.driver, "--progress", "json" if args.json else args.progress]
-    if args.phase_timeout is not None:
-        words += ["--phase-timeout", str(args.phase_timeout)]
+    if args.step_timeout is not None:
+        words += ["--step-timeout", str(args.step_timeout)]
     words += ["-v"] * args.verbose + (["-q"] if args.quiet else [])
     if args.log_file is not None:
         words += ["--log-file", str(args.log_file.resolve())]
@@ -459,7 +459,7 @@ def _dump(
             where=where,
             native=_native(args, where, lambda: processes),
             requested=not args.not_requested,
-            options=Options(phase_timeout=phase_timeout(args.phase_timeout, environ)),
+            options=Options(phase_timeout=step_timeout(args.step_timeout, environ)),
             lock_timeout_ms=int(args.lock_timeout * 1000),
             criu_args=_criu_args(args.criu_args),
             on_event=on_event,
@@ -501,7 +501,7 @@ def _restore(
             where=where,
             native=_native(args, where, recorded),
             control_dir=_before_dir(args, where),
-            options=Options(phase_timeout=phase_timeout(args.phase_timeout, environ)),
+            options=Options(phase_timeout=step_timeout(args.step_timeout, environ)),
             criu_args=_criu_args(args.criu_args),
             gpu_map=args.gpu_map,
             on_event=on_event,
@@ -536,7 +536,7 @@ def _action(
 ) -> int:
     step = environ.get(ACTION_ENV, "")
     where = _where(args, environ)
-    options = Options(phase_timeout=phase_timeout(args.phase_timeout, environ))
+    options = Options(phase_timeout=step_timeout(args.step_timeout, environ))
     processes = _processes(args)
     if step == "pre-dump":
         named = environ.get(IMAGES_ENV)
