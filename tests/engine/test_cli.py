@@ -318,7 +318,9 @@ def test_the_former_phase_timeout_still_works_and_says_it_is_deprecated(
         ["prepare", "--checkpoint-dir", "/x", "--pid", "1", "--phase-timeout", "0.3"]
     )
     assert args.step_timeout == 0.3
-    assert "--phase-timeout is deprecated and will go: use --step-timeout" in capsys.readouterr().err
+    assert (
+        "--phase-timeout is deprecated and will go: use --step-timeout" in capsys.readouterr().err
+    )
 
 
 def test_the_phase_timeout_comes_from_the_environment(
