@@ -67,6 +67,7 @@ from .engine.native import NativeBackend, NativeUnavailableError
 from .engine.options import Options
 from .engine.released import size
 from .engine.statefile import StateFileError
+from .outcomes import Outcome, finish
 
 PROG: Final = "cuinterpose criu"
 ACTION_ENV: Final = "CRTOOLS_SCRIPT_ACTION"
@@ -322,13 +323,6 @@ def _events(mode: str, stream: TextIO) -> Iterator[agent.AgentCallback | None]:
         yield None
 
 
-def _say(stream: TextIO, lines: Sequence[str]) -> None:
-    with contextlib.suppress(OSError):
-        for line in lines:
-            stream.write(line + "\n")
-        stream.flush()
-
-
 def _finish(
     args: argparse.Namespace,
     stdout: TextIO,
@@ -337,24 +331,14 @@ def _finish(
     lines: Sequence[str] = (),
     **summary: Any,
 ) -> int:
-    """Say how the verb ended once: the lines on stderr, and with JSON output one summary
-    line with the outcome and the exit code."""
-    for line in lines:
-        stderr.write(f"{PROG}: {line}\n")
-    stderr.flush()
-    if getattr(args, "mode", None) == "json":
-        document: dict[str, Any] = {"event": "summary", "command": f"criu {args.verb}"}
-        document.update(summary)
-        document.update(outcome=summary.pop("outcome", _OUTCOMES[code]), exit_code=code)
-        document.pop("human", None)
-        if lines:
-            document["reason"] = list(lines)
-        with contextlib.suppress(OSError):
-            stdout.write(json.dumps(document, allow_nan=False) + "\n")
-            stdout.flush()
-    elif getattr(args, "mode", None) == "human" and summary.get("human"):
-        _say(stdout, summary["human"])
-    return code
+    """Say how the verb ended once (frontends/outcomes.py): the lines on stderr, and with
+    JSON output one summary line with the outcome and the exit code; ``outcome`` and
+    ``human`` (the lines a person reads) are the summary's own keywords."""
+    outcome = str(summary.pop("outcome", ""))
+    human = summary.pop("human", ())
+    ended = Outcome(code, outcome, lines, summary, human)
+    mode = str(getattr(args, "mode", ""))
+    return finish(f"criu {args.verb}", mode, ended, stdout, stderr, prog=PROG, outcomes=_OUTCOMES)
 
 
 def _seconds(timings: Sequence[agent.Timing]) -> float:

@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import pytest
 import topologies
-from cuinterpose import cli
+from cuinterpose import cli, invocation
 from cuinterpose.engine import Options, PhaseFailed, agent, native, quiesce, runner
 from cuinterpose.engine.client import Endpoint
 from cuinterpose.engine.native import NativeError, NativeGroupError, ProcessState
@@ -468,7 +468,7 @@ def test_resume_refuses_other_processes_and_unsuspended_ones(work: Path) -> None
 def run_cli(
     argv: list[str], fake: FakeNative, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[int, str, str]:
-    monkeypatch.setattr(cli, "_native_backend", lambda: fake)
+    monkeypatch.setattr(invocation, "_native_backend", lambda: fake)
     out, err = io.StringIO(), io.StringIO()
     code = cli.main(argv, stdout=out, stderr=err)
     return code, out.getvalue(), err.getvalue()
