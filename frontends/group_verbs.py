@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TextIO
 
-from . import invocation, running, summaries, targets
+from . import invocation, targets
 from .arguments import (
     EXIT_FAILED,
     EXIT_NEEDS_RECOVER,
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 def agent_command(
     command: str, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
 ) -> Outcome:
+    from . import running, summaries
     from .engine import agent, runner
     from .engine.errors import CoordinatorError, Refused
     from .engine.native import NativeUnavailableError
