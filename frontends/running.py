@@ -64,11 +64,11 @@ class Whereabouts:
 
     def __call__(self, event: agent.AgentEvent) -> None:
         from .engine import agent
-        from .engine.progress import PhaseEvent
+        from .engine.progress import OpEvent
 
         if isinstance(event, agent.StepEvent) and event.status == "started":
             self.step, self.phase, self.copy = event.step, "", None
-        elif isinstance(event, PhaseEvent):
+        elif isinstance(event, OpEvent):
             self.phase, self.copy = event.phase, None
         elif isinstance(event, agent.CopyProgress):
             self.copy = event
@@ -84,7 +84,7 @@ class Whereabouts:
         at = self.step or "the first step"
         if self.copy is not None:
             at = (
-                f"{self.copy.phase} (in flight: {size(self.copy.bytes_done)} of "
+                f"{self.copy.op} (in flight: {size(self.copy.bytes_done)} of "
                 f"{size(self.copy.bytes_total)} copied)"
             )
         elif self.phase:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cuinterpose.engine import PhaseFailed, agent, runner, watch, wire
+from cuinterpose.engine import StepFailed, agent, runner, watch, wire
 from cuinterpose.engine.client import ParticipantHangup, call_all
 from cuinterpose.engine.native import ProcessState
 
@@ -357,7 +357,7 @@ def test_a_drain_that_cannot_enter_a_context_refuses_before_any_teardown(
         "result = None"
     )
     endpoint = agent.Where(control_dir).endpoint(agent.Process(app.pid, app.pid))
-    with pytest.raises(PhaseFailed) as info:
+    with pytest.raises(StepFailed) as info:
         runner.capture([endpoint], tmp_path)
     error = info.value
     assert error.step == "QUIESCE", error
