@@ -143,18 +143,18 @@ def rollback(
     checkpoint_dir: Path,
     options: Options | None = None,
     *,
-    recorded: Topology | None = None,
+    captured: Topology | None = None,
 ) -> RollbackResult:
     """Bring every participant still there back to ACTIVE, bytes and sharing as before.
 
-    ``recorded`` is the topology before the capture when the caller has it; else the
+    ``captured`` is the topology before the capture when the caller has it; else the
     checkpoint directory's intent (or state file) provides it. Participants whose
     process is gone are left out and reported in ``gone``. The intent is removed
     once the group is back.
     """
     options = attrs.evolve(options or Options(), stop=None, rollback_on_failure=False, on_step=None)
     loop = _Loop(ROLLBACK, endpoints, Path(checkpoint_dir), options)
-    loop.run.captured = recorded
+    loop.run.captured = captured
     _execute(loop)
     run = loop.run
     assert run.topology is not None
@@ -194,12 +194,12 @@ def _execute(loop: _Loop) -> None:
 
 def _roll_back_after(loop: _Loop, error: CoordinatorError) -> None:
     endpoints = [b.endpoint for b in loop.run.bound] or list(loop.run.endpoints)
-    recorded = loop.run.topology if loop.spec is CAPTURE else loop.run.captured
+    captured = loop.run.topology if loop.spec is CAPTURE else loop.run.captured
     try:
         # The lock is held already: the rollback is this coordinator's own.
         inner = _Loop(ROLLBACK, endpoints, loop.run.checkpoint_dir, loop.options_for_rollback())
         inner.run.lease = loop.run.lease  # the same coordinator: its lease goes on
-        inner.run.captured = recorded
+        inner.run.captured = captured
         inner.execute()
         clear_intent(loop.run.checkpoint_dir)
         error.rolled_back = True

@@ -195,7 +195,7 @@ def perform(run: Run, step: Step) -> OpEvent | None:
     """Do ``step``'s work; a wire step returns its progress event."""
     op = step_op(step)
     if op is not None:
-        if run.spec.records_intent and run.intent_path is None and step.tears_down:
+        if run.spec.writes_intent and run.intent_path is None and step.tears_down:
             write_intent_file(run)
         return exchange(run, step, op)
     assert step.action is not None  # a step without an op has an action (phases checks)

@@ -271,7 +271,7 @@ def test_status_is_served_while_a_phase_op_is_in_flight(
     assert answers[0].stats.bytes == 2 * group.size
     assert in_flight().bytes_done == 0  # nothing in flight: nothing reported
     # Only the creator moved; bring it back with the importer.
-    runner.rollback(endpoints, tmp_path, recorded=topology)
+    runner.rollback(endpoints, tmp_path, captured=topology)
     assert group.mismatches() == []
     group.close()
 
