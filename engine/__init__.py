@@ -101,7 +101,7 @@ if TYPE_CHECKING:
         json_printer,
     )
     from .recovery import RecoveryReport, recover
-    from .released import Released, released, released_by_suspend
+    from .released import Released, released
     from .replay import Divergence, ReplayReport, machine_mismatch, replay, replay_file
     from .runner import (
         Bound,

@@ -75,23 +75,21 @@ def _native_backend() -> NativeBackend | None:
     return None
 
 
-def driver_library(args: argparse.Namespace) -> str | None:
-    """The libcuda.so.1 the native calls load (frontends/drivers.py)."""
+def native(args: argparse.Namespace) -> NativeBackend:
+    """The native calls on the driver ``--driver`` names, chosen at the first call (the
+    shims are asked then, as the architecture says: late): a verb that refuses first
+    never asks."""
     from . import drivers
 
-    return drivers.library(
+    injected = _native_backend()
+    if injected is not None:
+        return injected
+    return drivers.LateBackend(
         getattr(args, "driver", "auto"),
         lambda: endpoints(args),
-        getattr(args, "recorded", None),
+        lambda: getattr(args, "recorded", None),
         proc_root=getattr(args, "proc_root", None),
     )
-
-
-def native(args: argparse.Namespace) -> NativeBackend:
-    from .engine.native import CudaBackend
-
-    injected = _native_backend()
-    return injected if injected is not None else CudaBackend(driver_library(args))
 
 
 def no_driver(command: str, exc: NativeUnavailableError) -> list[str]:

@@ -84,7 +84,6 @@ class Summary:
         cls, command: str, args: argparse.Namespace, done: agent.SuspendResult | agent.ResumeResult
     ) -> Summary:
         from .engine import agent
-        from .engine.released import released_by_suspend
 
         staged = sum(t.bytes for t in done.timings if t.step in ("capture", "coordinator_restore"))
         words = [PROG, "resume" if command == "suspend" else "suspend",
@@ -93,11 +92,7 @@ class Summary:
         if command == "resume":  # a new suspend names the processes, here the manifest's
             for o, n in args.group:
                 words += ["--pid", str(o)] if o == n else ["--process", str(o), str(n)]
-        freed = None
-        if isinstance(done, agent.SuspendResult):
-            freed = released_by_suspend(
-                args.checkpoint_dir, done.staging, len(args.group), prepared=done.manifest.prepared
-            )
+        freed = done.released if isinstance(done, agent.SuspendResult) else None
         return cls(
             command,
             "suspended" if command == "suspend" else "resumed",
