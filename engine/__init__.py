@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         native_for,
         read_manifest,
         remove_stale_sockets,
+        require_natively_running,
         resume,
         status,
         suspend,
@@ -245,6 +246,7 @@ STEP_API = (
     "capture",
     "read_state",
     "recover",
+    "require_natively_running",
     "restore",
     "rollback",
 )

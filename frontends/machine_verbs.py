@@ -137,45 +137,25 @@ def _machine(
 def _native_check(
     spec: MachineSpec, args: argparse.Namespace, endpoints: Sequence[Endpoint], stderr: TextIO
 ) -> int | None:
-    """prepare and restore need every process natively RUNNING: a locked or
-    checkpointed one is refused (exit 1, nothing changed) with what to run."""
-    from .engine import agent
-    from .engine.manifest import resume_hint
-    from .engine.native import NativeUnavailableError, ProcessState
+    """prepare and restore need every process natively RUNNING (the engine's policy,
+    group_status.require_natively_running): refused with exit 1, nothing changed; no
+    driver to ask, refused too unless --skip-native-check."""
+    from .engine.group_status import StateRefused, require_natively_running
+    from .engine.native import NativeUnavailableError
     from .engine.recovery import native_check_refusal
-    from .phases import CAPTURE
 
-    processes = [agent.Process(e.observed_pid, e.namespace_pid) for e in endpoints]
-    if spec is CAPTURE:
-        hint = (
-            "a process is natively locked or checkpointed; bring it back first "
-            f"({resume_hint(args.checkpoint_dir)}, or the native restore and unlock), "
-            "then prepare"
-        )
-    else:
-        resume = shlex.join(
-            [
-                PROG,
-                "resume",
-                "--checkpoint-dir",
-                str(args.checkpoint_dir),
-                *invocation.where_words(args),
-            ]
-        )
-        hint = (
-            "restore runs after the native restore and unlock of every process; run them "
-            f"first (`{PROG} native --action restore` and `--action unlock`, or `{resume}`)"
-        )
+    words = [PROG, "resume", "--checkpoint-dir", str(args.checkpoint_dir)]
+    resume = f"`{shlex.join([*words, *invocation.where_words(args)])}`"
+    pairs = [(e.observed_pid, e.namespace_pid) for e in endpoints]
     try:
-        agent.require_states(
-            invocation.native(args), processes, ProcessState.RUNNING, spec.name, hint
-        )
+        require_natively_running(spec.name, invocation.native(args), pairs, args.checkpoint_dir,
+                                 resume=resume)  # fmt: skip
     except NativeUnavailableError as exc:
         if not args.skip_native_check:
             return say(native_check_refusal(args.command, exc), stderr)
         stderr.write(f"{PROG}: note: the native state was not checked (--skip-native-check): "
                      f"{exc}\n")  # fmt: skip
-    except agent.StateRefused as refused:
+    except StateRefused as refused:
         return say(refused.lines(), stderr)
     return None
 
