@@ -51,6 +51,7 @@ from .arguments import (
     tidy_refused,
     verb_adder,
 )
+from .invocation import Invocation
 from .outcomes import PROG, Outcome, finish, output_mode, say
 
 # The engine's modules are imported where a verb uses them: a command loads only what it
@@ -367,7 +368,7 @@ def _demo_options(demo: argparse.ArgumentParser) -> None:
 
 
 # A verb: what it said itself (an exit code), or its Outcome for main to say.
-Run = Callable[[argparse.Namespace, TextIO, TextIO], "int | Outcome"]
+Run = Callable[[Invocation, TextIO, TextIO], "int | Outcome"]
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -473,7 +474,7 @@ def main(
             return int(exit_.code or 0) if isinstance(exit_.code, int | None) else EXIT_USAGE
         merge_logging(args)
         command: str = args.command
-        args.mode = output_mode(args, out)
+        mode = output_mode(args, out)
         try:
             logs.configure(
                 verbosity=getattr(args, "verbose", 0),
@@ -481,11 +482,8 @@ def main(
                 log_file=getattr(args, "log_file", None),
                 stream=err,
             )
-            invocation.take_origin(args)
-            if hasattr(args, "processes_required"):
-                invocation.resolve_group(args)
             run: Run = args.func
-            ended = run(args, out, err)
+            ended = run(invocation.of(args, mode), out, err)
         except targets.TargetError as error:
             ended = Outcome.refused(error.lines)
         except ManifestError as error:
@@ -497,7 +495,7 @@ def main(
             ended = Outcome.refused([f"{command}: {where}{exc.strerror or exc}"])
         finally:
             logs.reset()
-        return ended if isinstance(ended, int) else finish(command, args.mode, ended, out, err)
+        return ended if isinstance(ended, int) else finish(command, mode, ended, out, err)
     except UsageError as exc:
         err.write(f"{exc}\n")
         return EXIT_USAGE
@@ -513,101 +511,101 @@ def _early_logging_to(args: argparse.Namespace) -> list[str]:
     return [*argv[:1], *early, *argv[1:]] if argv and early else argv
 
 
-def _suspend(args: argparse.Namespace, out: TextIO, err: TextIO) -> Outcome:
+def _suspend(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
     from . import group_verbs
 
-    created = missing(args.checkpoint_dir)
-    ended = group_verbs.agent_command("suspend", args, out, err)
+    created = missing(call.options.checkpoint_dir)
+    ended = group_verbs.agent_command("suspend", call, out, err)
     tidy_refused(created, ended.code)
     return ended
 
 
-def _resume(args: argparse.Namespace, out: TextIO, err: TextIO) -> Outcome:
+def _resume(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
     from . import group_verbs
 
-    return group_verbs.agent_command("resume", args, out, err)
+    return group_verbs.agent_command("resume", call, out, err)
 
 
-def _status(args: argparse.Namespace, out: TextIO, err: TextIO) -> Outcome:
+def _status(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
     from . import group_verbs
 
-    return group_verbs.status(args, out, err)
+    return group_verbs.status(call, out, err)
 
 
-def _native(args: argparse.Namespace, out: TextIO, err: TextIO) -> Outcome:
+def _native(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
     from . import group_verbs
 
-    return group_verbs.native_action(args, out, err)
+    return group_verbs.native_action(call, out, err)
 
 
-def _inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> Outcome:
+def _inspect(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
     from . import group_verbs
 
-    return group_verbs.inspect(args, out, err)
+    return group_verbs.inspect(call, out, err)
 
 
-def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> Outcome:
+def _replay(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
     from . import group_verbs
 
-    return group_verbs.replay(args, out, err)
+    return group_verbs.replay(call, out, err)
 
 
-def _prepare(args: argparse.Namespace, out: TextIO, err: TextIO) -> Outcome:
+def _prepare(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
     from . import machine_verbs
     from .phases import CAPTURE
 
-    created = missing(args.checkpoint_dir)
-    ended = machine_verbs.run_machine(CAPTURE, args, out, err)
+    created = missing(call.options.checkpoint_dir)
+    ended = machine_verbs.run_machine(CAPTURE, call, out, err)
     tidy_refused(created, ended.code)
     return ended
 
 
-def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> Outcome:
+def _restore(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
     from . import machine_verbs
     from .phases import RESTORE
 
-    return machine_verbs.run_machine(RESTORE, args, out, err)
+    return machine_verbs.run_machine(RESTORE, call, out, err)
 
 
-def _recover(args: argparse.Namespace, out: TextIO, err: TextIO) -> Outcome:
+def _recover(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
     from . import machine_verbs
 
-    return machine_verbs.run_machine(None, args, out, err)
+    return machine_verbs.run_machine(None, call, out, err)
 
 
-def _diagram(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+def _diagram(call: Invocation, out: TextIO, err: TextIO) -> int:
     from .engine.fsm import mermaid  # transitions: only here
     from .phases import MACHINES
 
-    out.write(mermaid(MACHINES[args.machine]))
+    out.write(mermaid(MACHINES[call.options.machine]))
     return EXIT_OK
 
 
-def _sim_path(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+def _sim_path(call: Invocation, out: TextIO, err: TextIO) -> int:
     return _artifact(artifacts.sim_library_dir, out, err)
 
 
-def _shim_path(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+def _shim_path(call: Invocation, out: TextIO, err: TextIO) -> int:
     return _artifact(artifacts.shim_library, out, err)
 
 
-def _criu(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+def _criu(call: Invocation, out: TextIO, err: TextIO) -> int:
     from . import criu_action  # its verbs' own parser
 
-    return criu_action.main(_early_logging_to(args), stdout=out, stderr=err)
+    return criu_action.main(_early_logging_to(call.options), stdout=out, stderr=err)
 
 
-def _job(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+def _job(call: Invocation, out: TextIO, err: TextIO) -> int:
     from . import job_action  # its verbs' own parser
 
-    return job_action.main(_early_logging_to(args), stdout=out, stderr=err)
+    return job_action.main(_early_logging_to(call.options), stdout=out, stderr=err)
 
 
-def _check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+def _check(call: Invocation, out: TextIO, err: TextIO) -> int:
     from . import check
 
     return check.run(
-        control_dir=invocation.control_dir(args), driver=args.driver, as_json=args.json, out=out
+        control_dir=call.control_dir, driver=call.options.driver, as_json=call.options.json, out=out
     )
 
 
@@ -617,7 +615,7 @@ _COMMANDS: Final[dict[str, tuple[Callable[[argparse.ArgumentParser], None], Run]
     "resume": (_resume_options, _resume),
     "status": (_status_options, _status),
     "check": (_check_options, _check),
-    "launch": (_launch_options, lambda a, o, e: _launch(a, e)),
+    "launch": (_launch_options, lambda c, o, e: _launch(c.options, e)),
     "prepare": (_prepare_options, _prepare),
     "restore": (_restore_options, _restore),
     "recover": (_restore_options, _recover),
@@ -629,5 +627,5 @@ _COMMANDS: Final[dict[str, tuple[Callable[[argparse.ArgumentParser], None], Run]
     "shim-path": (_no_options, _shim_path),
     "criu": (_verbs_options, _criu),
     "job": (_verbs_options, _job),
-    "demo": (_demo_options, lambda a, o, e: _demo(a, e)),
+    "demo": (_demo_options, lambda c, o, e: _demo(c.options, e)),
 }

@@ -5,7 +5,6 @@ verbs of :mod:`cuinterpose.engine.agent`, the native checkpoint included), ``sta
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import shlex
 import threading
@@ -25,21 +24,20 @@ from .outcomes import OUTCOMES, PROG, Outcome
 if TYPE_CHECKING:
     from .engine import agent
     from .engine.native import ProcessState
+    from .invocation import Invocation
 
 
-def agent_command(
-    command: str, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
-) -> Outcome:
+def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
     from . import running, summaries
     from .engine import agent, runner
     from .engine.errors import CoordinatorError, Refused
     from .engine.native import NativeUnavailableError
 
-    processes = invocation.processes(args)
-    mode = args.mode
-    shim_needed = command == "suspend" and not args.not_requested
+    processes = call.processes()
+    mode = call.mode
+    shim_needed = command == "suspend" and not call.options.not_requested
     # resume checks the group itself: the survivors of a member lost come back.
-    problems = targets.problems(args.group, invocation.where(args), shim=shim_needed) if (
+    problems = targets.problems(call.group, call.where(), shim=shim_needed) if (
         command == "suspend") else []  # fmt: skip
     if problems:
         return Outcome(EXIT_FAILED, "refused", [f"{command} refused:", *problems])  # fmt: skip
@@ -49,7 +47,7 @@ def agent_command(
     if mode == "human":
         from . import render  # rich: only for a person's output
 
-        view = render.HumanView(stdout, per_participant=args.per_participant)
+        view = render.HumanView(stdout, per_participant=call.options.per_participant)
         on_event, live = view, view.live()
     elif mode == "json":
         on_event = running.json_events(stdout)
@@ -59,28 +57,28 @@ def agent_command(
         "the resume goes no further; the lines that follow say where the group is")  # fmt: skip
     where_now = running.Whereabouts(on_event, then=then)
     stop = threading.Event()
-    options = runner.Options(phase_timeout=step_timeout(args.step_timeout), stop=stop)
+    options = runner.Options(phase_timeout=step_timeout(call.options.step_timeout), stop=stop)
     try:
-        native = invocation.native(args)
+        native = call.native()
         with running.stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)), live:
             if command == "suspend":
                 done: agent.SuspendResult | agent.ResumeResult = agent.suspend(
                     processes,
-                    args.checkpoint_dir,
-                    where=invocation.where(args),
+                    call.options.checkpoint_dir,
+                    where=call.where(),
                     native=native,
-                    requested=not args.not_requested,
+                    requested=not call.options.not_requested,
                     options=options,
-                    lock_timeout_ms=int(args.lock_timeout * 1000),
+                    lock_timeout_ms=int(call.options.lock_timeout * 1000),
                     on_event=where_now,
                 )
             else:
                 done = agent.resume(
-                    args.checkpoint_dir,
-                    where=invocation.where(args),
+                    call.options.checkpoint_dir,
+                    where=call.where(),
                     native=native,
                     processes=processes,
-                    gpu_map=args.gpu_map,
+                    gpu_map=call.options.gpu_map,
                     options=options,
                     on_event=where_now,
                 )
@@ -95,12 +93,12 @@ def agent_command(
             outcome = OUTCOMES[EXIT_ROLLED_BACK] if not failed.lost else (
                 "a member is gone: the survivors run with the bytes they had")  # fmt: skip
             return Outcome(EXIT_ROLLED_BACK, outcome, failed.lines())  # fmt: skip
-        way_on = f"once every process is RUNNING, run: {invocation.recover_command(args)}"
+        way_on = f"once every process is RUNNING, run: {call.recover_command()}"
         return Outcome(EXIT_NEEDS_RECOVER, "", [*failed.lines(), way_on])  # fmt: skip
     except agent.AgentError as error:
         return Outcome(EXIT_FAILED, "refused", error.lines())
     except CoordinatorError as error:
-        code = running.failure(error, args, stderr)
+        code = running.failure(error, call, stderr)
         # A suspend whose capture was rolled back: the group runs as it was (exit 1).
         if command == "suspend" and code == EXIT_ROLLED_BACK:
             code = EXIT_FAILED
@@ -109,7 +107,7 @@ def agent_command(
         return Outcome(EXIT_FAILED, "refused", invocation.no_driver(command, exc))  # fmt: skip
     for warning in getattr(done, "warnings", ()):
         stderr.write(f"{PROG}: note: {warning}\n")
-    summary = summaries.Summary.of(command, args, done)
+    summary = summaries.Summary.of(command, call, done)
     if view is not None:
         view.summary(done.timings, done.staging)
     return Outcome(EXIT_OK, summary.outcome, figures=summary.to_json(), human=summary.lines())
@@ -142,20 +140,20 @@ class _NoDriver:
         self._none(pid, "cuCheckpointProcessGetState")
 
 
-def status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> Outcome:
+def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
     from .engine.detection import remove_stale_sockets
 
-    processes = invocation.processes(args)
-    where = invocation.where(args)
-    named = bool(args.pid or args.process)
+    processes = call.processes()
+    where = call.where()
+    named = bool(call.options.pid or call.options.process)
     stale = [] if named else _stale(processes, where)
-    if stale and args.clear_stale:
+    if stale and call.options.clear_stale:
         for path in remove_stale_sockets(stale, where):
             stderr.write(f"{PROG}: removed the stale socket {path}\n")
         processes = [p for p in processes if p not in stale]
         stale = []
     if not processes:
-        if args.json:
+        if call.options.json:
             empty = {"processes": [], "control_dir": str(where.control_dir)}
             return Outcome(EXIT_OK, "done", (), figures=empty)
         else:
@@ -167,7 +165,7 @@ def status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> Outcome:
         return Outcome(EXIT_FAILED, "refused", gone)
     for process in stale:
         path = where.endpoint(process).path
-        clear = f"{invocation.status_command(args)} --clear-stale"
+        clear = f"{call.status_command()} --clear-stale"
         stderr.write(
             f"{PROG}: note: pid {process.observed_pid} is gone: its socket {path} is stale "
             f"(`{clear}` removes it)\n"
@@ -176,11 +174,11 @@ def status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> Outcome:
     from .engine.native import NativeUnavailableError
 
     try:
-        rows = asked(processes, where, invocation.native(args))
+        rows = asked(processes, where, call.native())
     except NativeUnavailableError as exc:
         stderr.write(f"{PROG}: note: native states unknown: {exc}\n")
         rows = asked(processes, where, _NoDriver("no CUDA driver loaded"))
-    if args.json:
+    if call.options.json:
         # One line, the summary itself: JSON lines like every verb's, and one document.
         document = {"processes": [r.to_json() for r in rows]}
         return Outcome(EXIT_OK, "done", (), figures=document)
@@ -208,7 +206,7 @@ _UNDO_ACTION: Final = {"lock": "unlock", "checkpoint": "restore", "restore": "ch
                        "unlock": "lock"}  # fmt: skip
 
 
-def native_action(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> Outcome:
+def native_action(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
     """One native step on every process (frontends/native.py's group helpers, from the
     shell): each process's state after it, and on a failure every state and what to do."""
     from .engine.native import (
@@ -218,13 +216,13 @@ def native_action(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> O
         state_names,
     )
 
-    processes = invocation.processes(args)
+    processes = call.processes()
     pids = [p.observed_pid for p in processes]
-    action: str = args.action
+    action: str = call.options.action
     try:
-        native = invocation.native(args)
+        native = call.native()
         if action != "state":
-            run_step(native, action, pids, lock_timeout_ms=int(args.lock_timeout * 1000))
+            run_step(native, action, pids, lock_timeout_ms=int(call.options.lock_timeout * 1000))
         states = state_names(native, pids)
     except NativeUnavailableError as exc:
         return Outcome(EXIT_FAILED, "refused", invocation.no_driver("native", exc))  # fmt: skip
@@ -233,12 +231,12 @@ def native_action(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> O
         lines = list(failure.lines())
         if failure.done:  # some processes took the step: undo it on them, or go on
             named = [w for pid in failure.done for w in ("--pid", str(pid))]
-            back = [PROG, "native", "--action", _UNDO_ACTION[action], *invocation.where_words(args)]
+            back = [PROG, "native", "--action", _UNDO_ACTION[action], *call.where_words()]
             lines.append(f"the step ran on pid(s) {', '.join(map(str, failure.done))}: undo it "
                          f"there with `{shlex.join([*back, *named])}`, or fix the failed one "
                          "and run the step again")  # fmt: skip
         return Outcome(code, "", lines)
-    if args.mode == "human":
+    if call.mode == "human":
         with contextlib.suppress(OSError):
             for p in processes:
                 stdout.write(f"{p.describe()}: {states[p.observed_pid]}\n")
@@ -246,19 +244,19 @@ def native_action(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> O
     return Outcome(EXIT_OK, "done", (), figures=extra)
 
 
-def inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> Outcome:
+def inspect(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
     from .engine import runner
     from .engine.errors import CoordinatorError
     from .engine.statefile import make_converter
     from .engine.topology import describe_record
 
-    endpoints = invocation.endpoints(args)
+    endpoints = call.endpoints()
     try:
         bound, topology = runner.inspect(endpoints, timeout=step_timeout(None))
     except CoordinatorError as error:
         return Outcome(EXIT_FAILED, "refused", error.lines())
     records = topology.records_by_participant()
-    if args.json:
+    if call.options.json:
         converter = make_converter()
         document: dict[str, Any] = {
             "participants": [
@@ -284,22 +282,23 @@ def inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> Outcome
     return Outcome(EXIT_OK)
 
 
-def replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> Outcome:
+def replay(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
     from .engine.replay import replay as replayed
     from .engine.trace import TraceError, read_trace
 
     try:
-        report = replayed(read_trace(args.trace))
+        report = replayed(read_trace(call.options.trace))
     except TraceError as exc:
         return Outcome(EXIT_FAILED, lines=[str(exc)])
+    trace = call.options.trace
     if report.clean:
         stdout.write(
-            f"{args.trace}: {report.machine} trace of {report.entries} entries replays clean "
+            f"{trace}: {report.machine} trace of {report.entries} entries replays clean "
             f"(outcome {report.outcome})\n"
         )
         return Outcome(EXIT_OK)
     stdout.write(
-        f"{args.trace}: {report.machine} replay diverges in {len(report.divergences)} place(s)\n"
+        f"{trace}: {report.machine} replay diverges in {len(report.divergences)} place(s)\n"
     )
     for divergence in report.divergences:
         stdout.write(f"{divergence}\n")

@@ -14,6 +14,8 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import attrs
+
 from . import targets
 from .arguments import CONTROL_DIR_ENV, DEFAULT_CONTROL_DIR, UsageError
 from .outcomes import PROG
@@ -26,31 +28,142 @@ if TYPE_CHECKING:
     from .engine.native import NativeBackend, NativeUnavailableError
 
 
-def env_control_dir() -> Path:
-    value = os.environ.get(CONTROL_DIR_ENV, "")
-    return Path(value) if value else DEFAULT_CONTROL_DIR
+Pair = tuple[int, int]
 
 
-def control_dir(args: argparse.Namespace) -> Path:
-    given: Path | None = getattr(args, "control_dir", None)
-    return given if given is not None else env_control_dir()
+@attrs.frozen
+class Invocation:
+    """One command: its parsed options, untouched, and what was worked out from them once:
+    how it tells its run (``mode``), where the group lives (the command line's control
+    directory or proc root, else the manifest's origin, else the environment's), the
+    driver the manifest recorded, and the group itself."""
+
+    options: argparse.Namespace
+    mode: str
+    control_dir: Path
+    proc_root: Path | None
+    recorded: str | None = None  # the driver the manifest says the shims reported
+    group: tuple[Pair, ...] = ()
+
+    @property
+    def command(self) -> str:
+        return str(self.options.command)
+
+    def where(self) -> agent.Where:
+        from .engine.detection import Where
+
+        return Where(self.control_dir, self.proc_root)
+
+    def endpoints(self) -> list[Endpoint]:
+        from .engine.client import endpoint_for
+
+        try:
+            return [
+                endpoint_for(o, n, control_dir=self.control_dir, proc_root=self.proc_root)
+                for o, n in self.group
+            ]
+        except ValueError as exc:
+            raise UsageError(f"{PROG}: error: {exc}") from None
+
+    def processes(self) -> list[agent.Process]:
+        from .engine.manifest import Process
+
+        self.endpoints()  # the same usage checks as every other command
+        return [Process(observed, namespace) for observed, namespace in self.group]
+
+    def native(self) -> NativeBackend:
+        """The native calls on the driver ``--driver`` names, chosen at the first call
+        (the shims are asked then, late): a verb that refuses first never asks."""
+        from . import drivers
+
+        injected = _native_backend()
+        if injected is not None:
+            return injected
+        return drivers.LateBackend(
+            getattr(self.options, "driver", "auto"),
+            self.endpoints,
+            lambda: self.recorded,
+            proc_root=self.proc_root,
+        )
+
+    def where_words(self, *, driver: bool = True) -> list[str]:
+        """What a printed command needs to find the group from a plain shell (no
+        ``$SNAPSHOT_CONTROL_DIR``): the control directory or proc root, the driver, when
+        they are not the defaults."""
+        words: list[str] = []
+        if self.proc_root is not None:
+            words += ["--proc-root", str(self.proc_root)]
+        elif self.control_dir != DEFAULT_CONTROL_DIR:
+            words += ["--control-dir", str(self.control_dir)]
+        chosen = getattr(self.options, "driver", "auto")
+        if driver and chosen != "auto":
+            words += ["--driver", chosen]
+        return words
+
+    def status_command(self) -> str:
+        return shlex.join([PROG, "status", *self.where_words()])
+
+    def recover_command(self) -> str:
+        words = [PROG, "recover", "--checkpoint-dir", str(self.options.checkpoint_dir),
+                 *self.where_words()]  # fmt: skip
+        for observed, namespace in self.group:
+            words += ["--pid", str(observed)] if observed == namespace else [
+                "--process", str(observed), str(namespace)]  # fmt: skip
+        return shlex.join(words)
 
 
-def resolve_group(args: argparse.Namespace) -> None:
-    """``args.group``: the processes named, else the ones the checkpoint directory (or,
-    for status, the control directory) holds; usage errors as such."""
+def of(args: argparse.Namespace, mode: str) -> Invocation:
+    """The command's :class:`Invocation`: resume, restore, recover and native reach the
+    group where its manifest says it lives (and load the driver its shims reported),
+    unless --control-dir or --proc-root say otherwise (what is taken is said at debug
+    level); then the group, for the verbs that name one."""
+    given_dir: Path | None = getattr(args, "control_dir", None)
+    call = Invocation(args, mode, given_dir or env_control_dir(), getattr(args, "proc_root", None))
+    origin = _origin(args)
+    if origin is not None:
+        call = attrs.evolve(call, recorded=origin.driver)
+        if given_dir is None and call.proc_root is None:
+            proc_root = None if origin.proc_root is None else Path(origin.proc_root)
+            call = attrs.evolve(call, control_dir=Path(origin.control_dir), proc_root=proc_root)
+            logging.getLogger("cuinterpose.cli").debug(
+                "the group lives where %s/manifest.json says: %s",
+                args.checkpoint_dir,
+                call.where(),
+            )
+    if hasattr(args, "processes_required"):
+        call = attrs.evolve(call, group=tuple(_group(call)))
+    return call
+
+
+def _origin(args: argparse.Namespace) -> agent.Origin | None:
+    from .engine.manifest import MANIFEST_FILE_NAME, ManifestError, read_manifest
+
+    directory = getattr(args, "checkpoint_dir", None)
+    if args.command not in ("resume", "restore", "recover", "native") or directory is None:
+        return None
+    if not (Path(directory) / MANIFEST_FILE_NAME).is_file():
+        return None
+    try:
+        return read_manifest(directory).origin
+    except ManifestError:
+        return None  # the verb itself reads it again, and says what is wrong with it
+
+
+def _group(call: Invocation) -> list[Pair]:
+    """The processes named, else the ones the checkpoint directory (or, for status, the
+    control directory) holds; usage errors as such."""
+    args = call.options
     try:
         given = targets.named(args.pid, args.process)
         if args.command == "status" and not given:
-            args.group = targets.shims(where(args))
-        elif args.processes_required and not given:
+            return targets.shims(call.where())
+        if args.processes_required and not given:
             raise targets.TargetError(
                 ["no process named: give --pid PID (or --process OBSERVED_PID NAMESPACE_PID)"],
                 usage=True,
             )
-        else:
-            directory = None if args.processes_required else getattr(args, "checkpoint_dir", None)
-            args.group = targets.resolve(given, directory, proc_root=args.proc_root)
+        directory = None if args.processes_required else getattr(args, "checkpoint_dir", None)
+        return targets.resolve(given, directory, proc_root=call.proc_root)
     except targets.TargetError as error:
         if error.usage:
             text = "\n".join(f"{PROG}: error: {line}" for line in error.lines)
@@ -58,16 +171,9 @@ def resolve_group(args: argparse.Namespace) -> None:
         raise
 
 
-def endpoints(args: argparse.Namespace) -> list[Endpoint]:
-    from .engine.client import endpoint_for
-
-    try:
-        return [
-            endpoint_for(o, n, control_dir=control_dir(args), proc_root=args.proc_root)
-            for o, n in args.group
-        ]
-    except ValueError as exc:
-        raise UsageError(f"{PROG}: error: {exc}") from None
+def env_control_dir() -> Path:
+    value = os.environ.get(CONTROL_DIR_ENV, "")
+    return Path(value) if value else DEFAULT_CONTROL_DIR
 
 
 def _native_backend() -> NativeBackend | None:
@@ -75,91 +181,8 @@ def _native_backend() -> NativeBackend | None:
     return None
 
 
-def native(args: argparse.Namespace) -> NativeBackend:
-    """The native calls on the driver ``--driver`` names, chosen at the first call (the
-    shims are asked then, as the architecture says: late): a verb that refuses first
-    never asks."""
-    from . import drivers
-
-    injected = _native_backend()
-    if injected is not None:
-        return injected
-    return drivers.LateBackend(
-        getattr(args, "driver", "auto"),
-        lambda: endpoints(args),
-        lambda: getattr(args, "recorded", None),
-        proc_root=getattr(args, "proc_root", None),
-    )
-
-
 def no_driver(command: str, exc: NativeUnavailableError) -> list[str]:
     return [
         f"{command}: {exc}",
         f"to see what this machine offers: {PROG} check",
     ]
-
-
-def where(args: argparse.Namespace) -> agent.Where:
-    from .engine.detection import Where
-
-    return Where(control_dir(args), args.proc_root)
-
-
-def processes(args: argparse.Namespace) -> list[agent.Process]:
-    from .engine.manifest import Process
-
-    endpoints(args)  # the same usage checks as every other command
-    return [Process(observed, namespace) for observed, namespace in args.group]
-
-
-def status_command(args: argparse.Namespace) -> str:
-    return shlex.join([PROG, "status", *where_words(args)])
-
-
-def where_words(args: argparse.Namespace, *, driver: bool = True) -> list[str]:
-    """What a printed command needs to find the group from a plain shell (no
-    ``$SNAPSHOT_CONTROL_DIR``): the control directory or proc root, the driver, when
-    they are not the defaults."""
-    words: list[str] = []
-    if getattr(args, "proc_root", None) is not None:
-        words += ["--proc-root", str(args.proc_root)]
-    elif control_dir(args) != DEFAULT_CONTROL_DIR:
-        words += ["--control-dir", str(control_dir(args))]
-    if driver and getattr(args, "driver", "auto") != "auto":
-        words += ["--driver", args.driver]
-    return words
-
-
-def recover_command(args: argparse.Namespace) -> str:
-    words = [PROG, "recover", "--checkpoint-dir", str(args.checkpoint_dir), *where_words(args)]
-    for observed, namespace in args.group:
-        words += ["--pid", str(observed)] if observed == namespace else [
-            "--process", str(observed), str(namespace)]  # fmt: skip
-    return shlex.join(words)
-
-
-def take_origin(args: argparse.Namespace) -> None:
-    """resume, restore and recover reach the group where its manifest says it lives (and
-    load the driver its shims reported), unless --control-dir or --proc-root say
-    otherwise; what is taken is said at debug level."""
-    from .engine.manifest import MANIFEST_FILE_NAME, ManifestError, read_manifest
-
-    directory = getattr(args, "checkpoint_dir", None)
-    if args.command not in ("resume", "restore", "recover", "native") or directory is None:
-        return
-    if not (Path(directory) / MANIFEST_FILE_NAME).is_file():
-        return
-    try:
-        origin = read_manifest(directory).origin
-    except ManifestError:
-        return  # the verb itself reads it again, and says what is wrong with it
-    if origin is None:
-        return
-    args.recorded = origin.driver
-    if args.control_dir is None and args.proc_root is None:
-        if origin.proc_root is not None:
-            args.proc_root = Path(origin.proc_root)
-        args.control_dir = Path(origin.control_dir)
-        logging.getLogger("cuinterpose.cli").debug(
-            "the group lives where %s/manifest.json says: %s", directory, where(args)
-        )

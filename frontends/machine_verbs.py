@@ -5,7 +5,6 @@ a process not natively RUNNING), said once with its outcome.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import shlex
@@ -14,25 +13,26 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from . import invocation, running, summaries, targets
+from . import running, summaries, targets
 from .arguments import EXIT_OK, UsageError, step_timeout
 from .outcomes import PROG, Outcome, say
 
 if TYPE_CHECKING:
     from .engine.client import Endpoint
     from .engine.errors import CoordinatorError
+    from .invocation import Invocation
     from .phases import MachineSpec
 
 
 def run_machine(
-    spec: MachineSpec | None, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
+    spec: MachineSpec | None, call: Invocation, stdout: TextIO, stderr: TextIO
 ) -> Outcome:
     """Run ``spec``'s machine, or ``recover`` (None): how it ended, with (JSON progress) a
     last summary line with the outcome and the exit code, as suspend's."""
     from .engine.errors import Refused
 
-    code, result, failure = _machine(spec, args, stdout, stderr)
-    said = summaries.machine_summary(spec, args, result) if code == EXIT_OK else {}
+    code, result, failure = _machine(spec, call, stdout, stderr)
+    said = summaries.machine_summary(spec, call, result) if code == EXIT_OK else {}
     lines = said.pop("lines", [])
     return Outcome(code, "refused" if isinstance(failure, Refused) else "",
                    figures=said, human=lines, failure=failure)  # fmt: skip
@@ -41,9 +41,7 @@ def run_machine(
 Ran = tuple[int, object, "CoordinatorError | None"]  # the exit code, the result, the failure
 
 
-def _machine(
-    spec: MachineSpec | None, args: argparse.Namespace, stdout: TextIO, stderr: TextIO
-) -> Ran:
+def _machine(spec: MachineSpec | None, call: Invocation, stdout: TextIO, stderr: TextIO) -> Ran:
     from .engine import discovery, runner
     from .engine.errors import CoordinatorError
     from .engine.gpus import GpuMapRefused, uuid_pairs
@@ -52,21 +50,21 @@ def _machine(
     from .engine.trace import TraceWriter
     from .phases import CAPTURE
 
-    endpoints = invocation.endpoints(args)
-    timeout = step_timeout(args.step_timeout)
+    endpoints = call.endpoints()
+    timeout = step_timeout(call.options.step_timeout)
     if spec is not None:  # recover reports and leaves out the processes that are gone
-        problems = targets.problems(args.group, invocation.where(args), shim=True)
+        problems = targets.problems(call.group, call.where(), shim=True)
         if problems:
-            return say([f"{args.command} refused:", *problems], stderr), None, None
-    living = [e for e in endpoints if discovery.pid_exists(e.observed_pid, args.proc_root)]
+            return say([f"{call.command} refused:", *problems], stderr), None, None
+    living = [e for e in endpoints if discovery.pid_exists(e.observed_pid, call.proc_root)]
     silent = discovery.unanswered(living, timeout=min(timeout, 10.0))
     if silent:
-        listed = invocation.status_command(args)
+        listed = call.status_command()
         way = f"give the directory its shims serve in (--control-dir); `{listed}` lists them"
-        lines = [f"{args.command} refused, nothing was changed: a shim does not answer",
+        lines = [f"{call.command} refused, nothing was changed: a shim does not answer",
                  *silent.values(), way]  # fmt: skip
         return say(lines, stderr), None, None
-    checkpoint_dir: Path = args.checkpoint_dir
+    checkpoint_dir: Path = call.options.checkpoint_dir
     if spec is CAPTURE:
         try:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -77,36 +75,40 @@ def _machine(
                 None,
             )
     writer = None
-    if args.trace is not None:
+    if call.options.trace is not None:
         try:
-            writer = TraceWriter(args.trace)
+            writer = TraceWriter(call.options.trace)
         except OSError as exc:
-            raise UsageError(f"{PROG}: error: cannot write trace {args.trace}: {exc}") from None
+            raise UsageError(
+                f"{PROG}: error: cannot write trace {call.options.trace}: {exc}"
+            ) from None
     refusal = (
-        _native_check(spec, args, endpoints, stderr)
+        _native_check(spec, call, endpoints, stderr)
         if spec is not None
-        else _recover_native_check(args, endpoints, stderr)
+        else _recover_native_check(call, endpoints, stderr)
     )
     if refusal is not None:
         return refusal, None, None
     stop = threading.Event()
     where_now = running.Whereabouts(
-        running.progress(args.mode, stdout), undone=not args.no_rollback
+        running.progress(call.mode, stdout), undone=not call.options.no_rollback
     )
     options = runner.Options(
         phase_timeout=timeout,
         on_progress=where_now,
         trace=writer,
-        replace=bool(getattr(args, "replace", False)),
+        replace=bool(getattr(call.options, "replace", False)),
         stop=stop,
-        rollback_on_failure=not args.no_rollback,
+        rollback_on_failure=not call.options.no_rollback,
     )
     try:
         with running.stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)):
-            pairs = uuid_pairs(args.gpu_map) if getattr(args, "gpu_map", None) else ()
+            pairs = (
+                uuid_pairs(call.options.gpu_map) if getattr(call.options, "gpu_map", None) else ()
+            )
             if spec is None:
                 report = recover(endpoints, checkpoint_dir, options, gpu_pairs=pairs)
-                if args.mode != "json" and not args.quiet:  # what it did: said unless -q
+                if call.mode != "json" and not call.options.quiet:  # what it did: said unless -q
                     with contextlib.suppress(OSError):
                         stdout.write("".join(line + "\n" for line in report.lines()))
                 ran: object = report
@@ -125,7 +127,7 @@ def _machine(
     except GpuMapRefused as refused:
         return say(list(refused.lines()), stderr), None, None
     except CoordinatorError as error:
-        return running.failure(error, args, stderr), None, error
+        return running.failure(error, call, stderr), None, error
     except ValueError as exc:
         raise UsageError(f"{PROG}: error: {exc}") from None
     finally:
@@ -135,7 +137,7 @@ def _machine(
 
 
 def _native_check(
-    spec: MachineSpec, args: argparse.Namespace, endpoints: Sequence[Endpoint], stderr: TextIO
+    spec: MachineSpec, call: Invocation, endpoints: Sequence[Endpoint], stderr: TextIO
 ) -> int | None:
     """prepare and restore need every process natively RUNNING (the engine's policy,
     group_status.require_natively_running): refused with exit 1, nothing changed; no
@@ -144,15 +146,15 @@ def _native_check(
     from .engine.native import NativeUnavailableError
     from .engine.recovery import native_check_refusal
 
-    words = [PROG, "resume", "--checkpoint-dir", str(args.checkpoint_dir)]
-    resume = f"`{shlex.join([*words, *invocation.where_words(args)])}`"
+    words = [PROG, "resume", "--checkpoint-dir", str(call.options.checkpoint_dir)]
+    resume = f"`{shlex.join([*words, *call.where_words()])}`"
     pairs = [(e.observed_pid, e.namespace_pid) for e in endpoints]
     try:
-        require_natively_running(spec.name, invocation.native(args), pairs, args.checkpoint_dir,
+        require_natively_running(spec.name, call.native(), pairs, call.options.checkpoint_dir,
                                  resume=resume)  # fmt: skip
     except NativeUnavailableError as exc:
-        if not args.skip_native_check:
-            return say(native_check_refusal(args.command, exc), stderr)
+        if not call.options.skip_native_check:
+            return say(native_check_refusal(call.command, exc), stderr)
         stderr.write(f"{PROG}: note: the native state was not checked (--skip-native-check): "
                      f"{exc}\n")  # fmt: skip
     except StateRefused as refused:
@@ -161,16 +163,16 @@ def _native_check(
 
 
 def _recover_native_check(
-    args: argparse.Namespace, endpoints: Sequence[Endpoint], stderr: TextIO
+    call: Invocation, endpoints: Sequence[Endpoint], stderr: TextIO
 ) -> int | None:
     """recover refuses a process natively LOCKED or CHECKPOINTED, and fails closed."""
     from .engine.native import NativeUnavailableError
     from .engine.recovery import native_blockers, native_check_refusal
 
     try:
-        blockers = native_blockers(invocation.native(args), endpoints, args.checkpoint_dir)
+        blockers = native_blockers(call.native(), endpoints, call.options.checkpoint_dir)
     except NativeUnavailableError as exc:
-        if not args.skip_native_check:
+        if not call.options.skip_native_check:
             return say(native_check_refusal("recover", exc), stderr)
         stderr.write(f"{PROG}: note: the native state was not checked (--skip-native-check): "
                      f"{exc}\n")  # fmt: skip

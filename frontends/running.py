@@ -5,7 +5,6 @@ flight), and a coordinator failure said on stderr with its exit code.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import signal
@@ -13,7 +12,6 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
-from . import invocation
 from .arguments import EXIT_FAILED, EXIT_NEEDS_RECOVER, EXIT_ROLLED_BACK
 from .outcomes import PROG, say
 
@@ -21,6 +19,7 @@ if TYPE_CHECKING:
     from .engine import agent
     from .engine.errors import CoordinatorError
     from .engine.progress import Event, ProgressCallback
+    from .invocation import Invocation
 
 
 def progress(mode: str, stdout: TextIO) -> ProgressCallback | None:
@@ -131,9 +130,9 @@ def stopping_on_signals(
             signal.signal(number, handler)
 
 
-def failure(error: CoordinatorError, args: argparse.Namespace, stderr: TextIO) -> int:
+def failure(error: CoordinatorError, call: Invocation, stderr: TextIO) -> int:
     lines = list(error.lines())
-    if getattr(args, "verbose", 0):
+    if getattr(call.options, "verbose", 0):
         lines += [f"detail: {line}" for line in error.details()]
     if not error.destroyed:
         say(lines, stderr)
@@ -148,8 +147,8 @@ def failure(error: CoordinatorError, args: argparse.Namespace, stderr: TextIO) -
         return EXIT_ROLLED_BACK
     if error.rollback_error is not None:
         lines += [f"rollback: {line}" for line in error.rollback_error.lines()]
-    elif args.no_rollback:
+    elif call.options.no_rollback:
         lines.append("left where it stopped (--no-rollback)")
-    lines.append(f"the group is not running as before; run: {invocation.recover_command(args)}")
+    lines.append(f"the group is not running as before; run: {call.recover_command()}")
     say(lines, stderr)
     return EXIT_NEEDS_RECOVER

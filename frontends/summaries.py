@@ -5,25 +5,22 @@ command), a prepare's, restore's or recover's.
 
 from __future__ import annotations
 
-import argparse
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from . import invocation
 from .outcomes import PROG
 
 if TYPE_CHECKING:
     from .engine import agent
     from .engine.released import Released
+    from .invocation import Invocation
     from .phases import MachineSpec
 
 
-def machine_summary(
-    spec: MachineSpec | None, args: argparse.Namespace, result: object
-) -> dict[str, Any]:
+def machine_summary(spec: MachineSpec | None, call: Invocation, result: object) -> dict[str, Any]:
     """What a prepare or restore did and what comes next, as suspend and resume say it:
     the lines for a person, the figures for the JSON summary (recover says its own)."""
     from .engine import runner
@@ -35,7 +32,7 @@ def machine_summary(
     if spec is None or not isinstance(result, runner.CaptureResult | runner.RestoreResult):
         return {}
     moved = sum(p.transfer.allocation_bytes for p in result.phases if p.transfer is not None)
-    n = len(args.group)
+    n = len(call.group)
     who = f"{n} process{'es' if n != 1 else ''}"
     out: dict[str, Any] = {"seconds": result.elapsed_s, "bytes_staged": moved, "processes": n}
     if isinstance(result, runner.CaptureResult):
@@ -44,8 +41,8 @@ def machine_summary(
                 PROG,
                 "restore",
                 "--checkpoint-dir",
-                str(args.checkpoint_dir),
-                *invocation.where_words(args),
+                str(call.options.checkpoint_dir),
+                *call.where_words(),
             ]
         )
         out["next"] = restore
@@ -81,16 +78,16 @@ class Summary:
 
     @classmethod
     def of(
-        cls, command: str, args: argparse.Namespace, done: agent.SuspendResult | agent.ResumeResult
+        cls, command: str, call: Invocation, done: agent.SuspendResult | agent.ResumeResult
     ) -> Summary:
         from .engine import agent
 
         staged = sum(t.bytes for t in done.timings if t.step in ("capture", "coordinator_restore"))
         words = [PROG, "resume" if command == "suspend" else "suspend",
-                 "--checkpoint-dir", str(args.checkpoint_dir),
-                 *invocation.where_words(args)]  # fmt: skip
+                 "--checkpoint-dir", str(call.options.checkpoint_dir),
+                 *call.where_words()]  # fmt: skip
         if command == "resume":  # a new suspend names the processes, here the manifest's
-            for o, n in args.group:
+            for o, n in call.group:
                 words += ["--pid", str(o)] if o == n else ["--process", str(o), str(n)]
         freed = done.released if isinstance(done, agent.SuspendResult) else None
         return cls(
@@ -98,10 +95,10 @@ class Summary:
             "suspended" if command == "suspend" else "resumed",
             sum(t.seconds for t in done.timings),
             staged,
-            len(args.group),
+            len(call.group),
             done.timings,
             shlex.join(words),
-            args.checkpoint_dir,
+            call.options.checkpoint_dir,
             done.staging.to_json() if done.staging is not None else None,
             freed,
         )
