@@ -273,12 +273,13 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
     r->h.stat_bytes = st->bytes;
     r->h.stat_copy_ns = t->copy_wall_ns;
     if (cfg->timing) {
-        char line[1024];
+        char line[1536];
         int m = snprintf(
             line, sizeof line,
             "cuinterpose-timing {\"pid\": %d, \"op\": \"%s\", \"allocations\": %llu, "
             "\"bytes\": %llu, \"threads\": %u, \"chunk\": %zu, \"chunks\": %llu, "
-            "\"thp\": %s, \"bounce\": %zu, \"resident\": %s, "
+            "\"thp\": %s, \"bounce\": %zu, \"depth\": %u, \"populate_threads\": %u, "
+            "\"chunks_per_thread\": %u, \"resident\": %s, "
             "\"elapsed_s\": %.6f, \"setup_s\": %.6f, "
             "\"pool_start_s\": %.6f, \"drain_s\": %.6f, \"teardown_s\": %.6f, "
             "\"copy_wall_s\": %.6f, "
@@ -286,8 +287,8 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             "\"unregister\": %.6f, \"release\": %.6f, \"memcpy\": %.6f}}\n",
             (int)getpid(), op, (unsigned long long)st->count, (unsigned long long)st->bytes,
             t->threads, t->chunk, (unsigned long long)t->chunks,
-            cfg->staging_thp ? "true" : "false", cfg->staging_bounce,
-            st->resident ? "true" : "false",
+            cfg->staging_thp ? "true" : "false", cfg->staging_bounce, cfg->staging_depth,
+            cfg->staging_ahead, cfg->staging_spread, st->resident ? "true" : "false",
             (double)ns / 1e9, (double)st->setup_ns / 1e9, (double)t->pool_start_ns / 1e9,
             (double)st->drain_ns / 1e9, (double)st->teardown_ns / 1e9,
             (double)t->copy_wall_ns / 1e9, (double)t->populate_ns / 1e9,

@@ -100,6 +100,7 @@ SHIM_HIDDEN bool shim_ct_equal(const void *a, const void *b, size_t len);
 /* ---------------------------------------------------------------- settings.c */
 /* What the environment asks for (every variable is read there, checked:
  * a bad value is named in a warning and the default is used). */
+#define STAGING_DEPTH_MAX 8u
 struct shim_settings {
     int log_level;              /* SNAPSHOT_SHIM_DEBUG: LOG_DEBUG, else LOG_WARN */
     long io_timeout_ms;         /* one control connection's read or write */
@@ -123,6 +124,14 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_STAGING_PREFAULT: fault a SAVE chunk's staging memory in
      * before the bounce copies (default off: the memcpy faults it). */
     bool staging_prefault;
+    /* SNAPSHOT_SHIM_STAGING_DEPTH: pieces per bounce buffer (copies in flight
+     * per thread + 1), 2..STAGING_DEPTH_MAX. */
+    unsigned staging_depth;
+    /* SNAPSHOT_SHIM_STAGING_POPULATE_THREADS: SAVE threads that fault fresh
+     * staging memory in ahead of the copies (0: the memcpy faults it). */
+    unsigned staging_ahead;
+    /* SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD: chunks per copy thread, about. */
+    unsigned staging_spread;
     char control_dir[4096];     /* as given (the default when unset); checked at start */
     /* SNAPSHOT_PARTICIPANT_ID as given, cut after one character too many so
      * that a long value still fails the length check; empty when unset. */

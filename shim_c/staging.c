@@ -114,6 +114,13 @@ struct staging {
 
     pthread_t *tids;
     unsigned started;
+    /* Populate-ahead threads (SAVE into fresh memory only): they fault in
+     * the pages of published copy tasks from ahead_next on, skipping those a
+     * copy thread has taken (its memcpy faults them). */
+    pthread_t *helpers;
+    unsigned nhelpers;
+    uint32_t ahead_next;        /* under lock */
+    pthread_cond_t ahead_more;
     unsigned slots;             /* bounce slots handed to workers so far */
 
     /* Copy wall time: the union over all threads of the intervals during
@@ -215,9 +222,9 @@ struct worker {
     CUcontext ctx;
     bool entered, pushed;
     CUstream stream;
-    /* One per half of the bounce buffer: recorded after that half's copies,
-     * waited for (blocking, not spinning) before the half is touched again. */
-    CUevent done[2];
+    /* One per piece of the bounce buffer: recorded after that piece's
+     * copies, waited for (blocking, not spinning) before it is touched again. */
+    CUevent done[STAGING_DEPTH_MAX];
     struct staging_times t;     /* this thread's, added to the pool's at the end */
 };
 
@@ -225,7 +232,7 @@ static void worker_leave(struct staging *s, struct worker *w)
 {
     if (!w->entered)
         return;
-    for (int i = 0; i < 2; i++) {
+    for (unsigned i = 0; i < STAGING_DEPTH_MAX; i++) {
         if (w->done[i]) {
             CUresult r = real.cuEventDestroy(w->done[i]);
             if (r != CUDA_SUCCESS)
@@ -268,7 +275,7 @@ static int worker_use(struct staging *s, struct worker *w, CUcontext ctx)
     /* Blocking sync: a worker waiting for its copy sleeps instead of spinning
      * (the context's default schedule spins while it has fewer threads than
      * CPUs), so the CPUs stay with the workers that memcpy and fault pages. */
-    for (int i = 0; i < 2; i++) {
+    for (unsigned i = 0; i < shim_settings()->staging_depth; i++) {
         r = real.cuEventCreate(&w->done[i], CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING);
         if (r != CUDA_SUCCESS) {
             w->done[i] = NULL;
@@ -406,57 +413,61 @@ static void timed_memcpy(struct worker *w, char *to, const char *from, size_t n)
     w->t.memcpy_ns += shim_now_ns() - t0;
 }
 
-/* One chunk through the bounce buffer, double-buffered: piece j of the
- * chunk (half a bounce buffer) goes through half j % 2, so that the copy
- * engine moves one half while this thread memcpy's the other. SAVE: the
- * copy of piece j is queued before piece j - 1 is memcpy'd out (that memcpy
- * faults the fresh staging pages in as it writes them, each 2 MiB page
- * zeroed just before it is written: no pass of its own); LOAD: piece j is
- * memcpy'd in once the copy of piece j - 2 (the same half) is done, then
- * queued. On any error the stream is drained before returning: the bounce
- * buffer is never left with a copy in flight. */
+/* One chunk through the bounce buffer, cut in `depth` pieces
+ * (SNAPSHOT_SHIM_STAGING_DEPTH, 2 by default: double-buffered): piece j of
+ * the chunk goes through slot j % depth, so that the copy engine moves up to
+ * depth - 1 pieces while this thread memcpy's another. SAVE: the copies of
+ * pieces j .. j + depth - 1 are queued before piece j is memcpy'd out (that
+ * memcpy faults the fresh staging pages in as it writes them, each 2 MiB
+ * page zeroed just before it is written: no pass of its own); LOAD: piece j
+ * is memcpy'd in once the copy of piece j - depth (the same slot) is done,
+ * then queued. On any error the stream is drained before returning: the
+ * bounce buffer is never left with a copy in flight. */
 static int bounce_copy(struct staging *s, struct worker *w, const struct task *k)
 {
-    size_t half = shim_settings()->staging_bounce / 2;
+    unsigned depth = shim_settings()->staging_depth;
+    size_t piece = shim_settings()->staging_bounce / depth;
     char *buf = bounce_get(s, w, &s->segs[k->seg0]);
-    size_t pieces, j;
+    size_t pieces, j, queued = 0;
     struct cursor c = {0, 0};
     int rc = 0;
     uint64_t t0;
 
     if (!buf)
         return -1;
-    pieces = (k->len + half - 1) / half;
+    pieces = (k->len + piece - 1) / piece;
     copy_begin(s);
-    for (j = 0; j <= pieces && rc == 0; j++) {
-        if (j < pieces) {
-            size_t at = j * half, n = k->len - at < half ? k->len - at : half;
-            char *b = buf + (j % 2) * half;
-            if (!s->to_host) {
-                if (j >= 2 && piece_wait(s, w, k, w->done[j % 2]) != 0) {
-                    rc = -1;
-                    break;
-                }
-                timed_memcpy(w, b, k->host + at, n);
+    for (j = 0; j < pieces && rc == 0; j++) {
+        size_t at = j * piece, n = k->len - at < piece ? k->len - at : piece;
+        char *slot = buf + (j % depth) * piece;
+        if (s->to_host) {
+            /* Slot q % depth is free once piece q - depth was memcpy'd out. */
+            for (; queued < pieces && queued < j + depth && rc == 0; queued++) {
+                size_t qat = queued * piece, qn = k->len - qat < piece ? k->len - qat : piece;
+                t0 = shim_now_ns();
+                rc = piece_dma(s, w, k, &c, buf + (queued % depth) * piece, qn,
+                               w->done[queued % depth]);
+                w->t.copy_ns += shim_now_ns() - t0;
             }
-            t0 = shim_now_ns();
-            rc = piece_dma(s, w, k, &c, b, n, w->done[j % 2]);
-            w->t.copy_ns += shim_now_ns() - t0;
-            if (rc != 0)
-                break;
-        }
-        if (s->to_host && j >= 1) {
-            size_t at = (j - 1) * half, n = k->len - at < half ? k->len - at : half;
-            if (piece_wait(s, w, k, w->done[(j - 1) % 2]) != 0) {
+            if (rc != 0 || piece_wait(s, w, k, w->done[j % depth]) != 0) {
                 rc = -1;
                 break;
             }
-            timed_memcpy(w, k->host + at, buf + ((j - 1) % 2) * half, n);
+            timed_memcpy(w, k->host + at, slot, n);
+            continue;
         }
+        if (j >= depth && piece_wait(s, w, k, w->done[j % depth]) != 0) {
+            rc = -1;
+            break;
+        }
+        timed_memcpy(w, slot, k->host + at, n);
+        t0 = shim_now_ns();
+        rc = piece_dma(s, w, k, &c, slot, n, w->done[j % depth]);
+        w->t.copy_ns += shim_now_ns() - t0;
     }
     if (rc == 0 && !s->to_host)
-        for (j = pieces > 2 ? pieces - 2 : 0; j < pieces && rc == 0; j++)
-            rc = piece_wait(s, w, k, w->done[j % 2]);
+        for (j = pieces > depth ? pieces - depth : 0; j < pieces && rc == 0; j++)
+            rc = piece_wait(s, w, k, w->done[j % depth]);
     if (rc != 0) {
         /* Nothing may still write into (or read from) the buffer. */
         CUresult r = real.cuStreamSynchronize(w->stream);
@@ -608,13 +619,61 @@ static void *pool_worker(void *arg)
     return NULL;
 }
 
+/* Fault a fresh range in for writing without changing a byte: an atomic OR
+ * of 0 per page is a write (the kernel maps a zeroed page, a huge one where
+ * THP allows) that leaves whatever a copy thread's memcpy may be writing
+ * into the same page at that moment, so the two never need to agree on who
+ * touches a page first. */
+static void touch_pages(char *p, size_t len)
+{
+    long pg = sysconf(_SC_PAGESIZE);
+    size_t step = pg > 0 ? (size_t)pg : 4096;
+    for (size_t i = 0; i < len; i += step)
+        __atomic_fetch_or((unsigned char *)p + i, 0, __ATOMIC_RELAXED);
+}
+
+static void *pool_populator(void *arg)
+{
+    struct staging *s = arg;
+    uint64_t spent = 0;
+
+    pthread_mutex_lock(&s->lock);
+    for (;;) {
+        struct task k;
+        uint64_t t0;
+
+        if (s->ahead_next < s->next)
+            s->ahead_next = s->next; /* taken: the copy faults those itself */
+        if (s->ahead_next == s->published) {
+            if (s->closing)
+                break;
+            pthread_cond_wait(&s->ahead_more, &s->lock);
+            continue;
+        }
+        k = s->tasks[s->ahead_next++];
+        if (k.kind != TASK_COPY || has_failed(s))
+            continue;
+        pthread_mutex_unlock(&s->lock);
+        t0 = shim_now_ns();
+        touch_pages(k.host, k.len);
+        spent += shim_now_ns() - t0;
+        pthread_mutex_lock(&s->lock);
+    }
+    s->t.populate_ns += spent;
+    pthread_mutex_unlock(&s->lock);
+    return NULL;
+}
+
 /* ------------------------------------------------------------ the pool */
 /* Chunk size for a phase of `total` bytes: the setting, but small enough
- * that every thread gets about four chunks (96 allocations of 6 MiB would
- * otherwise be 9 chunks of 64 MiB for 16 threads), never below 1 MiB. */
-static size_t pick_chunk(uint64_t total, unsigned threads, size_t setting)
+ * that every thread gets about `spread` chunks
+ * (SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD, 4: 96 allocations of 6 MiB would
+ * otherwise be 9 chunks of 64 MiB for 16 threads), never below 1 MiB. Fewer,
+ * longer chunks fill each thread's bounce pipeline fewer times (its first
+ * copy and last memcpy overlap nothing); more balance the threads' work. */
+static size_t pick_chunk(uint64_t total, unsigned threads, unsigned spread, size_t setting)
 {
-    uint64_t even = total / ((uint64_t)threads * 4) >> 20 << 20;
+    uint64_t even = total / ((uint64_t)threads * spread) >> 20 << 20;
     size_t floor = (size_t)1 << 20;
     if (even < floor)
         even = floor;
@@ -643,7 +702,7 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
         goto oom;
     s->to_host = to_host;
     s->populated = populated;
-    s->chunk = pick_chunk(total, cfg->copy_threads, cfg->copy_chunk);
+    s->chunk = pick_chunk(total, cfg->copy_threads, cfg->staging_spread, cfg->copy_chunk);
     /* Every chunk boundary cuts at most one segment, every item starts at
      * most one task; a release task per item follows the copies. */
     pieces = total / s->chunk + 2 * (uint64_t)items + 2;
@@ -654,12 +713,14 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
     s->segs = calloc(s->cap_segs, sizeof *s->segs);
     s->tasks = calloc(s->cap_tasks, sizeof *s->tasks);
     s->tids = calloc(cfg->copy_threads, sizeof *s->tids);
-    if (!s->segs || !s->tasks || !s->tids)
+    s->helpers = calloc(cfg->staging_ahead ? cfg->staging_ahead : 1, sizeof *s->helpers);
+    if (!s->segs || !s->tasks || !s->tids || !s->helpers)
         goto oom;
     if (pthread_mutex_init(&s->lock, NULL) != 0)
         goto oom;
     pthread_cond_init(&s->more, NULL);
     pthread_cond_init(&s->idle, NULL);
+    pthread_cond_init(&s->ahead_more, NULL);
     /* No more threads than chunks. */
     want = (total + s->chunk - 1) / s->chunk;
     if (want > cfg->copy_threads)
@@ -676,6 +737,17 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
             break;
         }
     }
+    /* Only into fresh memory, and only while copy threads run: with none
+     * the control thread copies alone and nothing would stop the helpers. */
+    if (to_host && !populated && s->started)
+        for (; s->nhelpers < cfg->staging_ahead; s->nhelpers++) {
+            int e = pthread_create(&s->helpers[s->nhelpers], NULL, pool_populator, s);
+            if (e != 0) { /* the memcpy faults what no helper did */
+                shim_log(LOG_WARN, "pthread_create failed (%s): %u populate threads",
+                         strerror(e), s->nhelpers);
+                break;
+            }
+        }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     s->t.threads = s->started;
     s->t.chunk = s->chunk;
@@ -686,6 +758,7 @@ oom:
         free(s->segs);
         free(s->tasks);
         free(s->tids);
+        free(s->helpers);
         free(s);
     }
     snprintf(msg, n, "out of memory for the staging queue (%llu bytes, %u allocations)",
@@ -701,6 +774,8 @@ static void publish(struct staging *s)
     pthread_mutex_lock(&s->lock);
     s->published = ++s->ntasks;
     pthread_cond_signal(&s->more);
+    if (s->nhelpers)
+        pthread_cond_broadcast(&s->ahead_more);
     pthread_mutex_unlock(&s->lock);
 }
 
@@ -786,16 +861,21 @@ void staging_stop(struct staging *s, struct staging_times *t)
     pthread_mutex_lock(&s->lock);
     s->closing = true;
     pthread_cond_broadcast(&s->more);
+    pthread_cond_broadcast(&s->ahead_more);
     pthread_mutex_unlock(&s->lock);
     for (unsigned i = 0; i < s->started; i++)
         pthread_join(s->tids[i], NULL);
+    for (unsigned i = 0; i < s->nhelpers; i++)
+        pthread_join(s->helpers[i], NULL);
     if (t)
         *t = s->t;
     pthread_cond_destroy(&s->more);
     pthread_cond_destroy(&s->idle);
+    pthread_cond_destroy(&s->ahead_more);
     pthread_mutex_destroy(&s->lock);
     free(s->segs);
     free(s->tasks);
     free(s->tids);
+    free(s->helpers);
     free(s);
 }
