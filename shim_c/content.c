@@ -625,6 +625,11 @@ static enum phase_result load_all(struct reply *r, const char *op, bool keep)
             continue;
         msg[0] = 0;
         name_allocation(msg, sizeof msg, o);
+        if (o->stored) { /* nothing changed: the file holds them (stored.c) */
+            reply_msg(r, CUIP_STATUS_REFUSED, "%s: the staged bytes are in the stored file "
+                      "(STORE_STAGED); FETCH_STAGED first%s", op, msg);
+            return PHASE_REFUSED;
+        }
         reply_msg(r, CUIP_STATUS_INTERNAL, "%s: no saved content%s", op, msg);
         return PHASE_FAILED;
     }
@@ -672,7 +677,7 @@ enum phase_result content_reload(struct reply *r)
         name_allocation(what, sizeof what, o);
         reply_msg(r, CUIP_STATUS_REFUSED,
                   "ROLLBACK_ALLOCATIONS: the staged bytes of a torn-down allocation are "
-                  "gone%s", what);
+                  "%s%s", o->stored ? "in the stored file: FETCH_STAGED first" : "gone", what);
         return PHASE_REFUSED;
     }
     return load_all(r, "ROLLBACK_ALLOCATIONS", true);
@@ -681,4 +686,14 @@ enum phase_result content_reload(struct reply *r)
 void content_free_staged(void)
 {
     free_hosts();
+}
+
+void content_drop_resident(void)
+{
+    if (!resident.p || resident_in_use())
+        return;
+    if (resident.pid == getpid() && munmap(resident.p, resident.len) != 0)
+        shim_log(LOG_WARN, "munmap of the resident staging memory failed: %s", strerror(errno));
+    resident.p = NULL;
+    resident.len = 0;
 }

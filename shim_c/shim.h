@@ -459,6 +459,9 @@ struct obj {
     struct mc_binding *binds;
     uint32_t nbinds, capbinds;
     size_t host_len;              /* bytes mapped at `host` (staging_len(size)) */
+    /* STORE_STAGED wrote the staged copy to the coordinator's file and freed
+     * `host`; FETCH_STAGED reads it back (stored.c). */
+    bool stored;
     /* Memory the shim owns for the application (owned.c): a cuMemAlloc
      * allocation the shim backs with this object (its creator), or the
      * ranges this process opened by cuIpcOpenMemHandle (an importer). NULL
@@ -726,6 +729,14 @@ SHIM_HIDDEN phase_work_fn content_load;
 SHIM_HIDDEN phase_work_fn content_reload;
 /* Free every staged host copy. */
 SHIM_HIDDEN void content_free_staged(void);
+/* Unmap the resident staging mapping (SNAPSHOT_SHIM_STAGING_RESIDENT_MIB)
+ * when no staged copy lies in it: its pages must not reach a process image. */
+SHIM_HIDDEN void content_drop_resident(void);
+
+/* ---------------------------------------------------------------- stored.c */
+/* STORE_STAGED / FETCH_STAGED with the request's descriptor `fd` (-1: none
+ * came): the staged copies to and from the coordinator's file. */
+SHIM_HIDDEN void stored_serve(uint16_t op, int fd, struct reply *r);
 
 /* ---------------------------------------------------------------- quiesce.c */
 /* QUIESCE: the gate closed in two steps until every context of this process
