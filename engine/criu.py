@@ -13,7 +13,9 @@ For a checkpoint agent whose process checkpoint is CRIU (specs/criu.md):
   namespace pids (``NSpid``), with the pids they have now.
 - :func:`dump` and :func:`restore`: the whole way each direction: suspend then
   ``criu dump`` (a failed dump resumes the group); ``criu restore`` then resume of the
-  processes it recreated.
+  processes it recreated. By default the staged GPU bytes go to files beside the
+  images (:func:`store_beside` before the dump, :func:`fetch_beside` before the resume:
+  :mod:`.stored`), so that the images hold host state only.
 
 CRIU is run without ``LD_PRELOAD``: neither the shim nor a sanitizer runtime may load
 into it.
@@ -54,6 +56,7 @@ from .client import control_dir_problem
 from .errors import CoordinatorError
 from .native import DEFAULT_LOCK_TIMEOUT_MS, NativeBackend
 from .options import Options
+from .stored import fetch, staged_path, store
 
 CRIU_ENV: Final = "CUINTERPOSE_CRIU"
 MIN_VERSION: Final = (4, 0)
@@ -476,6 +479,66 @@ def _timed(
     return timing
 
 
+def store_beside(
+    checkpoint_dir: Path,
+    manifest: Manifest,
+    *,
+    where: Where,
+    options: Options | None = None,
+    staged_bytes: int = 0,
+    on_event: AgentCallback | None = None,
+) -> Timing | None:
+    """After a suspend: every shim's staged copies into its file of ``checkpoint_dir``
+    (:func:`.stored.store`), timed as ``store_staged``; None when nothing was staged
+    (the group was not prepared)."""
+    if not manifest.prepared:
+        return None
+    files: list[int] = []
+
+    def run() -> float:
+        done = store(
+            checkpoint_dir, manifest, where=where, options=options, staged_bytes=staged_bytes
+        )
+        files.append(sum(f.bytes for f in done))
+        return max((f.seconds for f in done), default=0.0)
+
+    return _timed("store_staged", on_event, run, lambda: files[0] if files else 0)
+
+
+def fetch_beside(
+    checkpoint_dir: Path,
+    manifest: Manifest,
+    processes: Sequence[Process],
+    *,
+    where: Where,
+    options: Options | None = None,
+    on_event: AgentCallback | None = None,
+    missing_ok: bool = False,
+) -> Timing | None:
+    """Before the resume of a dumped group: every shim's staged copies back from its file
+    (:func:`.stored.fetch`), timed as ``fetch_staged``; None when the dump left them in
+    the images (no file is there). ``missing_ok``: after a failed dump, only the shims
+    whose STORE went through have a file."""
+    ids = [p.participant for p in manifest.participants]
+    if not manifest.prepared or not any(i and staged_path(checkpoint_dir, i).exists() for i in ids):
+        return None
+    files: list[int] = []
+
+    def run() -> float:
+        done = fetch(
+            checkpoint_dir,
+            manifest,
+            processes,
+            where=where,
+            options=options,
+            missing_ok=missing_ok,
+        )
+        files.append(sum(f.bytes for f in done))
+        return max((f.seconds for f in done), default=0.0)
+
+    return _timed("fetch_staged", on_event, run, lambda: files[0] if files else 0)
+
+
 def dump(
     processes: Sequence[Process | tuple[int, int]],
     checkpoint_dir: Path,
@@ -490,10 +553,13 @@ def dump(
     lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
     criu_args: Sequence[str] = (),
     on_event: AgentCallback | None = None,
+    bytes_beside: bool = True,
 ) -> DumpResult:
     """Suspend the group, then ``criu dump -t TREE`` into ``images_dir`` (which kills the
     tree unless ``criu_args`` say ``--leave-running``). A failed dump leaves the tree
-    running: the group is resumed (:class:`CriuDumpFailed` says whether that worked)."""
+    running: the group is resumed (:class:`CriuDumpFailed` says whether that worked).
+    ``bytes_beside``: the staged GPU bytes go to files of ``checkpoint_dir`` before the
+    dump (:func:`store_beside`); False leaves them to the images."""
     images = Path(images_dir)
     images.mkdir(parents=True, exist_ok=True)
     done = suspend(
@@ -506,17 +572,42 @@ def dump(
         lock_timeout_ms=lock_timeout_ms,
         on_event=on_event,
     )
-    args = ["dump", "-t", str(tree), "-D", str(images), *DUMP_ARGS, *criu_args]
+    stored: Timing | None = None
     try:
+        if bytes_beside:
+            staged = done.staging.allocation_bytes if done.staging else 0
+            stored = store_beside(
+                checkpoint_dir,
+                done.manifest,
+                where=where,
+                options=options,
+                staged_bytes=staged,
+                on_event=on_event,
+            )
+        else:  # an earlier dump's files would be taken for this one's at restore
+            for p in done.manifest.participants:
+                if p.participant:
+                    staged_path(checkpoint_dir, p.participant).unlink(missing_ok=True)
+        args = ["dump", "-t", str(tree), "-D", str(images), *DUMP_ARGS, *criu_args]
         timing = _timed(
             "criu_dump",
             on_event,
             lambda: run_criu(criu, args, images / DUMP_LOG),
             lambda: image_size(images).total,
         )
-    except CriuFailed as failure:
+    except AgentError as failure:  # criu dump failed, or STORE_STAGED did
         lines = list(failure.lines())
         try:
+            # The bytes the shims stored must be in memory before LOAD_ALLOCATIONS.
+            fetch_beside(
+                checkpoint_dir,
+                done.manifest,
+                done.manifest.processes(),
+                where=where,
+                options=options,
+                on_event=on_event,
+                missing_ok=True,
+            )
             resume(checkpoint_dir, where=where, native=native, options=options, on_event=on_event)
         except (AgentError, CoordinatorError) as error:
             lines += [f"resume: {line}" for line in error.lines()]
@@ -525,7 +616,8 @@ def dump(
             ) from failure
         lines.append("resumed: the group runs as before the suspend")
         raise CriuDumpFailed("criu dump failed:", lines, restored=True) from failure
-    return DumpResult(done.manifest, image_size(images), (*done.timings, timing))
+    steps = (*done.timings, *((stored,) if stored else ()), timing)
+    return DumpResult(done.manifest, image_size(images), steps)
 
 
 def restore(
@@ -561,6 +653,9 @@ def restore(
     except (OSError, ValueError) as exc:
         raise CriuFailed("criu restore wrote no pid file:", [f"{pidfile}: {exc}"]) from None
     located = locate(prepared.manifest.processes(), root)
+    fetched = fetch_beside(
+        directory, prepared.manifest, located, where=where, options=options, on_event=on_event
+    )
     resumed = resume(
         directory,
         where=where,
@@ -570,9 +665,8 @@ def restore(
         options=options,
         on_event=on_event,
     )
-    return RestoreResult(
-        located, prepared.removed, image_size(images), resumed, (timing, *resumed.timings)
-    )
+    steps = (timing, *((fetched,) if fetched else ()), *resumed.timings)
+    return RestoreResult(located, prepared.removed, image_size(images), resumed, steps)
 
 
 __all__ = [
@@ -588,10 +682,12 @@ __all__ = [
     "before_restore",
     "criu_env",
     "dump",
+    "fetch_beside",
     "find_criu",
     "image_size",
     "locate",
     "restore",
     "run_criu",
+    "store_beside",
     "usable_criu",
 ]

@@ -7,8 +7,9 @@
 - ``action-script --out FILE``: write an executable for ``criu dump/restore
   --action-script FILE`` that runs ``action`` with the arguments given here.
 - ``action``: what that script runs, by ``$CRTOOLS_SCRIPT_ACTION``: ``pre-dump``
-  suspends, ``pre-restore`` frees the socket paths, ``post-resume`` resumes the
-  processes under ``$CRTOOLS_INIT_PID``; every other action does nothing.
+  suspends (and stores the staged GPU bytes beside the images), ``pre-restore`` frees
+  the socket paths, ``post-resume`` fetches them back and resumes the processes under
+  ``$CRTOOLS_INIT_PID``; every other action does nothing.
 
 The same command line as the other verbs (frontends/arguments.py): ``--pid P`` or
 ``--process OBSERVED NS``, ``--driver auto|sim|system`` (auto: the driver the shims
@@ -185,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000,
         help="how long each native lock may wait for the process's CUDA calls to drain",
+    )
+    dump.add_argument(
+        "--bytes-in-images",
+        action="store_true",
+        help="leave the staged GPU bytes to CRIU's images instead of files of the "
+        "checkpoint directory, written by the shims in parallel (the default)",
     )
     restore = sub("restore")
     _group_options(restore, processes=False)
@@ -404,6 +411,7 @@ def _dump(
             lock_timeout_ms=int(args.lock_timeout * 1000),
             criu_args=_criu_args(args.criu_args),
             on_event=on_event,
+            bytes_beside=not args.bytes_in_images,
         )
     restore = shlex.join(
         [
@@ -415,8 +423,10 @@ def _dump(
     human = [
         f"dumped {who} (the tree of pid {args.tree}) in {_seconds(done.timings):.3f} s: "
         f"{args.images_dir} holds {size(done.images.total)} of images "
-        f"({size(done.images.pages)} of memory pages, the GPU memory's among them), "
-        f"{args.checkpoint_dir} the manifest and the state file",
+        f"({size(done.images.pages)} of memory pages"
+        f"{', the GPU memory among them' if args.bytes_in_images else ''}), "
+        f"{args.checkpoint_dir} the manifest, the state file"
+        f"{'' if args.bytes_in_images else ' and the GPU memory (staged-*.bin)'}",
         f"next: {restore}",
     ]
     return _finish(args, stdout, stderr, EXIT_OK, outcome="dumped",
@@ -478,7 +488,7 @@ def _action(
     processes = _processes(args)
     if step == "pre-dump":
         with _events(args.mode, stdout) as on_event:
-            agent.suspend(
+            suspended = agent.suspend(
                 processes,
                 args.checkpoint_dir,
                 where=where,
@@ -487,6 +497,11 @@ def _action(
                 options=options,
                 on_event=on_event,
             )
+            criu.store_beside(
+                args.checkpoint_dir, suspended.manifest, where=where, options=options,
+                staged_bytes=suspended.staging.allocation_bytes if suspended.staging else 0,
+                on_event=on_event,
+            )  # fmt: skip
         return _finish(args, stdout, stderr, EXIT_OK, outcome="suspended", step=step)
     if step == "pre-restore":
         done = criu.before_restore(args.checkpoint_dir, _before_dir(args, where))
@@ -502,6 +517,8 @@ def _action(
         manifest = agent.read_manifest(args.checkpoint_dir)
         located = criu.locate(manifest.processes(), int(root))
         with _events(args.mode, stdout) as on_event:
+            criu.fetch_beside(args.checkpoint_dir, manifest, located, where=where,
+                              options=options, on_event=on_event)  # fmt: skip
             agent.resume(
                 args.checkpoint_dir,
                 where=where,

@@ -181,6 +181,13 @@ size_t staging_len(size_t size)
     return (size + page - 1) / page * page;
 }
 
+void staging_scrub_bounces(void)
+{
+    for (unsigned i = 0; i < SLOTS; i++)
+        if (bounces[i].p && bounces[i].pid == getpid())
+            memset(bounces[i].p, 0, bounces[i].size);
+}
+
 /* ------------------------------------------------------------ errors */
 static void stage_fail(struct staging *s, const struct segment *seg, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

@@ -270,6 +270,7 @@ static void store(struct reply *r, int fd)
         list[i]->stored = true;
     content_free_staged(); /* every staged copy was in `list` */
     content_drop_resident();
+    staging_scrub_bounces();
     r->h.status = CUIP_STATUS_OK;
     r->h.stat_count = count;
     r->h.stat_bytes = bytes;
