@@ -1,43 +1,59 @@
 #!/usr/bin/env bash
-# Issue 30 (items 1, 2, 3, 5) on one H200 with this repository copied (the device tool),
-# in < 7 minutes: the host's provisioning floor beside the pinned copy ceiling and the
-# four staging shapes against min(ceiling, floor) (bench/staging.py: the first, cold,
-# run apart, medians of the next 3), a short sweep of the staging pipeline's settings on
-# 1x8GiB and 96x6MiB, then a process with 100 000 cudaMallocs of 4 KiB and one with
-# 20 000 of 2 MiB through suspend and resume, bytes checked (bench/many_allocs.py).
+# Issues 30 (items 1, 2, 3, 5) and 32 (item 4) on one H200 with this repository copied
+# (the device tool), in < 7 minutes:
+#  1. bench/staging.py: the host's provisioning floor (bench/floor.py, 2 GiB per case,
+#     medians of 3) beside the pinned copy ceiling, and the four staging shapes against
+#     min(ceiling, floor): the first (cold) run apart, medians of the next 3; a short
+#     sweep of the pipeline's settings on 1x8GiB and 96x6MiB (the defaults run first):
+#       depth2  SNAPSHOT_SHIM_STAGING_DEPTH=2 (the double buffer of before)
+#       ahead4  SNAPSHOT_SHIM_STAGING_POPULATE_THREADS=4 (staging memory faulted ahead)
+#  2. bench/many_allocs.py: 100 000 cudaMallocs of 4 KiB and 20 000 of 2 MiB through
+#     suspend and resume, bytes checked, time per allocation;
+#  3. with CRIU carried in .criu/ (tools/bundle_criu.sh .criu /opt/criu/sbin/criu, as
+#     for tests/gpu/run_criu_h200.sh): the torch pair sharing an 8 GiB tensor through
+#     cuinterpose criu dump / restore, the staged bytes in files beside the images, then
+#     inside them (bench/criu.py --mode both).
 #
 #   OUT=/path/to/results [WHEELS=.whl] bench/run_bytes_h200.sh
 #
-# Results in $OUT (7 files): environment.txt, build.log, staging.{log,json,stderr},
-# many.{log,json}. The sweep's variants (the defaults run first):
-#   depth2   SNAPSHOT_SHIM_STAGING_DEPTH=2 (the double buffer before this change)
-#   ahead4   SNAPSHOT_SHIM_STAGING_POPULATE_THREADS=4 (fault staging memory in ahead)
-#   spread1  SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD=1 (one long chunk per thread)
+# Results in $OUT (8 files at most): environment.txt, build.log, staging.{log,json},
+# many.{log,json}, criu.{log,json}. Time limits: STAGING_S=230, MANY_S=100, CRIU_S=150.
 # Multicast stays off: CUINTERPOSE_ALLOW_MULTICAST=0 and NVLS off (h200_env.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tests/gpu/h200_env.sh
 status=0
 { nvidia-smi -L; nvidia-smi --query-gpu=driver_version,memory.total --format=csv; uname -r
-  nproc; free -g; cat /sys/kernel/mm/transparent_hugepage/enabled \
+  nproc; free -g; df -h /tmp; cat /sys/kernel/mm/transparent_hugepage/enabled \
     /sys/kernel/mm/transparent_hugepage/defrag \
     /sys/kernel/mm/transparent_hugepage/khugepaged/defrag 2>&1
   python3 -c 'import cuda.bindings; print("cuda-bindings", cuda.bindings.__version__)'
 } >"$OUT/environment.txt" 2>&1
 h200_build || exit 1
-echo "== staging (floor, ceiling, four shapes, sweep)"
-timeout "${STAGING_S:-270}" python3 bench/staging.py --repeat 4 --native-repeat 1 \
-  --out "$OUT/staging.json" \
+echo "== staging: floor, ceiling, four shapes, sweep"
+timeout "${STAGING_S:-230}" python3 bench/staging.py --repeat 4 --native-repeat 1 \
+  --floor-gib 2 --out "$OUT/staging.json" \
   --variant depth2:SNAPSHOT_SHIM_STAGING_DEPTH=2 \
   --variant ahead4:SNAPSHOT_SHIM_STAGING_POPULATE_THREADS=4 \
-  --variant spread1:SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD=1 \
-  --variant-only 1x8GiB --variant-only 96x6MiB \
-  >"$OUT/staging.log" 2>"$OUT/staging.stderr" || { echo "staging failed"; status=1; }
-grep -E "^(device|ceiling|floor|SAVE is|==|--|  SAVE warm|  LOAD warm|  depth)" "$OUT/staging.log"
-tail -3 "$OUT/staging.stderr"
+  --variant-only 1x8GiB --variant-only 96x6MiB >"$OUT/staging.log" 2>&1 \
+  || { echo "staging failed"; status=1; }
+grep -E "^(device|ceiling|floor|SAVE is|==|--|  SAVE warm|  LOAD warm)" "$OUT/staging.log"
 echo "== many allocations"
-timeout "${MANY_S:-150}" python3 bench/many_allocs.py --repeat 2 --out "$OUT/many.json" \
+timeout "${MANY_S:-100}" python3 bench/many_allocs.py --repeat 2 --out "$OUT/many.json" \
   >"$OUT/many.log" 2>&1 || { echo "many_allocs failed"; status=1; }
 grep -E "made|verified|us/allocation|Error|error" "$OUT/many.log" | head -20
+if [ -d .criu ]; then
+  echo "== criu: the 8 GiB torch pair, bytes beside the images, then inside"
+  chmod +x .criu/criu .criu/bin/criu .criu/lib/ld-linux* 2>/dev/null
+  export CUINTERPOSE_CRIU=${CUINTERPOSE_CRIU:-$PWD/.criu/criu}
+  { "$CUINTERPOSE_CRIU" --version && "$CUINTERPOSE_CRIU" check; } >"$OUT/criu.log" 2>&1 \
+    || { echo "criu check failed"; status=1; }
+  timeout "${CRIU_S:-150}" python3 bench/criu.py --driver system --mib "${CRIU_MIB:-8192}" \
+    --scenario torch --mode both --work /tmp --out "$OUT/criu.json" >>"$OUT/criu.log" 2>&1 \
+    || { echo "criu failed"; status=1; }
+  grep -vE "^  (dump|restore) " "$OUT/criu.log" | tail -12
+else
+  echo "== criu: no .criu/ carried: skipped"
+fi
 echo "status $status"
 exit $status
