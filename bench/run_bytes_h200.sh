@@ -7,6 +7,8 @@
 #     sweep of the pipeline's settings on 1x8GiB and 96x6MiB (the defaults run first):
 #       depth2  SNAPSHOT_SHIM_STAGING_DEPTH=2 (the double buffer of before)
 #       ahead4  SNAPSHOT_SHIM_STAGING_POPULATE_THREADS=4 (staging memory faulted ahead)
+#       unkept  SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0 (nothing pinned between cycles: the
+#               cost of pinning the bounce buffers at every SAVE)
 #  2. bench/many_allocs.py: 100 000 cudaMallocs of 4 KiB and 20 000 of 2 MiB through
 #     suspend and resume, bytes checked, time per allocation;
 #  3. with CRIU carried in .criu/ (tools/bundle_criu.sh .criu /opt/criu/sbin/criu, as
@@ -35,6 +37,7 @@ timeout "${STAGING_S:-230}" python3 bench/staging.py --repeat 4 --native-repeat 
   --floor-gib 2 --out "$OUT/staging.json" \
   --variant depth2:SNAPSHOT_SHIM_STAGING_DEPTH=2 \
   --variant ahead4:SNAPSHOT_SHIM_STAGING_POPULATE_THREADS=4 \
+  --variant unkept:SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0 \
   --variant-only 1x8GiB --variant-only 96x6MiB >"$OUT/staging.log" 2>&1 \
   || { echo "staging failed"; status=1; }
 grep -E "^(device|ceiling|floor|SAVE is|==|--|  SAVE warm|  LOAD warm)" "$OUT/staging.log"

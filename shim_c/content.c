@@ -653,6 +653,8 @@ static enum phase_result load_all(struct reply *r, const char *op, bool keep)
         reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: %s", op, msg);
         return PHASE_FAILED;
     }
+    if (count && !keep && !shim_settings()->staging_bounce_keep)
+        staging_free_bounces(items[0].o->ctx);
     free(items);
     report_done(r, op, &st, t0);
     return PHASE_DONE;

@@ -34,6 +34,9 @@
  *    copy threads, instead of the memcpy alone faulting it: staging.c).
  *  - SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD: 4 (a phase's chunks are made
  *    small enough that every copy thread gets about this many).
+ *  - SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP: 1 (the bounce buffers stay pinned
+ *    between cycles: threads x BOUNCE_MIB, 128 MiB at 16 threads; 0: LOAD
+ *    frees them, and every SAVE pins them again).
  *  - SNAPSHOT_SHIM_OWN_ALLOCATIONS: 1 (cuMemAlloc memory is backed by VMM
  *    allocations the shim owns and shares: owned.c, ipc.c).
  */
@@ -63,6 +66,7 @@
 #define STAGING_DEPTH_ENV "SNAPSHOT_SHIM_STAGING_DEPTH"
 #define STAGING_AHEAD_ENV "SNAPSHOT_SHIM_STAGING_POPULATE_THREADS"
 #define STAGING_SPREAD_ENV "SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD"
+#define STAGING_BOUNCE_KEEP_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP"
 #define QUIESCE_TIMEOUT_ENV "SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S"
 #define GATE_ENV "SNAPSHOT_SHIM_GATE"
 #define OWN_ENV "SNAPSHOT_SHIM_OWN_ALLOCATIONS"
@@ -200,6 +204,7 @@ static void settings_load(void)
                                            "a thread count");
     s->staging_spread = (unsigned)env_count(STAGING_SPREAD_ENV, 1, 64, SPREAD_DEFAULT,
                                             "a number of chunks");
+    s->staging_bounce_keep = env_bool(STAGING_BOUNCE_KEEP_ENV, true);
     snprintf(s->control_dir, sizeof s->control_dir, "%s",
              dir && *dir ? dir : CUIP_CONTROL_DIR_DEFAULT);
     snprintf(s->participant, sizeof s->participant, "%s", pin ? pin : "");

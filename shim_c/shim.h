@@ -132,6 +132,9 @@ struct shim_settings {
     unsigned staging_ahead;
     /* SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD: chunks per copy thread, about. */
     unsigned staging_spread;
+    /* SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP (default on): the bounce buffers stay
+     * pinned from one cycle to the next; off, LOAD frees them. */
+    bool staging_bounce_keep;
     char control_dir[4096];     /* as given (the default when unset); checked at start */
     /* SNAPSHOT_PARTICIPANT_ID as given, cut after one character too many so
      * that a long value still fails the length check; empty when unset. */
@@ -702,6 +705,10 @@ struct staging;
  * 2 MiB aligned, advised MADV_HUGEPAGE unless SNAPSHOT_SHIM_STAGING_THP=0;
  * NULL and msg on failure. Slices of it are unmapped by their owners. */
 SHIM_HIDDEN void *staging_alloc(size_t len, char *msg, size_t n);
+/* Free the bounce buffers (SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0, after a
+ * LOAD), `ctx` current: nothing pinned while the application runs, and the
+ * next SAVE pins them again. */
+SHIM_HIDDEN void staging_free_bounces(CUcontext ctx);
 /* Zero the resident bounce buffers: the last bytes copied through them must
  * not reach a process image once the staged copies went to a file. */
 SHIM_HIDDEN void staging_scrub_bounces(void);

@@ -181,6 +181,25 @@ size_t staging_len(size_t size)
     return (size + page - 1) / page * page;
 }
 
+void staging_free_bounces(CUcontext ctx)
+{
+    bool pushed;
+
+    if (!real.cuMemFreeHost || shim_ctx_enter(ctx, &pushed) != CUDA_SUCCESS)
+        return; /* kept: the next op reuses them */
+    for (unsigned i = 0; i < SLOTS; i++) {
+        struct bounce *b = &bounces[i];
+        CUresult r;
+        if (!b->p || b->pid != getpid())
+            continue;
+        r = real.cuMemFreeHost(b->p);
+        if (r != CUDA_SUCCESS)
+            shim_log(LOG_WARN, "cuMemFreeHost of a bounce buffer failed: %s", shim_cu_name(r));
+        b->p = NULL;
+    }
+    shim_ctx_leave(pushed);
+}
+
 void staging_scrub_bounces(void)
 {
     for (unsigned i = 0; i < SLOTS; i++)

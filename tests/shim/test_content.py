@@ -433,6 +433,36 @@ def timing_list(log: str) -> list[dict[str, object]]:
     ]
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["bounce-kept", "bounce-freed"])
+def test_bounce_buffers_kept_or_freed_after_load(
+    spawn: Spawn, control_dir: Path, keep: bool
+) -> None:
+    """By default the bounce buffers pinned by the first SAVE serve every later op (no
+    registration time after the first); with SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0 every
+    LOAD frees them, so every SAVE pins them again; the bytes are right either way."""
+    creator = spawn(
+        extra={
+            "SNAPSHOT_SHIM_COPY_THREADS": "2",
+            "SNAPSHOT_SHIM_TIMING": "1",
+            "SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP": "1" if keep else "0",
+        }
+    )
+    make_shared(creator, [2, 1], seed=40)
+    c = Shim(control_dir, creator.pid)
+    for _ in range(2):
+        for op in CAPTURE + RESTORE:
+            c.ok(op)
+        assert intact(creator)
+    log = finish(creator)
+    pinned = [
+        float(t["thread_s"]["register"]) > 0  # type: ignore[index]
+        for t in timing_list(log)
+        if t["op"] == "SAVE_ALLOCATIONS"
+    ]
+    assert pinned == [True, not keep], log
+    assert "warning" not in log
+
+
 REFILL = snippet.load(__file__, "refill")
 
 
