@@ -35,8 +35,9 @@
  *
  * Pinned memory: SNAPSHOT_SHIM_STAGING_BOUNCE_MIB (8) per staging thread plus
  * one for the control thread, pinned on first use and kept for the life of
- * the process (128 MiB at 16 threads); with 0, at most threads x chunk of
- * the staging memory is registered at any moment, only during an op.
+ * the process (128 MiB at 16 threads; SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0:
+ * freed by every LOAD); with 0, at most threads x chunk of the staging
+ * memory is registered at any moment, only during an op.
  *
  * Host storage: one staging mapping per SAVE (staging_alloc), cut into one
  * slice per allocation in slot order; each slice is o->host (o->host_len

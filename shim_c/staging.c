@@ -26,12 +26,22 @@
  *  - by default nothing is pinned per phase at all: each thread copies
  *    through its own pinned bounce buffer (SNAPSHOT_SHIM_STAGING_BOUNCE_MIB,
  *    cuMemHostAlloc once, kept for the life of the process) and memcpy's
- *    between it and the staging memory, double-buffered (bounce_copy): the
- *    copy engine fills or drains one half while the thread memcpy's the
- *    other, and the thread waits on a blocking-sync event, so that a waiting
- *    worker gives its CPU to the ones that memcpy and fault pages (on the
- *    H200 a SAVE of 8 GiB was CPU-bound: populate 2.7 + memcpy 2.0 of 5.1
- *    thread-s in a 0.34 s op on 16 CPUs, against a 0.18 s copy);
+ *    between it and the staging memory, the buffer cut in
+ *    SNAPSHOT_SHIM_STAGING_DEPTH pieces (bounce_copy): the copy engine fills
+ *    or drains up to depth - 1 pieces while the thread memcpy's another, and
+ *    the thread waits on a blocking-sync event, so that a waiting worker
+ *    gives its CPU to the ones that memcpy and fault pages (on the H200 a
+ *    SAVE of 8 GiB was CPU-bound: populate 2.7 + memcpy 2.0 of 5.1 thread-s
+ *    in a 0.34 s op on 16 CPUs, against a 0.18 s copy). Why 4 by default
+ *    and not 2: each chunk's pipeline starts with a copy that no memcpy
+ *    overlaps and ends with a memcpy that no copy overlaps; with 2 MiB
+ *    pieces instead of 4 MiB halves those ends are half as long, and the
+ *    96 x 6 MiB shape (chunks of 9 MiB) lost a third of its time to them;
+ *  - the fault-in of fresh staging memory is CPU work of the kernel that
+ *    scales with threads (first touch 47 GB/s from 16 threads with THP, 1.7
+ *    from one); SNAPSHOT_SHIM_STAGING_POPULATE_THREADS more threads can do
+ *    it ahead of the copies (pool_populator) while the copy threads wait on
+ *    their copies, so that populating chunk k+1 overlaps copying chunk k;
  *  - through the bounce buffers, fresh staging memory is faulted in by the
  *    memcpy that fills it: each 2 MiB page zeroed by the kernel just before
  *    it is written, while it is still in cache, instead of a pass of its own
