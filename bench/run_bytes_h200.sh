@@ -7,8 +7,11 @@
 #     sweep of the pipeline's settings on 1x8GiB and 96x6MiB (the defaults run first):
 #       depth2  SNAPSHOT_SHIM_STAGING_DEPTH=2 (the double buffer of before)
 #       ahead4  SNAPSHOT_SHIM_STAGING_POPULATE_THREADS=4 (staging memory faulted ahead)
-#       unkept  SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0 (nothing pinned between cycles: the
-#               cost of pinning the bounce buffers at every SAVE)
+#     then, 96x6MiB alone (where pinning weighs most; every variant's first run is a
+#     process's first SAVE, which pins the bounce buffers):
+#       pinreg        SNAPSHOT_SHIM_STAGING_BOUNCE_PIN=register (populate + register)
+#       unkept        SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0 (nothing pinned between cycles)
+#       pinreg-unkept both
 #  2. bench/many_allocs.py: 100 000 cudaMallocs of 4 KiB and 20 000 of 2 MiB through
 #     suspend and resume, bytes checked, time per allocation;
 #  3. with CRIU carried in .criu/ (tools/bundle_criu.sh .criu /opt/criu/sbin/criu, as
@@ -18,8 +21,9 @@
 #
 #   OUT=/path/to/results [WHEELS=.whl] bench/run_bytes_h200.sh
 #
-# Results in $OUT (8 files at most): environment.txt, build.log, staging.{log,json},
-# many.{log,json}, criu.{log,json}. Time limits: STAGING_S=230, MANY_S=100, CRIU_S=150.
+# Results in $OUT (8 files): environment.txt, build.log, staging.log (both staging runs
+# and the many-allocations log), staging.json, staging-pin.json, many.json,
+# criu.{log,json}. Time limits: STAGING_S=200, PIN_S=60, MANY_S=100, CRIU_S=150.
 # Multicast stays off: CUINTERPOSE_ALLOW_MULTICAST=0 and NVLS off (h200_env.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,18 +37,24 @@ status=0
 } >"$OUT/environment.txt" 2>&1
 h200_build || exit 1
 echo "== staging: floor, ceiling, four shapes, sweep"
-timeout "${STAGING_S:-230}" python3 bench/staging.py --repeat 4 --native-repeat 1 \
+timeout "${STAGING_S:-200}" python3 bench/staging.py --repeat 4 --native-repeat 1 \
   --floor-gib 2 --out "$OUT/staging.json" \
   --variant depth2:SNAPSHOT_SHIM_STAGING_DEPTH=2 \
   --variant ahead4:SNAPSHOT_SHIM_STAGING_POPULATE_THREADS=4 \
-  --variant unkept:SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0 \
   --variant-only 1x8GiB --variant-only 96x6MiB >"$OUT/staging.log" 2>&1 \
   || { echo "staging failed"; status=1; }
+echo "== staging: pinning the bounce buffers (96x6MiB)" | tee -a "$OUT/staging.log"
+timeout "${PIN_S:-60}" python3 bench/staging.py --repeat 4 --native-repeat 1 --floor-gib 0 \
+  --only 96x6MiB --out "$OUT/staging-pin.json" \
+  --variant pinreg:SNAPSHOT_SHIM_STAGING_BOUNCE_PIN=register \
+  --variant unkept:SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0 \
+  --variant pinreg-unkept:SNAPSHOT_SHIM_STAGING_BOUNCE_PIN=register,SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0 \
+  >>"$OUT/staging.log" 2>&1 || { echo "staging (pinning) failed"; status=1; }
 grep -E "^(device|ceiling|floor|SAVE is|==|--|  SAVE warm|  LOAD warm)" "$OUT/staging.log"
-echo "== many allocations"
+echo "== many allocations" | tee -a "$OUT/staging.log"
 timeout "${MANY_S:-100}" python3 bench/many_allocs.py --repeat 2 --out "$OUT/many.json" \
-  >"$OUT/many.log" 2>&1 || { echo "many_allocs failed"; status=1; }
-grep -E "made|verified|us/allocation|Error|error" "$OUT/many.log" | head -20
+  >>"$OUT/staging.log" 2>&1 || { echo "many_allocs failed"; status=1; }
+grep -E "\[many\]" "$OUT/staging.log" | head -20
 if [ -d .criu ]; then
   echo "== criu: the 8 GiB torch pair, bytes beside the images, then inside"
   chmod +x .criu/criu .criu/bin/criu .criu/lib/ld-linux* 2>/dev/null

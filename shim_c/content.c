@@ -279,7 +279,8 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             line, sizeof line,
             "cuinterpose-timing {\"pid\": %d, \"op\": \"%s\", \"allocations\": %llu, "
             "\"bytes\": %llu, \"threads\": %u, \"chunk\": %zu, \"chunks\": %llu, "
-            "\"thp\": %s, \"bounce\": %zu, \"depth\": %u, \"populate_threads\": %u, "
+            "\"thp\": %s, \"bounce\": %zu, \"bounce_pin\": \"%s\", \"bounce_keep\": %s, "
+            "\"depth\": %u, \"populate_threads\": %u, "
             "\"chunks_per_thread\": %u, \"resident\": %s, "
             "\"elapsed_s\": %.6f, \"setup_s\": %.6f, "
             "\"pool_start_s\": %.6f, \"drain_s\": %.6f, \"teardown_s\": %.6f, "
@@ -288,7 +289,9 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             "\"unregister\": %.6f, \"release\": %.6f, \"memcpy\": %.6f}}\n",
             (int)getpid(), op, (unsigned long long)st->count, (unsigned long long)st->bytes,
             t->threads, t->chunk, (unsigned long long)t->chunks,
-            cfg->staging_thp ? "true" : "false", cfg->staging_bounce, cfg->staging_depth,
+            cfg->staging_thp ? "true" : "false", cfg->staging_bounce,
+            cfg->staging_bounce_register ? "register" : "alloc",
+            cfg->staging_bounce_keep ? "true" : "false", cfg->staging_depth,
             cfg->staging_ahead, cfg->staging_spread, st->resident ? "true" : "false",
             (double)ns / 1e9, (double)st->setup_ns / 1e9, (double)t->pool_start_ns / 1e9,
             (double)st->drain_ns / 1e9, (double)st->teardown_ns / 1e9,

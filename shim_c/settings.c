@@ -34,6 +34,9 @@
  *    copy threads, instead of the memcpy alone faulting it: staging.c).
  *  - SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD: 4 (a phase's chunks are made
  *    small enough that every copy thread gets about this many).
+ *  - SNAPSHOT_SHIM_STAGING_BOUNCE_PIN: alloc (cuMemHostAlloc, known to go
+ *    through the native checkpoint and CRIU on the H200); register: a mapping
+ *    of the shim's, populated, then cuMemHostRegister'd (staging.c says why).
  *  - SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP: 1 (the bounce buffers stay pinned
  *    between cycles: threads x BOUNCE_MIB, 128 MiB at 16 threads; 0: LOAD
  *    frees them, and every SAVE pins them again).
@@ -67,6 +70,7 @@
 #define STAGING_AHEAD_ENV "SNAPSHOT_SHIM_STAGING_POPULATE_THREADS"
 #define STAGING_SPREAD_ENV "SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD"
 #define STAGING_BOUNCE_KEEP_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP"
+#define STAGING_BOUNCE_PIN_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_PIN"
 #define QUIESCE_TIMEOUT_ENV "SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S"
 #define GATE_ENV "SNAPSHOT_SHIM_GATE"
 #define OWN_ENV "SNAPSHOT_SHIM_OWN_ALLOCATIONS"
@@ -167,6 +171,19 @@ static bool env_content_native(void)
     return false;
 }
 
+/* True for register, false for alloc (the default). */
+static bool env_bounce_pin(void)
+{
+    const char *v = getenv(STAGING_BOUNCE_PIN_ENV);
+    if (!v || !*v || !strcmp(v, "alloc"))
+        return false;
+    if (!strcmp(v, "register"))
+        return true;
+    shim_log(LOG_WARN, "%s=%s is neither alloc nor register; using alloc",
+             STAGING_BOUNCE_PIN_ENV, v);
+    return false;
+}
+
 static void settings_load(void)
 {
     struct shim_settings *s = &settings;
@@ -205,6 +222,7 @@ static void settings_load(void)
     s->staging_spread = (unsigned)env_count(STAGING_SPREAD_ENV, 1, 64, SPREAD_DEFAULT,
                                             "a number of chunks");
     s->staging_bounce_keep = env_bool(STAGING_BOUNCE_KEEP_ENV, true);
+    s->staging_bounce_register = env_bounce_pin();
     snprintf(s->control_dir, sizeof s->control_dir, "%s",
              dir && *dir ? dir : CUIP_CONTROL_DIR_DEFAULT);
     snprintf(s->participant, sizeof s->participant, "%s", pin ? pin : "");

@@ -135,6 +135,10 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP (default on): the bounce buffers stay
      * pinned from one cycle to the next; off, LOAD frees them. */
     bool staging_bounce_keep;
+    /* SNAPSHOT_SHIM_STAGING_BOUNCE_PIN=register: bounce buffers are mappings of
+     * the shim's, populated then cuMemHostRegister'd; alloc (default):
+     * cuMemHostAlloc'd. */
+    bool staging_bounce_register;
     char control_dir[4096];     /* as given (the default when unset); checked at start */
     /* SNAPSHOT_PARTICIPANT_ID as given, cut after one character too many so
      * that a long value still fails the length check; empty when unset. */

@@ -152,6 +152,7 @@ static struct bounce {
     void *p;
     size_t size;
     pid_t pid;
+    bool registered;            /* our mapping, registered; else cuMemHostAlloc'd */
 } bounces[SLOTS];
 
 /* ------------------------------------------------------------ memory */
@@ -191,22 +192,35 @@ size_t staging_len(size_t size)
     return (size + page - 1) / page * page;
 }
 
+/* Unpin and free one bounce buffer (the caller has a context current). */
+static void bounce_free(struct bounce *b)
+{
+    CUresult r;
+
+    if (b->registered) {
+        r = real.cuMemHostUnregister(b->p);
+        if (r != CUDA_SUCCESS)
+            shim_log(LOG_WARN, "cuMemHostUnregister of a bounce buffer failed: %s",
+                     shim_cu_name(r));
+        else if (munmap(b->p, b->size) != 0)
+            shim_log(LOG_WARN, "munmap of a bounce buffer failed: %s", strerror(errno));
+    } else {
+        r = real.cuMemFreeHost(b->p);
+        if (r != CUDA_SUCCESS)
+            shim_log(LOG_WARN, "cuMemFreeHost of a bounce buffer failed: %s", shim_cu_name(r));
+    }
+    b->p = NULL;
+}
+
 void staging_free_bounces(CUcontext ctx)
 {
     bool pushed;
 
     if (!real.cuMemFreeHost || shim_ctx_enter(ctx, &pushed) != CUDA_SUCCESS)
         return; /* kept: the next op reuses them */
-    for (unsigned i = 0; i < SLOTS; i++) {
-        struct bounce *b = &bounces[i];
-        CUresult r;
-        if (!b->p || b->pid != getpid())
-            continue;
-        r = real.cuMemFreeHost(b->p);
-        if (r != CUDA_SUCCESS)
-            shim_log(LOG_WARN, "cuMemFreeHost of a bounce buffer failed: %s", shim_cu_name(r));
-        b->p = NULL;
-    }
+    for (unsigned i = 0; i < SLOTS; i++)
+        if (bounces[i].p && bounces[i].pid == getpid())
+            bounce_free(&bounces[i]);
     shim_ctx_leave(pushed);
 }
 
@@ -366,27 +380,62 @@ static void copy_end(struct staging *s)
     pthread_mutex_unlock(&s->lock);
 }
 
+/* SNAPSHOT_SHIM_STAGING_BOUNCE_PIN=register: a mapping of our own, written
+ * through (populated, 2 MiB pages where THP allows), then registered: the
+ * driver pins populated memory at ~11 GB/s where cuMemHostAlloc ran at
+ * ~1.6 GB/s on the H200 (docs/benchmarks.md), and the first SAVE of a
+ * process pays that pinning. */
+static CUresult bounce_register(void **out, size_t size, char *why, size_t n)
+{
+    char msg[160];
+    char *p = staging_alloc(size, msg, sizeof msg);
+    CUresult r;
+
+    if (!p) {
+        snprintf(why, n, "%s", msg);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    memset(p, 0, size);
+    r = real.cuMemHostRegister(p, size, CU_MEMHOSTREGISTER_PORTABLE);
+    if (r != CUDA_SUCCESS) {
+        snprintf(why, n, "cuMemHostRegister");
+        munmap(p, size);
+        return r;
+    }
+    *out = p;
+    return CUDA_SUCCESS;
+}
+
 /* The worker's bounce buffer, pinned now if it is not yet (in the current
  * context, PORTABLE so that every context may copy through it). */
 static char *bounce_get(struct staging *s, struct worker *w, const struct segment *first)
 {
     struct bounce *b = &bounces[w->slot];
     size_t size = shim_settings()->staging_bounce;
+    bool reg = shim_settings()->staging_bounce_register;
+    char why[160] = "cuMemHostAlloc";
     uint64_t t0;
     CUresult r;
 
-    if (b->p && b->pid == getpid() && b->size == size)
+    if (b->p && b->pid == getpid() && b->size == size && b->registered == reg)
         return b->p;
+    if (b->p && b->pid == getpid())
+        bounce_free(b); /* another size or kind (settings are read once: not seen) */
     t0 = shim_now_ns();
-    r = real.cuMemHostAlloc(&b->p, size, CU_MEMHOSTALLOC_PORTABLE);
+    r = reg ? bounce_register(&b->p, size, why, sizeof why)
+            : real.cuMemHostAlloc(&b->p, size, CU_MEMHOSTALLOC_PORTABLE);
     w->t.register_ns += shim_now_ns() - t0;
     if (r != CUDA_SUCCESS) {
         b->p = NULL;
-        cu_fail(s, first, "cuMemHostAlloc", r);
+        if (r == CUDA_ERROR_OUT_OF_MEMORY && reg && strcmp(why, "cuMemHostRegister") != 0)
+            stage_fail(s, first, "bounce buffer: %s", why);
+        else
+            cu_fail(s, first, why, r);
         return NULL;
     }
     b->size = size;
     b->pid = getpid();
+    b->registered = reg;
     return b->p;
 }
 

@@ -433,26 +433,35 @@ def timing_list(log: str) -> list[dict[str, object]]:
     ]
 
 
+@pytest.mark.parametrize("pin", ["alloc", "register"])
 @pytest.mark.parametrize("keep", [True, False], ids=["bounce-kept", "bounce-freed"])
 def test_bounce_buffers_kept_or_freed_after_load(
-    spawn: Spawn, control_dir: Path, keep: bool
+    spawn: Spawn, control_dir: Path, keep: bool, pin: str
 ) -> None:
     """By default the bounce buffers pinned by the first SAVE serve every later op (no
-    registration time after the first); with SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0 every
-    LOAD frees them, so every SAVE pins them again; the bytes are right either way."""
+    pinning time after the first) and stay pinned; with SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0
+    every LOAD frees them (the driver's host table is as before the first SAVE) and every
+    SAVE pins them again; pinned by cuMemHostAlloc (alloc) or as the shim's own mappings
+    registered (register). The bytes are right either way."""
     creator = spawn(
         extra={
             "SNAPSHOT_SHIM_COPY_THREADS": "2",
             "SNAPSHOT_SHIM_TIMING": "1",
             "SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP": "1" if keep else "0",
+            "SNAPSHOT_SHIM_STAGING_BOUNCE_PIN": pin,
         }
     )
     make_shared(creator, [2, 1], seed=40)
+    count, _ = creator(FILL_REGISTRATIONS)  # the host table's free entries
+    creator(UNREGISTER_ALL)
     c = Shim(control_dir, creator.pid)
     for _ in range(2):
         for op in CAPTURE + RESTORE:
             c.ok(op)
         assert intact(creator)
+    left, _ = creator(FILL_REGISTRATIONS)
+    creator(UNREGISTER_ALL)
+    assert (left < count) is keep, (left, count)
     log = finish(creator)
     pinned = [
         float(t["thread_s"]["register"]) > 0  # type: ignore[index]
