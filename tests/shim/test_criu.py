@@ -207,6 +207,38 @@ def test_a_sharing_group_goes_through_criu_dump_and_restore(
     assert_sharing_back(group, where, native, seed_x=SEED_W)
 
 
+def test_a_failed_dump_after_the_store_resumes_the_group_with_its_bytes(
+    group: TreeGroup,
+    criu_binary: criu.Criu,
+    observer: Worker,
+    control_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """``criu dump`` refused (an option CRIU does not know) after the staged bytes went
+    to their files: the shims fetch them back and the group resumes, every byte right."""
+    native = WorkerBackend(observer)
+    where = agent.Where(control_dir)
+    ckpt = tmp_path / "ckpt"
+    steps: list[agent.AgentEvent] = []
+    with pytest.raises(criu.CriuDumpFailed) as info:
+        criu.dump(
+            group.processes,
+            ckpt,
+            tmp_path / "images",
+            tree=group.tree.root_pid,
+            criu=criu_binary,
+            where=where,
+            native=native,
+            criu_args=["--no-such-option"],
+            on_event=steps.append,
+        )
+    assert info.value.restored, str(info.value)
+    done = [e.step for e in steps if isinstance(e, agent.StepEvent) and e.status == "done"]
+    assert done[done.index("store_staged") :][:2] == ["store_staged", "fetch_staged"], done
+    assert len(stored.stored_files(ckpt)) == 2
+    assert_sharing_back(group, where, native)
+
+
 def summary(run: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert lines and lines[-1]["event"] == "summary", run.stdout

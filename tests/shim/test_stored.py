@@ -14,6 +14,7 @@ shim able to FETCH the right file; a rollback from every point after STORE.
 from __future__ import annotations
 
 import os
+import socket
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -123,8 +124,6 @@ def test_what_store_and_fetch_refuse(spawn: Spawn, control_dir: Path, tmp_path: 
         c.ok(op)
     header = wire.Request(op=Op.STORE_STAGED, participant=c.participant, fd=0).encode()
     # The descriptor left out: sent as bare bytes, as a client that lost it would.
-    import socket
-
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(30)
         s.connect(str(c.path))
