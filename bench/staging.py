@@ -318,17 +318,19 @@ class Bench:
             self.log(f"  variant {vname}: {extra or 'defaults'}")
             groups[vname] = self.group(f"{name}-{vname}", count, size, extra)
 
-        alone = self.spawn(f"native-{name}", self.plain)
-        self.setup(alone, count, size, unshared=True)
         nat: list[dict[str, Any]] = []
-        for i in range(self.native_repeat):
-            tag = f"native-{name}-{i}"
-            sus = self.cli("suspend", alone.pid, tag, "--not-requested")
-            res = self.cli("resume", alone.pid, tag)
-            nat.append({"suspend": _command(sus), "resume": _command(res)})
-        alone.send("result = CHECK()")
-        native_ok = alone.reply(timeout_s=1800) == 0
-        alone.close()
+        native_ok = True  # --native-repeat 0: not run (its figures are NaN)
+        if self.native_repeat:
+            alone = self.spawn(f"native-{name}", self.plain)
+            self.setup(alone, count, size, unshared=True)
+            for i in range(self.native_repeat):
+                tag = f"native-{name}-{i}"
+                sus = self.cli("suspend", alone.pid, tag, "--not-requested")
+                res = self.cli("resume", alone.pid, tag)
+                nat.append({"suspend": _command(sus), "resume": _command(res)})
+            alone.send("result = CHECK()")
+            native_ok = alone.reply(timeout_s=1800) == 0
+            alone.close()
         first = next(iter(groups.values()))
         return {
             "allocations": count,
@@ -517,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--repeat", type=int, default=4, help="the first (cold) run apart, medians of the rest"
     )
-    parser.add_argument("--native-repeat", type=int, help="runs of the native path alone")
+    parser.add_argument("--native-repeat", type=int, help="runs of the native path alone (0: none)")
     parser.add_argument(
         "--floor-gib", type=float, help="the floor's size per case (default 4, sim 0.125; 0: none)"
     )
