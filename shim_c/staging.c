@@ -95,8 +95,14 @@ struct segment {
 
 /* A contiguous host range: for TASK_COPY the segments seg0.. seg0+nseg-1
  * lie back to back in it and share one context. */
+/* Who faults a copy task's staging memory in (SAVE with populate threads):
+ * one thread at a time touches a chunk's pages, so that no populate write
+ * ever meets the copy thread's memcpy into the same bytes. Under lock. */
+enum { POP_NONE = 0, POP_BUSY, POP_DONE, POP_COPYING };
+
 struct task {
     uint8_t kind;
+    uint8_t pop;                /* POP_*, under lock once published */
     char *host;
     size_t len;
     uint32_t seg0, nseg;
@@ -131,6 +137,7 @@ struct staging {
     unsigned nhelpers;
     uint32_t ahead_next;        /* under lock */
     pthread_cond_t ahead_more;
+    pthread_cond_t popped;      /* a task left POP_BUSY */
     unsigned slots;             /* bounce slots handed to workers so far */
 
     /* Copy wall time: the union over all threads of the intervals during
@@ -655,6 +662,12 @@ static bool take_one(struct staging *s, struct worker *w)
 
     if (s->next == s->published)
         return false;
+    /* A populate thread halfway through this chunk finishes it first; one
+     * not there yet leaves it to the memcpy. */
+    while (s->tasks[s->next].pop == POP_BUSY)
+        pthread_cond_wait(&s->popped, &s->lock);
+    if (s->tasks[s->next].pop == POP_NONE)
+        s->tasks[s->next].pop = POP_COPYING;
     k = s->tasks[s->next++];
     s->inflight++;
     pthread_mutex_unlock(&s->lock);
@@ -704,17 +717,15 @@ static void *pool_worker(void *arg)
     return NULL;
 }
 
-/* Fault a fresh range in for writing without changing a byte: an atomic OR
- * of 0 per page is a write (the kernel maps a zeroed page, a huge one where
- * THP allows) that leaves whatever a copy thread's memcpy may be writing
- * into the same page at that moment, so the two never need to agree on who
- * touches a page first. */
+/* Fault a fresh range in for writing: one zero byte per page (the kernel
+ * maps a zeroed page, a huge one where THP allows). Only for a chunk that no
+ * copy thread has taken (POP_BUSY): nothing else writes into it meanwhile. */
 static void touch_pages(char *p, size_t len)
 {
     long pg = sysconf(_SC_PAGESIZE);
     size_t step = pg > 0 ? (size_t)pg : 4096;
     for (size_t i = 0; i < len; i += step)
-        __atomic_fetch_or((unsigned char *)p + i, 0, __ATOMIC_RELAXED);
+        ((volatile char *)p)[i] = 0;
 }
 
 static void *pool_populator(void *arg)
@@ -725,6 +736,7 @@ static void *pool_populator(void *arg)
     pthread_mutex_lock(&s->lock);
     for (;;) {
         struct task k;
+        uint32_t i;
         uint64_t t0;
 
         if (s->ahead_next < s->next)
@@ -735,14 +747,18 @@ static void *pool_populator(void *arg)
             pthread_cond_wait(&s->ahead_more, &s->lock);
             continue;
         }
-        k = s->tasks[s->ahead_next++];
-        if (k.kind != TASK_COPY || has_failed(s))
+        i = s->ahead_next++;
+        if (s->tasks[i].kind != TASK_COPY || s->tasks[i].pop != POP_NONE || has_failed(s))
             continue;
+        s->tasks[i].pop = POP_BUSY;
+        k = s->tasks[i];
         pthread_mutex_unlock(&s->lock);
         t0 = shim_now_ns();
         touch_pages(k.host, k.len);
         spent += shim_now_ns() - t0;
         pthread_mutex_lock(&s->lock);
+        s->tasks[i].pop = POP_DONE;
+        pthread_cond_broadcast(&s->popped);
     }
     s->t.populate_ns += spent;
     pthread_mutex_unlock(&s->lock);
@@ -806,6 +822,7 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
     pthread_cond_init(&s->more, NULL);
     pthread_cond_init(&s->idle, NULL);
     pthread_cond_init(&s->ahead_more, NULL);
+    pthread_cond_init(&s->popped, NULL);
     /* No more threads than chunks. */
     want = (total + s->chunk - 1) / s->chunk;
     if (want > cfg->copy_threads)
@@ -957,6 +974,7 @@ void staging_stop(struct staging *s, struct staging_times *t)
     pthread_cond_destroy(&s->more);
     pthread_cond_destroy(&s->idle);
     pthread_cond_destroy(&s->ahead_more);
+    pthread_cond_destroy(&s->popped);
     pthread_mutex_destroy(&s->lock);
     free(s->segs);
     free(s->tasks);
