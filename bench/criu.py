@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -45,7 +46,8 @@ from typing import Any
 import attrs
 from cuinterpose import launch
 from cuinterpose.demo import pattern_digest
-from cuinterpose.engine import criu, stored
+from cuinterpose.engine import agent, criu, stored
+from cuinterpose.engine.images import IDENTITY_FILE_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.shim.workers.criu_tree
@@ -96,6 +98,21 @@ class Setup:
     beside: bool = True  # the staged bytes in files beside the images (else in them)
 
 
+def images_trusted(ckpt: Path, images: Path) -> bool:
+    """What a dump leaves (specs/criu.md, "The images"): both directories 0700, no image
+    file readable by others, the manifest's seal the one in the images."""
+    sealed = agent.read_manifest(ckpt).images
+    seal = images / IDENTITY_FILE_NAME
+    return (
+        stat.S_IMODE(ckpt.stat().st_mode) == 0o700
+        and stat.S_IMODE(images.stat().st_mode) == 0o700
+        and all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in images.iterdir())
+        and sealed is not None
+        and seal.is_file()
+        and sealed.identity in seal.read_text()
+    )
+
+
 def round_trip(tree: Tree, s: Setup) -> dict[str, Any]:
     """criu dump, then criu restore into an emptied control directory."""
     ckpt, images = s.work / "ckpt", s.work / "images"
@@ -109,6 +126,7 @@ def round_trip(tree: Tree, s: Setup) -> dict[str, Any]:
         )
         files = [f.stat().st_size for f in stored.stored_files(ckpt)]
         tree.reap()
+        trusted = images_trusted(ckpt, images)
         shutil.rmtree(s.control)  # as on another node: the restore makes it again
         restore = cli(["criu", "restore", *common], s.plain, s.log)
         images_now = criu.image_size(images).to_json()
@@ -124,6 +142,7 @@ def round_trip(tree: Tree, s: Setup) -> dict[str, Any]:
         "dump": dump,
         "restore": restore,
         "images": images_now,
+        "images_trusted": trusted,
         "bytes_beside": s.beside,
         "stored_files": len(files),
         "stored_bytes": sum(files),
@@ -148,7 +167,8 @@ def scenario_group(s: Setup) -> dict[str, Any]:
         tree.close()
     result["gpu_bytes"] = 2 * size
     result["shared_bytes"] = size
-    result["verified"] = {"bytes": bytes_ok, "write_reaches": write_ok, "new_share": share_ok}
+    result["verified"] = {"bytes": bytes_ok, "write_reaches": write_ok, "new_share": share_ok,
+                          "images_trusted": result.pop("images_trusted")}  # fmt: skip
     return result
 
 
@@ -191,6 +211,7 @@ def scenario_torch(s: Setup, *, expandable: bool = True) -> dict[str, Any]:
         "bytes": bytes_ok,
         "write_reaches": write_ok,
         "new_share": share_ok,
+        "images_trusted": result.pop("images_trusted"),
     }
     return result
 

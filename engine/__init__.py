@@ -4,9 +4,13 @@ It speaks the shims' wire protocol, checks the sharing topology, runs the
 capture and restore machines of :mod:`cuinterpose.phases` in lockstep over a
 group of processes, writes and reads the state file, and traces and replays
 runs. It needs no GPU and no CUDA library: the native checkpoint is the
-agent's (or :mod:`cuinterpose.native`'s) part. What is listed here is the
-public API; everything else may change between releases.
+agent's (or :mod:`cuinterpose.native`'s) part. ``__all__`` is the public API
+(``AGENT_API``, then ``STEP_API``: below); everything else may change between releases.
 """
+
+# The names imported here and left out of __all__ stay importable for the command
+# line and the tests, which is why they are imported at all.
+# ruff: noqa: F401
 
 import logging
 
@@ -18,6 +22,7 @@ from .agent import (
     DetectionRefused,
     Manifest,
     ManifestError,
+    Origin,
     Process,
     ProcessStatus,
     ResumeFailed,
@@ -29,6 +34,7 @@ from .agent import (
     Timing,
     Where,
     detect,
+    native_for,
     read_manifest,
     remove_stale_sockets,
     resume,
@@ -102,100 +108,69 @@ from .trace import TraceError, TraceRecorder, TraceSink, TraceWriter, read_trace
 # A library logs; its user decides where the records go (the CLI: frontends/logs.py).
 logging.getLogger("cuinterpose").addHandler(logging.NullHandler())
 
-__all__ = [
-    "DEFAULT_PHASE_TIMEOUT_S",
-    "STATE_FILE_NAME",
+# The public face, in two parts (specs/architecture.md). An embedding agent needs the
+# first: the one-call suspend/resume/status of a group, the manifest, the native calls,
+# what they raise and report. The second is for an agent that runs its own native steps
+# between the coordinator's machines (what ``cuinterpose prepare`` and ``restore`` do):
+# note that ``restore`` there is the restore machine alone, not the way back from
+# ``suspend`` (that is ``resume``, which runs the native restore and unlock first). The
+# other names the package imports here (the wire client, traces and replays, the
+# progress printers) serve the command line and the tests, and may change.
+AGENT_API = (
     "AgentCallback",
     "AgentError",
     "AgentEvent",
-    "BadReply",
-    "Bound",
-    "CaptureResult",
-    "CheckpointDirRefused",
-    "CheckpointState",
-    "CoordinatorError",
     "CopyProgress",
     "CudaBackend",
     "DetectionRefused",
-    "Divergence",
-    "DoneEvent",
     "DriverMismatch",
-    "DriverReport",
-    "Endpoint",
-    "Event",
-    "FailedEvent",
-    "Interrupted",
     "Manifest",
     "ManifestError",
     "NativeBackend",
     "NativeError",
     "NativeGroupError",
-    "NativeKept",
     "NativeUnavailableError",
     "Options",
-    "ParticipantError",
-    "ParticipantGone",
-    "ParticipantHangup",
-    "ParticipantTimeout",
-    "ParticipantsRefused",
-    "PhaseEvent",
-    "PhaseFailed",
-    "PreflightRefused",
-    "Problem",
+    "Origin",
     "Process",
     "ProcessState",
     "ProcessStatus",
-    "ProgressCallback",
-    "RecoveryReport",
-    "Refused",
-    "Released",
-    "ReplayReport",
-    "RestoreResult",
     "ResumeFailed",
     "ResumeResult",
-    "RollbackResult",
     "StagingSummary",
-    "StateFileError",
     "StateRefused",
     "StepEvent",
     "SuspendFailed",
     "SuspendResult",
     "Timing",
-    "Topology",
-    "TopologyRefused",
-    "TraceError",
-    "TraceRecorder",
-    "TraceSink",
-    "TraceWriter",
-    "Transfer",
-    "Transport",
-    "UntrustedEndpoint",
-    "VerificationFailed",
     "Where",
-    "call_all",
-    "capture",
-    "control_dir_problem",
     "detect",
-    "endpoint_for",
-    "human_line",
-    "inspect",
-    "json_printer",
-    "machine_mismatch",
+    "native_for",
     "read_manifest",
-    "read_state",
-    "read_trace",
-    "recover",
-    "released",
-    "released_by_suspend",
     "remove_stale_sockets",
-    "replay",
-    "replay_file",
-    "restore",
     "resume",
-    "rollback",
-    "run_machine",
-    "shim_drivers",
-    "shims_in",
     "status",
     "suspend",
-]
+)
+STEP_API = (
+    "DEFAULT_PHASE_TIMEOUT_S",
+    "STATE_FILE_NAME",
+    "CaptureResult",
+    "CheckpointState",
+    "CoordinatorError",
+    "Event",
+    "Interrupted",
+    "PhaseEvent",
+    "ProgressCallback",
+    "RecoveryReport",
+    "Refused",
+    "RestoreResult",
+    "RollbackResult",
+    "StateFileError",
+    "capture",
+    "read_state",
+    "recover",
+    "restore",
+    "rollback",
+)
+__all__ = [*AGENT_API, *STEP_API]

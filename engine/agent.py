@@ -34,6 +34,7 @@ from .manifest import (
     MANIFEST_FILE_NAME,
     Manifest,
     ManifestError,
+    Origin,
     Participant,
     Process,
     Timing,
@@ -42,8 +43,8 @@ from .manifest import (
     write_manifest,
 )
 from .native import DEFAULT_LOCK_TIMEOUT_MS, NativeError
-from .resumption import ResumeFailed, ResumeResult, resume
-from .suspension import SuspendFailed, SuspendResult, suspend
+from .resumption import ResumeFailed, ResumeResult, lost_members, recorded_where, resume
+from .suspension import SuspendFailed, SuspendResult, native_for, suspend
 
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT_MS",
@@ -58,6 +59,7 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "NativeError",
+    "Origin",
     "Participant",
     "Process",
     "ProcessStatus",
@@ -70,7 +72,10 @@ __all__ = [
     "Timing",
     "Where",
     "detect",
+    "lost_members",
+    "native_for",
     "read_manifest",
+    "recorded_where",
     "remove_stale_sockets",
     "require_states",
     "restore_plan",

@@ -100,7 +100,8 @@ def control_dir_problem(path: Path, own_uid: int | None = None) -> str | None:
         why = "is writable by group or others"
     else:
         return None
-    return f"control directory {path} {why} (uid {st.st_uid}, mode {mode:04o}): not trusted"
+    fix = f"; chmod 700 {path}" if why.startswith("is writable") else ""
+    return f"control directory {path} {why} (uid {st.st_uid}, mode {mode:04o}): not trusted{fix}"
 
 
 def control_dir_length_problem(control_dir: Path) -> str | None:

@@ -14,8 +14,8 @@ For a checkpoint agent whose process checkpoint is CRIU (specs/criu.md):
 - :func:`dump` and :func:`restore`: the whole way each direction: suspend then
   ``criu dump`` (a failed dump resumes the group); ``criu restore`` then resume of the
   processes it recreated. By default the staged GPU bytes go to files beside the
-  images (:func:`store_beside` before the dump, :func:`fetch_beside` before the resume:
-  :mod:`.stored`), so that the images hold host state only.
+  images (:func:`store_beside` before the dump, :mod:`.stored`), so that the images
+  hold host state only; every resume fetches them back first (engine/resumption.py).
 
 CRIU is run without ``LD_PRELOAD``: neither the shim nor a sanitizer runtime may load
 into it.
@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import socket
 import stat
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -53,10 +55,13 @@ from .agent import (
     suspend,
 )
 from .client import control_dir_problem
+from .directory import require_trusted
 from .errors import CoordinatorError
+from .images import check_identity, forget, private_directory, seal
 from .native import DEFAULT_LOCK_TIMEOUT_MS, NativeBackend
 from .options import Options
-from .stored import fetch, staged_path, store
+from .statefile import StateFileError
+from .stored import staged_path, store
 
 CRIU_ENV: Final = "CUINTERPOSE_CRIU"
 MIN_VERSION: Final = (4, 0)
@@ -200,6 +205,10 @@ def _log_errors(log: Path, limit: int = 12) -> list[str]:
     return [*(errors[-limit:] or lines[-limit:]), f"(the whole log: {log})"]
 
 
+class CriuTimedOut(CriuFailed):
+    """A ``criu`` command ran past its time limit and was killed."""
+
+
 def run_criu(
     criu: Criu,
     args: Sequence[str],
@@ -208,27 +217,45 @@ def run_criu(
     timeout_s: float | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> float:
-    """Run ``criu ARGS -o LOG``; its seconds, or :class:`CriuFailed` with its errors."""
-    argv = [str(criu.path), *args, "-o", str(log), "-v4"]
+    """Run ``criu ARGS -o LOG``; its seconds, or :class:`CriuFailed` with its errors.
+
+    CRIU runs with umask 077, so that what it writes (the memory pages among them) is
+    its owner's alone. Past ``timeout_s`` it is killed (:class:`CriuTimedOut`): its
+    output goes to files, not pipes, so that a process it left holding them cannot
+    keep this call waiting."""
+    # LOG absolute: CRIU resolves ``-o`` against its work directory (``-D``).
+    argv = [str(criu.path), *args, "-o", os.path.abspath(log), "-v4"]
     began = time.perf_counter()
-    try:
-        done = subprocess.run(
-            argv,
-            env=criu_env(environ),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise CriuFailed(f"`{' '.join(argv)}` failed:", [str(exc)]) from None
+    with tempfile.TemporaryFile() as err:
+        try:
+            child = subprocess.Popen(
+                argv,
+                env=criu_env(environ),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                umask=0o077,
+            )
+        except OSError as exc:
+            raise CriuFailed(f"`{' '.join(argv)}` failed:", [str(exc)]) from None
+        try:
+            code = child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            raise CriuTimedOut(
+                f"`{' '.join(argv)}` ran past its time limit of {timeout_s:g} s and was killed:",
+                [*_log_errors(log, limit=4)],
+            ) from None
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
     seconds = time.perf_counter() - began
-    if done.returncode != 0:
+    if code != 0:
         errors = _log_errors(log)
         hints = [*_pid_holders(errors), *_remaps_in_the_way(errors)]
-        lines = [f"exit status {done.returncode}", *errors, *hints]
-        if done.stderr.strip():
-            lines.insert(1, done.stderr.strip()[-500:])
+        lines = [f"exit status {code}", *errors, *hints]
+        if stderr.strip():
+            lines.insert(1, stderr.strip()[-500:])
         raise CriuFailed(f"`{' '.join(argv)}` failed:", lines)
     return seconds
 
@@ -364,18 +391,26 @@ class Prepared:
     removed: tuple[Path, ...]
 
 
-def before_restore(checkpoint_dir: Path, control_dir: Path | None) -> Prepared:
+def before_restore(
+    checkpoint_dir: Path, control_dir: Path | None, images_dir: Path | None = None
+) -> Prepared:
     """Check that ``criu restore`` may recreate the group of ``checkpoint_dir``, and free
     its sockets' paths in ``control_dir`` (the shims' control directory as seen here;
     None when it cannot be seen before the processes exist, e.g. a tmpfs of their mount
-    namespace: then nothing is removed, and the shims re-publish their sockets)."""
+    namespace: then nothing is removed, and the shims re-publish their sockets).
+
+    ``images_dir``: the images about to be restored, which must be trusted and be the
+    ones the manifest records (:func:`~.images.check_identity`); checked first."""
     directory = Path(checkpoint_dir)
+    require_trusted("restore", directory)
     manifest = read_manifest(directory)
     if manifest.resumed_at:
         raise ManifestError(
             f"restore refused: the group in {directory} was resumed at {manifest.resumed_at}:",
             ["its images are older than the group that ran since; suspend and dump it again"],
         )
+    if images_dir is not None:
+        check_identity(Path(images_dir), directory, manifest)
     restore_plan(manifest, directory)
     if control_dir is None or not manifest.requested:
         return Prepared(manifest, ())
@@ -442,6 +477,36 @@ def locate(
 
 
 # --------------------------------------------------------------- the verbs
+DEFAULT_CRIU_TIMEOUT_S: Final = 600.0
+# Where the processes a dump's --tree must hold are looked up (tests point it elsewhere).
+PROC: Path = Path("/proc")
+
+
+def _after_expiry(directory: Path, images: Path, pidfile: Path) -> list[str]:
+    """What a restore killed half way may have left, and how to try again."""
+    try:
+        root = pidfile.read_text().strip()
+    except OSError:
+        root = ""
+    left = (
+        f"CRIU had restored the tree (root pid {root}, its pid file {pidfile}): its "
+        "processes may be left stopped or natively CHECKPOINTED"
+        if root.isdigit()
+        else "CRIU wrote no pid file: the processes it had begun to recreate (if any) are "
+        "left stopped, none of them running the program"
+    )
+    again = shlex.join(
+        ["cuinterpose", "criu", "restore", "--checkpoint-dir", str(directory),
+         "--images-dir", str(images)]
+    )  # fmt: skip
+    return [
+        left,
+        "the images and the manifest are untouched: end what it left (`ps` by the "
+        f"group's command lines), then run again: {again} (a larger --criu-timeout if "
+        "the images are large)",
+    ]
+
+
 @attrs.frozen
 class DumpResult:
     manifest: Manifest
@@ -479,6 +544,22 @@ def _timed(
     return timing
 
 
+def tree_problems(tree: int, processes: Sequence[Process], proc: Path | None = None) -> list[str]:
+    """Why ``criu dump -t TREE`` would not dump every one of ``processes`` (by their pids
+    here), one line each; none: it would. CRIU dumps the tree it is given, the group or
+    not: a tree that leaves one out would be killed while the group stays suspended."""
+    where = PROC if proc is None else proc
+    if not (where / str(tree)).is_dir():
+        return [f"the tree's root, pid {tree}, does not exist"]
+    inside = set(_descendants(tree, where))
+    return [
+        f"{p.describe()} is not in the tree of pid {tree}: give --tree the root of a tree "
+        "that holds every process of the group (their common ancestor)"
+        for p in processes
+        if p.observed_pid not in inside
+    ]
+
+
 def store_beside(
     checkpoint_dir: Path,
     manifest: Manifest,
@@ -505,40 +586,6 @@ def store_beside(
     return _timed("store_staged", on_event, run, lambda: files[0] if files else 0)
 
 
-def fetch_beside(
-    checkpoint_dir: Path,
-    manifest: Manifest,
-    processes: Sequence[Process],
-    *,
-    where: Where,
-    options: Options | None = None,
-    on_event: AgentCallback | None = None,
-    missing_ok: bool = False,
-) -> Timing | None:
-    """Before the resume of a dumped group: every shim's staged copies back from its file
-    (:func:`.stored.fetch`), timed as ``fetch_staged``; None when the dump left them in
-    the images (no file is there). ``missing_ok``: after a failed dump, only the shims
-    whose STORE went through have a file."""
-    ids = [p.participant for p in manifest.participants]
-    if not manifest.prepared or not any(i and staged_path(checkpoint_dir, i).exists() for i in ids):
-        return None
-    files: list[int] = []
-
-    def run() -> float:
-        done = fetch(
-            checkpoint_dir,
-            manifest,
-            processes,
-            where=where,
-            options=options,
-            missing_ok=missing_ok,
-        )
-        files.append(sum(f.bytes for f in done))
-        return max((f.seconds for f in done), default=0.0)
-
-    return _timed("fetch_staged", on_event, run, lambda: files[0] if files else 0)
-
-
 def dump(
     processes: Sequence[Process | tuple[int, int]],
     checkpoint_dir: Path,
@@ -553,17 +600,32 @@ def dump(
     lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
     criu_args: Sequence[str] = (),
     on_event: AgentCallback | None = None,
+    criu_timeout_s: float = DEFAULT_CRIU_TIMEOUT_S,
+    proc: Path | None = None,
     bytes_beside: bool = True,
 ) -> DumpResult:
     """Suspend the group, then ``criu dump -t TREE`` into ``images_dir`` (which kills the
-    tree unless ``criu_args`` say ``--leave-running``). A failed dump leaves the tree
-    running: the group is resumed (:class:`CriuDumpFailed` says whether that worked).
+    tree unless ``criu_args`` say ``--leave-running``). A failed dump, or one that ran
+    past ``criu_timeout_s`` (CRIU is killed), leaves the tree running: the group is
+    resumed (:class:`CriuDumpFailed` says whether that worked).
+
+    Refused before anything changes: a ``tree`` that does not hold every process (its
+    pids as seen in ``proc``, default /proc), and a checkpoint or images directory not
+    to be trusted; both are created 0700 where missing. Once dumped, the images are
+    made private and sealed with the manifest (:func:`~.images.seal`).
+
     ``bytes_beside``: the staged GPU bytes go to files of ``checkpoint_dir`` before the
-    dump (:func:`store_beside`); False leaves them to the images."""
-    images = Path(images_dir)
-    images.mkdir(parents=True, exist_ok=True)
+    dump (:func:`store_beside`; the resume of a failed dump fetches them back); False
+    leaves them to the images."""
+    group = [p if isinstance(p, Process) else Process(*p) for p in processes]
+    images = Path(os.path.abspath(images_dir))  # CRIU resolves paths against -D
+    outside = tree_problems(tree, group, proc)
+    if outside:
+        raise AgentError("criu dump refused: nothing was changed", outside)
+    private_directory(Path(checkpoint_dir), "criu dump", "checkpoint directory")
+    private_directory(images, "criu dump", "images directory")
     done = suspend(
-        processes,
+        group,
         checkpoint_dir,
         where=where,
         native=native,
@@ -572,42 +634,32 @@ def dump(
         lock_timeout_ms=lock_timeout_ms,
         on_event=on_event,
     )
+    args = ["dump", "-t", str(tree), "-D", str(images), *DUMP_ARGS, *criu_args]
     stored: Timing | None = None
     try:
         if bytes_beside:
-            staged = done.staging.allocation_bytes if done.staging else 0
             stored = store_beside(
                 checkpoint_dir,
                 done.manifest,
                 where=where,
                 options=options,
-                staged_bytes=staged,
+                staged_bytes=done.staging.allocation_bytes if done.staging else 0,
                 on_event=on_event,
             )
         else:  # an earlier dump's files would be taken for this one's at restore
             for p in done.manifest.participants:
                 if p.participant:
                     staged_path(checkpoint_dir, p.participant).unlink(missing_ok=True)
-        args = ["dump", "-t", str(tree), "-D", str(images), *DUMP_ARGS, *criu_args]
+        forget(images)
         timing = _timed(
             "criu_dump",
             on_event,
-            lambda: run_criu(criu, args, images / DUMP_LOG),
+            lambda: run_criu(criu, args, images / DUMP_LOG, timeout_s=criu_timeout_s),
             lambda: image_size(images).total,
         )
-    except AgentError as failure:  # criu dump failed, or STORE_STAGED did
-        lines = list(failure.lines())
-        try:
-            # The bytes the shims stored must be in memory before LOAD_ALLOCATIONS.
-            fetch_beside(
-                checkpoint_dir,
-                done.manifest,
-                done.manifest.processes(),
-                where=where,
-                options=options,
-                on_event=on_event,
-                missing_ok=True,
-            )
+    except (AgentError, OSError) as failure:  # criu dump, or STORE_STAGED, failed
+        lines = list(failure.lines()) if isinstance(failure, AgentError) else [str(failure)]
+        try:  # the resume fetches what the shims stored (engine/resumption.py)
             resume(checkpoint_dir, where=where, native=native, options=options, on_event=on_event)
         except (AgentError, CoordinatorError) as error:
             lines += [f"resume: {line}" for line in error.lines()]
@@ -616,8 +668,16 @@ def dump(
             ) from failure
         lines.append("resumed: the group runs as before the suspend")
         raise CriuDumpFailed("criu dump failed:", lines, restored=True) from failure
+    try:
+        manifest = seal(images, Path(checkpoint_dir))
+    except (OSError, StateFileError, AgentError) as exc:
+        raise AgentError(
+            f"criu dump wrote the images to {images}, but they could not be sealed:",
+            [str(exc), "`cuinterpose criu restore` refuses them; dump the group again"],
+            changed=True,
+        ) from None
     steps = (*done.timings, *((stored,) if stored else ()), timing)
-    return DumpResult(done.manifest, image_size(images), steps)
+    return DumpResult(manifest, image_size(images), steps)
 
 
 def restore(
@@ -631,31 +691,39 @@ def restore(
     options: Options | None = None,
     criu_args: Sequence[str] = (),
     on_event: AgentCallback | None = None,
+    criu_timeout_s: float = DEFAULT_CRIU_TIMEOUT_S,
 ) -> RestoreResult:
     """:func:`before_restore` (``control_dir``: the control directory as seen here before
-    the processes exist), ``criu restore -d``, :func:`locate` under the restored root,
-    then :func:`~.agent.resume` of those processes (``where``: their control sockets
-    once they run)."""
+    the processes exist; the images checked against the manifest), ``criu restore -d``
+    (killed past ``criu_timeout_s``: :class:`CriuTimedOut` says what may be left and
+    the command that tries again), :func:`locate` under the restored root, then
+    :func:`~.agent.resume` of those processes (``where``: their control sockets once
+    they run)."""
     directory = Path(checkpoint_dir)
-    images = Path(images_dir)
-    prepared = before_restore(directory, control_dir)
-    pidfile = directory / RESTORED_PIDFILE
+    images = Path(os.path.abspath(images_dir))
+    prepared = before_restore(directory, control_dir, images)
+    # Absolute: CRIU resolves --pidfile against its work directory (the images).
+    pidfile = Path(os.path.abspath(directory / RESTORED_PIDFILE))
     pidfile.unlink(missing_ok=True)
     args = ["restore", "-d", "-D", str(images), "--pidfile", str(pidfile), *criu_args]
-    timing = _timed(
-        "criu_restore",
-        on_event,
-        lambda: run_criu(criu, args, images / RESTORE_LOG),
-        lambda: image_size(images).total,
-    )
+    try:
+        timing = _timed(
+            "criu_restore",
+            on_event,
+            lambda: run_criu(criu, args, images / RESTORE_LOG, timeout_s=criu_timeout_s),
+            lambda: image_size(images).total,
+        )
+    except CriuTimedOut as expired:
+        raise CriuTimedOut(
+            expired.what,
+            [*expired.detail, *_after_expiry(directory, images, pidfile)],
+            changed=True,
+        ) from None
     try:
         root = int(pidfile.read_text().strip())
     except (OSError, ValueError) as exc:
         raise CriuFailed("criu restore wrote no pid file:", [f"{pidfile}: {exc}"]) from None
     located = locate(prepared.manifest.processes(), root)
-    fetched = fetch_beside(
-        directory, prepared.manifest, located, where=where, options=options, on_event=on_event
-    )
     resumed = resume(
         directory,
         where=where,
@@ -665,15 +733,18 @@ def restore(
         options=options,
         on_event=on_event,
     )
-    steps = (timing, *((fetched,) if fetched else ()), *resumed.timings)
-    return RestoreResult(located, prepared.removed, image_size(images), resumed, steps)
+    return RestoreResult(
+        located, prepared.removed, image_size(images), resumed, (timing, *resumed.timings)
+    )
 
 
 __all__ = [
     "CRIU_ENV",
+    "DEFAULT_CRIU_TIMEOUT_S",
     "Criu",
     "CriuDumpFailed",
     "CriuFailed",
+    "CriuTimedOut",
     "CriuUnavailable",
     "DumpResult",
     "ImageSize",
@@ -682,12 +753,12 @@ __all__ = [
     "before_restore",
     "criu_env",
     "dump",
-    "fetch_beside",
     "find_criu",
     "image_size",
     "locate",
     "restore",
     "run_criu",
     "store_beside",
+    "tree_problems",
     "usable_criu",
 ]

@@ -108,7 +108,10 @@ def detect(
         if requested and evidence == "absent":
             evidence = _healed_evidence(endpoint)
         if evidence == "other":
-            problems.append(f"{process.describe()}: {endpoint.path} is not a socket")
+            problems.append(
+                f"{process.describe()}: {endpoint.path} is {discovery.what_is_at(endpoint.path)},"
+                " not a socket: no shim can serve there until it is removed"
+            )
         elif requested and evidence == "absent":
             problems.append(
                 f"{process.describe()}: no control socket at {endpoint.path}, yet the group "
@@ -128,6 +131,8 @@ def detect(
 def _no_shim_hint(process: Process, endpoint: Endpoint, where: Where) -> str:
     if not discovery.pid_exists(process.observed_pid, where.proc_root):
         return f"pid {process.observed_pid} does not exist"
+    if not discovery.is_running(process.observed_pid, where.proc_root):
+        return f"pid {process.observed_pid} exited (a zombie its parent has not reaped)"
     return discovery.missing_shim_hint(process.observed_pid, endpoint.path.parent)
 
 
@@ -146,7 +151,10 @@ def remove_stale_sockets(
         if evidence == "absent":
             continue
         if evidence == "other":
-            problems.append(f"{process.describe()}: {path} is not a socket; not removed")
+            problems.append(
+                f"{process.describe()}: {path} is {discovery.what_is_at(path)}, not a socket;"
+                " not removed"
+            )
             continue
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             try:

@@ -3,7 +3,8 @@
 Besides the state file, a directory holds:
 
 - ``cuinterpose.lock``: locked (``flock``) by the coordinator working on the
-  directory, and holding its pid, so that a second one is refused by name;
+  directory, and holding its pid, so that a second one is refused by name; removed
+  by the run that created it when it ends;
 - ``cuinterpose.intent``: written durably before a capture's first destructive
   op (participants and topology, as in the state file) and removed once the
   state file is written or the group is rolled back; present, it says a
@@ -62,14 +63,17 @@ def _owner(uid: int) -> str:
         return f"uid {uid}"
 
 
-def checkpoint_dir_problem(directory: Path, own_uid: int | None = None) -> str | None:
+def checkpoint_dir_problem(
+    directory: Path, own_uid: int | None = None, *, what: str = "checkpoint directory"
+) -> str | None:
     """Why the checkpoint directory cannot be trusted, or None (also when it is missing).
 
     As for the control directory: not a symbolic link (it is never followed), a real
     directory, owned by the caller (``own_uid``, default ours) or root, writable by
     nobody else (a sticky parent such as /tmp is fine for its parent, not for the
     directory itself). Otherwise its owner, or whoever may write it, could plant or
-    swap the state file between a prepare and its restore."""
+    swap the state file between a prepare and its restore. ``what`` names the directory
+    in the answer (the CRIU images directory is held to the same rule)."""
     own = os.getuid() if own_uid is None else own_uid
     path = Path(directory)
     try:
@@ -77,7 +81,7 @@ def checkpoint_dir_problem(directory: Path, own_uid: int | None = None) -> str |
     except FileNotFoundError:
         return None
     except OSError as exc:
-        return f"checkpoint directory {path}: {exc.strerror}"
+        return f"{what} {path}: {exc.strerror}"
     mode = stat.S_IMODE(st.st_mode)
     if stat.S_ISLNK(st.st_mode):
         why = "is a symbolic link (never followed)"
@@ -90,7 +94,7 @@ def checkpoint_dir_problem(directory: Path, own_uid: int | None = None) -> str |
     else:
         return None
     return (
-        f"checkpoint directory {path} {why} (owner {_owner(st.st_uid)}, mode {mode:04o}): "
+        f"{what} {path} {why} (owner {_owner(st.st_uid)}, mode {mode:04o}): "
         "not trusted; use a directory of your own, mode 0700 or 0755"
     )
 
@@ -111,11 +115,38 @@ def _holder(fd: int) -> str:
     return f"coordinator pid {text}" if text.isdigit() else "another coordinator"
 
 
+def _open_lock(path: Path) -> tuple[int, bool]:
+    """The lock file's descriptor, and whether this call created it."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
+        except FileExistsError:
+            return os.open(path, flags), False
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DirectoryBusy(f"{path} is a symbolic link; refused") from exc
+        raise
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (a holder that created the
+    lock file removes it when it is done: a lock taken on the removed file is no lock)."""
+    try:
+        named = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
 @contextlib.contextmanager
 def locked(directory: Path) -> Iterator[None]:
     """Hold the directory's lock for the block; :class:`DirectoryBusy` when another does.
 
-    The lock dies with its holder, so a killed coordinator leaves nothing to clean up.
+    The lock dies with its holder, so a killed coordinator leaves nothing to clean up;
+    a run that created the lock file removes it when it is done (still holding the
+    lock), so that a run, refused or not, leaves the directory as it found it.
     """
     path = Path(directory) / LOCK_FILE_NAME
     problem = checkpoint_dir_problem(Path(directory))
@@ -124,25 +155,33 @@ def locked(directory: Path) -> Iterator[None]:
     if not Path(directory).is_dir():
         yield  # nothing there to protect; the machine's own checks say what is missing
         return
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise DirectoryBusy(f"{path} is a symbolic link; refused") from exc
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise DirectoryBusy(f"{path} is not a regular file")
+    for _ in range(8):  # each retry: a holder removed the file between open and flock
+        fd, created = _open_lock(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DirectoryBusy(
-                f"checkpoint directory {directory} is in use by {_holder(fd)}"
-            ) from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise DirectoryBusy(f"{path} is not a regular file")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise DirectoryBusy(
+                    f"checkpoint directory {directory} is in use by {_holder(fd)}"
+                ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(fd, path):
+            break
+        os.close(fd)
+    else:
+        raise DirectoryBusy(f"checkpoint directory {directory}: its lock file keeps changing")
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
+        if created:
+            with contextlib.suppress(OSError):
+                path.unlink()
         os.close(fd)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import stat
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Final
 
 import attrs
 
-from .client import Endpoint, call_all
+from .client import Endpoint, ParticipantError, call_all
 from .wire import SOCKET_PREFIX, SOCKET_SUFFIX, Op, Reply, Request, Status, socket_name
 
 _SOCKET_NAME: Final = re.compile(
@@ -61,6 +62,28 @@ def is_socket(path: Path) -> bool:
         return False
 
 
+_KINDS: Final = (
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def what_is_at(path: Path) -> str:
+    """What sits at ``path`` (not followed), in words: "nothing", "a directory", ..."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return "nothing"
+    except OSError as exc:
+        return f"something that cannot be looked at ({exc.strerror})"
+    return next((word for test, word in _KINDS if test(mode)), f"a file of mode {mode:o}")
+
+
 def shim_drivers(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> DriverReport:
     """Ask every endpoint that has a socket which driver its shim loaded."""
     asked = [e for e in endpoints if is_socket(e.path)]
@@ -88,6 +111,70 @@ def pid_exists(pid: int, proc_root: Path | None = None) -> bool:
     except PermissionError:
         return True  # it exists, owned by another user
     return True
+
+
+def is_running(pid: int, proc_root: Path | None = None) -> bool:
+    """Whether ``pid`` names a process that has not exited: one that exited and that its
+    parent has not reaped yet (a zombie, state Z or X in ``/proc/<pid>/stat``) still has
+    its pid, but takes part in nothing."""
+    if not pid_exists(pid, proc_root):
+        return False
+    try:
+        stat_line = (Path(proc_root or "/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return True  # exists (kill said so), its state unreadable: not known to be dead
+    state = stat_line.rpartition(")")[2].split()[:1]
+    return state not in (["Z"], ["X"])
+
+
+def serves(path: Path) -> bool:
+    """Whether anything listens on the Unix socket ``path`` (a stale one refuses)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def start_ticks(pid: int, proc_root: Path | None = None) -> int:
+    """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat`` field 22); 0
+    when it cannot be read (gone, or no /proc)."""
+    proc = Path(proc_root) if proc_root is not None else Path("/proc")
+    try:
+        text = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return 0
+    fields = text.rpartition(")")[2].split()
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else 0
+
+
+def same_process(pid: int, started: int, proc_root: Path | None = None) -> bool:
+    """Whether ``pid`` still names the process that had start time ``started`` (0: not
+    recorded, then whether the pid names any process; a zombie is gone)."""
+    if not is_running(pid, proc_root):
+        return False
+    if not started:
+        return True
+    now = start_ticks(pid, proc_root)
+    return now in (0, started)  # unreadable (another user's): take it as the same
+
+
+def unanswered(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> dict[Endpoint, str]:
+    """The endpoints whose shim does not answer STATUS (nothing is bound or changed), each
+    with a line naming the process and where its socket was looked for."""
+    replies = call_all([(e, Request(Op.STATUS), None) for e in endpoints], timeout=timeout)
+    silent: dict[Endpoint, str] = {}
+    for endpoint, reply in zip(endpoints, replies, strict=True):
+        if isinstance(reply, Reply):
+            continue
+        why = reply.reason if isinstance(reply, ParticipantError) else str(reply)
+        silent[endpoint] = (
+            f"pid {endpoint.observed_pid} (ns pid {endpoint.namespace_pid}): no shim answers "
+            f"at {endpoint.path} ({why}); looked in {endpoint.path.parent}"
+        )
+    return silent
 
 
 def children(pid: int) -> tuple[int, ...]:

@@ -6,7 +6,10 @@ The document (specs/detection.md, "The manifest")::
      "cuinterpose": {"requested": bool, "prepared": bool},
      "participants": [{"observed_pid": int, "namespace_pid": int, "participant": str|null}],
      "timings": [{"phase": str, "seconds": float, "bytes": int}],  # "phase": the step
-     "created_at": str, "resumed_at": str (once resumed)}
+     "created_at": str, "resumed_at": str (once resumed),
+     "images": {"identity": str, "directory": str} (once `cuinterpose criu dump` wrote them),
+     "origin": {"control_dir": str, "proc_root": str|null, "driver": str|null,
+                "started": [int, ...]}}  # where the group lives (absent before issue 29)
 
 Written and read through one cattrs converter over the classes below: strict in (an
 integer is an integer, a boolean a boolean; every problem named by its path), the
@@ -97,9 +100,33 @@ class Participant:
 
 
 @attrs.frozen
+class Origin:
+    """Where the group lived at suspend, so that a resume from another shell (or an
+    agent that knows only the directory) reaches it: the shims' control directory
+    (through ``proc_root/<observed pid>/root`` when set), the driver the shims reported
+    (None: none did), and each participant's start time in clock ticks (``/proc/PID/stat``
+    field 22, in the participants' order; 0: unknown) that tells a process gone since from
+    a new one with its pid."""
+
+    control_dir: str
+    proc_root: str | None = None
+    driver: str | None = None
+    started: tuple[int, ...] = ()
+
+
+@attrs.frozen
 class Flags:
     requested: bool
     prepared: bool
+
+
+@attrs.frozen
+class Images:
+    """The CRIU images a dump of this group wrote (specs/criu.md, "The images"): the
+    identity written into both the manifest and the images directory, and where."""
+
+    identity: str
+    directory: str
 
 
 @attrs.frozen
@@ -112,6 +139,9 @@ class _Document:
     timings: tuple[_Timed, ...] = ()
     created_at: str = ""
     resumed_at: str = ""
+    images: Images | None = None
+
+    origin: Origin | None = None
 
 
 @attrs.frozen
@@ -125,6 +155,9 @@ class Manifest:
     timings: tuple[Timing, ...] = ()
     created_at: str = ""
     resumed_at: str = ""  # set once a resume completed: the directory may be reused
+    images: Images | None = None  # set once `criu dump` wrote the group's images
+
+    origin: Origin | None = None  # where the group lives (a manifest of before issue 29: None)
 
     def to_json(self) -> dict[str, Any]:
         document = _Document(
@@ -134,6 +167,8 @@ class Manifest:
             tuple(_Timed.of(t) for t in self.timings),
             self.created_at,
             self.resumed_at,
+            self.images,
+            self.origin,
         )
         return dict(_converter().unstructure(document))
 
@@ -153,6 +188,13 @@ class Manifest:
             raise bad("prepared, yet cuinterpose was not requested")
         if not document.participants:
             raise bad("no participants")
+        origin = document.origin
+        if (
+            origin is not None
+            and origin.started
+            and len(origin.started) != len(document.participants)
+        ):
+            raise bad("origin.started does not have one start time per participant")
         return cls(
             flags.requested,
             flags.prepared,
@@ -160,6 +202,8 @@ class Manifest:
             tuple(t.timing() for t in document.timings),
             document.created_at,
             document.resumed_at,
+            document.images,
+            origin,
         )
 
     def processes(self) -> tuple[Process, ...]:
@@ -189,7 +233,13 @@ def _converter() -> cattrs.Converter:
     conv.register_structure_hook(str, _strict(str, "a string"))
     conv.register_unstructure_hook(
         _Document,
-        make_dict_unstructure_fn(_Document, conv, resumed_at=override(omit_if_default=True)),
+        make_dict_unstructure_fn(
+            _Document,
+            conv,
+            resumed_at=override(omit_if_default=True),
+            images=override(omit_if_default=True),
+            origin=override(omit_if_default=True),
+        ),
     )
     return conv
 

@@ -342,7 +342,7 @@ def human_line(event: Event) -> str:
     if isinstance(event, DoneEvent):
         return (
             f"{event.machine} done in {event.elapsed_s:.3f} s "
-            f"({event.participants} participants, {event.checkpoint_dir})"
+            f"({_count(event.participants, 'participant')}, {event.checkpoint_dir})"
         )
     who = ""
     if event.participant:

@@ -14,6 +14,7 @@ Processes that are gone are left out and reported; the survivors are brought bac
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -22,6 +23,7 @@ import attrs
 
 from .client import Endpoint, ParticipantError
 from .directory import INTENT_FILE_NAME, clear_intent
+from .errors import CoordinatorError, Problem
 from .manifest import resume_hint
 from .native import NativeBackend, ProcessState, state_names
 from .options import Options
@@ -118,21 +120,56 @@ def recover(
     options = options or Options()
     directory = Path(checkpoint_dir)
     before = survey(endpoints, options)
-    phases = {p.phase for p in before}
+    phases = _phases(before)
     interrupted = (directory / INTENT_FILE_NAME).exists()
     if phases == {Phase.ACTIVE}:
         if interrupted:
             clear_intent(directory)
         return RecoveryReport("nothing", before, None)
-    if phases == {Phase.PREPARED} and not interrupted and (directory / STATE_FILE_NAME).exists():
+    try:
+        return _bring_back(endpoints, directory, options, before, interrupted)
+    except CoordinatorError as error:
+        if not error.destroyed and interrupted:
+            error.problems = (*error.problems, _intent_stays(directory))
+        raise
+
+
+def _bring_back(
+    endpoints: Sequence[Endpoint],
+    directory: Path,
+    options: Options,
+    before: Sequence[ProcessBefore],
+    interrupted: bool,
+) -> RecoveryReport:
+    if (
+        _phases(before) == {Phase.PREPARED}
+        and not interrupted
+        and (directory / STATE_FILE_NAME).exists()
+    ):
         missing = _not_answering(directory, before)
         if not missing:
-            return RecoveryReport("restored", before, restore(endpoints, directory, options))
+            return RecoveryReport("restored", tuple(before), restore(endpoints, directory, options))
         # A participant of the capture died (or is not given): the group cannot be
         # restored as captured, and the survivors go back to ACTIVE with their bytes.
         result = rollback(endpoints, directory, options)
-        return RecoveryReport("rolled back", before, result, missing)
-    return RecoveryReport("rolled back", before, rollback(endpoints, directory, options))
+        return RecoveryReport("rolled back", tuple(before), result, missing)
+    return RecoveryReport("rolled back", tuple(before), rollback(endpoints, directory, options))
+
+
+def _phases(before: Sequence[ProcessBefore]) -> set[Phase | None]:
+    return {p.phase for p in before}
+
+
+def _intent_stays(directory: Path) -> Problem:
+    """What a recover refused (nothing changed) says of the interrupted capture's intent
+    it leaves as it found it: another coordinator (another directory's recover) may be
+    bringing the group back meanwhile, and the intent is then stale."""
+    return Problem(
+        f"{directory / INTENT_FILE_NAME} (the interrupted capture) is left as it was: once "
+        f"the other coordinator is done, run `cuinterpose recover --checkpoint-dir "
+        f"{shlex.quote(str(directory))}` again (with the same processes): it removes the "
+        "intent if the group runs, or brings the group back"
+    )
 
 
 def _not_answering(directory: Path, before: Sequence[ProcessBefore]) -> tuple[str, ...]:

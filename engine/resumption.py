@@ -6,13 +6,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Final, NoReturn
 
 import attrs
 
+from . import discovery
 from .detection import Where, group_of
 from .directory import require_trusted
 from .errors import AgentError, CoordinatorError
-from .events import AgentCallback, bytes_moved, reporter
+from .events import AgentCallback, Reporter, bytes_moved, reporter
 from .group_status import StateRefused, require_states, status_lines
 from .manifest import (
     MANIFEST_FILE_NAME,
@@ -24,12 +26,25 @@ from .manifest import (
     restore_plan,
     write_manifest,
 )
-from .native import NativeBackend, NativeGroupError, ProcessState, run_step, state_names
+from .native import (
+    CudaBackend,
+    NativeBackend,
+    NativeGroupError,
+    ProcessState,
+    run_step,
+    state_names,
+)
 from .options import Options
 from .progress import StagingSummary
+from .recovery import recover
 from .runner import restore
 from .statefile import StateFileError, utc_timestamp
+from .stored import StoreFailed, fetch, stored_files
 from .watch import CopyWatcher
+
+# A shim answers STATUS at once (its control thread runs while the process is
+# natively CHECKPOINTED, as on the H200): no need to wait a phase timeout for one.
+_PREFLIGHT_S: Final = 10.0
 
 
 class ResumeFailed(AgentError):
@@ -39,9 +54,12 @@ class ResumeFailed(AgentError):
     rolled back); otherwise a native step ran, and ``cuinterpose recover`` (or
     ``restore``) is the way on."""
 
-    def __init__(self, what: str, lines: Sequence[str], *, running: bool) -> None:
+    def __init__(
+        self, what: str, lines: Sequence[str], *, running: bool, lost: Sequence[Process] = ()
+    ) -> None:
         super().__init__(what, lines, changed=True)
         self.running = running
+        self.lost = tuple(lost)  # members gone since the suspend: the survivors came back
 
 
 @attrs.frozen
@@ -95,9 +113,10 @@ def _group(
     directory: Path,
     processes: Sequence[Process | tuple[int, int]] | None,
     restored: bool,
+    where: Where,
 ) -> tuple[Process, ...]:
     """The manifest's processes, checked against (or, after a restore, matched to)
-    those given."""
+    those given; the survivors alone may be given once the others are gone."""
     if manifest.resumed_at:
         raise ManifestError(
             f"resume refused: the group in {directory} was resumed at {manifest.resumed_at}:",
@@ -106,7 +125,13 @@ def _group(
     group = manifest.processes()
     if processes is not None and restored:
         return _recreated(group, group_of(processes))
-    if processes is not None and set(group_of(processes)) != set(group):
+    given_set = set(group_of(processes)) if processes is not None else set(group)
+    survivors = (  # a native-only group has no survivors' way (lost_members)
+        manifest.requested
+        and given_set < set(group)
+        and all(_gone(manifest, p, where) for p in group if p not in given_set)
+    )
+    if processes is not None and given_set != set(group) and not survivors:
         given = ", ".join(p.describe() for p in group_of(processes))
         raise ManifestError(
             f"resume refused: the processes given are not the manifest's ({given})",
@@ -115,11 +140,78 @@ def _group(
     return group
 
 
+def recorded_where(manifest: Manifest, directory: Path) -> Where:
+    """Where the manifest says the group lives; a manifest of before issue 29 records
+    nowhere, and the caller must say."""
+    if manifest.origin is None:
+        raise ManifestError(
+            f"resume refused: the manifest in {directory} does not record where the group "
+            "lives (suspended by an older cuinterpose):",
+            ["name its control directory (--control-dir DIR, or where=Where(DIR))"],
+        )
+    origin = manifest.origin
+    return Where(origin.control_dir, None if origin.proc_root is None else Path(origin.proc_root))
+
+
+def _gone(manifest: Manifest, process: Process, where: Where) -> bool:
+    """Whether the manifest's ``process`` is gone: its pid names no process, or another
+    one (started at another time than the one suspended)."""
+    started = manifest.origin.started if manifest.origin is not None else ()
+    ticks = dict(zip(manifest.processes(), started, strict=False))
+    return not discovery.same_process(process.observed_pid, ticks.get(process, 0), where.proc_root)
+
+
+def lost_members(
+    manifest: Manifest, group: Sequence[Process], where: Where, *, timeout: float = 10.0
+) -> tuple[list[Process], list[str]]:
+    """The processes gone since the suspend (a shim that does not answer, in a process
+    that is gone), and a line for each living one whose shim does not answer (a wrong
+    control directory: refused before anything changes). A native-only group has no
+    shims to ask: its native states say (a gone process is refused by name there)."""
+    if not manifest.requested:
+        return [], []
+    endpoints = {where.endpoint(p): p for p in group}
+    silent = discovery.unanswered(list(endpoints), timeout=timeout)
+    lost = [endpoints[e] for e in silent if _gone(manifest, endpoints[e], where)]
+    return lost, [line for e, line in silent.items() if endpoints[e] not in lost]
+
+
+def _preflight(
+    manifest: Manifest, group: Sequence[Process], where: Where, timeout: float
+) -> list[Process]:
+    """What must hold before anything changes: the processes gone since the suspend
+    (returned: the survivors come back without them), and a shim answering in every
+    living one (a wrong control directory is refused here, not after the native restore)."""
+    lost, silent = lost_members(manifest, group, where, timeout=timeout)
+    if silent:
+        recorded = (
+            f"the manifest records the control directory {manifest.origin.control_dir}"
+            if manifest.origin is not None
+            else "the manifest records no control directory"
+        )
+        raise AgentError(
+            "resume refused, nothing was changed: a process of the group is alive but "
+            "its shim does not answer",
+            [
+                *silent,
+                recorded,
+                "give the directory its shims serve in (--control-dir DIR, or --proc-root); "
+                f"`cuinterpose status --control-dir {where.control_dir}` lists the shims there",
+            ],
+        )
+    if len(lost) == len(group):
+        raise ManifestError(
+            "resume refused: every process of the group is gone:",
+            [f"{p.describe()}: no such process now" for p in group],
+        )
+    return lost
+
+
 def resume(
     checkpoint_dir: Path,
     *,
-    where: Where,
-    native: NativeBackend,
+    where: Where | None = None,
+    native: NativeBackend | None = None,
     processes: Sequence[Process | tuple[int, int]] | None = None,
     restored: bool = False,
     options: Options | None = None,
@@ -129,6 +221,13 @@ def resume(
     """Native restore and unlock of every process of the manifest, then the coordinator
     restore when it says prepared. On return every process is RUNNING with its bytes,
     VAs and sharing back.
+
+    ``where`` and ``native`` default to what the manifest recorded at suspend (the
+    control directory, the driver the shims reported). Before anything changes, every
+    living process's shim must answer (else :class:`AgentError`, nothing changed); a
+    process gone since the suspend does not strand the others: the survivors are
+    natively restored and unlocked, then rolled back to their bytes (the lost one named),
+    and :class:`ResumeFailed` (``running``) says so.
 
     ``processes``, when given, must be the manifest's. With ``restored`` they are the
     processes a restore (CRIU) recreated: matched to the manifest's by namespace pid,
@@ -142,8 +241,16 @@ def resume(
     options = options or Options()
     require_trusted("resume", directory)
     manifest = read_manifest(directory)
-    group = _group(manifest, directory, processes, restored)
+    if where is None:
+        where = recorded_where(manifest, directory)
+    group = _group(manifest, directory, processes, restored, where)
     coordinate = restore_plan(manifest, directory)
+    if native is None:
+        native = CudaBackend(manifest.origin.driver if manifest.origin is not None else None)
+    timeout = min(options.phase_timeout, _PREFLIGHT_S)
+    lost = [] if restored else _preflight(manifest, group, where, timeout)
+    if lost:
+        return _survivors(manifest, directory, group, lost, where, native, options, report)
     pids = [p.observed_pid for p in _natively_checkpointed(native, group, restored)]
     endpoints = [where.endpoint(p) for p in group]
     staging = None
@@ -153,6 +260,13 @@ def resume(
                 run_step(native, "restore", pids)
             with report.step("native_unlock"):
                 run_step(native, "unlock", pids)
+        if coordinate and stored_files(directory):
+            # A CRIU dump stored the staged bytes beside the images (engine/stored.py):
+            # in memory again before LOAD. A shim that stored nothing answers at once.
+            with report.step("fetch_staged") as moved:
+                got = fetch(directory, manifest, group, where=where, options=options,
+                            missing_ok=True)  # fmt: skip
+                moved.append(sum(f.bytes for f in got))
         if coordinate:
             ids = tuple(p.participant or "" for p in manifest.participants)
             with report.step("coordinator_restore") as moved:
@@ -161,7 +275,7 @@ def resume(
                     result = restore(endpoints, directory, engine_options)
                 moved.append(bytes_moved(result.phases))
                 staging = StagingSummary.from_phases(result.phases)
-    except (NativeGroupError, CoordinatorError) as failure:
+    except (NativeGroupError, CoordinatorError, StoreFailed) as failure:
         lines = list(failure.lines())
         running = isinstance(failure, CoordinatorError) and failure.rolled_back
         if running:
@@ -175,6 +289,47 @@ def resume(
         raise ResumeFailed("resume failed:", lines, running=running) from failure
     warnings = (*(result.warnings if coordinate else ()), *_mark_resumed(directory, manifest))
     return ResumeResult(manifest, coordinate, tuple(report.timings), staging, warnings)
+
+
+def _survivors(
+    manifest: Manifest,
+    directory: Path,
+    group: Sequence[Process],
+    lost: Sequence[Process],
+    where: Where,
+    native: NativeBackend,
+    options: Options,
+    report: Reporter,
+) -> NoReturn:
+    """A member died while the group was suspended: the group cannot come back as it
+    was; the survivors do (native restore and unlock, then recover: rolled back to the
+    bytes they had, without what the lost ones held), and ResumeFailed says so."""
+    living = [p for p in group if p not in lost]
+    lines = [f"{p.describe()} is gone since the suspend: left out" for p in lost]
+    pids = [p.observed_pid for p in _natively_checkpointed(native, living, False)]
+    endpoints = [where.endpoint(p) for p in living]
+    try:
+        with report.step("native_restore"):
+            run_step(native, "restore", pids)
+        with report.step("native_unlock"):
+            run_step(native, "unlock", pids)
+        if manifest.prepared:
+            with report.step("coordinator_recover"):
+                engine_options = attrs.evolve(options, on_progress=report.emit)
+                recovered = recover(endpoints, directory, engine_options)
+            lines += list(recovered.lines())
+    except (NativeGroupError, CoordinatorError) as failure:
+        lines += list(failure.lines())
+        lines.append("the survivors are not back")
+        lines += [f"now {line}" for line in status_lines(living, where, native)]
+        raise ResumeFailed("resume failed:", lines, running=False) from failure
+    lines += list(_mark_resumed(directory, manifest))
+    lines += [f"now {line}" for line in status_lines(living, where, native)]
+    lines.append(
+        "the survivors run, with the bytes they had at suspend; what the lost processes "
+        "held (their memory, and the sharing of it) is lost"
+    )
+    raise ResumeFailed("resume: a process of the group is gone:", lines, running=True, lost=lost)
 
 
 def _mark_resumed(directory: Path, manifest: Manifest) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from . import quiesce
 from .client import Endpoint, ParticipantError, call_all
 from .detection import Detection, DetectionRefused, Where, detect, group_of
 from .directory import require_trusted
+from .discovery import DriverMismatch, DriverReport, shim_drivers, start_ticks
 from .errors import AgentError, CoordinatorError
 from .events import AgentCallback, Reporter, bytes_moved, reporter
 from .group_status import require_states, status_lines
@@ -27,6 +28,7 @@ from .manifest import (
     MANIFEST_FILE_NAME,
     Manifest,
     ManifestError,
+    Origin,
     Participant,
     Process,
     Timing,
@@ -36,8 +38,10 @@ from .manifest import (
 )
 from .native import (
     DEFAULT_LOCK_TIMEOUT_MS,
+    CudaBackend,
     NativeBackend,
     NativeGroupError,
+    NativeUnavailableError,
     ProcessState,
     run_step,
     state_names,
@@ -48,7 +52,7 @@ from .progress import StagingSummary
 from .runner import capture, restore
 from .statefile import StateFileError, utc_timestamp
 from .watch import CopyWatcher
-from .wire import Op, Request
+from .wire import Op, Request, Status
 
 
 class SuspendFailed(AgentError):
@@ -68,19 +72,40 @@ class SuspendResult:
     staging: StagingSummary | None = None
 
 
-def _participant_ids(endpoints: Sequence[Endpoint], timeout: float) -> tuple[str, ...]:
-    """Each shim's id, from STATUS (binds nothing: the capture's HANDSHAKE binds)."""
-    replies = call_all([(e, Request(Op.STATUS), None) for e in endpoints], timeout=timeout)
+def _participant_ids(
+    endpoints: Sequence[Endpoint], timeout: float
+) -> tuple[tuple[str, ...], str | None]:
+    """Each shim's id and the driver the shims report, from STATUS (binds nothing: the
+    capture's HANDSHAKE binds)."""
+    asked = [(e, Request(Op.STATUS, ask_driver=True), None) for e in endpoints]
+    replies = call_all(asked, timeout=timeout)
     ids: list[str] = []
+    drivers: dict[int, str] = {}
     problems: list[str] = []
-    for reply in replies:
+    for endpoint, reply in zip(endpoints, replies, strict=True):
         if isinstance(reply, ParticipantError):
-            problems.append(str(reply))
+            problems.append(f"{reply} (looked in {endpoint.path.parent})")
         else:
             ids.append(reply.participant)
+            if reply.status is Status.OK and reply.message:
+                drivers[endpoint.observed_pid] = reply.message
     if problems:
         raise DetectionRefused("a shim did not answer STATUS:", problems)
-    return tuple(ids)
+    try:
+        driver = DriverReport(drivers).one()
+    except DriverMismatch as exc:
+        raise DetectionRefused("suspend refused:", [f"{exc}: one suspend per driver"]) from None
+    return tuple(ids), driver
+
+
+def native_for(where: Where, processes: Sequence[Process | tuple[int, int]]) -> CudaBackend:
+    """The native calls on the driver the processes' shims report (the command line's
+    ``--driver auto``); none reporting, the loader's ``libcuda.so.1``."""
+    endpoints = [where.endpoint(p) for p in group_of(processes)]
+    try:
+        return CudaBackend(shim_drivers(endpoints).one())
+    except DriverMismatch as exc:
+        raise NativeUnavailableError(f"{exc}: one driver per run") from exc
 
 
 def _fresh_directory(directory: Path) -> None:
@@ -109,7 +134,7 @@ def suspend(
     checkpoint_dir: Path,
     *,
     where: Where,
-    native: NativeBackend,
+    native: NativeBackend | None = None,
     requested: bool = True,
     options: Options | None = None,
     lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
@@ -118,6 +143,9 @@ def suspend(
 ) -> SuspendResult:
     """Detect, capture (when requested), lock and checkpoint every process, write the
     manifest. On return every process is CHECKPOINTED and its GPU memory is free.
+
+    ``native`` defaults to the driver the shims report (:func:`native_for`); the
+    manifest records it with ``where``, for :func:`~.resumption.resume`.
 
     Raises :class:`DetectionRefused` or :class:`StateRefused` (nothing changed),
     :class:`~.errors.CoordinatorError` from the capture (rolled back by the runner
@@ -129,6 +157,8 @@ def suspend(
     report = reporter(on_event, logger)
     options = options or Options()
     pids = [p.observed_pid for p in group]
+    if native is None:
+        native = native_for(where, group)
     require_trusted("suspend", directory)
     _fresh_directory(directory)
     with report.step("detect"):
@@ -142,8 +172,15 @@ def suspend(
             f"CHECKPOINTED by an earlier suspend comes back with {resume_hint(None)})",
         )
         ids: tuple[str | None, ...] = (None,) * len(group)
+        driver = None
         if detection.mode == "cuinterpose":
-            ids = _participant_ids(detection.endpoints, options.phase_timeout)
+            ids, driver = _participant_ids(detection.endpoints, options.phase_timeout)
+        origin = Origin(
+            str(where.control_dir),
+            None if where.proc_root is None else str(where.proc_root),
+            driver,
+            tuple(start_ticks(p.observed_pid, where.proc_root) for p in group),
+        )
     prepared = False
     staging = None
     if detection.mode == "cuinterpose":
@@ -171,6 +208,7 @@ def suspend(
             ),
             tuple(report.timings),
             utc_timestamp(),
+            origin=origin,
         )
         path = write_manifest(directory, manifest)
     except NativeGroupError as failure:

@@ -192,6 +192,19 @@ def check_duplicate_records(topology: Topology) -> tuple[Violation, ...]:
 # --- unicast ----------------------------------------------------------------------
 
 
+def _absent_creator(topology: Topology, group: list[tuple[str, Record]]) -> str:
+    """The creator every record of ``group`` names when no record is the creator's and
+    that creator is no participant of the group (its process gone, or not named); ""
+    otherwise."""
+    if any(int(r.flags) & _CREATOR for _, r in group):
+        return ""
+    named = {r.creator for _, r in group}
+    if len(named) != 1:
+        return ""
+    creator = named.pop()
+    return creator if creator and creator not in topology.participant_ids else ""
+
+
 def _single_creator(
     topology: Topology, kind: RecordKind, rule: str, noun: str
 ) -> tuple[Violation, ...]:
@@ -200,6 +213,8 @@ def _single_creator(
         creators = [p for p, r in group if int(r.flags) & _CREATOR]
         if len(creators) == 1:
             continue
+        if kind is RecordKind.ALLOCATION and _absent_creator(topology, group):
+            continue  # check_creator_absent says it once per importer and creator
         if not creators:
             participant, record = group[0]
             reporters = _names(p for p, _ in group)
@@ -231,6 +246,38 @@ def _single_creator(
 def check_single_creator(topology: Topology) -> tuple[Violation, ...]:
     """Every shared allocation has exactly one creator (CREATOR flag) in the team."""
     return _single_creator(topology, RecordKind.ALLOCATION, "unicast.single_creator", "allocation")
+
+
+def check_creator_absent(topology: Topology) -> tuple[Violation, ...]:
+    """Every allocation a participant imported was created by a participant of the group.
+
+    An import whose creator is in no process of the group (its creator exited while the
+    import stayed open, or was not named) has nobody to re-create its memory on restore:
+    one violation per importer and absent creator, naming the allocations, instead of
+    one per allocation and rule."""
+    imports: dict[tuple[str, str], list[Record]] = {}
+    for group in _by_resource(topology, RecordKind.ALLOCATION).values():
+        creator = _absent_creator(topology, group)
+        for participant, record in group if creator else ():
+            imports.setdefault((participant, creator), []).append(record)
+    found: list[Violation] = []
+    for (participant, creator), records in imports.items():
+        ids = ", ".join(resource_hex(r.id) for r in records)
+        count = f"{len(records)} allocation{'s' if len(records) > 1 else ''}"
+        found.append(
+            Violation(
+                "unicast.creator_absent",
+                participant,
+                RecordKind.ALLOCATION,
+                ids,
+                f"imports {count} whose creator, participant {creator}, is in no process"
+                " of the group: its process is gone (or was not named), and nobody could"
+                " re-create the memory on restore. Close the imports in this process"
+                " (cuIpcCloseMemHandle of each opened pointer; a VMM import: cuMemUnmap and"
+                " cuMemRelease), or name the creator's process too if it runs",
+            )
+        )
+    return tuple(found)
 
 
 def _creator_agreement(topology: Topology, kind: RecordKind, rule: str) -> tuple[Violation, ...]:
@@ -374,7 +421,7 @@ def check_content(topology: Topology) -> tuple[Violation, ...]:
                         "CONTENT is set on a participant that did not create the allocation",
                     )
                 )
-        if not holders:
+        if not holders and not _absent_creator(topology, group):
             creators = [(p, r) for p, r in group if int(r.flags) & _CREATOR]
             participant, record = creators[0] if creators else group[0]
             found.append(
@@ -877,6 +924,7 @@ TOPOLOGY_CHECKS: Final[tuple[Check, ...]] = (
     check_resource_ids,
     check_duplicate_records,
     check_single_creator,
+    check_creator_absent,
     check_allocation_creator,
     check_allocation_size,
     check_allocation_handle_type,

@@ -10,7 +10,7 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
@@ -49,7 +49,13 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but usage errors raise :class:`UsageError` instead of exiting."""
+    """argparse, but usage errors raise :class:`UsageError` instead of exiting, and an
+    abbreviated option is refused (``--check`` is not ``--checkpoint-dir``: a later
+    option starting the same would silently change what it means)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
@@ -145,8 +151,9 @@ def add_driver(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "sim", "system"),
         default="auto",
         help="the CUDA driver of the native checkpoint calls: auto, the one the processes' "
-        "shims report (else the system's); sim, the simulated one; system, the "
-        "libcuda.so.1 the loader finds",
+        "shims report (else the one the manifest recorded, else launch's choice: the "
+        "system's where an NVIDIA driver is installed, the simulated one otherwise); sim, "
+        "the simulated one; system, the libcuda.so.1 the loader finds",
     )
 
 
@@ -167,6 +174,53 @@ def logging_options() -> Parser:
         "--log-file", type=Path, metavar="FILE", help="append the full log (debug) to FILE"
     )
     return common
+
+
+# What a run creates in a directory that did not exist before it (the lock coordinators
+# take turns by), removed again when the run is refused: a refusal leaves nothing behind.
+_LEFT_BY_A_REFUSAL: Final = ("cuinterpose.lock",)
+
+
+def missing(*paths: Path | None) -> list[Path]:
+    """The directories among ``paths`` that do not exist (yet): a refused run removes
+    them again (:func:`tidy_refused`)."""
+    return [Path(p) for p in paths if p is not None and not os.path.lexists(p)]
+
+
+def tidy_refused(created: Sequence[Path], code: int) -> None:
+    """After a refused run (exit 1), remove the directories it created, when they hold
+    nothing but what the run itself left (its lock file): never anything else."""
+    if code != EXIT_FAILED:
+        return
+    for directory in created:
+        try:
+            for name in _LEFT_BY_A_REFUSAL:
+                (directory / name).unlink(missing_ok=True)
+            directory.rmdir()
+        except OSError:
+            pass  # not created by us after all, or holds something: left as it is
+
+
+def add_early_logging(parser: argparse.ArgumentParser) -> None:
+    """``-v``/``-q``/``--log-file`` before the verb too (``cuinterpose -v status``): kept
+    apart (a verb's own defaults would overwrite them) and merged by :func:`merge_logging`."""
+    parser.add_argument("-v", "--verbose", dest="early_verbose", action="count", default=0,
+                        help="as each verb's -v")  # fmt: skip
+    parser.add_argument("-q", "--quiet", dest="early_quiet", action="store_true",
+                        help="as each verb's -q")  # fmt: skip
+    parser.add_argument("--log-file", dest="early_log_file", type=Path, metavar="FILE",
+                        help="as each verb's --log-file")  # fmt: skip
+
+
+def merge_logging(args: argparse.Namespace) -> None:
+    """The logging options given before the verb, added to those given after it."""
+    verbose = getattr(args, "verbose", 0) + getattr(args, "early_verbose", 0)
+    quiet = getattr(args, "quiet", False) or getattr(args, "early_quiet", False)
+    if verbose and quiet:
+        raise UsageError("cuinterpose: error: -v and -q cannot be given together")
+    args.verbose, args.quiet = verbose, quiet
+    if getattr(args, "log_file", None) is None:
+        args.log_file = getattr(args, "early_log_file", None)
 
 
 # A verb's help: what it does, an example, and the exit statuses it can give.

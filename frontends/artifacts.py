@@ -76,3 +76,22 @@ def shim_library() -> Path:
 def sim_library_dir() -> Path:
     """Directory holding the simulated ``libcuda.so.1``, for the library path."""
     return _find(Path("sim") / SIM_DRIVER_NAME, _TREE_SIM, "the simulated driver").parent
+
+
+# The checkout's build trees (Makefile): the release build and the sanitizer builds.
+_CHECKOUT_TREES: Final = ("build", "build-asan", "build-tsan")
+
+
+def sim_drivers() -> tuple[Path, ...]:
+    """Every simulated ``libcuda.so.1`` of this installation, the one
+    :func:`sim_library_dir` finds first: ``CUINTERPOSE_BUILD_DIR``'s, the package's, and
+    those of the checkout's build trees (a sanitizer build's shims run on its own)."""
+    candidates = []
+    override = build_dir()
+    if override is not None:
+        candidates.append(override / _TREE_SIM)
+    candidates.append(PACKAGE_LIB_DIR / "sim" / SIM_DRIVER_NAME)
+    checkout = checkout_build_dir()
+    if checkout is not None:
+        candidates += [checkout.parent / tree / _TREE_SIM for tree in _CHECKOUT_TREES]
+    return tuple(dict.fromkeys(p for p in candidates if p.is_file()))

@@ -19,7 +19,7 @@ from typing import Literal, TextIO
 
 import attrs
 
-from . import artifacts
+from . import artifacts, drivers
 from .engine import discovery
 from .engine.client import control_dir_problem, endpoint_for
 from .engine.native import CudaBackend, NativeError, NativeUnavailableError, loaded_driver
@@ -56,11 +56,16 @@ def _library(control_dir: Path, driver: str) -> tuple[str | None, str]:
             endpoint_for(p, p, control_dir=control_dir) for p in discovery.shims_in(control_dir)
         ]
         try:
-            reported = discovery.shim_drivers(endpoints).one()
+            reported = drivers.trusted(discovery.shim_drivers(endpoints))
         except discovery.DriverMismatch as exc:
             raise NativeUnavailableError(str(exc)) from exc
         if reported is not None:
             return reported, "the one the shims in the control directory report"
+        # What `cuinterpose launch` would run a program on here (frontends/drivers.py).
+        chosen = drivers.installed()
+        if chosen.kind == "sim":
+            return drivers.sim_library(), f"as launch: {chosen.line()}"
+        return None, f"as launch: {chosen.line()}"
     return None, "the loader's search for libcuda.so.1"
 
 
@@ -167,8 +172,12 @@ def run(*, control_dir: Path, driver: str, as_json: bool, out: TextIO) -> int:
     found = findings(control_dir, driver)
     code = EXIT_CANNOT if any(f.verdict == "FAIL" for f in found) else EXIT_OK
     if as_json:
-        document = {"findings": [attrs.asdict(f) for f in found], "exit_code": code}
-        out.write(json.dumps(document, indent=2) + "\n")
+        # One line ending the output as every verb's JSON does: a summary.
+        outcome = "suspend can work here" if code == EXIT_OK else "suspend cannot work here"
+        document = {"event": "summary", "command": "check",
+                    "findings": [attrs.asdict(f) for f in found], "outcome": outcome,
+                    "exit_code": code}  # fmt: skip
+        out.write(json.dumps(document) + "\n")
     else:
         for finding in found:
             out.write(finding.line() + "\n")

@@ -24,6 +24,7 @@ import functools
 import importlib
 import importlib.metadata
 import json
+import logging
 import os
 import shlex
 import signal
@@ -51,13 +52,17 @@ from .arguments import (
     Parser,
     UsageError,
     add_driver,
+    add_early_logging,
     add_endpoints,
     add_phase_timeout,
+    merge_logging,
+    missing,
     phase_timeout,
     seconds,
+    tidy_refused,
     verb_adder,
 )
-from .engine import agent, runner
+from .engine import agent, discovery, runner
 from .engine.client import Endpoint, endpoint_for
 from .engine.errors import CoordinatorError, Refused
 from .engine.fsm import CAPTURE, MACHINES, RESTORE, MachineSpec, mermaid
@@ -66,8 +71,11 @@ from .engine.native import (
     CudaBackend,
     NativeBackend,
     NativeError,
+    NativeGroupError,
     NativeUnavailableError,
     ProcessState,
+    run_step,
+    state_names,
 )
 from .engine.progress import (
     Event,
@@ -94,12 +102,23 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _add_progress(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "human", "json", "none"),
+        default="auto",
+        help="how the run is told on stdout: auto, human on a terminal and JSON lines "
+        "otherwise (nothing with -q); human; json, one object a line ending in a summary "
+        "with the outcome and the exit code; none",
+    )
+
+
 def _add_machine_options(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     parser.add_argument(
         "--checkpoint-dir", type=Path, required=True, help="where the state file is kept"
     )
     add_endpoints(parser, required=required)
-    parser.add_argument("--progress", choices=("human", "json", "none"), default="human")
+    _add_progress(parser)
     add_phase_timeout(parser)
     parser.add_argument("--trace", type=Path, metavar="FILE", help="record the run as JSON lines")
     parser.add_argument(
@@ -117,12 +136,7 @@ def _add_agent_options(parser: argparse.ArgumentParser, *, required: bool = True
         help="where the manifest and the state file are kept",
     )
     add_endpoints(parser, required=required)
-    parser.add_argument(
-        "--progress",
-        choices=("auto", "human", "json", "none"),
-        default="auto",
-        help="auto: human on a terminal, JSON lines otherwise",
-    )
+    _add_progress(parser)
     add_phase_timeout(parser)
     parser.add_argument(
         "--per-participant", action="store_true", help="add per-participant copy tables"
@@ -178,6 +192,14 @@ _VERBS: Final = {
         "cuinterpose recover --checkpoint-dir /var/ckpt/job",
         CHANGING_EXITS,
     ),
+    "native": (
+        "one native checkpoint step on every process of a group, in the manner of "
+        "`cuda-checkpoint --action`: lock, checkpoint, restore, unlock, or state; the "
+        "processes default to the checkpoint directory's",
+        "cuinterpose native --action lock --checkpoint-dir /var/ckpt/job\n"
+        "  cuinterpose native --action state --pid 4242 --pid 4243",
+        CHANGING_EXITS,
+    ),
     "inspect": (
         "show the participants' topology (changes nothing)",
         "cuinterpose inspect --pid 4242 --json",
@@ -206,7 +228,14 @@ _VERBS: Final = {
     "criu": (
         "the round trip through CRIU: check, dump, restore, action-script",
         "cuinterpose criu check",
-        EXIT_TABLE + "(cuinterpose criu VERB --help: each verb's example and options)",
+        # Written out here (tests/engine/test_first_day.py keeps it criu_action's): the
+        # verbs' own parser loads only when a criu verb runs.
+        "verbs (cuinterpose criu VERB --help: each one's example and options):\n"
+        "  check          which CRIU, and does `criu check` pass\n"
+        "  dump           suspend the group, then criu dump its process tree\n"
+        "  restore        criu restore the tree, then resume the processes it recreated\n"
+        "  action-script  write an executable for criu dump/restore --action-script\n"
+        "  action         what the action script runs, per $CRTOOLS_SCRIPT_ACTION\n\n" + EXIT_TABLE,
     ),
     "demo": (
         "run the end-to-end demo",
@@ -226,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         'cuinterpose resume --checkpoint-dir DIR (README.md, "Using it").\n\n' + EXIT_TABLE,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
+    add_early_logging(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub = verb_adder(commands, _VERBS)
 
@@ -247,13 +277,31 @@ def build_parser() -> argparse.ArgumentParser:
     status_cmd = sub("status")
     add_endpoints(status_cmd, required=False)
     status_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status_cmd.add_argument(
+        "--clear-stale",
+        action="store_true",
+        help="remove the control sockets of processes that are gone (nobody listens on "
+        "them), then show the rest",
+    )
     check = sub("check")
     check.add_argument("--control-dir", type=Path, help=f"default ${CONTROL_DIR_ENV}")
     add_driver(check)
     check.add_argument("--json", action="store_true", help="print JSON instead of lines")
     launch = sub("launch")
-    launch.add_argument("--driver", choices=("sim", "system"), default="sim")
-    launch.add_argument("--control-dir", type=Path)
+    launch.add_argument(
+        "--driver",
+        choices=("auto", "sim", "system"),
+        default="auto",
+        help="the CUDA driver COMMAND runs on: auto, the system's where an NVIDIA driver "
+        "is installed, else the simulated one (the first line says which and why); sim, "
+        "the simulated GPU of this installation; system, the libcuda.so.1 the loader finds",
+    )
+    launch.add_argument(
+        "--control-dir",
+        type=Path,
+        help=f"where the shim serves its control socket (absolute; created 0700 when "
+        f"missing; default ${CONTROL_DIR_ENV}, else {DEFAULT_CONTROL_DIR})",
+    )
     launch.add_argument(
         "--pidfile", type=Path, metavar="FILE", help="write the program's pid to FILE"
     )
@@ -279,11 +327,39 @@ def build_parser() -> argparse.ArgumentParser:
             help="go on when no CUDA driver can be loaded to check that every process is "
             "natively RUNNING (for those who know it is)",
         )
+    native_cmd = sub("native")
+    native_cmd.add_argument(
+        "--action",
+        choices=NATIVE_ACTIONS,
+        required=True,
+        help="lock (wait for the CUDA calls to drain), checkpoint (GPU state to host memory, "
+        "the GPU freed), restore, unlock; state changes nothing",
+    )
+    native_cmd.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="take the processes from here (the manifest, an interrupted capture's intent, "
+        "else the state file), when none is named",
+    )
+    add_endpoints(native_cmd, required=False)
+    native_cmd.add_argument(
+        "--lock-timeout",
+        type=seconds,
+        metavar="SECONDS",
+        default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000,
+        help="--action lock: how long each lock may wait for the process's CUDA calls",
+    )
+    _add_progress(native_cmd)
     inspect = sub("inspect")
     add_endpoints(inspect, driver=False)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
     diagram = sub("diagram")
-    diagram.add_argument("--machine", choices=sorted(MACHINES), required=True)
+    diagram.add_argument(
+        "--machine",
+        choices=sorted(MACHINES),
+        required=True,
+        help="capture (prepare, suspend's first step) or restore (restore, resume's last)",
+    )
     replay_cmd = sub("replay")
     replay_cmd.add_argument("trace", type=Path, metavar="TRACE")
     sub("sim-path")
@@ -347,6 +423,23 @@ def _fail(lines: Sequence[str], stderr: TextIO) -> int:
     return EXIT_FAILED
 
 
+def output_mode(args: argparse.Namespace, stdout: TextIO) -> str:
+    """How a verb tells its run on stdout: ``--progress`` (or ``--json``), ``auto`` being
+    human on a terminal and JSON lines otherwise; ``-q`` keeps a person's output (and
+    ``auto``'s) to nothing but the errors on stderr, while an explicit ``--progress json``
+    stays JSON."""
+    if getattr(args, "json", False):
+        return "json"
+    mode = str(getattr(args, "progress", "human"))  # a verb without --progress: its text
+    if mode == "auto":
+        mode = "human" if stdout.isatty() else "json"
+        if getattr(args, "quiet", False):
+            mode = "none"
+    if mode == "human" and getattr(args, "quiet", False):
+        mode = "none"
+    return mode
+
+
 def _progress(mode: str, stdout: TextIO) -> ProgressCallback | None:
     if mode == "none":
         return None
@@ -379,13 +472,12 @@ def _run_machine(
     progress, a last summary line with the outcome and the exit code, as suspend's."""
     code = _machine(spec, args, stdout, stderr)
     said = _machine_summary(spec, args) if code == EXIT_OK else {}
-    if args.progress == "json":
-        args.mode = "json"
+    if args.mode == "json":
         refused = isinstance(getattr(args, "failure", None), Refused)
         said.pop("lines", None)
         _finish(args.command, args, stdout, stderr, code,
                 "refused" if refused else _OUTCOMES[code], (), extra=said)  # fmt: skip
-    elif said and args.progress == "human":
+    elif said and args.mode == "human":
         with contextlib.suppress(OSError):
             for line in said["lines"]:
                 stdout.write(line + "\n")
@@ -397,6 +489,9 @@ def _machine_summary(spec: MachineSpec | None, args: argparse.Namespace) -> dict
     """What a prepare or restore did and what comes next, as suspend and resume say it:
     the lines for a person, the figures for the JSON summary (recover says its own)."""
     result = getattr(args, "result", None)
+    report = getattr(args, "recovered", None)
+    if spec is None and report is not None:
+        return {"action": report.action, "found": list(report.lines()), "lines": []}
     if spec is None or not isinstance(result, runner.CaptureResult | runner.RestoreResult):
         return {}
     moved = sum(p.transfer.allocation_bytes for p in result.phases if p.transfer is not None)
@@ -404,7 +499,9 @@ def _machine_summary(spec: MachineSpec | None, args: argparse.Namespace) -> dict
     who = f"{n} process{'es' if n != 1 else ''}"
     out: dict[str, Any] = {"seconds": result.elapsed_s, "bytes_staged": moved, "processes": n}
     if isinstance(result, runner.CaptureResult):
-        restore = shlex.join([PROG, "restore", "--checkpoint-dir", str(args.checkpoint_dir)])
+        restore = shlex.join(
+            [PROG, "restore", "--checkpoint-dir", str(args.checkpoint_dir), *_where_words(args)]
+        )
         out["next"] = restore
         out["lines"] = [
             f"captured {who} in {result.elapsed_s:.3f} s: {size(moved)} staged by the shims "
@@ -430,6 +527,13 @@ def _machine(
         problems = targets.problems(args.group, _where(args), shim=True)
         if problems:
             return _fail([f"{args.command} refused:", *problems], stderr)
+    living = [e for e in endpoints if discovery.pid_exists(e.observed_pid, args.proc_root)]
+    silent = discovery.unanswered(living, timeout=min(timeout, 10.0))
+    if silent:
+        listed = _status_command(args)
+        way = f"give the directory its shims serve in (--control-dir); `{listed}` lists them"
+        return _fail([f"{args.command} refused, nothing was changed: a shim does not answer",
+                      *silent.values(), way], stderr)  # fmt: skip
     checkpoint_dir: Path = args.checkpoint_dir
     if spec is CAPTURE:
         try:
@@ -450,7 +554,7 @@ def _machine(
     if refusal is not None:
         return refusal
     stop = threading.Event()
-    where_now = _Whereabouts(_progress(args.progress, stdout), undone=not args.no_rollback)
+    where_now = _Whereabouts(_progress(args.mode, stdout), undone=not args.no_rollback)
     options = runner.Options(
         phase_timeout=timeout,
         on_progress=where_now,
@@ -463,8 +567,10 @@ def _machine(
         with _stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)):
             if spec is None:
                 report = recover(endpoints, checkpoint_dir, options)
-                for line in report.lines():
-                    stdout.write(line + "\n")
+                if args.mode != "json" and not args.quiet:  # what it did: said unless -q
+                    with contextlib.suppress(OSError):
+                        stdout.write("".join(line + "\n" for line in report.lines()))
+                args.recovered = report
                 result: object = report.result
             elif spec is CAPTURE:  # started over when not quiet, as suspend's capture is
                 attempt = functools.partial(runner.capture, endpoints, checkpoint_dir, options)
@@ -497,9 +603,12 @@ def _native_check(
             "then prepare"
         )
     else:
+        resume = shlex.join(
+            [PROG, "resume", "--checkpoint-dir", str(args.checkpoint_dir), *_where_words(args)]
+        )
         hint = (
             "restore runs after the native restore and unlock of every process; run them "
-            f"first (or `{PROG} resume --checkpoint-dir {args.checkpoint_dir}`)"
+            f"first (`{PROG} native --action restore` and `--action unlock`, or `{resume}`)"
         )
     try:
         agent.require_states(_native(args), processes, ProcessState.RUNNING, spec.name, hint)
@@ -537,7 +646,12 @@ def _native_backend() -> NativeBackend | None:
 
 def _driver_library(args: argparse.Namespace) -> str | None:
     """The libcuda.so.1 the native calls load (frontends/drivers.py)."""
-    return drivers.library(getattr(args, "driver", "auto"), lambda: _endpoints(args))
+    return drivers.library(
+        getattr(args, "driver", "auto"),
+        lambda: _endpoints(args),
+        getattr(args, "recorded", None),
+        proc_root=getattr(args, "proc_root", None),
+    )
 
 
 def _native(args: argparse.Namespace) -> NativeBackend:
@@ -563,12 +677,11 @@ def _agent_processes(args: argparse.Namespace) -> list[agent.Process]:
 
 def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     processes = _agent_processes(args)
-    mode = args.progress
-    if mode == "auto":
-        mode = "human" if stdout.isatty() else "json"
-    args.mode = mode
+    mode = args.mode
     shim_needed = command == "suspend" and not args.not_requested
-    problems = targets.problems(args.group, _where(args), shim=shim_needed)
+    # resume checks the group itself: the survivors of a member lost come back.
+    problems = targets.problems(args.group, _where(args), shim=shim_needed) if (
+        command == "suspend") else []  # fmt: skip
     if problems:
         return _finish(command, args, stdout, stderr, EXIT_FAILED, "refused",
                        [f"{command} refused:", *problems])  # fmt: skip
@@ -582,7 +695,11 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
         on_event, live = view, view.live()
     elif mode == "json":
         on_event = _json_events(stdout)
-    where_now = _Whereabouts(on_event)
+    # A resume cannot undo its native restore: it stops, and its last lines say where
+    # the group is (running with its bytes, or what to run), as a failed resume does.
+    then = "" if command == "suspend" else (
+        "the resume goes no further; the lines that follow say where the group is")  # fmt: skip
+    where_now = _Whereabouts(on_event, then=then)
     stop = threading.Event()
     options = runner.Options(phase_timeout=phase_timeout(args.phase_timeout), stop=stop)
     try:
@@ -616,8 +733,10 @@ def _agent_command(command: str, args: argparse.Namespace, stdout: TextIO, stder
     except agent.ResumeFailed as failed:
         # A native step ran: never "nothing changed" (exit 1).
         if failed.running:
-            return _finish(command, args, stdout, stderr, EXIT_ROLLED_BACK,
-                           _OUTCOMES[EXIT_ROLLED_BACK], failed.lines())  # fmt: skip
+            outcome = _OUTCOMES[EXIT_ROLLED_BACK] if not failed.lost else (
+                "a member is gone: the survivors run with the bytes they had")  # fmt: skip
+            return _finish(command, args, stdout, stderr, EXIT_ROLLED_BACK, outcome,
+                           failed.lines())  # fmt: skip
         way_on = f"once every process is RUNNING, run: {_recover_command(args)}"
         return _finish(command, args, stdout, stderr, EXIT_NEEDS_RECOVER,
                        _OUTCOMES[EXIT_NEEDS_RECOVER], [*failed.lines(), way_on])  # fmt: skip
@@ -709,11 +828,7 @@ class _Summary:
     ) -> _Summary:
         staged = sum(t.bytes for t in done.timings if t.step in ("capture", "coordinator_restore"))
         words = [PROG, "resume" if command == "suspend" else "suspend",
-                 "--checkpoint-dir", str(args.checkpoint_dir)]  # fmt: skip
-        if args.control_dir is not None:
-            words += ["--control-dir", str(args.control_dir)]
-        if args.proc_root is not None:
-            words += ["--proc-root", str(args.proc_root)]
+                 "--checkpoint-dir", str(args.checkpoint_dir), *_where_words(args)]  # fmt: skip
         if command == "resume":  # a new suspend names the processes, here the manifest's
             for o, n in args.group:
                 words += ["--pid", str(o)] if o == n else ["--process", str(o), str(n)]
@@ -781,9 +896,12 @@ class _Whereabouts:
     """Passes every event on, remembering where the run is, so that a Ctrl-C can be
     acknowledged at once with what is in flight."""
 
-    def __init__(self, inner: Callable[[Any], None] | None, *, undone: bool = True) -> None:
+    def __init__(
+        self, inner: Callable[[Any], None] | None, *, undone: bool = True, then: str = ""
+    ) -> None:
         self.inner = inner
         self.undone = undone
+        self.then = then  # what happens next, where "undone" is not the whole truth
         self.step = ""
         self.phase = ""
         self.copy: agent.CopyProgress | None = None
@@ -812,7 +930,7 @@ class _Whereabouts:
         elif self.phase:
             at = f"{self.phase} of the {self.step}" if self.step else self.phase
         with contextlib.suppress(OSError):
-            then = (
+            then = self.then or (
                 "what was changed is undone, the group runs as before"
                 if self.undone
                 else "the group is left where it stops (--no-rollback)"
@@ -858,25 +976,60 @@ class _NoDriver:
 def _status(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     processes = _agent_processes(args)
     where = _where(args)
+    named = bool(args.pid or args.process)
+    stale = [] if named else _stale(processes, where)
+    if stale and args.clear_stale:
+        for path in agent.remove_stale_sockets(stale, where):
+            stderr.write(f"{PROG}: removed the stale socket {path}\n")
+        processes = [p for p in processes if p not in stale]
+        args.group = [(p.observed_pid, p.namespace_pid) for p in processes]
+        stale = []
     if not processes:
-        stdout.write(f"no shim in {where.control_dir} (start a program with `{PROG} launch`)\n")
+        if args.json:
+            empty = {"processes": [], "control_dir": str(where.control_dir)}
+            return _finish("status", args, stdout, stderr, EXIT_OK, "done", (), extra=empty)
+        else:
+            stdout.write(f"no shim in {where.control_dir} (start a program with `{PROG} launch`)\n")
         return EXIT_OK
     gone = targets.problems(args.group, where, shim=False)
-    if gone and (args.pid or args.process):
-        return _fail(gone, stderr)
+    if gone and named:
+        return _finish("status", args, stdout, stderr, EXIT_FAILED, "refused", gone)
+    for process in stale:
+        path = where.endpoint(process).path
+        clear = f"{_status_command(args)} --clear-stale"
+        stderr.write(
+            f"{PROG}: note: pid {process.observed_pid} is gone: its socket {path} is stale "
+            f"(`{clear}` removes it)\n"
+        )
     try:
         rows = agent.status(processes, where, _native(args))
     except NativeUnavailableError as exc:
         stderr.write(f"{PROG}: note: native states unknown: {exc}\n")
         rows = agent.status(processes, where, _NoDriver("no CUDA driver loaded"))
     if args.json:
+        # One line, the summary itself: JSON lines like every verb's, and one document.
         document = {"processes": [r.to_json() for r in rows]}
-        stdout.write(json.dumps(document, indent=2) + "\n")
+        return _finish("status", args, stdout, stderr, EXIT_OK, "done", (), extra=document)
     else:
         from . import render  # rich: only for a person's output
 
         render.status_table(stdout, rows)
     return EXIT_OK
+
+
+def _stale(processes: Sequence[agent.Process], where: agent.Where) -> list[agent.Process]:
+    """The processes listed by their sockets that are gone: no such pid, and nobody
+    serves the socket."""
+    return [
+        p
+        for p in processes
+        if not discovery.pid_exists(p.observed_pid, where.proc_root)
+        and not discovery.serves(where.endpoint(p).path)
+    ]
+
+
+def _status_command(args: argparse.Namespace) -> str:
+    return shlex.join([PROG, "status", *_where_words(args)])
 
 
 @contextlib.contextmanager
@@ -902,12 +1055,22 @@ def _stopping_on_signals(
             signal.signal(number, handler)
 
 
-def _recover_command(args: argparse.Namespace) -> str:
-    words = [PROG, "recover", "--checkpoint-dir", str(args.checkpoint_dir)]
-    if args.control_dir is not None:
-        words += ["--control-dir", str(args.control_dir)]
-    if args.proc_root is not None:
+def _where_words(args: argparse.Namespace, *, driver: bool = True) -> list[str]:
+    """What a printed command needs to find the group from a plain shell (no
+    ``$SNAPSHOT_CONTROL_DIR``): the control directory or proc root, the driver, when
+    they are not the defaults."""
+    words: list[str] = []
+    if getattr(args, "proc_root", None) is not None:
         words += ["--proc-root", str(args.proc_root)]
+    elif _control_dir(args) != DEFAULT_CONTROL_DIR:
+        words += ["--control-dir", str(_control_dir(args))]
+    if driver and getattr(args, "driver", "auto") != "auto":
+        words += ["--driver", args.driver]
+    return words
+
+
+def _recover_command(args: argparse.Namespace) -> str:
+    words = [PROG, "recover", "--checkpoint-dir", str(args.checkpoint_dir), *_where_words(args)]
     for observed, namespace in args.group:
         words += ["--pid", str(observed)] if observed == namespace else [
             "--process", str(observed), str(namespace)]  # fmt: skip
@@ -939,6 +1102,43 @@ def _failure(error: CoordinatorError, args: argparse.Namespace, stderr: TextIO) 
     return EXIT_NEEDS_RECOVER
 
 
+NATIVE_ACTIONS: Final = ("lock", "checkpoint", "restore", "unlock", "state")
+_UNDO_ACTION: Final = {"lock": "unlock", "checkpoint": "restore", "restore": "checkpoint",
+                       "unlock": "lock"}  # fmt: skip
+
+
+def _native_action(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    """One native step on every process (frontends/native.py's group helpers, from the
+    shell): each process's state after it, and on a failure every state and what to do."""
+    processes = _agent_processes(args)
+    pids = [p.observed_pid for p in processes]
+    action: str = args.action
+    try:
+        native = _native(args)
+        if action != "state":
+            run_step(native, action, pids, lock_timeout_ms=int(args.lock_timeout * 1000))
+        states = state_names(native, pids)
+    except NativeUnavailableError as exc:
+        return _finish("native", args, stdout, stderr, EXIT_FAILED, "refused",
+                       _no_driver("native", exc))  # fmt: skip
+    except NativeGroupError as failure:
+        code = EXIT_FAILED if not failure.done else EXIT_NEEDS_RECOVER
+        lines = list(failure.lines())
+        if failure.done:  # some processes took the step: undo it on them, or go on
+            named = [w for pid in failure.done for w in ("--pid", str(pid))]
+            back = [PROG, "native", "--action", _UNDO_ACTION[action], *_where_words(args)]
+            lines.append(f"the step ran on pid(s) {', '.join(map(str, failure.done))}: undo it "
+                         f"there with `{shlex.join([*back, *named])}`, or fix the failed one "
+                         "and run the step again")  # fmt: skip
+        return _finish("native", args, stdout, stderr, code, _OUTCOMES[code], lines)
+    if args.mode == "human":
+        with contextlib.suppress(OSError):
+            for p in processes:
+                stdout.write(f"{p.describe()}: {states[p.observed_pid]}\n")
+    extra = {"action": action, "states": {str(pid): state for pid, state in states.items()}}
+    return _finish("native", args, stdout, stderr, EXIT_OK, "done", (), extra=extra)
+
+
 def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     from .engine.statefile import make_converter
 
@@ -946,7 +1146,7 @@ def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     try:
         bound, topology = runner.inspect(endpoints, timeout=phase_timeout(None))
     except CoordinatorError as error:
-        return _fail(error.lines(), stderr)
+        return _finish("inspect", args, stdout, stderr, EXIT_FAILED, "refused", error.lines())
     records = topology.records_by_participant()
     if args.json:
         converter = make_converter()
@@ -962,8 +1162,7 @@ def _inspect(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
                 for b in bound
             ]
         }
-        stdout.write(json.dumps(document, indent=2) + "\n")
-        return EXIT_OK
+        return _finish("inspect", args, stdout, stderr, EXIT_OK, "done", (), extra=document)
     for b in bound:
         mine = records[b.participant]
         stdout.write(
@@ -1020,15 +1219,25 @@ def _launch(args: argparse.Namespace, stderr: TextIO) -> int:
     module = _delegate("launch", stderr)
     if module is None:
         return EXIT_FAILED
+    driver = args.driver
+    if driver == "auto":
+        chosen = drivers.installed()
+        driver, said = chosen.kind, chosen.line()
+    else:
+        said = drivers.Installed(driver, f"--driver {driver}").line()
+    if not args.quiet:  # -q: nothing but the errors
+        with contextlib.suppress(OSError):
+            stderr.write(f"{PROG} launch: {said}\n")
+            stderr.flush()
     try:
         return int(
             module.launch(
                 command,
-                driver=args.driver,
+                driver=driver,
                 control_dir=args.control_dir,
                 pidfile=args.pidfile,
                 exec_=args.exec_,
-                announce=stderr,
+                announce=None if args.quiet else stderr,
             )
         )
     except module.LaunchError as exc:
@@ -1053,7 +1262,9 @@ def main(
             args = parser.parse_args(argv)
         except SystemExit as exit_:  # --help, or argparse's own exit
             return int(exit_.code or 0) if isinstance(exit_.code, int | None) else EXIT_USAGE
+        merge_logging(args)
         command: str = args.command
+        args.mode = output_mode(args, out)
         try:
             logs.configure(
                 verbosity=getattr(args, "verbose", 0),
@@ -1063,14 +1274,15 @@ def main(
             )
             return _dispatch(command, args, out, err)
         except targets.TargetError as error:
-            return _fail(error.lines, err)
+            return _finish(command, args, out, err, EXIT_FAILED, "refused", error.lines)
         except agent.ManifestError as error:
-            return _fail(error.lines(), err)
+            return _finish(command, args, out, err, EXIT_FAILED, "refused", error.lines())
         except OSError as exc:
             # The checkpoint directory (or a file named on the command line) is not
             # what the command needs: a plain message, never a traceback.
             where = f"{exc.filename}: " if exc.filename else ""
-            return _fail([f"{command}: {where}{exc.strerror or exc}"], err)
+            lines = [f"{command}: {where}{exc.strerror or exc}"]
+            return _finish(command, args, out, err, EXIT_FAILED, "refused", lines)
         finally:
             logs.reset()
     except UsageError as exc:
@@ -1078,11 +1290,53 @@ def main(
         return EXIT_USAGE
 
 
+def _take_origin(args: argparse.Namespace) -> None:
+    """resume, restore and recover reach the group where its manifest says it lives (and
+    load the driver its shims reported), unless --control-dir or --proc-root say
+    otherwise; what is taken is said at debug level."""
+    directory = getattr(args, "checkpoint_dir", None)
+    if args.command not in ("resume", "restore", "recover", "native") or directory is None:
+        return
+    if not (Path(directory) / agent.MANIFEST_FILE_NAME).is_file():
+        return
+    try:
+        origin = agent.read_manifest(directory).origin
+    except agent.ManifestError:
+        return  # the verb itself reads it again, and says what is wrong with it
+    if origin is None:
+        return
+    args.recorded = origin.driver
+    if args.control_dir is None and args.proc_root is None:
+        if origin.proc_root is not None:
+            args.proc_root = Path(origin.proc_root)
+        args.control_dir = Path(origin.control_dir)
+        logging.getLogger("cuinterpose.cli").debug(
+            "the group lives where %s/manifest.json says: %s", directory, _where(args)
+        )
+
+
+def _early_logging_to(args: argparse.Namespace) -> list[str]:
+    """``cuinterpose -v criu dump ...``: the logging options given before ``criu``, passed
+    on after its verb (where its own parser takes them)."""
+    argv = list(args.argv)
+    early = ["-v"] * args.early_verbose + (["-q"] if args.early_quiet else [])
+    if args.early_log_file is not None:
+        early += ["--log-file", str(args.early_log_file)]
+    return [*argv[:1], *early, *argv[1:]] if argv and early else argv
+
+
 def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    _take_origin(args)
     if hasattr(args, "processes_required"):
         _resolve_group(args)
-    if command == "prepare":
-        return _run_machine(CAPTURE, args, out, err)
+    if command in ("prepare", "suspend"):
+        created = missing(args.checkpoint_dir)
+        if command == "prepare":
+            code = _run_machine(CAPTURE, args, out, err)
+        else:
+            code = _agent_command(command, args, out, err)
+        tidy_refused(created, code)
+        return code
     if command == "restore":
         return _run_machine(RESTORE, args, out, err)
     if command == "recover":
@@ -1093,6 +1347,8 @@ def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) 
         return _status(args, out, err)
     if command == "inspect":
         return _inspect(args, out, err)
+    if command == "native":
+        return _native_action(args, out, err)
     if command == "diagram":
         out.write(mermaid(MACHINES[args.machine]))
         return EXIT_OK
@@ -1110,7 +1366,7 @@ def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) 
         module = _delegate("criu_action", err)
         if module is None:
             return EXIT_FAILED
-        return int(module.main(args.argv, stdout=out, stderr=err))
+        return int(module.main(_early_logging_to(args), stdout=out, stderr=err))
     if command == "check":
         from . import check
 

@@ -7,9 +7,11 @@
 - ``action-script --out FILE``: write an executable for ``criu dump/restore
   --action-script FILE`` that runs ``action`` with the arguments given here.
 - ``action``: what that script runs, by ``$CRTOOLS_SCRIPT_ACTION``: ``pre-dump``
-  suspends (and stores the staged GPU bytes beside the images), ``pre-restore`` frees
-  the socket paths, ``post-resume`` fetches them back and resumes the processes under
-  ``$CRTOOLS_INIT_PID``; every other action does nothing.
+  suspends (and stores the staged GPU bytes beside the images), ``post-dump`` seals
+  the images (``$CRTOOLS_IMAGE_DIR``) with the manifest, ``pre-restore`` checks the
+  images against it and frees the socket paths, ``post-resume`` resumes the processes
+  under ``$CRTOOLS_INIT_PID`` (the resume fetches the stored bytes back); every other
+  action does nothing.
 
 The same command line as the other verbs (frontends/arguments.py): ``--pid P`` or
 ``--process OBSERVED NS``, ``--driver auto|sim|system`` (auto: the driver the shims
@@ -50,20 +52,26 @@ from .arguments import (
     add_driver,
     add_phase_timeout,
     add_processes,
+    missing,
     phase_timeout,
     pid,
     seconds,
+    tidy_refused,
     verb_adder,
 )
 from .engine import agent, criu
+from .engine import images as criu_images
+from .engine.client import Endpoint
 from .engine.errors import CoordinatorError
 from .engine.native import NativeBackend, NativeUnavailableError
 from .engine.options import Options
 from .engine.released import size
+from .engine.statefile import StateFileError
 
 PROG: Final = "cuinterpose criu"
 ACTION_ENV: Final = "CRTOOLS_SCRIPT_ACTION"
 ROOT_PID_ENV: Final = "CRTOOLS_INIT_PID"
+IMAGES_ENV: Final = "CRTOOLS_IMAGE_DIR"
 # Baked into an action script when set: CRIU runs it with CRIU's environment.
 ALWAYS_KEPT: Final = ("PYTHONPATH", CONTROL_DIR_ENV)
 __all__ = [
@@ -110,8 +118,8 @@ _VERBS: Final = {
         EXIT_TABLE,
     ),
     "action": (
-        "what the action script runs, per $CRTOOLS_SCRIPT_ACTION (pre-dump, pre-restore, "
-        "post-resume)",
+        "what the action script runs, per $CRTOOLS_SCRIPT_ACTION (pre-dump, post-dump, "
+        "pre-restore, post-resume)",
         "CRTOOLS_SCRIPT_ACTION=pre-dump cuinterpose criu action --checkpoint-dir DIR --pid 4242",
         EXIT_TABLE,
     ),
@@ -198,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("--images-dir", type=Path, required=True, help="CRIU's images")
     for verb in (dump, restore):
         _criu_option(verb)
+        verb.add_argument(
+            "--criu-timeout",
+            type=seconds,
+            metavar="SECONDS",
+            default=criu.DEFAULT_CRIU_TIMEOUT_S,
+            help="how long criu may run before it is killed (a dump's group is resumed then)",
+        )
         verb.add_argument("criu_args", nargs=argparse.REMAINDER, metavar="-- CRIU_ARGS...")
     script = sub("action-script")
     _group_options(script, processes=True)
@@ -219,7 +234,22 @@ def _native_backend() -> NativeBackend | None:
     return None
 
 
+def _origin(args: argparse.Namespace) -> agent.Origin | None:
+    """Where a restore's manifest says the group lived (None: it says nowhere)."""
+    try:
+        return agent.read_manifest(args.checkpoint_dir).origin
+    except agent.ManifestError:
+        return None  # the verb reads it again and says what is wrong with it
+
+
 def _where(args: argparse.Namespace, environ: Mapping[str, str]) -> agent.Where:
+    """--control-dir or --proc-root, else (restore) where the manifest says the group
+    lived, else $SNAPSHOT_CONTROL_DIR, else the default."""
+    if args.control_dir is None and args.proc_root is None and args.verb == "restore":
+        origin = _origin(args)
+        if origin is not None:
+            root = None if origin.proc_root is None else Path(origin.proc_root)
+            return agent.Where(origin.control_dir, root)
     control = args.control_dir
     if control is None:
         control = Path(environ.get(CONTROL_DIR_ENV) or DEFAULT_CONTROL_DIR)
@@ -234,7 +264,15 @@ def _native(
     injected = _native_backend()
     if injected is not None:
         return injected
-    return drivers.LateBackend(args.driver, lambda: [where.endpoint(p) for p in processes()])
+
+    def recorded() -> str | None:
+        origin = _origin(args) if args.verb == "restore" else None
+        return None if origin is None else origin.driver
+
+    def endpoints() -> list[Endpoint]:
+        return [where.endpoint(p) for p in processes()]
+
+    return drivers.LateBackend(args.driver, endpoints, recorded, proc_root=args.proc_root)
 
 
 def _before_dir(args: argparse.Namespace, where: agent.Where) -> Path | None:
@@ -337,7 +375,8 @@ def write_action_script(
     lines = [
         "#!/bin/sh",
         "# cuinterpose's action script for criu dump/restore --action-script (specs/criu.md):",
-        "# pre-dump suspends, pre-restore frees the sockets' paths, post-resume resumes.",
+        "# pre-dump suspends, post-dump seals the images, pre-restore checks them and frees",
+        "# the sockets' paths, post-resume resumes.",
     ]
     for name in dict.fromkeys([*ALWAYS_KEPT, *keep]):
         if name in environ:
@@ -348,6 +387,19 @@ def write_action_script(
     path.write_text("\n".join(lines) + "\n")
     path.chmod(0o755)
     return path
+
+
+def _where_words(args: argparse.Namespace, where: agent.Where) -> list[str]:
+    """What a printed command needs to find the group from a plain shell: the control
+    directory or proc root, the driver, when they are not the defaults."""
+    words: list[str] = []
+    if where.proc_root is not None:
+        words += ["--proc-root", str(where.proc_root)]
+    elif where.control_dir != DEFAULT_CONTROL_DIR:
+        words += ["--control-dir", str(where.control_dir)]
+    if args.driver != "auto":
+        words += ["--driver", args.driver]
+    return words
 
 
 def _script_argv(args: argparse.Namespace, processes: Sequence[agent.Process]) -> list[str]:
@@ -378,13 +430,18 @@ def _check(
     try:
         found = criu.usable_criu(args.criu, environ)
     except criu.CriuUnavailable as exc:
-        if args.json:
-            stdout.write(json.dumps({"usable": False, "reason": str(exc)}) + "\n")
+        if args.json:  # one line, the summary, as every verb's JSON ends
+            document = {"event": "summary", "command": "criu check", "usable": False,
+                        "reason": str(exc), "outcome": "refused",
+                        "exit_code": EXIT_FAILED}  # fmt: skip
+            stdout.write(json.dumps(document) + "\n")
         stderr.write(f"{PROG}: {exc}\n")
         return EXIT_FAILED
     if args.json:
         version = ".".join(str(n) for n in found.version)
-        document = {"usable": True, "criu": str(found.path), "version": version}
+        document = {"event": "summary", "command": "criu check", "usable": True,
+                    "criu": str(found.path), "version": version, "outcome": "done",
+                    "exit_code": EXIT_OK}  # fmt: skip
         stdout.write(json.dumps(document) + "\n")
     else:
         stdout.write(f"{found.describe()}: `criu check` passes\n")
@@ -411,12 +468,13 @@ def _dump(
             lock_timeout_ms=int(args.lock_timeout * 1000),
             criu_args=_criu_args(args.criu_args),
             on_event=on_event,
+            criu_timeout_s=args.criu_timeout,
             bytes_beside=not args.bytes_in_images,
         )
     restore = shlex.join(
         [
             "cuinterpose", "criu", "restore", "--checkpoint-dir", str(args.checkpoint_dir),
-            "--images-dir", str(args.images_dir),
+            "--images-dir", str(args.images_dir), *_where_words(args, where),
         ]
     )  # fmt: skip
     who = f"{len(processes)} process{'es' if len(processes) != 1 else ''}"
@@ -454,6 +512,7 @@ def _restore(
             options=Options(phase_timeout=phase_timeout(args.phase_timeout, environ)),
             criu_args=_criu_args(args.criu_args),
             on_event=on_event,
+            criu_timeout_s=args.criu_timeout,
         )
     restored = [
         {"observed_pid": p.observed_pid, "namespace_pid": p.namespace_pid} for p in done.processes
@@ -487,6 +546,12 @@ def _action(
     options = Options(phase_timeout=phase_timeout(args.phase_timeout, environ))
     processes = _processes(args)
     if step == "pre-dump":
+        named = environ.get(IMAGES_ENV)
+        images = Path(os.path.realpath(named)) if named else None
+        criu_images.private_directory(args.checkpoint_dir, "pre-dump", "checkpoint directory")
+        if images is not None:  # CRIU made it: it must be trusted, and holds no old seal
+            criu_images.private_directory(images, "pre-dump", "images directory")
+            criu_images.forget(images)
         with _events(args.mode, stdout) as on_event:
             suspended = agent.suspend(
                 processes,
@@ -503,8 +568,25 @@ def _action(
                 on_event=on_event,
             )  # fmt: skip
         return _finish(args, stdout, stderr, EXIT_OK, outcome="suspended", step=step)
+    if step == "post-dump":
+        # CRIU names its images directory by its own descriptor: /proc/<criu>/fd/<n>.
+        images = Path(os.path.realpath(environ[IMAGES_ENV])) if environ.get(IMAGES_ENV) else None
+        if images is None:
+            unsealed = f"post-dump: ${IMAGES_ENV} is not set: the images are not sealed"
+            return _finish(args, stdout, stderr, EXIT_FAILED, [unsealed])
+        try:
+            criu_images.seal(images, args.checkpoint_dir)
+        except (OSError, StateFileError) as exc:
+            resume = shlex.join(["cuinterpose", "resume", "--checkpoint-dir",
+                                 str(args.checkpoint_dir)])  # fmt: skip
+            return _finish(args, stdout, stderr, EXIT_FAILED, [
+                f"post-dump: the images in {images} could not be sealed: {exc}",
+                f"criu leaves the tree running, suspended: {resume}"])  # fmt: skip
+        return _finish(args, stdout, stderr, EXIT_OK, step=step, images=str(images))
     if step == "pre-restore":
-        done = criu.before_restore(args.checkpoint_dir, _before_dir(args, where))
+        named = environ.get(IMAGES_ENV)
+        images = Path(os.path.realpath(named)) if named else None
+        done = criu.before_restore(args.checkpoint_dir, _before_dir(args, where), images)
         for path in done.removed:
             stderr.write(f"{PROG}: removed the stale socket {path}\n")
         return _finish(args, stdout, stderr, EXIT_OK, step=step,
@@ -517,8 +599,6 @@ def _action(
         manifest = agent.read_manifest(args.checkpoint_dir)
         located = criu.locate(manifest.processes(), int(root))
         with _events(args.mode, stdout) as on_event:
-            criu.fetch_beside(args.checkpoint_dir, manifest, located, where=where,
-                              options=options, on_event=on_event)  # fmt: skip
             agent.resume(
                 args.checkpoint_dir,
                 where=where,
@@ -560,8 +640,11 @@ def main(
             args.mode = _mode(args, out)
         logs.configure(verbosity=args.verbose, quiet=args.quiet, log_file=args.log_file,
                        stream=err)  # fmt: skip
+        created = missing(args.checkpoint_dir, args.images_dir) if args.verb == "dump" else []
         try:
-            return _ended(args, env, out, err)
+            code = _ended(args, env, out, err)
+            tidy_refused(created, code)
+            return code
         finally:
             logs.reset()
     except UsageError as exc:

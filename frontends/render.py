@@ -24,7 +24,7 @@ from rich.progress import (
 from rich.table import Table
 
 from .engine.agent import AgentEvent, CopyProgress, ProcessStatus, StepEvent, Timing
-from .engine.progress import FailedEvent, PhaseEvent, StagingSummary, human_line
+from .engine.progress import DoneEvent, FailedEvent, PhaseEvent, StagingSummary, human_line
 
 
 class HumanView:
@@ -81,7 +81,8 @@ class HumanView:
                 self.console.print(f"{event.headline()}: nothing was changed")
             else:
                 self.console.print(f"{event.machine}: FAILED at {event.phase}")
-        else:
+        elif not (isinstance(event, DoneEvent) and event.machine != "rollback"):
+            # A capture's or restore's end is said by its step's own "done" line.
             self.console.print(human_line(event))
 
     def summary(self, timings: Sequence[Timing], staging: StagingSummary | None = None) -> None:

@@ -89,21 +89,14 @@ def resolve(
         survivors = (
             recorded is not None
             and set(given) < set(recorded[0])
-            and all(discovery.pid_exists(observed, proc_root) for observed, _ in given)
+            and all(discovery.is_running(observed, proc_root) for observed, _ in given)
             and not any(
-                discovery.pid_exists(observed, proc_root)
+                discovery.is_running(observed, proc_root)
                 for observed, _ in set(recorded[0]) - set(given)
             )
         )
         if recorded is not None and set(given) != set(recorded[0]) and not survivors:
-            raise TargetError(
-                [
-                    f"the processes given are not the group recorded in {recorded[1]}:",
-                    f"given {describe(given)}",
-                    f"recorded {describe(recorded[0])}",
-                    "name the recorded ones, or none (they are taken from there)",
-                ]
-            )
+            raise TargetError(_not_the_group(given, recorded[0], recorded[1], proc_root))
         return given
     if recorded is None:
         if checkpoint_dir is None:
@@ -118,6 +111,39 @@ def resolve(
             ["the state file holds namespace pids only: with --proc-root, name each process "
              "(--process OBSERVED NS)"], usage=True)  # fmt: skip
     return recorded[0]
+
+
+def _not_the_group(
+    given: list[Pair], recorded: list[Pair], source: str, proc_root: Path | None
+) -> list[str]:
+    """Why ``given`` is not the group ``source`` records: each recorded process not
+    given (and whether it runs), each given one not recorded, and what to name."""
+    runs = {pair: discovery.is_running(pair[0], proc_root) for pair in recorded}
+    lines = [
+        f"the processes given are not the group recorded in {source}:",
+        f"given {describe(given)}",
+        f"recorded {describe(recorded)}",
+    ]
+    lines += [
+        f"recorded {describe([pair])} is not given: " + _whether_it_runs(pair[0], proc_root)
+        for pair in recorded
+        if pair not in given
+    ]
+    lines += [f"{describe([pair])} is given but not recorded there" for pair in given
+              if pair not in recorded]  # fmt: skip
+    alive = [pair for pair in recorded if runs[pair]]
+    hint = "name the recorded ones, or none (they are taken from there)"
+    if alive and len(alive) < len(recorded):
+        hint += f"; or only the survivors, {describe(alive)}, to leave the gone ones out"
+    return [*lines, hint]
+
+
+def _whether_it_runs(pid: int, proc_root: Path | None) -> str:
+    if discovery.is_running(pid, proc_root):
+        return "it runs"
+    if discovery.pid_exists(pid, proc_root):
+        return "it exited (a zombie its parent has not reaped: it is gone)"
+    return "no process has that pid (it is gone)"
 
 
 def describe(pairs: Sequence[Pair]) -> str:
@@ -135,6 +161,15 @@ def problems(pairs: Sequence[Pair], where: agent.Where, *, shim: bool) -> list[s
         if not discovery.pid_exists(o, where.proc_root):
             under = f" under {where.proc_root}" if where.proc_root is not None else ""
             lines.append(f"pid {o} does not exist (no such process{under})")
+        elif not discovery.is_running(o, where.proc_root):
+            lines.append(f"pid {o} exited (a zombie its parent has not reaped): it takes no part")
+        elif shim and (there := discovery.what_is_at(endpoint.path)) != "nothing":
+            lines.append(
+                f"pid {o} has no control socket: at its path {endpoint.path} there is {there},"
+                " not a socket: no shim can serve there until it is removed (then a shim that"
+                " served there before serves again within 100 ms; one that found it at its"
+                " start has no control server until its program starts again)"
+            )
         elif shim:
             lines.append(
                 f"pid {o} has no shim: its control socket {endpoint.path} does not exist; "

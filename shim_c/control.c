@@ -15,7 +15,11 @@
  * RELEASE ends it. A request with another token is refused, naming the
  * holder, until the holder is gone: its process exited (a pidfd, or kill
  * where pidfd_open is missing) or, when its pid is not visible in our pid
- * namespace, it sent nothing for SNAPSHOT_LEASE_IDLE_S.
+ * namespace, it sent nothing for SNAPSHOT_LEASE_IDLE_S. A holder that has
+ * not acted (nothing past HANDSHAKE and INSPECT) holds it against another
+ * coordinator's HANDSHAKE only for SNAPSHOT_LEASE_HANDSHAKE_S: any process
+ * of the trusted uids can send a HANDSHAKE, and one that goes on to nothing
+ * must not keep the group from its restore or recover.
  */
 #include "shim.h"
 
@@ -387,7 +391,18 @@ static void lease_take(const uint8_t token[CUIP_AUTH_LEN], pid_t pid, uint64_t n
         g.lease.pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
 #endif
     g.lease.since_s = (int64_t)time(NULL);
+    g.lease.taken_ns = now;
     g.lease.last_ns = now;
+}
+
+/* Under g.lock: whether another coordinator's HANDSHAKE takes over a lease
+ * whose holder never acted, once SNAPSHOT_LEASE_HANDSHAKE_S has passed since
+ * it was taken. */
+static bool lease_unused(const struct shim_lease *l, uint64_t now)
+{
+    uint64_t window = (uint64_t)shim_settings()->lease_handshake_ms * 1000000ull;
+
+    return l->held && !l->acting && now - l->taken_ns >= window;
 }
 
 /* Under g.lock. In PREPARED, a holder that sent nothing for
@@ -479,6 +494,7 @@ static void lease_refuse(struct reply *r, unsigned op, const char *why)
     time_t t = (time_t)g.lease.since_s;
     struct tm tm;
     char who[48];
+    char unused[160];
 
     if (gmtime_r(&t, &tm))
         strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &tm);
@@ -486,10 +502,16 @@ static void lease_refuse(struct reply *r, unsigned op, const char *why)
         snprintf(who, sizeof who, "pid %d", (int)g.lease.pid);
     else
         snprintf(who, sizeof who, "a process outside this pid namespace");
+    if (g.lease.acting)
+        unused[0] = 0;
+    else
+        snprintf(unused, sizeof unused, "; it has sent nothing past HANDSHAKE: another's "
+                 "HANDSHAKE takes the lease once SNAPSHOT_LEASE_HANDSHAKE_S (%.3g s) has "
+                 "passed since", (double)shim_settings()->lease_handshake_ms / 1000.0);
     reply_msg(r, CUIP_STATUS_REFUSED,
               "%s refused: %s; another coordinator holds this process (%s, as this shim "
-              "sees it, since %s)",
-              op_name(op), why, who, when);
+              "sees it, since %s%s)",
+              op_name(op), why, who, when, unused);
 }
 
 /* Under g.lock: whether request `q` from process `peer` may go on, by the
@@ -506,8 +528,16 @@ static bool lease_admit(const struct cuip_header *q, pid_t peer, struct reply *r
         lease_drop();
     }
     mine = g.lease.held && token && shim_ct_equal(g.lease.token, q->authorization, CUIP_AUTH_LEN);
-    if (mine)
+    if (!mine && token && q->op == CUIP_OP_HANDSHAKE && lease_unused(&g.lease, now)) {
+        shim_log(LOG_WARN, "coordinator lease of pid %d taken over: it sent nothing past "
+                 "HANDSHAKE and INSPECT for SNAPSHOT_LEASE_HANDSHAKE_S", (int)g.lease.pid);
+        lease_drop();
+    }
+    if (mine) {
         g.lease.last_ns = now;
+        if (q->op != CUIP_OP_HANDSHAKE && q->op != CUIP_OP_INSPECT && q->op != CUIP_OP_RELEASE)
+            g.lease.acting = true;
+    }
     if (q->op == CUIP_OP_RELEASE) {
         if (!token) {
             reply_msg(r, CUIP_STATUS_BAD_REQUEST, "RELEASE needs the lease token");

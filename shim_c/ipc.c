@@ -10,7 +10,9 @@
  * a handle of an interior pointer names the whole allocation, opening in the
  * creating process is CUDA_ERROR_INVALID_CONTEXT, a second open in one
  * process returns the same pointer and needs its own close, a close takes
- * the opened pointer only.
+ * the opened pointer only, an open is accessible from the allocation's device
+ * and from the opener's only when it is that one or lazy peer access is asked
+ * for (specs/records/2026-12-01-h200-fidelity.jsonl).
  *
  * Everything else (driver memory when ownership is off, a driver handle from
  * a process without the shim) goes to the driver and is recorded as
@@ -125,11 +127,31 @@ static bool reopen_known(const struct cuip_ipc_handle *h, CUdeviceptr *out, CUre
     return true;
 }
 
+/* Who may access an open, as the driver grants it: the allocation's device
+ * always, the opening context's device when it is that one or the open asks
+ * for peer access (CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS). */
+static CUresult open_devices(CUdevice owner, unsigned int flags, uint64_t *devices)
+{
+    CUdevice dev;
+    CUresult r = real.cuCtxGetDevice(&dev);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (owner < 0 || owner >= 64 || dev < 0 || dev >= 64)
+        return CUDA_ERROR_INVALID_DEVICE;
+    *devices = 1ull << owner;
+    if (dev == owner || (flags & CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+        *devices |= 1ull << dev;
+    return CUDA_SUCCESS;
+}
+
 /* The creator's allocation, imported and mapped here (no lock held: the
  * creator may be asking us for an export at the same time). */
-static CUresult fetch_and_map(const struct cuip_ipc_handle *h, CUmemGenericAllocationHandle *out,
-                              size_t *size, CUdeviceptr *va, struct mapping *m)
+static CUresult fetch_and_map(const struct cuip_ipc_handle *h, unsigned int flags,
+                              CUmemGenericAllocationHandle *out, size_t *size, CUdeviceptr *va,
+                              struct mapping *m)
 {
+    uint64_t devices = 0;
     char creator[CUIP_PARTICIPANT_LEN], endpoint[CUIP_CAP_ENDPOINT_LEN], msg[512];
     uint8_t auth[CUIP_AUTH_LEN];
     CUmemAllocationProp prop;
@@ -163,9 +185,11 @@ static CUresult fetch_and_map(const struct cuip_ipc_handle *h, CUmemGenericAlloc
     r = real.cuMemGetAllocationPropertiesFromHandle(&prop, mh);
     if (r == CUDA_SUCCESS)
         r = owned_granularity(prop.location.id, &gran);
+    if (r == CUDA_SUCCESS)
+        r = open_devices(prop.location.id, flags, &devices);
     if (r == CUDA_SUCCESS) {
         *size = (size_t)((h->offset + h->size + gran - 1) / gran * gran);
-        r = owned_map_new(mh, *size, false, va, m);
+        r = owned_map_for(mh, *size, devices, va, m);
     }
     if (r != CUDA_SUCCESS) {
         real.cuMemRelease(mh);
@@ -209,7 +233,8 @@ static CUresult adopt_import(const struct cuip_ipc_handle *h, CUmemGenericAlloca
     return CUDA_SUCCESS;
 }
 
-static CUresult open_owned(CUdeviceptr *pdptr, const struct cuip_ipc_handle *h)
+static CUresult open_owned(CUdeviceptr *pdptr, const struct cuip_ipc_handle *h,
+                           unsigned int flags)
 {
     char creator[CUIP_PARTICIPANT_LEN];
     CUmemGenericAllocationHandle mh;
@@ -219,7 +244,7 @@ static CUresult open_owned(CUdeviceptr *pdptr, const struct cuip_ipc_handle *h)
     size_t size;
     CUresult r;
 
-    if (!handle_ok(h))
+    if (!handle_ok(h) || (flags & ~(unsigned int)CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
         return CUDA_ERROR_INVALID_VALUE;
     if ((r = real.cuCtxGetCurrent(&ctx)) != CUDA_SUCCESS)
         return r;
@@ -240,7 +265,7 @@ static CUresult open_owned(CUdeviceptr *pdptr, const struct cuip_ipc_handle *h)
     if (r != CUDA_SUCCESS)
         return r;
 
-    r = fetch_and_map(h, &mh, &size, &va, &m);
+    r = fetch_and_map(h, flags, &mh, &size, &va, &m);
     if (r != CUDA_SUCCESS)
         return r;
     pthread_mutex_lock(&g.lock);
@@ -277,7 +302,7 @@ static CUresult open_handle(CUresult (*driver)(CUdeviceptr *, CUipcMemHandle, un
         return CUDA_ERROR_NOT_SUPPORTED;
     memcpy(&h, &handle, sizeof h);
     if (h.magic == CUIP_IPC_MAGIC && pdptr)
-        return open_owned(pdptr, &h);
+        return open_owned(pdptr, &h, flags);
     r = driver(pdptr, handle, flags);
     if (r == CUDA_SUCCESS && pdptr) {
         if (real.cuMemGetAddressRange(&base, &size, *pdptr) != CUDA_SUCCESS)

@@ -49,8 +49,9 @@ static bool control_dir_trusted(const struct stat *st, const char *path)
     if (!why)
         return true;
     shim_log(LOG_ERROR, "control directory %s %s (uid %d, mode %04o): refused, no control "
-             "server; this process cannot be checkpointed with cuinterpose",
-             path, why, (int)st->st_uid, (unsigned)(st->st_mode & 07777));
+             "server; this process cannot be checkpointed with cuinterpose%s",
+             path, why, (int)st->st_uid, (unsigned)(st->st_mode & 07777),
+             (st->st_mode & (S_IWGRP | S_IWOTH)) ? " (chmod 700 it)" : "");
     return false;
 }
 
@@ -332,7 +333,9 @@ static int endpoint_heal(int lfd)
         __atomic_store_n(&g.started_pid, published.pid, __ATOMIC_RELEASE);
         pthread_mutex_unlock(&g.init_lock);
     }
-    shim_log(LOG_WARN, "control endpoint healed: %s; listening on %s again", why, path);
+    /* Expected after every CRIU restore (a new pid, the socket re-published): the
+     * application's stderr is the workload's, so only SNAPSHOT_SHIM_DEBUG says it. */
+    shim_log(LOG_DEBUG, "control endpoint healed: %s; listening on %s again", why, path);
     reported = NULL;
     return fd;
 fail:

@@ -26,6 +26,9 @@
 #define OWNED_UNIT 512u
 #define SLAB_MAX (1u << 20)
 #define PITCH_ALIGN 512u
+/* CU_DEVICE_ATTRIBUTE_MAX_PITCH of the H200: a wider row is the driver's to
+ * refuse (CUDA_ERROR_INVALID_VALUE), not owned memory's to fail. */
+#define PITCH_MAX ((size_t)INT32_MAX)
 #define MAX_DEVICES 64
 
 /* Under g.lock: the slabs, and which devices may access memory owned on a
@@ -163,27 +166,22 @@ static void record_access(struct mapping *m, const CUmemAccessDesc *d, uint32_t 
     }
 }
 
-CUresult owned_map_new(CUmemGenericAllocationHandle h, size_t size, bool with_peers,
+CUresult owned_map_for(CUmemGenericAllocationHandle h, size_t size, uint64_t devices,
                        CUdeviceptr *va, struct mapping *m)
 {
     CUmemAccessDesc d[CUIP_ACCESS_MAX];
-    CUcontext ctx;
-    CUdevice dev;
     uint32_t n;
     CUresult r;
 
-    r = current_device(&ctx, &dev);
-    if (r != CUDA_SUCCESS)
-        return r;
+    if (!devices)
+        return CUDA_ERROR_INVALID_DEVICE;
     r = real.cuMemAddressReserve(va, size, 0, 0, 0);
     if (r != CUDA_SUCCESS)
         return r;
     r = real.cuMemMap(*va, size, 0, h, 0);
     if (r != CUDA_SUCCESS)
         goto free_va;
-    /* The creator's device and the devices that enabled peer access to it,
-     * or an importer's own device. */
-    n = access_for((with_peers ? peers[dev] : 0) | 1ull << dev, d);
+    n = access_for(devices, d);
     r = real.cuMemSetAccess(*va, size, d, n);
     if (r != CUDA_SUCCESS)
         goto unmap;
@@ -197,6 +195,20 @@ unmap:
 free_va:
     real.cuMemAddressFree(*va, size);
     return r;
+}
+
+CUresult owned_map_new(CUmemGenericAllocationHandle h, size_t size, bool with_peers,
+                       CUdeviceptr *va, struct mapping *m)
+{
+    CUcontext ctx;
+    CUdevice dev;
+    CUresult r = current_device(&ctx, &dev);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    /* The creator's device and the devices that enabled peer access to it,
+     * or an importer's own device. */
+    return owned_map_for(h, size, (with_peers ? peers[dev] : 0) | 1ull << dev, va, m);
 }
 
 CUresult owned_unmap_range(CUdeviceptr va, size_t size)
@@ -437,7 +449,7 @@ CUresult CUDAAPI cuMemAllocPitch(CUdeviceptr *dptr, size_t *pitch, size_t width,
 
     if (r != CUDA_SUCCESS)
         return r;
-    if (!dptr || !pitch || !owning() || width == 0 || height == 0 ||
+    if (!dptr || !pitch || !owning() || width == 0 || height == 0 || width > PITCH_MAX ||
         (elementSize != 4 && elementSize != 8 && elementSize != 16))
         return real.cuMemAllocPitch(dptr, pitch, width, height, elementSize);
     p = (width + PITCH_ALIGN - 1) / PITCH_ALIGN * PITCH_ALIGN;
@@ -525,16 +537,29 @@ CUresult CUDAAPI owned_free_async(CUdeviceptr dptr, CUstream stream)
     return r != CUDA_SUCCESS ? r : cuMemFree(dptr);
 }
 
+/* Under g.lock: whether `p` lies in owned memory but in no range the
+ * application holds (freed, never handed out, or beyond what an importer
+ * opened). The driver knows no such pointer: the shim's mapping must not
+ * make one up. */
+static bool owned_stray(CUdeviceptr p)
+{
+    struct obj *o = obj_by_address(p, NULL);
+
+    return o && o->own && !owned_find(p, NULL);
+}
+
 CUresult CUDAAPI cuMemGetAddressRange(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
 {
     struct owned_range *rg;
     struct obj *o;
+    bool stray;
     CUresult r = shim_enter();
 
     if (r != CUDA_SUCCESS)
         return r;
     pthread_mutex_lock(&g.lock);
     o = owned_find(dptr, &rg);
+    stray = !o && owned_stray(dptr);
     if (o) {
         if (pbase)
             *pbase = o->own->base + rg->offset;
@@ -542,6 +567,8 @@ CUresult CUDAAPI cuMemGetAddressRange(CUdeviceptr *pbase, size_t *psize, CUdevic
             *psize = rg->size;
     }
     pthread_mutex_unlock(&g.lock);
+    if (stray)
+        return CUDA_ERROR_NOT_FOUND; /* the driver's answer for a pointer it never gave */
     return o ? CUDA_SUCCESS : real.cuMemGetAddressRange(pbase, psize, dptr);
 }
 
@@ -550,10 +577,24 @@ CUresult CUDAAPI cuMemGetAddressRange(CUdeviceptr *pbase, size_t *psize, CUdevic
  * allocation behind it differs (specs/records/2026-12-01-h200-legacy-ipc.txt).
  * A boolean or a small mask is written as its first byte only: callers pass
  * ints or bools, and the driver already zeroed the rest. */
-static void owned_attribute(CUpointer_attribute a, void *data, const struct obj *o,
+static void keep_id(uint64_t *kept, void *data)
+{
+    if (*kept)
+        memcpy(data, kept, sizeof *kept);
+    else
+        memcpy(kept, data, sizeof *kept);
+}
+
+static void owned_attribute(CUpointer_attribute a, void *data, struct obj *o,
                             const struct owned_range *rg)
 {
     switch (a) {
+    case CU_POINTER_ATTRIBUTE_BUFFER_ID:
+        keep_id(&o->own->buffer_id, data);
+        break;
+    case CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID:
+        keep_id(&o->own->block_id, data);
+        break;
     case CU_POINTER_ATTRIBUTE_CONTEXT:
         memcpy(data, &o->ctx, sizeof o->ctx);
         break;
@@ -578,15 +619,52 @@ static void owned_attribute(CUpointer_attribute a, void *data, const struct obj 
     }
 }
 
+/* The width cuda.h gives each attribute's value (booleans as 4-byte ints,
+ * as the driver writes them); 0 for one it does not name. */
+static size_t attribute_width(CUpointer_attribute a)
+{
+    switch (a) {
+    case CU_POINTER_ATTRIBUTE_CONTEXT:
+    case CU_POINTER_ATTRIBUTE_DEVICE_POINTER:
+    case CU_POINTER_ATTRIBUTE_HOST_POINTER:
+    case CU_POINTER_ATTRIBUTE_BUFFER_ID:
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR:
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE:
+    case CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE:
+    case CU_POINTER_ATTRIBUTE_MAPPING_SIZE:
+    case CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR:
+    case CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID:
+        return 8;
+    case CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
+    case CU_POINTER_ATTRIBUTE_SYNC_MEMOPS:
+    case CU_POINTER_ATTRIBUTE_IS_MANAGED:
+    case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
+    case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE:
+    case CU_POINTER_ATTRIBUTE_MAPPED:
+    case CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES:
+    case CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE:
+    case CU_POINTER_ATTRIBUTE_ACCESS_FLAGS:
+        return 4;
+    default:
+        return 0;
+    }
+}
+
 CUresult CUDAAPI cuPointerGetAttribute(void *data, CUpointer_attribute attribute,
                                        CUdeviceptr ptr)
 {
     struct owned_range *rg;
     struct obj *o;
+    bool stray;
     CUresult r = shim_enter();
 
     if (r != CUDA_SUCCESS)
         return r;
+    pthread_mutex_lock(&g.lock);
+    stray = owned_stray(ptr);
+    pthread_mutex_unlock(&g.lock);
+    if (stray)
+        return CUDA_ERROR_INVALID_VALUE; /* as for any pointer the driver never gave */
     r = real.cuPointerGetAttribute(data, attribute, ptr);
     if (r != CUDA_SUCCESS || !data)
         return r;
@@ -604,6 +682,7 @@ CUresult CUDAAPI cuPointerGetAttributes(unsigned int numAttributes,
 {
     struct owned_range *rg;
     struct obj *o;
+    bool stray;
     CUresult r = shim_enter();
 
     if (r != CUDA_SUCCESS)
@@ -613,6 +692,11 @@ CUresult CUDAAPI cuPointerGetAttributes(unsigned int numAttributes,
         return r;
     pthread_mutex_lock(&g.lock);
     o = owned_find(ptr, &rg);
+    stray = !o && owned_stray(ptr);
+    /* A pointer the driver never gave reads as zeros everywhere (cuda.h). */
+    for (unsigned i = 0; stray && i < numAttributes; i++)
+        if (data[i])
+            memset(data[i], 0, attribute_width(attributes[i]));
     for (unsigned i = 0; o && i < numAttributes; i++)
         if (data[i])
             owned_attribute(attributes[i], data[i], o, rg);

@@ -94,7 +94,8 @@ enum cuip_phase {
  * with the request's header; a request without one is refused):
  * STORE_STAGED writes every staged copy of the process into it (the stored
  * file below) and frees the host memory they took, FETCH_STAGED reads them
- * back from it into fresh host memory, checking every field first. Neither
+ * back from it into fresh host memory, checking every field first (with
+ * nothing stored it answers OK at once, the file unread). Neither
  * changes the phase; the reply's stat_count/stat_bytes say how many
  * allocations (bytes) moved, stat_copy_ns how long the I/O took. */
 #define CUIP_OPS(X)                                                            \

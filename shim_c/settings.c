@@ -59,6 +59,7 @@
 #define COPY_THREADS_ENV "SNAPSHOT_SHIM_COPY_THREADS"
 #define COPY_CHUNK_ENV "SNAPSHOT_SHIM_COPY_CHUNK_MIB"
 #define LEASE_IDLE_ENV "SNAPSHOT_LEASE_IDLE_S"
+#define LEASE_HANDSHAKE_ENV "SNAPSHOT_LEASE_HANDSHAKE_S"
 #define TRUST_UID_ENV "SNAPSHOT_SHIM_TRUST_UID"
 #define STAGING_THP_ENV "SNAPSHOT_SHIM_STAGING_THP"
 #define STAGING_BOUNCE_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB"
@@ -84,6 +85,10 @@
 /* Longer than the coordinator's phase timeout (120 s) and its local steps:
  * a holder in the middle of a run is never idle that long. */
 #define LEASE_IDLE_MS_DEFAULT 600000
+/* A run sends its first phase op right after HANDSHAKE and INSPECT and its
+ * own checks of what they answered (a restore: the state file's topology
+ * against INSPECT's), far inside this. */
+#define LEASE_HANDSHAKE_MS_DEFAULT 10000
 /* QUIESCE: time for the application to reach a quiet point (specs/quiesce.md). */
 #define QUIESCE_TIMEOUT_MS_DEFAULT 10000
 #define UID_MAX_TRUSTED 4294967294ul
@@ -227,6 +232,7 @@ static void settings_load(void)
              dir && *dir ? dir : CUIP_CONTROL_DIR_DEFAULT);
     snprintf(s->participant, sizeof s->participant, "%s", pin ? pin : "");
     s->lease_idle_ms = env_seconds_ms(LEASE_IDLE_ENV, LEASE_IDLE_MS_DEFAULT);
+    s->lease_handshake_ms = env_seconds_ms(LEASE_HANDSHAKE_ENV, LEASE_HANDSHAKE_MS_DEFAULT);
     s->quiesce_timeout_ms = env_seconds_ms(QUIESCE_TIMEOUT_ENV, QUIESCE_TIMEOUT_MS_DEFAULT);
     s->gate = env_bool(GATE_ENV, true);
     if (!s->gate)

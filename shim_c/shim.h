@@ -147,6 +147,10 @@ struct shim_settings {
      * is not visible in our pid namespace) lapses after this long without a
      * request from it. */
     long lease_idle_ms;
+    /* SNAPSHOT_LEASE_HANDSHAKE_S: a lease whose holder sent nothing past
+     * HANDSHAKE and INSPECT is another coordinator's to take this long after
+     * it was taken (a stray HANDSHAKE must not hold the group). */
+    long lease_handshake_ms;
     /* SNAPSHOT_SHIM_TRUST_UID, a test hook: the one uid trusted instead of
      * root and our own (peers, servers, the control dir's owner); -1 unset. */
     long trust_uid;
@@ -322,7 +326,9 @@ struct shim_lease {
     pid_t pid;             /* the holder as SO_PEERCRED showed it; 0: not visible here */
     int pidfd;             /* watches `pid` (pidfd_open); -1 when unavailable */
     int64_t since_s;       /* wall clock when taken, for messages */
+    uint64_t taken_ns;     /* monotonic: when taken */
     uint64_t last_ns;      /* monotonic: the holder's latest request */
+    bool acting;           /* the holder sent an op past HANDSHAKE and INSPECT */
 };
 
 struct shim_state {
@@ -495,6 +501,10 @@ struct owned {
     uint32_t nranges, capranges;
     uint64_t *units;              /* slab: a bit per OWNED_UNIT bytes in use or retired */
     uint32_t free_units;          /* slab: bits clear */
+    /* BUFFER_ID and MEMORY_BLOCK_ID as first answered (0: not asked yet),
+     * answered from then on: a restore rebuilds the memory under new ids,
+     * and the native checkpoint keeps them. */
+    uint64_t buffer_id, block_id;
 };
 
 /* The application's cuMemUnmap, cuMemAddressFree, cuMemSetAccess and
@@ -681,6 +691,10 @@ SHIM_HIDDEN void owned_drop_range(struct owned *w, struct owned_range *range);
  * the current device (and the devices that enabled peer access to it, when
  * `with_peers`); nothing left on failure. */
 SHIM_HIDDEN CUresult owned_map_new(CUmemGenericAllocationHandle h, size_t size, bool with_peers,
+                                   CUdeviceptr *va, struct mapping *m);
+/* The same with read-write access for the devices in `devices` (bit d:
+ * device d), none of them implied. */
+SHIM_HIDDEN CUresult owned_map_for(CUmemGenericAllocationHandle h, size_t size, uint64_t devices,
                                    CUdeviceptr *va, struct mapping *m);
 /* Under g.lock: the minimum granularity of device `dev` (owned memory's). */
 SHIM_HIDDEN CUresult owned_granularity(CUdevice dev, size_t *gran);

@@ -377,6 +377,13 @@ static void fetch(struct reply *r, int fd)
         reply_msg(r, CUIP_STATUS_INTERNAL, "FETCH_STAGED: out of memory");
         return;
     }
+    if (count == 0) {
+        /* Nothing of this process is in a file (never stored, or fetched already):
+         * nothing to read, the file is not looked at. The resume fetches whenever
+         * the checkpoint directory holds files, whichever suspend wrote them. */
+        r->h.status = CUIP_STATUS_OK;
+        goto out;
+    }
     if (check_file(r, fd, list, count, bytes) != 0)
         goto out;
     for (uint32_t i = 0; i < count; i++)

@@ -81,9 +81,12 @@ def check(ran: Ran) -> None:
     assert "suspend can work here" in done.stdout, story
     assert "bytes intact" in ran.app_log, story
     assert re.search(r"cuinterpose launch: pid \d+ runs python app.py", done.stderr), story
+    assert "cuinterpose launch: on the simulated driver: no NVIDIA driver here" in done.stderr
+    assert "--driver" not in blocks()[1], "README's session names a driver"
     suspended, resumed = ran.summaries()
     assert (suspended["outcome"], suspended["exit_code"]) == ("suspended", 0), suspended
-    assert suspended["next"] == "cuinterpose resume --checkpoint-dir ckpt", suspended
+    # The printed resume carries what a plain shell lacks: the control directory.
+    assert suspended["next"].startswith("cuinterpose resume --checkpoint-dir ckpt --control-dir /"), suspended  # noqa: E501
     assert (resumed["outcome"], resumed["exit_code"]) == ("resumed", 0), resumed
     # status before, during and after: RUNNING/ACTIVE, CHECKPOINTED/PREPARED
     assert "CHECKPOINTED" in done.stdout and "PREPARED" in done.stdout, story

@@ -10,7 +10,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from functools import partial
@@ -136,12 +138,36 @@ def test_detection_truth_table(
 
 
 @pytest.mark.parametrize("requested", [True, False])
-def test_detection_refuses_a_path_that_is_not_a_socket(work: Path, requested: bool) -> None:
+@pytest.mark.parametrize("there", ["a regular file", "a directory"])
+def test_detection_refuses_a_path_that_is_not_a_socket(
+    work: Path, requested: bool, there: str
+) -> None:
     control = work / "control"
     control.mkdir()
-    (control / socket_name(1)).write_text("not a socket")
-    with pytest.raises(agent.DetectionRefused, match=r"pid 1 \(ns pid 1\): .* is not a socket"):
+    if there == "a directory":
+        (control / socket_name(1)).mkdir()
+    else:
+        (control / socket_name(1)).write_text("not a socket")
+    with pytest.raises(agent.DetectionRefused) as info:
         agent.detect(requested, [(1, 1)], agent.Where(control))
+    assert f"pid 1 (ns pid 1): {control / socket_name(1)} is {there}, not a socket" in str(
+        info.value
+    )
+    assert "does not exist" not in str(info.value)
+
+
+def test_detection_says_a_zombie_exited(work: Path) -> None:
+    control = work / "control"
+    control.mkdir()
+    child = subprocess.Popen(["sleep", "60"])
+    child.kill()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+    try:
+        with pytest.raises(agent.DetectionRefused) as info:
+            agent.detect(True, [(child.pid, child.pid)], agent.Where(control))
+    finally:
+        child.wait()
+    assert f"pid {child.pid} exited (a zombie its parent has not reaped)" in str(info.value)
 
 
 def test_detection_through_proc_root_uses_the_namespace_pid(work: Path) -> None:

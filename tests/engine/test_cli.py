@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cuinterpose import cli
 from cuinterpose.engine import quiesce, runner
-from cuinterpose.engine.directory import locked
+from cuinterpose.engine.directory import DirectoryBusy, locked
 from cuinterpose.engine.fsm import CAPTURE, RESTORE, mermaid
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.wire import Op, Phase, RecordKind, Status
@@ -46,6 +46,9 @@ def run(*argv: str) -> tuple[int, str, str]:
 
 
 def machine_args(command: str, t: Team, work: Path, *extra: str) -> list[str]:
+    # A person's output unless the test asks for another (the default, auto, is JSON
+    # lines into these StringIO pipes).
+    progress = [] if "--progress" in extra else ["--progress", "human"]
     return [
         command,
         "--checkpoint-dir",
@@ -53,6 +56,7 @@ def machine_args(command: str, t: Team, work: Path, *extra: str) -> list[str]:
         "--control-dir",
         str(t.control_dir),
         *t.processes,
+        *progress,
         *extra,
     ]
 
@@ -259,6 +263,27 @@ def test_a_second_coordinator_on_the_directory_is_refused(work: Path) -> None:
     assert sent == [[]] * len(sent)
 
 
+def test_a_run_leaves_the_directory_as_it_found_it(work: Path) -> None:
+    """The lock file goes with the run that created it, refused or not; one that was
+    there stays; a lock taken on a file its holder has since removed is taken again."""
+    ckpt = work / "ckpt"
+    ckpt.mkdir()
+    with team_of(TOPOLOGY, work / "control", phase=Phase.PREPARED) as t:  # not ACTIVE: refused
+        code, _, err = run(*machine_args("prepare", t, work))
+        assert code == cli.EXIT_FAILED, err
+        assert list(ckpt.iterdir()) == []
+    with locked(ckpt):
+        assert [p.name for p in ckpt.iterdir()] == ["cuinterpose.lock"]
+        busy = pytest.raises(DirectoryBusy, match=f"in use by coordinator pid {os.getpid()}")
+        with busy, locked(ckpt):
+            pass
+    assert list(ckpt.iterdir()) == []
+    (ckpt / "cuinterpose.lock").write_text("")  # left by an older version: kept
+    with locked(ckpt):
+        pass
+    assert [p.name for p in ckpt.iterdir()] == ["cuinterpose.lock"]
+
+
 def test_a_hang_is_bounded_by_the_phase_timeout_option(work: Path) -> None:
     script = {1: {Op.INSPECT: Fault("hang")}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
@@ -311,7 +336,8 @@ def test_proc_root_reaches_sockets_through_each_process_root(
     proc = work / "proc"
     with team_of(TOPOLOGY, work / "control") as t:
         monkeypatch.setenv("SNAPSHOT_CONTROL_DIR", str(t.control_dir))
-        args = ["prepare", "--checkpoint-dir", str(work / "ckpt"), "--proc-root", str(proc)]
+        args = ["prepare", "--checkpoint-dir", str(work / "ckpt"), "--proc-root", str(proc),
+                "--progress", "human"]  # fmt: skip
         for i, fake in enumerate(t.fakes):
             observed = 70000 + i
             (proc / str(observed)).mkdir(parents=True)
@@ -517,6 +543,8 @@ def test_sigint_stops_at_the_next_phase_boundary_and_rolls_back(work: Path) -> N
                 "cuinterpose",
                 *machine_args("prepare", t, work),
                 "--skip-native-check",
+                "--driver",
+                "system",  # fakes: no driver knows their pids
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

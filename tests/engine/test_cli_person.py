@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import topologies
-from cuinterpose import cli, engine, logs
+from cuinterpose import cli, engine, logs, targets
 from cuinterpose.engine import discovery
 from cuinterpose.engine.native import CudaBackend, NativeUnavailableError
 from cuinterpose.engine.wire import Op, Phase, socket_name
@@ -97,6 +97,43 @@ def test_pid_names_the_same_pid_in_both_namespaces_and_restore_takes_the_state_f
         assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
         code, out, err = run("recover", *common)
         assert code == 0 and "recover: nothing" in out, err
+
+
+def test_a_recorded_process_not_given_is_named_with_whether_it_runs(work: Path) -> None:
+    me, other = os.getpid(), subprocess.Popen(["sleep", "60"])
+    try:
+        with team_of(TOPOLOGY, work / "control", pids={0: me, 1: other.pid}) as t:
+            common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(t.control_dir)]
+            code, _, err = run("prepare", *common, "--pid", str(me), "--pid", str(other.pid),
+                               "--progress", "none")  # fmt: skip
+            assert (code, err) == (0, "")
+            stranger = os.getppid()  # runs, and is not recorded
+            given = ["--pid", str(me), "--pid", str(stranger)]
+            code, _, err = run("restore", *common, *given)
+            assert code == cli.EXIT_FAILED
+            assert f"recorded pid {other.pid} is not given: it runs" in err, err
+            assert "survivors" not in err
+            other.kill()
+            os.waitid(os.P_PID, other.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+            code, _, err = run("restore", *common, *given)
+            assert code == cli.EXIT_FAILED
+            assert f"recorded pid {other.pid} is not given: it exited (a zombie" in err, err
+            # A zombie is gone: the survivor alone may be named (specs/recovery.md).
+            survivor = [(me, me)]
+            assert targets.resolve(survivor, work / "ckpt", proc_root=None) == survivor
+            other.wait()
+            code, _, err = run("restore", *common, *given)
+            assert code == cli.EXIT_FAILED
+            assert (
+                f"recorded pid {other.pid} is not given: no process has that pid (it is gone)"
+                in err
+            ), err
+            assert f"pid {stranger} is given but not recorded there" in err
+            assert f"or only the survivors, pid {me}, to leave the gone ones out" in err
+            assert {f.phase for f in t.fakes} == {Phase.PREPARED}  # nothing was sent
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_recover_without_a_record_says_so(work: Path) -> None:
@@ -245,6 +282,36 @@ def test_a_process_without_the_shim_gets_a_hint(work: Path) -> None:
     assert err.count("has no shim") == 1
 
 
+def test_a_zombie_is_said_to_have_exited(work: Path) -> None:
+    (work / "control").mkdir()
+    child = subprocess.Popen(["sleep", "60"])
+    child.kill()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+    try:
+        code, _, err = run("suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
+                           str(work / "control"), "--pid", str(child.pid), "--progress", "none",
+                           native=running([child.pid]))  # fmt: skip
+    finally:
+        child.wait()
+    assert code == cli.EXIT_FAILED
+    assert f"pid {child.pid} exited (a zombie its parent has not reaped)" in err, err
+    assert "has no shim" not in err
+
+
+def test_a_directory_on_the_socket_path_is_said_so(work: Path) -> None:
+    (work / "control").mkdir()
+    me = os.getpid()
+    path = work / "control" / socket_name(me)
+    path.mkdir()
+    code, _, err = run("suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
+                       str(work / "control"), "--pid", str(me), "--progress", "none",
+                       native=running([me]))  # fmt: skip
+    assert code == cli.EXIT_FAILED
+    assert f"pid {me} has no control socket: at its path {path} there is a directory" in err
+    assert "until it is removed" in err
+    assert "does not exist" not in err and "has no shim" not in err, err
+
+
 def test_a_launchers_pid_names_its_child_with_the_shim(work: Path) -> None:
     """What `$!` gives after `cuinterpose launch ... &` is the launcher: its child, the
     program with the shim, is the one to name."""
@@ -329,7 +396,8 @@ def test_sigint_is_acknowledged_at_once(work: Path) -> None:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cuinterpose", "prepare", "--checkpoint-dir",
              str(work / "ckpt"), "--control-dir", str(t.control_dir), *t.processes,
-             "--skip-native-check"],  # fake participants: no driver knows their pids
+             "--skip-native-check", "--driver", "system",  # fakes: no driver knows their pids
+             "--progress", "human"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -519,15 +587,17 @@ def test_prepare_restore_and_recover_end_with_a_summary_like_suspend(work: Path)
             if verb != "recover":  # which says what it did in its own lines
                 assert summary(out)["processes"] == 2 and summary(out)["bytes_staged"] == 8 << 20
             if verb == "prepare":
-                restore = f"cuinterpose restore --checkpoint-dir {work / 'ckpt'}"
+                # with what a plain shell needs to find the group (issue 29)
+                restore = (f"cuinterpose restore --checkpoint-dir {work / 'ckpt'} "
+                           f"--control-dir {t.control_dir}")  # fmt: skip
                 assert summary(out)["next"] == restore
     # A person reads the same, as suspend and resume say it.
     with team_of(TOPOLOGY, work / "control3") as t:
         common = ["--checkpoint-dir", str(work / "ckpt3"), "--control-dir", str(t.control_dir)]
-        code, out, err = run("prepare", *common, *t.processes)
+        code, out, err = run("prepare", *common, *t.processes, "--progress", "human")
         assert code == 0, err
         assert "captured 2 processes in " in out and "8.0 MiB staged by the shims" in out
-        code, out, err = run("restore", *common)
+        code, out, err = run("restore", *common, "--progress", "human")
         assert code == 0, err
         assert out.splitlines()[-1].startswith("restored 2 processes in ")
         assert "8.0 MiB loaded back by the shims: every process runs" in out

@@ -37,6 +37,15 @@ def work() -> Iterator[Path]:
         yield path
 
 
+@pytest.fixture(autouse=True)
+def group_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The fake participants' pids as the tree of pid 1 (they are no processes), for the
+    check that a dump's --tree holds every process of the group."""
+    proc = fake_proc(tmp_path / "proc", {1: (0, [1]), **{p: (1, [p]) for p in PIDS}})
+    monkeypatch.setattr(criu, "PROC", proc)
+    return proc
+
+
 def fake_criu(path: Path, *, version: str = "4.2", check: int = 0, dump: int = 0) -> Path:
     """A stand-in ``criu``: its version, ``check``'s status, ``dump``'s status (a failed
     dump writes an error line to its ``-o`` log, as CRIU does)."""
@@ -307,6 +316,20 @@ def test_the_action_script_bakes_its_arguments_and_environment(work: Path) -> No
     lost = action("post-resume", CRTOOLS_INIT_PID="")
     assert lost.returncode == 1
     assert "$CRTOOLS_INIT_PID is '', not a pid" in lost.stderr
+    # CRIU names its images directory by a descriptor of its own (/proc/<criu>/fd/<n>).
+    images, other = work / "images", work / "other"
+    images.mkdir()
+    other.mkdir()
+    (work / "fd").symlink_to(images)
+    unsealed = action("post-dump")
+    assert unsealed.returncode == 1 and "the images are not sealed" in unsealed.stderr
+    sealed = action("post-dump", CRTOOLS_IMAGE_DIR=str(work / "fd"))
+    assert sealed.returncode == 0, sealed.stderr
+    seal = agent.read_manifest(directory).images
+    assert seal is not None and seal.directory == str(images)
+    wrong = action("pre-restore", CRTOOLS_IMAGE_DIR=str(other))
+    assert wrong.returncode == 1 and f"{other} holds no cuinterpose.images" in wrong.stderr
+    assert action("pre-restore", CRTOOLS_IMAGE_DIR=str(work / "fd")).returncode == 0
 
 
 def test_the_cuinterpose_command_hands_criu_to_its_verbs(
@@ -469,4 +492,6 @@ def test_check_answers_json_on_request(work: Path) -> None:
     out = io.StringIO()
     binary = fake_criu(work / "criu")
     assert criu_action.main(["check", "--criu", str(binary), "--json"], stdout=out) == 0
-    assert json.loads(out.getvalue()) == {"usable": True, "criu": str(binary), "version": "4.2"}
+    answer = json.loads(out.getvalue())
+    assert answer.items() >= {"usable": True, "criu": str(binary), "version": "4.2"}.items()
+    assert (answer["event"], answer["exit_code"]) == ("summary", 0)  # one line, the summary

@@ -30,6 +30,7 @@ from topologies import (
     va,
     with_participant,
     with_records,
+    without_participant,
     without_records,
 )
 
@@ -109,6 +110,12 @@ CASES = [
         lambda: replace_records(base(), P0, kind=ALLOC, id=A0, flags=IMPORTER_FLAGS),
         v.check_single_creator, "unicast.single_creator", P0, ALLOC, A0,
         "no participant reports creating",
+    ),
+    case(
+        "creator-gone",
+        lambda: without_participant(team(participants=3, multicast=False), P0),
+        v.check_creator_absent, "unicast.creator_absent", P1, ALLOC, A0,
+        f"whose creator, participant {P0}, is in no process of the group",
     ),
     case(
         "two-creators",
@@ -572,6 +579,21 @@ def test_preflight_names_every_refusal() -> None:
         (P2, RecordKind.UNSUPPORTED_EXPORTABLE),
     ]
     assert "size unknown" in found[0].reason
+
+
+def test_imports_of_a_gone_creator_are_refused_once_per_importer() -> None:
+    # P0 created A0 and A3 (of four allocations), then exited; P1 and P2 still hold them.
+    gone = without_participant(team(participants=3, allocations=4, multicast=False), P0)
+    found = v.validate(gone)
+    assert {f.rule for f in found} == {"unicast.creator_absent"}, [str(f) for f in found]
+    assert sorted(f.participant for f in found) == [P1, P2]
+    for f in found:
+        assert f.resource == f"{A0.hex()}, {allocation_id(3).hex()}"
+        assert "imports 2 allocations" in f.reason and f"participant {P0}" in f.reason
+        assert "Close the imports in this process (cuIpcCloseMemHandle" in f.reason
+    # Another participant's allocation without a creator is still said as before.
+    broken = replace_records(team(participants=2), P0, kind=ALLOC, id=A0, flags=IMPORTER_FLAGS)
+    assert "unicast.creator_absent" not in {f.rule for f in v.validate(broken)}
 
 
 def test_violation_text_for_a_team_wide_violation() -> None:

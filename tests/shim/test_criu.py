@@ -192,18 +192,19 @@ def test_a_sharing_group_goes_through_criu_dump_and_restore(
     assert [p.observed_pid for p in restored.processes] == pids
     assert [t.step for t in restored.timings] == [
         "criu_restore",
-        *(["fetch_staged"] if beside else []),
         "native_restore",
         "native_unlock",
+        *(["fetch_staged"] if beside else []),
         "coordinator_restore",
     ]
     assert restored.resumed.coordinator_restored
     assert agent.read_manifest(ckpt).resumed_at
     done = {e.step for e in steps if isinstance(e, agent.StepEvent) and e.status == "done"}
     assert "criu_dump" in done
-    # CRIU re-created each listener at its bind name; the shim published it again.
+    # CRIU re-created each listener at its bind name; the shim published it again, and
+    # says so only at debug level: the application's stderr is the workload's (issue 29).
     log = group.tree.log_tail(1 << 20)
-    assert log.count("control endpoint healed: the listening socket is a new one") == 2, log
+    assert "control endpoint healed" not in log, log
     assert_sharing_back(group, where, native, seed_x=SEED_W)
 
 
@@ -234,7 +235,9 @@ def test_a_failed_dump_after_the_store_resumes_the_group_with_its_bytes(
         )
     assert info.value.restored, str(info.value)
     done = [e.step for e in steps if isinstance(e, agent.StepEvent) and e.status == "done"]
-    assert done[done.index("store_staged") :][:2] == ["store_staged", "fetch_staged"], done
+    # The resume of the failed dump fetched the stored bytes before its restore.
+    after = done[done.index("store_staged") :]
+    assert after.index("fetch_staged") < after.index("coordinator_restore"), done
     assert len(stored.stored_files(ckpt)) == 2
     assert_sharing_back(group, where, native)
 
@@ -283,6 +286,40 @@ def test_the_cli_verbs_restore_into_a_fresh_control_directory(
     assert_sharing_back(group, agent.Where(control_dir), WorkerBackend(observer))
 
 
+def test_the_cli_verbs_take_relative_paths_and_the_printed_restore_works(
+    group: TreeGroup,
+    criu_binary: criu.Criu,
+    observer: Worker,
+    control_dir: Path,
+    plain_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """CRIU resolves -o and --pidfile against -D: relative directories, typed from a
+    scratch directory, and the `next:` command as printed (issue 29)."""
+    env = {k: v for k, v in plain_env.items() if k != "SNAPSHOT_CONTROL_DIR"}
+    env["CUINTERPOSE_CRIU"] = str(criu_binary.path)
+    common = ["--checkpoint-dir", "rc1/ck", "--images-dir", "rc1/img"]
+    dump = subprocess.run(
+        [sys.executable, "-m", "cuinterpose", "criu", "dump", *common, "--control-dir",
+         str(control_dir), "--tree", str(group.tree.root_pid), *process_args(group)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert dump.returncode == 0, dump.stderr
+    printed = summary(dump)["next"]
+    assert printed == (f"cuinterpose criu restore --checkpoint-dir rc1/ck --images-dir rc1/img "
+                       f"--control-dir {control_dir}")  # fmt: skip
+    assert (tmp_path / "rc1" / "img" / criu.DUMP_LOG).is_file()
+    group.tree.reap()
+    bin_dir = Path(sys.executable).parent
+    restore = subprocess.run(
+        ["bash", "-c", printed], cwd=tmp_path, env={**env, "PATH": f"{bin_dir}:{env['PATH']}"},
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert restore.returncode == 0, restore.stderr
+    assert (tmp_path / "rc1" / "ck" / criu.RESTORED_PIDFILE).is_file()
+    assert_sharing_back(group, agent.Where(control_dir), WorkerBackend(observer))
+
+
 def test_plain_criu_drives_the_action_script(
     group: TreeGroup,
     criu_binary: criu.Criu,
@@ -327,10 +364,58 @@ def test_plain_criu_drives_the_action_script(
     run_criu("dump", "-t", str(group.tree.root_pid))
     manifest = agent.read_manifest(ckpt)  # pre-dump suspended the group
     assert manifest.prepared and not manifest.resumed_at
+    assert manifest.images is not None  # post-dump sealed the images
+    assert manifest.images.directory == str(images.resolve())
     group.tree.reap()
     run_criu("restore", "-d")
     assert agent.read_manifest(ckpt).resumed_at  # post-resume resumed it
     assert_sharing_back(group, agent.Where(control_dir), WorkerBackend(observer))
+
+
+def test_a_restore_of_older_images_is_refused_and_the_newest_restores(
+    group: TreeGroup,
+    criu_binary: criu.Criu,
+    observer: Worker,
+    control_dir: Path,
+    plain_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """Dump to A, restore A, change the bytes, dump to B with the same checkpoint
+    directory: a restore of A is refused before CRIU runs (the processes stay gone),
+    naming both; B restores, with the changed bytes."""
+    native = WorkerBackend(observer)
+    where = agent.Where(control_dir)
+    ckpt, first, second = tmp_path / "ckpt", tmp_path / "A", tmp_path / "B"
+    pids = group.tree.pids()
+
+    def dump(images: Path) -> None:
+        criu.dump(group.processes, ckpt, images, tree=group.tree.root_pid, criu=criu_binary,
+                  where=where, native=native)  # fmt: skip
+        group.tree.reap()
+        assert gone([group.tree.root_pid, *pids])
+        assert stat.S_IMODE(images.stat().st_mode) == 0o700
+        pages = [p for p in images.iterdir() if p.name.startswith("pages-")]
+        assert pages and all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in pages)
+
+    def restore(images: Path) -> None:
+        criu.restore(ckpt, images, criu=criu_binary, where=where, native=native,
+                     control_dir=control_dir)  # fmt: skip
+
+    dump(first)
+    restore(first)
+    group.importer.check("fill", va=group.importer_x, size=group.size, seed=5)
+    dump(second)
+    refused = run_cli(
+        ["criu", "restore", "--checkpoint-dir", str(ckpt), "--images-dir", str(first),
+         "--control-dir", str(control_dir), "--criu", str(criu_binary.path), "--json"],
+        plain_env,
+    )  # fmt: skip
+    assert refused.returncode == 1, refused.stderr
+    assert f"the images in {first} are not the group's of {ckpt}" in refused.stderr
+    assert f"records the images dumped to {second}" in refused.stderr, refused.stderr
+    assert gone(pids)  # CRIU did not run
+    restore(second)
+    assert group.creator.digest(group.creator_x, group.size) == pattern_digest(5, group.size)
 
 
 def test_the_criu_benchmark_runs_on_the_simulator(

@@ -326,6 +326,27 @@ def test_a_lease_taken_on_a_prepared_group_lapses_when_its_holder_is_silent(
     running_as_before(pair, write_seed=SEED + 6)
 
 
+def test_a_stray_handshake_does_not_keep_a_prepared_group_from_its_restore(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
+) -> None:
+    """A process that HANDSHAKEs (and INSPECTs) and lives on, doing nothing else: the next
+    coordinator takes the lease once SNAPSHOT_LEASE_HANDSHAKE_S has passed (1 ms here,
+    10 s by default), not after SNAPSHOT_LEASE_IDLE_S (600 s)."""
+    pair = share(spawn, {**shim_env, "SNAPSHOT_LEASE_HANDSHAKE_S": "0.001"}, SEED)
+    assert cli("prepare", pair.pids, control_dir, tmp_path).returncode == 0
+    for pid in pair.pids:
+        path = shimenv.socket_path(control_dir, pid)
+        stray = os.urandom(16)
+        taken, _ = shimenv.request(path, wire.Request(wire.Op.HANDSHAKE, authorization=stray))
+        assert taken.status is wire.Status.OK
+        read, _ = shimenv.request(path, wire.Request(
+            wire.Op.INSPECT, participant=taken.participant, authorization=stray))  # fmt: skip
+        assert read.status is wire.Status.OK and read.phase is wire.Phase.PREPARED
+    restored = cli("restore", pair.pids, control_dir, tmp_path)
+    assert restored.returncode == 0, restored.stderr
+    running_as_before(pair, write_seed=SEED + 6)
+
+
 # -- a creator lost mid-restore --------------------------------------------------------------
 
 

@@ -114,7 +114,8 @@ def test_staged_bytes_go_through_the_file(
 
 def test_what_store_and_fetch_refuse(spawn: Spawn, control_dir: Path, tmp_path: Path) -> None:
     """No descriptor (the shim's check, below the client's), a file that is not empty, a
-    directory, the wrong phase: refused, nothing changed; the capture then goes on."""
+    directory, the wrong phase: refused, nothing changed; the capture then goes on. With
+    nothing stored, FETCH answers OK at once without looking at what it was handed."""
     w = spawn()
     make_shared(w, [1], seed=5)
     c = Shim(control_dir, w.pid)
@@ -122,6 +123,9 @@ def test_what_store_and_fetch_refuse(spawn: Spawn, control_dir: Path, tmp_path: 
     assert refused_active.status == Status.WRONG_PHASE, refused_active
     for op in CAPTURE:
         c.ok(op)
+    # Nothing stored yet: FETCH answers at once, whatever the file (here not one at all).
+    nothing = with_file(c, Op.FETCH_STAGED, tmp_path, os.O_RDONLY)
+    assert (nothing.status, nothing.stats.count) == (Status.OK, 0), nothing
     header = wire.Request(op=Op.STORE_STAGED, participant=c.participant, fd=0).encode()
     # The descriptor left out: sent as bare bytes, as a client that lost it would.
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -137,8 +141,8 @@ def test_what_store_and_fetch_refuse(spawn: Spawn, control_dir: Path, tmp_path: 
     full.write_bytes(b"x")
     refused(with_file(c, Op.STORE_STAGED, full, os.O_RDWR), Status.REFUSED, "empty regular file")
     refused(with_file(c, Op.STORE_STAGED, tmp_path, os.O_RDONLY), Status.REFUSED, "regular")
-    refused(with_file(c, Op.FETCH_STAGED, tmp_path, os.O_RDONLY), Status.REFUSED, "regular")
     assert store(c, tmp_path / "ok.bin").status == Status.OK
+    refused(with_file(c, Op.FETCH_STAGED, tmp_path, os.O_RDONLY), Status.REFUSED, "regular")
     assert fetch(c, tmp_path / "ok.bin").status == Status.OK
     for op in RESTORE:
         c.ok(op)

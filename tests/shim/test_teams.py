@@ -29,6 +29,7 @@ from tests.shim import shimenv
 from tests.shim.workers.cycle import assert_still_active, cli
 from tests.simenv import Spawn
 from tests.stranger import NOBODY, served_by_nobody
+from tests.waiting import wait_until
 
 SEED = 97
 HOLDER_NAMED = "another coordinator holds this process (pid "
@@ -83,6 +84,8 @@ def test_lease_rules(spawn: Spawn, shim_env: dict[str, str], control_dir: Path) 
         other = _ask(path, op, second, "" if op in (Op.HANDSHAKE, Op.RELEASE) else me)
         assert other.status is Status.REFUSED, op
         assert f"{HOLDER_NAMED}{os.getpid()}, as this shim sees it, since " in other.message
+        unused = "it has sent nothing past HANDSHAKE: another's HANDSHAKE takes the lease once "
+        assert f"{unused}SNAPSHOT_LEASE_HANDSHAKE_S (10 s)" in other.message, other.message
         assert other.phase is Phase.ACTIVE
     # Without a token: what only reads is served, what changes is not.
     assert _ask(path, Op.HANDSHAKE).status is Status.OK
@@ -93,6 +96,31 @@ def test_lease_rules(spawn: Spawn, shim_env: dict[str, str], control_dir: Path) 
     assert _ask(path, Op.RELEASE, first).status is Status.OK
     assert _ask(path, Op.RELEASE, first).status is Status.OK
     assert _ask(path, Op.HANDSHAKE, second).status is Status.OK  # free again: taken
+    assert _ask(path, Op.RELEASE, second).status is Status.OK
+    _intact(creator, [], handle, va, [], size, SEED)
+
+
+def test_a_lease_whose_holder_never_acts_is_taken_over(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path
+) -> None:
+    """A HANDSHAKE (and INSPECT) alone holds the lease against another coordinator only
+    for SNAPSHOT_LEASE_HANDSHAKE_S; a holder that acted keeps it."""
+    env = {**shim_env, "SNAPSHOT_LEASE_HANDSHAKE_S": "0.001"}
+    creator, _, handle, va, _, size = _team(spawn, env, 0)
+    path = shimenv.socket_path(control_dir, creator.pid)
+    me = shimenv.handshake(path).participant
+    stray, second, third = os.urandom(16), os.urandom(16), os.urandom(16)
+    assert _ask(path, Op.HANDSHAKE, stray).status is Status.OK
+    assert _ask(path, Op.INSPECT, stray, me).status is Status.OK  # reads: not acting
+    # Taken over once the window (1 ms) has passed since the stray's HANDSHAKE.
+    wait_until(lambda: _ask(path, Op.HANDSHAKE, second).status is Status.OK, "a take-over")
+    gone = _ask(path, Op.INSPECT, stray, me)
+    assert gone.status is Status.REFUSED and "not the holder's" in gone.message
+    acted = _ask(path, Op.PREPARE_MULTICAST, second, me)  # a phase op: the holder acts
+    assert acted.status is Status.WRONG_PHASE, acted.message
+    kept = _ask(path, Op.HANDSHAKE, third)
+    assert kept.status is Status.REFUSED and f"{HOLDER_NAMED}{os.getpid()}," in kept.message
+    assert "sent nothing past HANDSHAKE" not in kept.message
     assert _ask(path, Op.RELEASE, second).status is Status.OK
     _intact(creator, [], handle, va, [], size, SEED)
 

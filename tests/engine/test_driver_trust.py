@@ -1,0 +1,149 @@
+"""The coordinator loads only a driver it trusts (frontends/drivers.py): a shim's report
+of which ``libcuda.so.1`` it runs on is the workload's word, and loading a library runs
+its constructors in the coordinator.
+
+Fake participants report the path; a library whose constructor writes a file stands
+for the attacker's. Refused, with the path, the pid and what to do, and the file
+never written; the simulated driver (by its path, or a link to it) and the system's
+(the one the linker finds) accepted, the coordinator's own path loaded; through
+``--proc-root`` the process's mappings decide, not a lookup of its path here.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cuinterpose import artifacts, cli, drivers
+from cuinterpose.engine import discovery
+from cuinterpose.engine.native import NativeUnavailableError
+from cuinterpose.engine.wire import Phase
+from engine_harness import Team, short_dir, team_of
+from test_agent import TOPOLOGY
+
+EVIL = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void evil(void)
+{
+    FILE *f = fopen(MARKER, "w");
+    if (f)
+        fclose(f);
+}
+"""
+
+
+@pytest.fixture
+def work() -> Iterator[Path]:
+    with short_dir() as path:
+        yield path
+
+
+def evil_library(work: Path) -> tuple[Path, Path]:
+    """A shared library whose constructor writes ``marker``: what a hostile socket names."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in library")
+    source, library, marker = work / "evil.c", work / "evil.so", work / "constructor-ran"
+    source.write_text(EVIL)
+    subprocess.run([cc, "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(library),
+                    str(source)], check=True, timeout=60)  # fmt: skip
+    return library, marker
+
+
+def reporting(team: Team, path: str | Path) -> list[int]:
+    for fake in team.fakes:
+        fake.driver = str(path)
+    return [e.observed_pid for e in team.endpoints]
+
+
+def sim() -> Path:
+    return artifacts.sim_library_dir() / drivers.DRIVER_NAME
+
+
+def test_a_driver_the_coordinator_does_not_know_is_refused_and_never_loaded(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    library, marker = evil_library(work)
+    monkeypatch.setattr(cli, "_native_backend", lambda: None)  # the real loading path
+    with team_of(TOPOLOGY, work / "control") as team:
+        pids = reporting(team, library)
+        with pytest.raises(NativeUnavailableError) as info:
+            drivers.library("auto", lambda: team.endpoints)
+        err = io.StringIO()
+        code = cli.main(["suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
+                         str(team.control_dir), *team.processes, "--progress", "none"],
+                        stdout=io.StringIO(), stderr=err)  # fmt: skip
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+    text = str(info.value)
+    assert f"refused to load the CUDA driver {library} that pid {pids[0]} reports" in text
+    assert f"this installation's simulated driver {sim()}" in text, text
+    assert "--driver system" in text and "--driver sim" in text
+    assert code == cli.EXIT_FAILED and f"the CUDA driver {library} that pid" in err.getvalue()
+    assert not marker.exists()  # its constructor never ran here
+
+
+def test_the_simulated_driver_is_accepted_by_file_and_loaded_by_its_own_path(
+    work: Path,
+) -> None:
+    link = work / "elsewhere" / drivers.DRIVER_NAME
+    link.parent.mkdir()
+    link.symlink_to(sim())
+    with team_of(TOPOLOGY, work / "control") as team:
+        reporting(team, sim())
+        assert drivers.library("auto", lambda: team.endpoints) == str(sim())
+        reporting(team, link)  # the same file by another name: our own path is loaded
+        assert drivers.library("auto", lambda: team.endpoints) == str(sim())
+        reporting(team, "libcuda.so.1")
+        with pytest.raises(NativeUnavailableError, match="is not an absolute path"):
+            drivers.library("auto", lambda: team.endpoints)
+
+
+def test_the_system_driver_the_linker_finds_is_accepted(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    system = work / "lib" / drivers.DRIVER_NAME
+    system.parent.mkdir()
+    shutil.copy(sim(), system)  # another file than the simulated one
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(system.parent))
+    assert drivers.system_driver() == system
+    with team_of(TOPOLOGY, work / "control") as team:
+        reporting(team, system)
+        assert drivers.library("auto", lambda: team.endpoints) == str(system)
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(work / "nothing"))
+    with team_of(TOPOLOGY, work / "control") as team:
+        reporting(team, system)
+        with pytest.raises(NativeUnavailableError, match="it is another file"):
+            drivers.library("auto", lambda: team.endpoints)
+
+
+def maps(proc: Path, pid: int, path: str, of: Path) -> None:
+    st = os.stat(of)
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+    (proc / str(pid) / "maps").write_text(
+        f"7f0000000000-7f0000001000 r-xp 00000000 {dev} {st.st_ino}                  {path}\n"
+    )
+
+
+def test_through_proc_root_the_process_mappings_decide(work: Path) -> None:
+    library, marker = evil_library(work)
+    proc = work / "proc"
+    inside = "/usr/lib/x86_64-linux-gnu/libcuda.so.1"  # the container's path, not ours
+    with team_of(TOPOLOGY, work / "control") as team:
+        pids = reporting(team, inside)
+        for pid in pids:
+            maps(proc, pid, inside, sim())
+        report = discovery.shim_drivers(team.endpoints)
+        assert drivers.trusted(report, proc) == str(sim())
+        maps(proc, pids[1], inside, library)  # one maps another file under that name
+        with pytest.raises(NativeUnavailableError, match=f"pid {pids[1]} reports: it is another"):
+            drivers.trusted(report, proc)
+        maps(proc, pids[1], "/elsewhere/libcuda.so.1", sim())
+        with pytest.raises(NativeUnavailableError, match=f"it maps no file {inside}"):
+            drivers.trusted(report, proc)
+    assert not marker.exists()
