@@ -252,8 +252,8 @@ static void store(struct reply *r, int fd)
     if (!pcs)
         goto oom;
     if (full_pio(fd, h, table, 0, true) != 0) {
-        reply_msg(r, CUIP_STATUS_INTERNAL, "STORE_STAGED: writing the file's table failed: %s",
-                  errno ? strerror(errno) : "no progress");
+        reply_msg(r, CUIP_STATUS_INTERNAL, "STORE_STAGED: writing the file's table failed: %s; "
+                  "the staged bytes stay in memory", errno ? strerror(errno) : "no progress");
         goto out;
     }
     memset(&pool, 0, sizeof pool);

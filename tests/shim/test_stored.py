@@ -114,7 +114,8 @@ def test_staged_bytes_go_through_the_file(
 
 def test_what_store_and_fetch_refuse(spawn: Spawn, control_dir: Path, tmp_path: Path) -> None:
     """No descriptor (the shim's check, below the client's), a file that is not empty, a
-    directory, the wrong phase: refused, nothing changed; the capture then goes on. With
+    directory, the wrong phase, a file the shim cannot write: refused or failed, nothing
+    changed (the copies stay in memory); the capture then goes on. With
     nothing stored, FETCH answers OK at once without looking at what it was handed."""
     w = spawn()
     make_shared(w, [1], seed=5)
@@ -141,6 +142,11 @@ def test_what_store_and_fetch_refuse(spawn: Spawn, control_dir: Path, tmp_path: 
     full.write_bytes(b"x")
     refused(with_file(c, Op.STORE_STAGED, full, os.O_RDWR), Status.REFUSED, "empty regular file")
     refused(with_file(c, Op.STORE_STAGED, tmp_path, os.O_RDONLY), Status.REFUSED, "regular")
+    # A file the shim cannot write: the write fails, naming the call; the copies stay.
+    (tmp_path / "ro.bin").touch()
+    failed = with_file(c, Op.STORE_STAGED, tmp_path / "ro.bin", os.O_RDONLY)
+    refused(failed, Status.INTERNAL, "Bad file descriptor")
+    assert failed.message.endswith("the staged bytes stay in memory"), failed.message
     assert store(c, tmp_path / "ok.bin").status == Status.OK
     refused(with_file(c, Op.FETCH_STAGED, tmp_path, os.O_RDONLY), Status.REFUSED, "regular")
     assert fetch(c, tmp_path / "ok.bin").status == Status.OK
