@@ -93,13 +93,13 @@ struct segment {
     size_t offset;              /* in the allocation, for messages */
 };
 
-/* A contiguous host range: for TASK_COPY the segments seg0.. seg0+nseg-1
- * lie back to back in it and share one context. */
 /* Who faults a copy task's staging memory in (SAVE with populate threads):
  * one thread at a time touches a chunk's pages, so that no populate write
  * ever meets the copy thread's memcpy into the same bytes. Under lock. */
 enum { POP_NONE = 0, POP_BUSY, POP_DONE, POP_COPYING };
 
+/* A contiguous host range: for TASK_COPY the segments seg0.. seg0+nseg-1
+ * lie back to back in it and share one context. */
 struct task {
     uint8_t kind;
     uint8_t pop;                /* POP_*, under lock once published */
@@ -231,11 +231,52 @@ void staging_free_bounces(CUcontext ctx)
     shim_ctx_leave(pushed);
 }
 
+/* Whether [p, p + n) is mapped readable and writable now (/proc/self/maps):
+ * scrubbing runs after the native checkpoint, which may have changed the
+ * driver's mappings of cuMemHostAlloc'd memory; a write into a page that is
+ * no longer writable would kill the application. */
+static bool writable_range(const char *p, size_t n)
+{
+    uintptr_t need = (uintptr_t)p, end = (uintptr_t)p + n;
+    bool advanced = true;
+    char line[512];
+    FILE *f;
+
+    while (need < end && advanced) {
+        advanced = false;
+        f = fopen("/proc/self/maps", "re");
+        if (!f)
+            return false;
+        while (fgets(line, sizeof line, f)) {
+            unsigned long lo, hi;
+            char perms[5];
+            if (sscanf(line, "%lx-%lx %4s", &lo, &hi, perms) != 3)
+                continue;
+            if (need < lo || need >= hi)
+                continue;
+            if (perms[0] != 'r' || perms[1] != 'w')
+                break;
+            need = hi;
+            advanced = true;
+            break;
+        }
+        fclose(f);
+    }
+    return need >= end;
+}
+
 void staging_scrub_bounces(void)
 {
-    for (unsigned i = 0; i < SLOTS; i++)
-        if (bounces[i].p && bounces[i].pid == getpid())
-            memset(bounces[i].p, 0, bounces[i].size);
+    for (unsigned i = 0; i < SLOTS; i++) {
+        struct bounce *b = &bounces[i];
+        if (!b->p || b->pid != getpid())
+            continue;
+        if (writable_range(b->p, b->size))
+            memset(b->p, 0, b->size);
+        else
+            shim_log(LOG_WARN, "a bounce buffer is not writable now; the last bytes copied "
+                               "through it stay in it (%zu bytes)", b->size);
+    }
 }
 
 /* ------------------------------------------------------------ errors */
