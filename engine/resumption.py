@@ -313,12 +313,17 @@ def _survivors(
             run_step(native, "restore", pids)
         with report.step("native_unlock"):
             run_step(native, "unlock", pids)
+        if manifest.prepared and stored_files(directory):
+            with report.step("fetch_staged") as moved:  # the rollback needs them in memory
+                got = fetch(directory, manifest, living, where=where, options=options,
+                            missing_ok=True)  # fmt: skip
+                moved.append(sum(f.bytes for f in got))
         if manifest.prepared:
             with report.step("coordinator_recover"):
                 engine_options = attrs.evolve(options, on_progress=report.emit)
                 recovered = recover(endpoints, directory, engine_options)
             lines += list(recovered.lines())
-    except (NativeGroupError, CoordinatorError) as failure:
+    except (NativeGroupError, CoordinatorError, StoreFailed) as failure:
         lines += list(failure.lines())
         lines.append("the survivors are not back")
         lines += [f"now {line}" for line in status_lines(living, where, native)]

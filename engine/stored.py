@@ -59,13 +59,22 @@ def stored_files(checkpoint_dir: Path) -> list[Path]:
 
 
 def _pairs(manifest: Manifest, processes: Sequence[Process]) -> list[tuple[Process, str]]:
+    """Each process with its participant id: all of the manifest's, in its order (their
+    pids may be new: a CRIU restore), or some of them as recorded (the survivors)."""
     ids = [p.participant for p in manifest.participants]
-    if len(processes) != len(ids) or any(i is None for i in ids):
-        raise StoreFailed(
-            "the staged bytes cannot go beside the images:",
-            [f"{len(processes)} processes for {len(ids)} participants, or one without a shim"],
-        )
-    return [(p, i) for p, i in zip(processes, ids, strict=True) if i is not None]
+    recorded = manifest.processes()
+    if len(processes) == len(ids):
+        pairs = list(zip(processes, ids, strict=True))
+    else:
+        index = {p: k for k, p in enumerate(recorded)}
+        strangers = [p.describe() for p in processes if p not in index]
+        if strangers:
+            raise StoreFailed("the staged bytes: processes not in the manifest:", strangers)
+        pairs = [(p, ids[index[p]]) for p in processes]
+    missing = [p.describe() for p, i in pairs if i is None]
+    if missing:
+        raise StoreFailed("the staged bytes: processes without a shim:", missing)
+    return [(p, i) for p, i in pairs if i is not None]
 
 
 def _exchange(
