@@ -31,6 +31,7 @@ SOCKET_SUFFIX: Final = ".sock"
 CONTROL_DIR_MAX: Final = 60
 # A STATUS request's stat_count asking for the path of the shim's libcuda.
 ASK_DRIVER: Final = 1
+EXPORT_WITHDRAW: Final = 1
 
 HEADER_STRUCT: Final = struct.Struct("<IHHiI32s16s16sIIIHHQQQQ")
 ACCESS_STRUCT: Final = struct.Struct("<iiQ")
@@ -412,12 +413,18 @@ class Stats:
 # and cuip_status_* accessors; tests/engine/test_wire_pin.py pins both to the bytes):
 # QUIESCE request: deadline_ns in elapsed_ns, round in count; QUIESCE reply: the
 # threads held at the gate in count; STATUS request: what it asks in count; STATUS
-# reply: InFlight's fields.
+# reply: InFlight's fields; EXPORT request: the size the importer was handed in bytes,
+# WITHDRAW (its open failed after the fetch: forget the FETCH record) in count.
 
 
 def quiesce_request_stats(deadline_ns: int, round_: bool) -> Stats:
     """A QUIESCE request's stat fields: its deadline and its round flag."""
     return Stats(count=int(round_), elapsed_ns=deadline_ns)
+
+
+def export_request_stats(size: int, withdraw: bool) -> Stats:
+    """An EXPORT request's stat fields: the size handed out, and the withdraw flag."""
+    return Stats(count=EXPORT_WITHDRAW if withdraw else 0, bytes=size)
 
 
 def status_request_stats(ask_driver: bool) -> Stats:
@@ -578,6 +585,11 @@ class Request:
     # STATUS only: ask which driver the shim loaded (the reply's message is its path
     # instead of the stored failure reason; carried in stat_count as ASK_DRIVER).
     ask_driver: bool = False
+    # EXPORT only: the size the importer was handed (the creator serves nothing else),
+    # and whether this withdraws a fetch whose open failed (carried in stat_bytes and
+    # stat_count).
+    export_size: int = 0
+    withdraw: bool = False
 
     @property
     def lease(self) -> bytes:
@@ -590,6 +602,8 @@ class Request:
             self.resource_id != ZERO_ID
             or self.resource_kind is not ResourceKind.NONE
             or self.fetcher
+            or self.export_size
+            or self.withdraw
         ):
             raise WireError(f"{self.op.name} request carries EXPORT-only fields")
         if self.op in (Op.HANDSHAKE, Op.RELEASE) and self.participant:
@@ -607,6 +621,8 @@ class Request:
             stats = quiesce_request_stats(self.deadline_ns, self.round)
         elif self.op is Op.STATUS:
             stats = status_request_stats(self.ask_driver)
+        elif exporting:
+            stats = export_request_stats(self.export_size, self.withdraw)
         else:
             stats = _NO_STATS
         # What Header(op, participant, ids, kind, stats).encode() packs, without
@@ -745,12 +761,15 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
     deadline = quiesce_deadline_ns(stats) if op is Op.QUIESCE else 0
     round_flag = quiesce_round(stats) if op is Op.QUIESCE else 0
     ask = status_ask(stats) if op is Op.STATUS else 0
-    if round_flag > 1 or ask > ASK_DRIVER:
+    withdraw = stats.count if op is Op.EXPORT else 0
+    if round_flag > 1 or ask > ASK_DRIVER or withdraw > EXPORT_WITHDRAW:
         raise WireError(f"{op.name} request has stats set")
     if op is Op.QUIESCE:
         allowed = quiesce_request_stats(deadline, bool(round_flag))
     elif op is Op.STATUS:
         allowed = status_request_stats(bool(ask))
+    elif op is Op.EXPORT:
+        allowed = export_request_stats(stats.bytes, bool(withdraw))
     else:
         allowed = _NO_STATS
     if stats != allowed:
@@ -772,6 +791,8 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         deadline_ns=deadline,
         round=bool(round_flag),
         ask_driver=bool(ask),
+        export_size=stats.bytes if op is Op.EXPORT else 0,
+        withdraw=bool(withdraw),
     )
     request.encode()  # the same field rules as for sending
     return request, header

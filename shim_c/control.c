@@ -51,6 +51,9 @@ static bool request_stats_ok(const struct cuip_header *q)
     case CUIP_OP_STATUS:
         return cuip_status_ask(q) <= CUIP_ASK_DRIVER && !q->stat_bytes && !q->stat_elapsed_ns &&
                !q->stat_copy_ns;
+    case CUIP_OP_EXPORT:
+        return cuip_export_withdraw(q) <= CUIP_EXPORT_WITHDRAW && !q->stat_elapsed_ns &&
+               !q->stat_copy_ns;
     default:
         return !q->stat_count && !q->stat_bytes && !q->stat_elapsed_ns && !q->stat_copy_ns;
     }

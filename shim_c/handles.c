@@ -80,7 +80,6 @@ void obj_free(struct obj *o)
     free(o->fetches);
     if (o->own) {
         free(o->own->ranges);
-        free(o->own->units);
         free(o->own);
     }
     free(o);

@@ -8,12 +8,15 @@
  * driver does for cuMemAlloc memory (specs/shim.md, "Owned memory"; the
  * driver's answers are in specs/records/2026-12-01-h200-legacy-ipc.txt).
  *
- * Small requests (at most SLAB_MAX bytes, and half a granularity) share an
- * allocation of one granularity (2 MiB on the H200), a slab, carved in OWNED_UNIT steps, as
- * the driver itself packs small cuMemAllocs into 2 MiB mappings. A range of
- * a slab that was handed out by cuIpcGetMemHandle is never given out again
- * (an importer may still map it); the slab goes when its last live range is
- * freed.
+ * Only what loses nothing to the granularity (2 MiB on the H200) is owned:
+ * a request of at least one granularity gets a VMM allocation of its own,
+ * its size rounded up to the granularity. A smaller request is the driver's
+ * (it packs small cuMemAllocs into 2 MiB pages and keeps an importer inside
+ * the range it was handed); legacy IPC of it is unowned sharing, refused at
+ * capture (unowned.c). VMM maps whole granules, so packing small requests
+ * into one allocation would hand an importer its neighbours' bytes: with
+ * SNAPSHOT_SHIM_OWN_SMALL=1 a small request gets a granularity of its own
+ * instead, at 2 MiB each (specs/shim.md, "Owned memory").
  *
  * Every function here runs with g.lock held across short driver calls, as
  * the other tracked calls do.
@@ -23,34 +26,21 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define OWNED_UNIT 512u
-#define SLAB_MAX (1u << 20)
 #define PITCH_ALIGN 512u
 #define MAX_DEVICES 64
 
-/* Under g.lock: the slabs, and which devices may access memory owned on a
- * device (bit a of peers[d]: device a enabled peer access to device d). */
-static struct obj **slabs;
-static uint32_t nslabs, capslabs;
+/* Under g.lock: which devices may access memory owned on a device (bit a of
+ * peers[d]: device a enabled peer access to device d). */
 static uint64_t peers[MAX_DEVICES];
 
 /* ------------------------------------------------------------ bookkeeping */
-struct owned *owned_new(CUdeviceptr base, size_t reserved, bool slab)
+struct owned *owned_new(CUdeviceptr base, size_t reserved)
 {
     struct owned *w = calloc(1, sizeof *w);
     if (!w)
         return NULL;
     w->base = base;
     w->reserved = reserved;
-    w->slab = slab;
-    if (slab) {
-        w->units = calloc((reserved / OWNED_UNIT + 63) / 64, sizeof *w->units);
-        if (!w->units) {
-            free(w);
-            return NULL;
-        }
-        w->free_units = (uint32_t)(reserved / OWNED_UNIT);
-    }
     return w;
 }
 
@@ -206,17 +196,8 @@ CUresult owned_unmap_range(CUdeviceptr va, size_t size)
 }
 
 /* ------------------------------------------------------------ objects */
-static void slab_forget(struct obj *o)
-{
-    for (uint32_t i = 0; i < nslabs; i++)
-        if (slabs[i] == o) {
-            slabs[i] = slabs[--nslabs];
-            return;
-        }
-}
-
 /* Unmap, release and forget `o`, an owned object nothing holds any more. */
-static void owned_release(struct obj *o)
+void owned_release(struct obj *o)
 {
     CUresult r;
     bool pushed;
@@ -230,15 +211,13 @@ static void owned_release(struct obj *o)
     if (o->live && (r = real.cuMemRelease(o->real)) != CUDA_SUCCESS)
         shim_log(LOG_WARN, "cuMemRelease of owned memory failed: %s", shim_cu_name(r));
     shim_ctx_leave(pushed);
-    if (o->own->slab)
-        slab_forget(o);
     o->nmaps = 0;
     obj_free(o);
 }
 
 /* Under g.lock: a new owned object of `size` bytes (a multiple of the
- * granularity) on the current device, mapped; a slab when `slab`. */
-static CUresult owned_create(size_t size, bool slab, struct obj **out)
+ * granularity) on the current device, mapped. */
+static CUresult owned_create(size_t size, struct obj **out)
 {
     CUmemAllocationProp prop;
     CUmemGenericAllocationHandle h;
@@ -268,20 +247,9 @@ static CUresult owned_create(size_t size, bool slab, struct obj **out)
     o->size = size;
     o->prop = prop;
     o->handle_types = (uint64_t)prop.requestedHandleTypes;
-    o->own = owned_new(va, size, slab);
+    o->own = owned_new(va, size);
     if (!o->own || obj_add_mapping(o, &m) != 0)
         goto nomem;
-    if (slab) {
-        if (nslabs == capslabs) {
-            uint32_t cap = capslabs ? 2 * capslabs : 8;
-            struct obj **n = realloc(slabs, cap * sizeof *n);
-            if (!n)
-                goto nomem;
-            slabs = n;
-            capslabs = cap;
-        }
-        slabs[nslabs++] = o;
-    }
     *out = o;
     return CUDA_SUCCESS;
 nomem:
@@ -294,87 +262,9 @@ undo_map:
     return r;
 }
 
-/* ------------------------------------------------------------ slabs */
-static void units_set(struct owned *w, uint32_t first, uint32_t n, bool used)
-{
-    for (uint32_t u = first; u < first + n; u++) {
-        if (used)
-            w->units[u / 64] |= 1ull << (u % 64);
-        else
-            w->units[u / 64] &= ~(1ull << (u % 64));
-    }
-    w->free_units = used ? w->free_units - n : w->free_units + n;
-}
-
-/* The first run of `n` free units, or -1. Full words are skipped whole: a
- * slab of 4096 units is 64 words. */
-static int64_t units_find(const struct owned *w, uint32_t n)
-{
-    uint32_t total = (uint32_t)(w->reserved / OWNED_UNIT), run = 0;
-
-    if (w->free_units < n)
-        return -1;
-    for (uint32_t u = 0; u < total;) {
-        uint64_t word = w->units[u / 64];
-        if (u % 64 == 0 && word == ~0ull) {
-            run = 0;
-            u += 64;
-            continue;
-        }
-        if (u % 64 == 0 && word == 0 && run + 64 < n) {
-            run += 64;
-            u += 64;
-            continue;
-        }
-        run = (word >> (u % 64) & 1) ? 0 : run + 1;
-        if (run == n)
-            return (int64_t)(u + 1 - n);
-        u++;
-    }
-    return -1;
-}
-
-static CUresult slab_alloc(size_t size, CUdeviceptr *dptr)
-{
-    uint32_t n = (uint32_t)((size + OWNED_UNIT - 1) / OWNED_UNIT);
-    CUcontext ctx;
-    CUdevice dev;
-    struct obj *o = NULL;
-    int64_t first = -1;
-    size_t gran;
-    CUresult r;
-
-    r = current_device(&ctx, &dev);
-    if (r == CUDA_SUCCESS)
-        r = owned_granularity(dev, &gran);
-    if (r != CUDA_SUCCESS)
-        return r;
-    for (uint32_t i = 0; i < nslabs && first < 0; i++) {
-        if (slabs[i]->ctx != ctx || !slabs[i]->live)
-            continue;
-        first = units_find(slabs[i]->own, n);
-        if (first >= 0)
-            o = slabs[i];
-    }
-    if (first < 0) {
-        r = owned_create(gran, true, &o);
-        if (r != CUDA_SUCCESS)
-            return r;
-        first = 0;
-    }
-    if (!owned_add_range(o->own, (uint64_t)first * OWNED_UNIT, size)) {
-        if (o->own->nranges == 0)
-            owned_release(o);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    o->own->ranges[o->own->nranges - 1].live = true;
-    units_set(o->own, (uint32_t)first, n, true);
-    *dptr = o->own->base + (uint64_t)first * OWNED_UNIT;
-    return CUDA_SUCCESS;
-}
-
 /* ------------------------------------------------------------ allocation */
-/* Under g.lock. */
+/* Under g.lock: one allocation of its own for the request, the range the
+ * application sees at its start. */
 static CUresult owned_alloc(CUdeviceptr *dptr, size_t size)
 {
     struct obj *o;
@@ -388,14 +278,10 @@ static CUresult owned_alloc(CUdeviceptr *dptr, size_t size)
         r = owned_granularity(dev, &gran);
     if (r != CUDA_SUCCESS)
         return r;
-    /* A slab is one granularity, so that an importer knows its size from the
-     * range it opens (ipc.c). */
-    if (size <= SLAB_MAX && size <= gran / 2)
-        return slab_alloc(size, dptr);
     if (size > SIZE_MAX - gran)
         return CUDA_ERROR_OUT_OF_MEMORY;
     asz = (size + gran - 1) / gran * gran;
-    r = owned_create(asz, false, &o);
+    r = owned_create(asz, &o);
     if (r != CUDA_SUCCESS)
         return r;
     if (!owned_add_range(o->own, 0, size)) {
@@ -414,13 +300,28 @@ static bool owning(void)
     return shim_settings()->own_allocations && g.sock_name[0] && real.cuMemGetAllocationGranularity;
 }
 
+/* Whether a request of `size` bytes is owned: at least a granularity of the
+ * current device, or any size with SNAPSHOT_SHIM_OWN_SMALL. Without a
+ * current device it is the driver's, to answer as it does. */
+static bool owned_size(size_t size)
+{
+    CUcontext ctx;
+    CUdevice dev;
+    size_t gran;
+
+    if (shim_settings()->own_small)
+        return true;
+    return current_device(&ctx, &dev) == CUDA_SUCCESS &&
+           owned_granularity(dev, &gran) == CUDA_SUCCESS && gran > 0 && size >= gran;
+}
+
 CUresult CUDAAPI cuMemAlloc(CUdeviceptr *dptr, size_t bytesize)
 {
     CUresult r = shim_enter();
 
     if (r != CUDA_SUCCESS)
         return r;
-    if (!dptr || bytesize == 0 || !owning())
+    if (!dptr || bytesize == 0 || !owning() || !owned_size(bytesize))
         return real.cuMemAlloc(dptr, bytesize);
     if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
@@ -443,6 +344,8 @@ CUresult CUDAAPI cuMemAllocPitch(CUdeviceptr *dptr, size_t *pitch, size_t width,
     p = (width + PITCH_ALIGN - 1) / PITCH_ALIGN * PITCH_ALIGN;
     if (p < width || height > SIZE_MAX / p)
         return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!owned_size(p * height))
+        return real.cuMemAllocPitch(dptr, pitch, width, height, elementSize);
     if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
     r = owned_alloc(dptr, p * height);
@@ -459,13 +362,9 @@ static void owned_free(struct obj *o, struct owned_range *rg)
     struct owned *w = o->own;
     bool any = false;
 
-    if (w->slab && !rg->exported)
-        units_set(w, (uint32_t)(rg->offset / OWNED_UNIT),
-                  (uint32_t)((rg->size + OWNED_UNIT - 1) / OWNED_UNIT), false);
-    if (rg->exported)
-        rg->live = false; /* retired: an importer may still map it */
-    else
-        owned_drop_range(w, rg);
+    /* An importer holds its own import of the allocation: the creator's
+     * goes now, the memory when the last importer closed. */
+    owned_drop_range(w, rg);
     for (uint32_t i = 0; i < w->nranges; i++)
         any |= w->ranges[i].live;
     if (!any)
@@ -794,8 +693,5 @@ CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev)
 void owned_after_fork(void)
 {
     /* The objects are dropped with the rest of the table. */
-    free(slabs);
-    slabs = NULL;
-    nslabs = capslabs = 0;
     memset(peers, 0, sizeof peers);
 }

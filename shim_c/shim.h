@@ -87,6 +87,10 @@ SHIM_HIDDEN void shim_write_line(const char *buf, size_t n);
 /* Lines above `level` are dropped (LOG_WARN until the settings are read). */
 SHIM_HIDDEN void shim_log_set_level(int level);
 SHIM_HIDDEN uint64_t shim_now_ns(void);
+static inline uint64_t ms_to_ns(uint64_t ms)
+{
+    return ms * 1000000ull;
+}
 SHIM_HIDDEN int shim_random(void *buf, size_t len);
 SHIM_HIDDEN void shim_random_id(uint8_t id[CUIP_ID_LEN]);
 SHIM_HIDDEN void shim_hex(char *out, const uint8_t *in, size_t len);
@@ -142,6 +146,9 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_OWN_ALLOCATIONS=0: cuMemAlloc memory is the driver's, and
      * legacy IPC of it refuses the capture (owned.c, unowned.c). */
     bool own_allocations;
+    /* SNAPSHOT_SHIM_OWN_SMALL=1: a request smaller than the granularity is
+     * owned too, in a granularity of its own (owned.c). */
+    bool own_small;
 };
 /* The settings, read from the environment on the first call. */
 SHIM_HIDDEN const struct shim_settings *shim_settings(void);
@@ -464,18 +471,14 @@ struct owned_range {
     uint64_t size;                /* as asked (cuMemGetAddressRange answers it) */
     uint32_t opens;               /* importer: opens not yet closed */
     bool live;                    /* creator: not freed yet */
-    bool exported;                /* creator: an IPC handle was handed out */
 };
 
 /* The shim's bookkeeping of an owned object (owned.c). */
 struct owned {
-    bool slab;                    /* small allocations packed into one object */
     CUdeviceptr base;             /* the reservation the shim made (the mapping's VA) */
     size_t reserved;              /* its size */
     struct owned_range *ranges;
     uint32_t nranges, capranges;
-    uint64_t *units;              /* slab: a bit per OWNED_UNIT bytes in use or retired */
-    uint32_t free_units;          /* slab: bits clear */
 };
 
 /* The application's cuMemUnmap, cuMemAddressFree, cuMemSetAccess and
@@ -569,18 +572,37 @@ enum cap_kind {
     CAP_VALID = 1,      /* a capability; `cap` is filled */
 };
 SHIM_HIDDEN enum cap_kind cap_parse(int fd, struct cuip_capability *cap);
-/* Ask the creator's endpoint for a fresh raw FD of a resource of `kind`
- * (enum cuip_resource_kind) (EXPORT); -1 and msg on error, CAP_CREATOR_GONE
- * and msg when nobody serves the endpoint (no socket there, or nobody
- * listening: the creator process is gone). */
+/* What an importer knows of a creator's resource: enough to fetch it. */
+struct cap_ref {
+    uint32_t kind;                         /* enum cuip_resource_kind */
+    char creator[CUIP_PARTICIPANT_LEN];
+    uint8_t id[CUIP_ID_LEN];
+    uint8_t auth[CUIP_AUTH_LEN];
+    char endpoint[CUIP_CAP_ENDPOINT_LEN];
+    uint64_t size;                         /* what the importer was handed */
+};
+/* The reference an importer's object `o` holds. */
+SHIM_HIDDEN void cap_ref_of(const struct obj *o, struct cap_ref *ref);
+/* Ask the creator's endpoint for a fresh raw FD of the resource (EXPORT);
+ * -1 and msg on error, CAP_CREATOR_GONE and msg when nobody serves the
+ * endpoint (no socket there, or nobody listening: the creator process is
+ * gone). Without g.lock: the creator may be asking us meanwhile. */
 #define CAP_CREATOR_GONE (-2)
-SHIM_HIDDEN int cap_fetch_kind(uint32_t kind, const char creator[CUIP_PARTICIPANT_LEN],
-                               const uint8_t id[CUIP_ID_LEN], const uint8_t auth[CUIP_AUTH_LEN],
-                               const char endpoint[CUIP_CAP_ENDPOINT_LEN], char *msg, size_t n);
-/* cap_fetch_kind for an allocation (CUIP_RESOURCE_UNICAST). */
-SHIM_HIDDEN int cap_fetch(const char creator[CUIP_PARTICIPANT_LEN],
-                          const uint8_t id[CUIP_ID_LEN], const uint8_t auth[CUIP_AUTH_LEN],
-                          const char endpoint[CUIP_CAP_ENDPOINT_LEN], char *msg, size_t n);
+SHIM_HIDDEN int cap_fetch(const struct cap_ref *ref, char *msg, size_t n);
+/* The one import of a fetched FD: fetch, import, close, and refuse a driver
+ * handle in the shim's tag range. 0 and *out; -1 or CAP_CREATOR_GONE (the
+ * fetch failed, nothing recorded); CAP_IMPORT_FAILED and *cr (the creator
+ * recorded the fetch: an application's open then calls cap_withdraw). */
+#define CAP_IMPORT_FAILED (-3)
+SHIM_HIDDEN int cap_import(const struct cap_ref *ref, CUmemGenericAllocationHandle *out,
+                           CUresult *cr, char *msg, size_t n);
+/* Tell the creator that the open which fetched `ref` failed here, so that
+ * no FETCH record names this process (a failure is logged). */
+SHIM_HIDDEN void cap_withdraw(const struct cap_ref *ref);
+/* Under g.lock: the importer's object for `h`, imported from `ref` (owns h,
+ * released on failure: NULL). */
+SHIM_HIDDEN struct obj *cap_adopt_import(CUmemGenericAllocationHandle h,
+                                         const struct cap_ref *ref, uint64_t handle_types);
 /* Serve EXPORT for a peer: `fetcher` (the request's text) in process `pid`
  * (SO_PEERCRED) is recorded as having fetched the allocation. */
 SHIM_HIDDEN void cap_serve_export(const struct cuip_header *req,
@@ -654,7 +676,10 @@ SHIM_HIDDEN void unowned_after_fork(void);
 SHIM_HIDDEN struct obj *owned_find(CUdeviceptr p, struct owned_range **range);
 /* The bookkeeping of an owned object mapped at [base, base+reserved); NULL
  * on ENOMEM. */
-SHIM_HIDDEN struct owned *owned_new(CUdeviceptr base, size_t reserved, bool slab);
+SHIM_HIDDEN struct owned *owned_new(CUdeviceptr base, size_t reserved);
+/* Under g.lock: unmap, release and forget owned object `o` (a creator's
+ * allocation or an importer's import) once nothing holds it. */
+SHIM_HIDDEN void owned_release(struct obj *o);
 SHIM_HIDDEN struct owned_range *owned_add_range(struct owned *w, uint64_t offset,
                                                 uint64_t size);
 SHIM_HIDDEN void owned_drop_range(struct owned *w, struct owned_range *range);
