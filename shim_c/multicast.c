@@ -40,7 +40,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MAX_DEVICES 64
 
 static uint32_t calls_in_flight; /* under g.lock */
 

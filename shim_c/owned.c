@@ -27,7 +27,6 @@
 #include <string.h>
 
 #define PITCH_ALIGN 512u
-#define MAX_DEVICES 64
 
 /* Under g.lock: which devices may access memory owned on a device (bit a of
  * peers[d]: device a enabled peer access to device d). */
@@ -196,13 +195,14 @@ CUresult owned_unmap_range(CUdeviceptr va, size_t size)
 }
 
 /* ------------------------------------------------------------ objects */
-/* Unmap, release and forget `o`, an owned object nothing holds any more. */
-void owned_release(struct obj *o)
+/* Unmap, release and forget `o`, an owned object nothing holds any more;
+ * in its context unless that context is gone (`in_ctx` false). */
+static void release_owned(struct obj *o, bool in_ctx)
 {
     CUresult r;
-    bool pushed;
+    bool pushed = false;
 
-    if (shim_ctx_enter(o->ctx, &pushed) != CUDA_SUCCESS)
+    if (in_ctx && shim_ctx_enter(o->ctx, &pushed) != CUDA_SUCCESS)
         pushed = false;
     r = owned_unmap_range(o->own->base, o->own->reserved);
     if (r != CUDA_SUCCESS)
@@ -213,6 +213,11 @@ void owned_release(struct obj *o)
     shim_ctx_leave(pushed);
     o->nmaps = 0;
     obj_free(o);
+}
+
+void owned_release(struct obj *o)
+{
+    release_owned(o, true);
 }
 
 /* Under g.lock: a new owned object of `size` bytes (a multiple of the
@@ -616,15 +621,90 @@ CUresult CUDAAPI cuCtxDisablePeerAccess(CUcontext peerContext)
 }
 
 /* ------------------------------------------------------------ contexts */
-/* Under g.lock: free the owned memory of context `ctx` (what it allocated, and what
- * it opened), as the driver frees a context's cuMemAlloc memory with it. */
-static void drop_context(CUcontext ctx)
+/* The owned objects of a context, by handle: a context the driver destroyed
+ * frees them, and by then a new context may have its address. */
+struct ctx_objs {
+    CUmemGenericAllocationHandle *h;
+    uint32_t n;
+};
+
+/* Under g.lock: what context `ctx` allocated and opened; -1 on ENOMEM. */
+static int collect_owned(CUcontext ctx, struct ctx_objs *c)
 {
-    for (uint32_t i = 0; i < obj_count(); i++) {
+    uint32_t cap = 0;
+
+    memset(c, 0, sizeof *c);
+    for (uint32_t i = 0; ctx && i < obj_count(); i++) {
         struct obj *o = obj_at(i);
-        if (o && o->own && o->ctx == ctx)
-            owned_release(o);
+        if (!o || !o->own || o->ctx != ctx)
+            continue;
+        if (c->n == cap) {
+            uint32_t nc = cap ? 2 * cap : 16;
+            CUmemGenericAllocationHandle *n = realloc(c->h, nc * sizeof *n);
+            if (!n) {
+                free(c->h);
+                c->h = NULL;
+                return -1;
+            }
+            c->h = n;
+            cap = nc;
+        }
+        c->h[c->n++] = obj_handle(o);
     }
+    return 0;
+}
+
+/* Under g.lock: free what collect_owned found and still exists, as the driver
+ * freed the context's cuMemAlloc memory with it. */
+static void drop_collected(CUcontext ctx, const struct ctx_objs *c)
+{
+    for (uint32_t k = 0; k < c->n; k++) {
+        struct obj *o = obj_lookup(c->h[k], false);
+        if (o && o->own && o->ctx == ctx)
+            release_owned(o, false);
+    }
+}
+
+/* A call that may destroy a context runs as a synchronizing call, in flight
+ * at the gate (a capture waits for it), without g.lock (a destroy waits for
+ * the context's work, whose callbacks may take it). */
+static CUresult ctx_call_begin(const char *call, void *const *fn)
+{
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!*fn)
+        return CUDA_ERROR_NOT_SUPPORTED; /* a driver older than the call */
+    gate_enter(GATE_SYNC, call);
+    pthread_mutex_lock(&g.lock);
+    r = g.phase == CUIP_PHASE_ACTIVE ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    pthread_mutex_unlock(&g.lock);
+    if (r != CUDA_SUCCESS)
+        gate_leave(GATE_SYNC);
+    return r;
+}
+
+static CUresult ctx_collect(CUcontext ctx, struct ctx_objs *c)
+{
+    int rc;
+
+    pthread_mutex_lock(&g.lock);
+    rc = collect_owned(ctx, c);
+    pthread_mutex_unlock(&g.lock);
+    return rc == 0 ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+/* Once the driver said the context is gone (`destroyed`), its owned memory. */
+static void ctx_call_end(CUcontext ctx, struct ctx_objs *c, bool destroyed)
+{
+    if (destroyed) {
+        pthread_mutex_lock(&g.lock);
+        drop_collected(ctx, c);
+        pthread_mutex_unlock(&g.lock);
+    }
+    free(c->h);
+    gate_leave(GATE_SYNC);
 }
 
 /* The primary context of `dev` while it is active (a reference taken and given
@@ -644,49 +724,61 @@ static CUcontext active_primary(CUdevice dev)
 
 CUresult CUDAAPI cuCtxDestroy(CUcontext ctx)
 {
-    bool pushed;
-    CUresult r = app_lock_for(real.cuCtxDestroy);
+    struct ctx_objs c;
+    bool pushed, known;
+    CUresult r = ctx_call_begin("cuCtxDestroy", (void *const *)&real.cuCtxDestroy);
 
     if (r != CUDA_SUCCESS)
         return r;
-    /* Only a context the driver knows: a bad one is the driver's to refuse. */
-    if (ctx && shim_ctx_enter(ctx, &pushed) == CUDA_SUCCESS) {
+    /* Only a context the driver knows has memory here; a bad one is the
+     * driver's to refuse. */
+    known = ctx && shim_ctx_enter(ctx, &pushed) == CUDA_SUCCESS;
+    if (known)
         shim_ctx_leave(pushed);
-        drop_context(ctx);
-    }
-    pthread_mutex_unlock(&g.lock);
-    return real.cuCtxDestroy(ctx);
+    r = ctx_collect(known ? ctx : NULL, &c);
+    if (r == CUDA_SUCCESS)
+        r = real.cuCtxDestroy(ctx);
+    ctx_call_end(ctx, &c, r == CUDA_SUCCESS && known);
+    return r;
 }
 
 CUresult CUDAAPI cuDevicePrimaryCtxReset(CUdevice dev)
 {
+    struct ctx_objs c;
     CUcontext primary;
-    CUresult r = app_lock_for(real.cuDevicePrimaryCtxReset);
-
-    if (r != CUDA_SUCCESS)
-        return r;
-    if ((primary = active_primary(dev)) != NULL)
-        drop_context(primary);
-    pthread_mutex_unlock(&g.lock);
-    return real.cuDevicePrimaryCtxReset(dev);
-}
-
-CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev)
-{
-    CUcontext primary;
-    unsigned int flags;
-    int active = 1;
-    CUresult r = app_lock_for(real.cuDevicePrimaryCtxRelease);
+    CUresult r = ctx_call_begin("cuDevicePrimaryCtxReset",
+                                (void *const *)&real.cuDevicePrimaryCtxReset);
 
     if (r != CUDA_SUCCESS)
         return r;
     primary = active_primary(dev);
-    r = real.cuDevicePrimaryCtxRelease(dev);
+    r = ctx_collect(primary, &c);
+    if (r == CUDA_SUCCESS)
+        r = real.cuDevicePrimaryCtxReset(dev);
+    ctx_call_end(primary, &c, r == CUDA_SUCCESS && primary);
+    return r;
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev)
+{
+    struct ctx_objs c;
+    CUcontext primary;
+    unsigned int flags;
+    int active = 1;
+    CUresult r = ctx_call_begin("cuDevicePrimaryCtxRelease",
+                                (void *const *)&real.cuDevicePrimaryCtxRelease);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    primary = active_primary(dev);
+    r = ctx_collect(primary, &c);
+    if (r == CUDA_SUCCESS)
+        r = real.cuDevicePrimaryCtxRelease(dev);
     /* The last reference destroyed it, and its memory with it. */
-    if (r == CUDA_SUCCESS && primary &&
-        real.cuDevicePrimaryCtxGetState(dev, &flags, &active) == CUDA_SUCCESS && !active)
-        drop_context(primary);
-    pthread_mutex_unlock(&g.lock);
+    ctx_call_end(primary, &c,
+                 r == CUDA_SUCCESS && primary &&
+                     real.cuDevicePrimaryCtxGetState(dev, &flags, &active) == CUDA_SUCCESS &&
+                     !active);
     return r;
 }
 

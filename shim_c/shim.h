@@ -158,86 +158,127 @@ SHIM_HIDDEN bool shim_trusted_uid(uid_t uid);
 
 /* ---------------------------------------------------------------- driver.c */
 /* The real driver's entry points. */
+/* Every entry point `real` holds, once: X(field, parameters, exported name,
+ * the resolver's base name or NULL, the resolver's version). The struct and
+ * the resolver (driver.c) are both generated from it. The device-explicit
+ * binds are asked for by name only: asking the resolver at 13010 could hand
+ * back the old ABI on a 13.0 driver. cuGetProcAddress_v2 comes first: the
+ * rest fall back to it. */
+#define SHIM_REAL(X) \
+    X(cuGetProcAddress_v2, (const char *, void **, int, cuuint64_t, \
+      CUdriverProcAddressQueryResult *), \
+      "cuGetProcAddress_v2", NULL, 0) \
+    X(gpa_v1, (const char *, void **, int, cuuint64_t), "cuGetProcAddress", NULL, 0) \
+    X(cuInit, (unsigned int), "cuInit", "cuInit", 2000) \
+    X(cuGetErrorName, (CUresult, const char **), "cuGetErrorName", "cuGetErrorName", 6000) \
+    X(cuMemCreate, (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, \
+      unsigned long long), \
+      "cuMemCreate", "cuMemCreate", 10020) \
+    X(cuMemRelease, (CUmemGenericAllocationHandle), "cuMemRelease", "cuMemRelease", 10020) \
+    X(cuMemMap, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long), \
+      "cuMemMap", "cuMemMap", 10020) \
+    X(cuMemUnmap, (CUdeviceptr, size_t), "cuMemUnmap", "cuMemUnmap", 10020) \
+    X(cuMemSetAccess, (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t), \
+      "cuMemSetAccess", "cuMemSetAccess", 10020) \
+    X(cuMemRetainAllocationHandle, (CUmemGenericAllocationHandle *, void *), \
+      "cuMemRetainAllocationHandle", "cuMemRetainAllocationHandle", 11000) \
+    X(cuMemGetAllocationPropertiesFromHandle, (CUmemAllocationProp *, \
+      CUmemGenericAllocationHandle), \
+      "cuMemGetAllocationPropertiesFromHandle", "cuMemGetAllocationPropertiesFromHandle", 10020) \
+    X(cuMemExportToShareableHandle, (void *, CUmemGenericAllocationHandle, \
+      CUmemAllocationHandleType, unsigned long long), \
+      "cuMemExportToShareableHandle", "cuMemExportToShareableHandle", 10020) \
+    X(cuMemImportFromShareableHandle, (CUmemGenericAllocationHandle *, void *, \
+      CUmemAllocationHandleType), \
+      "cuMemImportFromShareableHandle", "cuMemImportFromShareableHandle", 10020) \
+    X(cuMemAddressReserve, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long), \
+      "cuMemAddressReserve", "cuMemAddressReserve", 10020) \
+    X(cuMemAddressFree, (CUdeviceptr, size_t), "cuMemAddressFree", "cuMemAddressFree", 10020) \
+    X(cuMemHostAlloc, (void **, size_t, unsigned int), "cuMemHostAlloc", "cuMemHostAlloc", 2020) \
+    X(cuMemFreeHost, (void *), "cuMemFreeHost", "cuMemFreeHost", 2000) \
+    X(cuMemcpyDtoHAsync, (void *, CUdeviceptr, size_t, CUstream), \
+      "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync", 3020) \
+    X(cuMemcpyHtoDAsync, (CUdeviceptr, const void *, size_t, CUstream), \
+      "cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync", 3020) \
+    X(cuStreamCreate, (CUstream *, unsigned int), "cuStreamCreate", "cuStreamCreate", 2000) \
+    X(cuStreamSynchronize, (CUstream), "cuStreamSynchronize", "cuStreamSynchronize", 2000) \
+    X(cuStreamDestroy, (CUstream), "cuStreamDestroy_v2", "cuStreamDestroy", 4000) \
+    X(cuEventCreate, (CUevent *, unsigned int), "cuEventCreate", "cuEventCreate", 2000) \
+    X(cuEventRecord, (CUevent, CUstream), "cuEventRecord", "cuEventRecord", 2000) \
+    X(cuEventSynchronize, (CUevent), "cuEventSynchronize", "cuEventSynchronize", 2000) \
+    X(cuEventDestroy, (CUevent), "cuEventDestroy_v2", "cuEventDestroy", 4000) \
+    X(cuCtxGetCurrent, (CUcontext *), "cuCtxGetCurrent", "cuCtxGetCurrent", 4000) \
+    X(cuCtxPushCurrent, (CUcontext), "cuCtxPushCurrent_v2", "cuCtxPushCurrent", 4000) \
+    X(cuCtxPopCurrent, (CUcontext *), "cuCtxPopCurrent_v2", "cuCtxPopCurrent", 4000) \
+    X(cuCtxGetDevice, (CUdevice *), "cuCtxGetDevice", "cuCtxGetDevice", 2000) \
+    X(cuCtxSynchronize, (void), "cuCtxSynchronize", "cuCtxSynchronize", 2000) \
+    X(cuDeviceGetCount, (int *), "cuDeviceGetCount", "cuDeviceGetCount", 2000) \
+    X(cuDevicePrimaryCtxGetState, (CUdevice, unsigned int *, int *), \
+      "cuDevicePrimaryCtxGetState", "cuDevicePrimaryCtxGetState", 7000) \
+    X(cuDevicePrimaryCtxRetain, (CUcontext *, CUdevice), \
+      "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", 7000) \
+    X(cuDevicePrimaryCtxRelease, (CUdevice), \
+      "cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease", 11000) \
+    X(cuMemAlloc, (CUdeviceptr *, size_t), "cuMemAlloc_v2", "cuMemAlloc", 3020) \
+    X(cuMemAllocPitch, (CUdeviceptr *, size_t *, size_t, size_t, unsigned int), \
+      "cuMemAllocPitch_v2", "cuMemAllocPitch", 3020) \
+    X(cuMemFree, (CUdeviceptr), "cuMemFree_v2", "cuMemFree", 3020) \
+    X(cuMemGetAddressRange, (CUdeviceptr *, size_t *, CUdeviceptr), \
+      "cuMemGetAddressRange_v2", "cuMemGetAddressRange", 3020) \
+    X(cuMemGetAllocationGranularity, (size_t *, const CUmemAllocationProp *, \
+      CUmemAllocationGranularity_flags), \
+      "cuMemGetAllocationGranularity", "cuMemGetAllocationGranularity", 10020) \
+    X(cuPointerGetAttribute, (void *, CUpointer_attribute, CUdeviceptr), \
+      "cuPointerGetAttribute", "cuPointerGetAttribute", 4000) \
+    X(cuPointerGetAttributes, (unsigned int, CUpointer_attribute *, void **, CUdeviceptr), \
+      "cuPointerGetAttributes", "cuPointerGetAttributes", 7000) \
+    X(cuCtxDestroy, (CUcontext), "cuCtxDestroy_v2", "cuCtxDestroy", 4000) \
+    X(cuDevicePrimaryCtxReset, (CUdevice), \
+      "cuDevicePrimaryCtxReset_v2", "cuDevicePrimaryCtxReset", 11000) \
+    X(cuCtxEnablePeerAccess, (CUcontext, unsigned int), \
+      "cuCtxEnablePeerAccess", "cuCtxEnablePeerAccess", 4000) \
+    X(cuCtxDisablePeerAccess, (CUcontext), \
+      "cuCtxDisablePeerAccess", "cuCtxDisablePeerAccess", 4000) \
+    X(cuIpcGetMemHandle, (CUipcMemHandle *, CUdeviceptr), \
+      "cuIpcGetMemHandle", "cuIpcGetMemHandle", 4010) \
+    X(cuIpcOpenMemHandle, (CUdeviceptr *, CUipcMemHandle, unsigned int), \
+      "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle", 11000) \
+    X(cuIpcOpenMemHandle_v1, (CUdeviceptr *, CUipcMemHandle, unsigned int), \
+      "cuIpcOpenMemHandle", NULL, 0) \
+    X(cuIpcCloseMemHandle, (CUdeviceptr), "cuIpcCloseMemHandle", "cuIpcCloseMemHandle", 4010) \
+    X(cuMemPoolExportToShareableHandle, (void *, CUmemoryPool, CUmemAllocationHandleType, \
+      unsigned long long), \
+      "cuMemPoolExportToShareableHandle", "cuMemPoolExportToShareableHandle", 11020) \
+    X(cuMemPoolImportFromShareableHandle, (CUmemoryPool *, void *, CUmemAllocationHandleType, \
+      unsigned long long), \
+      "cuMemPoolImportFromShareableHandle", "cuMemPoolImportFromShareableHandle", 11020) \
+    X(cuMemPoolExportPointer, (CUmemPoolPtrExportData *, CUdeviceptr), \
+      "cuMemPoolExportPointer", "cuMemPoolExportPointer", 11020) \
+    X(cuMemPoolImportPointer, (CUdeviceptr *, CUmemoryPool, CUmemPoolPtrExportData *), \
+      "cuMemPoolImportPointer", "cuMemPoolImportPointer", 11020) \
+    X(cuMemPoolDestroy, (CUmemoryPool), "cuMemPoolDestroy", "cuMemPoolDestroy", 11020) \
+    X(cuMulticastCreate, (CUmemGenericAllocationHandle *, const CUmulticastObjectProp *), \
+      "cuMulticastCreate", "cuMulticastCreate", 12010) \
+    X(cuMulticastAddDevice, (CUmemGenericAllocationHandle, CUdevice), \
+      "cuMulticastAddDevice", "cuMulticastAddDevice", 12010) \
+    X(cuMulticastBindMem, (CUmemGenericAllocationHandle, size_t, CUmemGenericAllocationHandle, \
+      size_t, size_t, unsigned long long), \
+      "cuMulticastBindMem", "cuMulticastBindMem", 12010) \
+    X(cuMulticastBindAddr, (CUmemGenericAllocationHandle, size_t, CUdeviceptr, size_t, \
+      unsigned long long), \
+      "cuMulticastBindAddr", "cuMulticastBindAddr", 12010) \
+    X(cuMulticastUnbind, (CUmemGenericAllocationHandle, CUdevice, size_t, size_t), \
+      "cuMulticastUnbind", "cuMulticastUnbind", 12010) \
+    X(cuMulticastBindMem_v2, (CUmemGenericAllocationHandle, CUdevice, size_t, \
+      CUmemGenericAllocationHandle, size_t, size_t, unsigned long long), \
+      "cuMulticastBindMem_v2", NULL, 0) \
+    X(cuMulticastBindAddr_v2, (CUmemGenericAllocationHandle, CUdevice, size_t, CUdeviceptr, \
+      size_t, unsigned long long), \
+      "cuMulticastBindAddr_v2", NULL, 0)
+
+#define SHIM_REAL_FIELD(field, params, name, base, version) CUresult(*field) params;
 struct shim_real {
-    CUresult (*cuInit)(unsigned int);
-    CUresult (*gpa_v1)(const char *, void **, int, cuuint64_t); /* cuGetProcAddress, old ABI */
-    CUresult (*cuGetProcAddress_v2)(const char *, void **, int, cuuint64_t,
-                                    CUdriverProcAddressQueryResult *);
-    CUresult (*cuGetErrorName)(CUresult, const char **);
-    CUresult (*cuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
-                            unsigned long long);
-    CUresult (*cuMemRelease)(CUmemGenericAllocationHandle);
-    CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
-                         unsigned long long);
-    CUresult (*cuMemUnmap)(CUdeviceptr, size_t);
-    CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
-    CUresult (*cuMemRetainAllocationHandle)(CUmemGenericAllocationHandle *, void *);
-    CUresult (*cuMemGetAllocationPropertiesFromHandle)(CUmemAllocationProp *,
-                                                       CUmemGenericAllocationHandle);
-    CUresult (*cuMemExportToShareableHandle)(void *, CUmemGenericAllocationHandle,
-                                             CUmemAllocationHandleType, unsigned long long);
-    CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *,
-                                               CUmemAllocationHandleType);
-    CUresult (*cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr,
-                                    unsigned long long);
-    CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
-    CUresult (*cuMemHostAlloc)(void **, size_t, unsigned int);
-    CUresult (*cuMemFreeHost)(void *);
-    CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
-    CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
-    CUresult (*cuStreamCreate)(CUstream *, unsigned int);
-    CUresult (*cuStreamSynchronize)(CUstream);
-    CUresult (*cuStreamDestroy)(CUstream);
-    CUresult (*cuEventCreate)(CUevent *, unsigned int);
-    CUresult (*cuEventRecord)(CUevent, CUstream);
-    CUresult (*cuEventSynchronize)(CUevent);
-    CUresult (*cuEventDestroy)(CUevent);
-    CUresult (*cuCtxGetCurrent)(CUcontext *);
-    CUresult (*cuCtxPushCurrent)(CUcontext);
-    CUresult (*cuCtxPopCurrent)(CUcontext *);
-    CUresult (*cuCtxGetDevice)(CUdevice *);
-    CUresult (*cuCtxSynchronize)(void);
-    CUresult (*cuDeviceGetCount)(int *);
-    CUresult (*cuDevicePrimaryCtxGetState)(CUdevice, unsigned int *, int *);
-    CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
-    CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
-    CUresult (*cuMulticastCreate)(CUmemGenericAllocationHandle *, const CUmulticastObjectProp *);
-    CUresult (*cuMulticastAddDevice)(CUmemGenericAllocationHandle, CUdevice);
-    CUresult (*cuMulticastBindMem)(CUmemGenericAllocationHandle, size_t,
-                                   CUmemGenericAllocationHandle, size_t, size_t,
-                                   unsigned long long);
-    shim_bind_mem_v2_fn cuMulticastBindMem_v2;
-    CUresult (*cuMulticastBindAddr)(CUmemGenericAllocationHandle, size_t, CUdeviceptr, size_t,
-                                    unsigned long long);
-    shim_bind_addr_v2_fn cuMulticastBindAddr_v2;
-    CUresult (*cuMulticastUnbind)(CUmemGenericAllocationHandle, CUdevice, size_t, size_t);
-    /* Owned memory (owned.c), legacy IPC (ipc.c) and the sharing the shim
-     * refuses (unowned.c). */
-    CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);
-    CUresult (*cuMemAllocPitch)(CUdeviceptr *, size_t *, size_t, size_t, unsigned int);
-    CUresult (*cuMemFree)(CUdeviceptr);
-    CUresult (*cuMemGetAddressRange)(CUdeviceptr *, size_t *, CUdeviceptr);
-    CUresult (*cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *,
-                                              CUmemAllocationGranularity_flags);
-    CUresult (*cuPointerGetAttribute)(void *, CUpointer_attribute, CUdeviceptr);
-    CUresult (*cuPointerGetAttributes)(unsigned int, CUpointer_attribute *, void **,
-                                       CUdeviceptr);
-    CUresult (*cuCtxDestroy)(CUcontext);
-    CUresult (*cuDevicePrimaryCtxReset)(CUdevice);
-    CUresult (*cuCtxEnablePeerAccess)(CUcontext, unsigned int);
-    CUresult (*cuCtxDisablePeerAccess)(CUcontext);
-    CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
-    CUresult (*cuIpcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
-    CUresult (*cuIpcOpenMemHandle_v1)(CUdeviceptr *, CUipcMemHandle, unsigned int);
-    CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
-    CUresult (*cuMemPoolExportToShareableHandle)(void *, CUmemoryPool, CUmemAllocationHandleType,
-                                                 unsigned long long);
-    CUresult (*cuMemPoolImportFromShareableHandle)(CUmemoryPool *, void *,
-                                                   CUmemAllocationHandleType,
-                                                   unsigned long long);
-    CUresult (*cuMemPoolExportPointer)(CUmemPoolPtrExportData *, CUdeviceptr);
-    CUresult (*cuMemPoolImportPointer)(CUdeviceptr *, CUmemoryPool, CUmemPoolPtrExportData *);
-    CUresult (*cuMemPoolDestroy)(CUmemoryPool);
+    SHIM_REAL(SHIM_REAL_FIELD)
     /* Not wrapped: resolved on first use by shim_resolve_host_register(). */
     CUresult (*cuMemHostRegister)(void *, size_t, unsigned int);
     CUresult (*cuMemHostUnregister)(void *);
@@ -384,6 +425,10 @@ SHIM_HIDDEN void shim_state_after_fork(void);
 /* A logical handle: bits 63..48 the tag, 47..24 the slot's generation,
  * 23..0 the slot. Real driver handles observed on the H200 are small
  * (e.g. 0x204b0840); one with this tag is refused at creation. */
+/* Device ordinals the shim keeps a bit for (uint64_t masks: owned.c's peers,
+ * multicast.c's devices). */
+#define MAX_DEVICES 64
+
 #define SHIM_TAG 0xC1F0ull
 #define SHIM_TAG_SHIFT 48
 #define SHIM_GEN_SHIFT 24
@@ -748,6 +793,21 @@ SHIM_HIDDEN void content_free_staged(void);
  * is idle, within SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S; refused (gate reopened)
  * otherwise, naming what the threads were held at. */
 SHIM_HIDDEN phase_work_fn quiesce_run;
+/* The contexts the application's work can be queued in: those of the shim's
+ * objects and every active primary context (the runtime's, retained while
+ * in the set). As many as there are. */
+struct ctx_set {
+    CUcontext *ctx;
+    int *primary_of;                 /* the retained primary context's device; -1 */
+    uint32_t n, cap;
+};
+/* 0, or -1 and msg (out of memory: nothing held). */
+SHIM_HIDDEN int ctx_set_collect(struct ctx_set *s, char *msg, size_t n);
+/* cuCtxSynchronize of each in turn (blocks; no lock held): the first
+ * failure, its index in *failed and the call that failed in *call. */
+SHIM_HIDDEN CUresult ctx_set_sync(const struct ctx_set *s, uint32_t *failed, const char **call);
+/* Release the retained primary contexts, free the set. */
+SHIM_HIDDEN void ctx_set_free(struct ctx_set *s);
 
 /* ---------------------------------------------------------------- rollback.c */
 SHIM_HIDDEN phase_work_fn rollback_allocations;

@@ -358,6 +358,13 @@ def test_a_reset_or_destroyed_context_takes_its_owned_memory_along(
     small = int(app.check("alloc", size=1000)["va"])
     big = int(app.check("alloc", size=BIG)["va"])
     assert app(used) > before
+    # A destroy the driver refuses (a primary context) frees nothing.
+    app.check("fill", va=big, size=BIG, seed=12)
+    assert app(
+        "dev = check(cu.cuDeviceGet(0)); p = check(cu.cuDevicePrimaryCtxRetain(dev))\n"
+        "result = err(cu.cuCtxDestroy(p)); check(cu.cuDevicePrimaryCtxRelease(dev))"
+    ) == "CUDA_ERROR_INVALID_CONTEXT"
+    assert app.digest(big, BIG) == pattern_digest(12, BIG)
     app("check(cu.cuDevicePrimaryCtxReset(check(cu.cuDeviceGet(0))))")
     assert app(used) == before
     app(
