@@ -451,7 +451,8 @@ void cap_serve_export(const struct cuip_header *req, const char fetcher[CUIP_PAR
         reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s", msg);
         goto out;
     }
-    prune_fetches(o);
+    if (o->nfetches == o->capfetches)
+        prune_fetches(o); /* before the table grows: amortized, one kill() a fetch */
     if (obj_add_fetch(o, fetcher, pid) != 0) {
         /* Unrecorded, the importer could be left out of a capture unseen. */
         close(fd);

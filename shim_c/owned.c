@@ -115,13 +115,25 @@ static void device_prop(CUmemAllocationProp *prop, CUdevice dev)
     prop->requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 }
 
+/* A device's granularity never changes: asked once (every cuMemAlloc needs it
+ * to know whether it is owned). */
+static size_t gran_cache[MAX_DEVICES];
+
 CUresult owned_granularity(CUdevice dev, size_t *gran)
 {
     CUmemAllocationProp prop;
+    CUresult r;
+
+    if (dev >= 0 && dev < MAX_DEVICES &&
+        (*gran = __atomic_load_n(&gran_cache[dev], __ATOMIC_RELAXED)) != 0)
+        return CUDA_SUCCESS;
     device_prop(&prop, dev);
     if (!real.cuMemGetAllocationGranularity)
         return CUDA_ERROR_NOT_SUPPORTED;
-    return real.cuMemGetAllocationGranularity(gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    r = real.cuMemGetAllocationGranularity(gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    if (r == CUDA_SUCCESS && *gran && dev >= 0 && dev < MAX_DEVICES)
+        __atomic_store_n(&gran_cache[dev], *gran, __ATOMIC_RELAXED);
+    return r;
 }
 
 /* The access a fresh owned mapping gets: read-write for the devices in `who`. */
