@@ -214,7 +214,7 @@ static int export_call(const struct cap_ref *ref, uint64_t withdraw, char *msg, 
     } req;
     struct cuip_header rep;
     uint64_t deadline = shim_now_ns() + ms_to_ns((uint64_t)shim_settings()->peer_timeout_ms);
-    int s, got = -1, extra = -1;
+    int s, got = -1, extra = -1, failed = -1;
     char text[CUIP_MESSAGE_MAX + 1];
 
     if (!g.control_dir[0]) {
@@ -243,6 +243,7 @@ static int export_call(const struct cap_ref *ref, uint64_t withdraw, char *msg, 
                  strerror(errno));
         goto fail;
     }
+    failed = CAP_FETCH_LOST; /* from here on the creator may have recorded the fetch */
     if (io_read_all(s, &rep, sizeof rep, deadline, &got) != 0) {
         snprintf(msg, n, "EXPORT reply from %.*s: %s", CUIP_CAP_ENDPOINT_LEN, ref->endpoint,
                  errno ? strerror(errno) : "connection closed");
@@ -265,6 +266,7 @@ static int export_call(const struct cap_ref *ref, uint64_t withdraw, char *msg, 
     if (rep.status != CUIP_STATUS_OK) {
         snprintf(msg, n, "creator %.*s refused EXPORT (status %d): %s", CUIP_PARTICIPANT_LEN,
                  ref->creator, rep.status, text);
+        failed = -1; /* refused: nothing recorded */
         goto fail;
     }
     if (withdraw ? got >= 0 : got < 0) {
@@ -282,7 +284,7 @@ fail:
     if (extra >= 0)
         close(extra);
     close(s);
-    return -1;
+    return failed;
 }
 
 int cap_fetch(const struct cap_ref *ref, char *msg, size_t n)
@@ -703,7 +705,7 @@ static CUresult import_cap(CUmemGenericAllocationHandle *handle, const struct cu
     got = cap_import(&ref, &h, &r, msg, sizeof msg);
     if (got != 0) {
         shim_log(LOG_WARN, "import of a capability failed: %s", msg);
-        if (got == CAP_IMPORT_FAILED)
+        if (got == CAP_IMPORT_FAILED || got == CAP_FETCH_LOST)
             cap_withdraw(&ref);
         return got == CAP_IMPORT_FAILED ? r : CUDA_ERROR_INVALID_VALUE;
     }

@@ -150,7 +150,7 @@ static CUresult fetch_and_map(const struct cap_ref *ref, CUmemGenericAllocationH
     CUresult r = CUDA_SUCCESS;
     int got = cap_import(ref, &mh, &r, msg, sizeof msg);
 
-    *fetched = got == 0 || got == CAP_IMPORT_FAILED;
+    *fetched = got == 0 || got == CAP_IMPORT_FAILED || got == CAP_FETCH_LOST;
     if (got != 0) {
         /* As the driver answers a handle whose memory is gone. */
         shim_log(LOG_WARN, "cuIpcOpenMemHandle: %s", msg);

@@ -629,15 +629,19 @@ struct cap_ref {
 /* The reference an importer's object `o` holds. */
 SHIM_HIDDEN void cap_ref_of(const struct obj *o, struct cap_ref *ref);
 /* Ask the creator's endpoint for a fresh raw FD of the resource (EXPORT);
- * -1 and msg on error, CAP_CREATOR_GONE and msg when nobody serves the
- * endpoint (no socket there, or nobody listening: the creator process is
- * gone). Without g.lock: the creator may be asking us meanwhile. */
+ * -1 and msg on error (refused: nothing recorded), CAP_FETCH_LOST and msg
+ * when the reply was lost or unusable after the request went out (the
+ * creator may have recorded the fetch), CAP_CREATOR_GONE and msg when nobody
+ * serves the endpoint (no socket there, or nobody listening: the creator
+ * process is gone). Without g.lock: the creator may be asking us meanwhile. */
 #define CAP_CREATOR_GONE (-2)
+#define CAP_FETCH_LOST (-4)
 SHIM_HIDDEN int cap_fetch(const struct cap_ref *ref, char *msg, size_t n);
 /* The one import of a fetched FD: fetch, import, close, and refuse a driver
- * handle in the shim's tag range. 0 and *out; -1 or CAP_CREATOR_GONE (the
- * fetch failed, nothing recorded); CAP_IMPORT_FAILED and *cr (the creator
- * recorded the fetch: an application's open then calls cap_withdraw). */
+ * handle in the shim's tag range. 0 and *out; cap_fetch's codes; or
+ * CAP_IMPORT_FAILED and *cr. After CAP_IMPORT_FAILED or CAP_FETCH_LOST the
+ * creator (may have) recorded the fetch: an application's open then calls
+ * cap_withdraw. */
 #define CAP_IMPORT_FAILED (-3)
 SHIM_HIDDEN int cap_import(const struct cap_ref *ref, CUmemGenericAllocationHandle *out,
                            CUresult *cr, char *msg, size_t n);
