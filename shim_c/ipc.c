@@ -185,8 +185,8 @@ static CUresult adopt_import(const struct cap_ref *ref, CUmemGenericAllocationHa
         return CUDA_ERROR_OUT_OF_MEMORY;
     o->refs = 0; /* the application holds the pointer, not a handle */
     o->size = size;
-    o->own = owned_new(m->va, size);
-    if (!o->own || obj_add_mapping(o, m) != 0 || !(rg = owned_add_range(o->own, 0, ref->size))) {
+    if (owned_new(o, m->va, size) != 0 || obj_add_mapping(o, m) != 0 ||
+        !(rg = owned_add_range(o->own, 0, ref->size))) {
         /* Released here; the caller unmaps the VA it mapped. */
         o->nmaps = 0;
         real.cuMemRelease(mh);

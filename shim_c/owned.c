@@ -33,14 +33,22 @@
 static uint64_t peers[MAX_DEVICES];
 
 /* ------------------------------------------------------------ bookkeeping */
-struct owned *owned_new(CUdeviceptr base, size_t reserved)
+static void owned_destroy(struct owned *w)
+{
+    free(w->ranges);
+    free(w);
+}
+
+int owned_new(struct obj *o, CUdeviceptr base, size_t reserved)
 {
     struct owned *w = calloc(1, sizeof *w);
     if (!w)
-        return NULL;
+        return -1;
     w->base = base;
     w->reserved = reserved;
-    return w;
+    o->own = w;
+    o->free_own = owned_destroy; /* obj_free frees it through this */
+    return 0;
 }
 
 struct owned_range *owned_add_range(struct owned *w, uint64_t offset, uint64_t size)
@@ -264,8 +272,7 @@ static CUresult owned_create(size_t size, struct obj **out)
     o->size = size;
     o->prop = prop;
     o->handle_types = (uint64_t)prop.requestedHandleTypes;
-    o->own = owned_new(va, size);
-    if (!o->own || obj_add_mapping(o, &m) != 0)
+    if (owned_new(o, va, size) != 0 || obj_add_mapping(o, &m) != 0)
         goto nomem;
     *out = o;
     return CUDA_SUCCESS;

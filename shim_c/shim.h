@@ -507,6 +507,7 @@ struct obj {
      * ranges this process opened by cuIpcOpenMemHandle (an importer). NULL
      * for the application's own VMM objects. */
     struct owned *own;
+    void (*free_own)(struct owned *); /* owned.c's: set with `own` (owned_new) */
 };
 
 /* One range the application holds a pointer to: what cuMemAlloc returned
@@ -723,9 +724,9 @@ SHIM_HIDDEN void unowned_after_fork(void);
  * that holds `p` (a live one for the creator, an open one for an importer);
  * NULL when `p` is in no owned range. */
 SHIM_HIDDEN struct obj *owned_find(CUdeviceptr p, struct owned_range **range);
-/* The bookkeeping of an owned object mapped at [base, base+reserved); NULL
- * on ENOMEM. */
-SHIM_HIDDEN struct owned *owned_new(CUdeviceptr base, size_t reserved);
+/* Give `o` the bookkeeping of an owned object mapped at [base,
+ * base+reserved), freed with `o` (obj_free); -1 on ENOMEM. */
+SHIM_HIDDEN int owned_new(struct obj *o, CUdeviceptr base, size_t reserved);
 /* Under g.lock: unmap, release and forget owned object `o` (a creator's
  * allocation or an importer's import) once nothing holds it. */
 SHIM_HIDDEN void owned_release(struct obj *o);
