@@ -27,8 +27,11 @@
  *  - SNAPSHOT_SHIM_STAGING_PREFAULT: 0 (1: SAVE faults a chunk's fresh
  *    staging memory in with MADV_POPULATE_WRITE before copying through the
  *    bounce buffers, instead of letting the memcpy fault it: staging.c).
- *  - SNAPSHOT_SHIM_OWN_ALLOCATIONS: 1 (cuMemAlloc memory is backed by VMM
- *    allocations the shim owns and shares: owned.c, ipc.c).
+ *  - SNAPSHOT_SHIM_OWN_ALLOCATIONS: 1 (cuMemAlloc memory of at least the
+ *    granularity is backed by VMM allocations the shim owns and shares:
+ *    owned.c, ipc.c).
+ *  - SNAPSHOT_SHIM_OWN_SMALL: 0 (1: smaller requests too, each in a
+ *    granularity of its own: 2 MiB of device memory per cudaMalloc).
  */
 #include "shim.h"
 
@@ -57,6 +60,7 @@
 #define QUIESCE_TIMEOUT_ENV "SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S"
 #define GATE_ENV "SNAPSHOT_SHIM_GATE"
 #define OWN_ENV "SNAPSHOT_SHIM_OWN_ALLOCATIONS"
+#define OWN_SMALL_ENV "SNAPSHOT_SHIM_OWN_SMALL"
 /* CUIP_CONTROL_DIR_ENV and CUIP_PARTICIPANT_ENV are in protocol.h: the
  * coordinator sets them too. */
 
@@ -198,6 +202,7 @@ static void settings_load(void)
         shim_log(LOG_WARN, "%s=0: the gate never closes; QUIESCE only drains the device once, "
                  "and a capture under running work can lose updates or fault", GATE_ENV);
     s->own_allocations = env_bool(OWN_ENV, true);
+    s->own_small = env_bool(OWN_SMALL_ENV, false);
     /* Unset, or a bad value (named in the warning): the usual trust. */
     s->trust_uid = (long)env_count(TRUST_UID_ENV, 0, UID_MAX_TRUSTED, UID_MAX_TRUSTED + 1,
                                    "a uid");
