@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # annotations only: a command that only parses its options lo
 
 # The transport: ``client.call_all``'s signature. Replay and embedders' tests inject their own.
 Transport = Callable[..., list[Reply | ParticipantError]]
+# ``Options.on_step``: (machine name, step trigger) -> None.
+StepHook = Callable[[str, str], None]
 
 DEFAULT_PHASE_TIMEOUT_S = 120.0
 # A byte phase (SAVE, LOAD, ROLLBACK_ALLOCATIONS) may take phase_timeout plus its
@@ -55,6 +57,11 @@ class Options:
     # After a failure past the first destructive op, bring the group back to
     # ACTIVE before raising (False leaves it for ``recover``: tests, tracing).
     rollback_on_failure: bool = True
+    # Called with the machine's and the step's names once the step's guards passed and
+    # before it acts: it may block (a barrier across nodes, specs/multinode.md) and may
+    # raise a CoordinatorError to stop the run there, which then rolls back what it
+    # changed as any failure does. Rollbacks never call it: they run alone.
+    on_step: StepHook | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.phase_timeout > 0:

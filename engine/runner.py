@@ -152,7 +152,7 @@ def rollback(
     process is gone are left out and reported in ``gone``. The intent is removed
     once the group is back.
     """
-    options = attrs.evolve(options or Options(), stop=None, rollback_on_failure=False)
+    options = attrs.evolve(options or Options(), stop=None, rollback_on_failure=False, on_step=None)
     loop = _Loop(ROLLBACK, endpoints, Path(checkpoint_dir), options)
     loop.run.captured = recorded
     _execute(loop)
@@ -276,7 +276,7 @@ class _Loop:
         self.destroyed = False  # an op that tears something down has been sent
 
     def options_for_rollback(self) -> Options:
-        return attrs.evolve(self.options, stop=None, rollback_on_failure=False)
+        return attrs.evolve(self.options, stop=None, rollback_on_failure=False, on_step=None)
 
     def elapsed(self) -> float:
         return self.options.clock() - self.started
@@ -341,6 +341,9 @@ class _Loop:
 
     def perform(self, event: EventData) -> None:
         step = self.spec.step(event.event.name)
+        if self.options.on_step is not None:
+            # Before ``destroyed``: a run the hook stops here has not sent this op.
+            self.options.on_step(self.spec.name, step.trigger)
         self.destroyed = self.destroyed or step.tears_down
         phase_event = perform(self.run, step)
         if phase_event is not None:

@@ -36,6 +36,15 @@ ASK_DEVICES: Final = 2
 # An EXPORT request's stat_count withdrawing a fetch whose open failed.
 EXPORT_WITHDRAW: Final = 1
 
+# The stored file of STORE_STAGED / FETCH_STAGED (protocol.h, specs/protocol.md): a
+# header, one entry per allocation, then the bytes, each allocation at an offset rounded
+# up to STORED_ALIGN after the previous one's end.
+STORED_MAGIC: Final = 0x47545343
+STORED_VERSION: Final = 1
+STORED_ALIGN: Final = 4096
+STORED_HEADER_STRUCT: Final = struct.Struct("<IIIIQQ32s")
+STORED_ENTRY_STRUCT: Final = struct.Struct("<16sQQ")
+
 HEADER_STRUCT: Final = struct.Struct("<IHHiI32s16s16sIIIHHQQQQ")
 ACCESS_STRUCT: Final = struct.Struct("<iiQ")
 RECORD_STRUCT: Final = struct.Struct("<HHI16s16s32sQQQQQQQiiiiIBBHII" + "iiQ" * ACCESS_MAX)
@@ -65,6 +74,13 @@ class Op(enum.IntEnum):
     RELEASE = 15  # ends the coordinator's lease; served in any phase
     STATUS = 16  # read-only, served while a phase op runs: see InFlight
     QUIESCE = 17  # closes the shim's gate until the process is quiet (specs/quiesce.md)
+    STORE_STAGED = 18  # the staged copies into the file handed with the request
+    FETCH_STAGED = 19  # and back from it (specs/criu.md)
+
+
+# The ops whose request hands the shim an open file (SCM_RIGHTS): always one, which the
+# decoded bytes cannot show (decode_request gives fd None).
+FILE_OPS: Final = frozenset({Op.STORE_STAGED, Op.FETCH_STAGED})
 
 
 class Phase(enum.IntEnum):
@@ -598,6 +614,9 @@ class Request:
     # stat_count).
     export_size: int = 0
     withdraw: bool = False
+    # STORE_STAGED and FETCH_STAGED only (and always): the open file the request hands
+    # the shim, sent with the header as SCM_RIGHTS; not part of the encoded bytes.
+    fd: int | None = attrs.field(default=None, eq=False)
 
     @property
     def lease(self) -> bytes:
@@ -626,6 +645,11 @@ class Request:
             raise WireError("STATUS request asks for the driver and the devices at once")
         if self.gpu_map and self.op is not Op.LOAD_ALLOCATIONS:
             raise WireError(f"{self.op.name} request carries a GPU mapping (LOAD_ALLOCATIONS only)")
+        if self.fd is not None and self.op not in FILE_OPS:
+            raise WireError(
+                f"{self.op.name} request carries a file descriptor (STORE_STAGED and "
+                "FETCH_STAGED only)"
+            )
         if not 0 <= self.deadline_ns < 2**64:
             raise WireError(f"deadline_ns {self.deadline_ns} does not fit 64 bits")
         text = _participant_bytes(self.fetcher, "fetcher") if exporting else b""

@@ -240,6 +240,11 @@ _VERBS: Final = {
         "  action-script  write an executable for criu dump/restore --action-script\n"
         "  action         what the action script runs, per $CRTOOLS_SCRIPT_ACTION\n\n" + EXIT_TABLE,
     ),
+    "job": (
+        "a job across nodes through etcd: suspend, resume, recover, status",
+        "cuinterpose job suspend --job J --store http://ETCD:2379 --node a --nodes a,b ...",
+        EXIT_TABLE + "(cuinterpose job VERB --help: each verb's example and options)",
+    ),
     "demo": (
         "run the end-to-end demo",
         "cuinterpose demo",
@@ -373,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub("shim-path")
     criu_cmd = sub("criu")
     criu_cmd.add_argument("argv", nargs=argparse.REMAINDER, metavar="VERB ...")
+    sub("job").add_argument("argv", nargs=argparse.REMAINDER, metavar="VERB ...")
     demo = sub("demo")
     demo.add_argument("--driver", choices=("sim", "system"), default="sim")
     return parser
@@ -1375,8 +1381,8 @@ def _dispatch(command: str, args: argparse.Namespace, out: TextIO, err: TextIO) 
         return _launch(args, err)
     if command == "demo":
         return _demo(args, err)
-    if command == "criu":  # its verbs' parser: frontends/criu_action.py
-        module = _delegate("criu_action", err)
+    if command in ("criu", "job"):  # their verbs' parsers: frontends/{criu,job}_action.py
+        module = _delegate(f"{command}_action", err)
         if module is None:
             return EXIT_FAILED
         return int(module.main(_early_logging_to(args), stdout=out, stderr=err))

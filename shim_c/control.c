@@ -58,6 +58,10 @@ static bool request_stats_ok(const struct cuip_header *q)
     case CUIP_OP_EXPORT:
         return cuip_export_withdraw(q) <= CUIP_EXPORT_WITHDRAW && !q->stat_elapsed_ns &&
                !q->stat_copy_ns;
+    case CUIP_OP_STORE_STAGED:
+    case CUIP_OP_FETCH_STAGED:
+        return cuip_status_ask(q) <= CUIP_ASK_DRIVER && !q->stat_bytes && !q->stat_elapsed_ns &&
+               !q->stat_copy_ns;
     default:
         return !q->stat_count && !q->stat_bytes && !q->stat_elapsed_ns && !q->stat_copy_ns;
     }
@@ -184,6 +188,8 @@ static phase_work_fn *phase_work(enum cuip_op op)
     case CUIP_OP_EXPORT:
     case CUIP_OP_RELEASE:
     case CUIP_OP_STATUS:
+    case CUIP_OP_STORE_STAGED:
+    case CUIP_OP_FETCH_STAGED:
         break; /* not phase ops */
     }
     return NULL;
@@ -595,7 +601,8 @@ static bool lease_admit(const struct cuip_header *q, pid_t peer, struct reply *r
     return true;
 }
 
-static void handle(const struct cuip_header *q, const char *text, pid_t peer, struct reply *r)
+static void handle(const struct cuip_header *q, const char *text, int fd, pid_t peer,
+                   struct reply *r)
 {
     bool admitted;
 
@@ -646,6 +653,10 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
             unowned_inspect(r);
         pthread_mutex_unlock(&g.lock);
         return;
+    case CUIP_OP_STORE_STAGED:
+    case CUIP_OP_FETCH_STAGED:
+        stored_serve(q->op, fd, r);
+        return;
     default:
         if (q->op == CUIP_OP_QUIESCE) {
             pthread_mutex_lock(&g.lock);
@@ -667,6 +678,7 @@ static void *conn_main(void *arg)
     struct cuip_header q;
     char text[CUIP_MESSAGE_MAX];
     struct reply *r = NULL;
+    int fd = -1; /* STORE_STAGED / FETCH_STAGED: the file, with the header */
     long timeout_ms = shim_settings()->io_timeout_ms;
     uint64_t deadline = shim_now_ns() + ms_to_ns((uint64_t)timeout_ms);
 
@@ -674,8 +686,12 @@ static void *conn_main(void *arg)
         shim_log(LOG_WARN, "control connection from uid %d refused", (int)cr.uid);
         goto out;
     }
-    if (io_read_all(s, &q, sizeof q, deadline, NULL) != 0)
+    if (io_read_all(s, &q, sizeof q, deadline, &fd) != 0)
         goto out; /* truncated, stalled or hung up: drop it */
+    if (fd >= 0 && q.op != CUIP_OP_STORE_STAGED && q.op != CUIP_OP_FETCH_STAGED) {
+        close(fd); /* no other op takes one */
+        fd = -1;
+    }
     memset(text, 0, sizeof text);
     /* Only EXPORT (the fetcher's id) and LOAD_ALLOCATIONS (the GPU mapping)
      * carry text; validate() refuses any other length, so nothing more is
@@ -688,7 +704,7 @@ static void *conn_main(void *arg)
     if (!r)
         goto out;
     reply_init(r, q.op);
-    handle(&q, text, cr.pid, r);
+    handle(&q, text, fd, cr.pid, r);
     pthread_mutex_lock(&g.lock);
     r->h.phase = g.phase;
     pthread_mutex_unlock(&g.lock);
@@ -699,6 +715,8 @@ static void *conn_main(void *arg)
     if (reply_send(s, r, deadline) != 0)
         shim_log(LOG_DEBUG, "reply to %s not delivered: %s", op_name(q.op), strerror(errno));
 out:
+    if (fd >= 0)
+        close(fd);
     if (r) {
         if (r->fd >= 0)
             close(r->fd);

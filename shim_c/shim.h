@@ -104,6 +104,7 @@ SHIM_HIDDEN bool shim_ct_equal(const void *a, const void *b, size_t len);
 /* ---------------------------------------------------------------- settings.c */
 /* What the environment asks for (every variable is read there, checked:
  * a bad value is named in a warning and the default is used). */
+#define STAGING_DEPTH_MAX 8u
 struct shim_settings {
     int log_level;              /* SNAPSHOT_SHIM_DEBUG: LOG_DEBUG, else LOG_WARN */
     long io_timeout_ms;         /* one control connection's read or write */
@@ -127,6 +128,21 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_STAGING_PREFAULT: fault a SAVE chunk's staging memory in
      * before the bounce copies (default off: the memcpy faults it). */
     bool staging_prefault;
+    /* SNAPSHOT_SHIM_STAGING_DEPTH: pieces per bounce buffer (copies in flight
+     * per thread + 1), 2..STAGING_DEPTH_MAX. */
+    unsigned staging_depth;
+    /* SNAPSHOT_SHIM_STAGING_POPULATE_THREADS: SAVE threads that fault fresh
+     * staging memory in ahead of the copies (0: the memcpy faults it). */
+    unsigned staging_ahead;
+    /* SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD: chunks per copy thread, about. */
+    unsigned staging_spread;
+    /* SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP (default on): the bounce buffers stay
+     * pinned from one cycle to the next; off, LOAD frees them. */
+    bool staging_bounce_keep;
+    /* SNAPSHOT_SHIM_STAGING_BOUNCE_PIN=register: bounce buffers are mappings of
+     * the shim's, populated then cuMemHostRegister'd; alloc (default):
+     * cuMemHostAlloc'd. */
+    bool staging_bounce_register;
     char control_dir[4096];     /* as given (the default when unset); checked at start */
     /* SNAPSHOT_PARTICIPANT_ID as given, cut after one character too many so
      * that a long value still fails the length check; empty when unset. */
@@ -510,6 +526,9 @@ struct obj {
     struct mc_binding *binds;
     uint32_t nbinds, capbinds;
     size_t host_len;              /* bytes mapped at `host` (staging_len(size)) */
+    /* STORE_STAGED wrote the staged copy to the coordinator's file and freed
+     * `host`; FETCH_STAGED reads it back (stored.c). */
+    bool stored;
     /* Memory the shim owns for the application (owned.c): a cuMemAlloc
      * allocation the shim backs with this object (its creator), or the
      * ranges this process opened by cuIpcOpenMemHandle (an importer). NULL
@@ -791,6 +810,13 @@ struct staging;
  * 2 MiB aligned, advised MADV_HUGEPAGE unless SNAPSHOT_SHIM_STAGING_THP=0;
  * NULL and msg on failure. Slices of it are unmapped by their owners. */
 SHIM_HIDDEN void *staging_alloc(size_t len, char *msg, size_t n);
+/* Free the bounce buffers (SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0, after a
+ * LOAD), `ctx` current: nothing pinned while the application runs, and the
+ * next SAVE pins them again. */
+SHIM_HIDDEN void staging_free_bounces(CUcontext ctx);
+/* Zero the resident bounce buffers: the last bytes copied through them must
+ * not reach a process image once the staged copies went to a file. */
+SHIM_HIDDEN void staging_scrub_bounces(void);
 /* Bytes of staging memory one allocation of `size` bytes takes. */
 SHIM_HIDDEN size_t staging_len(size_t size);
 /* Start the pool for a phase moving `total` bytes of at most `items`
@@ -818,6 +844,14 @@ SHIM_HIDDEN phase_work_fn content_load;
 SHIM_HIDDEN phase_work_fn content_reload;
 /* Free every staged host copy. */
 SHIM_HIDDEN void content_free_staged(void);
+/* Unmap the resident staging mapping (SNAPSHOT_SHIM_STAGING_RESIDENT_MIB)
+ * when no staged copy lies in it: its pages must not reach a process image. */
+SHIM_HIDDEN void content_drop_resident(void);
+
+/* ---------------------------------------------------------------- stored.c */
+/* STORE_STAGED / FETCH_STAGED with the request's descriptor `fd` (-1: none
+ * came): the staged copies to and from the coordinator's file. */
+SHIM_HIDDEN void stored_serve(uint16_t op, int fd, struct reply *r);
 
 /* ---------------------------------------------------------------- quiesce.c */
 /* QUIESCE: the gate closed in two steps until every context of this process

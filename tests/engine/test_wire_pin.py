@@ -121,6 +121,9 @@ def python_constants() -> dict[str, int | str]:
         "CUIP_ASK_DRIVER": wire.ASK_DRIVER,
         "CUIP_ASK_DEVICES": wire.ASK_DEVICES,
         "CUIP_EXPORT_WITHDRAW": wire.EXPORT_WITHDRAW,
+        "CUIP_STORED_MAGIC": wire.STORED_MAGIC,
+        "CUIP_STORED_VERSION": wire.STORED_VERSION,
+        "CUIP_STORED_ALIGN": wire.STORED_ALIGN,
         "CUIP_EVERY_PHASE": phase_set(EVERY_PHASE),
         **CONTRACT_ONLY,
     }
@@ -528,6 +531,8 @@ def struct_items(layout: CLayout, struct_name: str) -> list[int]:
         ("cuip_header", wire.HEADER_STRUCT),
         ("cuip_access", wire.ACCESS_STRUCT),
         ("cuip_record", wire.RECORD_STRUCT),
+        ("cuip_stored_header", wire.STORED_HEADER_STRUCT),
+        ("cuip_stored_entry", wire.STORED_ENTRY_STRUCT),
     ],
 )
 def test_struct_formats_follow_the_c_declarations(
@@ -543,6 +548,8 @@ def test_struct_formats_follow_the_c_declarations(
         ("cuip_header", wire.HEADER_STRUCT),
         ("cuip_access", wire.ACCESS_STRUCT),
         ("cuip_record", wire.RECORD_STRUCT),
+        ("cuip_stored_header", wire.STORED_HEADER_STRUCT),
+        ("cuip_stored_entry", wire.STORED_ENTRY_STRUCT),
     ],
 )
 def test_every_field_offset_and_size_matches(
@@ -560,7 +567,10 @@ def test_sizes_are_the_documented_ones(c_layout: CLayout) -> None:
         "cuip_record": wire.RECORD_SIZE,
         "cuip_capability": 128,
         "cuip_ipc_handle": 64,
+        "cuip_stored_header": wire.STORED_HEADER_STRUCT.size,
+        "cuip_stored_entry": wire.STORED_ENTRY_STRUCT.size,
     }
+    assert (wire.STORED_HEADER_STRUCT.size, wire.STORED_ENTRY_STRUCT.size) == (64, 32)
     assert Record.SIZE == wire.RECORD_SIZE == 288
     assert wire.HEADER_SIZE == 128
 

@@ -1,0 +1,34 @@
+"""The job commands' store client is an extra (``multinode``): without it everything else
+imports and runs, and ``cuinterpose job`` says what to install."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+# etcd3gw made unimportable, as in an installation without the extra.
+WITHOUT_EXTRA = "import sys; sys.modules['etcd3gw'] = None\n"
+
+
+def run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_EXTRA + code], capture_output=True, text=True, check=False
+    )
+
+
+def test_the_engine_and_the_cli_import_without_the_extra() -> None:
+    done = run(
+        "import cuinterpose.engine, cuinterpose.engine.agent, cuinterpose.cli\n"
+        "cuinterpose.cli.build_parser()\n"
+        "assert not any(m.startswith('etcd3gw') and sys.modules[m] for m in sys.modules)\n"
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_job_verbs_say_which_extra_they_need() -> None:
+    done = run(
+        "from cuinterpose.cli import main\n"
+        "raise SystemExit(main(['job', 'status', '--job', 'j', '--store', 'http://h:1']))\n"
+    )
+    assert done.returncode == 1, done.stderr
+    assert "pip install 'cuinterpose[multinode]'" in done.stderr, done.stderr
