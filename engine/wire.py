@@ -33,6 +33,8 @@ CONTROL_DIR_MAX: Final = 60
 ASK_DRIVER: Final = 1
 # STATUS: which GPUs the shim's process uses (the reply's message, GpuLine per line).
 ASK_DEVICES: Final = 2
+# An EXPORT request's stat_count withdrawing a fetch whose open failed.
+EXPORT_WITHDRAW: Final = 1
 
 # The stored file of STORE_STAGED / FETCH_STAGED (protocol.h, specs/protocol.md): a
 # header, one entry per allocation, then the bytes, each allocation at an offset rounded
@@ -430,12 +432,18 @@ class Stats:
 # and cuip_status_* accessors; tests/engine/test_wire_pin.py pins both to the bytes):
 # QUIESCE request: deadline_ns in elapsed_ns, round in count; QUIESCE reply: the
 # threads held at the gate in count; STATUS request: what it asks in count; STATUS
-# reply: InFlight's fields.
+# reply: InFlight's fields; EXPORT request: the size the importer was handed in bytes,
+# WITHDRAW (its open failed after the fetch: forget the FETCH record) in count.
 
 
 def quiesce_request_stats(deadline_ns: int, round_: bool) -> Stats:
     """A QUIESCE request's stat fields: its deadline and its round flag."""
     return Stats(count=int(round_), elapsed_ns=deadline_ns)
+
+
+def export_request_stats(size: int, withdraw: bool) -> Stats:
+    """An EXPORT request's stat fields: the size handed out, and the withdraw flag."""
+    return Stats(count=EXPORT_WITHDRAW if withdraw else 0, bytes=size)
 
 
 def status_request_stats(ask_driver: bool, ask_devices: bool = False) -> Stats:
@@ -601,6 +609,11 @@ class Request:
     # LOAD_ALLOCATIONS only: the native restore's GPU mapping, "GPU-old=GPU-new,..." (sent
     # as the request's text; the shim checks every GPU it used is the one named now).
     gpu_map: str = ""
+    # EXPORT only: the size the importer was handed (the creator serves nothing else),
+    # and whether this withdraws a fetch whose open failed (carried in stat_bytes and
+    # stat_count).
+    export_size: int = 0
+    withdraw: bool = False
     # STORE_STAGED and FETCH_STAGED only (and always): the open file the request hands
     # the shim, sent with the header as SCM_RIGHTS; not part of the encoded bytes.
     fd: int | None = attrs.field(default=None, eq=False)
@@ -616,6 +629,8 @@ class Request:
             self.resource_id != ZERO_ID
             or self.resource_kind is not ResourceKind.NONE
             or self.fetcher
+            or self.export_size
+            or self.withdraw
         ):
             raise WireError(f"{self.op.name} request carries EXPORT-only fields")
         if self.op in (Op.HANDSHAKE, Op.RELEASE) and self.participant:
@@ -644,6 +659,8 @@ class Request:
             stats = quiesce_request_stats(self.deadline_ns, self.round)
         elif self.op is Op.STATUS:
             stats = status_request_stats(self.ask_driver, self.ask_devices)
+        elif exporting:
+            stats = export_request_stats(self.export_size, self.withdraw)
         else:
             stats = _NO_STATS
         # What Header(op, participant, ids, kind, stats).encode() packs, without
@@ -784,12 +801,15 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
     deadline = quiesce_deadline_ns(stats) if op is Op.QUIESCE else 0
     round_flag = quiesce_round(stats) if op is Op.QUIESCE else 0
     ask = status_ask(stats) if op is Op.STATUS else 0
-    if round_flag > 1 or ask > ASK_DEVICES:
+    withdraw = stats.count if op is Op.EXPORT else 0
+    if round_flag > 1 or ask > ASK_DEVICES or withdraw > EXPORT_WITHDRAW:
         raise WireError(f"{op.name} request has stats set")
     if op is Op.QUIESCE:
         allowed = quiesce_request_stats(deadline, bool(round_flag))
     elif op is Op.STATUS:
         allowed = status_request_stats(ask == ASK_DRIVER, ask == ASK_DEVICES)
+    elif op is Op.EXPORT:
+        allowed = export_request_stats(stats.bytes, bool(withdraw))
     else:
         allowed = _NO_STATS
     if stats != allowed:
@@ -813,6 +833,8 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         ask_driver=ask == ASK_DRIVER,
         ask_devices=ask == ASK_DEVICES,
         gpu_map=_gpu_map_text(text) if op is Op.LOAD_ALLOCATIONS else "",
+        export_size=stats.bytes if op is Op.EXPORT else 0,
+        withdraw=bool(withdraw),
     )
     request.encode()  # the same field rules as for sending
     return request, header

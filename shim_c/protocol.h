@@ -262,7 +262,7 @@ struct cuip_header {
     uint16_t phase;                          /* reply: enum cuip_phase after the op */
     uint16_t flags;                          /* reply: CUIP_REPLY_ bits; 0 in requests */
     /* The stat fields: a transfer's statistics (SAVE/LOAD/ROLLBACK_ALLOCATIONS,
-     * INSPECT), or what the op names below make of them (QUIESCE, STATUS). */
+     * INSPECT), or what the op names below make of them (QUIESCE, EXPORT, STATUS). */
     uint64_t stat_count;                     /* allocations moved */
     uint64_t stat_bytes;                     /* bytes moved */
     uint64_t stat_elapsed_ns;                /* time inside the shim for the whole op */
@@ -309,7 +309,33 @@ static inline void cuip_set_quiesce_held(struct cuip_header *h, uint64_t threads
     h->stat_count = threads;
 }
 
-/* STATUS request: CUIP_ASK_DRIVER to ask for the driver's path, else 0. */
+/* EXPORT request: the size of what the importer was handed (a capability's
+ * size, a legacy IPC handle's range): the creator serves only what it
+ * handed out, and refuses any other size before recording the fetch. */
+static inline uint64_t cuip_export_size(const struct cuip_header *h)
+{
+    return h->stat_bytes;
+}
+static inline void cuip_set_export_size(struct cuip_header *h, uint64_t size)
+{
+    h->stat_bytes = size;
+}
+
+/* EXPORT request: CUIP_EXPORT_WITHDRAW when the importer's open failed after
+ * its fetch: the creator forgets that fetch (the FETCH record of this
+ * participant and pid) and answers without a file descriptor; else 0. */
+#define CUIP_EXPORT_WITHDRAW 1u
+static inline uint64_t cuip_export_withdraw(const struct cuip_header *h)
+{
+    return h->stat_count;
+}
+static inline void cuip_set_export_withdraw(struct cuip_header *h, uint64_t withdraw)
+{
+    h->stat_count = withdraw;
+}
+
+/* STATUS request: CUIP_ASK_DRIVER (the driver's path) or CUIP_ASK_DEVICES
+ * (the GPUs used), else 0. */
 static inline uint64_t cuip_status_ask(const struct cuip_header *h)
 {
     return h->stat_count;

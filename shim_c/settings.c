@@ -40,8 +40,11 @@
  *  - SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP: 1 (the bounce buffers stay pinned
  *    between cycles: threads x BOUNCE_MIB, 128 MiB at 16 threads; 0: LOAD
  *    frees them, and every SAVE pins them again).
- *  - SNAPSHOT_SHIM_OWN_ALLOCATIONS: 1 (cuMemAlloc memory is backed by VMM
- *    allocations the shim owns and shares: owned.c, ipc.c).
+ *  - SNAPSHOT_SHIM_OWN_ALLOCATIONS: 1 (cuMemAlloc memory of at least the
+ *    granularity is backed by VMM allocations the shim owns and shares:
+ *    owned.c, ipc.c).
+ *  - SNAPSHOT_SHIM_OWN_SMALL: 0 (1: smaller requests too, each in a
+ *    granularity of its own: 2 MiB of device memory per cudaMalloc).
  */
 #include "shim.h"
 
@@ -75,6 +78,7 @@
 #define QUIESCE_TIMEOUT_ENV "SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S"
 #define GATE_ENV "SNAPSHOT_SHIM_GATE"
 #define OWN_ENV "SNAPSHOT_SHIM_OWN_ALLOCATIONS"
+#define OWN_SMALL_ENV "SNAPSHOT_SHIM_OWN_SMALL"
 /* CUIP_CONTROL_DIR_ENV and CUIP_PARTICIPANT_ENV are in protocol.h: the
  * coordinator sets them too. */
 
@@ -239,6 +243,7 @@ static void settings_load(void)
         shim_log(LOG_WARN, "%s=0: the gate never closes; QUIESCE only drains the device once, "
                  "and a capture under running work can lose updates or fault", GATE_ENV);
     s->own_allocations = env_bool(OWN_ENV, true);
+    s->own_small = env_bool(OWN_SMALL_ENV, false);
     /* Unset, or a bad value (named in the warning): the usual trust. */
     s->trust_uid = (long)env_count(TRUST_UID_ENV, 0, UID_MAX_TRUSTED, UID_MAX_TRUSTED + 1,
                                    "a uid");

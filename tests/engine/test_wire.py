@@ -107,6 +107,8 @@ EXPORT_REQUESTS = st.builds(
     authorization=IDS,
     resource_kind=st.sampled_from(ResourceKind),
     fetcher=PARTICIPANTS,
+    export_size=st.integers(0, 2**64 - 1),
+    withdraw=st.booleans(),
 )
 REQUESTS = (
     st.just(Request(Op.HANDSHAKE))

@@ -72,7 +72,9 @@ def group(
     root_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     size = 2 * int(observer.check("granularity")["granularity"])
     with subreaper():
-        tree = Tree(["creator", "importer"], shim_env, tmp_path, root_env=root_env)
+        # SMALL owned too: share_legacy shares it by legacy IPC.
+        env = {**shim_env, **legacy.OWN_SMALL}
+        tree = Tree(["creator", "importer"], env, tmp_path, root_env=root_env)
         try:
             tree.wait_ready()
             yield TreeGroup(tree, size)
