@@ -16,8 +16,13 @@ control directory, emptied first as on a new node: criu restore -d, then native
 restore and unlock and the coordinator restore), then checks every byte in both
 processes, a write of the importer (consumer) reaching the creator (producer) and a
 new share. Reports each step's seconds, the images' size (all, and memory pages)
-against the GPU bytes and the bytes staged. ``--out`` writes it all as JSON. Exit
-status 0 only when every scenario verified. GB is 10^9 bytes.
+against the GPU bytes and the bytes staged, and the staged files beside the images
+(``staged-*.bin`` of the checkpoint directory: by default the shims store the staged
+bytes there before ``criu dump``). ``--mode in-images`` runs the dump with
+``--bytes-in-images`` instead (the bytes go through the images), ``--mode both`` each
+scenario both ways, one after the other (``NAME`` and ``NAME-in-images``). ``--out``
+writes it all as JSON. Exit status 0 only when every scenario verified. GB is 10^9
+bytes.
 
 CRIU: ``--criu``, else ``$CUINTERPOSE_CRIU``, else ``criu`` on PATH; it must pass
 ``criu check`` (root). On a machine without one: tools/bundle_criu.sh.
@@ -41,7 +46,7 @@ from typing import Any
 import attrs
 from cuinterpose import launch
 from cuinterpose.demo import pattern_digest
-from cuinterpose.engine import agent, criu
+from cuinterpose.engine import agent, criu, stored
 from cuinterpose.engine.images import IDENTITY_FILE_NAME
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,6 +95,7 @@ class Setup:
     criu_path: Path
     log: Callable[[str], None]
     logs: Path | None  # where CRIU's own logs are copied (a failure's diagnosis)
+    beside: bool = True  # the staged bytes in files beside the images (else in them)
 
 
 def images_trusted(ckpt: Path, images: Path) -> bool:
@@ -113,20 +119,34 @@ def round_trip(tree: Tree, s: Setup) -> dict[str, Any]:
     common = ["--checkpoint-dir", str(ckpt), "--images-dir", str(images)]
     common += ["--control-dir", str(s.control), "--criu", str(s.criu_path)]
     procs = [w for p in tree.pids() for w in ("--process", str(p), str(p))]
+    mode = [] if s.beside else ["--bytes-in-images"]
     try:
-        dump = cli(["criu", "dump", *common, "--tree", str(tree.root_pid), *procs], s.plain, s.log)
+        dump = cli(
+            ["criu", "dump", *common, "--tree", str(tree.root_pid), *mode, *procs], s.plain, s.log
+        )
+        files = [f.stat().st_size for f in stored.stored_files(ckpt)]
         tree.reap()
         trusted = images_trusted(ckpt, images)
         shutil.rmtree(s.control)  # as on another node: the restore makes it again
         restore = cli(["criu", "restore", *common], s.plain, s.log)
         images_now = criu.image_size(images).to_json()
+        for f in stored.stored_files(ckpt):
+            f.unlink()  # they can be large too
     finally:
         if s.logs is not None:
             for name in (criu.DUMP_LOG, criu.RESTORE_LOG):
                 if (images / name).is_file():
                     shutil.copy(images / name, s.logs / f"{s.work.name}-{name}")
         shutil.rmtree(images, ignore_errors=True)  # they can be large; the size is recorded
-    return {"dump": dump, "restore": restore, "images": images_now, "images_trusted": trusted}
+    return {
+        "dump": dump,
+        "restore": restore,
+        "images": images_now,
+        "images_trusted": trusted,
+        "bytes_beside": s.beside,
+        "stored_files": len(files),
+        "stored_bytes": sum(files),
+    }
 
 
 def scenario_group(s: Setup) -> dict[str, Any]:
@@ -214,11 +234,21 @@ def report(name: str, r: dict[str, Any]) -> tuple[list[str], bool]:
     staged = r["dump"]["steps"].get("capture", {}).get("bytes", 0)
     dump, restore = r["dump"]["steps"], r["restore"]["steps"]
     ok = all(r["verified"].values())
+    kept = images["total_bytes"] + r.get("stored_bytes", 0)
+    io = ""
+    if "store_staged" in dump and "fetch_staged" in restore:
+        put, got = dump["store_staged"], restore["fetch_staged"]
+        io = (
+            f"; store {put['seconds']:.3f} s ({put['bytes'] / max(put['seconds'], 1e-9) / 1e9:.2f}"
+            f" GB/s), fetch {got['seconds']:.3f} s "
+            f"({got['bytes'] / max(got['seconds'], 1e-9) / 1e9:.2f} GB/s)"
+        )
     lines = [
         f"{name}: GPU {r['gpu_bytes'] / 2**20:.0f} MiB (shared {r['shared_bytes'] / 2**20:.0f}"
         f" MiB), staged {staged / 2**20:.0f} MiB; images {images['total_bytes'] / 2**20:.0f} "
-        f"MiB (pages {images['pages_bytes'] / 2**20:.0f} MiB, "
-        f"{images['total_bytes'] / r['gpu_bytes']:.2f} x the GPU bytes)",
+        f"MiB (pages {images['pages_bytes'] / 2**20:.0f} MiB), files beside "
+        f"{r.get('stored_bytes', 0) / 2**20:.0f} MiB in {r.get('stored_files', 0)}; images + "
+        f"files {kept / r['gpu_bytes']:.2f} x the GPU bytes{io}",
         f"  criu dump {dump['criu_dump']['seconds']:.3f} s "
         f"({images['total_bytes'] / dump['criu_dump']['seconds'] / 1e9:.2f} GB/s); "
         f"whole dump verb {r['dump']['seconds']:.3f} s",
@@ -238,7 +268,14 @@ def main() -> int:
     parser.add_argument("--work", type=Path, help="where images go (default: a temp dir)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--logs", type=Path, help="copy CRIU's dump and restore logs here")
+    parser.add_argument(
+        "--mode",
+        choices=("beside", "in-images", "both"),
+        default="beside",
+        help="where the staged bytes go at the dump (default: files beside the images)",
+    )
     args = parser.parse_args()
+    modes = {"beside": [True], "in-images": [False], "both": [True, False]}[args.mode]
     if args.logs is not None:
         args.logs.mkdir(parents=True, exist_ok=True)
     found = criu.usable_criu(args.criu)
@@ -254,7 +291,9 @@ def main() -> int:
         base["CUINTERPOSE_SIM_NAMESPACE"] = f"criu-bench-{os.getpid()}"
     try:
         with subreaper():
-            for name in args.scenario or ["group"]:
+            runs = [(n, b) for n in args.scenario or ["group"] for b in modes]
+            for scenario, beside in runs:
+                name = scenario if beside else f"{scenario}-in-images"
                 here = work / name
                 here.mkdir()
                 control = launch.ensure_control_dir(Path(tempfile.mkdtemp(prefix="cip-")) / "c")
@@ -273,8 +312,9 @@ def main() -> int:
                         found.path,
                         log,
                         args.logs,
+                        beside,
                     )
-                    result = SCENARIOS[name](setup)
+                    result = SCENARIOS[scenario](setup)
                 except Exception as exc:  # one scenario's failure is recorded, the next runs
                     out[name] = {"error": f"{type(exc).__name__}: {exc}"}
                     log(f"{name}: FAILED: {exc}")

@@ -1,14 +1,17 @@
 """What owning cudaMalloc memory costs: cuMemAlloc/cuMemFree per call, and memory.
 
-Three processes of the same program, on a real GPU (``--driver system``, the default) or
-the simulated driver (``--driver sim``): the driver alone (no shim), the shim with
-ownership off (``SNAPSHOT_SHIM_OWN_ALLOCATIONS=0``: what the shim's interception alone
-costs) and the shim owning the memory. Each allocates ``count`` blocks of each size
-from 512 B to 1 GiB, then frees them, and reports the mean ns per call of each, and the
-device memory the driver reports used (``cuMemGetInfo``) for many small blocks against
-the bytes asked for. With ``--torch``, a PyTorch job with its default allocator
-(tests/gpu/torch_ipc_job.py ``single``) under the shim with and without ownership, and
-the GPU memory nvidia-smi reports used by it.
+Four processes of the same program, on a real GPU (``--driver system``, the default) or
+the simulated driver (``--driver sim``, which does not pack small blocks as the driver
+does: its memory figures are 2 MiB a block in every mode): the driver alone (no shim),
+the shim with ownership off (``SNAPSHOT_SHIM_OWN_ALLOCATIONS=0``: what the shim's
+interception alone costs), the shim owning the memory (the default: requests of at least
+the granularity) and owning small requests too (``SNAPSHOT_SHIM_OWN_SMALL=1``: a
+granularity each). Each allocates ``count`` blocks of each size from 512 B to 1 GiB,
+then frees them, and reports the mean ns per call of each, and the device memory the
+driver reports used (``cuMemGetInfo``) for many small blocks against the bytes asked
+for, and for a CuPy-like job's small arrays. With ``--torch``, a PyTorch job with its
+default allocator (tests/gpu/torch_ipc_job.py ``single``) under the shim with and without
+ownership, and the GPU memory nvidia-smi reports used by it.
 
     python3 bench/owned_alloc.py [--driver sim] [--torch] [--out FILE]
 """
@@ -26,7 +29,11 @@ from pathlib import Path
 from typing import Any
 
 SIZES = [512, 4 << 10, 64 << 10, 1 << 20, 2 << 20, 16 << 20, 256 << 20, 1 << 30]
-SMALL_BLOCKS = [(512, 20000), (64 << 10, 2000), (1 << 20, 200)]
+SMALL_BLOCKS = [(512, 20000), (64 << 10, 2000), (1 << 20, 200), ((2 << 20) + (64 << 10), 100)]
+# A CuPy-like job: its memory pool asks cudaMalloc for each small array's size rounded
+# to 512 B (no arena), here 1000 arrays cycling through these sizes.
+CUPY_LIKE = [512, 4 << 10, 32 << 10, 256 << 10]
+CUPY_COUNT = 1000
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -93,6 +100,23 @@ def worker(cap: int) -> None:
                 "overhead": grown / (size * n) - 1,
             }
         )
+    n = min(CUPY_COUNT, cap) if cap else CUPY_COUNT
+    sizes = [CUPY_LIKE[k % len(CUPY_LIKE)] for k in range(n)]
+    before = used()
+    ptrs = []
+    for size in sizes:
+        ok(alloc(ctypes.byref(ptr), ctypes.c_size_t(size)), "cuMemAlloc")
+        ptrs.append(ptr.value)
+    grown = used() - before
+    for p in ptrs:
+        ok(free(p), "cuMemFree")
+    asked = sum(sizes)
+    out["cupy_like"] = {
+        "count": n,
+        "asked": asked,
+        "used": grown,
+        "overhead": grown / asked - 1,
+    }
     print(json.dumps(out), flush=True)
 
 
@@ -170,6 +194,11 @@ def main() -> int:
         "driver": plain,
         "shim_not_owned": {**shim, "SNAPSHOT_SHIM_OWN_ALLOCATIONS": "0"},
         "shim_owned": {**shim, "SNAPSHOT_SHIM_OWN_ALLOCATIONS": "1"},
+        "shim_owned_small": {
+            **shim,
+            "SNAPSHOT_SHIM_OWN_ALLOCATIONS": "1",
+            "SNAPSHOT_SHIM_OWN_SMALL": "1",
+        },
     }
     result: dict[str, Any] = {"driver": args.driver, "modes": {}}
     for name, env in modes.items():
@@ -185,6 +214,11 @@ def main() -> int:
                 f"{m}: {b['count']} x {b['size']} B asked {b['asked']} used {b['used']} "
                 f"(overhead {b['overhead']:+.2%})"
             )
+        c = result["modes"][m]["cupy_like"]
+        print(
+            f"{m}: CuPy-like {c['count']} arrays asked {c['asked']} used {c['used']} "
+            f"(overhead {c['overhead']:+.2%})"
+        )
     if args.torch:
         torch_env = {k: v for k, v in shim.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
         result["torch"] = {

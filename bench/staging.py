@@ -130,8 +130,16 @@ def _timing_lines(text: str) -> list[dict[str, Any]]:
 
 
 class Bench:
-    def __init__(self, driver: str, work: Path, log: Callable[[str], None], repeat: int):
+    def __init__(
+        self,
+        driver: str,
+        work: Path,
+        log: Callable[[str], None],
+        repeat: int,
+        native_repeat: int | None = None,
+    ):
         self.driver, self.work, self.log, self.repeat = driver, work, log, repeat
+        self.native_repeat = repeat if native_repeat is None else native_repeat
         self.control = launch.ensure_control_dir(work / "control")
         base = coordinator_env()
         if driver == "sim":
@@ -228,10 +236,16 @@ class Bench:
             "chunk": saves[0]["chunk"],
             "thp": saves[0]["thp"],
             "bounce": saves[0]["bounce"],
+            "depth": saves[0].get("depth"),
+            "populate_threads": saves[0].get("populate_threads"),
+            "chunks_per_thread": saves[0].get("chunks_per_thread"),
             "resident": [bool(t["resident"]) for t in saves],
         }
         for label, ops in (("save", saves), ("load", loads)):
+            warm = ops[1:] or ops  # the first op of the process on its own
             out[label] = {
+                "cold_gbps": _gbps(total, float(ops[0]["elapsed_s"])),
+                "warm_gbps": _stats([_gbps(total, float(t["elapsed_s"])) for t in warm]),
                 "elapsed_s": per(ops, "elapsed_s"),
                 "gbps": _stats([_gbps(total, float(t["elapsed_s"])) for t in ops]),
                 "copy_gbps": _stats([_gbps(total, float(t["copy_wall_s"])) for t in ops]),
@@ -304,17 +318,19 @@ class Bench:
             self.log(f"  variant {vname}: {extra or 'defaults'}")
             groups[vname] = self.group(f"{name}-{vname}", count, size, extra)
 
-        alone = self.spawn(f"native-{name}", self.plain)
-        self.setup(alone, count, size, unshared=True)
         nat: list[dict[str, Any]] = []
-        for i in range(self.repeat):
-            tag = f"native-{name}-{i}"
-            sus = self.cli("suspend", alone.pid, tag, "--not-requested")
-            res = self.cli("resume", alone.pid, tag)
-            nat.append({"suspend": _command(sus), "resume": _command(res)})
-        alone.send("result = CHECK()")
-        native_ok = alone.reply(timeout_s=1800) == 0
-        alone.close()
+        native_ok = True  # --native-repeat 0: not run (its figures are NaN)
+        if self.native_repeat:
+            alone = self.spawn(f"native-{name}", self.plain)
+            self.setup(alone, count, size, unshared=True)
+            for i in range(self.native_repeat):
+                tag = f"native-{name}-{i}"
+                sus = self.cli("suspend", alone.pid, tag, "--not-requested")
+                res = self.cli("resume", alone.pid, tag)
+                nat.append({"suspend": _command(sus), "resume": _command(res)})
+            alone.send("result = CHECK()")
+            native_ok = alone.reply(timeout_s=1800) == 0
+            alone.close()
         first = next(iter(groups.values()))
         return {
             "allocations": count,
@@ -326,6 +342,21 @@ class Bench:
             "native_repetitions": nat,
             "variants": groups,
         }
+
+
+def floor(gib: float, sim: bool, log: Callable[[str], None]) -> dict[str, Any] | None:
+    """bench/floor.py in a process of its own (medians of 3), before any workload."""
+    if gib <= 0:
+        return None
+    argv = [sys.executable, str(Path(__file__).with_name("floor.py")), "--gib", str(gib)]
+    argv += ["--repeat", "3"] + (["--no-gpu"] if sim else [])
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+    for line in proc.stderr.splitlines():
+        log(line)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench/floor.py failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
 
 
 STEPS = {
@@ -378,6 +409,14 @@ def _m(s: dict[str, float], fmt: str = "{:.3f}") -> str:
     return (fmt + " [" + fmt + ", " + fmt + "]").format(s["median"], s["min"], s["max"])
 
 
+def save_reference(dtoh: float, floor: dict[str, Any] | None) -> tuple[float, str]:
+    """What SAVE is held against: min(DtoH ceiling, the host's best floor), and which."""
+    best = float(floor["best"]["gbps"]) if floor else float("nan")
+    if best == best and best < dtoh:
+        return best, f"the host's floor ({floor['best']['case'] if floor else ''})"
+    return dtoh, "the DtoH ceiling"
+
+
 def report(result: dict[str, Any], out: Callable[[str], None]) -> None:
     ceil = result["ceiling"]
     dtoh, htod = ceil["dtoh_gbps"]["median"], ceil["htod_gbps"]["median"]
@@ -386,21 +425,28 @@ def report(result: dict[str, Any], out: Callable[[str], None]) -> None:
         f"ceiling (pinned, {ceil['bytes'] >> 20} MiB): DtoH {_m(ceil['dtoh_gbps'], '{:.1f}')} GB/s,"
         f" HtoD {_m(ceil['htod_gbps'], '{:.1f}')} GB/s"
     )
+    fl = result.get("floor")
+    if fl:
+        cases = ", ".join(f"{k} {v:.1f}" for k, v in fl.items() if isinstance(v, float) and v == v)
+        out(f"floor (GB/s, fresh memory, {fl['bytes'] >> 20} MiB per case): {cases}")
+    ref, limit = save_reference(dtoh, fl)
+    out(f"SAVE is held against {ref:.1f} GB/s: {limit} limits")
     for name, wl in result["workloads"].items():
         out(f"== {name}: {wl['bytes'] / GIB:.2f} GiB; native verified {wl['native_verified']}")
         for vname, w in wl["variants"].items():
-            _report_group(f"{name} {vname}", w, wl["native_alone"], dtoh, htod, out)
+            _report_group(f"{name} {vname}", w, wl["native_alone"], (dtoh, ref), htod, out)
 
 
 def _report_group(
     title: str,
     w: dict[str, Any],
     native: dict[str, Any],
-    dtoh: float,
+    save_refs: tuple[float, float],
     htod: float,
     out: Callable[[str], None],
 ) -> None:
     s, ld = w["save"], w["load"]
+    dtoh, ref = save_refs
     extra = " ".join(f"{k}={v}" for k, v in w["settings"].items()) or "defaults"
     out(
         f"-- {title} ({extra}): {w['threads']} threads, chunk {w['chunk'] >> 20} MiB, thp "
@@ -408,12 +454,20 @@ def _report_group(
         f"{w['resident']}, verified {w['verified']}"
     )
     out(
-        f"  SAVE {_m(s['gbps'], '{:.1f}')} GB/s ({s['gbps']['median'] / dtoh:.2f} of DtoH),"
-        f" copy {_m(s['copy_gbps'], '{:.1f}')} GB/s, {s['chunks']} chunks"
+        f"  depth {w.get('depth')}, populate threads {w.get('populate_threads')}, chunks per "
+        f"thread {w.get('chunks_per_thread')}"
+    )
+    sw, lw = s["warm_gbps"]["median"], ld["warm_gbps"]["median"]
+    out(
+        f"  SAVE warm {_m(s['warm_gbps'], '{:.1f}')} GB/s ({sw / dtoh:.2f} of DtoH, "
+        f"{sw / ref:.2f} of min(ceiling, floor)); cold {s['cold_gbps']:.1f} "
+        f"({s['cold_gbps'] / dtoh:.2f} of DtoH); copy {_m(s['copy_gbps'], '{:.1f}')} GB/s, "
+        f"{s['chunks']} chunks"
     )
     out(
-        f"  LOAD {_m(ld['gbps'], '{:.1f}')} GB/s ({ld['gbps']['median'] / htod:.2f} of HtoD),"
-        f" copy {_m(ld['copy_gbps'], '{:.1f}')} GB/s, {ld['chunks']} chunks"
+        f"  LOAD warm {_m(ld['warm_gbps'], '{:.1f}')} GB/s ({lw / htod:.2f} of HtoD); cold "
+        f"{ld['cold_gbps']:.1f} ({ld['cold_gbps'] / htod:.2f}); copy "
+        f"{_m(ld['copy_gbps'], '{:.1f}')} GB/s, {ld['chunks']} chunks"
     )
     for label, op in (("SAVE", s), ("LOAD", ld)):
         b, t = op["breakdown_s"], op["thread_s"]
@@ -462,7 +516,13 @@ def _report_group(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sim", action="store_true", help="simulated driver, small sizes")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--repeat", type=int, default=4, help="the first (cold) run apart, medians of the rest"
+    )
+    parser.add_argument("--native-repeat", type=int, help="runs of the native path alone (0: none)")
+    parser.add_argument(
+        "--floor-gib", type=float, help="the floor's size per case (default 4, sim 0.125; 0: none)"
+    )
     parser.add_argument("--only", action="append", help="run only these workloads")
     parser.add_argument("--ceiling-mib", type=int, default=0, help="default 1024 (sim: 32)")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
@@ -498,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[bench] {text}", file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="cip-staging-") as tmp:
-        bench = Bench(driver, Path(tmp), log, args.repeat)
+        bench = Bench(driver, Path(tmp), log, args.repeat, args.native_repeat)
         try:
             probe = bench.spawn("device", bench.plain)
             dev = probe.check("device")
@@ -510,6 +570,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "repeat": args.repeat,
                 "cpus": os.cpu_count(),
                 "ceiling": bench.ceiling((args.ceiling_mib or (32 if args.sim else 1024)) * MIB),
+                "floor": floor(
+                    args.floor_gib if args.floor_gib is not None else 0.125 if args.sim else 4.0,
+                    args.sim,
+                    log,
+                ),
                 "workloads": {},
             }
             for n, (c, s) in chosen.items():

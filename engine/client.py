@@ -22,6 +22,7 @@ endpoint within its heal period (specs/protocol.md).
 
 from __future__ import annotations
 
+import array
 import errno
 import math
 import os
@@ -38,6 +39,7 @@ import attrs
 
 from .wire import (
     CONTROL_DIR_MAX,
+    FILE_OPS,
     HEADER_SIZE,
     RECORD_SIZE,
     VERSION,
@@ -269,6 +271,9 @@ def call_all(
     if math.isnan(timeout) or timeout < 0:
         raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout}")
     payloads = [request.encode() for _, request, _ in calls]
+    for _, request, _ in calls:
+        if request.op in FILE_OPS and request.fd is None:
+            raise WireError(f"{request.op.name} request lacks the file descriptor it hands")
     deadline = time.monotonic() + timeout
     exchanges = [
         _Exchange(endpoint, request, expect, payload, timeout)
@@ -439,7 +444,14 @@ class _Exchange:
         try:
             # 128 bytes always fit an empty AF_UNIX send buffer; a short send
             # would mean the peer is not a shim, and is reported as a hang-up.
-            sent = self.sock.send(self.payload, socket.MSG_NOSIGNAL)
+            if self.request.fd is None:
+                sent = self.sock.send(self.payload, socket.MSG_NOSIGNAL)
+            else:  # STORE_STAGED / FETCH_STAGED: the file goes with the header's bytes
+                sent = self.sock.sendmsg(
+                    [self.payload],
+                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.request.fd]))],
+                    socket.MSG_NOSIGNAL,
+                )
         except OSError as exc:
             self.fail(ParticipantHangup, f"sending the request failed: {exc.strerror}", None)
             return

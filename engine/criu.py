@@ -13,7 +13,9 @@ For a checkpoint agent whose process checkpoint is CRIU (specs/criu.md):
   namespace pids (``NSpid``), with the pids they have now.
 - :func:`dump` and :func:`restore`: the whole way each direction: suspend then
   ``criu dump`` (a failed dump resumes the group); ``criu restore`` then resume of the
-  processes it recreated.
+  processes it recreated. By default the staged GPU bytes go to files beside the
+  images (:func:`store_beside` before the dump, :mod:`.stored`), so that the images
+  hold host state only; every resume fetches them back first (engine/resumption.py).
 
 CRIU is run without ``LD_PRELOAD``: neither the shim nor a sanitizer runtime may load
 into it.
@@ -61,6 +63,7 @@ from .images import check_identity, forget, private_directory, seal
 from .native import DEFAULT_LOCK_TIMEOUT_MS, NativeBackend
 from .options import Options
 from .statefile import StateFileError
+from .stored import staged_path, store
 
 CRIU_ENV: Final = "CUINTERPOSE_CRIU"
 MIN_VERSION: Final = (4, 0)
@@ -559,6 +562,32 @@ def tree_problems(tree: int, processes: Sequence[Process], proc: Path | None = N
     ]
 
 
+def store_beside(
+    checkpoint_dir: Path,
+    manifest: Manifest,
+    *,
+    where: Where,
+    options: Options | None = None,
+    staged_bytes: int = 0,
+    on_event: AgentCallback | None = None,
+) -> Timing | None:
+    """After a suspend: every shim's staged copies into its file of ``checkpoint_dir``
+    (:func:`.stored.store`), timed as ``store_staged``; None when nothing was staged
+    (the group was not prepared)."""
+    if not manifest.prepared:
+        return None
+    files: list[int] = []
+
+    def run() -> float:
+        done = store(
+            checkpoint_dir, manifest, where=where, options=options, staged_bytes=staged_bytes
+        )
+        files.append(sum(f.bytes for f in done))
+        return max((f.seconds for f in done), default=0.0)
+
+    return _timed("store_staged", on_event, run, lambda: files[0] if files else 0)
+
+
 def dump(
     processes: Sequence[Process | tuple[int, int]],
     checkpoint_dir: Path,
@@ -575,6 +604,7 @@ def dump(
     on_event: AgentCallback | None = None,
     criu_timeout_s: float = DEFAULT_CRIU_TIMEOUT_S,
     proc: Path | None = None,
+    bytes_beside: bool = True,
 ) -> DumpResult:
     """Suspend the group, then ``criu dump -t TREE`` into ``images_dir`` (which kills the
     tree unless ``criu_args`` say ``--leave-running``). A failed dump, or one that ran
@@ -584,7 +614,11 @@ def dump(
     Refused before anything changes: a ``tree`` that does not hold every process (its
     pids as seen in ``proc``, default /proc), and a checkpoint or images directory not
     to be trusted; both are created 0700 where missing. Once dumped, the images are
-    made private and sealed with the manifest (:func:`~.images.seal`)."""
+    made private and sealed with the manifest (:func:`~.images.seal`).
+
+    ``bytes_beside``: the staged GPU bytes go to files of ``checkpoint_dir`` before the
+    dump (:func:`store_beside`; the resume of a failed dump fetches them back); False
+    leaves them to the images."""
     group = [p if isinstance(p, Process) else Process(*p) for p in processes]
     images = Path(os.path.abspath(images_dir))  # CRIU resolves paths against -D
     outside = tree_problems(tree, group, proc)
@@ -603,7 +637,21 @@ def dump(
         on_event=on_event,
     )
     args = ["dump", "-t", str(tree), "-D", str(images), *DUMP_ARGS, *criu_args]
+    stored: Timing | None = None
     try:
+        if bytes_beside:
+            stored = store_beside(
+                checkpoint_dir,
+                done.manifest,
+                where=where,
+                options=options,
+                staged_bytes=done.staging.allocation_bytes if done.staging else 0,
+                on_event=on_event,
+            )
+        else:  # an earlier dump's files would be taken for this one's at restore
+            for p in done.manifest.participants:
+                if p.participant:
+                    staged_path(checkpoint_dir, p.participant).unlink(missing_ok=True)
         forget(images)
         timing = _timed(
             "criu_dump",
@@ -611,9 +659,9 @@ def dump(
             lambda: run_criu(criu, args, images / DUMP_LOG, timeout_s=criu_timeout_s),
             lambda: image_size(images).total,
         )
-    except (CriuFailed, OSError) as failure:
-        lines = list(failure.lines()) if isinstance(failure, CriuFailed) else [str(failure)]
-        try:
+    except (AgentError, OSError) as failure:  # criu dump, or STORE_STAGED, failed
+        lines = list(failure.lines()) if isinstance(failure, AgentError) else [str(failure)]
+        try:  # the resume fetches what the shims stored (engine/resumption.py)
             resume(checkpoint_dir, where=where, native=native, options=options, on_event=on_event)
         except (AgentError, CoordinatorError) as error:
             lines += [f"resume: {line}" for line in error.lines()]
@@ -630,7 +678,8 @@ def dump(
             [str(exc), "`cuinterpose criu restore` refuses them; dump the group again"],
             changed=True,
         ) from None
-    return DumpResult(manifest, image_size(images), (*done.timings, timing))
+    steps = (*done.timings, *((stored,) if stored else ()), timing)
+    return DumpResult(manifest, image_size(images), steps)
 
 
 def restore(
@@ -716,6 +765,7 @@ __all__ = [
     "locate",
     "restore",
     "run_criu",
+    "store_beside",
     "tree_problems",
     "usable_criu",
 ]

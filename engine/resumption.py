@@ -41,6 +41,7 @@ from .progress import StagingSummary
 from .recovery import recover
 from .runner import restore
 from .statefile import StateFileError, utc_timestamp
+from .stored import StoreFailed, fetch, stored_files
 from .watch import CopyWatcher
 
 # A shim answers STATUS at once (its control thread runs while the process is
@@ -267,6 +268,13 @@ def resume(
                 run_step(native, "restore", pids, gpu_pairs=pairs)
             with report.step("native_unlock"):
                 run_step(native, "unlock", pids)
+        if coordinate and stored_files(directory):
+            # A CRIU dump stored the staged bytes beside the images (engine/stored.py):
+            # in memory again before LOAD. A shim that stored nothing answers at once.
+            with report.step("fetch_staged") as moved:
+                got = fetch(directory, manifest, group, where=where, options=options,
+                            missing_ok=True)  # fmt: skip
+                moved.append(sum(f.bytes for f in got))
         if coordinate:
             ids = tuple(p.participant or "" for p in manifest.participants)
             with report.step("coordinator_restore") as moved:
@@ -275,7 +283,7 @@ def resume(
                     result = restore(endpoints, directory, engine_options, gpu_pairs=pairs)
                 moved.append(bytes_moved(result.phases))
                 staging = StagingSummary.from_phases(result.phases)
-    except (NativeGroupError, CoordinatorError) as failure:
+    except (NativeGroupError, CoordinatorError, StoreFailed) as failure:
         lines = list(failure.lines())
         running = isinstance(failure, CoordinatorError) and failure.rolled_back
         if running:
@@ -314,12 +322,17 @@ def _survivors(
             run_step(native, "restore", pids)
         with report.step("native_unlock"):
             run_step(native, "unlock", pids)
+        if manifest.prepared and stored_files(directory):
+            with report.step("fetch_staged") as moved:  # the rollback needs them in memory
+                got = fetch(directory, manifest, living, where=where, options=options,
+                            missing_ok=True)  # fmt: skip
+                moved.append(sum(f.bytes for f in got))
         if manifest.prepared:
             with report.step("coordinator_recover"):
                 engine_options = attrs.evolve(options, on_progress=report.emit)
                 recovered = recover(endpoints, directory, engine_options)
             lines += list(recovered.lines())
-    except (NativeGroupError, CoordinatorError) as failure:
+    except (NativeGroupError, CoordinatorError, StoreFailed) as failure:
         lines += list(failure.lines())
         lines.append("the survivors are not back")
         lines += [f"now {line}" for line in status_lines(living, where, native)]

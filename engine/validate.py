@@ -845,8 +845,9 @@ def check_unsupported_exportables(topology: Topology) -> tuple[Violation, ...]:
 
 _OWN_IT: Final = (
     "run it under the shim with cudaMalloc memory owned (SNAPSHOT_SHIM_OWN_ALLOCATIONS=1, the"
-    " default), or share VMM memory instead (PyTorch: PYTORCH_CUDA_ALLOC_CONF="
-    "expandable_segments:True)"
+    " default, owns requests of at least 2 MiB; SNAPSHOT_SHIM_OWN_SMALL=1 owns smaller ones"
+    " too, at 2 MiB of device memory each), or share VMM memory instead (PyTorch:"
+    " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"
 )
 _UNOWNED_TEXT: Final[Mapping[int, str]] = {
     Unowned.IPC_EXPORT: (

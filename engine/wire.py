@@ -33,6 +33,17 @@ CONTROL_DIR_MAX: Final = 60
 ASK_DRIVER: Final = 1
 # STATUS: which GPUs the shim's process uses (the reply's message, GpuLine per line).
 ASK_DEVICES: Final = 2
+# An EXPORT request's stat_count withdrawing a fetch whose open failed.
+EXPORT_WITHDRAW: Final = 1
+
+# The stored file of STORE_STAGED / FETCH_STAGED (protocol.h, specs/protocol.md): a
+# header, one entry per allocation, then the bytes, each allocation at an offset rounded
+# up to STORED_ALIGN after the previous one's end.
+STORED_MAGIC: Final = 0x47545343
+STORED_VERSION: Final = 1
+STORED_ALIGN: Final = 4096
+STORED_HEADER_STRUCT: Final = struct.Struct("<IIIIQQ32s")
+STORED_ENTRY_STRUCT: Final = struct.Struct("<16sQQ")
 
 HEADER_STRUCT: Final = struct.Struct("<IHHiI32s16s16sIIIHHQQQQ")
 ACCESS_STRUCT: Final = struct.Struct("<iiQ")
@@ -63,6 +74,13 @@ class Op(enum.IntEnum):
     RELEASE = 15  # ends the coordinator's lease; served in any phase
     STATUS = 16  # read-only, served while a phase op runs: see InFlight
     QUIESCE = 17  # closes the shim's gate until the process is quiet (specs/quiesce.md)
+    STORE_STAGED = 18  # the staged copies into the file handed with the request
+    FETCH_STAGED = 19  # and back from it (specs/criu.md)
+
+
+# The ops whose request hands the shim an open file (SCM_RIGHTS): always one, which the
+# decoded bytes cannot show (decode_request gives fd None).
+FILE_OPS: Final = frozenset({Op.STORE_STAGED, Op.FETCH_STAGED})
 
 
 class Phase(enum.IntEnum):
@@ -414,12 +432,18 @@ class Stats:
 # and cuip_status_* accessors; tests/engine/test_wire_pin.py pins both to the bytes):
 # QUIESCE request: deadline_ns in elapsed_ns, round in count; QUIESCE reply: the
 # threads held at the gate in count; STATUS request: what it asks in count; STATUS
-# reply: InFlight's fields.
+# reply: InFlight's fields; EXPORT request: the size the importer was handed in bytes,
+# WITHDRAW (its open failed after the fetch: forget the FETCH record) in count.
 
 
 def quiesce_request_stats(deadline_ns: int, round_: bool) -> Stats:
     """A QUIESCE request's stat fields: its deadline and its round flag."""
     return Stats(count=int(round_), elapsed_ns=deadline_ns)
+
+
+def export_request_stats(size: int, withdraw: bool) -> Stats:
+    """An EXPORT request's stat fields: the size handed out, and the withdraw flag."""
+    return Stats(count=EXPORT_WITHDRAW if withdraw else 0, bytes=size)
 
 
 def status_request_stats(ask_driver: bool, ask_devices: bool = False) -> Stats:
@@ -585,6 +609,14 @@ class Request:
     # LOAD_ALLOCATIONS only: the native restore's GPU mapping, "GPU-old=GPU-new,..." (sent
     # as the request's text; the shim checks every GPU it used is the one named now).
     gpu_map: str = ""
+    # EXPORT only: the size the importer was handed (the creator serves nothing else),
+    # and whether this withdraws a fetch whose open failed (carried in stat_bytes and
+    # stat_count).
+    export_size: int = 0
+    withdraw: bool = False
+    # STORE_STAGED and FETCH_STAGED only (and always): the open file the request hands
+    # the shim, sent with the header as SCM_RIGHTS; not part of the encoded bytes.
+    fd: int | None = attrs.field(default=None, eq=False)
 
     @property
     def lease(self) -> bytes:
@@ -597,6 +629,8 @@ class Request:
             self.resource_id != ZERO_ID
             or self.resource_kind is not ResourceKind.NONE
             or self.fetcher
+            or self.export_size
+            or self.withdraw
         ):
             raise WireError(f"{self.op.name} request carries EXPORT-only fields")
         if self.op in (Op.HANDSHAKE, Op.RELEASE) and self.participant:
@@ -611,6 +645,11 @@ class Request:
             raise WireError("STATUS request asks for the driver and the devices at once")
         if self.gpu_map and self.op is not Op.LOAD_ALLOCATIONS:
             raise WireError(f"{self.op.name} request carries a GPU mapping (LOAD_ALLOCATIONS only)")
+        if self.fd is not None and self.op not in FILE_OPS:
+            raise WireError(
+                f"{self.op.name} request carries a file descriptor (STORE_STAGED and "
+                "FETCH_STAGED only)"
+            )
         if not 0 <= self.deadline_ns < 2**64:
             raise WireError(f"deadline_ns {self.deadline_ns} does not fit 64 bits")
         text = _participant_bytes(self.fetcher, "fetcher") if exporting else b""
@@ -620,6 +659,8 @@ class Request:
             stats = quiesce_request_stats(self.deadline_ns, self.round)
         elif self.op is Op.STATUS:
             stats = status_request_stats(self.ask_driver, self.ask_devices)
+        elif exporting:
+            stats = export_request_stats(self.export_size, self.withdraw)
         else:
             stats = _NO_STATS
         # What Header(op, participant, ids, kind, stats).encode() packs, without
@@ -760,12 +801,15 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
     deadline = quiesce_deadline_ns(stats) if op is Op.QUIESCE else 0
     round_flag = quiesce_round(stats) if op is Op.QUIESCE else 0
     ask = status_ask(stats) if op is Op.STATUS else 0
-    if round_flag > 1 or ask > ASK_DEVICES:
+    withdraw = stats.count if op is Op.EXPORT else 0
+    if round_flag > 1 or ask > ASK_DEVICES or withdraw > EXPORT_WITHDRAW:
         raise WireError(f"{op.name} request has stats set")
     if op is Op.QUIESCE:
         allowed = quiesce_request_stats(deadline, bool(round_flag))
     elif op is Op.STATUS:
         allowed = status_request_stats(ask == ASK_DRIVER, ask == ASK_DEVICES)
+    elif op is Op.EXPORT:
+        allowed = export_request_stats(stats.bytes, bool(withdraw))
     else:
         allowed = _NO_STATS
     if stats != allowed:
@@ -789,6 +833,8 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         ask_driver=ask == ASK_DRIVER,
         ask_devices=ask == ASK_DEVICES,
         gpu_map=_gpu_map_text(text) if op is Op.LOAD_ALLOCATIONS else "",
+        export_size=stats.bytes if op is Op.EXPORT else 0,
+        withdraw=bool(withdraw),
     )
     request.encode()  # the same field rules as for sending
     return request, header

@@ -7,9 +7,10 @@
 - ``action-script --out FILE``: write an executable for ``criu dump/restore
   --action-script FILE`` that runs ``action`` with the arguments given here.
 - ``action``: what that script runs, by ``$CRTOOLS_SCRIPT_ACTION``: ``pre-dump``
-  suspends, ``post-dump`` seals the images (``$CRTOOLS_IMAGE_DIR``) with the manifest,
-  ``pre-restore`` checks the images against it and frees the socket paths,
-  ``post-resume`` resumes the processes under ``$CRTOOLS_INIT_PID``; every other
+  suspends (and stores the staged GPU bytes beside the images), ``post-dump`` seals
+  the images (``$CRTOOLS_IMAGE_DIR``) with the manifest, ``pre-restore`` checks the
+  images against it and frees the socket paths, ``post-resume`` resumes the processes
+  under ``$CRTOOLS_INIT_PID`` (the resume fetches the stored bytes back); every other
   action does nothing.
 
 The same command line as the other verbs (frontends/arguments.py): ``--pid P`` or
@@ -195,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         default=agent.DEFAULT_LOCK_TIMEOUT_MS / 1000,
         help="how long each native lock may wait for the process's CUDA calls to drain",
+    )
+    dump.add_argument(
+        "--bytes-in-images",
+        action="store_true",
+        help="leave the staged GPU bytes to CRIU's images instead of files of the "
+        "checkpoint directory, written by the shims in parallel (the default)",
     )
     restore = sub("restore")
     _group_options(restore, processes=False)
@@ -448,6 +455,7 @@ def _dump(
             criu_args=_criu_args(args.criu_args),
             on_event=on_event,
             criu_timeout_s=args.criu_timeout,
+            bytes_beside=not args.bytes_in_images,
         )
     restore = shlex.join(
         [
@@ -459,8 +467,10 @@ def _dump(
     human = [
         f"dumped {who} (the tree of pid {args.tree}) in {_seconds(done.timings):.3f} s: "
         f"{args.images_dir} holds {size(done.images.total)} of images "
-        f"({size(done.images.pages)} of memory pages, the GPU memory's among them), "
-        f"{args.checkpoint_dir} the manifest and the state file",
+        f"({size(done.images.pages)} of memory pages"
+        f"{', the GPU memory among them' if args.bytes_in_images else ''}), "
+        f"{args.checkpoint_dir} the manifest, the state file"
+        f"{'' if args.bytes_in_images else ' and the GPU memory (staged-*.bin)'}",
         f"next: {restore}",
     ]
     return _finish(args, stdout, stderr, EXIT_OK, outcome="dumped",
@@ -530,7 +540,7 @@ def _action(
             criu_images.private_directory(images, "pre-dump", "images directory")
             criu_images.forget(images)
         with _events(args.mode, stdout) as on_event:
-            agent.suspend(
+            suspended = agent.suspend(
                 processes,
                 args.checkpoint_dir,
                 where=where,
@@ -539,6 +549,11 @@ def _action(
                 options=options,
                 on_event=on_event,
             )
+            criu.store_beside(
+                args.checkpoint_dir, suspended.manifest, where=where, options=options,
+                staged_bytes=suspended.staging.allocation_bytes if suspended.staging else 0,
+                on_event=on_event,
+            )  # fmt: skip
         return _finish(args, stdout, stderr, EXIT_OK, outcome="suspended", step=step)
     if step == "post-dump":
         # CRIU names its images directory by its own descriptor: /proc/<criu>/fd/<n>.

@@ -88,6 +88,10 @@ OPS: Final[tuple[WireOp, ...]] = (
     # In QUIESCED an advance: the process makes one more synchronization and is
     # quieted again (specs/quiesce.md).
     WireOp("QUIESCE", 17, _served("ACTIVE", "QUIESCED")),
+    # With a file descriptor: the staged copies to and from a file beside the CRIU
+    # images (specs/criu.md); the phase stays PREPARED.
+    WireOp("STORE_STAGED", 18, ("PREPARED",)),
+    WireOp("FETCH_STAGED", 19, ("PREPARED",)),
 )
 
 OP: Final[Mapping[str, WireOp]] = {o.name: o for o in OPS}

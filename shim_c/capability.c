@@ -109,6 +109,12 @@ enum cap_kind cap_parse(int fd, struct cuip_capability *c)
     return CAP_VALID;
 }
 
+/* The object kind a capability's resource kind names. */
+static enum obj_kind kind_of(uint32_t resource_kind)
+{
+    return resource_kind == CUIP_RESOURCE_MULTICAST ? OBJ_MC : OBJ_ALLOC;
+}
+
 /* ------------------------------------------------------------ peer client */
 /* The server's owner must be one we trust: a socket planted under the
  * creator's name by another user would otherwise hand us its memory. */
@@ -130,7 +136,7 @@ static bool server_trusted(int fd, const char *path, char *msg, size_t n)
 }
 
 /* Ten heal periods of the creator's listener (control.c's CONTROL_HEAL_MS). */
-#define HEAL_WAIT_NS (1000ull * 1000000ull)
+#define HEAL_WAIT_NS ms_to_ns(1000)
 
 /* Whether the process whose endpoint name this is ("cuinterpose-<pid>.sock")
  * lives, as far as this pid namespace shows (a name we cannot read: alive). */
@@ -186,88 +192,162 @@ static int connect_endpoint(const char *endpoint, char *msg, size_t n)
     return fd;
 }
 
-int cap_fetch(const char creator[CUIP_PARTICIPANT_LEN], const uint8_t id[CUIP_ID_LEN],
-              const uint8_t auth[CUIP_AUTH_LEN], const char endpoint[CUIP_CAP_ENDPOINT_LEN],
-              char *msg, size_t n)
+void cap_ref_of(const struct obj *o, struct cap_ref *ref)
 {
-    return cap_fetch_kind(CUIP_RESOURCE_UNICAST, creator, id, auth, endpoint, msg, n);
+    memset(ref, 0, sizeof *ref);
+    ref->kind = o->kind == OBJ_MC ? CUIP_RESOURCE_MULTICAST : CUIP_RESOURCE_UNICAST;
+    memcpy(ref->creator, o->creator, CUIP_PARTICIPANT_LEN);
+    memcpy(ref->id, o->id, CUIP_ID_LEN);
+    memcpy(ref->auth, o->auth, CUIP_AUTH_LEN);
+    memcpy(ref->endpoint, o->endpoint, CUIP_CAP_ENDPOINT_LEN);
+    /* A legacy IPC import was handed its range, a capability its size. */
+    ref->size = o->own && o->own->nranges ? o->own->ranges[0].size : o->size;
 }
 
-int cap_fetch_kind(uint32_t kind, const char creator[CUIP_PARTICIPANT_LEN],
-                   const uint8_t id[CUIP_ID_LEN], const uint8_t auth[CUIP_AUTH_LEN],
-                   const char endpoint[CUIP_CAP_ENDPOINT_LEN], char *msg, size_t n)
+/* One EXPORT exchange: a fetch (the FD, or -1/CAP_CREATOR_GONE and msg) or,
+ * with `withdraw`, the creator told to forget this process's fetch (0). */
+static int export_call(const struct cap_ref *ref, uint64_t withdraw, char *msg, size_t n)
 {
     struct {
         struct cuip_header h;
         char fetcher[CUIP_PARTICIPANT_LEN];
     } req;
     struct cuip_header rep;
-    uint64_t deadline = shim_now_ns() + (uint64_t)shim_settings()->peer_timeout_ms * 1000000ull;
-    int s, got = -1, extra = -1;
+    uint64_t deadline = shim_now_ns() + ms_to_ns((uint64_t)shim_settings()->peer_timeout_ms);
+    int s, got = -1, extra = -1, failed = -1;
     char text[CUIP_MESSAGE_MAX + 1];
 
     if (!g.control_dir[0]) {
         snprintf(msg, n, "no control directory: cannot reach the creator");
         return -1;
     }
-    s = connect_endpoint(endpoint, msg, n);
+    s = connect_endpoint(ref->endpoint, msg, n);
     if (s < 0)
         return s;
     memset(&req, 0, sizeof req);
     req.h.magic = CUIP_MAGIC;
     req.h.version = CUIP_VERSION;
     req.h.op = CUIP_OP_EXPORT;
-    memcpy(req.h.participant, creator, CUIP_PARTICIPANT_LEN);
-    memcpy(req.h.resource_id, id, CUIP_ID_LEN);
-    memcpy(req.h.authorization, auth, CUIP_AUTH_LEN);
-    req.h.resource_kind = kind;
+    memcpy(req.h.participant, ref->creator, CUIP_PARTICIPANT_LEN);
+    memcpy(req.h.resource_id, ref->id, CUIP_ID_LEN);
+    memcpy(req.h.authorization, ref->auth, CUIP_AUTH_LEN);
+    req.h.resource_kind = ref->kind;
     req.h.message_length = CUIP_PARTICIPANT_LEN;
+    cuip_set_export_size(&req.h, ref->size);
+    cuip_set_export_withdraw(&req.h, withdraw);
     pthread_mutex_lock(&g.lock);
     memcpy(req.fetcher, g.participant, CUIP_PARTICIPANT_LEN);
     pthread_mutex_unlock(&g.lock);
     if (io_write_all(s, &req, sizeof req, deadline) != 0) {
-        snprintf(msg, n, "EXPORT request to %.*s: %s", CUIP_CAP_ENDPOINT_LEN, endpoint,
+        snprintf(msg, n, "EXPORT request to %.*s: %s", CUIP_CAP_ENDPOINT_LEN, ref->endpoint,
                  strerror(errno));
         goto fail;
     }
+    failed = CAP_FETCH_LOST; /* from here on the creator may have recorded the fetch */
     if (io_read_all(s, &rep, sizeof rep, deadline, &got) != 0) {
-        snprintf(msg, n, "EXPORT reply from %.*s: %s", CUIP_CAP_ENDPOINT_LEN, endpoint,
+        snprintf(msg, n, "EXPORT reply from %.*s: %s", CUIP_CAP_ENDPOINT_LEN, ref->endpoint,
                  errno ? strerror(errno) : "connection closed");
         goto fail;
     }
     if (rep.magic != CUIP_MAGIC || rep.version != CUIP_VERSION || rep.op != CUIP_OP_EXPORT ||
-        memcmp(rep.participant, creator, CUIP_PARTICIPANT_LEN) ||
+        memcmp(rep.participant, ref->creator, CUIP_PARTICIPANT_LEN) ||
         rep.message_length > CUIP_MESSAGE_MAX || rep.count != 0) {
-        snprintf(msg, n, "malformed EXPORT reply from %.*s", CUIP_CAP_ENDPOINT_LEN, endpoint);
+        snprintf(msg, n, "malformed EXPORT reply from %.*s", CUIP_CAP_ENDPOINT_LEN,
+                 ref->endpoint);
         goto fail;
     }
     memset(text, 0, sizeof text);
     if (rep.message_length &&
         io_read_all(s, text, rep.message_length, deadline, got < 0 ? &got : &extra) != 0) {
-        snprintf(msg, n, "truncated EXPORT reply from %.*s", CUIP_CAP_ENDPOINT_LEN, endpoint);
+        snprintf(msg, n, "truncated EXPORT reply from %.*s", CUIP_CAP_ENDPOINT_LEN,
+                 ref->endpoint);
         goto fail;
     }
     if (rep.status != CUIP_STATUS_OK) {
         snprintf(msg, n, "creator %.*s refused EXPORT (status %d): %s", CUIP_PARTICIPANT_LEN,
-                 creator, rep.status, text);
+                 ref->creator, rep.status, text);
+        failed = -1; /* refused: nothing recorded */
         goto fail;
     }
-    if (got < 0) {
-        snprintf(msg, n, "EXPORT reply from %.*s carried no file descriptor",
-                 CUIP_CAP_ENDPOINT_LEN, endpoint);
+    if (withdraw ? got >= 0 : got < 0) {
+        snprintf(msg, n, "EXPORT reply from %.*s %s a file descriptor", CUIP_CAP_ENDPOINT_LEN,
+                 ref->endpoint, withdraw ? "carried" : "carried no");
         goto fail;
     }
     if (extra >= 0)
         close(extra);
     close(s);
-    return got;
+    return withdraw ? 0 : got;
 fail:
     if (got >= 0)
         close(got);
     if (extra >= 0)
         close(extra);
     close(s);
-    return -1;
+    return failed;
+}
+
+int cap_fetch(const struct cap_ref *ref, char *msg, size_t n)
+{
+    return export_call(ref, 0, msg, n);
+}
+
+void cap_withdraw(const struct cap_ref *ref)
+{
+    char msg[512];
+
+    if (export_call(ref, CUIP_EXPORT_WITHDRAW, msg, sizeof msg) != 0)
+        shim_log(LOG_WARN, "telling creator %.*s that the import failed here: %s "
+                 "(its FETCH record of this process stays until this process exits)",
+                 CUIP_PARTICIPANT_LEN, ref->creator, msg);
+}
+
+int cap_import(const struct cap_ref *ref, CUmemGenericAllocationHandle *out, CUresult *cr,
+               char *msg, size_t n)
+{
+    CUmemGenericAllocationHandle h;
+    int fd = cap_fetch(ref, msg, n);
+
+    if (fd < 0)
+        return fd;
+    *cr = real.cuMemImportFromShareableHandle(&h, (void *)(intptr_t)fd,
+                                              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    close(fd);
+    if (*cr != CUDA_SUCCESS) {
+        shim_fail(msg, n, "cuMemImportFromShareableHandle", *cr);
+        return CAP_IMPORT_FAILED;
+    }
+    if (SHIM_IS_TAGGED(h)) {
+        real.cuMemRelease(h);
+        *cr = CUDA_ERROR_NOT_SUPPORTED;
+        snprintf(msg, n, "driver handle collides with the shim's tag range");
+        return CAP_IMPORT_FAILED;
+    }
+    *out = h;
+    return 0;
+}
+
+struct obj *cap_adopt_import(CUmemGenericAllocationHandle h, const struct cap_ref *ref,
+                             uint64_t handle_types)
+{
+    struct obj *o = obj_adopt(kind_of(ref->kind), h); /* releases h on failure */
+
+    if (!o)
+        return NULL;
+    memcpy(o->id, ref->id, CUIP_ID_LEN);
+    memcpy(o->creator, ref->creator, CUIP_PARTICIPANT_LEN);
+    memcpy(o->auth, ref->auth, CUIP_AUTH_LEN);
+    memcpy(o->endpoint, ref->endpoint, CUIP_CAP_ENDPOINT_LEN);
+    o->has_auth = true;
+    o->imported = true;
+    o->size = ref->size;
+    o->handle_types = handle_types;
+    if (o->kind == OBJ_ALLOC) {
+        if (real.cuMemGetAllocationPropertiesFromHandle(&o->prop, h) != CUDA_SUCCESS)
+            memset(&o->prop, 0, sizeof o->prop);
+        o->prop.win32HandleMetaData = NULL;
+    }
+    return o;
 }
 
 /* ------------------------------------------------------------ EXPORT server */
@@ -278,10 +358,42 @@ static bool export_phase_ok(uint16_t p)
     return cuip_op_served_in(CUIP_OP_EXPORT, p);
 }
 
-/* The object kind a capability's resource kind names. */
-static enum obj_kind kind_of(uint32_t resource_kind)
+/* A fetcher whose process is known to be gone no longer holds anything it
+ * could keep from the team; pid 0 (not visible here) is kept. */
+static bool fetch_live(const struct fetch *f)
 {
-    return resource_kind == CUIP_RESOURCE_MULTICAST ? OBJ_MC : OBJ_ALLOC;
+    return f->pid <= 0 || kill(f->pid, 0) == 0 || errno != ESRCH;
+}
+
+/* Under g.lock: forget the fetchers known to be gone, so that a creator that
+ * served many short-lived importers keeps only the living. */
+static void prune_fetches(struct obj *o)
+{
+    for (uint32_t k = 0; k < o->nfetches;)
+        if (fetch_live(&o->fetches[k]))
+            k++;
+        else
+            o->fetches[k] = o->fetches[--o->nfetches];
+}
+
+/* Under g.lock: a withdrawn fetch (the importer's open failed there). */
+static void forget_fetch(struct obj *o, const char fetcher[CUIP_PARTICIPANT_LEN], pid_t pid)
+{
+    for (uint32_t k = 0; k < o->nfetches; k++)
+        if (!memcmp(o->fetches[k].participant, fetcher, CUIP_PARTICIPANT_LEN) &&
+            o->fetches[k].pid == pid) {
+            o->fetches[k] = o->fetches[--o->nfetches];
+            return;
+        }
+}
+
+/* What a creator handed out of `o`: the range cuMemAlloc returned (owned
+ * memory), else the allocation's or multicast object's size. */
+static uint64_t served_size(const struct obj *o)
+{
+    if (o->own)
+        return o->own->nranges && o->own->ranges[0].live ? o->own->ranges[0].size : 0;
+    return o->size;
 }
 
 void cap_serve_export(const struct cuip_header *req, const char fetcher[CUIP_PARTICIPANT_LEN],
@@ -310,6 +422,17 @@ void cap_serve_export(const struct cuip_header *req, const char fetcher[CUIP_PAR
         reply_msg(r, CUIP_STATUS_UNAUTHORIZED, "bad authorization");
         goto out;
     }
+    if (cuip_export_withdraw(req)) {
+        forget_fetch(o, fetcher, pid);
+        r->h.status = CUIP_STATUS_OK;
+        goto out;
+    }
+    if (!cuip_export_size(req) || cuip_export_size(req) != served_size(o)) {
+        /* A handle rewritten to another size names nothing handed out. */
+        reply_msg(r, CUIP_STATUS_UNAUTHORIZED, "size %llu is not what was handed out",
+                  (unsigned long long)cuip_export_size(req));
+        goto out;
+    }
     if (!o->live) {
         reply_msg(r, CUIP_STATUS_NOT_FOUND, "allocation is not loaded");
         goto out;
@@ -330,6 +453,8 @@ void cap_serve_export(const struct cuip_header *req, const char fetcher[CUIP_PAR
         reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s", msg);
         goto out;
     }
+    if (o->nfetches == o->capfetches)
+        prune_fetches(o); /* before the table grows: amortized, one kill() a fetch */
     if (obj_add_fetch(o, fetcher, pid) != 0) {
         /* Unrecorded, the importer could be left out of a capture unseen. */
         close(fd);
@@ -340,13 +465,6 @@ void cap_serve_export(const struct cuip_header *req, const char fetcher[CUIP_PAR
     r->h.status = CUIP_STATUS_OK;
 out:
     pthread_mutex_unlock(&g.lock);
-}
-
-/* A fetcher whose process is known to be gone no longer holds anything it
- * could keep from the team; pid 0 (not visible here) is kept. */
-static bool fetch_live(const struct fetch *f)
-{
-    return f->pid <= 0 || kill(f->pid, 0) == 0 || errno != ESRCH;
 }
 
 static bool reported_creation(const struct obj *o)
@@ -361,8 +479,10 @@ int cap_inspect_fetches(struct reply *r)
 
     for (uint32_t i = 0; i < n; i++) {
         struct obj *o = obj_at(i);
-        if (o && reported_creation(o))
+        if (o && reported_creation(o)) {
+            prune_fetches(o); /* the limit counts the living only */
             extra += o->nfetches;
+        }
     }
     if (!extra)
         return 0;
@@ -385,7 +505,7 @@ int cap_inspect_fetches(struct reply *r)
             const struct fetch *f = &o->fetches[k];
             struct cuip_record *rec = &recs[at];
             uint8_t raw[CUIP_PARTICIPANT_LEN / 2];
-            if (!fetch_live(f) || !shim_unhex(raw, f->participant, CUIP_PARTICIPANT_LEN))
+            if (!shim_unhex(raw, f->participant, CUIP_PARTICIPANT_LEN))
                 continue;
             memset(rec, 0, sizeof *rec);
             rec->kind = CUIP_RECORD_FETCH;
@@ -522,13 +642,47 @@ static bool reuse_known(const struct cuip_capability *c, CUmemGenericAllocationH
     return true;
 }
 
+static void cap_ref_from(const struct cuip_capability *c, struct cap_ref *ref)
+{
+    memset(ref, 0, sizeof *ref);
+    ref->kind = c->resource_kind;
+    memcpy(ref->creator, c->creator, CUIP_PARTICIPANT_LEN);
+    memcpy(ref->id, c->resource_id, CUIP_ID_LEN);
+    memcpy(ref->auth, c->authorization, CUIP_AUTH_LEN);
+    memcpy(ref->endpoint, c->endpoint, CUIP_CAP_ENDPOINT_LEN);
+    ref->size = c->size;
+}
+
+/* Under g.lock: the importer's object for capability `c`, imported as `h`. */
+static CUresult adopt_cap(CUmemGenericAllocationHandle *handle, CUmemGenericAllocationHandle h,
+                          const struct cap_ref *ref, const struct cuip_capability *c)
+{
+    struct obj *o = cap_adopt_import(h, ref, c->handle_types);
+
+    if (!o)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (o->kind == OBJ_MC) {
+        /* What the creator created with; only it creates again. */
+        o->mcprop.size = c->size;
+        o->mcprop.handleTypes = c->handle_types;
+        o->mcprop.numDevices = c->num_devices;
+        o->mcprop.flags = c->flags;
+        o->unsupported = c->handle_types & ~(uint32_t)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    } else {
+        o->prop.requestedHandleTypes = (CUmemAllocationHandleType)c->handle_types;
+    }
+    *handle = obj_handle(o);
+    return CUDA_SUCCESS;
+}
+
 static CUresult import_cap(CUmemGenericAllocationHandle *handle, const struct cuip_capability *c)
 {
     CUmemGenericAllocationHandle h;
-    struct obj *o;
+    struct cap_ref ref;
     char msg[512];
-    CUresult r;
-    int fd;
+    CUresult r = CUDA_SUCCESS;
+    bool held = false;
+    int got;
 
     pthread_mutex_lock(&g.lock);
     if (g.phase != CUIP_PHASE_ACTIVE) {
@@ -547,67 +701,28 @@ static CUresult import_cap(CUmemGenericAllocationHandle *handle, const struct cu
     }
     pthread_mutex_unlock(&g.lock);
 
-    /* The peer request runs without g.lock: the creator may be asking us
-     * for an export at the same time. */
-    fd = cap_fetch_kind(c->resource_kind, c->creator, c->resource_id, c->authorization,
-                        c->endpoint, msg, sizeof msg);
-    if (fd < 0) {
+    cap_ref_from(c, &ref);
+    got = cap_import(&ref, &h, &r, msg, sizeof msg);
+    if (got != 0) {
         shim_log(LOG_WARN, "import of a capability failed: %s", msg);
-        return CUDA_ERROR_INVALID_VALUE;
+        if (got == CAP_IMPORT_FAILED || got == CAP_FETCH_LOST)
+            cap_withdraw(&ref);
+        return got == CAP_IMPORT_FAILED ? r : CUDA_ERROR_INVALID_VALUE;
     }
-    r = real.cuMemImportFromShareableHandle(&h, (void *)(intptr_t)fd,
-                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    close(fd);
-    if (r != CUDA_SUCCESS)
-        return r;
-    if (SHIM_IS_TAGGED(h)) {
-        real.cuMemRelease(h);
-        return CUDA_ERROR_NOT_SUPPORTED;
-    }
-
     pthread_mutex_lock(&g.lock);
     if (g.phase != CUIP_PHASE_ACTIVE) {
         real.cuMemRelease(h);
         r = CUDA_ERROR_NOT_READY;
-        goto out;
+    } else if (reuse_known(c, handle, &r)) {
+        real.cuMemRelease(h); /* another thread imported it meanwhile */
+        held = r == CUDA_SUCCESS;
+    } else {
+        r = adopt_cap(handle, h, &ref, c);
+        held = r == CUDA_SUCCESS;
     }
-    if (reuse_known(c, handle, &r)) {
-        /* Another thread imported it meanwhile. */
-        real.cuMemRelease(h);
-        goto out;
-    }
-    o = obj_adopt(kind_of(c->resource_kind), h);
-    if (!o) {
-        r = CUDA_ERROR_OUT_OF_MEMORY;
-        goto out;
-    }
-    memcpy(o->id, c->resource_id, CUIP_ID_LEN);
-    memcpy(o->creator, c->creator, CUIP_PARTICIPANT_LEN);
-    memcpy(o->auth, c->authorization, CUIP_AUTH_LEN);
-    memcpy(o->endpoint, c->endpoint, CUIP_CAP_ENDPOINT_LEN);
-    o->has_auth = true;
-    o->imported = true;
-    o->size = c->size;
-    o->handle_types = c->handle_types;
-    if (o->kind == OBJ_MC) {
-        /* What the creator created with; only it creates again. */
-        o->mcprop.size = c->size;
-        o->mcprop.handleTypes = c->handle_types;
-        o->mcprop.numDevices = c->num_devices;
-        o->mcprop.flags = c->flags;
-        o->unsupported = c->handle_types & ~(uint32_t)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-        *handle = obj_handle(o);
-        r = CUDA_SUCCESS;
-        goto out;
-    }
-    if (real.cuMemGetAllocationPropertiesFromHandle(&o->prop, h) != CUDA_SUCCESS)
-        memset(&o->prop, 0, sizeof o->prop);
-    o->prop.win32HandleMetaData = NULL;
-    o->prop.requestedHandleTypes = (CUmemAllocationHandleType)c->handle_types;
-    *handle = obj_handle(o);
-    r = CUDA_SUCCESS;
-out:
     pthread_mutex_unlock(&g.lock);
+    if (!held)
+        cap_withdraw(&ref);
     return r;
 }
 

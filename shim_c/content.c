@@ -35,8 +35,9 @@
  *
  * Pinned memory: SNAPSHOT_SHIM_STAGING_BOUNCE_MIB (8) per staging thread plus
  * one for the control thread, pinned on first use and kept for the life of
- * the process (128 MiB at 16 threads); with 0, at most threads x chunk of
- * the staging memory is registered at any moment, only during an op.
+ * the process (128 MiB at 16 threads; SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0:
+ * freed by every LOAD); with 0, at most threads x chunk of the staging
+ * memory is registered at any moment, only during an op.
  *
  * Host storage: one staging mapping per SAVE (staging_alloc), cut into one
  * slice per allocation in slot order; each slice is o->host (o->host_len
@@ -273,12 +274,14 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
     r->h.stat_bytes = st->bytes;
     r->h.stat_copy_ns = t->copy_wall_ns;
     if (cfg->timing) {
-        char line[1024];
+        char line[1536];
         int m = snprintf(
             line, sizeof line,
             "cuinterpose-timing {\"pid\": %d, \"op\": \"%s\", \"allocations\": %llu, "
             "\"bytes\": %llu, \"threads\": %u, \"chunk\": %zu, \"chunks\": %llu, "
-            "\"thp\": %s, \"bounce\": %zu, \"resident\": %s, "
+            "\"thp\": %s, \"bounce\": %zu, \"bounce_pin\": \"%s\", \"bounce_keep\": %s, "
+            "\"depth\": %u, \"populate_threads\": %u, "
+            "\"chunks_per_thread\": %u, \"resident\": %s, "
             "\"elapsed_s\": %.6f, \"setup_s\": %.6f, "
             "\"pool_start_s\": %.6f, \"drain_s\": %.6f, \"teardown_s\": %.6f, "
             "\"copy_wall_s\": %.6f, "
@@ -287,7 +290,9 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             (int)getpid(), op, (unsigned long long)st->count, (unsigned long long)st->bytes,
             t->threads, t->chunk, (unsigned long long)t->chunks,
             cfg->staging_thp ? "true" : "false", cfg->staging_bounce,
-            st->resident ? "true" : "false",
+            cfg->staging_bounce_register ? "register" : "alloc",
+            cfg->staging_bounce_keep ? "true" : "false", cfg->staging_depth,
+            cfg->staging_ahead, cfg->staging_spread, st->resident ? "true" : "false",
             (double)ns / 1e9, (double)st->setup_ns / 1e9, (double)t->pool_start_ns / 1e9,
             (double)st->drain_ns / 1e9, (double)st->teardown_ns / 1e9,
             (double)t->copy_wall_ns / 1e9, (double)t->populate_ns / 1e9,
@@ -624,6 +629,11 @@ static enum phase_result load_all(struct reply *r, const char *op, bool keep)
             continue;
         msg[0] = 0;
         name_allocation(msg, sizeof msg, o);
+        if (o->stored) { /* nothing changed: the file holds them (stored.c) */
+            reply_msg(r, CUIP_STATUS_REFUSED, "%s: the staged bytes are in the stored file "
+                      "(STORE_STAGED); FETCH_STAGED first%s", op, msg);
+            return PHASE_REFUSED;
+        }
         reply_msg(r, CUIP_STATUS_INTERNAL, "%s: no saved content%s", op, msg);
         return PHASE_FAILED;
     }
@@ -647,6 +657,8 @@ static enum phase_result load_all(struct reply *r, const char *op, bool keep)
         reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: %s", op, msg);
         return PHASE_FAILED;
     }
+    if (count && !keep && !shim_settings()->staging_bounce_keep)
+        staging_free_bounces(items[0].o->ctx);
     free(items);
     report_done(r, op, &st, t0);
     return PHASE_DONE;
@@ -671,7 +683,7 @@ enum phase_result content_reload(struct reply *r)
         name_allocation(what, sizeof what, o);
         reply_msg(r, CUIP_STATUS_REFUSED,
                   "ROLLBACK_ALLOCATIONS: the staged bytes of a torn-down allocation are "
-                  "gone%s", what);
+                  "%s%s", o->stored ? "in the stored file: FETCH_STAGED first" : "gone", what);
         return PHASE_REFUSED;
     }
     return load_all(r, "ROLLBACK_ALLOCATIONS", true);
@@ -680,4 +692,14 @@ enum phase_result content_reload(struct reply *r)
 void content_free_staged(void)
 {
     free_hosts();
+}
+
+void content_drop_resident(void)
+{
+    if (!resident.p || resident_in_use())
+        return;
+    if (resident.pid == getpid() && munmap(resident.p, resident.len) != 0)
+        shim_log(LOG_WARN, "munmap of the resident staging memory failed: %s", strerror(errno));
+    resident.p = NULL;
+    resident.len = 0;
 }

@@ -55,6 +55,13 @@ static bool request_stats_ok(const struct cuip_header *q)
     case CUIP_OP_STATUS:
         return cuip_status_ask(q) <= CUIP_ASK_DEVICES && !q->stat_bytes && !q->stat_elapsed_ns &&
                !q->stat_copy_ns;
+    case CUIP_OP_EXPORT:
+        return cuip_export_withdraw(q) <= CUIP_EXPORT_WITHDRAW && !q->stat_elapsed_ns &&
+               !q->stat_copy_ns;
+    case CUIP_OP_STORE_STAGED:
+    case CUIP_OP_FETCH_STAGED:
+        return cuip_status_ask(q) <= CUIP_ASK_DRIVER && !q->stat_bytes && !q->stat_elapsed_ns &&
+               !q->stat_copy_ns;
     default:
         return !q->stat_count && !q->stat_bytes && !q->stat_elapsed_ns && !q->stat_copy_ns;
     }
@@ -181,100 +188,64 @@ static phase_work_fn *phase_work(enum cuip_op op)
     case CUIP_OP_EXPORT:
     case CUIP_OP_RELEASE:
     case CUIP_OP_STATUS:
+    case CUIP_OP_STORE_STAGED:
+    case CUIP_OP_FETCH_STAGED:
         break; /* not phase ops */
     }
     return NULL;
 }
 
 /* Before the first teardown, the device work of every context the shim
- * knows is drained, so that no kernel or copy still in flight touches
- * memory PREPARE_UNICAST unmaps. The contexts are collected under g.lock;
- * each cuCtxSynchronize runs without it (it blocks). The group must not
- * submit new work meanwhile (specs/shim.md). Nothing is torn down yet, so a
- * failure refuses the op. */
-#define DRAIN_MAX_CONTEXTS 64
-
+ * knows (quiesce.c's set: the objects' and the active primary contexts) is
+ * drained, so that no kernel or copy still in flight touches memory
+ * PREPARE_UNICAST unmaps. Each cuCtxSynchronize runs without g.lock (it
+ * blocks). The group must not submit new work meanwhile (specs/shim.md).
+ * Nothing is torn down yet, so a failure refuses the op. */
 static enum phase_result drain_contexts(struct reply *r)
 {
-    CUcontext ctx[DRAIN_MAX_CONTEXTS];
-    uint32_t n = 0;
+    struct ctx_set set;
+    const char *call = NULL;
+    uint32_t failed = 0;
+    char msg[160];
+    CUresult rc;
 
     if (!real.cuCtxSynchronize) {
         reply_msg(r, CUIP_STATUS_CUDA_FAILED, "PREPARE_MULTICAST: the driver has no "
                   "cuCtxSynchronize; device work cannot be drained");
         return PHASE_REFUSED;
     }
-    pthread_mutex_lock(&g.lock);
-    for (uint32_t i = 0; i < obj_count(); i++) {
-        const struct obj *o = obj_at(i);
-        bool seen = false;
-        if (!o || !o->ctx)
-            continue;
-        for (uint32_t k = 0; k < n && !seen; k++)
-            seen = ctx[k] == o->ctx;
-        if (seen)
-            continue;
-        if (n == DRAIN_MAX_CONTEXTS) {
-            pthread_mutex_unlock(&g.lock);
-            reply_msg(r, CUIP_STATUS_INTERNAL, "PREPARE_MULTICAST: more than %d contexts "
-                      "to drain", DRAIN_MAX_CONTEXTS);
-            return PHASE_REFUSED;
-        }
-        ctx[n++] = o->ctx;
+    if (ctx_set_collect(&set, msg, sizeof msg) != 0) {
+        reply_msg(r, CUIP_STATUS_INTERNAL, "PREPARE_MULTICAST: %s", msg);
+        return PHASE_REFUSED;
     }
-    pthread_mutex_unlock(&g.lock);
-    for (uint32_t k = 0; k < n; k++) {
-        bool pushed;
-        CUresult rc = shim_ctx_enter(ctx[k], &pushed);
-        char msg[128];
-        if (rc == CUDA_SUCCESS) {
-            rc = real.cuCtxSynchronize();
-            shim_ctx_leave(pushed);
-            if (rc != CUDA_SUCCESS)
-                shim_fail(msg, sizeof msg, "cuCtxSynchronize", rc);
-        } else {
-            shim_fail(msg, sizeof msg, "cuCtxPushCurrent", rc);
-        }
-        if (rc != CUDA_SUCCESS) {
-            reply_msg(r, CUIP_STATUS_CUDA_FAILED, "PREPARE_MULTICAST: draining device work "
-                      "of context %u of %u: %s", k + 1, n, msg);
-            return PHASE_REFUSED;
-        }
+    rc = ctx_set_sync(&set, &failed, &call);
+    if (rc != CUDA_SUCCESS) {
+        shim_fail(msg, sizeof msg, call, rc);
+        reply_msg(r, CUIP_STATUS_CUDA_FAILED, "PREPARE_MULTICAST: draining device work "
+                  "of context %u of %u: %s", failed + 1, set.n, msg);
+        ctx_set_free(&set);
+        return PHASE_REFUSED;
     }
-    shim_log(LOG_DEBUG, "drained the device work of %u contexts", n);
+    shim_log(LOG_DEBUG, "drained the device work of %u contexts", set.n);
+    ctx_set_free(&set);
     return PHASE_DONE;
 }
 
-/* Run one phase op. The phase leaves ACTIVE before any work, so the
- * application's tracked calls see NOT_READY from then on; g.lock is not
- * held while the op works (copies block, RESTORE_UNICAST calls peers). A
- * refused or retryable op leaves the shim in the phase it started from. */
-/* `text`: the request's (LOAD_ALLOCATIONS: the GPU mapping). */
-static void run_phase_op(uint16_t op, const char *text, size_t text_len, struct reply *r)
+/* Under g.lock: claim the shim for phase op `op` from phase *from, or say
+ * why not in `r` (false). The phase leaves ACTIVE before any work, so the
+ * application's tracked calls see NOT_READY from then on. */
+static bool phase_op_begin(uint16_t op, const struct phase_op *d, uint64_t t0, uint16_t *from,
+                           struct reply *r)
 {
-    const struct phase_op *d = &phase_ops[op];
-    phase_work_fn *work = phase_work((enum cuip_op)op);
-    uint64_t t0 = shim_now_ns();
-    enum phase_result rc;
-    uint16_t from;
-    bool reopen;
-
-    if (!work || !d->next) {
-        reply_msg(r, CUIP_STATUS_INTERNAL, "%s is not a phase op", op_name(op));
-        return;
-    }
-    pthread_mutex_lock(&g.lock);
     if (g.busy) {
         reply_msg(r, CUIP_STATUS_REFUSED, "another phase op is running");
-        pthread_mutex_unlock(&g.lock);
-        return;
+        return false;
     }
-    from = g.phase;
-    if (!cuip_op_served_in(op, from)) {
+    *from = g.phase;
+    if (!cuip_op_served_in(op, *from)) {
         reply_msg(r, CUIP_STATUS_WRONG_PHASE, "%s is not served in phase %u", op_name(op),
-                  from);
-        pthread_mutex_unlock(&g.lock);
-        return;
+                  *from);
+        return false;
     }
     g.busy = true;
     g.hold_for_verify = false; /* a rollback after a restore: held again at its end */
@@ -286,24 +257,16 @@ static void run_phase_op(uint16_t op, const char *text, size_t text_len, struct 
      * application's calls flow through the gate, never answered NOT_READY. */
     if (op == CUIP_OP_QUIESCE)
         g.phase = CUIP_PHASE_ACTIVE;
-    else if (from == CUIP_PHASE_ACTIVE)
+    else if (*from == CUIP_PHASE_ACTIVE)
         g.phase = d->next;
-    pthread_mutex_unlock(&g.lock);
+    return true;
+}
 
-    rc = op == CUIP_OP_PREPARE_MULTICAST ? drain_contexts(r) : PHASE_DONE;
-    /* LOAD's GPUs checked before it re-creates anything (devices.c); in
-     * flight already, as the driver's answers may wait on a natively locked
-     * process. */
-    if (op == CUIP_OP_LOAD_ALLOCATIONS && devices_check_map(text, text_len, r) != 0)
-        rc = PHASE_REFUSED;
-    if (rc == PHASE_DONE)
-        rc = work(r);
-    /* The GPUs as a capture found them: once quiet, the application can no
-     * longer change them, and SAVE tears down what they are read from. */
-    if (op == CUIP_OP_QUIESCE && rc == PHASE_DONE)
-        devices_remember();
-
-    pthread_mutex_lock(&g.lock);
+/* Under g.lock: the phase the op's result `rc` leaves the shim in, and the
+ * reply's status. */
+static void phase_op_settle(uint16_t op, const struct phase_op *d, uint64_t t0, uint16_t from,
+                            enum phase_result rc, struct reply *r)
+{
     if (rc == PHASE_DONE) {
         g.phase = d->next;
         r->h.status = CUIP_STATUS_OK;
@@ -339,20 +302,68 @@ static void run_phase_op(uint16_t op, const char *text, size_t text_len, struct 
         g.reason[0] = 0; /* a rollback out of FAILED forgets the old reason */
     g.busy = false;
     g.op_in_flight = 0;
-    /* Back in ACTIVE (restored, rolled back, or a QUIESCE refused): the
-     * gate opens last, once the topology is back. A pending QUIESCE keeps
-     * it closed. */
-    reopen = g.phase == CUIP_PHASE_ACTIVE && rc != PHASE_PENDING;
-    /* Restored or rolled back (not a QUIESCE, which never left ACTIVE's
-     * topology): under a lease the gate opens at the RELEASE that follows the
-     * coordinator's verification, or when its holder is gone. */
-    if (reopen && op != CUIP_OP_QUIESCE && from != CUIP_PHASE_ACTIVE && g.lease.held &&
+}
+
+/* Under g.lock, after phase_op_settle: whether the gate opens now. Back in
+ * ACTIVE (restored, rolled back, or a QUIESCE refused) it opens last, once
+ * the topology is back; a pending QUIESCE keeps it closed. Restored or
+ * rolled back under a lease (not a QUIESCE, which never left ACTIVE's
+ * topology), it opens at the RELEASE that follows the coordinator's
+ * verification, or when its holder is gone. */
+static bool phase_op_reopens(uint16_t op, uint16_t from, enum phase_result rc)
+{
+    if (g.phase != CUIP_PHASE_ACTIVE || rc == PHASE_PENDING)
+        return false;
+    if (op != CUIP_OP_QUIESCE && from != CUIP_PHASE_ACTIVE && g.lease.held &&
         gate_level() != GATE_OPEN) {
         g.hold_for_verify = true;
-        reopen = false;
         shim_log(LOG_INFO, "%s: ACTIVE; the gate opens once the coordinator releases",
                  op_name(op));
+        return false;
     }
+    return true;
+}
+
+/* Run one phase op; g.lock is not held while the op works (copies block,
+ * RESTORE_UNICAST calls peers). A refused or retryable op leaves the shim
+ * in the phase it started from. `text`: the request's (LOAD_ALLOCATIONS:
+ * the GPU mapping). */
+static void run_phase_op(uint16_t op, const char *text, size_t text_len, struct reply *r)
+{
+    const struct phase_op *d = &phase_ops[op];
+    phase_work_fn *work = phase_work((enum cuip_op)op);
+    uint64_t t0 = shim_now_ns();
+    enum phase_result rc;
+    uint16_t from = 0;
+    bool reopen;
+
+    if (!work || !d->next) {
+        reply_msg(r, CUIP_STATUS_INTERNAL, "%s is not a phase op", op_name(op));
+        return;
+    }
+    pthread_mutex_lock(&g.lock);
+    if (!phase_op_begin(op, d, t0, &from, r)) {
+        pthread_mutex_unlock(&g.lock);
+        return;
+    }
+    pthread_mutex_unlock(&g.lock);
+
+    rc = op == CUIP_OP_PREPARE_MULTICAST ? drain_contexts(r) : PHASE_DONE;
+    /* LOAD's GPUs checked before it re-creates anything (devices.c); in
+     * flight already, as the driver's answers may wait on a natively locked
+     * process. */
+    if (op == CUIP_OP_LOAD_ALLOCATIONS && devices_check_map(text, text_len, r) != 0)
+        rc = PHASE_REFUSED;
+    if (rc == PHASE_DONE)
+        rc = work(r);
+    /* The GPUs as a capture found them: once quiet, the application can no
+     * longer change them, and SAVE tears down what they are read from. */
+    if (op == CUIP_OP_QUIESCE && rc == PHASE_DONE)
+        devices_remember();
+
+    pthread_mutex_lock(&g.lock);
+    phase_op_settle(op, d, t0, from, rc, r);
+    reopen = phase_op_reopens(op, from, rc);
     pthread_mutex_unlock(&g.lock);
     if (reopen && gate_level() != GATE_OPEN) {
         gate_open();
@@ -415,7 +426,7 @@ static void lease_take(const uint8_t token[CUIP_AUTH_LEN], pid_t pid, uint64_t n
  * it was taken. */
 static bool lease_unused(const struct shim_lease *l, uint64_t now)
 {
-    uint64_t window = (uint64_t)shim_settings()->lease_handshake_ms * 1000000ull;
+    uint64_t window = ms_to_ns((uint64_t)shim_settings()->lease_handshake_ms);
 
     return l->held && !l->acting && now - l->taken_ns >= window;
 }
@@ -427,7 +438,7 @@ static bool lease_unused(const struct shim_lease *l, uint64_t now)
  * and no op of this shim runs then). */
 static bool lease_holder_gone(const struct shim_lease *l, uint64_t now)
 {
-    uint64_t idle = (uint64_t)shim_settings()->lease_idle_ms * 1000000ull;
+    uint64_t idle = ms_to_ns((uint64_t)shim_settings()->lease_idle_ms);
 
     if (g.phase == CUIP_PHASE_PREPARED && !g.busy && now - l->last_ns > idle)
         return true;
@@ -481,11 +492,11 @@ static void gate_watch(void)
          * verification: the holder's silence for SNAPSHOT_LEASE_IDLE_S. */
         if (g.hold_for_verify)
             overdue = now - g.lease.last_ns >
-                      (uint64_t)shim_settings()->lease_idle_ms * 1000000ull;
+                      ms_to_ns((uint64_t)shim_settings()->lease_idle_ms);
         else
             overdue = g.phase == CUIP_PHASE_ACTIVE &&
                       now - g.quiesce_started_ns >
-                          (uint64_t)shim_settings()->quiesce_timeout_ms * 1000000ull;
+                          ms_to_ns((uint64_t)shim_settings()->quiesce_timeout_ms);
         if (gone || overdue) {
             holder = g.lease.held ? g.lease.pid : 0;
             if (gone)
@@ -590,7 +601,8 @@ static bool lease_admit(const struct cuip_header *q, pid_t peer, struct reply *r
     return true;
 }
 
-static void handle(const struct cuip_header *q, const char *text, pid_t peer, struct reply *r)
+static void handle(const struct cuip_header *q, const char *text, int fd, pid_t peer,
+                   struct reply *r)
 {
     bool admitted;
 
@@ -641,6 +653,10 @@ static void handle(const struct cuip_header *q, const char *text, pid_t peer, st
             unowned_inspect(r);
         pthread_mutex_unlock(&g.lock);
         return;
+    case CUIP_OP_STORE_STAGED:
+    case CUIP_OP_FETCH_STAGED:
+        stored_serve(q->op, fd, r);
+        return;
     default:
         if (q->op == CUIP_OP_QUIESCE) {
             pthread_mutex_lock(&g.lock);
@@ -662,15 +678,20 @@ static void *conn_main(void *arg)
     struct cuip_header q;
     char text[CUIP_MESSAGE_MAX];
     struct reply *r = NULL;
+    int fd = -1; /* STORE_STAGED / FETCH_STAGED: the file, with the header */
     long timeout_ms = shim_settings()->io_timeout_ms;
-    uint64_t deadline = shim_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    uint64_t deadline = shim_now_ns() + ms_to_ns((uint64_t)timeout_ms);
 
     if (getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cr, &cl) != 0 || !shim_trusted_uid(cr.uid)) {
         shim_log(LOG_WARN, "control connection from uid %d refused", (int)cr.uid);
         goto out;
     }
-    if (io_read_all(s, &q, sizeof q, deadline, NULL) != 0)
+    if (io_read_all(s, &q, sizeof q, deadline, &fd) != 0)
         goto out; /* truncated, stalled or hung up: drop it */
+    if (fd >= 0 && q.op != CUIP_OP_STORE_STAGED && q.op != CUIP_OP_FETCH_STAGED) {
+        close(fd); /* no other op takes one */
+        fd = -1;
+    }
     memset(text, 0, sizeof text);
     /* Only EXPORT (the fetcher's id) and LOAD_ALLOCATIONS (the GPU mapping)
      * carry text; validate() refuses any other length, so nothing more is
@@ -683,17 +704,19 @@ static void *conn_main(void *arg)
     if (!r)
         goto out;
     reply_init(r, q.op);
-    handle(&q, text, cr.pid, r);
+    handle(&q, text, fd, cr.pid, r);
     pthread_mutex_lock(&g.lock);
     r->h.phase = g.phase;
     pthread_mutex_unlock(&g.lock);
     if (r->h.status != CUIP_STATUS_OK)
         shim_log(LOG_DEBUG, "%s answered status %d: %.*s", op_name(q.op), r->h.status,
                  (int)r->h.message_length, r->msg);
-    deadline = shim_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    deadline = shim_now_ns() + ms_to_ns((uint64_t)timeout_ms);
     if (reply_send(s, r, deadline) != 0)
         shim_log(LOG_DEBUG, "reply to %s not delivered: %s", op_name(q.op), strerror(errno));
 out:
+    if (fd >= 0)
+        close(fd);
     if (r) {
         if (r->fd >= 0)
             close(r->fd);
@@ -805,7 +828,7 @@ static void retire(int old)
 void *control_listen(void *arg)
 {
     int lfd = (int)(intptr_t)arg;
-    uint64_t period = (uint64_t)CONTROL_HEAL_MS * 1000000ull;
+    uint64_t period = ms_to_ns((uint64_t)CONTROL_HEAL_MS);
     uint64_t next = shim_now_ns() + period;
 
     gate_set_watch(gate_watch);

@@ -19,12 +19,11 @@
 #include <string.h>
 
 #define UUID_TEXT_LEN 40 /* "GPU-" and 8-4-4-4-12 hex digits */
-#define MAX_DEVICES 32   /* a bit each in a uint32_t */
 
 /* Written once QUIESCE is done, read by LOAD, both on the control thread. */
 static struct {
     bool known;
-    uint32_t used; /* bit per ordinal */
+    uint64_t used; /* bit per ordinal (MAX_DEVICES: shim.h) */
     int count;
     CUuuid uuid[MAX_DEVICES];
 } saved;
@@ -86,9 +85,9 @@ static int device_count(void)
 
 /* The ordinals in use and the bytes this process created on each; false when
  * `idle_only` and a phase op runs (it changes the tables without g.lock). */
-static bool used_now(uint64_t bytes[MAX_DEVICES], bool idle_only, uint32_t *out)
+static bool used_now(uint64_t bytes[MAX_DEVICES], bool idle_only, uint64_t *out)
 {
-    uint32_t used = 0;
+    uint64_t used = 0;
 
     pthread_mutex_lock(&g.lock);
     if (idle_only && g.busy) {
@@ -104,7 +103,7 @@ static bool used_now(uint64_t bytes[MAX_DEVICES], bool idle_only, uint32_t *out)
         dev = o->prop.location.id;
         if (o->prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE && dev >= 0 &&
             dev < MAX_DEVICES) {
-            used |= 1u << dev;
+            used |= 1ull << dev;
             if (o->is_creator && bytes)
                 bytes[dev] += o->size;
         }
@@ -114,7 +113,7 @@ static bool used_now(uint64_t bytes[MAX_DEVICES], bool idle_only, uint32_t *out)
 
                 if (d->location_type == CU_MEM_LOCATION_TYPE_DEVICE && d->location_id >= 0 &&
                     d->location_id < MAX_DEVICES)
-                    used |= 1u << d->location_id;
+                    used |= 1ull << d->location_id;
             }
     }
     pthread_mutex_unlock(&g.lock);
@@ -124,7 +123,7 @@ static bool used_now(uint64_t bytes[MAX_DEVICES], bool idle_only, uint32_t *out)
 
         if (real.cuDevicePrimaryCtxGetState &&
             real.cuDevicePrimaryCtxGetState(d, &flags, &active) == CUDA_SUCCESS && active)
-            used |= 1u << d;
+            used |= 1ull << d;
     }
     *out = used;
     return true;
@@ -133,11 +132,11 @@ static bool used_now(uint64_t bytes[MAX_DEVICES], bool idle_only, uint32_t *out)
 void devices_remember(void)
 {
     int n = device_count();
-    uint32_t used = 0;
+    uint64_t used = 0;
 
     memset(&saved, 0, sizeof saved);
     (void)used_now(NULL, false, &used); /* the control thread, in its own op */
-    saved.used = used & (n < 32 ? (1u << n) - 1u : ~0u);
+    saved.used = used & (n < MAX_DEVICES ? (1ull << n) - 1u : ~0ull);
     for (int d = 0; d < n; d++)
         if (!real.cuDeviceGetUuid || real.cuDeviceGetUuid(&saved.uuid[d], d) != CUDA_SUCCESS)
             return; /* not known: LOAD refuses a mapping it cannot check */
@@ -148,7 +147,7 @@ void devices_remember(void)
 void devices_report(struct reply *r)
 {
     uint64_t bytes[MAX_DEVICES] = {0};
-    uint32_t used = 0;
+    uint64_t used = 0;
     char text[CUIP_MESSAGE_MAX];
     size_t len = 0;
     int n = device_count();

@@ -63,6 +63,19 @@ static void remember_path(void *lib)
         snprintf(driver_path, sizeof driver_path, "%s", map->l_name);
 }
 
+/* The process's libcuda.so.1 (the one already loaded, else by soname). */
+static void *open_driver(void)
+{
+    void *lib = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+
+    if (!lib)
+        lib = dlopen("libcuda.so.1", RTLD_LAZY);
+    if (!lib)
+        shim_log(LOG_ERROR, "cannot open libcuda.so.1: %s", dlerror());
+    return lib;
+}
+
+/* Every entry point of SHIM_REAL (shim.h), in its order. */
 static void resolve_once(void)
 {
     void *lib;
@@ -70,92 +83,14 @@ static void resolve_once(void)
     /* Every entry point comes here first: the settings (the log level among
      * them) are read before anything is logged. */
     shim_settings();
-    lib = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    lib = open_driver();
     if (!lib)
-        lib = dlopen("libcuda.so.1", RTLD_LAZY);
-    if (!lib) {
-        shim_log(LOG_ERROR, "cannot open libcuda.so.1: %s", dlerror());
         return;
-    }
     driver_lib = lib;
     remember_path(lib);
-#define R(field, name, base, ver) field = (__typeof__(field))sym(lib, name, base, ver)
-    R(real.cuGetProcAddress_v2, "cuGetProcAddress_v2", NULL, 0);
-    R(real.gpa_v1, "cuGetProcAddress", NULL, 0);
-    R(real.cuInit, "cuInit", "cuInit", 2000);
-    R(real.cuGetErrorName, "cuGetErrorName", "cuGetErrorName", 6000);
-    R(real.cuMemCreate, "cuMemCreate", "cuMemCreate", 10020);
-    R(real.cuMemRelease, "cuMemRelease", "cuMemRelease", 10020);
-    R(real.cuMemMap, "cuMemMap", "cuMemMap", 10020);
-    R(real.cuMemUnmap, "cuMemUnmap", "cuMemUnmap", 10020);
-    R(real.cuMemSetAccess, "cuMemSetAccess", "cuMemSetAccess", 10020);
-    R(real.cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle",
-      "cuMemRetainAllocationHandle", 11000);
-    R(real.cuMemGetAllocationPropertiesFromHandle, "cuMemGetAllocationPropertiesFromHandle",
-      "cuMemGetAllocationPropertiesFromHandle", 10020);
-    R(real.cuMemExportToShareableHandle, "cuMemExportToShareableHandle",
-      "cuMemExportToShareableHandle", 10020);
-    R(real.cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle",
-      "cuMemImportFromShareableHandle", 10020);
-    R(real.cuMemAddressReserve, "cuMemAddressReserve", "cuMemAddressReserve", 10020);
-    R(real.cuMemAddressFree, "cuMemAddressFree", "cuMemAddressFree", 10020);
-    R(real.cuMemHostAlloc, "cuMemHostAlloc", "cuMemHostAlloc", 2020);
-    R(real.cuMemFreeHost, "cuMemFreeHost", "cuMemFreeHost", 2000);
-    R(real.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync", 3020);
-    R(real.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync", 3020);
-    R(real.cuStreamCreate, "cuStreamCreate", "cuStreamCreate", 2000);
-    R(real.cuStreamSynchronize, "cuStreamSynchronize", "cuStreamSynchronize", 2000);
-    R(real.cuStreamDestroy, "cuStreamDestroy_v2", "cuStreamDestroy", 4000);
-    R(real.cuEventCreate, "cuEventCreate", "cuEventCreate", 2000);
-    R(real.cuEventRecord, "cuEventRecord", "cuEventRecord", 2000);
-    R(real.cuEventSynchronize, "cuEventSynchronize", "cuEventSynchronize", 2000);
-    R(real.cuEventDestroy, "cuEventDestroy_v2", "cuEventDestroy", 4000);
-    R(real.cuCtxGetCurrent, "cuCtxGetCurrent", "cuCtxGetCurrent", 4000);
-    R(real.cuCtxPushCurrent, "cuCtxPushCurrent_v2", "cuCtxPushCurrent", 4000);
-    R(real.cuCtxPopCurrent, "cuCtxPopCurrent_v2", "cuCtxPopCurrent", 4000);
-    R(real.cuCtxGetDevice, "cuCtxGetDevice", "cuCtxGetDevice", 2000);
-    R(real.cuCtxSynchronize, "cuCtxSynchronize", "cuCtxSynchronize", 2000);
-    R(real.cuDeviceGetCount, "cuDeviceGetCount", "cuDeviceGetCount", 2000);
-    R(real.cuDeviceGetUuid, "cuDeviceGetUuid_v2", "cuDeviceGetUuid", 11040);
-    R(real.cuDeviceGetName, "cuDeviceGetName", "cuDeviceGetName", 2000);
-    R(real.cuDevicePrimaryCtxGetState, "cuDevicePrimaryCtxGetState", "cuDevicePrimaryCtxGetState",
-      7000);
-    R(real.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", 7000);
-    R(real.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2",
-      "cuDevicePrimaryCtxRelease", 11000);
-    R(real.cuMemAlloc, "cuMemAlloc_v2", "cuMemAlloc", 3020);
-    R(real.cuMemAllocPitch, "cuMemAllocPitch_v2", "cuMemAllocPitch", 3020);
-    R(real.cuMemFree, "cuMemFree_v2", "cuMemFree", 3020);
-    R(real.cuMemGetAddressRange, "cuMemGetAddressRange_v2", "cuMemGetAddressRange", 3020);
-    R(real.cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity",
-      "cuMemGetAllocationGranularity", 10020);
-    R(real.cuPointerGetAttribute, "cuPointerGetAttribute", "cuPointerGetAttribute", 4000);
-    R(real.cuPointerGetAttributes, "cuPointerGetAttributes", "cuPointerGetAttributes", 7000);
-    R(real.cuCtxDestroy, "cuCtxDestroy_v2", "cuCtxDestroy", 4000);
-    R(real.cuDevicePrimaryCtxReset, "cuDevicePrimaryCtxReset_v2", "cuDevicePrimaryCtxReset",
-      11000);
-    R(real.cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", "cuCtxEnablePeerAccess", 4000);
-    R(real.cuCtxDisablePeerAccess, "cuCtxDisablePeerAccess", "cuCtxDisablePeerAccess", 4000);
-    R(real.cuIpcGetMemHandle, "cuIpcGetMemHandle", "cuIpcGetMemHandle", 4010);
-    R(real.cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle", 11000);
-    R(real.cuIpcOpenMemHandle_v1, "cuIpcOpenMemHandle", NULL, 0);
-    R(real.cuIpcCloseMemHandle, "cuIpcCloseMemHandle", "cuIpcCloseMemHandle", 4010);
-    R(real.cuMemPoolExportToShareableHandle, "cuMemPoolExportToShareableHandle",
-      "cuMemPoolExportToShareableHandle", 11020);
-    R(real.cuMemPoolImportFromShareableHandle, "cuMemPoolImportFromShareableHandle",
-      "cuMemPoolImportFromShareableHandle", 11020);
-    R(real.cuMemPoolExportPointer, "cuMemPoolExportPointer", "cuMemPoolExportPointer", 11020);
-    R(real.cuMemPoolImportPointer, "cuMemPoolImportPointer", "cuMemPoolImportPointer", 11020);
-    R(real.cuMemPoolDestroy, "cuMemPoolDestroy", "cuMemPoolDestroy", 11020);
-    R(real.cuMulticastCreate, "cuMulticastCreate", "cuMulticastCreate", 12010);
-    R(real.cuMulticastAddDevice, "cuMulticastAddDevice", "cuMulticastAddDevice", 12010);
-    R(real.cuMulticastBindMem, "cuMulticastBindMem", "cuMulticastBindMem", 12010);
-    R(real.cuMulticastBindAddr, "cuMulticastBindAddr", "cuMulticastBindAddr", 12010);
-    R(real.cuMulticastUnbind, "cuMulticastUnbind", "cuMulticastUnbind", 12010);
-    /* The device-explicit binds only by name: asking the resolver at 13010
-     * could hand back the old ABI on a 13.0 driver. */
-    R(real.cuMulticastBindMem_v2, "cuMulticastBindMem_v2", NULL, 0);
-    R(real.cuMulticastBindAddr_v2, "cuMulticastBindAddr_v2", NULL, 0);
+#define R(field, params, name, base, version)                                  \
+    real.field = (__typeof__(real.field))sym(lib, name, base, version);
+    SHIM_REAL(R)
 #undef R
     if (!real.cuGetProcAddress_v2 || !real.cuMemCreate || !real.cuMemMap || !real.cuInit) {
         shim_log(LOG_ERROR, "libcuda.so.1 lacks the VMM entry points the shim needs");

@@ -78,11 +78,8 @@ void obj_free(struct obj *o)
     free(o->maps);
     free(o->binds);
     free(o->fetches);
-    if (o->own) {
-        free(o->own->ranges);
-        free(o->own->units);
-        free(o->own);
-    }
+    if (o->own)
+        o->free_own(o->own); /* owned.c's own bookkeeping, freed by owned.c */
     free(o);
 }
 
@@ -192,6 +189,8 @@ void obj_drop_all(void)
 {
     for (uint32_t i = 0; i < nslots; i++) {
         if (slots[i]) {
+            if (slots[i]->own)
+                slots[i]->free_own(slots[i]->own);
             free(slots[i]->maps);
             free(slots[i]->binds);
             free(slots[i]->fetches);

@@ -1,11 +1,13 @@
 /*
  * Legacy CUDA IPC (cuIpcGetMemHandle, cuIpcOpenMemHandle, cuIpcCloseMemHandle)
  * over tracked sharing. For memory the shim owns (owned.c), the 64-byte
- * handle is a struct cuip_ipc_handle naming the creator's allocation; opening
- * it in another shim fetches the allocation from the creator's endpoint
- * exactly as a capability import does (capability.c: the same EXPORT, the
- * same authorization and server checks, the same FETCH record), and maps it
- * at a new VA. Capture, restore and rollback then see an importer like any
+ * handle is a struct cuip_ipc_handle naming the creator's allocation (one
+ * allocation per cudaMalloc: owned.c), whose range starts at its start;
+ * opening it in another shim fetches the allocation from the creator's
+ * endpoint through the capability import (capability.c: cap_import and
+ * cap_adopt_import, the same EXPORT, authorization, size and server checks,
+ * the same FETCH record, withdrawn when the open fails afterwards), and maps
+ * it at a new VA. Capture, restore and rollback then see an importer like any
  * other. The driver's own rules hold (specs/records/2026-12-01-h200-legacy-ipc.txt):
  * a handle of an interior pointer names the whole allocation, opening in the
  * creating process is CUDA_ERROR_INVALID_CONTEXT, a second open in one
@@ -39,11 +41,25 @@ static void full_auth(uint8_t out[CUIP_AUTH_LEN], const struct cuip_ipc_handle *
     memcpy(out, h->authorization, CUIP_IPC_AUTH_LEN);
 }
 
+/* Every handle the shim hands out names a range at its allocation's start
+ * (owned.c gives each cudaMalloc an allocation of its own). */
 static bool handle_ok(const struct cuip_ipc_handle *h)
 {
     return h->creator_pid > 0 && h->creator_pid <= 0x7fffffffu && h->size > 0 &&
-           h->offset <= UINT64_MAX - h->size && !shim_is_zero(h->resource_id, CUIP_ID_LEN) &&
+           h->offset == 0 && !shim_is_zero(h->resource_id, CUIP_ID_LEN) &&
            !shim_is_zero(h->creator, sizeof h->creator);
+}
+
+static void handle_ref(const struct cuip_ipc_handle *h, struct cap_ref *ref)
+{
+    memset(ref, 0, sizeof *ref);
+    ref->kind = CUIP_RESOURCE_UNICAST;
+    to_hex(ref->creator, h->creator);
+    memcpy(ref->id, h->resource_id, CUIP_ID_LEN);
+    full_auth(ref->auth, h);
+    snprintf(ref->endpoint, sizeof ref->endpoint, "%s%u%s", CUIP_SOCKET_PREFIX, h->creator_pid,
+             CUIP_SOCKET_SUFFIX);
+    ref->size = h->size;
 }
 
 /* Under g.lock: fill `h` for the creator's range `rg` of owned `o`. */
@@ -62,9 +78,10 @@ static CUresult make_handle(struct obj *o, struct owned_range *rg, struct cuip_i
         return CUDA_ERROR_NOT_INITIALIZED;
     memcpy(h->resource_id, o->id, CUIP_ID_LEN);
     memcpy(h->authorization, o->auth, CUIP_IPC_AUTH_LEN);
+    if (rg->offset > UINT32_MAX)
+        return CUDA_ERROR_INVALID_VALUE; /* the handle's offset is 32 bits */
     h->offset = (uint32_t)rg->offset;
     h->size = rg->size;
-    rg->exported = true;
     o->exported = true; /* shared from now on: captured and rebuilt */
     return CUDA_SUCCESS;
 }
@@ -98,27 +115,22 @@ CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
 }
 
 /* ------------------------------------------------------------ open */
-/* Under g.lock: one more open of [offset, offset+size) of a known import of
- * the same allocation; false when this process has none. */
+/* Under g.lock: one more open of a known import of the same allocation (the
+ * same range: an import holds the one it was handed); false when this
+ * process has none. */
 static bool reopen_known(const struct cuip_ipc_handle *h, CUdeviceptr *out, CUresult *r)
 {
     uint8_t auth[CUIP_AUTH_LEN];
-    struct owned_range *rg = NULL;
+    struct owned_range *rg;
     struct obj *o = obj_by_id(h->resource_id);
 
     if (!o || !o->own || o->is_creator)
         return false;
     full_auth(auth, h);
-    if (!o->live || !shim_ct_equal(o->auth, auth, CUIP_AUTH_LEN) ||
-        h->offset + h->size > o->own->reserved) {
+    rg = o->own->nranges ? &o->own->ranges[0] : NULL;
+    if (!o->live || !rg || !shim_ct_equal(o->auth, auth, CUIP_AUTH_LEN) ||
+        rg->offset != h->offset || rg->size != h->size) {
         *r = CUDA_ERROR_INVALID_VALUE;
-        return true;
-    }
-    for (uint32_t i = 0; i < o->own->nranges && !rg; i++)
-        if (o->own->ranges[i].offset == h->offset && o->own->ranges[i].size == h->size)
-            rg = &o->own->ranges[i];
-    if (!rg && !(rg = owned_add_range(o->own, h->offset, h->size))) {
-        *r = CUDA_ERROR_OUT_OF_MEMORY;
         return true;
     }
     rg->opens++;
@@ -137,7 +149,7 @@ static CUresult open_devices(CUdevice owner, unsigned int flags, uint64_t *devic
 
     if (r != CUDA_SUCCESS)
         return r;
-    if (owner < 0 || owner >= 64 || dev < 0 || dev >= 64)
+    if (owner < 0 || owner >= MAX_DEVICES || dev < 0 || dev >= MAX_DEVICES)
         return CUDA_ERROR_INVALID_DEVICE;
     *devices = 1ull << owner;
     if (dev == owner || (flags & CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
@@ -146,49 +158,37 @@ static CUresult open_devices(CUdevice owner, unsigned int flags, uint64_t *devic
 }
 
 /* The creator's allocation, imported and mapped here (no lock held: the
- * creator may be asking us for an export at the same time). */
-static CUresult fetch_and_map(const struct cuip_ipc_handle *h, unsigned int flags,
+ * creator may be asking us for an export at the same time), with the access
+ * the open's `flags` give. `fetched`: the creator recorded the fetch (a
+ * failure then withdraws it). */
+static CUresult fetch_and_map(const struct cap_ref *ref, unsigned int flags,
                               CUmemGenericAllocationHandle *out, size_t *size, CUdeviceptr *va,
-                              struct mapping *m)
+                              struct mapping *m, bool *fetched)
 {
     uint64_t devices = 0;
-    char creator[CUIP_PARTICIPANT_LEN], endpoint[CUIP_CAP_ENDPOINT_LEN], msg[512];
-    uint8_t auth[CUIP_AUTH_LEN];
     CUmemAllocationProp prop;
     CUmemGenericAllocationHandle mh;
+    char msg[512];
     size_t gran;
-    CUresult r;
-    int fd;
+    CUresult r = CUDA_SUCCESS;
+    int got = cap_import(ref, &mh, &r, msg, sizeof msg);
 
-    to_hex(creator, h->creator);
-    full_auth(auth, h);
-    memset(endpoint, 0, sizeof endpoint);
-    snprintf(endpoint, sizeof endpoint, "%s%u%s", CUIP_SOCKET_PREFIX, h->creator_pid,
-             CUIP_SOCKET_SUFFIX);
-    fd = cap_fetch(creator, h->resource_id, auth, endpoint, msg, sizeof msg);
-    if (fd < 0) {
+    *fetched = got == 0 || got == CAP_IMPORT_FAILED || got == CAP_FETCH_LOST;
+    if (got != 0) {
         /* As the driver answers a handle whose memory is gone. */
         shim_log(LOG_WARN, "cuIpcOpenMemHandle: %s", msg);
-        return CUDA_ERROR_INVALID_VALUE;
+        return got == CAP_IMPORT_FAILED ? r : CUDA_ERROR_INVALID_VALUE;
     }
-    r = real.cuMemImportFromShareableHandle(&mh, (void *)(intptr_t)fd,
-                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    close(fd);
-    if (r != CUDA_SUCCESS)
-        return r;
-    if (SHIM_IS_TAGGED(mh)) {
-        real.cuMemRelease(mh);
-        return CUDA_ERROR_NOT_SUPPORTED;
-    }
-    /* The allocation is one granularity (a slab) or the range rounded up
-     * to it (owned.c), so its size follows from the range. */
+    /* The allocation is the range rounded up to the granularity (owned.c). */
     r = real.cuMemGetAllocationPropertiesFromHandle(&prop, mh);
     if (r == CUDA_SUCCESS)
         r = owned_granularity(prop.location.id, &gran);
     if (r == CUDA_SUCCESS)
         r = open_devices(prop.location.id, flags, &devices);
+    if (r == CUDA_SUCCESS && ref->size > SIZE_MAX - gran)
+        r = CUDA_ERROR_INVALID_VALUE;
     if (r == CUDA_SUCCESS) {
-        *size = (size_t)((h->offset + h->size + gran - 1) / gran * gran);
+        *size = (size_t)((ref->size + gran - 1) / gran * gran);
         r = owned_map_for(mh, *size, devices, va, m);
     }
     if (r != CUDA_SUCCESS) {
@@ -200,32 +200,21 @@ static CUresult fetch_and_map(const struct cuip_ipc_handle *h, unsigned int flag
 }
 
 /* Under g.lock: the importer's object for what fetch_and_map mapped. */
-static CUresult adopt_import(const struct cuip_ipc_handle *h, CUmemGenericAllocationHandle mh,
+static CUresult adopt_import(const struct cap_ref *ref, CUmemGenericAllocationHandle mh,
                              size_t size, const struct mapping *m)
 {
     struct owned_range *rg;
-    struct obj *o = obj_adopt(OBJ_ALLOC, mh); /* releases mh on failure */
+    struct obj *o = cap_adopt_import(mh, ref, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
 
     if (!o)
         return CUDA_ERROR_OUT_OF_MEMORY;
     o->refs = 0; /* the application holds the pointer, not a handle */
-    memcpy(o->id, h->resource_id, CUIP_ID_LEN);
-    to_hex(o->creator, h->creator);
-    full_auth(o->auth, h);
-    snprintf(o->endpoint, sizeof o->endpoint, "%s%u%s", CUIP_SOCKET_PREFIX, h->creator_pid,
-             CUIP_SOCKET_SUFFIX);
-    o->has_auth = true;
-    o->imported = true;
     o->size = size;
-    o->handle_types = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    if (real.cuMemGetAllocationPropertiesFromHandle(&o->prop, mh) != CUDA_SUCCESS)
-        memset(&o->prop, 0, sizeof o->prop);
-    o->prop.win32HandleMetaData = NULL;
-    o->own = owned_new(m->va, size, false);
-    if (!o->own || obj_add_mapping(o, m) != 0 ||
-        !(rg = owned_add_range(o->own, h->offset, h->size))) {
-        real.cuMemRelease(mh);
+    if (owned_new(o, m->va, size) != 0 || obj_add_mapping(o, m) != 0 ||
+        !(rg = owned_add_range(o->own, 0, ref->size))) {
+        /* Released here; the caller unmaps the VA it mapped. */
         o->nmaps = 0;
+        real.cuMemRelease(mh);
         obj_free(o);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -237,11 +226,13 @@ static CUresult open_owned(CUdeviceptr *pdptr, const struct cuip_ipc_handle *h,
                            unsigned int flags)
 {
     char creator[CUIP_PARTICIPANT_LEN];
-    CUmemGenericAllocationHandle mh;
+    CUmemGenericAllocationHandle mh = 0;
+    struct cap_ref ref;
     struct mapping m;
-    CUdeviceptr va;
+    CUdeviceptr va = 0;
     CUcontext ctx;
-    size_t size;
+    bool fetched, held = false;
+    size_t size = 0;
     CUresult r;
 
     if (!handle_ok(h) || (flags & ~(unsigned int)CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
@@ -265,26 +256,33 @@ static CUresult open_owned(CUdeviceptr *pdptr, const struct cuip_ipc_handle *h,
     if (r != CUDA_SUCCESS)
         return r;
 
-    r = fetch_and_map(h, flags, &mh, &size, &va, &m);
-    if (r != CUDA_SUCCESS)
+    handle_ref(h, &ref);
+    r = fetch_and_map(&ref, flags, &mh, &size, &va, &m, &fetched);
+    if (r != CUDA_SUCCESS) {
+        if (fetched)
+            cap_withdraw(&ref);
         return r;
+    }
     pthread_mutex_lock(&g.lock);
     if (g.phase != CUIP_PHASE_ACTIVE) {
         r = CUDA_ERROR_NOT_READY;
-    } else if (!reopen_known(h, pdptr, &r)) { /* else another thread opened it meanwhile */
-        r = adopt_import(h, mh, size, &m); /* owns mh from here, even on failure */
+    } else if (reopen_known(h, pdptr, &r)) { /* another thread opened it meanwhile */
+        held = r == CUDA_SUCCESS;
+    } else {
+        r = adopt_import(&ref, mh, size, &m); /* owns mh from here, even on failure */
         mh = 0;
-        if (r == CUDA_SUCCESS)
-            *pdptr = va + h->offset;
-        else
-            owned_unmap_range(va, size);
+        held = r == CUDA_SUCCESS;
+        if (held)
+            *pdptr = va;
     }
     pthread_mutex_unlock(&g.lock);
-    if (mh) {
-        real.cuMemUnmap(va, size);
-        real.cuMemAddressFree(va, size);
-        real.cuMemRelease(mh);
+    if (!held || mh) {
+        owned_unmap_range(va, size);
+        if (mh)
+            real.cuMemRelease(mh);
     }
+    if (!held)
+        cap_withdraw(&ref);
     return r;
 }
 
@@ -349,7 +347,6 @@ CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr)
 {
     struct owned_range *rg;
     struct obj *o;
-    bool any = false;
     CUresult r = app_lock_for(real.cuIpcCloseMemHandle);
 
     if (r != CUDA_SUCCESS)
@@ -367,19 +364,7 @@ CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr)
         return CUDA_ERROR_INVALID_VALUE;
     }
     if (--rg->opens == 0)
-        owned_drop_range(o->own, rg);
-    for (uint32_t i = 0; i < o->own->nranges; i++)
-        any |= o->own->ranges[i].opens > 0;
-    if (!any) {
-        CUresult u = owned_unmap_range(o->own->base, o->own->reserved);
-        if (u == CUDA_SUCCESS && o->live)
-            u = real.cuMemRelease(o->real);
-        if (u != CUDA_SUCCESS)
-            shim_log(LOG_WARN, "cuIpcCloseMemHandle: freeing the import failed: %s",
-                     shim_cu_name(u));
-        o->nmaps = 0;
-        obj_free(o);
-    }
+        owned_release(o); /* the last open: the import goes */
     pthread_mutex_unlock(&g.lock);
     return CUDA_SUCCESS;
 }

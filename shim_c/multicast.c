@@ -40,7 +40,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MAX_DEVICES 64
 
 static uint32_t calls_in_flight; /* under g.lock */
 
@@ -578,27 +577,20 @@ static int create(struct obj *o, char *msg, size_t n)
 static int import(struct obj *o, char *msg, size_t n)
 {
     CUmemGenericAllocationHandle h;
+    struct cap_ref ref;
     bool pushed;
-    CUresult cr;
-    int fd = cap_fetch_kind(CUIP_RESOURCE_MULTICAST, o->creator, o->id, o->auth, o->endpoint,
-                            msg, n);
+    CUresult cr = shim_ctx_enter(o->ctx, &pushed);
+    int got;
 
-    if (fd < 0)
-        return -1;
-    cr = shim_ctx_enter(o->ctx, &pushed);
     if (cr != CUDA_SUCCESS) {
-        close(fd);
         shim_fail(msg, n, "cuCtxPushCurrent", cr);
         return -1;
     }
-    cr = real.cuMemImportFromShareableHandle(&h, (void *)(intptr_t)fd,
-                                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    cap_ref_of(o, &ref);
+    got = cap_import(&ref, &h, &cr, msg, n);
     shim_ctx_leave(pushed);
-    close(fd);
-    if (cr != CUDA_SUCCESS) {
-        shim_fail(msg, n, "cuMemImportFromShareableHandle", cr);
+    if (got != 0)
         return -1;
-    }
     return adopt_again(o, h, msg, n);
 }
 

@@ -8,12 +8,15 @@
  * driver does for cuMemAlloc memory (specs/shim.md, "Owned memory"; the
  * driver's answers are in specs/records/2026-12-01-h200-legacy-ipc.txt).
  *
- * Small requests (at most SLAB_MAX bytes, and half a granularity) share an
- * allocation of one granularity (2 MiB on the H200), a slab, carved in OWNED_UNIT steps, as
- * the driver itself packs small cuMemAllocs into 2 MiB mappings. A range of
- * a slab that was handed out by cuIpcGetMemHandle is never given out again
- * (an importer may still map it); the slab goes when its last live range is
- * freed.
+ * Only what loses nothing to the granularity (2 MiB on the H200) is owned:
+ * a request of at least one granularity gets a VMM allocation of its own,
+ * its size rounded up to the granularity. A smaller request is the driver's
+ * (it packs small cuMemAllocs into 2 MiB pages and keeps an importer inside
+ * the range it was handed); legacy IPC of it is unowned sharing, refused at
+ * capture (unowned.c). VMM maps whole granules, so packing small requests
+ * into one allocation would hand an importer its neighbours' bytes: with
+ * SNAPSHOT_SHIM_OWN_SMALL=1 a small request gets a granularity of its own
+ * instead, at 2 MiB each (specs/shim.md, "Owned memory").
  *
  * Every function here runs with g.lock held across short driver calls, as
  * the other tracked calls do.
@@ -23,38 +26,32 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define OWNED_UNIT 512u
-#define SLAB_MAX (1u << 20)
 #define PITCH_ALIGN 512u
 /* CU_DEVICE_ATTRIBUTE_MAX_PITCH of the H200: a wider row is the driver's to
  * refuse (CUDA_ERROR_INVALID_VALUE), not owned memory's to fail. */
 #define PITCH_MAX ((size_t)INT32_MAX)
-#define MAX_DEVICES 64
 
-/* Under g.lock: the slabs, and which devices may access memory owned on a
- * device (bit a of peers[d]: device a enabled peer access to device d). */
-static struct obj **slabs;
-static uint32_t nslabs, capslabs;
+/* Under g.lock: which devices may access memory owned on a device (bit a of
+ * peers[d]: device a enabled peer access to device d). */
 static uint64_t peers[MAX_DEVICES];
 
 /* ------------------------------------------------------------ bookkeeping */
-struct owned *owned_new(CUdeviceptr base, size_t reserved, bool slab)
+static void owned_destroy(struct owned *w)
+{
+    free(w->ranges);
+    free(w);
+}
+
+int owned_new(struct obj *o, CUdeviceptr base, size_t reserved)
 {
     struct owned *w = calloc(1, sizeof *w);
     if (!w)
-        return NULL;
+        return -1;
     w->base = base;
     w->reserved = reserved;
-    w->slab = slab;
-    if (slab) {
-        w->units = calloc((reserved / OWNED_UNIT + 63) / 64, sizeof *w->units);
-        if (!w->units) {
-            free(w);
-            return NULL;
-        }
-        w->free_units = (uint32_t)(reserved / OWNED_UNIT);
-    }
-    return w;
+    o->own = w;
+    o->free_own = owned_destroy; /* obj_free frees it through this */
+    return 0;
 }
 
 struct owned_range *owned_add_range(struct owned *w, uint64_t offset, uint64_t size)
@@ -129,13 +126,25 @@ static void device_prop(CUmemAllocationProp *prop, CUdevice dev)
     prop->requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 }
 
+/* A device's granularity never changes: asked once (every cuMemAlloc needs it
+ * to know whether it is owned). */
+static size_t gran_cache[MAX_DEVICES];
+
 CUresult owned_granularity(CUdevice dev, size_t *gran)
 {
     CUmemAllocationProp prop;
+    CUresult r;
+
+    if (dev >= 0 && dev < MAX_DEVICES &&
+        (*gran = __atomic_load_n(&gran_cache[dev], __ATOMIC_RELAXED)) != 0)
+        return CUDA_SUCCESS;
     device_prop(&prop, dev);
     if (!real.cuMemGetAllocationGranularity)
         return CUDA_ERROR_NOT_SUPPORTED;
-    return real.cuMemGetAllocationGranularity(gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    r = real.cuMemGetAllocationGranularity(gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    if (r == CUDA_SUCCESS && *gran && dev >= 0 && dev < MAX_DEVICES)
+        __atomic_store_n(&gran_cache[dev], *gran, __ATOMIC_RELAXED);
+    return r;
 }
 
 /* The access a fresh owned mapping gets: read-write for the devices in `who`. */
@@ -218,22 +227,14 @@ CUresult owned_unmap_range(CUdeviceptr va, size_t size)
 }
 
 /* ------------------------------------------------------------ objects */
-static void slab_forget(struct obj *o)
-{
-    for (uint32_t i = 0; i < nslabs; i++)
-        if (slabs[i] == o) {
-            slabs[i] = slabs[--nslabs];
-            return;
-        }
-}
-
-/* Unmap, release and forget `o`, an owned object nothing holds any more. */
-static void owned_release(struct obj *o)
+/* Unmap, release and forget `o`, an owned object nothing holds any more;
+ * in its context unless that context is gone (`in_ctx` false). */
+static void release_owned(struct obj *o, bool in_ctx)
 {
     CUresult r;
-    bool pushed;
+    bool pushed = false;
 
-    if (shim_ctx_enter(o->ctx, &pushed) != CUDA_SUCCESS)
+    if (in_ctx && shim_ctx_enter(o->ctx, &pushed) != CUDA_SUCCESS)
         pushed = false;
     r = owned_unmap_range(o->own->base, o->own->reserved);
     if (r != CUDA_SUCCESS)
@@ -242,15 +243,18 @@ static void owned_release(struct obj *o)
     if (o->live && (r = real.cuMemRelease(o->real)) != CUDA_SUCCESS)
         shim_log(LOG_WARN, "cuMemRelease of owned memory failed: %s", shim_cu_name(r));
     shim_ctx_leave(pushed);
-    if (o->own->slab)
-        slab_forget(o);
     o->nmaps = 0;
     obj_free(o);
 }
 
+void owned_release(struct obj *o)
+{
+    release_owned(o, true);
+}
+
 /* Under g.lock: a new owned object of `size` bytes (a multiple of the
- * granularity) on the current device, mapped; a slab when `slab`. */
-static CUresult owned_create(size_t size, bool slab, struct obj **out)
+ * granularity) on the current device, mapped. */
+static CUresult owned_create(size_t size, struct obj **out)
 {
     CUmemAllocationProp prop;
     CUmemGenericAllocationHandle h;
@@ -280,20 +284,8 @@ static CUresult owned_create(size_t size, bool slab, struct obj **out)
     o->size = size;
     o->prop = prop;
     o->handle_types = (uint64_t)prop.requestedHandleTypes;
-    o->own = owned_new(va, size, slab);
-    if (!o->own || obj_add_mapping(o, &m) != 0)
+    if (owned_new(o, va, size) != 0 || obj_add_mapping(o, &m) != 0)
         goto nomem;
-    if (slab) {
-        if (nslabs == capslabs) {
-            uint32_t cap = capslabs ? 2 * capslabs : 8;
-            struct obj **n = realloc(slabs, cap * sizeof *n);
-            if (!n)
-                goto nomem;
-            slabs = n;
-            capslabs = cap;
-        }
-        slabs[nslabs++] = o;
-    }
     *out = o;
     return CUDA_SUCCESS;
 nomem:
@@ -306,87 +298,9 @@ undo_map:
     return r;
 }
 
-/* ------------------------------------------------------------ slabs */
-static void units_set(struct owned *w, uint32_t first, uint32_t n, bool used)
-{
-    for (uint32_t u = first; u < first + n; u++) {
-        if (used)
-            w->units[u / 64] |= 1ull << (u % 64);
-        else
-            w->units[u / 64] &= ~(1ull << (u % 64));
-    }
-    w->free_units = used ? w->free_units - n : w->free_units + n;
-}
-
-/* The first run of `n` free units, or -1. Full words are skipped whole: a
- * slab of 4096 units is 64 words. */
-static int64_t units_find(const struct owned *w, uint32_t n)
-{
-    uint32_t total = (uint32_t)(w->reserved / OWNED_UNIT), run = 0;
-
-    if (w->free_units < n)
-        return -1;
-    for (uint32_t u = 0; u < total;) {
-        uint64_t word = w->units[u / 64];
-        if (u % 64 == 0 && word == ~0ull) {
-            run = 0;
-            u += 64;
-            continue;
-        }
-        if (u % 64 == 0 && word == 0 && run + 64 < n) {
-            run += 64;
-            u += 64;
-            continue;
-        }
-        run = (word >> (u % 64) & 1) ? 0 : run + 1;
-        if (run == n)
-            return (int64_t)(u + 1 - n);
-        u++;
-    }
-    return -1;
-}
-
-static CUresult slab_alloc(size_t size, CUdeviceptr *dptr)
-{
-    uint32_t n = (uint32_t)((size + OWNED_UNIT - 1) / OWNED_UNIT);
-    CUcontext ctx;
-    CUdevice dev;
-    struct obj *o = NULL;
-    int64_t first = -1;
-    size_t gran;
-    CUresult r;
-
-    r = current_device(&ctx, &dev);
-    if (r == CUDA_SUCCESS)
-        r = owned_granularity(dev, &gran);
-    if (r != CUDA_SUCCESS)
-        return r;
-    for (uint32_t i = 0; i < nslabs && first < 0; i++) {
-        if (slabs[i]->ctx != ctx || !slabs[i]->live)
-            continue;
-        first = units_find(slabs[i]->own, n);
-        if (first >= 0)
-            o = slabs[i];
-    }
-    if (first < 0) {
-        r = owned_create(gran, true, &o);
-        if (r != CUDA_SUCCESS)
-            return r;
-        first = 0;
-    }
-    if (!owned_add_range(o->own, (uint64_t)first * OWNED_UNIT, size)) {
-        if (o->own->nranges == 0)
-            owned_release(o);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    o->own->ranges[o->own->nranges - 1].live = true;
-    units_set(o->own, (uint32_t)first, n, true);
-    *dptr = o->own->base + (uint64_t)first * OWNED_UNIT;
-    return CUDA_SUCCESS;
-}
-
 /* ------------------------------------------------------------ allocation */
-/* Under g.lock. */
+/* Under g.lock: one allocation of its own for the request, the range the
+ * application sees at its start. */
 static CUresult owned_alloc(CUdeviceptr *dptr, size_t size)
 {
     struct obj *o;
@@ -400,14 +314,10 @@ static CUresult owned_alloc(CUdeviceptr *dptr, size_t size)
         r = owned_granularity(dev, &gran);
     if (r != CUDA_SUCCESS)
         return r;
-    /* A slab is one granularity, so that an importer knows its size from the
-     * range it opens (ipc.c). */
-    if (size <= SLAB_MAX && size <= gran / 2)
-        return slab_alloc(size, dptr);
     if (size > SIZE_MAX - gran)
         return CUDA_ERROR_OUT_OF_MEMORY;
     asz = (size + gran - 1) / gran * gran;
-    r = owned_create(asz, false, &o);
+    r = owned_create(asz, &o);
     if (r != CUDA_SUCCESS)
         return r;
     if (!owned_add_range(o->own, 0, size)) {
@@ -426,13 +336,28 @@ static bool owning(void)
     return shim_settings()->own_allocations && g.sock_name[0] && real.cuMemGetAllocationGranularity;
 }
 
+/* Whether a request of `size` bytes is owned: at least a granularity of the
+ * current device, or any size with SNAPSHOT_SHIM_OWN_SMALL. Without a
+ * current device it is the driver's, to answer as it does. */
+static bool owned_size(size_t size)
+{
+    CUcontext ctx;
+    CUdevice dev;
+    size_t gran;
+
+    if (shim_settings()->own_small)
+        return true;
+    return current_device(&ctx, &dev) == CUDA_SUCCESS &&
+           owned_granularity(dev, &gran) == CUDA_SUCCESS && gran > 0 && size >= gran;
+}
+
 CUresult CUDAAPI cuMemAlloc(CUdeviceptr *dptr, size_t bytesize)
 {
     CUresult r = shim_enter();
 
     if (r != CUDA_SUCCESS)
         return r;
-    if (!dptr || bytesize == 0 || !owning())
+    if (!dptr || bytesize == 0 || !owning() || !owned_size(bytesize))
         return real.cuMemAlloc(dptr, bytesize);
     if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
@@ -455,6 +380,8 @@ CUresult CUDAAPI cuMemAllocPitch(CUdeviceptr *dptr, size_t *pitch, size_t width,
     p = (width + PITCH_ALIGN - 1) / PITCH_ALIGN * PITCH_ALIGN;
     if (p < width || height > SIZE_MAX / p)
         return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!owned_size(p * height))
+        return real.cuMemAllocPitch(dptr, pitch, width, height, elementSize);
     if ((r = app_lock()) != CUDA_SUCCESS)
         return r;
     r = owned_alloc(dptr, p * height);
@@ -471,13 +398,9 @@ static void owned_free(struct obj *o, struct owned_range *rg)
     struct owned *w = o->own;
     bool any = false;
 
-    if (w->slab && !rg->exported)
-        units_set(w, (uint32_t)(rg->offset / OWNED_UNIT),
-                  (uint32_t)((rg->size + OWNED_UNIT - 1) / OWNED_UNIT), false);
-    if (rg->exported)
-        rg->live = false; /* retired: an importer may still map it */
-    else
-        owned_drop_range(w, rg);
+    /* An importer holds its own import of the allocation: the creator's
+     * goes now, the memory when the last importer closed. */
+    owned_drop_range(w, rg);
     for (uint32_t i = 0; i < w->nranges; i++)
         any |= w->ranges[i].live;
     if (!any)
@@ -801,15 +724,90 @@ CUresult CUDAAPI cuCtxDisablePeerAccess(CUcontext peerContext)
 }
 
 /* ------------------------------------------------------------ contexts */
-/* Under g.lock: free the owned memory of context `ctx` (what it allocated, and what
- * it opened), as the driver frees a context's cuMemAlloc memory with it. */
-static void drop_context(CUcontext ctx)
+/* The owned objects of a context, by handle: a context the driver destroyed
+ * frees them, and by then a new context may have its address. */
+struct ctx_objs {
+    CUmemGenericAllocationHandle *h;
+    uint32_t n;
+};
+
+/* Under g.lock: what context `ctx` allocated and opened; -1 on ENOMEM. */
+static int collect_owned(CUcontext ctx, struct ctx_objs *c)
 {
-    for (uint32_t i = 0; i < obj_count(); i++) {
+    uint32_t cap = 0;
+
+    memset(c, 0, sizeof *c);
+    for (uint32_t i = 0; ctx && i < obj_count(); i++) {
         struct obj *o = obj_at(i);
-        if (o && o->own && o->ctx == ctx)
-            owned_release(o);
+        if (!o || !o->own || o->ctx != ctx)
+            continue;
+        if (c->n == cap) {
+            uint32_t nc = cap ? 2 * cap : 16;
+            CUmemGenericAllocationHandle *n = realloc(c->h, nc * sizeof *n);
+            if (!n) {
+                free(c->h);
+                c->h = NULL;
+                return -1;
+            }
+            c->h = n;
+            cap = nc;
+        }
+        c->h[c->n++] = obj_handle(o);
     }
+    return 0;
+}
+
+/* Under g.lock: free what collect_owned found and still exists, as the driver
+ * freed the context's cuMemAlloc memory with it. */
+static void drop_collected(CUcontext ctx, const struct ctx_objs *c)
+{
+    for (uint32_t k = 0; k < c->n; k++) {
+        struct obj *o = obj_lookup(c->h[k], false);
+        if (o && o->own && o->ctx == ctx)
+            release_owned(o, false);
+    }
+}
+
+/* A call that may destroy a context runs as a synchronizing call, in flight
+ * at the gate (a capture waits for it), without g.lock (a destroy waits for
+ * the context's work, whose callbacks may take it). */
+static CUresult ctx_call_begin(const char *call, void *const *fn)
+{
+    CUresult r = shim_enter();
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!*fn)
+        return CUDA_ERROR_NOT_SUPPORTED; /* a driver older than the call */
+    gate_enter(GATE_SYNC, call);
+    pthread_mutex_lock(&g.lock);
+    r = g.phase == CUIP_PHASE_ACTIVE ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    pthread_mutex_unlock(&g.lock);
+    if (r != CUDA_SUCCESS)
+        gate_leave(GATE_SYNC);
+    return r;
+}
+
+static CUresult ctx_collect(CUcontext ctx, struct ctx_objs *c)
+{
+    int rc;
+
+    pthread_mutex_lock(&g.lock);
+    rc = collect_owned(ctx, c);
+    pthread_mutex_unlock(&g.lock);
+    return rc == 0 ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+/* Once the driver said the context is gone (`destroyed`), its owned memory. */
+static void ctx_call_end(CUcontext ctx, struct ctx_objs *c, bool destroyed)
+{
+    if (destroyed) {
+        pthread_mutex_lock(&g.lock);
+        drop_collected(ctx, c);
+        pthread_mutex_unlock(&g.lock);
+    }
+    free(c->h);
+    gate_leave(GATE_SYNC);
 }
 
 /* The primary context of `dev` while it is active (a reference taken and given
@@ -829,57 +827,66 @@ static CUcontext active_primary(CUdevice dev)
 
 CUresult CUDAAPI cuCtxDestroy(CUcontext ctx)
 {
-    bool pushed;
-    CUresult r = app_lock_for(real.cuCtxDestroy);
+    struct ctx_objs c;
+    bool pushed, known;
+    CUresult r = ctx_call_begin("cuCtxDestroy", (void *const *)&real.cuCtxDestroy);
 
     if (r != CUDA_SUCCESS)
         return r;
-    /* Only a context the driver knows: a bad one is the driver's to refuse. */
-    if (ctx && shim_ctx_enter(ctx, &pushed) == CUDA_SUCCESS) {
+    /* Only a context the driver knows has memory here; a bad one is the
+     * driver's to refuse. */
+    known = ctx && shim_ctx_enter(ctx, &pushed) == CUDA_SUCCESS;
+    if (known)
         shim_ctx_leave(pushed);
-        drop_context(ctx);
-    }
-    pthread_mutex_unlock(&g.lock);
-    return real.cuCtxDestroy(ctx);
+    r = ctx_collect(known ? ctx : NULL, &c);
+    if (r == CUDA_SUCCESS)
+        r = real.cuCtxDestroy(ctx);
+    ctx_call_end(ctx, &c, r == CUDA_SUCCESS && known);
+    return r;
 }
 
 CUresult CUDAAPI cuDevicePrimaryCtxReset(CUdevice dev)
 {
+    struct ctx_objs c;
     CUcontext primary;
-    CUresult r = app_lock_for(real.cuDevicePrimaryCtxReset);
-
-    if (r != CUDA_SUCCESS)
-        return r;
-    if ((primary = active_primary(dev)) != NULL)
-        drop_context(primary);
-    pthread_mutex_unlock(&g.lock);
-    return real.cuDevicePrimaryCtxReset(dev);
-}
-
-CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev)
-{
-    CUcontext primary;
-    unsigned int flags;
-    int active = 1;
-    CUresult r = app_lock_for(real.cuDevicePrimaryCtxRelease);
+    CUresult r = ctx_call_begin("cuDevicePrimaryCtxReset",
+                                (void *const *)&real.cuDevicePrimaryCtxReset);
 
     if (r != CUDA_SUCCESS)
         return r;
     primary = active_primary(dev);
-    r = real.cuDevicePrimaryCtxRelease(dev);
+    r = ctx_collect(primary, &c);
+    if (r == CUDA_SUCCESS)
+        r = real.cuDevicePrimaryCtxReset(dev);
+    ctx_call_end(primary, &c, r == CUDA_SUCCESS && primary);
+    return r;
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev)
+{
+    struct ctx_objs c;
+    CUcontext primary;
+    unsigned int flags;
+    int active = 1;
+    CUresult r = ctx_call_begin("cuDevicePrimaryCtxRelease",
+                                (void *const *)&real.cuDevicePrimaryCtxRelease);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    primary = active_primary(dev);
+    r = ctx_collect(primary, &c);
+    if (r == CUDA_SUCCESS)
+        r = real.cuDevicePrimaryCtxRelease(dev);
     /* The last reference destroyed it, and its memory with it. */
-    if (r == CUDA_SUCCESS && primary &&
-        real.cuDevicePrimaryCtxGetState(dev, &flags, &active) == CUDA_SUCCESS && !active)
-        drop_context(primary);
-    pthread_mutex_unlock(&g.lock);
+    ctx_call_end(primary, &c,
+                 r == CUDA_SUCCESS && primary &&
+                     real.cuDevicePrimaryCtxGetState(dev, &flags, &active) == CUDA_SUCCESS &&
+                     !active);
     return r;
 }
 
 void owned_after_fork(void)
 {
     /* The objects are dropped with the rest of the table. */
-    free(slabs);
-    slabs = NULL;
-    nslabs = capslabs = 0;
     memset(peers, 0, sizeof peers);
 }

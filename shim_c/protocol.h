@@ -88,7 +88,16 @@ enum cuip_phase {
  * round. Sent again to a QUIESCED process it lets every thread held at a
  * synchronizing call make that one call, then quiets the process again: an
  * advance. Its reply carries the number of threads held at the gate
- * (cuip_quiesce_held). */
+ * (cuip_quiesce_held).
+ * STORE_STAGED and FETCH_STAGED (PREPARED, after a complete capture: the
+ * CRIU verbs, specs/criu.md) carry one open file descriptor (SCM_RIGHTS
+ * with the request's header; a request without one is refused):
+ * STORE_STAGED writes every staged copy of the process into it (the stored
+ * file below) and frees the host memory they took, FETCH_STAGED reads them
+ * back from it into fresh host memory, checking every field first (with
+ * nothing stored it answers OK at once, the file unread). Neither
+ * changes the phase; the reply's stat_count/stat_bytes say how many
+ * allocations (bytes) moved, stat_copy_ns how long the I/O took. */
 #define CUIP_OPS(X)                                                            \
     X(HANDSHAKE, 1, CUIP_EVERY_PHASE, 0)                                       \
     X(INSPECT, 2, CUIP_IN(ACTIVE) | CUIP_IN(PREPARED) | CUIP_IN(QUIESCED), 0)  \
@@ -110,7 +119,9 @@ enum cuip_phase {
     X(ROLLBACK_IMPORTS, 14, CUIP_IN(ROLLBACK_LOADED), 1)                       \
     X(RELEASE, 15, CUIP_EVERY_PHASE, 0)                                        \
     X(STATUS, 16, CUIP_EVERY_PHASE, 0)                                         \
-    X(QUIESCE, 17, CUIP_IN(ACTIVE) | CUIP_IN(QUIESCED), 0)
+    X(QUIESCE, 17, CUIP_IN(ACTIVE) | CUIP_IN(QUIESCED), 0)                    \
+    X(STORE_STAGED, 18, CUIP_IN(PREPARED), 0)                                  \
+    X(FETCH_STAGED, 19, CUIP_IN(PREPARED), 0)
 
 enum cuip_op {
 #define CUIP_OP_ENUM(name, number, served_in, tears_down) CUIP_OP_##name = number,
@@ -251,7 +262,7 @@ struct cuip_header {
     uint16_t phase;                          /* reply: enum cuip_phase after the op */
     uint16_t flags;                          /* reply: CUIP_REPLY_ bits; 0 in requests */
     /* The stat fields: a transfer's statistics (SAVE/LOAD/ROLLBACK_ALLOCATIONS,
-     * INSPECT), or what the op names below make of them (QUIESCE, STATUS). */
+     * INSPECT), or what the op names below make of them (QUIESCE, EXPORT, STATUS). */
     uint64_t stat_count;                     /* allocations moved */
     uint64_t stat_bytes;                     /* bytes moved */
     uint64_t stat_elapsed_ns;                /* time inside the shim for the whole op */
@@ -298,7 +309,33 @@ static inline void cuip_set_quiesce_held(struct cuip_header *h, uint64_t threads
     h->stat_count = threads;
 }
 
-/* STATUS request: CUIP_ASK_DRIVER to ask for the driver's path, else 0. */
+/* EXPORT request: the size of what the importer was handed (a capability's
+ * size, a legacy IPC handle's range): the creator serves only what it
+ * handed out, and refuses any other size before recording the fetch. */
+static inline uint64_t cuip_export_size(const struct cuip_header *h)
+{
+    return h->stat_bytes;
+}
+static inline void cuip_set_export_size(struct cuip_header *h, uint64_t size)
+{
+    h->stat_bytes = size;
+}
+
+/* EXPORT request: CUIP_EXPORT_WITHDRAW when the importer's open failed after
+ * its fetch: the creator forgets that fetch (the FETCH record of this
+ * participant and pid) and answers without a file descriptor; else 0. */
+#define CUIP_EXPORT_WITHDRAW 1u
+static inline uint64_t cuip_export_withdraw(const struct cuip_header *h)
+{
+    return h->stat_count;
+}
+static inline void cuip_set_export_withdraw(struct cuip_header *h, uint64_t withdraw)
+{
+    h->stat_count = withdraw;
+}
+
+/* STATUS request: CUIP_ASK_DRIVER (the driver's path) or CUIP_ASK_DEVICES
+ * (the GPUs used), else 0. */
 static inline uint64_t cuip_status_ask(const struct cuip_header *h)
 {
     return h->stat_count;
@@ -463,6 +500,35 @@ struct cuip_ipc_handle {
     uint64_t size;
 };
 
+/* The stored file (STORE_STAGED writes it, FETCH_STAGED reads it): this
+ * header, `count` entries, then each allocation's bytes at its entry's
+ * offset. The layout is fixed by the sizes: the first allocation at
+ * data_offset (the table's end rounded up to CUIP_STORED_ALIGN), each next
+ * one at the previous one's end rounded up the same way, in the order of
+ * the shim's allocation table; FETCH refuses any other (a file is hostile
+ * input until every field is checked). Little-endian, as on the wire. */
+#define CUIP_STORED_MAGIC 0x47545343u     /* bytes "CSTG" */
+#define CUIP_STORED_VERSION 1u
+#define CUIP_STORED_ALIGN 4096u
+
+struct cuip_stored_header {
+    uint32_t magic;
+    uint32_t version;
+    uint32_t count;                            /* entries */
+    uint32_t reserved;                         /* zero */
+    uint64_t bytes;                            /* the sum of the entries' sizes */
+    uint64_t data_offset;
+    char participant[CUIP_PARTICIPANT_LEN];    /* the writer's id: only it reads it back */
+};
+
+struct cuip_stored_entry {
+    uint8_t id[CUIP_ID_LEN];                   /* the allocation's resource id */
+    uint64_t size;
+    uint64_t offset;
+};
+
+_Static_assert(sizeof(struct cuip_stored_header) == 64, "stored header is 64 bytes");
+_Static_assert(sizeof(struct cuip_stored_entry) == 32, "stored entry is 32 bytes");
 _Static_assert(sizeof(struct cuip_ipc_handle) == 64, "IPC handle is 64 bytes");
 _Static_assert(sizeof(struct cuip_header) == 128, "header is 128 bytes");
 _Static_assert(sizeof(struct cuip_access) == 16, "access is 16 bytes");

@@ -27,8 +27,24 @@
  *  - SNAPSHOT_SHIM_STAGING_PREFAULT: 0 (1: SAVE faults a chunk's fresh
  *    staging memory in with MADV_POPULATE_WRITE before copying through the
  *    bounce buffers, instead of letting the memcpy fault it: staging.c).
- *  - SNAPSHOT_SHIM_OWN_ALLOCATIONS: 1 (cuMemAlloc memory is backed by VMM
- *    allocations the shim owns and shares: owned.c, ipc.c).
+ *  - SNAPSHOT_SHIM_STAGING_DEPTH: 4 (pieces each bounce buffer is cut in,
+ *    2..8: depth - 1 copies stay queued while the thread memcpy's one).
+ *  - SNAPSHOT_SHIM_STAGING_POPULATE_THREADS: 0 (SAVE: that many more threads
+ *    fault the staging memory of the chunks queued next in, ahead of the
+ *    copy threads, instead of the memcpy alone faulting it: staging.c).
+ *  - SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD: 4 (a phase's chunks are made
+ *    small enough that every copy thread gets about this many).
+ *  - SNAPSHOT_SHIM_STAGING_BOUNCE_PIN: alloc (cuMemHostAlloc, known to go
+ *    through the native checkpoint and CRIU on the H200); register: a mapping
+ *    of the shim's, populated, then cuMemHostRegister'd (staging.c says why).
+ *  - SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP: 1 (the bounce buffers stay pinned
+ *    between cycles: threads x BOUNCE_MIB, 128 MiB at 16 threads; 0: LOAD
+ *    frees them, and every SAVE pins them again).
+ *  - SNAPSHOT_SHIM_OWN_ALLOCATIONS: 1 (cuMemAlloc memory of at least the
+ *    granularity is backed by VMM allocations the shim owns and shares:
+ *    owned.c, ipc.c).
+ *  - SNAPSHOT_SHIM_OWN_SMALL: 0 (1: smaller requests too, each in a
+ *    granularity of its own: 2 MiB of device memory per cudaMalloc).
  */
 #include "shim.h"
 
@@ -54,9 +70,15 @@
 #define TIMING_ENV "SNAPSHOT_SHIM_TIMING"
 #define STAGE_PRIVATE_ENV "SNAPSHOT_SHIM_STAGE_PRIVATE"
 #define STAGING_PREFAULT_ENV "SNAPSHOT_SHIM_STAGING_PREFAULT"
+#define STAGING_DEPTH_ENV "SNAPSHOT_SHIM_STAGING_DEPTH"
+#define STAGING_AHEAD_ENV "SNAPSHOT_SHIM_STAGING_POPULATE_THREADS"
+#define STAGING_SPREAD_ENV "SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD"
+#define STAGING_BOUNCE_KEEP_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP"
+#define STAGING_BOUNCE_PIN_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_PIN"
 #define QUIESCE_TIMEOUT_ENV "SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S"
 #define GATE_ENV "SNAPSHOT_SHIM_GATE"
 #define OWN_ENV "SNAPSHOT_SHIM_OWN_ALLOCATIONS"
+#define OWN_SMALL_ENV "SNAPSHOT_SHIM_OWN_SMALL"
 /* CUIP_CONTROL_DIR_ENV and CUIP_PARTICIPANT_ENV are in protocol.h: the
  * coordinator sets them too. */
 
@@ -81,6 +103,8 @@
 #define BOUNCE_MIB_DEFAULT 8ul
 #define BOUNCE_MIB_MAX 1024ul
 #define RESIDENT_MIB_MAX (1ul << 22) /* 4 TiB */
+#define DEPTH_DEFAULT 4ul
+#define SPREAD_DEFAULT 4ul
 
 static struct shim_settings settings;
 static pthread_once_t settings_once = PTHREAD_ONCE_INIT;
@@ -156,6 +180,19 @@ static bool env_content_native(void)
     return false;
 }
 
+/* True for register, false for alloc (the default). */
+static bool env_bounce_pin(void)
+{
+    const char *v = getenv(STAGING_BOUNCE_PIN_ENV);
+    if (!v || !*v || !strcmp(v, "alloc"))
+        return false;
+    if (!strcmp(v, "register"))
+        return true;
+    shim_log(LOG_WARN, "%s=%s is neither alloc nor register; using alloc",
+             STAGING_BOUNCE_PIN_ENV, v);
+    return false;
+}
+
 static void settings_load(void)
 {
     struct shim_settings *s = &settings;
@@ -187,6 +224,14 @@ static void settings_load(void)
     s->timing = env_bool(TIMING_ENV, false);
     s->stage_private = env_bool(STAGE_PRIVATE_ENV, true);
     s->staging_prefault = env_bool(STAGING_PREFAULT_ENV, false);
+    s->staging_depth = (unsigned)env_count(STAGING_DEPTH_ENV, 2, STAGING_DEPTH_MAX,
+                                           DEPTH_DEFAULT, "a number of bounce pieces");
+    s->staging_ahead = (unsigned)env_count(STAGING_AHEAD_ENV, 0, THREADS_MAX, 0,
+                                           "a thread count");
+    s->staging_spread = (unsigned)env_count(STAGING_SPREAD_ENV, 1, 64, SPREAD_DEFAULT,
+                                            "a number of chunks");
+    s->staging_bounce_keep = env_bool(STAGING_BOUNCE_KEEP_ENV, true);
+    s->staging_bounce_register = env_bounce_pin();
     snprintf(s->control_dir, sizeof s->control_dir, "%s",
              dir && *dir ? dir : CUIP_CONTROL_DIR_DEFAULT);
     snprintf(s->participant, sizeof s->participant, "%s", pin ? pin : "");
@@ -198,6 +243,7 @@ static void settings_load(void)
         shim_log(LOG_WARN, "%s=0: the gate never closes; QUIESCE only drains the device once, "
                  "and a capture under running work can lose updates or fault", GATE_ENV);
     s->own_allocations = env_bool(OWN_ENV, true);
+    s->own_small = env_bool(OWN_SMALL_ENV, false);
     /* Unset, or a bad value (named in the warning): the usual trust. */
     s->trust_uid = (long)env_count(TRUST_UID_ENV, 0, UID_MAX_TRUSTED, UID_MAX_TRUSTED + 1,
                                    "a uid");

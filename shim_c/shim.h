@@ -87,6 +87,10 @@ SHIM_HIDDEN void shim_write_line(const char *buf, size_t n);
 /* Lines above `level` are dropped (LOG_WARN until the settings are read). */
 SHIM_HIDDEN void shim_log_set_level(int level);
 SHIM_HIDDEN uint64_t shim_now_ns(void);
+static inline uint64_t ms_to_ns(uint64_t ms)
+{
+    return ms * 1000000ull;
+}
 SHIM_HIDDEN int shim_random(void *buf, size_t len);
 SHIM_HIDDEN void shim_random_id(uint8_t id[CUIP_ID_LEN]);
 SHIM_HIDDEN void shim_hex(char *out, const uint8_t *in, size_t len);
@@ -100,6 +104,7 @@ SHIM_HIDDEN bool shim_ct_equal(const void *a, const void *b, size_t len);
 /* ---------------------------------------------------------------- settings.c */
 /* What the environment asks for (every variable is read there, checked:
  * a bad value is named in a warning and the default is used). */
+#define STAGING_DEPTH_MAX 8u
 struct shim_settings {
     int log_level;              /* SNAPSHOT_SHIM_DEBUG: LOG_DEBUG, else LOG_WARN */
     long io_timeout_ms;         /* one control connection's read or write */
@@ -123,6 +128,21 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_STAGING_PREFAULT: fault a SAVE chunk's staging memory in
      * before the bounce copies (default off: the memcpy faults it). */
     bool staging_prefault;
+    /* SNAPSHOT_SHIM_STAGING_DEPTH: pieces per bounce buffer (copies in flight
+     * per thread + 1), 2..STAGING_DEPTH_MAX. */
+    unsigned staging_depth;
+    /* SNAPSHOT_SHIM_STAGING_POPULATE_THREADS: SAVE threads that fault fresh
+     * staging memory in ahead of the copies (0: the memcpy faults it). */
+    unsigned staging_ahead;
+    /* SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD: chunks per copy thread, about. */
+    unsigned staging_spread;
+    /* SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP (default on): the bounce buffers stay
+     * pinned from one cycle to the next; off, LOAD frees them. */
+    bool staging_bounce_keep;
+    /* SNAPSHOT_SHIM_STAGING_BOUNCE_PIN=register: bounce buffers are mappings of
+     * the shim's, populated then cuMemHostRegister'd; alloc (default):
+     * cuMemHostAlloc'd. */
+    bool staging_bounce_register;
     char control_dir[4096];     /* as given (the default when unset); checked at start */
     /* SNAPSHOT_PARTICIPANT_ID as given, cut after one character too many so
      * that a long value still fails the length check; empty when unset. */
@@ -146,6 +166,9 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_OWN_ALLOCATIONS=0: cuMemAlloc memory is the driver's, and
      * legacy IPC of it refuses the capture (owned.c, unowned.c). */
     bool own_allocations;
+    /* SNAPSHOT_SHIM_OWN_SMALL=1: a request smaller than the granularity is
+     * owned too, in a granularity of its own (owned.c). */
+    bool own_small;
 };
 /* The settings, read from the environment on the first call. */
 SHIM_HIDDEN const struct shim_settings *shim_settings(void);
@@ -155,88 +178,129 @@ SHIM_HIDDEN bool shim_trusted_uid(uid_t uid);
 
 /* ---------------------------------------------------------------- driver.c */
 /* The real driver's entry points. */
+/* Every entry point `real` holds, once: X(field, parameters, exported name,
+ * the resolver's base name or NULL, the resolver's version). The struct and
+ * the resolver (driver.c) are both generated from it. The device-explicit
+ * binds are asked for by name only: asking the resolver at 13010 could hand
+ * back the old ABI on a 13.0 driver. cuGetProcAddress_v2 comes first: the
+ * rest fall back to it. */
+#define SHIM_REAL(X) \
+    X(cuGetProcAddress_v2, (const char *, void **, int, cuuint64_t, \
+      CUdriverProcAddressQueryResult *), \
+      "cuGetProcAddress_v2", NULL, 0) \
+    X(gpa_v1, (const char *, void **, int, cuuint64_t), "cuGetProcAddress", NULL, 0) \
+    X(cuInit, (unsigned int), "cuInit", "cuInit", 2000) \
+    X(cuGetErrorName, (CUresult, const char **), "cuGetErrorName", "cuGetErrorName", 6000) \
+    X(cuMemCreate, (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, \
+      unsigned long long), \
+      "cuMemCreate", "cuMemCreate", 10020) \
+    X(cuMemRelease, (CUmemGenericAllocationHandle), "cuMemRelease", "cuMemRelease", 10020) \
+    X(cuMemMap, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long), \
+      "cuMemMap", "cuMemMap", 10020) \
+    X(cuMemUnmap, (CUdeviceptr, size_t), "cuMemUnmap", "cuMemUnmap", 10020) \
+    X(cuMemSetAccess, (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t), \
+      "cuMemSetAccess", "cuMemSetAccess", 10020) \
+    X(cuMemRetainAllocationHandle, (CUmemGenericAllocationHandle *, void *), \
+      "cuMemRetainAllocationHandle", "cuMemRetainAllocationHandle", 11000) \
+    X(cuMemGetAllocationPropertiesFromHandle, (CUmemAllocationProp *, \
+      CUmemGenericAllocationHandle), \
+      "cuMemGetAllocationPropertiesFromHandle", "cuMemGetAllocationPropertiesFromHandle", 10020) \
+    X(cuMemExportToShareableHandle, (void *, CUmemGenericAllocationHandle, \
+      CUmemAllocationHandleType, unsigned long long), \
+      "cuMemExportToShareableHandle", "cuMemExportToShareableHandle", 10020) \
+    X(cuMemImportFromShareableHandle, (CUmemGenericAllocationHandle *, void *, \
+      CUmemAllocationHandleType), \
+      "cuMemImportFromShareableHandle", "cuMemImportFromShareableHandle", 10020) \
+    X(cuMemAddressReserve, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long), \
+      "cuMemAddressReserve", "cuMemAddressReserve", 10020) \
+    X(cuMemAddressFree, (CUdeviceptr, size_t), "cuMemAddressFree", "cuMemAddressFree", 10020) \
+    X(cuMemHostAlloc, (void **, size_t, unsigned int), "cuMemHostAlloc", "cuMemHostAlloc", 2020) \
+    X(cuMemFreeHost, (void *), "cuMemFreeHost", "cuMemFreeHost", 2000) \
+    X(cuMemcpyDtoHAsync, (void *, CUdeviceptr, size_t, CUstream), \
+      "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync", 3020) \
+    X(cuMemcpyHtoDAsync, (CUdeviceptr, const void *, size_t, CUstream), \
+      "cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync", 3020) \
+    X(cuStreamCreate, (CUstream *, unsigned int), "cuStreamCreate", "cuStreamCreate", 2000) \
+    X(cuStreamSynchronize, (CUstream), "cuStreamSynchronize", "cuStreamSynchronize", 2000) \
+    X(cuStreamDestroy, (CUstream), "cuStreamDestroy_v2", "cuStreamDestroy", 4000) \
+    X(cuEventCreate, (CUevent *, unsigned int), "cuEventCreate", "cuEventCreate", 2000) \
+    X(cuEventRecord, (CUevent, CUstream), "cuEventRecord", "cuEventRecord", 2000) \
+    X(cuEventSynchronize, (CUevent), "cuEventSynchronize", "cuEventSynchronize", 2000) \
+    X(cuEventDestroy, (CUevent), "cuEventDestroy_v2", "cuEventDestroy", 4000) \
+    X(cuCtxGetCurrent, (CUcontext *), "cuCtxGetCurrent", "cuCtxGetCurrent", 4000) \
+    X(cuCtxPushCurrent, (CUcontext), "cuCtxPushCurrent_v2", "cuCtxPushCurrent", 4000) \
+    X(cuCtxPopCurrent, (CUcontext *), "cuCtxPopCurrent_v2", "cuCtxPopCurrent", 4000) \
+    X(cuCtxGetDevice, (CUdevice *), "cuCtxGetDevice", "cuCtxGetDevice", 2000) \
+    X(cuCtxSynchronize, (void), "cuCtxSynchronize", "cuCtxSynchronize", 2000) \
+    X(cuDeviceGetCount, (int *), "cuDeviceGetCount", "cuDeviceGetCount", 2000) \
+    X(cuDeviceGetUuid, (CUuuid *, CUdevice), "cuDeviceGetUuid_v2", "cuDeviceGetUuid", 11040) \
+    X(cuDeviceGetName, (char *, int, CUdevice), "cuDeviceGetName", "cuDeviceGetName", 2000) \
+    X(cuDevicePrimaryCtxGetState, (CUdevice, unsigned int *, int *), \
+      "cuDevicePrimaryCtxGetState", "cuDevicePrimaryCtxGetState", 7000) \
+    X(cuDevicePrimaryCtxRetain, (CUcontext *, CUdevice), \
+      "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", 7000) \
+    X(cuDevicePrimaryCtxRelease, (CUdevice), \
+      "cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease", 11000) \
+    X(cuMemAlloc, (CUdeviceptr *, size_t), "cuMemAlloc_v2", "cuMemAlloc", 3020) \
+    X(cuMemAllocPitch, (CUdeviceptr *, size_t *, size_t, size_t, unsigned int), \
+      "cuMemAllocPitch_v2", "cuMemAllocPitch", 3020) \
+    X(cuMemFree, (CUdeviceptr), "cuMemFree_v2", "cuMemFree", 3020) \
+    X(cuMemGetAddressRange, (CUdeviceptr *, size_t *, CUdeviceptr), \
+      "cuMemGetAddressRange_v2", "cuMemGetAddressRange", 3020) \
+    X(cuMemGetAllocationGranularity, (size_t *, const CUmemAllocationProp *, \
+      CUmemAllocationGranularity_flags), \
+      "cuMemGetAllocationGranularity", "cuMemGetAllocationGranularity", 10020) \
+    X(cuPointerGetAttribute, (void *, CUpointer_attribute, CUdeviceptr), \
+      "cuPointerGetAttribute", "cuPointerGetAttribute", 4000) \
+    X(cuPointerGetAttributes, (unsigned int, CUpointer_attribute *, void **, CUdeviceptr), \
+      "cuPointerGetAttributes", "cuPointerGetAttributes", 7000) \
+    X(cuCtxDestroy, (CUcontext), "cuCtxDestroy_v2", "cuCtxDestroy", 4000) \
+    X(cuDevicePrimaryCtxReset, (CUdevice), \
+      "cuDevicePrimaryCtxReset_v2", "cuDevicePrimaryCtxReset", 11000) \
+    X(cuCtxEnablePeerAccess, (CUcontext, unsigned int), \
+      "cuCtxEnablePeerAccess", "cuCtxEnablePeerAccess", 4000) \
+    X(cuCtxDisablePeerAccess, (CUcontext), \
+      "cuCtxDisablePeerAccess", "cuCtxDisablePeerAccess", 4000) \
+    X(cuIpcGetMemHandle, (CUipcMemHandle *, CUdeviceptr), \
+      "cuIpcGetMemHandle", "cuIpcGetMemHandle", 4010) \
+    X(cuIpcOpenMemHandle, (CUdeviceptr *, CUipcMemHandle, unsigned int), \
+      "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle", 11000) \
+    X(cuIpcOpenMemHandle_v1, (CUdeviceptr *, CUipcMemHandle, unsigned int), \
+      "cuIpcOpenMemHandle", NULL, 0) \
+    X(cuIpcCloseMemHandle, (CUdeviceptr), "cuIpcCloseMemHandle", "cuIpcCloseMemHandle", 4010) \
+    X(cuMemPoolExportToShareableHandle, (void *, CUmemoryPool, CUmemAllocationHandleType, \
+      unsigned long long), \
+      "cuMemPoolExportToShareableHandle", "cuMemPoolExportToShareableHandle", 11020) \
+    X(cuMemPoolImportFromShareableHandle, (CUmemoryPool *, void *, CUmemAllocationHandleType, \
+      unsigned long long), \
+      "cuMemPoolImportFromShareableHandle", "cuMemPoolImportFromShareableHandle", 11020) \
+    X(cuMemPoolExportPointer, (CUmemPoolPtrExportData *, CUdeviceptr), \
+      "cuMemPoolExportPointer", "cuMemPoolExportPointer", 11020) \
+    X(cuMemPoolImportPointer, (CUdeviceptr *, CUmemoryPool, CUmemPoolPtrExportData *), \
+      "cuMemPoolImportPointer", "cuMemPoolImportPointer", 11020) \
+    X(cuMemPoolDestroy, (CUmemoryPool), "cuMemPoolDestroy", "cuMemPoolDestroy", 11020) \
+    X(cuMulticastCreate, (CUmemGenericAllocationHandle *, const CUmulticastObjectProp *), \
+      "cuMulticastCreate", "cuMulticastCreate", 12010) \
+    X(cuMulticastAddDevice, (CUmemGenericAllocationHandle, CUdevice), \
+      "cuMulticastAddDevice", "cuMulticastAddDevice", 12010) \
+    X(cuMulticastBindMem, (CUmemGenericAllocationHandle, size_t, CUmemGenericAllocationHandle, \
+      size_t, size_t, unsigned long long), \
+      "cuMulticastBindMem", "cuMulticastBindMem", 12010) \
+    X(cuMulticastBindAddr, (CUmemGenericAllocationHandle, size_t, CUdeviceptr, size_t, \
+      unsigned long long), \
+      "cuMulticastBindAddr", "cuMulticastBindAddr", 12010) \
+    X(cuMulticastUnbind, (CUmemGenericAllocationHandle, CUdevice, size_t, size_t), \
+      "cuMulticastUnbind", "cuMulticastUnbind", 12010) \
+    X(cuMulticastBindMem_v2, (CUmemGenericAllocationHandle, CUdevice, size_t, \
+      CUmemGenericAllocationHandle, size_t, size_t, unsigned long long), \
+      "cuMulticastBindMem_v2", NULL, 0) \
+    X(cuMulticastBindAddr_v2, (CUmemGenericAllocationHandle, CUdevice, size_t, CUdeviceptr, \
+      size_t, unsigned long long), \
+      "cuMulticastBindAddr_v2", NULL, 0)
+
+#define SHIM_REAL_FIELD(field, params, name, base, version) CUresult(*field) params;
 struct shim_real {
-    CUresult (*cuInit)(unsigned int);
-    CUresult (*gpa_v1)(const char *, void **, int, cuuint64_t); /* cuGetProcAddress, old ABI */
-    CUresult (*cuGetProcAddress_v2)(const char *, void **, int, cuuint64_t,
-                                    CUdriverProcAddressQueryResult *);
-    CUresult (*cuGetErrorName)(CUresult, const char **);
-    CUresult (*cuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
-                            unsigned long long);
-    CUresult (*cuMemRelease)(CUmemGenericAllocationHandle);
-    CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
-                         unsigned long long);
-    CUresult (*cuMemUnmap)(CUdeviceptr, size_t);
-    CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
-    CUresult (*cuMemRetainAllocationHandle)(CUmemGenericAllocationHandle *, void *);
-    CUresult (*cuMemGetAllocationPropertiesFromHandle)(CUmemAllocationProp *,
-                                                       CUmemGenericAllocationHandle);
-    CUresult (*cuMemExportToShareableHandle)(void *, CUmemGenericAllocationHandle,
-                                             CUmemAllocationHandleType, unsigned long long);
-    CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *,
-                                               CUmemAllocationHandleType);
-    CUresult (*cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr,
-                                    unsigned long long);
-    CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
-    CUresult (*cuMemHostAlloc)(void **, size_t, unsigned int);
-    CUresult (*cuMemFreeHost)(void *);
-    CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
-    CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
-    CUresult (*cuStreamCreate)(CUstream *, unsigned int);
-    CUresult (*cuStreamSynchronize)(CUstream);
-    CUresult (*cuStreamDestroy)(CUstream);
-    CUresult (*cuEventCreate)(CUevent *, unsigned int);
-    CUresult (*cuEventRecord)(CUevent, CUstream);
-    CUresult (*cuEventSynchronize)(CUevent);
-    CUresult (*cuEventDestroy)(CUevent);
-    CUresult (*cuCtxGetCurrent)(CUcontext *);
-    CUresult (*cuCtxPushCurrent)(CUcontext);
-    CUresult (*cuCtxPopCurrent)(CUcontext *);
-    CUresult (*cuCtxGetDevice)(CUdevice *);
-    CUresult (*cuCtxSynchronize)(void);
-    CUresult (*cuDeviceGetCount)(int *);
-    CUresult (*cuDeviceGetUuid)(CUuuid *, CUdevice);
-    CUresult (*cuDeviceGetName)(char *, int, CUdevice);
-    CUresult (*cuDevicePrimaryCtxGetState)(CUdevice, unsigned int *, int *);
-    CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
-    CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
-    CUresult (*cuMulticastCreate)(CUmemGenericAllocationHandle *, const CUmulticastObjectProp *);
-    CUresult (*cuMulticastAddDevice)(CUmemGenericAllocationHandle, CUdevice);
-    CUresult (*cuMulticastBindMem)(CUmemGenericAllocationHandle, size_t,
-                                   CUmemGenericAllocationHandle, size_t, size_t,
-                                   unsigned long long);
-    shim_bind_mem_v2_fn cuMulticastBindMem_v2;
-    CUresult (*cuMulticastBindAddr)(CUmemGenericAllocationHandle, size_t, CUdeviceptr, size_t,
-                                    unsigned long long);
-    shim_bind_addr_v2_fn cuMulticastBindAddr_v2;
-    CUresult (*cuMulticastUnbind)(CUmemGenericAllocationHandle, CUdevice, size_t, size_t);
-    /* Owned memory (owned.c), legacy IPC (ipc.c) and the sharing the shim
-     * refuses (unowned.c). */
-    CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);
-    CUresult (*cuMemAllocPitch)(CUdeviceptr *, size_t *, size_t, size_t, unsigned int);
-    CUresult (*cuMemFree)(CUdeviceptr);
-    CUresult (*cuMemGetAddressRange)(CUdeviceptr *, size_t *, CUdeviceptr);
-    CUresult (*cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *,
-                                              CUmemAllocationGranularity_flags);
-    CUresult (*cuPointerGetAttribute)(void *, CUpointer_attribute, CUdeviceptr);
-    CUresult (*cuPointerGetAttributes)(unsigned int, CUpointer_attribute *, void **,
-                                       CUdeviceptr);
-    CUresult (*cuCtxDestroy)(CUcontext);
-    CUresult (*cuDevicePrimaryCtxReset)(CUdevice);
-    CUresult (*cuCtxEnablePeerAccess)(CUcontext, unsigned int);
-    CUresult (*cuCtxDisablePeerAccess)(CUcontext);
-    CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
-    CUresult (*cuIpcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
-    CUresult (*cuIpcOpenMemHandle_v1)(CUdeviceptr *, CUipcMemHandle, unsigned int);
-    CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
-    CUresult (*cuMemPoolExportToShareableHandle)(void *, CUmemoryPool, CUmemAllocationHandleType,
-                                                 unsigned long long);
-    CUresult (*cuMemPoolImportFromShareableHandle)(CUmemoryPool *, void *,
-                                                   CUmemAllocationHandleType,
-                                                   unsigned long long);
-    CUresult (*cuMemPoolExportPointer)(CUmemPoolPtrExportData *, CUdeviceptr);
-    CUresult (*cuMemPoolImportPointer)(CUdeviceptr *, CUmemoryPool, CUmemPoolPtrExportData *);
-    CUresult (*cuMemPoolDestroy)(CUmemoryPool);
+    SHIM_REAL(SHIM_REAL_FIELD)
     /* Not wrapped: resolved on first use by shim_resolve_host_register(). */
     CUresult (*cuMemHostRegister)(void *, size_t, unsigned int);
     CUresult (*cuMemHostUnregister)(void *);
@@ -385,6 +449,10 @@ SHIM_HIDDEN void shim_state_after_fork(void);
 /* A logical handle: bits 63..48 the tag, 47..24 the slot's generation,
  * 23..0 the slot. Real driver handles observed on the H200 are small
  * (e.g. 0x204b0840); one with this tag is refused at creation. */
+/* Device ordinals the shim keeps a bit for (uint64_t masks: owned.c's peers,
+ * multicast.c's devices). */
+#define MAX_DEVICES 64
+
 #define SHIM_TAG 0xC1F0ull
 #define SHIM_TAG_SHIFT 48
 #define SHIM_GEN_SHIFT 24
@@ -458,11 +526,15 @@ struct obj {
     struct mc_binding *binds;
     uint32_t nbinds, capbinds;
     size_t host_len;              /* bytes mapped at `host` (staging_len(size)) */
+    /* STORE_STAGED wrote the staged copy to the coordinator's file and freed
+     * `host`; FETCH_STAGED reads it back (stored.c). */
+    bool stored;
     /* Memory the shim owns for the application (owned.c): a cuMemAlloc
      * allocation the shim backs with this object (its creator), or the
      * ranges this process opened by cuIpcOpenMemHandle (an importer). NULL
      * for the application's own VMM objects. */
     struct owned *own;
+    void (*free_own)(struct owned *); /* owned.c's: set with `own` (owned_new) */
 };
 
 /* One range the application holds a pointer to: what cuMemAlloc returned
@@ -472,18 +544,14 @@ struct owned_range {
     uint64_t size;                /* as asked (cuMemGetAddressRange answers it) */
     uint32_t opens;               /* importer: opens not yet closed */
     bool live;                    /* creator: not freed yet */
-    bool exported;                /* creator: an IPC handle was handed out */
 };
 
 /* The shim's bookkeeping of an owned object (owned.c). */
 struct owned {
-    bool slab;                    /* small allocations packed into one object */
     CUdeviceptr base;             /* the reservation the shim made (the mapping's VA) */
     size_t reserved;              /* its size */
     struct owned_range *ranges;
     uint32_t nranges, capranges;
-    uint64_t *units;              /* slab: a bit per OWNED_UNIT bytes in use or retired */
-    uint32_t free_units;          /* slab: bits clear */
     /* BUFFER_ID and MEMORY_BLOCK_ID as first answered (0: not asked yet),
      * answered from then on: a restore rebuilds the memory under new ids,
      * and the native checkpoint keeps them. */
@@ -591,18 +659,41 @@ enum cap_kind {
     CAP_VALID = 1,      /* a capability; `cap` is filled */
 };
 SHIM_HIDDEN enum cap_kind cap_parse(int fd, struct cuip_capability *cap);
-/* Ask the creator's endpoint for a fresh raw FD of a resource of `kind`
- * (enum cuip_resource_kind) (EXPORT); -1 and msg on error, CAP_CREATOR_GONE
- * and msg when nobody serves the endpoint (no socket there, or nobody
- * listening: the creator process is gone). */
+/* What an importer knows of a creator's resource: enough to fetch it. */
+struct cap_ref {
+    uint32_t kind;                         /* enum cuip_resource_kind */
+    char creator[CUIP_PARTICIPANT_LEN];
+    uint8_t id[CUIP_ID_LEN];
+    uint8_t auth[CUIP_AUTH_LEN];
+    char endpoint[CUIP_CAP_ENDPOINT_LEN];
+    uint64_t size;                         /* what the importer was handed */
+};
+/* The reference an importer's object `o` holds. */
+SHIM_HIDDEN void cap_ref_of(const struct obj *o, struct cap_ref *ref);
+/* Ask the creator's endpoint for a fresh raw FD of the resource (EXPORT);
+ * -1 and msg on error (refused: nothing recorded), CAP_FETCH_LOST and msg
+ * when the reply was lost or unusable after the request went out (the
+ * creator may have recorded the fetch), CAP_CREATOR_GONE and msg when nobody
+ * serves the endpoint (no socket there, or nobody listening: the creator
+ * process is gone). Without g.lock: the creator may be asking us meanwhile. */
 #define CAP_CREATOR_GONE (-2)
-SHIM_HIDDEN int cap_fetch_kind(uint32_t kind, const char creator[CUIP_PARTICIPANT_LEN],
-                               const uint8_t id[CUIP_ID_LEN], const uint8_t auth[CUIP_AUTH_LEN],
-                               const char endpoint[CUIP_CAP_ENDPOINT_LEN], char *msg, size_t n);
-/* cap_fetch_kind for an allocation (CUIP_RESOURCE_UNICAST). */
-SHIM_HIDDEN int cap_fetch(const char creator[CUIP_PARTICIPANT_LEN],
-                          const uint8_t id[CUIP_ID_LEN], const uint8_t auth[CUIP_AUTH_LEN],
-                          const char endpoint[CUIP_CAP_ENDPOINT_LEN], char *msg, size_t n);
+#define CAP_FETCH_LOST (-4)
+SHIM_HIDDEN int cap_fetch(const struct cap_ref *ref, char *msg, size_t n);
+/* The one import of a fetched FD: fetch, import, close, and refuse a driver
+ * handle in the shim's tag range. 0 and *out; cap_fetch's codes; or
+ * CAP_IMPORT_FAILED and *cr. After CAP_IMPORT_FAILED or CAP_FETCH_LOST the
+ * creator (may have) recorded the fetch: an application's open then calls
+ * cap_withdraw. */
+#define CAP_IMPORT_FAILED (-3)
+SHIM_HIDDEN int cap_import(const struct cap_ref *ref, CUmemGenericAllocationHandle *out,
+                           CUresult *cr, char *msg, size_t n);
+/* Tell the creator that the open which fetched `ref` failed here, so that
+ * no FETCH record names this process (a failure is logged). */
+SHIM_HIDDEN void cap_withdraw(const struct cap_ref *ref);
+/* Under g.lock: the importer's object for `h`, imported from `ref` (owns h,
+ * released on failure: NULL). */
+SHIM_HIDDEN struct obj *cap_adopt_import(CUmemGenericAllocationHandle h,
+                                         const struct cap_ref *ref, uint64_t handle_types);
 /* Serve EXPORT for a peer: `fetcher` (the request's text) in process `pid`
  * (SO_PEERCRED) is recorded as having fetched the allocation. */
 SHIM_HIDDEN void cap_serve_export(const struct cuip_header *req,
@@ -674,9 +765,12 @@ SHIM_HIDDEN void unowned_after_fork(void);
  * that holds `p` (a live one for the creator, an open one for an importer);
  * NULL when `p` is in no owned range. */
 SHIM_HIDDEN struct obj *owned_find(CUdeviceptr p, struct owned_range **range);
-/* The bookkeeping of an owned object mapped at [base, base+reserved); NULL
- * on ENOMEM. */
-SHIM_HIDDEN struct owned *owned_new(CUdeviceptr base, size_t reserved, bool slab);
+/* Give `o` the bookkeeping of an owned object mapped at [base,
+ * base+reserved), freed with `o` (obj_free); -1 on ENOMEM. */
+SHIM_HIDDEN int owned_new(struct obj *o, CUdeviceptr base, size_t reserved);
+/* Under g.lock: unmap, release and forget owned object `o` (a creator's
+ * allocation or an importer's import) once nothing holds it. */
+SHIM_HIDDEN void owned_release(struct obj *o);
 SHIM_HIDDEN struct owned_range *owned_add_range(struct owned *w, uint64_t offset,
                                                 uint64_t size);
 SHIM_HIDDEN void owned_drop_range(struct owned *w, struct owned_range *range);
@@ -716,6 +810,13 @@ struct staging;
  * 2 MiB aligned, advised MADV_HUGEPAGE unless SNAPSHOT_SHIM_STAGING_THP=0;
  * NULL and msg on failure. Slices of it are unmapped by their owners. */
 SHIM_HIDDEN void *staging_alloc(size_t len, char *msg, size_t n);
+/* Free the bounce buffers (SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP=0, after a
+ * LOAD), `ctx` current: nothing pinned while the application runs, and the
+ * next SAVE pins them again. */
+SHIM_HIDDEN void staging_free_bounces(CUcontext ctx);
+/* Zero the resident bounce buffers: the last bytes copied through them must
+ * not reach a process image once the staged copies went to a file. */
+SHIM_HIDDEN void staging_scrub_bounces(void);
 /* Bytes of staging memory one allocation of `size` bytes takes. */
 SHIM_HIDDEN size_t staging_len(size_t size);
 /* Start the pool for a phase moving `total` bytes of at most `items`
@@ -743,12 +844,35 @@ SHIM_HIDDEN phase_work_fn content_load;
 SHIM_HIDDEN phase_work_fn content_reload;
 /* Free every staged host copy. */
 SHIM_HIDDEN void content_free_staged(void);
+/* Unmap the resident staging mapping (SNAPSHOT_SHIM_STAGING_RESIDENT_MIB)
+ * when no staged copy lies in it: its pages must not reach a process image. */
+SHIM_HIDDEN void content_drop_resident(void);
+
+/* ---------------------------------------------------------------- stored.c */
+/* STORE_STAGED / FETCH_STAGED with the request's descriptor `fd` (-1: none
+ * came): the staged copies to and from the coordinator's file. */
+SHIM_HIDDEN void stored_serve(uint16_t op, int fd, struct reply *r);
 
 /* ---------------------------------------------------------------- quiesce.c */
 /* QUIESCE: the gate closed in two steps until every context of this process
  * is idle, within SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S; refused (gate reopened)
  * otherwise, naming what the threads were held at. */
 SHIM_HIDDEN phase_work_fn quiesce_run;
+/* The contexts the application's work can be queued in: those of the shim's
+ * objects and every active primary context (the runtime's, retained while
+ * in the set). As many as there are. */
+struct ctx_set {
+    CUcontext *ctx;
+    int *primary_of;                 /* the retained primary context's device; -1 */
+    uint32_t n, cap;
+};
+/* 0, or -1 and msg (out of memory: nothing held). */
+SHIM_HIDDEN int ctx_set_collect(struct ctx_set *s, char *msg, size_t n);
+/* cuCtxSynchronize of each in turn (blocks; no lock held): the first
+ * failure, its index in *failed and the call that failed in *call. */
+SHIM_HIDDEN CUresult ctx_set_sync(const struct ctx_set *s, uint32_t *failed, const char **call);
+/* Release the retained primary contexts, free the set. */
+SHIM_HIDDEN void ctx_set_free(struct ctx_set *s);
 
 /* ---------------------------------------------------------------- rollback.c */
 SHIM_HIDDEN phase_work_fn rollback_allocations;

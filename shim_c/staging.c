@@ -26,12 +26,22 @@
  *  - by default nothing is pinned per phase at all: each thread copies
  *    through its own pinned bounce buffer (SNAPSHOT_SHIM_STAGING_BOUNCE_MIB,
  *    cuMemHostAlloc once, kept for the life of the process) and memcpy's
- *    between it and the staging memory, double-buffered (bounce_copy): the
- *    copy engine fills or drains one half while the thread memcpy's the
- *    other, and the thread waits on a blocking-sync event, so that a waiting
- *    worker gives its CPU to the ones that memcpy and fault pages (on the
- *    H200 a SAVE of 8 GiB was CPU-bound: populate 2.7 + memcpy 2.0 of 5.1
- *    thread-s in a 0.34 s op on 16 CPUs, against a 0.18 s copy);
+ *    between it and the staging memory, the buffer cut in
+ *    SNAPSHOT_SHIM_STAGING_DEPTH pieces (bounce_copy): the copy engine fills
+ *    or drains up to depth - 1 pieces while the thread memcpy's another, and
+ *    the thread waits on a blocking-sync event, so that a waiting worker
+ *    gives its CPU to the ones that memcpy and fault pages (on the H200 a
+ *    SAVE of 8 GiB was CPU-bound: populate 2.7 + memcpy 2.0 of 5.1 thread-s
+ *    in a 0.34 s op on 16 CPUs, against a 0.18 s copy). Why 4 by default
+ *    and not 2: each chunk's pipeline starts with a copy that no memcpy
+ *    overlaps and ends with a memcpy that no copy overlaps; with 2 MiB
+ *    pieces instead of 4 MiB halves those ends are half as long, and the
+ *    96 x 6 MiB shape (chunks of 9 MiB) lost a third of its time to them;
+ *  - the fault-in of fresh staging memory is CPU work of the kernel that
+ *    scales with threads (first touch 47 GB/s from 16 threads with THP, 1.7
+ *    from one); SNAPSHOT_SHIM_STAGING_POPULATE_THREADS more threads can do
+ *    it ahead of the copies (pool_populator) while the copy threads wait on
+ *    their copies, so that populating chunk k+1 overlaps copying chunk k;
  *  - through the bounce buffers, fresh staging memory is faulted in by the
  *    memcpy that fills it: each 2 MiB page zeroed by the kernel just before
  *    it is written, while it is still in cache, instead of a pass of its own
@@ -83,10 +93,16 @@ struct segment {
     size_t offset;              /* in the allocation, for messages */
 };
 
+/* Who faults a copy task's staging memory in (SAVE with populate threads):
+ * one thread at a time touches a chunk's pages, so that no populate write
+ * ever meets the copy thread's memcpy into the same bytes. Under lock. */
+enum { POP_NONE = 0, POP_BUSY, POP_DONE, POP_COPYING };
+
 /* A contiguous host range: for TASK_COPY the segments seg0.. seg0+nseg-1
  * lie back to back in it and share one context. */
 struct task {
     uint8_t kind;
+    uint8_t pop;                /* POP_*, under lock once published */
     char *host;
     size_t len;
     uint32_t seg0, nseg;
@@ -114,6 +130,14 @@ struct staging {
 
     pthread_t *tids;
     unsigned started;
+    /* Populate-ahead threads (SAVE into fresh memory only): they fault in
+     * the pages of published copy tasks from ahead_next on, skipping those a
+     * copy thread has taken (its memcpy faults them). */
+    pthread_t *helpers;
+    unsigned nhelpers;
+    uint32_t ahead_next;        /* under lock */
+    pthread_cond_t ahead_more;
+    pthread_cond_t popped;      /* a task left POP_BUSY */
     unsigned slots;             /* bounce slots handed to workers so far */
 
     /* Copy wall time: the union over all threads of the intervals during
@@ -135,6 +159,7 @@ static struct bounce {
     void *p;
     size_t size;
     pid_t pid;
+    bool registered;            /* our mapping, registered; else cuMemHostAlloc'd */
 } bounces[SLOTS];
 
 /* ------------------------------------------------------------ memory */
@@ -172,6 +197,86 @@ size_t staging_len(size_t size)
     long pg = sysconf(_SC_PAGESIZE);
     size_t page = pg > 0 ? (size_t)pg : 4096;
     return (size + page - 1) / page * page;
+}
+
+/* Unpin and free one bounce buffer (the caller has a context current). */
+static void bounce_free(struct bounce *b)
+{
+    CUresult r;
+
+    if (b->registered) {
+        r = real.cuMemHostUnregister(b->p);
+        if (r != CUDA_SUCCESS)
+            shim_log(LOG_WARN, "cuMemHostUnregister of a bounce buffer failed: %s",
+                     shim_cu_name(r));
+        else if (munmap(b->p, b->size) != 0)
+            shim_log(LOG_WARN, "munmap of a bounce buffer failed: %s", strerror(errno));
+    } else {
+        r = real.cuMemFreeHost(b->p);
+        if (r != CUDA_SUCCESS)
+            shim_log(LOG_WARN, "cuMemFreeHost of a bounce buffer failed: %s", shim_cu_name(r));
+    }
+    b->p = NULL;
+}
+
+void staging_free_bounces(CUcontext ctx)
+{
+    bool pushed;
+
+    if (!real.cuMemFreeHost || shim_ctx_enter(ctx, &pushed) != CUDA_SUCCESS)
+        return; /* kept: the next op reuses them */
+    for (unsigned i = 0; i < SLOTS; i++)
+        if (bounces[i].p && bounces[i].pid == getpid())
+            bounce_free(&bounces[i]);
+    shim_ctx_leave(pushed);
+}
+
+/* Whether [p, p + n) is mapped readable and writable now (/proc/self/maps):
+ * scrubbing runs after the native checkpoint, which may have changed the
+ * driver's mappings of cuMemHostAlloc'd memory; a write into a page that is
+ * no longer writable would kill the application. */
+static bool writable_range(const char *p, size_t n)
+{
+    uintptr_t need = (uintptr_t)p, end = (uintptr_t)p + n;
+    bool advanced = true;
+    char line[512];
+    FILE *f;
+
+    while (need < end && advanced) {
+        advanced = false;
+        f = fopen("/proc/self/maps", "re");
+        if (!f)
+            return false;
+        while (fgets(line, sizeof line, f)) {
+            unsigned long lo, hi;
+            char perms[5];
+            if (sscanf(line, "%lx-%lx %4s", &lo, &hi, perms) != 3)
+                continue;
+            if (need < lo || need >= hi)
+                continue;
+            if (perms[0] != 'r' || perms[1] != 'w')
+                break;
+            need = hi;
+            advanced = true;
+            break;
+        }
+        fclose(f);
+    }
+    return need >= end;
+}
+
+void staging_scrub_bounces(void)
+{
+    for (unsigned i = 0; i < SLOTS; i++) {
+        struct bounce *b = &bounces[i];
+        if (!b->p || b->pid != getpid())
+            continue;
+        if (writable_range(b->p, b->size))
+            memset(b->p, 0, b->size);
+        else
+            shim_log(LOG_WARN, "a bounce buffer is not writable now; the last bytes copied "
+                               "through it stay in it (%zu bytes)", b->size);
+    }
 }
 
 /* ------------------------------------------------------------ errors */
@@ -215,9 +320,9 @@ struct worker {
     CUcontext ctx;
     bool entered, pushed;
     CUstream stream;
-    /* One per half of the bounce buffer: recorded after that half's copies,
-     * waited for (blocking, not spinning) before the half is touched again. */
-    CUevent done[2];
+    /* One per piece of the bounce buffer: recorded after that piece's
+     * copies, waited for (blocking, not spinning) before it is touched again. */
+    CUevent done[STAGING_DEPTH_MAX];
     struct staging_times t;     /* this thread's, added to the pool's at the end */
 };
 
@@ -225,7 +330,7 @@ static void worker_leave(struct staging *s, struct worker *w)
 {
     if (!w->entered)
         return;
-    for (int i = 0; i < 2; i++) {
+    for (unsigned i = 0; i < STAGING_DEPTH_MAX; i++) {
         if (w->done[i]) {
             CUresult r = real.cuEventDestroy(w->done[i]);
             if (r != CUDA_SUCCESS)
@@ -268,7 +373,7 @@ static int worker_use(struct staging *s, struct worker *w, CUcontext ctx)
     /* Blocking sync: a worker waiting for its copy sleeps instead of spinning
      * (the context's default schedule spins while it has fewer threads than
      * CPUs), so the CPUs stay with the workers that memcpy and fault pages. */
-    for (int i = 0; i < 2; i++) {
+    for (unsigned i = 0; i < shim_settings()->staging_depth; i++) {
         r = real.cuEventCreate(&w->done[i], CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING);
         if (r != CUDA_SUCCESS) {
             w->done[i] = NULL;
@@ -323,27 +428,62 @@ static void copy_end(struct staging *s)
     pthread_mutex_unlock(&s->lock);
 }
 
+/* SNAPSHOT_SHIM_STAGING_BOUNCE_PIN=register: a mapping of our own, written
+ * through (populated, 2 MiB pages where THP allows), then registered: the
+ * driver pins populated memory at ~11 GB/s where cuMemHostAlloc ran at
+ * ~1.6 GB/s on the H200 (docs/benchmarks.md), and the first SAVE of a
+ * process pays that pinning. */
+static CUresult bounce_register(void **out, size_t size, char *why, size_t n)
+{
+    char msg[160];
+    char *p = staging_alloc(size, msg, sizeof msg);
+    CUresult r;
+
+    if (!p) {
+        snprintf(why, n, "%s", msg);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    memset(p, 0, size);
+    r = real.cuMemHostRegister(p, size, CU_MEMHOSTREGISTER_PORTABLE);
+    if (r != CUDA_SUCCESS) {
+        snprintf(why, n, "cuMemHostRegister");
+        munmap(p, size);
+        return r;
+    }
+    *out = p;
+    return CUDA_SUCCESS;
+}
+
 /* The worker's bounce buffer, pinned now if it is not yet (in the current
  * context, PORTABLE so that every context may copy through it). */
 static char *bounce_get(struct staging *s, struct worker *w, const struct segment *first)
 {
     struct bounce *b = &bounces[w->slot];
     size_t size = shim_settings()->staging_bounce;
+    bool reg = shim_settings()->staging_bounce_register;
+    char why[160] = "cuMemHostAlloc";
     uint64_t t0;
     CUresult r;
 
-    if (b->p && b->pid == getpid() && b->size == size)
+    if (b->p && b->pid == getpid() && b->size == size && b->registered == reg)
         return b->p;
+    if (b->p && b->pid == getpid())
+        bounce_free(b); /* another size or kind (settings are read once: not seen) */
     t0 = shim_now_ns();
-    r = real.cuMemHostAlloc(&b->p, size, CU_MEMHOSTALLOC_PORTABLE);
+    r = reg ? bounce_register(&b->p, size, why, sizeof why)
+            : real.cuMemHostAlloc(&b->p, size, CU_MEMHOSTALLOC_PORTABLE);
     w->t.register_ns += shim_now_ns() - t0;
     if (r != CUDA_SUCCESS) {
         b->p = NULL;
-        cu_fail(s, first, "cuMemHostAlloc", r);
+        if (r == CUDA_ERROR_OUT_OF_MEMORY && reg && strcmp(why, "cuMemHostRegister") != 0)
+            stage_fail(s, first, "bounce buffer: %s", why);
+        else
+            cu_fail(s, first, why, r);
         return NULL;
     }
     b->size = size;
     b->pid = getpid();
+    b->registered = reg;
     return b->p;
 }
 
@@ -406,57 +546,61 @@ static void timed_memcpy(struct worker *w, char *to, const char *from, size_t n)
     w->t.memcpy_ns += shim_now_ns() - t0;
 }
 
-/* One chunk through the bounce buffer, double-buffered: piece j of the
- * chunk (half a bounce buffer) goes through half j % 2, so that the copy
- * engine moves one half while this thread memcpy's the other. SAVE: the
- * copy of piece j is queued before piece j - 1 is memcpy'd out (that memcpy
- * faults the fresh staging pages in as it writes them, each 2 MiB page
- * zeroed just before it is written: no pass of its own); LOAD: piece j is
- * memcpy'd in once the copy of piece j - 2 (the same half) is done, then
- * queued. On any error the stream is drained before returning: the bounce
- * buffer is never left with a copy in flight. */
+/* One chunk through the bounce buffer, cut in `depth` pieces
+ * (SNAPSHOT_SHIM_STAGING_DEPTH, 2 by default: double-buffered): piece j of
+ * the chunk goes through slot j % depth, so that the copy engine moves up to
+ * depth - 1 pieces while this thread memcpy's another. SAVE: the copies of
+ * pieces j .. j + depth - 1 are queued before piece j is memcpy'd out (that
+ * memcpy faults the fresh staging pages in as it writes them, each 2 MiB
+ * page zeroed just before it is written: no pass of its own); LOAD: piece j
+ * is memcpy'd in once the copy of piece j - depth (the same slot) is done,
+ * then queued. On any error the stream is drained before returning: the
+ * bounce buffer is never left with a copy in flight. */
 static int bounce_copy(struct staging *s, struct worker *w, const struct task *k)
 {
-    size_t half = shim_settings()->staging_bounce / 2;
+    unsigned depth = shim_settings()->staging_depth;
+    size_t piece = shim_settings()->staging_bounce / depth;
     char *buf = bounce_get(s, w, &s->segs[k->seg0]);
-    size_t pieces, j;
+    size_t pieces, j, queued = 0;
     struct cursor c = {0, 0};
     int rc = 0;
     uint64_t t0;
 
     if (!buf)
         return -1;
-    pieces = (k->len + half - 1) / half;
+    pieces = (k->len + piece - 1) / piece;
     copy_begin(s);
-    for (j = 0; j <= pieces && rc == 0; j++) {
-        if (j < pieces) {
-            size_t at = j * half, n = k->len - at < half ? k->len - at : half;
-            char *b = buf + (j % 2) * half;
-            if (!s->to_host) {
-                if (j >= 2 && piece_wait(s, w, k, w->done[j % 2]) != 0) {
-                    rc = -1;
-                    break;
-                }
-                timed_memcpy(w, b, k->host + at, n);
+    for (j = 0; j < pieces && rc == 0; j++) {
+        size_t at = j * piece, n = k->len - at < piece ? k->len - at : piece;
+        char *slot = buf + (j % depth) * piece;
+        if (s->to_host) {
+            /* Slot q % depth is free once piece q - depth was memcpy'd out. */
+            for (; queued < pieces && queued < j + depth && rc == 0; queued++) {
+                size_t qat = queued * piece, qn = k->len - qat < piece ? k->len - qat : piece;
+                t0 = shim_now_ns();
+                rc = piece_dma(s, w, k, &c, buf + (queued % depth) * piece, qn,
+                               w->done[queued % depth]);
+                w->t.copy_ns += shim_now_ns() - t0;
             }
-            t0 = shim_now_ns();
-            rc = piece_dma(s, w, k, &c, b, n, w->done[j % 2]);
-            w->t.copy_ns += shim_now_ns() - t0;
-            if (rc != 0)
-                break;
-        }
-        if (s->to_host && j >= 1) {
-            size_t at = (j - 1) * half, n = k->len - at < half ? k->len - at : half;
-            if (piece_wait(s, w, k, w->done[(j - 1) % 2]) != 0) {
+            if (rc != 0 || piece_wait(s, w, k, w->done[j % depth]) != 0) {
                 rc = -1;
                 break;
             }
-            timed_memcpy(w, k->host + at, buf + ((j - 1) % 2) * half, n);
+            timed_memcpy(w, k->host + at, slot, n);
+            continue;
         }
+        if (j >= depth && piece_wait(s, w, k, w->done[j % depth]) != 0) {
+            rc = -1;
+            break;
+        }
+        timed_memcpy(w, slot, k->host + at, n);
+        t0 = shim_now_ns();
+        rc = piece_dma(s, w, k, &c, slot, n, w->done[j % depth]);
+        w->t.copy_ns += shim_now_ns() - t0;
     }
     if (rc == 0 && !s->to_host)
-        for (j = pieces > 2 ? pieces - 2 : 0; j < pieces && rc == 0; j++)
-            rc = piece_wait(s, w, k, w->done[j % 2]);
+        for (j = pieces > depth ? pieces - depth : 0; j < pieces && rc == 0; j++)
+            rc = piece_wait(s, w, k, w->done[j % depth]);
     if (rc != 0) {
         /* Nothing may still write into (or read from) the buffer. */
         CUresult r = real.cuStreamSynchronize(w->stream);
@@ -559,6 +703,12 @@ static bool take_one(struct staging *s, struct worker *w)
 
     if (s->next == s->published)
         return false;
+    /* A populate thread halfway through this chunk finishes it first; one
+     * not there yet leaves it to the memcpy. */
+    while (s->tasks[s->next].pop == POP_BUSY)
+        pthread_cond_wait(&s->popped, &s->lock);
+    if (s->tasks[s->next].pop == POP_NONE)
+        s->tasks[s->next].pop = POP_COPYING;
     k = s->tasks[s->next++];
     s->inflight++;
     pthread_mutex_unlock(&s->lock);
@@ -608,13 +758,64 @@ static void *pool_worker(void *arg)
     return NULL;
 }
 
+/* Fault a fresh range in for writing: one zero byte per page (the kernel
+ * maps a zeroed page, a huge one where THP allows). Only for a chunk that no
+ * copy thread has taken (POP_BUSY): nothing else writes into it meanwhile. */
+static void touch_pages(char *p, size_t len)
+{
+    long pg = sysconf(_SC_PAGESIZE);
+    size_t step = pg > 0 ? (size_t)pg : 4096;
+    for (size_t i = 0; i < len; i += step)
+        ((volatile char *)p)[i] = 0;
+}
+
+static void *pool_populator(void *arg)
+{
+    struct staging *s = arg;
+    uint64_t spent = 0;
+
+    pthread_mutex_lock(&s->lock);
+    for (;;) {
+        struct task k;
+        uint32_t i;
+        uint64_t t0;
+
+        if (s->ahead_next < s->next)
+            s->ahead_next = s->next; /* taken: the copy faults those itself */
+        if (s->ahead_next == s->published) {
+            if (s->closing)
+                break;
+            pthread_cond_wait(&s->ahead_more, &s->lock);
+            continue;
+        }
+        i = s->ahead_next++;
+        if (s->tasks[i].kind != TASK_COPY || s->tasks[i].pop != POP_NONE || has_failed(s))
+            continue;
+        s->tasks[i].pop = POP_BUSY;
+        k = s->tasks[i];
+        pthread_mutex_unlock(&s->lock);
+        t0 = shim_now_ns();
+        touch_pages(k.host, k.len);
+        spent += shim_now_ns() - t0;
+        pthread_mutex_lock(&s->lock);
+        s->tasks[i].pop = POP_DONE;
+        pthread_cond_broadcast(&s->popped);
+    }
+    s->t.populate_ns += spent;
+    pthread_mutex_unlock(&s->lock);
+    return NULL;
+}
+
 /* ------------------------------------------------------------ the pool */
 /* Chunk size for a phase of `total` bytes: the setting, but small enough
- * that every thread gets about four chunks (96 allocations of 6 MiB would
- * otherwise be 9 chunks of 64 MiB for 16 threads), never below 1 MiB. */
-static size_t pick_chunk(uint64_t total, unsigned threads, size_t setting)
+ * that every thread gets about `spread` chunks
+ * (SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD, 4: 96 allocations of 6 MiB would
+ * otherwise be 9 chunks of 64 MiB for 16 threads), never below 1 MiB. Fewer,
+ * longer chunks fill each thread's bounce pipeline fewer times (its first
+ * copy and last memcpy overlap nothing); more balance the threads' work. */
+static size_t pick_chunk(uint64_t total, unsigned threads, unsigned spread, size_t setting)
 {
-    uint64_t even = total / ((uint64_t)threads * 4) >> 20 << 20;
+    uint64_t even = total / ((uint64_t)threads * spread) >> 20 << 20;
     size_t floor = (size_t)1 << 20;
     if (even < floor)
         even = floor;
@@ -643,7 +844,7 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
         goto oom;
     s->to_host = to_host;
     s->populated = populated;
-    s->chunk = pick_chunk(total, cfg->copy_threads, cfg->copy_chunk);
+    s->chunk = pick_chunk(total, cfg->copy_threads, cfg->staging_spread, cfg->copy_chunk);
     /* Every chunk boundary cuts at most one segment, every item starts at
      * most one task; a release task per item follows the copies. */
     pieces = total / s->chunk + 2 * (uint64_t)items + 2;
@@ -654,12 +855,15 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
     s->segs = calloc(s->cap_segs, sizeof *s->segs);
     s->tasks = calloc(s->cap_tasks, sizeof *s->tasks);
     s->tids = calloc(cfg->copy_threads, sizeof *s->tids);
-    if (!s->segs || !s->tasks || !s->tids)
+    s->helpers = calloc(cfg->staging_ahead ? cfg->staging_ahead : 1, sizeof *s->helpers);
+    if (!s->segs || !s->tasks || !s->tids || !s->helpers)
         goto oom;
     if (pthread_mutex_init(&s->lock, NULL) != 0)
         goto oom;
     pthread_cond_init(&s->more, NULL);
     pthread_cond_init(&s->idle, NULL);
+    pthread_cond_init(&s->ahead_more, NULL);
+    pthread_cond_init(&s->popped, NULL);
     /* No more threads than chunks. */
     want = (total + s->chunk - 1) / s->chunk;
     if (want > cfg->copy_threads)
@@ -676,6 +880,17 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
             break;
         }
     }
+    /* Only into fresh memory, and only while copy threads run: with none
+     * the control thread copies alone and nothing would stop the helpers. */
+    if (to_host && !populated && s->started)
+        for (; s->nhelpers < cfg->staging_ahead; s->nhelpers++) {
+            int e = pthread_create(&s->helpers[s->nhelpers], NULL, pool_populator, s);
+            if (e != 0) { /* the memcpy faults what no helper did */
+                shim_log(LOG_WARN, "pthread_create failed (%s): %u populate threads",
+                         strerror(e), s->nhelpers);
+                break;
+            }
+        }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     s->t.threads = s->started;
     s->t.chunk = s->chunk;
@@ -686,6 +901,7 @@ oom:
         free(s->segs);
         free(s->tasks);
         free(s->tids);
+        free(s->helpers);
         free(s);
     }
     snprintf(msg, n, "out of memory for the staging queue (%llu bytes, %u allocations)",
@@ -701,6 +917,8 @@ static void publish(struct staging *s)
     pthread_mutex_lock(&s->lock);
     s->published = ++s->ntasks;
     pthread_cond_signal(&s->more);
+    if (s->nhelpers)
+        pthread_cond_broadcast(&s->ahead_more);
     pthread_mutex_unlock(&s->lock);
 }
 
@@ -786,16 +1004,22 @@ void staging_stop(struct staging *s, struct staging_times *t)
     pthread_mutex_lock(&s->lock);
     s->closing = true;
     pthread_cond_broadcast(&s->more);
+    pthread_cond_broadcast(&s->ahead_more);
     pthread_mutex_unlock(&s->lock);
     for (unsigned i = 0; i < s->started; i++)
         pthread_join(s->tids[i], NULL);
+    for (unsigned i = 0; i < s->nhelpers; i++)
+        pthread_join(s->helpers[i], NULL);
     if (t)
         *t = s->t;
     pthread_cond_destroy(&s->more);
     pthread_cond_destroy(&s->idle);
+    pthread_cond_destroy(&s->ahead_more);
+    pthread_cond_destroy(&s->popped);
     pthread_mutex_destroy(&s->lock);
     free(s->segs);
     free(s->tasks);
     free(s->tids);
+    free(s->helpers);
     free(s);
 }

@@ -670,30 +670,38 @@ int unicast_unload_mappings(struct obj *o, char *msg, size_t n)
     return rc;
 }
 
-/* Import `fd` (a fresh export of o's creator, consumed) and map it at o's VAs. */
-static int import_fetched(struct obj *o, int fd, const char *op, struct reply *r)
+/* A fresh export of o's creator, imported under o's context (without
+ * g.lock: the creator may be asking us meanwhile); 0, else the cap_import
+ * code and msg. */
+static int import_again(struct obj *o, CUmemGenericAllocationHandle *h, char *msg, size_t n)
+{
+    struct cap_ref ref;
+    bool pushed;
+    CUresult cr = shim_ctx_enter(o->ctx, &pushed);
+    int got;
+
+    if (cr != CUDA_SUCCESS) {
+        shim_fail(msg, n, "cuCtxPushCurrent", cr);
+        return -1;
+    }
+    cap_ref_of(o, &ref);
+    got = cap_import(&ref, h, &cr, msg, n);
+    shim_ctx_leave(pushed);
+    return got;
+}
+
+/* `h` (a fresh import of o's creator's allocation) mapped at o's VAs. */
+static int load_import(struct obj *o, CUmemGenericAllocationHandle h, const char *op,
+                       struct reply *r)
 {
     char msg[512];
-    CUmemGenericAllocationHandle h = 0;
     bool pushed = false;
     CUresult cr;
 
     cr = shim_ctx_enter(o->ctx, &pushed);
     if (cr != CUDA_SUCCESS) {
         shim_fail(msg, sizeof msg, "cuCtxPushCurrent", cr);
-        goto fail;
-    }
-    cr = real.cuMemImportFromShareableHandle(&h, (void *)(intptr_t)fd,
-                                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    close(fd);
-    fd = -1;
-    if (cr != CUDA_SUCCESS) {
-        shim_fail(msg, sizeof msg, "cuMemImportFromShareableHandle", cr);
-        goto fail;
-    }
-    if (SHIM_IS_TAGGED(h)) {
         real.cuMemRelease(h);
-        snprintf(msg, sizeof msg, "driver handle collides with the shim's tag range");
         goto fail;
     }
     pthread_mutex_lock(&g.lock);
@@ -710,8 +718,6 @@ static int import_fetched(struct obj *o, int fd, const char *op, struct reply *r
     set_live(o, true, h);
     return 0;
 fail:
-    if (fd >= 0)
-        close(fd);
     shim_ctx_leave(pushed);
     reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: %s", op, msg);
     return -1;
@@ -719,14 +725,14 @@ fail:
 
 static int reimport(struct obj *o, const char *op, struct reply *r)
 {
+    CUmemGenericAllocationHandle h;
     char msg[512];
-    int fd = cap_fetch(o->creator, o->id, o->auth, o->endpoint, msg, sizeof msg);
 
-    if (fd < 0) {
+    if (import_again(o, &h, msg, sizeof msg) != 0) {
         reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: %s", op, msg);
         return -1;
     }
-    return import_fetched(o, fd, op, r);
+    return load_import(o, h, op, r);
 }
 
 static bool is_import(const struct obj *o)
@@ -783,27 +789,28 @@ enum phase_result unicast_reimport_all(struct reply *r)
         struct obj *o = obj_at(i);
         if (!is_import(o))
             continue;
-        int fd = cap_fetch(o->creator, o->id, o->auth, o->endpoint, msg, sizeof msg);
-        if (fd == CAP_CREATOR_GONE && o->live) {
+        CUmemGenericAllocationHandle h;
+        int got = import_again(o, &h, msg, sizeof msg);
+        if (got == CAP_CREATOR_GONE && o->live) {
             shim_log(LOG_WARN, "ROLLBACK_IMPORTS: creator %.*s is gone (%s); the import "
                      "that still maps its memory is kept", CUIP_PARTICIPANT_LEN, o->creator,
                      msg);
             continue;
         }
-        if (fd == CAP_CREATOR_GONE) {
+        if (got == CAP_CREATOR_GONE) {
             forget_lost_import(o, lost, sizeof lost);
             continue;
         }
-        if (fd < 0) {
+        if (got != 0) {
             reply_msg(r, CUIP_STATUS_CUDA_FAILED, "ROLLBACK_IMPORTS: %s", msg);
             return PHASE_FAILED;
         }
         if (o->live && unicast_drop(o, msg, sizeof msg) != 0) {
-            close(fd);
+            real.cuMemRelease(h);
             reply_msg(r, CUIP_STATUS_CUDA_FAILED, "ROLLBACK_IMPORTS: %s", msg);
             return PHASE_FAILED;
         }
-        if (import_fetched(o, fd, "ROLLBACK_IMPORTS", r) != 0)
+        if (load_import(o, h, "ROLLBACK_IMPORTS", r) != 0)
             return PHASE_FAILED;
     }
     if (lost[0])

@@ -36,6 +36,7 @@ import attrs
 
 from ..engine.client import Endpoint
 from ..engine.wire import (
+    FILE_OPS,
     HEADER_SIZE,
     MESSAGE_MAX,
     PARTICIPANT_LEN,
@@ -713,6 +714,11 @@ class FakeParticipant:
                 "fake participant exports nothing",
                 participant=participant,
             )
+        if op in FILE_OPS:
+            # The descriptor the request handed is closed on receipt (read without its
+            # ancillary data); the phase stays; the stats are the test's to set.
+            stats = self.stats.get(op, Stats())
+            return self._encode(echoed, Status.OK, "", participant=participant, stats=stats)
         self._phase = _REACHES[op]
         if op is Op.RESTORE_MULTICAST_BINDINGS:
             self._restored = True

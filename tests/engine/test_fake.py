@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import stat
 import threading
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cuinterpose.engine import wire
 from cuinterpose.engine.client import call
 from cuinterpose.engine.wire import (
     HEADER_SIZE,
@@ -59,10 +61,15 @@ RESTORED = (Record(kind=RecordKind.MAPPING, id=b"\x01" * 16, address=2 << 20, si
 def ask(fake: FakeParticipant, op: Op, *, participant: str | None = None) -> Reply:
     """``op`` as the coordinator sends it (HANDSHAKE names no participant)."""
     if op is Op.HANDSHAKE:
-        request = Request(op)
-    else:
-        request = Request(op, participant=fake.participant if participant is None else participant)
-    return call(fake.endpoint, request, timeout=2, expect_participant=None)
+        return call(fake.endpoint, Request(op), timeout=2, expect_participant=None)
+    who = fake.participant if participant is None else participant
+    fd = os.open(os.devnull, os.O_RDONLY) if op in wire.FILE_OPS else None
+    try:
+        request = Request(op, participant=who, fd=fd)
+        return call(fake.endpoint, request, timeout=2, expect_participant=None)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def exchange(path: Path, payload: bytes) -> bytes:

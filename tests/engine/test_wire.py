@@ -6,7 +6,7 @@ import struct
 
 import attrs
 import pytest
-from cuinterpose.engine import wire
+from cuinterpose.engine import client, wire
 from cuinterpose.engine.wire import (
     HEADER_SIZE,
     MESSAGE_MAX,
@@ -79,11 +79,22 @@ REPLIES = st.builds(
     stats=STATS,
     records=st.lists(RECORDS, max_size=4).map(tuple),
 )
+FILE_OPS = (Op.STORE_STAGED, Op.FETCH_STAGED)
 PLAIN_REQUESTS = st.builds(
     Request,
-    op=st.sampled_from([op for op in Op if op not in (Op.HANDSHAKE, Op.EXPORT, Op.RELEASE)]),
+    op=st.sampled_from(
+        [op for op in Op if op not in (Op.HANDSHAKE, Op.EXPORT, Op.RELEASE, *FILE_OPS)]
+    ),
     participant=PARTICIPANTS,
     authorization=IDS,
+)
+# The descriptor travels beside the bytes (SCM_RIGHTS): not encoded, not compared.
+FILE_REQUESTS = st.builds(
+    Request,
+    op=st.sampled_from(FILE_OPS),
+    participant=PARTICIPANTS,
+    authorization=IDS,
+    fd=st.integers(0, 2**20),
 )
 LEASE_REQUESTS = st.builds(
     Request, op=st.sampled_from([Op.HANDSHAKE, Op.RELEASE]), authorization=IDS.filter(any)
@@ -96,8 +107,16 @@ EXPORT_REQUESTS = st.builds(
     authorization=IDS,
     resource_kind=st.sampled_from(ResourceKind),
     fetcher=PARTICIPANTS,
+    export_size=st.integers(0, 2**64 - 1),
+    withdraw=st.booleans(),
 )
-REQUESTS = st.just(Request(Op.HANDSHAKE)) | PLAIN_REQUESTS | LEASE_REQUESTS | EXPORT_REQUESTS
+REQUESTS = (
+    st.just(Request(Op.HANDSHAKE))
+    | PLAIN_REQUESTS
+    | LEASE_REQUESTS
+    | EXPORT_REQUESTS
+    | FILE_REQUESTS
+)
 
 OK_REPLY = Reply(
     op=Op.INSPECT,
@@ -117,6 +136,17 @@ def patched(raw: bytes, fmt: str, offset: int, *values: int) -> bytes:
 
 
 # -- round trips ------------------------------------------------------------------
+
+
+def test_only_the_file_ops_carry_a_descriptor_and_always() -> None:
+    with pytest.raises(WireError, match="STORE_STAGED request lacks the file descriptor"):
+        nowhere = client.Endpoint(1, 1, "/nonexistent/cuinterpose-1.sock")
+        client.call_all(
+            [(nowhere, Request(Op.STORE_STAGED, participant="ab" * 16), None)], timeout=1
+        )
+    with pytest.raises(WireError, match="LOAD_ALLOCATIONS request carries a file descriptor"):
+        Request(Op.LOAD_ALLOCATIONS, participant="ab" * 16, fd=3).encode()
+    assert len(Request(Op.FETCH_STAGED, participant="ab" * 16, fd=3).encode()) == HEADER_SIZE
 
 
 @given(RECORDS)

@@ -120,6 +120,10 @@ def python_constants() -> dict[str, int | str]:
         "CUIP_OP_MAX": max(Op),
         "CUIP_ASK_DRIVER": wire.ASK_DRIVER,
         "CUIP_ASK_DEVICES": wire.ASK_DEVICES,
+        "CUIP_EXPORT_WITHDRAW": wire.EXPORT_WITHDRAW,
+        "CUIP_STORED_MAGIC": wire.STORED_MAGIC,
+        "CUIP_STORED_VERSION": wire.STORED_VERSION,
+        "CUIP_STORED_ALIGN": wire.STORED_ALIGN,
         "CUIP_EVERY_PHASE": phase_set(EVERY_PHASE),
         **CONTRACT_ONLY,
     }
@@ -357,6 +361,7 @@ int main(void) {{
 DEADLINE_NS = 0x0102030405060708
 IN_FLIGHT = wire.InFlight(Op.LOAD_ALLOCATIONS, 0x1112131415161718, 0x2122232425262728, 0x313233)
 HELD = 0x0A0B
+EXPORT_SIZE = 0x0C0D0E0F10111213
 
 PER_OP_PROGRAM = f"""
 {{
@@ -373,6 +378,12 @@ PER_OP_PROGRAM = f"""
     cuip_set_status_ask(&q, CUIP_ASK_DRIVER);
     dump("status_request", &q, sizeof q);
     printf("read status_request %llu\\n", (unsigned long long)cuip_status_ask(&q));
+    memset(&q, 0, sizeof q);
+    cuip_set_export_size(&q, {EXPORT_SIZE}ull);
+    cuip_set_export_withdraw(&q, CUIP_EXPORT_WITHDRAW);
+    dump("export_request", &q, sizeof q);
+    printf("read export_request %llu %llu\\n", (unsigned long long)cuip_export_size(&q),
+           (unsigned long long)cuip_export_withdraw(&q));
     memset(&q, 0, sizeof q);
     cuip_set_status_in_flight(&q, CUIP_OP_{IN_FLIGHT.op.name}, {IN_FLIGHT.bytes_done}ull,
                               {IN_FLIGHT.bytes_total}ull, {IN_FLIGHT.elapsed_ns}ull);
@@ -520,6 +531,8 @@ def struct_items(layout: CLayout, struct_name: str) -> list[int]:
         ("cuip_header", wire.HEADER_STRUCT),
         ("cuip_access", wire.ACCESS_STRUCT),
         ("cuip_record", wire.RECORD_STRUCT),
+        ("cuip_stored_header", wire.STORED_HEADER_STRUCT),
+        ("cuip_stored_entry", wire.STORED_ENTRY_STRUCT),
     ],
 )
 def test_struct_formats_follow_the_c_declarations(
@@ -535,6 +548,8 @@ def test_struct_formats_follow_the_c_declarations(
         ("cuip_header", wire.HEADER_STRUCT),
         ("cuip_access", wire.ACCESS_STRUCT),
         ("cuip_record", wire.RECORD_STRUCT),
+        ("cuip_stored_header", wire.STORED_HEADER_STRUCT),
+        ("cuip_stored_entry", wire.STORED_ENTRY_STRUCT),
     ],
 )
 def test_every_field_offset_and_size_matches(
@@ -552,7 +567,10 @@ def test_sizes_are_the_documented_ones(c_layout: CLayout) -> None:
         "cuip_record": wire.RECORD_SIZE,
         "cuip_capability": 128,
         "cuip_ipc_handle": 64,
+        "cuip_stored_header": wire.STORED_HEADER_STRUCT.size,
+        "cuip_stored_entry": wire.STORED_ENTRY_STRUCT.size,
     }
+    assert (wire.STORED_HEADER_STRUCT.size, wire.STORED_ENTRY_STRUCT.size) == (64, 32)
     assert Record.SIZE == wire.RECORD_SIZE == 288
     assert wire.HEADER_SIZE == 128
 
@@ -661,6 +679,10 @@ def test_the_per_op_stat_names_match_the_shims(c_layout: CLayout) -> None:
     assert status.encode() == dumps["status_request"]
     assert decode_request(dumps["status_request"])[0] == status
     assert reads["status_request"] == (wire.ASK_DRIVER,)
+    exporting = dumps["export_request"]
+    assert _stat_fields(exporting) == wire.export_request_stats(EXPORT_SIZE, True)
+    assert exporting[:96] == bytes(96)  # the setters touch the stat fields only
+    assert reads["export_request"] == (EXPORT_SIZE, wire.EXPORT_WITHDRAW)
     in_flight = dumps["status_reply"]
     assert in_flight[:96] == bytes(96)  # the setter touches the stat fields only
     assert wire.InFlight.from_stats(_stat_fields(in_flight)) == IN_FLIGHT

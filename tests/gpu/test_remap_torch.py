@@ -209,8 +209,8 @@ def test_creator_importer_group_moved(
     swapped (0=1,1=0; one GPU: 0=0): each on the other GPU, bytes and sharing both ways,
     a new share."""
     mapping = "0=1,1=0" if TARGET == 1 else "0=0"
-    creator = spawn("creator", shim_env)
-    importer = spawn("importer", shim_env, device=TARGET)
+    creator = spawn("creator", {**shim_env, **legacy.OWN_SMALL})
+    importer = spawn("importer", {**shim_env, **legacy.OWN_SMALL}, device=TARGET)
     big = int(creator.check("alloc", size=legacy.BIG)["va"])
     small = int(creator.check("alloc", size=legacy.SMALL)["va"])
     private = int(creator.check("alloc", size=legacy.PRIVATE)["va"])

@@ -1,8 +1,9 @@
 """A creator sharing cudaMalloc memory with an importer by legacy CUDA IPC, on real shims.
 
-The creator's memory comes from ``cuMemAlloc`` (one allocation of its own, and one small
-enough to share a slab with a private neighbour), the importer opens both with
-``cuIpcOpenMemHandle``: the sharing PyTorch's default allocator makes. ``shared_both_ways``
+The creator's memory comes from ``cuMemAlloc`` (one allocation of its own, and a small one
+beside a private neighbour, owned with SNAPSHOT_SHIM_OWN_SMALL=1: each in a granularity of
+its own), the importer opens both with ``cuIpcOpenMemHandle``: the sharing PyTorch's
+default allocator makes, and CuPy's for small arrays. ``shared_both_ways``
 proves the sharing is live after whatever a test did: every byte at its VA in both, a
 write through either process seen by the other, and a handle made afterwards opens.
 """
@@ -15,8 +16,10 @@ from cuinterpose.demo import Worker, pattern_digest
 from tests.simenv import Spawn
 
 BIG = 3 << 20  # rounded up to two granules by the shim
-SMALL = 1000  # in a slab, beside PRIVATE
+SMALL = 1000  # owned (SNAPSHOT_SHIM_OWN_SMALL=1), a granule of its own, beside PRIVATE
 PRIVATE = 4096
+# What SMALL needs to be owned (and its legacy IPC captured): the processes' environment.
+OWN_SMALL = {"SNAPSHOT_SHIM_OWN_SMALL": "1"}
 
 
 @attrs.frozen
@@ -36,6 +39,7 @@ class LegacyPair:
 
 
 def share_legacy(spawn: Spawn, env: dict[str, str], seed: int) -> LegacyPair:
+    env = {**env, **OWN_SMALL}
     creator = spawn("creator", env)
     importer = spawn("importer", env)
     big = int(creator.check("alloc", size=BIG)["va"])

@@ -125,7 +125,10 @@ def raw_exchange(path: Path | str, payload: bytes, timeout: float = 10.0) -> byt
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(str(path))
-        s.sendall(payload)
+        try:
+            s.sendall(payload)
+        except BrokenPipeError:
+            return b""  # the shim closed before reading: it answered nothing
         chunks = []
         while True:
             try:
@@ -146,7 +149,10 @@ def request(
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(str(path))
-        s.sendall(req.encode())
+        if req.fd is None:
+            s.sendall(req.encode())
+        else:  # STORE_STAGED / FETCH_STAGED: the file with the header
+            socket.send_fds(s, [req.encode()], [req.fd])
         data = b""
         while True:
             msg, got, _, _ = socket.recv_fds(s, 1 << 20, 4)

@@ -274,7 +274,10 @@ def test_export_authorization(spawn: Spawn, control_dir: Path) -> None:
     assert cap["endpoint"] == shim.path.name and cap["size"] == 2 * int(w("result = gran"))
 
     def export(
-        rid: bytes, auth: bytes, kind: wire.ResourceKind = wire.ResourceKind.UNICAST
+        rid: bytes,
+        auth: bytes,
+        kind: wire.ResourceKind = wire.ResourceKind.UNICAST,
+        size: int = int(cap["size"]),  # type: ignore[call-overload]
     ) -> tuple[wire.Reply, list[int]]:
         return shimenv.request(
             shim.path,
@@ -285,6 +288,7 @@ def test_export_authorization(spawn: Spawn, control_dir: Path) -> None:
                 authorization=auth,
                 resource_kind=kind,
                 fetcher=fetcher,
+                export_size=size,
             ),
         )
 
@@ -304,6 +308,9 @@ def test_export_authorization(spawn: Spawn, control_dir: Path) -> None:
     assert reply.status == Status.NOT_FOUND and not fds
     reply, fds = export(cap["id"], cap["auth"], wire.ResourceKind.MULTICAST)  # type: ignore[arg-type]
     assert reply.status == Status.NOT_FOUND and not fds
+    # A size other than the one handed out names nothing the creator gave.
+    reply, fds = export(cap["id"], cap["auth"], size=2 * int(cap["size"]))  # type: ignore[arg-type, call-overload]
+    assert reply.status == Status.UNAUTHORIZED and "handed out" in reply.message and not fds
     reply, fds = export(cap["id"], cap["auth"])  # type: ignore[arg-type]
     assert reply.status == Status.OK and len(fds) == 1
     for fd in fds:
@@ -313,6 +320,22 @@ def test_export_authorization(spawn: Spawn, control_dir: Path) -> None:
     (fetch,) = [r for r in shim.ok(Op.INSPECT).records if r.kind is wire.RecordKind.FETCH]
     assert (fetch.id, fetch.fetcher, fetch.pid) == (cap["id"], fetcher, os.getpid())
     assert fetch.creator == shim.participant
+    # An open that failed after its fetch withdraws it: no FD, no record left.
+    withdrawn, fds = shimenv.request(
+        shim.path,
+        wire.Request(
+            op=Op.EXPORT,
+            participant=shim.participant,
+            resource_id=cap["id"],  # type: ignore[arg-type]
+            authorization=cap["auth"],  # type: ignore[arg-type]
+            resource_kind=wire.ResourceKind.UNICAST,
+            fetcher=fetcher,
+            export_size=int(cap["size"]),  # type: ignore[call-overload]
+            withdraw=True,
+        ),
+    )
+    assert withdrawn.status == Status.OK and not fds
+    assert not [r for r in shim.ok(Op.INSPECT).records if r.kind is wire.RecordKind.FETCH]
     app_still_works(w)
 
 
@@ -591,12 +614,12 @@ def test_status_names_the_gpus_the_process_uses(spawn: Spawn, control_dir: Path)
     """STATUS asking the devices: one line a GPU in use (its primary context is active,
     memory is there), ordinal, UUID, bytes created, name."""
     w = spawn()
-    w.check("alloc", size=1 << 20)
+    w.check("alloc", size=2 << 20)  # a granularity: owned (a smaller one is the driver's)
     shim = Shim(control_dir, w.pid)
     reply, _ = shimenv.request(shim.path, wire.Request(Op.STATUS, ask_devices=True))
     assert reply.status is Status.OK, reply
     (line,) = reply.message.splitlines()
     ordinal, uuid, created, name = line.split("\t")
     assert ordinal == "0" and re.fullmatch(r"GPU-[0-9a-f-]{36}", uuid), line
-    assert int(created) >= 1 << 20 and name, line
+    assert int(created) >= 2 << 20 and name, line
     app_still_works(w)

@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 from cuinterpose.demo import Worker, pattern_digest
-from cuinterpose.engine import agent, criu
+from cuinterpose.demo.scenario import pattern
+from cuinterpose.engine import agent, criu, stored
 from cuinterpose.engine.errors import CoordinatorError
 from cuinterpose.engine.gpus import GpuMap
 
@@ -71,7 +72,9 @@ def group(
     root_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     size = 2 * int(observer.check("granularity")["granularity"])
     with subreaper():
-        tree = Tree(["creator", "importer"], shim_env, tmp_path, root_env=root_env)
+        # SMALL owned too: share_legacy shares it by legacy IPC.
+        env = {**shim_env, **legacy.OWN_SMALL}
+        tree = Tree(["creator", "importer"], env, tmp_path, root_env=root_env)
         try:
             tree.wait_ready()
             yield TreeGroup(tree, size)
@@ -100,10 +103,12 @@ def gone(pids: list[int]) -> bool:
     return not any(Path(f"/proc/{p}").exists() for p in pids)
 
 
-def assert_sharing_back(group: TreeGroup, where: agent.Where, native: WorkerBackend) -> None:
-    """Bytes at their VAs, the importer's write reaching the creator, a new share, and
-    each shim ACTIVE at its published path, holding no lease (no pidfd)."""
-    assert group.mismatches() == []
+def assert_sharing_back(
+    group: TreeGroup, where: agent.Where, native: WorkerBackend, seed_x: int = TreeGroup.SEED_X
+) -> None:
+    """Bytes at their VAs (X's of ``seed_x``), the importer's write reaching the creator, a
+    new share, and each shim ACTIVE at its published path, holding no lease (no pidfd)."""
+    assert group.mismatches(seed_x) == []
     size = group.size
     group.importer.check("fill", va=group.importer_x, size=size, seed=5)
     assert group.creator.digest(group.creator_x, size) == pattern_digest(5, size)
@@ -118,18 +123,35 @@ def assert_sharing_back(group: TreeGroup, where: agent.Where, native: WorkerBack
         assert not [t for t in fds.values() if "pidfd" in t], fds
 
 
+# What the importer writes into X before the dump (test_a_sharing_group_...).
+SEED_W = 73
+
+
+def window(seed: int, size: int) -> bytes:
+    """64 bytes from inside the fill pattern of ``seed``: found wherever its bytes are."""
+    return next(pattern(seed, size))[4096 : 4096 + 64]
+
+
+@pytest.mark.parametrize("beside", [True, False], ids=["bytes-beside", "bytes-in-images"])
 def test_a_sharing_group_goes_through_criu_dump_and_restore(
     group: TreeGroup,
     criu_binary: criu.Criu,
     observer: Worker,
     control_dir: Path,
     tmp_path: Path,
+    beside: bool,
 ) -> None:
+    """By default the creator's staged X and P go to its file of the checkpoint directory
+    (STORE_STAGED) and its image holds none of their bytes (X's, written by the importer
+    just before, are the probe: nothing else of the creator's ever held them); with the
+    bytes in the images (``bytes_beside=False``) no file is written and the image holds
+    them. Either way every byte is back after the restore."""
     native = WorkerBackend(observer)
     where = agent.Where(control_dir)
     ckpt, images = tmp_path / "ckpt", tmp_path / "images"
     pids = group.tree.pids()
     steps: list[agent.AgentEvent] = []
+    group.importer.check("fill", va=group.importer_x, size=group.size, seed=SEED_W)
     dumped = criu.dump(
         group.processes,
         ckpt,
@@ -139,19 +161,30 @@ def test_a_sharing_group_goes_through_criu_dump_and_restore(
         where=where,
         native=native,
         on_event=steps.append,
+        bytes_beside=beside,
     )
     assert [t.step for t in dumped.timings] == [
         "detect",
         "capture",
         "native_lock",
         "native_checkpoint",
+        *(["store_staged"] if beside else []),
         "criu_dump",
     ]
     assert dumped.manifest.prepared
     group.tree.reap()  # criu dump killed the tree
     assert gone([group.tree.root_pid, *pids])
-    # The creator's staged X and P are host memory now: both are in the images.
-    assert dumped.images.pages >= 2 * group.size, dumped.images
+    files = stored.stored_files(ckpt)
+    assert len(files) == (2 if beside else 0)  # the importer's holds no allocation
+    # Only the shim's staging can have put SEED_W's bytes in the creator's memory (the
+    # importer wrote them); its pages image is the one with P's (its own fill's copies).
+    pages = [p.read_bytes() for p in images.glob("pages-*.img")]
+    (creator_pages,) = [b for b in pages if window(TreeGroup.SEED_P, group.size) in b]
+    probe = window(SEED_W, group.size)
+    assert (probe in creator_pages) is not beside
+    assert any(probe in f.read_bytes() for f in files) is beside
+    if beside:
+        assert dumped.timings[4].bytes == 2 * group.size
 
     try:
         restored = criu.restore(
@@ -166,6 +199,7 @@ def test_a_sharing_group_goes_through_criu_dump_and_restore(
         "criu_restore",
         "native_restore",
         "native_unlock",
+        *(["fetch_staged"] if beside else []),
         "coordinator_restore",
     ]
     assert restored.resumed.coordinator_restored
@@ -176,6 +210,40 @@ def test_a_sharing_group_goes_through_criu_dump_and_restore(
     # says so only at debug level: the application's stderr is the workload's (issue 29).
     log = group.tree.log_tail(1 << 20)
     assert "control endpoint healed" not in log, log
+    assert_sharing_back(group, where, native, seed_x=SEED_W)
+
+
+def test_a_failed_dump_after_the_store_resumes_the_group_with_its_bytes(
+    group: TreeGroup,
+    criu_binary: criu.Criu,
+    observer: Worker,
+    control_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """``criu dump`` refused (an option CRIU does not know) after the staged bytes went
+    to their files: the shims fetch them back and the group resumes, every byte right."""
+    native = WorkerBackend(observer)
+    where = agent.Where(control_dir)
+    ckpt = tmp_path / "ckpt"
+    steps: list[agent.AgentEvent] = []
+    with pytest.raises(criu.CriuDumpFailed) as info:
+        criu.dump(
+            group.processes,
+            ckpt,
+            tmp_path / "images",
+            tree=group.tree.root_pid,
+            criu=criu_binary,
+            where=where,
+            native=native,
+            criu_args=["--no-such-option"],
+            on_event=steps.append,
+        )
+    assert info.value.restored, str(info.value)
+    done = [e.step for e in steps if isinstance(e, agent.StepEvent) and e.status == "done"]
+    # The resume of the failed dump fetched the stored bytes before its restore.
+    after = done[done.index("store_staged") :]
+    assert after.index("fetch_staged") < after.index("coordinator_restore"), done
+    assert len(stored.stored_files(ckpt)) == 2
     assert_sharing_back(group, where, native)
 
 
@@ -437,12 +505,15 @@ def test_the_criu_benchmark_runs_on_the_simulator(
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(out.read_text())["group"]
     assert all(result["verified"].values()), result
-    assert result["images"]["pages_bytes"] >= result["gpu_bytes"]
+    # The staged bytes beside the images: the creator's file holds all of them.
+    assert result["bytes_beside"] and result["stored_files"] == 2
+    assert result["gpu_bytes"] <= result["stored_bytes"] < result["gpu_bytes"] + 2 * 4096
     # Every allocation a process created is staged (specs/shim.md): the creator's
     # shared X and its private P, so all the GPU bytes.
     assert result["dump"]["steps"]["capture"]["bytes"] == result["gpu_bytes"]
     assert set(result["restore"]["steps"]) == {
         "criu_restore",
+        "fetch_staged",
         "native_restore",
         "native_unlock",
         "coordinator_restore",

@@ -27,14 +27,15 @@ SEED = 91
 
 
 def test_owned_memory_answers_as_cuMemAlloc_memory(spawn: Spawn, shim_env: dict[str, str]) -> None:
-    app = spawn("app", shim_env)
+    app = spawn("app", {**shim_env, "SNAPSHOT_SHIM_OWN_SMALL": "1"})
     small = int(app.check("alloc", size=1000)["va"])
     neighbour = int(app.check("alloc", size=1000)["va"])
     big = int(app.check("alloc", size=BIG)["va"])
-    # Ranges are the sizes asked for; small ones share a slab, 512-byte aligned.
+    # Ranges are the sizes asked for; each its own granularity, nothing packed.
     assert app.check("address_range", va=small + 100) == {"ok": True, "base": small, "size": 1000}
     assert app.check("address_range", va=big + BIG - 1)["size"] == BIG
-    assert small % 512 == 0 and neighbour % 512 == 0 and neighbour != small
+    gran = int(app.check("granularity")["granularity"])
+    assert small % gran == 0 and neighbour % gran == 0 and abs(neighbour - small) >= gran
     attrs = app(
         "names = ['RANGE_START_ADDR', 'RANGE_SIZE', 'IS_LEGACY_CUDA_IPC_CAPABLE',"
         " 'ALLOWED_HANDLE_TYPES', 'MEMORY_TYPE']\n"
@@ -57,8 +58,23 @@ def test_owned_memory_answers_as_cuMemAlloc_memory(spawn: Spawn, shim_env: dict[
     app.check("fill", va=neighbour, size=1000, seed=3)
     app.check("free", va=small)
     assert app.digest(neighbour, 1000) == pattern_digest(3, 1000)
-    assert app.check("alloc", size=900)["va"] == small  # the freed range is reused
     app.check("free", va=big)
+    app.close_clean()
+
+
+def test_only_what_loses_nothing_to_the_granularity_is_owned_by_default(
+    spawn: Spawn, shim_env: dict[str, str]
+) -> None:
+    app = spawn("app", shim_env)
+    gran = int(app.check("granularity")["granularity"])
+    owned = int(app.check("alloc", size=gran)["va"])
+    small = int(app.check("alloc", size=gran - 512)["va"])
+    magic = {va: bytes.fromhex(app.check("ipc_get", va=va)["handle"])[:4] for va in (owned, small)}
+    assert magic == {owned: b"CUIH", small: magic[small]} and magic[small] != b"CUIH"
+    for va in (owned, small):
+        app.check("fill", va=va, size=1000, seed=8)
+        assert app.digest(va, 1000) == pattern_digest(8, 1000)
+        app.check("free", va=va)
     app.close_clean()
 
 
@@ -287,7 +303,7 @@ PEERS = snippet.load(__file__, "peers")
 
 
 def test_peer_access_reaches_owned_memory(spawn: Spawn, shim_env: dict[str, str]) -> None:
-    app = spawn("app", shim_env)
+    app = spawn("app", {**shim_env, "SNAPSHOT_SHIM_OWN_SMALL": "1"})
     app(PEERS)
     assert app("result = read_from_1(a)") == ["CUDA_ERROR_INVALID_VALUE", 0]
     app("check(cu.cuCtxSetCurrent(ctx1)); check(cu.cuCtxEnablePeerAccess(ctx0, 0))")
@@ -336,12 +352,19 @@ def test_a_restore_stopped_after_any_phase_rolls_back_legacy_sharing(
 def test_a_reset_or_destroyed_context_takes_its_owned_memory_along(
     spawn: Spawn, shim_env: dict[str, str]
 ) -> None:
-    app = spawn("app", shim_env)
+    app = spawn("app", {**shim_env, "SNAPSHOT_SHIM_OWN_SMALL": "1"})
     used = "f, t = check(cu.cuMemGetInfo()); result = int(t) - int(f)"
     before = app(used)
     small = int(app.check("alloc", size=1000)["va"])
     big = int(app.check("alloc", size=BIG)["va"])
     assert app(used) > before
+    # A destroy the driver refuses (a primary context) frees nothing.
+    app.check("fill", va=big, size=BIG, seed=12)
+    assert app(
+        "dev = check(cu.cuDeviceGet(0)); p = check(cu.cuDevicePrimaryCtxRetain(dev))\n"
+        "result = err(cu.cuCtxDestroy(p)); check(cu.cuDevicePrimaryCtxRelease(dev))"
+    ) == "CUDA_ERROR_INVALID_CONTEXT"
+    assert app.digest(big, BIG) == pattern_digest(12, BIG)
     app("check(cu.cuDevicePrimaryCtxReset(check(cu.cuDeviceGet(0))))")
     assert app(used) == before
     app(

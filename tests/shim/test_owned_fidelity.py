@@ -1,7 +1,7 @@
 """Owned memory answers where the H200's driver was seen to differ from the shim
 (issue 28, specs/records/2026-12-01-h200-fidelity.jsonl), on real shims over the simulated
 driver: the devices an IPC open reaches, the ids a pointer keeps over suspend and resume,
-a freed or never handed-out pointer of a slab, a pitch too wide."""
+a freed or never handed-out pointer of owned memory, a pitch too wide."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ DEVICES = snippet.load(__file__, "devices")
 MiB = 1 << 20
 SIZE = 4 * MiB
 LAZY = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+# Small requests owned too, each in a granularity of its own (by default they are the
+# driver's, and its answers are the driver's).
+OWN_SMALL = {"SNAPSHOT_SHIM_OWN_SMALL": "1"}
 
 
 def _open(importer: Worker, handle: str, flags: int) -> list[object]:
@@ -88,15 +91,15 @@ def test_an_open_reaches_the_allocations_device_and_the_opener_only_if_asked(
 def test_a_pointer_the_driver_never_gave_is_unknown(
     spawn: Spawn, shim_env: dict[str, str]
 ) -> None:
-    creator = spawn("creator", shim_env)
-    importer = spawn("importer", shim_env)
+    creator = spawn("creator", {**shim_env, **OWN_SMALL})
+    importer = spawn("importer", {**shim_env, **OWN_SMALL})
     creator(DEVICES)
     importer(DEVICES)
     freed = int(creator.check("alloc", size=1000)["va"])
     kept = int(creator.check("alloc", size=1000)["va"])
     creator.check("fill", va=kept, size=1000, seed=3)
     creator.check("free", va=freed)
-    never = kept + 64 * 1024  # in the same slab, never handed out
+    never = kept + 64 * 1024  # in kept's granule, never handed out
     for va in (freed, freed + 8, never):
         assert creator(f"result = unknown({va})") == {
             "range": "CUDA_ERROR_NOT_FOUND",
@@ -106,7 +109,7 @@ def test_a_pointer_the_driver_never_gave_is_unknown(
     # The neighbour is as cuMemAlloc gave it.
     assert creator.check("address_range", va=kept + 8) == {"ok": True, "base": kept, "size": 1000}
     assert creator.digest(kept, 1000) == pattern_digest(3, 1000)
-    # An importer knows only the range it opened, not the rest of the slab it maps.
+    # An importer knows only the range it opened, not the rest of the granule it maps.
     handle = creator.check("ipc_get", va=kept)["handle"]
     opened = int(importer.check("ipc_open", handle=handle)["va"])
     assert importer.check("address_range", va=opened)["size"] == 1000
@@ -143,12 +146,12 @@ def test_imports_whose_creator_is_gone_are_refused_once_saying_to_close_them(
     from tests.shim.test_owned import captures_again
     from tests.shim.workers.cycle import assert_refused, cli
 
-    creator = spawn("creator", shim_env)
+    creator = spawn("creator", {**shim_env, **OWN_SMALL})
     importer = spawn("importer", shim_env)
     mine = int(importer.check("alloc", size=SIZE)["va"])
     importer.check("fill", va=mine, size=SIZE, seed=4)
     opened, handle = [], ""
-    for k, size in enumerate((1000, 2000, 3 * MiB)):  # two share a slab: two allocations
+    for k, size in enumerate((1000, 2000, 3 * MiB)):  # an allocation each
         va = int(creator.check("alloc", size=size)["va"])
         creator.check("fill", va=va, size=size, seed=10 + k)
         handle = creator.check("ipc_get", va=va)["handle"]
@@ -156,7 +159,7 @@ def test_imports_whose_creator_is_gone_are_refused_once_saying_to_close_them(
     gone = bytes.fromhex(handle)[8:24].hex()  # the creator's participant id (protocol.h)
     creator.close_clean()
     run = cli("prepare", [importer.pid], control_dir, tmp_path)
-    assert_refused(run, f"imports 2 allocations whose creator, participant {gone}", importer.pid)
+    assert_refused(run, f"imports 3 allocations whose creator, participant {gone}", importer.pid)
     assert run.stderr.count("refused") == 1, run.stderr  # once, not per allocation and rule
     assert "Close the imports in this process" in run.stderr
     # Nothing changed: the imports still read the creator's bytes; closed, capture works.

@@ -34,7 +34,7 @@ result = bytes(check(cu.cuDeviceGetUuid(dev)).bytes).hex()
 
 @pytest.fixture
 def group(spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str]) -> Group:
-    return build_group(spawn, shim_env, plain_env)
+    return build_group(spawn, {**shim_env, **legacy.OWN_SMALL}, plain_env)
 
 
 def share_legacy(group: Group, seed: int) -> legacy.LegacyPair:
@@ -155,8 +155,8 @@ def test_a_group_on_both_gpus_swaps_them(
     reaches it through its access descriptor): --gpu-map 0=1,1=0 puts each on the other
     GPU, their bytes and sharing as before."""
     observer = spawn("observer", plain_env)
-    creator = spawn("creator", shim_env)
-    importer = spawn("importer", shim_env, device=1)
+    creator = spawn("creator", {**shim_env, **legacy.OWN_SMALL})
+    importer = spawn("importer", {**shim_env, **legacy.OWN_SMALL}, device=1)
     pair = share_legacy(Group(creator, importer, observer, 0), 61)
     native = RemapBackend(observer)
     here = native.gpus()
