@@ -59,7 +59,7 @@ from typing import Any
 
 from cuinterpose.engine import runner
 from cuinterpose.engine.client import Endpoint, ParticipantError, call_all
-from cuinterpose.engine.progress import Event, PhaseEvent
+from cuinterpose.engine.progress import Event, OpEvent
 from cuinterpose.engine.wire import (
     HEADER_SIZE,
     RECORD_SIZE,
@@ -333,7 +333,7 @@ def run_machines(
 
     def collect(event: Event) -> None:
         now = time.perf_counter()
-        if isinstance(event, PhaseEvent):
+        if isinstance(event, OpEvent):
             name = f"{event.machine} {event.phase}"
             exchanges[name].append(event.elapsed_s)
             steps[name].append(now - last[0])

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         native_for,
         read_manifest,
         remove_stale_sockets,
+        require_natively_running,
         resume,
         status,
         suspend,
@@ -72,10 +73,10 @@ if TYPE_CHECKING:
         CoordinatorError,
         Interrupted,
         ParticipantsRefused,
-        PhaseFailed,
         PreflightRefused,
         Problem,
         Refused,
+        StepFailed,
         TopologyRefused,
         VerificationFailed,
     )
@@ -93,7 +94,7 @@ if TYPE_CHECKING:
         Event,
         FailedEvent,
         NativeKept,
-        PhaseEvent,
+        OpEvent,
         ProgressCallback,
         StagingSummary,
         Transfer,
@@ -101,7 +102,7 @@ if TYPE_CHECKING:
         json_printer,
     )
     from .recovery import RecoveryReport, recover
-    from .released import Released, released, released_by_suspend
+    from .released import Released, released
     from .replay import Divergence, ReplayReport, machine_mismatch, replay, replay_file
     from .runner import (
         Bound,
@@ -235,7 +236,7 @@ STEP_API = (
     "CoordinatorError",
     "Event",
     "Interrupted",
-    "PhaseEvent",
+    "OpEvent",
     "ProgressCallback",
     "RecoveryReport",
     "Refused",
@@ -245,6 +246,7 @@ STEP_API = (
     "capture",
     "read_state",
     "recover",
+    "require_natively_running",
     "restore",
     "rollback",
 )

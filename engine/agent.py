@@ -30,7 +30,13 @@ from .detection import Detection, DetectionRefused, Where, detect, remove_stale_
 from .errors import AgentError
 from .events import LOGGER_NAME, AgentCallback, AgentEvent, CopyProgress, StepEvent
 from .gpus import Gpu, GpuMap, GpuMapRefused
-from .group_status import ProcessStatus, StateRefused, require_states, status
+from .group_status import (
+    ProcessStatus,
+    StateRefused,
+    require_natively_running,
+    require_states,
+    status,
+)
 from .manifest import (
     MANIFEST_FILE_NAME,
     Manifest,
@@ -89,6 +95,7 @@ __all__ = [
     "read_manifest",
     "recorded_where",
     "remove_stale_sockets",
+    "require_natively_running",
     "require_states",
     "restore_plan",
     "resume",

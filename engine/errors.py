@@ -66,11 +66,6 @@ class CoordinatorError(Exception):
         self.problems: tuple[Problem, ...] = tuple(problems)
 
     @property
-    def phase(self) -> str:
-        """The former name of ``step`` (a phase is the shim's, specs/architecture.md)."""
-        return self.step
-
-    @property
     def participant(self) -> str | None:
         return self.problems[0].participant
 
@@ -84,14 +79,14 @@ class CoordinatorError(Exception):
 
     def lines(self) -> tuple[str, ...]:
         """One line per problem, each naming the machine, phase, participant, pid, reason."""
-        return tuple(f"{self.machine} {self.kind} at {self.phase}: {p}" for p in self.problems)
+        return tuple(f"{self.machine} {self.kind} at {self.step}: {p}" for p in self.problems)
 
     def details(self) -> tuple[str, ...]:
         """What a person does not need to read, for ``-v``: the machine's own names of
         where it stopped and of the predicates that found each problem."""
         rules = sorted({p.rule for p in self.problems if p.rule})
         return (
-            f"{self.machine} stopped at step {self.phase}"
+            f"{self.machine} stopped at step {self.step}"
             + (f" (guard {self.guard})" if self.guard else "")
             + (f"; rules: {', '.join(rules)}" if rules else ""),
         )
@@ -177,7 +172,7 @@ REFUSALS: Final[Mapping[Refusal, type[Refused]]] = {
 }
 
 
-class PhaseFailed(CoordinatorError):
+class StepFailed(CoordinatorError):
     """A participant failed, timed out, hung up or answered wrongly; or a local step failed.
 
     Fail-stop: no later op of the machine was sent to anyone. When it stopped after
@@ -197,19 +192,19 @@ def not_quiet(error: CoordinatorError) -> bool:
     quiet in time, and for no other reason: nothing was changed, every gate opens again
     with the run's lease, and the capture may start over (specs/quiesce.md)."""
     return (
-        type(error) is PhaseFailed
+        type(error) is StepFailed
         and error.step == "QUIESCE"
         and not error.destroyed
         and all(p.not_quiet for p in error.problems)
     )
 
 
-class Interrupted(PhaseFailed):
+class Interrupted(StepFailed):
     """The run was asked to stop (a signal, or the embedder's stop event): it stopped at a
     phase boundary."""
 
 
-class VerificationFailed(PhaseFailed):
+class VerificationFailed(StepFailed):
     """After the destructive ops, a guard failed (restored topology invalid or not equal)."""
 
     def __init__(self, machine: str, phase: str, guard: str, problems: Sequence[Problem]) -> None:
@@ -222,7 +217,7 @@ class VerificationFailed(PhaseFailed):
 
     def lines(self) -> tuple[str, ...]:
         return tuple(
-            f"{self.machine} failed at {self.phase}, {check_title(self.guard)}: {p}"
+            f"{self.machine} failed at {self.step}, {check_title(self.guard)}: {p}"
             for p in self.problems
         )
 

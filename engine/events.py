@@ -18,7 +18,7 @@ from typing import Any, Final, Literal
 import attrs
 
 from .manifest import Timing
-from .progress import Event, PhaseEvent
+from .progress import Event, OpEvent
 
 LOGGER_NAME: Final = "cuinterpose.agent"
 
@@ -50,11 +50,6 @@ class CopyProgress:
     bytes_done: int
     bytes_total: int
     elapsed_s: float
-
-    @property
-    def phase(self) -> str:
-        """The former name of ``op`` (a phase is the shim's, specs/architecture.md)."""
-        return self.op
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -116,7 +111,7 @@ def reporter(callback: AgentCallback | None, logger: logging.Logger | None) -> R
     return Reporter(callback, logger or logging.getLogger(LOGGER_NAME))
 
 
-def bytes_moved(phases: Sequence[PhaseEvent]) -> int:
+def bytes_moved(phases: Sequence[OpEvent]) -> int:
     """The allocation bytes a machine's transfer phases copied."""
     return sum(p.transfer.allocation_bytes for p in phases if p.transfer is not None)
 

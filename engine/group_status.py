@@ -4,6 +4,7 @@ and the refusal of a verb whose processes are not in the native state it needs."
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -11,7 +12,7 @@ import attrs
 from .client import ParticipantError, call_all, pid_visible
 from .detection import Where, group_of, socket_evidence
 from .errors import AgentError
-from .manifest import Process
+from .manifest import Process, resume_hint
 from .native import NativeBackend, ProcessState, state_names
 from .wire import InFlight, Op, Request
 
@@ -136,3 +137,31 @@ def require_states(
         )
     if wrong:
         raise StateRefused(f"{command} refused: {hint}", wrong)
+
+
+def require_natively_running(
+    machine: str,
+    native: NativeBackend,
+    processes: Sequence[Process | tuple[int, int]],
+    checkpoint_dir: Path,
+    *,
+    resume: str | None = None,
+) -> None:
+    """The capture and restore machines (``prepare``, ``restore``) run on processes
+    natively RUNNING: one natively locked or checkpointed is refused
+    (:class:`StateRefused`, nothing changed) with what brings it back first; ``resume``
+    is that command as the caller prints it (default: :func:`~.manifest.resume_hint`).
+    Raises NativeUnavailableError when no driver can say (the caller decides whether
+    to go on unchecked)."""
+    back = resume if resume is not None else resume_hint(checkpoint_dir)
+    if machine == "capture":
+        hint = (
+            "a process is natively locked or checkpointed; bring it back first "
+            f"({resume_hint(checkpoint_dir)}, or the native restore and unlock), then prepare"
+        )
+    else:
+        hint = (
+            "restore runs after the native restore and unlock of every process; run them "
+            f"first (`cuinterpose native --action restore` and `--action unlock`, or {back})"
+        )
+    require_states(native, processes, ProcessState.RUNNING, machine, hint)

@@ -68,11 +68,6 @@ class Timing:
     bytes: int = 0
 
     @property
-    def phase(self) -> str:
-        """The former name of ``step`` (a phase is the shim's, specs/architecture.md)."""
-        return self.step
-
-    @property
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.bytes and self.seconds > 0 else 0.0
 

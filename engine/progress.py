@@ -1,6 +1,6 @@
 """Progress events, and the callback API embedders receive them through.
 
-One :class:`PhaseEvent` per wire op, once every participant has answered; the
+One :class:`OpEvent` per wire op, once every participant has answered; the
 phases that move bytes (SAVE/LOAD_ALLOCATIONS) add a :class:`Transfer`. A run
 ends with exactly one :class:`DoneEvent` or :class:`FailedEvent`.
 
@@ -108,7 +108,7 @@ class NativeKept:
 
 
 @attrs.frozen
-class PhaseEvent:
+class OpEvent:
     """A wire op completed on every participant."""
 
     machine: str
@@ -156,7 +156,7 @@ class StagingSummary:
     native_kept: NativeKept
 
     @classmethod
-    def from_phases(cls, phases: Sequence[PhaseEvent]) -> StagingSummary | None:
+    def from_phases(cls, phases: Sequence[OpEvent]) -> StagingSummary | None:
         """From a capture's or a restore's phase events; None when none moved bytes."""
         moved = next((p for p in phases if p.transfer is not None), None)
         if moved is None or moved.transfer is None:
@@ -298,7 +298,7 @@ class FailedEvent:
         return f"{self.machine} {self.kind} at {self.phase}"
 
 
-Event = PhaseEvent | QuiesceRound | DoneEvent | FailedEvent
+Event = OpEvent | QuiesceRound | DoneEvent | FailedEvent
 ProgressCallback = Callable[[Event], None]
 
 
@@ -320,7 +320,7 @@ def _size(nbytes: int) -> str:
 
 
 def human_line(event: Event) -> str:
-    if isinstance(event, PhaseEvent):
+    if isinstance(event, OpEvent):
         text = (
             f"{event.machine} {event.phase}: {event.elapsed_s * 1e3:.1f} ms, "
             f"{event.participants} participant{'s' if event.participants != 1 else ''}"

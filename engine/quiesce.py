@@ -44,7 +44,7 @@ import attrs
 
 from . import errors
 from .client import Endpoint, ParticipantError
-from .errors import NOT_QUIET, CoordinatorError, PhaseFailed, Problem
+from .errors import NOT_QUIET, CoordinatorError, Problem, StepFailed
 from .options import Options
 from .progress import PendingParticipant, QuiesceRound
 from .wire import Phase, Reply, Request, Status
@@ -190,7 +190,7 @@ def until_quiet(capture: Callable[[], T], options: Options, log: logging.Logger 
     for attempt in range(1, CAPTURE_ATTEMPTS + 1):
         try:
             return capture()
-        except PhaseFailed as error:
+        except StepFailed as error:
             if attempt == CAPTURE_ATTEMPTS or not restartable(error, options):
                 raise
             log.warning("capture attempt %d of %d not quiet: %s", attempt, CAPTURE_ATTEMPTS,

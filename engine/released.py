@@ -12,13 +12,11 @@ suspend of processes without a shim (the native checkpoint alone) knows no figur
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any, Final
 
 import attrs
 
 from .progress import StagingSummary
-from .statefile import StateFileError, read_state
 from .topology import Topology
 from .wire import RecordFlag, RecordKind
 
@@ -115,19 +113,3 @@ def released(topology: Topology | None, staging: StagingSummary | None, processe
     # Every created allocation is staged or kept; a record that is neither (a shim of
     # another build) still counts, never less than the records say.
     return Released(processes, max(tracked, in_records), shared)
-
-
-def released_by_suspend(
-    checkpoint_dir: Path, staging: StagingSummary | None, processes: int, *, prepared: bool
-) -> Released:
-    """:func:`released` for a suspend into ``checkpoint_dir``: the capture's topology is
-    the state file's there when the suspend captured (``prepared``, the manifest's
-    word). A state file that cannot be read gives no figure (the suspend went through
-    all the same)."""
-    if not prepared:
-        return released(None, None, processes)
-    try:
-        topology = read_state(checkpoint_dir).topology
-    except StateFileError as exc:
-        return Released(processes, None, unknown=str(exc))
-    return released(topology, staging, processes)

@@ -31,9 +31,9 @@ from .errors import (
     CheckpointDirRefused,
     CoordinatorError,
     Interrupted,
-    PhaseFailed,
     Problem,
     Refused,
+    StepFailed,
     VerificationFailed,
 )
 from .fsm import (
@@ -48,7 +48,7 @@ from .fsm import (
 from .gpus import wire_text
 from .guards import GUARDS
 from .options import DEFAULT_PHASE_TIMEOUT_S, Options, Transport
-from .progress import DoneEvent, FailedEvent, PhaseEvent
+from .progress import DoneEvent, FailedEvent, OpEvent
 from .statefile import CheckpointState
 from .steps import Bound, Run, bind, check_endpoints, perform, release, reply_problem
 from .topology import Topology
@@ -74,7 +74,7 @@ __all__ = [
 class CaptureResult:
     state: CheckpointState
     state_path: Path
-    phases: tuple[PhaseEvent, ...]
+    phases: tuple[OpEvent, ...]
     elapsed_s: float
 
 
@@ -82,7 +82,7 @@ class CaptureResult:
 class RestoreResult:
     state: CheckpointState
     topology: Topology
-    phases: tuple[PhaseEvent, ...]
+    phases: tuple[OpEvent, ...]
     elapsed_s: float
     # Late steps that did not go through after the group ran (the directory is usable).
     warnings: tuple[str, ...] = ()
@@ -92,7 +92,7 @@ class RestoreResult:
 class RollbackResult:
     topology: Topology
     gone: tuple[Problem, ...]  # participants whose process was not there any more
-    phases: tuple[PhaseEvent, ...]
+    phases: tuple[OpEvent, ...]
     elapsed_s: float
     lost: tuple[str, ...] = ()  # shared ranges whose creator died with their bytes
 
@@ -103,7 +103,7 @@ def capture(
     """Run the capture machine; the state file is written into ``checkpoint_dir``.
 
     Raises a :class:`~.errors.Refused` subclass when a guard refuses (nothing was
-    changed), :class:`~.errors.PhaseFailed` when anything else stops the machine
+    changed), :class:`~.errors.StepFailed` when anything else stops the machine
     (after a destructive op, the group was rolled back first: see the error's
     ``rolled_back`` and ``rollback_error``), and ValueError for endpoints that
     cannot be a team (none, or one socket twice).
@@ -143,18 +143,18 @@ def rollback(
     checkpoint_dir: Path,
     options: Options | None = None,
     *,
-    recorded: Topology | None = None,
+    captured: Topology | None = None,
 ) -> RollbackResult:
     """Bring every participant still there back to ACTIVE, bytes and sharing as before.
 
-    ``recorded`` is the topology before the capture when the caller has it; else the
+    ``captured`` is the topology before the capture when the caller has it; else the
     checkpoint directory's intent (or state file) provides it. Participants whose
     process is gone are left out and reported in ``gone``. The intent is removed
     once the group is back.
     """
     options = attrs.evolve(options or Options(), stop=None, rollback_on_failure=False, on_step=None)
     loop = _Loop(ROLLBACK, endpoints, Path(checkpoint_dir), options)
-    loop.run.captured = recorded
+    loop.run.captured = captured
     _execute(loop)
     run = loop.run
     assert run.topology is not None
@@ -194,12 +194,12 @@ def _execute(loop: _Loop) -> None:
 
 def _roll_back_after(loop: _Loop, error: CoordinatorError) -> None:
     endpoints = [b.endpoint for b in loop.run.bound] or list(loop.run.endpoints)
-    recorded = loop.run.topology if loop.spec is CAPTURE else loop.run.captured
+    captured = loop.run.topology if loop.spec is CAPTURE else loop.run.captured
     try:
         # The lock is held already: the rollback is this coordinator's own.
         inner = _Loop(ROLLBACK, endpoints, loop.run.checkpoint_dir, loop.options_for_rollback())
         inner.run.lease = loop.run.lease  # the same coordinator: its lease goes on
-        inner.run.captured = recorded
+        inner.run.captured = captured
         inner.execute()
         clear_intent(loop.run.checkpoint_dir)
         error.rolled_back = True
@@ -244,7 +244,7 @@ def inspect(
         if (p := reply_problem(Op.INSPECT, Phase.ACTIVE, b.endpoint, result)) is not None
     ]
     if problems:
-        raise PhaseFailed("inspect", Op.INSPECT.name, problems)
+        raise StepFailed("inspect", Op.INSPECT.name, problems)
     replies = [r for r in results if isinstance(r, Reply)]
     return bound, Topology.from_inspect((r.participant, r.pid, r.records) for r in replies)
 
@@ -314,7 +314,7 @@ class _Loop:
             except Exception as exc:
                 # A bug or an unforeseen OS error: still fail-stop, with the trace
                 # and the progress stream closed properly, and the cause chained.
-                internal = PhaseFailed(
+                internal = StepFailed(
                     self.spec.name, step.trigger, [Problem(f"internal error: {exc!r}")]
                 )
                 self._trace_step(step, source, began, "failed", internal)
@@ -395,7 +395,7 @@ class _Loop:
 
     # -- reporting ---------------------------------------------------------------
 
-    def _emit(self, event: PhaseEvent | DoneEvent | FailedEvent) -> None:
+    def _emit(self, event: OpEvent | DoneEvent | FailedEvent) -> None:
         if self.options.on_progress is not None:
             self.options.on_progress(event)
 

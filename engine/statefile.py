@@ -92,26 +92,6 @@ class CheckpointState:
     participants: tuple[StateParticipant, ...] = attrs.field(converter=_sorted_state_participants)
     topology: Topology
 
-    @classmethod
-    def from_topology(
-        cls,
-        topology: Topology,
-        content_mode: ContentMode,
-        *,
-        protocol_version: int = wire.VERSION,
-        now: datetime | None = None,
-    ) -> CheckpointState:
-        """The state of a capture of ``topology``: participants taken from it, time now."""
-        return cls(
-            protocol_version=protocol_version,
-            content_mode=content_mode,
-            created_at=utc_timestamp(now),
-            participants=tuple(
-                StateParticipant(p.participant, p.pid) for p in topology.participants
-            ),
-            topology=topology,
-        )
-
 
 def utc_timestamp(now: datetime | None = None) -> str:
     """ISO 8601 in UTC with a ``Z``, to the millisecond."""

@@ -30,10 +30,10 @@ from .client import (
     ParticipantTimeout,
 )
 from .directory import promote_intent, read_intent, write_intent
-from .errors import PhaseFailed, Problem
+from .errors import Problem, StepFailed
 from .fsm import step_op, step_reply_phase
 from .options import RETRY_PAUSE_S, Options
-from .progress import NativeKept, PhaseEvent, Transfer
+from .progress import NativeKept, OpEvent, Transfer
 from .statefile import (
     READABLE_PROTOCOL_VERSIONS,
     STATE_FILE_NAME,
@@ -73,7 +73,7 @@ class Run:
     captured: Topology | None = None  # the state file's
     state_file: CheckpointState | None = None
     state_path: Path | None = None
-    events: list[PhaseEvent] = attrs.Factory(list)
+    events: list[OpEvent] = attrs.Factory(list)
     # What the step in progress adds to its trace entry.
     trace_extra: dict[str, Any] = attrs.Factory(dict)
     # Participants whose process was gone at HANDSHAKE (machines that drop them).
@@ -187,15 +187,15 @@ def bind(
         owners[result.participant] = endpoint
         bound.append(Bound(endpoint, result.participant, result.pid, result.phase, result.message))
     if problems:
-        raise PhaseFailed(machine, Op.HANDSHAKE.name, problems)
+        raise StepFailed(machine, Op.HANDSHAKE.name, problems)
     return tuple(bound)
 
 
-def perform(run: Run, step: Step) -> PhaseEvent | None:
+def perform(run: Run, step: Step) -> OpEvent | None:
     """Do ``step``'s work; a wire step returns its progress event."""
     op = step_op(step)
     if op is not None:
-        if run.spec.records_intent and run.intent_path is None and step.tears_down:
+        if run.spec.writes_intent and run.intent_path is None and step.tears_down:
             write_intent_file(run)
         return exchange(run, step, op)
     assert step.action is not None  # a step without an op has an action (phases checks)
@@ -203,7 +203,7 @@ def perform(run: Run, step: Step) -> PhaseEvent | None:
     return None
 
 
-def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
+def exchange(run: Run, step: Step, op: Op) -> OpEvent:
     """Send ``op`` to every participant at once and check every answer: a barrier."""
     options = run.options
     calls: list[tuple[Endpoint, Request, str | None]]
@@ -243,7 +243,7 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
             if (p := _problem(op, expected, endpoint, result, quieting)) is not None
         ]
         if problems:
-            raise PhaseFailed(run.spec.name, op.name, problems)
+            raise StepFailed(run.spec.name, op.name, problems)
     run.replies = tuple(r for r in results if isinstance(r, Reply))
     if op is Op.ROLLBACK_IMPORTS:
         run.lost += [
@@ -265,7 +265,7 @@ def exchange(run: Run, step: Step, op: Op) -> PhaseEvent:
              for r in run.replies],
             elapsed,
         )  # fmt: skip
-    return PhaseEvent(run.spec.name, op.name, elapsed, len(run.endpoints), transfer, kept)
+    return OpEvent(run.spec.name, op.name, elapsed, len(run.endpoints), transfer, kept)
 
 
 def _problem(
@@ -350,7 +350,7 @@ def _drop_gone(
         else:
             kept.append(result)
     if gone and len(gone) == len(calls):
-        raise PhaseFailed(run.spec.name, Op.HANDSHAKE.name, gone)
+        raise StepFailed(run.spec.name, Op.HANDSHAKE.name, gone)
     run.gone = tuple(gone)
     if gone:
         run.trace_extra["gone"] = [str(p) for p in gone]
@@ -374,8 +374,8 @@ def release(run: Run) -> tuple[Problem, ...]:
     )
 
 
-def _local_failure(run: Run, step: str, reason: str) -> PhaseFailed:
-    return PhaseFailed(run.spec.name, step, [Problem(reason)])
+def _local_failure(run: Run, step: str, reason: str) -> StepFailed:
+    return StepFailed(run.spec.name, step, [Problem(reason)])
 
 
 def write_state_file(run: Run) -> None:

@@ -50,6 +50,7 @@ from .native import (
 )
 from .options import Options
 from .progress import StagingSummary
+from .released import Released, released
 from .runner import capture, restore
 from .statefile import StateFileError, utc_timestamp
 from .watch import CopyWatcher
@@ -71,6 +72,8 @@ class SuspendResult:
     timings: tuple[Timing, ...]
     # What the shims staged and left to the native checkpoint (None: nothing staged).
     staging: StagingSummary | None = None
+    # The GPU memory the suspend released, from the capture's topology as the run held it.
+    released: Released | None = None
 
 
 def _participant_ids(
@@ -209,6 +212,7 @@ def suspend(
         )
     prepared = False
     staging = None
+    topology = None
     if detection.mode == "cuinterpose":
         with report.step("capture") as moved:
             engine_options = attrs.evolve(options, on_progress=report.emit)
@@ -218,6 +222,7 @@ def suspend(
                 result = quiesce.until_quiet(attempt, engine_options, report.logger)
             moved.append(bytes_moved(result.phases))
             staging = StagingSummary.from_phases(result.phases)
+            topology = result.state.topology
         prepared = True
     undo = _Undo(group, detection, directory, native, options, report, where)
     try:
@@ -241,7 +246,8 @@ def suspend(
         _undo(undo, list(failure.lines()))
     except (StateFileError, OSError) as failure:
         _undo(undo, [f"the manifest could not be written: {failure}"])
-    return SuspendResult(manifest, path, tuple(report.timings), staging)
+    freed = released(topology, staging, len(group))
+    return SuspendResult(manifest, path, tuple(report.timings), staging, freed)
 
 
 @attrs.frozen

@@ -255,13 +255,16 @@ VerbHelp = tuple[str, str, str]
 
 def verb_adder(
     verbs: argparse._SubParsersAction[Any], helps: Mapping[str, VerbHelp]
-) -> Callable[[str], argparse.ArgumentParser]:
+) -> Callable[..., argparse.ArgumentParser]:
     """Adds each verb the same way, in ``cuinterpose`` and ``cuinterpose criu`` alike: its
     help, an example and its exit statuses in ``--help``, the logging options."""
     common = logging_options()
 
-    def add(name: str) -> argparse.ArgumentParser:
+    def add(name: str, *, bare: bool = False) -> argparse.ArgumentParser:
         text, example, exits = helps[name]
+        if bare:  # listed in the top-level help only: a command builds its own verb alone
+            listed: argparse.ArgumentParser = verbs.add_parser(name, help=text)
+            return listed
         parser: argparse.ArgumentParser = verbs.add_parser(
             name,
             help=text,
@@ -278,17 +281,49 @@ def verb_adder(
 PHASE_TIMEOUT_ENV: Final = "SNAPSHOT_PHASE_TIMEOUT_S"
 
 
-def add_phase_timeout(parser: argparse.ArgumentParser) -> None:
+class _DeprecatedAlias(argparse.Action):
+    """An option's former name: it still works, and says once on stderr what to use."""
+
+    def __init__(self, *args: Any, instead: str, **kwargs: Any) -> None:
+        self.instead = instead
+        super().__init__(*args, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        sys.stderr.write(
+            f"{parser.prog}: note: {option_string} is deprecated and will go: use {self.instead}\n"
+        )
+        setattr(namespace, self.dest, values)
+
+
+def add_step_timeout(parser: argparse.ArgumentParser) -> None:
+    """``--step-timeout``: each step's deadline for every shim's reply (``--phase-timeout``,
+    its former name, kept as a deprecated alias while the version is 0.x)."""
     parser.add_argument(
-        "--phase-timeout",
+        "--step-timeout",
         type=seconds,
         metavar="SECONDS",
-        help=f"per-phase timeout (default ${PHASE_TIMEOUT_ENV}, else {DEFAULT_PHASE_TIMEOUT_S:g})",
+        help=f"each step's deadline for every shim's reply (default ${PHASE_TIMEOUT_ENV}, "
+        f"else {DEFAULT_PHASE_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--phase-timeout",
+        dest="step_timeout",
+        type=seconds,
+        metavar="SECONDS",
+        action=_DeprecatedAlias,
+        instead="--step-timeout",
+        help="deprecated: --step-timeout",
     )
 
 
-def phase_timeout(given: float | None, environ: Mapping[str, str] | None = None) -> float:
-    """``--phase-timeout``'s value, else ``$SNAPSHOT_PHASE_TIMEOUT_S``, else the default."""
+def step_timeout(given: float | None, environ: Mapping[str, str] | None = None) -> float:
+    """``--step-timeout``'s value, else ``$SNAPSHOT_PHASE_TIMEOUT_S``, else the default."""
     if given is not None:
         return given
     value = (os.environ if environ is None else environ).get(PHASE_TIMEOUT_ENV, "")

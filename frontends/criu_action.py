@@ -51,12 +51,12 @@ from .arguments import (
     add_control_dir,
     add_driver,
     add_gpu_map,
-    add_phase_timeout,
     add_processes,
+    add_step_timeout,
     missing,
-    phase_timeout,
     pid,
     seconds,
+    step_timeout,
     tidy_refused,
     verb_adder,
 )
@@ -68,6 +68,7 @@ from .engine.native import NativeBackend, NativeUnavailableError
 from .engine.options import Options
 from .engine.released import size
 from .engine.statefile import StateFileError
+from .outcomes import Outcome, finish
 
 PROG: Final = "cuinterpose criu"
 ACTION_ENV: Final = "CRTOOLS_SCRIPT_ACTION"
@@ -168,7 +169,7 @@ def _group_options(
             help="the control directory as seen here before the processes exist "
             "(default: the control directory, unless --proc-root)",
         )
-    add_phase_timeout(parser)
+    add_step_timeout(parser)
     _output_options(parser)
 
 
@@ -329,13 +330,6 @@ def _events(mode: str, stream: TextIO) -> Iterator[agent.AgentCallback | None]:
         yield None
 
 
-def _say(stream: TextIO, lines: Sequence[str]) -> None:
-    with contextlib.suppress(OSError):
-        for line in lines:
-            stream.write(line + "\n")
-        stream.flush()
-
-
 def _finish(
     args: argparse.Namespace,
     stdout: TextIO,
@@ -344,24 +338,14 @@ def _finish(
     lines: Sequence[str] = (),
     **summary: Any,
 ) -> int:
-    """Say how the verb ended once: the lines on stderr, and with JSON output one summary
-    line with the outcome and the exit code."""
-    for line in lines:
-        stderr.write(f"{PROG}: {line}\n")
-    stderr.flush()
-    if getattr(args, "mode", None) == "json":
-        document: dict[str, Any] = {"event": "summary", "command": f"criu {args.verb}"}
-        document.update(summary)
-        document.update(outcome=summary.pop("outcome", _OUTCOMES[code]), exit_code=code)
-        document.pop("human", None)
-        if lines:
-            document["reason"] = list(lines)
-        with contextlib.suppress(OSError):
-            stdout.write(json.dumps(document, allow_nan=False) + "\n")
-            stdout.flush()
-    elif getattr(args, "mode", None) == "human" and summary.get("human"):
-        _say(stdout, summary["human"])
-    return code
+    """Say how the verb ended once (frontends/outcomes.py): the lines on stderr, and with
+    JSON output one summary line with the outcome and the exit code; ``outcome`` and
+    ``human`` (the lines a person reads) are the summary's own keywords."""
+    outcome = str(summary.pop("outcome", ""))
+    human = summary.pop("human", ())
+    ended = Outcome(code, outcome, lines, summary, human)
+    mode = str(getattr(args, "mode", ""))
+    return finish(f"criu {args.verb}", mode, ended, stdout, stderr, prog=PROG, outcomes=_OUTCOMES)
 
 
 def _seconds(timings: Sequence[agent.Timing]) -> float:
@@ -417,8 +401,8 @@ def _script_argv(args: argparse.Namespace, processes: Sequence[agent.Process]) -
     if args.not_requested:
         words.append("--not-requested")
     words += ["--driver", args.driver, "--progress", "json" if args.json else args.progress]
-    if args.phase_timeout is not None:
-        words += ["--phase-timeout", str(args.phase_timeout)]
+    if args.step_timeout is not None:
+        words += ["--step-timeout", str(args.step_timeout)]
     words += ["-v"] * args.verbose + (["-q"] if args.quiet else [])
     if args.log_file is not None:
         words += ["--log-file", str(args.log_file.resolve())]
@@ -466,7 +450,7 @@ def _dump(
             where=where,
             native=_native(args, where, lambda: processes),
             requested=not args.not_requested,
-            options=Options(phase_timeout=phase_timeout(args.phase_timeout, environ)),
+            options=Options(phase_timeout=step_timeout(args.step_timeout, environ)),
             lock_timeout_ms=int(args.lock_timeout * 1000),
             criu_args=_criu_args(args.criu_args),
             on_event=on_event,
@@ -511,7 +495,7 @@ def _restore(
             where=where,
             native=_native(args, where, recorded),
             control_dir=_before_dir(args, where),
-            options=Options(phase_timeout=phase_timeout(args.phase_timeout, environ)),
+            options=Options(phase_timeout=step_timeout(args.step_timeout, environ)),
             criu_args=_criu_args(args.criu_args),
             gpu_map=args.gpu_map,
             on_event=on_event,
@@ -546,7 +530,7 @@ def _action(
 ) -> int:
     step = environ.get(ACTION_ENV, "")
     where = _where(args, environ)
-    options = Options(phase_timeout=phase_timeout(args.phase_timeout, environ))
+    options = Options(phase_timeout=step_timeout(args.step_timeout, environ))
     processes = _processes(args)
     if step == "pre-dump":
         named = environ.get(IMAGES_ENV)

@@ -30,9 +30,9 @@ from .arguments import (
     UsageError,
     VerbHelp,
     add_endpoints,
-    add_phase_timeout,
-    phase_timeout,
+    add_step_timeout,
     seconds,
+    step_timeout,
     verb_adder,
 )
 from .engine import agent, job, jobstore, runner
@@ -101,7 +101,7 @@ def _node_options(parser: argparse.ArgumentParser, *, processes: bool) -> None:
         "--checkpoint-dir", type=Path, required=True, help="this node's checkpoint directory"
     )
     add_endpoints(parser, required=processes)
-    add_phase_timeout(parser)
+    add_step_timeout(parser)
     parser.add_argument(
         "--barrier-timeout",
         type=seconds,
@@ -250,6 +250,6 @@ def _dispatch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except (agent.AgentError, OSError) as exc:
         err.write(f"{PROG} {args.verb}: {exc}\n")
         return EXIT_FAILED
-    options = runner.Options(phase_timeout=phase_timeout(args.phase_timeout))
+    options = runner.Options(phase_timeout=step_timeout(args.step_timeout))
     verbs = {"suspend": job.suspend_node, "resume": job.resume_node, "recover": job.recover}
     return _print(verbs[args.verb](spec, target, options=options), args, out, err)

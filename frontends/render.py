@@ -24,7 +24,7 @@ from rich.progress import (
 from rich.table import Table
 
 from .engine.agent import AgentEvent, CopyProgress, ProcessStatus, StepEvent, Timing
-from .engine.progress import DoneEvent, FailedEvent, PhaseEvent, StagingSummary, human_line
+from .engine.progress import DoneEvent, FailedEvent, OpEvent, StagingSummary, human_line
 
 
 class HumanView:
@@ -44,7 +44,7 @@ class HumanView:
         )
         self.tasks: dict[str, TaskID] = {}
         self.machine_failed = False  # the step's machine said FAILED already
-        self.phases: list[PhaseEvent] = []
+        self.phases: list[OpEvent] = []
 
     @contextlib.contextmanager
     def live(self) -> Iterator[HumanView]:
@@ -68,7 +68,7 @@ class HumanView:
             elif event.status == "failed" and not self.machine_failed:
                 self.console.print(f"{event.step}: FAILED after {event.seconds:.3f} s")
             self.machine_failed = False
-        elif isinstance(event, PhaseEvent):
+        elif isinstance(event, OpEvent):
             self.phases.append(event)
             task = self.tasks.get(event.phase)
             if task is not None and event.transfer is not None:

@@ -22,7 +22,7 @@ CAPTURE = MachineSpec(
     title="cuinterpose capture",
     initial="start",
     final="captured",
-    records_intent=True,
+    writes_intent=True,
     guards=(
         Guard(
             "all_active",

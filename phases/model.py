@@ -127,7 +127,7 @@ class MachineSpec:
     steps: tuple[Step, ...]
     # Record the group durably (participants, topology) before the first
     # destructive op, so that any later invocation knows what was under way.
-    records_intent: bool = False
+    writes_intent: bool = False
     # Go on without participants whose process is gone (socket missing or
     # refused at HANDSHAKE): a rollback brings the survivors back.
     drops_gone: bool = False

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cuinterpose import cli
+from cuinterpose import invocation
 from cuinterpose.engine.native import ProcessState
 from cuinterpose.engine.wire import socket_name
 from cuinterpose.testing import FakeParticipant
@@ -50,4 +50,4 @@ class _AllRunning:
 def fakes_run_natively(monkeypatch: pytest.MonkeyPatch) -> None:
     """prepare and restore check every process's native state first: here every fake's
     process is RUNNING (tests/engine/test_agent.py drives the native states itself)."""
-    monkeypatch.setattr(cli, "_native_backend", _AllRunning)
+    monkeypatch.setattr(invocation, "_native_backend", _AllRunning)

@@ -22,8 +22,8 @@ from typing import Any
 import attrs
 import pytest
 import topologies
-from cuinterpose import cli
-from cuinterpose.engine import Options, PhaseFailed, agent, native, quiesce, runner
+from cuinterpose import cli, invocation
+from cuinterpose.engine import Options, StepFailed, agent, native, quiesce, runner
 from cuinterpose.engine.client import Endpoint
 from cuinterpose.engine.native import NativeError, NativeGroupError, ProcessState
 from cuinterpose.engine.progress import QuiesceRound
@@ -468,7 +468,7 @@ def test_resume_refuses_other_processes_and_unsuspended_ones(work: Path) -> None
 def run_cli(
     argv: list[str], fake: FakeNative, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[int, str, str]:
-    monkeypatch.setattr(cli, "_native_backend", lambda: fake)
+    monkeypatch.setattr(invocation, "_native_backend", lambda: fake)
     out, err = io.StringIO(), io.StringIO()
     code = cli.main(argv, stdout=out, stderr=err)
     return code, out.getvalue(), err.getvalue()
@@ -525,7 +525,7 @@ def test_cli_suspend_failures_exit_1_with_every_step(
 
 def test_the_human_view_shows_copy_progress_steps_and_the_summary() -> None:
     from cuinterpose import render
-    from cuinterpose.engine.progress import ParticipantTransfer, PhaseEvent, Transfer
+    from cuinterpose.engine.progress import OpEvent, ParticipantTransfer, Transfer
 
     out = io.StringIO()
     view = render.HumanView(out, per_participant=True)
@@ -535,7 +535,7 @@ def test_the_human_view_shows_copy_progress_steps_and_the_summary() -> None:
     with view.live():
         view(agent.StepEvent("capture", "started"))
         view(agent.CopyProgress("SAVE_ALLOCATIONS", 1 << 20, 4 << 20, 0.5))
-        view(PhaseEvent("capture", "SAVE_ALLOCATIONS", 0.002, 1, transfer))
+        view(OpEvent("capture", "SAVE_ALLOCATIONS", 0.002, 1, transfer))
         view(agent.StepEvent("capture", "done", 0.25, 4 << 20))
     view.summary([agent.Timing("capture", 0.25, 4 << 20), agent.Timing("native_lock", 0.01)])
     text = out.getvalue()
@@ -584,7 +584,7 @@ def test_a_suspend_refused_as_not_quiet_twice_is_refused(tmp_path: Path) -> None
     script = {1: {Op.QUIESCE: Fault("not_quiet", Status.REFUSED, not_quiet)}}
     with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as t:
         log = logging.getLogger("test")
-        with pytest.raises(PhaseFailed, match="did not reach a quiet point") as caught:
+        with pytest.raises(StepFailed, match="did not reach a quiet point") as caught:
             _capture_until_quiet(t.endpoints, tmp_path, Options(5.0), log)
         assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
     assert caught.value.step == "QUIESCE" and not caught.value.destroyed
@@ -604,7 +604,7 @@ def test_a_suspend_told_to_stop_during_quiesce_rounds_does_not_start_over(tmp_pa
     with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as t:
         log = logging.getLogger("test")
         options = Options(5.0, stop=stop, on_progress=on_progress)
-        with pytest.raises(PhaseFailed, match="did not reach a quiet point"):
+        with pytest.raises(StepFailed, match="did not reach a quiet point"):
             _capture_until_quiet(t.endpoints, tmp_path, options, log)
         received = [f.received.count(Op.QUIESCE) for f in t.fakes]
         assert {f.phase for f in t.fakes} == {Phase.ACTIVE}

@@ -303,12 +303,24 @@ def test_a_run_leaves_the_directory_as_it_found_it(work: Path) -> None:
     assert [p.name for p in ckpt.iterdir()] == ["cuinterpose.lock"]
 
 
-def test_a_hang_is_bounded_by_the_phase_timeout_option(work: Path) -> None:
+def test_a_hang_is_bounded_by_the_step_timeout_option(work: Path) -> None:
     script = {1: {Op.INSPECT: Fault("hang")}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
-        code, _, err = run(*machine_args("prepare", t, work, "--phase-timeout", "0.2"))
+        code, _, err = run(*machine_args("prepare", t, work, "--step-timeout", "0.2"))
     assert code == 1
     assert "no reply within 0.2 s" in err
+
+
+def test_the_former_phase_timeout_still_works_and_says_it_is_deprecated(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = cli.build_parser().parse_args(
+        ["prepare", "--checkpoint-dir", "/x", "--pid", "1", "--phase-timeout", "0.3"]
+    )
+    assert args.step_timeout == 0.3
+    assert (
+        "--phase-timeout is deprecated and will go: use --step-timeout" in capsys.readouterr().err
+    )
 
 
 def test_the_phase_timeout_comes_from_the_environment(
@@ -377,7 +389,7 @@ def test_proc_root_reaches_sockets_through_each_process_root(
         "prepare --checkpoint-dir /x --process 0 2",
         "prepare --checkpoint-dir /x --process 1",
         "prepare --checkpoint-dir /x --process 1 2 --process 1 2",
-        "prepare --checkpoint-dir /x --process 1 2 --phase-timeout -1",
+        "prepare --checkpoint-dir /x --process 1 2 --step-timeout -1",
         "prepare --checkpoint-dir /x --process 1 2 --phase-timeout nan",
         "prepare --checkpoint-dir /x --process 1 2 --progress xml",
         "inspect",

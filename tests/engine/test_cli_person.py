@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import topologies
-from cuinterpose import cli, engine, logs, targets
+from cuinterpose import cli, engine, invocation, logs, targets
 from cuinterpose.engine import discovery
 from cuinterpose.engine.native import CudaBackend, NativeUnavailableError
 from cuinterpose.engine.wire import Op, Phase, socket_name
@@ -54,13 +54,13 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def run(*argv: str, native: FakeNative | None = None, **patch: Any) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    previous = cli._native_backend
+    previous = invocation._native_backend
     if native is not None:
-        cli._native_backend = lambda: native  # type: ignore[assignment]
+        invocation._native_backend = lambda: native  # type: ignore[assignment]
     try:
         code = cli.main(list(argv), stdout=out, stderr=err)
     finally:
-        cli._native_backend = previous  # type: ignore[method-assign]
+        invocation._native_backend = previous  # type: ignore[method-assign]
     return code, out.getvalue(), err.getvalue()
 
 
@@ -188,7 +188,7 @@ def test_suspend_on_a_terminal_says_where_the_bytes_are_and_the_resume_command(
             return True
 
     fake = running()
-    monkeypatch.setattr(cli, "_native_backend", lambda: fake)
+    monkeypatch.setattr(invocation, "_native_backend", lambda: fake)
     with team_of(TOPOLOGY, work / "control") as t:
         out, err = Terminal(), io.StringIO()
         argv = ["suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
@@ -441,7 +441,7 @@ def test_a_driver_that_cannot_be_loaded_says_what_to_do(
     with pytest.raises(NativeUnavailableError, match="cannot load the CUDA driver /nowhere"):
         CudaBackend("/nowhere/libcuda.so.1").driver()
     monkeypatch.setenv("CUINTERPOSE_BUILD_DIR", str(work / "no-build"))
-    monkeypatch.setattr(cli, "_native_backend", lambda: None)  # the real driver, then
+    monkeypatch.setattr(invocation, "_native_backend", lambda: None)  # the real driver, then
     with team_of(TOPOLOGY, work / "control") as t:
         code, _, err = run("suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
                            str(t.control_dir), *t.processes, "--driver", "sim",
@@ -550,7 +550,7 @@ def test_a_failed_capture_is_said_before_its_rollback(
             return True
 
     fake = running()
-    monkeypatch.setattr(cli, "_native_backend", lambda: fake)
+    monkeypatch.setattr(invocation, "_native_backend", lambda: fake)
     script = {0: {Op.PREPARE_UNICAST: Fault("fail", message="cuMemRelease: CUDA_ERROR_X")}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
         out, err = Terminal(), io.StringIO()

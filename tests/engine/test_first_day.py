@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import topologies
-from cuinterpose import cli, criu_action, drivers, engine
+from cuinterpose import cli, criu_action, drivers, engine, invocation
 from cuinterpose.engine import agent, criu, images
 from cuinterpose.engine.client import control_dir_problem
 from cuinterpose.engine.discovery import start_ticks
@@ -314,7 +314,7 @@ def test_a_native_step_that_fails_half_way_prints_the_way_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     fake = running()
-    monkeypatch.setattr(cli, "_native_backend", lambda: fake)
+    monkeypatch.setattr(invocation, "_native_backend", lambda: fake)
     fake.fail = ("lock", 1001)
     code, out, err = run("native", "--action", "lock", "--pid", "1000", "--pid", "1001")
     assert code == cli.EXIT_NEEDS_RECOVER, err

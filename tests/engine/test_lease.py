@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from cuinterpose.engine import runner
 from cuinterpose.engine.client import Endpoint, ParticipantError, call_all
-from cuinterpose.engine.errors import PhaseFailed
+from cuinterpose.engine.errors import StepFailed
 from cuinterpose.engine.options import Options
 from cuinterpose.engine.wire import ZERO_ID, Op, Reply, Request, Status
 from cuinterpose.testing import Fault
@@ -62,7 +62,7 @@ def test_a_refused_run_releases_too(work: Path) -> None:
     recording = Recording()
     script = {Op.HANDSHAKE: Fault("fail", status=Status.REFUSED, message="held elsewhere")}
     with team_of(TOPOLOGY, work / "control", scripts={1: script}) as t:
-        with pytest.raises(PhaseFailed, match="held elsewhere"):
+        with pytest.raises(StepFailed, match="held elsewhere"):
             runner.capture(t.endpoints, work / "ckpt", Options(5.0, transport=recording))
         assert [r.op for r in recording.sent] == [Op.HANDSHAKE] * 2 + [Op.RELEASE] * 2
         assert [f.releases for f in t.fakes] == [1, 1]
@@ -72,7 +72,7 @@ def test_the_rollback_after_a_failure_keeps_the_runs_token(work: Path) -> None:
     recording = Recording()
     script = {Op.PREPARE_UNICAST: Fault("fail", message="torn")}
     with team_of(TOPOLOGY, work / "control", scripts={0: script}) as t:
-        with pytest.raises(PhaseFailed, match="torn") as caught:
+        with pytest.raises(StepFailed, match="torn") as caught:
             runner.capture(t.endpoints, work / "ckpt", Options(5.0, transport=recording))
         assert caught.value.rolled_back
         ops = [r.op for r in recording.sent]

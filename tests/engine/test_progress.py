@@ -9,7 +9,7 @@ import pytest
 from cuinterpose.engine.progress import (
     DoneEvent,
     FailedEvent,
-    PhaseEvent,
+    OpEvent,
     Transfer,
     human_line,
     json_line,
@@ -46,11 +46,11 @@ def test_nothing_moved_reports_zero_not_a_division_by_zero() -> None:
     # Bytes without measurable copy time (a shim reporting zero) stay finite too.
     odd = Transfer.from_stats([(A, 1, Stats(count=1, bytes=5))], elapsed_s=0.0)
     assert (odd.gb_per_s, odd.copy_gb_per_s) == (0.0, 0.0)
-    assert json.loads(json_line(PhaseEvent("capture", "SAVE_ALLOCATIONS", 0.0, 1, odd)))
+    assert json.loads(json_line(OpEvent("capture", "SAVE_ALLOCATIONS", 0.0, 1, odd)))
 
 
 def test_phase_event_json_shape() -> None:
-    plain = json.loads(json_line(PhaseEvent("capture", "INSPECT", 0.25, 3)))
+    plain = json.loads(json_line(OpEvent("capture", "INSPECT", 0.25, 3)))
     assert plain == {
         "event": "phase",
         "machine": "capture",
@@ -59,7 +59,7 @@ def test_phase_event_json_shape() -> None:
         "participants": 3,
     }
     transfer = Transfer.from_stats([(A, 1, Stats(1, GIB, 10**9, 10**9))], elapsed_s=2.0)
-    moved = json.loads(json_line(PhaseEvent("restore", "LOAD_ALLOCATIONS", 2.0, 1, transfer)))
+    moved = json.loads(json_line(OpEvent("restore", "LOAD_ALLOCATIONS", 2.0, 1, transfer)))
     assert moved["allocation_count"] == 1 and moved["allocation_bytes"] == GIB
     assert moved["gb_per_s"] == pytest.approx(GIB / 2e9)
     assert moved["copy_gb_per_s"] == pytest.approx(GIB / 1e9)
@@ -89,11 +89,11 @@ def test_done_and_failed_json_shapes() -> None:
 
 
 def test_human_lines() -> None:
-    assert human_line(PhaseEvent("capture", "HANDSHAKE", 0.0123, 1)) == (
+    assert human_line(OpEvent("capture", "HANDSHAKE", 0.0123, 1)) == (
         "capture HANDSHAKE: 12.3 ms, 1 participant"
     )
     transfer = Transfer.from_stats([(A, 1, Stats(2, 3 * GIB, 10**9, 10**9))], elapsed_s=1.0)
-    line = human_line(PhaseEvent("capture", "SAVE_ALLOCATIONS", 1.0, 2, transfer))
+    line = human_line(OpEvent("capture", "SAVE_ALLOCATIONS", 1.0, 2, transfer))
     assert line == (
         "capture SAVE_ALLOCATIONS: 1000.0 ms, 2 participants, 2 allocations (3.00 GiB), "
         "3.22 GB/s end to end, 3.22 GB/s copying"
@@ -106,7 +106,7 @@ def test_human_lines() -> None:
 
 
 def test_the_json_printer_writes_one_line_per_event() -> None:
-    events = [PhaseEvent("capture", "HANDSHAKE", 0.001, 2), DoneEvent("capture", 0.1, 2, "/c")]
+    events = [OpEvent("capture", "HANDSHAKE", 0.001, 2), DoneEvent("capture", 0.1, 2, "/c")]
     out = io.StringIO()
     emit = json_printer(out)
     for event in events:

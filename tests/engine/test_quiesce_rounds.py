@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import topologies
-from cuinterpose.engine import Options, PhaseFailed, capture
+from cuinterpose.engine import Options, StepFailed, capture
 from cuinterpose.engine.errors import not_quiet
 from cuinterpose.engine.progress import Event, QuiesceRound, human_line, json_line
 from cuinterpose.engine.quiesce import FIRST_ROUND_S, LONGEST_ROUND_S, round_length
@@ -67,7 +67,7 @@ def test_rounds_stay_short_while_a_quiet_participant_can_advance(tmp_path: Path)
 def test_rounds_end_when_the_embedders_deadline_is_spent(tmp_path: Path) -> None:
     script = {2: {Op.QUIESCE: Fault("pending", message=BUSY)}}
     with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as team:
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             capture(team.endpoints, tmp_path, Options(5.0, quiesce_deadline=0.1))
         # Nothing torn down: the run's RELEASE left every fake ACTIVE (the gates open).
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
@@ -87,7 +87,7 @@ def test_a_refusal_ends_the_rounds_for_everyone(tmp_path: Path) -> None:
         2: {Op.QUIESCE: Fault("not_quiet", Status.REFUSED, refused)},
     }
     with short_dir() as work, team_of(TOPOLOGY, work / "control", scripts=script) as team:
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             capture(team.endpoints, tmp_path, Options(5.0))
         received = [f.received.count(Op.QUIESCE) for f in team.fakes]
     assert received == [1, 1, 1]

@@ -14,15 +14,15 @@ from cuinterpose.engine.client import Endpoint, ParticipantError, call_all
 from cuinterpose.engine.errors import (
     Interrupted,
     ParticipantsRefused,
-    PhaseFailed,
     PreflightRefused,
     Problem,
     Refused,
+    StepFailed,
     TopologyRefused,
     VerificationFailed,
     not_quiet,
 )
-from cuinterpose.engine.progress import DoneEvent, Event, FailedEvent, PhaseEvent
+from cuinterpose.engine.progress import DoneEvent, Event, FailedEvent, OpEvent
 from cuinterpose.engine.statefile import STATE_FILE_NAME, read_state
 from cuinterpose.engine.wire import Op, Phase, RecordKind, Reply, Request, Status
 from cuinterpose.testing import Fault
@@ -115,11 +115,11 @@ def test_capture_then_restore_unicast_and_multicast(work: Path) -> None:
         assert t.received() == [CAPTURE_OPS + RESTORE_OPS] * 3
         assert all(f.phase is Phase.ACTIVE for f in t.fakes)
         assert restored.topology.same_shape(TOPOLOGY)
-    phases = [(e.machine, e.phase) for e in events if isinstance(e, PhaseEvent)]
+    phases = [(e.machine, e.phase) for e in events if isinstance(e, OpEvent)]
     assert phases == [("capture", op.name) for op in CAPTURE_OPS] + [
         ("restore", op.name) for op in RESTORE_OPS
     ]
-    assert [type(e) for e in events if not isinstance(e, PhaseEvent)] == [DoneEvent, DoneEvent]
+    assert [type(e) for e in events if not isinstance(e, OpEvent)] == [DoneEvent, DoneEvent]
 
 
 def test_each_phase_is_dispatched_to_all_participants_at_once(work: Path) -> None:
@@ -135,14 +135,14 @@ def test_transfer_figures_on_save_and_load(work: Path) -> None:
     events: list[Event] = []
     with team_of(TOPOLOGY, work / "control") as t:
         runner.capture(t.endpoints, work / "ckpt", options(events))
-    save = next(e for e in events if isinstance(e, PhaseEvent) and e.phase == "SAVE_ALLOCATIONS")
+    save = next(e for e in events if isinstance(e, OpEvent) and e.phase == "SAVE_ALLOCATIONS")
     assert save.transfer is not None
     assert save.transfer.allocation_count == 3  # one per fake (SAVE_STATS)
     assert save.transfer.allocation_bytes == 3 * (4 << 20)
     # bytes over summed copy time: 12 MiB over 3 ms
     assert save.transfer.copy_gb_per_s == pytest.approx(3 * (4 << 20) / 3e-3 / 1e9)
     assert save.transfer.gb_per_s == pytest.approx(3 * (4 << 20) / save.elapsed_s / 1e9)
-    others = [e for e in events if isinstance(e, PhaseEvent) and e.phase != "SAVE_ALLOCATIONS"]
+    others = [e for e in events if isinstance(e, OpEvent) and e.phase != "SAVE_ALLOCATIONS"]
     assert all(e.transfer is None and e.participants == 3 for e in others)
 
 
@@ -198,7 +198,7 @@ def test_capture_refuses_a_participant_not_active(work: Path) -> None:
 def test_a_failed_participant_is_refused_with_its_stored_reason(work: Path) -> None:
     script = {1: {Op.SAVE_ALLOCATIONS: Fault("fail", message="cuMemcpyDtoH: CUDA_ERROR_X")}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
-        with pytest.raises(PhaseFailed):
+        with pytest.raises(StepFailed):
             capture(t, work / "ckpt")
         with pytest.raises(ParticipantsRefused) as caught:
             capture(t, work / "ckpt")
@@ -215,7 +215,7 @@ def test_participant_failing_mid_phase_stops_everyone(work: Path) -> None:
     events: list[Event] = []
     script = {1: {Op.SAVE_ALLOCATIONS: Fault("fail", message="cuMemcpyDtoH: CUDA_ERROR_X")}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             runner.capture(t.endpoints, work / "ckpt", options(events))
         assert t.received() == [CAPTURE_OPS[:5]] * 3
         pid = t.fakes[1].pid
@@ -235,7 +235,7 @@ def test_participant_failing_mid_phase_stops_everyone(work: Path) -> None:
 def test_a_hanging_participant_is_bounded_by_the_timeout(work: Path) -> None:
     script = {0: {Op.PREPARE_MULTICAST: Fault("hang")}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             capture(t, work / "ckpt", phase_timeout=0.3)
         # The hang ends only by the client's timeout: the reason says it was 0.3 s.
         assert "0.3" in caught.value.reason
@@ -249,7 +249,7 @@ def test_a_participant_hanging_up_mid_restore_stops_everyone(work: Path) -> None
     script = {2: {Op.RESTORE_MULTICAST_CREATORS: Fault("hangup")}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
         capture(t, work / "ckpt")
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             runner.restore(t.endpoints, work / "ckpt", options())
         assert t.received() == [CAPTURE_OPS + RESTORE_OPS[:5]] * 3
     assert (caught.value.step, caught.value.participant) == (
@@ -263,7 +263,7 @@ def test_a_participant_hanging_up_mid_restore_stops_everyone(work: Path) -> None
 def test_a_mismatched_reply_fails_the_phase(work: Path, kind: str) -> None:
     script = {1: {Op.INSPECT: Fault(kind)}}  # type: ignore[arg-type]
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             capture(t, work / "ckpt")
         assert t.received() == [CAPTURE_OPS[:3]] * 3
     assert caught.value.step == "INSPECT"
@@ -276,7 +276,7 @@ def test_a_mismatched_reply_fails_the_phase(work: Path, kind: str) -> None:
 def test_a_missing_socket_fails_the_handshake(work: Path) -> None:
     with team_of(TOPOLOGY, work / "control") as t:
         ghost = Endpoint(4242, 4242, work / "control" / "cuinterpose-4242.sock")
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             runner.capture([*t.endpoints, ghost], work / "ckpt", options())
         assert t.received() == [[Op.HANDSHAKE]] * 3
     assert (caught.value.step, caught.value.pid) == ("HANDSHAKE", 4242)
@@ -287,7 +287,7 @@ def test_a_socket_served_by_another_pid_fails_the_handshake(work: Path) -> None:
     with team_of(TOPOLOGY, work / "control") as t:
         fake = t.fakes[0]
         impostor = Endpoint(777, 777, fake.socket_path)
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             runner.capture([impostor, *t.endpoints[1:]], work / "ckpt", options())
     assert caught.value.pid == 777
     assert f"served by pid {fake.pid}" in caught.value.reason
@@ -310,7 +310,7 @@ def test_a_reply_in_an_unexpected_phase_fails(work: Path) -> None:
         return results
 
     with team_of(TOPOLOGY, work / "control") as t:
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             capture(t, work / "ckpt", transport=lying)
         assert t.received() == [CAPTURE_OPS[:5]] * 3
     assert "reported phase MULTICAST_DETACHED after SAVE_ALLOCATIONS" in caught.value.reason
@@ -355,7 +355,7 @@ def test_restore_refuses_participants_not_prepared(work: Path) -> None:
 
 def test_restore_without_a_state_file_fails_before_sending_anything(work: Path) -> None:
     with team_of(TOPOLOGY, work / "control", phase=Phase.PREPARED) as t:
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             runner.restore(t.endpoints, work / "ckpt", options())
         assert t.received() == [[]] * 3
     assert caught.value.step == "READ_STATE"
@@ -370,7 +370,7 @@ def test_restore_with_a_corrupt_state_file_fails_before_sending_anything(
 ) -> None:
     (work / "ckpt" / STATE_FILE_NAME).write_bytes(content)
     with team_of(TOPOLOGY, work / "control", phase=Phase.PREPARED) as t:
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             runner.restore(t.endpoints, work / "ckpt", options())
         assert t.received() == [[]] * 3
     assert caught.value.step == "READ_STATE"
@@ -395,7 +395,7 @@ def test_restore_fails_when_a_participant_reports_failure(work: Path) -> None:
     script = {0: {Op.LOAD_ALLOCATIONS: Fault("fail", Status.CUDA_FAILED, "cuMemCreate: OOM")}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
         capture(t, work / "ckpt")
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             runner.restore(t.endpoints, work / "ckpt", options())
         assert t.received() == [CAPTURE_OPS + RESTORE_OPS[:3]] * 3
         assert t.fakes[0].phase is Phase.FAILED
@@ -430,7 +430,7 @@ def test_an_unexpected_exception_still_fails_stop_and_closes_the_trace(work: Pat
     with team_of(TOPOLOGY, work / "control") as t:
         opts = runner.Options(phase_timeout=5.0, on_progress=events.append, transport=broken,
                               trace=recorder, rollback_on_failure=False)  # fmt: skip
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             runner.capture(t.endpoints, work / "ckpt", opts)
         assert t.received() == [CAPTURE_OPS[:4]] * 3
     assert caught.value.step == "SAVE_ALLOCATIONS"
@@ -445,7 +445,7 @@ def test_a_stop_request_ends_the_run_at_the_next_boundary_and_rolls_back(work: P
     stop = threading.Event()
 
     def on_progress(event: object) -> None:
-        if isinstance(event, PhaseEvent) and event.phase == "SAVE_ALLOCATIONS":
+        if isinstance(event, OpEvent) and event.phase == "SAVE_ALLOCATIONS":
             stop.set()
 
     with team_of(TOPOLOGY, work / "control") as t:
@@ -465,7 +465,7 @@ def test_the_intent_is_on_disk_before_the_first_destructive_op(work: Path) -> No
     seen: list[bool] = []
 
     def on_progress(event: object) -> None:
-        if isinstance(event, PhaseEvent) and event.phase == "PREPARE_MULTICAST":
+        if isinstance(event, OpEvent) and event.phase == "PREPARE_MULTICAST":
             seen.append((work / "ckpt" / "cuinterpose.intent").is_file())
 
     with team_of(TOPOLOGY, work / "control") as t:
@@ -507,7 +507,7 @@ def test_retry_that_never_clears_fails_the_phase_naming_the_participant(work: Pa
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
         capture(t, work / "ckpt")
         opts = attrs.evolve(options(), retry_attempts=3)
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             runner.restore(t.endpoints, work / "ckpt", opts)
         loads = [r.count(Op.LOAD_ALLOCATIONS) for r in t.received()]
         # RETRY kept the shim's phase: still PREPARED, nothing lost, retryable later.
@@ -589,12 +589,12 @@ def test_a_shim_of_another_protocol_version_is_refused_at_handshake(
     # versions and the side to upgrade, and sends nothing past HANDSHAKE.
     with team_of(TOPOLOGY, work / "control", versions={1: version}) as t:
         rolling_back = attrs.evolve(options(), rollback_on_failure=True)
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             runner.capture(t.endpoints, work / "ckpt", rolling_back)
         assert t.received() == [[Op.HANDSHAKE], [], [Op.HANDSHAKE]]
         assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
     error = caught.value
-    assert (error.phase, error.pid, error.destroyed) == ("HANDSHAKE", 1001, False)
+    assert (error.step, error.pid, error.destroyed) == ("HANDSHAKE", 1001, False)
     assert error.reason.startswith(
         f"bad reply: its shim speaks protocol version {version}, "
         f"this coordinator speaks {wire.VERSION}: {upgrade}"
@@ -610,7 +610,7 @@ def test_a_refused_quiesce_is_left_to_the_lease_not_rolled_back(work: Path) -> N
     script = {1: {Op.QUIESCE: Fault("fail", Status.REFUSED, why)}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
         rolling_back = attrs.evolve(options(events), rollback_on_failure=True)
-        with pytest.raises(PhaseFailed) as caught:
+        with pytest.raises(StepFailed) as caught:
             runner.capture(t.endpoints, work / "ckpt", rolling_back)
         assert t.received() == [CAPTURE_OPS[:2]] * 3
         assert [t.fakes[i].phase for i in (0, 2)] == [Phase.ACTIVE, Phase.ACTIVE]
@@ -626,14 +626,14 @@ def test_only_a_quiesce_nobody_got_quiet_for_may_start_over() -> None:
     # The typed reason decides, never the words: the same words without it are
     # another refusal, and the reason with other words is still not quiet.
     quiet = "QUIESCE: pid 7 did not reach a quiet point within 10000 ms"
-    words = PhaseFailed("capture", "QUIESCE", [Problem(f"REFUSED in phase ACTIVE: {quiet}")])
+    words = StepFailed("capture", "QUIESCE", [Problem(f"REFUSED in phase ACTIVE: {quiet}")])
     assert not not_quiet(words)
-    refused = PhaseFailed("capture", "QUIESCE", [Problem("REFUSED: busy", not_quiet=True)])
+    refused = StepFailed("capture", "QUIESCE", [Problem("REFUSED: busy", not_quiet=True)])
     assert not_quiet(refused)
     # Anything else is reported at once: another reason, another phase, a change made.
     hangup = Problem("hung up: connection reset", "a" * 32, 8)
-    assert not not_quiet(PhaseFailed("capture", "QUIESCE", [refused.problems[0], hangup]))
-    assert not not_quiet(PhaseFailed("capture", "PREPARE_MULTICAST", refused.problems))
+    assert not not_quiet(StepFailed("capture", "QUIESCE", [refused.problems[0], hangup]))
+    assert not not_quiet(StepFailed("capture", "PREPARE_MULTICAST", refused.problems))
     assert not not_quiet(Interrupted("capture", "QUIESCE", refused.problems))
     refused.destroyed = True
     assert not not_quiet(refused)
@@ -642,9 +642,9 @@ def test_only_a_quiesce_nobody_got_quiet_for_may_start_over() -> None:
 def test_an_error_names_the_step_it_stopped_at() -> None:
     # A phase is the shim's (specs/architecture.md): the error names the machine's step,
     # an op or a local step; ``phase`` stays as the former name, for embedders.
-    failed = PhaseFailed("capture", "WRITE_STATE", [Problem("disk full")])
+    failed = StepFailed("capture", "WRITE_STATE", [Problem("disk full")])
     refused = TopologyRefused("capture", "PREPARE_MULTICAST", "topology_valid", [Problem("no")])
-    assert (failed.step, failed.phase) == ("WRITE_STATE", "WRITE_STATE")
+    assert failed.step == "WRITE_STATE"
     assert str(failed) == "capture failed at WRITE_STATE: disk full"
     # A refusal names its check, not the step whose op was never sent.
     assert str(refused) == (

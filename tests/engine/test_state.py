@@ -25,13 +25,21 @@ from cuinterpose.engine.statefile import (
 from cuinterpose.engine.topology import Topology
 from cuinterpose.engine.wire import BindingKind, RecordKind
 from hypothesis import HealthCheck, given, settings
-from topologies import participant, raw_import, replace_records, team, topologies, with_records
+from topologies import (
+    participant,
+    raw_import,
+    replace_records,
+    state_of,
+    team,
+    topologies,
+    with_records,
+)
 
 WHEN = datetime(2026, 11, 29, 12, 30, 15, 250000, tzinfo=UTC)
 
 
 def example_state(**team_shape: Any) -> CheckpointState:
-    return CheckpointState.from_topology(team(**team_shape), "host", now=WHEN)
+    return state_of(team(**team_shape), "host", now=WHEN)
 
 
 def leftovers(directory: Path) -> list[str]:
@@ -52,7 +60,7 @@ def leftovers(directory: Path) -> list[str]:
 )
 @pytest.mark.parametrize("mode", ["host", "native"])
 def test_round_trip(tmp_path: Path, shape: dict[str, Any], mode: st.ContentMode) -> None:
-    state = CheckpointState.from_topology(team(**shape), mode, now=WHEN)
+    state = state_of(team(**shape), mode, now=WHEN)
     path = write_state(tmp_path, state)
     assert path == tmp_path / STATE_FILE_NAME
     assert read_state(tmp_path) == state
@@ -65,7 +73,7 @@ def test_round_trip(tmp_path: Path, shape: dict[str, Any], mode: st.ContentMode)
 @given(topology=topologies(max_participants=3, max_records=6))
 def test_round_trip_of_any_wire_topology(tmp_path: Path, topology: Topology) -> None:
     # The state file stores whatever the shims reported, valid or not, without loss.
-    state = CheckpointState.from_topology(topology, "native", now=WHEN)
+    state = state_of(topology, "native", now=WHEN)
     write_state(tmp_path, state)
     assert read_state(tmp_path) == state
 
@@ -85,7 +93,7 @@ def test_from_topology_takes_participants_and_time(tmp_path: Path) -> None:
     )
     assert state.created_at == "2026-11-29T12:30:15.250Z"
     assert state.protocol_version == wire.VERSION
-    fresh = CheckpointState.from_topology(team(), "host")
+    fresh = state_of(team(), "host")
     assert datetime.fromisoformat(fresh.created_at).utcoffset() is not None
 
 
@@ -169,7 +177,7 @@ def test_interrupted_write_leaves_no_temp_file(
 
 def test_unencodable_state_is_refused_before_any_file(tmp_path: Path) -> None:
     topology = replace_records(team(), participant(1), kind=RecordKind.MAPPING, size=1 << 64)
-    bad = CheckpointState.from_topology(topology, "host", now=WHEN)
+    bad = state_of(topology, "host", now=WHEN)
     with pytest.raises(
         StateFileError,
         match=rf"participant {participant(1)} record \d+ \(MAPPING\): size {1 << 64} does not"
@@ -482,7 +490,7 @@ def test_error_carries_path_and_problem(tmp_path: Path) -> None:
 def test_a_refused_capture_topology_still_round_trips(tmp_path: Path) -> None:
     # RAW_IMPORT records never reach a written state in practice (preflight refuses), but
     # the codec must not be the thing that loses them.
-    state = CheckpointState.from_topology(
+    state = state_of(
         with_records(team(), participant(0), raw_import()), "host", now=WHEN
     )
     write_state(tmp_path, state)

@@ -24,7 +24,7 @@ from cuinterpose.engine.topology import ParticipantTopology, Topology
 from cuinterpose.engine.wire import Access, BindingKind, Record, RecordFlag, RecordKind
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st_
-from topologies import records, team, topologies
+from topologies import records, state_of, team, topologies
 
 WHEN = datetime(2026, 11, 29, 12, 30, 15, 250000, tzinfo=UTC)
 PATH = Path("/checkpoint/cuinterpose.state")
@@ -55,7 +55,7 @@ def both(data: bytes) -> CheckpointState | str:
 
 
 def document_of(topology: Topology) -> dict[str, Any]:
-    state = CheckpointState.from_topology(topology, "host", now=WHEN)
+    state = state_of(topology, "host", now=WHEN)
     document: dict[str, Any] = json.loads(encode_state(state))
     return document
 
@@ -64,7 +64,7 @@ def document_of(topology: Topology) -> dict[str, Any]:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(topologies(max_participants=3, max_records=6))
 def test_any_wire_topology_reads_back_alike(topology: Topology) -> None:
-    state = CheckpointState.from_topology(topology, "host", now=WHEN)
+    state = state_of(topology, "host", now=WHEN)
     data = encode_state(state)
     with plain():
         assert encode_state(state) == data
@@ -186,7 +186,7 @@ def wide_records() -> st_.SearchStrategy[Record]:
 @given(st_.lists(wide_records(), min_size=1, max_size=4))
 def test_state_problems_are_what_the_full_check_finds(recs: list[Record]) -> None:
     topology = Topology((ParticipantTopology("ab" * 16, 7, tuple(recs)),))
-    state = CheckpointState.from_topology(topology, "host", now=WHEN)
+    state = state_of(topology, "host", now=WHEN)
     fast = st.state_problems(state)
     with plain():
         assert st.state_problems(state) == fast

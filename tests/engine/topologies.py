@@ -15,9 +15,17 @@ tests.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from datetime import datetime
 from typing import Any
 
 import attrs
+from cuinterpose.engine import wire
+from cuinterpose.engine.statefile import (
+    CheckpointState,
+    ContentMode,
+    StateParticipant,
+    utc_timestamp,
+)
 from cuinterpose.engine.topology import ParticipantTopology, Topology
 from cuinterpose.engine.wire import Access, BindingKind, Record, RecordFlag, RecordKind
 from hypothesis import strategies as st
@@ -414,4 +422,21 @@ def topologies(max_participants: int = 4, max_records: int = 8) -> st.SearchStra
     )
     return st.lists(member, max_size=max_participants, unique_by=lambda m: m[0]).map(
         lambda ms: Topology.from_inspect((participant(n), pid, rs) for n, pid, rs in ms)
+    )
+
+
+def state_of(
+    topology: Topology,
+    content_mode: ContentMode,
+    *,
+    protocol_version: int = wire.VERSION,
+    now: datetime | None = None,
+) -> CheckpointState:
+    """The state of a capture of ``topology``: participants taken from it, time now."""
+    return CheckpointState(
+        protocol_version=protocol_version,
+        content_mode=content_mode,
+        created_at=utc_timestamp(now),
+        participants=tuple(StateParticipant(p.participant, p.pid) for p in topology.participants),
+        topology=topology,
     )

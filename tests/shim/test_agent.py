@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cuinterpose.engine import PhaseFailed, agent, runner, watch, wire
+from cuinterpose.engine import StepFailed, agent, runner, watch, wire
 from cuinterpose.engine.client import ParticipantHangup, call_all
 from cuinterpose.engine.native import ProcessState
 
@@ -271,7 +271,7 @@ def test_status_is_served_while_a_phase_op_is_in_flight(
     assert answers[0].stats.bytes == 2 * group.size
     assert in_flight().bytes_done == 0  # nothing in flight: nothing reported
     # Only the creator moved; bring it back with the importer.
-    runner.rollback(endpoints, tmp_path, recorded=topology)
+    runner.rollback(endpoints, tmp_path, captured=topology)
     assert group.mismatches() == []
     group.close()
 
@@ -357,7 +357,7 @@ def test_a_drain_that_cannot_enter_a_context_refuses_before_any_teardown(
         "result = None"
     )
     endpoint = agent.Where(control_dir).endpoint(agent.Process(app.pid, app.pid))
-    with pytest.raises(PhaseFailed) as info:
+    with pytest.raises(StepFailed) as info:
         runner.capture([endpoint], tmp_path)
     error = info.value
     assert error.step == "QUIESCE", error

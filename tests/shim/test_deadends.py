@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from cuinterpose.demo import coordinator_env, pattern_digest
 from cuinterpose.engine import (
+    OpEvent,
     Options,
-    PhaseEvent,
-    PhaseFailed,
+    StepFailed,
     capture,
     endpoint_for,
     restore,
@@ -365,11 +365,11 @@ def test_a_creator_lost_mid_restore_leaves_its_importer_running_with_its_own_mem
     creator = pair.creator
 
     def on_progress(event: object) -> None:
-        done = isinstance(event, PhaseEvent) and (event.machine, event.phase) == ("restore", phase)
+        done = isinstance(event, OpEvent) and (event.machine, event.phase) == ("restore", phase)
         if done and not creator.closed:
             creator.kill()
 
-    with pytest.raises(PhaseFailed) as caught:
+    with pytest.raises(StepFailed) as caught:
         restore(endpoints, ckpt, Options(60.0, on_progress=on_progress))
     error = caught.value
     assert str(creator.pid) in str(error)

@@ -32,9 +32,9 @@ from pathlib import Path
 import pytest
 from cuinterpose.demo import Worker, coordinator_env, pattern_digest
 from cuinterpose.engine import (
+    OpEvent,
     Options,
-    PhaseEvent,
-    PhaseFailed,
+    StepFailed,
     capture,
     endpoint_for,
     restore,
@@ -100,7 +100,7 @@ def _kill_after(machine: str, phase: str, victim: Worker) -> Options:
     """Options whose progress callback kills ``victim`` once ``phase`` completed."""
 
     def on_progress(event: Event) -> None:
-        ours = isinstance(event, PhaseEvent) and (event.machine, event.phase) == (machine, phase)
+        ours = isinstance(event, OpEvent) and (event.machine, event.phase) == (machine, phase)
         if ours and not victim.closed:
             victim.kill()  # returns once the process is reaped
 
@@ -153,7 +153,7 @@ def test_an_importer_killed_during_capture_leaves_the_creator_running(
 ) -> None:
     pair = share(spawn, shim_env, SEED)
     endpoints = _endpoints(control_dir, [pair.creator, pair.importer])
-    with pytest.raises(PhaseFailed) as caught:
+    with pytest.raises(StepFailed) as caught:
         capture(endpoints, _ckpt(tmp_path), _kill_after("capture", phase, pair.importer))
     error = caught.value
     assert str(pair.importer.pid) in str(error)
@@ -170,7 +170,7 @@ def test_an_importer_killed_during_restore_leaves_the_creator_running(
     pair = share(spawn, shim_env, SEED)
     endpoints = _endpoints(control_dir, [pair.creator, pair.importer])
     capture(endpoints, _ckpt(tmp_path), Options(60.0))
-    with pytest.raises(PhaseFailed) as caught:
+    with pytest.raises(StepFailed) as caught:
         restore(endpoints, _ckpt(tmp_path), _kill_after("restore", phase, pair.importer))
     assert str(pair.importer.pid) in str(caught.value)
     if not caught.value.rolled_back:  # failed before anything changed: recover brings it back
@@ -187,7 +187,7 @@ def test_a_creator_killed_before_its_bytes_are_saved_leaves_the_importer_running
     """The importer never tore its import down: its mapping keeps the memory alive."""
     pair = share(spawn, shim_env, SEED)
     endpoints = _endpoints(control_dir, [pair.creator, pair.importer])
-    with pytest.raises(PhaseFailed) as caught:
+    with pytest.raises(StepFailed) as caught:
         capture(endpoints, _ckpt(tmp_path), _kill_after("capture", phase, pair.creator))
     assert str(pair.creator.pid) in str(caught.value)
     if caught.value.destroyed:
@@ -217,7 +217,7 @@ def test_no_space_for_the_state_file_rolls_the_capture_back(
 
     monkeypatch.setattr(checkpoint_directory.os, "rename", full)
     endpoints = _endpoints(control_dir, [pair.creator, pair.importer])
-    with pytest.raises(PhaseFailed) as caught:
+    with pytest.raises(StepFailed) as caught:
         capture(endpoints, _ckpt(tmp_path), Options(60.0))
     assert caught.value.step == "WRITE_STATE"
     assert "No space left on device" in str(caught.value)

@@ -32,10 +32,10 @@ from cuinterpose import native
 from cuinterpose.demo import Worker
 from cuinterpose.engine import (
     Endpoint,
+    OpEvent,
     Options,
-    PhaseEvent,
-    PhaseFailed,
     Refused,
+    StepFailed,
     Topology,
     capture,
     endpoint_for,
@@ -320,7 +320,7 @@ def refusal(team: McTeam, tmp_path: Path, endpoints: list[Endpoint] | None = Non
     events: list[str] = []
 
     def seen(event: object) -> None:
-        if isinstance(event, PhaseEvent):
+        if isinstance(event, OpEvent):
             events.append(event.phase)
 
     with pytest.raises(Refused) as caught:
@@ -534,11 +534,11 @@ def test_a_participant_gone_before_the_bindings_fails_the_restore(
     doomed = team.workers[1]
 
     def on_progress(event: object) -> None:
-        if isinstance(event, PhaseEvent) and event.phase == "RESTORE_MULTICAST_DEVICES":
+        if isinstance(event, OpEvent) and event.phase == "RESTORE_MULTICAST_DEVICES":
             doomed.kill()
             doomed.proc.wait()
 
-    with pytest.raises(PhaseFailed) as caught:
+    with pytest.raises(StepFailed) as caught:
         restore(team.endpoints(), ckpt, Options(TIMEOUT_S, on_progress=on_progress))
     failed = caught.value
     assert "RESTORE_MULTICAST_BINDINGS" in str(failed), str(failed)

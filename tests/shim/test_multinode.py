@@ -49,7 +49,7 @@ from tests.waiting import wait_until
 
 JOB = "train"
 # Short enough for the tests, long enough for a loaded two-core machine's keepalives.
-FAST = ("--lease-ttl", "2", "--barrier-timeout", "20", "--phase-timeout", "30")
+FAST = ("--lease-ttl", "2", "--barrier-timeout", "20", "--step-timeout", "30")
 
 
 @pytest.fixture
@@ -204,7 +204,7 @@ def test_a_node_that_never_reaches_a_barrier_times_the_job_out(
     everyone = names(group, GATE)
     held = gate(etcd.url, JOB, everyone)
     arrive_until(held, "capture:SAVE_ALLOCATIONS")
-    short = ("--lease-ttl", "2", "--barrier-timeout", "3", "--phase-timeout", "30")
+    short = ("--lease-ttl", "2", "--barrier-timeout", "3", "--step-timeout", "30")
     runs = [n.start("suspend", etcd.url, JOB, everyone, *short) for n in group]
     results = [outcome(p) for p in runs]
     assert [r["code"] for r in results] == [3, 3], results  # PREPARE_MULTICAST had run
@@ -280,7 +280,7 @@ def test_the_store_gone_at_the_decision_leaves_it_to_recover_never_half(
     arrive_until(held, "suspended")
     # The barrier timeout counts from a node's arrival at the decision's barrier: the
     # store must be gone before it ends, or the nodes abort for want of the gate.
-    short = ("--lease-ttl", "2", "--barrier-timeout", "3", "--phase-timeout", "30")
+    short = ("--lease-ttl", "2", "--barrier-timeout", "3", "--step-timeout", "30")
     runs = [n.start("suspend", etcd.url, JOB, everyone, *short) for n in group]
     wait_arrived(held, names(group), "suspended")  # suspended here, the decision to come
     etcd.stop()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from cuinterpose.demo import Worker, pattern_digest
-from cuinterpose.engine import Interrupted, Options, PhaseEvent, capture, endpoint_for
+from cuinterpose.engine import Interrupted, OpEvent, Options, capture, endpoint_for
 
 from tests import snippet
 from tests.shim.legacy import BIG, SMALL, share_legacy, shared_both_ways
@@ -165,7 +165,7 @@ def test_a_capture_stopped_after_any_phase_rolls_back_legacy_sharing(
     stop = threading.Event()
 
     def on_progress(event: object) -> None:
-        if isinstance(event, PhaseEvent) and event.phase == phase:
+        if isinstance(event, OpEvent) and event.phase == phase:
             stop.set()
 
     endpoints = [endpoint_for(p, p, control_dir=control_dir) for p in pair.pids]
@@ -338,7 +338,7 @@ def test_a_restore_stopped_after_any_phase_rolls_back_legacy_sharing(
     stop = threading.Event()
 
     def on_progress(event: object) -> None:
-        if isinstance(event, PhaseEvent) and event.phase == phase:
+        if isinstance(event, OpEvent) and event.phase == phase:
             stop.set()
 
     with pytest.raises(Interrupted) as caught:

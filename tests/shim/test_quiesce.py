@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from cuinterpose.demo import Worker, coordinator_env
-from cuinterpose.engine import Options, PhaseFailed, agent, capture, endpoint_for, wire
+from cuinterpose.engine import Options, StepFailed, agent, capture, endpoint_for, wire
 from cuinterpose.engine.errors import not_quiet
 from cuinterpose.engine.progress import FailedEvent, QuiesceRound
 
@@ -255,7 +255,7 @@ def test_a_process_that_never_synchronizes_is_refused_and_runs_on(
     wait_until(lambda: sum(creator("result = RUN['launched']")) >= 30, "the queue grew")
     endpoints = [endpoint_for(w.pid, w.pid, control_dir=control_dir) for w in (creator, importer)]
     (tmp_path / "ckpt").mkdir()
-    with pytest.raises(PhaseFailed) as caught:
+    with pytest.raises(StepFailed) as caught:
         capture(endpoints, tmp_path / "ckpt", Options(60.0, quiesce_deadline=sent_s))
     error = caught.value
     text = str(error)

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from cuinterpose.engine import Interrupted, Options, PhaseEvent, capture, endpoint_for
+from cuinterpose.engine import Interrupted, OpEvent, Options, capture, endpoint_for
 from cuinterpose.engine.directory import INTENT_FILE_NAME
 from cuinterpose.engine.wire import Op, Request, Status
 
@@ -33,7 +33,7 @@ def test_a_capture_stopped_at_a_boundary_rolls_back_by_itself(
     stop = threading.Event()
 
     def on_progress(event: object) -> None:
-        if isinstance(event, PhaseEvent) and event.phase == "SAVE_ALLOCATIONS":
+        if isinstance(event, OpEvent) and event.phase == "SAVE_ALLOCATIONS":
             stop.set()  # the bytes are staged; teardown would come next
 
     endpoints = [endpoint_for(w.pid, w.pid, control_dir=control_dir) for w in (creator, importer)]
@@ -71,7 +71,7 @@ def test_a_recover_refused_by_another_coordinator_leaves_the_directory_as_it_fou
     stop = threading.Event()
 
     def on_progress(event: object) -> None:
-        if isinstance(event, PhaseEvent) and event.phase == "SAVE_ALLOCATIONS":
+        if isinstance(event, OpEvent) and event.phase == "SAVE_ALLOCATIONS":
             stop.set()  # torn down past the first destructive op
 
     endpoints = [endpoint_for(w.pid, w.pid, control_dir=control_dir) for w in

@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from cuinterpose.engine import Options, PhaseEvent, capture, endpoint_for, restore
+from cuinterpose.engine import OpEvent, Options, capture, endpoint_for, restore
 from cuinterpose.engine.progress import Event, QuiesceRound
 
 
@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
 
     def on_progress(event: Event) -> None:
         nonlocal seen
-        counted = (isinstance(event, PhaseEvent) and event.phase == phase) or (
+        counted = (isinstance(event, OpEvent) and event.phase == phase) or (
             isinstance(event, QuiesceRound) and phase == "QUIESCE_ROUND"
         )
         if counted and event.machine == machine:

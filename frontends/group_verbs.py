@@ -1,0 +1,305 @@
+"""The verbs on a whole group from the shell: ``suspend`` and ``resume`` (the one-command
+verbs of :mod:`cuinterpose.engine.agent`, the native checkpoint included), ``status``,
+``native`` (one native step on every process), ``inspect`` and ``replay``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final, NoReturn, TextIO
+
+from . import invocation, targets
+from .arguments import (
+    EXIT_FAILED,
+    EXIT_NEEDS_RECOVER,
+    EXIT_OK,
+    EXIT_ROLLED_BACK,
+    step_timeout,
+)
+from .outcomes import OUTCOMES, PROG, Outcome
+
+if TYPE_CHECKING:
+    from .engine import agent
+    from .engine.native import ProcessState
+    from .invocation import Invocation
+
+
+def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
+    from . import running, summaries
+    from .engine import agent, runner
+    from .engine.errors import CoordinatorError, Refused
+    from .engine.native import NativeUnavailableError
+
+    processes = call.processes()
+    mode = call.mode
+    shim_needed = command == "suspend" and not call.options.not_requested
+    # resume checks the group itself: the survivors of a member lost come back.
+    problems = targets.problems(call.group, call.where(), shim=shim_needed) if (
+        command == "suspend") else []  # fmt: skip
+    if problems:
+        return Outcome(EXIT_FAILED, "refused", [f"{command} refused:", *problems])  # fmt: skip
+    view = None
+    on_event: agent.AgentCallback | None = None
+    live: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    if mode == "human":
+        from . import render  # rich: only for a person's output
+
+        view = render.HumanView(stdout, per_participant=call.options.per_participant)
+        on_event, live = view, view.live()
+    elif mode == "json":
+        on_event = running.json_events(stdout)
+    # A resume cannot undo its native restore: it stops, and its last lines say where
+    # the group is (running with its bytes, or what to run), as a failed resume does.
+    then = "" if command == "suspend" else (
+        "the resume goes no further; the lines that follow say where the group is")  # fmt: skip
+    where_now = running.Whereabouts(on_event, then=then)
+    stop = threading.Event()
+    options = runner.Options(phase_timeout=step_timeout(call.options.step_timeout), stop=stop)
+    try:
+        native = call.native()
+        with running.stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)), live:
+            if command == "suspend":
+                done: agent.SuspendResult | agent.ResumeResult = agent.suspend(
+                    processes,
+                    call.options.checkpoint_dir,
+                    where=call.where(),
+                    native=native,
+                    requested=not call.options.not_requested,
+                    options=options,
+                    lock_timeout_ms=int(call.options.lock_timeout * 1000),
+                    on_event=where_now,
+                )
+            else:
+                done = agent.resume(
+                    call.options.checkpoint_dir,
+                    where=call.where(),
+                    native=native,
+                    processes=processes,
+                    gpu_map=call.options.gpu_map,
+                    options=options,
+                    on_event=where_now,
+                )
+    except agent.SuspendFailed as failed:
+        code = EXIT_FAILED if failed.restored else EXIT_NEEDS_RECOVER
+        outcome = "failed, undone: the group runs as before" if failed.restored else (
+            "failed, not undone")  # fmt: skip
+        return Outcome(code, outcome, failed.lines())
+    except agent.ResumeFailed as failed:
+        # A native step ran: never "nothing changed" (exit 1).
+        if failed.running:
+            outcome = OUTCOMES[EXIT_ROLLED_BACK] if not failed.lost else (
+                "a member is gone: the survivors run with the bytes they had")  # fmt: skip
+            return Outcome(EXIT_ROLLED_BACK, outcome, failed.lines())  # fmt: skip
+        way_on = f"once every process is RUNNING, run: {call.recover_command()}"
+        return Outcome(EXIT_NEEDS_RECOVER, "", [*failed.lines(), way_on])  # fmt: skip
+    except agent.AgentError as error:
+        return Outcome(EXIT_FAILED, "refused", error.lines())
+    except CoordinatorError as error:
+        code = running.failure(error, call, stderr)
+        # A suspend whose capture was rolled back: the group runs as it was (exit 1).
+        if command == "suspend" and code == EXIT_ROLLED_BACK:
+            code = EXIT_FAILED
+        return Outcome(code, "refused" if isinstance(error, Refused) else "", failure=error)
+    except NativeUnavailableError as exc:
+        return Outcome(EXIT_FAILED, "refused", invocation.no_driver(command, exc))  # fmt: skip
+    for warning in getattr(done, "warnings", ()):
+        stderr.write(f"{PROG}: note: {warning}\n")
+    summary = summaries.Summary.of(command, call, done)
+    if view is not None:
+        view.summary(done.timings, done.staging)
+    return Outcome(EXIT_OK, summary.outcome, figures=summary.to_json(), human=summary.lines())
+
+
+class _NoDriver:
+    """The native calls when no driver could be loaded: each fails, saying so."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def _none(self, pid: int, call: str) -> NoReturn:
+        from .engine.native import NativeError
+
+        raise NativeError(pid, call, "no driver", self.reason)
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        self._none(pid, "cuCheckpointProcessLock")
+
+    def checkpoint(self, pid: int) -> None:
+        self._none(pid, "cuCheckpointProcessCheckpoint")
+
+    def restore(self, pid: int) -> None:
+        self._none(pid, "cuCheckpointProcessRestore")
+
+    def unlock(self, pid: int) -> None:
+        self._none(pid, "cuCheckpointProcessUnlock")
+
+    def state(self, pid: int) -> ProcessState:
+        self._none(pid, "cuCheckpointProcessGetState")
+
+
+def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
+    from .engine.detection import remove_stale_sockets
+
+    processes = call.processes()
+    where = call.where()
+    named = bool(call.options.pid or call.options.process)
+    stale = [] if named else _stale(processes, where)
+    if stale and call.options.clear_stale:
+        for path in remove_stale_sockets(stale, where):
+            stderr.write(f"{PROG}: removed the stale socket {path}\n")
+        processes = [p for p in processes if p not in stale]
+        stale = []
+    if not processes:
+        if call.options.json:
+            empty = {"processes": [], "control_dir": str(where.control_dir)}
+            return Outcome(EXIT_OK, "done", (), figures=empty)
+        else:
+            stdout.write(f"no shim in {where.control_dir} (start a program with `{PROG} launch`)\n")
+        return Outcome(EXIT_OK)
+    gone = targets.problems([(p.observed_pid, p.namespace_pid) for p in processes], where,
+                            shim=False)  # fmt: skip
+    if gone and named:
+        return Outcome(EXIT_FAILED, "refused", gone)
+    for process in stale:
+        path = where.endpoint(process).path
+        clear = f"{call.status_command()} --clear-stale"
+        stderr.write(
+            f"{PROG}: note: pid {process.observed_pid} is gone: its socket {path} is stale "
+            f"(`{clear}` removes it)\n"
+        )
+    from .engine.group_status import status as asked  # a shim to ask: the verb's room, now
+    from .engine.native import NativeUnavailableError
+
+    try:
+        rows = asked(processes, where, call.native())
+    except NativeUnavailableError as exc:
+        stderr.write(f"{PROG}: note: native states unknown: {exc}\n")
+        rows = asked(processes, where, _NoDriver("no CUDA driver loaded"))
+    if call.options.json:
+        # One line, the summary itself: JSON lines like every verb's, and one document.
+        document = {"processes": [r.to_json() for r in rows]}
+        return Outcome(EXIT_OK, "done", (), figures=document)
+    else:
+        from . import render  # rich: only for a person's output
+
+        render.status_table(stdout, rows)
+    return Outcome(EXIT_OK)
+
+
+def _stale(processes: Sequence[agent.Process], where: agent.Where) -> list[agent.Process]:
+    """The processes listed by their sockets that are gone: no such pid, and nobody
+    serves the socket."""
+    from .engine import discovery
+
+    return [
+        p
+        for p in processes
+        if not discovery.pid_exists(p.observed_pid, where.proc_root)
+        and not discovery.serves(where.endpoint(p).path)
+    ]
+
+
+_UNDO_ACTION: Final = {"lock": "unlock", "checkpoint": "restore", "restore": "checkpoint",
+                       "unlock": "lock"}  # fmt: skip
+
+
+def native_action(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
+    """One native step on every process (frontends/native.py's group helpers, from the
+    shell): each process's state after it, and on a failure every state and what to do."""
+    from .engine.native import (
+        NativeGroupError,
+        NativeUnavailableError,
+        run_step,
+        state_names,
+    )
+
+    processes = call.processes()
+    pids = [p.observed_pid for p in processes]
+    action: str = call.options.action
+    try:
+        native = call.native()
+        if action != "state":
+            run_step(native, action, pids, lock_timeout_ms=int(call.options.lock_timeout * 1000))
+        states = state_names(native, pids)
+    except NativeUnavailableError as exc:
+        return Outcome(EXIT_FAILED, "refused", invocation.no_driver("native", exc))  # fmt: skip
+    except NativeGroupError as failure:
+        code = EXIT_FAILED if not failure.done else EXIT_NEEDS_RECOVER
+        lines = list(failure.lines())
+        if failure.done:  # some processes took the step: undo it on them, or go on
+            named = [w for pid in failure.done for w in ("--pid", str(pid))]
+            back = [PROG, "native", "--action", _UNDO_ACTION[action], *call.where_words()]
+            lines.append(f"the step ran on pid(s) {', '.join(map(str, failure.done))}: undo it "
+                         f"there with `{shlex.join([*back, *named])}`, or fix the failed one "
+                         "and run the step again")  # fmt: skip
+        return Outcome(code, "", lines)
+    if call.mode == "human":
+        with contextlib.suppress(OSError):
+            for p in processes:
+                stdout.write(f"{p.describe()}: {states[p.observed_pid]}\n")
+    extra = {"action": action, "states": {str(pid): state for pid, state in states.items()}}
+    return Outcome(EXIT_OK, "done", (), figures=extra)
+
+
+def inspect(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
+    from .engine import runner
+    from .engine.errors import CoordinatorError
+    from .engine.statefile import make_converter
+    from .engine.topology import describe_record
+
+    endpoints = call.endpoints()
+    try:
+        bound, topology = runner.inspect(endpoints, timeout=step_timeout(None))
+    except CoordinatorError as error:
+        return Outcome(EXIT_FAILED, "refused", error.lines())
+    records = topology.records_by_participant()
+    if call.options.json:
+        converter = make_converter()
+        document: dict[str, Any] = {
+            "participants": [
+                {
+                    "participant": b.participant,
+                    "pid": b.pid,
+                    "observed_pid": b.endpoint.observed_pid,
+                    "phase": b.phase.name,
+                    "records": [converter.unstructure(r) for r in records[b.participant]],
+                }
+                for b in bound
+            ]
+        }
+        return Outcome(EXIT_OK, "done", (), figures=document)
+    for b in bound:
+        mine = records[b.participant]
+        stdout.write(
+            f"participant {b.participant} pid {b.endpoint.observed_pid} "
+            f"(ns pid {b.pid}) phase {b.phase.name}: {len(mine)} records\n"
+        )
+        for record in mine:
+            stdout.write(f"  {describe_record(record)}\n")
+    return Outcome(EXIT_OK)
+
+
+def replay(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
+    from .engine.replay import replay as replayed
+    from .engine.trace import TraceError, read_trace
+
+    try:
+        report = replayed(read_trace(call.options.trace))
+    except TraceError as exc:
+        return Outcome(EXIT_FAILED, lines=[str(exc)])
+    trace = call.options.trace
+    if report.clean:
+        stdout.write(
+            f"{trace}: {report.machine} trace of {report.entries} entries replays clean "
+            f"(outcome {report.outcome})\n"
+        )
+        return Outcome(EXIT_OK)
+    stdout.write(
+        f"{trace}: {report.machine} replay diverges in {len(report.divergences)} place(s)\n"
+    )
+    for divergence in report.divergences:
+        stdout.write(f"{divergence}\n")
+    return Outcome(EXIT_FAILED)

@@ -1,0 +1,188 @@
+"""The group a verb names and where it lives, worked out once from the parsed options:
+the processes (named, else the checkpoint directory's, else for ``status`` every shim of
+the control directory), the control directory or proc root (the manifest's origin unless
+the command line says otherwise), the driver the native calls load, and the commands
+printed for a person to run next from a plain shell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import attrs
+
+from . import targets
+from .arguments import CONTROL_DIR_ENV, DEFAULT_CONTROL_DIR, UsageError
+from .outcomes import PROG
+
+# The engine's modules are imported where they are used: a command loads only what its
+# verb needs (tests/engine/test_import_cost.py).
+if TYPE_CHECKING:
+    from .engine import agent
+    from .engine.client import Endpoint
+    from .engine.native import NativeBackend, NativeUnavailableError
+
+
+Pair = tuple[int, int]
+
+
+@attrs.frozen
+class Invocation:
+    """One command: its parsed options, untouched, and what was worked out from them once:
+    how it tells its run (``mode``), where the group lives (the command line's control
+    directory or proc root, else the manifest's origin, else the environment's), the
+    driver the manifest recorded, and the group itself."""
+
+    options: argparse.Namespace
+    mode: str
+    control_dir: Path
+    proc_root: Path | None
+    recorded: str | None = None  # the driver the manifest says the shims reported
+    group: tuple[Pair, ...] = ()
+
+    @property
+    def command(self) -> str:
+        return str(self.options.command)
+
+    def where(self) -> agent.Where:
+        from .engine.detection import Where
+
+        return Where(self.control_dir, self.proc_root)
+
+    def endpoints(self) -> list[Endpoint]:
+        from .engine.client import endpoint_for
+
+        try:
+            return [
+                endpoint_for(o, n, control_dir=self.control_dir, proc_root=self.proc_root)
+                for o, n in self.group
+            ]
+        except ValueError as exc:
+            raise UsageError(f"{PROG}: error: {exc}") from None
+
+    def processes(self) -> list[agent.Process]:
+        from .engine.manifest import Process
+
+        self.endpoints()  # the same usage checks as every other command
+        return [Process(observed, namespace) for observed, namespace in self.group]
+
+    def native(self) -> NativeBackend:
+        """The native calls on the driver ``--driver`` names, chosen at the first call
+        (the shims are asked then, late): a verb that refuses first never asks."""
+        from . import drivers
+
+        injected = _native_backend()
+        if injected is not None:
+            return injected
+        return drivers.LateBackend(
+            getattr(self.options, "driver", "auto"),
+            self.endpoints,
+            lambda: self.recorded,
+            proc_root=self.proc_root,
+        )
+
+    def where_words(self, *, driver: bool = True) -> list[str]:
+        """What a printed command needs to find the group from a plain shell (no
+        ``$SNAPSHOT_CONTROL_DIR``): the control directory or proc root, the driver, when
+        they are not the defaults."""
+        words: list[str] = []
+        if self.proc_root is not None:
+            words += ["--proc-root", str(self.proc_root)]
+        elif self.control_dir != DEFAULT_CONTROL_DIR:
+            words += ["--control-dir", str(self.control_dir)]
+        chosen = getattr(self.options, "driver", "auto")
+        if driver and chosen != "auto":
+            words += ["--driver", chosen]
+        return words
+
+    def status_command(self) -> str:
+        return shlex.join([PROG, "status", *self.where_words()])
+
+    def recover_command(self) -> str:
+        words = [PROG, "recover", "--checkpoint-dir", str(self.options.checkpoint_dir),
+                 *self.where_words()]  # fmt: skip
+        for observed, namespace in self.group:
+            words += ["--pid", str(observed)] if observed == namespace else [
+                "--process", str(observed), str(namespace)]  # fmt: skip
+        return shlex.join(words)
+
+
+def of(args: argparse.Namespace, mode: str) -> Invocation:
+    """The command's :class:`Invocation`: resume, restore, recover and native reach the
+    group where its manifest says it lives (and load the driver its shims reported),
+    unless --control-dir or --proc-root say otherwise (what is taken is said at debug
+    level); then the group, for the verbs that name one."""
+    given_dir: Path | None = getattr(args, "control_dir", None)
+    call = Invocation(args, mode, given_dir or env_control_dir(), getattr(args, "proc_root", None))
+    origin = _origin(args)
+    if origin is not None:
+        call = attrs.evolve(call, recorded=origin.driver)
+        if given_dir is None and call.proc_root is None:
+            proc_root = None if origin.proc_root is None else Path(origin.proc_root)
+            call = attrs.evolve(call, control_dir=Path(origin.control_dir), proc_root=proc_root)
+            logging.getLogger("cuinterpose.cli").debug(
+                "the group lives where %s/manifest.json says: %s",
+                args.checkpoint_dir,
+                call.where(),
+            )
+    if hasattr(args, "processes_required"):
+        call = attrs.evolve(call, group=tuple(_group(call)))
+    return call
+
+
+def _origin(args: argparse.Namespace) -> agent.Origin | None:
+    from .engine.manifest import MANIFEST_FILE_NAME, ManifestError, read_manifest
+
+    directory = getattr(args, "checkpoint_dir", None)
+    if args.command not in ("resume", "restore", "recover", "native") or directory is None:
+        return None
+    if not (Path(directory) / MANIFEST_FILE_NAME).is_file():
+        return None
+    try:
+        return read_manifest(directory).origin
+    except ManifestError:
+        return None  # the verb itself reads it again, and says what is wrong with it
+
+
+def _group(call: Invocation) -> list[Pair]:
+    """The processes named, else the ones the checkpoint directory (or, for status, the
+    control directory) holds; usage errors as such."""
+    args = call.options
+    try:
+        given = targets.named(args.pid, args.process)
+        if args.command == "status" and not given:
+            return targets.shims(call.where())
+        if args.processes_required and not given:
+            raise targets.TargetError(
+                ["no process named: give --pid PID (or --process OBSERVED_PID NAMESPACE_PID)"],
+                usage=True,
+            )
+        directory = None if args.processes_required else getattr(args, "checkpoint_dir", None)
+        return targets.resolve(given, directory, proc_root=call.proc_root)
+    except targets.TargetError as error:
+        if error.usage:
+            text = "\n".join(f"{PROG}: error: {line}" for line in error.lines)
+            raise UsageError(text) from None
+        raise
+
+
+def env_control_dir() -> Path:
+    value = os.environ.get(CONTROL_DIR_ENV, "")
+    return Path(value) if value else DEFAULT_CONTROL_DIR
+
+
+def _native_backend() -> NativeBackend | None:
+    """The tests' hook for a backend of their own; None: the driver (below)."""
+    return None
+
+
+def no_driver(command: str, exc: NativeUnavailableError) -> list[str]:
+    return [
+        f"{command}: {exc}",
+        f"to see what this machine offers: {PROG} check",
+    ]

@@ -1,0 +1,147 @@
+"""What a verb did and what comes next, for a person and for the JSON summary: a
+suspend's or resume's figures (time, bytes staged, the GPU memory released, the next
+command), a prepare's, restore's or recover's.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from .outcomes import PROG
+
+if TYPE_CHECKING:
+    from .engine import agent
+    from .engine.released import Released
+    from .invocation import Invocation
+    from .phases import MachineSpec
+
+
+def machine_summary(spec: MachineSpec | None, call: Invocation, result: object) -> dict[str, Any]:
+    """What a prepare or restore did and what comes next, as suspend and resume say it:
+    the lines for a person, the figures for the JSON summary (recover says its own)."""
+    from .engine import runner
+    from .engine.recovery import RecoveryReport
+    from .engine.released import size
+
+    if spec is None and isinstance(result, RecoveryReport):
+        return {"action": result.action, "found": list(result.lines()), "lines": []}
+    if spec is None or not isinstance(result, runner.CaptureResult | runner.RestoreResult):
+        return {}
+    moved = sum(p.transfer.allocation_bytes for p in result.phases if p.transfer is not None)
+    n = len(call.group)
+    who = f"{n} process{'es' if n != 1 else ''}"
+    out: dict[str, Any] = {"seconds": result.elapsed_s, "bytes_staged": moved, "processes": n}
+    if isinstance(result, runner.CaptureResult):
+        restore = shlex.join(
+            [
+                PROG,
+                "restore",
+                "--checkpoint-dir",
+                str(call.options.checkpoint_dir),
+                *call.where_words(),
+            ]
+        )
+        out["next"] = restore
+        out["lines"] = [
+            f"captured {who} in {result.elapsed_s:.3f} s: {size(moved)} staged by the shims "
+            f"into their processes' host memory and released from the GPU; the state file is "
+            f"{result.state_path}",
+            "next: the native lock and checkpoint of every process, later their native "
+            f"restore and unlock, then: {restore}",
+        ]
+    else:
+        out["lines"] = [
+            f"restored {who} in {result.elapsed_s:.3f} s, {size(moved)} loaded back by the "
+            "shims: every process runs, its sharing as before",
+        ]
+    return out
+
+
+@attrs.frozen
+class Summary:
+    """What a suspend or resume did and what comes next."""
+
+    command: str
+    outcome: str
+    seconds: float
+    bytes_staged: int
+    processes: int
+    timings: tuple[agent.Timing, ...]
+    next_command: str
+    checkpoint_dir: Path
+    staging: dict[str, Any] | None = None  # the shims' staging figures (engine/agent.py)
+    released: Released | None = None  # suspend: the GPU memory it released
+
+    @classmethod
+    def of(
+        cls, command: str, call: Invocation, done: agent.SuspendResult | agent.ResumeResult
+    ) -> Summary:
+        from .engine import agent
+
+        staged = sum(t.bytes for t in done.timings if t.step in ("capture", "coordinator_restore"))
+        words = [PROG, "resume" if command == "suspend" else "suspend",
+                 "--checkpoint-dir", str(call.options.checkpoint_dir),
+                 *call.where_words()]  # fmt: skip
+        if command == "resume":  # a new suspend names the processes, here the manifest's
+            for o, n in call.group:
+                words += ["--pid", str(o)] if o == n else ["--process", str(o), str(n)]
+        freed = done.released if isinstance(done, agent.SuspendResult) else None
+        return cls(
+            command,
+            "suspended" if command == "suspend" else "resumed",
+            sum(t.seconds for t in done.timings),
+            staged,
+            len(call.group),
+            done.timings,
+            shlex.join(words),
+            call.options.checkpoint_dir,
+            done.staging.to_json() if done.staging is not None else None,
+            freed,
+        )
+
+    def lines(self) -> list[str]:
+        from .engine.released import size
+
+        who = f"{self.processes} process{'es' if self.processes != 1 else ''}"
+        if self.command == "suspend":
+            staged = (
+                f"{size(self.bytes_staged)} staged by the shims, the rest kept by the native "
+                "checkpoint"
+                if self.bytes_staged
+                else "kept by the native checkpoint"
+            )
+            lines = [f"suspended {who} in {self.seconds:.3f} s"]
+            if self.released is not None:
+                lines.append(self.released.human())
+            return [
+                *lines,
+                f"where the bytes are: in the host memory of each process ({staged}); they "
+                f"end with the process unless it is dumped (`{PROG} criu dump`); "
+                f"{self.checkpoint_dir} holds only the manifest and the state file",
+                "every process is CHECKPOINTED until the resume",
+                f"next: {self.next_command}",
+            ]
+        loaded = f", {size(self.bytes_staged)} loaded back by the shims" if (
+            self.bytes_staged) else ""  # fmt: skip
+        return [
+            f"resumed {who} in {self.seconds:.3f} s{loaded}: every process is RUNNING, "
+            "its sharing as before",
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "seconds": self.seconds,
+            "bytes_staged": self.bytes_staged,
+            "processes": self.processes,
+            "timings": [t.to_json() for t in self.timings],
+            "next": self.next_command,
+            **({"staging": self.staging} if self.staging is not None else {}),
+        }
+        if self.released is not None:
+            out["gpu_memory_released"] = self.released.to_json()
+            out["bytes_in"] = "host memory of each process"
+        return out
