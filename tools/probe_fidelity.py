@@ -76,7 +76,10 @@ def serve(cu: Any, name: Any, ok: Any, count: int, cmd: dict[str, Any]) -> dict[
         r = cu.cuPointerGetAttribute(attr, cmd["ptr"])
         return {"r": name(r[0]), "value": _num(r[1]) if r[0] == cu.CUresult.CUDA_SUCCESS else None}
     if op == "pitch":
-        return {"r": name(cu.cuMemAllocPitch(cmd["w"], cmd["h"], cmd["elem"])[0])}
+        r = cu.cuMemAllocPitch(cmd["w"], cmd["h"], cmd["elem"])
+        if r[0] == cu.CUresult.CUDA_SUCCESS:  # freed at once: the probe goes on to checkpoint
+            ok(cu.cuMemFree(r[1])[0])
+        return {"r": name(r[0])}
     if op == "ipc_get":
         r = cu.cuIpcGetMemHandle(cmd["ptr"])
         ok(r[0])

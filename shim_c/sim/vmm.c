@@ -1024,13 +1024,19 @@ static CUresult alloc_pitch(CUdeviceptr *dptr, size_t *pitch, size_t width, size
     size_t p;
     CUresult r;
 
-    if (!dptr || !pitch || width == 0 || height == 0 || width > SIM_MAX_PITCH)
+    if (!dptr || !pitch || width == 0 || height == 0)
         return CUDA_ERROR_INVALID_VALUE;
     if (elem != 4 && elem != 8 && elem != 16)
         return CUDA_ERROR_INVALID_VALUE;
+    /* The H200 took a row of 2^31 bytes (past CU_DEVICE_ATTRIBUTE_MAX_PITCH) and
+     * refused one of 2^62 by 8 rows as INVALID_VALUE, not OUT_OF_MEMORY
+     * (specs/records/2026-12-01-h200-fidelity.jsonl): a size that does not fit
+     * is a bad value, one that fits is asked of the memory. */
+    if (width > SIZE_MAX - (SIM_PITCH_ALIGN - 1))
+        return CUDA_ERROR_INVALID_VALUE;
     p = (width + SIM_PITCH_ALIGN - 1) & ~(SIM_PITCH_ALIGN - 1);
     if (height > SIZE_MAX / p)
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return CUDA_ERROR_INVALID_VALUE;
     r = sim_mem_alloc(dptr, p * height);
     if (r == CUDA_SUCCESS)
         *pitch = p;
