@@ -19,15 +19,18 @@ def test_small_requests_lie_side_by_side_and_answer_as_their_own(spawn):
 A = int(check(cu.cuMemAlloc(4096))); B = int(check(cu.cuMemAlloc(4096)))
 def attr(name, p):
     return int(check(cu.cuPointerGetAttribute(getattr(cu.CUpointer_attribute, name), p)))
+C, pitch = check(cu.cuMemAllocPitch(1000, 2, 4)); C = int(C)
 base, size = check(cu.cuMemGetAddressRange(B + 8))
 ids = [attr("CU_POINTER_ATTRIBUTE_BUFFER_ID", p) for p in (A, B)]
 result = [B - A, int(base) == B, size, attr("CU_POINTER_ATTRIBUTE_RANGE_START_ADDR", B + 8) == B,
-          ids[0] != ids[1], err(cu.cuMemFree(B + 512)), err(cu.cuMemFree(A)),
+          ids[0] != ids[1], [C - B, int(check(cu.cuMemGetAddressRange(C + 2047))[1])],
+          err(cu.cuMemGetAddressRange(C + 2048)), err(cu.cuMemFree(B + 512)), err(cu.cuMemFree(A)),
           err(cu.cuMemGetAddressRange(A)), err(cu.cuMemFree(A)),
           int(check(cu.cuMemGetAddressRange(B))[1])]
 """)
     freed = ["CUDA_SUCCESS", "CUDA_ERROR_NOT_FOUND", INVALID]
-    assert r == [4096, True, 4096, True, True, INVALID, *freed, 4096]
+    past_c = "CUDA_ERROR_NOT_FOUND"  # the pitched request is 2 x 1024 bytes
+    assert r == [4096, True, 4096, True, True, [4096, 2048], past_c, INVALID, *freed, 4096]
 
 
 @sim_only
