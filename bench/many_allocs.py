@@ -4,8 +4,9 @@ One process under the shim per shape makes COUNT cuMemAlloc (cudaMalloc) allocat
 SIZE bytes, fills each with a value of its own (cuMemsetD32), then ``--repeat`` times one
 ``cuinterpose suspend`` and one ``cuinterpose resume`` (each a process of its own, as a
 user runs them); after the first cycle every allocation is read back and compared. Small
-ones share the shim's 2 MiB slabs (shim_c/owned.c), 2 MiB ones are an allocation (and an
-INSPECT record pair) each: 20 000 of them are 40 000 of INSPECT's 65 536 records.
+ones are the driver's (packed into its 2 MiB chunks, kept by its own checkpoint), 2 MiB
+ones are an allocation (and an INSPECT record pair) each: 20 000 of them are 40 000 of
+INSPECT's 65 536 records.
 
 Shapes: on a GPU (default) 100 000 x 4 KiB and 20 000 x 2 MiB; ``--sim`` 7 000 and
 70 000 x 4 KiB on the simulated driver, and the ratio of their commands' times (10x the

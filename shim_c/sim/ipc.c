@@ -40,13 +40,21 @@ struct ipc_handle {
     uint64_t ino, dev;
     uint64_t bytes; /* memory: the allocation's size as asked for */
     uint64_t id;    /* memory: the creator's allocation id */
+    uint64_t off;   /* memory: where it lies in its memfd (a packed request's chunk) */
+    uint64_t block; /* memory: the memfd's allocation id (sim_meta.alloc_id) */
 };
 _Static_assert(sizeof(struct ipc_handle) <= CU_IPC_HANDLE_SIZE, "a handle is 64 bytes");
 
-static CUresult handle_fill(void *out, uint32_t magic, int fd, uint64_t bytes, uint64_t id)
+static CUresult handle_fill(void *out, uint32_t magic, int fd, uint64_t bytes, uint64_t id,
+                            uint64_t off, uint64_t block)
 {
-    struct ipc_handle h = {
-        .magic = magic, .pid = (int32_t)getpid(), .fd = fd, .bytes = bytes, .id = id};
+    struct ipc_handle h = {.magic = magic,
+                           .pid = (int32_t)getpid(),
+                           .fd = fd,
+                           .bytes = bytes,
+                           .id = id,
+                           .off = off,
+                           .block = block};
     struct stat st;
 
     if (fstat(fd, &st) != 0)
@@ -62,6 +70,7 @@ static CUresult handle_fill(void *out, uint32_t magic, int fd, uint64_t bytes, u
 
 static CUresult get_mem_handle(CUipcMemHandle *out, CUdeviceptr dptr)
 {
+    struct sim_span sp;
     struct sim_map *m;
     struct sim_obj *o;
     CUresult r = CUDA_ERROR_INVALID_VALUE;
@@ -73,9 +82,11 @@ static CUresult get_mem_handle(CUipcMemHandle *out, CUdeviceptr dptr)
     sim_lock();
     m = sim_map_find((uintptr_t)dptr);
     o = m ? &sim.objs[m->obj] : NULL;
-    if (o && !m->taken && o->origin == SIM_FROM_ALLOC &&
-        (uintptr_t)dptr - (m->va - m->offset) < o->bytes)
-        r = handle_fill(out->reserved, IPC_MEM_MAGIC, o->fd, o->bytes, o->id);
+    /* A packed request's handle names its part of the chunk only: what the
+     * importer may reach (the H200 refuses its neighbours there). */
+    if (o && !m->taken && o->origin == SIM_FROM_ALLOC && sim_legacy_span(m, (uintptr_t)dptr, &sp))
+        r = handle_fill(out->reserved, IPC_MEM_MAGIC, o->fd, sp.bytes, sp.id,
+                        sp.base - (m->va - m->offset), o->id);
     sim_unlock();
     return r;
 }
@@ -92,18 +103,18 @@ static struct sim_obj *opened(const struct ipc_handle *h)
         struct sim_obj *o = &sim.objs[i];
 
         if (o->used && o->origin == SIM_FROM_IPC && o->ipc_refs > 0 && o->peer_pid == h->pid &&
-            o->peer_ino == h->ino && o->peer_dev == h->dev)
+            o->peer_ino == h->ino && o->peer_dev == h->dev && o->id == h->id)
             return o;
     }
     return NULL;
 }
 
-/* sim.mu held: the VA of `o`'s one mapping. */
+/* sim.mu held: the VA of the allocation `o` opened (in its one mapping). */
 static uintptr_t base_of(const struct sim_obj *o)
 {
     for (int i = 0; i < SIM_MAX_MAPS; i++)
         if (sim.maps[i].used && &sim.objs[sim.maps[i].obj] == o)
-            return sim.maps[i].va - sim.maps[i].offset;
+            return sim.maps[i].va - sim.maps[i].offset + o->sub_off;
     return 0;
 }
 
@@ -148,7 +159,7 @@ static int restored_since(const struct ipc_handle *h)
             pread(fd, &meta, sizeof meta, st.st_size - (off_t)SIM_META_SIZE) ==
                 (ssize_t)sizeof meta)
             found = meta.magic == SIM_META_MAGIC && meta.kind == SIM_KIND_ALLOC &&
-                    meta.creator_pid == h->pid && meta.alloc_id == h->id;
+                    meta.creator_pid == h->pid && meta.alloc_id == h->block;
         close(fd);
     }
     closedir(dp);
@@ -222,11 +233,13 @@ static CUresult open_mem_handle(CUdeviceptr *out, CUipcMemHandle handle, unsigne
     o->peer_pid = h.pid;
     o->peer_ino = h.ino;
     o->peer_dev = h.dev;
-    if (h.bytes == 0 || h.bytes > o->size)
+    o->sub_off = h.off;
+    if (h.bytes == 0 || h.off > o->size || h.bytes > o->size - h.off)
         r = CUDA_ERROR_INVALID_VALUE;
     sim_unlock();
     if (r == CUDA_SUCCESS)
         r = open_map(o, flags, dev, &va);
+    va += o->sub_off;
     if (r != CUDA_SUCCESS) {
         sim_lock();
         o->handle_refs = 0;
@@ -252,6 +265,7 @@ CUresult CUDAAPI sim_ipc_open_mem_v1(CUdeviceptr *pdptr, CUipcMemHandle handle, 
 
 static CUresult close_mem_handle(CUdeviceptr dptr)
 {
+    uintptr_t va;
     struct sim_map *m;
     struct sim_obj *o;
     int last;
@@ -261,13 +275,15 @@ static CUresult close_mem_handle(CUdeviceptr dptr)
     sim_lock();
     m = sim_map_find((uintptr_t)dptr);
     o = m ? &sim.objs[m->obj] : NULL;
-    if (!o || o->origin != SIM_FROM_IPC || m->va != (uintptr_t)dptr || o->ipc_refs <= 0) {
+    if (!o || o->origin != SIM_FROM_IPC || m->va + o->sub_off != (uintptr_t)dptr ||
+        o->ipc_refs <= 0) {
         sim_unlock();
         return CUDA_ERROR_INVALID_VALUE;
     }
     last = --o->ipc_refs == 0;
+    va = m->va;
     sim_unlock();
-    return last ? sim_unmap_fresh((uintptr_t)dptr) : CUDA_SUCCESS;
+    return last ? sim_unmap_fresh(va) : CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr)
@@ -291,7 +307,7 @@ static CUresult get_event_handle(CUipcEventHandle *out, CUevent event)
     else if (!(e->flags & CU_EVENT_INTERPROCESS) || !e->shared)
         r = CUDA_ERROR_INVALID_VALUE;
     else
-        r = handle_fill(out->reserved, IPC_EVENT_MAGIC, e->fd, 0, 0);
+        r = handle_fill(out->reserved, IPC_EVENT_MAGIC, e->fd, 0, 0, 0, 0);
     sim_unlock();
     return r;
 }

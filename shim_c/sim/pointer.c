@@ -29,6 +29,7 @@ struct ptr_info {
     size_t range_size;
     uintptr_t map_base;        /* MAPPING_BASE_ADDR / MAPPING_SIZE */
     size_t map_size;
+    unsigned long long id;     /* memory a pointer names: BUFFER_ID, MEMORY_BLOCK_ID */
 };
 
 /* A VMM mapping as cuMemMap made it (cuMemSetAccess may have split it). */
@@ -64,6 +65,8 @@ static int in_reservation(uintptr_t p, uintptr_t *base, size_t *size)
     return 0;
 }
 
+/* 1: device memory; 0: none (a reservation may still hold it); -1: a free
+ * part of a packed chunk, which nothing names. */
 static int device_info(uintptr_t p, struct ptr_info *in)
 {
     const struct sim_map *m = sim_map_find(p);
@@ -73,12 +76,17 @@ static int device_info(uintptr_t p, struct ptr_info *in)
     in->m = m;
     in->o = &sim.objs[m->obj];
     if (in->o->legacy) {
-        uintptr_t base = m->va - m->offset;
+        struct sim_span sp;
 
-        if (p - base >= in->o->bytes)
-            return 0; /* past what was asked for */
-        in->range_base = in->map_base = base;
-        in->range_size = in->o->bytes;
+        /* Past what was asked for (the reservation's then), or a free part
+         * of a packed chunk: no allocation names it (H200: a freed small
+         * request's RANGE_START_ADDR is INVALID_VALUE beside a live one). */
+        if (!sim_legacy_span(m, p, &sp))
+            return in->o->pack ? -1 : 0;
+        in->range_base = sp.base;
+        in->range_size = sp.bytes;
+        in->id = sp.id;
+        in->map_base = m->va - m->offset;
         in->map_size = in->o->size;
     } else {
         map_group(m, &in->map_base, &in->map_size);
@@ -91,8 +99,13 @@ static int device_info(uintptr_t p, struct ptr_info *in)
 
 static void ptr_lookup(uintptr_t p, struct ptr_info *in)
 {
+    int found;
+
     memset(in, 0, sizeof(*in));
-    if (p == 0 || device_info(p, in))
+    found = p == 0 ? 0 : device_info(p, in);
+    if (found < 0)
+        memset(in, 0, sizeof(*in));
+    if (p == 0 || found != 0)
         return;
     if (in_reservation(p, &in->range_base, &in->range_size)) {
         in->kind = PTR_RESERVED;
@@ -165,7 +178,7 @@ static CUresult device_attr(int attr, const struct ptr_info *in, uintptr_t p,
     case CU_POINTER_ATTRIBUTE_HOST_POINTER: return CUDA_ERROR_INVALID_VALUE;
     case CU_POINTER_ATTRIBUTE_BUFFER_ID:
         /* A mapping's own: two mappings of one allocation are two buffers. */
-        *v = o->legacy ? o->id : ((uint64_t)1 << 48) + (uint64_t)in->m->group;
+        *v = o->legacy ? in->id : ((uint64_t)1 << 48) + (uint64_t)in->m->group;
         break;
     case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: *v = (uint64_t)o->props.loc_id; break;
     case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: *v = o->origin == SIM_FROM_ALLOC; break;
@@ -181,7 +194,7 @@ static CUresult device_attr(int attr, const struct ptr_info *in, uintptr_t p,
                  ? (uint64_t)(uintptr_t)o->pool
                  : 0;
         break;
-    case CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID: *v = o->id; break;
+    case CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID: *v = o->legacy ? in->id : o->id; break;
     default: return CUDA_ERROR_NOT_FOUND; /* shared with host memory */
     }
     return CUDA_SUCCESS;

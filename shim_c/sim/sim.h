@@ -132,6 +132,33 @@ enum sim_origin {
 
 struct sim_pool;
 
+/* cuMemAlloc requests below SIM_GRANULARITY share 2 MiB chunks, as on the
+ * H200 (specs/records, sim/README.md "Packed allocations"): each takes whole
+ * units of SIM_PACK_UNIT bytes, placed first-fit after the previous one
+ * (two 4 KiB requests: B = A + 4096). A chunk is one allocation object of
+ * the process (accounted, checkpointed and mapped as one); what each
+ * request owns is kept here, per unit. */
+#define SIM_PACK_UNIT ((size_t)512)
+#define SIM_PACK_UNITS (SIM_GRANULARITY / SIM_PACK_UNIT)
+struct sim_pack {
+    uintptr_t base;      /* the chunk's VA (it keeps it through a checkpoint) */
+    unsigned live;       /* allocations in the chunk */
+    unsigned free_units;
+    unsigned next;       /* where the next request is tried first */
+    uint16_t owner[SIM_PACK_UNITS]; /* the unit's allocation: its first unit + 1; 0: free */
+    struct sim_sub {
+        uint64_t bytes;           /* as asked for; 0: no allocation starts here */
+        unsigned long long id;    /* BUFFER_ID, MEMORY_BLOCK_ID, the IPC handle's */
+    } sub[SIM_PACK_UNITS];        /* by first unit */
+};
+
+/* The allocation a pointer names around an address (sim_legacy_span). */
+struct sim_span {
+    uintptr_t base;
+    uint64_t bytes;
+    unsigned long long id;
+};
+
 /* A generic allocation handle: a physical allocation or a multicast object. */
 struct sim_obj {
     int used;
@@ -142,6 +169,8 @@ struct sim_obj {
     int legacy;                 /* not a VMM handle (origin other than SIM_FROM_VMM) */
     int origin;                 /* enum sim_origin */
     uint64_t bytes;             /* a pointer's allocation: the size asked for */
+    struct sim_pack *pack;      /* a chunk of packed cuMemAlloc requests (bytes 0) */
+    uint64_t sub_off;           /* SIM_FROM_IPC of a packed request: its offset in the chunk */
     struct sim_ctx *ctx;        /* the context it was allocated (or opened) in */
     struct sim_pool *pool;      /* SIM_FROM_POOL: the pool; POOL_IMPORT: the imported pool */
     unsigned long long id;      /* process-wide unique (BUFFER_ID, MEMORY_BLOCK_ID) */
@@ -323,6 +352,7 @@ struct sim_state {
         int fd;      /* exportable: the token memfd an export dups (-1: none) */
     } pools[SIM_MAX_DEVICES + SIM_MAX_POOLS];
     unsigned long long next_obj_id;
+    int pack_hint; /* the chunk (objs index) the last packed request went to */
     unsigned next_pool_number;
     struct sim_ctx primary[SIM_MAX_DEVICES];
     struct sim_ctx ctxs[SIM_MAX_CTXS];
@@ -440,6 +470,10 @@ SIM_HIDDEN CUresult sim_unmap_fresh(uintptr_t va);
 /* sim.mu held: peer access changed; cuMemAlloc mappings follow it. */
 SIM_HIDDEN void sim_legacy_access_refresh(void);
 SIM_HIDDEN CUresult sim_mem_free(CUdeviceptr dptr);
+/* sim.mu held: the allocation a pointer names that holds `p`, mapped by `m`
+ * (memory a pointer names only: o->legacy); 0 when `p` lies outside every
+ * one (past what was asked for, a packed neighbour's or a free part). */
+SIM_HIDDEN int sim_legacy_span(const struct sim_map *m, uintptr_t p, struct sim_span *s);
 SIM_HIDDEN int sim_mem_is_alloc(CUdeviceptr dptr);
 
 /* meta.c: the metadata page (sim.mu not needed: the page has its own lock) */

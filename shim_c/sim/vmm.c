@@ -79,6 +79,7 @@ void sim_obj_unref(struct sim_obj *o)
         sim_mc_drop_binds(o);
     if (o->saved)
         munmap(o->saved, o->size);
+    free(o->pack);
     /* A checkpointed process has already dropped its reference. */
     if (o->meta)
         munmap(o->meta, SIM_META_SIZE);
@@ -145,20 +146,45 @@ CUresult sim_map_apply_prot(struct sim_map *m)
     return CUDA_SUCCESS;
 }
 
-/* Memory a pointer names (cuMemAlloc and the like) ends where its
- * allocation ends, not where its granule does. */
-static uintptr_t map_end(const struct sim_map *m)
+int sim_legacy_span(const struct sim_map *m, uintptr_t p, struct sim_span *s)
 {
     const struct sim_obj *o = &sim.objs[m->obj];
-    uintptr_t end = m->va + m->size;
+    uintptr_t base = m->va - m->offset;
 
-    if (o->legacy && o->bytes) {
-        uintptr_t alloc_end = m->va - m->offset + o->bytes;
+    if (p < m->va || p - m->va >= m->size)
+        return 0;
+    if (o->pack) {
+        unsigned first = o->pack->owner[(p - base) / SIM_PACK_UNIT];
 
-        if (alloc_end < end)
-            end = alloc_end;
+        if (first == 0 || p - (base + (first - 1) * SIM_PACK_UNIT) >= o->pack->sub[first - 1].bytes)
+            return 0;
+        s->base = base + (first - 1) * SIM_PACK_UNIT;
+        s->bytes = o->pack->sub[first - 1].bytes;
+        s->id = o->pack->sub[first - 1].id;
+        return 1;
     }
-    return end;
+    /* An IPC open of a packed request maps its chunk, names its part only. */
+    base += o->sub_off;
+    if (p < base || p - base >= o->bytes)
+        return 0;
+    s->base = base;
+    s->bytes = o->bytes;
+    s->id = o->id;
+    return 1;
+}
+
+/* Where the memory `p` lies in ends (p itself when `p` is in none): memory a
+ * pointer names ends where its allocation ends, not where its granule does. */
+static uintptr_t map_end(const struct sim_map *m, uintptr_t p)
+{
+    const struct sim_obj *o = &sim.objs[m->obj];
+    struct sim_span sp;
+
+    if (!o->legacy || (!o->bytes && !o->pack))
+        return m->va + m->size;
+    if (!sim_legacy_span(m, p, &sp))
+        return p;
+    return sp.base + sp.bytes < m->va + m->size ? sp.base + sp.bytes : m->va + m->size;
 }
 
 /* `copy`: the driver copies cuMemAlloc-like memory from any device's
@@ -177,7 +203,7 @@ static CUresult range_check(uintptr_t p, size_t n, int dev, int want_write, int 
         struct sim_map *m = sim_map_find(cur);
         unsigned acc;
 
-        if (!m || m->taken || cur >= map_end(m))
+        if (!m || m->taken || cur >= map_end(m, cur))
             return CUDA_ERROR_INVALID_VALUE;
         acc = m->access[dev];
         if (copy && sim.objs[m->obj].legacy)
@@ -186,7 +212,7 @@ static CUresult range_check(uintptr_t p, size_t n, int dev, int want_write, int 
             return CUDA_ERROR_INVALID_VALUE;
         if (want_write && acc != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
             return CUDA_ERROR_INVALID_VALUE;
-        cur = map_end(m);
+        cur = map_end(m, cur);
     }
     return CUDA_SUCCESS;
 }
@@ -949,9 +975,14 @@ void sim_legacy_access_refresh(void)
     }
 }
 
-/* cuMemAlloc and its kin: a private allocation of the current context's
- * device, mapped at a new VA. */
-CUresult sim_mem_alloc_from(CUdeviceptr *dptr, size_t bytes, int origin, struct sim_pool *pool)
+static void pack_take(struct sim_pack *k, unsigned at, unsigned n, size_t bytes);
+
+/* A private allocation of the current context's device (of `pool`'s when
+ * given), mapped at a new VA: `bytes` as asked for, or a chunk for packed
+ * requests (`pack` given, taken; bytes 0). With `pack`, the first request's
+ * `units` are taken in it before anyone else can see the chunk. */
+static CUresult alloc_fresh(CUdeviceptr *dptr, size_t bytes, int origin, struct sim_pool *pool,
+                            struct sim_pack *pack, unsigned units)
 {
     CUmemAllocationProp prop = {0};
     struct sim_obj *o = NULL;
@@ -961,14 +992,14 @@ CUresult sim_mem_alloc_from(CUdeviceptr *dptr, size_t bytes, int origin, struct 
     int dev;
     CUresult r;
 
-    if (!dptr || bytes == 0)
-        return CUDA_ERROR_INVALID_VALUE;
     r = sim_current_dev(&dev);
     if (r != CUDA_SUCCESS)
-        return r;
-    if (bytes > UINT64_MAX - SIM_GRANULARITY)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    size = (bytes + SIM_GRANULARITY - 1) & ~(SIM_GRANULARITY - 1);
+        goto fail;
+    if (bytes > UINT64_MAX - SIM_GRANULARITY) {
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+        goto fail;
+    }
+    size = pack ? SIM_GRANULARITY : (bytes + SIM_GRANULARITY - 1) & ~(SIM_GRANULARITY - 1);
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = pool ? pool->dev : dev;
@@ -979,31 +1010,131 @@ CUresult sim_mem_alloc_from(CUdeviceptr *dptr, size_t bytes, int origin, struct 
     if (r == CUDA_SUCCESS) {
         o->legacy = 1;
         o->origin = origin;
-        o->bytes = bytes;
+        o->bytes = pack ? 0 : bytes;
         o->ctx = sim_current_ctx();
         o->pool = pool;
     }
     sim_unlock();
     if (r != CUDA_SUCCESS)
-        return r;
+        goto fail;
     r = sim_map_fresh(o, &va);
     sim_lock();
     if (r != CUDA_SUCCESS) {
         o->handle_refs = 0;
         sim_obj_unref(o);
         sim_unlock();
-        return r;
+        goto fail;
     }
     m = sim_map_find(va);
     legacy_access(m, o);
     r = sim_map_apply_prot(m);
+    if (r == CUDA_SUCCESS && pack) {
+        pack->base = va;
+        pack_take(pack, 0, units, bytes);
+        o->pack = pack;
+        pack = NULL;
+        sim.pack_hint = (int)(o - sim.objs);
+    }
     sim_unlock();
     if (r != CUDA_SUCCESS) {
         sim_unmap_fresh(va);
-        return r;
+        goto fail;
     }
     *dptr = (CUdeviceptr)va;
     return CUDA_SUCCESS;
+fail:
+    free(pack);
+    return r;
+}
+
+/* ---- packed requests (struct sim_pack) -------------------------------- */
+
+static void pack_take(struct sim_pack *k, unsigned at, unsigned n, size_t bytes)
+{
+    for (unsigned i = 0; i < n; i++)
+        k->owner[at + i] = (uint16_t)(at + 1);
+    k->sub[at].bytes = bytes;
+    k->sub[at].id = ((unsigned long long)getpid() << 32) | ++sim.next_obj_id;
+    k->live++;
+    k->free_units -= n;
+    k->next = at + n;
+}
+
+/* First fit of `n` units, after the previous request first; -1: none. */
+static int pack_fit(const struct sim_pack *k, unsigned n)
+{
+    unsigned run = 0, i;
+
+    if (k->free_units < n)
+        return -1;
+    for (i = 0; i < n && k->next + i < SIM_PACK_UNITS && !k->owner[k->next + i]; i++)
+        ;
+    if (i == n)
+        return (int)k->next;
+    for (unsigned u = 0; u < SIM_PACK_UNITS; u++) {
+        run = k->owner[u] ? 0 : run + 1;
+        if (run == n)
+            return (int)(u + 1 - n);
+    }
+    return -1;
+}
+
+/* sim.mu held: a chunk of context `ctx` on `dev` with room for `n` units
+ * (the last one used first), and where; NULL when none. */
+static struct sim_obj *pack_find(const struct sim_ctx *ctx, int dev, unsigned n, int *at)
+{
+    for (int i = 0; i < SIM_MAX_OBJS; i++) {
+        int j = (sim.pack_hint + i) % SIM_MAX_OBJS;
+        struct sim_obj *o = &sim.objs[j];
+
+        if (!o->used || !o->pack || o->released || o->ctx != ctx || o->props.loc_id != dev)
+            continue;
+        *at = pack_fit(o->pack, n);
+        if (*at >= 0) {
+            sim.pack_hint = j;
+            return o;
+        }
+    }
+    return NULL;
+}
+
+static CUresult pack_alloc(CUdeviceptr *dptr, size_t bytes)
+{
+    unsigned n = (unsigned)((bytes + SIM_PACK_UNIT - 1) / SIM_PACK_UNIT);
+    struct sim_ctx *ctx = sim_current_ctx();
+    struct sim_pack *k;
+    struct sim_obj *o;
+    int dev, at = -1;
+    CUresult r = sim_current_dev(&dev);
+
+    if (r != CUDA_SUCCESS)
+        return r;
+    sim_lock();
+    o = pack_find(ctx, dev, n, &at);
+    if (o) {
+        pack_take(o->pack, (unsigned)at, n, bytes);
+        *dptr = (CUdeviceptr)(o->pack->base + (unsigned)at * SIM_PACK_UNIT);
+    }
+    sim_unlock();
+    if (o)
+        return CUDA_SUCCESS;
+    k = calloc(1, sizeof(*k));
+    if (!k)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    k->free_units = SIM_PACK_UNITS;
+    return alloc_fresh(dptr, bytes, SIM_FROM_ALLOC, NULL, k, n);
+}
+
+/* cuMemAlloc and its kin. Requests below the granularity are packed into
+ * shared chunks (cuMemAlloc, cuMemAllocPitch: struct sim_pack); pool
+ * memory keeps an allocation each (its own export and accounting). */
+CUresult sim_mem_alloc_from(CUdeviceptr *dptr, size_t bytes, int origin, struct sim_pool *pool)
+{
+    if (!dptr || bytes == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (origin == SIM_FROM_ALLOC && bytes < SIM_GRANULARITY)
+        return pack_alloc(dptr, bytes);
+    return alloc_fresh(dptr, bytes, origin, pool, NULL, 0);
 }
 
 CUresult sim_mem_alloc(CUdeviceptr *dptr, size_t bytes)
@@ -1049,12 +1180,31 @@ CUresult CUDAAPI cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t Wi
     SIM_API(alloc_pitch(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes));
 }
 
+/* The first unit of the packed request that starts exactly at `dptr` in
+ * `m`'s chunk; -1 when `dptr` is no packed request's start. */
+static int packed_first(const struct sim_map *m, CUdeviceptr dptr)
+{
+    const struct sim_pack *k = m ? sim.objs[m->obj].pack : NULL;
+    uintptr_t off;
+
+    if (!k || m->taken || (uintptr_t)dptr < m->va)
+        return -1;
+    off = (uintptr_t)dptr - (m->va - m->offset);
+    if (off % SIM_PACK_UNIT || off >= SIM_GRANULARITY)
+        return -1;
+    off /= SIM_PACK_UNIT;
+    return k->owner[off] == off + 1 && k->sub[off].bytes ? (int)off : -1;
+}
+
 /* What cuMemFree frees: memory from cuMemAlloc, a pool, or a pool import
- * (an IPC-opened pointer is closed by cuIpcCloseMemHandle instead). */
+ * (an IPC-opened pointer is closed by cuIpcCloseMemHandle instead), named
+ * by the very pointer the allocation returned. */
 static int freeable(const struct sim_map *m, CUdeviceptr dptr)
 {
     int origin;
 
+    if (m && sim.objs[m->obj].pack)
+        return packed_first(m, dptr) >= 0;
     if (!m || m->va != (uintptr_t)dptr)
         return 0;
     origin = sim.objs[m->obj].origin;
@@ -1071,11 +1221,26 @@ int sim_mem_is_alloc(CUdeviceptr dptr)
     return ok;
 }
 
+/* sim.mu held: the packed request at unit `first` goes; 1 when it was its
+ * chunk's last (the chunk goes then, as any allocation). */
+static int pack_free(struct sim_pack *k, unsigned first)
+{
+    unsigned u;
+
+    for (u = first; u < SIM_PACK_UNITS && k->owner[u] == first + 1; u++)
+        k->owner[u] = 0;
+    k->free_units += u - first;
+    k->sub[first].bytes = 0;
+    k->sub[first].id = 0;
+    return --k->live == 0;
+}
+
 /* Checked and unmapped under one lock: of two frees racing, the loser
  * finds the mapping gone; the VA stays reserved until address_free. */
 CUresult sim_mem_free(CUdeviceptr dptr)
 {
     struct sim_map *m;
+    uintptr_t va;
     size_t size;
 
     sim_lock();
@@ -1084,11 +1249,17 @@ CUresult sim_mem_free(CUdeviceptr dptr)
         sim_unlock();
         return CUDA_ERROR_INVALID_VALUE;
     }
+    if (sim.objs[m->obj].pack &&
+        !pack_free(sim.objs[m->obj].pack, (unsigned)packed_first(m, dptr))) {
+        sim_unlock();
+        return CUDA_SUCCESS;
+    }
+    va = m->va;
     size = m->size;
     sim.objs[m->obj].handle_refs = 0;
     unmap_one(m);
     sim_unlock();
-    return address_free(dptr, size);
+    return address_free(va, size);
 }
 
 CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr)
@@ -1105,13 +1276,21 @@ static CUresult address_range(CUdeviceptr *base, size_t *size, CUdeviceptr dptr)
 
     sim_lock();
     m = sim_map_find((uintptr_t)dptr);
-    if (m && (uintptr_t)dptr < map_end(m)) {
-        const struct sim_obj *o = &sim.objs[m->obj];
+    if (m && sim.objs[m->obj].legacy) {
+        struct sim_span sp;
 
+        if (sim_legacy_span(m, (uintptr_t)dptr, &sp)) {
+            if (base)
+                *base = sp.base;
+            if (size)
+                *size = sp.bytes;
+            r = CUDA_SUCCESS;
+        }
+    } else if (m) {
         if (base)
             *base = m->va - m->offset;
         if (size)
-            *size = o->legacy && o->bytes ? o->bytes : o->size;
+            *size = sim.objs[m->obj].size;
         r = CUDA_SUCCESS;
     }
     sim_unlock();

@@ -402,8 +402,9 @@ def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
 
 def test_many_allocations_benchmark_on_the_simulator(tmp_path: Path) -> None:
     """bench/many_allocs.py on the simulated driver: 7 000 and 70 000 cudaMallocs of 4 KiB
-    suspended and resumed by the commands, every allocation's bytes right, and ten times
-    the allocations costs less than three times the time (fixed costs dominate: 1.4x
+    (packed by the driver, as on the H200) suspended and resumed by the commands, every
+    allocation's bytes right, and ten times the allocations costs less than three times
+    the time (fixed costs dominate: 1.4x
     measured on 2 CPUs; 1.9x when issue 30 was filed)."""
     out = tmp_path / "many.json"
     done = subprocess.run(
@@ -418,8 +419,9 @@ def test_many_allocations_benchmark_on_the_simulator(tmp_path: Path) -> None:
     for name, count in (("7000x4KiB", 7000), ("70000x4KiB", 70000)):
         shape = result["shapes"][name]
         assert shape["verified"] and shape["allocations"] == count
-        # Small ones share 2 MiB slabs: far fewer staged allocations than cudaMallocs.
-        assert 0 < shape["staged_allocations"][0] < count // 100
+        # Below the granularity they are the driver's (specs/shim.md, "Owned memory"),
+        # packed into its chunks and kept by its own checkpoint: the shim stages none.
+        assert shape["staged_allocations"] == [0]
     for command, ratio in result["time_ratio_70000_over_7000"].items():
         assert ratio < 3, (command, ratio)
 
