@@ -65,10 +65,10 @@
 
 #include <errno.h>
 #include <signal.h>
-#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -716,12 +716,12 @@ static void await_populated(struct staging *s, uint32_t i)
 
     clock_gettime(CLOCK_MONOTONIC, &until);
     until.tv_sec += POPULATE_WAIT_S;
-    while (s->tasks[i].pop == POP_BUSY && e != ETIMEDOUT)
+    while (s->tasks[i].pop == POP_BUSY && e == 0)
         e = pthread_cond_timedwait(&s->popped, &s->lock, &until);
     if (s->tasks[i].pop == POP_BUSY)
         stage_fail(s, &s->segs[s->tasks[i].seg0],
-                   "chunk %u (%zu bytes) still being populated ahead after %d s", i,
-                   s->tasks[i].len, POPULATE_WAIT_S);
+                   "chunk %u (%zu bytes) still being populated ahead: waited up to %d s (%s)",
+                   i, s->tasks[i].len, POPULATE_WAIT_S, strerror(e));
 }
 
 /* Take one published task and run it; false when none is ready. Called
@@ -735,7 +735,7 @@ static bool take_one(struct staging *s, struct worker *w)
         return false;
     /* Claimed before any wait: a thread that waited on the queue's head
      * while another took it would otherwise go on past what is published
-     * (the H200 hang of issue 32: next beyond published, never drained). */
+     * (the hang seen on the H200: next beyond published, never drained). */
     i = s->next++;
     s->inflight++;
     /* A populate thread halfway through this chunk finishes it first; one
