@@ -21,6 +21,13 @@
 #
 #   OUT=/path/to/results [WHEELS=.whl] bench/run_bytes_h200.sh
 #
+# BYTES_QUICK=1: item 1 only, in one short call (about 40 s of build, then at most
+# STAGING_S=200): the floor (1 GiB per case) and the four shapes, each with the defaults
+# and ahead8 (SNAPSHOT_SHIM_STAGING_POPULATE_THREADS=8), 3 runs (the cold one and two
+# warm) and one of the native path alone; each shape's lines are printed and
+# staging.json rewritten as soon as that shape is done, so a timeout loses only the
+# shape it cut. Results: environment.txt, build.log, staging.log, staging.json.
+#
 # Results in $OUT (8 files): environment.txt, build.log, staging.log (both staging runs
 # and the many-allocations log), staging.json, staging-pin.json, many.json,
 # criu.{log,json}. Time limits: STAGING_S=200, PIN_S=50, MANY_S=80, CRIU_S=120 (expected:
@@ -37,6 +44,18 @@ status=0
   python3 -c 'import cuda.bindings; print("cuda-bindings", cuda.bindings.__version__)'
 } >"$OUT/environment.txt" 2>&1
 h200_build || exit 1
+if [ "${BYTES_QUICK:-0}" = 1 ]; then
+  echo "== staging (quick): floor, ceiling, four shapes, default and ahead8"
+  timeout "${STAGING_S:-200}" python3 bench/staging.py --repeat 3 --native-repeat 1 \
+    --floor-gib 1 --out "$OUT/staging.json" \
+    --variant ahead8:SNAPSHOT_SHIM_STAGING_POPULATE_THREADS=8 >"$OUT/staging.log" 2>&1 \
+    || { echo "staging failed or cut short (rc $?)"; status=1; }
+  grep -E "^(device|ceiling|floor|SAVE is|==|--|  depth|  SAVE warm|  LOAD warm)" \
+    "$OUT/staging.log"
+  grep -E "failed|timed out|Error" "$OUT/staging.log" | head -5
+  echo "status $status"
+  exit $status
+fi
 echo "== staging: floor, ceiling, four shapes, sweep"
 timeout "${STAGING_S:-200}" python3 bench/staging.py --repeat 4 --native-repeat 1 \
   --floor-gib 1 --out "$OUT/staging.json" \

@@ -23,7 +23,8 @@ pool start, setup, population, registration, copy, unregistration, release); eac
 command's total wall time and its steps (the process start, interpreter and imports,
 is the total less the steps) against the native path alone; the coordinator's own
 share (its capture or restore step outside the shim's SAVE/LOAD over the command's
-total). GB is 10^9 bytes. ``--out`` writes the JSON; the log goes to stdout.
+total). GB is 10^9 bytes. Each workload's lines go to stdout, and ``--out`` (the JSON) is
+rewritten, as soon as that workload is done: a run cut short keeps the ones finished.
 """
 
 from __future__ import annotations
@@ -239,6 +240,8 @@ class Bench:
             "depth": saves[0].get("depth"),
             "populate_threads": saves[0].get("populate_threads"),
             "chunks_per_thread": saves[0].get("chunks_per_thread"),
+            "populate_method": saves[0].get("populate_method"),
+            "populated_ahead": [t.get("populated_ahead") for t in saves],
             "resident": [bool(t["resident"]) for t in saves],
         }
         for label, ops in (("save", saves), ("load", loads)):
@@ -417,9 +420,10 @@ def save_reference(dtoh: float, floor: dict[str, Any] | None) -> tuple[float, st
     return dtoh, "the DtoH ceiling"
 
 
-def report(result: dict[str, Any], out: Callable[[str], None]) -> None:
+def report_head(result: dict[str, Any], out: Callable[[str], None]) -> None:
+    """The device, the ceiling, the floor and what SAVE is held against."""
     ceil = result["ceiling"]
-    dtoh, htod = ceil["dtoh_gbps"]["median"], ceil["htod_gbps"]["median"]
+    dtoh = ceil["dtoh_gbps"]["median"]
     out(f"device: {result['device']}; driver {result['driver_version']}")
     out(
         f"ceiling (pinned, {ceil['bytes'] >> 20} MiB): DtoH {_m(ceil['dtoh_gbps'], '{:.1f}')} GB/s,"
@@ -431,10 +435,18 @@ def report(result: dict[str, Any], out: Callable[[str], None]) -> None:
         out(f"floor (GB/s, fresh memory, {fl['bytes'] >> 20} MiB per case): {cases}")
     ref, limit = save_reference(dtoh, fl)
     out(f"SAVE is held against {ref:.1f} GB/s: {limit} limits")
-    for name, wl in result["workloads"].items():
-        out(f"== {name}: {wl['bytes'] / GIB:.2f} GiB; native verified {wl['native_verified']}")
-        for vname, w in wl["variants"].items():
-            _report_group(f"{name} {vname}", w, wl["native_alone"], (dtoh, ref), htod, out)
+
+
+def report_workload(
+    result: dict[str, Any], name: str, wl: dict[str, Any], out: Callable[[str], None]
+) -> None:
+    """One shape's lines, every variant of it."""
+    ceil = result["ceiling"]
+    dtoh, htod = ceil["dtoh_gbps"]["median"], ceil["htod_gbps"]["median"]
+    ref, _ = save_reference(dtoh, result.get("floor"))
+    out(f"== {name}: {wl['bytes'] / GIB:.2f} GiB; native verified {wl['native_verified']}")
+    for vname, w in wl["variants"].items():
+        _report_group(f"{name} {vname}", w, wl["native_alone"], (dtoh, ref), htod, out)
 
 
 def _report_group(
@@ -454,8 +466,9 @@ def _report_group(
         f"{w['resident']}, verified {w['verified']}"
     )
     out(
-        f"  depth {w.get('depth')}, populate threads {w.get('populate_threads')}, chunks per "
-        f"thread {w.get('chunks_per_thread')}"
+        f"  depth {w.get('depth')}, populate threads {w.get('populate_threads')} (pages "
+        f"faulted in by {w.get('populate_method')}, chunks populated ahead per SAVE "
+        f"{w.get('populated_ahead')}), chunks per thread {w.get('chunks_per_thread')}"
     )
     sw, lw = s["warm_gbps"]["median"], ld["warm_gbps"]["median"]
     out(
@@ -557,6 +570,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(text: str) -> None:
         print(f"[bench] {text}", file=sys.stderr, flush=True)
 
+    def out(text: str) -> None:
+        print(text, flush=True)  # a run cut short by a timeout keeps what it printed
+
+    def save(result: dict[str, Any]) -> None:
+        if args.out:  # what is done survives a run cut short
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2))
+
     with tempfile.TemporaryDirectory(prefix="cip-staging-") as tmp:
         bench = Bench(driver, Path(tmp), log, args.repeat, args.native_repeat)
         try:
@@ -577,14 +598,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ),
                 "workloads": {},
             }
+            save(result)
+            report_head(result, out)
             for n, (c, s) in chosen.items():
                 mine = variants
                 if args.variant_only and n not in args.variant_only:
                     mine = {"default": {}}
                 result["workloads"][n] = bench.workload(n, c, s, mine)
-                if args.out:  # what is done survives a run cut short
-                    args.out.parent.mkdir(parents=True, exist_ok=True)
-                    args.out.write_text(json.dumps(result, indent=2))
+                save(result)
+                report_workload(result, n, result["workloads"][n], out)
         finally:
             for w in bench.workers:
                 w.kill()
@@ -592,10 +614,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-bench-{os.getpid()}").unlink(
                     missing_ok=True
                 )
-    report(result, print)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
     ok = all(
         v["verified"] and w["native_verified"]
         for w in result["workloads"].values()

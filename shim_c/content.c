@@ -255,6 +255,19 @@ static uint32_t phase_items(bool saving, struct item **items, uint64_t *total)
     return count;
 }
 
+static const char *populate_name(enum staging_populate how)
+{
+    switch (how) {
+    case STAGING_POPULATE_MADVISE:
+        return "madvise";
+    case STAGING_POPULATE_TOUCH:
+        return "touch";
+    case STAGING_POPULATE_NONE:
+        break;
+    }
+    return "none";
+}
+
 /* A finished op's figures: logged, in the reply, and with
  * SNAPSHOT_SHIM_TIMING=1 as one JSON line on stderr. */
 static void report_done(struct reply *r, const char *op, const struct stats *st, uint64_t t0)
@@ -280,7 +293,8 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             "cuinterpose-timing {\"pid\": %d, \"op\": \"%s\", \"allocations\": %llu, "
             "\"bytes\": %llu, \"threads\": %u, \"chunk\": %zu, \"chunks\": %llu, "
             "\"thp\": %s, \"bounce\": %zu, \"bounce_pin\": \"%s\", \"bounce_keep\": %s, "
-            "\"depth\": %u, \"populate_threads\": %u, "
+            "\"depth\": %u, \"populate_threads\": %u, \"populate_method\": \"%s\", "
+            "\"populated_ahead\": %llu, "
             "\"chunks_per_thread\": %u, \"resident\": %s, "
             "\"elapsed_s\": %.6f, \"setup_s\": %.6f, "
             "\"pool_start_s\": %.6f, \"drain_s\": %.6f, \"teardown_s\": %.6f, "
@@ -292,7 +306,8 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             cfg->staging_thp ? "true" : "false", cfg->staging_bounce,
             cfg->staging_bounce_register ? "register" : "alloc",
             cfg->staging_bounce_keep ? "true" : "false", cfg->staging_depth,
-            cfg->staging_ahead, cfg->staging_spread, st->resident ? "true" : "false",
+            cfg->staging_ahead, populate_name(t->populate_how),
+            (unsigned long long)t->populated_chunks, cfg->staging_spread, st->resident ? "true" : "false",
             (double)ns / 1e9, (double)st->setup_ns / 1e9, (double)t->pool_start_ns / 1e9,
             (double)st->drain_ns / 1e9, (double)st->teardown_ns / 1e9,
             (double)t->copy_wall_ns / 1e9, (double)t->populate_ns / 1e9,

@@ -799,11 +799,19 @@ SHIM_HIDDEN CUresult CUDAAPI owned_free_async(CUdeviceptr dptr, CUstream stream)
 /* Where a phase's staging time went (nanoseconds). The *_ns of a step are
  * summed over the pool's threads; copy_wall_ns is the wall time during which
  * at least one copy was in flight. */
+/* How an op faulted fresh staging memory in before copying into it. */
+enum staging_populate {
+    STAGING_POPULATE_NONE = 0,  /* it did not: the memcpy out of the bounce buffer does */
+    STAGING_POPULATE_MADVISE,   /* MADV_POPULATE_WRITE */
+    STAGING_POPULATE_TOUCH,     /* the kernel lacks it: one byte written per page */
+};
 struct staging_times {
     uint64_t pool_start_ns, populate_ns, register_ns, copy_ns, copy_wall_ns, unregister_ns,
         release_ns, memcpy_ns, chunks;
+    uint64_t populated_chunks;  /* by the populate-ahead threads */
     unsigned threads;           /* workers started (none: the control thread works) */
     size_t chunk;               /* bytes per chunk, at most */
+    enum staging_populate populate_how;
 };
 struct staging;
 /* Host memory for staged copies: one anonymous mapping of `len` bytes,

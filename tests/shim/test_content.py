@@ -546,3 +546,53 @@ def test_resident_staging_memory(
             released = op == "LOAD_ALLOCATIONS" and not fits
             assert (float(per_thread["release"]) > 0) is released
     assert "warning" not in log
+
+
+@pytest.mark.parametrize("ahead", [1, 4, 16])
+@pytest.mark.threads  # make tsan
+def test_populate_ahead_many_chunks(
+    spawn: Spawn, control_dir: Path, sim_namespace: str, ahead: int
+) -> None:
+    """SAVE with SNAPSHOT_SHIM_STAGING_POPULATE_THREADS (1, 4, 16) ahead of 8 copy threads
+    over one allocation of 64 MiB and 24 of 2 MiB after it, cut in 38 chunks of 3 MiB (small
+    neighbours share one), three cycles: the H200 hung here (a copy thread woken on a chunk
+    that another had just taken went on past the published tasks: the op never drained).
+    Every op ends, every byte survives the native checkpoint, the timing line says how the
+    pages were faulted in (MADV_POPULATE_WRITE here; LOAD faults nothing in)."""
+    creator = spawn(
+        extra={
+            "SNAPSHOT_SHIM_COPY_CHUNK_MIB": "4",
+            "SNAPSHOT_SHIM_COPY_THREADS": "8",
+            "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB": "1",
+            "SNAPSHOT_SHIM_STAGING_POPULATE_THREADS": str(ahead),
+            "SNAPSHOT_SHIM_TIMING": "1",
+        }
+    )
+    sizes = [32] + [1] * 24
+    gran = make_shared(creator, sizes, seed=900)
+    total = sum(sizes) * gran
+    chunks, chunk_mib, _ = chunking(total, 8, 4)
+    c = Shim(control_dir, creator.pid)
+    for cycle in range(3):
+        for op in CAPTURE:
+            reply = c.ok(op)
+            if op == Op.SAVE_ALLOCATIONS:
+                assert (reply.stats.count, reply.stats.bytes) == (len(sizes), total)
+        if cycle == 0:
+            assert native_checkpoint_restore(spawn, sim_namespace, [creator.pid]) == [2]
+        for op in RESTORE:
+            c.ok(op)
+        assert intact(creator)
+    log = finish(creator)
+    saves = [t for t in timing_list(log) if t["op"] == "SAVE_ALLOCATIONS"]
+    assert len(saves) == 3
+    for t in saves:
+        assert t["populate_threads"] == ahead and t["bytes"] == total
+        assert (t["chunks"], t["chunk"]) == (chunks, chunk_mib * MIB)
+        # How fresh pages are faulted in: MADV_POPULATE_WRITE (this kernel has it);
+        # how many chunks the populate threads reached first depends on the scheduler.
+        assert t["populate_method"] == "madvise"
+        assert 0 <= int(t["populated_ahead"]) <= chunks  # type: ignore[call-overload]
+    loads = [t for t in timing_list(log) if t["op"] == "LOAD_ALLOCATIONS"]
+    assert [t["populate_method"] for t in loads] == ["none"] * 3
+    assert "warning" not in log
