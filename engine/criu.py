@@ -57,7 +57,7 @@ from .agent import (
     suspend,
 )
 from .client import control_dir_problem
-from .directory import require_trusted
+from .directory import make_private, require_trusted
 from .errors import CoordinatorError
 from .images import check_identity, forget, private_directory, seal
 from .native import DEFAULT_LOCK_TIMEOUT_MS, NativeBackend
@@ -342,15 +342,7 @@ def _trusted_control_dir(path: Path) -> None:
     """Create the control directory (0700) where it is missing, as the shim would; refuse
     one that it would not trust (CRIU binds the shims' listeners in it again)."""
     try:
-        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        os.mkdir(path, 0o700)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            os.fchmod(fd, 0o700)  # mkdir's mode passes the umask
-        finally:
-            os.close(fd)
-    except FileExistsError:
-        pass
+        make_private(path)
     except OSError as exc:
         raise AgentError(f"cannot create control directory {path}:", [str(exc)]) from None
     problem = control_dir_problem(path)

@@ -99,6 +99,22 @@ def checkpoint_dir_problem(
     )
 
 
+def make_private(path: Path) -> None:
+    """Create ``path`` mode 0700 where it is missing (its parents as ``mkdir -p`` does);
+    one already there is left as it is, for the caller's trust check. Raises OSError."""
+    path = Path(path)
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, 0o700)  # mkdir's mode passes the umask
+    finally:
+        os.close(fd)
+
+
 def require_trusted(command: str, directory: Path) -> None:
     """Refuse ``command`` (an :class:`~.errors.AgentError`, nothing changed) in a
     checkpoint directory that is not one to trust."""

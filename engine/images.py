@@ -27,7 +27,7 @@ from typing import Final
 
 import attrs
 
-from .directory import checkpoint_dir_problem
+from .directory import checkpoint_dir_problem, make_private
 from .errors import AgentError
 from .manifest import Images, Manifest, ManifestError, read_manifest, write_manifest
 from .statefile import write_atomically
@@ -42,15 +42,7 @@ def private_directory(path: Path, command: str, what: str) -> None:
     refuse ``command`` (nothing changed) when what is there is not to be trusted."""
     path = Path(path)
     try:
-        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        os.mkdir(path, 0o700)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            os.fchmod(fd, 0o700)  # mkdir's mode passes the umask
-        finally:
-            os.close(fd)
-    except FileExistsError:
-        pass
+        make_private(path)
     except OSError as exc:
         raise AgentError(
             f"{command} refused: cannot create the {what} {path}:", [str(exc)]
