@@ -357,6 +357,36 @@ def test_suspend_then_resume_with_fakes(work: Path) -> None:
     assert started == ["detect", "capture", "native_lock", "native_checkpoint"]
 
 
+def test_a_suspend_asks_its_shims_one_status_before_handshake(work: Path) -> None:
+    """The driver, the GPUs and the ids in one STATUS (CUIP_ASK_ALL): the origin records
+    the driver the shims reported, and nothing else is asked before the capture binds."""
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        for f in team.fakes:
+            f.driver = "/opt/cuda/libcuda.so.1"
+        done = suspend(team, work / "ckpt", fake)
+        for f in team.fakes:
+            ops = f.received
+            assert ops[: ops.index(Op.HANDSHAKE)] == [Op.STATUS], ops
+    assert done.manifest.origin is not None
+    assert done.manifest.origin.driver == "/opt/cuda/libcuda.so.1"
+    assert [p.participant for p in done.manifest.participants] == [
+        m.participant for m in TOPOLOGY.participants
+    ]
+
+
+def test_a_suspend_of_shims_on_two_drivers_is_refused_before_anything(work: Path) -> None:
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        for i, f in enumerate(team.fakes):
+            f.driver = f"/opt/cuda-{i}/libcuda.so.1"
+        with pytest.raises(agent.DetectionRefused, match="suspend refused") as refused:
+            suspend(team, work / "ckpt", fake)
+        assert "one suspend per driver" in "\n".join(refused.value.lines())
+        assert all(Op.HANDSHAKE not in f.received for f in team.fakes)
+    assert fake.calls == [] and set(fake.states.values()) == {ProcessState.RUNNING}
+
+
 @pytest.mark.parametrize("step, pid", [("lock", 1001), ("checkpoint", 1001), ("lock", 1000)])
 def test_a_failed_native_step_is_undone_and_the_shims_restored(
     work: Path, step: str, pid: int
