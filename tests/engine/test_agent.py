@@ -25,6 +25,7 @@ import topologies
 from cuinterpose import cli, invocation
 from cuinterpose.engine import Options, StepFailed, agent, native, quiesce, runner
 from cuinterpose.engine.client import Endpoint
+from cuinterpose.engine.detection import group_of
 from cuinterpose.engine.native import NativeError, NativeGroupError, ProcessState
 from cuinterpose.engine.progress import QuiesceRound
 from cuinterpose.engine.statefile import STATE_FILE_NAME
@@ -184,6 +185,28 @@ def test_detection_needs_processes_each_once(work: Path) -> None:
         agent.detect(True, [], agent.Where(work))
     with pytest.raises(ValueError, match="given twice"):
         agent.detect(True, [(1, 1), (1, 1)], agent.Where(work))
+    with pytest.raises(ValueError, match=r"pid 2 \(ns pid 2\) is given twice"):
+        agent.Group([(1, 1), (2, 2), (2, 2)])
+
+
+def test_a_group_is_checked_once_and_passed_down_as_it_is(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """suspend makes the group's one value; detect and require_states take it as it is."""
+    group = agent.Group([(1, 1), (2, 2)])
+    assert group_of(group) is group and list(group) == [agent.Process(1, 1), agent.Process(2, 2)]
+    checked: list[object] = []
+    made = agent.Group.__new__
+
+    def counted(cls: type[agent.Group], processes: Any) -> agent.Group:
+        checked.append(processes)
+        return made(cls, processes)
+
+    monkeypatch.setattr(agent.Group, "__new__", counted)
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        suspend(team, work / "ckpt", fake)
+    assert len(checked) == 1, checked
 
 
 # ------------------------------------------------------------------ stale sockets
