@@ -410,6 +410,31 @@ def test_a_suspend_of_shims_on_two_drivers_is_refused_before_anything(work: Path
     assert fake.calls == [] and set(fake.states.values()) == {ProcessState.RUNNING}
 
 
+def test_a_shim_answering_without_the_driver_line_is_refused_by_name(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply to CUIP_ASK_ALL with no line break (a shim older than it refuses 3; a
+    hostile one may say anything) is refused, naming the process, before any change."""
+    from cuinterpose.engine import suspension
+
+    asked = suspension.call_all
+
+    def devices_only(calls: Any, **kwargs: Any) -> Any:
+        replies = list(asked(calls, **kwargs))
+        replies[1] = attrs.evolve(replies[1], message="")
+        return replies
+
+    monkeypatch.setattr(suspension, "call_all", devices_only)
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        with pytest.raises(agent.DetectionRefused, match="which driver") as refused:
+            suspend(team, work / "ckpt", fake)
+        (line,) = refused.value.lines()[1:]
+        assert "1001" in line and "no driver line" in line, line
+        assert all(Op.HANDSHAKE not in f.received for f in team.fakes)
+    assert fake.calls == []
+
+
 @pytest.mark.parametrize("step, pid", [("lock", 1001), ("checkpoint", 1001), ("lock", 1000)])
 def test_a_failed_native_step_is_undone_and_the_shims_restored(
     work: Path, step: str, pid: int
