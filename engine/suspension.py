@@ -96,7 +96,10 @@ def _shim_report(endpoints: Sequence[Endpoint], timeout: float) -> _ShimReport:
     known before anything changes (two drivers, or a shim that cannot say its GPUs, is
     refused with nothing done), so a round before HANDSHAKE stays whichever way the ids
     come; asking it everything at once makes it the only one, with no change to the
-    runner and a copy watcher that starts with the capture, as it did."""
+    runner and a copy watcher that starts with the capture, as it did. The native
+    backend's own driver question (``native_for``, the CLI's late one) stays apart: it
+    comes before ``require_states``, which must refuse a process not RUNNING before its
+    shim is asked for GPUs (the devices report makes driver calls)."""
     asked = Request(Op.STATUS, ask_driver=True, ask_devices=True)
     replies = call_all([(e, asked, None) for e in endpoints], timeout=timeout)
     ids: list[str] = []
@@ -111,7 +114,7 @@ def _shim_report(endpoints: Sequence[Endpoint], timeout: float) -> _ShimReport:
             problems.append(f"{endpoint.describe()}: devices report: {reply.message}")
             continue
         driver, newline, devices = reply.message.partition("\n")
-        if not newline:  # a shim older than CUIP_ASK_ALL answers the devices alone
+        if not newline:  # not this protocol's answer (an older shim refuses the ask)
             problems.append(
                 f"{endpoint.describe()}: its STATUS reply has no driver line (a shim "
                 "older than this engine?)"
