@@ -88,3 +88,12 @@ def test_a_class_declared_after_the_converter_was_built_is_written_by_its_shape(
 
     assert serial.to_json(Late(1)) == {"event": "late", "b": 1}
     assert serial.to_json(Late(1, (2, 3))) == {"event": "late", "b": 1, "c": [2, 3]}
+
+
+def test_an_embedder_writes_what_it_is_handed_through_the_engine() -> None:
+    from cuinterpose import engine
+
+    assert "to_json" in engine.AGENT_API and engine.to_json is serial.to_json
+    assert engine.to_json(engine.Timing("detect", 0.25)) == {
+        "phase": "detect", "seconds": 0.25, "bytes": 0,
+    }  # fmt: skip
