@@ -115,6 +115,7 @@ if TYPE_CHECKING:
         rollback,
         run_machine,
     )
+    from .serial import to_json
     from .statefile import STATE_FILE_NAME, CheckpointState, StateFileError, read_state
     from .topology import Topology
     from .trace import TraceError, TraceRecorder, TraceSink, TraceWriter, read_trace
@@ -183,8 +184,9 @@ logging.getLogger("cuinterpose").addHandler(logging.NullHandler())
 
 # The public face, in two parts (specs/architecture.md). An embedding agent needs the
 # first: the one-call suspend/resume/status of a group, the manifest, the native calls,
-# what they raise and report. The second is for an agent that runs its own native steps
-# between the coordinator's machines (what ``cuinterpose prepare`` and ``restore`` do):
+# what they raise and report, and ``to_json``, the JSON document of what they report.
+# The second is for an agent that runs its own native steps between the coordinator's
+# machines (what ``cuinterpose prepare`` and ``restore`` do):
 # note that ``restore`` there is the restore machine alone, not the way back from
 # ``suspend`` (that is ``resume``, which runs the native restore and unlock first). The
 # other names the package imports here (the wire client, traces and replays, the
@@ -227,6 +229,7 @@ AGENT_API = (
     "resume",
     "status",
     "suspend",
+    "to_json",
 )
 STEP_API = (
     "DEFAULT_PHASE_TIMEOUT_S",

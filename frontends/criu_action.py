@@ -67,6 +67,7 @@ from .engine.errors import CoordinatorError
 from .engine.native import NativeBackend, NativeUnavailableError
 from .engine.options import Options
 from .engine.released import size
+from .engine.serial import to_json
 from .engine.statefile import StateFileError
 from .outcomes import Outcome, finish
 
@@ -316,7 +317,7 @@ def _events(mode: str, stream: TextIO) -> Iterator[agent.AgentCallback | None]:
 
         def emit(event: agent.AgentEvent) -> None:
             with contextlib.suppress(OSError):  # a closed stdout must not stop a checkpoint
-                stream.write(json.dumps(event.to_json(), allow_nan=False) + "\n")
+                stream.write(json.dumps(to_json(event), allow_nan=False) + "\n")
                 stream.flush()
 
         yield emit
@@ -474,8 +475,8 @@ def _dump(
         f"next: {restore}",
     ]
     return _finish(args, stdout, stderr, EXIT_OK, outcome="dumped",
-                   timings=[t.to_json() for t in done.timings],
-                   images=done.images.to_json(), next=restore, human=human)  # fmt: skip
+                   timings=[to_json(t) for t in done.timings],
+                   images=to_json(done.images), next=restore, human=human)  # fmt: skip
 
 
 def _restore(
@@ -511,7 +512,7 @@ def _restore(
         f"its GPU memory and sharing as before ({pids})",
     ]
     return _finish(args, stdout, stderr, EXIT_OK, outcome="restored",
-                   timings=[t.to_json() for t in done.timings], images=done.images.to_json(),
+                   timings=[to_json(t) for t in done.timings], images=to_json(done.images),
                    processes=restored, removed=[str(p) for p in done.removed],
                    human=human)  # fmt: skip
 

@@ -19,6 +19,7 @@ from .arguments import (
     EXIT_ROLLED_BACK,
     step_timeout,
 )
+from .engine.serial import to_json
 from .outcomes import OUTCOMES, PROG, Outcome
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
     summary = summaries.Summary.of(command, call, done)
     if view is not None:
         view.summary(done.timings, done.staging)
-    return Outcome(EXIT_OK, summary.outcome, figures=summary.to_json(), human=summary.lines())
+    return Outcome(EXIT_OK, summary.outcome, figures=to_json(summary), human=summary.lines())
 
 
 class _NoDriver:
@@ -180,7 +181,7 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
         rows = asked(processes, where, _NoDriver("no CUDA driver loaded"))
     if call.options.json:
         # One line, the summary itself: JSON lines like every verb's, and one document.
-        document = {"processes": [r.to_json() for r in rows]}
+        document = {"processes": [to_json(r) for r in rows]}
         return Outcome(EXIT_OK, "done", (), figures=document)
     else:
         from . import render  # rich: only for a person's output

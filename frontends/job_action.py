@@ -37,6 +37,7 @@ from .arguments import (
 )
 from .engine import agent, job, jobstore, runner
 from .engine.native import NativeBackend
+from .engine.serial import to_json
 from .logs import configure, reset
 
 PROG: Final = "cuinterpose job"
@@ -182,7 +183,7 @@ def _spec(args: argparse.Namespace) -> job.JobSpec:
 
 def _print(outcome: job.NodeOutcome, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.json:
-        out.write(json.dumps(outcome.to_json()) + "\n")
+        out.write(json.dumps(to_json(outcome)) + "\n")
     else:
         stream = out if outcome.code == EXIT_OK else err
         for line in outcome.lines:

@@ -27,6 +27,7 @@ from cuinterpose.engine.client import control_dir_problem
 from cuinterpose.engine.discovery import start_ticks
 from cuinterpose.engine.native import ProcessState
 from cuinterpose.engine.progress import DoneEvent, human_line
+from cuinterpose.engine.serial import to_json
 from cuinterpose.engine.wire import Op, Phase
 from cuinterpose.testing import Fault
 from engine_harness import short_dir, team_of
@@ -242,10 +243,10 @@ def test_the_manifest_keeps_its_origin_and_reads_one_without(tmp_path: Path) -> 
     people = (agent.Participant(7, 7, "a" * 32), agent.Participant(8, 8, "b" * 32))
     origin = agent.Origin("/run/ctl", None, "/usr/lib/libcuda.so.1", (11, 12))
     written = agent.Manifest(True, False, people, origin=origin)
-    assert agent.Manifest.from_json(written.to_json(), tmp_path).origin == origin
-    older = agent.Manifest(True, False, people).to_json()
+    assert agent.Manifest.from_json(to_json(written), tmp_path).origin == origin
+    older = to_json(agent.Manifest(True, False, people))
     assert "origin" not in older and agent.Manifest.from_json(older, tmp_path).origin is None
-    bad = {**written.to_json(), "origin": {"control_dir": "/run/ctl", "started": [1]}}
+    bad = {**to_json(written), "origin": {"control_dir": "/run/ctl", "started": [1]}}
     with pytest.raises(agent.ManifestError, match="one start time per participant"):
         agent.Manifest.from_json(bad, tmp_path)
 
