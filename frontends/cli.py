@@ -219,7 +219,7 @@ _VERBS: Final = {
 
 
 def _lock_timeout(parser: argparse.ArgumentParser, text: str) -> None:
-    from .engine.native import DEFAULT_LOCK_TIMEOUT_MS
+    from .engine.native_checkpoint import DEFAULT_LOCK_TIMEOUT_MS
 
     parser.add_argument(
         "--lock-timeout",

@@ -64,7 +64,7 @@ from .engine import agent, criu
 from .engine import images as criu_images
 from .engine.client import Endpoint
 from .engine.errors import CoordinatorError
-from .engine.native import NativeBackend, NativeUnavailableError
+from .engine.native_checkpoint import NativeBackend, NativeUnavailableError
 from .engine.options import Options
 from .engine.released import size
 from .engine.statefile import StateFileError

@@ -25,7 +25,7 @@ from .outcomes import PROG
 if TYPE_CHECKING:
     from .engine import agent
     from .engine.client import Endpoint
-    from .engine.native import NativeBackend, NativeUnavailableError
+    from .engine.native_checkpoint import NativeBackend, NativeUnavailableError
 
 
 Pair = tuple[int, int]

@@ -36,7 +36,7 @@ from .arguments import (
     verb_adder,
 )
 from .engine import agent, job, jobstore, runner
-from .engine.native import NativeBackend
+from .engine.native_checkpoint import NativeBackend
 from .logs import configure, reset
 
 PROG: Final = "cuinterpose job"

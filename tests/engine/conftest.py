@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from cuinterpose import invocation
-from cuinterpose.engine.native import ProcessState
+from cuinterpose.engine.native_checkpoint import ProcessState
 from cuinterpose.engine.wire import socket_name
 from cuinterpose.testing import FakeParticipant
 

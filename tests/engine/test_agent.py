@@ -23,9 +23,9 @@ import attrs
 import pytest
 import topologies
 from cuinterpose import cli, invocation
-from cuinterpose.engine import Options, StepFailed, agent, native, quiesce, runner
+from cuinterpose.engine import Options, StepFailed, agent, native_checkpoint, quiesce, runner
 from cuinterpose.engine.client import Endpoint
-from cuinterpose.engine.native import NativeError, NativeGroupError, ProcessState
+from cuinterpose.engine.native_checkpoint import NativeError, NativeGroupError, ProcessState
 from cuinterpose.engine.progress import QuiesceRound
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.wire import Op, Phase, Status, socket_name
@@ -290,16 +290,16 @@ def test_a_missing_manifest_says_nothing_was_suspended(work: Path) -> None:
 # ------------------------------------------------------------------ native group steps
 def test_native_steps_check_every_state_and_name_every_process() -> None:
     fake = running([1, 2, 3])
-    timing = native.run_step(fake, "lock", [1, 2, 3])
+    timing = native_checkpoint.run_step(fake, "lock", [1, 2, 3])
     assert [pid for pid, _ in timing.calls] == [1, 2, 3]
     fake.fail = ("checkpoint", 2)
     with pytest.raises(NativeGroupError) as info:
-        native.run_step(fake, "checkpoint", [1, 2, 3])
+        native_checkpoint.run_step(fake, "checkpoint", [1, 2, 3])
     err = info.value
     assert (err.step, err.pid, err.done) == ("checkpoint", 2, (1,))
     assert err.states == {1: "CHECKPOINTED", 2: "LOCKED", 3: "LOCKED"}
     assert "CUDA_ERROR_INJECTED" in str(err) and "pid 3 LOCKED" in str(err)
-    lines = native.undo_suspend(fake, [1, 2, 3])
+    lines = native_checkpoint.undo_suspend(fake, [1, 2, 3])
     assert lines == (
         "pid 1: native restore done",
         "pid 1: native unlock done",
@@ -315,9 +315,9 @@ def test_a_step_that_leaves_a_process_in_another_state_fails() -> None:
             self.calls.append(("lock", pid))  # claims success, locks nothing
 
     with pytest.raises(NativeGroupError, match="pid 1: is RUNNING after the lock, expected LOCKED"):
-        native.run_step(Lying({1: ProcessState.RUNNING}), "lock", [1])
+        native_checkpoint.run_step(Lying({1: ProcessState.RUNNING}), "lock", [1])
     with pytest.raises(ValueError, match="unknown native step"):
-        native.run_step(running(), "freeze", PIDS)
+        native_checkpoint.run_step(running(), "freeze", PIDS)
 
 
 # ------------------------------------------------------------------ suspend and resume

@@ -30,7 +30,7 @@ import pytest
 import topologies
 from cuinterpose import cli, engine, invocation, logs, targets
 from cuinterpose.engine import discovery
-from cuinterpose.engine.native import CudaBackend, NativeUnavailableError
+from cuinterpose.engine.native_checkpoint import CudaBackend, NativeUnavailableError
 from cuinterpose.engine.wire import Op, Phase, socket_name
 from cuinterpose.testing import Fault
 from engine_harness import short_dir, team_of

@@ -25,7 +25,7 @@ import attrs
 import pytest
 from cuinterpose import cli, criu_action
 from cuinterpose.engine import agent, criu
-from cuinterpose.engine.native import ProcessState
+from cuinterpose.engine.native_checkpoint import ProcessState
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.wire import Phase, socket_name
 from engine_harness import Team, short_dir, team_of

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from cuinterpose import criu_action
 from cuinterpose.engine import agent, criu, images
-from cuinterpose.engine.native import ProcessState
+from cuinterpose.engine.native_checkpoint import ProcessState
 from cuinterpose.engine.wire import Phase
 from engine_harness import Team, team_of
 from test_agent import PIDS, TOPOLOGY, FakeNative, running

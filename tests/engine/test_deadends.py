@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from cuinterpose import cli
-from cuinterpose.engine.native import ProcessState
+from cuinterpose.engine.native_checkpoint import ProcessState
 from cuinterpose.engine.statefile import MAX_STATE_NESTING, STATE_FILE_NAME
 from cuinterpose.engine.wire import Op, Phase, Status
 from cuinterpose.testing import Fault

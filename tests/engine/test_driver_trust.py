@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from cuinterpose import artifacts, cli, drivers, invocation
 from cuinterpose.engine import discovery
-from cuinterpose.engine.native import NativeUnavailableError
+from cuinterpose.engine.native_checkpoint import NativeUnavailableError
 from cuinterpose.engine.wire import Phase
 from engine_harness import Team, short_dir, team_of
 from test_agent import TOPOLOGY

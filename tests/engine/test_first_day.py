@@ -25,7 +25,7 @@ from cuinterpose import cli, criu_action, drivers, engine, invocation
 from cuinterpose.engine import agent, criu, images
 from cuinterpose.engine.client import control_dir_problem
 from cuinterpose.engine.discovery import start_ticks
-from cuinterpose.engine.native import ProcessState
+from cuinterpose.engine.native_checkpoint import ProcessState
 from cuinterpose.engine.progress import DoneEvent, human_line
 from cuinterpose.engine.wire import Op, Phase
 from cuinterpose.testing import Fault

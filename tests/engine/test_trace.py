@@ -257,7 +257,7 @@ def test_regenerate_committed_traces() -> None:
     reason="set CUINTERPOSE_REGENERATE_TRACES=1 (after make build) to rewrite the shim traces",
 )
 def test_regenerate_shim_traces(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cuinterpose import demo, native
+    from cuinterpose import demo, native_calls
     from cuinterpose.demo import scenario
 
     original = scenario.run_cli
@@ -268,10 +268,10 @@ def test_regenerate_shim_traces(monkeypatch: pytest.MonkeyPatch) -> None:
         pids, env = kwargs["pids"], kwargs.get("env")
         if command == "suspend":
             run = original("prepare", trace=TRACES / "shim-sim-capture.jsonl", **kwargs)
-            native.run_in_subprocess("checkpoint-all", pids, env=env)
+            native_calls.run_in_subprocess("checkpoint-all", pids, env=env)
             return run
         if command == "resume":
-            native.run_in_subprocess("restore-all", pids, env=env)
+            native_calls.run_in_subprocess("restore-all", pids, env=env)
             return original("restore", trace=TRACES / "shim-sim-restore.jsonl", **kwargs)
         return original(command, **kwargs)
 
