@@ -24,7 +24,7 @@ from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.trace import TraceError, TraceRecorder, TraceWriter, read_trace
 from cuinterpose.engine.wire import Op, Phase, RecordKind
 from cuinterpose.testing import Fault
-from engine_harness import short_dir, team_of
+from engine_harness import ALL_RUNNING, short_dir, team_of
 from topologies import (
     allocation_id,
     participant,
@@ -406,7 +406,8 @@ def test_cli_records_and_replays_a_trace(work: Path, capsys: pytest.CaptureFixtu
     with team_of(TOPOLOGY, work / "control") as t:
         code = cli.main(
             ["prepare", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
-             str(t.control_dir), *t.processes, "--progress", "none", "--trace", str(trace)]
+             str(t.control_dir), *t.processes, "--progress", "none", "--trace", str(trace)],
+            native=ALL_RUNNING,
         )  # fmt: skip
     assert code == 0
     assert cli.main(["replay", str(trace)]) == 0
