@@ -45,7 +45,7 @@ from typing import Any
 from cuinterpose import launch
 from cuinterpose.demo import coordinator_env
 from cuinterpose.engine import agent
-from cuinterpose.engine.native import CudaBackend
+from cuinterpose.engine.native_checkpoint import CudaBackend
 from cuinterpose.engine.serial import to_json
 
 HERE = Path(__file__).resolve().parent

@@ -4,7 +4,7 @@ It speaks the shims' wire protocol, checks the sharing topology, runs the
 capture and restore machines of :mod:`cuinterpose.phases` in lockstep over a
 group of processes, writes and reads the state file, and traces and replays
 runs. It needs no GPU and no CUDA library: the native checkpoint is the
-agent's (or :mod:`cuinterpose.native`'s) part. ``__all__`` is the public API
+agent's (or :mod:`cuinterpose.native_calls`'s) part. ``__all__`` is the public API
 (``AGENT_API``, then ``STEP_API``: below); everything else may change between releases.
 
 Each name is imported on first use (``__getattr__``): a command that needs
@@ -80,7 +80,7 @@ if TYPE_CHECKING:
         TopologyRefused,
         VerificationFailed,
     )
-    from .native import (
+    from .native_checkpoint import (
         CudaBackend,
         NativeBackend,
         NativeError,

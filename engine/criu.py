@@ -60,7 +60,7 @@ from .client import control_dir_problem
 from .directory import make_private, require_trusted
 from .errors import CoordinatorError
 from .images import check_identity, forget, private_directory, seal
-from .native import DEFAULT_LOCK_TIMEOUT_MS, NativeBackend
+from .native_checkpoint import DEFAULT_LOCK_TIMEOUT_MS, NativeBackend
 from .options import Options
 from .serial import shape
 from .statefile import StateFileError

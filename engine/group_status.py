@@ -13,7 +13,7 @@ from .client import ParticipantError, call_all, pid_visible
 from .detection import Where, group_of, socket_evidence
 from .errors import AgentError
 from .manifest import Process, resume_hint
-from .native import NativeBackend, ProcessState, state_names
+from .native_checkpoint import NativeBackend, ProcessState, state_names
 from .serial import shape
 from .wire import InFlight, Op, Request
 

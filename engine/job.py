@@ -46,7 +46,7 @@ from .jobsession import (
 )
 from .jobstore import PREFIX, Snapshot, Store, StoreError
 from .manifest import MANIFEST_FILE_NAME
-from .native import NativeBackend, ProcessState, state_names
+from .native_checkpoint import NativeBackend, ProcessState, state_names
 from .options import Options
 from .recovery import recover as recover_group
 from .serial import shape, to_json

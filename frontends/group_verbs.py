@@ -24,7 +24,7 @@ from .outcomes import OUTCOMES, PROG, Outcome
 
 if TYPE_CHECKING:
     from .engine import agent
-    from .engine.native import ProcessState
+    from .engine.native_checkpoint import ProcessState
     from .invocation import Invocation
 
 
@@ -32,7 +32,7 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
     from . import running, summaries
     from .engine import agent, runner
     from .engine.errors import CoordinatorError, Refused
-    from .engine.native import NativeUnavailableError
+    from .engine.native_checkpoint import NativeUnavailableError
 
     processes = call.processes()
     mode = call.mode
@@ -121,7 +121,7 @@ class _NoDriver:
         self.reason = reason
 
     def _none(self, pid: int, call: str) -> NoReturn:
-        from .engine.native import NativeError
+        from .engine.native_checkpoint import NativeError
 
         raise NativeError(pid, call, "no driver", self.reason)
 
@@ -172,7 +172,7 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
             f"(`{clear}` removes it)\n"
         )
     from .engine.group_status import status as asked  # a shim to ask: the verb's room, now
-    from .engine.native import NativeUnavailableError
+    from .engine.native_checkpoint import NativeUnavailableError
 
     try:
         rows = asked(processes, where, call.native())
@@ -208,9 +208,9 @@ _UNDO_ACTION: Final = {"lock": "unlock", "checkpoint": "restore", "restore": "ch
 
 
 def native_action(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
-    """One native step on every process (frontends/native.py's group helpers, from the
+    """One native step on every process (frontends/native_calls.py's group helpers, from the
     shell): each process's state after it, and on a failure every state and what to do."""
-    from .engine.native import (
+    from .engine.native_checkpoint import (
         NativeGroupError,
         NativeUnavailableError,
         run_step,

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from cuinterpose.engine import StepFailed, agent, runner, watch, wire
 from cuinterpose.engine.client import ParticipantHangup, call_all
-from cuinterpose.engine.native import ProcessState
+from cuinterpose.engine.native_checkpoint import ProcessState
 from cuinterpose.engine.serial import to_json
 
 from tests.shim import shimenv
