@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cuinterpose import launch, native
+from cuinterpose import launch, native_calls
 from cuinterpose.demo import CliRun, Worker, coordinator_env, pattern_digest, run_cli
 
 SEED = 7
@@ -103,8 +103,8 @@ def run(size: int, driver: str, work: Path, log: Any) -> dict[str, Any]:
         pids = [creator.pid, importer.pid]
 
         prep = _coordinate("prepare", pids, ckpt, control, work / "capture.jsonl")
-        ck = native.run_in_subprocess("checkpoint-all", pids, env=plain, timeout_s=1800)
-        rs = native.run_in_subprocess("restore-all", pids, env=plain, timeout_s=1800)
+        ck = native_calls.run_in_subprocess("checkpoint-all", pids, env=plain, timeout_s=1800)
+        rs = native_calls.run_in_subprocess("restore-all", pids, env=plain, timeout_s=1800)
         rest = _coordinate("restore", pids, ckpt, control, work / "restore.jsonl")
         ok = creator.digest(va, size) == expect and importer.digest(iva, size) == expect
         save, load = (
@@ -131,8 +131,9 @@ def run(size: int, driver: str, work: Path, log: Any) -> dict[str, Any]:
         alone = spawn("native-only", plain)
         handle, va = alone.create_mapped(size, seed=SEED)
         held_fd = int(alone.check("export", handle=handle)["fd"])
-        nck = native.run_in_subprocess("checkpoint-all", [alone.pid], env=plain, timeout_s=1800)
-        nrs = native.run_in_subprocess("restore-all", [alone.pid], env=plain, timeout_s=1800)
+        in_child = native_calls.run_in_subprocess
+        nck = in_child("checkpoint-all", [alone.pid], env=plain, timeout_s=1800)
+        nrs = in_child("restore-all", [alone.pid], env=plain, timeout_s=1800)
         nck_s = float(nck["timings"]["second_s"])
         nrs_s = float(nrs["timings"]["first_s"])
         out["native"] = {

@@ -48,6 +48,7 @@ from cuinterpose import launch
 from cuinterpose.demo import pattern_digest
 from cuinterpose.engine import agent, criu, stored
 from cuinterpose.engine.images import IDENTITY_FILE_NAME
+from cuinterpose.engine.serial import to_json
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.shim.workers.criu_tree
@@ -129,7 +130,7 @@ def round_trip(tree: Tree, s: Setup) -> dict[str, Any]:
         trusted = images_trusted(ckpt, images)
         shutil.rmtree(s.control)  # as on another node: the restore makes it again
         restore = cli(["criu", "restore", *common], s.plain, s.log)
-        images_now = criu.image_size(images).to_json()
+        images_now = to_json(criu.image_size(images))
         for f in stored.stored_files(ckpt):
             f.unlink()  # they can be large too
     finally:

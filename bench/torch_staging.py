@@ -45,7 +45,8 @@ from typing import Any
 from cuinterpose import launch
 from cuinterpose.demo import coordinator_env
 from cuinterpose.engine import agent
-from cuinterpose.engine.native import CudaBackend
+from cuinterpose.engine.native_checkpoint import CudaBackend
+from cuinterpose.engine.serial import to_json
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "torch_job.py"
@@ -195,7 +196,7 @@ class Bench:
             "seconds": seconds,
             "steps": {t.step: t.seconds for t in done.timings},
             "process_start_s": 0.0,
-            "staging": done.staging.to_json() if done.staging is not None else None,
+            "staging": to_json(done.staging) if done.staging is not None else None,
         }
 
     def cycle(self, job: Job, path: str, native_only: bool = False) -> dict[str, Any]:

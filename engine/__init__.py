@@ -4,7 +4,7 @@ It speaks the shims' wire protocol, checks the sharing topology, runs the
 capture and restore machines of :mod:`cuinterpose.phases` in lockstep over a
 group of processes, writes and reads the state file, and traces and replays
 runs. It needs no GPU and no CUDA library: the native checkpoint is the
-agent's (or :mod:`cuinterpose.native`'s) part. ``__all__`` is the public API
+agent's (or :mod:`cuinterpose.native_calls`'s) part. ``__all__`` is the public API
 (``AGENT_API``, then ``STEP_API``: below); everything else may change between releases.
 
 Each name is imported on first use (``__getattr__``): a command that needs
@@ -80,7 +80,7 @@ if TYPE_CHECKING:
         TopologyRefused,
         VerificationFailed,
     )
-    from .native import (
+    from .native_checkpoint import (
         CudaBackend,
         NativeBackend,
         NativeError,
@@ -115,6 +115,7 @@ if TYPE_CHECKING:
         rollback,
         run_machine,
     )
+    from .serial import to_json
     from .statefile import STATE_FILE_NAME, CheckpointState, StateFileError, read_state
     from .topology import Topology
     from .trace import TraceError, TraceRecorder, TraceSink, TraceWriter, read_trace
@@ -183,8 +184,9 @@ logging.getLogger("cuinterpose").addHandler(logging.NullHandler())
 
 # The public face, in two parts (specs/architecture.md). An embedding agent needs the
 # first: the one-call suspend/resume/status of a group, the manifest, the native calls,
-# what they raise and report. The second is for an agent that runs its own native steps
-# between the coordinator's machines (what ``cuinterpose prepare`` and ``restore`` do):
+# what they raise and report, and ``to_json``, the JSON document of what they report.
+# The second is for an agent that runs its own native steps between the coordinator's
+# machines (what ``cuinterpose prepare`` and ``restore`` do):
 # note that ``restore`` there is the restore machine alone, not the way back from
 # ``suspend`` (that is ``resume``, which runs the native restore and unlock first). The
 # other names the package imports here (the wire client, traces and replays, the
@@ -227,6 +229,7 @@ AGENT_API = (
     "resume",
     "status",
     "suspend",
+    "to_json",
 )
 STEP_API = (
     "DEFAULT_PHASE_TIMEOUT_S",

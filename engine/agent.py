@@ -49,7 +49,7 @@ from .manifest import (
     restore_plan,
     write_manifest,
 )
-from .native import DEFAULT_LOCK_TIMEOUT_MS, NativeError
+from .native_checkpoint import DEFAULT_LOCK_TIMEOUT_MS, NativeError
 from .resumption import (
     ResumeFailed,
     ResumeResult,

@@ -60,8 +60,9 @@ from .client import control_dir_problem
 from .directory import make_private, require_trusted
 from .errors import CoordinatorError
 from .images import check_identity, forget, private_directory, seal
-from .native import DEFAULT_LOCK_TIMEOUT_MS, NativeBackend
+from .native_checkpoint import DEFAULT_LOCK_TIMEOUT_MS, NativeBackend
 from .options import Options
+from .serial import shape
 from .statefile import StateFileError
 from .stored import staged_path, store
 
@@ -179,6 +180,7 @@ def usable_criu(named: str | Path | None = None, environ: Mapping[str, str] | No
 
 
 # --------------------------------------------------------------- images
+@shape(rename={"total": "total_bytes", "pages": "pages_bytes"})
 @attrs.frozen
 class ImageSize:
     """What a dump wrote: every image file, and of them the memory pages."""
@@ -186,9 +188,6 @@ class ImageSize:
     total: int
     pages: int
     files: int
-
-    def to_json(self) -> dict[str, int]:
-        return {"total_bytes": self.total, "pages_bytes": self.pages, "files": self.files}
 
 
 def image_size(images_dir: Path) -> ImageSize:

@@ -19,10 +19,12 @@ import attrs
 
 from .manifest import Timing
 from .progress import Event, OpEvent
+from .serial import shape, to_json
 
 LOGGER_NAME: Final = "cuinterpose.agent"
 
 
+@shape(tag={"event": "step"}, omit=frozenset({"detail"}))
 @attrs.frozen
 class StepEvent:
     """An agent step started, ended or failed."""
@@ -33,14 +35,9 @@ class StepEvent:
     bytes: int = 0
     detail: str = ""
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"event": "step", "step": self.step, "status": self.status}
-        out.update(seconds=self.seconds, bytes=self.bytes)
-        if self.detail:
-            out["detail"] = self.detail
-        return out
 
-
+# The JSON lines keep the key they always had: "phase".
+@shape(tag={"event": "copy"}, rename={"op": "phase"})
 @attrs.frozen
 class CopyProgress:
     """Bytes copied so far by the op in flight, summed over the participants (from the
@@ -50,15 +47,6 @@ class CopyProgress:
     bytes_done: int
     bytes_total: int
     elapsed_s: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "event": "copy",
-            "phase": self.op,  # the JSON lines keep the key they always had
-            "bytes_done": self.bytes_done,
-            "bytes_total": self.bytes_total,
-            "elapsed_s": self.elapsed_s,
-        }
 
 
 AgentEvent = Event | StepEvent | CopyProgress
@@ -80,7 +68,7 @@ class Reporter:
     lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     def emit(self, event: AgentEvent) -> None:
-        fields = event.to_json()
+        fields = to_json(event)
         failed = fields.get("event") == "failed" or fields.get("status") == "failed"
         level = logging.WARNING if failed else logging.INFO
         with self.lock:

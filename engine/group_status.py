@@ -13,7 +13,8 @@ from .client import ParticipantError, call_all, pid_visible
 from .detection import Where, group_of, socket_evidence
 from .errors import AgentError
 from .manifest import Process, resume_hint
-from .native import NativeBackend, ProcessState, state_names
+from .native_checkpoint import NativeBackend, ProcessState, state_names
+from .serial import shape
 from .wire import InFlight, Op, Request
 
 
@@ -21,6 +22,22 @@ class StateRefused(AgentError):
     """A process is not in the native state the command needs: nothing was done."""
 
 
+def _in_flight(in_flight: InFlight | None) -> dict[str, Any] | None:
+    if in_flight is None or in_flight.op is None:
+        return None
+    return {
+        "op": in_flight.op.name,
+        "bytes_done": in_flight.bytes_done,
+        "bytes_total": in_flight.bytes_total,
+        "elapsed_s": in_flight.elapsed_ns / 1e9,
+    }
+
+
+@shape(
+    flatten={"process": {"observed_pid": "observed_pid", "namespace_pid": "namespace_pid"}},
+    omit=frozenset({"in_flight", "problem"}),
+    convert={"in_flight": _in_flight},
+)
 @attrs.frozen
 class ProcessStatus:
     """One process as :func:`status` found it."""
@@ -31,25 +48,6 @@ class ProcessStatus:
     participant: str | None = None
     in_flight: InFlight | None = None
     problem: str = ""  # why the shim did not answer, or its stored failure reason
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "observed_pid": self.process.observed_pid,
-            "namespace_pid": self.process.namespace_pid,
-            "native_state": self.native_state,
-            "shim_phase": self.shim_phase,
-            "participant": self.participant,
-        }
-        if self.in_flight is not None and self.in_flight.op is not None:
-            out["in_flight"] = {
-                "op": self.in_flight.op.name,
-                "bytes_done": self.in_flight.bytes_done,
-                "bytes_total": self.in_flight.bytes_total,
-                "elapsed_s": self.in_flight.elapsed_ns / 1e9,
-            }
-        if self.problem:
-            out["problem"] = self.problem
-        return out
 
     def describe(self) -> str:
         shim = self.shim_phase or "no shim socket"

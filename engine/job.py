@@ -46,9 +46,10 @@ from .jobsession import (
 )
 from .jobstore import PREFIX, Snapshot, Store, StoreError
 from .manifest import MANIFEST_FILE_NAME
-from .native import NativeBackend, ProcessState, state_names
+from .native_checkpoint import NativeBackend, ProcessState, state_names
 from .options import Options
 from .recovery import recover as recover_group
+from .serial import shape, to_json
 
 __all__ = [
     "BARRIERS",
@@ -88,6 +89,16 @@ class NodeTarget:
     native: NativeBackend
 
 
+def _barriers(waits: tuple[tuple[str, float], ...]) -> list[dict[str, Any]]:
+    return [{"barrier": n, "seconds": round(s, 6)} for n, s in waits]
+
+
+@shape(
+    order=("node", "verb", "code", "run", "decision", "lines", "waits"),
+    rename={"waits": "barriers"},
+    convert={"waits": _barriers},
+    extra={"outcome": "code"},
+)
 @attrs.frozen
 class NodeOutcome:
     """One node's end of a job verb."""
@@ -104,18 +115,6 @@ class NodeOutcome:
     @property
     def outcome(self) -> str:
         return OUTCOMES[self.code]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "node": self.node,
-            "verb": self.verb,
-            "code": self.code,
-            "outcome": self.outcome,
-            "run": self.run,
-            "decision": self.decision,
-            "lines": list(self.lines),
-            "barriers": [{"barrier": n, "seconds": round(s, 6)} for n, s in self.waits],
-        }
 
 
 def job_code(codes: Sequence[int]) -> int:
@@ -147,7 +146,7 @@ def _end(session: Session, code: int, lines: Sequence[str], decision: str = "") 
         decision,
         tuple(session.waits),
     )
-    session.finish(outcome.to_json())
+    session.finish(to_json(outcome))
     return outcome
 
 
@@ -399,7 +398,7 @@ def _recorded(store: Store, spec: JobSpec, run: str, outcome: NodeOutcome) -> No
     try:
         store.put(
             session.run_key(f"results/{spec.node}"),
-            outcome.to_json(),
+            to_json(outcome),
             store.clock() + spec.barrier_timeout,
         )
     except StoreError as exc:

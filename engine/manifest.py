@@ -13,7 +13,7 @@ The document (specs/detection.md, "The manifest")::
                 "started": [int, ...]},  # where the group lives (absent before issue 29)
      "resumed_from_images": bool (once resumed after a restore from images)}
 
-Written and read through one cattrs converter over the classes below: strict in (an
+Written and read through the documents' converter (serial.py) over the classes below: strict in (an
 integer is an integer, a boolean a boolean; every problem named by its path), the
 same layout out. Unknown keys are ignored, so a newer agent's additions stay
 readable.
@@ -21,22 +21,17 @@ readable.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import attrs
 
 from .errors import AgentError
 from .gpus import Gpu
-
-# cattrs is imported where a manifest is written or read (_converter, from_json): a
-# command that only names the processes does not load it.
-if TYPE_CHECKING:
-    import cattrs
+from .serial import converter, shape, to_json
 
 MANIFEST_FILE_NAME: Final = "manifest.json"
 MANIFEST_VERSION: Final = 1
@@ -58,6 +53,8 @@ class Process:
         return f"pid {self.observed_pid} (ns pid {self.namespace_pid})"
 
 
+# The file (and the commands' JSON summaries) name the step ``phase``: version 1.
+@shape(rename={"step": "phase"})
 @attrs.frozen
 class Timing:
     """One timed step: detect, capture, native_lock, native_checkpoint, native_restore,
@@ -71,27 +68,20 @@ class Timing:
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.bytes and self.seconds > 0 else 0.0
 
-    def to_json(self) -> dict[str, Any]:
-        return dict(_converter().unstructure(_Timed.of(self)))
-
 
 @attrs.frozen
 class _Timed:
-    """A timing as the file (and the commands' JSON summaries) hold it: version 1 names
-    the step ``phase``."""
+    """A timing as the file holds it, read back: version 1 names the step ``phase``."""
 
     phase: str
     seconds: float
     bytes: int = 0
 
-    @classmethod
-    def of(cls, timing: Timing) -> _Timed:
-        return cls(timing.step, timing.seconds, timing.bytes)
-
     def timing(self) -> Timing:
         return Timing(self.phase, self.seconds, self.bytes)
 
 
+@shape(omit=frozenset({"gpus"}))
 @attrs.frozen
 class Participant:
     observed_pid: int
@@ -132,6 +122,7 @@ class Images:
     directory: str
 
 
+@shape(omit=frozenset({"resumed_at", "images", "origin", "resumed_from_images"}))
 @attrs.frozen
 class _Document:
     """The file's own layout."""
@@ -147,6 +138,21 @@ class _Document:
     resumed_from_images: bool = False
 
 
+def _document(manifest: Manifest) -> _Document:
+    return _Document(
+        MANIFEST_VERSION,
+        Flags(manifest.requested, manifest.prepared),
+        manifest.participants,
+        tuple(_Timed(t.step, t.seconds, t.bytes) for t in manifest.timings),
+        manifest.created_at,
+        manifest.resumed_at,
+        manifest.images,
+        manifest.origin,
+        manifest.resumed_from_images,
+    )
+
+
+@shape(via=_document)
 @attrs.frozen
 class Manifest:
     """What a suspend did: the group's opt-in (``requested``), whether capture completed
@@ -164,20 +170,6 @@ class Manifest:
     # group's checkpoint, restorable again once that group is gone (specs/criu.md).
     resumed_from_images: bool = False
 
-    def to_json(self) -> dict[str, Any]:
-        document = _Document(
-            MANIFEST_VERSION,
-            Flags(self.requested, self.prepared),
-            self.participants,
-            tuple(_Timed.of(t) for t in self.timings),
-            self.created_at,
-            self.resumed_at,
-            self.images,
-            self.origin,
-            self.resumed_from_images,
-        )
-        return dict(_converter().unstructure(document))
-
     @classmethod
     def from_json(cls, data: Any, path: Path) -> Manifest:
         def bad(*why: str) -> ManifestError:
@@ -186,7 +178,7 @@ class Manifest:
         if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
             raise bad(f"not a version {MANIFEST_VERSION} manifest")
         try:
-            document = _converter().structure(data, _Document)
+            document = converter().structure(data, _Document)
         except Exception as exc:  # cattrs' ClassValidationError: every problem by path
             from cattrs import transform_error
 
@@ -223,46 +215,8 @@ def _error(what: str, lines: tuple[str, ...]) -> ManifestError:
     return ManifestError(what, lines)
 
 
-def _strict(kind: type, name: str) -> Any:
-    def structure(value: object, _: type) -> object:
-        # cattrs would call kind(value): "12", 1.5 and "yes" would all pass silently.
-        if type(value) is not kind and not (kind is float and type(value) is int):
-            raise ValueError(f"expected {name}, got {value!r}")
-        return value
-
-    return structure
-
-
-@functools.cache
-def _converter() -> cattrs.Converter:
-    import cattrs
-    from cattrs.gen import make_dict_unstructure_fn, override
-
-    conv = cattrs.Converter()
-    conv.register_structure_hook(int, _strict(int, "an integer"))
-    conv.register_structure_hook(bool, _strict(bool, "a boolean"))
-    conv.register_structure_hook(float, _strict(float, "a number"))
-    conv.register_structure_hook(str, _strict(str, "a string"))
-    conv.register_unstructure_hook(
-        Participant,
-        make_dict_unstructure_fn(Participant, conv, gpus=override(omit_if_default=True)),
-    )
-    conv.register_unstructure_hook(
-        _Document,
-        make_dict_unstructure_fn(
-            _Document,
-            conv,
-            resumed_at=override(omit_if_default=True),
-            images=override(omit_if_default=True),
-            origin=override(omit_if_default=True),
-            resumed_from_images=override(omit_if_default=True),
-        ),
-    )
-    return conv
-
-
 def write_manifest(checkpoint_dir: Path, manifest: Manifest) -> Path:
-    body = json.dumps(manifest.to_json(), indent=2).encode() + b"\n"
+    body = json.dumps(to_json(manifest), indent=2).encode() + b"\n"
     from .statefile import write_atomically
 
     write_atomically(Path(checkpoint_dir), MANIFEST_FILE_NAME, body)

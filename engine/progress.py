@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import Final, TextIO
 
 import attrs
 
 from .errors import check_title
+from .serial import shape, to_json
 from .wire import Stats
 
 _GB = 1e9
@@ -35,6 +36,7 @@ def _rate(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / _GB if nbytes and seconds > 0 else 0.0
 
 
+@shape(extra={"copy_gb_per_s": "copy_s"})
 @attrs.frozen
 class ParticipantTransfer:
     """What one participant reported moving in SAVE/LOAD_ALLOCATIONS."""
@@ -49,17 +51,6 @@ class ParticipantTransfer:
     @property
     def copy_gb_per_s(self) -> float:
         return _rate(self.allocation_bytes, self.copy_s)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "participant": self.participant,
-            "pid": self.pid,
-            "allocation_count": self.allocation_count,
-            "allocation_bytes": self.allocation_bytes,
-            "shim_elapsed_s": self.shim_elapsed_s,
-            "copy_s": self.copy_s,
-            "copy_gb_per_s": self.copy_gb_per_s,
-        }
 
 
 @attrs.frozen
@@ -107,6 +98,24 @@ class NativeKept:
     allocation_bytes: int
 
 
+_TRANSFER: Final = {
+    name: name
+    for name in (
+        "allocation_count", "allocation_bytes", "gb_per_s", "copy_gb_per_s", "per_participant"
+    )
+}  # fmt: skip
+
+
+@shape(
+    tag={"event": "phase"},
+    flatten={
+        "transfer": _TRANSFER,
+        "native_kept": {
+            "allocation_count": "native_kept_allocations",
+            "allocation_bytes": "native_kept_bytes",
+        },
+    },
+)
 @attrs.frozen
 class OpEvent:
     """A wire op completed on every participant."""
@@ -118,31 +127,16 @@ class OpEvent:
     transfer: Transfer | None = None
     native_kept: NativeKept | None = None  # INSPECT only
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "event": "phase",
-            "machine": self.machine,
-            "phase": self.phase,
-            "elapsed_s": self.elapsed_s,
-            "participants": self.participants,
+
+@shape(
+    rename={"allocation_count": "staged_allocations", "allocation_bytes": "staged_bytes"},
+    flatten={
+        "native_kept": {
+            "allocation_count": "native_tracked_allocations",
+            "allocation_bytes": "native_tracked_bytes",
         }
-        if self.transfer is not None:
-            t = self.transfer
-            out.update(
-                allocation_count=t.allocation_count,
-                allocation_bytes=t.allocation_bytes,
-                gb_per_s=t.gb_per_s,
-                copy_gb_per_s=t.copy_gb_per_s,
-                per_participant=[p.to_json() for p in t.per_participant],
-            )
-        if self.native_kept is not None:
-            out.update(
-                native_kept_allocations=self.native_kept.allocation_count,
-                native_kept_bytes=self.native_kept.allocation_bytes,
-            )
-        return out
-
-
+    },
+)
 @attrs.frozen
 class StagingSummary:
     """What a suspend or resume says about the bytes: how many the shims staged
@@ -171,16 +165,6 @@ class StagingSummary:
             kept or NativeKept(0, 0),
         )
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "staged_allocations": self.allocation_count,
-            "staged_bytes": self.allocation_bytes,
-            "seconds": self.seconds,
-            "gb_per_s": self.gb_per_s,
-            "native_tracked_allocations": self.native_kept.allocation_count,
-            "native_tracked_bytes": self.native_kept.allocation_bytes,
-        }
-
     def human(self) -> str:
         return (
             f"staged by the shims: {_count(self.allocation_count, 'allocation')},"
@@ -201,15 +185,8 @@ class PendingParticipant:
     held_threads: int
     message: str
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "participant": self.participant,
-            "pid": self.pid,
-            "held_threads": self.held_threads,
-            "message": self.message,
-        }
 
-
+@shape(tag={"event": "quiesce_round"})
 @attrs.frozen
 class QuiesceRound:
     """One QUIESCE round answered (specs/quiesce.md): who is quiet, who is not yet.
@@ -225,18 +202,8 @@ class QuiesceRound:
     quiet: tuple[str, ...]
     pending: tuple[PendingParticipant, ...]
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "event": "quiesce_round",
-            "machine": self.machine,
-            "round": self.round,
-            "length_s": self.length_s,
-            "elapsed_s": self.elapsed_s,
-            "quiet": list(self.quiet),
-            "pending": [p.to_json() for p in self.pending],
-        }
 
-
+@shape(tag={"event": "done"})
 @attrs.frozen
 class DoneEvent:
     """The machine reached its final state."""
@@ -246,16 +213,8 @@ class DoneEvent:
     participants: int
     checkpoint_dir: str
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "event": "done",
-            "machine": self.machine,
-            "elapsed_s": self.elapsed_s,
-            "participants": self.participants,
-            "checkpoint_dir": self.checkpoint_dir,
-        }
 
-
+@shape(tag={"event": "failed"}, omit=frozenset({"check", "rules"}), extra={"check_title": "check"})
 @attrs.frozen
 class FailedEvent:
     """The machine stopped: ``kind`` is "refused" (nothing changed) or "failed"."""
@@ -273,23 +232,9 @@ class FailedEvent:
     check: str = ""
     rules: tuple[str, ...] = ()
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "event": "failed",
-            "machine": self.machine,
-            "kind": self.kind,
-            "phase": self.phase,
-            "participant": self.participant,
-            "pid": self.pid,
-            "reason": self.reason,
-            "elapsed_s": self.elapsed_s,
-            "problems": list(self.problems),
-        }
-        if self.check:
-            out.update(check=self.check, check_title=check_title(self.check))
-        if self.rules:
-            out["rules"] = list(self.rules)
-        return out
+    @property
+    def check_title(self) -> str:
+        return check_title(self.check)
 
     def headline(self) -> str:
         """Where the machine stopped, in a person's words: a refusal names its check."""
@@ -303,7 +248,7 @@ ProgressCallback = Callable[[Event], None]
 
 
 def json_line(event: Event) -> str:
-    return json.dumps(event.to_json(), sort_keys=False, allow_nan=False)
+    return json.dumps(to_json(event), sort_keys=False, allow_nan=False)
 
 
 def _count(n: int, noun: str) -> str:

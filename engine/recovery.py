@@ -25,7 +25,7 @@ from .client import Endpoint, ParticipantError
 from .directory import INTENT_FILE_NAME, clear_intent
 from .errors import CoordinatorError, Problem
 from .manifest import resume_hint
-from .native import NativeBackend, ProcessState, state_names
+from .native_checkpoint import NativeBackend, ProcessState, state_names
 from .options import Options
 from .runner import RestoreResult, RollbackResult, restore, rollback
 from .statefile import STATE_FILE_NAME, StateFileError, read_state

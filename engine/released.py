@@ -17,6 +17,7 @@ from typing import Any, Final
 import attrs
 
 from .progress import StagingSummary
+from .serial import shape
 from .topology import Topology
 from .wire import RecordFlag, RecordKind
 
@@ -39,6 +40,8 @@ class Released:
     def private_bytes(self) -> int:
         return (self.tracked_bytes or 0) - self.shared_bytes
 
+    # Hand-written: an either/or document (the reason there is no figure, or the three
+    # figures), which no field-by-field shape says as plainly.
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"processes": self.processes, "all_device_memory": True}
         if self.tracked_bytes is None:
@@ -67,6 +70,9 @@ class Released:
             f"GPU memory released: {size(self.tracked_bytes)}{split} in {who} (the allocations "
             "the shims tracked; the native checkpoint released all device memory of each)"
         )
+
+
+shape(via=Released.to_json)(Released)
 
 
 def size(nbytes: int) -> str:

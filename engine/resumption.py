@@ -27,7 +27,7 @@ from .manifest import (
     restore_plan,
     write_manifest,
 )
-from .native import (
+from .native_checkpoint import (
     CudaBackend,
     NativeBackend,
     NativeGroupError,

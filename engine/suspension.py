@@ -37,7 +37,7 @@ from .manifest import (
     resume_hint,
     write_manifest,
 )
-from .native import (
+from .native_checkpoint import (
     DEFAULT_LOCK_TIMEOUT_MS,
     CudaBackend,
     NativeBackend,

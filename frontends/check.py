@@ -22,7 +22,12 @@ import attrs
 from . import artifacts, drivers
 from .engine import discovery
 from .engine.client import control_dir_problem, endpoint_for
-from .engine.native import CudaBackend, NativeError, NativeUnavailableError, loaded_driver
+from .engine.native_checkpoint import (
+    CudaBackend,
+    NativeError,
+    NativeUnavailableError,
+    loaded_driver,
+)
 
 Verdict = Literal["OK", "WARN", "FAIL"]
 EXIT_OK = 0

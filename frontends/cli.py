@@ -23,7 +23,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Final, TextIO
+from typing import TYPE_CHECKING, Final, TextIO
 
 from . import __version__, artifacts, invocation, logs, targets
 from .arguments import (
@@ -56,6 +56,9 @@ from .outcomes import PROG, Outcome, finish, output_mode, say
 
 # The engine's modules are imported where a verb uses them: a command loads only what it
 # needs (tests/engine/test_import_cost.py). These are for the annotations.
+if TYPE_CHECKING:
+    from .engine.native_checkpoint import NativeBackend
+
 # The exit statuses, for embedders and tests that run main().
 __all__ = [
     "EXIT_FAILED",
@@ -219,7 +222,7 @@ _VERBS: Final = {
 
 
 def _lock_timeout(parser: argparse.ArgumentParser, text: str) -> None:
-    from .engine.native import DEFAULT_LOCK_TIMEOUT_MS
+    from .engine.native_checkpoint import DEFAULT_LOCK_TIMEOUT_MS
 
     parser.add_argument(
         "--lock-timeout",
@@ -460,8 +463,14 @@ def _parse(given: list[str]) -> argparse.Namespace:
 
 
 def main(
-    argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None
+    argv: Sequence[str] | None = None,
+    *,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    native: NativeBackend | None = None,
 ) -> int:
+    """Run one command line; ``native``: the native calls to make instead of those on
+    the driver ``--driver`` names (an embedder's backend, a test's fake)."""
     from .engine.manifest import ManifestError
 
     out = stdout if stdout is not None else sys.stdout
@@ -483,7 +492,7 @@ def main(
                 stream=err,
             )
             run: Run = args.func
-            ended = run(invocation.of(args, mode), out, err)
+            ended = run(invocation.of(args, mode, native=native), out, err)
         except targets.TargetError as error:
             ended = Outcome.refused(error.lines)
         except ManifestError as error:
@@ -592,13 +601,17 @@ def _shim_path(call: Invocation, out: TextIO, err: TextIO) -> int:
 def _criu(call: Invocation, out: TextIO, err: TextIO) -> int:
     from . import criu_action  # its verbs' own parser
 
-    return criu_action.main(_early_logging_to(call.options), stdout=out, stderr=err)
+    return criu_action.main(
+        _early_logging_to(call.options), stdout=out, stderr=err, native=call.given
+    )
 
 
 def _job(call: Invocation, out: TextIO, err: TextIO) -> int:
     from . import job_action  # its verbs' own parser
 
-    return job_action.main(_early_logging_to(call.options), stdout=out, stderr=err)
+    return job_action.main(
+        _early_logging_to(call.options), stdout=out, stderr=err, native=call.given
+    )
 
 
 def _check(call: Invocation, out: TextIO, err: TextIO) -> int:

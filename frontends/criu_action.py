@@ -64,9 +64,10 @@ from .engine import agent, criu
 from .engine import images as criu_images
 from .engine.client import Endpoint
 from .engine.errors import CoordinatorError
-from .engine.native import NativeBackend, NativeUnavailableError
+from .engine.native_checkpoint import NativeBackend, NativeUnavailableError
 from .engine.options import Options
 from .engine.released import size
+from .engine.serial import to_json
 from .engine.statefile import StateFileError
 from .outcomes import Outcome, finish
 
@@ -232,11 +233,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _native_backend() -> NativeBackend | None:
-    """The tests' hook for a backend of their own; None: the driver ``--driver`` names."""
-    return None
-
-
 def _origin(args: argparse.Namespace) -> agent.Origin | None:
     """Where a restore's manifest says the group lived (None: it says nowhere)."""
     try:
@@ -260,13 +256,16 @@ def _where(args: argparse.Namespace, environ: Mapping[str, str]) -> agent.Where:
 
 
 def _native(
-    args: argparse.Namespace, where: agent.Where, processes: Callable[[], Sequence[agent.Process]]
+    args: argparse.Namespace,
+    where: agent.Where,
+    processes: Callable[[], Sequence[agent.Process]],
+    given: NativeBackend | None,
 ) -> NativeBackend:
-    """The native calls on the driver ``--driver`` names; ``auto`` asks the shims of
-    ``processes`` at the first call (a restore's exist only once CRIU recreated them)."""
-    injected = _native_backend()
-    if injected is not None:
-        return injected
+    """The caller's native calls if it gave its own, else those on the driver ``--driver``
+    names; ``auto`` asks the shims of ``processes`` at the first call (a restore's exist
+    only once CRIU recreated them)."""
+    if given is not None:
+        return given
 
     def recorded() -> str | None:
         origin = _origin(args) if args.verb == "restore" else None
@@ -316,7 +315,7 @@ def _events(mode: str, stream: TextIO) -> Iterator[agent.AgentCallback | None]:
 
         def emit(event: agent.AgentEvent) -> None:
             with contextlib.suppress(OSError):  # a closed stdout must not stop a checkpoint
-                stream.write(json.dumps(event.to_json(), allow_nan=False) + "\n")
+                stream.write(json.dumps(to_json(event), allow_nan=False) + "\n")
                 stream.flush()
 
         yield emit
@@ -411,7 +410,11 @@ def _script_argv(args: argparse.Namespace, processes: Sequence[agent.Process]) -
 
 # ----------------------------------------------------------------------------- verbs
 def _check(
-    args: argparse.Namespace, environ: Mapping[str, str], stdout: TextIO, stderr: TextIO
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    stdout: TextIO,
+    stderr: TextIO,
+    native: NativeBackend | None,
 ) -> int:
     try:
         found = criu.usable_criu(args.criu, environ)
@@ -435,7 +438,11 @@ def _check(
 
 
 def _dump(
-    args: argparse.Namespace, environ: Mapping[str, str], stdout: TextIO, stderr: TextIO
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    stdout: TextIO,
+    stderr: TextIO,
+    native: NativeBackend | None,
 ) -> int:
     processes = _processes(args)
     binary = criu.usable_criu(args.criu, environ)
@@ -448,7 +455,7 @@ def _dump(
             tree=args.tree,
             criu=binary,
             where=where,
-            native=_native(args, where, lambda: processes),
+            native=_native(args, where, lambda: processes, native),
             requested=not args.not_requested,
             options=Options(phase_timeout=step_timeout(args.step_timeout, environ)),
             lock_timeout_ms=int(args.lock_timeout * 1000),
@@ -474,12 +481,16 @@ def _dump(
         f"next: {restore}",
     ]
     return _finish(args, stdout, stderr, EXIT_OK, outcome="dumped",
-                   timings=[t.to_json() for t in done.timings],
-                   images=done.images.to_json(), next=restore, human=human)  # fmt: skip
+                   timings=[to_json(t) for t in done.timings],
+                   images=to_json(done.images), next=restore, human=human)  # fmt: skip
 
 
 def _restore(
-    args: argparse.Namespace, environ: Mapping[str, str], stdout: TextIO, stderr: TextIO
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    stdout: TextIO,
+    stderr: TextIO,
+    native: NativeBackend | None,
 ) -> int:
     binary = criu.usable_criu(args.criu, environ)
     where = _where(args, environ)
@@ -493,7 +504,7 @@ def _restore(
             args.images_dir,
             criu=binary,
             where=where,
-            native=_native(args, where, recorded),
+            native=_native(args, where, recorded, native),
             control_dir=_before_dir(args, where),
             options=Options(phase_timeout=step_timeout(args.step_timeout, environ)),
             criu_args=_criu_args(args.criu_args),
@@ -511,13 +522,17 @@ def _restore(
         f"its GPU memory and sharing as before ({pids})",
     ]
     return _finish(args, stdout, stderr, EXIT_OK, outcome="restored",
-                   timings=[t.to_json() for t in done.timings], images=done.images.to_json(),
+                   timings=[to_json(t) for t in done.timings], images=to_json(done.images),
                    processes=restored, removed=[str(p) for p in done.removed],
                    human=human)  # fmt: skip
 
 
 def _action_script(
-    args: argparse.Namespace, environ: Mapping[str, str], stdout: TextIO, stderr: TextIO
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    stdout: TextIO,
+    stderr: TextIO,
+    native: NativeBackend | None,
 ) -> int:
     processes = _processes(args)
     path = write_action_script(args.out, _script_argv(args, processes), environ, args.keep_env)
@@ -526,7 +541,11 @@ def _action_script(
 
 
 def _action(
-    args: argparse.Namespace, environ: Mapping[str, str], stdout: TextIO, stderr: TextIO
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    stdout: TextIO,
+    stderr: TextIO,
+    native: NativeBackend | None,
 ) -> int:
     step = environ.get(ACTION_ENV, "")
     where = _where(args, environ)
@@ -544,7 +563,7 @@ def _action(
                 processes,
                 args.checkpoint_dir,
                 where=where,
-                native=_native(args, where, lambda: processes),
+                native=_native(args, where, lambda: processes, native),
                 requested=not args.not_requested,
                 options=options,
                 on_event=on_event,
@@ -589,7 +608,7 @@ def _action(
             agent.resume(
                 args.checkpoint_dir,
                 where=where,
-                native=_native(args, where, lambda: located),
+                native=_native(args, where, lambda: located, native),
                 processes=located,
                 restored=True,
                 options=options,
@@ -614,7 +633,10 @@ def main(
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
     environ: Mapping[str, str] | None = None,
+    native: NativeBackend | None = None,
 ) -> int:
+    """Run one ``criu`` command line; ``native``: the native calls to make instead of
+    those on the driver ``--driver`` names (an embedder's backend, a test's fake)."""
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     env = os.environ if environ is None else environ
@@ -629,7 +651,7 @@ def main(
                        stream=err)  # fmt: skip
         created = missing(args.checkpoint_dir, args.images_dir) if args.verb == "dump" else []
         try:
-            code = _ended(args, env, out, err)
+            code = _ended(args, env, out, err, native)
             tidy_refused(created, code)
             return code
         finally:
@@ -639,10 +661,16 @@ def main(
         return EXIT_USAGE
 
 
-def _ended(args: argparse.Namespace, env: Mapping[str, str], out: TextIO, err: TextIO) -> int:
+def _ended(
+    args: argparse.Namespace,
+    env: Mapping[str, str],
+    out: TextIO,
+    err: TextIO,
+    native: NativeBackend | None,
+) -> int:
     """Run the verb; every failure is said once, with the exit status of EXIT_TABLE."""
     try:
-        return _RUN[args.verb](args, env, out, err)
+        return _RUN[args.verb](args, env, out, err, native)
     except criu.CriuUnavailable as exc:
         return _finish(args, out, err, EXIT_FAILED, [str(exc)], outcome="refused")
     except (criu.CriuDumpFailed, agent.SuspendFailed) as failed:

@@ -32,7 +32,7 @@ from . import artifacts
 from .engine import discovery
 from .engine.client import Endpoint
 from .engine.gpus import Gpu
-from .engine.native import CudaBackend, NativeUnavailableError, ProcessState
+from .engine.native_checkpoint import CudaBackend, NativeUnavailableError, ProcessState
 
 DRIVER_NAME: Final = "libcuda.so.1"
 # The dynamic linker's own directories after LD_LIBRARY_PATH and its cache (ld.so(8)).

@@ -19,11 +19,12 @@ from .arguments import (
     EXIT_ROLLED_BACK,
     step_timeout,
 )
+from .engine.serial import to_json
 from .outcomes import OUTCOMES, PROG, Outcome
 
 if TYPE_CHECKING:
     from .engine import agent
-    from .engine.native import ProcessState
+    from .engine.native_checkpoint import ProcessState
     from .invocation import Invocation
 
 
@@ -31,7 +32,7 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
     from . import running, summaries
     from .engine import agent, runner
     from .engine.errors import CoordinatorError, Refused
-    from .engine.native import NativeUnavailableError
+    from .engine.native_checkpoint import NativeUnavailableError
 
     processes = call.processes()
     mode = call.mode
@@ -112,7 +113,7 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
     summary = summaries.Summary.of(command, call, done)
     if view is not None:
         view.summary(done.timings, done.staging)
-    return Outcome(EXIT_OK, summary.outcome, figures=summary.to_json(), human=summary.lines())
+    return Outcome(EXIT_OK, summary.outcome, figures=to_json(summary), human=summary.lines())
 
 
 class _NoDriver:
@@ -122,7 +123,7 @@ class _NoDriver:
         self.reason = reason
 
     def _none(self, pid: int, call: str) -> NoReturn:
-        from .engine.native import NativeError
+        from .engine.native_checkpoint import NativeError
 
         raise NativeError(pid, call, "no driver", self.reason)
 
@@ -173,7 +174,7 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
             f"(`{clear}` removes it)\n"
         )
     from .engine.group_status import status as asked  # a shim to ask: the verb's room, now
-    from .engine.native import NativeUnavailableError
+    from .engine.native_checkpoint import NativeUnavailableError
 
     try:
         rows = asked(processes, where, call.native())
@@ -182,7 +183,7 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
         rows = asked(processes, where, _NoDriver("no CUDA driver loaded"))
     if call.options.json:
         # One line, the summary itself: JSON lines like every verb's, and one document.
-        document = {"processes": [r.to_json() for r in rows]}
+        document = {"processes": [to_json(r) for r in rows]}
         return Outcome(EXIT_OK, "done", (), figures=document)
     else:
         from . import render  # rich: only for a person's output
@@ -209,9 +210,9 @@ _UNDO_ACTION: Final = {"lock": "unlock", "checkpoint": "restore", "restore": "ch
 
 
 def native_action(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
-    """One native step on every process (frontends/native.py's group helpers, from the
+    """One native step on every process (frontends/native_calls.py's group helpers, from the
     shell): each process's state after it, and on a failure every state and what to do."""
-    from .engine.native import (
+    from .engine.native_checkpoint import (
         NativeGroupError,
         NativeUnavailableError,
         run_step,

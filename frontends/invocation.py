@@ -25,7 +25,7 @@ from .outcomes import PROG
 if TYPE_CHECKING:
     from .engine import agent
     from .engine.client import Endpoint
-    from .engine.native import NativeBackend, NativeUnavailableError
+    from .engine.native_checkpoint import NativeBackend, NativeUnavailableError
 
 
 Pair = tuple[int, int]
@@ -44,6 +44,7 @@ class Invocation:
     proc_root: Path | None
     recorded: str | None = None  # the driver the manifest says the shims reported
     group: tuple[Pair, ...] = ()
+    given: NativeBackend | None = None  # the caller's native calls, instead of --driver's
 
     @property
     def command(self) -> str:
@@ -72,13 +73,13 @@ class Invocation:
         return [Process(observed, namespace) for observed, namespace in self.group]
 
     def native(self) -> NativeBackend:
-        """The native calls on the driver ``--driver`` names, chosen at the first call
-        (the shims are asked then, late): a verb that refuses first never asks."""
+        """The caller's native calls if it gave its own, else those on the driver
+        ``--driver`` names, chosen at the first call (the shims are asked then, late): a
+        verb that refuses first never asks."""
         from . import drivers
 
-        injected = _native_backend()
-        if injected is not None:
-            return injected
+        if self.given is not None:
+            return self.given
         return drivers.LateBackend(
             getattr(self.options, "driver", "auto"),
             self.endpoints,
@@ -112,13 +113,15 @@ class Invocation:
         return shlex.join(words)
 
 
-def of(args: argparse.Namespace, mode: str) -> Invocation:
+def of(args: argparse.Namespace, mode: str, *, native: NativeBackend | None = None) -> Invocation:
     """The command's :class:`Invocation`: resume, restore, recover and native reach the
     group where its manifest says it lives (and load the driver its shims reported),
     unless --control-dir or --proc-root say otherwise (what is taken is said at debug
-    level); then the group, for the verbs that name one."""
+    level); then the group, for the verbs that name one. ``native``: the caller's own
+    native calls (an embedder's, a test's), used instead of the driver's."""
     given_dir: Path | None = getattr(args, "control_dir", None)
-    call = Invocation(args, mode, given_dir or env_control_dir(), getattr(args, "proc_root", None))
+    control_dir = given_dir or env_control_dir()
+    call = Invocation(args, mode, control_dir, getattr(args, "proc_root", None), given=native)
     origin = _origin(args)
     if origin is not None:
         call = attrs.evolve(call, recorded=origin.driver)
@@ -174,11 +177,6 @@ def _group(call: Invocation) -> list[Pair]:
 def env_control_dir() -> Path:
     value = os.environ.get(CONTROL_DIR_ENV, "")
     return Path(value) if value else DEFAULT_CONTROL_DIR
-
-
-def _native_backend() -> NativeBackend | None:
-    """The tests' hook for a backend of their own; None: the driver (below)."""
-    return None
 
 
 def no_driver(command: str, exc: NativeUnavailableError) -> list[str]:

@@ -36,7 +36,8 @@ from .arguments import (
     verb_adder,
 )
 from .engine import agent, job, jobstore, runner
-from .engine.native import NativeBackend
+from .engine.native_checkpoint import NativeBackend
+from .engine.serial import to_json
 from .logs import configure, reset
 
 PROG: Final = "cuinterpose job"
@@ -135,12 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _native_backend() -> NativeBackend | None:
-    """The tests' hook for a backend of their own; None: the driver ``--driver`` names."""
-    return None
-
-
-def _target(args: argparse.Namespace) -> job.NodeTarget:
+def _target(args: argparse.Namespace, backend: NativeBackend | None) -> job.NodeTarget:
     try:
         given = targets.named(args.pid, args.process)
         directory = None if args.verb == "suspend" else args.checkpoint_dir
@@ -160,9 +156,11 @@ def _target(args: argparse.Namespace) -> job.NodeTarget:
         [where.endpoint(p) for p in processes]  # the same checks as every other verb's
     except ValueError as exc:
         raise UsageError(f"{PROG}: error: {exc}") from None
-    native = _native_backend() or drivers.LateBackend(
-        args.driver, lambda: [where.endpoint(p) for p in processes], proc_root=args.proc_root
-    )
+    native = backend
+    if native is None:  # the driver's: asked of the shims at the first native call
+        native = drivers.LateBackend(
+            args.driver, lambda: [where.endpoint(p) for p in processes], proc_root=args.proc_root
+        )
     return job.NodeTarget(tuple(processes), args.checkpoint_dir, where, native)
 
 
@@ -182,7 +180,7 @@ def _spec(args: argparse.Namespace) -> job.JobSpec:
 
 def _print(outcome: job.NodeOutcome, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.json:
-        out.write(json.dumps(outcome.to_json()) + "\n")
+        out.write(json.dumps(to_json(outcome)) + "\n")
     else:
         stream = out if outcome.code == EXIT_OK else err
         for line in outcome.lines:
@@ -222,8 +220,14 @@ def _status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def main(
-    argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None
+    argv: Sequence[str] | None = None,
+    *,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    native: NativeBackend | None = None,
 ) -> int:
+    """Run one ``job`` command line; ``native``: the native calls to make instead of
+    those on the driver ``--driver`` names (an embedder's backend, a test's fake)."""
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     try:
@@ -233,7 +237,7 @@ def main(
             return int(exit_.code or 0) if isinstance(exit_.code, int | None) else EXIT_USAGE
         configure(verbosity=args.verbose, quiet=args.quiet, log_file=args.log_file, stream=err)
         try:
-            return _dispatch(args, out, err)
+            return _dispatch(args, out, err, native)
         finally:
             reset()
     except UsageError as exc:
@@ -241,12 +245,14 @@ def main(
         return EXIT_USAGE
 
 
-def _dispatch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+def _dispatch(
+    args: argparse.Namespace, out: TextIO, err: TextIO, native: NativeBackend | None
+) -> int:
     if args.verb == "status":
         return _status(args, out, err)
     spec = _spec(args)
     try:
-        target = _target(args)
+        target = _target(args, native)
     except (agent.AgentError, OSError) as exc:
         err.write(f"{PROG} {args.verb}: {exc}\n")
         return EXIT_FAILED

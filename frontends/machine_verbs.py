@@ -143,7 +143,7 @@ def _native_check(
     group_status.require_natively_running): refused with exit 1, nothing changed; no
     driver to ask, refused too unless --skip-native-check."""
     from .engine.group_status import StateRefused, require_natively_running
-    from .engine.native import NativeUnavailableError
+    from .engine.native_checkpoint import NativeUnavailableError
     from .engine.recovery import native_check_refusal
 
     words = [PROG, "resume", "--checkpoint-dir", str(call.options.checkpoint_dir)]
@@ -166,7 +166,7 @@ def _recover_native_check(
     call: Invocation, endpoints: Sequence[Endpoint], stderr: TextIO
 ) -> int | None:
     """recover refuses a process natively LOCKED or CHECKPOINTED, and fails closed."""
-    from .engine.native import NativeUnavailableError
+    from .engine.native_checkpoint import NativeUnavailableError
     from .engine.recovery import native_blockers, native_check_refusal
 
     try:

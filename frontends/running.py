@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 from .arguments import EXIT_FAILED, EXIT_NEEDS_RECOVER, EXIT_ROLLED_BACK
+from .engine.serial import to_json
 from .outcomes import PROG, say
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ class Whereabouts:
 def json_events(stream: TextIO) -> agent.AgentCallback:
     def emit(event: agent.AgentEvent) -> None:
         with contextlib.suppress(OSError):  # a closed stdout must not stop a suspend
-            stream.write(json.dumps(event.to_json(), allow_nan=False) + "\n")
+            stream.write(json.dumps(to_json(event), allow_nan=False) + "\n")
             stream.flush()
 
     return emit

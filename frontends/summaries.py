@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from .engine.serial import shape, to_json
 from .outcomes import PROG
 
 if TYPE_CHECKING:
@@ -61,6 +62,12 @@ def machine_summary(spec: MachineSpec | None, call: Invocation, result: object) 
     return out
 
 
+@shape(
+    exclude=frozenset({"command", "outcome", "checkpoint_dir"}),
+    rename={"next_command": "next", "released": "gpu_memory_released"},
+    omit=frozenset({"staging", "released"}),
+    extra={"bytes_in": "released"},
+)
 @attrs.frozen
 class Summary:
     """What a suspend or resume did and what comes next."""
@@ -99,7 +106,7 @@ class Summary:
             done.timings,
             shlex.join(words),
             call.options.checkpoint_dir,
-            done.staging.to_json() if done.staging is not None else None,
+            to_json(done.staging) if done.staging is not None else None,
             freed,
         )
 
@@ -132,16 +139,7 @@ class Summary:
             "its sharing as before",
         ]
 
-    def to_json(self) -> dict[str, Any]:
-        out = {
-            "seconds": self.seconds,
-            "bytes_staged": self.bytes_staged,
-            "processes": self.processes,
-            "timings": [t.to_json() for t in self.timings],
-            "next": self.next_command,
-            **({"staging": self.staging} if self.staging is not None else {}),
-        }
-        if self.released is not None:
-            out["gpu_memory_released"] = self.released.to_json()
-            out["bytes_in"] = "host memory of each process"
-        return out
+    @property
+    def bytes_in(self) -> str:
+        """Where a suspend's bytes are (written beside what it released)."""
+        return "host memory of each process"

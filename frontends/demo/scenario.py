@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Final
 
 import attrs
 
-from .. import artifacts, launch, native
+from .. import artifacts, launch, native_calls
 from .multicast import SIM_DEVICES_ENV, MulticastTeam
 from .multicast import allowed as multicast_allowed
 from .worker_client import DemoError, Worker
@@ -291,7 +291,7 @@ def run_demo(*, driver: str = "sim", out: Callable[[str], None] = print) -> int:
         workers: list[Worker] = []
         try:
             return _demo(driver, root, control, ckpt, shim_env, plain_env, workers, out)
-        except (DemoError, native.NativeError, native.NativeUnavailableError) as exc:
+        except (DemoError, native_calls.NativeError, native_calls.NativeUnavailableError) as exc:
             out(f"FAIL: {exc}")
             return 1
         finally:

@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cuinterpose import invocation
-from cuinterpose.engine.native import ProcessState
 from cuinterpose.engine.wire import socket_name
 from cuinterpose.testing import FakeParticipant
 
@@ -37,17 +35,3 @@ def start_fake(control_dir: Path) -> Iterator[Callable[..., FakeParticipant]]:
             errors.append(exc)
     if errors:
         raise errors[0]
-
-
-class _AllRunning:
-    """The native state of a fake participant's process: RUNNING (it has no driver)."""
-
-    def state(self, pid: int) -> ProcessState:
-        return ProcessState.RUNNING
-
-
-@pytest.fixture(autouse=True)
-def fakes_run_natively(monkeypatch: pytest.MonkeyPatch) -> None:
-    """prepare and restore check every process's native state first: here every fake's
-    process is RUNNING (tests/engine/test_agent.py drives the native states itself)."""
-    monkeypatch.setattr(invocation, "_native_backend", _AllRunning)

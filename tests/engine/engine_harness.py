@@ -15,6 +15,7 @@ from pathlib import Path
 
 import attrs
 from cuinterpose.engine.client import Endpoint
+from cuinterpose.engine.native_checkpoint import ProcessState
 from cuinterpose.engine.topology import Topology
 from cuinterpose.engine.wire import VERSION, Op, Phase, Record, Stats, socket_name
 from cuinterpose.phases import PHASE_OPS, TEARS_DOWN
@@ -101,3 +102,15 @@ def team_of(
         for fake in fakes:
             stack.enter_context(fake)
         yield Team(control_dir, tuple(fakes))
+
+
+class AllRunning:
+    """The native state of a fake participant's process: RUNNING (it has no driver). The
+    CLI tests pass it as ``main(..., native=ALL_RUNNING)``: prepare and restore check
+    every process's native state first (tests/engine/test_agent.py drives the states)."""
+
+    def state(self, pid: int) -> ProcessState:
+        return ProcessState.RUNNING
+
+
+ALL_RUNNING = AllRunning()

@@ -22,11 +22,11 @@ from typing import Any
 import attrs
 import pytest
 import topologies
-from cuinterpose import cli, invocation
-from cuinterpose.engine import Options, StepFailed, agent, native, quiesce, runner
+from cuinterpose import cli
+from cuinterpose.engine import Options, StepFailed, agent, native_checkpoint, quiesce, runner
 from cuinterpose.engine.client import Endpoint
 from cuinterpose.engine.detection import group_of
-from cuinterpose.engine.native import NativeError, NativeGroupError, ProcessState
+from cuinterpose.engine.native_checkpoint import NativeError, NativeGroupError, ProcessState
 from cuinterpose.engine.progress import QuiesceRound
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.wire import Op, Phase, Status, socket_name
@@ -313,16 +313,16 @@ def test_a_missing_manifest_says_nothing_was_suspended(work: Path) -> None:
 # ------------------------------------------------------------------ native group steps
 def test_native_steps_check_every_state_and_name_every_process() -> None:
     fake = running([1, 2, 3])
-    timing = native.run_step(fake, "lock", [1, 2, 3])
+    timing = native_checkpoint.run_step(fake, "lock", [1, 2, 3])
     assert [pid for pid, _ in timing.calls] == [1, 2, 3]
     fake.fail = ("checkpoint", 2)
     with pytest.raises(NativeGroupError) as info:
-        native.run_step(fake, "checkpoint", [1, 2, 3])
+        native_checkpoint.run_step(fake, "checkpoint", [1, 2, 3])
     err = info.value
     assert (err.step, err.pid, err.done) == ("checkpoint", 2, (1,))
     assert err.states == {1: "CHECKPOINTED", 2: "LOCKED", 3: "LOCKED"}
     assert "CUDA_ERROR_INJECTED" in str(err) and "pid 3 LOCKED" in str(err)
-    lines = native.undo_suspend(fake, [1, 2, 3])
+    lines = native_checkpoint.undo_suspend(fake, [1, 2, 3])
     assert lines == (
         "pid 1: native restore done",
         "pid 1: native unlock done",
@@ -338,9 +338,9 @@ def test_a_step_that_leaves_a_process_in_another_state_fails() -> None:
             self.calls.append(("lock", pid))  # claims success, locks nothing
 
     with pytest.raises(NativeGroupError, match="pid 1: is RUNNING after the lock, expected LOCKED"):
-        native.run_step(Lying({1: ProcessState.RUNNING}), "lock", [1])
+        native_checkpoint.run_step(Lying({1: ProcessState.RUNNING}), "lock", [1])
     with pytest.raises(ValueError, match="unknown native step"):
-        native.run_step(running(), "freeze", PIDS)
+        native_checkpoint.run_step(running(), "freeze", PIDS)
 
 
 # ------------------------------------------------------------------ suspend and resume
@@ -543,12 +543,9 @@ def test_resume_refuses_other_processes_and_unsuspended_ones(work: Path) -> None
 
 
 # ------------------------------------------------------------------ the CLI verbs
-def run_cli(
-    argv: list[str], fake: FakeNative, monkeypatch: pytest.MonkeyPatch
-) -> tuple[int, str, str]:
-    monkeypatch.setattr(invocation, "_native_backend", lambda: fake)
+def run_cli(argv: list[str], fake: FakeNative) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    code = cli.main(argv, stdout=out, stderr=err)
+    code = cli.main(argv, stdout=out, stderr=err, native=fake)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -556,14 +553,13 @@ def test_cli_suspend_resume_and_status(work: Path, monkeypatch: pytest.MonkeyPat
     fake = running()
     with team_of(TOPOLOGY, work / "control") as team:
         common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(team.control_dir)]
-        code, out, err = run_cli(["suspend", *common, *team.processes], fake, monkeypatch)
+        code, out, err = run_cli(["suspend", *common, *team.processes], fake)
         assert code == 0, err
         events = [json.loads(line) for line in out.splitlines()]  # not a terminal: JSON
         assert events[-1]["event"] == "summary"
         code, out, err = run_cli(
             ["status", "--control-dir", str(team.control_dir), *team.processes, "--json"],
             fake,
-            monkeypatch,
         )
         assert code == 0, err
         rows = json.loads(out)["processes"]
@@ -571,32 +567,29 @@ def test_cli_suspend_resume_and_status(work: Path, monkeypatch: pytest.MonkeyPat
             ("CHECKPOINTED", "PREPARED")
         }
         code, out, err = run_cli(
-            ["status", "--control-dir", str(team.control_dir), *team.processes], fake, monkeypatch
+            ["status", "--control-dir", str(team.control_dir), *team.processes], fake
         )
         assert code == 0 and "CHECKPOINTED" in out and "PREPARED" in out
         code, out, err = run_cli(
             ["resume", *common, *team.processes, "--progress", "human", "--per-participant"],
             fake,
-            monkeypatch,
         )
         assert code == 0, err
         assert "coordinator_restore" in out and "LOAD_ALLOCATIONS per participant" in out, out
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
 
 
-def test_cli_suspend_failures_exit_1_with_every_step(
-    work: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cli_suspend_failures_exit_1_with_every_step(work: Path) -> None:
     fake = running()
     fake.fail = ("checkpoint", 1001)
     with team_of(TOPOLOGY, work / "control") as team:
         common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(team.control_dir)]
         argv = ["suspend", *common, *team.processes, "--progress", "none"]
-        code, _, err = run_cli(argv, fake, monkeypatch)
+        code, _, err = run_cli(argv, fake)
         assert code == cli.EXIT_FAILED, err
         assert "native checkpoint failed: pid 1001" in err
         assert "the group runs as before the suspend" in err
-        code, _, err = run_cli([*argv, "--not-requested"], running(), monkeypatch)
+        code, _, err = run_cli([*argv, "--not-requested"], running())
         assert code == cli.EXIT_FAILED
         assert "did not request cuinterpose" in err and "pid 1000" in err and "pid 1001" in err
 
@@ -622,14 +615,12 @@ def test_the_human_view_shows_copy_progress_steps_and_the_summary() -> None:
     assert "native_lock" in text and "per participant" in text and "a" * 32 in text
 
 
-def test_cli_suspend_refused_by_capture_touches_no_native_state(
-    work: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cli_suspend_refused_by_capture_touches_no_native_state(work: Path) -> None:
     fake = running()
     refused = topologies.with_records(TOPOLOGY, topologies.participant(1), topologies.raw_import())
     with team_of(refused, work / "control") as team:
         common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(team.control_dir)]
-        code, _, err = run_cli(["suspend", *common, *team.processes], fake, monkeypatch)
+        code, _, err = run_cli(["suspend", *common, *team.processes], fake)
         assert code == cli.EXIT_FAILED, err
         assert "capture refused" in err and "RAW_IMPORT" in err and "pid 1001" in err
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}

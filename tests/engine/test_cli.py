@@ -20,7 +20,7 @@ from cuinterpose.engine.fsm import CAPTURE, RESTORE, mermaid
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.wire import Op, Phase, RecordKind, Status
 from cuinterpose.testing import Fault
-from engine_harness import TEARS_DOWN_OPS, Team, short_dir, team_of
+from engine_harness import ALL_RUNNING, TEARS_DOWN_OPS, Team, short_dir, team_of
 from topologies import participant, replace_records, team, unsupported_exportable, with_records
 
 TOPOLOGY = team(participants=2, allocations=2, multicast=True)
@@ -41,7 +41,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def run(*argv: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    code = cli.main(list(argv), stdout=out, stderr=err)
+    code = cli.main(list(argv), stdout=out, stderr=err, native=ALL_RUNNING)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -559,7 +559,7 @@ def test_a_closed_stdout_does_not_stop_a_capture(work: Path) -> None:
     with team_of(TOPOLOGY, work / "control") as t:
         err = io.StringIO()
         code = cli.main(machine_args("prepare", t, work, "--progress", "json"), stdout=Closed(),
-                        stderr=err)  # fmt: skip
+                        stderr=err, native=ALL_RUNNING)  # fmt: skip
         assert all(f.phase is Phase.PREPARED for f in t.fakes)
     assert (code, err.getvalue()) == (0, "")
     assert (work / "ckpt" / STATE_FILE_NAME).is_file()

@@ -28,13 +28,13 @@ from typing import Any
 
 import pytest
 import topologies
-from cuinterpose import cli, engine, invocation, logs, targets
+from cuinterpose import cli, engine, logs, targets
 from cuinterpose.engine import discovery
-from cuinterpose.engine.native import CudaBackend, NativeUnavailableError
+from cuinterpose.engine.native_checkpoint import CudaBackend, NativeBackend, NativeUnavailableError
 from cuinterpose.engine.wire import Op, Phase, socket_name
 from cuinterpose.testing import Fault
-from engine_harness import short_dir, team_of
-from test_agent import FakeNative, running
+from engine_harness import ALL_RUNNING, short_dir, team_of
+from test_agent import running
 
 TOPOLOGY = topologies.team(2, 2, multicast=False)
 REPO = Path(__file__).resolve().parents[2]
@@ -52,15 +52,12 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SNAPSHOT_PHASE_TIMEOUT_S", raising=False)
 
 
-def run(*argv: str, native: FakeNative | None = None, **patch: Any) -> tuple[int, str, str]:
+def run(
+    *argv: str, native: NativeBackend | None = ALL_RUNNING, **patch: Any
+) -> tuple[int, str, str]:
+    """``native=None``: the driver ``--driver`` names, loaded as a user's command would."""
     out, err = io.StringIO(), io.StringIO()
-    previous = invocation._native_backend
-    if native is not None:
-        invocation._native_backend = lambda: native  # type: ignore[assignment]
-    try:
-        code = cli.main(list(argv), stdout=out, stderr=err)
-    finally:
-        invocation._native_backend = previous  # type: ignore[method-assign]
+    code = cli.main(list(argv), stdout=out, stderr=err, native=native)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -180,20 +177,17 @@ def test_resume_takes_the_group_from_the_manifest_and_says_what_comes_next(work:
         assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
 
 
-def test_suspend_on_a_terminal_says_where_the_bytes_are_and_the_resume_command(
-    work: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_suspend_on_a_terminal_says_where_the_bytes_are_and_the_resume_command(work: Path) -> None:
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
 
     fake = running()
-    monkeypatch.setattr(invocation, "_native_backend", lambda: fake)
     with team_of(TOPOLOGY, work / "control") as t:
         out, err = Terminal(), io.StringIO()
         argv = ["suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
                 str(t.control_dir), *t.processes]  # fmt: skip
-        code = cli.main(argv, stdout=out, stderr=err)
+        code = cli.main(argv, stdout=out, stderr=err, native=fake)
     text = out.getvalue()
     assert (code, err.getvalue()) == (0, ""), err.getvalue()
     assert "suspended 2 processes in" in text
@@ -441,11 +435,10 @@ def test_a_driver_that_cannot_be_loaded_says_what_to_do(
     with pytest.raises(NativeUnavailableError, match="cannot load the CUDA driver /nowhere"):
         CudaBackend("/nowhere/libcuda.so.1").driver()
     monkeypatch.setenv("CUINTERPOSE_BUILD_DIR", str(work / "no-build"))
-    monkeypatch.setattr(invocation, "_native_backend", lambda: None)  # the real driver, then
     with team_of(TOPOLOGY, work / "control") as t:
         code, _, err = run("suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
                            str(t.control_dir), *t.processes, "--driver", "sim",
-                           "--progress", "none")  # fmt: skip
+                           "--progress", "none", native=None)  # fmt: skip
         assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
     assert code == cli.EXIT_FAILED
     assert "make build" in err and "cuinterpose check" in err, err
@@ -542,21 +535,18 @@ def test_launch_refuses_a_control_directory_the_shim_would_refuse(work: Path) ->
     assert "over the 60 a shim accepts" in err and not long.exists()
 
 
-def test_a_failed_capture_is_said_before_its_rollback(
-    work: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_failed_capture_is_said_before_its_rollback(work: Path) -> None:
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
 
     fake = running()
-    monkeypatch.setattr(invocation, "_native_backend", lambda: fake)
     script = {0: {Op.PREPARE_UNICAST: Fault("fail", message="cuMemRelease: CUDA_ERROR_X")}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as t:
         out, err = Terminal(), io.StringIO()
         argv = ["suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
                 str(t.control_dir), *t.processes]  # fmt: skip
-        code = cli.main(argv, stdout=out, stderr=err)
+        code = cli.main(argv, stdout=out, stderr=err, native=fake)
         assert {f.phase for f in t.fakes} == {Phase.ACTIVE}
     # rich draws for a terminal: its control sequences are not the text
     lines = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue()).splitlines()

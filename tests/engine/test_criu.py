@@ -25,11 +25,11 @@ import attrs
 import pytest
 from cuinterpose import cli, criu_action
 from cuinterpose.engine import agent, criu
-from cuinterpose.engine.native import ProcessState
+from cuinterpose.engine.native_checkpoint import ProcessState
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.wire import Phase, socket_name
 from engine_harness import Team, short_dir, team_of
-from test_agent import PIDS, TOPOLOGY, running
+from test_agent import PIDS, TOPOLOGY, FakeNative, running
 
 
 @pytest.fixture
@@ -438,24 +438,20 @@ class Terminal(io.StringIO):
 
 
 def dump_verb(
-    work: Path, team: Team, *more: str, stdout: io.StringIO, dump: int = 0
+    work: Path, team: Team, *more: str, stdout: io.StringIO, native: FakeNative, dump: int = 0
 ) -> tuple[int, str, str]:
     binary = fake_criu(work / "criu", dump=dump)
     args = ["dump", "--checkpoint-dir", str(work / "ckpt"), "--images-dir", str(work / "img")]
     args += ["--control-dir", str(team.control_dir), "--tree", "1", "--criu", str(binary)]
     args += [w for p in PIDS for w in ("--pid", str(p))]
     err = io.StringIO()
-    code = criu_action.main([*args, *more], stdout=stdout, stderr=err, environ={})
+    code = criu_action.main([*args, *more], stdout=stdout, stderr=err, environ={}, native=native)
     return code, stdout.getvalue(), err.getvalue()
 
 
-def test_dump_names_processes_with_pid_and_speaks_to_a_person_on_a_terminal(
-    work: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fake = running()
-    monkeypatch.setattr(criu_action, "_native_backend", lambda: fake)
+def test_dump_names_processes_with_pid_and_speaks_to_a_person_on_a_terminal(work: Path) -> None:
     with team_of(TOPOLOGY, work / "control") as team:
-        code, out, err = dump_verb(work, team, stdout=Terminal())
+        code, out, err = dump_verb(work, team, stdout=Terminal(), native=running())
         assert (code, err) == (0, ""), err
         assert {f.phase for f in team.fakes} == {Phase.PREPARED}
     assert "dumped 2 processes (the tree of pid 1) in " in out
@@ -466,13 +462,26 @@ def test_dump_names_processes_with_pid_and_speaks_to_a_person_on_a_terminal(
     ) in out
 
 
-def test_dump_with_json_ends_with_its_outcome_and_exit_code(
-    work: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_backend_given_to_the_command_line_reaches_criu_dump(work: Path) -> None:
+    """``cli.main(native=...)`` hands its backend on to ``cuinterpose criu``: the dump's
+    native steps run on it, not on a driver."""
     fake = running()
-    monkeypatch.setattr(criu_action, "_native_backend", lambda: fake)
+    binary = fake_criu(work / "criu")
     with team_of(TOPOLOGY, work / "control") as team:
-        code, out, err = dump_verb(work, team, "--json", stdout=Terminal(), dump=1)
+        args = ["criu", "dump", "--checkpoint-dir", str(work / "ckpt"), "--images-dir",
+                str(work / "img"), "--control-dir", str(team.control_dir), "--tree", "1",
+                "--criu", str(binary), "--progress", "none", *team.processes]  # fmt: skip
+        err = io.StringIO()
+        code = cli.main(args, stdout=io.StringIO(), stderr=err, native=fake)
+        assert (code, err.getvalue()) == (0, ""), err.getvalue()
+    assert set(fake.states.values()) == {ProcessState.CHECKPOINTED}
+
+
+def test_dump_with_json_ends_with_its_outcome_and_exit_code(work: Path) -> None:
+    with team_of(TOPOLOGY, work / "control") as team:
+        code, out, err = dump_verb(
+            work, team, "--json", stdout=Terminal(), native=running(), dump=1
+        )
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}  # resumed after the failure
     assert code == criu_action.EXIT_FAILED == cli.EXIT_FAILED
     assert "cuinterpose criu: criu dump failed:" in err and err.count("injected dump failure") == 1

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from cuinterpose import criu_action
 from cuinterpose.engine import agent, criu, images
-from cuinterpose.engine.native import ProcessState
+from cuinterpose.engine.native_checkpoint import ProcessState
 from cuinterpose.engine.wire import Phase
 from engine_harness import Team, team_of
 from test_agent import PIDS, TOPOLOGY, FakeNative, running
@@ -213,14 +213,13 @@ def test_a_restore_past_its_time_limit_says_what_is_left_and_how_to_try_again(
     fake = running()
     with team_of(TOPOLOGY, work / "control") as team:
         dump_into(team, fake, work / "ckpt", work / "img", stand_in(work / "criu"))
-    monkeypatch.setattr(criu_action, "_native_backend", lambda: fake)
     sleepy = stand_in(work / "criu-sleepy", sleep="restore")
     monkeypatch.setattr(criu, "usable_criu", lambda named, environ: sleepy)
     err = io.StringIO()
     code = criu_action.main(
         ["restore", "--checkpoint-dir", str(work / "ckpt"), "--images-dir", str(work / "img"),
          "--control-dir", str(work / "control"), "--criu-timeout", "0.3", "--progress", "none"],
-        stdout=io.StringIO(), stderr=err, environ={},
+        stdout=io.StringIO(), stderr=err, environ={}, native=fake,
     )  # fmt: skip
     text = err.getvalue()
     assert code == criu_action.EXIT_NEEDS_RECOVER, text

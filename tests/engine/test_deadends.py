@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from cuinterpose import cli
-from cuinterpose.engine.native import ProcessState
+from cuinterpose.engine.native_checkpoint import ProcessState
 from cuinterpose.engine.statefile import MAX_STATE_NESTING, STATE_FILE_NAME
 from cuinterpose.engine.wire import Op, Phase, Status
 from cuinterpose.testing import Fault
@@ -41,16 +41,14 @@ def test_the_spec_has_the_same_table() -> None:
     assert block[1] == cli.EXIT_TABLE
 
 
-def test_a_resume_whose_native_steps_ran_exits_4_with_the_way_on(
-    work: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_resume_whose_native_steps_ran_exits_4_with_the_way_on(work: Path) -> None:
     fake = running()
     with team_of(TOPOLOGY, work / "control") as team:
         common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(team.control_dir)]
-        code, _, err = run_cli(["suspend", *common, *team.processes], fake, monkeypatch)
+        code, _, err = run_cli(["suspend", *common, *team.processes], fake)
         assert code == 0, err
         fake.fail = ("unlock", 1001)
-        code, _, err = run_cli(["resume", *common, *team.processes], fake, monkeypatch)
+        code, _, err = run_cli(["resume", *common, *team.processes], fake)
         assert code == cli.EXIT_NEEDS_RECOVER, err
         assert "the native restore ran" in err and "run: cuinterpose recover" in err, err
         assert fake.states[1000] is ProcessState.RUNNING  # it ran: not "nothing changed"
@@ -58,22 +56,18 @@ def test_a_resume_whose_native_steps_ran_exits_4_with_the_way_on(
         # The way on: unlock the process, then recover rolls the group forward.
         fake.fail = None
         fake.unlock(1001)
-        code, out, err = run_cli(
-            ["recover", *common, *team.processes, "--progress", "none"], fake, monkeypatch
-        )
+        code, out, err = run_cli(["recover", *common, *team.processes, "--progress", "none"], fake)
         assert code == 0, err
         assert "recover: restored" in out
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
 
 
-def test_a_suspend_whose_capture_rolled_back_exits_1_not_3(
-    work: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_suspend_whose_capture_rolled_back_exits_1_not_3(work: Path) -> None:
     fake = running()
     script = {1: {Op.PREPARE_UNICAST: Fault("fail", status=Status.INTERNAL, message="boom")}}
     with team_of(TOPOLOGY, work / "control", scripts=script) as team:
         common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(team.control_dir)]
-        code, _, err = run_cli(["suspend", *common, *team.processes], fake, monkeypatch)
+        code, _, err = run_cli(["suspend", *common, *team.processes], fake)
         assert code == cli.EXIT_FAILED, err
         assert "rolled back: every process is running as before the run" in err, err
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
@@ -104,14 +98,14 @@ def _plant(kind: str, work: Path) -> tuple[Path, str]:
 @pytest.mark.parametrize("kind", ["symlink", "group-writable", "foreign-owner"])
 @pytest.mark.parametrize("verb", ["prepare", "suspend"])
 def test_an_untrusted_checkpoint_directory_is_refused_before_anything_changes(
-    work: Path, monkeypatch: pytest.MonkeyPatch, kind: str, verb: str
+    work: Path, kind: str, verb: str
 ) -> None:
     ckpt, why = _plant(kind, work)
     fake = running()
     with team_of(TOPOLOGY, work / "control") as team:
         argv = [verb, "--checkpoint-dir", str(ckpt), "--control-dir", str(team.control_dir),
                 *team.processes, "--progress", "none"]  # fmt: skip
-        code, _, err = run_cli(argv, fake, monkeypatch)
+        code, _, err = run_cli(argv, fake)
         assert code == cli.EXIT_FAILED, err
         assert why in err and "not trusted" in err, err
         assert all(not f.received or set(f.received) <= {Op.STATUS} for f in team.fakes)
@@ -123,20 +117,18 @@ def test_an_untrusted_checkpoint_directory_is_refused_before_anything_changes(
 # -- a state file nested too deeply ----------------------------------------------------------
 
 
-def test_a_deeply_nested_state_file_is_refused_by_name(
-    work: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_deeply_nested_state_file_is_refused_by_name(work: Path) -> None:
     fake = running()
     with team_of(TOPOLOGY, work / "control") as team:
-        code, _, err = run_cli(machine("prepare", team, work), fake, monkeypatch)
+        code, _, err = run_cli(machine("prepare", team, work), fake)
         assert code == 0, err
         (work / "ckpt" / STATE_FILE_NAME).write_text("[" * 100_000 + "]" * 100_000)
-        code, _, err = run_cli(machine("restore", team, work), fake, monkeypatch)
+        code, _, err = run_cli(machine("restore", team, work), fake)
         assert code == cli.EXIT_FAILED, err
         assert f"nested deeper than {MAX_STATE_NESTING} levels" in err, err
         assert "internal error" not in err and "RecursionError" not in err
         # The group is as it was (PREPARED): recover rolls it back.
-        code, out, err = run_cli(machine("recover", team, work), fake, monkeypatch)
+        code, out, err = run_cli(machine("recover", team, work), fake)
         assert code == 0, err
         assert "recover: rolled back" in out and "cannot be restored from" in out, out
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cuinterpose import artifacts, cli, drivers, invocation
+from cuinterpose import artifacts, cli, drivers
 from cuinterpose.engine import discovery
-from cuinterpose.engine.native import NativeUnavailableError
+from cuinterpose.engine.native_checkpoint import NativeUnavailableError
 from cuinterpose.engine.wire import Phase
 from engine_harness import Team, short_dir, team_of
 from test_agent import TOPOLOGY
@@ -65,11 +65,8 @@ def sim() -> Path:
     return artifacts.sim_library_dir() / drivers.DRIVER_NAME
 
 
-def test_a_driver_the_coordinator_does_not_know_is_refused_and_never_loaded(
-    work: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_driver_the_coordinator_does_not_know_is_refused_and_never_loaded(work: Path) -> None:
     library, marker = evil_library(work)
-    monkeypatch.setattr(invocation, "_native_backend", lambda: None)  # the real loading path
     with team_of(TOPOLOGY, work / "control") as team:
         pids = reporting(team, library)
         with pytest.raises(NativeUnavailableError) as info:

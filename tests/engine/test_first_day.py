@@ -21,15 +21,16 @@ from typing import Any
 
 import pytest
 import topologies
-from cuinterpose import cli, criu_action, drivers, engine, invocation
+from cuinterpose import cli, criu_action, drivers, engine
 from cuinterpose.engine import agent, criu, images
 from cuinterpose.engine.client import control_dir_problem
 from cuinterpose.engine.discovery import start_ticks
-from cuinterpose.engine.native import ProcessState
+from cuinterpose.engine.native_checkpoint import NativeBackend, ProcessState
 from cuinterpose.engine.progress import DoneEvent, human_line
+from cuinterpose.engine.serial import to_json
 from cuinterpose.engine.wire import Op, Phase
 from cuinterpose.testing import Fault
-from engine_harness import short_dir, team_of
+from engine_harness import ALL_RUNNING, short_dir, team_of
 from test_agent import running
 
 
@@ -38,9 +39,9 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SNAPSHOT_CONTROL_DIR", raising=False)
 
 
-def run(*argv: str) -> tuple[int, str, str]:
+def run(*argv: str, native: NativeBackend = ALL_RUNNING) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    code = cli.main(list(argv), stdout=out, stderr=err)
+    code = cli.main(list(argv), stdout=out, stderr=err, native=native)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -242,10 +243,10 @@ def test_the_manifest_keeps_its_origin_and_reads_one_without(tmp_path: Path) -> 
     people = (agent.Participant(7, 7, "a" * 32), agent.Participant(8, 8, "b" * 32))
     origin = agent.Origin("/run/ctl", None, "/usr/lib/libcuda.so.1", (11, 12))
     written = agent.Manifest(True, False, people, origin=origin)
-    assert agent.Manifest.from_json(written.to_json(), tmp_path).origin == origin
-    older = agent.Manifest(True, False, people).to_json()
+    assert agent.Manifest.from_json(to_json(written), tmp_path).origin == origin
+    older = to_json(agent.Manifest(True, False, people))
     assert "origin" not in older and agent.Manifest.from_json(older, tmp_path).origin is None
-    bad = {**written.to_json(), "origin": {"control_dir": "/run/ctl", "started": [1]}}
+    bad = {**to_json(written), "origin": {"control_dir": "/run/ctl", "started": [1]}}
     with pytest.raises(agent.ManifestError, match="one start time per participant"):
         agent.Manifest.from_json(bad, tmp_path)
 
@@ -310,19 +311,18 @@ def test_the_printed_recover_works_as_printed_from_a_plain_shell(
 
 
 # ------------------------------------------------------------------ 7: the native steps
-def test_a_native_step_that_fails_half_way_prints_the_way_back(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_native_step_that_fails_half_way_prints_the_way_back() -> None:
     fake = running()
-    monkeypatch.setattr(invocation, "_native_backend", lambda: fake)
     fake.fail = ("lock", 1001)
-    code, out, err = run("native", "--action", "lock", "--pid", "1000", "--pid", "1001")
+    code, out, err = run(
+        "native", "--action", "lock", "--pid", "1000", "--pid", "1001", native=fake
+    )
     assert code == cli.EXIT_NEEDS_RECOVER, err
     assert last(out)["exit_code"] == cli.EXIT_NEEDS_RECOVER
     printed = err.split("undo it there with `", 1)[1].split("`", 1)[0]
     assert printed == "cuinterpose native --action unlock --pid 1000", printed
     fake.fail = None
-    code, out, err = run(*shlex.split(printed)[1:])
+    code, out, err = run(*shlex.split(printed)[1:], native=fake)
     assert code == 0, err
     assert last(out)["states"] == {"1000": "RUNNING"}
     assert set(fake.states.values()) == {ProcessState.RUNNING}

@@ -19,7 +19,7 @@ import pytest
 
 # What no command pays for before it knows its verb.
 HEAVY = ("rich", "cattrs", "transitions", "cuda", "ctypes")
-# The engine's rooms of a suspend, a resume, a machine run and a replay (engine.native
+# The engine's rooms of a suspend, a resume, a machine run and a replay (engine.native_checkpoint
 # is not among them: its lock timeout is the parser's default; ctypes and the driver it
 # loads only at the first native call).
 VERB_ROOMS = tuple(

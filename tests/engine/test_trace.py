@@ -24,7 +24,7 @@ from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.trace import TraceError, TraceRecorder, TraceWriter, read_trace
 from cuinterpose.engine.wire import Op, Phase, RecordKind
 from cuinterpose.testing import Fault
-from engine_harness import short_dir, team_of
+from engine_harness import ALL_RUNNING, short_dir, team_of
 from topologies import (
     allocation_id,
     participant,
@@ -257,7 +257,7 @@ def test_regenerate_committed_traces() -> None:
     reason="set CUINTERPOSE_REGENERATE_TRACES=1 (after make build) to rewrite the shim traces",
 )
 def test_regenerate_shim_traces(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cuinterpose import demo, native
+    from cuinterpose import demo, native_calls
     from cuinterpose.demo import scenario
 
     original = scenario.run_cli
@@ -268,10 +268,10 @@ def test_regenerate_shim_traces(monkeypatch: pytest.MonkeyPatch) -> None:
         pids, env = kwargs["pids"], kwargs.get("env")
         if command == "suspend":
             run = original("prepare", trace=TRACES / "shim-sim-capture.jsonl", **kwargs)
-            native.run_in_subprocess("checkpoint-all", pids, env=env)
+            native_calls.run_in_subprocess("checkpoint-all", pids, env=env)
             return run
         if command == "resume":
-            native.run_in_subprocess("restore-all", pids, env=env)
+            native_calls.run_in_subprocess("restore-all", pids, env=env)
             return original("restore", trace=TRACES / "shim-sim-restore.jsonl", **kwargs)
         return original(command, **kwargs)
 
@@ -406,7 +406,8 @@ def test_cli_records_and_replays_a_trace(work: Path, capsys: pytest.CaptureFixtu
     with team_of(TOPOLOGY, work / "control") as t:
         code = cli.main(
             ["prepare", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
-             str(t.control_dir), *t.processes, "--progress", "none", "--trace", str(trace)]
+             str(t.control_dir), *t.processes, "--progress", "none", "--trace", str(trace)],
+            native=ALL_RUNNING,
         )  # fmt: skip
     assert code == 0
     assert cli.main(["replay", str(trace)]) == 0

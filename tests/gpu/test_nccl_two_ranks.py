@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cuinterpose import native
+from cuinterpose import native_calls
 from cuinterpose.demo import coordinator_env, run_cli
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.usefixtures("gpu")]
@@ -184,8 +184,9 @@ def test_two_rank_nccl_job_survives_checkpoint_restore(
         assert prep.returncode == 0, prep.stderr
         save = prep.phase("SAVE_ALLOCATIONS")
         assert int(save["allocation_count"]) > 0, save  # NCCL's shared buffers moved
-        ck = native.run_in_subprocess("checkpoint-all", pids, env={**plain_env, **NO_MULTICAST})
-        rs = native.run_in_subprocess("restore-all", pids, env={**plain_env, **NO_MULTICAST})
+        no_multicast = {**plain_env, **NO_MULTICAST}
+        ck = native_calls.run_in_subprocess("checkpoint-all", pids, env=no_multicast)
+        rs = native_calls.run_in_subprocess("restore-all", pids, env=no_multicast)
         rest = run_cli(
             "restore",
             pids=pids,

@@ -32,7 +32,7 @@ import pytest
 from cuinterpose.demo import coordinator_env
 from cuinterpose.engine import agent
 from cuinterpose.engine.gpus import Gpu, GpuMap
-from cuinterpose.engine.native import CudaBackend, ProcessState, run_step
+from cuinterpose.engine.native_checkpoint import CudaBackend, ProcessState, run_step
 
 from tests.gpu.test_owned_torch import Job, wait_count
 from tests.shim import legacy

@@ -3,7 +3,7 @@
 ``WorkerBackend`` makes the native checkpoint calls from a plain worker process (one that
 loaded the simulated driver at start, which the test runner cannot), ``RemapBackend``
 those and the restore onto other GPUs, ``FaultyBackend`` fails one chosen call. All are
-:class:`cuinterpose.engine.native.NativeBackend`s.
+:class:`cuinterpose.engine.native_checkpoint.NativeBackend`s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from cuinterpose.demo import Worker, pattern_digest
 from cuinterpose.engine import agent
 from cuinterpose.engine.client import call_all
 from cuinterpose.engine.gpus import Gpu, parse_report, uuid_text
-from cuinterpose.engine.native import NativeBackend, NativeError, ProcessState
+from cuinterpose.engine.native_checkpoint import NativeBackend, NativeError, ProcessState
 from cuinterpose.engine.wire import Op, Request
 
 from tests.simenv import Spawn

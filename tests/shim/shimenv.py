@@ -36,7 +36,7 @@ def coordinator_cli_env(control_dir: Path | str) -> dict[str, str]:
         env = simenv.sim_env("release", namespace=sim_namespace_for(control_dir))
         # The CLI loads the driver the shims report (--driver auto), here the ASan
         # build's simulated libcuda: its runtime comes along as a dependency, which ASan
-        # accepts only with this (engine/native.py refuses it otherwise).
+        # accepts only with this (engine/native_checkpoint.py refuses it otherwise).
         env["ASAN_OPTIONS"] = "detect_leaks=0:verify_asan_link_order=0"
     env.pop("LD_PRELOAD", None)
     if simenv.driver_kind() == "tsan":

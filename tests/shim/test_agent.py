@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 from cuinterpose.engine import StepFailed, agent, runner, watch, wire
 from cuinterpose.engine.client import ParticipantHangup, call_all
-from cuinterpose.engine.native import ProcessState
+from cuinterpose.engine.native_checkpoint import ProcessState
+from cuinterpose.engine.serial import to_json
 
 from tests.shim import shimenv
 from tests.shim.agentgroup import FaultyBackend, Group, WorkerBackend, build_group
@@ -123,7 +124,7 @@ def test_suspend_and_resume_through_the_library(
     assert dict((t.step, t.bytes) for t in done.timings)["capture"] == 2 * group.size
     # Every event reached the logger too, with its fields in extra.
     logged = [r.cuinterpose for r in caplog.records if hasattr(r, "cuinterpose")]
-    assert logged == [e.to_json() for e in seen]
+    assert logged == [to_json(e) for e in seen]
     assert {"step", "phase", "done"} <= {f["event"] for f in logged}
 
     back = agent.resume(tmp_path, where=where, native=native, on_event=seen.append)

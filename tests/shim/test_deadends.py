@@ -102,7 +102,7 @@ def test_a_call_held_while_prepared_runs_after_the_restore_is_verified(
 
 def _no_driver_env() -> dict[str, str]:
     env = coordinator_env()
-    probe = "from cuinterpose.engine.native import CudaBackend; CudaBackend().driver()"
+    probe = "from cuinterpose.engine.native_checkpoint import CudaBackend; CudaBackend().driver()"
     loads = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, check=False)
     if loads.returncode == 0:
         pytest.skip("a CUDA driver loads without the simulated one here")

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cuinterpose import artifacts, demo, launch, native
+from cuinterpose import artifacts, demo, launch, native_calls
 from cuinterpose.demo import coordinator_env, pattern_digest
 
 from tests.shim.workers.cycle import (
@@ -108,23 +108,23 @@ def test_native_errors_name_pid_call_and_result(
 ) -> None:
     app = spawn("app", plain_env)
     stranger = os.getpid()  # not a CUDA process of the simulated driver
-    with pytest.raises(native.NativeError) as info:
-        native.run_in_subprocess("checkpoint-all", [app.pid, stranger], env=plain_env)
+    with pytest.raises(native_calls.NativeError) as info:
+        native_calls.run_in_subprocess("checkpoint-all", [app.pid, stranger], env=plain_env)
     err = info.value
     assert (err.pid, err.call) == (stranger, "cuCheckpointProcessLock")
     assert err.result.startswith("CUDA_ERROR_"), err
     assert f"pid {stranger}" in str(err) and err.result in str(err)
     # The lock that had succeeded was undone: the application runs on.
     assert f"unlocked again: {app.pid}" in str(err)
-    states = native.run_in_subprocess("state", [app.pid], env=plain_env)["states"]
+    states = native_calls.run_in_subprocess("state", [app.pid], env=plain_env)["states"]
     assert states == {str(app.pid): "RUNNING"}
     assert app.check("granularity")["granularity"] > 0
-    tids = native.run_in_subprocess("restore-thread-id", [app.pid], env=plain_env)
+    tids = native_calls.run_in_subprocess("restore-thread-id", [app.pid], env=plain_env)
     tid = tids["restore_thread_ids"][str(app.pid)]
     assert Path(f"/proc/{app.pid}/task/{tid}").is_dir(), tids  # a thread of that process
 
-    with pytest.raises(native.NativeError) as info:
-        native.run_in_subprocess("restore-all", [app.pid], env=plain_env)
+    with pytest.raises(native_calls.NativeError) as info:
+        native_calls.run_in_subprocess("restore-all", [app.pid], env=plain_env)
     assert (info.value.pid, info.value.call) == (app.pid, "cuCheckpointProcessRestore")
     assert info.value.result.startswith("CUDA_ERROR_")
     app.close_clean()
@@ -181,14 +181,14 @@ def test_launch_preloads_the_shim_and_creates_the_control_dir(control_dir: Path)
 def test_native_group_arguments_and_timings_round_trip() -> None:
     for bad in ([], [5, 5], [0]):
         with pytest.raises(ValueError):
-            native.run_in_subprocess("state", bad, env={})
+            native_calls.run_in_subprocess("state", bad, env={})
     with pytest.raises(ValueError, match="unknown native action"):
-        native.run_in_subprocess("freeze", [1], env={})
-    timings = native.GroupTimings(
-        "checkpoint", (3, 4), 0.5, 1.5, 2.0, (native.CallTiming(3, "lock", 0.25),)
+        native_calls.run_in_subprocess("freeze", [1], env={})
+    timings = native_calls.GroupTimings(
+        "checkpoint", (3, 4), 0.5, 1.5, 2.0, (native_calls.CallTiming(3, "lock", 0.25),)
     )
-    assert native.GroupTimings.from_json(json.loads(json.dumps(timings.to_json()))) == timings
-    assert str(native.NativeError(7, "cuCheckpointProcessLock", "CUDA_ERROR_TIMEOUT")) == (
+    assert native_calls.GroupTimings.from_json(json.loads(json.dumps(timings.to_json()))) == timings
+    assert str(native_calls.NativeError(7, "cuCheckpointProcessLock", "CUDA_ERROR_TIMEOUT")) == (
         "pid 7: cuCheckpointProcessLock failed: CUDA_ERROR_TIMEOUT"
     )
 

@@ -28,7 +28,7 @@ from typing import Literal
 
 import attrs
 import pytest
-from cuinterpose import native
+from cuinterpose import native_calls
 from cuinterpose.demo import Worker
 from cuinterpose.engine import (
     Endpoint,
@@ -161,9 +161,9 @@ H['cva'] = mc_map(H['mc'], 2 * gran)
 
 def native_cycle(team: McTeam, namespace: str) -> None:
     env = simenv.sim_env(namespace=namespace, devices=max(len(team.workers), 2))
-    ck = native.run_in_subprocess("checkpoint-all", team.pids, env=env)
+    ck = native_calls.run_in_subprocess("checkpoint-all", team.pids, env=env)
     assert set(ck["states"].values()) == {"CHECKPOINTED"}, ck
-    rs = native.run_in_subprocess("restore-all", team.pids, env=env)
+    rs = native_calls.run_in_subprocess("restore-all", team.pids, env=env)
     assert set(rs["states"].values()) == {"RUNNING"}, rs
 
 

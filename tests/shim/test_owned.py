@@ -113,15 +113,15 @@ def test_prepare_native_restore_keeps_legacy_ipc_sharing(
     control_dir: Path,
     tmp_path: Path,
 ) -> None:
-    from cuinterpose import native
+    from cuinterpose import native_calls
 
     pair = share_legacy(spawn, shim_env, SEED)
     prepared = cli("prepare", pair.pids, control_dir, tmp_path)
     assert prepared.returncode == 0, prepared.stderr
     saved = [e for e in prepared.events if e.get("phase") == "SAVE_ALLOCATIONS"]
     assert sum(int(e.get("allocation_bytes", 0)) for e in saved) >= BIG + SMALL, saved
-    native.run_in_subprocess("checkpoint-all", pair.pids, env=plain_env)
-    native.run_in_subprocess("restore-all", pair.pids, env=plain_env)
+    native_calls.run_in_subprocess("checkpoint-all", pair.pids, env=plain_env)
+    native_calls.run_in_subprocess("restore-all", pair.pids, env=plain_env)
     restored = cli("restore", pair.pids, control_dir, tmp_path)
     assert restored.returncode == 0, restored.stderr
     shared_both_ways(pair, write_seed=SEED + 20)

@@ -22,6 +22,7 @@ from cuinterpose.demo import Worker, coordinator_env
 from cuinterpose.engine import Options, StepFailed, agent, capture, endpoint_for, wire
 from cuinterpose.engine.errors import not_quiet
 from cuinterpose.engine.progress import FailedEvent, QuiesceRound
+from cuinterpose.engine.serial import to_json
 
 from tests import snippet
 from tests.shim import shimenv
@@ -91,7 +92,7 @@ def test_ranks_a_collective_apart_converge_by_advancing(
                 # Every gate is closed now: the importer's synchronize is held.
                 importer("RUN['pause'] = False\nGO.set()")
             rounds.append(event)
-            print("ROUND", event.to_json(), flush=True)
+            print("ROUND", to_json(event), flush=True)
 
     processes = [(w.pid, w.pid) for w in (creator, importer)]
     done = agent.suspend(processes, tmp_path / "ckpt", where=where, native=native,
@@ -200,8 +201,8 @@ def test_a_running_group_is_suspended_and_resumed_without_a_lost_update(
     seen: list[agent.AgentEvent] = []
     done = agent.suspend(processes, tmp_path, where=where, native=native, on_event=seen.append)
     assert done.manifest.prepared
-    quiesce = [e for e in seen if e.to_json().get("phase") == "QUIESCE"]
-    assert quiesce, [e.to_json() for e in seen]
+    quiesce = [e for e in seen if to_json(e).get("phase") == "QUIESCE"]
+    assert quiesce, [to_json(e) for e in seen]
     at_suspend = [_progress(w) for w in group]
     agent.resume(tmp_path, where=where, native=native)
     # The held threads run on: every one of them writes again after the resume.

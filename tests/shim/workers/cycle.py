@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cuinterpose import native
+from cuinterpose import native_calls
 from cuinterpose.demo import (
     CliRun,
     Scenario,
@@ -146,14 +146,14 @@ def three_process_cycle(
     used_prepared = used(observer)
     assert used_before - used_prepared >= scen.staged_bytes - slack, (used_before, used_prepared)
 
-    ck = native.run_in_subprocess("checkpoint-all", scen.pids, env=plain_env)
+    ck = native_calls.run_in_subprocess("checkpoint-all", scen.pids, env=plain_env)
     assert set(ck["states"].values()) == {"CHECKPOINTED"}, ck
     used_ckpt = used(observer)
     assert used_before - used_ckpt >= all_bytes, (
         f"checkpointed, yet only {used_before - used_ckpt} of {all_bytes} bytes freed"
     )
 
-    rs = native.run_in_subprocess("restore-all", scen.pids, env=plain_env)
+    rs = native_calls.run_in_subprocess("restore-all", scen.pids, env=plain_env)
     assert set(rs["states"].values()) == {"RUNNING"}, rs
 
     rest = cli("restore", scen.pids, control_dir, work_dir, timeout_s=timeout_s)

@@ -4,7 +4,7 @@
 GetRestoreThreadId`` act on another process, named by its PID. The group
 helpers follow the in-place flow of the design: lock all, then checkpoint all;
 later restore all, then unlock all; each step is the engine's
-(:func:`cuinterpose.engine.native.run_step`, which also checks every process's
+(:func:`cuinterpose.engine.native_checkpoint.run_step`, which also checks every process's
 state after it). Every failure raises :class:`NativeError` naming the pid, the
 call and the ``CUresult`` name; nothing is retried and nothing falls back.
 
@@ -14,7 +14,7 @@ that the coordinator's other commands never load it; its absence is a
 calls reach whichever ``libcuda.so.1`` this process loads; to drive the
 simulated driver from a process that did not start with it on its library
 path, :func:`run_in_subprocess` runs the same calls in a child process with a
-given environment (``python -m cuinterpose.native``).
+given environment (``python -m cuinterpose.native_calls``).
 
 Everything untyped from ``cuda.bindings`` stays inside this module: the public
 functions take and return plain Python values.
@@ -32,7 +32,7 @@ from typing import Any, Final
 
 import attrs
 
-from .engine.native import (
+from .engine.native_checkpoint import (
     DEFAULT_LOCK_TIMEOUT_MS,
     CudaBackend,
     NativeError,
@@ -236,7 +236,7 @@ def run_in_subprocess(
     timeout_s: float = 300.0,
     python: str | None = None,
 ) -> dict[str, Any]:
-    """Run one native action in ``python -m cuinterpose.native`` with ``env``.
+    """Run one native action in ``python -m cuinterpose.native_calls`` with ``env``.
 
     Use it when this process cannot load the driver the targets use (the simulated
     driver must be on the library path when a process starts). Returns the child's
@@ -248,7 +248,7 @@ def run_in_subprocess(
     argv = [
         python or sys.executable,
         "-m",
-        "cuinterpose.native",
+        "cuinterpose.native_calls",
         action,
         "--timeout-ms",
         str(timeout_ms),
@@ -279,7 +279,7 @@ def run_in_subprocess(
 
 def _main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m cuinterpose.native",
+        prog="python -m cuinterpose.native_calls",
         description="native CUDA checkpoint calls on other processes, answering one JSON line",
     )
     parser.add_argument("action", choices=ACTIONS)
