@@ -31,6 +31,17 @@ trip) and read against the floor (the raw fan-out to the same 8 processes).
 Timings are medians over --repeat capture+restore cycles; on a machine shared with
 other work, compare runs made under the same conditions. --profile N runs
 cProfile over the coordinator's side of the machines with N participants.
+
+``--suspend-group N`` measures instead the coordinator's own share of a whole
+``suspend``/``resume`` (the engine's calls, as the command line makes them) on the
+simulated driver: N real processes with the shim preloaded (a creator sharing one
+allocation with N-1 importers), --repeat cycles, and per cycle the steps that are the
+coordinator's (``detect``, which holds every STATUS before HANDSHAKE, ``capture``,
+``coordinator_restore``) apart from the native ones (lock, checkpoint, restore, unlock),
+which are the driver's; the coordinator's share is a verb's whole time less its native
+steps. Needs ``make build``.
+
+    .venv/bin/python bench/coordinator.py --suspend-group 4 --repeat 20
 """
 
 from __future__ import annotations
@@ -381,7 +392,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=10, help="capture+restore cycles per size")
     parser.add_argument("--raw-iterations", type=int, default=2000)
     parser.add_argument("--profile", type=int, metavar="N", help="cProfile the run with N fakes")
+    parser.add_argument(
+        "--suspend-group",
+        type=int,
+        metavar="N",
+        help="time the coordinator's share of suspend/resume of N shimmed sim processes",
+    )
     args = parser.parse_args(argv)
+    if args.suspend_group is not None:
+        figures = suspend_cycles(args.suspend_group, args.repeat)
+        _print_suspend(figures)
+        if args.out is not None:
+            args.out.write_text(json.dumps(figures, indent=2) + "\n")
+        return 0
     sizes = [int(s) for s in args.participants.split(",")]
     work = Path(tempfile.mkdtemp(prefix="cuip-bench-"))
     try:
@@ -424,6 +447,99 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     return 0
+
+
+_COORDINATOR_STEPS = ("detect", "capture", "coordinator_restore")
+
+
+def suspend_cycles(n: int, cycles: int, mib: int = 8) -> dict[str, Any]:
+    """``cycles`` suspend+resume of N sim processes sharing ``mib`` MiB, through the
+    engine (agent.suspend/resume, the native calls on the simulated driver the shims
+    report); every step's seconds, the median of each, and the coordinator's share."""
+    from cuinterpose import launch
+    from cuinterpose.demo import Worker
+    from cuinterpose.engine import agent
+
+    if n < 2:
+        raise SystemExit("--suspend-group needs at least 2 processes (a creator and an importer)")
+    work = Path(tempfile.mkdtemp(prefix="cuip-bench-suspend-"))
+    namespace = f"bench-coordinator-{os.getpid()}"
+    # The native calls are made in this process, on the simulator's shared state.
+    os.environ["CUINTERPOSE_SIM_NAMESPACE"] = namespace
+    base = dict(os.environ)
+    base.pop("LD_PRELOAD", None)
+    control = launch.ensure_control_dir(work / "control")
+    shim = launch.launch_env(driver="sim", control_dir=control, base=base)
+    workers: list[Worker] = []
+    steps: dict[str, list[float]] = defaultdict(list)
+    try:
+        size = mib << 20
+        creator = Worker("creator", shim, log_dir=work, timeout_s=120.0)
+        workers.append(creator)
+        handle, _ = creator.create_mapped(size, seed=7)
+        for i in range(1, n):
+            importer = Worker(f"importer-{i}", shim, log_dir=work, timeout_s=120.0)
+            workers.append(importer)
+            fd = creator.send_fd_to(
+                importer, int(creator.check("export", handle=handle)["fd"]), close=True
+            )
+            importer.map_at_new_va(int(importer.check("import", fd=fd)["handle"]), size)
+        group = [(w.pid, w.pid) for w in workers]
+        where = agent.Where(control)
+        for cycle in range(cycles):
+            directory = work / f"ck-{cycle}"
+            began = time.perf_counter()
+            suspended = agent.suspend(group, directory, where=where)
+            steps["suspend_total"].append(time.perf_counter() - began)
+            began = time.perf_counter()
+            resumed = agent.resume(directory, where=where)
+            steps["resume_total"].append(time.perf_counter() - began)
+            for timing in (*suspended.timings, *resumed.timings):
+                steps[timing.step].append(timing.seconds)
+    finally:
+        for w in workers:
+            w.kill()
+        Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-{namespace}").unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+    medians = {step: statistics.median(seconds) for step, seconds in steps.items()}
+    return {
+        "processes": n,
+        "shared_mib": mib,
+        "cycles": cycles,
+        "cpus": os.cpu_count(),
+        "median_s": medians,
+        # Everything but the driver's own calls: the group's checks, every STATUS, the
+        # machines, the manifest.
+        "coordinator_share_of_suspend_s": statistics.median(
+            total - native
+            for total, native in zip(
+                steps["suspend_total"],
+                map(sum, zip(steps["native_lock"], steps["native_checkpoint"], strict=True)),
+                strict=True,
+            )
+        ),
+        "coordinator_share_of_resume_s": statistics.median(
+            total - native
+            for total, native in zip(
+                steps["resume_total"],
+                map(sum, zip(steps["native_restore"], steps["native_unlock"], strict=True)),
+                strict=True,
+            )
+        ),
+        "samples_s": dict(steps),
+    }
+
+
+def _print_suspend(figures: dict[str, Any]) -> None:
+    print(
+        f"suspend/resume of {figures['processes']} sim processes "
+        f"({figures['shared_mib']} MiB shared), median of {figures['cycles']} cycles:"
+    )
+    for step, seconds in figures["median_s"].items():
+        mine = " (coordinator)" if step in _COORDINATOR_STEPS else ""
+        print(f"  {step:<22} {_ms(seconds):>10}{mine}")
+    print(f"  coordinator's share of a suspend: {_ms(figures['coordinator_share_of_suspend_s'])}")
+    print(f"  coordinator's share of a resume:  {_ms(figures['coordinator_share_of_resume_s'])}")
 
 
 def _goal(results: dict[str, Any], n: int) -> dict[str, Any]:

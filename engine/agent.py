@@ -26,7 +26,7 @@ caller's callback and to the ``cuinterpose.agent`` logger (:mod:`.events`).
 
 from __future__ import annotations
 
-from .detection import Detection, DetectionRefused, Where, detect, remove_stale_sockets
+from .detection import Detection, DetectionRefused, Group, Where, detect, remove_stale_sockets
 from .errors import AgentError
 from .events import LOGGER_NAME, AgentCallback, AgentEvent, CopyProgress, StepEvent
 from .gpus import Gpu, GpuMap, GpuMapRefused
@@ -73,6 +73,7 @@ __all__ = [
     "Gpu",
     "GpuMap",
     "GpuMapRefused",
+    "Group",
     "Manifest",
     "ManifestError",
     "NativeError",

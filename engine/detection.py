@@ -11,7 +11,7 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Final, Literal
 
@@ -46,15 +46,28 @@ class Where:
         )
 
 
-def group_of(processes: Sequence[Process | tuple[int, int]]) -> tuple[Process, ...]:
-    """The processes a verb was given, as :class:`Process`: none, or one twice, is refused."""
-    group = tuple(p if isinstance(p, Process) else Process(*p) for p in processes)
-    if not group:
-        raise ValueError("no processes given")
-    for p in group:
-        if group.count(p) > 1:
-            raise ValueError(f"{p.describe()} is given twice")
-    return group
+class Group(tuple[Process, ...]):
+    """The processes of one verb, checked once, when it is made (none, or one twice, is
+    refused): the steps below the verb take this value and do not check it again.
+
+    A tuple, so that every step iterates, zips and counts it as it did the processes."""
+
+    __slots__ = ()
+
+    def __new__(cls, processes: Iterable[Process | tuple[int, int]]) -> Group:
+        members = tuple(p if isinstance(p, Process) else Process(*p) for p in processes)
+        if not members:
+            raise ValueError("no processes given")
+        if len(set(members)) < len(members):
+            twice = next(p for p in members if members.count(p) > 1)
+            raise ValueError(f"{twice.describe()} is given twice")
+        return super().__new__(cls, members)
+
+
+def group_of(processes: Sequence[Process | tuple[int, int]]) -> Group:
+    """The processes a verb was given, as a :class:`Group` (refused as it says); a
+    :class:`Group` is returned as it is."""
+    return processes if isinstance(processes, Group) else Group(processes)
 
 
 class DetectionRefused(AgentError):

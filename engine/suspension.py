@@ -76,30 +76,68 @@ class SuspendResult:
     released: Released | None = None
 
 
-def _participant_ids(
-    endpoints: Sequence[Endpoint], timeout: float
-) -> tuple[tuple[str, ...], str | None]:
-    """Each shim's id and the driver the shims report, from STATUS (binds nothing: the
-    capture's HANDSHAKE binds)."""
-    asked = [(e, Request(Op.STATUS, ask_driver=True), None) for e in endpoints]
-    replies = call_all(asked, timeout=timeout)
+@attrs.frozen
+class _ShimReport:
+    """What a suspend records of its shims before the capture: each one's participant id
+    (the copy watcher's and the manifest's), the driver they loaded, and the GPUs each
+    process uses (the remap's check on restore, gpus.resolve)."""
+
+    ids: tuple[str, ...]
+    driver: str | None
+    gpus: tuple[tuple[Gpu, ...], ...]
+
+
+def _shim_report(endpoints: Sequence[Endpoint], timeout: float) -> _ShimReport:
+    """One STATUS round asking the driver and the devices together (protocol.h
+    CUIP_ASK_ALL); every reply names its participant. Binds nothing: the capture's
+    HANDSHAKE binds.
+
+    Why one ask rather than the ids from HANDSHAKE: the driver and the GPUs must be
+    known before anything changes (two drivers, or a shim that cannot say its GPUs, is
+    refused with nothing done), so a round before HANDSHAKE stays whichever way the ids
+    come; asking it everything at once makes it the only one, with no change to the
+    runner and a copy watcher that starts with the capture, as it did. The native
+    backend's own driver question (``native_for``, the CLI's late one) stays apart: it
+    comes before ``require_states``, which must refuse a process not RUNNING before its
+    shim is asked for GPUs (the devices report makes driver calls)."""
+    asked = Request(Op.STATUS, ask_driver=True, ask_devices=True)
+    replies = call_all([(e, asked, None) for e in endpoints], timeout=timeout)
     ids: list[str] = []
     drivers: dict[int, str] = {}
+    gpus: list[tuple[Gpu, ...]] = []
     problems: list[str] = []
     for endpoint, reply in zip(endpoints, replies, strict=True):
         if isinstance(reply, ParticipantError):
             problems.append(f"{reply} (looked in {endpoint.path.parent})")
-        else:
-            ids.append(reply.participant)
-            if reply.status is Status.OK and reply.message:
-                drivers[endpoint.observed_pid] = reply.message
+            continue
+        if reply.status is not Status.OK:
+            problems.append(f"{endpoint.describe()}: devices report: {reply.message}")
+            continue
+        driver, newline, devices = reply.message.partition("\n")
+        if not newline:  # not this protocol's answer (an older shim refuses the ask)
+            problems.append(
+                f"{endpoint.describe()}: its STATUS reply has no driver line (a shim "
+                "older than this engine?)"
+            )
+            continue
+        try:
+            gpus.append(parse_report(devices))
+        except ValueError as exc:
+            problems.append(f"{endpoint.describe()}: devices report refused: {exc}")
+            continue
+        ids.append(reply.participant)
+        if driver:
+            drivers[endpoint.observed_pid] = driver
     if problems:
-        raise DetectionRefused("a shim did not answer STATUS:", problems)
+        raise DetectionRefused(
+            "a shim did not say which driver it loaded and which GPUs its process uses:",
+            problems,
+        )
     try:
-        driver = DriverReport(drivers).one()
+        shared = DriverReport(drivers).one()
     except DriverMismatch as exc:
         raise DetectionRefused("suspend refused:", [f"{exc}: one suspend per driver"]) from None
-    return tuple(ids), driver
+    return _ShimReport(tuple(ids), shared, tuple(gpus))
 
 
 def native_for(where: Where, processes: Sequence[Process | tuple[int, int]]) -> CudaBackend:
@@ -110,29 +148,6 @@ def native_for(where: Where, processes: Sequence[Process | tuple[int, int]]) -> 
         return CudaBackend(shim_drivers(endpoints).one())
     except DriverMismatch as exc:
         raise NativeUnavailableError(f"{exc}: one driver per run") from exc
-
-
-def _devices(endpoints: Sequence[Endpoint], timeout: float) -> tuple[tuple[Gpu, ...], ...]:
-    """Each shim's GPUs (STATUS ask_devices), for the manifest: a restore onto other
-    GPUs is checked against them (gpus.resolve)."""
-    replies = call_all(
-        [(e, Request(Op.STATUS, ask_devices=True), None) for e in endpoints], timeout=timeout
-    )
-    found: list[tuple[Gpu, ...]] = []
-    problems: list[str] = []
-    for endpoint, reply in zip(endpoints, replies, strict=True):
-        if isinstance(reply, ParticipantError):
-            problems.append(str(reply))
-        elif reply.status is not Status.OK:
-            problems.append(f"{endpoint.describe()}: devices report: {reply.message}")
-        else:
-            try:
-                found.append(parse_report(reply.message))
-            except ValueError as exc:
-                problems.append(f"{endpoint.describe()}: devices report refused: {exc}")
-    if problems:
-        raise DetectionRefused("a shim did not say which GPUs its process uses:", problems)
-    return tuple(found)
 
 
 def _fresh_directory(directory: Path) -> None:
@@ -198,16 +213,14 @@ def suspend(
             "every process must be RUNNING (`cuinterpose status` shows the group; one "
             f"CHECKPOINTED by an earlier suspend comes back with {resume_hint(None)})",
         )
-        ids: tuple[str | None, ...] = (None,) * len(group)
-        driver = None
-        gpus: tuple[tuple[Gpu, ...], ...] = ((),) * len(group)
+        shims = _ShimReport((), None, ((),) * len(group))
         if detection.mode == "cuinterpose":
-            ids, driver = _participant_ids(detection.endpoints, options.phase_timeout)
-            gpus = _devices(detection.endpoints, options.phase_timeout)
+            shims = _shim_report(detection.endpoints, options.phase_timeout)
+        ids: tuple[str | None, ...] = shims.ids or (None,) * len(group)
         origin = Origin(
             str(where.control_dir),
             None if where.proc_root is None else str(where.proc_root),
-            driver,
+            shims.driver,
             tuple(start_ticks(p.observed_pid, where.proc_root) for p in group),
         )
     prepared = False
@@ -235,7 +248,7 @@ def suspend(
             prepared,
             tuple(
                 Participant(p.observed_pid, p.namespace_pid, i, g)
-                for p, i, g in zip(group, ids, gpus, strict=True)
+                for p, i, g in zip(group, ids, shims.gpus, strict=True)
             ),
             tuple(report.timings),
             utc_timestamp(),

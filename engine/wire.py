@@ -33,6 +33,9 @@ CONTROL_DIR_MAX: Final = 60
 ASK_DRIVER: Final = 1
 # STATUS: which GPUs the shim's process uses (the reply's message, GpuLine per line).
 ASK_DEVICES: Final = 2
+# STATUS: both at once (the asks are bits): the driver's path on the message's first
+# line, the devices report after it (protocol.h CUIP_ASK_ALL).
+ASK_ALL: Final = ASK_DRIVER | ASK_DEVICES
 # An EXPORT request's stat_count withdrawing a fetch whose open failed.
 EXPORT_WITHDRAW: Final = 1
 
@@ -447,8 +450,8 @@ def export_request_stats(size: int, withdraw: bool) -> Stats:
 
 
 def status_request_stats(ask_driver: bool, ask_devices: bool = False) -> Stats:
-    """A STATUS request's stat fields: what it asks (ASK_DRIVER, ASK_DEVICES, or nothing)."""
-    return Stats(count=ASK_DRIVER if ask_driver else ASK_DEVICES if ask_devices else 0)
+    """A STATUS request's stat fields: what it asks, as bits (ASK_DRIVER, ASK_DEVICES)."""
+    return Stats(count=(ASK_DRIVER if ask_driver else 0) | (ASK_DEVICES if ask_devices else 0))
 
 
 def quiesce_deadline_ns(stats: Stats) -> int:
@@ -467,7 +470,7 @@ def quiesce_held(stats: Stats) -> int:
 
 
 def status_ask(stats: Stats) -> int:
-    """What a STATUS request asks (ASK_DRIVER, ASK_DEVICES, or 0)."""
+    """What a STATUS request asks: ASK_DRIVER and ASK_DEVICES as bits (0: neither)."""
     return stats.count
 
 
@@ -604,7 +607,8 @@ class Request:
     # STATUS only: ask which driver the shim loaded (the reply's message is its path
     # instead of the stored failure reason; carried in stat_count as ASK_DRIVER).
     ask_driver: bool = False
-    # STATUS only: ask which GPUs the shim's process uses (carried as ASK_DEVICES).
+    # STATUS only: ask which GPUs the shim's process uses (carried as ASK_DEVICES). Both
+    # asked: one message, the driver's path on its first line (ASK_ALL).
     ask_devices: bool = False
     # LOAD_ALLOCATIONS only: the native restore's GPU mapping, "GPU-old=GPU-new,..." (sent
     # as the request's text; the shim checks every GPU it used is the one named now).
@@ -641,8 +645,6 @@ class Request:
             raise WireError(f"{self.op.name} request carries a deadline (QUIESCE only)")
         if (self.ask_driver or self.ask_devices) and self.op is not Op.STATUS:
             raise WireError(f"{self.op.name} request asks what STATUS only answers")
-        if self.ask_driver and self.ask_devices:
-            raise WireError("STATUS request asks for the driver and the devices at once")
         if self.gpu_map and self.op is not Op.LOAD_ALLOCATIONS:
             raise WireError(f"{self.op.name} request carries a GPU mapping (LOAD_ALLOCATIONS only)")
         if self.fd is not None and self.op not in FILE_OPS:
@@ -802,12 +804,12 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
     round_flag = quiesce_round(stats) if op is Op.QUIESCE else 0
     ask = status_ask(stats) if op is Op.STATUS else 0
     withdraw = stats.count if op is Op.EXPORT else 0
-    if round_flag > 1 or ask > ASK_DEVICES or withdraw > EXPORT_WITHDRAW:
+    if round_flag > 1 or ask > ASK_ALL or withdraw > EXPORT_WITHDRAW:
         raise WireError(f"{op.name} request has stats set")
     if op is Op.QUIESCE:
         allowed = quiesce_request_stats(deadline, bool(round_flag))
     elif op is Op.STATUS:
-        allowed = status_request_stats(ask == ASK_DRIVER, ask == ASK_DEVICES)
+        allowed = status_request_stats(bool(ask & ASK_DRIVER), bool(ask & ASK_DEVICES))
     elif op is Op.EXPORT:
         allowed = export_request_stats(stats.bytes, bool(withdraw))
     else:
@@ -830,8 +832,8 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         fetcher=_participant_text(text, "fetcher") if text and op is Op.EXPORT else "",
         deadline_ns=deadline,
         round=bool(round_flag),
-        ask_driver=ask == ASK_DRIVER,
-        ask_devices=ask == ASK_DEVICES,
+        ask_driver=bool(ask & ASK_DRIVER),
+        ask_devices=bool(ask & ASK_DEVICES),
         gpu_map=_gpu_map_text(text) if op is Op.LOAD_ALLOCATIONS else "",
         export_size=stats.bytes if op is Op.EXPORT else 0,
         withdraw=bool(withdraw),

@@ -64,7 +64,9 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
         with running.stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)), live:
             if command == "suspend":
                 done: agent.SuspendResult | agent.ResumeResult = agent.suspend(
-                    processes,
+                    # The group's one value (targets.named refused a repeat already):
+                    # the suspend passes it down, checked no more.
+                    agent.Group(processes),
                     call.options.checkpoint_dir,
                     where=call.where(),
                     native=native,

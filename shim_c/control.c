@@ -53,7 +53,7 @@ static bool request_stats_ok(const struct cuip_header *q)
     case CUIP_OP_QUIESCE:
         return cuip_quiesce_round(q) <= 1 && !q->stat_bytes && !q->stat_copy_ns;
     case CUIP_OP_STATUS:
-        return cuip_status_ask(q) <= CUIP_ASK_DEVICES && !q->stat_bytes && !q->stat_elapsed_ns &&
+        return cuip_status_ask(q) <= CUIP_ASK_ALL && !q->stat_bytes && !q->stat_elapsed_ns &&
                !q->stat_copy_ns;
     case CUIP_OP_EXPORT:
         return cuip_export_withdraw(q) <= CUIP_EXPORT_WITHDRAW && !q->stat_elapsed_ns &&
@@ -619,8 +619,8 @@ static void handle(const struct cuip_header *q, const char *text, int fd, pid_t 
     }
     if (q->op == CUIP_OP_STATUS) {
         /* read-only: served to anyone trusted, lease or not */
-        if (cuip_status_ask(q) == CUIP_ASK_DEVICES)
-            devices_report(r);
+        if (cuip_status_ask(q) & CUIP_ASK_DEVICES)
+            devices_report(r, cuip_status_ask(q) & CUIP_ASK_DRIVER);
         else
             serve_status(r, cuip_status_ask(q) == CUIP_ASK_DRIVER);
         return;

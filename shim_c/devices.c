@@ -144,7 +144,30 @@ void devices_remember(void)
     saved.known = true;
 }
 
-void devices_report(struct reply *r)
+/* The driver's path as the first line of a report that asks for both: a
+ * newline in it would shift every line after it, so it is refused. */
+static int driver_line(char *text, size_t size, size_t *len, struct reply *r)
+{
+    const char *driver = shim_driver_path();
+    int k;
+
+    if (!driver)
+        driver = "";
+    if (strchr(driver, '\n')) {
+        reply_msg(r, CUIP_STATUS_INTERNAL, "the driver's path holds a newline");
+        return -1;
+    }
+    k = snprintf(text, size, "%s\n", driver);
+    if (k < 0 || (size_t)k >= size) {
+        reply_msg(r, CUIP_STATUS_INTERNAL, "the driver's path exceeds %u bytes",
+                  CUIP_MESSAGE_MAX);
+        return -1;
+    }
+    *len = (size_t)k;
+    return 0;
+}
+
+void devices_report(struct reply *r, bool with_driver)
 {
     uint64_t bytes[MAX_DEVICES] = {0};
     uint64_t used = 0;
@@ -158,6 +181,8 @@ void devices_report(struct reply *r)
         return;
     }
     text[0] = '\0';
+    if (with_driver && driver_line(text, sizeof text, &len, r) != 0)
+        return;
     for (int d = 0; d < n; d++) {
         CUuuid u;
         char name[64] = "", id[UUID_TEXT_LEN + 1];

@@ -181,6 +181,13 @@ static inline int cuip_op_served_in(uint32_t op, uint32_t phase)
  * GPU, "<ordinal>\t<GPU-uuid>\t<bytes it created there>\t<name>\n";
  * REFUSED while a phase op runs. */
 #define CUIP_ASK_DEVICES 2u
+/* The asks are bits: asking both (CUIP_ASK_DRIVER | CUIP_ASK_DEVICES) is
+ * one round for what a suspend records, and its message is the driver's
+ * path on a line of its own ("\n" alone while none is loaded) followed by
+ * the devices report; INTERNAL when the path holds a newline or the whole
+ * does not fit CUIP_MESSAGE_MAX. The values 1 and 2 alone keep their
+ * meaning. */
+#define CUIP_ASK_ALL (CUIP_ASK_DRIVER | CUIP_ASK_DEVICES)
 /* A LOAD_ALLOCATIONS request may carry text (message_length bytes, at most
  * CUIP_MESSAGE_MAX): the GPU mapping of the native restore,
  * "GPU-old=GPU-new[,GPU-old=GPU-new...]"; the shim checks that each GPU it
@@ -334,8 +341,8 @@ static inline void cuip_set_export_withdraw(struct cuip_header *h, uint64_t with
     h->stat_count = withdraw;
 }
 
-/* STATUS request: CUIP_ASK_DRIVER (the driver's path) or CUIP_ASK_DEVICES
- * (the GPUs used), else 0. */
+/* STATUS request: CUIP_ASK_DRIVER (the driver's path), CUIP_ASK_DEVICES
+ * (the GPUs used), both (CUIP_ASK_ALL), else 0. */
 static inline uint64_t cuip_status_ask(const struct cuip_header *h)
 {
     return h->stat_count;

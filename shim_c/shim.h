@@ -631,8 +631,9 @@ SHIM_HIDDEN int io_read_all(int fd, void *buf, size_t len, uint64_t deadline_ns,
 /* ---------------------------------------------------------------- devices.c */
 /* A QUIESCE done: note every ordinal's UUID and which ordinals are used. */
 SHIM_HIDDEN void devices_remember(void);
-/* STATUS with CUIP_ASK_DEVICES: the message lists the GPUs in use. */
-SHIM_HIDDEN void devices_report(struct reply *r);
+/* STATUS with CUIP_ASK_DEVICES: the message lists the GPUs in use, after
+ * the driver's path on a line of its own when `with_driver` (CUIP_ASK_ALL). */
+SHIM_HIDDEN void devices_report(struct reply *r, bool with_driver);
 /* LOAD_ALLOCATIONS: 0 when every used ordinal names the GPU the request's
  * mapping (`len` bytes of `text`; empty: the GPU it had) gives it, else -1
  * with the reply saying which GPU and why; changes nothing. */

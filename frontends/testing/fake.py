@@ -660,7 +660,9 @@ class FakeParticipant:
                     participant=participant,
                 )
             if op is Op.STATUS and request.ask_driver and kind is None:
-                return self._encode(echoed, Status.OK, self.driver, participant=participant)
+                # Both asked: the driver's line, then the devices report (none here).
+                said = f"{self.driver}\n" if request.ask_devices else self.driver
+                return self._encode(echoed, Status.OK, said, participant=participant)
             if op is Op.QUIESCE and phase is Phase.QUIESCED:
                 self._advances += 1
             if kind in ("retry", "fail", "pending", "not_quiet"):

@@ -25,6 +25,7 @@ import topologies
 from cuinterpose import cli
 from cuinterpose.engine import Options, StepFailed, agent, native_checkpoint, quiesce, runner
 from cuinterpose.engine.client import Endpoint
+from cuinterpose.engine.detection import group_of
 from cuinterpose.engine.native_checkpoint import NativeError, NativeGroupError, ProcessState
 from cuinterpose.engine.progress import QuiesceRound
 from cuinterpose.engine.statefile import STATE_FILE_NAME
@@ -184,6 +185,28 @@ def test_detection_needs_processes_each_once(work: Path) -> None:
         agent.detect(True, [], agent.Where(work))
     with pytest.raises(ValueError, match="given twice"):
         agent.detect(True, [(1, 1), (1, 1)], agent.Where(work))
+    with pytest.raises(ValueError, match=r"pid 2 \(ns pid 2\) is given twice"):
+        agent.Group([(1, 1), (2, 2), (2, 2)])
+
+
+def test_a_group_is_checked_once_and_passed_down_as_it_is(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """suspend makes the group's one value; detect and require_states take it as it is."""
+    group = agent.Group([(1, 1), (2, 2)])
+    assert group_of(group) is group and list(group) == [agent.Process(1, 1), agent.Process(2, 2)]
+    checked: list[object] = []
+    made = agent.Group.__new__
+
+    def counted(cls: type[agent.Group], processes: Any) -> agent.Group:
+        checked.append(processes)
+        return made(cls, processes)
+
+    monkeypatch.setattr(agent.Group, "__new__", counted)
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        suspend(team, work / "ckpt", fake)
+    assert len(checked) == 1, checked
 
 
 # ------------------------------------------------------------------ stale sockets
@@ -355,6 +378,61 @@ def test_suspend_then_resume_with_fakes(work: Path) -> None:
         assert set(fake.states.values()) == {ProcessState.RUNNING}
     started = [e.step for e in events if isinstance(e, agent.StepEvent) and e.status == "started"]
     assert started == ["detect", "capture", "native_lock", "native_checkpoint"]
+
+
+def test_a_suspend_asks_its_shims_one_status_before_handshake(work: Path) -> None:
+    """The driver, the GPUs and the ids in one STATUS (CUIP_ASK_ALL): the origin records
+    the driver the shims reported, and nothing else is asked before the capture binds."""
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        for f in team.fakes:
+            f.driver = "/opt/cuda/libcuda.so.1"
+        done = suspend(team, work / "ckpt", fake)
+        for f in team.fakes:
+            ops = f.received
+            assert ops[: ops.index(Op.HANDSHAKE)] == [Op.STATUS], ops
+    assert done.manifest.origin is not None
+    assert done.manifest.origin.driver == "/opt/cuda/libcuda.so.1"
+    assert [p.participant for p in done.manifest.participants] == [
+        m.participant for m in TOPOLOGY.participants
+    ]
+
+
+def test_a_suspend_of_shims_on_two_drivers_is_refused_before_anything(work: Path) -> None:
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        for i, f in enumerate(team.fakes):
+            f.driver = f"/opt/cuda-{i}/libcuda.so.1"
+        with pytest.raises(agent.DetectionRefused, match="suspend refused") as refused:
+            suspend(team, work / "ckpt", fake)
+        assert "one suspend per driver" in "\n".join(refused.value.lines())
+        assert all(Op.HANDSHAKE not in f.received for f in team.fakes)
+    assert fake.calls == [] and set(fake.states.values()) == {ProcessState.RUNNING}
+
+
+def test_a_shim_answering_without_the_driver_line_is_refused_by_name(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply to CUIP_ASK_ALL with no line break (a shim older than it refuses 3; a
+    hostile one may say anything) is refused, naming the process, before any change."""
+    from cuinterpose.engine import suspension
+
+    asked = suspension.call_all
+
+    def devices_only(calls: Any, **kwargs: Any) -> Any:
+        replies = list(asked(calls, **kwargs))
+        replies[1] = attrs.evolve(replies[1], message="")
+        return replies
+
+    monkeypatch.setattr(suspension, "call_all", devices_only)
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        with pytest.raises(agent.DetectionRefused, match="which driver") as refused:
+            suspend(team, work / "ckpt", fake)
+        (line,) = refused.value.lines()[1:]
+        assert "1001" in line and "no driver line" in line, line
+        assert all(Op.HANDSHAKE not in f.received for f in team.fakes)
+    assert fake.calls == []
 
 
 @pytest.mark.parametrize("step, pid", [("lock", 1001), ("checkpoint", 1001), ("lock", 1000)])

@@ -457,20 +457,21 @@ def test_status_asks_for_the_driver_in_stat_count() -> None:
     with pytest.raises(WireError, match="STATUS only"):
         Request(Op.HANDSHAKE, ask_driver=True).encode()
     with pytest.raises(WireError, match="stats"):
-        decode_request(patched(raw, "<Q", 96, 3))
+        decode_request(patched(raw, "<Q", 96, 4))
 
 
 def test_status_asks_for_the_devices_in_stat_count() -> None:
-    """protocol.h: CUIP_ASK_DEVICES (2) asks which GPUs the process uses; never with the
-    driver, never outside STATUS."""
+    """protocol.h: CUIP_ASK_DEVICES (2) asks which GPUs the process uses, never outside
+    STATUS; with the driver, the bits together (CUIP_ASK_ALL, 3)."""
     raw = Request(Op.STATUS, ask_devices=True).encode()
     assert struct.unpack_from("<Q", raw, 96)[0] == wire.ASK_DEVICES == 2
     decoded, _ = decode_request(raw)
     assert decoded.ask_devices and not decoded.ask_driver
     with pytest.raises(WireError, match="STATUS only"):
         Request(Op.INSPECT, ask_devices=True).encode()
-    with pytest.raises(WireError, match="at once"):
-        Request(Op.STATUS, ask_devices=True, ask_driver=True).encode()
+    both = Request(Op.STATUS, ask_devices=True, ask_driver=True)
+    assert struct.unpack_from("<Q", both.encode(), 96)[0] == wire.ASK_ALL == 3
+    assert decode_request(both.encode())[0] == both
 
 
 GPU_MAP = "GPU-00000000-0000-0000-0000-000000000000=GPU-11111111-1111-1111-1111-111111111111"

@@ -120,6 +120,7 @@ def python_constants() -> dict[str, int | str]:
         "CUIP_OP_MAX": max(Op),
         "CUIP_ASK_DRIVER": wire.ASK_DRIVER,
         "CUIP_ASK_DEVICES": wire.ASK_DEVICES,
+        "CUIP_ASK_ALL": wire.ASK_ALL,
         "CUIP_EXPORT_WITHDRAW": wire.EXPORT_WITHDRAW,
         "CUIP_STORED_MAGIC": wire.STORED_MAGIC,
         "CUIP_STORED_VERSION": wire.STORED_VERSION,
@@ -378,6 +379,11 @@ PER_OP_PROGRAM = f"""
     cuip_set_status_ask(&q, CUIP_ASK_DRIVER);
     dump("status_request", &q, sizeof q);
     printf("read status_request %llu\\n", (unsigned long long)cuip_status_ask(&q));
+    memset(&q, 0, sizeof q);
+    q.magic = CUIP_MAGIC; q.version = CUIP_VERSION; q.op = CUIP_OP_STATUS;
+    cuip_set_status_ask(&q, CUIP_ASK_ALL);
+    dump("status_request_all", &q, sizeof q);
+    printf("read status_request_all %llu\\n", (unsigned long long)cuip_status_ask(&q));
     memset(&q, 0, sizeof q);
     cuip_set_export_size(&q, {EXPORT_SIZE}ull);
     cuip_set_export_withdraw(&q, CUIP_EXPORT_WITHDRAW);
@@ -679,6 +685,10 @@ def test_the_per_op_stat_names_match_the_shims(c_layout: CLayout) -> None:
     assert status.encode() == dumps["status_request"]
     assert decode_request(dumps["status_request"])[0] == status
     assert reads["status_request"] == (wire.ASK_DRIVER,)
+    both = Request(Op.STATUS, ask_driver=True, ask_devices=True)
+    assert both.encode() == dumps["status_request_all"]
+    assert decode_request(dumps["status_request_all"])[0] == both
+    assert reads["status_request_all"] == (wire.ASK_ALL,)
     exporting = dumps["export_request"]
     assert _stat_fields(exporting) == wire.export_request_stats(EXPORT_SIZE, True)
     assert exporting[:96] == bytes(96)  # the setters touch the stat fields only

@@ -591,7 +591,7 @@ def test_failed_is_sticky_and_reported(spawn: Spawn, control_dir: Path) -> None:
 def test_status_names_the_driver_the_shim_loaded(spawn: Spawn, control_dir: Path) -> None:
     """STATUS with ask_driver (protocol.h, CUIP_ASK_DRIVER): the path of the libcuda.so.1
     the process runs on, for the coordinator's native calls; a plain STATUS is as before,
-    and a STATUS asking anything else is refused."""
+    and a STATUS asking anything beyond the two asks' bits is refused."""
     w = spawn()
     shim = Shim(control_dir, w.pid)
     reply, _ = shimenv.request(shim.path, wire.Request(Op.STATUS, ask_driver=True))
@@ -605,7 +605,7 @@ def test_status_names_the_driver_the_shim_loaded(spawn: Spawn, control_dir: Path
     assert (plain.status, plain.message) == (Status.OK, "")
     me = shim.participant.encode()
     got = shimenv.raw_exchange(shim.path, bytes(header(op=Op.STATUS, participant=me,
-                                                       stat_count=3)))  # fmt: skip
+                                                       stat_count=4)))  # fmt: skip
     assert struct.unpack_from("<i", got, 8)[0] == Status.BAD_REQUEST
     app_still_works(w)
 
@@ -622,4 +622,9 @@ def test_status_names_the_gpus_the_process_uses(spawn: Spawn, control_dir: Path)
     ordinal, uuid, created, name = line.split("\t")
     assert ordinal == "0" and re.fullmatch(r"GPU-[0-9a-f-]{36}", uuid), line
     assert int(created) >= 2 << 20 and name, line
+    # Both asked (CUIP_ASK_ALL): the driver's line, then the same report, in one reply.
+    both, _ = shimenv.request(shim.path, wire.Request(Op.STATUS, ask_driver=True, ask_devices=True))
+    driver, _ = shimenv.request(shim.path, wire.Request(Op.STATUS, ask_driver=True))
+    assert both.status is Status.OK, both
+    assert both.message == f"{driver.message}\n{reply.message}", both.message
     app_still_works(w)
