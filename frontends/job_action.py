@@ -39,6 +39,7 @@ from .engine import agent, job, jobstore, runner
 from .engine.native_checkpoint import NativeBackend
 from .engine.serial import to_json
 from .logs import configure, reset
+from .outcomes import Outcome, finish, output_mode
 
 PROG: Final = "cuinterpose job"
 
@@ -179,14 +180,22 @@ def _spec(args: argparse.Namespace) -> job.JobSpec:
 
 
 def _print(outcome: job.NodeOutcome, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    if args.json:
-        out.write(json.dumps(to_json(outcome)) + "\n")
-    else:
-        stream = out if outcome.code == EXIT_OK else err
-        for line in outcome.lines:
-            stream.write(f"{PROG} {outcome.verb}: {line}\n")
-        out.write(f"node {outcome.node}: {outcome.verb} {outcome.outcome}\n")
-    return outcome.code
+    """The node's end through the one writer of summaries (frontends/outcomes.py): with
+    --json one summary line carrying the node's outcome (code, lines, run, decision,
+    waits); else its lines (on stderr when it did not succeed) and the node's line."""
+    ok = outcome.code == EXIT_OK
+    ended = Outcome(
+        outcome.code,
+        outcome.outcome,
+        () if ok else outcome.lines,
+        figures=to_json(outcome),
+        human=(
+            *(outcome.lines if ok else ()),
+            f"node {outcome.node}: {outcome.verb} {outcome.outcome}",
+        ),
+    )
+    command = f"job {outcome.verb}"
+    return finish(command, output_mode(args, out), ended, out, err, prog=f"{PROG} {outcome.verb}")
 
 
 def _status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
