@@ -63,6 +63,24 @@ def _owner(uid: int) -> str:
         return f"uid {uid}"
 
 
+def untrusted(st: os.stat_result, own: int, *, directory: bool) -> str | None:
+    """Why what ``st`` (an lstat) describes is not to be trusted, as a phrase ("is a
+    symbolic link ..."), or None: the one rule of the checkpoint directory, its images
+    directory and every image file: no link, the kind expected, root's or ``own``'s,
+    writable by nobody else."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link (never followed)"
+    if directory and not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if not directory and not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid not in (0, own):
+        return f"is owned by {_owner(st.st_uid)}, not by root nor {_owner(own)}"
+    if stat.S_IMODE(st.st_mode) & (stat.S_IWGRP | stat.S_IWOTH):
+        return "is writable by group or others"
+    return None
+
+
 def checkpoint_dir_problem(
     directory: Path, own_uid: int | None = None, *, what: str = "checkpoint directory"
 ) -> str | None:
@@ -82,17 +100,10 @@ def checkpoint_dir_problem(
         return None
     except OSError as exc:
         return f"{what} {path}: {exc.strerror}"
-    mode = stat.S_IMODE(st.st_mode)
-    if stat.S_ISLNK(st.st_mode):
-        why = "is a symbolic link (never followed)"
-    elif not stat.S_ISDIR(st.st_mode):
-        why = "is not a directory"
-    elif st.st_uid not in (0, own):
-        why = f"is owned by {_owner(st.st_uid)}, not by root nor {_owner(own)}"
-    elif mode & (stat.S_IWGRP | stat.S_IWOTH):
-        why = "is writable by group or others"
-    else:
+    why = untrusted(st, own, directory=True)
+    if why is None:
         return None
+    mode = stat.S_IMODE(st.st_mode)
     return (
         f"{what} {path} {why} (owner {_owner(st.st_uid)}, mode {mode:04o}): "
         "not trusted; use a directory of your own, mode 0700 or 0755"

@@ -27,7 +27,7 @@ from typing import Final
 
 import attrs
 
-from .directory import checkpoint_dir_problem, make_private
+from .directory import checkpoint_dir_problem, make_private, untrusted
 from .errors import AgentError
 from .manifest import Images, Manifest, ManifestError, read_manifest, write_manifest
 from .statefile import write_atomically
@@ -59,18 +59,10 @@ def _file_problem(path: Path, own: int) -> str | None:
         return None  # gone meanwhile (a log rotated): nothing of it is read
     except OSError as exc:
         return f"{path}: {exc.strerror}"
-    mode = stat.S_IMODE(st.st_mode)
-    if stat.S_ISLNK(st.st_mode):
-        why = "is a symbolic link (never followed)"
-    elif not stat.S_ISREG(st.st_mode):
-        why = "is not a regular file"
-    elif st.st_uid not in (0, own):
-        why = f"is owned by uid {st.st_uid}, not by root nor uid {own}"
-    elif mode & (stat.S_IWGRP | stat.S_IWOTH):
-        why = f"is writable by group or others (mode {mode:04o})"
-    else:
+    why = untrusted(st, own, directory=False)
+    if why is None:
         return None
-    return f"image file {path} {why}: not trusted"
+    return f"image file {path} {why} (mode {stat.S_IMODE(st.st_mode):04o}): not trusted"
 
 
 def images_problem(images_dir: Path) -> str | None:
