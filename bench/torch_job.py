@@ -11,6 +11,11 @@ byte torch holds is a VMM allocation.
 - ``pair --gib N``: a producer allocates N/2 GiB of tensors it shares with a consumer
   (``torch.multiprocessing``, spawn) and N/2 GiB private ones; the consumer holds the
   shared tensors and N/2 GiB private ones of its own.
+- ``gpt2``: a small inference job, issue 30's "1.5 GB GPT-2": a GPT-2 of gpt2-medium's
+  shape (24 layers, 1024 wide, 355 M fp32 parameters, 1.42 GB) built from its config
+  with a fixed seed (the machine reaches no model hub) and run once (a forward and a
+  greedy generation of 16 tokens); ``check`` compares every parameter with a host copy
+  taken at start and the generation with the first one. ``--gib`` is ignored.
 
 Protocol on stdin/stdout, one JSON object a line: the job prints ``{"ready": ...,
 "pids": [...], "tensor_bytes": ..., "reserved_bytes": ...}`` once set up; then each
@@ -125,12 +130,56 @@ def pair(gib: float) -> None:
     consumer.join(timeout=60)
 
 
+def gpt2() -> None:
+    import os
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(30)
+    config = GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024)
+    model = GPT2LMHeadModel(config).to("cuda").eval()
+    host = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
+    prompt = torch.arange(32, device="cuda").unsqueeze(0) * 37 % config.vocab_size
+
+    def generate() -> list[int]:
+        with torch.no_grad():
+            out = model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=16,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return [int(x) for x in out[0].tolist()]
+
+    first = generate()
+    torch.cuda.synchronize()
+    _say(
+        ready=True,
+        pids=[os.getpid()],
+        tensor_bytes=sum(t.numel() * t.element_size() for t in host.values()),
+        reserved_bytes=int(torch.cuda.memory_reserved()),
+    )
+
+    def check() -> list[int]:
+        state = model.state_dict()
+        bad = [k for k, (name, t) in enumerate(host.items())
+               if not torch.equal(state[name].cpu(), t)]  # fmt: skip
+        return bad + ([-1] if generate() != first else [])
+
+    _serve(check)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("job", choices=("single", "pair"))
+    parser.add_argument("job", choices=("single", "pair", "gpt2"))
     parser.add_argument("--gib", type=float, required=True)
     args = parser.parse_args()
-    (single if args.job == "single" else pair)(args.gib)
+    if args.job == "gpt2":
+        gpt2()
+    else:
+        (single if args.job == "single" else pair)(args.gib)
     return 0
 
 

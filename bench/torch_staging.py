@@ -5,7 +5,9 @@ every byte torch holds is a VMM allocation the shim tracks):
 
 - ``single``: one process, ``--gib`` GiB of tensors, twice that reserved (mapped);
 - ``pair``: a torch.multiprocessing producer/consumer, ``--pair-gib`` GiB of tensors
-  shared by the producer plus private tensors in each.
+  shared by the producer plus private tensors in each;
+- ``gpt2``: issue 30's small job, a 1.42 GB GPT-2 that has run a generation (where a
+  command's own cost weighs most against the native checkpoint's).
 
 For each job, ``--repeat`` times in one run, alternating which goes first (the first
 host memory a fresh VM touches costs more, so order must not decide): the native path
@@ -223,13 +225,13 @@ class Bench:
             "suspended_rss_bytes": rss,
         }
 
-    def job(self, kind: str, gib: float, repeat: int) -> dict[str, Any]:
+    def job(self, kind: str, gib: float, repeat: int, private_off: bool = True) -> dict[str, Any]:
         self.log(f"{kind}: {gib} GiB")
         out: dict[str, Any] = {"kind": kind, "gib": gib}
         ours = self.start(kind, gib, self.shim, f"{kind}-cuinterpose")
         out["job"] = ours.ready
         theirs = None
-        if kind == "single":
+        if kind in ("single", "gpt2"):
             theirs = self.start(kind, gib, self.plain, f"{kind}-native")
         runs: dict[str, list[dict[str, Any]]] = {"cuinterpose": [], "native": [], "library": []}
         verified: dict[str, Any] = {}
@@ -260,6 +262,11 @@ class Bench:
             runs["native"].append(run)
             self.log(f"  native (pair, expected to be refused): {_brief(run)}")
             alone.kill()
+        out["runs"] = runs
+        out["verified"] = verified
+        out["summary"] = _summarize(runs)
+        if not private_off:
+            return out
         # The shim loaded, the private memory left to the native checkpoint.
         kept = self.start(
             kind, gib, {**self.shim, "SNAPSHOT_SHIM_STAGE_PRIVATE": "0"}, f"{kind}-private-off"
@@ -269,9 +276,6 @@ class Bench:
         out["private_off"] = run
         out["private_off_verified"] = kept.check()
         kept.close()
-        out["runs"] = runs
-        out["verified"] = verified
-        out["summary"] = _summarize(runs)
         return out
 
 
@@ -363,8 +367,9 @@ def report(result: dict[str, Any], out: Callable[[str], None]) -> None:
                 f" {added / 2**30:.2f} GiB more than running = {added / gpu:.3f} x the"
                 f" {gpu / 2**30:.2f} GiB torch reserved on the GPU"
             )
-        off = job["private_off"]
-        out(f"  private left to the native checkpoint (shim loaded): {_brief(off)}")
+        off = job.get("private_off")
+        if off is not None:
+            out(f"  private left to the native checkpoint (shim loaded): {_brief(off)}")
         refused = [r for r in job["runs"]["native"] if r["suspend"]["returncode"] != 0]
         if refused:
             out(f"  native alone refused: {refused[0]['suspend']['stderr'].strip()[-300:]}")
@@ -375,7 +380,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--gib", type=float, default=16.0, help="single: GiB of tensors")
     parser.add_argument("--pair-gib", type=float, default=2.0, help="pair: GiB shared")
-    parser.add_argument("--only", choices=("single", "pair"), action="append")
+    parser.add_argument("--only", choices=("single", "pair", "gpt2"), action="append")
+    parser.add_argument(
+        "--repeat-single", type=int, help="repetitions for single (default: --repeat)"
+    )
+    parser.add_argument(
+        "--no-private-off",
+        action="store_true",
+        help="skip the run with SNAPSHOT_SHIM_STAGE_PRIVATE=0 (a native checkpoint of it all)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     try:
@@ -393,8 +406,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench = Bench(Path(tmp), log)
         try:
             for kind in chosen:
-                gib = args.gib if kind == "single" else 2 * args.pair_gib
-                result["jobs"][kind] = bench.job(kind, gib, args.repeat)
+                gib = 2 * args.pair_gib if kind == "pair" else args.gib
+                repeat = args.repeat_single or args.repeat if kind == "single" else args.repeat
+                result["jobs"][kind] = bench.job(
+                    kind, gib, repeat, private_off=not args.no_private_off
+                )
                 if args.out:
                     args.out.write_text(json.dumps(result, indent=2))
         finally:
