@@ -6,7 +6,8 @@
 # shims store). The CRIU bundle travels in .criu/ (tests/gpu/run_criu_h200.sh says how).
 # Results in $OUT: build.log, storage.json, criu.json, criu.log, status.txt.
 #
-#   OUT=/path [WHEELS=.whl] [CRIU_MIB=8192] [CRIU_S=150] bench/run_criu_beside_h200.sh
+#   OUT=/path [WHEELS=.whl] [CRIU_MIB=8192] [CRIU_S=150] [CRIU_MODE=beside|both]
+#     bench/run_criu_beside_h200.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tests/gpu/h200_env.sh
@@ -20,7 +21,7 @@ timeout 60 python3 bench/storage_rate.py --dir /tmp --gib "$((mib / 1024))" --th
 { "$CUINTERPOSE_CRIU" --version && "$CUINTERPOSE_CRIU" check; } >"$OUT/criu.log" 2>&1 \
   || { echo "criu check failed"; status=1; }
 timeout "${CRIU_S:-150}" python3 bench/criu.py --driver system --mib "$mib" \
-  --scenario torch --mode beside --work /tmp --out "$OUT/criu.json" >>"$OUT/criu.log" 2>&1 \
+  --scenario torch --mode "${CRIU_MODE:-beside}" --work /tmp --out "$OUT/criu.json" >>"$OUT/criu.log" 2>&1 \
   || { echo "criu failed"; status=1; }
 grep -vE "^  (dump|restore) " "$OUT/criu.log" | tail -8
 echo "status $status" | tee "$OUT/status.txt"
