@@ -16,21 +16,18 @@ import stat
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Final, Literal
+from typing import Literal
 
 import attrs
 
 from . import discovery
-from .client import Endpoint, endpoint_for
+from .client import HEAL_WAIT_S, Endpoint, endpoint_for
 from .errors import AgentError
 from .manifest import Process
 
 Mode = Literal["cuinterpose", "native"]
 Evidence = Literal["socket", "absent", "other"]
 Life = Literal["running", "zombie", "gone"]
-
-# A live shim re-creates a removed socket within its heal period (specs/protocol.md).
-_HEAL_WAIT_S: Final = 1.0
 
 
 @attrs.frozen
@@ -159,29 +156,27 @@ def _life(process: Process, where: Where) -> Life:
     return "running"
 
 
+def _sight(process: Process, endpoint: Endpoint, where: Where) -> Sighting:
+    evidence = socket_evidence(endpoint.path)
+    there = discovery.what_is_at(endpoint.path) if evidence == "other" else ""
+    life = _life(process, where) if evidence == "absent" else "running"
+    return Sighting(process, endpoint, evidence, there, life)
+
+
+def _healing(s: Sighting) -> bool:
+    return s.evidence == "absent" and s.life == "running"
+
+
 def look(group: Group, where: Where, *, heal: bool) -> tuple[Sighting, ...]:
     """What is at each process's socket path (every verb's one look: :func:`detect`,
     the command line's prepare, restore and status). ``heal``: a socket missing while
     its process runs is looked at again for up to 1 s, as its shim may be re-creating
     a removed one (specs/protocol.md); all such waits run together."""
-    seen: list[Sighting] = []
-    for process in group:
-        endpoint = where.endpoint(process)
-        evidence = socket_evidence(endpoint.path)
-        there = discovery.what_is_at(endpoint.path) if evidence == "other" else ""
-        life = _life(process, where) if evidence == "absent" else "running"
-        seen.append(Sighting(process, endpoint, evidence, there, life))
-    deadline = time.monotonic() + _HEAL_WAIT_S
-    waiting = [i for i, s in enumerate(seen) if heal and s.evidence == "absent" and
-               s.life == "running"]  # fmt: skip
-    while waiting and time.monotonic() < deadline:
+    seen = [_sight(p, where.endpoint(p), where) for p in group]
+    deadline = time.monotonic() + HEAL_WAIT_S
+    while heal and any(map(_healing, seen)) and time.monotonic() < deadline:
         time.sleep(0.01)
-        for i in list(waiting):
-            evidence = socket_evidence(seen[i].endpoint.path)
-            if evidence != "absent":
-                there = discovery.what_is_at(seen[i].endpoint.path) if evidence == "other" else ""
-                seen[i] = attrs.evolve(seen[i], evidence=evidence, there=there)
-                waiting.remove(i)
+        seen = [_sight(s.process, s.endpoint, where) if _healing(s) else s for s in seen]
     return tuple(seen)
 
 

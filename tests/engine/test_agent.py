@@ -402,8 +402,9 @@ def test_suspend_then_resume_with_fakes(work: Path) -> None:
 
 
 def test_a_suspend_asks_its_shims_one_status_before_handshake(work: Path) -> None:
-    """The driver, the GPUs and the ids in one STATUS (CUIP_ASK_ALL): the origin records
-    the driver the shims reported, and nothing else is asked before the capture binds."""
+    """The driver and the ids in one STATUS (CUIP_ASK_DRIVER): the origin records the
+    driver the shims reported, and nothing else is asked before the capture binds; the
+    GPUs are asked after it, before the native lock."""
     fake = running()
     with team_of(TOPOLOGY, work / "control") as team:
         for f in team.fakes:
