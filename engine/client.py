@@ -17,7 +17,13 @@ so is a socket whose server (``SO_PEERCRED``) runs as another user.
 
 A connect that finds no socket, or nobody listening, is retried for a short,
 bounded time while a process has the endpoint's pid: a live shim re-creates its
-endpoint within its heal period (specs/protocol.md).
+endpoint within its heal period (specs/protocol.md). This is not detection, which
+decides once, before a verb sends anything, what is at each socket path
+(engine/detection.py ``look``): the client never looks at the path, it only retries
+the connect it was asked to make, because between that look and a request of a run
+seconds later a socket may be healing (removed and re-created, or re-bound after a
+restore) or its listen backlog full (EAGAIN); what finally fails is reported per
+endpoint (``ParticipantGone``, ``ParticipantHangup``) and named by the caller.
 """
 
 from __future__ import annotations
@@ -62,7 +68,9 @@ _RETRY_MAX_S: Final = 0.02
 # restore left at its bind name, within its heal period (CONTROL_HEAL_MS, 0.1 s:
 # specs/protocol.md); a connect that finds no socket, or nobody listening, is
 # retried for this long on this schedule before it counts as the process gone.
-_HEAL_WAIT_S: Final = 1.0
+# Detection (engine/detection.py look) waits as long for a socket file missing
+# before anything is sent.
+HEAL_WAIT_S: Final = 1.0
 _HEAL_RETRY_FIRST_S: Final = 0.01
 _HEAL_RETRY_MAX_S: Final = 0.1
 # struct ucred: pid, uid, gid.
@@ -465,14 +473,14 @@ class _Exchange:
         """Whether to retry a connect that found no socket or nobody listening.
 
         A live shim heals its endpoint within its period: the connect is retried
-        on a fresh socket, for at most ``_HEAL_WAIT_S``, unless no process has the
+        on a fresh socket, for at most ``HEAL_WAIT_S``, unless no process has the
         endpoint's pid here (then it is gone, and waiting would change nothing)."""
         now = time.monotonic()
         if self.heal_since is None:
             if not pid_visible(self.endpoint.observed_pid):
                 return False
             self.heal_since = now
-        if now - self.heal_since >= _HEAL_WAIT_S:
+        if now - self.heal_since >= HEAL_WAIT_S:
             return False
         self.connect_error = _connect_reason(code, os.strerror(code))
         assert self.sock is not None

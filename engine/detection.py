@@ -1,8 +1,11 @@
 """Detection: which processes have a shim, from their control sockets (specs/detection.md).
 
-The sockets are the only evidence: ``/proc/*/environ`` is never read. Besides the
-fail-closed truth table (:func:`detect`), the stale sockets a restore must free
-(:func:`remove_stale_sockets`) are found here the same way.
+The sockets are the only evidence: ``/proc/*/environ`` is never read. What is at each
+socket path is decided in one place, :func:`look` (and, where no socket is, whether the
+process exists and runs), and said in one set of words, :meth:`Sighting.problem`:
+the fail-closed truth table (:func:`detect`), the command line's prepare, restore and
+status, and the stale sockets a restore must free (:func:`remove_stale_sockets`) all
+take it from there.
 """
 
 from __future__ import annotations
@@ -13,20 +16,18 @@ import stat
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Final, Literal
+from typing import Literal
 
 import attrs
 
 from . import discovery
-from .client import Endpoint, endpoint_for, pid_visible
+from .client import HEAL_WAIT_S, Endpoint, endpoint_for
 from .errors import AgentError
 from .manifest import Process
 
 Mode = Literal["cuinterpose", "native"]
 Evidence = Literal["socket", "absent", "other"]
-
-# A live shim re-creates a removed socket within its heal period (specs/protocol.md).
-_HEAL_WAIT_S: Final = 1.0
+Life = Literal["running", "zombie", "gone"]
 
 
 @attrs.frozen
@@ -92,16 +93,96 @@ def socket_evidence(path: Path) -> Evidence:
     return "socket" if stat.S_ISSOCK(info.st_mode) else "other"
 
 
-def _healed_evidence(endpoint: Endpoint) -> Evidence:
-    """An absent socket of a live process, looked at again while its shim may heal it."""
-    if not pid_visible(endpoint.observed_pid):
-        return "absent"
-    deadline = time.monotonic() + _HEAL_WAIT_S
+@attrs.frozen
+class Sighting:
+    """What one process's control socket path holds, looked at once (``lstat``, never
+    followed) and, where no socket is, whether the process runs: the one place that
+    decides it. ``there`` words what sits at a path that is not a socket."""
+
+    process: Process
+    endpoint: Endpoint
+    evidence: Evidence
+    there: str = ""
+    life: Life = "running"  # looked at only where no socket is
+
+    def name(self) -> str:
+        o, n = self.process.observed_pid, self.process.namespace_pid
+        return f"pid {o}" if o == n else f"pid {o} (ns pid {n})"
+
+    def problem(self, requested: bool, where: Where) -> str | None:
+        """What is wrong with this process for a group that did (or did not) request
+        cuinterpose, in words a person acts on; None when nothing is."""
+        path = self.endpoint.path
+        if self.evidence == "other":
+            return (
+                f"{self.name()} has no control socket: at its path {path} there is "
+                f"{self.there}, not a socket: no shim can serve there until it is removed "
+                "(then a shim that served there before serves again within 100 ms; one "
+                "that found it at its start has no control server until its program "
+                "starts again)"
+            )
+        if self.evidence == "socket":
+            if requested:
+                return None  # a live shim, or a stale socket the capture's HANDSHAKE names
+            return (
+                f"{self.name()}: a control socket at {path}, yet the group did not request "
+                "cuinterpose (a native checkpoint would fail on its sharing)"
+            )
+        if (gone := self.gone(where)) is not None:
+            return gone
+        if not requested:
+            return None
+        return (
+            f"{self.name()} has no shim: its control socket {path} does not exist; "
+            + discovery.missing_shim_hint(self.process.observed_pid, path.parent)
+        )
+
+    def gone(self, where: Where) -> str | None:
+        """The line for a process without a socket that does not exist or has exited
+        (whatever the group requested, it cannot take part); None otherwise."""
+        if self.evidence != "absent" or self.life == "running":
+            return None
+        if self.life == "zombie":
+            return f"{self.name()} exited (a zombie its parent has not reaped): it takes no part"
+        under = f" under {where.proc_root}" if where.proc_root is not None else ""
+        return f"{self.name()} does not exist (no such process{under})"
+
+
+def _life(process: Process, where: Where) -> Life:
+    if not discovery.pid_exists(process.observed_pid, where.proc_root):
+        return "gone"
+    if not discovery.is_running(process.observed_pid, where.proc_root):
+        return "zombie"
+    return "running"
+
+
+def _sight(process: Process, endpoint: Endpoint, where: Where) -> Sighting:
     evidence = socket_evidence(endpoint.path)
-    while evidence == "absent" and time.monotonic() < deadline:
+    there = discovery.what_is_at(endpoint.path) if evidence == "other" else ""
+    life = _life(process, where) if evidence == "absent" else "running"
+    return Sighting(process, endpoint, evidence, there, life)
+
+
+def _healing(s: Sighting) -> bool:
+    return s.evidence == "absent" and s.life == "running"
+
+
+def look(group: Group, where: Where, *, heal: bool) -> tuple[Sighting, ...]:
+    """What is at each process's socket path (every verb's one look: :func:`detect`,
+    the command line's prepare, restore and status). ``heal``: a socket missing while
+    its process runs is looked at again for up to 1 s, as its shim may be re-creating
+    a removed one (specs/protocol.md); all such waits run together."""
+    seen = [_sight(p, where.endpoint(p), where) for p in group]
+    deadline = time.monotonic() + HEAL_WAIT_S
+    while heal and any(map(_healing, seen)) and time.monotonic() < deadline:
         time.sleep(0.01)
-        evidence = socket_evidence(endpoint.path)
-    return evidence
+        seen = [_sight(s.process, s.endpoint, where) if _healing(s) else s for s in seen]
+    return tuple(seen)
+
+
+def problems(seen: Sequence[Sighting], requested: bool, where: Where) -> list[str]:
+    """A line for each process that breaks the rule (:meth:`Sighting.problem`)."""
+    return [line for s in seen if (line := s.problem(requested, where)) is not None]
 
 
 def detect(
@@ -110,43 +191,16 @@ def detect(
     """The truth table of specs/detection.md, fail-closed.
 
     Requested and every process shows a control socket: ``cuinterpose``. Not requested
-    and none does: ``native``. Anything else raises :class:`DetectionRefused` naming
-    every process that broke the rule and how. Never reads ``/proc/*/environ``.
+    and none does: ``native``. Anything else, and a process that does not exist or has
+    exited, raises :class:`DetectionRefused` naming every process that broke the rule
+    and how. Never reads ``/proc/*/environ``.
     """
-    group = group_of(processes)
-    endpoints = tuple(where.endpoint(p) for p in group)
-    problems: list[str] = []
-    for process, endpoint in zip(group, endpoints, strict=True):
-        evidence = socket_evidence(endpoint.path)
-        if requested and evidence == "absent":
-            evidence = _healed_evidence(endpoint)
-        if evidence == "other":
-            problems.append(
-                f"{process.describe()}: {endpoint.path} is {discovery.what_is_at(endpoint.path)},"
-                " not a socket: no shim can serve there until it is removed"
-            )
-        elif requested and evidence == "absent":
-            problems.append(
-                f"{process.describe()}: no control socket at {endpoint.path}, yet the group "
-                f"requested cuinterpose: {_no_shim_hint(process, endpoint, where)}"
-            )
-        elif not requested and evidence == "socket":
-            problems.append(
-                f"{process.describe()}: a control socket at {endpoint.path}, yet the group "
-                "did not request cuinterpose (a native checkpoint would fail on its sharing)"
-            )
-    if problems:
+    seen = look(group_of(processes), where, heal=requested)
+    wrong = problems(seen, requested, where)
+    if wrong:
         wanted = "requested" if requested else "not requested"
-        raise DetectionRefused(f"detection refused (cuinterpose {wanted}):", problems)
-    return Detection("cuinterpose" if requested else "native", endpoints)
-
-
-def _no_shim_hint(process: Process, endpoint: Endpoint, where: Where) -> str:
-    if not discovery.pid_exists(process.observed_pid, where.proc_root):
-        return f"pid {process.observed_pid} does not exist"
-    if not discovery.is_running(process.observed_pid, where.proc_root):
-        return f"pid {process.observed_pid} exited (a zombie its parent has not reaped)"
-    return discovery.missing_shim_hint(process.observed_pid, endpoint.path.parent)
+        raise DetectionRefused(f"detection refused (cuinterpose {wanted}):", wrong)
+    return Detection("cuinterpose" if requested else "native", tuple(s.endpoint for s in seen))
 
 
 def remove_stale_sockets(
@@ -155,19 +209,15 @@ def remove_stale_sockets(
     """Remove the control sockets of ``processes`` that nobody listens on any more, so
     that processes recreated by a restore (CRIU) can bind them. A socket a live shim
     still serves, or a path that is not a socket, is refused by name, nothing removed."""
-    group = group_of(processes)
     stale: list[Path] = []
     problems: list[str] = []
-    for process in group:
-        path = where.endpoint(process).path
-        evidence = socket_evidence(path)
-        if evidence == "absent":
+    for seen in look(group_of(processes), where, heal=False):
+        process, path = seen.process, seen.endpoint.path
+        if seen.evidence == "absent":
             continue
-        if evidence == "other":
-            problems.append(
-                f"{process.describe()}: {path} is {discovery.what_is_at(path)}, not a socket;"
-                " not removed"
-            )
+        if seen.evidence == "other":
+            problems.append(f"{process.describe()}: {path} is {seen.there}, not a socket; "
+                            "not removed")  # fmt: skip
             continue
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             try:

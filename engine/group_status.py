@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 from .client import ParticipantError, call_all, pid_visible
-from .detection import Where, group_of, socket_evidence
+from .detection import Sighting, Where, group_of, look
 from .errors import AgentError
 from .manifest import Process, resume_hint
 from .native_checkpoint import NativeBackend, ProcessState, state_names
@@ -61,14 +61,19 @@ def status(
     native: NativeBackend,
     *,
     timeout: float = 5.0,
+    seen: Sequence[Sighting] | None = None,
 ) -> tuple[ProcessStatus, ...]:
     """Every process's native state and its shim's phase and op in flight (STATUS, which
-    changes and binds nothing and is served while a phase op runs)."""
+    changes and binds nothing and is served while a phase op runs). ``seen``: what the
+    caller's :func:`~.detection.look` found at the group's sockets, not looked at again."""
     group = group_of(processes)
     states = state_names(native, [p.observed_pid for p in group])
-    endpoints = [where.endpoint(p) for p in group]
-    present = [socket_evidence(e.path) == "socket" for e in endpoints]
-    asked = [e for e, here in zip(endpoints, present, strict=True) if here]
+    if seen is None:
+        seen = look(group, where, heal=False)
+    elif [s.process for s in seen] != list(group):
+        raise ValueError("status: what was seen is not of these processes")
+    present = [s.evidence == "socket" for s in seen]
+    asked = [s.endpoint for s in seen if s.evidence == "socket"]
     answers = iter(call_all([(e, Request(Op.STATUS), None) for e in asked], timeout=timeout))
     out: list[ProcessStatus] = []
     for process, here in zip(group, present, strict=True):

@@ -9,7 +9,7 @@ with every step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import NoReturn
@@ -77,33 +77,71 @@ class SuspendResult:
 
 
 @attrs.frozen
-class _ShimReport:
-    """What a suspend records of its shims before the capture: each one's participant id
-    (the copy watcher's and the manifest's), the driver they loaded, and the GPUs each
-    process uses (the remap's check on restore, gpus.resolve)."""
+class DriverChoice:
+    """The native calls chosen from the driver a suspend's shims report in its one STATUS
+    round before HANDSHAKE (the command line's ``--driver``, frontends/drivers.py), so
+    that whoever loads the driver asks the shims nothing of its own: ``choose`` is given
+    the report (empty for a group without shims) and returns the backend."""
+
+    choose: Callable[[DriverReport], NativeBackend]
+
+
+@attrs.frozen
+class _Asked:
+    """What a suspend asks its shims before the capture, in one STATUS round asking the
+    driver (``ask_driver``): each one's participant id (the copy watcher's and the
+    manifest's) and the driver each loaded (the native calls', and the manifest's)."""
 
     ids: tuple[str, ...]
-    driver: str | None
-    gpus: tuple[tuple[Gpu, ...], ...]
+    report: DriverReport
 
 
-def _shim_report(endpoints: Sequence[Endpoint], timeout: float) -> _ShimReport:
-    """One STATUS round asking the driver and the devices together (protocol.h
-    CUIP_ASK_ALL); every reply names its participant. Binds nothing: the capture's
-    HANDSHAKE binds.
-
-    Why one ask rather than the ids from HANDSHAKE: the driver and the GPUs must be
-    known before anything changes (two drivers, or a shim that cannot say its GPUs, is
-    refused with nothing done), so a round before HANDSHAKE stays whichever way the ids
-    come; asking it everything at once makes it the only one, with no change to the
-    runner and a copy watcher that starts with the capture, as it did. The native
-    backend's own driver question (``native_for``, the CLI's late one) stays apart: it
-    comes before ``require_states``, which must refuse a process not RUNNING before its
-    shim is asked for GPUs (the devices report makes driver calls)."""
-    asked = Request(Op.STATUS, ask_driver=True, ask_devices=True)
-    replies = call_all([(e, asked, None) for e in endpoints], timeout=timeout)
+def _ask_driver(endpoints: Sequence[Endpoint], timeout: float) -> _Asked:
+    """The suspend's one STATUS round before HANDSHAKE; binds nothing (the capture's
+    HANDSHAKE binds). It asks the driver only: its answer makes no driver call in the
+    shim, so it is safe to ask a process whatever its native state, and it must come
+    before ``require_states`` (which needs the driver loaded). The GPUs, whose report
+    makes driver calls that a LOCKED or CHECKPOINTED process would hold, are asked once
+    every process is known RUNNING, after the capture (:func:`_ask_gpus`)."""
+    replies = call_all([(e, Request(Op.STATUS, ask_driver=True), None) for e in endpoints],
+                       timeout=timeout)  # fmt: skip
     ids: list[str] = []
     drivers: dict[int, str] = {}
+    problems: list[str] = []
+    for endpoint, reply in zip(endpoints, replies, strict=True):
+        if isinstance(reply, ParticipantError):
+            problems.append(f"{reply} (looked in {endpoint.path.parent})")
+        elif reply.status is not Status.OK:
+            problems.append(f"{endpoint.describe()}: STATUS answered {reply.status.name}: "
+                            f"{reply.message}")  # fmt: skip
+        else:
+            ids.append(reply.participant)
+            if reply.message:  # empty: the application has not reached the driver yet
+                drivers[endpoint.observed_pid] = reply.message
+    if problems:
+        raise DetectionRefused("a shim did not say which driver it loaded:", problems)
+    report = DriverReport(drivers)
+    try:
+        report.one()
+    except DriverMismatch as exc:
+        raise DetectionRefused("suspend refused:", [f"{exc}: one suspend per driver"]) from None
+    return _Asked(tuple(ids), report)
+
+
+class _GpusUnknown(Exception):
+    """A shim could not say which GPUs its process uses, after the capture: undone."""
+
+    def __init__(self, lines: Sequence[str]) -> None:
+        super().__init__(*lines)
+        self.lines = list(lines)
+
+
+def _ask_gpus(endpoints: Sequence[Endpoint], timeout: float) -> tuple[tuple[Gpu, ...], ...]:
+    """The GPUs each process uses (STATUS ``ask_devices``), asked once the capture is done:
+    every process is RUNNING (``require_states``) and no phase op runs, so the report's
+    driver calls return. The manifest records them for a restore onto other GPUs."""
+    replies = call_all([(e, Request(Op.STATUS, ask_devices=True), None) for e in endpoints],
+                       timeout=timeout)  # fmt: skip
     gpus: list[tuple[Gpu, ...]] = []
     problems: list[str] = []
     for endpoint, reply in zip(endpoints, replies, strict=True):
@@ -113,36 +151,27 @@ def _shim_report(endpoints: Sequence[Endpoint], timeout: float) -> _ShimReport:
         if reply.status is not Status.OK:
             problems.append(f"{endpoint.describe()}: devices report: {reply.message}")
             continue
-        driver, newline, devices = reply.message.partition("\n")
-        if not newline:  # not this protocol's answer (an older shim refuses the ask)
-            problems.append(
-                f"{endpoint.describe()}: its STATUS reply has no driver line (a shim "
-                "older than this engine?)"
-            )
-            continue
         try:
-            gpus.append(parse_report(devices))
+            gpus.append(parse_report(reply.message))
         except ValueError as exc:
             problems.append(f"{endpoint.describe()}: devices report refused: {exc}")
-            continue
-        ids.append(reply.participant)
-        if driver:
-            drivers[endpoint.observed_pid] = driver
     if problems:
-        raise DetectionRefused(
-            "a shim did not say which driver it loaded and which GPUs its process uses:",
-            problems,
-        )
-    try:
-        shared = DriverReport(drivers).one()
-    except DriverMismatch as exc:
-        raise DetectionRefused("suspend refused:", [f"{exc}: one suspend per driver"]) from None
-    return _ShimReport(tuple(ids), shared, tuple(gpus))
+        raise _GpusUnknown(["a shim did not say which GPUs its process uses:", *problems])
+    return tuple(gpus)
+
+
+def _backend(native: NativeBackend | DriverChoice | None, report: DriverReport) -> NativeBackend:
+    if isinstance(native, DriverChoice):
+        return native.choose(report)
+    if native is not None:
+        return native
+    return CudaBackend(report.one())
 
 
 def native_for(where: Where, processes: Sequence[Process | tuple[int, int]]) -> CudaBackend:
-    """The native calls on the driver the processes' shims report (the command line's
-    ``--driver auto``); none reporting, the loader's ``libcuda.so.1``."""
+    """The native calls on the driver the processes' shims report (its own STATUS
+    round: :func:`suspend` asks its shims once and needs none of this); none reporting,
+    the loader's ``libcuda.so.1``."""
     endpoints = [where.endpoint(p) for p in group_of(processes)]
     try:
         return CudaBackend(shim_drivers(endpoints).one())
@@ -176,7 +205,7 @@ def suspend(
     checkpoint_dir: Path,
     *,
     where: Where,
-    native: NativeBackend | None = None,
+    native: NativeBackend | DriverChoice | None = None,
     requested: bool = True,
     options: Options | None = None,
     lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
@@ -186,69 +215,77 @@ def suspend(
     """Detect, capture (when requested), lock and checkpoint every process, write the
     manifest. On return every process is CHECKPOINTED and its GPU memory is free.
 
-    ``native`` defaults to the driver the shims report (:func:`native_for`); the
-    manifest records it with ``where``, for :func:`~.resumption.resume`.
+    ``native``: the native calls; a :class:`DriverChoice`, to choose them from the
+    driver the shims report; None, those on that driver (the loader's search when none
+    reports one). The manifest records the driver with ``where``, for
+    :func:`~.resumption.resume`. Before the capture's HANDSHAKE the shims are sent one
+    STATUS, asking the driver; the GPUs are asked after the capture.
 
     Raises :class:`DetectionRefused` or :class:`StateRefused` (nothing changed),
     :class:`~.errors.CoordinatorError` from the capture (rolled back by the runner
-    when it had changed anything), or :class:`SuspendFailed` when a native step
-    failed: what was done is undone first (``restored`` says whether it worked).
+    when it had changed anything), or :class:`SuspendFailed` when what followed the
+    capture failed (the GPUs unknown, a native step, the manifest): what was done is
+    undone first (``restored`` says whether it worked).
     """
     group = group_of(processes)
     directory = Path(checkpoint_dir)
     report = reporter(on_event, logger)
     options = options or Options()
     pids = [p.observed_pid for p in group]
-    if native is None:
-        native = native_for(where, group)
     require_trusted("suspend", directory)
     _fresh_directory(directory)
     with report.step("detect"):
         detection = detect(requested, group, where)
+        asked = _Asked((), DriverReport({}))
+        if detection.mode == "cuinterpose":
+            asked = _ask_driver(detection.endpoints, options.phase_timeout)
+        backend = _backend(native, asked.report)
         require_states(
-            native,
+            backend,
             group,
             ProcessState.RUNNING,
             "suspend",
             "every process must be RUNNING (`cuinterpose status` shows the group; one "
             f"CHECKPOINTED by an earlier suspend comes back with {resume_hint(None)})",
         )
-        shims = _ShimReport((), None, ((),) * len(group))
-        if detection.mode == "cuinterpose":
-            shims = _shim_report(detection.endpoints, options.phase_timeout)
-        ids: tuple[str | None, ...] = shims.ids or (None,) * len(group)
+        ids: tuple[str | None, ...] = asked.ids or (None,) * len(group)
         origin = Origin(
             str(where.control_dir),
             None if where.proc_root is None else str(where.proc_root),
-            shims.driver,
+            asked.report.one(),
             tuple(start_ticks(p.observed_pid, where.proc_root) for p in group),
         )
     prepared = False
     staging = None
     topology = None
+    gpus: tuple[tuple[Gpu, ...], ...] = ((),) * len(group)
+    undo = _Undo(group, detection, directory, backend, options, report, where)
     if detection.mode == "cuinterpose":
-        with report.step("capture") as moved:
-            engine_options = attrs.evolve(options, on_progress=report.emit)
-            bound = [(e, i) for e, i in zip(detection.endpoints, ids, strict=True) if i]
-            attempt = partial(capture, detection.endpoints, directory, engine_options)
-            with CopyWatcher(bound, report.emit):
-                result = quiesce.until_quiet(attempt, engine_options, report.logger)
-            moved.append(bytes_moved(result.phases))
-            staging = StagingSummary.from_phases(result.phases)
-            topology = result.state.topology
-        prepared = True
-    undo = _Undo(group, detection, directory, native, options, report, where)
+        try:
+            with report.step("capture") as moved:
+                engine_options = attrs.evolve(options, on_progress=report.emit)
+                bound = [(e, i) for e, i in zip(detection.endpoints, ids, strict=True) if i]
+                attempt = partial(capture, detection.endpoints, directory, engine_options)
+                with CopyWatcher(bound, report.emit):
+                    result = quiesce.until_quiet(attempt, engine_options, report.logger)
+                moved.append(bytes_moved(result.phases))
+                staging = StagingSummary.from_phases(result.phases)
+                topology = result.state.topology
+                prepared = True
+                gpus = _ask_gpus(detection.endpoints, options.phase_timeout)
+        except _GpusUnknown as unknown:
+            _undo(undo, unknown.lines)
     try:
         with report.step("native_lock"):
-            run_step(native, "lock", pids, lock_timeout_ms=lock_timeout_ms)
+            run_step(backend, "lock", pids, lock_timeout_ms=lock_timeout_ms)
         with report.step("native_checkpoint"):
-            run_step(native, "checkpoint", pids)
+            run_step(backend, "checkpoint", pids)
         manifest = Manifest(
             requested,
             prepared,
             tuple(
                 Participant(p.observed_pid, p.namespace_pid, i, g)
-                for p, i, g in zip(group, ids, shims.gpus, strict=True)
+                for p, i, g in zip(group, ids, gpus, strict=True)
             ),
             tuple(report.timings),
             utc_timestamp(),

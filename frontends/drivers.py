@@ -224,17 +224,19 @@ def library(
     recorded: str | None = None,
     *,
     proc_root: Path | None = None,
+    report: discovery.DriverReport | None = None,
 ) -> str | None:
     """The path to load (None: the loader's search); ``endpoints`` are asked (``auto``
     only) for the shims to ask which driver they run on (``proc_root``: their pids are
-    seen through it); none saying, ``recorded`` (the manifest's), else
-    :func:`installed`'s choice."""
+    seen through it), unless ``report`` already says (a suspend's own STATUS round);
+    none saying, ``recorded`` (the manifest's), else :func:`installed`'s choice."""
     if choice == "sim":
         return sim_library()
     if choice == "system":
         return None
     try:
-        reported = trusted(discovery.shim_drivers(endpoints()), proc_root)
+        said = report if report is not None else discovery.shim_drivers(endpoints())
+        reported = trusted(said, proc_root)
     except discovery.DriverMismatch as exc:
         raise NativeUnavailableError(f"{exc}; run one command per driver") from exc
     if reported is not None:
@@ -247,7 +249,9 @@ def library(
 class LateBackend:
     """A :class:`CudaBackend` whose driver is chosen at its first call: for processes
     that do not exist yet when the command starts (a CRIU restore recreates them, and
-    their shims then say which driver they run on)."""
+    their shims then say which driver they run on). ``report``: what the shims already
+    said (a suspend's one STATUS round, :class:`~.engine.suspension.DriverChoice`), so
+    that they are not asked again."""
 
     def __init__(
         self,
@@ -256,18 +260,21 @@ class LateBackend:
         recorded: Callable[[], str | None] = lambda: None,
         *,
         proc_root: Path | None = None,
+        report: discovery.DriverReport | None = None,
     ) -> None:
         self.choice = choice
         self.endpoints = endpoints
         self.recorded = recorded
         self.proc_root = proc_root
+        self.report = report
         self._backend: CudaBackend | None = None
 
     def _chosen(self) -> CudaBackend:
         if self._backend is None:
-            self._backend = CudaBackend(
-                library(self.choice, self.endpoints, self.recorded(), proc_root=self.proc_root)
-            )
+            chosen = library(
+                self.choice, self.endpoints, self.recorded(), proc_root=self.proc_root,
+                report=self.report)  # fmt: skip
+            self._backend = CudaBackend(chosen)
         return self._backend
 
     def lock(self, pid: int, timeout_ms: int) -> None:

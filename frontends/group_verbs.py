@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TextIO
 
-from . import invocation, targets
+from . import invocation
 from .arguments import (
     EXIT_FAILED,
     EXIT_NEEDS_RECOVER,
@@ -36,12 +36,9 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
 
     processes = call.processes()
     mode = call.mode
-    shim_needed = command == "suspend" and not call.options.not_requested
-    # resume checks the group itself: the survivors of a member lost come back.
-    problems = targets.problems(call.group, call.where(), shim=shim_needed) if (
-        command == "suspend") else []  # fmt: skip
-    if problems:
-        return Outcome(EXIT_FAILED, "refused", [f"{command} refused:", *problems])  # fmt: skip
+    # What is at each socket the engine's detection decides, once (a suspend's refusal
+    # names every process and what to do); resume checks the group itself: the
+    # survivors of a member lost come back.
     view = None
     on_event: agent.AgentCallback | None = None
     live: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
@@ -60,7 +57,6 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
     stop = threading.Event()
     options = runner.Options(phase_timeout=step_timeout(call.options.step_timeout), stop=stop)
     try:
-        native = call.native()
         with running.stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)), live:
             if command == "suspend":
                 done: agent.SuspendResult | agent.ResumeResult = agent.suspend(
@@ -69,7 +65,8 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
                     agent.Group(processes),
                     call.options.checkpoint_dir,
                     where=call.where(),
-                    native=native,
+                    # The driver from the suspend's own STATUS round, not one more.
+                    native=call.native_choice(),
                     requested=not call.options.not_requested,
                     options=options,
                     lock_timeout_ms=int(call.options.lock_timeout * 1000),
@@ -79,7 +76,7 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
                 done = agent.resume(
                     call.options.checkpoint_dir,
                     where=call.where(),
-                    native=native,
+                    native=call.native(),
                     processes=processes,
                     gpu_map=call.options.gpu_map,
                     options=options,
@@ -144,7 +141,7 @@ class _NoDriver:
 
 
 def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
-    from .engine.detection import remove_stale_sockets
+    from .engine.detection import Group, look, remove_stale_sockets
 
     processes = call.processes()
     where = call.where()
@@ -162,8 +159,8 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
         else:
             stdout.write(f"no shim in {where.control_dir} (start a program with `{PROG} launch`)\n")
         return Outcome(EXIT_OK)
-    gone = targets.problems([(p.observed_pid, p.namespace_pid) for p in processes], where,
-                            shim=False)  # fmt: skip
+    seen = look(Group(processes), where, heal=False)
+    gone = [line for s in seen if (line := s.gone(where)) is not None]
     if gone and named:
         return Outcome(EXIT_FAILED, "refused", gone)
     for process in stale:
@@ -177,10 +174,10 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
     from .engine.native_checkpoint import NativeUnavailableError
 
     try:
-        rows = asked(processes, where, call.native())
+        rows = asked(processes, where, call.native(), seen=seen)
     except NativeUnavailableError as exc:
         stderr.write(f"{PROG}: note: native states unknown: {exc}\n")
-        rows = asked(processes, where, _NoDriver("no CUDA driver loaded"))
+        rows = asked(processes, where, _NoDriver("no CUDA driver loaded"), seen=seen)
     if call.options.json:
         # One line, the summary itself: JSON lines like every verb's, and one document.
         document = {"processes": [to_json(r) for r in rows]}

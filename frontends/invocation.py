@@ -25,7 +25,9 @@ from .outcomes import PROG
 if TYPE_CHECKING:
     from .engine import agent
     from .engine.client import Endpoint
+    from .engine.discovery import DriverReport
     from .engine.native_checkpoint import NativeBackend, NativeUnavailableError
+    from .engine.suspension import DriverChoice
 
 
 Pair = tuple[int, int]
@@ -86,6 +88,24 @@ class Invocation:
             lambda: self.recorded,
             proc_root=self.proc_root,
         )
+
+    def native_choice(self) -> NativeBackend | DriverChoice:
+        """A suspend's native calls: the caller's, else those on the driver ``--driver``
+        names, taken (``auto``) from what the shims said in the suspend's own STATUS
+        round, so that the command sends them no round of its own; loaded at the first
+        call, as :meth:`native`'s are."""
+        from . import drivers
+        from .engine.suspension import DriverChoice
+
+        if self.given is not None:
+            return self.given
+        choice = getattr(self.options, "driver", "auto")
+
+        def chosen(report: DriverReport) -> NativeBackend:
+            return drivers.LateBackend(choice, self.endpoints, lambda: self.recorded,
+                                       proc_root=self.proc_root, report=report)  # fmt: skip
+
+        return DriverChoice(chosen)
 
     def where_words(self, *, driver: bool = True) -> list[str]:
         """What a printed command needs to find the group from a plain shell (no

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from . import running, summaries, targets
+from . import running, summaries
 from .arguments import EXIT_OK, UsageError, step_timeout
 from .outcomes import PROG, Outcome, say
 
@@ -43,6 +43,7 @@ Ran = tuple[int, object, "CoordinatorError | None"]  # the exit code, the result
 
 def _machine(spec: MachineSpec | None, call: Invocation, stdout: TextIO, stderr: TextIO) -> Ran:
     from .engine import discovery, runner
+    from .engine.detection import Group, look, problems
     from .engine.errors import CoordinatorError
     from .engine.gpus import GpuMapRefused, uuid_pairs
     from .engine.quiesce import until_quiet
@@ -53,9 +54,10 @@ def _machine(spec: MachineSpec | None, call: Invocation, stdout: TextIO, stderr:
     endpoints = call.endpoints()
     timeout = step_timeout(call.options.step_timeout)
     if spec is not None:  # recover reports and leaves out the processes that are gone
-        problems = targets.problems(call.group, call.where(), shim=True)
-        if problems:
-            return say([f"{call.command} refused:", *problems], stderr), None, None
+        # The machine needs every shim: what is at each socket, as detection says it.
+        wrong = problems(look(Group(call.group), call.where(), heal=True), True, call.where())
+        if wrong:
+            return say([f"{call.command} refused:", *wrong], stderr), None, None
     living = [e for e in endpoints if discovery.pid_exists(e.observed_pid, call.proc_root)]
     silent = discovery.unanswered(living, timeout=min(timeout, 10.0))
     if silent:

@@ -4,8 +4,9 @@ The command line names them with ``--pid P`` (the same pid here and in its pid
 namespace) or ``--process OBSERVED NS``; ``resume``, ``restore`` and ``recover`` take
 them from the checkpoint directory when none is named (the manifest, else an
 interrupted capture's intent, else the state file), and ``status`` lists every
-shim of the control directory. A pid that names no process, and a process without
-a shim where one is needed, are said so, with what to do.
+shim of the control directory. What is at each process's socket (a pid that names no
+process, a process without a shim) the engine's detection says, once
+(``engine/detection.py`` ``look``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .engine import discovery
-from .engine.manifest import MANIFEST_FILE_NAME, Process, read_manifest
+from .engine.manifest import MANIFEST_FILE_NAME, read_manifest
 
 if TYPE_CHECKING:
     from .engine.detection import Where
@@ -157,34 +158,6 @@ def _whether_it_runs(pid: int, proc_root: Path | None) -> str:
 
 def describe(pairs: Sequence[Pair]) -> str:
     return ", ".join(f"pid {o}" if o == n else f"pid {o} (ns pid {n})" for o, n in pairs)
-
-
-def problems(pairs: Sequence[Pair], where: Where, *, shim: bool) -> list[str]:
-    """A line for each process without a control socket: one that does not exist is
-    said so; one that exists but has no shim, when ``shim``, gets what to do."""
-    lines: list[str] = []
-    for o, n in pairs:
-        endpoint = where.endpoint(Process(o, n))
-        if discovery.is_socket(endpoint.path):
-            continue  # a live shim, or a stale socket the run itself will name
-        if not discovery.pid_exists(o, where.proc_root):
-            under = f" under {where.proc_root}" if where.proc_root is not None else ""
-            lines.append(f"pid {o} does not exist (no such process{under})")
-        elif not discovery.is_running(o, where.proc_root):
-            lines.append(f"pid {o} exited (a zombie its parent has not reaped): it takes no part")
-        elif shim and (there := discovery.what_is_at(endpoint.path)) != "nothing":
-            lines.append(
-                f"pid {o} has no control socket: at its path {endpoint.path} there is {there},"
-                " not a socket: no shim can serve there until it is removed (then a shim that"
-                " served there before serves again within 100 ms; one that found it at its"
-                " start has no control server until its program starts again)"
-            )
-        elif shim:
-            lines.append(
-                f"pid {o} has no shim: its control socket {endpoint.path} does not exist; "
-                + discovery.missing_shim_hint(o, endpoint.path.parent)
-            )
-    return lines
 
 
 def shims(where: Where) -> list[Pair]:

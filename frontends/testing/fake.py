@@ -659,9 +659,11 @@ class FakeParticipant:
                     f"{op.name} is not allowed in phase {phase.name}",
                     participant=participant,
                 )
-            if op is Op.STATUS and request.ask_driver and kind is None:
-                # Both asked: the driver's line, then the devices report (none here).
-                said = f"{self.driver}\n" if request.ask_devices else self.driver
+            if op is Op.STATUS and (request.ask_driver or request.ask_devices) and kind is None:
+                # The driver's path; both asked, its line then the devices report; the
+                # devices alone, their report (no GPU here: empty).
+                said = self.driver if request.ask_driver else ""
+                said += "\n" if request.ask_driver and request.ask_devices else ""
                 return self._encode(echoed, Status.OK, said, participant=participant)
             if op is Op.QUIESCE and phase is Phase.QUIESCED:
                 self._advances += 1

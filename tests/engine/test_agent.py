@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -92,6 +93,18 @@ def work() -> Iterator[Path]:
         yield path
 
 
+@pytest.fixture
+def live() -> Iterator[list[int]]:
+    """The pids of two processes that run and have no shim (a native-only group's)."""
+    children = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        yield [c.pid for c in children]
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+
+
 def bind_socket(path: Path, *, listening: bool) -> socket.socket | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -116,25 +129,31 @@ def bind_socket(path: Path, *, listening: bool) -> socket.socket | None:
     ],
 )
 def test_detection_truth_table(
-    work: Path, requested: bool, present: list[bool], mode: str | None, named: list[int]
+    work: Path,
+    live: list[int],
+    requested: bool,
+    present: list[bool],
+    mode: str | None,
+    named: list[int],
 ) -> None:
     control = work / "control"
     control.mkdir()
-    for pid, here in zip((1, 2), present, strict=True):
+    pids = tuple(live)  # processes that run: a missing socket is no shim
+    for pid, here in zip(pids, present, strict=True):
         if here:
             bind_socket(control / socket_name(pid), listening=False)
     where = agent.Where(control)
     if mode is not None:
-        found = agent.detect(requested, [(1, 1), (2, 2)], where)
+        found = agent.detect(requested, [(p, p) for p in pids], where)
         assert found.mode == mode
-        assert [e.path for e in found.endpoints] == [control / socket_name(p) for p in (1, 2)]
+        assert [e.path for e in found.endpoints] == [control / socket_name(p) for p in pids]
         return
     with pytest.raises(agent.DetectionRefused) as info:
-        agent.detect(requested, [(1, 1), (2, 2)], where)
+        agent.detect(requested, [(p, p) for p in pids], where)
     text = str(info.value)
-    for pid in (1, 2):
-        assert (f"pid {pid} (ns pid {pid})" in text) == (pid in named), text
-    assert ("no control socket" in text) == requested
+    for i, pid in enumerate(pids, 1):
+        assert bool(re.search(rf"\bpid {pid}\b", text)) == (i in named), text
+    assert ("has no shim" in text) == requested
     assert ("did not request" in text) == (not requested)
 
 
@@ -151,10 +170,12 @@ def test_detection_refuses_a_path_that_is_not_a_socket(
         (control / socket_name(1)).write_text("not a socket")
     with pytest.raises(agent.DetectionRefused) as info:
         agent.detect(requested, [(1, 1)], agent.Where(control))
-    assert f"pid 1 (ns pid 1): {control / socket_name(1)} is {there}, not a socket" in str(
+    path = control / socket_name(1)
+    assert f"pid 1 has no control socket: at its path {path} there is {there}, not a socket" in str(
         info.value
     )
-    assert "does not exist" not in str(info.value)
+    assert "until it is removed" in str(info.value)
+    assert "does not exist" not in str(info.value) and "has no shim" not in str(info.value)
 
 
 def test_detection_says_a_zombie_exited(work: Path) -> None:
@@ -381,8 +402,9 @@ def test_suspend_then_resume_with_fakes(work: Path) -> None:
 
 
 def test_a_suspend_asks_its_shims_one_status_before_handshake(work: Path) -> None:
-    """The driver, the GPUs and the ids in one STATUS (CUIP_ASK_ALL): the origin records
-    the driver the shims reported, and nothing else is asked before the capture binds."""
+    """The driver and the ids in one STATUS (CUIP_ASK_DRIVER): the origin records the
+    driver the shims reported, and nothing else is asked before the capture binds; the
+    GPUs are asked after it, before the native lock."""
     fake = running()
     with team_of(TOPOLOGY, work / "control") as team:
         for f in team.fakes:
@@ -410,29 +432,33 @@ def test_a_suspend_of_shims_on_two_drivers_is_refused_before_anything(work: Path
     assert fake.calls == [] and set(fake.states.values()) == {ProcessState.RUNNING}
 
 
-def test_a_shim_answering_without_the_driver_line_is_refused_by_name(
+def test_a_shim_that_cannot_say_its_gpus_after_the_capture_is_undone(
     work: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A reply to CUIP_ASK_ALL with no line break (a shim older than it refuses 3; a
-    hostile one may say anything) is refused, naming the process, before any change."""
+    """The GPUs are asked once the capture is done (their report makes driver calls a
+    process not RUNNING would hold): a report refused there (a hostile one may say
+    anything) names the process, and the capture is undone before any native step."""
     from cuinterpose.engine import suspension
 
     asked = suspension.call_all
 
-    def devices_only(calls: Any, **kwargs: Any) -> Any:
+    def garbled(calls: Any, **kwargs: Any) -> Any:
         replies = list(asked(calls, **kwargs))
-        replies[1] = attrs.evolve(replies[1], message="")
+        if calls[0][1].ask_devices:
+            replies[1] = attrs.evolve(replies[1], message="0\tnot a uuid\t1\tGPU\n")
         return replies
 
-    monkeypatch.setattr(suspension, "call_all", devices_only)
+    monkeypatch.setattr(suspension, "call_all", garbled)
     fake = running()
     with team_of(TOPOLOGY, work / "control") as team:
-        with pytest.raises(agent.DetectionRefused, match="which driver") as refused:
+        with pytest.raises(agent.SuspendFailed) as failed:
             suspend(team, work / "ckpt", fake)
-        (line,) = refused.value.lines()[1:]
-        assert "1001" in line and "no driver line" in line, line
-        assert all(Op.HANDSHAKE not in f.received for f in team.fakes)
-    assert fake.calls == []
+        assert failed.value.restored
+        text = "\n".join(failed.value.lines())
+        assert "pid 1001" in text and "devices report refused" in text, text
+        assert "the group runs as before the suspend" in text
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+    assert [c for c in fake.calls if c[0] != "state"] == []
 
 
 @pytest.mark.parametrize("step, pid", [("lock", 1001), ("checkpoint", 1001), ("lock", 1000)])
@@ -479,14 +505,15 @@ def test_suspend_refuses_before_anything_when_a_process_is_not_running(work: Pat
         with pytest.raises(agent.StateRefused, match=r"pid 1001 \(ns pid 1001\) is LOCKED"):
             suspend(team, work / "ckpt", fake)
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
-        assert all(f.received == [] for f in team.fakes)
+        # The driver question alone (it makes no driver call in the shim), nothing after.
+        assert all(f.received == [Op.STATUS] for f in team.fakes)
     assert [c for c in fake.calls if c[0] != "state"] == []
 
 
 def test_suspend_refuses_a_requested_group_with_a_process_missing_its_socket(work: Path) -> None:
     fake = running([*PIDS, 1002])
     with team_of(TOPOLOGY, work / "control") as team:
-        with pytest.raises(agent.DetectionRefused, match=r"pid 1002 \(ns pid 1002\): no control"):
+        with pytest.raises(agent.DetectionRefused, match=r"pid 1002 does not exist"):
             agent.suspend(
                 [(p, p) for p in [*PIDS, 1002]],
                 work / "ckpt",
@@ -506,11 +533,13 @@ def test_suspend_refuses_a_group_that_did_not_request_but_has_sockets(work: Path
     assert fake.calls == []
 
 
-def test_a_group_that_did_not_request_is_checkpointed_natively_only(work: Path) -> None:
-    fake = running()
+def test_a_group_that_did_not_request_is_checkpointed_natively_only(
+    work: Path, live: list[int]
+) -> None:
+    fake = running(live)
     where = agent.Where(work / "control")
     done = agent.suspend(
-        [(p, p) for p in PIDS], work / "ckpt", where=where, native=fake, requested=False
+        [(p, p) for p in live], work / "ckpt", where=where, native=fake, requested=False
     )
     assert (done.manifest.requested, done.manifest.prepared) == (False, False)
     assert [t.step for t in done.timings] == ["detect", "native_lock", "native_checkpoint"]
@@ -522,24 +551,36 @@ def test_a_group_that_did_not_request_is_checkpointed_natively_only(work: Path) 
     assert agent.read_manifest(work / "ckpt").resumed_at
     with pytest.raises(agent.ManifestError, match="was resumed at"):
         agent.resume(work / "ckpt", where=where, native=fake)
-    agent.suspend([(p, p) for p in PIDS], work / "ckpt", where=where, native=fake, requested=False)
+    agent.suspend([(p, p) for p in live], work / "ckpt", where=where, native=fake, requested=False)
     # Suspended and never resumed: the manifest is not overwritten by another suspend.
-    fake.states = {p: ProcessState.RUNNING for p in PIDS}
+    fake.states = {p: ProcessState.RUNNING for p in live}
     with pytest.raises(agent.ManifestError, match="never resumed") as info:
-        agent.suspend([(p, p) for p in PIDS], work / "ckpt", where=where, native=fake)
-    assert "pid 1000 (ns pid 1000)" in str(info.value) and "resume it first" in str(info.value)
+        agent.suspend([(p, p) for p in live], work / "ckpt", where=where, native=fake)
+    first = f"pid {live[0]} (ns pid {live[0]})"
+    assert first in str(info.value) and "resume it first" in str(info.value)
 
 
-def test_resume_refuses_other_processes_and_unsuspended_ones(work: Path) -> None:
+def test_a_native_only_group_with_a_process_gone_is_refused_by_detection(work: Path) -> None:
+    """A pid that names no process is said so whatever the group requested, before any
+    native call (a driver would only say it cannot find it)."""
     fake = running()
+    with pytest.raises(agent.DetectionRefused, match="pid 1000 does not exist") as info:
+        agent.suspend([(p, p) for p in PIDS], work / "ckpt", where=agent.Where(work / "c"),
+                      native=fake, requested=False)  # fmt: skip
+    assert "pid 1001 does not exist" in str(info.value)
+    assert fake.calls == []
+
+
+def test_resume_refuses_other_processes_and_unsuspended_ones(work: Path, live: list[int]) -> None:
+    fake = running(live)
     where = agent.Where(work / "control")
-    agent.suspend([(p, p) for p in PIDS], work / "ckpt", where=where, native=fake, requested=False)
+    agent.suspend([(p, p) for p in live], work / "ckpt", where=where, native=fake, requested=False)
     with pytest.raises(agent.ManifestError, match="not the manifest's"):
-        agent.resume(work / "ckpt", where=where, native=fake, processes=[(1000, 1000)])
-    fake.states[1000] = ProcessState.RUNNING
-    with pytest.raises(agent.StateRefused, match=r"pid 1000 \(ns pid 1000\) is RUNNING"):
+        agent.resume(work / "ckpt", where=where, native=fake, processes=[(live[0], live[0])])
+    fake.states[live[0]] = ProcessState.RUNNING
+    with pytest.raises(agent.StateRefused, match=rf"pid {live[0]} \(ns pid {live[0]}\) is RUNNING"):
         agent.resume(work / "ckpt", where=where, native=fake)
-    assert fake.states[1001] is ProcessState.CHECKPOINTED  # nothing was changed
+    assert fake.states[live[1]] is ProcessState.CHECKPOINTED  # nothing was changed
 
 
 # ------------------------------------------------------------------ the CLI verbs

@@ -22,7 +22,7 @@ import pytest
 from cuinterpose import artifacts, cli, drivers
 from cuinterpose.engine import discovery
 from cuinterpose.engine.native_checkpoint import NativeUnavailableError
-from cuinterpose.engine.wire import Phase
+from cuinterpose.engine.wire import Op, Phase
 from engine_harness import Team, short_dir, team_of
 from test_agent import TOPOLOGY
 
@@ -144,3 +144,35 @@ def test_through_proc_root_the_process_mappings_decide(work: Path) -> None:
         with pytest.raises(NativeUnavailableError, match=f"it maps no file {inside}"):
             drivers.trusted(report, proc)
     assert not marker.exists()
+
+
+def test_a_cli_suspend_asks_its_shims_once_before_handshake_and_loads_what_they_said(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cuinterpose suspend --driver auto``: the driver the native calls load is the one
+    the suspend's own STATUS round reported (drivers.LateBackend given its answer), so each
+    shim receives exactly one STATUS before HANDSHAKE; the driver is loaded at the first
+    native call, once."""
+    from test_agent import PIDS, running
+
+    fake = running(PIDS)
+    loaded: list[str | None] = []
+
+    def backend(library: str | None = None) -> object:
+        loaded.append(library)
+        return fake
+
+    monkeypatch.setattr(drivers, "CudaBackend", backend)
+    with team_of(TOPOLOGY, work / "control") as team:
+        reporting(team, sim())
+        err = io.StringIO()
+        code = cli.main(["suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
+                         str(team.control_dir), *team.processes, "--progress", "none"],
+                        stdout=io.StringIO(), stderr=err)  # fmt: skip
+        assert code == cli.EXIT_OK, err.getvalue()
+        for f in team.fakes:
+            ops = f.received
+            assert ops[: ops.index(Op.HANDSHAKE)] == [Op.STATUS], ops
+        assert {f.phase for f in team.fakes} == {Phase.PREPARED}
+    assert loaded == [str(sim())]
+    assert {s.name for s in fake.states.values()} == {"CHECKPOINTED"}
