@@ -404,7 +404,7 @@ static void store(struct reply *r, const struct request_fds *fds)
         goto oom;
     if (write_heads(r, fds, h, len) != 0)
         goto out;
-    if (io_run(&pool, msg, sizeof msg) != 0) {
+    if (pool.count && io_run(&pool, msg, sizeof msg) != 0) {
         reply_msg(r, CUIP_STATUS_INTERNAL, "STORE_STAGED: %s; the staged bytes stay in memory",
                   msg);
         goto out;
