@@ -180,9 +180,11 @@ def test_what_store_and_fetch_refuse(spawn: Spawn, control_dir: Path, tmp_path: 
     assert bare.status == Status.BAD_REQUEST and "it carried none" in bare.message, bare
     null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     try:
+        most = send_raw(c, Op.FETCH_STAGED, [null] * wire.STORED_MAX_PARTS)  # nothing stored
         many = send_raw(c, Op.FETCH_STAGED, [null] * (wire.STORED_MAX_PARTS + 1))
     finally:
         os.close(null)
+    assert (most.status, most.stats.count) == (Status.OK, 0), most
     assert many.status == Status.BAD_REQUEST and "it carried more" in many.message, many
     assert "1 to 64 file descriptors" in many.message, many
     full = tmp_path / "full.bin"
