@@ -66,6 +66,9 @@ def test_a_failed_store_names_the_process_and_leaves_no_part_of_it(work: Path) -
             stored.store(work / "ckpt", done.manifest, where=where, options=Options(stored_parts=2))
         text = str(info.value)
         assert f"pid {PIDS[1]}" in text and "pwrite failed (injected)" in text, text
+        # The shim names a part by its index: the line says which file that is.
+        stem = f"{work / 'ckpt'}/staged-{team.fakes[1].participant}"
+        assert f"(part k = {stem}.<k>.bin): INTERNAL: pwrite failed" in text, text
         assert info.value.changed
         left = stored.stored_files(work / "ckpt")
         first = team.fakes[0].participant
