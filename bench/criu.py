@@ -17,8 +17,9 @@ restore and unlock and the coordinator restore), then checks every byte in both
 processes, a write of the importer (consumer) reaching the creator (producer) and a
 new share. Reports each step's seconds, the images' size (all, and memory pages)
 against the GPU bytes and the bytes staged, and the staged files beside the images
-(``staged-*.bin`` of the checkpoint directory: by default the shims store the staged
-bytes there before ``criu dump``). ``--mode in-images`` runs the dump with
+(each process's parts ``staged-<participant>.<k>.bin`` of the checkpoint directory: by
+default the shims store the staged bytes there before ``criu dump``, one writer thread
+per file; ``--parts N`` sets how many files per process). ``--mode in-images`` runs the dump with
 ``--bytes-in-images`` instead (the bytes go through the images), ``--mode both`` each
 scenario both ways, one after the other (``NAME`` and ``NAME-in-images``). ``--out``
 writes it all as JSON. Exit status 0 only when every scenario verified. GB is 10^9
@@ -102,6 +103,7 @@ class Setup:
     log: Callable[[str], None]
     logs: Path | None  # where CRIU's own logs are copied (a failure's diagnosis)
     beside: bool = True  # the staged bytes in files beside the images (else in them)
+    parts: int | None = None  # the files per process beside the images (None: the default)
 
 
 def images_trusted(ckpt: Path, images: Path) -> bool:
@@ -126,6 +128,8 @@ def round_trip(tree: Tree, s: Setup) -> dict[str, Any]:
     common += ["--control-dir", str(s.control), "--criu", str(s.criu_path)]
     procs = [w for p in tree.pids() for w in ("--process", str(p), str(p))]
     mode = [] if s.beside else ["--bytes-in-images"]
+    if s.beside and s.parts is not None:
+        mode += ["--stored-parts", str(s.parts)]
     try:
         dump = cli(
             ["criu", "dump", *common, "--tree", str(tree.root_pid), *mode, *procs], s.plain, s.log
@@ -285,6 +289,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--logs", type=Path, help="copy CRIU's dump and restore logs here")
     parser.add_argument(
+        "--parts",
+        type=int,
+        help="the files per process the staged bytes go to beside the images (criu dump "
+        "--stored-parts; default: its default, min(16, CPUs))",
+    )
+    parser.add_argument(
         "--mode",
         choices=("beside", "in-images", "both"),
         default="beside",
@@ -329,6 +339,7 @@ def main() -> int:
                         log,
                         args.logs,
                         beside,
+                        args.parts,
                     )
                     result = SCENARIOS[scenario](setup)
                 except Exception as exc:  # one scenario's failure is recorded, the next runs

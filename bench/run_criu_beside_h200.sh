@@ -3,10 +3,15 @@
 # `criu restore` with the staged bytes stored beside the images (bench/criu.py --mode
 # beside), next to the storage's own parallel write and read rate measured the same way
 # in the same directory just before (bench/storage_rate.py: 16 threads, no sync, as the
-# shims store). The CRIU bundle travels in .criu/ (tests/gpu/run_criu_h200.sh says how).
-# Results in $OUT: build.log, storage.json, criu.json, criu.log, status.txt.
+# shims store). Twice: each process's bytes in 16 files (one per shim copy thread, the
+# default on 16 CPUs; CRIU_MODE=both adds the run with the bytes in the images) and in 1
+# (as before the parts: one file per process), so that the store rate is compared on
+# the same machine in the same call. The CRIU bundle travels in .criu/
+# (tests/gpu/run_criu_h200.sh says how).
+# Results in $OUT: build.log, storage.json, criu-16.json, criu-1.json, criu.log,
+# status.txt; the last lines printed give each run's store rate and number of files.
 #
-#   OUT=/path [WHEELS=.whl] [CRIU_MIB=8192] [CRIU_S=150] [CRIU_MODE=beside|both]
+#   OUT=/path [WHEELS=.whl] [CRIU_MIB=8192] [CRIU_S=130] [CRIU_MODE=beside|both]
 #     bench/run_criu_beside_h200.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,9 +25,15 @@ timeout 60 python3 bench/storage_rate.py --dir /tmp --gib "$((mib / 1024))" --th
   --out "$OUT/storage.json" || status=1
 { "$CUINTERPOSE_CRIU" --version && "$CUINTERPOSE_CRIU" check; } >"$OUT/criu.log" 2>&1 \
   || { echo "criu check failed"; status=1; }
-timeout "${CRIU_S:-150}" python3 bench/criu.py --driver system --mib "$mib" \
-  --scenario torch --mode "${CRIU_MODE:-beside}" --work /tmp --out "$OUT/criu.json" >>"$OUT/criu.log" 2>&1 \
-  || { echo "criu failed"; status=1; }
-grep -vE "^  (dump|restore) " "$OUT/criu.log" | tail -8
+for parts in 16 1; do
+  mode=beside
+  [ "$parts" = 16 ] && mode=${CRIU_MODE:-beside}
+  echo "== $parts files per process, --mode $mode" >>"$OUT/criu.log"
+  timeout "${CRIU_S:-130}" python3 bench/criu.py --driver system --mib "$mib" \
+    --scenario torch --mode "$mode" --parts "$parts" --work /tmp \
+    --out "$OUT/criu-$parts.json" >>"$OUT/criu.log" 2>&1 \
+    || { echo "criu with $parts files per process failed"; status=1; }
+done
+grep -vE "^  (dump|restore) " "$OUT/criu.log" | tail -16
 echo "status $status" | tee "$OUT/status.txt"
 exit "$status"

@@ -280,7 +280,7 @@ def call_all(
         raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout}")
     payloads = [request.encode() for _, request, _ in calls]
     for _, request, _ in calls:
-        if request.op in FILE_OPS and request.fd is None:
+        if request.op in FILE_OPS and not request.fds:
             raise WireError(f"{request.op.name} request lacks the file descriptor it hands")
     deadline = time.monotonic() + timeout
     exchanges = [
@@ -452,12 +452,13 @@ class _Exchange:
         try:
             # 128 bytes always fit an empty AF_UNIX send buffer; a short send
             # would mean the peer is not a shim, and is reported as a hang-up.
-            if self.request.fd is None:
+            if not self.request.fds:
                 sent = self.sock.send(self.payload, socket.MSG_NOSIGNAL)
-            else:  # STORE_STAGED / FETCH_STAGED: the file goes with the header's bytes
+            else:  # STORE_STAGED / FETCH_STAGED: the files go with the header's bytes
+                fds = array.array("i", self.request.fds)
                 sent = self.sock.sendmsg(
                     [self.payload],
-                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.request.fd]))],
+                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)],
                     socket.MSG_NOSIGNAL,
                 )
         except OSError as exc:

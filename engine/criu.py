@@ -64,7 +64,7 @@ from .native_checkpoint import DEFAULT_LOCK_TIMEOUT_MS, NativeBackend
 from .options import Options
 from .serial import shape
 from .statefile import StateFileError
-from .stored import staged_path, store
+from .stored import remove_parts, store
 
 CRIU_ENV: Final = "CUINTERPOSE_CRIU"
 MIN_VERSION: Final = (4, 0)
@@ -642,7 +642,7 @@ def dump(
         else:  # an earlier dump's files would be taken for this one's at restore
             for p in done.manifest.participants:
                 if p.participant:
-                    staged_path(checkpoint_dir, p.participant).unlink(missing_ok=True)
+                    remove_parts(checkpoint_dir, p.participant)
         forget(images)
         timing = _timed(
             "criu_dump",

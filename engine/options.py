@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 import attrs
 
 from .client import ParticipantError, call_all
-from .wire import Reply
+from .wire import STORED_MAX_PARTS, Reply
 
 if TYPE_CHECKING:  # annotations only: a command that only parses its options loads neither
     from .progress import ProgressCallback
@@ -31,6 +32,16 @@ SLOWEST_TRANSFER_RATE = 256 * 2**20
 # RETRY_PAUSE_S: memory that another participant is about to free becomes free.
 RETRY_ATTEMPTS = 5
 RETRY_PAUSE_S = 0.05
+
+
+def default_stored_parts() -> int:
+    """The files each shim's staged bytes go to beside the CRIU images (engine/stored.py):
+    one per writer thread, since buffered writes to one file serialize on its inode.
+    The shim's writers are its copy threads, min(16, online CPUs) by default
+    (SNAPSHOT_SHIM_COPY_THREADS, shim_c/settings.c), on this same node: as many files.
+    A checkpoint restored on a node of another size reads them as they are (the count
+    is in every file's header)."""
+    return max(1, min(16, os.cpu_count() or 1))
 
 
 @attrs.frozen
@@ -62,6 +73,9 @@ class Options:
     # raise a CoordinatorError to stop the run there, which then rolls back what it
     # changed as any failure does. Rollbacks never call it: they run alone.
     on_step: StepHook | None = None
+    # The files of each process's staged bytes beside the CRIU images: 1 to
+    # STORED_MAX_PARTS (protocol.h); see default_stored_parts.
+    stored_parts: int = attrs.field(factory=default_stored_parts)
 
     def __attrs_post_init__(self) -> None:
         if not self.phase_timeout > 0:
@@ -72,6 +86,10 @@ class Options:
             )
         if self.quiesce_deadline is not None and not self.quiesce_deadline > 0:
             raise ValueError(f"quiesce_deadline must be positive, got {self.quiesce_deadline}")
+        if not 1 <= self.stored_parts <= STORED_MAX_PARTS:
+            raise ValueError(
+                f"stored_parts must be 1 to {STORED_MAX_PARTS}, got {self.stored_parts}"
+            )
         if self.retry_attempts < 1:
             raise ValueError(f"retry_attempts must be at least 1, got {self.retry_attempts}")
 

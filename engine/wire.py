@@ -39,13 +39,17 @@ ASK_ALL: Final = ASK_DRIVER | ASK_DEVICES
 # An EXPORT request's stat_count withdrawing a fetch whose open failed.
 EXPORT_WITHDRAW: Final = 1
 
-# The stored file of STORE_STAGED / FETCH_STAGED (protocol.h, specs/protocol.md): a
-# header, one entry per allocation, then the bytes, each allocation at an offset rounded
-# up to STORED_ALIGN after the previous one's end.
+# The stored files of STORE_STAGED / FETCH_STAGED (protocol.h, specs/protocol.md): per
+# process 1 to STORED_MAX_PARTS parts, each a header naming its index and the part count;
+# part 0's header followed by one entry per allocation. The bytes are one stream (each
+# allocation at the previous one's end rounded up to STORED_ALIGN) in STORED_STRIPE-byte
+# stripes, stripe s in part s mod parts.
 STORED_MAGIC: Final = 0x47545343
-STORED_VERSION: Final = 1
+STORED_VERSION: Final = 2
 STORED_ALIGN: Final = 4096
-STORED_HEADER_STRUCT: Final = struct.Struct("<IIIIQQ32s")
+STORED_STRIPE: Final = 8 << 20
+STORED_MAX_PARTS: Final = 64
+STORED_HEADER_STRUCT: Final = struct.Struct("<IIIHHQQ32s")
 STORED_ENTRY_STRUCT: Final = struct.Struct("<16sQQ")
 
 HEADER_STRUCT: Final = struct.Struct("<IHHiI32s16s16sIIIHHQQQQ")
@@ -81,8 +85,8 @@ class Op(enum.IntEnum):
     FETCH_STAGED = 19  # and back from it (specs/criu.md)
 
 
-# The ops whose request hands the shim an open file (SCM_RIGHTS): always one, which the
-# decoded bytes cannot show (decode_request gives fd None).
+# The ops whose request hands the shim open files (SCM_RIGHTS): always 1 to
+# STORED_MAX_PARTS, which the decoded bytes cannot show (decode_request gives none).
 FILE_OPS: Final = frozenset({Op.STORE_STAGED, Op.FETCH_STAGED})
 
 
@@ -618,9 +622,10 @@ class Request:
     # stat_count).
     export_size: int = 0
     withdraw: bool = False
-    # STORE_STAGED and FETCH_STAGED only (and always): the open file the request hands
-    # the shim, sent with the header as SCM_RIGHTS; not part of the encoded bytes.
-    fd: int | None = attrs.field(default=None, eq=False)
+    # STORE_STAGED and FETCH_STAGED only (and always, 1 to STORED_MAX_PARTS): the open
+    # files the request hands the shim, part k the k-th, sent with the header as
+    # SCM_RIGHTS; not part of the encoded bytes.
+    fds: tuple[int, ...] = attrs.field(default=(), eq=False)
 
     @property
     def lease(self) -> bytes:
@@ -647,10 +652,15 @@ class Request:
             raise WireError(f"{self.op.name} request asks what STATUS only answers")
         if self.gpu_map and self.op is not Op.LOAD_ALLOCATIONS:
             raise WireError(f"{self.op.name} request carries a GPU mapping (LOAD_ALLOCATIONS only)")
-        if self.fd is not None and self.op not in FILE_OPS:
+        if self.fds and self.op not in FILE_OPS:
             raise WireError(
                 f"{self.op.name} request carries a file descriptor (STORE_STAGED and "
                 "FETCH_STAGED only)"
+            )
+        if len(self.fds) > STORED_MAX_PARTS:
+            raise WireError(
+                f"{self.op.name} request carries {len(self.fds)} file descriptors, more than "
+                f"{STORED_MAX_PARTS}"
             )
         if not 0 <= self.deadline_ns < 2**64:
             raise WireError(f"deadline_ns {self.deadline_ns} does not fit 64 bits")

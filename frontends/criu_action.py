@@ -65,10 +65,11 @@ from .engine import images as criu_images
 from .engine.client import Endpoint
 from .engine.errors import CoordinatorError
 from .engine.native_checkpoint import NativeBackend, NativeUnavailableError
-from .engine.options import Options
+from .engine.options import Options, default_stored_parts
 from .engine.released import size
 from .engine.serial import to_json
 from .engine.statefile import StateFileError
+from .engine.wire import STORED_MAX_PARTS
 from .outcomes import Outcome, finish
 
 PROG: Final = "cuinterpose criu"
@@ -130,6 +131,16 @@ _VERBS: Final = {
 
 
 # ----------------------------------------------------------------------------- parser
+def stored_parts(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of files") from None
+    if not 1 <= value <= STORED_MAX_PARTS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 1 to {STORED_MAX_PARTS} files")
+    return value
+
+
 def _criu_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--criu", help=f"the criu binary (default ${criu.CRIU_ENV}, else PATH)")
 
@@ -203,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave the staged GPU bytes to CRIU's images instead of files of the "
         "checkpoint directory, written by the shims in parallel (the default)",
+    )
+    dump.add_argument(
+        "--stored-parts",
+        type=stored_parts,
+        metavar="N",
+        help=f"the files each process's staged GPU bytes go to, one writer thread each "
+        f"(1 to {STORED_MAX_PARTS}; default min(16, CPUs): one per shim copy thread)",
     )
     restore = sub("restore")
     _group_options(restore, processes=False)
@@ -457,7 +475,10 @@ def _dump(
             where=where,
             native=_native(args, where, lambda: processes, native),
             requested=not args.not_requested,
-            options=Options(phase_timeout=step_timeout(args.step_timeout, environ)),
+            options=Options(
+                phase_timeout=step_timeout(args.step_timeout, environ),
+                stored_parts=args.stored_parts or default_stored_parts(),
+            ),
             lock_timeout_ms=int(args.lock_timeout * 1000),
             criu_args=_criu_args(args.criu_args),
             on_event=on_event,

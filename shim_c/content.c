@@ -645,7 +645,7 @@ static enum phase_result load_all(struct reply *r, const char *op, bool keep)
         msg[0] = 0;
         name_allocation(msg, sizeof msg, o);
         if (o->stored) { /* nothing changed: the file holds them (stored.c) */
-            reply_msg(r, CUIP_STATUS_REFUSED, "%s: the staged bytes are in the stored file "
+            reply_msg(r, CUIP_STATUS_REFUSED, "%s: the staged bytes are in the stored files "
                       "(STORE_STAGED); FETCH_STAGED first%s", op, msg);
             return PHASE_REFUSED;
         }
@@ -698,7 +698,7 @@ enum phase_result content_reload(struct reply *r)
         name_allocation(what, sizeof what, o);
         reply_msg(r, CUIP_STATUS_REFUSED,
                   "ROLLBACK_ALLOCATIONS: the staged bytes of a torn-down allocation are "
-                  "%s%s", o->stored ? "in the stored file: FETCH_STAGED first" : "gone", what);
+                  "%s%s", o->stored ? "in the stored files: FETCH_STAGED first" : "gone", what);
         return PHASE_REFUSED;
     }
     return load_all(r, "ROLLBACK_ALLOCATIONS", true);

@@ -601,8 +601,8 @@ static bool lease_admit(const struct cuip_header *q, pid_t peer, struct reply *r
     return true;
 }
 
-static void handle(const struct cuip_header *q, const char *text, int fd, pid_t peer,
-                   struct reply *r)
+static void handle(const struct cuip_header *q, const char *text,
+                   const struct request_fds *fds, pid_t peer, struct reply *r)
 {
     bool admitted;
 
@@ -655,7 +655,7 @@ static void handle(const struct cuip_header *q, const char *text, int fd, pid_t 
         return;
     case CUIP_OP_STORE_STAGED:
     case CUIP_OP_FETCH_STAGED:
-        stored_serve(q->op, fd, r);
+        stored_serve(q->op, fds, r);
         return;
     default:
         if (q->op == CUIP_OP_QUIESCE) {
@@ -670,6 +670,13 @@ static void handle(const struct cuip_header *q, const char *text, int fd, pid_t 
 }
 
 /* ------------------------------------------------------------ connections */
+static void close_fds(struct request_fds *fds)
+{
+    for (unsigned i = 0; i < fds->n; i++)
+        close(fds->fd[i]);
+    fds->n = 0;
+}
+
 static void *conn_main(void *arg)
 {
     int s = (int)(intptr_t)arg;
@@ -678,7 +685,7 @@ static void *conn_main(void *arg)
     struct cuip_header q;
     char text[CUIP_MESSAGE_MAX];
     struct reply *r = NULL;
-    int fd = -1; /* STORE_STAGED / FETCH_STAGED: the file, with the header */
+    struct request_fds fds = {.n = 0}; /* STORE_STAGED / FETCH_STAGED: the files */
     long timeout_ms = shim_settings()->io_timeout_ms;
     uint64_t deadline = shim_now_ns() + ms_to_ns((uint64_t)timeout_ms);
 
@@ -686,12 +693,13 @@ static void *conn_main(void *arg)
         shim_log(LOG_WARN, "control connection from uid %d refused", (int)cr.uid);
         goto out;
     }
-    if (io_read_all(s, &q, sizeof q, deadline, &fd) != 0)
+    if (io_read_fds(s, &q, sizeof q, deadline, fds.fd, CUIP_STORED_MAX_PARTS, &fds.n,
+                    &fds.too_many) != 0)
         goto out; /* truncated, stalled or hung up: drop it */
-    if (fd >= 0 && q.op != CUIP_OP_STORE_STAGED && q.op != CUIP_OP_FETCH_STAGED) {
-        close(fd); /* no other op takes one */
-        fd = -1;
-    }
+    if (q.op != CUIP_OP_STORE_STAGED && q.op != CUIP_OP_FETCH_STAGED)
+        close_fds(&fds); /* no other op takes one */
+    else if (fds.too_many)
+        close_fds(&fds); /* refused: none is used */
     memset(text, 0, sizeof text);
     /* Only EXPORT (the fetcher's id) and LOAD_ALLOCATIONS (the GPU mapping)
      * carry text; validate() refuses any other length, so nothing more is
@@ -704,7 +712,7 @@ static void *conn_main(void *arg)
     if (!r)
         goto out;
     reply_init(r, q.op);
-    handle(&q, text, fd, cr.pid, r);
+    handle(&q, text, &fds, cr.pid, r);
     pthread_mutex_lock(&g.lock);
     r->h.phase = g.phase;
     pthread_mutex_unlock(&g.lock);
@@ -715,8 +723,7 @@ static void *conn_main(void *arg)
     if (reply_send(s, r, deadline) != 0)
         shim_log(LOG_DEBUG, "reply to %s not delivered: %s", op_name(q.op), strerror(errno));
 out:
-    if (fd >= 0)
-        close(fd);
+    close_fds(&fds);
     if (r) {
         if (r->fd >= 0)
             close(r->fd);

@@ -52,56 +52,85 @@ int io_write_all(int fd, const void *buf, size_t len, uint64_t deadline)
     return 0;
 }
 
-/* Read exactly `len` bytes. With fd_out, SCM_RIGHTS are accepted: the first
- * descriptor lands in *fd_out (if still -1), any other is closed. */
-int io_read_all(int fd, void *buf, size_t len, uint64_t deadline, int *fd_out)
+/* The descriptors of one recvmsg: up to `max` into fds[*n], any other closed
+ * and counted as too many (as are those the kernel dropped: MSG_CTRUNC). */
+static void take_fds(struct msghdr *m, int *fds, unsigned max, unsigned *n, bool *too_many)
+{
+    if (m->msg_flags & MSG_CTRUNC)
+        *too_many = true;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(m); c; c = CMSG_NXTHDR(m, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t nfd = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < nfd; i++) {
+            int x;
+            memcpy(&x, CMSG_DATA(c) + i * sizeof(int), sizeof x);
+            if (*n < max) {
+                fds[(*n)++] = x;
+            } else {
+                close(x);
+                *too_many = true;
+            }
+        }
+    }
+}
+
+/* Read exactly `len` bytes. With fds, SCM_RIGHTS are accepted: up to `max`
+ * descriptors land in fds[*n...] in the order sent; more set *too_many (the
+ * rest closed). Room for one more than the protocol's most, so that a request
+ * of too many is told from one of exactly CUIP_STORED_MAX_PARTS. */
+int io_read_fds(int fd, void *buf, size_t len, uint64_t deadline, int *fds, unsigned max,
+                unsigned *n, bool *too_many)
 {
     char *p = buf;
     errno = 0;
     while (len > 0) {
         union {
             struct cmsghdr h;
-            char b[CMSG_SPACE(sizeof(int) * 4)];
+            char b[CMSG_SPACE(sizeof(int) * (CUIP_STORED_MAX_PARTS + 1))];
         } cbuf;
         struct iovec iov = {.iov_base = p, .iov_len = len};
         struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1};
-        ssize_t n;
+        ssize_t got;
 
-        if (fd_out) {
+        if (fds) {
             m.msg_control = cbuf.b;
             m.msg_controllen = sizeof cbuf.b;
         }
         if (wait_fd(fd, POLLIN, deadline) != 0)
             return -1;
-        n = recvmsg(fd, &m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-        if (n < 0) {
+        got = recvmsg(fd, &m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        if (got < 0) {
             if (errno == EINTR || errno == EAGAIN)
                 continue;
             return -1;
         }
-        if (fd_out) {
-            for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
-                if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-                    continue;
-                size_t nfd = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-                for (size_t i = 0; i < nfd; i++) {
-                    int x;
-                    memcpy(&x, CMSG_DATA(c) + i * sizeof(int), sizeof x);
-                    if (*fd_out < 0)
-                        *fd_out = x;
-                    else
-                        close(x);
-                }
-            }
-        }
-        if (n == 0) {
+        if (fds)
+            take_fds(&m, fds, max, n, too_many);
+        if (got == 0) {
             errno = 0; /* peer closed */
             return -1;
         }
-        p += n;
-        len -= (size_t)n;
+        p += got;
+        len -= (size_t)got;
     }
     return 0;
+}
+
+/* Read exactly `len` bytes. With fd_out, SCM_RIGHTS are accepted: the first
+ * descriptor lands in *fd_out (if still -1), any other is closed. */
+int io_read_all(int fd, void *buf, size_t len, uint64_t deadline, int *fd_out)
+{
+    int got = -1;
+    unsigned n = 0;
+    bool too_many = false;
+    int rc = io_read_fds(fd, buf, len, deadline, fd_out ? &got : NULL, 1, &n, &too_many);
+
+    if (n && *fd_out < 0)
+        *fd_out = got;
+    else if (n)
+        close(got);
+    return rc;
 }
 
 /* ------------------------------------------------------------ replies */

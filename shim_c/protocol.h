@@ -90,12 +90,13 @@ enum cuip_phase {
  * advance. Its reply carries the number of threads held at the gate
  * (cuip_quiesce_held).
  * STORE_STAGED and FETCH_STAGED (PREPARED, after a complete capture: the
- * CRIU verbs, specs/criu.md) carry one open file descriptor (SCM_RIGHTS
- * with the request's header; a request without one is refused):
- * STORE_STAGED writes every staged copy of the process into it (the stored
- * file below) and frees the host memory they took, FETCH_STAGED reads them
- * back from it into fresh host memory, checking every field first (with
- * nothing stored it answers OK at once, the file unread). Neither
+ * CRIU verbs, specs/criu.md) carry 1 to CUIP_STORED_MAX_PARTS open file
+ * descriptors, the parts in order (SCM_RIGHTS with the request's header; a
+ * request with none, or more, is BAD_REQUEST): STORE_STAGED writes every
+ * staged copy of the process into them (the stored files below) and frees
+ * the host memory they took, FETCH_STAGED reads them back into fresh host
+ * memory, checking every field of every part first (with nothing stored it
+ * answers OK at once, the files unread). Neither
  * changes the phase; the reply's stat_count/stat_bytes say how many
  * allocations (bytes) moved, stat_copy_ns how long the I/O took. */
 #define CUIP_OPS(X)                                                            \
@@ -507,31 +508,43 @@ struct cuip_ipc_handle {
     uint64_t size;
 };
 
-/* The stored file (STORE_STAGED writes it, FETCH_STAGED reads it): this
- * header, `count` entries, then each allocation's bytes at its entry's
- * offset. The layout is fixed by the sizes: the first allocation at
- * data_offset (the table's end rounded up to CUIP_STORED_ALIGN), each next
- * one at the previous one's end rounded up the same way, in the order of
- * the shim's allocation table; FETCH refuses any other (a file is hostile
- * input until every field is checked). Little-endian, as on the wire. */
+/* The stored files (STORE_STAGED writes them, FETCH_STAGED reads them):
+ * each process's staged bytes in `parts` files, so that as many threads write
+ * as many files at once (buffered writes to one file serialize on its inode;
+ * specs/protocol.md). Every part starts with this header, naming its own
+ * index and the part count; part 0 alone follows it with the `count`
+ * entries. The data is one stream: the first allocation at 0, each next one
+ * at the previous one's end rounded up to CUIP_STORED_ALIGN, in the order of
+ * the shim's allocation table; an entry's offset is its place in the stream.
+ * The stream is cut into CUIP_STORED_STRIPE-byte stripes, stripe s in part
+ * s mod parts at that part's data_offset + (s / parts) * CUIP_STORED_STRIPE;
+ * data_offset is the part's header (and, in part 0, table) end rounded up to
+ * CUIP_STORED_ALIGN. A part holding no stripe ends at its header (part 0: its
+ * table); any other ends at its last stripe's last byte. Everything follows
+ * from the sizes and the part count: FETCH refuses any other file (each is
+ * hostile input until every field is checked). Little-endian, as on the wire.
+ * A request hands 1 to CUIP_STORED_MAX_PARTS descriptors, part k the k-th. */
 #define CUIP_STORED_MAGIC 0x47545343u     /* bytes "CSTG" */
-#define CUIP_STORED_VERSION 1u
+#define CUIP_STORED_VERSION 2u
 #define CUIP_STORED_ALIGN 4096u
+#define CUIP_STORED_STRIPE (8u << 20)     /* a multiple of CUIP_STORED_ALIGN */
+#define CUIP_STORED_MAX_PARTS 64u         /* the shim's most copy threads */
 
 struct cuip_stored_header {
     uint32_t magic;
     uint32_t version;
-    uint32_t count;                            /* entries */
-    uint32_t reserved;                         /* zero */
+    uint32_t count;                            /* entries, in part 0 */
+    uint16_t part;                             /* this file's index */
+    uint16_t parts;                            /* the files of the process */
     uint64_t bytes;                            /* the sum of the entries' sizes */
-    uint64_t data_offset;
+    uint64_t data_offset;                      /* this part's first stripe */
     char participant[CUIP_PARTICIPANT_LEN];    /* the writer's id: only it reads it back */
 };
 
 struct cuip_stored_entry {
     uint8_t id[CUIP_ID_LEN];                   /* the allocation's resource id */
     uint64_t size;
-    uint64_t offset;
+    uint64_t offset;                           /* in the stream */
 };
 
 _Static_assert(sizeof(struct cuip_stored_header) == 64, "stored header is 64 bytes");

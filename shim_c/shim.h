@@ -627,6 +627,8 @@ SHIM_HIDDEN int reply_send(int s, struct reply *r, uint64_t deadline_ns);
 /* Whole buffers before a deadline, or -1 with errno (0: the peer closed). */
 SHIM_HIDDEN int io_write_all(int fd, const void *buf, size_t len, uint64_t deadline_ns);
 SHIM_HIDDEN int io_read_all(int fd, void *buf, size_t len, uint64_t deadline_ns, int *fd_out);
+SHIM_HIDDEN int io_read_fds(int fd, void *buf, size_t len, uint64_t deadline_ns, int *fds,
+                            unsigned max, unsigned *n, bool *too_many);
 
 /* ---------------------------------------------------------------- devices.c */
 /* A QUIESCE done: note every ordinal's UUID and which ordinals are used. */
@@ -858,9 +860,15 @@ SHIM_HIDDEN void content_free_staged(void);
 SHIM_HIDDEN void content_drop_resident(void);
 
 /* ---------------------------------------------------------------- stored.c */
-/* STORE_STAGED / FETCH_STAGED with the request's descriptor `fd` (-1: none
- * came): the staged copies to and from the coordinator's file. */
-SHIM_HIDDEN void stored_serve(uint16_t op, int fd, struct reply *r);
+/* The descriptors a request handed (STORE_STAGED / FETCH_STAGED only). */
+struct request_fds {
+    int fd[CUIP_STORED_MAX_PARTS];
+    unsigned n;
+    bool too_many; /* more than CUIP_STORED_MAX_PARTS came: all closed */
+};
+/* STORE_STAGED / FETCH_STAGED with the request's descriptors, part k the
+ * k-th: the staged copies to and from the coordinator's files. */
+SHIM_HIDDEN void stored_serve(uint16_t op, const struct request_fds *fds, struct reply *r);
 
 /* ---------------------------------------------------------------- quiesce.c */
 /* QUIESCE: the gate closed in two steps until every context of this process

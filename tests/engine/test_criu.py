@@ -24,7 +24,7 @@ from pathlib import Path
 import attrs
 import pytest
 from cuinterpose import cli, criu_action
-from cuinterpose.engine import agent, criu
+from cuinterpose.engine import agent, criu, stored
 from cuinterpose.engine.native_checkpoint import ProcessState
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 from cuinterpose.engine.wire import Phase, socket_name
@@ -367,6 +367,10 @@ def test_the_verbs_usage_errors_exit_2(work: Path) -> None:
     err = io.StringIO()
     assert criu_action.main([*twice[:-3], "--phase-timeout", "-1"], stderr=err) == 2
     assert "'-1' is not a positive number of seconds" in err.getvalue()
+    for parts in ("0", "65", "x"):
+        err = io.StringIO()
+        assert criu_action.main([*twice[:-3], "--stored-parts", parts], stderr=err) == 2
+        assert f"{parts!r} is not" in err.getvalue(), err.getvalue()
     err = io.StringIO()
     restore = ["restore", "--checkpoint-dir", str(work), "--images-dir", str(work)]
     assert criu_action.main([*restore, "--gpu-map", "0=GPU-1"], stderr=err) == 2
@@ -470,11 +474,15 @@ def test_the_backend_given_to_the_command_line_reaches_criu_dump(work: Path) -> 
     with team_of(TOPOLOGY, work / "control") as team:
         args = ["criu", "dump", "--checkpoint-dir", str(work / "ckpt"), "--images-dir",
                 str(work / "img"), "--control-dir", str(team.control_dir), "--tree", "1",
-                "--criu", str(binary), "--progress", "none", *team.processes]  # fmt: skip
+                "--criu", str(binary), "--progress", "none", "--stored-parts", "3",
+                *team.processes]  # fmt: skip
         err = io.StringIO()
         code = cli.main(args, stdout=io.StringIO(), stderr=err, native=fake)
         assert (code, err.getvalue()) == (0, ""), err.getvalue()
     assert set(fake.states.values()) == {ProcessState.CHECKPOINTED}
+    # --stored-parts: each process's staged bytes in that many files.
+    names = [p.name for p in stored.stored_files(work / "ckpt")]
+    assert names == sorted(f"staged-{f.participant}.{k}.bin" for f in team.fakes for k in range(3))
 
 
 def test_dump_with_json_ends_with_its_outcome_and_exit_code(work: Path) -> None:

@@ -65,7 +65,7 @@ def ask(fake: FakeParticipant, op: Op, *, participant: str | None = None) -> Rep
     who = fake.participant if participant is None else participant
     fd = os.open(os.devnull, os.O_RDONLY) if op in wire.FILE_OPS else None
     try:
-        request = Request(op, participant=who, fd=fd)
+        request = Request(op, participant=who, fds=() if fd is None else (fd,))
         return call(fake.endpoint, request, timeout=2, expect_participant=None)
     finally:
         if fd is not None:

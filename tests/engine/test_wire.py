@@ -94,7 +94,7 @@ FILE_REQUESTS = st.builds(
     op=st.sampled_from(FILE_OPS),
     participant=PARTICIPANTS,
     authorization=IDS,
-    fd=st.integers(0, 2**20),
+    fds=st.lists(st.integers(0, 2**20), min_size=1, max_size=wire.STORED_MAX_PARTS).map(tuple),
 )
 LEASE_REQUESTS = st.builds(
     Request, op=st.sampled_from([Op.HANDSHAKE, Op.RELEASE]), authorization=IDS.filter(any)
@@ -145,8 +145,11 @@ def test_only_the_file_ops_carry_a_descriptor_and_always() -> None:
             [(nowhere, Request(Op.STORE_STAGED, participant="ab" * 16), None)], timeout=1
         )
     with pytest.raises(WireError, match="LOAD_ALLOCATIONS request carries a file descriptor"):
-        Request(Op.LOAD_ALLOCATIONS, participant="ab" * 16, fd=3).encode()
-    assert len(Request(Op.FETCH_STAGED, participant="ab" * 16, fd=3).encode()) == HEADER_SIZE
+        Request(Op.LOAD_ALLOCATIONS, participant="ab" * 16, fds=(3,)).encode()
+    with pytest.raises(WireError, match="carries 65 file descriptors, more than 64"):
+        Request(Op.STORE_STAGED, participant="ab" * 16, fds=tuple(range(65))).encode()
+    parts = Request(Op.FETCH_STAGED, participant="ab" * 16, fds=tuple(range(3, 3 + 64)))
+    assert len(parts.encode()) == HEADER_SIZE
 
 
 @given(RECORDS)

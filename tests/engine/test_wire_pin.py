@@ -125,6 +125,8 @@ def python_constants() -> dict[str, int | str]:
         "CUIP_STORED_MAGIC": wire.STORED_MAGIC,
         "CUIP_STORED_VERSION": wire.STORED_VERSION,
         "CUIP_STORED_ALIGN": wire.STORED_ALIGN,
+        "CUIP_STORED_STRIPE": wire.STORED_STRIPE,
+        "CUIP_STORED_MAX_PARTS": wire.STORED_MAX_PARTS,
         "CUIP_EVERY_PHASE": phase_set(EVERY_PHASE),
         **CONTRACT_ONLY,
     }

@@ -149,10 +149,10 @@ def request(
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(str(path))
-        if req.fd is None:
+        if not req.fds:
             s.sendall(req.encode())
-        else:  # STORE_STAGED / FETCH_STAGED: the file with the header
-            socket.send_fds(s, [req.encode()], [req.fd])
+        else:  # STORE_STAGED / FETCH_STAGED: the files with the header
+            socket.send_fds(s, [req.encode()], list(req.fds))
         data = b""
         while True:
             msg, got, _, _ = socket.recv_fds(s, 1 << 20, 4)

@@ -30,6 +30,7 @@ from cuinterpose.demo.scenario import pattern
 from cuinterpose.engine import agent, criu, stored
 from cuinterpose.engine.errors import CoordinatorError
 from cuinterpose.engine.gpus import GpuMap
+from cuinterpose.engine.options import default_stored_parts
 
 from tests.shim import legacy
 from tests.shim.agentgroup import RemapBackend, WorkerBackend, devices_of
@@ -175,7 +176,8 @@ def test_a_sharing_group_goes_through_criu_dump_and_restore(
     group.tree.reap()  # criu dump killed the tree
     assert gone([group.tree.root_pid, *pids])
     files = stored.stored_files(ckpt)
-    assert len(files) == (2 if beside else 0)  # the importer's holds no allocation
+    # Each process's parts (the importer's hold no allocation: headers alone).
+    assert len(files) == (2 * default_stored_parts() if beside else 0)
     # Only the shim's staging can have put SEED_W's bytes in the creator's memory (the
     # importer wrote them); its pages image is the one with P's (its own fill's copies).
     pages = [p.read_bytes() for p in images.glob("pages-*.img")]
@@ -243,7 +245,7 @@ def test_a_failed_dump_after_the_store_resumes_the_group_with_its_bytes(
     # The resume of the failed dump fetched the stored bytes before its restore.
     after = done[done.index("store_staged") :]
     assert after.index("fetch_staged") < after.index("coordinator_restore"), done
-    assert len(stored.stored_files(ckpt)) == 2
+    assert len(stored.stored_files(ckpt)) == 2 * default_stored_parts()
     assert_sharing_back(group, where, native)
 
 
@@ -505,9 +507,11 @@ def test_the_criu_benchmark_runs_on_the_simulator(
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(out.read_text())["group"]
     assert all(result["verified"].values()), result
-    # The staged bytes beside the images: the creator's file holds all of them.
-    assert result["bytes_beside"] and result["stored_files"] == 2
-    assert result["gpu_bytes"] <= result["stored_bytes"] < result["gpu_bytes"] + 2 * 4096
+    # The staged bytes beside the images: the creator's parts hold all of them, each
+    # part's header padded to 4096 bytes.
+    parts = result["stored_files"]
+    assert result["bytes_beside"] and parts == 2 * default_stored_parts()
+    assert result["gpu_bytes"] <= result["stored_bytes"] < result["gpu_bytes"] + (parts + 2) * 4096
     # Every allocation a process created is staged (specs/shim.md): the creator's
     # shared X and its private P, so all the GPU bytes.
     assert result["dump"]["steps"]["capture"]["bytes"] == result["gpu_bytes"]

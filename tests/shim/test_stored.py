@@ -1,22 +1,26 @@
-"""Staged bytes in a file beside the CRIU images (shim_c/stored.c), simulated driver.
+"""Staged bytes in files beside the CRIU images (shim_c/stored.c), simulated driver.
 
-After a capture the coordinator hands the shim an open file (STORE_STAGED, the descriptor
-as SCM_RIGHTS): the shim writes every staged copy into it with its threads and frees the
-host memory; before the restore it hands the file again (FETCH_STAGED) and the shim reads
-the copies back, after checking every field of the file against what it stored. Here:
-the file's layout (protocol.h's stored file), every byte back through it with the native
-checkpoint between, what is refused (no descriptor, a second STORE, a file not empty, the
-wrong phase, LOAD and ROLLBACK before FETCH) and a hostile file of each kind (cut short,
-grown, another magic or version, another writer, an entry that lies), each leaving the
-shim able to FETCH the right file; a rollback from every point after STORE.
+After a capture the coordinator hands the shim N open files, its parts (STORE_STAGED, the
+descriptors as SCM_RIGHTS, part k the k-th): the shim writes every staged copy into them
+with its threads, the bytes one stream striped across the parts, and frees the host
+memory; before the restore it hands the parts again (FETCH_STAGED) and the shim reads the
+copies back, after checking every part against what it stored. Here: the layout
+(protocol.h's stored files) for 1, 3 and 16 parts with one allocation over several
+stripes and small ones around it, every byte back through them with the native
+checkpoint between; what is refused (no descriptor or too many, a second STORE, a file
+not empty or handed twice, the wrong phase, LOAD and ROLLBACK before FETCH); a hostile
+set of parts of each kind (out of order, one missing or too many, a part cut short or
+grown, another magic, version, writer, count or offset, an entry that lies), each leaving
+the shim able to FETCH the right parts; a rollback from every point after STORE.
 """
 
 from __future__ import annotations
 
+import array
 import os
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -29,38 +33,47 @@ from tests.simenv import Spawn
 
 Op, Status = wire.Op, wire.Status
 H, E = wire.STORED_HEADER_STRUCT, wire.STORED_ENTRY_STRUCT
-# Sizes in granules: several chunks of the pool, a short last piece, small neighbours.
+STRIPE = wire.STORED_STRIPE
+# Sizes in granules (2 MiB on the simulator): several chunks of the pool, a short last
+# piece, small neighbours.
 SIZES = [5, 1, 2, 1, 3]
+# One allocation over several 8 MiB stripes, then small ones around a mid-sized one.
+STRIPED = [13, 1, 1, 1, 4, 1, 1]
 
 
 def align(v: int) -> int:
     return -(-v // wire.STORED_ALIGN) * wire.STORED_ALIGN
 
 
-def captured(spawn: Spawn, control_dir: Path) -> tuple[Worker, Shim, int]:
+def captured(spawn: Spawn, control_dir: Path, sizes: list[int] = SIZES) -> tuple[Worker, Shim, int]:
     """A creator with its allocations staged (PREPARED); (worker, shim, granularity)."""
     w = spawn(extra={"SNAPSHOT_SHIM_COPY_THREADS": "3", "SNAPSHOT_SHIM_COPY_CHUNK_MIB": "1"})
-    gran = make_shared(w, SIZES, seed=900)
+    gran = make_shared(w, sizes, seed=900)
     c = Shim(control_dir, w.pid)
     for op in CAPTURE:
         c.ok(op)
     return w, c, gran
 
 
-def with_file(c: Shim, op: wire.Op, path: Path, flags: int) -> wire.Reply:
-    fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+def parts(where: Path, n: int) -> list[Path]:
+    return [where / f"staged.{k}.bin" for k in range(n)]
+
+
+def with_files(c: Shim, op: wire.Op, paths: Sequence[Path], flags: int) -> wire.Reply:
+    fds = [os.open(p, flags | os.O_CLOEXEC, 0o600) for p in paths]
     try:
-        return c.call(op, fd=fd)
+        return c.call(op, fds=tuple(fds))
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
-def store(c: Shim, path: Path) -> wire.Reply:
-    return with_file(c, Op.STORE_STAGED, path, os.O_CREAT | os.O_EXCL | os.O_RDWR)
+def store(c: Shim, paths: Sequence[Path]) -> wire.Reply:
+    return with_files(c, Op.STORE_STAGED, paths, os.O_CREAT | os.O_EXCL | os.O_RDWR)
 
 
-def fetch(c: Shim, path: Path) -> wire.Reply:
-    return with_file(c, Op.FETCH_STAGED, path, os.O_RDONLY)
+def fetch(c: Shim, paths: Sequence[Path]) -> wire.Reply:
+    return with_files(c, Op.FETCH_STAGED, paths, os.O_RDONLY)
 
 
 def refused(reply: wire.Reply, status: wire.Status, words: str) -> None:
@@ -68,134 +81,211 @@ def refused(reply: wire.Reply, status: wire.Status, words: str) -> None:
     assert words in reply.message, reply.message
 
 
-def test_staged_bytes_go_through_the_file(
-    spawn: Spawn, control_dir: Path, sim_namespace: str, tmp_path: Path
-) -> None:
-    """STORE writes the header, one entry per allocation in table order and each
-    allocation's bytes at its aligned offset; the staged copies are gone from memory
-    (LOAD and ROLLBACK refuse, naming FETCH); after the native checkpoint and restore, FETCH brings
-    them back and the restore finds every byte."""
-    w, c, gran = captured(spawn, control_dir)
-    path = tmp_path / "staged.bin"
-    reply = store(c, path)
-    assert reply.status == Status.OK, reply.message
-    total = sum(SIZES) * gran
-    assert (reply.stats.count, reply.stats.bytes) == (len(SIZES), total)
-    raw = path.read_bytes()
-    magic, version, count, reserved, nbytes, data_offset, writer = H.unpack_from(raw)
-    assert (magic, version, count, reserved, nbytes) == (
-        wire.STORED_MAGIC,
-        wire.STORED_VERSION,
-        len(SIZES),
-        0,
-        total,
-    )
-    assert writer.decode() == c.participant
-    assert data_offset == align(H.size + count * E.size)
-    at = data_offset
-    for k, n in enumerate(SIZES):
-        _, size, offset = E.unpack_from(raw, H.size + k * E.size)
-        assert (size, offset) == (n * gran, at)
+def check_layout(raws: list[bytes], sizes: list[int], participant: str) -> None:
+    """Every part as protocol.h lays it out: its header, part 0's table, each stripe of
+    the stream in part s mod N, each part's exact size."""
+    n, count, total = len(raws), len(sizes), sum(sizes)
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
         at = align(at + size)
-    assert len(raw) == offset + size
-    # The host copies are gone: nothing to load or roll back to until FETCH.
+    stream = offsets[-1] + sizes[-1]
+    stripes = -(-stream // STRIPE)
+    for k, raw in enumerate(raws):
+        head = H.size + (count * E.size if k == 0 else 0)
+        fields = H.unpack_from(raw)
+        assert fields == (
+            wire.STORED_MAGIC,
+            wire.STORED_VERSION,
+            count,
+            k,
+            n,
+            total,
+            align(head),
+            participant.encode(),
+        )
+        mine = [s for s in range(stripes) if s % n == k]
+        end = head
+        if mine:
+            last = mine[-1]
+            end = align(head) + (len(mine) - 1) * STRIPE + min(STRIPE, stream - last * STRIPE)
+        assert len(raw) == end, (k, len(raw), end)
+    for i, size in enumerate(sizes):
+        _, got_size, got_offset = E.unpack_from(raws[0], H.size + i * E.size)
+        assert (got_size, got_offset) == (size, offsets[i])
+
+
+@pytest.mark.parametrize("n", [1, 3, 16])
+def test_staged_bytes_go_through_the_parts(
+    spawn: Spawn, control_dir: Path, sim_namespace: str, tmp_path: Path, n: int
+) -> None:
+    """STORE writes N parts as the layout says (one allocation over several stripes, small
+    ones around it; with 16 parts some hold no stripe); the staged copies are gone from
+    memory (LOAD and ROLLBACK refuse, naming FETCH); after the native checkpoint and
+    restore, FETCH brings them back and the restore finds every byte."""
+    w, c, gran = captured(spawn, control_dir, STRIPED)
+    paths = parts(tmp_path, n)
+    reply = store(c, paths)
+    assert reply.status == Status.OK, reply.message
+    sizes = [k * gran for k in STRIPED]
+    assert (reply.stats.count, reply.stats.bytes) == (len(sizes), sum(sizes))
+    assert sizes[0] > 3 * STRIPE
+    check_layout([p.read_bytes() for p in paths], sizes, c.participant)
     refused(c.call(Op.LOAD_ALLOCATIONS), Status.REFUSED, "in the stored file")
     refused(c.call(Op.ROLLBACK_ALLOCATIONS), Status.REFUSED, "in the stored file")
-    refused(store(c, tmp_path / "again.bin"), Status.REFUSED, "stored already")
+    refused(store(c, [tmp_path / "again.bin"]), Status.REFUSED, "stored already")
     assert native_checkpoint_restore(spawn, sim_namespace, [w.pid]) == [2]
-    reply = fetch(c, path)
+    reply = fetch(c, paths)
     assert reply.status == Status.OK, reply.message
-    assert (reply.stats.count, reply.stats.bytes) == (len(SIZES), total)
+    assert (reply.stats.count, reply.stats.bytes) == (len(sizes), sum(sizes))
     for op in RESTORE:
         c.ok(op)
     assert intact(w)
     assert "warning" not in finish(w)
 
 
+def send_raw(c: Shim, op: wire.Op, fds: Sequence[int]) -> wire.Reply:
+    """The request's header with exactly ``fds`` (none, or more than the client allows)."""
+    header = wire.Request(op=op, participant=c.participant, fds=(0,)).encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(str(c.path))
+        if fds:
+            s.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        else:
+            s.sendall(header)
+        data = b""
+        while chunk := s.recv(1 << 16):
+            data += chunk
+    return wire.Reply.decode(data)
+
+
 def test_what_store_and_fetch_refuse(spawn: Spawn, control_dir: Path, tmp_path: Path) -> None:
-    """No descriptor (the shim's check, below the client's), a file that is not empty, a
-    directory, the wrong phase, a file the shim cannot write: refused or failed, nothing
-    changed (the copies stay in memory); the capture then goes on. With
-    nothing stored, FETCH answers OK at once without looking at what it was handed."""
+    """No descriptor or more than CUIP_STORED_MAX_PARTS (the shim's check, below the
+    client's), a part that is not empty, a directory, one file handed twice, the wrong
+    phase, a part the shim cannot write: refused or failed, nothing changed (the copies
+    stay in memory); the capture then goes on. With nothing stored, FETCH answers OK at
+    once without looking at what it was handed."""
     w = spawn()
     make_shared(w, [1], seed=5)
     c = Shim(control_dir, w.pid)
-    refused_active = store(c, tmp_path / "early.bin")
+    refused_active = store(c, [tmp_path / "early.bin"])
     assert refused_active.status == Status.WRONG_PHASE, refused_active
     for op in CAPTURE:
         c.ok(op)
     # Nothing stored yet: FETCH answers at once, whatever the file (here not one at all).
-    nothing = with_file(c, Op.FETCH_STAGED, tmp_path, os.O_RDONLY)
+    nothing = with_files(c, Op.FETCH_STAGED, [tmp_path], os.O_RDONLY)
     assert (nothing.status, nothing.stats.count) == (Status.OK, 0), nothing
-    header = wire.Request(op=Op.STORE_STAGED, participant=c.participant, fd=0).encode()
-    # The descriptor left out: sent as bare bytes, as a client that lost it would.
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(30)
-        s.connect(str(c.path))
-        s.sendall(header)
-        data = b""
-        while chunk := s.recv(1 << 16):
-            data += chunk
-    bare = wire.Reply.decode(data)
-    assert bare.status == Status.BAD_REQUEST and "must carry a file descriptor" in bare.message
+    bare = send_raw(c, Op.STORE_STAGED, [])
+    assert bare.status == Status.BAD_REQUEST and "it carried none" in bare.message, bare
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        most = send_raw(c, Op.FETCH_STAGED, [null] * wire.STORED_MAX_PARTS)  # nothing stored
+        many = send_raw(c, Op.FETCH_STAGED, [null] * (wire.STORED_MAX_PARTS + 1))
+    finally:
+        os.close(null)
+    assert (most.status, most.stats.count) == (Status.OK, 0), most
+    assert many.status == Status.BAD_REQUEST and "it carried more" in many.message, many
+    assert "1 to 64 file descriptors" in many.message, many
     full = tmp_path / "full.bin"
     full.write_bytes(b"x")
-    refused(with_file(c, Op.STORE_STAGED, full, os.O_RDWR), Status.REFUSED, "empty regular file")
-    refused(with_file(c, Op.STORE_STAGED, tmp_path, os.O_RDONLY), Status.REFUSED, "regular")
-    # A file the shim cannot write: the write fails, naming the call; the copies stay.
-    (tmp_path / "ro.bin").touch()
-    failed = with_file(c, Op.STORE_STAGED, tmp_path / "ro.bin", os.O_RDONLY)
-    refused(failed, Status.INTERNAL, "Bad file descriptor")
+    fresh = parts(tmp_path, 2)
+    for p in fresh:
+        p.touch()
+    refused(with_files(c, Op.STORE_STAGED, [*fresh, full], os.O_RDWR), Status.REFUSED,
+            "part 2: the descriptor handed is not an empty regular file")  # fmt: skip
+    refused(with_files(c, Op.STORE_STAGED, [fresh[0], tmp_path], os.O_RDONLY), Status.REFUSED,
+            "part 1: the descriptor handed is not an empty regular file")  # fmt: skip
+    refused(with_files(c, Op.STORE_STAGED, [*fresh, fresh[0]], os.O_RDWR), Status.REFUSED,
+            "part 2 is the same file as part 0")  # fmt: skip
+    # A part the shim cannot write: the write fails, naming the part and the call.
+    failed = with_files(c, Op.STORE_STAGED, [fresh[0], fresh[1]], os.O_RDONLY)
+    refused(failed, Status.INTERNAL, "part 0: writing its header")
+    assert "Bad file descriptor" in failed.message, failed.message
     assert failed.message.endswith("the staged bytes stay in memory"), failed.message
-    assert store(c, tmp_path / "ok.bin").status == Status.OK
-    refused(with_file(c, Op.FETCH_STAGED, tmp_path, os.O_RDONLY), Status.REFUSED, "regular")
-    assert fetch(c, tmp_path / "ok.bin").status == Status.OK
+    assert store(c, [tmp_path / "ok.bin"]).status == Status.OK
+    refused(with_files(c, Op.FETCH_STAGED, [tmp_path], os.O_RDONLY), Status.REFUSED,
+            "part 0: the descriptor handed is not a regular file")  # fmt: skip
+    assert fetch(c, [tmp_path / "ok.bin"]).status == Status.OK
     for op in RESTORE:
         c.ok(op)
     assert intact(w)
     finish(w)
 
 
-def patch(offset: int, fmt: str, value: int | bytes) -> Callable[[bytearray], bytearray]:
-    def apply(raw: bytearray) -> bytearray:
+def patch(
+    part: int, offset: int, fmt: str, value: int | bytes
+) -> Callable[[list[bytes]], list[bytes]]:
+    def apply(raws: list[bytes]) -> list[bytes]:
+        raw = bytearray(raws[part])
         struct.pack_into(fmt, raw, offset, value)
-        return raw
+        return [*raws[:part], bytes(raw), *raws[part + 1 :]]
 
     return apply
 
 
-# Each hostile file and the words FETCH answers it with.
-HOSTILE: dict[str, tuple[Callable[[bytearray], bytearray], str]] = {
-    "empty": (lambda raw: bytearray(), "shorter than its header"),
-    "cut-in-the-header": (lambda raw: raw[:40], "shorter than its header"),
-    "cut-in-the-data": (lambda raw: raw[:-1], "the file has"),
-    "grown": (lambda raw: raw + b"\0", "the file has"),
-    "magic": (patch(0, "<I", 0x12345678), "not a stored file"),
-    "version": (patch(4, "<I", 2), "not a stored file"),
-    "reserved": (patch(12, "<I", 1), "not a stored file"),
-    "writer": (patch(32, "<32s", b"f" * 32), "written by participant"),
-    "count": (patch(8, "<I", 4), "the file holds"),
-    "bytes": (patch(16, "<Q", 1), "the file holds"),
-    "data-offset": (patch(24, "<Q", 8192), "the file holds"),
-    "entry-id": (patch(H.size + E.size, "<16s", b"\1" * 16), "entry 1 of the file"),
-    "entry-size": (patch(H.size + 16, "<Q", 1 << 40), "entry 0 of the file"),
-    "entry-offset": (patch(H.size + 2 * E.size + 24, "<Q", 0), "entry 2 of the file"),
+def edit(part: int, change: Callable[[bytes], bytes]) -> Callable[[list[bytes]], list[bytes]]:
+    return lambda raws: [change(r) if k == part else r for k, r in enumerate(raws)]
+
+
+# Each hostile set of parts (of the 3 stored) and the words FETCH answers it with.
+HOSTILE: dict[str, tuple[Callable[[list[bytes]], list[bytes]], str]] = {
+    "out-of-order": (lambda r: [r[1], r[0], r[2]], "part 0: its part index"),
+    "part-missing": (lambda r: r[:2], "part 0: its part count (the files handed) is 3, expected 2"),
+    "part-too-many": (
+        lambda r: [*r, r[2]],
+        "part 0: its part count (the files handed) is 3, expected 4",
+    ),
+    "empty-part": (edit(2, lambda raw: b""), "part 2: the file is shorter than its header"),
+    "cut-in-a-header": (
+        edit(1, lambda raw: raw[:40]),
+        "part 1: the file is shorter than its header",
+    ),
+    "cut-in-the-table": (
+        edit(0, lambda raw: raw[: H.size + 40]),
+        "part 0: the file's table is cut short",
+    ),
+    "part-cut-short": (edit(1, lambda raw: raw[:-1]), "part 1: the file has"),
+    "part-grown": (edit(2, lambda raw: raw + b"\0"), "part 2: the file has"),
+    "magic": (patch(1, 0, "<I", 0x12345678), "part 1: not a stored file"),
+    "version": (patch(2, 4, "<I", 1), "part 2: not a stored file of version 2"),
+    "part-index": (
+        patch(2, 12, "<H", 1),
+        "part 2: its part index (the parts are handed in order) is 1, expected 2",
+    ),
+    "part-count": (
+        patch(1, 14, "<H", 4),
+        "part 1: its part count (the files handed) is 4, expected 3",
+    ),
+    "writer": (patch(1, 32, "<32s", b"f" * 32), "part 1: the file was written by participant"),
+    "count": (patch(2, 8, "<I", 4), "part 2: its allocation count (this process stored) is 4"),
+    "bytes": (patch(1, 16, "<Q", 1), "part 1: its byte count (this process stored) is 1"),
+    "data-offset": (patch(1, 24, "<Q", 8192), "part 1: its data offset is 8192, expected 4096"),
+    "entry-id": (patch(0, H.size + E.size, "<16s", b"\1" * 16), "part 0: entry 1 of the table"),
+    "entry-size": (patch(0, H.size + 16, "<Q", 1 << 40), "part 0: entry 0 of the table"),
+    "entry-offset": (patch(0, H.size + 2 * E.size + 24, "<Q", 0), "part 0: entry 2 of the table"),
 }
 
 
-def test_a_hostile_file_is_refused_before_a_byte_is_read(
+def test_hostile_parts_are_refused_before_a_byte_is_read(
     spawn: Spawn, control_dir: Path, tmp_path: Path
 ) -> None:
-    """Each corruption of the stored file answers REFUSED naming what is wrong, and maps
-    nothing (LOAD still refuses, naming FETCH); the true file then FETCHes and every
-    byte comes back."""
+    """Each corruption of the 3 parts answers REFUSED naming the part, the field and both
+    values, and maps nothing (LOAD still refuses, naming FETCH); the true parts then
+    FETCH and every byte comes back."""
     w, c, _ = captured(spawn, control_dir)
-    good = tmp_path / "staged.bin"
+    good = parts(tmp_path, 3)
     assert store(c, good).status == Status.OK
-    raw = good.read_bytes()
+    raws = [p.read_bytes() for p in good]
+    assert all(len(r) > wire.STORED_ALIGN for r in raws)  # every part holds a stripe
     for name, (corrupt, words) in HOSTILE.items():
-        bad = tmp_path / f"{name}.bin"
-        bad.write_bytes(bytes(corrupt(bytearray(raw))))
+        bad: list[Path] = []
+        for k, raw in enumerate(corrupt(raws)):
+            if k < len(good) and raw == raws[k]:
+                bad.append(good[k])  # unchanged: the true part
+            else:
+                bad.append(tmp_path / f"{name}.{k}.bin")
+                bad[-1].write_bytes(raw)
         refused(fetch(c, bad), Status.REFUSED, words)
         refused(c.call(Op.LOAD_ALLOCATIONS), Status.REFUSED, "FETCH_STAGED first")
     assert fetch(c, good).status == Status.OK
@@ -209,19 +299,19 @@ def test_a_hostile_file_is_refused_before_a_byte_is_read(
 def test_a_rollback_after_the_file(
     spawn: Spawn, control_dir: Path, tmp_path: Path, stop: str
 ) -> None:
-    """Stopped after STORE (the bytes only in the file: FETCH first), after FETCH, or
+    """Stopped after STORE (the bytes only in the parts: FETCH first), after FETCH, or
     after the LOAD that followed it: ROLLBACK_ALLOCATIONS and ROLLBACK_IMPORTS bring the
     process back to ACTIVE with every byte."""
     w, c, _ = captured(spawn, control_dir)
-    path = tmp_path / "staged.bin"
-    assert store(c, path).status == Status.OK
+    paths = parts(tmp_path, 2)
+    assert store(c, paths).status == Status.OK
     if stop != "STORE_STAGED":
-        assert fetch(c, path).status == Status.OK
+        assert fetch(c, paths).status == Status.OK
     if stop == "LOAD_ALLOCATIONS":
         c.ok(Op.LOAD_ALLOCATIONS)
     if stop == "STORE_STAGED":
         refused(c.call(Op.ROLLBACK_ALLOCATIONS), Status.REFUSED, "FETCH_STAGED first")
-        assert fetch(c, path).status == Status.OK
+        assert fetch(c, paths).status == Status.OK
     c.ok(Op.ROLLBACK_ALLOCATIONS)
     reply = c.ok(Op.ROLLBACK_IMPORTS)
     assert reply.phase == wire.Phase.ACTIVE
