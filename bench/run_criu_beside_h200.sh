@@ -11,7 +11,7 @@
 # Results in $OUT: build.log, storage.json, criu-16.json, criu-1.json, criu.log,
 # status.txt; the last lines printed give each run's store rate and number of files.
 #
-#   OUT=/path [WHEELS=.whl] [CRIU_MIB=8192] [CRIU_S=130] [CRIU_MODE=beside|both]
+#   OUT=/path [WHEELS=.whl] [CRIU_MIB=8192] [CRIU_S=130] [CRIU_MODE=beside|both] [CRIU_PARTS="16 1"]
 #     bench/run_criu_beside_h200.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ timeout 60 python3 bench/storage_rate.py --dir /tmp --gib "$((mib / 1024))" --th
   --out "$OUT/storage.json" || status=1
 { "$CUINTERPOSE_CRIU" --version && "$CUINTERPOSE_CRIU" check; } >"$OUT/criu.log" 2>&1 \
   || { echo "criu check failed"; status=1; }
-for parts in 16 1; do
+for parts in ${CRIU_PARTS:-16 1}; do
   mode=beside
   [ "$parts" = 16 ] && mode=${CRIU_MODE:-beside}
   echo "== $parts files per process, --mode $mode" >>"$OUT/criu.log"
