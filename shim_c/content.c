@@ -82,6 +82,8 @@ struct stats {
     uint64_t setup_ns;          /* the control thread producing work: maps, creates */
     uint64_t drain_ns;          /* waiting for the queue after the last item */
     uint64_t teardown_ns;       /* temporary unmaps, release of staged bytes, munmaps */
+    uint64_t create_ns;         /* LOAD: re-creation, summed over the creator threads */
+    unsigned create_threads;    /* LOAD: creator threads started */
     struct staging_times st;
 };
 
@@ -91,6 +93,11 @@ struct item {
     CUdeviceptr va;
     bool temp;                  /* va is a temporary mapping: unmap after the copy */
     CUmemGenericAllocationHandle h; /* LOAD: the re-created handle */
+    /* LOAD, written by the creator thread before the item settles
+     * (creators.c's lock orders it before the control thread's read): */
+    bool retry;                 /* its creation failed out of memory, cleanly undone */
+    char *why;                  /* its creation's failure, malloc'd */
+    bool queued;                /* LOAD: its copy is queued (control thread only) */
 };
 
 static CUdevice access_device(const struct obj *o)
@@ -189,6 +196,24 @@ static void name_allocation(char *msg, size_t n, const struct obj *o)
     if (used < n)
         snprintf(msg + used, n - used, " (allocation %s, %llu bytes)", id,
                  (unsigned long long)o->size);
+}
+
+/* A message naming the allocation and where it lives (a LOAD's failure). */
+static void name_creation(char *msg, size_t n, const struct obj *o)
+{
+    char id[2 * CUIP_ID_LEN + 1];
+    size_t used = strnlen(msg, n);
+    shim_hex(id, o->id, CUIP_ID_LEN);
+    id[2 * CUIP_ID_LEN] = 0;
+    if (used >= n)
+        return;
+    if (o->prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE)
+        snprintf(msg + used, n - used, " (allocation %s, %llu bytes, device %d)", id,
+                 (unsigned long long)o->size, o->prop.location.id);
+    else
+        snprintf(msg + used, n - used, " (allocation %s, %llu bytes, location type %d id %d)",
+                 id, (unsigned long long)o->size, (int)o->prop.location.type,
+                 o->prop.location.id);
 }
 
 /* The application's mapping of all of `o` that its device may read and
@@ -295,12 +320,13 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             "\"thp\": %s, \"bounce\": %zu, \"bounce_pin\": \"%s\", \"bounce_keep\": %s, "
             "\"depth\": %u, \"populate_threads\": %u, \"populate_method\": \"%s\", "
             "\"populated_ahead\": %llu, "
-            "\"chunks_per_thread\": %u, \"resident\": %s, "
+            "\"chunks_per_thread\": %u, \"resident\": %s, \"create_threads\": %u, "
             "\"elapsed_s\": %.6f, \"setup_s\": %.6f, "
             "\"pool_start_s\": %.6f, \"drain_s\": %.6f, \"teardown_s\": %.6f, "
             "\"copy_wall_s\": %.6f, "
             "\"thread_s\": {\"populate\": %.6f, \"register\": %.6f, \"copy\": %.6f, "
-            "\"unregister\": %.6f, \"release\": %.6f, \"memcpy\": %.6f}}\n",
+            "\"unregister\": %.6f, \"release\": %.6f, \"memcpy\": %.6f, "
+            "\"create\": %.6f}}\n",
             (int)getpid(), op, (unsigned long long)st->count, (unsigned long long)st->bytes,
             t->threads, t->chunk, (unsigned long long)t->chunks,
             cfg->staging_thp ? "true" : "false", cfg->staging_bounce,
@@ -308,12 +334,13 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             cfg->staging_bounce_keep ? "true" : "false", cfg->staging_depth,
             cfg->staging_ahead, populate_name(t->populate_how),
             (unsigned long long)t->populated_chunks, cfg->staging_spread, st->resident ? "true" : "false",
+            st->create_threads,
             (double)ns / 1e9, (double)st->setup_ns / 1e9, (double)t->pool_start_ns / 1e9,
             (double)st->drain_ns / 1e9, (double)st->teardown_ns / 1e9,
             (double)t->copy_wall_ns / 1e9, (double)t->populate_ns / 1e9,
             (double)t->register_ns / 1e9, (double)t->copy_ns / 1e9,
             (double)t->unregister_ns / 1e9, (double)t->release_ns / 1e9,
-            (double)t->memcpy_ns / 1e9);
+            (double)t->memcpy_ns / 1e9, (double)st->create_ns / 1e9);
         if (m > 0 && (size_t)m < sizeof line)
             shim_write_line(line, (size_t)m);
     }
@@ -545,74 +572,129 @@ static void uncreate(struct item *it)
     pthread_mutex_unlock(&g.lock);
 }
 
-/* Load `items` (not live, bytes staged): create and map each, queue its
- * copy while the pool copies the earlier ones, then make the copied ones
- * live. The first creation that fails stops the queueing: the earlier
- * ones still finish (and stay live), the failed one is undone (*retry: out
- * of memory). A failed copy undoes every item of the op (FAILED). Staged
- * bytes are given back only when `!keep` and the item is live. */
-static int load_items(struct item *items, uint32_t count, uint64_t total, bool keep,
-                      struct stats *st, bool *retry, char *msg, size_t n)
-{
-    struct staging *s = staging_start(false, false, total, count, msg, n);
-    uint32_t made = 0;
-    int produce_rc = 0, copy_rc;
-    uint64_t t0 = shim_now_ns(), t1;
-    char copy_msg[MSG_LEN];
+/* One LOAD's re-creations, shared with the creator threads. */
+struct load_job {
+    struct item *items;
+    uint64_t create_ns;         /* atomic: thread time spent re-creating */
+};
 
-    *retry = false;
-    if (!s)
-        return -1;
-    copy_msg[0] = 0;
-    for (; made < count; made++) {
-        struct item *it = &items[made];
-        bool pushed;
-        CUresult r = shim_ctx_enter(it->o->ctx, &pushed);
-        if (r != CUDA_SUCCESS) {
-            shim_fail(msg, n, "cuCtxPushCurrent", r);
-            produce_rc = -1;
-            break;
-        }
-        produce_rc = create_one(it, retry, msg, n);
+/* Re-create item i (creators.c: on a creator thread, or on the control
+ * thread with SNAPSHOT_SHIM_LOAD_CREATE_THREADS=0). Every item is its own:
+ * its obj, its recorded VAs and its reservations are no other item's, so the
+ * creations of different items need no order between them (the driver's
+ * VMM calls are thread-safe; the simulator's take its one lock). On failure
+ * its own partial work is undone (create_one) and its message, naming the
+ * allocation and its device, kept in it->why for the control thread. */
+static int create_job(void *arg, uint32_t i)
+{
+    struct load_job *job = arg;
+    struct item *it = &job->items[i];
+    char msg[MSG_LEN];
+    uint64_t t0 = shim_now_ns();
+    bool pushed;
+    int rc = -1;
+    CUresult r = shim_ctx_enter(it->o->ctx, &pushed);
+
+    it->retry = false;
+    if (r != CUDA_SUCCESS) {
+        shim_fail(msg, sizeof msg, "cuCtxPushCurrent", r);
+    } else {
+        rc = create_one(it, &it->retry, msg, sizeof msg);
         shim_ctx_leave(pushed);
-        if (produce_rc != 0)
-            break;
-        if (staging_add(s, it->o, it->o->host, it->va, it->o->ctx) != 0) {
-            snprintf(msg, n, "the staging queue is full (an internal bound is wrong)");
-            drop_va(it, copy_msg, sizeof copy_msg);
-            uncreate(it);
-            produce_rc = -1;
-            break;
+    }
+    __atomic_fetch_add(&job->create_ns, shim_now_ns() - t0, __ATOMIC_RELAXED);
+    if (rc == 0)
+        return 0;
+    name_creation(msg, sizeof msg, it->o);
+    it->why = strdup(msg); /* NULL: named as lost by note_failure */
+    return -1;
+}
+
+/* The failures of one LOAD's creations, in item order. */
+struct failures {
+    uint32_t count;
+    bool hard;                  /* the one named may not be retried */
+};
+
+/* Keep the message of the first failure that may not be retried, else of
+ * the first: RETRY only when every failure was out of memory and undone. */
+static void note_failure(struct failures *f, bool retry, const char *why, char *msg, size_t n)
+{
+    if (f->count++ == 0 || (!f->hard && !retry)) {
+        snprintf(msg, n, "%s", why ? why : "an allocation failed to load (its message was "
+                                           "lost: out of memory)");
+        f->hard = !retry;
+    }
+}
+
+/* Take the re-created items in order and queue each one's copy; a failed
+ * one is noted and skipped, as are those never started after it. One that
+ * the queue refuses (cannot happen: its bound) stops the queueing: it and
+ * the ones re-created after it are undone. 0, else -1, msg and *retry. */
+static int queue_created(struct staging *s, struct creators *c, struct item *items,
+                         uint32_t count, bool *retry, char *msg, size_t n)
+{
+    struct failures f = {0, false};
+    bool full = false;
+    char ignored[8], why[MSG_LEN];
+
+    for (uint32_t i = 0; i < count; i++) {
+        struct item *it = &items[i];
+        enum create_state cs = creators_wait(c, i);
+
+        if (cs == CREATE_DONE && !full) {
+            if (staging_add(s, it->o, it->o->host, it->va, it->o->ctx) == 0) {
+                it->queued = true;
+                continue;
+            }
+            full = true;
+            creators_cancel(c);
+            snprintf(why, sizeof why, "the staging queue is full (an internal bound is wrong)");
+            name_allocation(why, sizeof why, it->o);
+            note_failure(&f, false, why, msg, n);
         }
+        if (cs == CREATE_DONE) {
+            drop_va(it, ignored, sizeof ignored);
+            uncreate(it);
+        } else if (cs == CREATE_FAILED) {
+            note_failure(&f, it->retry, it->why, msg, n);
+        }
+        free(it->why);
+        it->why = NULL;
     }
-    if (produce_rc != 0)
-        name_allocation(msg, n, items[made].o);
-    t1 = shim_now_ns();
-    copy_rc = staging_wait(s, copy_msg, sizeof copy_msg);
-    st->setup_ns = t1 - t0;
-    st->drain_ns = shim_now_ns() - t1;
-    t0 = shim_now_ns();
-    for (uint32_t i = 0; i < made; i++)
-        if (drop_va(&items[i], copy_msg, sizeof copy_msg) != 0)
-            copy_rc = -1;
-    if (copy_rc != 0) {
-        for (uint32_t i = 0; i < made; i++)
+    if (f.count > 1) {
+        size_t used = strnlen(msg, n);
+        snprintf(msg + used, n - used, "; %u allocations failed to load", f.count);
+    }
+    *retry = f.count > 0 && !f.hard;
+    return f.count ? -1 : 0;
+}
+
+/* Undo every queued item of a LOAD whose copy failed. */
+static void uncreate_queued(struct item *items, uint32_t count)
+{
+    for (uint32_t i = 0; i < count; i++)
+        if (items[i].queued)
             uncreate(&items[i]);
-        staging_stop(s, &st->st);
-        snprintf(msg, n, "%s", copy_msg);
-        *retry = false;
-        st->teardown_ns = shim_now_ns() - t0;
-        return -1;
-    }
+}
+
+/* The queued items loaded: staged bytes given back unless `keep`, live. */
+static void finish_queued(struct staging *s, struct item *items, uint32_t count, bool keep,
+                          struct stats *st)
+{
+    char ignored[8];
+
     if (!keep) {
-        for (uint32_t i = 0; i < made; i++)
-            if (!in_resident(items[i].o->host))
+        for (uint32_t i = 0; i < count; i++)
+            if (items[i].queued && !in_resident(items[i].o->host))
                 staging_release(s, items[i].o->host, items[i].o->host_len);
-        staging_wait(s, copy_msg, sizeof copy_msg);
+        staging_wait(s, ignored, sizeof ignored);
     }
     staging_stop(s, &st->st);
-    for (uint32_t i = 0; i < made; i++) {
+    for (uint32_t i = 0; i < count; i++) {
         struct obj *o = items[i].o;
+        if (!items[i].queued)
+            continue;
         if (!keep)
             unmap_host(o);
         st->count++;
@@ -621,6 +703,57 @@ static int load_items(struct item *items, uint32_t count, uint64_t total, bool k
         o->live = true;
         pthread_mutex_unlock(&g.lock);
     }
+}
+
+/* Load `items` (not live, bytes staged): re-created by the creator threads
+ * in order, each one's copy queued by the control thread as soon as it
+ * exists while the pool copies the earlier ones, then the copied ones made
+ * live. A creation that fails stops the claiming of more: the ones already
+ * re-created still finish (and stay live), the failed ones are undone
+ * (*retry: all of them out of memory). A failed copy undoes every item of
+ * the op (FAILED). Staged bytes are given back only when `!keep` and the
+ * item is live. */
+static int load_items(struct item *items, uint32_t count, uint64_t total, bool keep,
+                      struct stats *st, bool *retry, char *msg, size_t n)
+{
+    struct staging *s = staging_start(false, false, total, count, msg, n);
+    struct load_job job = {items, 0};
+    struct creators *c;
+    int produce_rc, copy_rc;
+    uint64_t t0 = shim_now_ns(), t1;
+    char copy_msg[MSG_LEN];
+
+    *retry = false;
+    if (!s)
+        return -1;
+    c = creators_start(count, shim_settings()->load_create_threads, create_job, &job);
+    if (!c) {
+        staging_stop(s, NULL);
+        snprintf(msg, n, "out of memory for the creator threads (%u allocations)", count);
+        return -1;
+    }
+    st->create_threads = creators_threads(c);
+    produce_rc = queue_created(s, c, items, count, retry, msg, n);
+    creators_stop(c);
+    st->create_ns = __atomic_load_n(&job.create_ns, __ATOMIC_RELAXED);
+    t1 = shim_now_ns();
+    copy_msg[0] = 0;
+    copy_rc = staging_wait(s, copy_msg, sizeof copy_msg);
+    st->setup_ns = t1 - t0;
+    st->drain_ns = shim_now_ns() - t1;
+    t0 = shim_now_ns();
+    for (uint32_t i = 0; i < count; i++)
+        if (items[i].queued && drop_va(&items[i], copy_msg, sizeof copy_msg) != 0)
+            copy_rc = -1;
+    if (copy_rc != 0) {
+        uncreate_queued(items, count);
+        staging_stop(s, &st->st);
+        snprintf(msg, n, "%s", copy_msg);
+        *retry = false;
+        st->teardown_ns = shim_now_ns() - t0;
+        return -1;
+    }
+    finish_queued(s, items, count, keep, st);
     st->teardown_ns = shim_now_ns() - t0;
     return produce_rc;
 }

@@ -381,7 +381,12 @@ def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
                 "unregister",
                 "release",
                 "memcpy",
+                "create",
             }
+        # LOAD re-creates on min(4, allocations) threads (the default), SAVE on none.
+        assert w["create_threads"] == min(4, count)
+        assert w["load"]["thread_s"]["create"]["median"] > 0
+        assert w["save"]["thread_s"]["create"]["median"] == 0
         ours, native = w["cuinterpose"], w["native_alone"]
         # One command each way, as a user runs it: its steps inside its total.
         suspend, resume = ours["suspend"], ours["resume"]
