@@ -16,6 +16,25 @@
  * RETRY. Runs on the control thread without g.lock: outside ACTIVE the
  * application cannot change the tables.
  *
+ * LOAD's re-creations run on SNAPSHOT_SHIM_LOAD_CREATE_THREADS creator
+ * threads (creators.c), claimed in slot order, while the control thread
+ * queues each allocation's copy as soon as it exists, in the same order (so
+ * that neighbours in host memory still share chunks) and the pool copies.
+ * On the H200 the three calls took ~62 us per allocation on the control
+ * thread, longer than the copy of a 2 MiB allocation (~38 us at 55 GB/s):
+ * 2048 x 2 MiB spent 127 ms creating against ~78 ms of copy and ran at 0.52
+ * of the HtoD ceiling. Threads rather than one cuMemSetAccess per run of
+ * contiguous mappings: the driver's VMM calls are documented thread-safe,
+ * while one access call across mappings of separate reservations is not
+ * known to be allowed, and every allocation keeps its own calls (so its own
+ * failure and undo). How much of the calls' time the driver serializes was
+ * not measured: the setting is swept on the H200 (bench/staging.py
+ * --variant); 4 by default, enough to hide 62 us behind a 38 us copy if the
+ * calls overlap at all, few enough not to take CPUs from the 16 copy
+ * threads' memcpy. Each creation touches only its own object (its handle
+ * under g.lock, its recorded mappings, its item), so creations need no
+ * order between them; the control thread alone touches the queue.
+ *
  * The bytes move through the staging engine (staging.c: one worker pool per
  * op, one queue of chunks across all allocations, huge-page staging memory;
  * its header says why). Here: which allocations move, where their host
@@ -79,7 +98,8 @@ static struct {
 struct stats {
     bool resident;              /* SAVE: into the resident mapping, already populated */
     uint64_t count, bytes;
-    uint64_t setup_ns;          /* the control thread producing work: maps, creates */
+    uint64_t setup_ns;          /* the control thread producing work (SAVE: maps; LOAD:
+                                 * queueing each copy as its allocation exists) */
     uint64_t drain_ns;          /* waiting for the queue after the last item */
     uint64_t teardown_ns;       /* temporary unmaps, release of staged bytes, munmaps */
     uint64_t create_ns;         /* LOAD: re-creation, summed over the creator threads */

@@ -167,6 +167,8 @@ def test_multi_chunk_cycle(
         ("SNAPSHOT_SHIM_STAGE_PRIVATE", "no", "neither 0 nor 1"),
         ("SNAPSHOT_SHIM_STAGING_PREFAULT", "2", "neither 0 nor 1"),
         ("SNAPSHOT_SHIM_TIMING", "2", "neither 0 nor 1"),
+        ("SNAPSHOT_SHIM_LOAD_CREATE_THREADS", "65", "a thread count in [0, 64]"),
+        ("SNAPSHOT_SHIM_LOAD_CREATE_THREADS", "two", "a thread count in [0, 64]"),
         ("SNAPSHOT_SHIM_STAGING_RESIDENT_MIB", "-1", "a size in MiB in [0, 4194304]"),
         ("SNAPSHOT_SHIM_STAGING_RESIDENT_MIB", "4194305", "a size in MiB in [0, 4194304]"),
     ],
@@ -186,6 +188,9 @@ def test_bad_setting_refused(
         return
     if name.endswith("RESIDENT_MIB"):
         assert f"{name}={value} is not {what}; using 0" in log, log
+        return
+    if name.endswith("LOAD_CREATE_THREADS"):
+        assert f"{name}={value} is not {what}; using 4" in log, log
         return
     default = default_threads() if name.endswith("THREADS") else 64
     assert f"{name}={value} is not {what}; using {default}" in log, log
