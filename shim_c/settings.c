@@ -40,9 +40,10 @@
  *  - SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP: 1 (the bounce buffers stay pinned
  *    between cycles: threads x BOUNCE_MIB, 128 MiB at 16 threads; 0: LOAD
  *    frees them, and every SAVE pins them again).
- *  - SNAPSHOT_SHIM_LOAD_CREATE_THREADS: 4 (LOAD re-creates its allocations
- *    on that many threads, in order, ahead of the copies; 0: on the control
- *    thread, as before issue 30. creators.c says why, content.c why 4).
+ *  - SNAPSHOT_SHIM_LOAD_CREATE_THREADS: 0 (the control thread re-creates
+ *    LOAD's allocations, as measured best on the H200 so far; N: that many
+ *    threads re-create them, in order, ahead of the copies; content.c says
+ *    why 0 until the H200 sweep says otherwise).
  *  - SNAPSHOT_SHIM_OWN_ALLOCATIONS: 1 (cuMemAlloc memory of at least the
  *    granularity is backed by VMM allocations the shim owns and shares:
  *    owned.c, ipc.c).
@@ -109,7 +110,7 @@
 #define RESIDENT_MIB_MAX (1ul << 22) /* 4 TiB */
 #define DEPTH_DEFAULT 4ul
 #define SPREAD_DEFAULT 4ul
-#define LOAD_CREATE_DEFAULT 4ul
+#define LOAD_CREATE_DEFAULT 0ul
 
 static struct shim_settings settings;
 static pthread_once_t settings_once = PTHREAD_ONCE_INIT;
