@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import threading
 import time
@@ -208,8 +209,12 @@ def one_reservation(d: Driver, run: int, size: int) -> dict[str, Any]:
     each_s = time.perf_counter() - t0
     d.release_all(vas, handles, size)
     d.check("cuMemAddressFree", U64(base), U64(run * size))
-    return {"one_call": d.name(r), "one_call_s": one, "each": sorted({d.name(x) for x in each}),
-            "each_s": each_s}
+    return {
+        "one_call": d.name(r),
+        "one_call_s": one,
+        "each": sorted({d.name(x) for x in each}),
+        "each_s": each_s,
+    }
 
 
 def adjacent_reservations(d: Driver, run: int, size: int) -> dict[str, Any]:
@@ -218,7 +223,7 @@ def adjacent_reservations(d: Driver, run: int, size: int) -> dict[str, Any]:
     vas = [d.reserve(size)]
     for _ in range(run - 1):
         vas.append(d.reserve(size, hint=vas[-1] + size))
-    adjacent = all(b == a + size for a, b in zip(vas, vas[1:], strict=False))
+    adjacent = all(b == a + size for a, b in itertools.pairwise(vas))
     out: dict[str, Any] = {"adjacent": adjacent}
     handles = [d.create(size) for _ in range(run)]
     for va, h in zip(vas, handles, strict=True):

@@ -54,6 +54,7 @@ def WRONG():
 result = [va for _, va in A]
 """
 
+
 def make_many(w: object, count: int) -> list[int]:
     """MANY in worker ``w``: the VAs of its ``count`` allocations."""
     return list(w(f"COUNT = {count}\n" + MANY))  # type: ignore[operator]
