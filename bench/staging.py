@@ -240,6 +240,7 @@ class Bench:
             "depth": saves[0].get("depth"),
             "populate_threads": saves[0].get("populate_threads"),
             "create_threads": loads[0].get("create_threads"),
+            "access_runs": [t.get("access_runs") for t in loads],
             "chunks_per_thread": saves[0].get("chunks_per_thread"),
             "populate_method": saves[0].get("populate_method"),
             "populated_ahead": [t.get("populated_ahead") for t in saves],
@@ -478,7 +479,8 @@ def _report_group(
         f"  depth {w.get('depth')}, populate threads {w.get('populate_threads')} (pages "
         f"faulted in by {w.get('populate_method')}, chunks populated ahead per SAVE "
         f"{w.get('populated_ahead')}), chunks per thread {w.get('chunks_per_thread')}, "
-        f"LOAD create threads {w.get('create_threads')}"
+        f"LOAD create threads {w.get('create_threads')}, access runs per LOAD "
+        f"{w.get('access_runs')}"
     )
     sw, lw = s["warm_gbps"]["median"], ld["warm_gbps"]["median"]
     out(

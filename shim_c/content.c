@@ -38,6 +38,17 @@
  * item), so creations need no order between them; the control thread
  * alone touches the queue.
  *
+ * SNAPSHOT_SHIM_LOAD_ACCESS_RUNS=1 (off by default) cuts the calls instead:
+ * an allocation with one mapping, the application's read-write one of all
+ * of it, is mapped without its access (deferred), and the control thread
+ * sets the access of a run of such mappings side by side (one context, the
+ * same descriptors, at most RUN_MAX and a copy chunk) in one call before
+ * queueing their copies. The driver documents one call over several
+ * mappings of one reservation (torch's expandable segments map that way);
+ * over reservations side by side (what 2048 separate cuMemAddressReserve
+ * calls may give) it is not known, so it stays off until bench/vmm_probe.py
+ * says so on the H200. A failed run undoes all its allocations.
+ *
  * The bytes move through the staging engine (staging.c: one worker pool per
  * op, one queue of chunks across all allocations, huge-page staging memory;
  * its header says why). Here: which allocations move, where their host
@@ -107,6 +118,7 @@ struct stats {
     uint64_t teardown_ns;       /* temporary unmaps, release of staged bytes, munmaps */
     uint64_t create_ns;         /* LOAD: re-creation, summed over the creator threads */
     unsigned create_threads;    /* LOAD: creator threads started */
+    uint64_t access_runs;       /* LOAD: cuMemSetAccess calls made for runs */
     struct staging_times st;
 };
 
@@ -121,6 +133,7 @@ struct item {
     bool retry;                 /* its creation failed out of memory, cleanly undone */
     char *why;                  /* its creation's failure, malloc'd */
     bool queued;                /* LOAD: its copy is queued (control thread only) */
+    bool deferred;              /* LOAD: mapped without access, set by its run's call */
 };
 
 static CUdevice access_device(const struct obj *o)
@@ -344,6 +357,7 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             "\"depth\": %u, \"populate_threads\": %u, \"populate_method\": \"%s\", "
             "\"populated_ahead\": %llu, "
             "\"chunks_per_thread\": %u, \"resident\": %s, \"create_threads\": %u, "
+            "\"access_runs\": %llu, "
             "\"elapsed_s\": %.6f, \"setup_s\": %.6f, "
             "\"pool_start_s\": %.6f, \"drain_s\": %.6f, \"teardown_s\": %.6f, "
             "\"copy_wall_s\": %.6f, "
@@ -357,7 +371,7 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             cfg->staging_bounce_keep ? "true" : "false", cfg->staging_depth,
             cfg->staging_ahead, populate_name(t->populate_how),
             (unsigned long long)t->populated_chunks, cfg->staging_spread, st->resident ? "true" : "false",
-            st->create_threads,
+            st->create_threads, (unsigned long long)st->access_runs,
             (double)ns / 1e9, (double)st->setup_ns / 1e9, (double)t->pool_start_ns / 1e9,
             (double)st->drain_ns / 1e9, (double)st->teardown_ns / 1e9,
             (double)t->copy_wall_ns / 1e9, (double)t->populate_ns / 1e9,
@@ -526,6 +540,17 @@ enum phase_result content_save(struct reply *r)
     return PHASE_DONE;
 }
 
+/* The one mapping of `o`, without its access (set by its run: load_items). */
+static CUresult map_only(const struct obj *o, char *msg, size_t n)
+{
+    const struct mapping *m = &o->maps[0];
+    CUresult r = real.cuMemMap(m->va, m->size, m->offset, o->real, m->flags);
+
+    if (r != CUDA_SUCCESS)
+        shim_fail(msg, n, "cuMemMap", r);
+    return r;
+}
+
 /* Re-create `it->o` with its recorded properties and map it at its
  * recorded VAs, and pick the copy's VA. On failure the allocation's own
  * partial work is undone: no handle, no mapping, not live, its staged bytes
@@ -551,7 +576,10 @@ static int create_one(struct item *it, bool *retry, char *msg, size_t n)
     pthread_mutex_lock(&g.lock); /* readers check `live` first, but keep it clean */
     o->real = h;
     pthread_mutex_unlock(&g.lock);
-    r = unicast_load_mappings(o, msg, n); /* undoes its own partial work */
+    it->deferred = shim_settings()->load_access_runs && o->nmaps == 1 &&
+                   o->maps[0].access_count > 0 && own_mapping(o) != 0;
+    /* Undoes its own partial work; a deferred mapping's access is its run's. */
+    r = it->deferred ? map_only(o, msg, n) : unicast_load_mappings(o, msg, n);
     if (r != CUDA_SUCCESS) {
         *retry = r == CUDA_ERROR_OUT_OF_MEMORY;
         goto fail_h;
@@ -650,47 +678,185 @@ static void note_failure(struct failures *f, bool retry, const char *why, char *
     }
 }
 
-/* Take the re-created items in order and queue each one's copy; a failed
- * one is noted and skipped, as are those never started after it. One that
- * the queue refuses (cannot happen: its bound) stops the queueing: it and
- * the ones re-created after it are undone. 0, else -1, msg and *retry. */
-static int queue_created(struct staging *s, struct creators *c, struct item *items,
-                         uint32_t count, bool *retry, char *msg, size_t n)
+/* At most this many allocations share one access call (and they span at
+ * most a copy chunk, so that their copies start as soon as a chunk's worth
+ * is mapped). */
+#define RUN_MAX 64
+
+/* Deferred items (SNAPSHOT_SHIM_LOAD_ACCESS_RUNS) whose mappings lie side by
+ * side, in one context, with the same access: one cuMemSetAccess for all. */
+struct run {
+    uint32_t idx[RUN_MAX];
+    uint32_t count;
+    CUdeviceptr va;
+    size_t len;
+};
+
+/* The control thread's queueing of one LOAD's copies. */
+struct queueing {
+    struct staging *s;
+    struct creators *c;
+    struct item *items;
+    struct failures f;
+    bool full;                  /* the queue refused one: nothing more is queued */
+    struct run run;
+    uint64_t access_runs;
+    char *msg;
+    size_t n;
+};
+
+static bool same_access(const struct mapping *a, const struct mapping *b)
 {
-    struct failures f = {0, false};
-    bool full = false;
+    return a->access_count == b->access_count &&
+           memcmp(a->access, b->access, a->access_count * sizeof a->access[0]) == 0;
+}
+
+/* Whether deferred `it` extends the open run. */
+static bool run_extends(const struct queueing *q, const struct item *it)
+{
+    const struct run *run = &q->run;
+    const struct mapping *m = &it->o->maps[0];
+    const struct obj *first;
+
+    if (run->count == 0 || run->count == RUN_MAX)
+        return false;
+    first = q->items[run->idx[0]].o;
+    return it->o->ctx == first->ctx && run->va + run->len == m->va &&
+           run->len + m->size <= shim_settings()->copy_chunk && same_access(m, &first->maps[0]);
+}
+
+/* Queue `it`'s copy; once the queue refused one (cannot happen: its bound),
+ * `it` is undone instead, and the first refusal noted. */
+static void queue_one(struct queueing *q, struct item *it)
+{
     char ignored[8], why[MSG_LEN];
 
+    if (!q->full && staging_add(q->s, it->o, it->o->host, it->va, it->o->ctx) == 0) {
+        it->queued = true;
+        return;
+    }
+    if (!q->full) {
+        q->full = true;
+        creators_cancel(q->c);
+        snprintf(why, sizeof why, "the staging queue is full (an internal bound is wrong)");
+        name_allocation(why, sizeof why, it->o);
+        note_failure(&q->f, false, why, q->msg, q->n);
+    }
+    drop_va(it, ignored, sizeof ignored);
+    uncreate(it);
+}
+
+/* The open run's access, in one call; `*call` names the one that failed. */
+static CUresult run_access(const struct queueing *q, const char **call)
+{
+    const struct obj *o = q->items[q->run.idx[0]].o;
+    const struct mapping *m = &o->maps[0];
+    CUmemAccessDesc d[CUIP_ACCESS_MAX];
+    bool pushed;
+    CUresult r = shim_ctx_enter(o->ctx, &pushed);
+
+    if (r != CUDA_SUCCESS) {
+        *call = "cuCtxPushCurrent";
+        return r;
+    }
+    memset(d, 0, sizeof d);
+    for (uint32_t i = 0; i < m->access_count; i++) {
+        d[i].location.type = (CUmemLocationType)m->access[i].location_type;
+        d[i].location.id = m->access[i].location_id;
+        d[i].flags = (CUmemAccess_flags)m->access[i].flags;
+    }
+    *call = "cuMemSetAccess";
+    r = real.cuMemSetAccess(q->run.va, q->run.len, d, m->access_count);
+    shim_ctx_leave(pushed);
+    return r;
+}
+
+/* Set the open run's access and queue its items; if that fails, every item
+ * of the run is undone (no handle, no mapping) and noted, naming the call,
+ * the run and its first allocation (not retried: FAILED, then a rollback). */
+static void flush_run(struct queueing *q)
+{
+    struct run *run = &q->run;
+    const char *call = "cuMemSetAccess";
+    char why[MSG_LEN];
+    CUresult r;
+
+    if (run->count == 0)
+        return;
+    r = run_access(q, &call);
+    q->access_runs++;
+    if (r == CUDA_SUCCESS) {
+        for (uint32_t k = 0; k < run->count; k++)
+            queue_one(q, &q->items[run->idx[k]]);
+        run->count = 0;
+        return;
+    }
+    snprintf(why, sizeof why,
+             "%s failed: %s (%d) for %u mappings side by side at 0x%llx (%zu bytes), the first",
+             call, shim_cu_name(r), (int)r, run->count, (unsigned long long)run->va, run->len);
+    name_creation(why, sizeof why, q->items[run->idx[0]].o);
+    creators_cancel(q->c);
+    for (uint32_t k = 0; k < run->count; k++) {
+        note_failure(&q->f, false, why, q->msg, q->n);
+        uncreate(&q->items[run->idx[k]]);
+    }
+    run->count = 0;
+}
+
+/* Add deferred `it` (item i) to the open run, or to a new one. */
+static void run_add(struct queueing *q, struct item *it, uint32_t i)
+{
+    const struct mapping *m = &it->o->maps[0];
+
+    if (!run_extends(q, it)) {
+        flush_run(q);
+        q->run.va = m->va;
+        q->run.len = 0;
+    }
+    q->run.idx[q->run.count++] = i;
+    q->run.len += m->size;
+}
+
+/* Take the re-created items in order and queue each one's copy (a deferred
+ * one once its run's access is set); a failed one is noted and skipped, as
+ * are those never started after it. One that the queue refuses (cannot
+ * happen: its bound) stops the queueing: it and the ones re-created after
+ * it are undone. 0, else -1, msg and *retry. */
+static int queue_created(struct staging *s, struct creators *c, struct item *items,
+                         uint32_t count, struct stats *st, bool *retry, char *msg, size_t n)
+{
+    struct queueing q;
+
+    memset(&q, 0, sizeof q);
+    q.s = s;
+    q.c = c;
+    q.items = items;
+    q.msg = msg;
+    q.n = n;
     for (uint32_t i = 0; i < count; i++) {
         struct item *it = &items[i];
         enum create_state cs = creators_wait(c, i);
 
-        if (cs == CREATE_DONE && !full) {
-            if (staging_add(s, it->o, it->o->host, it->va, it->o->ctx) == 0) {
-                it->queued = true;
-                continue;
-            }
-            full = true;
-            creators_cancel(c);
-            snprintf(why, sizeof why, "the staging queue is full (an internal bound is wrong)");
-            name_allocation(why, sizeof why, it->o);
-            note_failure(&f, false, why, msg, n);
+        if (cs == CREATE_DONE && it->deferred && !q.full) {
+            run_add(&q, it, i);
+            continue;
         }
-        if (cs == CREATE_DONE) {
-            drop_va(it, ignored, sizeof ignored);
-            uncreate(it);
-        } else if (cs == CREATE_FAILED) {
-            note_failure(&f, it->retry, it->why, msg, n);
-        }
+        flush_run(&q); /* the earlier items first: host order */
+        if (cs == CREATE_DONE)
+            queue_one(&q, it);
+        else if (cs == CREATE_FAILED)
+            note_failure(&q.f, it->retry, it->why, msg, n);
         free(it->why);
         it->why = NULL;
     }
-    if (f.count > 1) {
+    flush_run(&q);
+    st->access_runs = q.access_runs;
+    if (q.f.count > 1) {
         size_t used = strnlen(msg, n);
-        snprintf(msg + used, n - used, "; %u allocations failed to load", f.count);
+        snprintf(msg + used, n - used, "; %u allocations failed to load", q.f.count);
     }
-    *retry = f.count > 0 && !f.hard;
-    return f.count ? -1 : 0;
+    *retry = q.f.count > 0 && !q.f.hard;
+    return q.f.count ? -1 : 0;
 }
 
 /* Undo every queued item of a LOAD whose copy failed. */
@@ -756,7 +922,7 @@ static int load_items(struct item *items, uint32_t count, uint64_t total, bool k
         return -1;
     }
     st->create_threads = creators_threads(c);
-    produce_rc = queue_created(s, c, items, count, retry, msg, n);
+    produce_rc = queue_created(s, c, items, count, st, retry, msg, n);
     creators_stop(c);
     st->create_ns = __atomic_load_n(&job.create_ns, __ATOMIC_RELAXED);
     t1 = shim_now_ns();

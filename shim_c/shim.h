@@ -140,6 +140,9 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_LOAD_CREATE_THREADS: threads re-creating LOAD's
      * allocations ahead of its copies (0: the control thread does). */
     unsigned load_create_threads;
+    /* SNAPSHOT_SHIM_LOAD_ACCESS_RUNS: LOAD sets the access of mappings that lie
+     * side by side with one cuMemSetAccess per run (default off). */
+    bool load_access_runs;
     /* SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP (default on): the bounce buffers stay
      * pinned from one cycle to the next; off, LOAD frees them. */
     bool staging_bounce_keep;

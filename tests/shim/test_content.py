@@ -168,6 +168,7 @@ def test_multi_chunk_cycle(
         ("SNAPSHOT_SHIM_STAGING_PREFAULT", "2", "neither 0 nor 1"),
         ("SNAPSHOT_SHIM_TIMING", "2", "neither 0 nor 1"),
         ("SNAPSHOT_SHIM_LOAD_CREATE_THREADS", "65", "a thread count in [0, 64]"),
+        ("SNAPSHOT_SHIM_LOAD_ACCESS_RUNS", "2", "neither 0 nor 1"),
         ("SNAPSHOT_SHIM_LOAD_CREATE_THREADS", "two", "a thread count in [0, 64]"),
         ("SNAPSHOT_SHIM_STAGING_RESIDENT_MIB", "-1", "a size in MiB in [0, 4194304]"),
         ("SNAPSHOT_SHIM_STAGING_RESIDENT_MIB", "4194305", "a size in MiB in [0, 4194304]"),

@@ -168,3 +168,82 @@ def test_a_failure_in_the_middle_of_parallel_recreation_undoes_it_and_rolls_back
     assert creator("result = WRONG()") == []
     assert c.ok(Op.INSPECT).records == before
     assert "AddressSanitizer" not in finish(creator)
+
+
+# MANY, but every allocation mapped into one reservation, back to back (as torch's
+# expandable segments map theirs), each with its own cuMemSetAccess.
+SIDE_BY_SIDE = MANY.replace(
+    "    va = map_rw(h, gran)\n",
+    "    va = BASE + k * gran\n"
+    "    check(cu.cuMemMap(va, gran, 0, h, 0))\n"
+    "    check(access(va, gran))\n",
+).replace("A = []\n", "A = []\nBASE = reserve(COUNT * gran)\n")
+
+RUNS = {
+    "SNAPSHOT_SHIM_LOAD_ACCESS_RUNS": "1",
+    "SNAPSHOT_SHIM_LOAD_CREATE_THREADS": "4",
+    "SNAPSHOT_SHIM_COPY_CHUNK_MIB": "16",  # a run spans at most a chunk: 8 allocations
+    "SNAPSHOT_SHIM_COPY_THREADS": "2",
+    "SNAPSHOT_SHIM_TIMING": "1",
+    "CUINTERPOSE_SIM_VMM_US": "200",
+}
+
+
+@pytest.mark.threads  # make tsan
+def test_access_runs_set_side_by_side_mappings_in_one_call_each(
+    spawn: Spawn, control_dir: Path
+) -> None:
+    """SNAPSHOT_SHIM_LOAD_ACCESS_RUNS=1: 40 allocations mapped back to back are mapped
+    without access by 4 creator threads and given it in 5 calls (runs of at most a 16 MiB
+    chunk); every byte back at its VA, readable and writable."""
+    count = 40
+    creator = spawn(extra=RUNS)
+    assert creator(f"COUNT = {count}\n" + SIDE_BY_SIDE) == [
+        int(creator("result = BASE")) + k * int(creator("result = gran")) for k in range(count)
+    ]
+    c = Shim(control_dir, creator.pid)
+    for op in CAPTURE + RESTORE:
+        c.ok(op)
+    assert creator("result = WRONG()") == []
+    creator("check(cu.cuMemsetD32(A[7][1], 5, gran // 4)); check(cu.cuCtxSynchronize())")
+    assert creator("result = WRONG()") == [7]  # written through the restored mapping
+    t = timing(finish(creator), "LOAD_ALLOCATIONS")
+    assert (t["allocations"], t["access_runs"], t["create_threads"]) == (count, 5, 4)
+
+
+def test_a_failed_access_run_undoes_its_allocations_and_rolls_back(
+    spawn: Spawn, control_dir: Path
+) -> None:
+    """The second run's cuMemSetAccess fails (injected): the op fails naming the call,
+    the run and its first allocation; the run's 8 allocations are gone entirely (device
+    memory in use is exactly the loaded ones'), and the rollback brings every one back
+    with its bytes."""
+    count = 40
+    creator = spawn(extra=RUNS)
+    creator(f"COUNT = {count}\n" + SIDE_BY_SIDE)
+    gran = int(creator("result = gran"))
+    before_used = int(creator(USED_CODE))
+    c = Shim(control_dir, creator.pid)
+    before = c.ok(Op.INSPECT).records
+    for op in CAPTURE:
+        c.ok(op)
+    armed = "ctypes.CDLL('libcuda.so.1').cuinterposeSimFail(b'cuMemSetAccess', 1, 999)"
+    assert creator(f"import ctypes; result = {armed}") == 0
+    failed = c.call(Op.LOAD_ALLOCATIONS)
+    assert (failed.status, failed.phase) == (Status.CUDA_FAILED, Phase.FAILED), failed.message
+    base = int(creator("result = BASE"))
+    assert re.fullmatch(
+        r"LOAD_ALLOCATIONS: cuMemSetAccess failed: CUDA_ERROR_UNKNOWN \(999\) for 8 mappings "
+        rf"side by side at {hex(base + 8 * gran)} \(16777216 bytes\), the first \(allocation "
+        r"[0-9a-f]{32}, 2097152 bytes, device 0\); 8 allocations failed to load",
+        failed.message,
+    ), failed.message
+    loaded = (int(creator(USED_CODE)) - (before_used - count * gran)) // gran
+    assert 8 <= loaded <= count - 8  # the first run, maybe more; never the failed one
+    rolled = c.ok(Op.ROLLBACK_ALLOCATIONS)
+    assert rolled.stats.count == count - loaded
+    c.ok(Op.ROLLBACK_IMPORTS)
+    assert int(creator(USED_CODE)) == before_used
+    assert creator("result = WRONG()") == []
+    assert c.ok(Op.INSPECT).records == before
+    assert "AddressSanitizer" not in finish(creator)
