@@ -228,7 +228,7 @@ class Bench:
             return _stats([float(t[key]) for t in op])
 
         def thread(op: list[dict[str, Any]], key: str) -> dict[str, float]:
-            return _stats([float(t["thread_s"][key]) for t in op])
+            return _stats([float(t["thread_s"].get(key, 0.0)) for t in op])
 
         out: dict[str, Any] = {
             "settings": extra,
@@ -239,6 +239,8 @@ class Bench:
             "bounce": saves[0]["bounce"],
             "depth": saves[0].get("depth"),
             "populate_threads": saves[0].get("populate_threads"),
+            "create_threads": loads[0].get("create_threads"),
+            "access_runs": [t.get("access_runs") for t in loads],
             "chunks_per_thread": saves[0].get("chunks_per_thread"),
             "populate_method": saves[0].get("populate_method"),
             "populated_ahead": [t.get("populated_ahead") for t in saves],
@@ -261,7 +263,15 @@ class Bench:
                 },
                 "thread_s": {
                     k: thread(ops, k)
-                    for k in ("populate", "register", "copy", "unregister", "release", "memcpy")
+                    for k in (
+                        "populate",
+                        "register",
+                        "copy",
+                        "unregister",
+                        "release",
+                        "memcpy",
+                        "create",
+                    )
                 },
                 "chunks": ops[0]["chunks"],
             }
@@ -468,7 +478,9 @@ def _report_group(
     out(
         f"  depth {w.get('depth')}, populate threads {w.get('populate_threads')} (pages "
         f"faulted in by {w.get('populate_method')}, chunks populated ahead per SAVE "
-        f"{w.get('populated_ahead')}), chunks per thread {w.get('chunks_per_thread')}"
+        f"{w.get('populated_ahead')}), chunks per thread {w.get('chunks_per_thread')}, "
+        f"LOAD create threads {w.get('create_threads')}, access runs per LOAD "
+        f"{w.get('access_runs')}"
     )
     sw, lw = s["warm_gbps"]["median"], ld["warm_gbps"]["median"]
     out(
@@ -491,7 +503,7 @@ def _report_group(
             f"{b['copy_wall']['median']:.4f}; thread-s populate {t['populate']['median']:.3f}"
             f" register {t['register']['median']:.3f} copy {t['copy']['median']:.3f} "
             f"unregister {t['unregister']['median']:.3f} release {t['release']['median']:.3f}"
-            f" memcpy {t['memcpy']['median']:.3f}"
+            f" memcpy {t['memcpy']['median']:.3f} create {t['create']['median']:.3f}"
         )
     for command in ("suspend", "resume"):
         ours, theirs = w["cuinterpose"][command], native[command]
@@ -526,6 +538,18 @@ def _report_group(
         )
 
 
+def parse_shape(text: str) -> tuple[int, int] | None:
+    """``2048x2MiB`` as (2048, 2 MiB); None unless COUNTxSIZE with a whole number of MiB
+    or GiB, both positive."""
+    count, _, size = text.partition("x")
+    units = {"MiB": MIB, "GiB": GIB}
+    unit = next((u for u in units if size.endswith(u)), None)
+    if unit is None or not count.isdigit() or not size[: -len(unit)].isdigit():
+        return None
+    n, amount = int(count), int(size[: -len(unit)]) * units[unit]
+    return (n, amount) if n > 0 and amount > 0 else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sim", action="store_true", help="simulated driver, small sizes")
@@ -537,6 +561,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--floor-gib", type=float, help="the floor's size per case (default 4, sim 0.125; 0: none)"
     )
     parser.add_argument("--only", action="append", help="run only these workloads")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="COUNTxSIZE",
+        help="also run this shape (e.g. 2048x2MiB on the simulator); --only may name it",
+    )
     parser.add_argument("--ceiling-mib", type=int, default=0, help="default 1024 (sim: 32)")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument(
@@ -562,7 +593,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--variant {text!r}: want a new NAME:VAR=VALUE[,VAR=VALUE...]")
         variants[vname] = settings
     driver = "sim" if args.sim else "system"
-    table = SIM_WORKLOADS if args.sim else WORKLOADS
+    table = dict(SIM_WORKLOADS if args.sim else WORKLOADS)
+    for text in args.shape:
+        parsed = parse_shape(text)
+        if parsed is None:
+            parser.error(f"--shape {text!r}: want COUNTxSIZE, SIZE in MiB or GiB (2048x2MiB)")
+        table[text] = parsed
     chosen = {k: v for k, v in table.items() if not args.only or k in args.only}
     if not chosen or args.repeat < 1:
         parser.error(f"nothing to run: --only must name one of {', '.join(table)}, --repeat >= 1")

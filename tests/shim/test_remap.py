@@ -170,3 +170,71 @@ def test_a_group_on_both_gpus_swaps_them(
     assert devices_of(importer, where) == [here[1].uuid, here[0].uuid]
     assert uuid_text(bytes.fromhex(importer(WHERE))) == here[0].uuid
     legacy.shared_both_ways(pair, write_seed=71)
+
+
+# COUNT more allocations of SIZE bytes in the creator (private, VMM, on ordinal 0), each
+# filled with a 32-bit value of its own; MANY_WRONG() the indexes whose bytes are not.
+MANY = r"""
+import ctypes, struct
+def _value(k):
+    return (0x85EBCA77 * (k + 1)) & 0xFFFFFFFF
+P = cu.CUmemAllocationProp()
+P.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+P.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+P.location.id = 0
+P.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+D = cu.CUmemAccessDesc()
+D.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+D.location.id = 0
+D.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+MANY = []
+for k in range(COUNT):
+    h = check(cu.cuMemCreate(SIZE, P, 0))
+    va = int(check(cu.cuMemAddressReserve(SIZE, 0, 0, 0)))
+    check(cu.cuMemMap(va, SIZE, 0, h, 0))
+    check(cu.cuMemSetAccess(va, SIZE, [D], 1))
+    check(cu.cuMemsetD32(va, _value(k), SIZE // 4))
+    MANY.append(va)
+check(cu.cuCtxSynchronize())
+def MANY_WRONG():
+    buf = (ctypes.c_char * SIZE)()
+    bad = []
+    for k, va in enumerate(MANY):
+        check(cu.cuMemcpyDtoH(ctypes.addressof(buf), va, SIZE))
+        if bytes(buf) != struct.pack("<I", _value(k)) * (SIZE // 4):
+            bad.append(k)
+    return bad
+result = len(MANY)
+"""
+
+
+@pytest.mark.slow
+def test_many_allocations_recreated_in_parallel_onto_gpu_1(
+    spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str], control_dir: Path,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """The group's creator with 48 more allocations, re-created at LOAD by 4 creator
+    threads (each VMM call taking 200 us in the simulated driver, so that they overlap)
+    after a restore onto GPU 1: every byte at its VA, every allocation on GPU 1, the
+    group's sharing intact."""
+    env = {
+        **shim_env,
+        **legacy.OWN_SMALL,
+        "SNAPSHOT_SHIM_LOAD_CREATE_THREADS": "4",
+        "CUINTERPOSE_SIM_VMM_US": "200",
+    }
+    group = build_group(spawn, env, plain_env)
+    count = 48
+    assert group.creator(f"COUNT, SIZE = {count}, {group.size // 2}\n" + MANY) == count
+    native = RemapBackend(group.observer)
+    here = native.gpus()
+    where = agent.Where(control_dir)
+    agent.suspend(group.processes, tmp_path, where=where, native=native)
+    resumed = agent.resume(tmp_path, where=where, native=native, gpu_map=GpuMap.parse("0=1"))
+    assert resumed.coordinator_restored
+    assert group.creator("result = MANY_WRONG()") == []
+    assert group.mismatches() == []
+    for worker in (group.creator, group.importer):
+        assert uuid_text(bytes.fromhex(worker(WHERE))) == here[1].uuid
+        assert devices_of(worker, where) == [here[1].uuid]
+    group.close()
