@@ -8,7 +8,8 @@ Scenarios (``--scenario``, repeatable; default ``group``):
 - ``torch`` (real GPU only): a torch.multiprocessing producer/consumer pair sharing an
   N MiB tensor with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
   (tests/gpu/criu_torch_pair.py); ``torch-default``: the same pair on the default
-  allocator (cudaMalloc and legacy CUDA IPC, owned by the shim).
+  allocator (cudaMalloc and legacy CUDA IPC, owned by the shim); ``torch-single``: one
+  torch process holding an N MiB tensor, shared with nobody.
 
 Each runs as one process tree under the shim: ``cuinterpose criu dump`` (suspend,
 then criu dump, which kills the tree), ``cuinterpose criu restore`` (into the same
@@ -236,6 +237,39 @@ def scenario_torch(s: Setup, *, expandable: bool = True) -> dict[str, Any]:
     return result
 
 
+def scenario_torch_single(s: Setup) -> dict[str, Any]:
+    """One torch process holding an N MiB tensor (expandable segments), shared with
+    nobody: the bytes after the restore, then a write and a read of them."""
+    if s.driver != "system":
+        raise RuntimeError("the torch scenarios need a real GPU (--driver system)")
+    env = {**s.env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    mib = s.size >> 20
+
+    def program(token: str) -> list[str]:
+        return [sys.executable, str(TORCH_PAIR), "--token", token, "--mib", str(mib), "--alone"]
+
+    tree = Tree(["producer"], env, s.work, program=program)
+    try:
+        tree.wait_ready(timeout_s=600)
+        producer = tree.workers["producer"]
+        before = producer.check("digest", timeout_s=60)["digest"]
+        s.log(f"torch-single: a {mib} MiB tensor in one process")
+        result = round_trip(tree, s)
+        bytes_ok = producer.check("digest", timeout_s=60)["digest"] == before
+        producer.check("fill", seed=5)
+        write_ok = producer.check("digest", timeout_s=60)["digest"] != before
+    finally:
+        tree.close()
+    result["gpu_bytes"] = s.size
+    result["shared_bytes"] = 0
+    result["verified"] = {
+        "bytes": bytes_ok,
+        "write_after": write_ok,
+        "images_trusted": result.pop("images_trusted"),
+    }
+    return result
+
+
 def scenario_torch_default(s: Setup) -> dict[str, Any]:
     """The pair on PyTorch's default allocator: cudaMalloc memory shared through legacy
     CUDA IPC, which the shim owns and tracks (issue 18)."""
@@ -246,6 +280,7 @@ SCENARIOS = {
     "group": scenario_group,
     "torch": scenario_torch,
     "torch-default": scenario_torch_default,
+    "torch-single": scenario_torch_single,
 }
 
 

@@ -6,7 +6,8 @@ torch, never touches CUDA) starts a producer and a consumer with the spawn conte
 The producer fills an N MiB uint8 tensor and puts it on a queue; the consumer takes it
 (CUDA IPC: with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` the memory is a
 VMM allocation exported as a POSIX FD, what the shim captures). Both then answer
-commands on ``\\0cuip-tree-<token>-producer`` / ``-consumer`` (criu_tree.serve):
+commands on ``\\0cuip-tree-<token>-producer`` / ``-consumer`` (criu_tree.serve);
+``--alone``: the producer only, its tensor shared with nobody (one torch process):
 
 - ``digest`` [``which`` t|t2] -> sha256 of the tensor's bytes
 - ``fill`` ``seed``: overwrite the tensor with a seeded pattern (the consumer's write
@@ -62,11 +63,12 @@ def digest(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def producer(token: str, nbytes: int, queue: Any, second: Any) -> None:
+def producer(token: str, nbytes: int, queue: Any, second: Any, alone: bool = False) -> None:
     torch.cuda.set_device(0)
     held = {"t": torch.empty(nbytes, dtype=torch.uint8, device="cuda")}
     fill(held["t"], 1)
-    queue.put(held["t"])
+    if not alone:
+        queue.put(held["t"])
 
     def handle(op: str, args: dict[str, Any]) -> dict[str, Any]:
         if op == "digest":
@@ -106,13 +108,15 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--token", required=True)
     parser.add_argument("--mib", type=int, default=1024)
+    parser.add_argument("--alone", action="store_true", help="the producer alone, nothing shared")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     queue, second = ctx.Queue(), ctx.Queue()
     procs = [
-        ctx.Process(target=producer, args=(args.token, args.mib << 20, queue, second)),
-        ctx.Process(target=consumer, args=(args.token, queue, second)),
+        ctx.Process(target=producer, args=(args.token, args.mib << 20, queue, second, args.alone))
     ]
+    if not args.alone:
+        procs.append(ctx.Process(target=consumer, args=(args.token, queue, second)))
     for p in procs:
         p.start()
     status = 0
