@@ -144,6 +144,8 @@ class _NoDriver:
 
 
 def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
+    if not call.group:  # a control directory without shims: nothing to look at or ask
+        return _no_shim(call, stdout)
     from .engine.detection import remove_stale_sockets
 
     processes = call.processes()
@@ -156,12 +158,7 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
         processes = [p for p in processes if p not in stale]
         stale = []
     if not processes:
-        if call.options.json:
-            empty = {"processes": [], "control_dir": str(where.control_dir)}
-            return Outcome(EXIT_OK, "done", (), figures=empty)
-        else:
-            stdout.write(f"no shim in {where.control_dir} (start a program with `{PROG} launch`)\n")
-        return Outcome(EXIT_OK)
+        return _no_shim(call, stdout)
     gone = targets.problems([(p.observed_pid, p.namespace_pid) for p in processes], where,
                             shim=False)  # fmt: skip
     if gone and named:
@@ -189,6 +186,14 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
         from . import render  # rich: only for a person's output
 
         render.status_table(stdout, rows)
+    return Outcome(EXIT_OK)
+
+
+def _no_shim(call: Invocation, stdout: TextIO) -> Outcome:
+    if call.options.json:
+        empty = {"processes": [], "control_dir": str(call.control_dir)}
+        return Outcome(EXIT_OK, "done", (), figures=empty)
+    stdout.write(f"no shim in {call.control_dir} (start a program with `{PROG} launch`)\n")
     return Outcome(EXIT_OK)
 
 
