@@ -24,15 +24,16 @@ from .outcomes import OUTCOMES, PROG, Outcome
 
 if TYPE_CHECKING:
     from .engine import agent
-    from .engine.native_checkpoint import ProcessState
+    from .engine.native_checkpoint import NativeBackend, ProcessState
+    from .engine.options import Options
     from .invocation import Invocation
 
 
 def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
     from . import running, summaries
-    from .engine import agent, runner
-    from .engine.errors import CoordinatorError, Refused
+    from .engine.errors import AgentError, CoordinatorError, Refused
     from .engine.native_checkpoint import NativeUnavailableError
+    from .engine.options import Options
 
     processes = call.processes()
     mode = call.mode
@@ -58,47 +59,15 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
         "the resume goes no further; the lines that follow say where the group is")  # fmt: skip
     where_now = running.Whereabouts(on_event, then=then)
     stop = threading.Event()
-    options = runner.Options(phase_timeout=step_timeout(call.options.step_timeout), stop=stop)
+    options = Options(phase_timeout=step_timeout(call.options.step_timeout), stop=stop)
+    # Each verb loads its own room (suspension or resumption), not the agent's face:
+    # a native checkpoint alone runs no machine and loads none (the runner, transitions).
+    run = _suspend if command == "suspend" else _resume
     try:
         native = call.native()
         with running.stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)), live:
-            if command == "suspend":
-                done: agent.SuspendResult | agent.ResumeResult = agent.suspend(
-                    # The group's one value (targets.named refused a repeat already):
-                    # the suspend passes it down, checked no more.
-                    agent.Group(processes),
-                    call.options.checkpoint_dir,
-                    where=call.where(),
-                    native=native,
-                    requested=not call.options.not_requested,
-                    options=options,
-                    lock_timeout_ms=int(call.options.lock_timeout * 1000),
-                    on_event=where_now,
-                )
-            else:
-                done = agent.resume(
-                    call.options.checkpoint_dir,
-                    where=call.where(),
-                    native=native,
-                    processes=processes,
-                    gpu_map=call.options.gpu_map,
-                    options=options,
-                    on_event=where_now,
-                )
-    except agent.SuspendFailed as failed:
-        code = EXIT_FAILED if failed.restored else EXIT_NEEDS_RECOVER
-        outcome = "failed, undone: the group runs as before" if failed.restored else (
-            "failed, not undone")  # fmt: skip
-        return Outcome(code, outcome, failed.lines())
-    except agent.ResumeFailed as failed:
-        # A native step ran: never "nothing changed" (exit 1).
-        if failed.running:
-            outcome = OUTCOMES[EXIT_ROLLED_BACK] if not failed.lost else (
-                "a member is gone: the survivors run with the bytes they had")  # fmt: skip
-            return Outcome(EXIT_ROLLED_BACK, outcome, failed.lines())  # fmt: skip
-        way_on = f"once every process is RUNNING, run: {call.recover_command()}"
-        return Outcome(EXIT_NEEDS_RECOVER, "", [*failed.lines(), way_on])  # fmt: skip
-    except agent.AgentError as error:
+            done = run(call, processes, native, options, where_now)
+    except AgentError as error:
         return Outcome(EXIT_FAILED, "refused", error.lines())
     except CoordinatorError as error:
         code = running.failure(error, call, stderr)
@@ -108,12 +77,73 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
         return Outcome(code, "refused" if isinstance(error, Refused) else "", failure=error)
     except NativeUnavailableError as exc:
         return Outcome(EXIT_FAILED, "refused", invocation.no_driver(command, exc))  # fmt: skip
+    if isinstance(done, Outcome):  # the verb failed after it changed something
+        return done
     for warning in getattr(done, "warnings", ()):
         stderr.write(f"{PROG}: note: {warning}\n")
     summary = summaries.Summary.of(command, call, done)
     if view is not None:
         view.summary(done.timings, done.staging)
     return Outcome(EXIT_OK, summary.outcome, figures=to_json(summary), human=summary.lines())
+
+
+def _suspend(
+    call: Invocation,
+    processes: Sequence[agent.Process],
+    native: NativeBackend,
+    options: Options,
+    on_event: agent.AgentCallback,
+) -> agent.SuspendResult | Outcome:
+    from .engine.detection import Group
+    from .engine.suspension import SuspendFailed, suspend
+
+    try:
+        return suspend(
+            # The group's one value (targets.named refused a repeat already): the
+            # suspend passes it down, checked no more.
+            Group(processes),
+            call.options.checkpoint_dir,
+            where=call.where(),
+            native=native,
+            requested=not call.options.not_requested,
+            options=options,
+            lock_timeout_ms=int(call.options.lock_timeout * 1000),
+            on_event=on_event,
+        )
+    except SuspendFailed as failed:
+        code = EXIT_FAILED if failed.restored else EXIT_NEEDS_RECOVER
+        outcome = "failed, undone: the group runs as before" if failed.restored else (
+            "failed, not undone")  # fmt: skip
+        return Outcome(code, outcome, failed.lines())
+
+
+def _resume(
+    call: Invocation,
+    processes: Sequence[agent.Process],
+    native: NativeBackend,
+    options: Options,
+    on_event: agent.AgentCallback,
+) -> agent.ResumeResult | Outcome:
+    from .engine.resumption import ResumeFailed, resume
+
+    try:
+        return resume(
+            call.options.checkpoint_dir,
+            where=call.where(),
+            native=native,
+            processes=processes,
+            gpu_map=call.options.gpu_map,
+            options=options,
+            on_event=on_event,
+        )
+    except ResumeFailed as failed:
+        # A native step ran: never "nothing changed" (exit 1).
+        if failed.running:
+            outcome = OUTCOMES[EXIT_ROLLED_BACK] if not failed.lost else (
+                "a member is gone: the survivors run with the bytes they had")  # fmt: skip
+            return Outcome(EXIT_ROLLED_BACK, outcome, failed.lines())  # fmt: skip
+        way_on = f"once every process is RUNNING, run: {call.recover_command()}"
+        return Outcome(EXIT_NEEDS_RECOVER, "", [*failed.lines(), way_on])  # fmt: skip
 
 
 class _NoDriver:

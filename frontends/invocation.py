@@ -76,10 +76,10 @@ class Invocation:
         """The caller's native calls if it gave its own, else those on the driver
         ``--driver`` names, chosen at the first call (the shims are asked then, late): a
         verb that refuses first never asks."""
-        from . import drivers
-
         if self.given is not None:
             return self.given
+        from . import drivers
+
         return drivers.LateBackend(
             getattr(self.options, "driver", "auto"),
             self.endpoints,
