@@ -8,7 +8,8 @@ one ``-X importtime`` run: what it imported of its own (the sum of the top-level
 cumulative time, inflated by the measurement), the heaviest imports by their own time,
 and which of the heavy libraries it loaded (rich, cattrs, transitions, cuda.bindings,
 ctypes). The children run with bytecode written and read (``PYTHONDONTWRITEBYTECODE``
-removed, one warm-up run each), as an installed package does.
+removed, one warm-up run each), as an installed package does; ``--without-bytecode``,
+every module compiled from its source in every command (the standard library's too).
 
 Without shims (the default): ``status`` and ``status --json`` of an empty control
 directory, ``--help``, ``suspend --help``, ``resume --help``, and a ``suspend`` refused
@@ -55,11 +56,17 @@ def cuinterpose_command() -> list[str]:
     return [sys.executable, "-m", "cuinterpose"]
 
 
+# --without-bytecode: an empty cache that nothing is written to, so that every module a
+# command imports is compiled from its source (a package copied or installed without its
+# bytecode, run where PYTHONDONTWRITEBYTECODE is set).
+NO_BYTECODE: dict[str, str] = {}
+
+
 def child_env(control_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["SNAPSHOT_CONTROL_DIR"] = str(control_dir)
     env.pop("LD_PRELOAD", None)
-    return {**env, **(extra or {})}
+    return {**env, **NO_BYTECODE, **(extra or {})}
 
 
 def _cpu_of_children() -> float:
@@ -334,16 +341,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--native", choices=("sim", "system"), help="also the binding's import and cuInit(0)"
     )
+    parser.add_argument(
+        "--without-bytecode",
+        action="store_true",
+        help="compile every module from source in every command, the standard library's too "
+        "(an upper bound of what a package without its bytecode costs)",
+    )
     parser.add_argument("--out", type=Path, help="write the figures as JSON")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     work = Path(tempfile.mkdtemp(prefix="cuip-bench-startup-"))
+    if args.without_bytecode:
+        (work / "no-bytecode").mkdir()
+        NO_BYTECODE.update(
+            PYTHONDONTWRITEBYTECODE="1", PYTHONPYCACHEPREFIX=str(work / "no-bytecode")
+        )
     results: dict[str, Any] = {
         "python": sys.version.split()[0],
         "cpus": os.cpu_count(),
         "runs": args.runs,
         "command": cuinterpose_command(),
+        "bytecode": not args.without_bytecode,
     }
     try:
         empty = work / "empty-control"
