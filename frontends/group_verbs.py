@@ -212,11 +212,53 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
         # One line, the summary itself: JSON lines like every verb's, and one document.
         document = {"processes": [to_json(r) for r in rows]}
         return Outcome(EXIT_OK, "done", (), figures=document)
-    else:
-        from . import render  # rich: only for a person's output
+    cells = [_status_cells(row) for row in rows]
+    if _terminal(stdout):
+        from . import render  # rich: only for a person at a terminal
 
-        render.status_table(stdout, rows)
+        render.table(stdout, "cuinterpose status", STATUS_COLUMNS, cells)
+    else:
+        _plain_table(stdout, "cuinterpose status", STATUS_COLUMNS, cells)
     return Outcome(EXIT_OK)
+
+
+STATUS_COLUMNS: Final = ("pid", "ns pid", "native state", "shim phase", "participant",
+                         "in flight")  # fmt: skip
+
+
+def _status_cells(row: agent.ProcessStatus) -> tuple[str, ...]:
+    flight = ""
+    f = row.in_flight
+    if f is not None and f.op is not None:
+        flight = f"{f.op.name} {f.bytes_done:,}/{f.bytes_total:,} B"
+    return (
+        str(row.process.observed_pid),
+        str(row.process.namespace_pid),
+        row.native_state,
+        row.shim_phase or "(no socket)",
+        row.participant or "",
+        flight or row.problem,
+    )
+
+
+def _terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (OSError, ValueError):
+        return False
+
+
+def _plain_table(
+    stream: TextIO, title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]
+) -> None:
+    """The table for a pipe or a file: its title, then one line a row, the columns
+    aligned by spaces (``--json`` is the form to parse)."""
+    widths = [max(len(cell) for cell in column) for column in zip(columns, *rows, strict=True)]
+    lines = [title] + [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in (columns, *rows)
+    ]
+    stream.write("".join(f"{line}\n" for line in lines))
 
 
 def _no_shim(call: Invocation, stdout: TextIO) -> Outcome:

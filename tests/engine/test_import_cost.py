@@ -13,9 +13,11 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cuinterpose.testing import FakeParticipant
 
 # What no command pays for before it knows its verb.
 HEAVY = ("rich", "cattrs", "transitions", "cuda", "ctypes")
@@ -179,3 +181,30 @@ def test_help_of_a_verb_loads_no_verb_room(verb: str) -> None:
     modules = loaded(code)
     assert offending(modules, ("rich", "cattrs", "transitions")) == []
     assert offending(modules, VERB_ROOMS) == []
+
+
+def test_status_of_a_shim_to_a_pipe_loads_no_rich_and_no_machine(
+    control_dir: Path, start_fake: Callable[..., FakeParticipant]
+) -> None:
+    """A person's table to a pipe is plain text (rich only at a terminal); a status runs
+    no machine (the agent's face, the runner and transitions stay unloaded)."""
+    start_fake(pid=os.getpid())  # a live pid: its socket is not stale
+    code = (
+        "import io, cuinterpose.cli as c\n"
+        "from cuinterpose.engine.native_checkpoint import ProcessState\n"
+        "class Native:\n"
+        "    def state(self, pid):\n"
+        "        return ProcessState.RUNNING\n"
+        "out, err = io.StringIO(), io.StringIO()\n"
+        "assert c.main(['status'], stdout=out, stderr=err, native=Native()) == 0, err.getvalue()\n"
+        "lines = out.getvalue().splitlines()\n"
+        "assert lines[0] == 'cuinterpose status', lines\n"
+        "assert lines[1].split() == ['pid', 'ns', 'pid', 'native', 'state', 'shim', 'phase',\n"
+        "                            'participant', 'in', 'flight'], lines\n"
+        f"row = ['{os.getpid()}', '{os.getpid()}', 'RUNNING', 'ACTIVE']\n"
+        "assert lines[2].split()[:4] == row, lines"
+    )
+    modules = loaded(code, {"SNAPSHOT_CONTROL_DIR": str(control_dir)})
+    assert "cuinterpose.engine.group_status" in modules
+    assert offending(modules, HEAVY) == []
+    assert engine_modules(modules) & {"agent", "runner", "suspension", "resumption"} == set()
