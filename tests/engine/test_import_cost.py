@@ -152,23 +152,28 @@ class Native:
 out, err = io.StringIO(), io.StringIO()
 argv = ["suspend", "--checkpoint-dir", sys.argv[1], "--pid", str(os.getpid()),
         "--not-requested", "--progress", "json"]
-assert c.main(argv, stdout=out, stderr=err, native=Native()) == 0, err.getvalue()
+native = Native()
+assert c.main(argv, stdout=out, stderr=err, native=native) == 0, err.getvalue()
 assert '"outcome": "suspended"' in out.getvalue(), out.getvalue()
+argv = ["resume", "--checkpoint-dir", sys.argv[1], "--progress", "json"]
+assert c.main(argv, stdout=out, stderr=err, native=native) == 0, err.getvalue()
+assert '"outcome": "resumed"' in out.getvalue(), out.getvalue()
 """
 
 
 def test_a_native_checkpoint_alone_runs_no_machine(tmp_path: Path, control_dir: Path) -> None:
-    """``suspend --not-requested`` (the native checkpoint alone): the manifest is written
-    (cattrs), but no machine is run, so neither the runner nor transitions load; the
-    native calls are the caller's, so neither ctypes nor cuda.bindings either."""
+    """``suspend --not-requested`` (the native checkpoint alone), then its ``resume``: the
+    manifest is written and read (cattrs), but no machine is run, so neither the runner
+    nor transitions load; the native calls are the caller's, so neither ctypes nor
+    cuda.bindings either."""
     script = tmp_path / "native_alone.py"
     script.write_text(_NATIVE_ALONE)
     code = f"import sys; sys.argv = ['x', {str(tmp_path / 'ck')!r}]\n"
     code += f"exec(open({str(script)!r}).read())"
     modules = loaded(code, {"SNAPSHOT_CONTROL_DIR": str(control_dir)})
-    assert "cuinterpose.engine.suspension" in modules
+    assert {"cuinterpose.engine.suspension", "cuinterpose.engine.resumption"} <= modules
     assert offending(modules, ("rich", "transitions", "cuda", "ctypes")) == []
-    assert engine_modules(modules) & {"runner", "fsm", "resumption", "recovery"} == set()
+    assert engine_modules(modules) & {"runner", "fsm", "recovery"} == set()
 
 
 @pytest.mark.parametrize("verb", ["suspend", "resume", "status", "prepare", "criu", "launch"])
