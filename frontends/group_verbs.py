@@ -19,7 +19,6 @@ from .arguments import (
     EXIT_ROLLED_BACK,
     step_timeout,
 )
-from .engine.serial import to_json
 from .outcomes import OUTCOMES, PROG, Outcome
 
 if TYPE_CHECKING:
@@ -81,6 +80,8 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
         return done
     for warning in getattr(done, "warnings", ()):
         stderr.write(f"{PROG}: note: {warning}\n")
+    from .engine.serial import to_json
+
     summary = summaries.Summary.of(command, call, done)
     if view is not None:
         view.summary(done.timings, done.staging)
@@ -209,6 +210,8 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
         stderr.write(f"{PROG}: note: native states unknown: {exc}\n")
         rows = asked(processes, where, _NoDriver("no CUDA driver loaded"))
     if call.options.json:
+        from .engine.serial import to_json
+
         # One line, the summary itself: JSON lines like every verb's, and one document.
         document = {"processes": [to_json(r) for r in rows]}
         return Outcome(EXIT_OK, "done", (), figures=document)

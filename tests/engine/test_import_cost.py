@@ -88,7 +88,7 @@ def test_status_without_shims_loads_only_the_socket_names(tmp_path: Path, argv: 
         "assert 'no shim in' in out.getvalue() or '\"processes\": []' in out.getvalue()"
     )
     modules = loaded(code, {"SNAPSHOT_CONTROL_DIR": str(control)})
-    assert engine_modules(modules) == {"discovery", "wire", "serial"}
+    assert engine_modules(modules) == {"discovery", "wire"}
     assert offending(modules, HEAVY) == []
     assert "cuinterpose.phases" not in modules
 
