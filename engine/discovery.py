@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Final
 
 import attrs
 
-# The wire and the client where a name is made or a shim is asked: looking at a
-# process loads neither, listing a control directory the wire alone
+# The wire and the client where a name is made or matched, or a shim is asked: looking
+# at a process or at an empty control directory loads neither
 # (tests/engine/test_import_cost.py).
 if TYPE_CHECKING:
     from .client import Endpoint
@@ -232,9 +232,8 @@ def shims_in(control_dir: Path) -> tuple[int, ...]:
     except OSError:
         return ()
     pids = []
-    pattern = _socket_name()
-    for name in names:
-        match = pattern.fullmatch(name)
+    for name in names:  # the wire's names only for a directory that holds something
+        match = _socket_name().fullmatch(name)
         if match and is_socket(Path(control_dir) / name):
             pids.append(int(match[1]))
     return tuple(sorted(pids))

@@ -76,9 +76,11 @@ def test_the_engine_package_loads_its_names_on_first_use() -> None:
 
 
 @pytest.mark.parametrize("argv", [["status"], ["status", "--json"]])
-def test_status_without_shims_loads_only_the_socket_names(tmp_path: Path, argv: list[str]) -> None:
-    """A control directory without shims: its listing (the wire's socket names) and the
-    line that says so, nothing that asks a shim, reads a manifest or detects."""
+def test_status_of_an_empty_control_directory_loads_only_its_listing(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    """An empty control directory: its listing and the line that says so, nothing that
+    names or asks a shim (the wire, the client), reads a manifest or detects."""
     control = tmp_path / "control"
     control.mkdir(mode=0o700)
     code = (
@@ -88,7 +90,7 @@ def test_status_without_shims_loads_only_the_socket_names(tmp_path: Path, argv: 
         "assert 'no shim in' in out.getvalue() or '\"processes\": []' in out.getvalue()"
     )
     modules = loaded(code, {"SNAPSHOT_CONTROL_DIR": str(control)})
-    assert engine_modules(modules) == {"discovery", "wire"}
+    assert engine_modules(modules) == {"discovery"}
     assert offending(modules, HEAVY) == []
     assert "cuinterpose.phases" not in modules
 
