@@ -142,18 +142,20 @@ _ORIGINS: dict[str, str] = {}
 
 
 def __getattr__(name: str) -> Any:
-    if not _ORIGINS:
-        _ORIGINS.update(_origins())
-    module = _ORIGINS.get(name)
-    if module is None:
+    if name not in _PUBLIC_FUNCTION_MODULES:
         # A submodule named as an attribute (engine.agent, `from . import discovery`),
-        # as once all were loaded.
+        # as once all were loaded: imported without parsing this file for the public
+        # names (_origins), which a command naming only submodules never needs.
         try:
             return importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as exc:
             if exc.name != f"{__name__}.{name}":
                 raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    if not _ORIGINS:
+        _ORIGINS.update(_origins())
+    module = _ORIGINS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # the next lookup is a plain one
     return value

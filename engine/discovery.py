@@ -10,22 +10,28 @@ the processes that loaded them). Nothing here changes or binds anything.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-import socket
 import stat
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 
-from .client import Endpoint, ParticipantError, call_all
-from .wire import SOCKET_PREFIX, SOCKET_SUFFIX, Op, Reply, Request, Status, socket_name
+# The wire and the client where a name is made or matched, or a shim is asked: looking
+# at a process or at an empty control directory loads neither
+# (tests/engine/test_import_cost.py).
+if TYPE_CHECKING:
+    from .client import Endpoint
 
-_SOCKET_NAME: Final = re.compile(
-    rf"{re.escape(SOCKET_PREFIX)}([1-9][0-9]*){re.escape(SOCKET_SUFFIX)}"
-)
+
+@functools.cache
+def _socket_name() -> re.Pattern[str]:
+    from .wire import SOCKET_PREFIX, SOCKET_SUFFIX
+
+    return re.compile(rf"{re.escape(SOCKET_PREFIX)}([1-9][0-9]*){re.escape(SOCKET_SUFFIX)}")
 
 
 class DriverMismatch(RuntimeError):
@@ -86,6 +92,9 @@ def what_is_at(path: Path) -> str:
 
 def shim_drivers(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> DriverReport:
     """Ask every endpoint that has a socket which driver its shim loaded."""
+    from .client import call_all
+    from .wire import Op, Reply, Request, Status
+
     asked = [e for e in endpoints if is_socket(e.path)]
     replies = call_all([(e, Request(Op.STATUS, ask_driver=True), None) for e in asked],
                        timeout=timeout)  # fmt: skip
@@ -129,6 +138,8 @@ def is_running(pid: int, proc_root: Path | None = None) -> bool:
 
 def serves(path: Path) -> bool:
     """Whether anything listens on the Unix socket ``path`` (a stale one refuses)."""
+    import socket
+
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(1.0)
         try:
@@ -164,6 +175,9 @@ def same_process(pid: int, started: int, proc_root: Path | None = None) -> bool:
 def unanswered(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> dict[Endpoint, str]:
     """The endpoints whose shim does not answer STATUS (nothing is bound or changed), each
     with a line naming the process and where its socket was looked for."""
+    from .client import ParticipantError, call_all
+    from .wire import Op, Reply, Request
+
     replies = call_all([(e, Request(Op.STATUS), None) for e in endpoints], timeout=timeout)
     silent: dict[Endpoint, str] = {}
     for endpoint, reply in zip(endpoints, replies, strict=True):
@@ -196,6 +210,8 @@ def children(pid: int) -> tuple[int, ...]:
 def missing_shim_hint(pid: int, control_dir: Path) -> str:
     """What to do about a process without a control socket: name its child that has one
     (a launcher's), or start the program under the shim."""
+    from .wire import socket_name
+
     with_shim = [c for c in children(pid) if is_socket(control_dir / socket_name(c))]
     if with_shim:
         named = " ".join(f"--pid {c}" for c in with_shim)
@@ -216,8 +232,8 @@ def shims_in(control_dir: Path) -> tuple[int, ...]:
     except OSError:
         return ()
     pids = []
-    for name in names:
-        match = _SOCKET_NAME.fullmatch(name)
+    for name in names:  # the wire's names only for a directory that holds something
+        match = _socket_name().fullmatch(name)
         if match and is_socket(Path(control_dir) / name):
             pids.append(int(match[1]))
     return tuple(sorted(pids))

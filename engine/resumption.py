@@ -38,11 +38,13 @@ from .native_checkpoint import (
 )
 from .options import Options
 from .progress import StagingSummary
-from .recovery import recover
-from .runner import restore
 from .statefile import StateFileError, utc_timestamp
 from .stored import StoreFailed, fetch, stored_files
 from .watch import CopyWatcher
+
+# The runner and recovery (the machines, transitions) are imported where the coordinator
+# restore or recover runs: the native restore alone of a native suspend runs no machine
+# and loads none (tests/engine/test_import_cost.py).
 
 # A shim answers STATUS at once (its control thread runs while the process is
 # natively CHECKPOINTED, as on the H200): no need to wait a phase timeout for one.
@@ -276,6 +278,8 @@ def resume(
                             missing_ok=True)  # fmt: skip
                 moved.append(sum(f.bytes for f in got))
         if coordinate:
+            from .runner import restore
+
             ids = tuple(p.participant or "" for p in manifest.participants)
             with report.step("coordinator_restore") as moved:
                 engine_options = attrs.evolve(options, on_progress=report.emit)
@@ -328,6 +332,8 @@ def _survivors(
                             missing_ok=True)  # fmt: skip
                 moved.append(sum(f.bytes for f in got))
         if manifest.prepared:
+            from .recovery import recover
+
             with report.step("coordinator_recover"):
                 engine_options = attrs.evolve(options, on_progress=report.emit)
                 recovered = recover(endpoints, directory, engine_options)

@@ -51,10 +51,13 @@ from .native_checkpoint import (
 from .options import Options
 from .progress import StagingSummary
 from .released import Released, released
-from .runner import capture, restore
 from .statefile import StateFileError, utc_timestamp
 from .watch import CopyWatcher
 from .wire import Op, Request, Status
+
+# The runner (the machines, transitions) is imported where the capture runs or is undone:
+# a native checkpoint alone (--not-requested) and a suspend refused before its capture
+# run no machine and load none (tests/engine/test_import_cost.py).
 
 
 class SuspendFailed(AgentError):
@@ -261,6 +264,8 @@ def suspend(
     gpus: tuple[tuple[Gpu, ...], ...] = ((),) * len(group)
     undo = _Undo(group, detection, directory, backend, options, report, where)
     if detection.mode == "cuinterpose":
+        from .runner import capture
+
         try:
             with report.step("capture") as moved:
                 engine_options = attrs.evolve(options, on_progress=report.emit)
@@ -324,6 +329,8 @@ def _undo(undo: _Undo, lines: list[str]) -> NoReturn:
     now = state_names(undo.native, pids)
     back = all(s == ProcessState.RUNNING.name for s in now.values())
     if back and undo.detection.mode == "cuinterpose":
+        from .runner import restore
+
         try:
             with undo.report.step("undo_coordinator_restore"):
                 options = attrs.evolve(undo.options, on_progress=undo.report.emit)

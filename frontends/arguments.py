@@ -12,10 +12,12 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
-from .engine.gpus import GpuMap, GpuMapError
-from .engine.options import DEFAULT_PHASE_TIMEOUT_S
+# The engine's modules where an option needs them: a verb that takes no --gpu-map or
+# --step-timeout loads neither (tests/engine/test_import_cost.py).
+if TYPE_CHECKING:
+    from .engine.gpus import GpuMap
 
 CONTROL_DIR_ENV: Final = "SNAPSHOT_CONTROL_DIR"
 DEFAULT_CONTROL_DIR: Final = Path("/snapshot-control")
@@ -147,6 +149,8 @@ def add_endpoints(
 
 
 def gpu_map(text: str) -> GpuMap:
+    from .engine.gpus import GpuMap, GpuMapError
+
     try:
         return GpuMap.parse(text)
     except GpuMapError as exc:
@@ -304,6 +308,8 @@ class _DeprecatedAlias(argparse.Action):
 def add_step_timeout(parser: argparse.ArgumentParser) -> None:
     """``--step-timeout``: each step's deadline for every shim's reply (``--phase-timeout``,
     its former name, kept as a deprecated alias while the version is 0.x)."""
+    from .engine.options import DEFAULT_PHASE_TIMEOUT_S
+
     parser.add_argument(
         "--step-timeout",
         type=seconds,
@@ -324,6 +330,8 @@ def add_step_timeout(parser: argparse.ArgumentParser) -> None:
 
 def step_timeout(given: float | None, environ: Mapping[str, str] | None = None) -> float:
     """``--step-timeout``'s value, else ``$SNAPSHOT_PHASE_TIMEOUT_S``, else the default."""
+    from .engine.options import DEFAULT_PHASE_TIMEOUT_S
+
     if given is not None:
         return given
     value = (os.environ if environ is None else environ).get(PHASE_TIMEOUT_ENV, "")

@@ -57,6 +57,7 @@ from .outcomes import PROG, Outcome, finish, output_mode, say
 # The engine's modules are imported where a verb uses them: a command loads only what it
 # needs (tests/engine/test_import_cost.py). These are for the annotations.
 if TYPE_CHECKING:
+    from .engine.manifest import ManifestError
     from .engine.native_checkpoint import NativeBackend
 
 # The exit statuses, for embedders and tests that run main().
@@ -399,6 +400,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 NATIVE_ACTIONS: Final = ("lock", "checkpoint", "restore", "unlock", "state")
+# build_parser's ``only`` naming no verb: every verb's help line, no verb's options.
+_NO_VERB: Final = ""
 
 
 def _artifact(find: Callable[[], Path], stdout: TextIO, stderr: TextIO) -> int:
@@ -452,13 +455,16 @@ def _demo(args: argparse.Namespace, stderr: TextIO) -> int:
 
 def _parse(given: list[str]) -> argparse.Namespace:
     """Build the options of the verb named alone (most of a small command's own cost);
-    where the first verb-like word was some option's value, every verb's."""
+    where the first verb-like word was some option's value, every verb's; with no verb
+    named (``--help``, ``--version``, a usage error), none's: the help lines are the
+    verbs' own, and no verb can parse."""
     verb = next((word for word in given if word in _COMMANDS), None)
-    if verb is not None:
-        with contextlib.suppress(UsageError):
-            args = build_parser(verb).parse_args(given)
-            if args.command == verb:
-                return args
+    if verb is None:
+        return build_parser(_NO_VERB).parse_args(given)
+    with contextlib.suppress(UsageError):
+        args = build_parser(verb).parse_args(given)
+        if args.command == verb:
+            return args
     return build_parser().parse_args(given)
 
 
@@ -471,8 +477,6 @@ def main(
 ) -> int:
     """Run one command line; ``native``: the native calls to make instead of those on
     the driver ``--driver`` names (an embedder's backend, a test's fake)."""
-    from .engine.manifest import ManifestError
-
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     given = list(sys.argv[1:] if argv is None else argv)
@@ -495,7 +499,7 @@ def main(
             ended = run(invocation.of(args, mode, native=native), out, err)
         except targets.TargetError as error:
             ended = Outcome.refused(error.lines)
-        except ManifestError as error:
+        except _manifest_error() as error:
             ended = Outcome.refused(error.lines())
         except OSError as exc:
             # The checkpoint directory (or a file named on the command line) is not
@@ -508,6 +512,15 @@ def main(
     except UsageError as exc:
         err.write(f"{exc}\n")
         return EXIT_USAGE
+
+
+def _manifest_error() -> type[ManifestError]:
+    """The class main catches a manifest's refusal by, loaded when an exception reaches
+    that clause (its class is evaluated then, not at ``try``): a verb that reads no
+    manifest loads none."""
+    from .engine.manifest import ManifestError
+
+    return ManifestError
 
 
 def _early_logging_to(args: argparse.Namespace) -> list[str]:

@@ -19,20 +19,21 @@ from .arguments import (
     EXIT_ROLLED_BACK,
     step_timeout,
 )
-from .engine.serial import to_json
 from .outcomes import OUTCOMES, PROG, Outcome
 
 if TYPE_CHECKING:
     from .engine import agent
-    from .engine.native_checkpoint import ProcessState
+    from .engine.native_checkpoint import NativeBackend, ProcessState
+    from .engine.options import Options
+    from .engine.suspension import DriverChoice
     from .invocation import Invocation
 
 
 def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
     from . import running, summaries
-    from .engine import agent, runner
-    from .engine.errors import CoordinatorError, Refused
+    from .engine.errors import AgentError, CoordinatorError, Refused
     from .engine.native_checkpoint import NativeUnavailableError
+    from .engine.options import Options
 
     processes = call.processes()
     mode = call.mode
@@ -55,47 +56,17 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
         "the resume goes no further; the lines that follow say where the group is")  # fmt: skip
     where_now = running.Whereabouts(on_event, then=then)
     stop = threading.Event()
-    options = runner.Options(phase_timeout=step_timeout(call.options.step_timeout), stop=stop)
+    options = Options(phase_timeout=step_timeout(call.options.step_timeout), stop=stop)
+    # Each verb loads its own room (suspension or resumption), not the agent's face:
+    # a native checkpoint alone runs no machine and loads none (the runner, transitions).
     try:
         with running.stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)), live:
             if command == "suspend":
-                done: agent.SuspendResult | agent.ResumeResult = agent.suspend(
-                    # The group's one value (targets.named refused a repeat already):
-                    # the suspend passes it down, checked no more.
-                    agent.Group(processes),
-                    call.options.checkpoint_dir,
-                    where=call.where(),
-                    # The driver from the suspend's own STATUS round, not one more.
-                    native=call.native_choice(),
-                    requested=not call.options.not_requested,
-                    options=options,
-                    lock_timeout_ms=int(call.options.lock_timeout * 1000),
-                    on_event=where_now,
-                )
+                # The driver from the suspend's own STATUS round, not one more.
+                done = _suspend(call, processes, call.native_choice(), options, where_now)
             else:
-                done = agent.resume(
-                    call.options.checkpoint_dir,
-                    where=call.where(),
-                    native=call.native(),
-                    processes=processes,
-                    gpu_map=call.options.gpu_map,
-                    options=options,
-                    on_event=where_now,
-                )
-    except agent.SuspendFailed as failed:
-        code = EXIT_FAILED if failed.restored else EXIT_NEEDS_RECOVER
-        outcome = "failed, undone: the group runs as before" if failed.restored else (
-            "failed, not undone")  # fmt: skip
-        return Outcome(code, outcome, failed.lines())
-    except agent.ResumeFailed as failed:
-        # A native step ran: never "nothing changed" (exit 1).
-        if failed.running:
-            outcome = OUTCOMES[EXIT_ROLLED_BACK] if not failed.lost else (
-                "a member is gone: the survivors run with the bytes they had")  # fmt: skip
-            return Outcome(EXIT_ROLLED_BACK, outcome, failed.lines())  # fmt: skip
-        way_on = f"once every process is RUNNING, run: {call.recover_command()}"
-        return Outcome(EXIT_NEEDS_RECOVER, "", [*failed.lines(), way_on])  # fmt: skip
-    except agent.AgentError as error:
+                done = _resume(call, processes, call.native(), options, where_now)
+    except AgentError as error:
         return Outcome(EXIT_FAILED, "refused", error.lines())
     except CoordinatorError as error:
         code = running.failure(error, call, stderr)
@@ -105,12 +76,75 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
         return Outcome(code, "refused" if isinstance(error, Refused) else "", failure=error)
     except NativeUnavailableError as exc:
         return Outcome(EXIT_FAILED, "refused", invocation.no_driver(command, exc))  # fmt: skip
+    if isinstance(done, Outcome):  # the verb failed after it changed something
+        return done
     for warning in getattr(done, "warnings", ()):
         stderr.write(f"{PROG}: note: {warning}\n")
+    from .engine.serial import to_json
+
     summary = summaries.Summary.of(command, call, done)
     if view is not None:
         view.summary(done.timings, done.staging)
     return Outcome(EXIT_OK, summary.outcome, figures=to_json(summary), human=summary.lines())
+
+
+def _suspend(
+    call: Invocation,
+    processes: Sequence[agent.Process],
+    native: NativeBackend | DriverChoice,
+    options: Options,
+    on_event: agent.AgentCallback,
+) -> agent.SuspendResult | Outcome:
+    from .engine.detection import Group
+    from .engine.suspension import SuspendFailed, suspend
+
+    try:
+        return suspend(
+            # The group's one value (targets.named refused a repeat already): the
+            # suspend passes it down, checked no more.
+            Group(processes),
+            call.options.checkpoint_dir,
+            where=call.where(),
+            native=native,
+            requested=not call.options.not_requested,
+            options=options,
+            lock_timeout_ms=int(call.options.lock_timeout * 1000),
+            on_event=on_event,
+        )
+    except SuspendFailed as failed:
+        code = EXIT_FAILED if failed.restored else EXIT_NEEDS_RECOVER
+        outcome = "failed, undone: the group runs as before" if failed.restored else (
+            "failed, not undone")  # fmt: skip
+        return Outcome(code, outcome, failed.lines())
+
+
+def _resume(
+    call: Invocation,
+    processes: Sequence[agent.Process],
+    native: NativeBackend,
+    options: Options,
+    on_event: agent.AgentCallback,
+) -> agent.ResumeResult | Outcome:
+    from .engine.resumption import ResumeFailed, resume
+
+    try:
+        return resume(
+            call.options.checkpoint_dir,
+            where=call.where(),
+            native=native,
+            processes=processes,
+            gpu_map=call.options.gpu_map,
+            options=options,
+            on_event=on_event,
+        )
+    except ResumeFailed as failed:
+        # A native step ran: never "nothing changed" (exit 1).
+        if failed.running:
+            outcome = OUTCOMES[EXIT_ROLLED_BACK] if not failed.lost else (
+                "a member is gone: the survivors run with the bytes they had")  # fmt: skip
+            return Outcome(EXIT_ROLLED_BACK, outcome, failed.lines())  # fmt: skip
+        way_on = f"once every process is RUNNING, run: {call.recover_command()}"
+        return Outcome(EXIT_NEEDS_RECOVER, "", [*failed.lines(), way_on])  # fmt: skip
 
 
 class _NoDriver:
@@ -141,6 +175,8 @@ class _NoDriver:
 
 
 def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
+    if not call.group:  # a control directory without shims: nothing to look at or ask
+        return _no_shim(call, stdout)
     from .engine.detection import Group, look, remove_stale_sockets
 
     processes = call.processes()
@@ -153,12 +189,7 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
         processes = [p for p in processes if p not in stale]
         stale = []
     if not processes:
-        if call.options.json:
-            empty = {"processes": [], "control_dir": str(where.control_dir)}
-            return Outcome(EXIT_OK, "done", (), figures=empty)
-        else:
-            stdout.write(f"no shim in {where.control_dir} (start a program with `{PROG} launch`)\n")
-        return Outcome(EXIT_OK)
+        return _no_shim(call, stdout)
     seen = look(Group(processes), where, heal=False)
     gone = [line for s in seen if (line := s.gone(where)) is not None]
     if gone and named:
@@ -179,13 +210,65 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
         stderr.write(f"{PROG}: note: native states unknown: {exc}\n")
         rows = asked(processes, where, _NoDriver("no CUDA driver loaded"), seen=seen)
     if call.options.json:
+        from .engine.serial import to_json
+
         # One line, the summary itself: JSON lines like every verb's, and one document.
         document = {"processes": [to_json(r) for r in rows]}
         return Outcome(EXIT_OK, "done", (), figures=document)
-    else:
-        from . import render  # rich: only for a person's output
+    cells = [_status_cells(row) for row in rows]
+    if _terminal(stdout):
+        from . import render  # rich: only for a person at a terminal
 
-        render.status_table(stdout, rows)
+        render.table(stdout, "cuinterpose status", STATUS_COLUMNS, cells)
+    else:
+        _plain_table(stdout, "cuinterpose status", STATUS_COLUMNS, cells)
+    return Outcome(EXIT_OK)
+
+
+STATUS_COLUMNS: Final = ("pid", "ns pid", "native state", "shim phase", "participant",
+                         "in flight")  # fmt: skip
+
+
+def _status_cells(row: agent.ProcessStatus) -> tuple[str, ...]:
+    flight = ""
+    f = row.in_flight
+    if f is not None and f.op is not None:
+        flight = f"{f.op.name} {f.bytes_done:,}/{f.bytes_total:,} B"
+    return (
+        str(row.process.observed_pid),
+        str(row.process.namespace_pid),
+        row.native_state,
+        row.shim_phase or "(no socket)",
+        row.participant or "",
+        flight or row.problem,
+    )
+
+
+def _terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (OSError, ValueError):
+        return False
+
+
+def _plain_table(
+    stream: TextIO, title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]
+) -> None:
+    """The table for a pipe or a file: its title, then one line a row, the columns
+    aligned by spaces (``--json`` is the form to parse)."""
+    widths = [max(len(cell) for cell in column) for column in zip(columns, *rows, strict=True)]
+    lines = [title] + [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in (columns, *rows)
+    ]
+    stream.write("".join(f"{line}\n" for line in lines))
+
+
+def _no_shim(call: Invocation, stdout: TextIO) -> Outcome:
+    if call.options.json:
+        empty = {"processes": [], "control_dir": str(call.control_dir)}
+        return Outcome(EXIT_OK, "done", (), figures=empty)
+    stdout.write(f"no shim in {call.control_dir} (start a program with `{PROG} launch`)\n")
     return Outcome(EXIT_OK)
 
 

@@ -78,10 +78,10 @@ class Invocation:
         """The caller's native calls if it gave its own, else those on the driver
         ``--driver`` names, chosen at the first call (the shims are asked then, late): a
         verb that refuses first never asks."""
-        from . import drivers
-
         if self.given is not None:
             return self.given
+        from . import drivers
+
         return drivers.LateBackend(
             getattr(self.options, "driver", "auto"),
             self.endpoints,
@@ -159,11 +159,11 @@ def of(args: argparse.Namespace, mode: str, *, native: NativeBackend | None = No
 
 
 def _origin(args: argparse.Namespace) -> agent.Origin | None:
-    from .engine.manifest import MANIFEST_FILE_NAME, ManifestError, read_manifest
-
     directory = getattr(args, "checkpoint_dir", None)
     if args.command not in ("resume", "restore", "recover", "native") or directory is None:
         return None
+    from .engine.manifest import MANIFEST_FILE_NAME, ManifestError, read_manifest
+
     if not (Path(directory) / MANIFEST_FILE_NAME).is_file():
         return None
     try:
@@ -179,7 +179,7 @@ def _group(call: Invocation) -> list[Pair]:
     try:
         given = targets.named(args.pid, args.process)
         if args.command == "status" and not given:
-            return targets.shims(call.where())
+            return targets.shims(call.control_dir, call.proc_root)
         if args.processes_required and not given:
             raise targets.TargetError(
                 ["no process named: give --pid PID (or --process OBSERVED_PID NAMESPACE_PID)"],

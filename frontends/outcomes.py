@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, TextIO
 
@@ -93,6 +92,8 @@ def finish(
     if ended.lines:
         say(ended.lines, stderr, prog)
     if mode == "json":
+        import json  # a person's output needs none
+
         document: dict[str, Any] = {"event": "summary", "command": command, **ended.figures}
         document.update(outcome=ended.outcome or outcomes[ended.code], exit_code=ended.code)
         failure = ended.failure

@@ -2,7 +2,8 @@
 
 A progress bar with bytes and rate while SAVE/LOAD copy, a line per agent step, then
 a summary table (phase, seconds, bytes, GB/s; per participant on request); the
-status table. JSON output (the CLI's own) never imports this module.
+status table at a terminal (to a pipe or a file it is plain text: group_verbs). JSON
+output (the CLI's own) never imports this module.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from .engine.agent import AgentEvent, CopyProgress, ProcessStatus, StepEvent, Timing
+# The events' and the manifest's own modules, not the agent's face (which loads both
+# verbs' rooms and the machines): a status rendered for a person loads no machine.
+from .engine.events import AgentEvent, CopyProgress, StepEvent
+from .engine.manifest import Timing
 from .engine.progress import DoneEvent, FailedEvent, OpEvent, StagingSummary, human_line
 
 
@@ -116,21 +120,13 @@ class HumanView:
             self.console.print(detail)
 
 
-def status_table(stream: TextIO, rows: Sequence[ProcessStatus]) -> None:
-    table = Table(title="cuinterpose status")
-    for column in ("pid", "ns pid", "native state", "shim phase", "participant", "in flight"):
-        table.add_column(column)
+def table(
+    stream: TextIO, title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]
+) -> None:
+    """A table for a person at a terminal (``status``'s)."""
+    shown = Table(title=title)
+    for column in columns:
+        shown.add_column(column)
     for row in rows:
-        flight = ""
-        f = row.in_flight
-        if f is not None and f.op is not None:
-            flight = f"{f.op.name} {f.bytes_done:,}/{f.bytes_total:,} B"
-        table.add_row(
-            str(row.process.observed_pid),
-            str(row.process.namespace_pid),
-            row.native_state,
-            row.shim_phase or "(no socket)",
-            row.participant or "",
-            flight or row.problem,
-        )
-    Console(file=stream, highlight=False, soft_wrap=True, width=160).print(table)
+        shown.add_row(*row)
+    Console(file=stream, highlight=False, soft_wrap=True, width=160).print(shown)

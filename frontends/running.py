@@ -63,14 +63,15 @@ class Whereabouts:
         self.acknowledged = False
 
     def __call__(self, event: agent.AgentEvent) -> None:
-        from .engine import agent
+        # The events' own module, not the agent's face: a suspend loads no resumption.
+        from .engine.events import CopyProgress, StepEvent
         from .engine.progress import OpEvent
 
-        if isinstance(event, agent.StepEvent) and event.status == "started":
+        if isinstance(event, StepEvent) and event.status == "started":
             self.step, self.phase, self.copy = event.step, "", None
         elif isinstance(event, OpEvent):
             self.phase, self.copy = event.phase, None
-        elif isinstance(event, agent.CopyProgress):
+        elif isinstance(event, CopyProgress):
             self.copy = event
         if self.inner is not None:
             self.inner(event)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
@@ -87,8 +87,6 @@ class Summary:
     def of(
         cls, command: str, call: Invocation, done: agent.SuspendResult | agent.ResumeResult
     ) -> Summary:
-        from .engine import agent
-
         staged = sum(t.bytes for t in done.timings if t.step in ("capture", "coordinator_restore"))
         words = [PROG, "resume" if command == "suspend" else "suspend",
                  "--checkpoint-dir", str(call.options.checkpoint_dir),
@@ -96,7 +94,8 @@ class Summary:
         if command == "resume":  # a new suspend names the processes, here the manifest's
             for o, n in call.group:
                 words += ["--pid", str(o)] if o == n else ["--process", str(o), str(n)]
-        freed = done.released if isinstance(done, agent.SuspendResult) else None
+        # A suspend's result, told by its command: a resume loads no suspension module.
+        freed = cast("agent.SuspendResult", done).released if command == "suspend" else None
         return cls(
             command,
             "suspended" if command == "suspend" else "resumed",

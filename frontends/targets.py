@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .engine import discovery
-from .engine.manifest import MANIFEST_FILE_NAME, read_manifest
 
+# The manifest and the state file are read where a group is taken from them: a verb
+# that names its processes, or status listing the control directory, loads neither
+# (tests/engine/test_import_cost.py).
 if TYPE_CHECKING:
-    from .engine.detection import Where
     from .engine.statefile import CheckpointState
 
 Pair = tuple[int, int]
@@ -51,6 +52,8 @@ def from_checkpoint_dir(directory: Path) -> tuple[list[Pair], str] | None:
     """The group a checkpoint directory records and where it says so; None when it
     records none. The manifest names both pids; the state file only the namespace
     pid (the same here, unless the processes live in another pid namespace)."""
+    from .engine.manifest import MANIFEST_FILE_NAME, read_manifest
+
     directory = Path(directory)
     if (directory / MANIFEST_FILE_NAME).exists():
         manifest = read_manifest(directory)
@@ -160,10 +163,10 @@ def describe(pairs: Sequence[Pair]) -> str:
     return ", ".join(f"pid {o}" if o == n else f"pid {o} (ns pid {n})" for o, n in pairs)
 
 
-def shims(where: Where) -> list[Pair]:
+def shims(control_dir: Path, proc_root: Path | None = None) -> list[Pair]:
     """Every shim of the control directory, as (pid, pid)."""
-    if where.proc_root is not None:
+    if proc_root is not None:
         raise TargetError(
             ["with --proc-root, name the processes (--process OBSERVED NS): "
              "the control directories are each process's own"], usage=True)  # fmt: skip
-    return [(p, p) for p in discovery.shims_in(where.control_dir)]
+    return [(p, p) for p in discovery.shims_in(control_dir)]

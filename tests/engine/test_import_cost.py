@@ -13,9 +13,11 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cuinterpose.testing import FakeParticipant
 
 # What no command pays for before it knows its verb.
 HEAVY = ("rich", "cattrs", "transitions", "cuda", "ctypes")
@@ -51,10 +53,18 @@ def offending(modules: set[str], names: tuple[str, ...]) -> list[str]:
     return sorted(m for m in modules if m in names or m.startswith(tuple(f"{n}." for n in names)))
 
 
+def engine_modules(modules: set[str]) -> set[str]:
+    return {m.removeprefix("cuinterpose.engine.") for m in modules
+            if m.startswith("cuinterpose.engine.")}  # fmt: skip
+
+
 def test_the_cli_module_loads_no_verb() -> None:
     modules = loaded("import cuinterpose.cli")
     assert offending(modules, HEAVY) == []
     assert offending(modules, VERB_ROOMS) == []
+    # Of the engine, only what finds a process (the wire and the client come with a name
+    # made or a shim asked).
+    assert engine_modules(modules) == {"discovery"}
 
 
 def test_the_engine_package_loads_its_names_on_first_use() -> None:
@@ -65,19 +75,107 @@ def test_the_engine_package_loads_its_names_on_first_use() -> None:
     assert offending(after, ("cuinterpose.engine.agent", "cattrs", "transitions")) == []
 
 
-def test_status_without_shims_loads_only_detection(tmp_path: Path) -> None:
+@pytest.mark.parametrize("argv", [["status"], ["status", "--json"]])
+def test_status_of_an_empty_control_directory_loads_only_its_listing(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    """An empty control directory: its listing and the line that says so, nothing that
+    names or asks a shim (the wire, the client), reads a manifest or detects."""
     control = tmp_path / "control"
     control.mkdir(mode=0o700)
     code = (
         "import io, cuinterpose.cli as c\n"
         "out = io.StringIO()\n"
-        "assert c.main(['status'], stdout=out) == 0, out.getvalue()\n"
-        "assert out.getvalue().startswith('no shim in'), out.getvalue()"
+        f"assert c.main({argv!r}, stdout=out) == 0, out.getvalue()\n"
+        "assert 'no shim in' in out.getvalue() or '\"processes\": []' in out.getvalue()"
     )
     modules = loaded(code, {"SNAPSHOT_CONTROL_DIR": str(control)})
-    assert "cuinterpose.engine.detection" in modules
+    assert engine_modules(modules) == {"discovery"}
     assert offending(modules, HEAVY) == []
-    assert offending(modules, VERB_ROOMS) == []
+    assert "cuinterpose.phases" not in modules
+
+
+def test_help_without_a_verb_loads_no_verb_options() -> None:
+    code = (
+        "import contextlib, io, cuinterpose.cli as c\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert c.main(['--help'], stdout=io.StringIO()) == 0\n"
+    )
+    modules = loaded(code)
+    assert engine_modules(modules) == {"discovery"}
+    assert offending(modules, HEAVY) == []
+
+
+def _free_pid() -> int:
+    pid = int(Path("/proc/sys/kernel/pid_max").read_text())
+    while Path(f"/proc/{pid}").exists():
+        pid -= 1
+    return pid
+
+
+def test_a_suspend_refused_before_its_group_is_asked_loads_no_driver(
+    tmp_path: Path, control_dir: Path
+) -> None:
+    """A pid that names no process: refused from the sockets alone, before the native
+    calls (cuda.bindings, ctypes, cuInit) and any machine."""
+    code = (
+        "import io, cuinterpose.cli as c\n"
+        "err = io.StringIO()\n"
+        f"argv = ['suspend', '--checkpoint-dir', {str(tmp_path / 'ck')!r}, '--pid', "
+        f"'{_free_pid()}', '--progress', 'json']\n"
+        "assert c.main(argv, stdout=io.StringIO(), stderr=err) == 1, err.getvalue()\n"
+        "assert 'does not exist' in err.getvalue(), err.getvalue()"
+    )
+    modules = loaded(code, {"SNAPSHOT_CONTROL_DIR": str(control_dir)})
+    assert offending(modules, HEAVY) == []
+    assert engine_modules(modules) & {"suspension", "runner", "agent", "statefile"} == set()
+
+
+# A native checkpoint of the process itself (it has no shim), with a fake driver.
+_NATIVE_ALONE = """
+import io, os, sys
+import cuinterpose.cli as c
+from cuinterpose.engine.native_checkpoint import ProcessState
+
+class Native:
+    def __init__(self):
+        self.now = ProcessState.RUNNING
+    def state(self, pid):
+        return self.now
+    def lock(self, pid, timeout_ms):
+        self.now = ProcessState.LOCKED
+    def checkpoint(self, pid):
+        self.now = ProcessState.CHECKPOINTED
+    def restore(self, pid):
+        self.now = ProcessState.LOCKED
+    def unlock(self, pid):
+        self.now = ProcessState.RUNNING
+
+out, err = io.StringIO(), io.StringIO()
+argv = ["suspend", "--checkpoint-dir", sys.argv[1], "--pid", str(os.getpid()),
+        "--not-requested", "--progress", "json"]
+native = Native()
+assert c.main(argv, stdout=out, stderr=err, native=native) == 0, err.getvalue()
+assert '"outcome": "suspended"' in out.getvalue(), out.getvalue()
+argv = ["resume", "--checkpoint-dir", sys.argv[1], "--progress", "json"]
+assert c.main(argv, stdout=out, stderr=err, native=native) == 0, err.getvalue()
+assert '"outcome": "resumed"' in out.getvalue(), out.getvalue()
+"""
+
+
+def test_a_native_checkpoint_alone_runs_no_machine(tmp_path: Path, control_dir: Path) -> None:
+    """``suspend --not-requested`` (the native checkpoint alone), then its ``resume``: the
+    manifest is written and read (cattrs), but no machine is run, so neither the runner
+    nor transitions load; the native calls are the caller's, so neither ctypes nor
+    cuda.bindings either."""
+    script = tmp_path / "native_alone.py"
+    script.write_text(_NATIVE_ALONE)
+    code = f"import sys; sys.argv = ['x', {str(tmp_path / 'ck')!r}]\n"
+    code += f"exec(open({str(script)!r}).read())"
+    modules = loaded(code, {"SNAPSHOT_CONTROL_DIR": str(control_dir)})
+    assert {"cuinterpose.engine.suspension", "cuinterpose.engine.resumption"} <= modules
+    assert offending(modules, ("rich", "transitions", "cuda", "ctypes")) == []
+    assert engine_modules(modules) & {"runner", "fsm", "recovery"} == set()
 
 
 @pytest.mark.parametrize("verb", ["suspend", "resume", "status", "prepare", "criu", "launch"])
@@ -90,3 +188,30 @@ def test_help_of_a_verb_loads_no_verb_room(verb: str) -> None:
     modules = loaded(code)
     assert offending(modules, ("rich", "cattrs", "transitions")) == []
     assert offending(modules, VERB_ROOMS) == []
+
+
+def test_status_of_a_shim_to_a_pipe_loads_no_rich_and_no_machine(
+    control_dir: Path, start_fake: Callable[..., FakeParticipant]
+) -> None:
+    """A person's table to a pipe is plain text (rich only at a terminal); a status runs
+    no machine (the agent's face, the runner and transitions stay unloaded)."""
+    start_fake(pid=os.getpid())  # a live pid: its socket is not stale
+    code = (
+        "import io, cuinterpose.cli as c\n"
+        "from cuinterpose.engine.native_checkpoint import ProcessState\n"
+        "class Native:\n"
+        "    def state(self, pid):\n"
+        "        return ProcessState.RUNNING\n"
+        "out, err = io.StringIO(), io.StringIO()\n"
+        "assert c.main(['status'], stdout=out, stderr=err, native=Native()) == 0, err.getvalue()\n"
+        "lines = out.getvalue().splitlines()\n"
+        "assert lines[0] == 'cuinterpose status', lines\n"
+        "assert lines[1].split() == ['pid', 'ns', 'pid', 'native', 'state', 'shim', 'phase',\n"
+        "                            'participant', 'in', 'flight'], lines\n"
+        f"row = ['{os.getpid()}', '{os.getpid()}', 'RUNNING', 'ACTIVE']\n"
+        "assert lines[2].split()[:4] == row, lines"
+    )
+    modules = loaded(code, {"SNAPSHOT_CONTROL_DIR": str(control_dir)})
+    assert "cuinterpose.engine.group_status" in modules
+    assert offending(modules, HEAVY) == []
+    assert engine_modules(modules) & {"agent", "runner", "suspension", "resumption"} == set()
