@@ -63,7 +63,9 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
         with running.stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)), live:
             if command == "suspend":
                 # The driver from the suspend's own STATUS round, not one more.
-                done = _suspend(call, processes, call.native_choice(), options, where_now)
+                done: agent.SuspendResult | agent.ResumeResult | Outcome = _suspend(
+                    call, processes, call.native_choice(), options, where_now
+                )
             else:
                 done = _resume(call, processes, call.native(), options, where_now)
     except AgentError as error:
