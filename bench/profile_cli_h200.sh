@@ -4,7 +4,8 @@
 # steps' own from the summary), the third of each under cProfile (the 40 costliest
 # calls by cumulative time), and `python -X importtime` of one suspend (the 25 costliest
 # imports); `cuinterpose status` and `python -c pass` five times each beside them.
-# Results in $OUT: build.log, times.txt, profile-suspend.txt, profile-resume.txt,
+# bench/startup.py first (each verb against python3 -c pass: startup.{json,log}).
+# Results in $OUT: build.log, startup.{json,log}, times.txt, profile-suspend.txt, profile-resume.txt,
 # importtime.txt, app.log.
 #
 #   OUT=/path [WHEELS=.whl] bench/profile_cli_h200.sh
@@ -12,6 +13,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . tests/gpu/h200_env.sh
 h200_build || exit 1
+# Each verb against python3 -c pass, and the first native call (bench/startup.py).
+timeout "${STARTUP_S:-90}" python3 bench/startup.py --runs "${RUNS:-10}" --native system \
+  --out "$OUT/startup.json" >"$OUT/startup.log" 2>&1 || echo "startup.py failed (exit $?)"
+tail -25 "$OUT/startup.log"
 W=/tmp/profile-cli && rm -rf "$W" && mkdir -p "$W"
 export SNAPSHOT_CONTROL_DIR=$W/control
 python3 - <<'PY' || exit 1
@@ -24,6 +29,14 @@ python3 -m cuinterpose launch --pidfile app.pid -- python3 app.py >app.log 2>lau
 for _ in $(seq 600); do grep -q ready app.log 2>/dev/null && break; sleep 0.1; done
 grep -q ready app.log || { cat launch.err app.log; exit 1; }
 pid=$(cat app.pid)
+cat >"$W/steps.py" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith("{"):
+        e = json.loads(line)
+        if e.get("event") == "summary":
+            print(" ".join(f"{t['phase']}={t['seconds']:.3f}" for t in e.get("timings", [])))
+PY
 clock() { python3 -c 'import time; print(time.perf_counter())'; }
 {
   for i in 1 2 3 4 5; do
@@ -37,12 +50,7 @@ clock() { python3 -c 'import time; print(time.perf_counter())'; }
       fi
       t0=$(clock); "${pre[@]}" "$verb" "${args[@]}" >"$W/$verb.out" 2>&1 || { echo "$verb failed"; cat "$W/$verb.out"; }
       t1=$(clock)
-      steps=$(python3 -c 'import json,sys
-for line in open(sys.argv[1]):
-    if line.startswith("{"):
-        e = json.loads(line)
-        if e.get("event") == "summary":
-            print(" ".join(f"{t[\"phase\"]}={t[\"seconds\"]:.3f}" for t in e.get("timings", [])))' "$W/$verb.out")
+      steps=$(python3 "$W/steps.py" "$W/$verb.out")
       echo "$verb $i $(python3 -c "print(f'{$t1 - $t0:.3f}')") s: $steps"
     done
   done

@@ -12,6 +12,7 @@
 # status.txt; the last lines printed give each run's store rate and number of files.
 #
 #   OUT=/path [WHEELS=.whl] [CRIU_MIB=8192] [CRIU_S=130] [CRIU_MODE=beside|both] [CRIU_PARTS="16 1"]
+#     [CRIU_SCENARIO=torch|torch-single|torch-default|group]
 #     bench/run_criu_beside_h200.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,7 @@ for parts in ${CRIU_PARTS:-16 1}; do
   [ "$parts" = 16 ] && mode=${CRIU_MODE:-beside}
   echo "== $parts files per process, --mode $mode" >>"$OUT/criu.log"
   timeout "${CRIU_S:-130}" python3 bench/criu.py --driver system --mib "$mib" \
-    --scenario torch --mode "$mode" --parts "$parts" --work /tmp \
+    --scenario "${CRIU_SCENARIO:-torch}" --mode "$mode" --parts "$parts" --work /tmp \
     --out "$OUT/criu-$parts.json" >>"$OUT/criu.log" 2>&1 \
     || { echo "criu with $parts files per process failed"; status=1; }
 done

@@ -239,8 +239,6 @@ class Bench:
             "bounce": saves[0]["bounce"],
             "depth": saves[0].get("depth"),
             "populate_threads": saves[0].get("populate_threads"),
-            "create_threads": loads[0].get("create_threads"),
-            "access_runs": [t.get("access_runs") for t in loads],
             "chunks_per_thread": saves[0].get("chunks_per_thread"),
             "populate_method": saves[0].get("populate_method"),
             "populated_ahead": [t.get("populated_ahead") for t in saves],
@@ -263,15 +261,7 @@ class Bench:
                 },
                 "thread_s": {
                     k: thread(ops, k)
-                    for k in (
-                        "populate",
-                        "register",
-                        "copy",
-                        "unregister",
-                        "release",
-                        "memcpy",
-                        "create",
-                    )
+                    for k in ("populate", "register", "copy", "unregister", "release", "memcpy")
                 },
                 "chunks": ops[0]["chunks"],
             }
@@ -478,9 +468,7 @@ def _report_group(
     out(
         f"  depth {w.get('depth')}, populate threads {w.get('populate_threads')} (pages "
         f"faulted in by {w.get('populate_method')}, chunks populated ahead per SAVE "
-        f"{w.get('populated_ahead')}), chunks per thread {w.get('chunks_per_thread')}, "
-        f"LOAD create threads {w.get('create_threads')}, access runs per LOAD "
-        f"{w.get('access_runs')}"
+        f"{w.get('populated_ahead')}), chunks per thread {w.get('chunks_per_thread')}"
     )
     sw, lw = s["warm_gbps"]["median"], ld["warm_gbps"]["median"]
     out(
@@ -503,7 +491,7 @@ def _report_group(
             f"{b['copy_wall']['median']:.4f}; thread-s populate {t['populate']['median']:.3f}"
             f" register {t['register']['median']:.3f} copy {t['copy']['median']:.3f} "
             f"unregister {t['unregister']['median']:.3f} release {t['release']['median']:.3f}"
-            f" memcpy {t['memcpy']['median']:.3f} create {t['create']['median']:.3f}"
+            f" memcpy {t['memcpy']['median']:.3f}"
         )
     for command in ("suspend", "resume"):
         ours, theirs = w["cuinterpose"][command], native[command]

@@ -94,7 +94,6 @@ class Invocation:
         names, taken (``auto``) from what the shims said in the suspend's own STATUS
         round, so that the command sends them no round of its own; loaded at the first
         call, as :meth:`native`'s are."""
-        from . import drivers
         from .engine.suspension import DriverChoice
 
         if self.given is not None:
@@ -102,6 +101,8 @@ class Invocation:
         choice = getattr(self.options, "driver", "auto")
 
         def chosen(report: DriverReport) -> NativeBackend:
+            from . import drivers  # ctypes: only once the shims have said which driver
+
             return drivers.LateBackend(choice, self.endpoints, lambda: self.recorded,
                                        proc_root=self.proc_root, report=report)  # fmt: skip
 

@@ -16,39 +16,6 @@
  * RETRY. Runs on the control thread without g.lock: outside ACTIVE the
  * application cannot change the tables.
  *
- * LOAD's re-creations run on SNAPSHOT_SHIM_LOAD_CREATE_THREADS creator
- * threads (creators.c), claimed in slot order, while the control thread
- * queues each allocation's copy as soon as it exists, in the same order (so
- * that neighbours in host memory still share chunks) and the pool copies.
- * On the H200 the three calls took ~62 us per allocation on the control
- * thread, longer than the copy of a 2 MiB allocation (~38 us at 55 GB/s):
- * 2048 x 2 MiB spent 127 ms creating against ~78 ms of copy and ran at 0.52
- * of the HtoD ceiling. Threads rather than one cuMemSetAccess per run of
- * contiguous mappings: the driver's VMM calls are documented thread-safe,
- * while one access call across mappings of separate reservations is not
- * known to be allowed, and every allocation keeps its own calls (so its own
- * failure and undo). Whether threads help is the driver's to say, and the
- * one H200 figure says no: 8 creator threads (this same shape, removed in
- * 577dc86) took 0.197 s of setup against 0.142 s on the control thread, and
- * tripled the copy threads' time (the driver serializes these calls, and
- * 8 creators beside 16 copy threads oversubscribed 16 CPUs). So 0 by
- * default (the control thread, as before), and the setting to sweep 1, 2
- * and 4 on the H200 (bench/run_load_create_h200.sh). Each creation touches
- * only its own object (its handle under g.lock, its recorded mappings, its
- * item), so creations need no order between them; the control thread
- * alone touches the queue.
- *
- * SNAPSHOT_SHIM_LOAD_ACCESS_RUNS=1 (off by default) cuts the calls instead:
- * an allocation with one mapping, the application's read-write one of all
- * of it, is mapped without its access (deferred), and the control thread
- * sets the access of a run of such mappings side by side (one context, the
- * same descriptors, at most RUN_MAX and a copy chunk) in one call before
- * queueing their copies. The driver documents one call over several
- * mappings of one reservation (torch's expandable segments map that way);
- * over reservations side by side (what 2048 separate cuMemAddressReserve
- * calls may give) it is not known, so it stays off until bench/vmm_probe.py
- * says so on the H200. A failed run undoes all its allocations.
- *
  * The bytes move through the staging engine (staging.c: one worker pool per
  * op, one queue of chunks across all allocations, huge-page staging memory;
  * its header says why). Here: which allocations move, where their host
@@ -112,13 +79,9 @@ static struct {
 struct stats {
     bool resident;              /* SAVE: into the resident mapping, already populated */
     uint64_t count, bytes;
-    uint64_t setup_ns;          /* the control thread producing work (SAVE: maps; LOAD:
-                                 * queueing each copy as its allocation exists) */
+    uint64_t setup_ns;          /* the control thread producing work: maps, creates */
     uint64_t drain_ns;          /* waiting for the queue after the last item */
     uint64_t teardown_ns;       /* temporary unmaps, release of staged bytes, munmaps */
-    uint64_t create_ns;         /* LOAD: re-creation, summed over the creator threads */
-    unsigned create_threads;    /* LOAD: creator threads started */
-    uint64_t access_runs;       /* LOAD: cuMemSetAccess calls made for runs */
     struct staging_times st;
 };
 
@@ -128,12 +91,6 @@ struct item {
     CUdeviceptr va;
     bool temp;                  /* va is a temporary mapping: unmap after the copy */
     CUmemGenericAllocationHandle h; /* LOAD: the re-created handle */
-    /* LOAD, written by the creator thread before the item settles
-     * (creators.c's lock orders it before the control thread's read): */
-    bool retry;                 /* its creation failed out of memory, cleanly undone */
-    char *why;                  /* its creation's failure, malloc'd */
-    bool queued;                /* LOAD: its copy is queued (control thread only) */
-    bool deferred;              /* LOAD: mapped without access, set by its run's call */
 };
 
 static CUdevice access_device(const struct obj *o)
@@ -232,24 +189,6 @@ static void name_allocation(char *msg, size_t n, const struct obj *o)
     if (used < n)
         snprintf(msg + used, n - used, " (allocation %s, %llu bytes)", id,
                  (unsigned long long)o->size);
-}
-
-/* A message naming the allocation and where it lives (a LOAD's failure). */
-static void name_creation(char *msg, size_t n, const struct obj *o)
-{
-    char id[2 * CUIP_ID_LEN + 1];
-    size_t used = strnlen(msg, n);
-    shim_hex(id, o->id, CUIP_ID_LEN);
-    id[2 * CUIP_ID_LEN] = 0;
-    if (used >= n)
-        return;
-    if (o->prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE)
-        snprintf(msg + used, n - used, " (allocation %s, %llu bytes, device %d)", id,
-                 (unsigned long long)o->size, o->prop.location.id);
-    else
-        snprintf(msg + used, n - used, " (allocation %s, %llu bytes, location type %d id %d)",
-                 id, (unsigned long long)o->size, (int)o->prop.location.type,
-                 o->prop.location.id);
 }
 
 /* The application's mapping of all of `o` that its device may read and
@@ -356,14 +295,12 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             "\"thp\": %s, \"bounce\": %zu, \"bounce_pin\": \"%s\", \"bounce_keep\": %s, "
             "\"depth\": %u, \"populate_threads\": %u, \"populate_method\": \"%s\", "
             "\"populated_ahead\": %llu, "
-            "\"chunks_per_thread\": %u, \"resident\": %s, \"create_threads\": %u, "
-            "\"access_runs\": %llu, "
+            "\"chunks_per_thread\": %u, \"resident\": %s, "
             "\"elapsed_s\": %.6f, \"setup_s\": %.6f, "
             "\"pool_start_s\": %.6f, \"drain_s\": %.6f, \"teardown_s\": %.6f, "
             "\"copy_wall_s\": %.6f, "
             "\"thread_s\": {\"populate\": %.6f, \"register\": %.6f, \"copy\": %.6f, "
-            "\"unregister\": %.6f, \"release\": %.6f, \"memcpy\": %.6f, "
-            "\"create\": %.6f}}\n",
+            "\"unregister\": %.6f, \"release\": %.6f, \"memcpy\": %.6f}}\n",
             (int)getpid(), op, (unsigned long long)st->count, (unsigned long long)st->bytes,
             t->threads, t->chunk, (unsigned long long)t->chunks,
             cfg->staging_thp ? "true" : "false", cfg->staging_bounce,
@@ -371,13 +308,12 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             cfg->staging_bounce_keep ? "true" : "false", cfg->staging_depth,
             cfg->staging_ahead, populate_name(t->populate_how),
             (unsigned long long)t->populated_chunks, cfg->staging_spread, st->resident ? "true" : "false",
-            st->create_threads, (unsigned long long)st->access_runs,
             (double)ns / 1e9, (double)st->setup_ns / 1e9, (double)t->pool_start_ns / 1e9,
             (double)st->drain_ns / 1e9, (double)st->teardown_ns / 1e9,
             (double)t->copy_wall_ns / 1e9, (double)t->populate_ns / 1e9,
             (double)t->register_ns / 1e9, (double)t->copy_ns / 1e9,
             (double)t->unregister_ns / 1e9, (double)t->release_ns / 1e9,
-            (double)t->memcpy_ns / 1e9, (double)st->create_ns / 1e9);
+            (double)t->memcpy_ns / 1e9);
         if (m > 0 && (size_t)m < sizeof line)
             shim_write_line(line, (size_t)m);
     }
@@ -540,17 +476,6 @@ enum phase_result content_save(struct reply *r)
     return PHASE_DONE;
 }
 
-/* The one mapping of `o`, without its access (set by its run: load_items). */
-static CUresult map_only(const struct obj *o, char *msg, size_t n)
-{
-    const struct mapping *m = &o->maps[0];
-    CUresult r = real.cuMemMap(m->va, m->size, m->offset, o->real, m->flags);
-
-    if (r != CUDA_SUCCESS)
-        shim_fail(msg, n, "cuMemMap", r);
-    return r;
-}
-
 /* Re-create `it->o` with its recorded properties and map it at its
  * recorded VAs, and pick the copy's VA. On failure the allocation's own
  * partial work is undone: no handle, no mapping, not live, its staged bytes
@@ -576,10 +501,7 @@ static int create_one(struct item *it, bool *retry, char *msg, size_t n)
     pthread_mutex_lock(&g.lock); /* readers check `live` first, but keep it clean */
     o->real = h;
     pthread_mutex_unlock(&g.lock);
-    it->deferred = shim_settings()->load_access_runs && o->nmaps == 1 &&
-                   o->maps[0].access_count > 0 && own_mapping(o) != 0;
-    /* Undoes its own partial work; a deferred mapping's access is its run's. */
-    r = it->deferred ? map_only(o, msg, n) : unicast_load_mappings(o, msg, n);
+    r = unicast_load_mappings(o, msg, n); /* undoes its own partial work */
     if (r != CUDA_SUCCESS) {
         *retry = r == CUDA_ERROR_OUT_OF_MEMORY;
         goto fail_h;
@@ -623,267 +545,74 @@ static void uncreate(struct item *it)
     pthread_mutex_unlock(&g.lock);
 }
 
-/* One LOAD's re-creations, shared with the creator threads. */
-struct load_job {
-    struct item *items;
-    uint64_t create_ns;         /* atomic: thread time spent re-creating */
-};
-
-/* Re-create item i (creators.c: on a creator thread, or on the control
- * thread with SNAPSHOT_SHIM_LOAD_CREATE_THREADS=0). Every item is its own:
- * its obj, its recorded VAs and its reservations are no other item's, so the
- * creations of different items need no order between them (the driver's
- * VMM calls are thread-safe; the simulator's take its one lock). On failure
- * its own partial work is undone (create_one) and its message, naming the
- * allocation and its device, kept in it->why for the control thread. */
-static int create_job(void *arg, uint32_t i)
+/* Load `items` (not live, bytes staged): create and map each, queue its
+ * copy while the pool copies the earlier ones, then make the copied ones
+ * live. The first creation that fails stops the queueing: the earlier
+ * ones still finish (and stay live), the failed one is undone (*retry: out
+ * of memory). A failed copy undoes every item of the op (FAILED). Staged
+ * bytes are given back only when `!keep` and the item is live. */
+static int load_items(struct item *items, uint32_t count, uint64_t total, bool keep,
+                      struct stats *st, bool *retry, char *msg, size_t n)
 {
-    struct load_job *job = arg;
-    struct item *it = &job->items[i];
-    char msg[MSG_LEN];
-    uint64_t t0 = shim_now_ns();
-    bool pushed;
-    int rc = -1;
-    CUresult r = shim_ctx_enter(it->o->ctx, &pushed);
+    struct staging *s = staging_start(false, false, total, count, msg, n);
+    uint32_t made = 0;
+    int produce_rc = 0, copy_rc;
+    uint64_t t0 = shim_now_ns(), t1;
+    char copy_msg[MSG_LEN];
 
-    it->retry = false;
-    if (r != CUDA_SUCCESS) {
-        shim_fail(msg, sizeof msg, "cuCtxPushCurrent", r);
-    } else {
-        rc = create_one(it, &it->retry, msg, sizeof msg);
-        shim_ctx_leave(pushed);
-    }
-    __atomic_fetch_add(&job->create_ns, shim_now_ns() - t0, __ATOMIC_RELAXED);
-    if (rc == 0)
-        return 0;
-    name_creation(msg, sizeof msg, it->o);
-    it->why = strdup(msg); /* NULL: named as lost by note_failure */
-    return -1;
-}
-
-/* The failures of one LOAD's creations, in item order. */
-struct failures {
-    uint32_t count;
-    bool hard;                  /* the one named may not be retried */
-};
-
-/* Keep the message of the first failure that may not be retried, else of
- * the first: RETRY only when every failure was out of memory and undone. */
-static void note_failure(struct failures *f, bool retry, const char *why, char *msg, size_t n)
-{
-    if (f->count++ == 0 || (!f->hard && !retry)) {
-        snprintf(msg, n, "%s", why ? why : "an allocation failed to load (its message was "
-                                           "lost: out of memory)");
-        f->hard = !retry;
-    }
-}
-
-/* At most this many allocations share one access call (and they span at
- * most a copy chunk, so that their copies start as soon as a chunk's worth
- * is mapped). */
-#define RUN_MAX 64
-
-/* Deferred items (SNAPSHOT_SHIM_LOAD_ACCESS_RUNS) whose mappings lie side by
- * side, in one context, with the same access: one cuMemSetAccess for all. */
-struct run {
-    uint32_t idx[RUN_MAX];
-    uint32_t count;
-    CUdeviceptr va;
-    size_t len;
-};
-
-/* The control thread's queueing of one LOAD's copies. */
-struct queueing {
-    struct staging *s;
-    struct creators *c;
-    struct item *items;
-    struct failures f;
-    bool full;                  /* the queue refused one: nothing more is queued */
-    struct run run;
-    uint64_t access_runs;
-    char *msg;
-    size_t n;
-};
-
-static bool same_access(const struct mapping *a, const struct mapping *b)
-{
-    return a->access_count == b->access_count &&
-           memcmp(a->access, b->access, a->access_count * sizeof a->access[0]) == 0;
-}
-
-/* Whether deferred `it` extends the open run. */
-static bool run_extends(const struct queueing *q, const struct item *it)
-{
-    const struct run *run = &q->run;
-    const struct mapping *m = &it->o->maps[0];
-    const struct obj *first;
-
-    if (run->count == 0 || run->count == RUN_MAX)
-        return false;
-    first = q->items[run->idx[0]].o;
-    return it->o->ctx == first->ctx && run->va + run->len == m->va &&
-           run->len + m->size <= shim_settings()->copy_chunk && same_access(m, &first->maps[0]);
-}
-
-/* Queue `it`'s copy; once the queue refused one (cannot happen: its bound),
- * `it` is undone instead, and the first refusal noted. */
-static void queue_one(struct queueing *q, struct item *it)
-{
-    char ignored[8], why[MSG_LEN];
-
-    if (!q->full && staging_add(q->s, it->o, it->o->host, it->va, it->o->ctx) == 0) {
-        it->queued = true;
-        return;
-    }
-    if (!q->full) {
-        q->full = true;
-        creators_cancel(q->c);
-        snprintf(why, sizeof why, "the staging queue is full (an internal bound is wrong)");
-        name_allocation(why, sizeof why, it->o);
-        note_failure(&q->f, false, why, q->msg, q->n);
-    }
-    drop_va(it, ignored, sizeof ignored);
-    uncreate(it);
-}
-
-/* The open run's access, in one call; `*call` names the one that failed. */
-static CUresult run_access(const struct queueing *q, const char **call)
-{
-    const struct obj *o = q->items[q->run.idx[0]].o;
-    const struct mapping *m = &o->maps[0];
-    CUmemAccessDesc d[CUIP_ACCESS_MAX];
-    bool pushed;
-    CUresult r = shim_ctx_enter(o->ctx, &pushed);
-
-    if (r != CUDA_SUCCESS) {
-        *call = "cuCtxPushCurrent";
-        return r;
-    }
-    memset(d, 0, sizeof d);
-    for (uint32_t i = 0; i < m->access_count; i++) {
-        d[i].location.type = (CUmemLocationType)m->access[i].location_type;
-        d[i].location.id = m->access[i].location_id;
-        d[i].flags = (CUmemAccess_flags)m->access[i].flags;
-    }
-    *call = "cuMemSetAccess";
-    r = real.cuMemSetAccess(q->run.va, q->run.len, d, m->access_count);
-    shim_ctx_leave(pushed);
-    return r;
-}
-
-/* Set the open run's access and queue its items; if that fails, every item
- * of the run is undone (no handle, no mapping) and noted, naming the call,
- * the run and its first allocation (not retried: FAILED, then a rollback). */
-static void flush_run(struct queueing *q)
-{
-    struct run *run = &q->run;
-    const char *call = "cuMemSetAccess";
-    char why[MSG_LEN];
-    CUresult r;
-
-    if (run->count == 0)
-        return;
-    r = run_access(q, &call);
-    q->access_runs++;
-    if (r == CUDA_SUCCESS) {
-        for (uint32_t k = 0; k < run->count; k++)
-            queue_one(q, &q->items[run->idx[k]]);
-        run->count = 0;
-        return;
-    }
-    snprintf(why, sizeof why,
-             "%s failed: %s (%d) for %u mappings side by side at 0x%llx (%zu bytes), the first",
-             call, shim_cu_name(r), (int)r, run->count, (unsigned long long)run->va, run->len);
-    name_creation(why, sizeof why, q->items[run->idx[0]].o);
-    creators_cancel(q->c);
-    for (uint32_t k = 0; k < run->count; k++) {
-        note_failure(&q->f, false, why, q->msg, q->n);
-        uncreate(&q->items[run->idx[k]]);
-    }
-    run->count = 0;
-}
-
-/* Add deferred `it` (item i) to the open run, or to a new one. */
-static void run_add(struct queueing *q, struct item *it, uint32_t i)
-{
-    const struct mapping *m = &it->o->maps[0];
-
-    if (!run_extends(q, it)) {
-        flush_run(q);
-        q->run.va = m->va;
-        q->run.len = 0;
-    }
-    q->run.idx[q->run.count++] = i;
-    q->run.len += m->size;
-}
-
-/* Take the re-created items in order and queue each one's copy (a deferred
- * one once its run's access is set); a failed one is noted and skipped, as
- * are those never started after it. One that the queue refuses (cannot
- * happen: its bound) stops the queueing: it and the ones re-created after
- * it are undone. 0, else -1, msg and *retry. */
-static int queue_created(struct staging *s, struct creators *c, struct item *items,
-                         uint32_t count, struct stats *st, bool *retry, char *msg, size_t n)
-{
-    struct queueing q;
-
-    memset(&q, 0, sizeof q);
-    q.s = s;
-    q.c = c;
-    q.items = items;
-    q.msg = msg;
-    q.n = n;
-    for (uint32_t i = 0; i < count; i++) {
-        struct item *it = &items[i];
-        enum create_state cs = creators_wait(c, i);
-
-        if (cs == CREATE_DONE && it->deferred && !q.full) {
-            run_add(&q, it, i);
-            continue;
+    *retry = false;
+    if (!s)
+        return -1;
+    copy_msg[0] = 0;
+    for (; made < count; made++) {
+        struct item *it = &items[made];
+        bool pushed;
+        CUresult r = shim_ctx_enter(it->o->ctx, &pushed);
+        if (r != CUDA_SUCCESS) {
+            shim_fail(msg, n, "cuCtxPushCurrent", r);
+            produce_rc = -1;
+            break;
         }
-        flush_run(&q); /* the earlier items first: host order */
-        if (cs == CREATE_DONE)
-            queue_one(&q, it);
-        else if (cs == CREATE_FAILED)
-            note_failure(&q.f, it->retry, it->why, msg, n);
-        free(it->why);
-        it->why = NULL;
+        produce_rc = create_one(it, retry, msg, n);
+        shim_ctx_leave(pushed);
+        if (produce_rc != 0)
+            break;
+        if (staging_add(s, it->o, it->o->host, it->va, it->o->ctx) != 0) {
+            snprintf(msg, n, "the staging queue is full (an internal bound is wrong)");
+            drop_va(it, copy_msg, sizeof copy_msg);
+            uncreate(it);
+            produce_rc = -1;
+            break;
+        }
     }
-    flush_run(&q);
-    st->access_runs = q.access_runs;
-    if (q.f.count > 1) {
-        size_t used = strnlen(msg, n);
-        snprintf(msg + used, n - used, "; %u allocations failed to load", q.f.count);
-    }
-    *retry = q.f.count > 0 && !q.f.hard;
-    return q.f.count ? -1 : 0;
-}
-
-/* Undo every queued item of a LOAD whose copy failed. */
-static void uncreate_queued(struct item *items, uint32_t count)
-{
-    for (uint32_t i = 0; i < count; i++)
-        if (items[i].queued)
+    if (produce_rc != 0)
+        name_allocation(msg, n, items[made].o);
+    t1 = shim_now_ns();
+    copy_rc = staging_wait(s, copy_msg, sizeof copy_msg);
+    st->setup_ns = t1 - t0;
+    st->drain_ns = shim_now_ns() - t1;
+    t0 = shim_now_ns();
+    for (uint32_t i = 0; i < made; i++)
+        if (drop_va(&items[i], copy_msg, sizeof copy_msg) != 0)
+            copy_rc = -1;
+    if (copy_rc != 0) {
+        for (uint32_t i = 0; i < made; i++)
             uncreate(&items[i]);
-}
-
-/* The queued items loaded: staged bytes given back unless `keep`, live. */
-static void finish_queued(struct staging *s, struct item *items, uint32_t count, bool keep,
-                          struct stats *st)
-{
-    char ignored[8];
-
+        staging_stop(s, &st->st);
+        snprintf(msg, n, "%s", copy_msg);
+        *retry = false;
+        st->teardown_ns = shim_now_ns() - t0;
+        return -1;
+    }
     if (!keep) {
-        for (uint32_t i = 0; i < count; i++)
-            if (items[i].queued && !in_resident(items[i].o->host))
+        for (uint32_t i = 0; i < made; i++)
+            if (!in_resident(items[i].o->host))
                 staging_release(s, items[i].o->host, items[i].o->host_len);
-        staging_wait(s, ignored, sizeof ignored);
+        staging_wait(s, copy_msg, sizeof copy_msg);
     }
     staging_stop(s, &st->st);
-    for (uint32_t i = 0; i < count; i++) {
+    for (uint32_t i = 0; i < made; i++) {
         struct obj *o = items[i].o;
-        if (!items[i].queued)
-            continue;
         if (!keep)
             unmap_host(o);
         st->count++;
@@ -892,57 +621,6 @@ static void finish_queued(struct staging *s, struct item *items, uint32_t count,
         o->live = true;
         pthread_mutex_unlock(&g.lock);
     }
-}
-
-/* Load `items` (not live, bytes staged): re-created by the creator threads
- * in order, each one's copy queued by the control thread as soon as it
- * exists while the pool copies the earlier ones, then the copied ones made
- * live. A creation that fails stops the claiming of more: the ones already
- * re-created still finish (and stay live), the failed ones are undone
- * (*retry: all of them out of memory). A failed copy undoes every item of
- * the op (FAILED). Staged bytes are given back only when `!keep` and the
- * item is live. */
-static int load_items(struct item *items, uint32_t count, uint64_t total, bool keep,
-                      struct stats *st, bool *retry, char *msg, size_t n)
-{
-    struct staging *s = staging_start(false, false, total, count, msg, n);
-    struct load_job job = {items, 0};
-    struct creators *c;
-    int produce_rc, copy_rc;
-    uint64_t t0 = shim_now_ns(), t1;
-    char copy_msg[MSG_LEN];
-
-    *retry = false;
-    if (!s)
-        return -1;
-    c = creators_start(count, shim_settings()->load_create_threads, create_job, &job);
-    if (!c) {
-        staging_stop(s, NULL);
-        snprintf(msg, n, "out of memory for the creator threads (%u allocations)", count);
-        return -1;
-    }
-    st->create_threads = creators_threads(c);
-    produce_rc = queue_created(s, c, items, count, st, retry, msg, n);
-    creators_stop(c);
-    st->create_ns = __atomic_load_n(&job.create_ns, __ATOMIC_RELAXED);
-    t1 = shim_now_ns();
-    copy_msg[0] = 0;
-    copy_rc = staging_wait(s, copy_msg, sizeof copy_msg);
-    st->setup_ns = t1 - t0;
-    st->drain_ns = shim_now_ns() - t1;
-    t0 = shim_now_ns();
-    for (uint32_t i = 0; i < count; i++)
-        if (items[i].queued && drop_va(&items[i], copy_msg, sizeof copy_msg) != 0)
-            copy_rc = -1;
-    if (copy_rc != 0) {
-        uncreate_queued(items, count);
-        staging_stop(s, &st->st);
-        snprintf(msg, n, "%s", copy_msg);
-        *retry = false;
-        st->teardown_ns = shim_now_ns() - t0;
-        return -1;
-    }
-    finish_queued(s, items, count, keep, st);
     st->teardown_ns = shim_now_ns() - t0;
     return produce_rc;
 }

@@ -40,13 +40,6 @@
  *  - SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP: 1 (the bounce buffers stay pinned
  *    between cycles: threads x BOUNCE_MIB, 128 MiB at 16 threads; 0: LOAD
  *    frees them, and every SAVE pins them again).
- *  - SNAPSHOT_SHIM_LOAD_CREATE_THREADS: 0 (the control thread re-creates
- *    LOAD's allocations, as measured best on the H200 so far; N: that many
- *    threads re-create them, in order, ahead of the copies; content.c says
- *    why 0 until the H200 sweep says otherwise).
- *  - SNAPSHOT_SHIM_LOAD_ACCESS_RUNS: 0 (1: LOAD maps allocations that have
- *    one whole mapping without access, and sets it with one cuMemSetAccess
- *    per run of such mappings side by side: content.c).
  *  - SNAPSHOT_SHIM_OWN_ALLOCATIONS: 1 (cuMemAlloc memory of at least the
  *    granularity is backed by VMM allocations the shim owns and shares:
  *    owned.c, ipc.c).
@@ -82,8 +75,6 @@
 #define STAGING_SPREAD_ENV "SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD"
 #define STAGING_BOUNCE_KEEP_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP"
 #define STAGING_BOUNCE_PIN_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_PIN"
-#define LOAD_CREATE_ENV "SNAPSHOT_SHIM_LOAD_CREATE_THREADS"
-#define LOAD_ACCESS_RUNS_ENV "SNAPSHOT_SHIM_LOAD_ACCESS_RUNS"
 #define QUIESCE_TIMEOUT_ENV "SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S"
 #define GATE_ENV "SNAPSHOT_SHIM_GATE"
 #define OWN_ENV "SNAPSHOT_SHIM_OWN_ALLOCATIONS"
@@ -114,7 +105,6 @@
 #define RESIDENT_MIB_MAX (1ul << 22) /* 4 TiB */
 #define DEPTH_DEFAULT 4ul
 #define SPREAD_DEFAULT 4ul
-#define LOAD_CREATE_DEFAULT 0ul
 
 static struct shim_settings settings;
 static pthread_once_t settings_once = PTHREAD_ONCE_INIT;
@@ -240,9 +230,6 @@ static void settings_load(void)
                                            "a thread count");
     s->staging_spread = (unsigned)env_count(STAGING_SPREAD_ENV, 1, 64, SPREAD_DEFAULT,
                                             "a number of chunks");
-    s->load_create_threads = (unsigned)env_count(LOAD_CREATE_ENV, 0, THREADS_MAX,
-                                                 LOAD_CREATE_DEFAULT, "a thread count");
-    s->load_access_runs = env_bool(LOAD_ACCESS_RUNS_ENV, false);
     s->staging_bounce_keep = env_bool(STAGING_BOUNCE_KEEP_ENV, true);
     s->staging_bounce_register = env_bounce_pin();
     snprintf(s->control_dir, sizeof s->control_dir, "%s",

@@ -14,8 +14,7 @@
  *               phase work
  *   unowned.c, owned.c, ipc.c   sharing the shim refuses, cudaMalloc memory it
  *               owns, legacy IPC over tracked sharing
- *   staging.c, creators.c, content.c   the staging pool, LOAD's creator
- *               threads, SAVE and LOAD
+ *   staging.c, content.c   the staging pool, SAVE and LOAD
  *   quiesce.c   QUIESCE: closing the gate until the process is quiet
  *   rollback.c  the way back to ACTIVE (CUIP_ROLLBACK_OPS)
  *   control.c   the control server: connections, validation, phase machine
@@ -137,12 +136,6 @@ struct shim_settings {
     unsigned staging_ahead;
     /* SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD: chunks per copy thread, about. */
     unsigned staging_spread;
-    /* SNAPSHOT_SHIM_LOAD_CREATE_THREADS: threads re-creating LOAD's
-     * allocations ahead of its copies (0: the control thread does). */
-    unsigned load_create_threads;
-    /* SNAPSHOT_SHIM_LOAD_ACCESS_RUNS: LOAD sets the access of mappings that lie
-     * side by side with one cuMemSetAccess per run (default off). */
-    bool load_access_runs;
     /* SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP (default on): the bounce buffers stay
      * pinned from one cycle to the next; off, LOAD frees them. */
     bool staging_bounce_keep;
@@ -853,33 +846,6 @@ SHIM_HIDDEN int staging_release(struct staging *s, char *host, size_t len);
 SHIM_HIDDEN int staging_wait(struct staging *s, char *msg, size_t n);
 /* Join the pool and free it; its figures in `t` (may be NULL). */
 SHIM_HIDDEN void staging_stop(struct staging *s, struct staging_times *t);
-
-/* ---------------------------------------------------------------- creators.c */
-/* A few threads running one job per item, claimed in item order, ahead of a
- * consumer that takes the results in order (LOAD's re-creations). */
-enum create_state {
-    CREATE_WAITING = 0,         /* not claimed yet */
-    CREATE_BUSY,                /* its job runs */
-    CREATE_DONE,                /* its job answered 0 */
-    CREATE_FAILED,              /* its job answered -1: no item is claimed after it */
-    CREATE_SKIPPED,             /* creators_wait only: never run (a failure or a cancel first) */
-};
-/* Item i's job, on a creator thread (or the waiting thread): 0 or -1. */
-typedef int create_fn(void *arg, uint32_t i);
-struct creators;
-/* Start up to `threads` threads (0: creators_wait runs the jobs itself) for
- * items 0..count-1; NULL when out of memory. */
-SHIM_HIDDEN struct creators *creators_start(uint32_t count, unsigned threads, create_fn *fn,
-                                            void *arg);
-/* The threads started (fewer than asked when pthread_create failed). */
-SHIM_HIDDEN unsigned creators_threads(const struct creators *c);
-/* Wait until item i is settled: CREATE_DONE, CREATE_FAILED or CREATE_SKIPPED. */
-SHIM_HIDDEN enum create_state creators_wait(struct creators *c, uint32_t i);
-/* No item is claimed from now on (those running finish). */
-SHIM_HIDDEN void creators_cancel(struct creators *c);
-/* Cancel, join the threads, free. A job that ran is the caller's to undo
- * unless it waited for it. */
-SHIM_HIDDEN void creators_stop(struct creators *c);
 
 /* ---------------------------------------------------------------- content.c */
 SHIM_HIDDEN phase_work_fn content_save;

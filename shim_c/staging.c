@@ -11,9 +11,8 @@
  * pinning and unpinning (cuMemHostRegister of plain memory ~11 GB/s), a
  * temporary mapping per allocation. So:
  *  - one pool per phase, started once; the control thread produces work
- *    (SAVE: the host slice of each allocation; LOAD: each allocation as
- *    soon as a creator thread re-created and mapped it, content.c) while
- *    the pool already copies what is ready;
+ *    (SAVE: the host slice of each allocation; LOAD: re-creating and
+ *    mapping each allocation) while the pool already copies what is ready;
  *  - one queue of chunks across all allocations: a large allocation is
  *    split, small ones that lie next to each other in host memory share a
  *    chunk (one registration, one stream sync for many copies), so 2048

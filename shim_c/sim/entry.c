@@ -29,7 +29,6 @@ static void init_once_fn(void)
     for (int i = 0; i < SIM_MAX_DEVICES; i++)
         sim.gpu[i] = (uint8_t)i;
     sim.work_us = sim_env_long("CUINTERPOSE_SIM_WORK_US", 0, 0, 10L * 1000 * 1000);
-    sim.vmm_us = sim_env_long("CUINTERPOSE_SIM_VMM_US", 0, 0, 1000L * 1000);
     sim.next_handle = 0x5100000000ULL; /* recognisable, never a small integer */
     sim.next_ctx_id = 1;
     if (sim.ndev == 0) {

@@ -322,9 +322,6 @@ struct sim_acct {
     struct sim_acct_slot slot[SIM_ACCT_SLOTS];
 };
 
-/* The calls a test can make fail (cuinterposeSimFail). */
-enum sim_fail_call { SIM_FAIL_UNMAP, SIM_FAIL_MAP, SIM_FAIL_SET_ACCESS, SIM_FAIL_CREATE, SIM_FAIL_CALLS };
-
 struct sim_state {
     pthread_mutex_t mu; /* tables below */
     pthread_once_t init_once;
@@ -377,16 +374,10 @@ struct sim_state {
     atomic_int service_tid; /* published by the service thread once running */
     int service_fd;
     int restore_refused; /* restores refused so far (NOT_SUPPORTED once) */
-    /* A test's injected failures (cuinterposeSimFail), per call: calls to
-     * let through first, then the result the next one returns; CUDA_SUCCESS:
-     * none armed. */
-    struct sim_fail {
-        unsigned skip;
-        CUresult result;
-    } fail[SIM_FAIL_CALLS];
-    /* CUINTERPOSE_SIM_VMM_US: time each cuMemCreate, cuMemMap and
-     * cuMemSetAccess takes, outside the lock (vmm.c). */
-    long vmm_us;
+    /* A test's injected failure (cuinterposeSimFailUnmap): cuMemUnmap calls to
+     * let through first, then the result the next one returns; 0 = none armed. */
+    unsigned fail_unmap_skip;
+    CUresult fail_unmap_result;
 };
 
 extern struct sim_state sim SIM_HIDDEN;
@@ -645,10 +636,6 @@ SIM_EXPORT CUresult CUDAAPI cuStreamBatchMemOp_v2_ptsz(CUstream s, unsigned int 
 /* For tests of the shim's error paths: let `skip` cuMemUnmap calls of this
  * process through, then fail the next one with `result` (nothing unmapped). */
 SIM_EXPORT int cuinterposeSimFailUnmap(unsigned skip, CUresult result);
-/* Let `skip` calls of `call` (cuMemUnmap, cuMemMap, cuMemSetAccess or
- * cuMemCreate) through, then the next one answers `result` having done
- * nothing; 0, or -1 for a call it does not know. */
-SIM_EXPORT int cuinterposeSimFail(const char *call, unsigned skip, CUresult result);
 /* For tests of QUIESCE (collective.c): a CUhostFn whose argument is one
  * rank's view of a collective; `arrived` (one word per rank) and `abandon`
  * lie in memory all ranks share. */

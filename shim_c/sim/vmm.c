@@ -23,28 +23,6 @@
 
 /* ---- tables (sim.mu held) --------------------------------------------- */
 
-/* The result a test armed for this call once its skip count is spent
- * (cuinterposeSimFail), else CUDA_SUCCESS. */
-static CUresult injected(enum sim_fail_call c)
-{
-    struct sim_fail *f = &sim.fail[c];
-    CUresult r = f->result;
-
-    if (r == CUDA_SUCCESS || f->skip-- > 0)
-        return CUDA_SUCCESS;
-    f->result = CUDA_SUCCESS;
-    return r;
-}
-
-/* CUINTERPOSE_SIM_VMM_US (benchmarks): a VMM call's own time, spent before
- * the lock is taken, so that calls from several threads overlap as they
- * would in a driver that runs them in parallel. sim.mu not held. */
-static void vmm_delay(void)
-{
-    if (sim.vmm_us > 0)
-        usleep((useconds_t)sim.vmm_us);
-}
-
 struct sim_obj *sim_obj_find(CUmemGenericAllocationHandle h)
 {
     for (int i = 0; i < SIM_MAX_OBJS; i++)
@@ -440,11 +418,8 @@ static CUresult mem_create(CUmemGenericAllocationHandle *h, size_t size,
     r = prop_check(prop);
     if (r != CUDA_SUCCESS)
         return r;
-    vmm_delay();
     sim_lock();
-    r = injected(SIM_FAIL_CREATE);
-    if (r == CUDA_SUCCESS)
-        r = create_alloc(&o, size, prop);
+    r = create_alloc(&o, size, prop);
     if (r == CUDA_SUCCESS)
         *h = o->handle;
     sim_unlock();
@@ -580,13 +555,11 @@ static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset,
 
     if (size == 0 || flags != 0 || !sim_is_aligned(ptr, SIM_GRANULARITY))
         return CUDA_ERROR_INVALID_VALUE;
-    vmm_delay();
     sim_lock();
-    r = injected(SIM_FAIL_MAP);
-    o = r == CUDA_SUCCESS ? sim_obj_find(h) : NULL;
+    o = sim_obj_find(h);
     if (!o) {
         sim_unlock();
-        return r == CUDA_SUCCESS ? CUDA_ERROR_INVALID_VALUE : r;
+        return CUDA_ERROR_INVALID_VALUE;
     }
     /* Offsets and sizes the allocation cannot provide: the real driver
      * answers NOT_SUPPORTED here (specs/records). */
@@ -687,37 +660,23 @@ static CUresult mem_unmap(CUdeviceptr ptr, size_t size)
     if (size == 0 || !sim_is_aligned(ptr, SIM_GRANULARITY) || !sim_is_aligned(size, SIM_GRANULARITY))
         return CUDA_ERROR_INVALID_VALUE;
     sim_lock();
-    r = injected(SIM_FAIL_UNMAP);
-    if (r == CUDA_SUCCESS)
+    if (sim.fail_unmap_result != CUDA_SUCCESS && sim.fail_unmap_skip-- == 0) {
+        r = sim.fail_unmap_result;
+        sim.fail_unmap_result = CUDA_SUCCESS;
+    } else {
         r = unmap_locked((uintptr_t)ptr, size);
+    }
     sim_unlock();
     return r;
 }
 
-int cuinterposeSimFail(const char *call, unsigned skip, CUresult result)
-{
-    static const char *const names[SIM_FAIL_CALLS] = {
-        [SIM_FAIL_UNMAP] = "cuMemUnmap",
-        [SIM_FAIL_MAP] = "cuMemMap",
-        [SIM_FAIL_SET_ACCESS] = "cuMemSetAccess",
-        [SIM_FAIL_CREATE] = "cuMemCreate",
-    };
-
-    for (int c = 0; call && c < SIM_FAIL_CALLS; c++) {
-        if (strcmp(call, names[c]) != 0)
-            continue;
-        sim_lock();
-        sim.fail[c].skip = skip;
-        sim.fail[c].result = result;
-        sim_unlock();
-        return 0;
-    }
-    return -1;
-}
-
 int cuinterposeSimFailUnmap(unsigned skip, CUresult result)
 {
-    return cuinterposeSimFail("cuMemUnmap", skip, result);
+    sim_lock();
+    sim.fail_unmap_skip = skip;
+    sim.fail_unmap_result = result;
+    sim_unlock();
+    return 0;
 }
 
 CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size)
@@ -776,12 +735,7 @@ static CUresult set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *
             desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
             return CUDA_ERROR_INVALID_VALUE;
     }
-    vmm_delay();
     sim_lock();
-    r = injected(SIM_FAIL_SET_ACCESS);
-    if (r != CUDA_SUCCESS)
-        goto out;
-    r = CUDA_ERROR_INVALID_VALUE;
     if (!covered(va, size))
         goto out;
     r = split_at(va);

@@ -116,8 +116,9 @@ def _free_pid() -> int:
 def test_a_suspend_refused_before_its_group_is_asked_loads_no_driver(
     tmp_path: Path, control_dir: Path
 ) -> None:
-    """A pid that names no process: refused from the sockets alone, before the native
-    calls (cuda.bindings, ctypes, cuInit) and any machine."""
+    """A pid that names no process: refused by the suspend's one look at the sockets
+    (the engine's detection), before the native calls (cuda.bindings, ctypes, cuInit)
+    and any machine."""
     code = (
         "import io, cuinterpose.cli as c\n"
         "err = io.StringIO()\n"
@@ -127,8 +128,8 @@ def test_a_suspend_refused_before_its_group_is_asked_loads_no_driver(
         "assert 'does not exist' in err.getvalue(), err.getvalue()"
     )
     modules = loaded(code, {"SNAPSHOT_CONTROL_DIR": str(control_dir)})
-    assert offending(modules, HEAVY) == []
-    assert engine_modules(modules) & {"suspension", "runner", "agent", "statefile"} == set()
+    assert offending(modules, ("rich", "transitions", "cuda", "ctypes")) == []
+    assert engine_modules(modules) & {"runner", "fsm", "agent", "resumption"} == set()
 
 
 # A native checkpoint of the process itself (it has no shim), with a fake driver.
