@@ -176,3 +176,22 @@ def test_a_cli_suspend_asks_its_shims_once_before_handshake_and_loads_what_they_
         assert {f.phase for f in team.fakes} == {Phase.PREPARED}
     assert loaded == [str(sim())]
     assert {s.name for s in fake.states.values()} == {"CHECKPOINTED"}
+
+
+def test_whether_a_driver_needs_asan_is_read_from_its_dynamic_section(work: Path) -> None:
+    """The sanitizer build's simulated driver needs libasan, the release one does not;
+    a file that is no ELF64 library (or is cut short) is left to the loader to refuse."""
+    from cuinterpose.engine.native_checkpoint import _elf_needed, _needs_asan
+
+    builds = {p.parent.parent.parent.name: p for p in artifacts.sim_drivers()}
+    if "build-asan" not in builds or "build" not in builds:
+        pytest.skip(f"needs both builds' simulated drivers, found {sorted(builds)}")
+    assert _needs_asan(str(builds["build-asan"]))
+    assert not _needs_asan(str(builds["build"]))
+    assert b"libc.so.6" in _elf_needed(str(builds["build"]))
+    text = work / "libcuda.so.1"
+    text.write_text("not a library\n")
+    assert not _needs_asan(str(text))
+    cut = work / "cut.so"
+    cut.write_bytes(builds["build-asan"].read_bytes()[:200])
+    assert not _needs_asan(str(cut))
