@@ -192,7 +192,8 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
         stale = []
     if not processes:
         return _no_shim(call, stdout)
-    seen = look(Group(processes), where, heal=False)
+    # heal: a status right after a socket was removed shows the shim that re-creates it.
+    seen = look(Group(processes), where, heal=True)
     gone = [line for s in seen if (line := s.gone(where)) is not None]
     if gone and named:
         return Outcome(EXIT_FAILED, "refused", gone)
