@@ -37,9 +37,6 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
 
     processes = call.processes()
     mode = call.mode
-    # What is at each socket the engine's detection decides, once (a suspend's refusal
-    # names every process and what to do); resume checks the group itself: the
-    # survivors of a member lost come back.
     view = None
     on_event: agent.AgentCallback | None = None
     live: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
@@ -59,6 +56,9 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
     options = Options(phase_timeout=step_timeout(call.options.step_timeout), stop=stop)
     # Each verb loads its own room (suspension or resumption), not the agent's face:
     # a native checkpoint alone runs no machine and loads none (the runner, transitions).
+    # What is at each socket the engine's detection decides, once (a suspend's refusal
+    # names every process and what to do); resume checks the group itself: the
+    # survivors of a member lost come back.
     try:
         with running.stopping_on_signals(stop, lambda: where_now.acknowledge(stderr)), live:
             if command == "suspend":
