@@ -327,6 +327,24 @@ int cap_import(const struct cap_ref *ref, CUmemGenericAllocationHandle *out, CUr
     return 0;
 }
 
+int cap_import_again(const struct obj *o, CUmemGenericAllocationHandle *out, char *msg,
+                     size_t n)
+{
+    struct cap_ref ref;
+    bool pushed;
+    CUresult cr = shim_ctx_enter(o->ctx, &pushed);
+    int got;
+
+    if (cr != CUDA_SUCCESS) {
+        shim_fail(msg, n, "cuCtxPushCurrent", cr);
+        return -1;
+    }
+    cap_ref_of(o, &ref);
+    got = cap_import(&ref, out, &cr, msg, n);
+    shim_ctx_leave(pushed);
+    return got;
+}
+
 struct obj *cap_adopt_import(CUmemGenericAllocationHandle h, const struct cap_ref *ref,
                              uint64_t handle_types)
 {

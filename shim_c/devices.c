@@ -38,40 +38,23 @@ static void uuid_text(const CUuuid *u, char out[UUID_TEXT_LEN + 1])
              b[14], b[15]);
 }
 
-static int hex_digit(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    return -1;
-}
-
 /* "GPU-" and 8-4-4-4-12 lowercase hex digits, exactly. */
 static bool uuid_parse(const char *s, CUuuid *u)
 {
-    int k = 0;
+    char hex[2 * sizeof u->bytes];
+    size_t k = 0;
 
     if (strncmp(s, "GPU-", 4) != 0)
         return false;
     for (int i = 4; i < UUID_TEXT_LEN; i++) {
-        int v;
+        bool dash = i == 12 || i == 17 || i == 22 || i == 27;
 
-        if (i == 12 || i == 17 || i == 22 || i == 27) {
-            if (s[i] != '-')
-                return false;
-            continue;
-        }
-        v = hex_digit(s[i]);
-        if (v < 0)
+        if (s[i] == '\0' || dash != (s[i] == '-'))
             return false;
-        if (k % 2 == 0)
-            u->bytes[k / 2] = (char)(v << 4);
-        else
-            u->bytes[k / 2] = (char)(u->bytes[k / 2] | v);
-        k++;
+        if (!dash)
+            hex[k++] = s[i];
     }
-    return k == 32;
+    return k == sizeof hex && shim_unhex((uint8_t *)u->bytes, hex, sizeof hex);
 }
 
 static int device_count(void)

@@ -577,19 +577,8 @@ static int create(struct obj *o, char *msg, size_t n)
 static int import(struct obj *o, char *msg, size_t n)
 {
     CUmemGenericAllocationHandle h;
-    struct cap_ref ref;
-    bool pushed;
-    CUresult cr = shim_ctx_enter(o->ctx, &pushed);
-    int got;
 
-    if (cr != CUDA_SUCCESS) {
-        shim_fail(msg, n, "cuCtxPushCurrent", cr);
-        return -1;
-    }
-    cap_ref_of(o, &ref);
-    got = cap_import(&ref, &h, &cr, msg, n);
-    shim_ctx_leave(pushed);
-    if (got != 0)
+    if (cap_import_again(o, &h, msg, n) != 0)
         return -1;
     return adopt_again(o, h, msg, n);
 }

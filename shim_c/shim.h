@@ -690,6 +690,12 @@ SHIM_HIDDEN int cap_fetch(const struct cap_ref *ref, char *msg, size_t n);
 #define CAP_IMPORT_FAILED (-3)
 SHIM_HIDDEN int cap_import(const struct cap_ref *ref, CUmemGenericAllocationHandle *out,
                            CUresult *cr, char *msg, size_t n);
+/* RESTORE_UNICAST's and the multicast importers' re-import: a fresh export
+ * of o's creator imported under o's context (called without g.lock: the
+ * creator may be asking us meanwhile). 0 and *out; else -1 (no context) or
+ * cap_import's code, and msg. */
+SHIM_HIDDEN int cap_import_again(const struct obj *o, CUmemGenericAllocationHandle *out,
+                                 char *msg, size_t n);
 /* Tell the creator that the open which fetched `ref` failed here, so that
  * no FETCH record names this process (a failure is logged). */
 SHIM_HIDDEN void cap_withdraw(const struct cap_ref *ref);

@@ -670,26 +670,6 @@ int unicast_unload_mappings(struct obj *o, char *msg, size_t n)
     return rc;
 }
 
-/* A fresh export of o's creator, imported under o's context (without
- * g.lock: the creator may be asking us meanwhile); 0, else the cap_import
- * code and msg. */
-static int import_again(struct obj *o, CUmemGenericAllocationHandle *h, char *msg, size_t n)
-{
-    struct cap_ref ref;
-    bool pushed;
-    CUresult cr = shim_ctx_enter(o->ctx, &pushed);
-    int got;
-
-    if (cr != CUDA_SUCCESS) {
-        shim_fail(msg, n, "cuCtxPushCurrent", cr);
-        return -1;
-    }
-    cap_ref_of(o, &ref);
-    got = cap_import(&ref, h, &cr, msg, n);
-    shim_ctx_leave(pushed);
-    return got;
-}
-
 /* `h` (a fresh import of o's creator's allocation) mapped at o's VAs. */
 static int load_import(struct obj *o, CUmemGenericAllocationHandle h, const char *op,
                        struct reply *r)
@@ -728,7 +708,7 @@ static int reimport(struct obj *o, const char *op, struct reply *r)
     CUmemGenericAllocationHandle h;
     char msg[512];
 
-    if (import_again(o, &h, msg, sizeof msg) != 0) {
+    if (cap_import_again(o, &h, msg, sizeof msg) != 0) {
         reply_msg(r, CUIP_STATUS_CUDA_FAILED, "%s: %s", op, msg);
         return -1;
     }
@@ -790,7 +770,7 @@ enum phase_result unicast_reimport_all(struct reply *r)
         if (!is_import(o))
             continue;
         CUmemGenericAllocationHandle h;
-        int got = import_again(o, &h, msg, sizeof msg);
+        int got = cap_import_again(o, &h, msg, sizeof msg);
         if (got == CAP_CREATOR_GONE && o->live) {
             shim_log(LOG_WARN, "ROLLBACK_IMPORTS: creator %.*s is gone (%s); the import "
                      "that still maps its memory is kept", CUIP_PARTICIPANT_LEN, o->creator,

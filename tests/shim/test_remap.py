@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from cuinterpose.engine import agent
 from cuinterpose.engine.gpus import GpuMap, uuid_text
+from cuinterpose.engine.wire import Status
 
 from tests.shim import legacy
 from tests.shim.agentgroup import Group, RemapBackend, build_group, devices_of
@@ -170,3 +171,40 @@ def test_a_group_on_both_gpus_swaps_them(
     assert devices_of(importer, where) == [here[1].uuid, here[0].uuid]
     assert uuid_text(bytes.fromhex(importer(WHERE))) == here[0].uuid
     legacy.shared_both_ways(pair, write_seed=71)
+
+
+GOOD = "GPU-00112233-4455-6677-8899-aabbccddeeff"
+
+
+@pytest.mark.parametrize(
+    "mapping",
+    [
+        "GPU-" + GOOD[4:].upper() + "=" + GOOD,  # upper-case hex digits
+        GOOD[:12] + "x" + GOOD[13:] + "=" + GOOD,  # a dash where none belongs
+        GOOD[:20] + "\0" + GOOD[21:] + "=" + GOOD,  # a NUL inside a UUID
+        GOOD + "=" + GOOD[:-1] + "g",  # a digit that is no hex digit
+        GOOD + "=" + GOOD + ",",  # a pair promised, none given
+    ],
+    ids=["upper", "dash", "nul", "not-hex", "trailing-comma"],
+)
+def test_a_malformed_gpu_mapping_is_refused_before_anything_is_loaded(
+    spawn: Spawn, control_dir: Path, mapping: str
+) -> None:
+    """LOAD_ALLOCATIONS' GPU mapping is hostile input: every malformed UUID is
+    BAD_REQUEST naming the mapping's form, nothing re-created; LOAD without one then
+    brings every byte back."""
+    from tests.shim.test_content import finish, intact, make_shared
+    from tests.shim.test_control import CAPTURE, RESTORE, Shim
+
+    creator = spawn()
+    make_shared(creator, [1, 2], seed=60)
+    c = Shim(control_dir, creator.pid)
+    for op in CAPTURE:
+        c.ok(op)
+    refused = c.call(RESTORE[0], gpu_map=mapping)
+    assert refused.status == Status.BAD_REQUEST, (refused.status, refused.message)
+    assert "is not OLD=NEW[,OLD=NEW...]" in refused.message, refused.message
+    for op in RESTORE:
+        c.ok(op)
+    assert intact(creator)
+    assert "warning" not in finish(creator)
