@@ -66,7 +66,6 @@ def touch_round(total: int, threads: int) -> float:
         ctypes.memset(addrs[i], 1, share)  # a CFUNCTYPE call: the GIL is released
 
     seconds = _parallel(threads, work)
-    del addrs
     for m in maps:
         m.close()
     return share * threads / seconds / 1e9

@@ -14,7 +14,7 @@ For a checkpoint agent whose process checkpoint is CRIU (specs/criu.md):
 - :func:`dump` and :func:`restore`: the whole way each direction: suspend then
   ``criu dump`` (a failed dump resumes the group); ``criu restore`` then resume of the
   processes it recreated. By default the staged GPU bytes go to files beside the
-  images (:func:`store_beside` before the dump, :mod:`.stored`), so that the images
+  images (stored while the native checkpoint runs, :mod:`.stored`), so that the images
   hold host state only; every resume fetches them back first (engine/resumption.py).
 
 CRIU is run without ``LD_PRELOAD``: neither the shim nor a sanitizer runtime may load
@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Final, NoReturn
 
 import attrs
 
@@ -64,7 +64,7 @@ from .native_checkpoint import DEFAULT_LOCK_TIMEOUT_MS, NativeBackend
 from .options import Options
 from .serial import shape
 from .statefile import StateFileError
-from .stored import remove_parts, store
+from .stored import StoreFailed, remove_parts
 
 CRIU_ENV: Final = "CUINTERPOSE_CRIU"
 MIN_VERSION: Final = (4, 0)
@@ -553,32 +553,6 @@ def tree_problems(tree: int, processes: Sequence[Process], proc: Path | None = N
     ]
 
 
-def store_beside(
-    checkpoint_dir: Path,
-    manifest: Manifest,
-    *,
-    where: Where,
-    options: Options | None = None,
-    staged_bytes: int = 0,
-    on_event: AgentCallback | None = None,
-) -> Timing | None:
-    """After a suspend: every shim's staged copies into its file of ``checkpoint_dir``
-    (:func:`.stored.store`), timed as ``store_staged``; None when nothing was staged
-    (the group was not prepared)."""
-    if not manifest.prepared:
-        return None
-    files: list[int] = []
-
-    def run() -> float:
-        done = store(
-            checkpoint_dir, manifest, where=where, options=options, staged_bytes=staged_bytes
-        )
-        files.append(sum(f.bytes for f in done))
-        return max((f.seconds for f in done), default=0.0)
-
-    return _timed("store_staged", on_event, run, lambda: files[0] if files else 0)
-
-
 def dump(
     processes: Sequence[Process | tuple[int, int]],
     checkpoint_dir: Path,
@@ -608,8 +582,9 @@ def dump(
     made private and sealed with the manifest (:func:`~.images.seal`).
 
     ``bytes_beside``: the staged GPU bytes go to files of ``checkpoint_dir`` before the
-    dump (:func:`store_beside`; the resume of a failed dump fetches them back); False
-    leaves them to the images."""
+    dump, stored while the native checkpoint runs (:func:`~.suspension.suspend`'s
+    ``store_beside``; the resume of a failed dump fetches them back); False leaves them
+    to the images."""
     group = [p if isinstance(p, Process) else Process(*p) for p in processes]
     images = Path(os.path.abspath(images_dir))  # CRIU resolves paths against -D
     outside = tree_problems(tree, group, proc)
@@ -617,29 +592,38 @@ def dump(
         raise AgentError("criu dump refused: nothing was changed", outside)
     private_directory(Path(checkpoint_dir), "criu dump", "checkpoint directory")
     private_directory(images, "criu dump", "images directory")
-    done = suspend(
-        group,
-        checkpoint_dir,
-        where=where,
-        native=native,
-        requested=requested,
-        options=options,
-        lock_timeout_ms=lock_timeout_ms,
-        on_event=on_event,
-    )
-    args = ["dump", "-t", str(tree), "-D", str(images), *DUMP_ARGS, *criu_args]
-    stored: Timing | None = None
+
+    def undone(failure: AgentError | OSError) -> NoReturn:
+        """The dump failed after the suspend: resume the group (which fetches what the
+        shims stored: engine/resumption.py) and say so."""
+        lines = list(failure.lines()) if isinstance(failure, AgentError) else [str(failure)]
+        try:
+            resume(checkpoint_dir, where=where, native=native, options=options, on_event=on_event)
+        except (AgentError, CoordinatorError) as error:
+            lines += [f"resume: {line}" for line in error.lines()]
+            raise CriuDumpFailed(
+                "criu dump failed, and the group is not resumed:", lines, restored=False
+            ) from failure
+        lines.append("resumed: the group runs as before the suspend")
+        raise CriuDumpFailed("criu dump failed:", lines, restored=True) from failure
+
     try:
-        if bytes_beside:
-            stored = store_beside(
-                checkpoint_dir,
-                done.manifest,
-                where=where,
-                options=options,
-                staged_bytes=done.staging.allocation_bytes if done.staging else 0,
-                on_event=on_event,
-            )
-        else:  # an earlier dump's files would be taken for this one's at restore
+        done = suspend(
+            group,
+            checkpoint_dir,
+            where=where,
+            native=native,
+            requested=requested,
+            options=options,
+            lock_timeout_ms=lock_timeout_ms,
+            on_event=on_event,
+            store_beside=bytes_beside,
+        )
+    except StoreFailed as failure:  # suspended, its manifest written; the store failed
+        undone(failure)
+    args = ["dump", "-t", str(tree), "-D", str(images), *DUMP_ARGS, *criu_args]
+    try:
+        if not bytes_beside:  # an earlier dump's files would be taken for this one's at restore
             for p in done.manifest.participants:
                 if p.participant:
                     remove_parts(checkpoint_dir, p.participant)
@@ -650,17 +634,8 @@ def dump(
             lambda: run_criu(criu, args, images / DUMP_LOG, timeout_s=criu_timeout_s),
             lambda: image_size(images).total,
         )
-    except (AgentError, OSError) as failure:  # criu dump, or STORE_STAGED, failed
-        lines = list(failure.lines()) if isinstance(failure, AgentError) else [str(failure)]
-        try:  # the resume fetches what the shims stored (engine/resumption.py)
-            resume(checkpoint_dir, where=where, native=native, options=options, on_event=on_event)
-        except (AgentError, CoordinatorError) as error:
-            lines += [f"resume: {line}" for line in error.lines()]
-            raise CriuDumpFailed(
-                "criu dump failed, and the group is not resumed:", lines, restored=False
-            ) from failure
-        lines.append("resumed: the group runs as before the suspend")
-        raise CriuDumpFailed("criu dump failed:", lines, restored=True) from failure
+    except (AgentError, OSError) as failure:  # criu dump failed
+        undone(failure)
     try:
         manifest = seal(images, Path(checkpoint_dir))
     except (OSError, StateFileError, AgentError) as exc:
@@ -669,7 +644,7 @@ def dump(
             [str(exc), "`cuinterpose criu restore` refuses them; dump the group again"],
             changed=True,
         ) from None
-    steps = (*done.timings, *((stored,) if stored else ()), timing)
+    steps = (*done.timings, timing)
     return DumpResult(manifest, image_size(images), steps)
 
 
@@ -756,7 +731,6 @@ __all__ = [
     "locate",
     "restore",
     "run_criu",
-    "store_beside",
     "tree_problems",
     "usable_criu",
 ]

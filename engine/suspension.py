@@ -4,15 +4,22 @@ process, the manifest; and the undo of a suspend whose native part failed.
 A failure after capture undoes what was done (native restore and unlock, then the
 coordinator restore): the group runs as before, and :class:`SuspendFailed` says so
 with every step.
+
+For the CRIU verbs the staged copies go to files of the checkpoint directory
+(:mod:`.stored`) while the native lock and checkpoint run: a shim's STORE_STAGED makes
+no CUDA call (its bounce buffers were zeroed by the SAVE), so the two overlap, and an
+undo fetches what was stored before the coordinator restore.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import attrs
 
@@ -22,7 +29,7 @@ from .detection import Detection, DetectionRefused, Where, detect, group_of
 from .directory import require_trusted
 from .discovery import DriverMismatch, DriverReport, shim_drivers, start_ticks
 from .errors import AgentError, CoordinatorError
-from .events import AgentCallback, Reporter, bytes_moved, reporter
+from .events import AgentCallback, Reporter, StepEvent, bytes_moved, reporter
 from .gpus import Gpu, parse_report
 from .group_status import require_states, status_lines
 from .manifest import (
@@ -54,6 +61,9 @@ from .released import Released, released
 from .statefile import StateFileError, utc_timestamp
 from .watch import CopyWatcher
 from .wire import Op, Request, Status
+
+if TYPE_CHECKING:
+    from .stored import StoredFile
 
 # The runner (the machines, transitions) is imported where the capture runs or is undone:
 # a native checkpoint alone (--not-requested) and a suspend refused before its capture
@@ -214,6 +224,7 @@ def suspend(
     lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
     on_event: AgentCallback | None = None,
     logger: logging.Logger | None = None,
+    store_beside: bool = False,
 ) -> SuspendResult:
     """Detect, capture (when requested), lock and checkpoint every process, write the
     manifest. On return every process is CHECKPOINTED and its GPU memory is free.
@@ -229,6 +240,13 @@ def suspend(
     when it had changed anything), or :class:`SuspendFailed` when what followed the
     capture failed (the GPUs unknown, a native step, the manifest): what was done is
     undone first (``restored`` says whether it worked).
+
+    ``store_beside`` (the CRIU verbs): once captured, every shim's staged copies go to
+    its files of ``checkpoint_dir`` (:func:`.stored.store`, step ``store_staged``) on a
+    thread of its own while the native lock and checkpoint run; an undo fetches them
+    back first. A store that failed where the native steps did not raises its
+    :class:`~.stored.StoreFailed` once the manifest is written: the group is suspended,
+    and a resume fetches what was stored (who failed kept its copies in memory).
     """
     group = group_of(processes)
     directory = Path(checkpoint_dir)
@@ -280,35 +298,109 @@ def suspend(
                 gpus = _ask_gpus(detection.endpoints, options.phase_timeout)
         except _GpusUnknown as unknown:
             _undo(undo, unknown.lines)
+    participants = tuple(
+        Participant(p.observed_pid, p.namespace_pid, i, g)
+        for p, i, g in zip(group, ids, gpus, strict=True)
+    )
+    storing = None
+    if store_beside and prepared:
+        staged = staging.allocation_bytes if staging else 0
+        bare = Manifest(requested, prepared, participants, (), "", origin=origin)
+        storing = _Storing.start(directory, bare, where, options, staged, report)
+        undo = attrs.evolve(undo, storing=storing)
     try:
         with report.step("native_lock"):
             run_step(backend, "lock", pids, lock_timeout_ms=lock_timeout_ms)
         with report.step("native_checkpoint"):
             run_step(backend, "checkpoint", pids)
+    except NativeGroupError as failure:
+        _undo(undo, list(failure.lines()))
+    not_stored = storing.join() if storing else None
+    try:
         manifest = Manifest(
             requested,
             prepared,
-            tuple(
-                Participant(p.observed_pid, p.namespace_pid, i, g)
-                for p, i, g in zip(group, ids, gpus, strict=True)
-            ),
+            participants,
             tuple(report.timings),
             utc_timestamp(),
             origin=origin,
         )
         path = write_manifest(directory, manifest)
-    except NativeGroupError as failure:
-        _undo(undo, list(failure.lines()))
     except (StateFileError, OSError) as failure:
         _undo(undo, [f"the manifest could not be written: {failure}"])
+    if not_stored is not None:
+        raise not_stored
     freed = released(topology, staging, len(group))
     return SuspendResult(manifest, path, tuple(report.timings), staging, freed)
+
+
+@attrs.define
+class _Storing:
+    """STORE_STAGED to every shim (:func:`.stored.store`) on a thread of its own, beside
+    the native lock and checkpoint. Its step, ``store_staged``, starts when the thread
+    does and ends, timed from there, when it is joined: the timings keep their order."""
+
+    directory: Path
+    manifest: Manifest
+    report: Reporter
+    thread: threading.Thread | None = None
+    began: float = 0.0
+    seconds: float = 0.0
+    files: tuple[StoredFile, ...] = ()
+    failure: AgentError | None = None
+    joined: bool = False
+
+    @classmethod
+    def start(
+        cls,
+        directory: Path,
+        manifest: Manifest,
+        where: Where,
+        options: Options,
+        staged_bytes: int,
+        report: Reporter,
+    ) -> _Storing:
+        from .stored import StoreFailed, store
+
+        storing = cls(directory, manifest, report)
+
+        def run() -> None:
+            try:
+                storing.files = store(
+                    directory, manifest, where=where, options=options, staged_bytes=staged_bytes
+                )
+            except AgentError as failure:
+                storing.failure = failure
+            except OSError as exc:
+                storing.failure = StoreFailed("STORE_STAGED failed:", [str(exc)], changed=True)
+            storing.seconds = time.perf_counter() - storing.began
+
+        report.emit(StepEvent("store_staged", "started"))
+        storing.began = time.perf_counter()
+        storing.thread = threading.Thread(target=run, name="cuinterpose-store", daemon=True)
+        storing.thread.start()
+        return storing
+
+    def join(self) -> AgentError | None:
+        """Wait for the store; its failure (reported), or None."""
+        if self.thread is not None and not self.joined:
+            self.thread.join()
+            self.joined = True
+            moved = sum(f.bytes for f in self.files)
+            if self.failure is None:
+                self.report.timings.append(Timing("store_staged", self.seconds, moved))
+                self.report.emit(StepEvent("store_staged", "done", self.seconds, moved))
+            else:
+                detail = str(self.failure)
+                self.report.emit(StepEvent("store_staged", "failed", self.seconds, detail=detail))
+        return self.failure
 
 
 @attrs.frozen
 class _Undo:
     """What the undo of a suspend needs: the group, how it was detected, where its
-    state file is, and how the suspend reaches its processes and reports."""
+    state file is, how the suspend reaches its processes and reports, and the store
+    running beside the native steps, if any."""
 
     group: tuple[Process, ...]
     detection: Detection
@@ -317,18 +409,47 @@ class _Undo:
     options: Options
     report: Reporter
     where: Where
+    storing: _Storing | None = None
+
+
+def _fetch_back(undo: _Undo, lines: list[str]) -> bool:
+    """Before an undo's coordinator restore: what the store beside the native steps put
+    in files, back in the shims' memory. False (with the lines why) if it cannot be."""
+    from .stored import StoreFailed, fetch, stored_files
+
+    storing = undo.storing
+    if storing is None:
+        return True
+    failure = storing.join()
+    if failure is not None:
+        lines += [f"store_staged: {line}" for line in failure.lines()]
+    if not stored_files(undo.directory):
+        return True
+    try:
+        with undo.report.step("undo_fetch_staged"):
+            fetch(undo.directory, storing.manifest, undo.group, where=undo.where,
+                  options=undo.options, missing_ok=True)  # fmt: skip
+    except StoreFailed as error:
+        lines += [f"fetch_staged: {line}" for line in error.lines()]
+        return False
+    return True
 
 
 def _undo(undo: _Undo, lines: list[str]) -> NoReturn:
     """A native step of a suspend (or the manifest) failed: native restore and unlock what
-    was done, then the coordinator restore; raise SuspendFailed with every step and every
-    state. ``lines`` says what failed."""
+    was done, then the coordinator restore (the stored copies fetched first); raise
+    SuspendFailed with every step and every state. ``lines`` says what failed."""
+    if undo.storing is not None:
+        undo.storing.join()  # nothing is undone under a store still writing
     pids = [p.observed_pid for p in undo.group]
     with undo.report.step("undo_native"):
         lines += undo_suspend(undo.native, pids)
     now = state_names(undo.native, pids)
     back = all(s == ProcessState.RUNNING.name for s in now.values())
-    if back and undo.detection.mode == "cuinterpose":
+    if back and undo.detection.mode == "cuinterpose" and not _fetch_back(undo, lines):
+        back = False
+        lines.append("the coordinator restore was not run: the stored copies are not back")
+    elif back and undo.detection.mode == "cuinterpose":
         from .runner import restore
 
         try:

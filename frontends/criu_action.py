@@ -580,7 +580,7 @@ def _action(
             criu_images.private_directory(images, "pre-dump", "images directory")
             criu_images.forget(images)
         with _events(args.mode, stdout) as on_event:
-            suspended = agent.suspend(
+            agent.suspend(
                 processes,
                 args.checkpoint_dir,
                 where=where,
@@ -588,12 +588,8 @@ def _action(
                 requested=not args.not_requested,
                 options=options,
                 on_event=on_event,
+                store_beside=True,
             )
-            criu.store_beside(
-                args.checkpoint_dir, suspended.manifest, where=where, options=options,
-                staged_bytes=suspended.staging.allocation_bytes if suspended.staging else 0,
-                on_event=on_event,
-            )  # fmt: skip
         return _finish(args, stdout, stderr, EXIT_OK, outcome="suspended", step=step)
     if step == "post-dump":
         # CRIU names its images directory by its own descriptor: /proc/<criu>/fd/<n>.

@@ -833,7 +833,6 @@ SHIM_HIDDEN void *staging_alloc(size_t len, char *msg, size_t n);
 SHIM_HIDDEN void staging_free_bounces(CUcontext ctx);
 /* Zero the resident bounce buffers: the last bytes copied through them must
  * not reach a process image once the staged copies went to a file. */
-SHIM_HIDDEN void staging_scrub_bounces(void);
 /* Bytes of staging memory one allocation of `size` bytes takes. */
 SHIM_HIDDEN size_t staging_len(size_t size);
 /* Start the pool for a phase moving `total` bytes of at most `items`

@@ -240,54 +240,6 @@ void staging_free_bounces(CUcontext ctx)
     shim_ctx_leave(pushed);
 }
 
-/* Whether [p, p + n) is mapped readable and writable now (/proc/self/maps):
- * scrubbing runs after the native checkpoint, which may have changed the
- * driver's mappings of cuMemHostAlloc'd memory; a write into a page that is
- * no longer writable would kill the application. */
-static bool writable_range(const char *p, size_t n)
-{
-    uintptr_t need = (uintptr_t)p, end = (uintptr_t)p + n;
-    bool advanced = true;
-    char line[512];
-    FILE *f;
-
-    while (need < end && advanced) {
-        advanced = false;
-        f = fopen("/proc/self/maps", "re");
-        if (!f)
-            return false;
-        while (fgets(line, sizeof line, f)) {
-            unsigned long lo, hi;
-            char perms[5];
-            if (sscanf(line, "%lx-%lx %4s", &lo, &hi, perms) != 3)
-                continue;
-            if (need < lo || need >= hi)
-                continue;
-            if (perms[0] != 'r' || perms[1] != 'w')
-                break;
-            need = hi;
-            advanced = true;
-            break;
-        }
-        fclose(f);
-    }
-    return need >= end;
-}
-
-void staging_scrub_bounces(void)
-{
-    for (unsigned i = 0; i < SLOTS; i++) {
-        struct bounce *b = &bounces[i];
-        if (!b->p || b->pid != getpid())
-            continue;
-        if (writable_range(b->p, b->size))
-            memset(b->p, 0, b->size);
-        else
-            shim_log(LOG_WARN, "a bounce buffer is not writable now; the last bytes copied "
-                               "through it stay in it (%zu bytes)", b->size);
-    }
-}
-
 /* ------------------------------------------------------------ errors */
 static void stage_fail(struct staging *s, const struct segment *seg, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -332,11 +284,28 @@ struct worker {
     /* One per piece of the bounce buffer: recorded after that piece's
      * copies, waited for (blocking, not spinning) before it is touched again. */
     CUevent done[STAGING_DEPTH_MAX];
+    bool dirtied;               /* its bounce buffer holds bytes a SAVE copied out */
     struct staging_times t;     /* this thread's, added to the pool's at the end */
 };
 
+/* A SAVE leaves no GPU byte in the bounce buffers: each thread zeroes its own
+ * as it leaves (8 MiB by default, all threads at once), while its mapping is
+ * still the one it pinned. Later the native checkpoint may change the
+ * driver's mappings of pinned memory, and a STORE_STAGED may run beside it,
+ * so nothing writes them after a SAVE; `criu dump` then writes no GPU byte
+ * of them. */
+static void worker_scrub(struct worker *w)
+{
+    struct bounce *b = &bounces[w->slot];
+
+    if (w->dirtied && b->p && b->pid == getpid())
+        memset(b->p, 0, b->size);
+    w->dirtied = false;
+}
+
 static void worker_leave(struct staging *s, struct worker *w)
 {
+    worker_scrub(w);
     if (!w->entered)
         return;
     for (unsigned i = 0; i < STAGING_DEPTH_MAX; i++) {
@@ -579,6 +548,7 @@ static int bounce_copy(struct staging *s, struct worker *w, const struct task *k
 
     if (!buf)
         return -1;
+    w->dirtied = w->dirtied || s->to_host;
     pieces = (k->len + piece - 1) / piece;
     copy_begin(s);
     for (j = 0; j < pieces && rc == 0; j++) {

@@ -33,7 +33,10 @@
  * the coordinator's to remove), FETCH maps nothing.
  *
  * Both run on the connection's thread with the phase op flag (g.busy) held,
- * in PREPARED only: the application is held and no other op runs.
+ * in PREPARED only: the application is held and no other op runs. STORE makes
+ * no CUDA call and writes no pinned memory (the SAVE zeroed the bounce
+ * buffers: staging.c), so the coordinator runs it while the driver locks and
+ * checkpoints the process.
  */
 #include "shim.h"
 
@@ -413,7 +416,6 @@ static void store(struct reply *r, const struct request_fds *fds)
         list[i]->stored = true;
     content_free_staged(); /* every staged copy was in `list` */
     content_drop_resident();
-    staging_scrub_bounces();
     r->h.status = CUIP_STATUS_OK;
     r->h.stat_count = count;
     r->h.stat_bytes = bytes;

@@ -27,7 +27,8 @@ from cuinterpose import cli, criu_action
 from cuinterpose.engine import agent, criu, stored
 from cuinterpose.engine.native_checkpoint import ProcessState
 from cuinterpose.engine.statefile import STATE_FILE_NAME
-from cuinterpose.engine.wire import Phase, socket_name
+from cuinterpose.engine.wire import Op, Phase, Status, socket_name
+from cuinterpose.testing import Fault
 from engine_harness import Team, short_dir, team_of
 from test_agent import PIDS, TOPOLOGY, FakeNative, running
 
@@ -288,6 +289,34 @@ def test_a_failed_criu_dump_resumes_the_group(work: Path) -> None:
     text = str(info.value)
     assert "injected dump failure" in text and "exit status 1" in text, text
     assert "resumed: the group runs as before the suspend" in text
+
+
+def test_a_dump_whose_store_fails_resumes_the_group_and_runs_no_criu(work: Path) -> None:
+    """The store beside the native checkpoint failed for one shim: no ``criu dump`` (it
+    would write images without that shim's bytes); the group is resumed, the other
+    shim's stored copies fetched back first."""
+    fake = running()
+    script = {1: {Op.STORE_STAGED: Fault("fail", Status.INTERNAL, "pwrite failed (injected)")}}
+    binary = criu.usable_criu(fake_criu(work / "criu"), {})
+    with team_of(TOPOLOGY, work / "control", scripts=script) as team:
+        with pytest.raises(criu.CriuDumpFailed) as info:
+            criu.dump(
+                [(p, p) for p in PIDS],
+                work / "ckpt",
+                work / "images",
+                tree=1,
+                criu=binary,
+                where=agent.Where(team.control_dir),
+                native=fake,
+            )
+        assert info.value.restored
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+        assert [Op.FETCH_STAGED in f.received for f in team.fakes] == [True, False]
+        assert set(fake.states.values()) == {ProcessState.RUNNING}
+    text = str(info.value)
+    assert "pwrite failed (injected)" in text, text
+    assert "resumed: the group runs as before the suspend" in text
+    assert not (work / "images" / criu.DUMP_LOG).exists()
 
 
 def test_the_check_verb_says_why_criu_is_unusable(work: Path) -> None:

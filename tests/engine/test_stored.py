@@ -6,7 +6,10 @@ shim that fails is named, and its parts removed (it keeps its copies in memory).
 ``fetch`` finds every part again and hands them back in order, refusing a process whose
 part is missing or one too many, naming the file; after a partial store only those that
 stored (``missing_ok``); the survivors alone by their recorded pids. Every resume of a
-directory holding such files fetches before its restore machine.
+directory holding such files fetches before its restore machine. A suspend told to store
+beside (the CRIU verbs) does it while its native lock and checkpoint run: the undo of a
+failed native step fetches what was stored before its restore, and a store that fails
+where the native steps did not leaves a suspended group that a resume brings back.
 """
 
 from __future__ import annotations
@@ -16,13 +19,17 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 from cuinterpose.engine import agent, stored, wire
+from cuinterpose.engine.native_checkpoint import ProcessState
 from cuinterpose.engine.options import Options, default_stored_parts
 from cuinterpose.engine.wire import Op, Stats, Status
 from cuinterpose.testing import Fault
-from engine_harness import short_dir, team_of
-from test_agent import PIDS, TOPOLOGY, running
+from engine_harness import Team, short_dir, team_of
+from test_agent import PIDS, TOPOLOGY, FakeNative, running
+
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -149,3 +156,140 @@ def test_the_parts_default_to_one_per_copy_thread_and_are_bounded() -> None:
     for bad in (0, wire.STORED_MAX_PARTS + 1):
         with pytest.raises(ValueError, match="stored_parts must be 1 to 64"):
             Options(stored_parts=bad)
+
+
+# ------------------------------------------------------------------ beside the native steps
+@attrs.define
+class StoreAwaited:
+    """``inner``, whose checkpoint of every process first waits until every fake of
+    ``team`` has received STORE_STAGED: a suspend that stored only after its native
+    steps never gets past them."""
+
+    inner: FakeNative
+    team: Team
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        self.inner.lock(pid, timeout_ms)
+
+    def checkpoint(self, pid: int) -> None:
+        wait_until(
+            lambda: all(Op.STORE_STAGED in f.received for f in self.team.fakes),
+            "every shim sent STORE_STAGED while the native checkpoint runs",
+        )
+        self.inner.checkpoint(pid)
+
+    def restore(self, pid: int) -> None:
+        self.inner.restore(pid)
+
+    def unlock(self, pid: int) -> None:
+        self.inner.unlock(pid)
+
+    def state(self, pid: int) -> ProcessState:
+        return self.inner.state(pid)
+
+
+def done_steps(events: list[agent.AgentEvent]) -> list[str]:
+    return [e.step for e in events if isinstance(e, agent.StepEvent) and e.status == "done"]
+
+
+def test_a_suspend_that_stores_beside_does_it_while_the_native_checkpoint_runs(
+    work: Path,
+) -> None:
+    fake = running()
+    with team_of(TOPOLOGY, work / "control") as team:
+        where = agent.Where(team.control_dir)
+        native = StoreAwaited(fake, team)
+        events: list[agent.AgentEvent] = []
+        done = agent.suspend(
+            [(p, p) for p in PIDS],
+            work / "ckpt",
+            where=where,
+            native=native,
+            on_event=events.append,
+            store_beside=True,
+        )
+        # Its step ends where it is joined, after the native steps: the order stays.
+        steps = ["detect", "capture", "native_lock", "native_checkpoint", "store_staged"]
+        assert [t.step for t in done.timings] == steps
+        assert [t.step for t in done.manifest.timings] == steps
+        assert done_steps(events) == steps
+        assert len(stored.stored_files(work / "ckpt")) == 2 * default_stored_parts()
+        assert set(fake.states.values()) == {ProcessState.CHECKPOINTED}
+        back = agent.resume(work / "ckpt", where=where, native=fake)
+        order = [t.step for t in back.timings]
+        assert order.index("fetch_staged") < order.index("coordinator_restore"), order
+        for f in team.fakes:
+            assert f.received.count(Op.FETCH_STAGED) == 1
+
+
+@pytest.mark.parametrize("store_fails", [False, True], ids=["stored", "one-store-failed"])
+def test_a_native_checkpoint_failing_beside_the_store_fetches_what_was_stored_first(
+    work: Path, store_fails: bool
+) -> None:
+    """The undo waits for the store, fetches what it wrote (not from a shim whose store
+    failed: it kept its copies), then restores; the group runs as before."""
+    fake = running()
+    fake.fail = ("checkpoint", PIDS[1])
+    script = {1: {Op.STORE_STAGED: Fault("fail", Status.INTERNAL, "pwrite failed (injected)")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script if store_fails else None) as team:
+        where = agent.Where(team.control_dir)
+        events: list[agent.AgentEvent] = []
+        with pytest.raises(agent.SuspendFailed) as info:
+            agent.suspend(
+                [(p, p) for p in PIDS],
+                work / "ckpt",
+                where=where,
+                native=StoreAwaited(fake, team),
+                on_event=events.append,
+                store_beside=True,
+            )
+        text = str(info.value)
+        assert info.value.restored, text
+        assert "CUDA_ERROR_INJECTED" in text and "the group runs as before the suspend" in text
+        assert ("store_staged: STORE_STAGED failed:" in text) is store_fails, text
+        assert "pwrite failed (injected)" in text or not store_fails
+        steps = done_steps(events)
+        assert steps.index("undo_fetch_staged") < steps.index("undo_coordinator_restore"), steps
+        fetched = [Op.FETCH_STAGED in f.received for f in team.fakes]
+        assert fetched == [True, not store_fails]
+        for f in team.fakes:
+            got = f.received
+            if Op.FETCH_STAGED in got:
+                assert got.index(Op.FETCH_STAGED) < got.index(Op.LOAD_ALLOCATIONS), got
+        assert {f.phase for f in team.fakes} == {wire.Phase.ACTIVE}
+        assert set(fake.states.values()) == {ProcessState.RUNNING}
+        assert not (work / "ckpt" / "manifest.json").exists()
+
+
+def test_a_store_failing_beside_a_native_checkpoint_that_works_leaves_a_resumable_group(
+    work: Path,
+) -> None:
+    """The native steps went through: the suspend writes its manifest, then raises the
+    store's failure naming the shim; a resume fetches what the other stored and brings
+    every process back."""
+    fake = running()
+    script = {1: {Op.STORE_STAGED: Fault("fail", Status.INTERNAL, "pwrite failed (injected)")}}
+    with team_of(TOPOLOGY, work / "control", scripts=script) as team:
+        where = agent.Where(team.control_dir)
+        with pytest.raises(stored.StoreFailed) as info:
+            agent.suspend(
+                [(p, p) for p in PIDS],
+                work / "ckpt",
+                where=where,
+                native=fake,
+                store_beside=True,
+            )
+        text = str(info.value)
+        assert f"pid {PIDS[1]}" in text and "pwrite failed (injected)" in text, text
+        assert info.value.changed
+        assert set(fake.states.values()) == {ProcessState.CHECKPOINTED}
+        manifest = agent.read_manifest(work / "ckpt")
+        assert "store_staged" not in [t.step for t in manifest.timings]
+        first = team.fakes[0].participant
+        assert {p.name.split(".")[0] for p in stored.stored_files(work / "ckpt")} == {
+            f"staged-{first}"
+        }
+        back = agent.resume(work / "ckpt", where=where, native=fake)
+        assert back.coordinator_restored
+        assert [Op.FETCH_STAGED in f.received for f in team.fakes] == [True, False]
+        assert set(fake.states.values()) == {ProcessState.RUNNING}
