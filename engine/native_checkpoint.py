@@ -169,10 +169,6 @@ class CudaBackend:
     group's shims report, loaded first so that the bindings find it loaded), else
     whichever ``libcuda.so.1`` the loader finds."""
 
-    # The driver's calls for different processes run at once (run_step): each works in
-    # its own target process, and the bindings release the GIL.
-    concurrent_calls: Final = True
-
     def __init__(self, library: str | os.PathLike[str] | None = None) -> None:
         self._lock = threading.Lock()
         self._cu: Any = None
@@ -419,47 +415,35 @@ def run_step(
     gpu_pairs: Sequence[tuple[str, str]] = (),
     clock: Callable[[], float] = time.perf_counter,
 ) -> StepTiming:
-    """Run ``step`` (lock, checkpoint, restore, unlock) on every pid, then check that
-    every pid reached the step's state. A restore with ``gpu_pairs`` passes them as
-    gpuPairs (a :class:`RemappingBackend` only).
-
-    A backend whose calls for different processes may run at once says so with
-    ``concurrent_calls = True`` (:class:`CudaBackend`): every pid's call then runs on a
-    thread of its own, so that a group's step takes its slowest process's time, not
-    their sum, and a failure names every pid that failed. Otherwise the calls run in
-    order and stop at the first failure."""
+    """Run ``step`` (lock, checkpoint, restore, unlock) on every pid in order, then check
+    that every pid reached the step's state. Stops at the first failure. A restore with
+    ``gpu_pairs`` passes them as gpuPairs (a :class:`RemappingBackend` only)."""
     if step not in _STEPS:
         raise ValueError(f"unknown native step {step!r}; one of {', '.join(_STEPS)}")
     if gpu_pairs and (step != "restore" or not isinstance(backend, RemappingBackend)):
         raise ValueError(f"GPU pairs for a native {step} on {type(backend).__name__}")
     group = check_pids(pids)
     _, expected = _STEPS[step]
+    calls: list[tuple[int, float]] = []
     started = clock()
-
-    def call(pid: int) -> float:
+    for pid in group:
         began = clock()
-        if step == "lock":
-            backend.lock(pid, lock_timeout_ms)
-        elif gpu_pairs:
-            assert isinstance(backend, RemappingBackend)
-            backend.restore_onto(pid, gpu_pairs)
-        else:
-            getattr(backend, step)(pid)
-        return clock() - began
-
-    if getattr(backend, "concurrent_calls", False) and len(group) > 1:
-        calls, failed = _at_once(call, group)
-    else:
-        calls, failed = _in_order(call, group)
-    if failed:
-        pid, exc = failed[0]
-        reason = f"{exc.call} failed: {exc.result}"
-        if exc.detail:
-            reason += f" ({exc.detail})"
-        reason += "".join(f"; pid {p}: {e.call} failed: {e.result}" for p, e in failed[1:])
-        raise NativeGroupError(
-            step, pid, reason, state_names(backend, group), tuple(p for p, _ in calls)
-        ) from exc
+        try:
+            if step == "lock":
+                backend.lock(pid, lock_timeout_ms)
+            elif gpu_pairs:
+                assert isinstance(backend, RemappingBackend)
+                backend.restore_onto(pid, gpu_pairs)
+            else:
+                getattr(backend, step)(pid)
+        except NativeError as exc:
+            reason = f"{exc.call} failed: {exc.result}"
+            if exc.detail:
+                reason += f" ({exc.detail})"
+            raise NativeGroupError(
+                step, pid, reason, state_names(backend, group), tuple(p for p, _ in calls)
+            ) from exc
+        calls.append((pid, clock() - began))
     states = state_names(backend, group)
     wrong = [p for p in group if states[p] != expected.name]
     if wrong:
@@ -471,51 +455,6 @@ def run_step(
             tuple(p for p, _ in calls),
         )
     return StepTiming(step, clock() - started, tuple(calls))
-
-
-_Failures = list[tuple[int, NativeError]]
-
-
-def _in_order(
-    call: Callable[[int], float], group: Sequence[int]
-) -> tuple[list[tuple[int, float]], _Failures]:
-    calls: list[tuple[int, float]] = []
-    for pid in group:
-        try:
-            calls.append((pid, call(pid)))
-        except NativeError as exc:
-            return calls, [(pid, exc)]
-    return calls, []
-
-
-def _at_once(
-    call: Callable[[int], float], group: Sequence[int]
-) -> tuple[list[tuple[int, float]], _Failures]:
-    """Every pid's call on a thread of its own; the calls that succeeded and those that
-    failed, each in the group's order."""
-    outcome: dict[int, float | NativeError] = {}
-    broken: list[BaseException] = []
-
-    def run(pid: int) -> None:
-        try:
-            outcome[pid] = call(pid)
-        except NativeError as exc:
-            outcome[pid] = exc
-        except BaseException as exc:  # no driver, say: raised here, as in order
-            broken.append(exc)
-
-    threads = [
-        threading.Thread(target=run, args=(p,), name=f"cuinterpose-native-{p}") for p in group
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if broken:
-        raise broken[0]
-    calls = [(p, r) for p in group if isinstance(r := outcome[p], float)]
-    failed = [(p, r) for p in group if isinstance(r := outcome[p], NativeError)]
-    return calls, failed
 
 
 def undo_suspend(backend: NativeBackend, pids: Sequence[int]) -> tuple[str, ...]:

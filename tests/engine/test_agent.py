@@ -364,48 +364,6 @@ def test_a_step_that_leaves_a_process_in_another_state_fails() -> None:
         native_checkpoint.run_step(running(), "freeze", PIDS)
 
 
-@attrs.define
-class AtOnce(FakeNative):
-    """Says its calls may run at once; each checkpoint waits at a barrier of the whole
-    group, so that only a step run on every pid at once gets through it."""
-
-    concurrent_calls = True
-    barrier: threading.Barrier | None = None
-    lock_: threading.Lock = attrs.field(factory=threading.Lock)
-
-    def _move(self, step: str, pid: int) -> None:
-        if step == "checkpoint" and self.barrier is not None:
-            self.barrier.wait()
-        with self.lock_:
-            super()._move(step, pid)
-
-
-def test_a_backend_that_allows_it_runs_a_step_on_every_process_at_once() -> None:
-    """A group's native step takes its slowest process's time (CudaBackend says it may);
-    a failure waits for the rest and names every pid that failed, the others done."""
-    fake = AtOnce({p: ProcessState.RUNNING for p in (1, 2, 3)})
-    native_checkpoint.run_step(fake, "lock", [1, 2, 3])
-    fake.barrier = threading.Barrier(3, timeout=30)  # a broken barrier fails the step
-    timing = native_checkpoint.run_step(fake, "checkpoint", [1, 2, 3])
-    assert [pid for pid, _ in timing.calls] == [1, 2, 3]
-    assert set(fake.states.values()) == {ProcessState.CHECKPOINTED}
-
-    class TwoFail(AtOnce):
-        def _move(self, step: str, pid: int) -> None:
-            if step == "restore" and pid != 2:
-                raise NativeError(pid, "cuCheckpointProcessRestore", "CUDA_ERROR_INJECTED")
-            super()._move(step, pid)
-
-    failing = TwoFail(dict(fake.states))
-    with pytest.raises(NativeGroupError) as info:
-        native_checkpoint.run_step(failing, "restore", [1, 2, 3])
-    err = info.value
-    assert (err.step, err.pid, err.done) == ("restore", 1, (2,))
-    assert "pid 3: cuCheckpointProcessRestore failed: CUDA_ERROR_INJECTED" in err.reason
-    assert err.states == {1: "CHECKPOINTED", 2: "LOCKED", 3: "CHECKPOINTED"}
-    assert native_checkpoint.CudaBackend.concurrent_calls
-
-
 # ------------------------------------------------------------------ suspend and resume
 def suspend(team: Team, directory: Path, fake: FakeNative, **kwargs: Any) -> agent.SuspendResult:
     return agent.suspend(
