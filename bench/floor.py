@@ -9,6 +9,10 @@ anonymous memory per case (a new mapping each time, unmapped after), in GB/s (10
   MADV_NOHUGEPAGE too;
 - ``memcpy``: what the staging threads do: N threads each copying from a buffer of its
   own (``--bounce-mib``, warm in cache) into its slice, THP;
+- ``pwrite_memfd``: the same bytes written with pwrite from the same buffers into a
+  memfd of each thread's own (a file's write takes its inode's lock: one per thread):
+  shmem fills a page a write covers whole without zeroing it first, where a fault of
+  fresh anonymous memory zeroes every page the memcpy then writes again;
 - ``populate_write``: N threads calling madvise(MADV_POPULATE_WRITE) on their slices;
 - ``map_populate``: one mmap(MAP_POPULATE) (the kernel faults it all in, one thread);
 - with a GPU (not ``--no-gpu``): ``register``: cuMemHostRegister of fresh memory (one
@@ -28,6 +32,7 @@ import argparse
 import ctypes
 import json
 import mmap
+import os
 import statistics
 import sys
 import threading
@@ -131,6 +136,23 @@ class Floor:
             return parallel(n, self.size, work)
         finally:
             libc.munmap(p, self.size)
+
+    def pwrite_memfd(self, n: int) -> float:
+        srcs = [ctypes.create_string_buffer(b"\1" * self.bounce, self.bounce) for _ in range(n)]
+        fds = [os.memfd_create(f"floor-{i}", os.MFD_CLOEXEC) for i in range(n)]
+
+        def work(i: int, off: int, ln: int) -> None:
+            view = memoryview(srcs[i]).cast("B")[: self.bounce]
+            for at in range(0, ln, self.bounce):
+                step = min(self.bounce, ln - at)
+                if os.pwrite(fds[i], view[:step], at) != step:
+                    raise OSError(0, f"a short pwrite into memfd {i}")
+
+        try:
+            return parallel(n, self.size, work)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def populate_write(self, n: int) -> float:
         p = fresh(self.size, MADV_HUGEPAGE)
@@ -238,6 +260,11 @@ def measure(
         rates[f"memcpy_thp_{n}"] = fl.case(
             f"memcpy from {bounce >> 20} MiB buffers, {n} threads, THP",
             lambda _s, n=n: fl.memcpy(n),
+        )
+    for n in threads:
+        rates[f"pwrite_memfd_{n}"] = fl.case(
+            f"pwrite from {bounce >> 20} MiB buffers into a memfd each, {n} threads",
+            lambda _s, n=n: fl.pwrite_memfd(n),
         )
     for n in sorted({1, top}):
         rates[f"populate_write_{n}"] = fl.case(

@@ -397,7 +397,9 @@ def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
     assert "suspend" in done.stdout and "coordinator share" in done.stdout
     floor = result["floor"]
     assert floor["memset_thp_16"] > 0 and floor["memcpy_thp_16"] > 0
+    assert floor["pwrite_memfd_16"] > 0
     assert floor["best"]["gbps"] > 0 and "SAVE is held against" in done.stdout
+    assert "of the memcpy floor" in done.stdout
 
 
 def test_many_allocations_benchmark_on_the_simulator(tmp_path: Path) -> None:
