@@ -32,8 +32,9 @@
  *  - SNAPSHOT_SHIM_STAGING_POPULATE_THREADS: 0 (SAVE: that many more threads
  *    fault the staging memory of the chunks queued next in, ahead of the
  *    copy threads, instead of the memcpy alone faulting it: staging.c).
- *  - SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD: 4 (a phase's chunks are made
- *    small enough that every copy thread gets about this many).
+ *  - SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD: unset, 8 for SAVE and 4 for
+ *    LOAD (a phase's chunks are made small enough that every copy thread
+ *    gets about this many; set, both directions take it).
  *  - SNAPSHOT_SHIM_STAGING_BOUNCE_PIN: alloc (cuMemHostAlloc, known to go
  *    through the native checkpoint and CRIU on the H200); register: a mapping
  *    of the shim's, populated, then cuMemHostRegister'd (staging.c says why).
@@ -104,7 +105,6 @@
 #define BOUNCE_MIB_MAX 1024ul
 #define RESIDENT_MIB_MAX (1ul << 22) /* 4 TiB */
 #define DEPTH_DEFAULT 4ul
-#define SPREAD_DEFAULT 4ul
 
 static struct shim_settings settings;
 static pthread_once_t settings_once = PTHREAD_ONCE_INIT;
@@ -228,8 +228,7 @@ static void settings_load(void)
                                            DEPTH_DEFAULT, "a number of bounce pieces");
     s->staging_ahead = (unsigned)env_count(STAGING_AHEAD_ENV, 0, THREADS_MAX, 0,
                                            "a thread count");
-    s->staging_spread = (unsigned)env_count(STAGING_SPREAD_ENV, 1, 64, SPREAD_DEFAULT,
-                                            "a number of chunks");
+    s->staging_spread = (unsigned)env_count(STAGING_SPREAD_ENV, 1, 64, 0, "a number of chunks");
     s->staging_bounce_keep = env_bool(STAGING_BOUNCE_KEEP_ENV, true);
     s->staging_bounce_register = env_bounce_pin();
     snprintf(s->control_dir, sizeof s->control_dir, "%s",

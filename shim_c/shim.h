@@ -134,7 +134,8 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_STAGING_POPULATE_THREADS: SAVE threads that fault fresh
      * staging memory in ahead of the copies (0: the memcpy faults it). */
     unsigned staging_ahead;
-    /* SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD: chunks per copy thread, about. */
+    /* SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD: chunks per copy thread, about;
+     * 0 when unset: each direction its own (staging.c). */
     unsigned staging_spread;
     /* SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP (default on): the bounce buffers stay
      * pinned from one cycle to the next; off, LOAD frees them. */
@@ -820,6 +821,7 @@ struct staging_times {
     uint64_t populated_chunks;  /* by the populate-ahead threads */
     unsigned threads;           /* workers started (none: the control thread works) */
     size_t chunk;               /* bytes per chunk, at most */
+    unsigned spread;            /* chunks per thread the chunk was cut for */
     enum staging_populate populate_how;
 };
 struct staging;
@@ -831,8 +833,6 @@ SHIM_HIDDEN void *staging_alloc(size_t len, char *msg, size_t n);
  * LOAD), `ctx` current: nothing pinned while the application runs, and the
  * next SAVE pins them again. */
 SHIM_HIDDEN void staging_free_bounces(CUcontext ctx);
-/* Zero the resident bounce buffers: the last bytes copied through them must
- * not reach a process image once the staged copies went to a file. */
 /* Bytes of staging memory one allocation of `size` bytes takes. */
 SHIM_HIDDEN size_t staging_len(size_t size);
 /* Start the pool for a phase moving `total` bytes of at most `items`

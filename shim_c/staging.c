@@ -817,6 +817,14 @@ static void *pool_populator(void *arg)
  * otherwise be 9 chunks of 64 MiB for 16 threads), never below 1 MiB. Fewer,
  * longer chunks fill each thread's bounce pipeline fewer times (its first
  * copy and last memcpy overlap nothing); more balance the threads' work. */
+/* Chunks per copy thread by default. SAVE memcpy's into fresh pages, whose
+ * cost varies from page to page: smaller chunks balance the threads (on the
+ * H200, 8 against 4: 96 x 6 MiB 18.7 against 14.9 GB/s, 2048 x 2 MiB 23.5
+ * against 19.1, 100 x 20 MiB 21.2 against 20.5). LOAD kept 4: with 8,
+ * 100 x 20 MiB fell from 38.5 to 25.9 GB/s (docs/benchmarks.md, session 5). */
+#define SAVE_SPREAD 8u
+#define LOAD_SPREAD 4u
+
 static size_t pick_chunk(uint64_t total, unsigned threads, unsigned spread, size_t setting)
 {
     uint64_t even = total / ((uint64_t)threads * spread) >> 20 << 20;
@@ -849,7 +857,9 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
         goto oom;
     s->to_host = to_host;
     s->populated = populated;
-    s->chunk = pick_chunk(total, cfg->copy_threads, cfg->staging_spread, cfg->copy_chunk);
+    s->t.spread = cfg->staging_spread ? cfg->staging_spread
+                                      : to_host ? SAVE_SPREAD : LOAD_SPREAD;
+    s->chunk = pick_chunk(total, cfg->copy_threads, s->t.spread, cfg->copy_chunk);
     /* Every chunk boundary cuts at most one segment, every item starts at
      * most one task. The release tasks that follow the copies are at most a
      * chunk each over the items' host slices (each its size rounded up to a

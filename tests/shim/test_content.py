@@ -86,11 +86,18 @@ def settings(log: str, op: str) -> tuple[int, int, int, int, int]:
     return int(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5])
 
 
-def chunking(total: int, threads: int, setting_mib: int) -> tuple[int, int, int]:
+# Chunks per copy thread by default (staging.c): SAVE's chunks are smaller, to balance
+# the threads' memcpy into fresh pages.
+SPREAD = {"SAVE_ALLOCATIONS": 8, "LOAD_ALLOCATIONS": 4}
+
+
+def chunking(
+    total: int, threads: int, setting_mib: int, spread: int = SPREAD["SAVE_ALLOCATIONS"]
+) -> tuple[int, int, int]:
     """(chunks, chunk MiB, workers) the pool uses for `total` bytes of allocations that
     lie back to back in host memory (staging.c's pick_chunk): every thread gets about
-    four chunks, never below 1 MiB nor above the setting."""
-    chunk_mib = min(setting_mib, max(1, total // (threads * 4) // MIB))
+    ``spread`` chunks, never below 1 MiB nor above the setting."""
+    chunk_mib = min(setting_mib, max(1, total // (threads * spread) // MIB))
     chunks = -(-total // (chunk_mib * MIB))
     return chunks, chunk_mib, min(threads, chunks)
 
@@ -122,7 +129,6 @@ def test_multi_chunk_cycle(
     total = sum(sizes) * gran
     free_slots, _ = creator(FILL_REGISTRATIONS)
     creator(UNREGISTER_ALL)
-    chunks, chunk_used, used = chunking(total, threads, chunk_mib)
     for op in CAPTURE:
         t0 = time.monotonic_ns()
         reply = c.ok(op)
@@ -149,6 +155,7 @@ def test_multi_chunk_cycle(
     assert creator("result = digest(A[0][1], A[0][2]) == expected(99, A[0][2])")
     log = finish(creator)
     for op in ("SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS"):
+        chunks, chunk_used, used = chunking(total, threads, chunk_mib, SPREAD[op])
         assert settings(log, op) == (chunks, chunk_used, chunk_mib, used, threads)
     assert "warning" not in log
 
@@ -254,8 +261,20 @@ def timing_lines(log: str) -> dict[str, dict[str, object]]:
 
 @pytest.mark.parametrize(
     ("bounce_mib", "pipeline"),
-    [(0, {}), (1, {}), (16, {}), (1, {"DEPTH": "2", "POPULATE_THREADS": "2"})],
-    ids=["registered-in-place", "bounce-1MiB", "bounce-16MiB", "bounce-1MiB-depth2-populate2"],
+    [
+        (0, {}),
+        (1, {}),
+        (16, {}),
+        (1, {"DEPTH": "2", "POPULATE_THREADS": "2"}),
+        (1, {"CHUNKS_PER_THREAD": "2"}),
+    ],
+    ids=[
+        "registered-in-place",
+        "bounce-1MiB",
+        "bounce-16MiB",
+        "bounce-1MiB-depth2-populate2",
+        "bounce-1MiB-2-chunks-per-thread",
+    ],
 )
 def test_many_small_and_a_few_large(
     spawn: Spawn,
@@ -273,7 +292,8 @@ def test_many_small_and_a_few_large(
     KiB, three copies queued while one is memcpy'd: several pieces per chunk and per
     allocation), 16 MiB ones (one piece per chunk, spanning the small neighbours that share
     it); 1 MiB ones double-buffered (halves of 512 KiB) with two threads faulting the staging
-    memory in ahead of the copies."""
+    memory in ahead of the copies. SAVE cuts about 8 chunks per thread, LOAD 4; the setting
+    gives both the same."""
     creator = spawn(
         extra={
             **{f"SNAPSHOT_SHIM_STAGING_{k}": v for k, v in pipeline.items()},
@@ -300,7 +320,8 @@ def test_many_small_and_a_few_large(
     timing = timing_lines(log)
     for op in ("SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS"):
         chunks, chunk_mib, _, used, _ = settings(log, op)
-        assert (chunks, chunk_mib, used) == chunking(total, 3, 3), log
+        spread = int(pipeline.get("CHUNKS_PER_THREAD", SPREAD[op]))
+        assert (chunks, chunk_mib, used) == chunking(total, 3, 3, spread), log
         # Fewer than if every allocation were cut on its own.
         assert chunks < sum(-(-n * gran // (chunk_mib * MIB)) for n in sizes)
         t = timing[op]
@@ -312,6 +333,7 @@ def test_many_small_and_a_few_large(
         assert t["bounce"] == bounce_mib * MIB
         assert t["depth"] == int(pipeline.get("DEPTH", "4"))
         assert t["populate_threads"] == int(pipeline.get("POPULATE_THREADS", "0"))
+        assert t["chunks_per_thread"] == int(pipeline.get("CHUNKS_PER_THREAD", SPREAD[op]))
         per_thread = t["thread_s"]
         assert isinstance(per_thread, dict)
         assert float(per_thread["copy"]) > 0
