@@ -818,10 +818,11 @@ static void *pool_populator(void *arg)
  * longer chunks fill each thread's bounce pipeline fewer times (its first
  * copy and last memcpy overlap nothing); more balance the threads' work. */
 /* Chunks per copy thread by default. SAVE memcpy's into fresh pages, whose
- * cost varies from page to page: smaller chunks balance the threads (on the
- * H200, 8 against 4: 96 x 6 MiB 18.7 against 14.9 GB/s, 2048 x 2 MiB 23.5
- * against 19.1, 100 x 20 MiB 21.2 against 20.5). LOAD kept 4: with 8,
- * 100 x 20 MiB fell from 38.5 to 25.9 GB/s (docs/benchmarks.md, session 5). */
+ * cost varies from page to page: smaller chunks balance the threads. On the
+ * H200 (docs/benchmarks.md, session 5, the settings run in the order 8, 4,
+ * 8 in one process): 96 x 6 MiB SAVE 26.7 and 28.2 GB/s with 8 against
+ * 24.3 with 4; 100 x 20 MiB the same within noise. LOAD keeps 4: 100 x 20
+ * MiB loaded at 41.9-43.1 GB/s with 4 against 40.0 with 8. */
 #define SAVE_SPREAD 8u
 #define LOAD_SPREAD 4u
 
