@@ -826,31 +826,13 @@ static void *pool_populator(void *arg)
 #define SAVE_SPREAD 8u
 #define LOAD_SPREAD 4u
 
-/* When the last of `total` bytes cut in chunks of `chunk` is copied, the
- * chunks taken by `threads` threads round after round: a thread left with one
- * chunk more than the others finishes the op alone. */
-static uint64_t makespan(uint64_t total, unsigned threads, uint64_t chunk)
-{
-    uint64_t chunks = (total + chunk - 1) / chunk;
-    return (chunks + threads - 1) / threads * chunk;
-}
-
-/* Whole MiB, from 1 MiB to the setting, about `spread` chunks a thread: of
- * the two sizes around the even cut, the one whose last round ends first (the
- * smaller on a tie). Rounding down alone cut 100 x 20 MiB into 65 chunks of
- * 31 MiB for 16 threads: one thread copied a fifth chunk while the rest
- * waited; 32 MiB makes 63. */
 static size_t pick_chunk(uint64_t total, unsigned threads, unsigned spread, size_t setting)
 {
-    uint64_t mib = (uint64_t)1 << 20, even = total / ((uint64_t)threads * spread);
-    uint64_t lo = even / mib * mib, hi;
-
-    if (lo < mib)
-        lo = mib;
-    if (lo > setting)
-        lo = setting;
-    hi = lo + mib > setting ? lo : lo + mib;
-    return (size_t)(makespan(total, threads, hi) < makespan(total, threads, lo) ? hi : lo);
+    uint64_t even = total / ((uint64_t)threads * spread) >> 20 << 20;
+    size_t floor = (size_t)1 << 20;
+    if (even < floor)
+        even = floor;
+    return even < setting ? (size_t)even : setting;
 }
 
 struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint32_t items,

@@ -16,7 +16,6 @@ registration behind.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -97,16 +96,8 @@ def chunking(
 ) -> tuple[int, int, int]:
     """(chunks, chunk MiB, workers) the pool uses for `total` bytes of allocations that
     lie back to back in host memory (staging.c's pick_chunk): every thread gets about
-    ``spread`` chunks, never below 1 MiB nor above the setting; of the two whole MiB
-    around the even cut, the one whose last round of chunks ends first."""
-
-    def makespan(mib: int) -> int:
-        chunks = math.ceil(total / (mib * MIB))
-        return math.ceil(chunks / threads) * mib
-
-    lo = min(setting_mib, max(1, total // (threads * spread) // MIB))
-    hi = min(setting_mib, lo + 1)
-    chunk_mib = hi if makespan(hi) < makespan(lo) else lo
+    ``spread`` chunks, never below 1 MiB nor above the setting."""
+    chunk_mib = min(setting_mib, max(1, total // (threads * spread) // MIB))
     chunks = -(-total // (chunk_mib * MIB))
     return chunks, chunk_mib, min(threads, chunks)
 
@@ -207,24 +198,6 @@ def test_bad_setting_refused(
     assert f"{name}={value} is not {what}; using {default}" in log, log
     _, _, chunk_mib, _, threads = settings(log, "SAVE_ALLOCATIONS")
     assert (threads if name.endswith("THREADS") else chunk_mib) == default
-
-
-def test_the_chunk_size_lets_every_thread_finish_in_the_same_round(
-    spawn: Spawn, control_dir: Path
-) -> None:
-    """50 allocations of 2 MiB back to back on 4 threads. LOAD (about 4 chunks a thread)
-    cuts 7 MiB chunks, 15 of them in 4 rounds, where rounding the even cut (6.25 MiB) down
-    would make 17 in 5 rounds; SAVE (about 8) keeps 3 MiB, 34 chunks in 9 rounds: 4 MiB
-    would end later (25 chunks in 7 rounds of 4 MiB)."""
-    creator = spawn(extra={"SNAPSHOT_SHIM_DEBUG": "1", "SNAPSHOT_SHIM_COPY_THREADS": "4"})
-    gran = make_shared(creator, [1] * 50, seed=31)
-    assert gran == 2 * MIB
-    log = plain_cycle(control_dir, creator)
-    assert settings(log, "LOAD_ALLOCATIONS") == (15, 7, 64, 4, 4)
-    assert settings(log, "SAVE_ALLOCATIONS") == (34, 3, 64, 4, 4)
-    for op in ("SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS"):
-        chunks, chunk_mib, used = chunking(50 * gran, 4, 64, SPREAD[op])
-        assert settings(log, op) == (chunks, chunk_mib, 64, used, 4)
 
 
 def test_defaults(spawn: Spawn, control_dir: Path) -> None:
