@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,42 @@ def test_a_failed_suspend_leaves_the_group_running_as_before(
     # The shims serve the application again: a new allocation, exported.
     handle, _ = group.creator.create_mapped(group.size, seed=5)
     group.creator.check("close", fd=int(group.creator.check("export", handle=handle)["fd"]))
+    group.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fails", [False, True], ids=["stored", "native-checkpoint-failed"])
+def test_a_suspend_stores_beside_the_native_steps_of_real_shims(
+    group: Group, control_dir: Path, tmp_path: Path, fails: bool
+) -> None:
+    """The CRIU verbs' suspend on real shims and the simulated driver's lock and
+    checkpoint: STORE_STAGED runs beside them (it makes no CUDA call, so the lock that
+    drains the calls in flight does not wait for it). Then a resume fetches and loads
+    every byte. A checkpoint that fails instead is undone: what was stored fetched, the
+    group running with its bytes."""
+    native = WorkerBackend(group.observer)
+    where = agent.Where(control_dir)
+    backend = FaultyBackend(native, "checkpoint", group.importer.pid) if fails else native
+    events: list[agent.AgentEvent] = []
+    suspend = partial(
+        agent.suspend, group.processes, tmp_path, where=where, on_event=events.append
+    )
+    if fails:
+        with pytest.raises(agent.SuspendFailed) as info:
+            suspend(native=backend, store_beside=True)
+        assert info.value.restored, str(info.value)
+        done = [e.step for e in events if isinstance(e, agent.StepEvent) and e.status == "done"]
+        assert done.index("undo_fetch_staged") < done.index("undo_coordinator_restore"), done
+    else:
+        suspended = suspend(native=backend, store_beside=True)
+        assert [t.step for t in suspended.timings][-1] == "store_staged"
+        assert suspended.timings[-1].bytes == 2 * group.size
+        assert {native.state(p) for p in group.pids} == {ProcessState.CHECKPOINTED}
+        back = agent.resume(tmp_path, where=where, native=native)
+        assert "fetch_staged" in [t.step for t in back.timings]
+    rows = agent.status(group.processes, where, native)
+    assert {(r.native_state, r.shim_phase) for r in rows} == {("RUNNING", "ACTIVE")}
+    assert group.mismatches() == []
     group.close()
 
 

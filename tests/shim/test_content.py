@@ -428,11 +428,11 @@ def test_many_allocations_benchmark_on_the_simulator(tmp_path: Path) -> None:
     """bench/many_allocs.py on the simulated driver: 7 000 and 70 000 cudaMallocs of 4 KiB
     (packed by the driver, as on the H200) suspended and resumed by the commands, every
     allocation's bytes right, and ten times the allocations costs less than three times
-    the time (fixed costs dominate: 1.4x
+    the time, medians of 3 (fixed costs dominate: 1.4x
     measured on 2 CPUs; 1.9x when issue 30 was filed)."""
     out = tmp_path / "many.json"
     done = subprocess.run(
-        [sys.executable, REPO / "bench" / "many_allocs.py", "--sim", "--repeat", "1", "--out", out],
+        [sys.executable, REPO / "bench" / "many_allocs.py", "--sim", "--repeat", "3", "--out", out],
         capture_output=True,
         text=True,
         timeout=120,
@@ -445,7 +445,7 @@ def test_many_allocations_benchmark_on_the_simulator(tmp_path: Path) -> None:
         assert shape["verified"] and shape["allocations"] == count
         # Below the granularity they are the driver's (specs/shim.md, "Owned memory"),
         # packed into its chunks and kept by its own checkpoint: the shim stages none.
-        assert shape["staged_allocations"] == [0]
+        assert shape["staged_allocations"] == [0, 0, 0]
     for command, ratio in result["time_ratio_70000_over_7000"].items():
         assert ratio < 3, (command, ratio)
 
