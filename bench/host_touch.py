@@ -105,6 +105,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads < 1 or args.rounds < 1:
         parser.error("--threads and --rounds must be at least 1")
+    for name, gib in (("--gib", args.gib), ("--file-gib", args.file_gib)):
+        if gib * (1 << 30) < args.threads * CHUNK:
+            parser.error(f"{name} {gib:g} gives a thread less than {CHUNK >> 20} MiB")
     touch = [
         round(touch_round(int(args.gib * (1 << 30)), args.threads), 2) for _ in range(args.rounds)
     ]

@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.threads < 1 or args.gib * (1 << 30) < args.threads * CHUNK:
+        parser.error(f"--threads must be at least 1, and --gib give each thread {CHUNK >> 20} MiB")
     total = int(args.gib * (1 << 30))
     share = total // args.threads // CHUNK * CHUNK
     work = Path(tempfile.mkdtemp(prefix="storage-rate-", dir=args.dir))
