@@ -371,8 +371,10 @@ class _Storing:
                 )
             except AgentError as failure:
                 storing.failure = failure
-            except OSError as exc:
-                storing.failure = StoreFailed("STORE_STAGED failed:", [str(exc)], changed=True)
+            except Exception as exc:  # said by the suspend, never lost with the thread
+                storing.failure = StoreFailed(
+                    "STORE_STAGED failed:", [f"{type(exc).__name__}: {exc}"], changed=True
+                )
             storing.seconds = time.perf_counter() - storing.began
 
         report.emit(StepEvent("store_staged", "started"))

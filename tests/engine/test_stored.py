@@ -293,3 +293,25 @@ def test_a_store_failing_beside_a_native_checkpoint_that_works_leaves_a_resumabl
         assert back.coordinator_restored
         assert [Op.FETCH_STAGED in f.received for f in team.fakes] == [True, False]
         assert set(fake.states.values()) == {ProcessState.RUNNING}
+
+
+def test_an_unexpected_error_of_the_store_thread_is_said_not_lost(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the store raises on its thread reaches the suspend as a StoreFailed that
+    names it; the group is suspended and its manifest written, for a resume."""
+    fake = running()
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("a bug in the store (injected)")
+
+    monkeypatch.setattr(stored, "store", broken)
+    with team_of(TOPOLOGY, work / "control") as team:
+        where = agent.Where(team.control_dir)
+        with pytest.raises(stored.StoreFailed, match="ValueError: a bug in the store"):
+            agent.suspend(
+                [(p, p) for p in PIDS], work / "ckpt", where=where, native=fake, store_beside=True
+            )
+        assert set(fake.states.values()) == {ProcessState.CHECKPOINTED}
+        assert (work / "ckpt" / "manifest.json").exists()
+        assert agent.resume(work / "ckpt", where=where, native=fake).coordinator_restored
