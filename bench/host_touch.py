@@ -18,76 +18,30 @@ reports GB/s; a first round far below the next means the first touch is the host
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import mmap
-import os
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-CHUNK = 8 << 20
-
-
-def _parallel(threads: int, work: object) -> float:
-    """Seconds for ``threads`` calls of ``work(i)`` started together."""
-    errors: list[BaseException] = []
-    start = threading.Barrier(threads + 1)
-
-    def run(i: int) -> None:
-        start.wait()
-        try:
-            work(i)  # type: ignore[operator]
-        except BaseException as exc:  # reported by the caller
-            errors.append(exc)
-
-    pool = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
-    for t in pool:
-        t.start()
-    start.wait()
-    began = time.perf_counter()
-    for t in pool:
-        t.join()
-    if errors:
-        raise SystemExit(f"host touch: {errors[0]}")
-    return time.perf_counter() - began
+# The same first touch and the same writes as the floor's memset case and the storage
+# probe's write (siblings here: run as a script, this directory is on sys.path).
+from floor import MADV_HUGEPAGE, Floor
+from storage_rate import CHUNK, _run
 
 
 def touch_round(total: int, threads: int) -> float:
-    """GB/s of ``threads`` threads memsetting their share of ``total`` fresh bytes."""
-    share = total // threads // CHUNK * CHUNK
-    maps = [mmap.mmap(-1, share) for _ in range(threads)]
-    for m in maps:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    addrs = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps]
-
-    def work(i: int) -> None:
-        ctypes.memset(addrs[i], 1, share)  # a CFUNCTYPE call: the GIL is released
-
-    seconds = _parallel(threads, work)
-    for m in maps:
-        m.close()
-    return share * threads / seconds / 1e9
+    """GB/s of ``threads`` threads memsetting their slices of ``total`` fresh bytes (THP
+    advised; unmapped after)."""
+    fl = Floor(total, CHUNK, lambda _: None)
+    return fl.gbps(fl.memset(threads, MADV_HUGEPAGE))
 
 
 def write_round(directory: Path, total: int, threads: int) -> float:
-    """GB/s of ``threads`` threads each writing its share of ``total`` into a fresh file."""
+    """GB/s of ``threads`` threads each writing its share of ``total`` into a fresh file
+    from an 8 MiB buffer (the files unlinked after)."""
     share = total // threads // CHUNK * CHUNK
-    buf = os.urandom(1 << 16) * (CHUNK >> 16)
     paths = [directory / f"touch-{i}.bin" for i in range(threads)]
-
-    def work(i: int) -> None:
-        fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            for offset in range(0, share, CHUNK):
-                if os.pwrite(fd, buf, offset) != CHUNK:
-                    raise OSError(f"{paths[i]}: short write at {offset}")
-        finally:
-            os.close(fd)
-
     try:
-        seconds = _parallel(threads, work)
+        seconds = _run(paths, share, write=True)
     finally:
         for p in paths:
             p.unlink(missing_ok=True)

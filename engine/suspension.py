@@ -340,7 +340,6 @@ class _Storing:
     the native lock and checkpoint. Its step, ``store_staged``, starts when the thread
     does and ends, timed from there, when it is joined: the timings keep their order."""
 
-    directory: Path
     manifest: Manifest
     report: Reporter
     thread: threading.Thread | None = None
@@ -362,7 +361,7 @@ class _Storing:
     ) -> _Storing:
         from .stored import StoreFailed, store
 
-        storing = cls(directory, manifest, report)
+        storing = cls(manifest, report)
 
         def run() -> None:
             try:

@@ -811,12 +811,6 @@ static void *pool_populator(void *arg)
 }
 
 /* ------------------------------------------------------------ the pool */
-/* Chunk size for a phase of `total` bytes: the setting, but small enough
- * that every thread gets about `spread` chunks
- * (SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD, 4: 96 allocations of 6 MiB would
- * otherwise be 9 chunks of 64 MiB for 16 threads), never below 1 MiB. Fewer,
- * longer chunks fill each thread's bounce pipeline fewer times (its first
- * copy and last memcpy overlap nothing); more balance the threads' work. */
 /* Chunks per copy thread by default. SAVE memcpy's into fresh pages, whose
  * cost varies from page to page: smaller chunks balance the threads. On the
  * H200 (docs/benchmarks.md, session 5, the settings run in the order 8, 4,
@@ -826,6 +820,12 @@ static void *pool_populator(void *arg)
 #define SAVE_SPREAD 8u
 #define LOAD_SPREAD 4u
 
+/* Chunk size for a phase of `total` bytes: the setting, but small enough
+ * that every thread gets about `spread` chunks
+ * (SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD, else the defaults above: 96
+ * allocations of 6 MiB would otherwise be 9 chunks of 64 MiB for 16
+ * threads), never below 1 MiB. Fewer, longer chunks fill each thread's bounce pipeline fewer times (its first
+ * copy and last memcpy overlap nothing); more balance the threads' work. */
 static size_t pick_chunk(uint64_t total, unsigned threads, unsigned spread, size_t setting)
 {
     uint64_t even = total / ((uint64_t)threads * spread) >> 20 << 20;

@@ -269,36 +269,16 @@ def test_resume_of_restored_processes_skips_what_criu_restored_natively(work: Pa
 
 
 # ------------------------------------------------------------------ a failed dump
-def test_a_failed_criu_dump_resumes_the_group(work: Path) -> None:
+@pytest.mark.parametrize("what", ["criu-dump", "store"])
+def test_a_failed_dump_resumes_the_group(work: Path, what: str) -> None:
+    """``criu dump`` itself failed, or the store beside the native checkpoint failed for
+    one shim; then no ``criu dump`` runs (its images would lack that shim's bytes). Either
+    way the group is resumed, the stored copies fetched back first."""
     fake = running()
-    binary = criu.usable_criu(fake_criu(work / "criu", dump=1), {})
-    with team_of(TOPOLOGY, work / "control") as team:
-        with pytest.raises(criu.CriuDumpFailed) as info:
-            criu.dump(
-                [(p, p) for p in PIDS],
-                work / "ckpt",
-                work / "images",
-                tree=1,
-                criu=binary,
-                where=agent.Where(team.control_dir),
-                native=fake,
-            )
-        assert info.value.restored
-        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
-        assert set(fake.states.values()) == {ProcessState.RUNNING}
-    text = str(info.value)
-    assert "injected dump failure" in text and "exit status 1" in text, text
-    assert "resumed: the group runs as before the suspend" in text
-
-
-def test_a_dump_whose_store_fails_resumes_the_group_and_runs_no_criu(work: Path) -> None:
-    """The store beside the native checkpoint failed for one shim: no ``criu dump`` (it
-    would write images without that shim's bytes); the group is resumed, the other
-    shim's stored copies fetched back first."""
-    fake = running()
+    store_fails = what == "store"
     script = {1: {Op.STORE_STAGED: Fault("fail", Status.INTERNAL, "pwrite failed (injected)")}}
-    binary = criu.usable_criu(fake_criu(work / "criu"), {})
-    with team_of(TOPOLOGY, work / "control", scripts=script) as team:
+    binary = criu.usable_criu(fake_criu(work / "criu", dump=0 if store_fails else 1), {})
+    with team_of(TOPOLOGY, work / "control", scripts=script if store_fails else None) as team:
         with pytest.raises(criu.CriuDumpFailed) as info:
             criu.dump(
                 [(p, p) for p in PIDS],
@@ -311,12 +291,15 @@ def test_a_dump_whose_store_fails_resumes_the_group_and_runs_no_criu(work: Path)
             )
         assert info.value.restored
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
-        assert [Op.FETCH_STAGED in f.received for f in team.fakes] == [True, False]
+        assert [Op.FETCH_STAGED in f.received for f in team.fakes] == [True, not store_fails]
         assert set(fake.states.values()) == {ProcessState.RUNNING}
     text = str(info.value)
-    assert "pwrite failed (injected)" in text, text
+    if store_fails:
+        assert "pwrite failed (injected)" in text, text
+        assert not (work / "images" / criu.DUMP_LOG).exists()
+    else:
+        assert "injected dump failure" in text and "exit status 1" in text, text
     assert "resumed: the group runs as before the suspend" in text
-    assert not (work / "images" / criu.DUMP_LOG).exists()
 
 
 def test_the_check_verb_says_why_criu_is_unusable(work: Path) -> None:
