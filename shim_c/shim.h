@@ -131,14 +131,6 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_STAGING_DEPTH: pieces per bounce buffer (copies in flight
      * per thread + 1), 2..STAGING_DEPTH_MAX. */
     unsigned staging_depth;
-    /* SNAPSHOT_SHIM_STAGING_ACROSS_CHUNKS (default on): a thread queues the
-     * first copies of its next chunk while it finishes the last one, so that
-     * its bounce pipeline fills once per op; off, once per chunk. */
-    bool staging_across;
-    /* SNAPSHOT_SHIM_STAGING_TAIL_SHARES: once the rest of an op would give
-     * each thread fewer than this many chunks, chunks shrink to that share of
-     * it (default 2; 0: every chunk the op's size). */
-    unsigned staging_tail;
     /* SNAPSHOT_SHIM_STAGING_POPULATE_THREADS: SAVE threads that fault fresh
      * staging memory in ahead of the copies (0: the memcpy faults it). */
     unsigned staging_ahead;
@@ -827,7 +819,6 @@ struct staging_times {
     uint64_t pool_start_ns, populate_ns, register_ns, copy_ns, copy_wall_ns, unregister_ns,
         release_ns, memcpy_ns, chunks;
     uint64_t populated_chunks;  /* by the populate-ahead threads */
-    uint64_t fills;             /* times a thread's bounce pipeline started empty */
     unsigned threads;           /* workers started (none: the control thread works) */
     size_t chunk;               /* bytes per chunk, at most */
     unsigned spread;            /* chunks per thread the chunk was cut for */

@@ -27,18 +27,16 @@
  *    through its own pinned bounce buffer (SNAPSHOT_SHIM_STAGING_BOUNCE_MIB,
  *    cuMemHostAlloc once, kept for the life of the process) and memcpy's
  *    between it and the staging memory, the buffer cut in
- *    SNAPSHOT_SHIM_STAGING_DEPTH pieces (pipe_feed): the copy engine fills
+ *    SNAPSHOT_SHIM_STAGING_DEPTH pieces (bounce_copy): the copy engine fills
  *    or drains up to depth - 1 pieces while the thread memcpy's another, and
  *    the thread waits on a blocking-sync event, so that a waiting worker
  *    gives its CPU to the ones that memcpy and fault pages (on the H200 a
  *    SAVE of 8 GiB was CPU-bound: populate 2.7 + memcpy 2.0 of 5.1 thread-s
  *    in a 0.34 s op on 16 CPUs, against a 0.18 s copy). Why 4 by default
- *    and not 2: a pipeline starts with a copy that no memcpy overlaps and
- *    ends with a memcpy that no copy overlaps; with 2 MiB pieces instead of
- *    4 MiB halves those ends are half as long, and the 96 x 6 MiB shape
- *    (chunks of 9 MiB) lost a third of its time to them. The pipeline runs
- *    across a thread's chunks, so that it has those ends once per op, not
- *    once per chunk;
+ *    and not 2: each chunk's pipeline starts with a copy that no memcpy
+ *    overlaps and ends with a memcpy that no copy overlaps; with 2 MiB
+ *    pieces instead of 4 MiB halves those ends are half as long, and the
+ *    96 x 6 MiB shape (chunks of 9 MiB) lost a third of its time to them;
  *  - the fault-in of fresh staging memory is CPU work of the kernel that
  *    scales with threads (first touch 47 GB/s from 16 threads with THP, 1.7
  *    from one); SNAPSHOT_SHIM_STAGING_POPULATE_THREADS more threads can do
@@ -122,9 +120,7 @@ struct task {
 struct staging {
     bool to_host;
     bool populated;             /* SAVE into memory already faulted in (resident) */
-    size_t chunk;               /* the largest */
-    uint64_t total, added;      /* bytes of the op, and of the copies queued so far */
-    size_t cap;                 /* the open task's size, at most (tail_chunk) */
+    size_t chunk;
     /* Written by the producer only; a task is read by workers only once
      * published (under lock). */
     struct segment *segs;
@@ -280,15 +276,6 @@ static bool has_failed(struct staging *s)
 }
 
 /* ------------------------------------------------------------ a worker */
-/* One piece in a worker's bounce pipeline: `n` bytes at `at` of claimed task
- * `k`, whose copy is queued through the bounce slot of the same index;
- * `last` when it ends the task, whose end is then this piece's. */
-struct piece {
-    struct task k;
-    size_t at, n;
-    bool last;
-};
-
 struct worker {
     unsigned slot;              /* its bounce buffer */
     CUcontext ctx;
@@ -297,13 +284,6 @@ struct worker {
     /* One per piece of the bounce buffer: recorded after that piece's
      * copies, waited for (blocking, not spinning) before it is touched again. */
     CUevent done[STAGING_DEPTH_MAX];
-    /* The pieces whose copies are queued, oldest first: ring[(head + i) %
-     * depth] for i < queued, each in the bounce slot of its ring index. They
-     * may belong to several tasks: the pipeline runs across the worker's
-     * chunks (SNAPSHOT_SHIM_STAGING_ACROSS_CHUNKS). */
-    struct piece ring[STAGING_DEPTH_MAX];
-    unsigned head, queued;
-    bool busy;                  /* counted in the pool's copy wall (copy_begin) */
     bool dirtied;               /* its bounce buffer holds bytes a SAVE copied out */
     struct staging_times t;     /* this thread's, added to the pool's at the end */
 };
@@ -546,136 +526,70 @@ static void timed_memcpy(struct worker *w, char *to, const char *from, size_t n)
     w->t.memcpy_ns += shim_now_ns() - t0;
 }
 
-/* The end of a claimed task: its bytes count when `copied`, in this one
- * place; the pool is idle once no task is claimed and none is published. */
-static void task_done(struct staging *s, struct worker *w, const struct task *k, bool copied)
-{
-    if (copied) {
-        __atomic_fetch_add(&g.phase_bytes_done, (uint64_t)k->len, __ATOMIC_RELAXED);
-        w->t.chunks++;
-    }
-    pthread_mutex_lock(&s->lock);
-    if (--s->inflight == 0 && s->next == s->published)
-        pthread_cond_broadcast(&s->idle);
-    pthread_mutex_unlock(&s->lock);
-}
-
-/* The pool's copy wall counts the time some worker has a piece queued. */
-static void pipe_busy(struct staging *s, struct worker *w)
-{
-    if (!w->busy) {
-        copy_begin(s);
-        w->t.fills++;
-    }
-    w->busy = true;
-}
-
-static void pipe_idle(struct staging *s, struct worker *w)
-{
-    if (w->busy)
-        copy_end(s);
-    w->busy = false;
-}
-
-/* After an error: nothing may still write into (or read from) the bounce
- * buffer, and every task whose last piece was queued ends uncopied. */
-static void pipe_abort(struct staging *s, struct worker *w)
+/* One chunk through the bounce buffer, cut in `depth` pieces
+ * (SNAPSHOT_SHIM_STAGING_DEPTH, 2 by default: double-buffered): piece j of
+ * the chunk goes through slot j % depth, so that the copy engine moves up to
+ * depth - 1 pieces while this thread memcpy's another. SAVE: the copies of
+ * pieces j .. j + depth - 1 are queued before piece j is memcpy'd out (that
+ * memcpy faults the fresh staging pages in as it writes them, each 2 MiB
+ * page zeroed just before it is written: no pass of its own); LOAD: piece j
+ * is memcpy'd in once the copy of piece j - depth (the same slot) is done,
+ * then queued. On any error the stream is drained before returning: the
+ * bounce buffer is never left with a copy in flight. */
+static int bounce_copy(struct staging *s, struct worker *w, const struct task *k)
 {
     unsigned depth = shim_settings()->staging_depth;
-
-    if (w->queued) {
-        CUresult r = real.cuStreamSynchronize(w->stream);
-        if (r != CUDA_SUCCESS)
-            cu_fail(s, &s->segs[w->ring[w->head].k.seg0], "cuStreamSynchronize", r);
-    }
-    for (; w->queued; w->queued--, w->head = (w->head + 1) % depth)
-        if (w->ring[w->head].last)
-            task_done(s, w, &w->ring[w->head].k, false);
-    pipe_idle(s, w);
-}
-
-/* The oldest queued piece, once its copy is done: SAVE memcpy's it out of
- * the bounce slot (faulting the fresh staging pages in as it writes them,
- * each 2 MiB page zeroed just before it is written: no pass of its own);
- * LOAD only frees the slot. The piece that ends a task ends it. */
-static int pipe_pop(struct staging *s, struct worker *w, const char *buf)
-{
-    unsigned depth = shim_settings()->staging_depth;
-    size_t size = shim_settings()->staging_bounce / depth;
-    struct piece *p = &w->ring[w->head];
-
-    if (piece_wait(s, w, &p->k, w->done[w->head]) != 0)
-        return -1;
-    if (s->to_host)
-        timed_memcpy(w, p->k.host + p->at, buf + (size_t)w->head * size, p->n);
-    if (p->last)
-        task_done(s, w, &p->k, true);
-    w->head = (w->head + 1) % depth;
-    if (--w->queued == 0)
-        pipe_idle(s, w);
-    return 0;
-}
-
-/* Every queued piece through; on an error the rest is aborted. */
-static void pipe_drain(struct staging *s, struct worker *w)
-{
-    struct bounce *b = &bounces[w->slot];
-
-    while (w->queued)
-        if (pipe_pop(s, w, b->p) != 0) {
-            pipe_abort(s, w);
-            return;
-        }
-}
-
-/* One chunk into the worker's bounce pipeline, cut in pieces of a bounce
- * slot each (SNAPSHOT_SHIM_STAGING_DEPTH slots, 4 by default): the copy
- * engine moves up to depth - 1 pieces while this thread memcpy's another.
- * SAVE queues each piece's copy into a free slot, and when none is free
- * first memcpy's the oldest piece out; LOAD memcpy's each piece into a free
- * slot, waiting first for the oldest piece's copy when none is, then queues
- * its copy. The pieces still queued when the chunk is all queued stay
- * queued: the next chunk's first copies go in behind them, so that its
- * pipeline does not start empty, a copy that no memcpy overlaps (on the
- * H200 a fifth of each thread's time for 96 x 6 MiB SAVE, chunks of 4 MiB).
- * The task ends when its last piece does (pipe_pop). */
-static void pipe_feed(struct staging *s, struct worker *w, const struct task *k)
-{
-    unsigned depth = shim_settings()->staging_depth;
-    size_t size = shim_settings()->staging_bounce / depth;
+    size_t piece = shim_settings()->staging_bounce / depth;
     char *buf = bounce_get(s, w, &s->segs[k->seg0]);
+    size_t pieces, j, queued = 0;
     struct cursor c = {0, 0};
+    int rc = 0;
     uint64_t t0;
 
     if (!buf)
-        goto fail;
+        return -1;
     w->dirtied = w->dirtied || s->to_host;
-    for (size_t at = 0, n; at < k->len; at += n) {
-        unsigned i;
-        char *slot;
-        int rc;
-
-        n = k->len - at < size ? k->len - at : size;
-        if (w->queued == depth && pipe_pop(s, w, buf) != 0)
-            goto fail;
-        i = (w->head + w->queued) % depth;
-        slot = buf + (size_t)i * size;
-        pipe_busy(s, w);
-        if (!s->to_host)
-            timed_memcpy(w, slot, k->host + at, n);
+    pieces = (k->len + piece - 1) / piece;
+    copy_begin(s);
+    for (j = 0; j < pieces && rc == 0; j++) {
+        size_t at = j * piece, n = k->len - at < piece ? k->len - at : piece;
+        char *slot = buf + (j % depth) * piece;
+        if (s->to_host) {
+            /* Slot q % depth is free once piece q - depth was memcpy'd out. */
+            for (; queued < pieces && queued < j + depth && rc == 0; queued++) {
+                size_t qat = queued * piece, qn = k->len - qat < piece ? k->len - qat : piece;
+                t0 = shim_now_ns();
+                rc = piece_dma(s, w, k, &c, buf + (queued % depth) * piece, qn,
+                               w->done[queued % depth]);
+                w->t.copy_ns += shim_now_ns() - t0;
+            }
+            if (rc != 0 || piece_wait(s, w, k, w->done[j % depth]) != 0) {
+                rc = -1;
+                break;
+            }
+            timed_memcpy(w, k->host + at, slot, n);
+            continue;
+        }
+        if (j >= depth && piece_wait(s, w, k, w->done[j % depth]) != 0) {
+            rc = -1;
+            break;
+        }
+        timed_memcpy(w, slot, k->host + at, n);
         t0 = shim_now_ns();
-        rc = piece_dma(s, w, k, &c, slot, n, w->done[i]);
+        rc = piece_dma(s, w, k, &c, slot, n, w->done[j % depth]);
         w->t.copy_ns += shim_now_ns() - t0;
-        if (rc != 0)
-            goto fail;
-        w->ring[i] = (struct piece){*k, at, n, at + n == k->len};
-        w->queued++;
     }
-    return;
-fail:
-    /* This task's pieces queued so far are not `last`: it ends here. */
-    pipe_abort(s, w);
-    task_done(s, w, k, false);
+    if (rc == 0 && !s->to_host)
+        for (j = pieces > depth ? pieces - depth : 0; j < pieces && rc == 0; j++)
+            rc = piece_wait(s, w, k, w->done[j % depth]);
+    if (rc != 0) {
+        /* Nothing may still write into (or read from) the buffer. */
+        CUresult r = real.cuStreamSynchronize(w->stream);
+        if (r != CUDA_SUCCESS)
+            cu_fail(s, &s->segs[k->seg0], "cuStreamSynchronize", r);
+    }
+    copy_end(s);
+    return rc;
 }
 
 /* One chunk registered in place: [populate,] register, every segment's
@@ -720,17 +634,14 @@ static int pinned_copy(struct staging *s, struct worker *w, const struct task *k
     return r == CUDA_SUCCESS ? 0 : -1;
 }
 
-/* One claimed copy task: registered in place it is copied and over on
- * return; through the bounce buffer it goes into the pipeline. */
+/* One chunk, either way; its bytes are accounted here and only here. */
 static void run_copy(struct staging *s, struct worker *w, const struct task *k)
 {
     uint64_t t0;
+    int rc;
 
-    /* One stream per context: the pipeline empties before a switch. */
-    if (w->entered && w->ctx != k->ctx)
-        pipe_drain(s, w);
-    if (has_failed(s) || worker_use(s, w, k->ctx) != 0)
-        goto fail;
+    if (worker_use(s, w, k->ctx) != 0)
+        return;
     /* Through the bounce buffers the memcpy faults the pages in; only a
      * registration in place (or SNAPSHOT_SHIM_STAGING_PREFAULT=1) needs them
      * populated first. */
@@ -741,18 +652,16 @@ static void run_copy(struct staging *s, struct worker *w, const struct task *k)
             int e = errno;
             stage_fail(s, &s->segs[k->seg0],
                        "madvise(MADV_POPULATE_WRITE) failed: %s (errno %d)", strerror(e), e);
-            goto fail;
+            return;
         }
         w->t.populate_ns += shim_now_ns() - t0;
     }
-    if (shim_settings()->staging_bounce) {
-        pipe_feed(s, w, k);
+    rc = shim_settings()->staging_bounce ? bounce_copy(s, w, k) : pinned_copy(s, w, k);
+    if (rc != 0)
         return;
-    }
-    task_done(s, w, k, pinned_copy(s, w, k) == 0);
-    return;
-fail:
-    task_done(s, w, k, false);
+    /* The one place where copied bytes are accounted. */
+    __atomic_fetch_add(&g.phase_bytes_done, (uint64_t)k->len, __ATOMIC_RELAXED);
+    w->t.chunks++;
 }
 
 /* Give the pages of a staged copy back to the kernel (the mapping itself is
@@ -785,10 +694,11 @@ static void await_populated(struct staging *s, uint32_t i)
                    i, s->tasks[i].len, POPULATE_WAIT_S, strerror(e));
 }
 
-/* Claim the next published task; false when none is. Called with s->lock
- * held. */
-static bool claim(struct staging *s, struct task *k)
+/* Take one published task and run it; false when none is ready. Called
+ * with s->lock held; returns with it held. */
+static bool take_one(struct staging *s, struct worker *w)
 {
+    struct task k;
     uint32_t i;
 
     if (s->next == s->published)
@@ -804,37 +714,18 @@ static bool claim(struct staging *s, struct task *k)
         s->tasks[i].pop = POP_COPYING;
     else if (s->tasks[i].pop == POP_BUSY)
         await_populated(s, i);
-    *k = s->tasks[i];
-    return true;
-}
-
-/* Run published tasks until none is left and the worker's pipeline is
- * empty. Called with s->lock held; returns with it held. With
- * SNAPSHOT_SHIM_STAGING_ACROSS_CHUNKS=0 the pipeline empties before each
- * claim, so that every chunk fills it anew. */
-static void work(struct staging *s, struct worker *w)
-{
-    bool across = shim_settings()->staging_across;
-    struct task k;
-
-    for (;;) {
-        bool got = (across || !w->queued) && claim(s, &k);
-
-        if (!got && !w->queued)
-            return;
-        pthread_mutex_unlock(&s->lock);
-        if (!got)
-            pipe_drain(s, w);
-        else if (has_failed(s))
-            task_done(s, w, &k, false); /* the queue drains without running */
-        else if (k.kind == TASK_COPY)
+    k = s->tasks[i];
+    pthread_mutex_unlock(&s->lock);
+    if (!has_failed(s)) {
+        if (k.kind == TASK_COPY)
             run_copy(s, w, &k);
-        else {
+        else
             run_release(w, &k);
-            task_done(s, w, &k, false);
-        }
-        pthread_mutex_lock(&s->lock);
     }
+    pthread_mutex_lock(&s->lock);
+    if (--s->inflight == 0 && s->next == s->published)
+        pthread_cond_broadcast(&s->idle);
+    return true;
 }
 
 static void worker_done(struct staging *s, struct worker *w)
@@ -848,7 +739,6 @@ static void worker_done(struct staging *s, struct worker *w)
     s->t.release_ns += w->t.release_ns;
     s->t.memcpy_ns += w->t.memcpy_ns;
     s->t.chunks += w->t.chunks;
-    s->t.fills += w->t.fills;
     pthread_mutex_unlock(&s->lock);
 }
 
@@ -861,7 +751,8 @@ static void *pool_worker(void *arg)
     pthread_mutex_lock(&s->lock);
     w.slot = s->slots++;
     for (;;) {
-        work(s, &w);
+        if (take_one(s, &w))
+            continue;
         if (s->closing)
             break;
         pthread_cond_wait(&s->more, &s->lock);
@@ -928,9 +819,6 @@ static void *pool_populator(void *arg)
  * MiB loaded at 41.9-43.1 GB/s with 4 against 40.0 with 8. */
 #define SAVE_SPREAD 8u
 #define LOAD_SPREAD 4u
-/* The smallest chunk an op cuts (one cut by an allocation's end may be
- * smaller). */
-#define CHUNK_MIN ((size_t)1 << 20)
 
 /* Chunk size for a phase of `total` bytes: the setting, but small enough
  * that every thread gets about `spread` chunks
@@ -941,34 +829,10 @@ static void *pool_populator(void *arg)
 static size_t pick_chunk(uint64_t total, unsigned threads, unsigned spread, size_t setting)
 {
     uint64_t even = total / ((uint64_t)threads * spread) >> 20 << 20;
-    size_t floor = CHUNK_MIN;
+    size_t floor = (size_t)1 << 20;
     if (even < floor)
         even = floor;
     return even < setting ? (size_t)even : setting;
-}
-
-/* The size of the next chunk when `remaining` bytes are still to be queued:
- * the op's chunk until the rest would give each thread fewer than `shares`
- * (SNAPSHOT_SHIM_STAGING_TAIL_SHARES, 2 by default) of them, then 1 / (shares
- * x threads) of the rest, in whole MiB (so that a chunk stays page-aligned
- * for the populate), down to 1 MiB.
- * Chunks are taken in order, so the last ones are the smallest: the threads
- * end within a small chunk of each other instead of a large one (an op's
- * last round left threads idle for up to a chunk, 64 MiB at 1.3 GB/s per
- * thread in an 8 GiB SAVE). The pipeline runs across chunks, so a small one
- * costs only its claim. */
-static size_t tail_chunk(const struct staging *s, uint64_t remaining)
-{
-    uint64_t threads = s->started ? s->started : 1;
-    unsigned shares = shim_settings()->staging_tail;
-    uint64_t share;
-
-    if (!shares)
-        return s->chunk;
-    share = remaining / (shares * threads) >> 20 << 20;
-    if (share < CHUNK_MIN)
-        share = CHUNK_MIN;
-    return share < s->chunk ? (size_t)share : s->chunk;
 }
 
 struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint32_t items,
@@ -994,17 +858,14 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
         goto oom;
     s->to_host = to_host;
     s->populated = populated;
-    s->total = total;
     s->t.spread = cfg->staging_spread ? cfg->staging_spread
                                       : to_host ? SAVE_SPREAD : LOAD_SPREAD;
     s->chunk = pick_chunk(total, cfg->copy_threads, s->t.spread, cfg->copy_chunk);
-    /* Every copy task is as long as its cap, at least CHUNK_MIN (or the
-     * chunk, if smaller), except one that an item's end cut or the last;
-     * every chunk boundary cuts at most one segment, every item starts at
+    /* Every chunk boundary cuts at most one segment, every item starts at
      * most one task. The release tasks that follow the copies are at most a
      * chunk each over the items' host slices (each its size rounded up to a
-     * page): no more than `pieces` + `items`. */
-    pieces = total / (s->chunk < CHUNK_MIN ? s->chunk : CHUNK_MIN) + 2 * (uint64_t)items + 2;
+     * page, a chunk at least 1 MiB): no more than `pieces` + `items`. */
+    pieces = total / s->chunk + 2 * (uint64_t)items + 2;
     if (pieces > UINT32_MAX / 3)
         goto oom;
     s->cap_segs = (uint32_t)pieces;
@@ -1109,19 +970,17 @@ int staging_add(struct staging *s, const struct obj *o, char *host, CUdeviceptr 
             k->seg0 = s->nsegs;
             k->ctx = ctx;
             s->open = true;
-            s->cap = tail_chunk(s, s->total > s->added ? s->total - s->added : 0);
         }
         if (s->nsegs == s->cap_segs)
             return -1;
         take = o->size - done;
-        if (take > s->cap - k->len)
-            take = s->cap - k->len;
+        if (take > s->chunk - k->len)
+            take = s->chunk - k->len;
         s->segs[s->nsegs++] = (struct segment){host + done, dev + done, take, o, done};
         k->nseg++;
         k->len += take;
         done += take;
-        s->added += take;
-        if (k->len == s->cap)
+        if (k->len == s->chunk)
             publish(s);
     }
     return 0;
@@ -1162,8 +1021,8 @@ int staging_wait(struct staging *s, char *msg, size_t n)
     /* With no worker started (pthread_create failed) the control thread does
      * it all, with slot 0; otherwise it only waits, so that the same slots,
      * and so the same bounce buffers, serve every op. */
-    if (s->started == 0)
-        work(s, &w);
+    while (s->started == 0 && take_one(s, &w))
+        ;
     while (s->inflight > 0 || s->next != s->published)
         pthread_cond_wait(&s->idle, &s->lock);
     pthread_mutex_unlock(&s->lock);

@@ -27,7 +27,7 @@ import pytest
 from cuinterpose.demo import Worker
 from cuinterpose.engine import wire
 
-from tests import simenv, snippet
+from tests import snippet
 from tests.shim import shimenv
 from tests.shim.test_control import CAPTURE, RESTORE, Shim, native_checkpoint_restore
 from tests.simenv import Spawn
@@ -91,31 +91,15 @@ def settings(log: str, op: str) -> tuple[int, int, int, int, int]:
 SPREAD = {"SAVE_ALLOCATIONS": 8, "LOAD_ALLOCATIONS": 4}
 
 
-# The shares of the rest per thread below which an op's chunks shrink (staging.c).
-TAIL_SHARES = 2
-
-
 def chunking(
-    total: int,
-    threads: int,
-    setting_mib: int,
-    spread: int = SPREAD["SAVE_ALLOCATIONS"],
-    tail: int = TAIL_SHARES,
+    total: int, threads: int, setting_mib: int, spread: int = SPREAD["SAVE_ALLOCATIONS"]
 ) -> tuple[int, int, int]:
     """(chunks, chunk MiB, workers) the pool uses for `total` bytes of allocations that
-    lie back to back in host memory (staging.c's pick_chunk and tail_chunk): every
-    thread gets about ``spread`` chunks, never below 1 MiB nor above the setting; once
-    the rest would give each worker fewer than TAIL_SHARES chunks, each is that share
-    of the rest per worker, in whole MiB, at least 1 (``tail`` 0: never)."""
+    lie back to back in host memory (staging.c's pick_chunk): every thread gets about
+    ``spread`` chunks, never below 1 MiB nor above the setting."""
     chunk_mib = min(setting_mib, max(1, total // (threads * spread) // MIB))
-    chunk = chunk_mib * MIB
-    workers = min(threads, -(-total // chunk))
-    chunks = added = 0
-    while added < total:
-        share = max(MIB, (total - added) // (tail * workers) // MIB * MIB) if tail else chunk
-        added += min(chunk, share, total - added)
-        chunks += 1
-    return chunks, chunk_mib, workers
+    chunks = -(-total // (chunk_mib * MIB))
+    return chunks, chunk_mib, min(threads, chunks)
 
 
 def default_threads() -> int:
@@ -192,9 +176,6 @@ def test_multi_chunk_cycle(
         ("SNAPSHOT_SHIM_TIMING", "2", "neither 0 nor 1"),
         ("SNAPSHOT_SHIM_STAGING_RESIDENT_MIB", "-1", "a size in MiB in [0, 4194304]"),
         ("SNAPSHOT_SHIM_STAGING_RESIDENT_MIB", "4194305", "a size in MiB in [0, 4194304]"),
-        ("SNAPSHOT_SHIM_STAGING_ACROSS_CHUNKS", "yes", "neither 0 nor 1"),
-        ("SNAPSHOT_SHIM_STAGING_TAIL_SHARES", "65", "a number of chunks in [0, 64]"),
-        ("SNAPSHOT_SHIM_STAGING_TAIL_SHARES", "-1", "a number of chunks in [0, 64]"),
     ],
 )
 def test_bad_setting_refused(
@@ -206,15 +187,12 @@ def test_bad_setting_refused(
     make_shared(creator, [2], seed=7)
     log = plain_cycle(control_dir, creator)
     if what.startswith("neither"):
-        default = 1 if name.endswith(("THP", "STAGE_PRIVATE", "ACROSS_CHUNKS")) else 0
+        default = 1 if name.endswith(("THP", "STAGE_PRIVATE")) else 0
         assert f"{name}={value} is {what}; using {default}" in log, log
         assert "cuinterpose-timing" not in log  # timing off by default
         return
     if name.endswith("RESIDENT_MIB"):
         assert f"{name}={value} is not {what}; using 0" in log, log
-        return
-    if name.endswith("TAIL_SHARES"):
-        assert f"{name}={value} is not {what}; using {TAIL_SHARES}" in log, log
         return
     default = default_threads() if name.endswith("THREADS") else 64
     assert f"{name}={value} is not {what}; using {default}" in log, log
@@ -289,8 +267,6 @@ def timing_lines(log: str) -> dict[str, dict[str, object]]:
         (16, {}),
         (1, {"DEPTH": "2", "POPULATE_THREADS": "2"}),
         (1, {"CHUNKS_PER_THREAD": "2"}),
-        (1, {"ACROSS_CHUNKS": "0"}),
-        (1, {"TAIL_SHARES": "0"}),
     ],
     ids=[
         "registered-in-place",
@@ -298,8 +274,6 @@ def timing_lines(log: str) -> dict[str, dict[str, object]]:
         "bounce-16MiB",
         "bounce-1MiB-depth2-populate2",
         "bounce-1MiB-2-chunks-per-thread",
-        "bounce-1MiB-pipeline-per-chunk",
-        "bounce-1MiB-no-tail",
     ],
 )
 def test_many_small_and_a_few_large(
@@ -319,9 +293,7 @@ def test_many_small_and_a_few_large(
     allocation), 16 MiB ones (one piece per chunk, spanning the small neighbours that share
     it); 1 MiB ones double-buffered (halves of 512 KiB) with two threads faulting the staging
     memory in ahead of the copies. SAVE cuts about 8 chunks per thread, LOAD 4; the setting
-    gives both the same. The op's last chunks shrink (TAIL_SHARES=0: they do not). A
-    thread's bounce pipeline runs across its chunks; with ACROSS_CHUNKS=0 it starts empty
-    for every chunk."""
+    gives both the same."""
     creator = spawn(
         extra={
             **{f"SNAPSHOT_SHIM_STAGING_{k}": v for k, v in pipeline.items()},
@@ -349,8 +321,7 @@ def test_many_small_and_a_few_large(
     for op in ("SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS"):
         chunks, chunk_mib, _, used, _ = settings(log, op)
         spread = int(pipeline.get("CHUNKS_PER_THREAD", SPREAD[op]))
-        tail = int(pipeline.get("TAIL_SHARES", TAIL_SHARES))
-        assert (chunks, chunk_mib, used) == chunking(total, 3, 3, spread, tail), log
+        assert (chunks, chunk_mib, used) == chunking(total, 3, 3, spread), log
         # Fewer than if every allocation were cut on its own.
         assert chunks < sum(-(-n * gran // (chunk_mib * MIB)) for n in sizes)
         t = timing[op]
@@ -363,67 +334,19 @@ def test_many_small_and_a_few_large(
         assert t["depth"] == int(pipeline.get("DEPTH", "4"))
         assert t["populate_threads"] == int(pipeline.get("POPULATE_THREADS", "0"))
         assert t["chunks_per_thread"] == int(pipeline.get("CHUNKS_PER_THREAD", SPREAD[op]))
-        assert t["tail_shares"] == tail
         per_thread = t["thread_s"]
         assert isinstance(per_thread, dict)
         assert float(per_thread["copy"]) > 0
-        across = pipeline.get("ACROSS_CHUNKS", "1") == "1"
-        assert t["across_chunks"] is across
-        fills = int(t["pipeline_fills"])  # type: ignore[call-overload]
         if bounce_mib:
-            assert fills == chunks if not across else 1 <= fills <= chunks
             assert float(per_thread["memcpy"]) > 0 and float(per_thread["unregister"]) == 0
             pinned_now = float(per_thread["register"]) > 0
             assert pinned_now == (op == "SAVE_ALLOCATIONS")  # kept for LOAD
         else:
-            assert fills == 0  # no pipeline: each chunk is registered and copied whole
             assert float(per_thread["register"]) > 0 and float(per_thread["unregister"]) > 0
             assert float(per_thread["memcpy"]) == 0
     # LOAD gave the staged pages back (in the pool) before unmapping them.
     assert float(timing["LOAD_ALLOCATIONS"]["thread_s"]["release"]) > 0  # type: ignore[index]
     assert "warning" not in log
-
-
-@pytest.mark.skipif(not simenv.is_simulated(), reason="CUINTERPOSE_SIM_WORK_US is the simulator's")
-@pytest.mark.parametrize("across", [True, False], ids=["across-chunks", "per-chunk"])
-@pytest.mark.threads  # make tsan
-def test_the_bounce_pipeline_runs_across_a_threads_chunks(
-    spawn: Spawn, control_dir: Path, sim_namespace: str, across: bool
-) -> None:
-    """One copy thread, 1 MiB chunks in 256 KiB pieces, every queued copy 2 ms long: the
-    thread queues its next chunk's first copies behind the last ones of the chunk before,
-    so that its pipeline starts empty a few times per op, not once per chunk (the chunks
-    are all published within the first chunk's copies). Cut at every chunk
-    (ACROSS_CHUNKS=0) it starts empty for each. The bytes survive either way."""
-    creator = spawn(
-        extra={
-            "CUINTERPOSE_SIM_WORK_US": "2000",
-            "SNAPSHOT_SHIM_COPY_CHUNK_MIB": "1",
-            "SNAPSHOT_SHIM_COPY_THREADS": "1",
-            "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB": "1",
-            "SNAPSHOT_SHIM_STAGING_ACROSS_CHUNKS": "1" if across else "0",
-            "SNAPSHOT_SHIM_TIMING": "1",
-        }
-    )
-    sizes = [1, 2, 1, 3, 1]
-    gran = make_shared(creator, sizes, seed=4242)
-    c = Shim(control_dir, creator.pid)
-    for op in CAPTURE:
-        c.ok(op)
-    assert native_checkpoint_restore(spawn, sim_namespace, [creator.pid]) == [2]
-    for op in RESTORE:
-        c.ok(op)
-    assert intact(creator)
-    timing = timing_lines(finish(creator))
-    for op in ("SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS"):
-        t = timing[op]
-        chunks = int(t["chunks"])  # type: ignore[call-overload]
-        assert chunks == sum(sizes) * gran // MIB, t
-        fills = int(t["pipeline_fills"])  # type: ignore[call-overload]
-        if across:
-            assert 1 <= fills <= chunks // 4, (op, t)
-        else:
-            assert fills == chunks, (op, t)
 
 
 def test_read_only_mapping_copies_through_a_temporary_one(spawn: Spawn, control_dir: Path) -> None:
