@@ -551,24 +551,9 @@ static void uncreate(struct item *it)
  * ones still finish (and stay live), the failed one is undone (*retry: out
  * of memory). A failed copy undoes every item of the op (FAILED). Staged
  * bytes are given back only when `!keep` and the item is live. */
-/* Queue the copy of a made item; on failure (an internal bound is wrong) the
- * item is undone. */
-static int queue_one(struct staging *s, struct item *it, char *msg, size_t n)
-{
-    char ignored[MSG_LEN];
-
-    if (staging_add(s, it->o, it->o->host, it->va, it->o->ctx) == 0)
-        return 0;
-    snprintf(msg, n, "the staging queue is full (an internal bound is wrong)");
-    drop_va(it, ignored, sizeof ignored);
-    uncreate(it);
-    return -1;
-}
-
 static int load_items(struct item *items, uint32_t count, uint64_t total, bool keep,
                       struct stats *st, bool *retry, char *msg, size_t n)
 {
-    bool overlap = shim_settings()->staging_load_overlap;
     struct staging *s = staging_start(false, false, total, count, msg, n);
     uint32_t made = 0;
     int produce_rc = 0, copy_rc;
@@ -592,25 +577,12 @@ static int load_items(struct item *items, uint32_t count, uint64_t total, bool k
         shim_ctx_leave(pushed);
         if (produce_rc != 0)
             break;
-        if (overlap && queue_one(s, it, msg, n) != 0) {
+        if (staging_add(s, it->o, it->o->host, it->va, it->o->ctx) != 0) {
+            snprintf(msg, n, "the staging queue is full (an internal bound is wrong)");
+            drop_va(it, copy_msg, sizeof copy_msg);
+            uncreate(it);
             produce_rc = -1;
             break;
-        }
-    }
-    /* SNAPSHOT_SHIM_STAGING_LOAD_OVERLAP=0: every allocation made before any copy
-     * starts, so that no copy in flight slows the driver's VMM calls. */
-    if (!overlap) {
-        uint32_t queued = 0;
-        while (queued < made && queue_one(s, &items[queued], msg, n) == 0)
-            queued++;
-        if (queued < made) { /* items[queued] is undone; those after it were never queued */
-            for (uint32_t i = queued + 1; i < made; i++) {
-                drop_va(&items[i], copy_msg, sizeof copy_msg);
-                uncreate(&items[i]);
-            }
-            made = queued;
-            *retry = false;
-            produce_rc = -1;
         }
     }
     if (produce_rc != 0)

@@ -72,7 +72,6 @@
 #define STAGE_PRIVATE_ENV "SNAPSHOT_SHIM_STAGE_PRIVATE"
 #define STAGING_PREFAULT_ENV "SNAPSHOT_SHIM_STAGING_PREFAULT"
 #define STAGING_DEPTH_ENV "SNAPSHOT_SHIM_STAGING_DEPTH"
-#define STAGING_LOAD_OVERLAP_ENV "SNAPSHOT_SHIM_STAGING_LOAD_OVERLAP"
 #define STAGING_AHEAD_ENV "SNAPSHOT_SHIM_STAGING_POPULATE_THREADS"
 #define STAGING_SPREAD_ENV "SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD"
 #define STAGING_BOUNCE_KEEP_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP"
@@ -227,7 +226,6 @@ static void settings_load(void)
     s->staging_prefault = env_bool(STAGING_PREFAULT_ENV, false);
     s->staging_depth = (unsigned)env_count(STAGING_DEPTH_ENV, 2, STAGING_DEPTH_MAX,
                                            DEPTH_DEFAULT, "a number of bounce pieces");
-    s->staging_load_overlap = env_bool(STAGING_LOAD_OVERLAP_ENV, true);
     s->staging_ahead = (unsigned)env_count(STAGING_AHEAD_ENV, 0, THREADS_MAX, 0,
                                            "a thread count");
     s->staging_spread = (unsigned)env_count(STAGING_SPREAD_ENV, 1, 64, 0, "a number of chunks");

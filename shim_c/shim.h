@@ -131,10 +131,6 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_STAGING_DEPTH: pieces per bounce buffer (copies in flight
      * per thread + 1), 2..STAGING_DEPTH_MAX. */
     unsigned staging_depth;
-    /* SNAPSHOT_SHIM_STAGING_LOAD_OVERLAP (default on): LOAD copies the
-     * allocations it has re-created while it re-creates the next; off, it
-     * re-creates them all first. */
-    bool staging_load_overlap;
     /* SNAPSHOT_SHIM_STAGING_POPULATE_THREADS: SAVE threads that fault fresh
      * staging memory in ahead of the copies (0: the memcpy faults it). */
     unsigned staging_ahead;

@@ -176,7 +176,6 @@ def test_multi_chunk_cycle(
         ("SNAPSHOT_SHIM_TIMING", "2", "neither 0 nor 1"),
         ("SNAPSHOT_SHIM_STAGING_RESIDENT_MIB", "-1", "a size in MiB in [0, 4194304]"),
         ("SNAPSHOT_SHIM_STAGING_RESIDENT_MIB", "4194305", "a size in MiB in [0, 4194304]"),
-        ("SNAPSHOT_SHIM_STAGING_LOAD_OVERLAP", "yes", "neither 0 nor 1"),
     ],
 )
 def test_bad_setting_refused(
@@ -188,7 +187,7 @@ def test_bad_setting_refused(
     make_shared(creator, [2], seed=7)
     log = plain_cycle(control_dir, creator)
     if what.startswith("neither"):
-        default = 1 if name.endswith(("THP", "STAGE_PRIVATE", "LOAD_OVERLAP")) else 0
+        default = 1 if name.endswith(("THP", "STAGE_PRIVATE")) else 0
         assert f"{name}={value} is {what}; using {default}" in log, log
         assert "cuinterpose-timing" not in log  # timing off by default
         return
@@ -268,7 +267,6 @@ def timing_lines(log: str) -> dict[str, dict[str, object]]:
         (16, {}),
         (1, {"DEPTH": "2", "POPULATE_THREADS": "2"}),
         (1, {"CHUNKS_PER_THREAD": "2"}),
-        (1, {"LOAD_OVERLAP": "0"}),
     ],
     ids=[
         "registered-in-place",
@@ -276,7 +274,6 @@ def timing_lines(log: str) -> dict[str, dict[str, object]]:
         "bounce-16MiB",
         "bounce-1MiB-depth2-populate2",
         "bounce-1MiB-2-chunks-per-thread",
-        "bounce-1MiB-load-makes-all-first",
     ],
 )
 def test_many_small_and_a_few_large(
@@ -296,8 +293,7 @@ def test_many_small_and_a_few_large(
     allocation), 16 MiB ones (one piece per chunk, spanning the small neighbours that share
     it); 1 MiB ones double-buffered (halves of 512 KiB) with two threads faulting the staging
     memory in ahead of the copies. SAVE cuts about 8 chunks per thread, LOAD 4; the setting
-    gives both the same. LOAD copies what it re-created while it re-creates the rest, or
-    (LOAD_OVERLAP=0) re-creates everything first."""
+    gives both the same."""
     creator = spawn(
         extra={
             **{f"SNAPSHOT_SHIM_STAGING_{k}": v for k, v in pipeline.items()},

@@ -309,19 +309,16 @@ del HOG[:{count}]
 """
 
 
-@pytest.mark.parametrize("overlap", ["1", "0"], ids=["copies-beside", "all-made-first"])
 @pytest.mark.parametrize("then", ["retry", "rollback"])
 def test_out_of_memory_at_load_answers_retry(
-    spawn: Spawn, control_dir: Path, sim_namespace: str, then: str, overlap: str
+    spawn: Spawn, control_dir: Path, sim_namespace: str, then: str
 ) -> None:
     """The creator's two allocations are torn down; the others load theirs, then the
     device is filled but for room for one. LOAD re-creates the first, answers RETRY
     for the second (naming the call and the allocation) and stays PREPARED; once
     memory is free, a retried LOAD loads only the second and the restore finishes, or
-    a rollback brings everything back. The same whether LOAD copies what it made while
-    it makes the rest or makes everything first (SNAPSHOT_SHIM_STAGING_LOAD_OVERLAP=0)."""
-    extra = {**SMALL, "SNAPSHOT_SHIM_STAGING_LOAD_OVERLAP": overlap}
-    team = build_team(spawn, control_dir, extra=extra)
+    a rollback brings everything back."""
+    team = build_team(spawn, control_dir, extra=SMALL)
     c = team.workers[0]
     c(
         """
