@@ -110,16 +110,13 @@ def shim_drivers(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> Driv
 
 def pid_exists(pid: int, proc_root: Path | None = None) -> bool:
     """Whether ``pid`` names a process (under ``proc_root`` when the coordinator sees the
-    processes through another /proc)."""
+    processes through another /proc; else in the coordinator's pid namespace, as the
+    transport asks before it waits for a socket to heal)."""
     if proc_root is not None:
         return (Path(proc_root) / str(pid)).exists()
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, owned by another user
-    return True
+    from .client import pid_visible
+
+    return pid_visible(pid)
 
 
 def is_running(pid: int, proc_root: Path | None = None) -> bool:
