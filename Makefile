@@ -70,8 +70,12 @@ lint: $(STAMP) typecheck-view
 demo: build-release
 	$(BIN)/cuinterpose demo
 
+# The suite in TEST_WORKERS processes (pytest-xdist): every test has its own control
+# directory and simulated-driver namespace, so they run side by side.
+TEST_WORKERS ?= 2
+
 test: build build-system-headers lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # The inner loop (under a minute on two cores): lint, types, and the tests that start
 # no shimmed process (the engine, the machines, the wire pin), less those marked slow.
