@@ -14,9 +14,9 @@ anonymous memory per case (a new mapping each time, unmapped after), in GB/s (10
   shmem fills a page a write covers whole without zeroing it first, where a fault of
   fresh anonymous memory zeroes every page the memcpy then writes again;
 - ``memcpy_resident``: at the most threads, each copying its slice between two mappings
-  already faulted in: no page to provide, only the host's memory bandwidth (what LOAD's
-  memcpy into the bounce buffers does, and the rate SAVE's memcpy would have without
-  the kernel's zeroing); not a way into fresh memory, so never ``best``;
+  already faulted in: no page to provide, only the host's memory bandwidth (the rate
+  SAVE's memcpy would have without the kernel's zeroing); not a way into fresh memory,
+  so neither ``best`` nor ``best_memcpy``;
 - ``populate_write``: N threads calling madvise(MADV_POPULATE_WRITE) on their slices;
 - ``map_populate``: one mmap(MAP_POPULATE) (the kernel faults it all in, one thread);
 - with a GPU (not ``--no-gpu``): ``register``: cuMemHostRegister of fresh memory (one

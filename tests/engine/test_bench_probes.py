@@ -1,7 +1,8 @@
 """The machine probes beside the benchmarks (no GPU): bench/storage_rate.py, the storage's
 parallel write and read rate a store is compared with, and bench/host_touch.py, a first
-touch of fresh memory and page cache against the same touch again. Each writes its
-figures as JSON and refuses sizes that leave a thread nothing to do, saying so."""
+touch of fresh memory and page cache against the same touch again, and bench/floor.py's
+choice of the floor. Each writes its figures as JSON; the first two refuse sizes that
+leave a thread nothing to do, saying so."""
 
 from __future__ import annotations
 
@@ -64,3 +65,19 @@ def test_sizes_that_leave_a_thread_nothing_are_refused(
 ) -> None:
     done = run(script, *args)
     assert done.returncode == 2 and words in done.stderr, done.stderr
+
+
+def test_the_floor_never_takes_the_resident_copy_for_it(tmp_path: Path) -> None:
+    """bench/floor.py, one run without a GPU: the copy between resident mappings is
+    measured beside the floor, but neither the best floor nor the bounce path's
+    (``best_memcpy``, the fastest memcpy into fresh memory) may be it: it provides no
+    page, and is usually the fastest copy of all."""
+    out = tmp_path / "floor.json"
+    done = run("floor.py", "--gib", "0.0625", "--threads", "1", "2", "--no-gpu",
+               "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    floor = json.loads(out.read_text())
+    assert floor["memcpy_resident_2"] > 0, floor
+    fresh = [v for k, v in floor.items() if k.startswith("memcpy_thp_")]
+    assert floor["best_memcpy"] == max(fresh), floor
+    assert floor["best"]["case"] != "memcpy_resident_2", floor
