@@ -27,8 +27,9 @@
  *  - SNAPSHOT_SHIM_STAGING_PREFAULT: 0 (1: SAVE faults a chunk's fresh
  *    staging memory in with MADV_POPULATE_WRITE before copying through the
  *    bounce buffers, instead of letting the memcpy fault it: staging.c).
- *  - SNAPSHOT_SHIM_STAGING_DEPTH: 4 (pieces each bounce buffer is cut in,
- *    2..8: depth - 1 copies stay queued while the thread memcpy's one).
+ *  - SNAPSHOT_SHIM_STAGING_DEPTH: 2 (pieces each bounce buffer is cut in,
+ *    2..8: depth - 1 copies stay queued while the thread memcpy's one;
+ *    why 2: staging.c).
  *  - SNAPSHOT_SHIM_STAGING_POPULATE_THREADS: 0 (SAVE: that many more threads
  *    fault the staging memory of the chunks queued next in, ahead of the
  *    copy threads, instead of the memcpy alone faulting it: staging.c).
@@ -104,7 +105,7 @@
 #define BOUNCE_MIB_DEFAULT 8ul
 #define BOUNCE_MIB_MAX 1024ul
 #define RESIDENT_MIB_MAX (1ul << 22) /* 4 TiB */
-#define DEPTH_DEFAULT 4ul
+#define DEPTH_DEFAULT 2ul
 
 static struct shim_settings settings;
 static pthread_once_t settings_once = PTHREAD_ONCE_INIT;

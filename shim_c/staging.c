@@ -32,11 +32,17 @@
  *    the thread waits on a blocking-sync event, so that a waiting worker
  *    gives its CPU to the ones that memcpy and fault pages (on the H200 a
  *    SAVE of 8 GiB was CPU-bound: populate 2.7 + memcpy 2.0 of 5.1 thread-s
- *    in a 0.34 s op on 16 CPUs, against a 0.18 s copy). Why 4 by default
- *    and not 2: each chunk's pipeline starts with a copy that no memcpy
- *    overlaps and ends with a memcpy that no copy overlaps; with 2 MiB
- *    pieces instead of 4 MiB halves those ends are half as long, and the
- *    96 x 6 MiB shape (chunks of 9 MiB) lost a third of its time to them;
+ *    in a 0.34 s op on 16 CPUs, against a 0.18 s copy). Why 2 (4 MiB
+ *    halves) by default: each piece is one copy and one event wait, and
+ *    the larger pieces move more bytes per copy; on the H200 (session 7 of
+ *    docs/benchmarks.md, bracketed 4, 2, 4, 2 in one run) LOAD of 8 GiB ran
+ *    at 48.2 and 48.2 GB/s with 2 against 45.8 and 45.3 with 4, 100 x 20
+ *    MiB at 43.9 and 42.7 against 40.1 and 41.8, 96 x 6 MiB the same within
+ *    noise; SAVE gained or held. Four pieces were the default while SAVE's
+ *    chunks of 9 MiB (96 x 6 MiB) spent a third of their time in the
+ *    pipeline's empty ends; its chunks are smaller now (SAVE_SPREAD). A
+ *    larger buffer is no way to larger pieces: 16 MiB ones made LOAD 15-20%
+ *    slower (its memcpy time doubled: the buffers no longer stay in cache);
  *  - the fault-in of fresh staging memory is CPU work of the kernel that
  *    scales with threads (first touch 47 GB/s from 16 threads with THP, 1.7
  *    from one); SNAPSHOT_SHIM_STAGING_POPULATE_THREADS more threads can do

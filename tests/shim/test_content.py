@@ -265,14 +265,14 @@ def timing_lines(log: str) -> dict[str, dict[str, object]]:
         (0, {}),
         (1, {}),
         (16, {}),
-        (1, {"DEPTH": "2", "POPULATE_THREADS": "2"}),
+        (1, {"DEPTH": "4", "POPULATE_THREADS": "2"}),
         (1, {"CHUNKS_PER_THREAD": "2"}),
     ],
     ids=[
         "registered-in-place",
         "bounce-1MiB",
         "bounce-16MiB",
-        "bounce-1MiB-depth2-populate2",
+        "bounce-1MiB-depth4-populate2",
         "bounce-1MiB-2-chunks-per-thread",
     ],
 )
@@ -331,7 +331,7 @@ def test_many_small_and_a_few_large(
         assert 0 < parts <= float(t["elapsed_s"])
         assert 0 < float(t["copy_wall_s"]) <= float(t["elapsed_s"])
         assert t["bounce"] == bounce_mib * MIB
-        assert t["depth"] == int(pipeline.get("DEPTH", "4"))
+        assert t["depth"] == int(pipeline.get("DEPTH", "2"))
         assert t["populate_threads"] == int(pipeline.get("POPULATE_THREADS", "0"))
         assert t["chunks_per_thread"] == int(pipeline.get("CHUNKS_PER_THREAD", SPREAD[op]))
         per_thread = t["thread_s"]
