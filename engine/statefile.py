@@ -542,16 +542,29 @@ MAX_STATE_NESTING: Final = 16
 _too_deep = f"is corrupt: nested deeper than {MAX_STATE_NESTING} levels"
 
 
+# What json.loads builds nests: exactly these types (the pairs hook returns a dict).
+_CONTAINERS: Final = (dict, list)
+
+
 def _nested_deeper(document: object, limit: int) -> bool:
-    """Whether ``document`` nests lists and objects deeper than ``limit`` (no recursion)."""
-    stack: list[tuple[object, int]] = [(document, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict | list):
-            if depth > limit:
-                return True
-            children = node.values() if isinstance(node, dict) else node
-            stack.extend((child, depth + 1) for child in children)
+    """Whether ``document`` (as json.loads gives it) nests lists and objects deeper than
+    ``limit`` (no recursion).
+
+    Level by level, keeping only the containers, by exact type: a file of 40 000
+    records holds about 600 000 scalars, and a (node, depth) pair and an isinstance
+    for each made the check 6-10x slower (0.56-1.33 s against 0.09-0.13 s, 2 CPUs)."""
+    level: list[Any] = [document] if type(document) in _CONTAINERS else []
+    depth = 1
+    while level:
+        if depth > limit:
+            return True
+        below: list[Any] = []
+        keep = below.append
+        for node in level:
+            for child in node.values() if type(node) is dict else node:
+                if type(child) in _CONTAINERS:
+                    keep(child)
+        level, depth = below, depth + 1
     return False
 
 

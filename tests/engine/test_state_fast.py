@@ -226,3 +226,41 @@ def test_enum_names_come_from_the_table_as_from_the_enum() -> None:
     # Equal values of two enums (ALLOCATION == BIND_MEM == 1) keep their own names.
     assert st._enum_name(RecordKind.ALLOCATION) == "ALLOCATION"
     assert st._enum_name(BindingKind.BIND_MEM) == "BIND_MEM"
+
+
+# -- the nesting check ---------------------------------------------------------------------
+
+
+def _depth(node: object) -> int:
+    """The plain definition the level-by-level check stands in for (recursive)."""
+    if isinstance(node, dict):
+        return 1 + max(map(_depth, node.values()), default=0)
+    if isinstance(node, list):
+        return 1 + max(map(_depth, node), default=0)
+    return 0
+
+
+_json = st_.recursive(
+    st_.none() | st_.booleans() | st_.integers() | st_.text(max_size=3),
+    lambda inner: (
+        st_.lists(inner, max_size=4) | st_.dictionaries(st_.text(max_size=2), inner, max_size=4)
+    ),
+    max_leaves=40,
+)
+
+
+@given(_json, st_.integers(min_value=0, max_value=8))
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+def test_the_nesting_check_agrees_with_the_plain_depth(document: object, limit: int) -> None:
+    assert st._nested_deeper(document, limit) == (_depth(document) > limit)
+
+
+@pytest.mark.parametrize("limit", [1, 2, st.MAX_STATE_NESTING])
+def test_the_nesting_check_at_its_limit(limit: int) -> None:
+    # Lists and objects mixed, the deepest branch beside shallow ones and scalars.
+    deep: object = 7
+    for level in range(limit):
+        deep = [1, {"x": deep}] if level % 2 else {"a": "s", "b": [deep]}
+    inside = _depth(deep)
+    assert not st._nested_deeper(deep, inside) and st._nested_deeper(deep, inside - 1)
+    assert not st._nested_deeper(3, 0) and st._nested_deeper([], 0)
