@@ -35,12 +35,13 @@
  *    in a 0.34 s op on 16 CPUs, against a 0.18 s copy). Why 2 (4 MiB
  *    halves) by default: each piece is one copy and one event wait, and
  *    the larger pieces move more bytes per copy; on the H200 (session 7 of
- *    docs/benchmarks.md, bracketed 4, 2, 4, 2 in one run) LOAD of 8 GiB ran
- *    at 48.2 and 48.2 GB/s with 2 against 45.8 and 45.3 with 4, 100 x 20
- *    MiB at 43.9 and 42.7 against 40.1 and 41.8, 96 x 6 MiB the same within
- *    noise; SAVE gained or held. Four pieces were the default while SAVE's
- *    chunks of 9 MiB (96 x 6 MiB) spent a third of their time in the
- *    pipeline's empty ends; its chunks are smaller now (SAVE_SPREAD). A
+ *    docs/benchmarks.md, both settings alternated in one run, two runs) LOAD
+ *    of 8 GiB ran at 48.2-48.7 GB/s with 2 against 45.3-46.5 with 4, and
+ *    the small shapes gained 5-15% in the second run (100 x 20 MiB 42.7
+ *    and 43.7 against 40.8 and 40.2); SAVE gained or held. Four pieces were
+ *    the default while SAVE's chunks of 9 MiB (96 x 6 MiB) spent a third of
+ *    their time in the pipeline's empty ends; its chunks are smaller now
+ *    (SAVE_SPREAD). A
  *    larger buffer is no way to larger pieces: 16 MiB ones made LOAD 15-20%
  *    slower (its memcpy time doubled: the buffers no longer stay in cache);
  *  - the fault-in of fresh staging memory is CPU work of the kernel that
