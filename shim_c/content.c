@@ -179,6 +179,142 @@ static void free_hosts(void)
     }
 }
 
+/* ------------------------------------------------------------ release after the reply */
+/* A LOAD's staged copies, given back to the kernel on a thread of its own
+ * once the bytes are on the device, so that the op (and the resume waiting
+ * for it) does not wait for the kernel to free the pages: on the H200 that
+ * was 2.8 ms of a 48 ms LOAD of 100 x 20 MiB and 8.5 of 120 ms for 2048 x 2
+ * MiB (docs/benchmarks.md, session 8). No allocation refers to these bytes
+ * any more; the ranges are the slices coalesced where they lie back to
+ * back. Every op that allocates or reads staging memory settles it first
+ * (content_settle), so host memory never holds two phases' copies at once.
+ * Used by the control thread only; the job's thread reads nothing else. A
+ * fork child drops its parent's without joining (`pid`): the thread is not
+ * in the child. */
+struct host_range {
+    char *p;
+    size_t len;
+};
+
+static struct releasing {
+    pthread_t tid;
+    bool running;
+    pid_t pid;
+    struct host_range *ranges;
+    uint32_t count;
+    uint64_t bytes;
+} releasing;
+
+static void release_ranges(const struct host_range *ranges, uint32_t count)
+{
+    /* MADV_DONTNEED frees the pages under the mm lock taken for reading, so
+     * the application's own page faults go on meanwhile; the munmap that
+     * follows has nothing left to free. */
+    for (uint32_t i = 0; i < count; i++) {
+        if (madvise(ranges[i].p, ranges[i].len, MADV_DONTNEED) != 0)
+            shim_log(LOG_WARN, "madvise(MADV_DONTNEED) of staged bytes failed: %s",
+                     strerror(errno));
+        if (munmap(ranges[i].p, ranges[i].len) != 0)
+            shim_log(LOG_WARN, "munmap of a saved copy failed: %s", strerror(errno));
+    }
+}
+
+static void *release_main(void *arg)
+{
+    struct releasing *job = arg;
+    uint64_t t0 = shim_now_ns();
+    char line[256];
+    int m;
+
+    release_ranges(job->ranges, job->count);
+    if (!shim_settings()->timing)
+        return NULL;
+    m = snprintf(line, sizeof line,
+                 "cuinterpose-timing {\"pid\": %d, \"op\": \"LOAD_ALLOCATIONS/release\", "
+                 "\"bytes\": %llu, \"ranges\": %u, \"elapsed_s\": %.6f}\n",
+                 (int)getpid(), (unsigned long long)job->bytes, job->count,
+                 (double)(shim_now_ns() - t0) / 1e9);
+    if (m > 0 && (size_t)m < sizeof line)
+        shim_write_line(line, (size_t)m);
+    return NULL;
+}
+
+void content_settle(void)
+{
+    if (!releasing.running)
+        return;
+    if (releasing.pid == getpid()) {
+        int e = pthread_join(releasing.tid, NULL);
+        if (e != 0)
+            shim_log(LOG_WARN, "joining the thread that frees staged bytes failed: %s",
+                     strerror(e));
+    }
+    free(releasing.ranges);
+    memset(&releasing, 0, sizeof releasing);
+}
+
+/* At exit, the release still running is waited for, so that its timing
+ * line is written: with g.lock held and no op in flight, none can start one
+ * meanwhile (the thread takes no lock of the shim's). */
+void content_exit(void)
+{
+    pthread_mutex_lock(&g.lock);
+    if (!g.busy)
+        content_settle();
+    pthread_mutex_unlock(&g.lock);
+}
+
+/* Give the staged copies of the loaded `items` back: on a thread of its own
+ * (SNAPSHOT_SHIM_STAGING_RELEASE_AFTER_REPLY, the default), else here. Their
+ * o->host is cleared either way; the resident mapping stays. */
+static void release_hosts(struct item *items, uint32_t count)
+{
+    struct host_range *ranges = NULL;
+    uint32_t k = 0;
+    uint64_t bytes = 0;
+    sigset_t all, old;
+    int e;
+
+    content_settle();
+    if (shim_settings()->staging_release_after_reply)
+        ranges = malloc((count ? count : 1) * sizeof *ranges);
+    for (uint32_t i = 0; i < count; i++) {
+        struct obj *o = items[i].o;
+        if (!ranges || in_resident(o->host)) {
+            unmap_host(o);
+            continue;
+        }
+        if (k && ranges[k - 1].p + ranges[k - 1].len == o->host)
+            ranges[k - 1].len += o->host_len;
+        else
+            ranges[k++] = (struct host_range){o->host, o->host_len};
+        bytes += o->host_len;
+        o->host = NULL;
+        o->host_len = 0;
+    }
+    if (!ranges)
+        return;
+    if (k == 0) { /* every copy was in the resident mapping */
+        free(ranges);
+        return;
+    }
+    releasing = (struct releasing){.pid = getpid(), .ranges = ranges, .count = k,
+                                   .bytes = bytes};
+    sigfillset(&all); /* the application's handlers run on its own threads */
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    e = pthread_create(&releasing.tid, NULL, release_main, &releasing);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (e == 0) {
+        releasing.running = true;
+        return;
+    }
+    shim_log(LOG_WARN, "pthread_create failed (%s): freeing %llu staged bytes before the reply",
+             strerror(e), (unsigned long long)bytes);
+    release_ranges(ranges, k);
+    free(ranges);
+    memset(&releasing, 0, sizeof releasing);
+}
+
 /* A message naming the allocation (32 hex digits and its size). */
 static void name_allocation(char *msg, size_t n, const struct obj *o)
 {
@@ -454,6 +590,7 @@ enum phase_result content_save(struct reply *r)
     memset(&st, 0, sizeof st);
     if (shim_settings()->native_content)
         return PHASE_DONE; /* the native checkpoint moves the bytes */
+    content_settle();
     count = phase_items(true, &items, &total);
     if (count && !items) {
         reply_msg(r, CUIP_STATUS_CUDA_FAILED, "SAVE_ALLOCATIONS: out of memory for %u items",
@@ -604,17 +741,17 @@ static int load_items(struct item *items, uint32_t count, uint64_t total, bool k
         st->teardown_ns = shim_now_ns() - t0;
         return -1;
     }
-    if (!keep) {
+    if (!keep && !shim_settings()->staging_release_after_reply) {
         for (uint32_t i = 0; i < made; i++)
             if (!in_resident(items[i].o->host))
                 staging_release(s, items[i].o->host, items[i].o->host_len);
         staging_wait(s, copy_msg, sizeof copy_msg);
     }
     staging_stop(s, &st->st);
+    if (!keep)
+        release_hosts(items, made);
     for (uint32_t i = 0; i < made; i++) {
         struct obj *o = items[i].o;
-        if (!keep)
-            unmap_host(o);
         st->count++;
         st->bytes += o->size;
         pthread_mutex_lock(&g.lock);
@@ -638,6 +775,7 @@ static enum phase_result load_all(struct reply *r, const char *op, bool keep)
     bool retry = false;
 
     memset(&st, 0, sizeof st);
+    content_settle();
     for (uint32_t i = 0; i < obj_count(); i++) {
         struct obj *o = obj_at(i);
         if (!obj_staged(o) || o->live || o->host)
@@ -706,11 +844,13 @@ enum phase_result content_reload(struct reply *r)
 
 void content_free_staged(void)
 {
+    content_settle();
     free_hosts();
 }
 
 void content_drop_resident(void)
 {
+    content_settle();
     if (!resident.p || resident_in_use())
         return;
     if (resident.pid == getpid() && munmap(resident.p, resident.len) != 0)

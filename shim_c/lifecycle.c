@@ -436,6 +436,7 @@ __attribute__((destructor)) static void shim_fini(void)
 
     if (__atomic_load_n(&g.started_pid, __ATOMIC_ACQUIRE) != getpid())
         return;
+    content_exit();
     pthread_mutex_lock(&g.lock);
     __atomic_store_n(&exiting, true, __ATOMIC_RELEASE);
     memcpy(sock, g.sock_path, sizeof sock);

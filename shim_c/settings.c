@@ -42,6 +42,8 @@
  *  - SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP: 1 (the bounce buffers stay pinned
  *    between cycles: threads x BOUNCE_MIB, 128 MiB at 16 threads; 0: LOAD
  *    frees them, and every SAVE pins them again).
+ *  - SNAPSHOT_SHIM_STAGING_RELEASE_AFTER_REPLY: 1 (LOAD frees the staged
+ *    copies on a thread of its own after its reply; 0: inside the op).
  *  - SNAPSHOT_SHIM_OWN_ALLOCATIONS: 1 (cuMemAlloc memory of at least the
  *    granularity is backed by VMM allocations the shim owns and shares:
  *    owned.c, ipc.c).
@@ -76,6 +78,7 @@
 #define STAGING_AHEAD_ENV "SNAPSHOT_SHIM_STAGING_POPULATE_THREADS"
 #define STAGING_SPREAD_ENV "SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD"
 #define STAGING_BOUNCE_KEEP_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP"
+#define STAGING_RELEASE_ENV "SNAPSHOT_SHIM_STAGING_RELEASE_AFTER_REPLY"
 #define STAGING_BOUNCE_PIN_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_PIN"
 #define QUIESCE_TIMEOUT_ENV "SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S"
 #define GATE_ENV "SNAPSHOT_SHIM_GATE"
@@ -231,6 +234,7 @@ static void settings_load(void)
                                            "a thread count");
     s->staging_spread = (unsigned)env_count(STAGING_SPREAD_ENV, 1, 64, 0, "a number of chunks");
     s->staging_bounce_keep = env_bool(STAGING_BOUNCE_KEEP_ENV, true);
+    s->staging_release_after_reply = env_bool(STAGING_RELEASE_ENV, true);
     s->staging_bounce_register = env_bounce_pin();
     snprintf(s->control_dir, sizeof s->control_dir, "%s",
              dir && *dir ? dir : CUIP_CONTROL_DIR_DEFAULT);

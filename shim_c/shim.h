@@ -140,6 +140,10 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP (default on): the bounce buffers stay
      * pinned from one cycle to the next; off, LOAD frees them. */
     bool staging_bounce_keep;
+    /* SNAPSHOT_SHIM_STAGING_RELEASE_AFTER_REPLY (default on): LOAD gives the
+     * staged copies back to the kernel on a thread of its own after its
+     * reply; off, inside the op, before it. */
+    bool staging_release_after_reply;
     /* SNAPSHOT_SHIM_STAGING_BOUNCE_PIN=register: bounce buffers are mappings of
      * the shim's, populated then cuMemHostRegister'd; alloc (default):
      * cuMemHostAlloc'd. */
@@ -863,6 +867,12 @@ SHIM_HIDDEN void content_free_staged(void);
 /* Unmap the resident staging mapping (SNAPSHOT_SHIM_STAGING_RESIDENT_MIB)
  * when no staged copy lies in it: its pages must not reach a process image. */
 SHIM_HIDDEN void content_drop_resident(void);
+/* Wait until the staged copies the last LOAD gave up are freed (a thread of
+ * its own frees them after the reply): called before anything allocates or
+ * reads staging memory. */
+SHIM_HIDDEN void content_settle(void);
+/* At exit: content_settle unless an op is in flight. */
+SHIM_HIDDEN void content_exit(void);
 
 /* ---------------------------------------------------------------- stored.c */
 /* The descriptors a request handed (STORE_STAGED / FETCH_STAGED only). */

@@ -95,6 +95,8 @@
  * well under a second; past this the op fails, naming the chunk, well
  * inside the coordinator's phase timeout (120 s), instead of never ending. */
 #define POPULATE_WAIT_S 30
+/* The smallest task task_cap makes. */
+#define STAGING_TAIL_MIN ((size_t)1 << 20)
 
 enum task_kind { TASK_COPY = 0, TASK_RELEASE = 1 };
 
@@ -120,6 +122,7 @@ struct task {
     uint8_t pop;                /* POP_*, under lock once published */
     char *host;
     size_t len;
+    size_t cap;                 /* published when len reaches it (task_cap) */
     uint32_t seg0, nseg;
     CUcontext ctx;
 };
@@ -128,6 +131,7 @@ struct staging {
     bool to_host;
     bool populated;             /* SAVE into memory already faulted in (resident) */
     size_t chunk;
+    uint64_t total, added;      /* the op's bytes; those queued so far (producer) */
     /* Written by the producer only; a task is read by workers only once
      * published (under lock). */
     struct segment *segs;
@@ -842,6 +846,21 @@ static size_t pick_chunk(uint64_t total, unsigned threads, unsigned spread, size
     return even < setting ? (size_t)even : setting;
 }
 
+/* At most how many more tasks task_cap's tail makes than chunks of `chunk`:
+ * while it shrinks, each task takes at least half of 1/threads of what
+ * remains (the share is rounded down to a MiB, and is at least one), so
+ * every 2 x threads tasks at least halve what remains, from threads x chunk
+ * down to threads x 1 MiB; below that, tasks of 1 MiB, at most `threads`.
+ * Each may cut one more segment. */
+static uint64_t tail_bound(size_t chunk, unsigned threads)
+{
+    unsigned halvings = 1;
+
+    for (size_t c = chunk / STAGING_TAIL_MIN; c > 1; c >>= 1)
+        halvings++;
+    return 2 * (uint64_t)threads * halvings + threads;
+}
+
 struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint32_t items,
                               char *msg, size_t n)
 {
@@ -865,6 +884,7 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
         goto oom;
     s->to_host = to_host;
     s->populated = populated;
+    s->total = total;
     s->t.spread = cfg->staging_spread ? cfg->staging_spread
                                       : to_host ? SAVE_SPREAD : LOAD_SPREAD;
     s->chunk = pick_chunk(total, cfg->copy_threads, s->t.spread, cfg->copy_chunk);
@@ -872,7 +892,7 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
      * most one task. The release tasks that follow the copies are at most a
      * chunk each over the items' host slices (each its size rounded up to a
      * page, a chunk at least 1 MiB): no more than `pieces` + `items`. */
-    pieces = total / s->chunk + 2 * (uint64_t)items + 2;
+    pieces = total / s->chunk + 2 * (uint64_t)items + 2 + tail_bound(s->chunk, cfg->copy_threads);
     if (pieces > UINT32_MAX / 3)
         goto oom;
     s->cap_segs = (uint32_t)pieces;
@@ -943,6 +963,25 @@ oom:
     return NULL;
 }
 
+/* The size of the next task. LOAD's last chunks shrink (guided
+ * scheduling): once less than a chunk per thread remains to be queued, each
+ * new one takes about 1/threads of what remains, at least 1 MiB, so that
+ * the threads finish together and the op does not wait for one thread's
+ * last large chunk (on the H200 the chunks queued after the last
+ * re-creation, the drain, were 8.2 ms of a 120 ms LOAD of 2048 x 2 MiB:
+ * docs/benchmarks.md, session 8). SAVE's chunks are small throughout. */
+static size_t task_cap(const struct staging *s)
+{
+    uint64_t share;
+
+    if (s->to_host || s->started < 2)
+        return s->chunk;
+    share = (s->total - s->added) / s->started >> 20 << 20;
+    if (share < STAGING_TAIL_MIN)
+        share = STAGING_TAIL_MIN;
+    return share < s->chunk ? (size_t)share : s->chunk;
+}
+
 static void publish(struct staging *s)
 {
     if (!s->open)
@@ -976,18 +1015,20 @@ int staging_add(struct staging *s, const struct obj *o, char *host, CUdeviceptr 
             k->host = host + done;
             k->seg0 = s->nsegs;
             k->ctx = ctx;
+            k->cap = task_cap(s);
             s->open = true;
         }
         if (s->nsegs == s->cap_segs)
             return -1;
         take = o->size - done;
-        if (take > s->chunk - k->len)
-            take = s->chunk - k->len;
+        if (take > k->cap - k->len)
+            take = k->cap - k->len;
         s->segs[s->nsegs++] = (struct segment){host + done, dev + done, take, o, done};
         k->nseg++;
         k->len += take;
         done += take;
-        if (k->len == s->chunk)
+        s->added += take;
+        if (k->len == k->cap)
             publish(s);
     }
     return 0;

@@ -633,6 +633,7 @@ void stored_serve(uint16_t op, const struct request_fds *fds, struct reply *r)
     g.op_in_flight = op;
     g.op_started_ns = shim_now_ns();
     pthread_mutex_unlock(&g.lock);
+    content_settle(); /* FETCH maps staging memory: not beside a LOAD's release */
     if (op == CUIP_OP_STORE_STAGED)
         store(r, fds);
     else
