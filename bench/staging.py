@@ -138,8 +138,10 @@ class Bench:
         log: Callable[[str], None],
         repeat: int,
         native_repeat: int | None = None,
+        load_floor_repeat: int = 3,
     ):
         self.driver, self.work, self.log, self.repeat = driver, work, log, repeat
+        self.load_floor_repeat = load_floor_repeat
         self.native_repeat = repeat if native_repeat is None else native_repeat
         self.control = launch.ensure_control_dir(work / "control")
         base = coordinator_env()
@@ -243,6 +245,11 @@ class Bench:
             "populate_method": saves[0].get("populate_method"),
             "populated_ahead": [t.get("populated_ahead") for t in saves],
             "resident": [bool(t["resident"]) for t in saves],
+            # LOAD's staged copies freed on a thread of the shim's after the reply (none:
+            # inside the op, its thread-s "release").
+            "released_after_s": [
+                float(t["elapsed_s"]) for t in timing if t["op"] == "LOAD_ALLOCATIONS/release"
+            ],
         }
         for label, ops in (("save", saves), ("load", loads)):
             warm = ops[1:] or ops  # the first op of the process on its own
@@ -340,11 +347,35 @@ class Bench:
             "allocation_bytes": size,
             "bytes": total,
             **first,
+            "load_floor": load_floor(count, size, self.load_floor_repeat, self.plain, self.log),
             "native_verified": native_ok,
             "native_alone": _commands(nat),
             "native_repetitions": nat,
             "variants": groups,
         }
+
+
+def load_floor(
+    count: int, size: int, repeat: int, env: dict[str, str], log: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """bench/load_floor.py for one shape, in a process of its own without the shim: the
+    driver re-creating the allocations while their bytes are copied in from pinned
+    memory, the copy threads as many as the shim's. None with ``repeat`` 0."""
+    if repeat <= 0:
+        return None
+    threads = str(min(16, os.cpu_count() or 1))  # the shim's default (settings.c)
+    argv = [sys.executable, str(Path(__file__).with_name("load_floor.py")), "--count", str(count)]
+    argv += ["--mib", str(size >> 20), "--threads", threads, "--repeat", str(repeat)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench/load_floor.py failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout)
+    log(
+        f"  LOAD floor: re-create {result['recreate_s']['median']:.4f} s, copy "
+        f"{result['copy_s']['median']:.4f} s, both at once {result['overlap_s']['median']:.4f}"
+        f" s ({result['overlap_gbps']:.1f} GB/s)"
+    )
+    return result
 
 
 def floor(gib: float, sim: bool, log: Callable[[str], None]) -> dict[str, Any] | None:
@@ -448,8 +479,22 @@ def report_workload(
     # zeroes first (a populating floor writes each byte once, SAVE twice).
     copying = float((result.get("floor") or {}).get("best_memcpy", float("nan")))
     out(f"== {name}: {wl['bytes'] / GIB:.2f} GiB; native verified {wl['native_verified']}")
+    lf = wl.get("load_floor")
+    load_ref = (htod, "HtoD")
+    if lf:
+        out(
+            f"  LOAD floor (the driver alone, {lf['threads']} copy threads from pinned memory):"
+            f" re-create {lf['recreate_s']['median']:.4f} s ({lf['recreate_us_per_allocation']:.0f}"
+            f" us each), copy {lf['copy_s']['median']:.4f} s ({lf['copy_gbps']:.1f} GB/s), both"
+            f" at once {lf['overlap_s']['median']:.4f} s ({lf['overlap_gbps']:.1f} GB/s, "
+            f"{lf['overlap_gbps'] / htod:.2f} of HtoD)"
+        )
+        if lf["overlap_gbps"] < htod:
+            load_ref = (lf["overlap_gbps"], "the LOAD floor")
     for vname, w in wl["variants"].items():
-        _report_group(f"{name} {vname}", w, wl["native_alone"], (dtoh, ref, copying), htod, out)
+        _report_group(
+            f"{name} {vname}", w, wl["native_alone"], (dtoh, ref, copying), (htod, *load_ref), out
+        )
 
 
 def _report_group(
@@ -457,11 +502,12 @@ def _report_group(
     w: dict[str, Any],
     native: dict[str, Any],
     save_refs: tuple[float, float, float],
-    htod: float,
+    load_refs: tuple[float, float, str],
     out: Callable[[str], None],
 ) -> None:
     s, ld = w["save"], w["load"]
     dtoh, ref, copying = save_refs
+    htod, load_ref, load_limit = load_refs
     extra = " ".join(f"{k}={v}" for k, v in w["settings"].items()) or "defaults"
     out(
         f"-- {title} ({extra}): {w['threads']} threads, chunk {w['chunk'] >> 20} MiB, thp "
@@ -482,9 +528,15 @@ def _report_group(
         f"{s['chunks']} chunks"
     )
     out(
-        f"  LOAD warm {_m(ld['warm_gbps'], '{:.1f}')} GB/s ({lw / htod:.2f} of HtoD); cold "
+        f"  LOAD warm {_m(ld['warm_gbps'], '{:.1f}')} GB/s ({lw / htod:.2f} of HtoD, "
+        f"{lw / load_ref:.2f} of min(HtoD, LOAD floor): {load_limit} limits); cold "
         f"{ld['cold_gbps']:.1f} ({ld['cold_gbps'] / htod:.2f}); copy "
-        f"{_m(ld['copy_gbps'], '{:.1f}')} GB/s, {ld['chunks']} chunks"
+        f"{_m(ld['copy_gbps'], '{:.1f}')} GB/s, {ld['chunks']} chunks; staged copies freed "
+        + (
+            "after the reply in " + ", ".join(f"{x:.4f}" for x in w["released_after_s"]) + " s"
+            if w.get("released_after_s")
+            else "inside the op"
+        )
     )
     for label, op in (("SAVE", s), ("LOAD", ld)):
         b, t = op["breakdown_s"], op["thread_s"]
@@ -561,6 +613,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also run this shape (e.g. 2048x2MiB on the simulator); --only may name it",
     )
     parser.add_argument("--ceiling-mib", type=int, default=0, help="default 1024 (sim: 32)")
+    parser.add_argument(
+        "--load-floor-repeat",
+        type=int,
+        default=3,
+        help="runs of bench/load_floor.py per workload (0: none)",
+    )
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument(
         "--variant",
@@ -607,7 +665,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.out.write_text(json.dumps(result, indent=2))
 
     with tempfile.TemporaryDirectory(prefix="cip-staging-") as tmp:
-        bench = Bench(driver, Path(tmp), log, args.repeat, args.native_repeat)
+        bench = Bench(
+            driver, Path(tmp), log, args.repeat, args.native_repeat, args.load_floor_repeat
+        )
         try:
             probe = bench.spawn("device", bench.plain)
             dev = probe.check("device")

@@ -399,7 +399,8 @@ def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
     """bench/staging.py end to end on the simulated driver, small shapes, two
     repetitions (the first, cold, on its own) and one of the native path alone: every
     workload verified, its bytes and the shim's breakdown reported, the host's floor
-    measured beside them and SAVE held against min(ceiling, floor)."""
+    measured beside them and SAVE held against min(ceiling, floor), LOAD's floor measured
+    for each shape and LOAD held against min(HtoD, that floor)."""
     out = tmp_path / "staging.json"
     bench = REPO / "bench" / "staging.py"
     done = subprocess.run(
@@ -440,7 +441,13 @@ def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
         assert native["resume"]["steps_s"]["coordinator_restore"]["median"] == 0
         assert native["suspend"]["steps_s"]["native_checkpoint"]["median"] > 0
         assert 0 < w["engine_share"]["suspend"]["median"] < 1
+        # LOAD's floor for the shape, the driver alone, in the same run.
+        lf = w["load_floor"]
+        assert (lf["count"], lf["bytes"]) == (count, count * mib * MIB)
+        assert all(lf[f"{case}_s"]["median"] > 0 for case in ("recreate", "copy", "overlap"))
     assert "suspend" in done.stdout and "coordinator share" in done.stdout
+    assert "LOAD floor (the driver alone" in done.stdout
+    assert "of min(HtoD, LOAD floor)" in done.stdout
     floor = result["floor"]
     assert floor["memset_thp_16"] > 0 and floor["memcpy_thp_16"] > 0
     assert floor["pwrite_memfd_16"] > 0

@@ -1,0 +1,57 @@
+"""bench/load_floor.py, LOAD's floor without the shim, on the simulated driver: every case
+measured, its runs and its rates reported, the shape's bytes right; sizes that leave the
+probe nothing to do are refused, saying which."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.simenv import sim_dir, sim_env
+
+REPO = Path(__file__).resolve().parents[2]
+PROBE = REPO / "bench" / "load_floor.py"
+MIB = 1 << 20
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    lib = sim_dir("release") / "libcuda.so.1"
+    return subprocess.run(
+        [sys.executable, str(PROBE), "--libcuda", str(lib), *args],
+        env=sim_env("release", devices=1),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_every_case_is_measured_and_its_bytes_are_the_shapes(tmp_path: Path) -> None:
+    out = tmp_path / "floor.json"
+    done = run("--count", "24", "--mib", "6", "--threads", "3", "--piece-mib", "4",
+               "--repeat", "2", "--ceiling-mib", "16", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    floor = json.loads(out.read_text())
+    assert json.loads(done.stdout) == floor
+    assert (floor["count"], floor["bytes_each"], floor["bytes"]) == (24, 6 * MIB, 144 * MIB)
+    assert (floor["threads"], floor["piece"], floor["repeat"]) == (3, 4 * MIB, 2)
+    for case in ("recreate", "copy", "overlap"):
+        runs = floor[f"{case}_s"]["runs"]
+        assert len(runs) == 2 and all(r > 0 for r in runs), floor
+        assert floor[f"{case}_gbps"] == pytest.approx(
+            144 * MIB / floor[f"{case}_s"]["median"] / 1e9
+        )
+    assert floor["htod_ceiling_gbps"] > 0
+    assert floor["overlap_of_htod"] == pytest.approx(
+        floor["overlap_gbps"] / floor["htod_ceiling_gbps"]
+    )
+
+
+@pytest.mark.parametrize("name", ["count", "mib", "threads", "piece-mib", "repeat"])
+def test_a_size_of_nothing_is_refused(name: str) -> None:
+    done = run(f"--{name}", "0")
+    assert done.returncode == 2 and f"--{name} must be at least 1" in done.stderr, done.stderr
