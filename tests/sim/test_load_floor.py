@@ -1,6 +1,8 @@
 """bench/load_floor.py, LOAD's floor without the shim, on the simulated driver: every case
-measured, its runs and its rates reported, the shape's bytes right; sizes that leave the
-probe nothing to do are refused, saying which."""
+measured, its runs and its rates reported, the shape's bytes right, on the release build
+and under ASan; a driver out of memory ends the probe naming the call and its result;
+sizes that leave the probe nothing to do, or more threads than it has, are refused,
+saying which."""
 
 from __future__ import annotations
 
@@ -11,18 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.simenv import sim_dir, sim_env
+from tests.simenv import BUILD_DIRS, sim_dir, sim_env
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = REPO / "bench" / "load_floor.py"
 MIB = 1 << 20
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    lib = sim_dir("release") / "libcuda.so.1"
+def run(*args: str, build: str = "release", mem_mib: int = 0) -> subprocess.CompletedProcess[str]:
+    lib = sim_dir(build) / "libcuda.so.1"
+    env = sim_env(build, devices=1, extra={"CUINTERPOSE_BUILD_DIR": str(BUILD_DIRS[build])})
+    if mem_mib:
+        env["CUINTERPOSE_SIM_MEM_MIB"] = str(mem_mib)
     return subprocess.run(
         [sys.executable, str(PROBE), "--libcuda", str(lib), *args],
-        env=sim_env("release", devices=1),
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
@@ -30,10 +35,11 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_every_case_is_measured_and_its_bytes_are_the_shapes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("build", ["release", "asan"])
+def test_every_case_is_measured_and_its_bytes_are_the_shapes(tmp_path: Path, build: str) -> None:
     out = tmp_path / "floor.json"
     done = run("--count", "24", "--mib", "6", "--threads", "3", "--piece-mib", "4",
-               "--repeat", "2", "--ceiling-mib", "16", "--out", str(out))  # fmt: skip
+               "--repeat", "2", "--ceiling-mib", "16", "--out", str(out), build=build)  # fmt: skip
     assert done.returncode == 0, done.stderr
     floor = json.loads(out.read_text())
     assert json.loads(done.stdout) == floor
@@ -55,3 +61,18 @@ def test_every_case_is_measured_and_its_bytes_are_the_shapes(tmp_path: Path) -> 
 def test_a_size_of_nothing_is_refused(name: str) -> None:
     done = run(f"--{name}", "0")
     assert done.returncode == 2 and f"--{name} must be at least 1" in done.stderr, done.stderr
+
+
+def test_a_driver_out_of_memory_ends_it_naming_the_call() -> None:
+    """64 MiB of device memory for 48 allocations of 2 MiB: the re-creation fails, the
+    probe says where, undoes what it made (ASan finds nothing left) and fails."""
+    done = run("--count", "48", "--mib", "2", "--threads", "2", "--ceiling-mib", "8",
+               build="asan", mem_mib=64)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY" in done.stderr, done.stderr
+    assert "ERROR: AddressSanitizer" not in done.stderr and "LeakSanitizer" not in done.stderr
+
+
+def test_more_threads_than_it_has_are_refused() -> None:
+    done = run("--threads", "65")
+    assert done.returncode == 2 and "--threads must be at most 64" in done.stderr, done.stderr
