@@ -17,6 +17,10 @@ anonymous memory per case (a new mapping each time, unmapped after), in GB/s (10
   already faulted in: no page to provide, only the host's memory bandwidth (the rate
   SAVE's memcpy would have without the kernel's zeroing); not a way into fresh memory,
   so neither ``best`` nor ``best_memcpy``;
+- ``memcpy_to_buffers``: LOAD's direction, N threads each copying its slice of a
+  resident mapping into a buffer of its own (``--bounce-mib``), half by half: the host's
+  floor for LOAD's memcpy (``best_load_memcpy``, the fastest), not a way into fresh
+  memory;
 - ``populate_write``: N threads calling madvise(MADV_POPULATE_WRITE) on their slices;
 - ``map_populate``: one mmap(MAP_POPULATE) (the kernel faults it all in, one thread);
 - with a GPU (not ``--no-gpu``): ``register``: cuMemHostRegister of fresh memory (one
@@ -151,6 +155,25 @@ class Floor:
             libc.munmap(src, self.size)
             libc.munmap(dst, self.size)
 
+    def memcpy_to_buffers(self, n: int) -> float:
+        """LOAD's direction: each thread copies its slice of a resident mapping into a
+        buffer of its own (--bounce-mib), one half after the other, as LOAD memcpy's
+        staged bytes into its bounce buffer's two pieces."""
+        src = fresh(self.size, MADV_HUGEPAGE)
+        half = self.bounce // 2
+        dsts = [ctypes.create_string_buffer(self.bounce) for _ in range(n)]
+
+        def work(i: int, off: int, ln: int) -> None:
+            dst = ctypes.addressof(dsts[i])
+            for k, at in enumerate(range(0, ln, half)):
+                libc.memcpy(dst + (k % 2) * half, src + off + at, min(half, ln - at))
+
+        try:
+            parallel(n, self.size, lambda i, off, ln: libc.memset(src + off, 1, ln))  # untimed
+            return parallel(n, self.size, work)
+        finally:
+            libc.munmap(src, self.size)
+
     def pwrite_memfd(self, n: int) -> float:
         srcs = [ctypes.create_string_buffer(b"\1" * self.bounce, self.bounce) for _ in range(n)]
         fds = [os.memfd_create(f"floor-{i}", os.MFD_CLOEXEC) for i in range(n)]
@@ -275,6 +298,11 @@ def measure(
             f"memcpy from {bounce >> 20} MiB buffers, {n} threads, THP",
             lambda _s, n=n: fl.memcpy(n),
         )
+    for n in threads:
+        rates[f"memcpy_to_buffers_{n}"] = fl.case(
+            f"memcpy from resident memory into {bounce >> 20} MiB buffers (LOAD's), {n} threads",
+            lambda _s, n=n: fl.memcpy_to_buffers(n),
+        )
     rates[f"memcpy_resident_{top}"] = fl.case(
         f"memcpy between resident mappings, {top} threads", lambda _s: fl.memcpy_resident(top)
     )
@@ -305,7 +333,18 @@ def measure(
     rates["best_memcpy"] = max(
         (v for k, v in candidates.items() if k.startswith("memcpy_thp_")), default=float("nan")
     )
+    rates["best_load_memcpy"] = best_load_memcpy(rates)
     return rates
+
+
+def best_load_memcpy(rates: dict[str, Any]) -> float:
+    """LOAD's host floor: the fastest memcpy out of resident memory into the buffers."""
+    found = [
+        float(v)
+        for k, v in rates.items()
+        if k.startswith("memcpy_to_buffers_") and isinstance(v, float) and v == v
+    ]
+    return max(found, default=float("nan"))
 
 
 def summary(rates: dict[str, Any]) -> str:
@@ -328,6 +367,7 @@ def median_of(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out["memset_first_1"] = runs[0].get("memset_first_1", float("nan"))
     best = runs[0]["best"]["case"]
     out["best"] = {"case": best, "gbps": out.get(best, float("nan"))}
+    out["best_load_memcpy"] = best_load_memcpy(out)
     return out
 
 

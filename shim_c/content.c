@@ -436,7 +436,7 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             "\"pool_start_s\": %.6f, \"drain_s\": %.6f, \"teardown_s\": %.6f, "
             "\"copy_wall_s\": %.6f, "
             "\"thread_s\": {\"populate\": %.6f, \"register\": %.6f, \"copy\": %.6f, "
-            "\"unregister\": %.6f, \"release\": %.6f, \"memcpy\": %.6f}}\n",
+            "\"unregister\": %.6f, \"release\": %.6f, \"memcpy\": %.6f, \"stream\": %.6f}}\n",
             (int)getpid(), op, (unsigned long long)st->count, (unsigned long long)st->bytes,
             t->threads, t->chunk, (unsigned long long)t->chunks,
             cfg->staging_thp ? "true" : "false", cfg->staging_bounce,
@@ -449,7 +449,7 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             (double)t->copy_wall_ns / 1e9, (double)t->populate_ns / 1e9,
             (double)t->register_ns / 1e9, (double)t->copy_ns / 1e9,
             (double)t->unregister_ns / 1e9, (double)t->release_ns / 1e9,
-            (double)t->memcpy_ns / 1e9);
+            (double)t->memcpy_ns / 1e9, (double)t->stream_ns / 1e9);
         if (m > 0 && (size_t)m < sizeof line)
             shim_write_line(line, (size_t)m);
     }

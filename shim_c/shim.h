@@ -822,6 +822,7 @@ enum staging_populate {
 struct staging_times {
     uint64_t pool_start_ns, populate_ns, register_ns, copy_ns, copy_wall_ns, unregister_ns,
         release_ns, memcpy_ns, chunks;
+    uint64_t stream_ns;         /* workers' streams and events, made and destroyed */
     uint64_t populated_chunks;  /* by the populate-ahead threads */
     unsigned threads;           /* workers started (none: the control thread works) */
     size_t chunk;               /* bytes per chunk, at most */

@@ -316,9 +316,12 @@ static void worker_scrub(struct worker *w)
 
 static void worker_leave(struct staging *s, struct worker *w)
 {
+    uint64_t t0;
+
     worker_scrub(w);
     if (!w->entered)
         return;
+    t0 = shim_now_ns();
     for (unsigned i = 0; i < STAGING_DEPTH_MAX; i++) {
         if (w->done[i]) {
             CUresult r = real.cuEventDestroy(w->done[i]);
@@ -335,6 +338,7 @@ static void worker_leave(struct staging *s, struct worker *w)
     }
     shim_ctx_leave(w->pushed);
     w->entered = w->pushed = false;
+    w->t.stream_ns += shim_now_ns() - t0;
 }
 
 /* The task's context current, with a stream of it. Contexts rarely differ
@@ -342,10 +346,13 @@ static void worker_leave(struct staging *s, struct worker *w)
 static int worker_use(struct staging *s, struct worker *w, CUcontext ctx)
 {
     CUresult r;
+    uint64_t t0;
+    int rc = -1;
 
     if (w->entered && w->ctx == ctx)
         return 0;
     worker_leave(s, w);
+    t0 = shim_now_ns();
     r = shim_ctx_enter(ctx, &w->pushed);
     if (r != CUDA_SUCCESS) {
         cu_fail(s, NULL, "cuCtxPushCurrent", r);
@@ -357,7 +364,7 @@ static int worker_use(struct staging *s, struct worker *w, CUcontext ctx)
     if (r != CUDA_SUCCESS) {
         w->stream = NULL;
         cu_fail(s, NULL, "cuStreamCreate", r);
-        return -1;
+        goto done;
     }
     /* Blocking sync: a worker waiting for its copy sleeps instead of spinning
      * (the context's default schedule spins while it has fewer threads than
@@ -367,10 +374,13 @@ static int worker_use(struct staging *s, struct worker *w, CUcontext ctx)
         if (r != CUDA_SUCCESS) {
             w->done[i] = NULL;
             cu_fail(s, NULL, "cuEventCreate", r);
-            return -1;
+            goto done;
         }
     }
-    return 0;
+    rc = 0;
+done:
+    w->t.stream_ns += shim_now_ns() - t0;
+    return rc;
 }
 
 /* Fault in the pages of a fresh anonymous range for writing, before the
@@ -749,6 +759,7 @@ static void worker_done(struct staging *s, struct worker *w)
     s->t.unregister_ns += w->t.unregister_ns;
     s->t.release_ns += w->t.release_ns;
     s->t.memcpy_ns += w->t.memcpy_ns;
+    s->t.stream_ns += w->t.stream_ns;
     s->t.chunks += w->t.chunks;
     pthread_mutex_unlock(&s->lock);
 }

@@ -428,6 +428,7 @@ def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
                 "unregister",
                 "release",
                 "memcpy",
+                "stream",
             }
         ours, native = w["cuinterpose"], w["native_alone"]
         # One command each way, as a user runs it: its steps inside its total.
@@ -447,12 +448,16 @@ def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
         assert all(lf[f"{case}_s"]["median"] > 0 for case in ("recreate", "copy", "overlap"))
     assert "suspend" in done.stdout and "coordinator share" in done.stdout
     assert "LOAD floor (the driver alone" in done.stdout
-    assert "of min(HtoD, LOAD floor)" in done.stdout
+    assert "of min(HtoD, LOAD floors)" in done.stdout
     floor = result["floor"]
     assert floor["memset_thp_16"] > 0 and floor["memcpy_thp_16"] > 0
     assert floor["pwrite_memfd_16"] > 0
     # The host's copy rate between resident memory: beside the floor, never taken for it.
     assert floor["memcpy_resident_16"] > 0 and floor["best"]["case"] != "memcpy_resident_16"
+    # LOAD's direction: out of resident memory into the buffers, never SAVE's floor.
+    to_buffers = [v for k, v in floor.items() if k.startswith("memcpy_to_buffers_")]
+    assert len(to_buffers) == 4 and floor["best_load_memcpy"] == max(to_buffers) > 0
+    assert not floor["best"]["case"].startswith("memcpy_to_buffers")
     assert floor["best"]["gbps"] > 0 and "SAVE is held against" in done.stdout
     assert "of the memcpy floor" in done.stdout
 
