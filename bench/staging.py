@@ -362,12 +362,14 @@ def load_floor(
 ) -> dict[str, Any] | None:
     """bench/load_floor.py for one shape, in a process of its own without the shim: the
     driver re-creating the allocations while their bytes are copied in from pinned
-    memory, the copy threads as many as the shim's. None with ``repeat`` 0."""
+    memory, with 4, 8 and as many copy threads as the shim's (the fastest is the floor).
+    None with ``repeat`` 0."""
     if repeat <= 0:
         return None
-    threads = str(min(16, os.cpu_count() or 1))  # the shim's default (settings.c)
+    most = min(16, os.cpu_count() or 1)  # the shim's default (settings.c)
+    threads = sorted({t for t in (4, 8, most) if t <= most})
     argv = [sys.executable, str(Path(__file__).with_name("load_floor.py")), "--count", str(count)]
-    argv += ["--mib", str(size >> 20), "--threads", threads, "--repeat", str(repeat)]
+    argv += ["--mib", str(size >> 20), "--threads", *map(str, threads), "--repeat", str(repeat)]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"bench/load_floor.py failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -485,7 +487,9 @@ def report_workload(
     load_ref = (htod, "HtoD")
     if lf:
         out(
-            f"  LOAD floor (the driver alone, {lf['threads']} copy threads from pinned memory):"
+            f"  LOAD floor (the driver alone, the best of "
+            f"{'/'.join(lf.get('by_threads', {str(lf['threads']): 0}))} copy threads from pinned "
+            f"memory: {lf['threads']}):"
             f" re-create {lf['recreate_s']['median']:.4f} s ({lf['recreate_us_per_allocation']:.0f}"
             f" us each), copy {lf['copy_s']['median']:.4f} s ({lf['copy_gbps']:.1f} GB/s), both"
             f" at once {lf['overlap_s']['median']:.4f} s ({lf['overlap_gbps']:.1f} GB/s, "
