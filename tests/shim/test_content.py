@@ -448,7 +448,7 @@ def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
         assert all(lf[f"{case}_s"]["median"] > 0 for case in ("recreate", "copy", "overlap"))
     assert "suspend" in done.stdout and "coordinator share" in done.stdout
     assert "LOAD floor (the driver alone" in done.stdout
-    assert "of min(HtoD, LOAD floors)" in done.stdout
+    assert "of min(HtoD, LOAD floor)" in done.stdout
     floor = result["floor"]
     assert floor["memset_thp_16"] > 0 and floor["memcpy_thp_16"] > 0
     assert floor["pwrite_memfd_16"] > 0
