@@ -431,7 +431,7 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             "\"thp\": %s, \"bounce\": %zu, \"bounce_pin\": \"%s\", \"bounce_keep\": %s, "
             "\"depth\": %u, \"populate_threads\": %u, \"populate_method\": \"%s\", "
             "\"populated_ahead\": %llu, "
-            "\"chunks_per_thread\": %u, \"resident\": %s, \"load_submitters\": %u, \"submitting_peak\": %u, "
+            "\"chunks_per_thread\": %u, \"resident\": %s, "
             "\"elapsed_s\": %.6f, \"setup_s\": %.6f, "
             "\"pool_start_s\": %.6f, \"drain_s\": %.6f, \"teardown_s\": %.6f, "
             "\"copy_wall_s\": %.6f, "
@@ -444,7 +444,6 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             cfg->staging_bounce_keep ? "true" : "false", cfg->staging_depth,
             cfg->staging_ahead, populate_name(t->populate_how),
             (unsigned long long)t->populated_chunks, t->spread, st->resident ? "true" : "false",
-            cfg->staging_load_submitters, t->submitting_peak,
             (double)ns / 1e9, (double)st->setup_ns / 1e9, (double)t->pool_start_ns / 1e9,
             (double)st->drain_ns / 1e9, (double)st->teardown_ns / 1e9,
             (double)t->copy_wall_ns / 1e9, (double)t->populate_ns / 1e9,

@@ -42,8 +42,6 @@
  *  - SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP: 1 (the bounce buffers stay pinned
  *    between cycles: threads x BOUNCE_MIB, 128 MiB at 16 threads; 0: LOAD
  *    frees them, and every SAVE pins them again).
- *  - SNAPSHOT_SHIM_STAGING_LOAD_SUBMITTERS: 0 (no limit on the LOAD copy
- *    threads queueing copies at once).
  *  - SNAPSHOT_SHIM_STAGING_RELEASE_AFTER_REPLY: 1 (LOAD frees the staged
  *    copies on a thread of its own after its reply; 0: inside the op).
  *  - SNAPSHOT_SHIM_OWN_ALLOCATIONS: 1 (cuMemAlloc memory of at least the
@@ -78,7 +76,6 @@
 #define STAGING_PREFAULT_ENV "SNAPSHOT_SHIM_STAGING_PREFAULT"
 #define STAGING_DEPTH_ENV "SNAPSHOT_SHIM_STAGING_DEPTH"
 #define STAGING_AHEAD_ENV "SNAPSHOT_SHIM_STAGING_POPULATE_THREADS"
-#define STAGING_SUBMITTERS_ENV "SNAPSHOT_SHIM_STAGING_LOAD_SUBMITTERS"
 #define STAGING_SPREAD_ENV "SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD"
 #define STAGING_BOUNCE_KEEP_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_KEEP"
 #define STAGING_RELEASE_ENV "SNAPSHOT_SHIM_STAGING_RELEASE_AFTER_REPLY"
@@ -233,8 +230,6 @@ static void settings_load(void)
     s->staging_prefault = env_bool(STAGING_PREFAULT_ENV, false);
     s->staging_depth = (unsigned)env_count(STAGING_DEPTH_ENV, 2, STAGING_DEPTH_MAX,
                                            DEPTH_DEFAULT, "a number of bounce pieces");
-    s->staging_load_submitters = (unsigned)env_count(STAGING_SUBMITTERS_ENV, 0, THREADS_MAX, 0,
-                                                     "a thread count");
     s->staging_ahead = (unsigned)env_count(STAGING_AHEAD_ENV, 0, THREADS_MAX, 0,
                                            "a thread count");
     s->staging_spread = (unsigned)env_count(STAGING_SPREAD_ENV, 1, 64, 0, "a number of chunks");

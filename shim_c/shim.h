@@ -134,9 +134,6 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_STAGING_POPULATE_THREADS: SAVE threads that fault fresh
      * staging memory in ahead of the copies (0: the memcpy faults it). */
     unsigned staging_ahead;
-    /* SNAPSHOT_SHIM_STAGING_LOAD_SUBMITTERS: at most this many LOAD copy
-     * threads queue copies at once (0: no limit; staging.c says why). */
-    unsigned staging_load_submitters;
     /* SNAPSHOT_SHIM_STAGING_CHUNKS_PER_THREAD: chunks per copy thread, about;
      * 0 when unset: each direction its own (staging.c). */
     unsigned staging_spread;
@@ -826,7 +823,6 @@ struct staging_times {
     uint64_t pool_start_ns, populate_ns, register_ns, copy_ns, copy_wall_ns, unregister_ns,
         release_ns, memcpy_ns, chunks;
     uint64_t stream_ns;         /* workers' streams and events, made and destroyed */
-    unsigned submitting_peak;   /* most threads queueing copies at once, when capped */
     uint64_t populated_chunks;  /* by the populate-ahead threads */
     unsigned threads;           /* workers started (none: the control thread works) */
     size_t chunk;               /* bytes per chunk, at most */

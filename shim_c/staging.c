@@ -160,11 +160,6 @@ struct staging {
     bool plan_populate;         /* some chunk of this op is populated before its copy */
     unsigned slots;             /* bounce slots handed to workers so far */
 
-    /* LOAD with SNAPSHOT_SHIM_STAGING_LOAD_SUBMITTERS: the copy threads
-     * queueing copies now, at most `submit_cap` (under lock). */
-    unsigned submitting, submit_cap;
-    pthread_cond_t submit_free;
-
     /* Copy wall time: the union over all threads of the intervals during
      * which a chunk was between its first copy call and its stream sync. */
     unsigned copying;
@@ -499,40 +494,11 @@ struct cursor {
     size_t off;
 };
 
-/* LOAD re-creates the allocations on the control thread while the copy
- * threads queue copies, and inside the driver the two contend: on the H200
- * (bench/load_floor.py, docs/benchmarks.md, session 8) 2048 x 2 MiB took
- * 0.100 s both at once with 4 copy threads and 0.127-0.172 s with 16, where
- * the re-creation alone took 0.07-0.09 s. With a cap, at most that many
- * threads are inside the driver's copy calls at once, and the others keep
- * memcpy'ing. */
-static void submit_enter(struct staging *s)
-{
-    if (!s->submit_cap)
-        return;
-    pthread_mutex_lock(&s->lock);
-    while (s->submitting == s->submit_cap)
-        pthread_cond_wait(&s->submit_free, &s->lock);
-    if (++s->submitting > s->t.submitting_peak)
-        s->t.submitting_peak = s->submitting;
-    pthread_mutex_unlock(&s->lock);
-}
-
-static void submit_leave(struct staging *s)
-{
-    if (!s->submit_cap)
-        return;
-    pthread_mutex_lock(&s->lock);
-    s->submitting--;
-    pthread_cond_signal(&s->submit_free);
-    pthread_mutex_unlock(&s->lock);
-}
-
 /* Queue the copies of the next `n` bytes of task `k` between the device and
  * `buf` (one copy per segment part: a piece may span several small
  * allocations), then record `done` after them. */
-static int piece_queue(struct staging *s, struct worker *w, const struct task *k,
-                       struct cursor *c, char *buf, size_t n, CUevent done)
+static int piece_dma(struct staging *s, struct worker *w, const struct task *k,
+                     struct cursor *c, char *buf, size_t n, CUevent done)
 {
     size_t at = 0;
     CUresult r;
@@ -559,17 +525,6 @@ static int piece_queue(struct staging *s, struct worker *w, const struct task *k
         return -1;
     }
     return 0;
-}
-
-static int piece_dma(struct staging *s, struct worker *w, const struct task *k,
-                     struct cursor *c, char *buf, size_t n, CUevent done)
-{
-    int rc;
-
-    submit_enter(s);
-    rc = piece_queue(s, w, k, c, buf, n, done);
-    submit_leave(s);
-    return rc;
 }
 
 static int piece_wait(struct staging *s, struct worker *w, const struct task *k, CUevent done)
@@ -941,7 +896,6 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
     s->to_host = to_host;
     s->populated = populated;
     s->total = total;
-    s->submit_cap = to_host ? 0 : cfg->staging_load_submitters;
     s->t.spread = cfg->staging_spread ? cfg->staging_spread
                                       : to_host ? SAVE_SPREAD : LOAD_SPREAD;
     s->chunk = pick_chunk(total, cfg->copy_threads, s->t.spread, cfg->copy_chunk);
@@ -971,7 +925,6 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
     pthread_cond_init(&s->more, NULL);
     pthread_cond_init(&s->idle, NULL);
     pthread_cond_init(&s->ahead_more, NULL);
-    pthread_cond_init(&s->submit_free, NULL);
     pthread_cond_init(&s->popped, &mono);
     pthread_condattr_destroy(&mono);
     /* No more threads than chunks. */
@@ -1160,7 +1113,6 @@ void staging_stop(struct staging *s, struct staging_times *t)
     pthread_cond_destroy(&s->more);
     pthread_cond_destroy(&s->idle);
     pthread_cond_destroy(&s->ahead_more);
-    pthread_cond_destroy(&s->submit_free);
     pthread_cond_destroy(&s->popped);
     pthread_mutex_destroy(&s->lock);
     free(s->segs);
