@@ -978,9 +978,9 @@ oom:
  * scheduling): once less than a chunk per thread remains to be queued, each
  * new one takes about 1/threads of what remains, at least 1 MiB, so that
  * the threads finish together and the op does not wait for one thread's
- * last large chunk (on the H200 the chunks queued after the last
- * re-creation, the drain, were 8.2 ms of a 120 ms LOAD of 2048 x 2 MiB:
- * docs/benchmarks.md, session 8). SAVE's chunks are small throughout. */
+ * last large chunk (on the H200, docs/benchmarks.md, session 8: the copies
+ * left after the last re-creation, the drain, took 9.6-12 ms of a LOAD of
+ * 2048 x 2 MiB, 0.4-0.6 ms with it). SAVE's chunks are small throughout. */
 static size_t task_cap(const struct staging *s)
 {
     uint64_t share;
