@@ -9,7 +9,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . tests/gpu/h200_env.sh
 [ $# -ge 1 ] || { sed -n '2,7p' "$0" >&2; exit 2; }
-{ nvidia-smi -L; nproc; free -g; } >"$OUT/environment.txt" 2>&1
+# The NUMA layout beside the GPU's: where LOAD's memcpy and copies may cross sockets
+# (issue 30's lead, docs/benchmarks.md, session 8).
+{ nvidia-smi -L; nproc; free -g; lscpu | grep -iE '^(model name|socket|numa)'
+  nvidia-smi topo -m; } >"$OUT/environment.txt" 2>&1
 h200_build || exit 1
 python3 "$@" --out "$OUT/run.json" >"$OUT/run.log" 2>&1
 status=$?
