@@ -338,7 +338,7 @@ def measure(
 
 
 def best_load_memcpy(rates: dict[str, Any]) -> float:
-    """LOAD's host floor: the fastest memcpy out of resident memory into the buffers."""
+    """The fastest memcpy out of resident memory into the buffers: shown, not a floor."""
     found = [
         float(v)
         for k, v in rates.items()

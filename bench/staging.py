@@ -488,7 +488,7 @@ def report_workload(
     if lf:
         out(
             f"  LOAD floor (the driver alone, the best of "
-            f"{'/'.join(lf.get('by_threads', {str(lf['threads']): 0}))} copy threads from pinned "
+            f"{'/'.join(lf['by_threads'])} copy threads from pinned "
             f"memory: {lf['threads']}):"
             f" re-create {lf['recreate_s']['median']:.4f} s ({lf['recreate_us_per_allocation']:.0f}"
             f" us each), copy {lf['copy_s']['median']:.4f} s ({lf['copy_gbps']:.1f} GB/s), both"

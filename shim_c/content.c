@@ -63,6 +63,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MSG_LEN 512
@@ -189,7 +190,8 @@ static void free_hosts(void)
  * any more; the ranges are the slices coalesced where they lie back to
  * back. Every op that allocates or reads staging memory settles it first
  * (content_settle), so host memory never holds two phases' copies at once.
- * Used by the control thread only; the job's thread reads nothing else. A
+ * Used by the thread of the op in flight (g.busy), and at exit under g.lock
+ * with none in flight; the job's thread reads nothing else. A
  * fork child drops its parent's without joining (`pid`): the thread is not
  * in the child. */
 struct host_range {
@@ -223,10 +225,16 @@ static void release_ranges(const struct host_range *ranges, uint32_t count)
 static void *release_main(void *arg)
 {
     struct releasing *job = arg;
+    unsigned delay_ms = shim_settings()->test_release_delay_ms;
     uint64_t t0 = shim_now_ns();
     char line[256];
     int m;
 
+    if (delay_ms) {
+        struct timespec d = {delay_ms / 1000, (long)(delay_ms % 1000) * 1000000L};
+        while (nanosleep(&d, &d) != 0 && errno == EINTR)
+            ;
+    }
     release_ranges(job->ranges, job->count);
     if (!shim_settings()->timing)
         return NULL;

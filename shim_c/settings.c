@@ -68,6 +68,7 @@
 #define LEASE_IDLE_ENV "SNAPSHOT_LEASE_IDLE_S"
 #define LEASE_HANDSHAKE_ENV "SNAPSHOT_LEASE_HANDSHAKE_S"
 #define TRUST_UID_ENV "SNAPSHOT_SHIM_TRUST_UID"
+#define RELEASE_DELAY_ENV "SNAPSHOT_SHIM_TEST_RELEASE_DELAY_MS"
 #define STAGING_THP_ENV "SNAPSHOT_SHIM_STAGING_THP"
 #define STAGING_BOUNCE_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB"
 #define STAGING_RESIDENT_ENV "SNAPSHOT_SHIM_STAGING_RESIDENT_MIB"
@@ -253,6 +254,8 @@ static void settings_load(void)
                                    "a uid");
     if (s->trust_uid > (long)UID_MAX_TRUSTED)
         s->trust_uid = -1;
+    s->test_release_delay_ms = (unsigned)env_count(RELEASE_DELAY_ENV, 0, 10000, 0,
+                                                   "a delay in ms");
 }
 
 bool shim_trusted_uid(uid_t uid)

@@ -163,6 +163,10 @@ struct shim_settings {
     /* SNAPSHOT_SHIM_TRUST_UID, a test hook: the one uid trusted instead of
      * root and our own (peers, servers, the control dir's owner); -1 unset. */
     long trust_uid;
+    /* SNAPSHOT_SHIM_TEST_RELEASE_DELAY_MS, a test hook: the thread that frees a
+     * LOAD's staged copies after the reply sleeps this long first, so that a
+     * test sees the ops that must wait for it wait. */
+    unsigned test_release_delay_ms;
     /* SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S: QUIESCE's deadline for a quiet point. */
     long quiesce_timeout_ms;
     /* SNAPSHOT_SHIM_GATE=0 (diagnosis, and the test that shows what the gate

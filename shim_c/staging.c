@@ -902,8 +902,10 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
     /* Every chunk boundary cuts at most one segment, every item starts at
      * most one task. The release tasks that follow the copies are at most a
      * chunk each over the items' host slices (each its size rounded up to a
-     * page, a chunk at least 1 MiB): no more than `pieces` + `items`. */
-    pieces = total / s->chunk + 2 * (uint64_t)items + 2 + tail_bound(s->chunk, cfg->copy_threads);
+     * page, a chunk at least 1 MiB): no more than `pieces` + `items`. LOAD's
+     * shrinking last chunks add at most tail_bound tasks. */
+    pieces = total / s->chunk + 2 * (uint64_t)items + 2 +
+             (to_host ? 0 : tail_bound(s->chunk, cfg->copy_threads));
     if (pieces > UINT32_MAX / 3)
         goto oom;
     s->cap_segs = (uint32_t)pieces;

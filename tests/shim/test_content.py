@@ -616,6 +616,30 @@ def test_resident_staging_memory(
     assert "warning" not in log
 
 
+def test_the_release_after_a_load_is_waited_for(spawn: Spawn, control_dir: Path) -> None:
+    """LOAD replies before its staged copies are freed: with the freeing thread held back
+    (SNAPSHOT_SHIM_TEST_RELEASE_DELAY_MS), the next cycle's SAVE still comes after the
+    first release, so that host memory never holds two phases' copies, and the exit waits
+    for the second one; the bytes of both cycles are right."""
+    creator = spawn(
+        extra={"SNAPSHOT_SHIM_TIMING": "1", "SNAPSHOT_SHIM_TEST_RELEASE_DELAY_MS": "400"}
+    )
+    sizes = [2, 3, 1]
+    total = sum(sizes) * make_shared(creator, sizes, seed=310)
+    c = Shim(control_dir, creator.pid)
+    for op in CAPTURE + RESTORE + CAPTURE + RESTORE:  # the second SAVE right after a LOAD
+        c.ok(op)
+    assert intact(creator)
+    log = finish(creator)
+    lines = timing_list(log)
+    release = "LOAD_ALLOCATIONS/release"
+    assert [t["op"] for t in lines] == [
+        *("SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS", release) * 2
+    ], log
+    assert [t["bytes"] for t in lines if t["op"] == release] == [total, total]
+    assert "warning" not in log
+
+
 @pytest.mark.parametrize("ahead", [1, 4, 16])
 @pytest.mark.threads  # make tsan
 def test_populate_ahead_many_chunks(
