@@ -1,0 +1,46 @@
+"""bench/results/README.md indexes the raw results of each session: a section headed by a
+prefix (`2026-12-02-h200-session8-*`) names its files by their tails (`-4-shapes.*`).
+Every name it gives must match a file, so that no commit (a revert that took a run's
+files with it) leaves the tables of docs/benchmarks.md without their source."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+HEADING = re.compile(r"^## .*`(?P<prefix>[0-9][^`]*?)-\*`\s*$")
+TAIL = re.compile(r"`(?P<tail>-[^`\s]+)`")
+
+
+def named_files(text: str) -> list[tuple[str, str]]:
+    """(section prefix, glob) for every file tail named under a prefixed heading."""
+    named: list[tuple[str, str]] = []
+    prefix = ""
+    for line in text.splitlines():
+        if line.startswith("## "):
+            m = HEADING.match(line)
+            prefix = m["prefix"] if m else ""
+            continue
+        if prefix:
+            # A command's option in the prose (`--quick`) names no file.
+            tails = [t["tail"] for t in TAIL.finditer(line)]
+            named += [(prefix, prefix + t) for t in tails if not t.startswith("--")]
+    return named
+
+
+def test_the_index_reads_a_sections_tails() -> None:
+    text = "## Session 9: `2026-x-*`\n- `-1-a.*`, `-1-b.log`: run `--quick`\n## Other\n`-z`\n"
+    assert named_files(text) == [
+        ("2026-x", "2026-x-1-a.*"),
+        ("2026-x", "2026-x-1-b.log"),
+    ]
+
+
+def test_every_result_the_index_names_is_in_the_repository() -> None:
+    files = [p.name for p in RESULTS.iterdir()]
+    named = named_files((RESULTS / "README.md").read_text())
+    assert len(named) > 40, "the index names fewer files than it did: parsed wrong?"
+    missing = [glob for _, glob in named if not fnmatch.filter(files, glob)]
+    assert not missing, f"bench/results/README.md names files that are not there: {missing}"
