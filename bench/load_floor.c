@@ -7,7 +7,16 @@
  * thread that re-creates: 2048 x 2 MiB took 0.30 s both at once against
  * 0.14 s and 0.17 s alone, slower than the shim itself.
  *
- *   load_floor LIBCUDA COUNT MIB THREADS PIECE_MIB REPEAT CEILING_MIB
+ *   load_floor LIBCUDA COUNT MIB THREADS PIECE_MIB REPEAT CEILING_MIB [SOURCE]
+ *
+ * SOURCE is where the bytes come from: "pinned" (the default: each copy
+ * thread's pinned buffer, DMA alone: the driver's floor) or "staged" (one
+ * populated anonymous mapping of every allocation's bytes, 2 MiB pages where
+ * THP allows, as SAVE leaves them; each copy thread memcpy's a piece into one
+ * half of its pinned buffer of two pieces while the copy engine drains the
+ * other, and waits on blocking-sync events: the shim's bounce design with
+ * nothing of the shim's around it, so the driver's and the host's floor
+ * together).
  *
  * One JSON object on stdout: every run's seconds per case, and the pinned
  * HtoD ceiling of one buffer. Every result checked; on an error the message
@@ -21,10 +30,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #define MIB ((size_t)1 << 20)
 #define MAX_THREADS 64
+#ifndef MADV_HUGEPAGE
+#define MADV_HUGEPAGE 14
+#endif
 
 static struct {
     CUresult (*Init)(unsigned);
@@ -46,6 +59,11 @@ static struct {
     CUresult (*HostAlloc)(void **, size_t, unsigned);
     CUresult (*FreeHost)(void *);
     CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
+    CUresult (*EventCreate)(CUevent *, unsigned);
+    CUresult (*EventRecord)(CUevent, CUstream);
+    CUresult (*EventSynchronize)(CUevent);
+    CUresult (*EventDestroy)(CUevent);
     CUresult (*MemAlloc)(CUdeviceptr *, size_t);
     CUresult (*MemFree)(CUdeviceptr);
     CUresult (*GetErrorName)(CUresult, const char **);
@@ -123,6 +141,11 @@ static int resolve(const char *path)
         {(void **)&cu.HostAlloc, "cuMemHostAlloc"},
         {(void **)&cu.FreeHost, "cuMemFreeHost"},
         {(void **)&cu.MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2"},
+        {(void **)&cu.MemcpyDtoH, "cuMemcpyDtoH_v2"},
+        {(void **)&cu.EventCreate, "cuEventCreate"},
+        {(void **)&cu.EventRecord, "cuEventRecord"},
+        {(void **)&cu.EventSynchronize, "cuEventSynchronize"},
+        {(void **)&cu.EventDestroy, "cuEventDestroy_v2"},
         {(void **)&cu.MemAlloc, "cuMemAlloc_v2"},
         {(void **)&cu.MemFree, "cuMemFree_v2"},
         {(void **)&cu.GetErrorName, "cuGetErrorName"},
@@ -158,6 +181,7 @@ static int open_device(void)
 /* ------------------------------------------------------------ one run */
 struct run {
     size_t count, size, piece;
+    char *staged;               /* SOURCE staged: allocation k's bytes at k * size */
     CUdeviceptr *vas;
     CUmemGenericAllocationHandle *handles;
     /* Allocations made so far, and the next one to copy (under lock). */
@@ -166,11 +190,13 @@ struct run {
     size_t made, next;
 };
 
-/* Thread-side: one copy thread's stream and pinned buffer. */
+/* Thread-side: one copy thread's stream and pinned buffer (staged: two
+ * pieces, each with the event recorded after its copy). */
 struct copier {
     struct run *r;
     CUstream stream;
     void *buf;
+    CUevent done[2];
     pthread_t tid;
 };
 
@@ -204,10 +230,36 @@ static int unmake(struct run *r, size_t made)
     return rc;
 }
 
+/* Staged: piece j through half j % 2 of the buffer, memcpy'd in once the copy
+ * of piece j - 2 (the same half) is done; both halves drained at the end. */
+static int copy_staged(struct copier *c, size_t k)
+{
+    struct run *r = c->r;
+    const char *src = r->staged + k * r->size;
+    size_t j = 0;
+
+    for (size_t off = 0; off < r->size; off += r->piece, j++) {
+        size_t n = r->size - off < r->piece ? r->size - off : r->piece;
+        char *half = (char *)c->buf + (j % 2) * r->piece;
+        if (j >= 2 && check("cuEventSynchronize", cu.EventSynchronize(c->done[j % 2])))
+            return -1;
+        memcpy(half, src + off, n);
+        if (check("cuMemcpyHtoDAsync", cu.MemcpyHtoDAsync(r->vas[k] + off, half, n, c->stream)) ||
+            check("cuEventRecord", cu.EventRecord(c->done[j % 2], c->stream)))
+            return -1;
+    }
+    for (size_t i = j > 2 ? j - 2 : 0; i < j; i++)
+        if (check("cuEventSynchronize", cu.EventSynchronize(c->done[i % 2])))
+            return -1;
+    return 0;
+}
+
 static int copy_one(struct copier *c, size_t k)
 {
     struct run *r = c->r;
 
+    if (r->staged)
+        return copy_staged(c, k);
     for (size_t off = 0; off < r->size; off += r->piece) {
         size_t n = r->size - off < r->piece ? r->size - off : r->piece;
         if (check("cuMemcpyHtoDAsync", cu.MemcpyHtoDAsync(r->vas[k] + off, c->buf, n, c->stream)))
@@ -331,6 +383,23 @@ static void print_runs(const char *name, const double *v, unsigned n, bool last)
     printf("]%s", last ? "" : ", ");
 }
 
+/* Staged: the first byte of every MiB of every allocation is its source's
+ * (each MiB of the source has a value of its own), so a piece copied from the
+ * wrong place or not at all is seen. */
+static int verify(struct run *r)
+{
+    for (size_t k = 0; k < r->count; k++)
+        for (size_t off = 0; off < r->size; off += MIB) {
+            unsigned char got;
+            if (check("cuMemcpyDtoH", cu.MemcpyDtoH(&got, r->vas[k] + off, 1)))
+                return -1;
+            if (got != (unsigned char)r->staged[k * r->size + off])
+                return fail("allocation %zu at %zu holds 0x%02x, its source 0x%02x", k, off,
+                            got, (unsigned char)r->staged[k * r->size + off]);
+        }
+    return 0;
+}
+
 static int measure(struct run *r, unsigned threads, unsigned repeat, size_t ceiling_bytes)
 {
     struct copier cs[MAX_THREADS];
@@ -348,8 +417,16 @@ static int measure(struct run *r, unsigned threads, unsigned repeat, size_t ceil
     for (unsigned i = 0; i < threads; i++) {
         cs[i].r = r;
         if (check("cuStreamCreate", cu.StreamCreate(&cs[i].stream, CU_STREAM_NON_BLOCKING)) ||
-            check("cuMemHostAlloc", cu.HostAlloc(&cs[i].buf, r->piece, 0)))
+            check("cuMemHostAlloc",
+                  cu.HostAlloc(&cs[i].buf, r->staged ? 2 * r->piece : r->piece, 0)))
             goto done;
+        /* Blocking sync, as the shim waits: a waiting thread gives its CPU to
+         * the ones that memcpy. */
+        for (unsigned e = 0; r->staged && e < 2; e++)
+            if (check("cuEventCreate",
+                      cu.EventCreate(&cs[i].done[e],
+                                     CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING)))
+                goto done;
     }
     for (unsigned i = 0; i < repeat && !has_failed(); i++) {
         recreate_s[i] = recreate(r);
@@ -358,13 +435,15 @@ static int measure(struct run *r, unsigned threads, unsigned repeat, size_t ceil
         if (unmake(r, r->made) != 0 || has_failed())
             break;
         overlap_s[i] = copy_phase(r, cs, threads, true);
+        if (r->staged && !has_failed() && r->made == r->count)
+            verify(r);
         if (unmake(r, r->made) != 0)
             break;
     }
     htod = has_failed() ? -1 : ceiling(ceiling_bytes);
     if (has_failed())
         goto done;
-    printf("{");
+    printf("{\"source\": \"%s\", ", r->staged ? "staged" : "pinned");
     print_runs("recreate_s", recreate_s, repeat, false);
     print_runs("copy_s", copy_s, repeat, false);
     print_runs("overlap_s", overlap_s, repeat, false);
@@ -376,6 +455,9 @@ done:
             check("cuStreamDestroy", cu.StreamDestroy(cs[i].stream));
         if (cs[i].buf)
             check("cuMemFreeHost", cu.FreeHost(cs[i].buf));
+        for (unsigned e = 0; e < 2; e++)
+            if (cs[i].done[e])
+                check("cuEventDestroy", cu.EventDestroy(cs[i].done[e]));
     }
     free(recreate_s);
     free(copy_s);
@@ -394,15 +476,33 @@ static int number(const char *text, unsigned long long max, unsigned long long *
     return 0;
 }
 
+/* SOURCE staged: every allocation's bytes in one anonymous mapping, written
+ * (populated) before any run, as SAVE leaves them. */
+static char *stage(size_t len)
+{
+    char *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+
+    if (p == MAP_FAILED) {
+        fail("mmap of %zu bytes of staged memory failed", len);
+        return NULL;
+    }
+    madvise(p, len, MADV_HUGEPAGE); /* small pages where THP is off: still a source */
+    for (size_t off = 0; off < len; off += MIB)
+        memset(p + off, (int)((off / MIB * 7 + 1) & 0xff), len - off < MIB ? len - off : MIB);
+    return p;
+}
+
 int main(int argc, char **argv)
 {
     unsigned long long count, mib, threads, piece_mib, repeat, ceiling_mib;
+    bool staged = false;
     struct run r;
     int rc = 1;
 
     memset(&r, 0, sizeof r);
-    if (argc != 8) {
-        fprintf(stderr, "usage: %s LIBCUDA COUNT MIB THREADS PIECE_MIB REPEAT CEILING_MIB\n",
+    if (argc != 8 && argc != 9) {
+        fprintf(stderr,
+                "usage: %s LIBCUDA COUNT MIB THREADS PIECE_MIB REPEAT CEILING_MIB [pinned|staged]\n",
                 argv[0]);
         return 2;
     }
@@ -412,9 +512,18 @@ int main(int argc, char **argv)
         fprintf(stderr, "load_floor: %s\n", fail_msg);
         return 2;
     }
+    if (argc == 9) {
+        if (strcmp(argv[8], "staged") != 0 && strcmp(argv[8], "pinned") != 0) {
+            fprintf(stderr, "load_floor: source '%s' is neither pinned nor staged\n", argv[8]);
+            return 2;
+        }
+        staged = strcmp(argv[8], "staged") == 0;
+    }
     r.count = count;
     r.size = mib * MIB;
     r.piece = piece_mib * MIB < r.size ? piece_mib * MIB : r.size;
+    if (staged && !(r.staged = stage(count * r.size)))
+        goto done;
     r.vas = calloc(count, sizeof *r.vas);
     r.handles = calloc(count, sizeof *r.handles);
     pthread_mutex_init(&r.lock, NULL);
@@ -445,5 +554,7 @@ done:
     }
     free(r.vas);
     free(r.handles);
+    if (r.staged)
+        munmap(r.staged, count * r.size);
     return rc;
 }

@@ -18,6 +18,12 @@ with the reservations made first, as LOAD finds them:
   allocation, once made, is copied by the first free copy thread. This is the floor:
   LOAD with its bytes already pinned and nothing of the shim's around it.
 
+With ``--source staged`` the bytes come as LOAD finds them instead: from one populated
+anonymous mapping (2 MiB pages where THP allows), each copy thread memcpy'ing a piece
+into one half of its pinned buffer of two pieces while the copy engine drains the other,
+waiting on blocking-sync events. That is the shim's bounce design with nothing of the
+shim's around it: the driver's and the host's floor together, for LOAD as built.
+
 Each case for every N of ``--threads`` (default 4, 8, 16); the top-level figures are
 those of the N fastest both at once (``by_threads`` has them all). GB/s are 10^9 bytes
 over each time; ``overlap_of_htod`` is the floor over the pinned
@@ -59,7 +65,7 @@ def measure_one(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     if not probe.is_file():
         raise SystemExit(f"{probe} missing: build it first (make build)")
     argv = [str(probe), args.libcuda, str(args.count), str(args.mib), str(threads)]
-    argv += [str(args.piece_mib), str(args.repeat), str(args.ceiling_mib)]
+    argv += [str(args.piece_mib), str(args.repeat), str(args.ceiling_mib), args.source]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{probe.name} failed ({done.returncode}): {done.stderr.strip()}")
@@ -71,6 +77,7 @@ def measure_one(args: argparse.Namespace, threads: int) -> dict[str, Any]:
         "bytes_each": size,
         "bytes": total,
         "threads": threads,
+        "source": raw["source"],
         "piece": min(args.piece_mib * MIB, size),
         "repeat": args.repeat,
     }
@@ -92,6 +99,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--threads", type=int, nargs="+", default=[4, 8, 16], help="copy threads (at most 64)"
     )
     parser.add_argument("--piece-mib", type=int, default=8, help="largest single copy")
+    parser.add_argument(
+        "--source",
+        choices=("pinned", "staged"),
+        default="pinned",
+        help="pinned buffers (the driver's floor) or staged memory through bounce buffers",
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--ceiling-mib", type=int, default=1024)
     parser.add_argument("--libcuda", default="libcuda.so.1")

@@ -265,6 +265,10 @@ class Bench:
                     "drain": per(ops, "drain_s"),
                     "teardown": per(ops, "teardown_s"),
                     "copy_wall": per(ops, "copy_wall_s"),
+                    # LOAD's setup: its driver calls (cuMemCreate; cuMemMap and
+                    # cuMemSetAccess), against load_floor's bare re-creation.
+                    "create": per(ops, "create_s"),
+                    "map": per(ops, "map_s"),
                 },
                 "thread_s": {
                     k: thread(ops, k)
@@ -350,6 +354,9 @@ class Bench:
             "bytes": total,
             **first,
             "load_floor": load_floor(count, size, self.load_floor_repeat, self.plain, self.log),
+            "load_floor_staged": load_floor(
+                count, size, self.load_floor_repeat, self.plain, self.log, "staged"
+            ),
             "native_verified": native_ok,
             "native_alone": _commands(nat),
             "native_repetitions": nat,
@@ -358,24 +365,31 @@ class Bench:
 
 
 def load_floor(
-    count: int, size: int, repeat: int, env: dict[str, str], log: Callable[[str], None]
+    count: int,
+    size: int,
+    repeat: int,
+    env: dict[str, str],
+    log: Callable[[str], None],
+    source: str = "pinned",
 ) -> dict[str, Any] | None:
     """bench/load_floor.py for one shape, in a process of its own without the shim: the
     driver re-creating the allocations while their bytes are copied in from pinned
-    memory, with 4, 8 and as many copy threads as the shim's (the fastest is the floor).
-    None with ``repeat`` 0."""
+    memory (``source`` "staged": memcpy'd out of staged memory into two 4 MiB pieces of
+    each copy thread's pinned buffer, the shim's default bounce design), with 4, 8 and as
+    many copy threads as the shim's (the fastest is the floor). None with ``repeat`` 0."""
     if repeat <= 0:
         return None
     most = min(16, os.cpu_count() or 1)  # the shim's default (settings.c)
     threads = sorted({t for t in (4, 8, most) if t <= most})
     argv = [sys.executable, str(Path(__file__).with_name("load_floor.py")), "--count", str(count)]
     argv += ["--mib", str(size >> 20), "--threads", *map(str, threads), "--repeat", str(repeat)]
+    argv += ["--source", source] + (["--piece-mib", "4"] if source == "staged" else [])
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"bench/load_floor.py failed ({proc.returncode}): {proc.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(proc.stdout)
     log(
-        f"  LOAD floor: re-create {result['recreate_s']['median']:.4f} s, copy "
+        f"  LOAD floor ({source}): re-create {result['recreate_s']['median']:.4f} s, copy "
         f"{result['copy_s']['median']:.4f} s, both at once {result['overlap_s']['median']:.4f}"
         f" s ({result['overlap_gbps']:.1f} GB/s)"
     )
@@ -497,6 +511,15 @@ def report_workload(
         )
         if lf["overlap_gbps"] < load_ref[0]:
             load_ref = (lf["overlap_gbps"], "the driver's LOAD floor")
+    bounce = wl.get("load_floor_staged")
+    if bounce:
+        out(
+            f"  LOAD floor through bounce buffers (staged memory memcpy'd into two 4 MiB "
+            f"pieces per copy thread, no shim; the best of {'/'.join(bounce['by_threads'])}: "
+            f"{bounce['threads']}): copy {bounce['copy_s']['median']:.4f} s "
+            f"({bounce['copy_gbps']:.1f} GB/s), both at once {bounce['overlap_s']['median']:.4f}"
+            f" s ({bounce['overlap_gbps']:.1f} GB/s, {bounce['overlap_gbps'] / htod:.2f} of HtoD)"
+        )
     # Shown, not taken for a floor: from Python threads it varied from 30 to 54 GB/s (16
     # threads) and LOAD of 8 GiB beat it (session 8 of docs/benchmarks.md).
     host = float((result.get("floor") or {}).get("best_load_memcpy", float("nan")))
@@ -504,7 +527,12 @@ def report_workload(
         out(f"  the host's memcpy out of resident memory into 8 MiB buffers: {host:.1f} GB/s")
     for vname, w in wl["variants"].items():
         _report_group(
-            f"{name} {vname}", w, wl["native_alone"], (dtoh, ref, copying), (htod, *load_ref), out
+            f"{name} {vname}",
+            w,
+            wl["native_alone"],
+            (dtoh, ref, copying),
+            (htod, *load_ref, bounce["overlap_gbps"] if bounce else float("nan")),
+            out,
         )
 
 
@@ -513,12 +541,12 @@ def _report_group(
     w: dict[str, Any],
     native: dict[str, Any],
     save_refs: tuple[float, float, float],
-    load_refs: tuple[float, float, str],
+    load_refs: tuple[float, float, str, float],
     out: Callable[[str], None],
 ) -> None:
     s, ld = w["save"], w["load"]
     dtoh, ref, copying = save_refs
-    htod, load_ref, load_limit = load_refs
+    htod, load_ref, load_limit, bounce_floor = load_refs
     extra = " ".join(f"{k}={v}" for k, v in w["settings"].items()) or "defaults"
     out(
         f"-- {title} ({extra}): {w['threads']} threads, chunk {w['chunk'] >> 20} MiB, thp "
@@ -540,7 +568,9 @@ def _report_group(
     )
     out(
         f"  LOAD warm {_m(ld['warm_gbps'], '{:.1f}')} GB/s ({lw / htod:.2f} of HtoD, "
-        f"{lw / load_ref:.2f} of min(HtoD, LOAD floor): {load_limit} limits); cold "
+        f"{lw / load_ref:.2f} of min(HtoD, LOAD floor): {load_limit} limits"
+        + (f"; {lw / bounce_floor:.2f} of the bounce floor" if bounce_floor == bounce_floor else "")
+        + "); cold "
         f"{ld['cold_gbps']:.1f} ({ld['cold_gbps'] / htod:.2f}); copy "
         f"{_m(ld['copy_gbps'], '{:.1f}')} GB/s, {ld['chunks']} chunks; staged copies freed "
         + (
@@ -559,6 +589,12 @@ def _report_group(
             f" register {t['register']['median']:.3f} copy {t['copy']['median']:.3f} "
             f"unregister {t['unregister']['median']:.3f} release {t['release']['median']:.3f}"
             f" memcpy {t['memcpy']['median']:.3f} streams {t['stream']['median']:.3f}"
+            + (
+                f"; setup's driver calls: create {b['create']['median']:.4f} map+access "
+                f"{b['map']['median']:.4f}"
+                if label == "LOAD"
+                else ""
+            )
         )
     for command in ("suspend", "resume"):
         ours, theirs = w["cuinterpose"][command], native[command]

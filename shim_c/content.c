@@ -83,6 +83,9 @@ struct stats {
     uint64_t setup_ns;          /* the control thread producing work: maps, creates */
     uint64_t drain_ns;          /* waiting for the queue after the last item */
     uint64_t teardown_ns;       /* temporary unmaps, release of staged bytes, munmaps */
+    /* LOAD: the setup's driver calls, to hold against the driver's bare pace
+     * (bench/load_floor.c): cuMemCreate, and cuMemMap with cuMemSetAccess. */
+    uint64_t create_ns, map_ns;
     struct staging_times st;
 };
 
@@ -443,7 +446,7 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             "\"chunks_per_thread\": %u, \"resident\": %s, "
             "\"elapsed_s\": %.6f, \"setup_s\": %.6f, "
             "\"pool_start_s\": %.6f, \"drain_s\": %.6f, \"teardown_s\": %.6f, "
-            "\"copy_wall_s\": %.6f, "
+            "\"copy_wall_s\": %.6f, \"create_s\": %.6f, \"map_s\": %.6f, "
             "\"thread_s\": {\"populate\": %.6f, \"register\": %.6f, \"copy\": %.6f, "
             "\"unregister\": %.6f, \"release\": %.6f, \"memcpy\": %.6f, \"stream\": %.6f}}\n",
             (int)getpid(), op, (unsigned long long)st->count, (unsigned long long)st->bytes,
@@ -455,7 +458,8 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             (unsigned long long)t->populated_chunks, t->spread, st->resident ? "true" : "false",
             (double)ns / 1e9, (double)st->setup_ns / 1e9, (double)t->pool_start_ns / 1e9,
             (double)st->drain_ns / 1e9, (double)st->teardown_ns / 1e9,
-            (double)t->copy_wall_ns / 1e9, (double)t->populate_ns / 1e9,
+            (double)t->copy_wall_ns / 1e9, (double)st->create_ns / 1e9,
+            (double)st->map_ns / 1e9, (double)t->populate_ns / 1e9,
             (double)t->register_ns / 1e9, (double)t->copy_ns / 1e9,
             (double)t->unregister_ns / 1e9, (double)t->release_ns / 1e9,
             (double)t->memcpy_ns / 1e9, (double)t->stream_ns / 1e9);
@@ -627,13 +631,15 @@ enum phase_result content_save(struct reply *r)
  * partial work is undone: no handle, no mapping, not live, its staged bytes
  * kept; `*retry` says the driver was out of memory and the undo was clean.
  * Called with it->o->ctx current. */
-static int create_one(struct item *it, bool *retry, char *msg, size_t n)
+static int create_one(struct item *it, struct stats *st, bool *retry, char *msg, size_t n)
 {
     struct obj *o = it->o;
     CUmemGenericAllocationHandle h = 0;
     char ignored[8];
+    uint64_t t0 = shim_now_ns();
     CUresult r = real.cuMemCreate(&h, o->size, &o->prop, 0);
 
+    st->create_ns += shim_now_ns() - t0;
     *retry = false;
     if (r != CUDA_SUCCESS) {
         shim_fail(msg, n, "cuMemCreate", r);
@@ -647,7 +653,9 @@ static int create_one(struct item *it, bool *retry, char *msg, size_t n)
     pthread_mutex_lock(&g.lock); /* readers check `live` first, but keep it clean */
     o->real = h;
     pthread_mutex_unlock(&g.lock);
+    t0 = shim_now_ns();
     r = unicast_load_mappings(o, msg, n); /* undoes its own partial work */
+    st->map_ns += shim_now_ns() - t0;
     if (r != CUDA_SUCCESS) {
         *retry = r == CUDA_ERROR_OUT_OF_MEMORY;
         goto fail_h;
@@ -719,7 +727,7 @@ static int load_items(struct item *items, uint32_t count, uint64_t total, bool k
             produce_rc = -1;
             break;
         }
-        produce_rc = create_one(it, retry, msg, n);
+        produce_rc = create_one(it, st, retry, msg, n);
         shim_ctx_leave(pushed);
         if (produce_rc != 0)
             break;

@@ -300,7 +300,8 @@ def test_many_small_and_a_few_large(
     """40 allocations of 1 to 3 granules around two of 9 and 13, 3 threads, chunks of at
     most 3 MiB: small neighbours share a chunk (fewer chunks than cutting each alone), large
     ones are split with a short last piece; the bytes survive the native checkpoint in
-    between, the timing line accounts for every byte and its parts add up. Registered in
+    between, the timing line accounts for every byte and its parts add up (LOAD's setup holds
+its driver calls, timed). Registered in
     place, every op registers and unregisters; through bounce buffers only the first op
     pins (the buffers are kept) and nothing is unregistered: 1 MiB ones (four pieces of 256
     KiB, three copies queued while one is memcpy'd: several pieces per chunk and per
@@ -347,6 +348,12 @@ def test_many_small_and_a_few_large(
         parts = float(t["setup_s"]) + float(t["drain_s"]) + float(t["teardown_s"])
         assert 0 < parts <= float(t["elapsed_s"])
         assert 0 < float(t["copy_wall_s"]) <= float(t["elapsed_s"])
+        # LOAD's setup re-creates: its driver calls are timed inside it; SAVE makes none.
+        driver_calls = (float(t["create_s"]), float(t["map_s"]))
+        if load:
+            assert min(driver_calls) > 0 and sum(driver_calls) <= float(t["setup_s"])
+        else:
+            assert driver_calls == (0, 0)
         assert t["bounce"] == bounce_mib * MIB
         assert t["depth"] == int(pipeline.get("DEPTH", "2"))
         assert t["populate_threads"] == int(pipeline.get("POPULATE_THREADS", "0"))
@@ -446,7 +453,21 @@ def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
         lf = w["load_floor"]
         assert (lf["count"], lf["bytes"]) == (count, count * mib * MIB)
         assert all(lf[f"{case}_s"]["median"] > 0 for case in ("recreate", "copy", "overlap"))
+        assert lf["source"] == "pinned"
+        # And through bounce buffers out of staged memory, as the shim moves them.
+        bounce = w["load_floor_staged"]
+        assert (bounce["source"], bounce["bytes"], bounce["piece"]) == (
+            "staged",
+            count * mib * MIB,
+            min(4, mib) * MIB,
+        )
+        assert bounce["overlap_s"]["median"] > 0
+        # The setup's driver calls, timed inside it.
+        setup = w["load"]["breakdown_s"]
+        assert 0 < setup["create"]["median"] + setup["map"]["median"] <= setup["setup"]["max"]
     assert "suspend" in done.stdout and "coordinator share" in done.stdout
+    assert "LOAD floor through bounce buffers" in done.stdout
+    assert "of the bounce floor" in done.stdout and "setup's driver calls" in done.stdout
     assert "LOAD floor (the driver alone" in done.stdout
     assert "of min(HtoD, LOAD floor)" in done.stdout
     floor = result["floor"]

@@ -2,7 +2,7 @@
 measured, its runs and its rates reported, the shape's bytes right, on the release build
 and under ASan; a driver out of memory ends the probe naming the call and its result;
 sizes that leave the probe nothing to do, or thread counts it cannot have, are refused,
-saying which."""
+saying which; so is a source it does not know."""
 
 from __future__ import annotations
 
@@ -35,14 +35,22 @@ def run(*args: str, build: str = "release", mem_mib: int = 0) -> subprocess.Comp
     )
 
 
-@pytest.mark.parametrize("build", ["release", "asan"])
-def test_every_case_is_measured_and_its_bytes_are_the_shapes(tmp_path: Path, build: str) -> None:
+@pytest.mark.parametrize(
+    ("build", "source"), [("release", "pinned"), ("asan", "pinned"), ("asan", "staged")]
+)
+def test_every_case_is_measured_and_its_bytes_are_the_shapes(
+    tmp_path: Path, build: str, source: str
+) -> None:
+    """Staged, the bytes go through each copy thread's two pieces, and every MiB of every
+    allocation is checked against its source after each run both at once."""
     out = tmp_path / "floor.json"
     done = run("--count", "24", "--mib", "6", "--threads", "3", "1", "--piece-mib", "4",
-               "--repeat", "2", "--ceiling-mib", "16", "--out", str(out), build=build)  # fmt: skip
+               "--repeat", "2", "--ceiling-mib", "16", "--out", str(out),
+               *(["--source", source] if source != "pinned" else []), build=build)  # fmt: skip
     assert done.returncode == 0, done.stderr
     floor = json.loads(out.read_text())
     assert json.loads(done.stdout) == floor
+    assert floor["source"] == source and "ERROR: AddressSanitizer" not in done.stderr
     assert (floor["count"], floor["bytes_each"], floor["bytes"]) == (24, 6 * MIB, 144 * MIB)
     assert set(floor["by_threads"]) == {"3", "1"} and floor["threads"] in (3, 1)
     # The floor is the fastest both at once, and its figures are that count's.
@@ -81,3 +89,11 @@ def test_a_driver_out_of_memory_ends_it_naming_the_call() -> None:
 def test_a_thread_count_it_cannot_have_is_refused(threads: str) -> None:
     done = run("--threads", "4", threads)
     assert done.returncode == 2 and "--threads must be from 1 to 64" in done.stderr, done.stderr
+
+
+def test_a_source_it_does_not_know_is_refused() -> None:
+    probe = BUILD_DIRS["release"] / "bench" / "load_floor"
+    lib = sim_dir("release") / "libcuda.so.1"
+    done = subprocess.run([str(probe), str(lib), "4", "2", "1", "1", "1", "8", "mapped"],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 2 and "source 'mapped' is neither pinned nor staged" in done.stderr
