@@ -12,11 +12,14 @@
  * SOURCE is where the bytes come from: "pinned" (the default: each copy
  * thread's pinned buffer, DMA alone: the driver's floor) or "staged" (one
  * populated anonymous mapping of every allocation's bytes, 2 MiB pages where
- * THP allows, as SAVE leaves them; each copy thread memcpy's a piece into one
- * half of its pinned buffer of two pieces while the copy engine drains the
- * other, and waits on blocking-sync events: the shim's bounce design with
- * nothing of the shim's around it, so the driver's and the host's floor
- * together).
+ * THP allows, as SAVE leaves them, cut in units of the shim's LOAD chunk;
+ * each copy thread memcpy's a piece into one half of its pinned buffer of two
+ * pieces while the copy engine drains the other, and waits on blocking-sync
+ * events: the shim's bounce design with nothing of the shim's around it, so
+ * the driver's and the host's floor together; and the memcpy alone, the
+ * host's part, as "memcpy_s"), drained after every unit as the shim drains
+ * after every chunk, or "piped" (the same, each thread's pipeline running on
+ * across its units: the best this design allows).
  *
  * One JSON object on stdout: every run's seconds per case, and the pinned
  * HtoD ceiling of one buffer. Every result checked; on an error the message
@@ -182,9 +185,19 @@ static int open_device(void)
 struct run {
     size_t count, size, piece;
     char *staged;               /* SOURCE staged: allocation k's bytes at k * size */
+    /* Staged: the work is cut in units of at most `unit` bytes, `per` to an
+     * allocation, so that one large allocation spreads over every thread as
+     * the shim's chunks do; pinned: one unit per allocation. */
+    size_t unit, per;
+    bool dma;                   /* false: the memcpy alone, no copy to the device */
+    /* Staged: each thread's pipeline runs on across its units (its first
+     * piece of a unit memcpy'd while its last of the unit before copies),
+     * drained once when the thread ends; else drained after every unit, as
+     * the shim drains after every chunk. */
+    bool piped;
     CUdeviceptr *vas;
     CUmemGenericAllocationHandle *handles;
-    /* Allocations made so far, and the next one to copy (under lock). */
+    /* Allocations made so far, and the next unit to copy (under lock). */
     pthread_mutex_t lock;
     pthread_cond_t more;
     size_t made, next;
@@ -197,6 +210,7 @@ struct copier {
     CUstream stream;
     void *buf;
     CUevent done[2];
+    size_t issued;              /* piped: pieces queued so far, across units */
     pthread_t tid;
 };
 
@@ -230,28 +244,49 @@ static int unmake(struct run *r, size_t made)
     return rc;
 }
 
-/* Staged: piece j through half j % 2 of the buffer, memcpy'd in once the copy
- * of piece j - 2 (the same half) is done; both halves drained at the end. */
-static int copy_staged(struct copier *c, size_t k)
+/* Wait for the copies of the last two pieces of `issued` (no more are in
+ * flight: each half is waited for before it is filled again). */
+static int drain(struct copier *c, size_t issued)
 {
-    struct run *r = c->r;
-    const char *src = r->staged + k * r->size;
-    size_t j = 0;
-
-    for (size_t off = 0; off < r->size; off += r->piece, j++) {
-        size_t n = r->size - off < r->piece ? r->size - off : r->piece;
-        char *half = (char *)c->buf + (j % 2) * r->piece;
-        if (j >= 2 && check("cuEventSynchronize", cu.EventSynchronize(c->done[j % 2])))
-            return -1;
-        memcpy(half, src + off, n);
-        if (check("cuMemcpyHtoDAsync", cu.MemcpyHtoDAsync(r->vas[k] + off, half, n, c->stream)) ||
-            check("cuEventRecord", cu.EventRecord(c->done[j % 2], c->stream)))
-            return -1;
-    }
-    for (size_t i = j > 2 ? j - 2 : 0; i < j; i++)
+    for (size_t i = issued > 2 ? issued - 2 : 0; c->r->dma && i < issued; i++)
         if (check("cuEventSynchronize", cu.EventSynchronize(c->done[i % 2])))
             return -1;
     return 0;
+}
+
+/* Staged: unit u's piece j through half j % 2 of the buffer, memcpy'd in once
+ * the copy of piece j - 2 (the same half) is done; both halves drained at the
+ * end. Without dma, the memcpy alone. */
+static int copy_staged(struct copier *c, size_t u)
+{
+    struct run *r = c->r;
+    size_t k = u / r->per, at = u % r->per * r->unit;
+    size_t end = at + r->unit < r->size ? at + r->unit : r->size;
+    const char *src = r->staged + k * r->size;
+    size_t j = r->piped ? c->issued : 0;
+
+    for (size_t off = at; off < end; off += r->piece, j++) {
+        size_t n = end - off < r->piece ? end - off : r->piece;
+        char *half = (char *)c->buf + (j % 2) * r->piece;
+        if (r->dma && j >= 2 && check("cuEventSynchronize", cu.EventSynchronize(c->done[j % 2])))
+            goto fail;
+        memcpy(half, src + off, n);
+        if (!r->dma)
+            continue;
+        if (check("cuMemcpyHtoDAsync", cu.MemcpyHtoDAsync(r->vas[k] + off, half, n, c->stream)) ||
+            check("cuEventRecord", cu.EventRecord(c->done[j % 2], c->stream)))
+            goto fail;
+    }
+    if (r->piped) {
+        c->issued = j;
+        return 0;
+    }
+    return drain(c, j);
+fail:
+    /* Nothing may still read the buffer once the thread ends. */
+    cu.StreamSynchronize(c->stream);
+    c->issued = 0;
+    return -1;
 }
 
 static int copy_one(struct copier *c, size_t k)
@@ -268,22 +303,27 @@ static int copy_one(struct copier *c, size_t k)
     return check("cuStreamSynchronize", cu.StreamSynchronize(c->stream));
 }
 
-/* Copy allocations in order, each once it is made, until all are copied. */
+/* Copy units in order, each once its allocation is made, until all are
+ * copied. */
 static void *copy_main(void *arg)
 {
     struct copier *c = arg;
     struct run *r = c->r;
+    size_t units = r->count * r->per;
 
+    c->issued = 0;
     if (check("cuCtxSetCurrent", cu.CtxSetCurrent(ctx)))
         return NULL;
     for (;;) {
         size_t k;
 
         pthread_mutex_lock(&r->lock);
-        while (r->next == r->made && r->next < r->count && !has_failed())
+        while (r->next < units && r->next / r->per >= r->made && !has_failed())
             pthread_cond_wait(&r->more, &r->lock);
-        if (r->next == r->count || has_failed()) {
+        if (r->next == units || has_failed()) {
             pthread_mutex_unlock(&r->lock);
+            if (r->piped)
+                drain(c, c->issued); /* after a failure too: nothing left in flight */
             return NULL;
         }
         k = r->next++;
@@ -400,17 +440,34 @@ static int verify(struct run *r)
     return 0;
 }
 
+/* Staged: the shim's LOAD chunk for `threads` (staging.c, pick_chunk: about
+ * four per thread, whole MiB, 1 to 64 MiB), at most an allocation. */
+static void cut_units(struct run *r, unsigned threads)
+{
+    size_t even = r->count * r->size / ((size_t)threads * 4) / MIB * MIB;
+
+    r->unit = r->size;
+    if (r->staged) {
+        even = even < MIB ? MIB : even > 64 * MIB ? 64 * MIB : even;
+        r->unit = even < r->size ? even : r->size;
+    }
+    r->per = (r->size + r->unit - 1) / r->unit;
+}
+
 static int measure(struct run *r, unsigned threads, unsigned repeat, size_t ceiling_bytes)
 {
     struct copier cs[MAX_THREADS];
     double *recreate_s = calloc(repeat, sizeof(double));
     double *copy_s = calloc(repeat, sizeof(double));
+    double *memcpy_s = calloc(repeat, sizeof(double));
     double *overlap_s = calloc(repeat, sizeof(double));
     double htod;
     int rc = -1;
 
     memset(cs, 0, sizeof cs);
-    if (!recreate_s || !copy_s || !overlap_s) {
+    cut_units(r, threads);
+    r->dma = true;
+    if (!recreate_s || !copy_s || !memcpy_s || !overlap_s) {
         fail("out of memory for %u runs", repeat);
         goto done;
     }
@@ -432,6 +489,11 @@ static int measure(struct run *r, unsigned threads, unsigned repeat, size_t ceil
         recreate_s[i] = recreate(r);
         if (!has_failed())
             copy_s[i] = copy_phase(r, cs, threads, false);
+        if (r->staged && !has_failed()) { /* the host's part alone */
+            r->dma = false;
+            memcpy_s[i] = copy_phase(r, cs, threads, false);
+            r->dma = true;
+        }
         if (unmake(r, r->made) != 0 || has_failed())
             break;
         overlap_s[i] = copy_phase(r, cs, threads, true);
@@ -443,11 +505,13 @@ static int measure(struct run *r, unsigned threads, unsigned repeat, size_t ceil
     htod = has_failed() ? -1 : ceiling(ceiling_bytes);
     if (has_failed())
         goto done;
-    printf("{\"source\": \"%s\", ", r->staged ? "staged" : "pinned");
+    printf("{\"source\": \"%s\", ", r->piped ? "piped" : r->staged ? "staged" : "pinned");
     print_runs("recreate_s", recreate_s, repeat, false);
     print_runs("copy_s", copy_s, repeat, false);
+    if (r->staged)
+        print_runs("memcpy_s", memcpy_s, repeat, false);
     print_runs("overlap_s", overlap_s, repeat, false);
-    printf("\"htod_ceiling_gbps\": %.3f}\n", htod);
+    printf("\"unit\": %zu, \"htod_ceiling_gbps\": %.3f}\n", r->unit, htod);
     rc = 0;
 done:
     for (unsigned i = 0; i < threads; i++) { /* zeroed: what was made is non-null */
@@ -461,6 +525,7 @@ done:
     }
     free(recreate_s);
     free(copy_s);
+    free(memcpy_s);
     free(overlap_s);
     return rc;
 }
@@ -502,7 +567,8 @@ int main(int argc, char **argv)
     memset(&r, 0, sizeof r);
     if (argc != 8 && argc != 9) {
         fprintf(stderr,
-                "usage: %s LIBCUDA COUNT MIB THREADS PIECE_MIB REPEAT CEILING_MIB [pinned|staged]\n",
+                "usage: %s LIBCUDA COUNT MIB THREADS PIECE_MIB REPEAT CEILING_MIB "
+                "[pinned|staged|piped]\n",
                 argv[0]);
         return 2;
     }
@@ -513,11 +579,14 @@ int main(int argc, char **argv)
         return 2;
     }
     if (argc == 9) {
-        if (strcmp(argv[8], "staged") != 0 && strcmp(argv[8], "pinned") != 0) {
-            fprintf(stderr, "load_floor: source '%s' is neither pinned nor staged\n", argv[8]);
+        if (strcmp(argv[8], "staged") != 0 && strcmp(argv[8], "piped") != 0 &&
+            strcmp(argv[8], "pinned") != 0) {
+            fprintf(stderr, "load_floor: source '%s' is not pinned, staged or piped\n",
+                    argv[8]);
             return 2;
         }
-        staged = strcmp(argv[8], "staged") == 0;
+        staged = strcmp(argv[8], "pinned") != 0;
+        r.piped = strcmp(argv[8], "piped") == 0;
     }
     r.count = count;
     r.size = mib * MIB;

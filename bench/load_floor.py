@@ -19,10 +19,17 @@ with the reservations made first, as LOAD finds them:
   LOAD with its bytes already pinned and nothing of the shim's around it.
 
 With ``--source staged`` the bytes come as LOAD finds them instead: from one populated
-anonymous mapping (2 MiB pages where THP allows), each copy thread memcpy'ing a piece
-into one half of its pinned buffer of two pieces while the copy engine drains the other,
-waiting on blocking-sync events. That is the shim's bounce design with nothing of the
-shim's around it: the driver's and the host's floor together, for LOAD as built.
+anonymous mapping (2 MiB pages where THP allows), cut in units of the shim's LOAD chunk
+(about four per copy thread, 1 to 64 MiB, at most an allocation), each copy thread
+memcpy'ing a piece into one half of its pinned buffer of two pieces while the copy
+engine drains the other, waiting on blocking-sync events. That is the shim's bounce
+design with nothing of the shim's around it: the driver's and the host's floor
+together, for LOAD as built. ``memcpy_s`` is the host's part alone: the same memcpy's
+into the same buffers, nothing copied to the device. Each thread drains its pipeline
+after every unit, as the shim does after every chunk; with ``--source piped`` its
+pipeline runs on across its units (the first piece of a unit memcpy'd while the last
+of the one before copies) and is drained once, when the thread ends: the best this
+design allows.
 
 Each case for every N of ``--threads`` (default 4, 8, 16); the top-level figures are
 those of the N fastest both at once (``by_threads`` has them all). GB/s are 10^9 bytes
@@ -81,7 +88,10 @@ def measure_one(args: argparse.Namespace, threads: int) -> dict[str, Any]:
         "piece": min(args.piece_mib * MIB, size),
         "repeat": args.repeat,
     }
-    for key in ("recreate_s", "copy_s", "overlap_s"):
+    out["unit"] = int(raw["unit"])
+    for key in ("recreate_s", "copy_s", "memcpy_s", "overlap_s"):
+        if key not in raw:  # memcpy_s: staged only
+            continue
         runs = [float(x) for x in raw[key]]
         out[key] = {"median": statistics.median(runs), "runs": runs}
         out[key.replace("_s", "_gbps")] = total / out[key]["median"] / 1e9
@@ -101,9 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--piece-mib", type=int, default=8, help="largest single copy")
     parser.add_argument(
         "--source",
-        choices=("pinned", "staged"),
+        choices=("pinned", "staged", "piped"),
         default="pinned",
-        help="pinned buffers (the driver's floor) or staged memory through bounce buffers",
+        help="pinned buffers (the driver's floor) or staged memory through bounce buffers"
+        " (piped: one pipeline per thread across its units)",
     )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--ceiling-mib", type=int, default=1024)

@@ -842,6 +842,10 @@ SHIM_HIDDEN void *staging_alloc(size_t len, char *msg, size_t n);
  * LOAD), `ctx` current: nothing pinned while the application runs, and the
  * next SAVE pins them again. */
 SHIM_HIDDEN void staging_free_bounces(CUcontext ctx);
+/* `ctx` is gone (destroyed or reset): forget the bounce buffers pinned in it
+ * and the workers' streams and events made in it, which went with it. No
+ * driver call. */
+SHIM_HIDDEN void staging_forget_ctx(CUcontext ctx);
 /* Bytes of staging memory one allocation of `size` bytes takes. */
 SHIM_HIDDEN size_t staging_len(size_t size);
 /* Start the pool for a phase moving `total` bytes of at most `items`

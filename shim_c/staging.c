@@ -174,12 +174,22 @@ static int no_populate;
 /* Resident bounce buffers, one per worker slot: pinned on first use and
  * kept, so that no cycle after the first pins anything. Slot i is used by
  * one thread at a time (ops run one at a time on the control thread). A
- * fork child owns none of its parent's (`pid`). */
+ * fork child owns none of its parent's (`pid`). Each slot keeps its worker's
+ * stream and events too, made in `sctx` on first use: made and destroyed per
+ * op they cost every thread ~1 ms at the op's start, beside the control
+ * thread's re-creation calls, and its join at the end (thread-s "stream",
+ * docs/benchmarks.md, session 9). A context destroyed takes what was made in
+ * it (staging_forget_ctx). */
 static struct bounce {
     void *p;
     size_t size;
     pid_t pid;
     bool registered;            /* our mapping, registered; else cuMemHostAlloc'd */
+    CUcontext ctx;              /* where `p` was pinned */
+    CUcontext sctx;             /* where `stream` and `done` were made; NULL: none */
+    pid_t spid;
+    CUstream stream;
+    CUevent done[STAGING_DEPTH_MAX];
 } bounces[SLOTS];
 
 /* ------------------------------------------------------------ memory */
@@ -239,16 +249,56 @@ static void bounce_free(struct bounce *b)
     b->p = NULL;
 }
 
+/* Destroy a slot's kept stream and events, its context current; failures
+ * are only logged (nothing else can use them: the slot forgets them). */
+static void slot_streams_free(struct bounce *b)
+{
+    CUresult r;
+
+    for (unsigned i = 0; i < STAGING_DEPTH_MAX; i++) {
+        if (b->done[i] && (r = real.cuEventDestroy(b->done[i])) != CUDA_SUCCESS)
+            shim_log(LOG_WARN, "cuEventDestroy of a staging event failed: %s", shim_cu_name(r));
+        b->done[i] = NULL;
+    }
+    if (b->stream && (r = real.cuStreamDestroy(b->stream)) != CUDA_SUCCESS)
+        shim_log(LOG_WARN, "cuStreamDestroy of a staging stream failed: %s", shim_cu_name(r));
+    b->stream = NULL;
+    b->sctx = NULL;
+}
+
 void staging_free_bounces(CUcontext ctx)
 {
     bool pushed;
 
     if (!real.cuMemFreeHost || shim_ctx_enter(ctx, &pushed) != CUDA_SUCCESS)
         return; /* kept: the next op reuses them */
-    for (unsigned i = 0; i < SLOTS; i++)
-        if (bounces[i].p && bounces[i].pid == getpid())
-            bounce_free(&bounces[i]);
+    for (unsigned i = 0; i < SLOTS; i++) {
+        struct bounce *b = &bounces[i];
+        if (b->p && b->pid == getpid())
+            bounce_free(b);
+        if (b->sctx == ctx && b->spid == getpid())
+            slot_streams_free(b);
+    }
     shim_ctx_leave(pushed);
+}
+
+void staging_forget_ctx(CUcontext ctx)
+{
+    for (unsigned i = 0; i < SLOTS; i++) {
+        struct bounce *b = &bounces[i];
+        if (b->p && b->pid == getpid() && b->ctx == ctx) {
+            /* Pinned memory is the context's: cuMemHostAlloc'd, the driver
+             * freed it; registered, the mapping is ours and stays mapped. */
+            if (b->registered && munmap(b->p, b->size) != 0)
+                shim_log(LOG_WARN, "munmap of a bounce buffer failed: %s", strerror(errno));
+            b->p = NULL;
+        }
+        if (b->sctx == ctx && b->spid == getpid()) {
+            memset(b->done, 0, sizeof b->done);
+            b->stream = NULL;
+            b->sctx = NULL;
+        }
+    }
 }
 
 /* ------------------------------------------------------------ errors */
@@ -316,38 +366,65 @@ static void worker_scrub(struct worker *w)
 
 static void worker_leave(struct staging *s, struct worker *w)
 {
-    uint64_t t0;
-
+    (void)s;
     worker_scrub(w);
     if (!w->entered)
         return;
-    t0 = shim_now_ns();
-    for (unsigned i = 0; i < STAGING_DEPTH_MAX; i++) {
-        if (w->done[i]) {
-            CUresult r = real.cuEventDestroy(w->done[i]);
-            if (r != CUDA_SUCCESS)
-                cu_fail(s, NULL, "cuEventDestroy", r);
-            w->done[i] = NULL;
-        }
-    }
-    if (w->stream) {
-        CUresult r = real.cuStreamDestroy(w->stream);
-        if (r != CUDA_SUCCESS)
-            cu_fail(s, NULL, "cuStreamDestroy", r);
-        w->stream = NULL;
-    }
+    w->stream = NULL; /* the slot keeps it */
+    memset(w->done, 0, sizeof w->done);
     shim_ctx_leave(w->pushed);
     w->entered = w->pushed = false;
-    w->t.stream_ns += shim_now_ns() - t0;
 }
 
-/* The task's context current, with a stream of it. Contexts rarely differ
- * (one per device in practice), so switching is not optimized. */
-static int worker_use(struct staging *s, struct worker *w, CUcontext ctx)
+/* The slot's stream and events, made in `ctx` now unless the slot has them
+ * (ctx current). Another context's are destroyed first, under that context:
+ * contexts rarely differ (one per device in practice). */
+static int slot_streams(struct staging *s, struct bounce *b, CUcontext ctx)
 {
     CUresult r;
+
+    if (b->sctx == ctx && b->spid == getpid())
+        return 0;
+    if (b->sctx && b->spid == getpid()) {
+        bool pushed;
+        if (shim_ctx_enter(b->sctx, &pushed) == CUDA_SUCCESS) {
+            slot_streams_free(b);
+            shim_ctx_leave(pushed);
+        }
+    }
+    memset(b->done, 0, sizeof b->done);
+    b->stream = NULL;
+    b->sctx = NULL;
+    r = real.cuStreamCreate(&b->stream, CU_STREAM_NON_BLOCKING);
+    if (r != CUDA_SUCCESS) {
+        b->stream = NULL;
+        cu_fail(s, NULL, "cuStreamCreate", r);
+        return -1;
+    }
+    b->sctx = ctx;
+    b->spid = getpid();
+    /* Blocking sync: a worker waiting for its copy sleeps instead of spinning
+     * (the context's default schedule spins while it has fewer threads than
+     * CPUs), so the CPUs stay with the workers that memcpy and fault pages. */
+    for (unsigned i = 0; i < shim_settings()->staging_depth; i++) {
+        r = real.cuEventCreate(&b->done[i], CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING);
+        if (r != CUDA_SUCCESS) {
+            b->done[i] = NULL;
+            slot_streams_free(b);
+            cu_fail(s, NULL, "cuEventCreate", r);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The task's context current, with the slot's stream of it. */
+static int worker_use(struct staging *s, struct worker *w, CUcontext ctx)
+{
+    struct bounce *b = &bounces[w->slot];
+    CUresult r;
     uint64_t t0;
-    int rc = -1;
+    int rc;
 
     if (w->entered && w->ctx == ctx)
         return 0;
@@ -360,25 +437,11 @@ static int worker_use(struct staging *s, struct worker *w, CUcontext ctx)
     }
     w->entered = true;
     w->ctx = ctx;
-    r = real.cuStreamCreate(&w->stream, CU_STREAM_NON_BLOCKING);
-    if (r != CUDA_SUCCESS) {
-        w->stream = NULL;
-        cu_fail(s, NULL, "cuStreamCreate", r);
-        goto done;
+    rc = slot_streams(s, b, ctx);
+    if (rc == 0) {
+        w->stream = b->stream;
+        memcpy(w->done, b->done, sizeof w->done);
     }
-    /* Blocking sync: a worker waiting for its copy sleeps instead of spinning
-     * (the context's default schedule spins while it has fewer threads than
-     * CPUs), so the CPUs stay with the workers that memcpy and fault pages. */
-    for (unsigned i = 0; i < shim_settings()->staging_depth; i++) {
-        r = real.cuEventCreate(&w->done[i], CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING);
-        if (r != CUDA_SUCCESS) {
-            w->done[i] = NULL;
-            cu_fail(s, NULL, "cuEventCreate", r);
-            goto done;
-        }
-    }
-    rc = 0;
-done:
     w->t.stream_ns += shim_now_ns() - t0;
     return rc;
 }
@@ -485,6 +548,7 @@ static char *bounce_get(struct staging *s, struct worker *w, const struct segmen
     b->size = size;
     b->pid = getpid();
     b->registered = reg;
+    b->ctx = w->ctx;
     return b->p;
 }
 

@@ -1145,6 +1145,7 @@ static CUresult host_alloc(void **pp, size_t size, unsigned flags)
         h->p = p;
         h->size = size;
         h->flags = flags;
+        h->ctx = sim_current_ctx();
     }
     sim_unlock();
     if (!h) {
@@ -1212,6 +1213,7 @@ static CUresult host_register(void *p, size_t size, unsigned flags)
     h->p = p;
     h->size = size;
     h->flags = flags;
+    h->ctx = sim_current_ctx();
 out:
     sim_unlock();
     return r;

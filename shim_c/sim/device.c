@@ -437,6 +437,44 @@ CUresult CUDAAPI cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevic
 
 /* ---- primary contexts ------------------------------------------------- */
 
+/* `c` is destroyed: as the driver does, its pinned host memory goes with it
+ * (cuMemHostAlloc'd: unmapped, so that a later touch faults; registered:
+ * unregistered), and so do its streams, once their queued work has run (as
+ * stream_destroy waits). */
+static void drop_ctx(const struct sim_ctx *c)
+{
+    for (int i = 0; i < SIM_MAX_HOST; i++) {
+        void *addr = NULL;
+        size_t size = 0;
+
+        sim_lock();
+        if (sim.host[i].used && sim.host[i].ctx == c) {
+            if (!sim.host[i].registered) {
+                addr = sim.host[i].p;
+                size = sim.host[i].size;
+            }
+            memset(&sim.host[i], 0, sizeof sim.host[i]);
+        }
+        sim_unlock();
+        if (addr)
+            munmap(addr, size);
+    }
+    for (int i = 0; i < SIM_MAX_STREAMS; i++) {
+        struct sim_stream *st = &sim.streams[i];
+        int mine;
+
+        sim_lock();
+        mine = st->used && st->ctx == c;
+        sim_unlock();
+        if (!mine)
+            continue;
+        queue_wait(&st->queue);
+        sim_lock();
+        st->used = 0;
+        sim_unlock();
+    }
+}
+
 static CUresult primary_retain(CUcontext *pctx, CUdevice dev)
 {
     struct sim_ctx *c;
@@ -467,17 +505,21 @@ CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 static CUresult primary_release(CUdevice dev)
 {
     CUresult r = CUDA_SUCCESS;
+    int last = 0;
 
     if (!sim_dev_valid(dev))
         return CUDA_ERROR_INVALID_DEVICE;
     sim_lock();
     /* The context object stays valid (the handle is stable per device);
-     * only its retain count drops, as on the real driver. */
+     * only its retain count drops, as on the real driver, and the last
+     * release takes its resources. */
     if (sim.primary[dev].refs <= 0)
         r = CUDA_ERROR_INVALID_CONTEXT;
     else
-        sim.primary[dev].refs--;
+        last = --sim.primary[dev].refs == 0;
     sim_unlock();
+    if (last)
+        drop_ctx(&sim.primary[dev]);
     return r;
 }
 
@@ -521,7 +563,10 @@ CUresult CUDAAPI cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags)
 
 static CUresult primary_reset(CUdevice dev)
 {
-    return sim_dev_valid(dev) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+    if (!sim_dev_valid(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    drop_ctx(&sim.primary[dev]);
+    return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuDevicePrimaryCtxReset_v2(CUdevice dev)
@@ -607,6 +652,7 @@ static CUresult ctx_destroy(CUcontext ctx)
     sim_unlock();
     if (!c || c->primary)
         return CUDA_ERROR_INVALID_CONTEXT;
+    drop_ctx(c);
     /* Only this thread's stack can be cleaned; other threads find the
      * context invalid on their next use. */
     for (int i = 0; i < tls.depth; i++)

@@ -215,6 +215,7 @@ struct sim_host {
     void *p;
     size_t size;
     unsigned flags;
+    struct sim_ctx *ctx; /* current when pinned: its destruction unpins (NULL: none) */
 };
 
 /* Device work queued on a stream (copies, memsets, host functions): run in

@@ -380,6 +380,35 @@ its driver calls, timed). Registered in
     assert "warning" not in log
 
 
+def test_a_reset_context_takes_the_kept_buffers_and_streams_along(
+    spawn: Spawn, control_dir: Path, sim_namespace: str
+) -> None:
+    """A cycle pins each copy thread's bounce buffer and makes its stream and events in
+    the allocations' context, and keeps them for the next cycle. The application then
+    resets that (primary) context: the driver frees what was pinned and made in it (the
+    simulator unmaps the buffers, so a touch faults, and drops the streams). The next
+    cycle, through the native checkpoint, pins and makes new ones: every byte right, no
+    warning."""
+    creator = spawn(extra={"SNAPSHOT_SHIM_COPY_CHUNK_MIB": "1", "SNAPSHOT_SHIM_COPY_THREADS": "3"})
+    make_shared(creator, [3, 2, 4], seed=91)
+    c = Shim(control_dir, creator.pid)
+    for op in CAPTURE + RESTORE:
+        c.ok(op)
+    assert intact(creator)
+    creator(
+        "dev = check(cu.cuDeviceGet(0)); check(cu.cuDevicePrimaryCtxReset(dev))\n"
+        "check(cu.cuCtxSetCurrent(check(cu.cuDevicePrimaryCtxRetain(dev))))\n"
+        "result = None"
+    )
+    for op in CAPTURE:
+        c.ok(op)
+    assert native_checkpoint_restore(spawn, sim_namespace, [creator.pid]) == [2]
+    for op in RESTORE:
+        c.ok(op)
+    assert intact(creator)
+    assert "warning" not in finish(creator)
+
+
 def test_read_only_mapping_copies_through_a_temporary_one(spawn: Spawn, control_dir: Path) -> None:
     """The application maps one allocation read-only (the simulator refuses a write
     through it) and another read-write: both are saved and loaded, bytes intact, the

@@ -36,13 +36,15 @@ def run(*args: str, build: str = "release", mem_mib: int = 0) -> subprocess.Comp
 
 
 @pytest.mark.parametrize(
-    ("build", "source"), [("release", "pinned"), ("asan", "pinned"), ("asan", "staged")]
+    ("build", "source"),
+    [("release", "pinned"), ("asan", "pinned"), ("asan", "staged"), ("asan", "piped")],
 )
 def test_every_case_is_measured_and_its_bytes_are_the_shapes(
     tmp_path: Path, build: str, source: str
 ) -> None:
-    """Staged, the bytes go through each copy thread's two pieces, and every MiB of every
-    allocation is checked against its source after each run both at once."""
+    """Staged, the bytes go through each copy thread's two pieces (piped: one pipeline per
+    thread across its units), and every MiB of every allocation is checked against its
+    source after each run both at once."""
     out = tmp_path / "floor.json"
     done = run("--count", "24", "--mib", "6", "--threads", "3", "1", "--piece-mib", "4",
                "--repeat", "2", "--ceiling-mib", "16", "--out", str(out),
@@ -51,13 +53,17 @@ def test_every_case_is_measured_and_its_bytes_are_the_shapes(
     floor = json.loads(out.read_text())
     assert json.loads(done.stdout) == floor
     assert floor["source"] == source and "ERROR: AddressSanitizer" not in done.stderr
+    # Staged, the work is cut as the shim's LOAD chunks (144 MiB over 3 threads x 4: 12,
+    # at most an allocation: 6; 1 thread: 6), and the memcpy alone is measured.
+    assert floor["unit"] == 6 * MIB
+    assert ("memcpy_s" in floor) == (source != "pinned")
     assert (floor["count"], floor["bytes_each"], floor["bytes"]) == (24, 6 * MIB, 144 * MIB)
     assert set(floor["by_threads"]) == {"3", "1"} and floor["threads"] in (3, 1)
     # The floor is the fastest both at once, and its figures are that count's.
     fastest = min(floor["by_threads"].values(), key=lambda r: r["overlap_s"]["median"])
     assert {k: v for k, v in floor.items() if k != "by_threads"} == fastest
     assert (floor["piece"], floor["repeat"]) == (4 * MIB, 2)
-    for case in ("recreate", "copy", "overlap"):
+    for case in ("recreate", "copy", "overlap", *(["memcpy"] if source != "pinned" else [])):
         runs = floor[f"{case}_s"]["runs"]
         assert len(runs) == 2 and all(r > 0 for r in runs), floor
         assert floor[f"{case}_gbps"] == pytest.approx(
@@ -96,4 +102,17 @@ def test_a_source_it_does_not_know_is_refused() -> None:
     lib = sim_dir("release") / "libcuda.so.1"
     done = subprocess.run([str(probe), str(lib), "4", "2", "1", "1", "1", "8", "mapped"],
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
-    assert done.returncode == 2 and "source 'mapped' is neither pinned nor staged" in done.stderr
+    assert done.returncode == 2 and "source 'mapped' is not pinned, staged or piped" in done.stderr
+
+
+@pytest.mark.parametrize("source", ["staged", "piped"])
+def test_a_large_allocation_staged_is_cut_over_every_thread(tmp_path: Path, source: str) -> None:
+    """One allocation of 32 MiB from staged memory with 4 threads: units of the shim's
+    LOAD chunk (32 MiB / 16: 2 MiB), so every thread copies, and every MiB arrives."""
+    out = tmp_path / "floor.json"
+    done = run("--count", "1", "--mib", "32", "--threads", "4", "--piece-mib", "1",
+               "--repeat", "1", "--ceiling-mib", "8", "--source", source, "--out", str(out),
+               build="asan")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    floor = json.loads(out.read_text())
+    assert (floor["unit"], floor["piece"], floor["bytes"]) == (2 * MIB, MIB, 32 * MIB)
