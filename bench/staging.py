@@ -357,6 +357,9 @@ class Bench:
             "load_floor_staged": load_floor(
                 count, size, self.load_floor_repeat, self.plain, self.log, "staged"
             ),
+            "load_floor_piped": load_floor(
+                count, size, self.load_floor_repeat, self.plain, self.log, "piped"
+            ),
             "native_verified": native_ok,
             "native_alone": _commands(nat),
             "native_repetitions": nat,
@@ -375,7 +378,8 @@ def load_floor(
     """bench/load_floor.py for one shape, in a process of its own without the shim: the
     driver re-creating the allocations while their bytes are copied in from pinned
     memory (``source`` "staged": memcpy'd out of staged memory into two 4 MiB pieces of
-    each copy thread's pinned buffer, the shim's default bounce design), with 4, 8 and as
+    each copy thread's pinned buffer, the shim's default bounce design; "piped": the same
+    with each thread's pipeline running across its units), with 4, 8 and as
     many copy threads as the shim's (the fastest is the floor). None with ``repeat`` 0."""
     if repeat <= 0:
         return None
@@ -383,7 +387,7 @@ def load_floor(
     threads = sorted({t for t in (4, 8, most) if t <= most})
     argv = [sys.executable, str(Path(__file__).with_name("load_floor.py")), "--count", str(count)]
     argv += ["--mib", str(size >> 20), "--threads", *map(str, threads), "--repeat", str(repeat)]
-    argv += ["--source", source] + (["--piece-mib", "4"] if source == "staged" else [])
+    argv += ["--source", source] + (["--piece-mib", "4"] if source != "pinned" else [])
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"bench/load_floor.py failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -512,6 +516,15 @@ def report_workload(
         if lf["overlap_gbps"] < load_ref[0]:
             load_ref = (lf["overlap_gbps"], "the driver's LOAD floor")
     bounce = wl.get("load_floor_staged")
+    piped = wl.get("load_floor_piped")
+    if piped:
+        out(
+            f"  LOAD floor through bounce buffers piped (each thread's pipeline across its "
+            f"units; the best of {'/'.join(piped['by_threads'])}: {piped['threads']}): memcpy "
+            f"and copy {piped['copy_s']['median']:.4f} s ({piped['copy_gbps']:.1f} GB/s), and"
+            f" with the re-creation {piped['overlap_s']['median']:.4f} s "
+            f"({piped['overlap_gbps']:.1f} GB/s, {piped['overlap_gbps'] / htod:.2f} of HtoD)"
+        )
     if bounce:
         out(
             f"  LOAD floor through bounce buffers (staged memory memcpy'd into two 4 MiB "

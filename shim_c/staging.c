@@ -27,7 +27,7 @@
  *    through its own pinned bounce buffer (SNAPSHOT_SHIM_STAGING_BOUNCE_MIB,
  *    cuMemHostAlloc once, kept for the life of the process) and memcpy's
  *    between it and the staging memory, the buffer cut in
- *    SNAPSHOT_SHIM_STAGING_DEPTH pieces (bounce_copy): the copy engine fills
+ *    SNAPSHOT_SHIM_STAGING_DEPTH pieces (bounce_save, load_pipe): the copy engine fills
  *    or drains up to depth - 1 pieces while the thread memcpy's another, and
  *    the thread waits on a blocking-sync event, so that a waiting worker
  *    gives its CPU to the ones that memcpy and fault pages (on the H200 a
@@ -63,8 +63,10 @@
  *    MADV_HUGEPAGE (staging_alloc): with 2 MiB pages the first touch, the
  *    pinning and the free each handle 512 times fewer pages.
  *
- * Accounting: every copied chunk is counted in exactly one place
- * (run_copy), into g.phase_bytes_done. The first error wins (its message
+ * Accounting: every copied chunk is counted in exactly one place, into
+ * g.phase_bytes_done: run_copy, or for a LOAD through the bounce buffers,
+ * whose pipeline runs on across chunks, pipe_settle when the chunk's last
+ * copy is waited for (the queue is idle only once every chunk has ended). The first error wins (its message
  * names the call, the result, the allocation and the offset in it); after
  * it the workers drain the queue without running anything.
  */
@@ -346,6 +348,21 @@ struct worker {
      * copies, waited for (blocking, not spinning) before it is touched again. */
     CUevent done[STAGING_DEPTH_MAX];
     bool dirtied;               /* its bounce buffer holds bytes a SAVE copied out */
+    /* LOAD: the pipeline runs on from one chunk to the next (load_pipe): a
+     * piece's copy still in flight when the worker takes its next chunk, so
+     * that the first memcpy of a chunk overlaps the last copy of the one
+     * before. `issued` counts the pieces queued; a chunk ends (its bytes
+     * counted, the queue told) when its last piece's copy is waited for. */
+    struct {
+        uint64_t issued;
+        unsigned busy;          /* pieces in flight */
+        bool open;              /* between copy_begin and copy_end */
+        struct {
+            bool busy, last;    /* last: the chunk's last piece */
+            size_t chunk_len;   /* last: the chunk's bytes, counted when it ends */
+            const struct segment *seg; /* for messages */
+        } piece[STAGING_DEPTH_MAX];
+    } pipe;
     struct staging_times t;     /* this thread's, added to the pool's at the end */
 };
 
@@ -418,7 +435,10 @@ static int slot_streams(struct staging *s, struct bounce *b, CUcontext ctx)
     return 0;
 }
 
-/* The task's context current, with the slot's stream of it. */
+static void pipe_drain(struct staging *s, struct worker *w);
+
+/* The task's context current, with the slot's stream of it (what the
+ * pipeline has in flight on another context's stream waited for first). */
 static int worker_use(struct staging *s, struct worker *w, CUcontext ctx)
 {
     struct bounce *b = &bounces[w->slot];
@@ -428,6 +448,7 @@ static int worker_use(struct staging *s, struct worker *w, CUcontext ctx)
 
     if (w->entered && w->ctx == ctx)
         return 0;
+    pipe_drain(s, w);
     worker_leave(s, w);
     t0 = shim_now_ns();
     r = shim_ctx_enter(ctx, &w->pushed);
@@ -591,14 +612,15 @@ static int piece_dma(struct staging *s, struct worker *w, const struct task *k,
     return 0;
 }
 
-static int piece_wait(struct staging *s, struct worker *w, const struct task *k, CUevent done)
+static int piece_wait(struct staging *s, struct worker *w, const struct segment *seg,
+                      CUevent done)
 {
     uint64_t t0 = shim_now_ns();
     CUresult r = real.cuEventSynchronize(done);
 
     w->t.copy_ns += shim_now_ns() - t0;
     if (r != CUDA_SUCCESS) {
-        cu_fail(s, &s->segs[k->seg0], "cuEventSynchronize", r);
+        cu_fail(s, seg, "cuEventSynchronize", r);
         return -1;
     }
     return 0;
@@ -611,17 +633,16 @@ static void timed_memcpy(struct worker *w, char *to, const char *from, size_t n)
     w->t.memcpy_ns += shim_now_ns() - t0;
 }
 
-/* One chunk through the bounce buffer, cut in `depth` pieces
+/* SAVE: one chunk through the bounce buffer, cut in `depth` pieces
  * (SNAPSHOT_SHIM_STAGING_DEPTH, 2 by default: double-buffered): piece j of
- * the chunk goes through slot j % depth, so that the copy engine moves up to
- * depth - 1 pieces while this thread memcpy's another. SAVE: the copies of
+ * the chunk goes through slot j % depth, so that the copy engine fills up to
+ * depth - 1 pieces while this thread memcpy's another out: the copies of
  * pieces j .. j + depth - 1 are queued before piece j is memcpy'd out (that
  * memcpy faults the fresh staging pages in as it writes them, each 2 MiB
- * page zeroed just before it is written: no pass of its own); LOAD: piece j
- * is memcpy'd in once the copy of piece j - depth (the same slot) is done,
- * then queued. On any error the stream is drained before returning: the
- * bounce buffer is never left with a copy in flight. */
-static int bounce_copy(struct staging *s, struct worker *w, const struct task *k)
+ * page zeroed just before it is written: no pass of its own). On any error
+ * the stream is drained before returning: the bounce buffer is never left
+ * with a copy in flight. */
+static int bounce_save(struct staging *s, struct worker *w, const struct task *k)
 {
     unsigned depth = shim_settings()->staging_depth;
     size_t piece = shim_settings()->staging_bounce / depth;
@@ -633,48 +654,149 @@ static int bounce_copy(struct staging *s, struct worker *w, const struct task *k
 
     if (!buf)
         return -1;
-    w->dirtied = w->dirtied || s->to_host;
+    w->dirtied = true;
     pieces = (k->len + piece - 1) / piece;
     copy_begin(s);
     for (j = 0; j < pieces && rc == 0; j++) {
         size_t at = j * piece, n = k->len - at < piece ? k->len - at : piece;
-        char *slot = buf + (j % depth) * piece;
-        if (s->to_host) {
-            /* Slot q % depth is free once piece q - depth was memcpy'd out. */
-            for (; queued < pieces && queued < j + depth && rc == 0; queued++) {
-                size_t qat = queued * piece, qn = k->len - qat < piece ? k->len - qat : piece;
-                t0 = shim_now_ns();
-                rc = piece_dma(s, w, k, &c, buf + (queued % depth) * piece, qn,
-                               w->done[queued % depth]);
-                w->t.copy_ns += shim_now_ns() - t0;
-            }
-            if (rc != 0 || piece_wait(s, w, k, w->done[j % depth]) != 0) {
-                rc = -1;
-                break;
-            }
-            timed_memcpy(w, k->host + at, slot, n);
-            continue;
+        /* Slot q % depth is free once piece q - depth was memcpy'd out. */
+        for (; queued < pieces && queued < j + depth && rc == 0; queued++) {
+            size_t qat = queued * piece, qn = k->len - qat < piece ? k->len - qat : piece;
+            t0 = shim_now_ns();
+            rc = piece_dma(s, w, k, &c, buf + (queued % depth) * piece, qn,
+                           w->done[queued % depth]);
+            w->t.copy_ns += shim_now_ns() - t0;
         }
-        if (j >= depth && piece_wait(s, w, k, w->done[j % depth]) != 0) {
+        if (rc != 0 || piece_wait(s, w, &s->segs[k->seg0], w->done[j % depth]) != 0) {
             rc = -1;
             break;
         }
-        timed_memcpy(w, slot, k->host + at, n);
-        t0 = shim_now_ns();
-        rc = piece_dma(s, w, k, &c, slot, n, w->done[j % depth]);
-        w->t.copy_ns += shim_now_ns() - t0;
+        timed_memcpy(w, k->host + at, buf + (j % depth) * piece, n);
     }
-    if (rc == 0 && !s->to_host)
-        for (j = pieces > depth ? pieces - depth : 0; j < pieces && rc == 0; j++)
-            rc = piece_wait(s, w, k, w->done[j % depth]);
     if (rc != 0) {
-        /* Nothing may still write into (or read from) the buffer. */
+        /* Nothing may still write into the buffer. */
         CUresult r = real.cuStreamSynchronize(w->stream);
         if (r != CUDA_SUCCESS)
             cu_fail(s, &s->segs[k->seg0], "cuStreamSynchronize", r);
     }
     copy_end(s);
     return rc;
+}
+
+/* A chunk is done (its copies waited for, or given up after an error): the
+ * queue may be idle. Called with s->lock held. */
+static void task_end_locked(struct staging *s)
+{
+    if (--s->inflight == 0 && s->next == s->published)
+        pthread_cond_broadcast(&s->idle);
+}
+
+static void task_end(struct staging *s)
+{
+    pthread_mutex_lock(&s->lock);
+    task_end_locked(s);
+    pthread_mutex_unlock(&s->lock);
+}
+
+/* LOAD: wait for the oldest piece in flight; the last piece of a chunk ends
+ * the chunk, and only then are its bytes counted (the one place for LOAD). */
+static int pipe_settle(struct staging *s, struct worker *w)
+{
+    unsigned depth = shim_settings()->staging_depth;
+    unsigned q = (unsigned)((w->pipe.issued - w->pipe.busy) % depth);
+    int rc = piece_wait(s, w, w->pipe.piece[q].seg, w->done[q]);
+
+    if (rc != 0)
+        return -1;
+    w->pipe.piece[q].busy = false;
+    w->pipe.busy--;
+    if (w->pipe.piece[q].last) {
+        __atomic_fetch_add(&g.phase_bytes_done, (uint64_t)w->pipe.piece[q].chunk_len,
+                           __ATOMIC_RELAXED);
+        w->t.chunks++;
+        task_end(s);
+    }
+    return 0;
+}
+
+/* After an error: nothing in flight any more (the stream drained), and the
+ * chunks whose last piece was queued end without being counted; a chunk
+ * whose last piece was not queued is its caller's to end. */
+static void pipe_abort(struct staging *s, struct worker *w)
+{
+    CUresult r = real.cuStreamSynchronize(w->stream);
+
+    if (r != CUDA_SUCCESS)
+        cu_fail(s, NULL, "cuStreamSynchronize", r);
+    for (unsigned q = 0; q < STAGING_DEPTH_MAX; q++) {
+        if (w->pipe.piece[q].busy && w->pipe.piece[q].last)
+            task_end(s);
+        w->pipe.piece[q].busy = false;
+    }
+    w->pipe.busy = 0;
+    if (w->pipe.open)
+        copy_end(s);
+    w->pipe.open = false;
+}
+
+/* LOAD: every piece in flight waited for, before the worker sleeps, leaves
+ * its context or the op. */
+static void pipe_drain(struct staging *s, struct worker *w)
+{
+    while (w->pipe.busy)
+        if (pipe_settle(s, w) != 0) {
+            pipe_abort(s, w);
+            return;
+        }
+    if (w->pipe.open)
+        copy_end(s);
+    w->pipe.open = false;
+}
+
+/* LOAD: one chunk through the bounce buffer, cut in `depth` pieces: piece j
+ * of the worker's pipeline goes through slot j % depth, memcpy'd in once the
+ * copy of piece j - depth (the same slot, maybe of the chunk before) is
+ * done, then queued. The chunk's last copies stay in flight: 0 says its end
+ * is the pipeline's (pipe_settle); -1, after an error, that nothing of the
+ * chunk is in flight any more and the caller ends it. */
+static int load_pipe(struct staging *s, struct worker *w, const struct task *k)
+{
+    unsigned depth = shim_settings()->staging_depth;
+    size_t piece = shim_settings()->staging_bounce / depth;
+    char *buf = bounce_get(s, w, &s->segs[k->seg0]);
+    size_t pieces;
+    struct cursor c = {0, 0};
+    uint64_t t0;
+
+    if (!buf)
+        return -1;
+    pieces = (k->len + piece - 1) / piece;
+    if (!w->pipe.open)
+        copy_begin(s);
+    w->pipe.open = true;
+    for (size_t j = 0; j < pieces; j++) {
+        size_t at = j * piece, n = k->len - at < piece ? k->len - at : piece;
+        unsigned q = (unsigned)(w->pipe.issued % depth);
+        int rc;
+        if (w->pipe.piece[q].busy && pipe_settle(s, w) != 0)
+            goto fail;
+        timed_memcpy(w, buf + q * piece, k->host + at, n);
+        t0 = shim_now_ns();
+        rc = piece_dma(s, w, k, &c, buf + q * piece, n, w->done[q]);
+        w->t.copy_ns += shim_now_ns() - t0;
+        if (rc != 0)
+            goto fail;
+        w->pipe.piece[q].busy = true;
+        w->pipe.piece[q].last = j + 1 == pieces;
+        w->pipe.piece[q].chunk_len = k->len;
+        w->pipe.piece[q].seg = &s->segs[k->seg0];
+        w->pipe.busy++;
+        w->pipe.issued++;
+    }
+    return 0;
+fail:
+    pipe_abort(s, w);
+    return -1;
 }
 
 /* One chunk registered in place: [populate,] register, every segment's
@@ -719,14 +841,18 @@ static int pinned_copy(struct staging *s, struct worker *w, const struct task *k
     return r == CUDA_SUCCESS ? 0 : -1;
 }
 
-/* One chunk, either way; its bytes are accounted here and only here. */
-static void run_copy(struct staging *s, struct worker *w, const struct task *k)
+/* One chunk, either way; its bytes are accounted here, or, for a LOAD
+ * through the bounce buffers, when its last copy is waited for
+ * (pipe_settle). True when the chunk's end is the pipeline's. */
+static bool run_copy(struct staging *s, struct worker *w, const struct task *k)
 {
     uint64_t t0;
     int rc;
 
     if (worker_use(s, w, k->ctx) != 0)
-        return;
+        return false;
+    if (!s->to_host && shim_settings()->staging_bounce)
+        return load_pipe(s, w, k) == 0;
     /* Through the bounce buffers the memcpy faults the pages in; only a
      * registration in place (or SNAPSHOT_SHIM_STAGING_PREFAULT=1) needs them
      * populated first. */
@@ -737,16 +863,16 @@ static void run_copy(struct staging *s, struct worker *w, const struct task *k)
             int e = errno;
             stage_fail(s, &s->segs[k->seg0],
                        "madvise(MADV_POPULATE_WRITE) failed: %s (errno %d)", strerror(e), e);
-            return;
+            return false;
         }
         w->t.populate_ns += shim_now_ns() - t0;
     }
-    rc = shim_settings()->staging_bounce ? bounce_copy(s, w, k) : pinned_copy(s, w, k);
+    rc = shim_settings()->staging_bounce ? bounce_save(s, w, k) : pinned_copy(s, w, k);
     if (rc != 0)
-        return;
-    /* The one place where copied bytes are accounted. */
+        return false;
     __atomic_fetch_add(&g.phase_bytes_done, (uint64_t)k->len, __ATOMIC_RELAXED);
     w->t.chunks++;
+    return false;
 }
 
 /* Give the pages of a staged copy back to the kernel (the mapping itself is
@@ -785,6 +911,7 @@ static bool take_one(struct staging *s, struct worker *w)
 {
     struct task k;
     uint32_t i;
+    bool deferred = false;
 
     if (s->next == s->published)
         return false;
@@ -803,13 +930,13 @@ static bool take_one(struct staging *s, struct worker *w)
     pthread_mutex_unlock(&s->lock);
     if (!has_failed(s)) {
         if (k.kind == TASK_COPY)
-            run_copy(s, w, &k);
+            deferred = run_copy(s, w, &k);
         else
             run_release(w, &k);
     }
     pthread_mutex_lock(&s->lock);
-    if (--s->inflight == 0 && s->next == s->published)
-        pthread_cond_broadcast(&s->idle);
+    if (!deferred)
+        task_end_locked(s);
     return true;
 }
 
@@ -839,6 +966,12 @@ static void *pool_worker(void *arg)
     for (;;) {
         if (take_one(s, &w))
             continue;
+        if (w.pipe.busy) { /* nothing queued: finish what is in flight first */
+            pthread_mutex_unlock(&s->lock);
+            pipe_drain(s, &w);
+            pthread_mutex_lock(&s->lock);
+            continue;
+        }
         if (s->closing)
             break;
         pthread_cond_wait(&s->more, &s->lock);
@@ -1148,6 +1281,11 @@ int staging_wait(struct staging *s, char *msg, size_t n)
      * and so the same bounce buffers, serve every op. */
     while (s->started == 0 && take_one(s, &w))
         ;
+    if (w.pipe.busy) {
+        pthread_mutex_unlock(&s->lock);
+        pipe_drain(s, &w);
+        pthread_mutex_lock(&s->lock);
+    }
     while (s->inflight > 0 || s->next != s->published)
         pthread_cond_wait(&s->idle, &s->lock);
     pthread_mutex_unlock(&s->lock);

@@ -379,6 +379,9 @@ struct sim_state {
      * let through first, then the result the next one returns; 0 = none armed. */
     unsigned fail_unmap_skip;
     CUresult fail_unmap_result;
+    /* The same for asynchronous host-to-device copies (cuinterposeSimFailCopy). */
+    unsigned fail_copy_skip;
+    CUresult fail_copy_result;
 };
 
 extern struct sim_state sim SIM_HIDDEN;
@@ -637,6 +640,9 @@ SIM_EXPORT CUresult CUDAAPI cuStreamBatchMemOp_v2_ptsz(CUstream s, unsigned int 
 /* For tests of the shim's error paths: let `skip` cuMemUnmap calls of this
  * process through, then fail the next one with `result` (nothing unmapped). */
 SIM_EXPORT int cuinterposeSimFailUnmap(unsigned skip, CUresult result);
+/* The same for cuMemcpyHtoDAsync: `skip` calls of this process through, from
+ * any thread, then the next one fails with `result`, nothing queued. */
+SIM_EXPORT int cuinterposeSimFailCopy(unsigned skip, CUresult result);
 /* For tests of QUIESCE (collective.c): a CUhostFn whose argument is one
  * rank's view of a collective; `arrived` (one word per rank) and `abandon`
  * lie in memory all ranks share. */

@@ -298,19 +298,19 @@ def test_many_small_and_a_few_large(
     pipeline: dict[str, str],
 ) -> None:
     """40 allocations of 1 to 3 granules around two of 9 and 13, 3 threads, chunks of at
-    most 3 MiB: small neighbours share a chunk (fewer chunks than cutting each alone), large
-    ones are split with a short last piece; the bytes survive the native checkpoint in
-    between, the timing line accounts for every byte and its parts add up (LOAD's setup holds
-its driver calls, timed). Registered in
-    place, every op registers and unregisters; through bounce buffers only the first op
-    pins (the buffers are kept) and nothing is unregistered: 1 MiB ones (four pieces of 256
-    KiB, three copies queued while one is memcpy'd: several pieces per chunk and per
-    allocation), 16 MiB ones (one piece per chunk, spanning the small neighbours that share
-    it); 1 MiB ones double-buffered (halves of 512 KiB) with two threads faulting the staging
-    memory in ahead of the copies. SAVE cuts about 8 chunks per thread, LOAD 4; the setting
-    gives both the same. LOAD frees the staged copies on a thread of its own after its
-    reply, as one range (the slices lie back to back), or with the setting off inside the
-    op, in the pool."""
+        most 3 MiB: small neighbours share a chunk (fewer chunks than cutting each alone), large
+        ones are split with a short last piece; the bytes survive the native checkpoint in
+        between, the timing line accounts for every byte and its parts add up (LOAD's setup holds
+    its driver calls, timed). Registered in
+        place, every op registers and unregisters; through bounce buffers only the first op
+        pins (the buffers are kept) and nothing is unregistered: 1 MiB ones (four pieces of 256
+        KiB, three copies queued while one is memcpy'd: several pieces per chunk and per
+        allocation), 16 MiB ones (one piece per chunk, spanning the small neighbours that share
+        it); 1 MiB ones double-buffered (halves of 512 KiB) with two threads faulting the staging
+        memory in ahead of the copies. SAVE cuts about 8 chunks per thread, LOAD 4; the setting
+        gives both the same. LOAD frees the staged copies on a thread of its own after its
+        reply, as one range (the slices lie back to back), or with the setting off inside the
+        op, in the pool."""
     creator = spawn(
         extra={
             **{f"SNAPSHOT_SHIM_STAGING_{k}": v for k, v in pipeline.items()},
@@ -409,6 +409,57 @@ def test_a_reset_context_takes_the_kept_buffers_and_streams_along(
     assert "warning" not in finish(creator)
 
 
+@pytest.mark.parametrize(
+    ("threads", "skip"),
+    [(1, 0), (1, 2), (1, 5), (3, 8), (3, 23)],
+    ids=[
+        "first",
+        "a-chunks-first-behind-the-last-of-the-one-before",
+        "a-chunks-second",
+        "3-8",
+        "3-23",
+    ],
+)
+def test_a_copy_failing_in_the_load_pipeline_undoes_the_load(
+    spawn: Spawn, control_dir: Path, threads: int, skip: int
+) -> None:
+    """LOAD's pipeline runs on across a thread's chunks: the copy of a chunk's last
+    piece is still in flight when the thread memcpy's the next chunk's first (1 MiB
+    bounce buffers in two pieces, chunks of 1 MiB: two pieces each). The simulated
+    driver fails one cuMemcpyHtoDAsync: with one thread the first, the first of the
+    second chunk (the last of the first still in flight: its chunk must end too), the
+    second of the third; with three, two in the middle. LOAD answers CUDA_FAILED naming
+    the call and the allocation, with nothing left in flight (the op returns: every
+    chunk ended), undoes what it re-created, and the rollback loads the staged bytes
+    again, every byte right."""
+    creator = spawn(
+        extra={
+            "SNAPSHOT_SHIM_COPY_CHUNK_MIB": "1",
+            "SNAPSHOT_SHIM_COPY_THREADS": str(threads),
+            "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB": "1",
+        }
+    )
+    make_shared(creator, [3, 1, 2, 4, 1, 3], seed=61)
+    c = Shim(control_dir, creator.pid)
+    for op in CAPTURE:
+        c.ok(op)
+    creator(
+        f"import ctypes; ctypes.CDLL('libcuda.so.1').cuinterposeSimFailCopy({skip}, 999)\n"
+        "result = None"
+    )
+    reply = c.call(Op.LOAD_ALLOCATIONS)
+    assert reply.status == Status.CUDA_FAILED and reply.phase == Phase.FAILED, reply.message
+    assert re.fullmatch(
+        r"LOAD_ALLOCATIONS: cuMemcpyHtoDAsync failed: CUDA_ERROR_UNKNOWN \(999\) at chunk "
+        r"offset \d+ \(allocation [0-9a-f]{32}, \d+ bytes\)",
+        reply.message,
+    ), reply.message
+    assert c.ok(Op.ROLLBACK_ALLOCATIONS).phase == Phase.ROLLBACK_LOADED
+    c.ok(Op.ROLLBACK_IMPORTS)
+    assert intact(creator)
+    assert "warning" not in finish(creator)
+
+
 def test_read_only_mapping_copies_through_a_temporary_one(spawn: Spawn, control_dir: Path) -> None:
     """The application maps one allocation read-only (the simulator refuses a write
     through it) and another read-write: both are saved and loaded, bytes intact, the
@@ -491,11 +542,13 @@ def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
             min(4, mib) * MIB,
         )
         assert bounce["overlap_s"]["median"] > 0
+        assert w["load_floor_piped"]["source"] == "piped"
         # The setup's driver calls, timed inside it.
         setup = w["load"]["breakdown_s"]
         assert 0 < setup["create"]["median"] + setup["map"]["median"] <= setup["setup"]["max"]
     assert "suspend" in done.stdout and "coordinator share" in done.stdout
     assert "LOAD floor through bounce buffers" in done.stdout
+    assert "LOAD floor through bounce buffers piped" in done.stdout
     assert "of the bounce floor" in done.stdout and "setup's driver calls" in done.stdout
     assert "LOAD floor (the driver alone" in done.stdout
     assert "of min(HtoD, LOAD floor)" in done.stdout
@@ -683,9 +736,7 @@ def test_the_release_after_a_load_is_waited_for(spawn: Spawn, control_dir: Path)
     log = finish(creator)
     lines = timing_list(log)
     release = "LOAD_ALLOCATIONS/release"
-    assert [t["op"] for t in lines] == [
-        *("SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS", release) * 2
-    ], log
+    assert [t["op"] for t in lines] == [*("SAVE_ALLOCATIONS", "LOAD_ALLOCATIONS", release) * 2], log
     assert [t["bytes"] for t in lines if t["op"] == release] == [total, total]
     assert "warning" not in log
 
