@@ -15,34 +15,19 @@ Run on a real GPU. One JSON object per line: {"case": ..., "result": ...}:
 from __future__ import annotations
 
 import ctypes
-import json
 import mmap
 import os
 import signal
 from typing import Any
 
 from cuda.bindings import driver as cu
+from probe_driver_rules import name, ok, out  # run as tools/probe_ctx_reset.py
 
 MIB = 1 << 20
 
 
-def name(err: Any) -> str:
-    return str(cu.cuGetErrorName(err)[1].decode())
-
-
-def ok(r: Any) -> Any:
-    err = r[0] if isinstance(r, tuple) else r
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(name(err))
-    return r[1] if isinstance(r, tuple) and len(r) == 2 else None
-
-
 def code(r: Any) -> str:
     return name(r[0] if isinstance(r, tuple) else r)
-
-
-def out(case: str, result: Any) -> None:
-    print(json.dumps({"case": case, "result": result}), flush=True)
 
 
 def touch_in_child(address: int) -> str:

@@ -207,33 +207,16 @@ CUresult CUDAAPI cuMemcpyDtoD_v2_ptds(CUdeviceptr dstDevice, CUdeviceptr srcDevi
     SIM_API(copy1(dstDevice, srcDevice, ByteCount, 1, 1, PT, 0));
 }
 
-/* An injected failure (cuinterposeSimFailCopy) due now, disarmed as it fires. */
-static CUresult injected_copy_failure(void)
-{
-    CUresult r = CUDA_SUCCESS;
-
-    sim_lock();
-    if (sim.fail_copy_result != CUDA_SUCCESS && sim.fail_copy_skip-- == 0) {
-        r = sim.fail_copy_result;
-        sim.fail_copy_result = CUDA_SUCCESS;
-    }
-    sim_unlock();
-    return r;
-}
-
 static CUresult copy_htod_async(CUdeviceptr dst, const void *src, size_t n, CUstream s)
 {
-    CUresult r = injected_copy_failure();
+    CUresult r = sim_fault_due(&sim.fail_copy);
 
     return r != CUDA_SUCCESS ? r : copy1(dst, (uintptr_t)src, n, 1, 0, s, 1);
 }
 
 int cuinterposeSimFailCopy(unsigned skip, CUresult result)
 {
-    sim_lock();
-    sim.fail_copy_skip = skip;
-    sim.fail_copy_result = result;
-    sim_unlock();
+    sim_fault_arm(&sim.fail_copy, skip, result);
     return 0;
 }
 

@@ -209,6 +209,13 @@ struct sim_map {
     uint8_t access[SIM_MAX_DEVICES]; /* CUmemAccess_flags per device */
 };
 
+/* A failure a test injects: calls to let through first, then the result the
+ * next one returns (CUDA_SUCCESS: none armed). Under sim.mu. */
+struct sim_fault {
+    unsigned skip;
+    CUresult result;
+};
+
 struct sim_host {
     int used;
     int registered; /* cuMemHostRegister (not ours to free) */
@@ -375,13 +382,8 @@ struct sim_state {
     atomic_int service_tid; /* published by the service thread once running */
     int service_fd;
     int restore_refused; /* restores refused so far (NOT_SUPPORTED once) */
-    /* A test's injected failure (cuinterposeSimFailUnmap): cuMemUnmap calls to
-     * let through first, then the result the next one returns; 0 = none armed. */
-    unsigned fail_unmap_skip;
-    CUresult fail_unmap_result;
-    /* The same for asynchronous host-to-device copies (cuinterposeSimFailCopy). */
-    unsigned fail_copy_skip;
-    CUresult fail_copy_result;
+    /* A test's injected failures (cuinterposeSimFailUnmap, cuinterposeSimFailCopy). */
+    struct sim_fault fail_unmap, fail_copy;
 };
 
 extern struct sim_state sim SIM_HIDDEN;
@@ -423,6 +425,10 @@ SIM_HIDDEN CUresult sim_current_dev(int *dev);
 SIM_HIDDEN struct sim_ctx *sim_ctx_check(CUcontext c);
 /* The calling thread's current context, NULL when none (or destroyed). */
 SIM_HIDDEN struct sim_ctx *sim_current_ctx(void);
+/* Arm `f`; the result it injects now (disarmed as it fires), else
+ * CUDA_SUCCESS. sim.mu not held (util.c). */
+SIM_HIDDEN void sim_fault_arm(struct sim_fault *f, unsigned skip, CUresult result);
+SIM_HIDDEN CUresult sim_fault_due(struct sim_fault *f);
 SIM_HIDDEN int sim_ctx_slot(const struct sim_ctx *c);
 /* sim.mu held: may device `dev` access the cuMemAlloc memory of `owner`
  * (its own device, or peer access enabled from a context of `dev`)? */

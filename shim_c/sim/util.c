@@ -209,3 +209,24 @@ unsigned long long sim_acct_used(int dev)
     }
     return sum;
 }
+
+void sim_fault_arm(struct sim_fault *f, unsigned skip, CUresult result)
+{
+    sim_lock();
+    f->skip = skip;
+    f->result = result;
+    sim_unlock();
+}
+
+CUresult sim_fault_due(struct sim_fault *f)
+{
+    CUresult r = CUDA_SUCCESS;
+
+    sim_lock();
+    if (f->result != CUDA_SUCCESS && f->skip-- == 0) {
+        r = f->result;
+        f->result = CUDA_SUCCESS;
+    }
+    sim_unlock();
+    return r;
+}

@@ -659,23 +659,18 @@ static CUresult mem_unmap(CUdeviceptr ptr, size_t size)
 
     if (size == 0 || !sim_is_aligned(ptr, SIM_GRANULARITY) || !sim_is_aligned(size, SIM_GRANULARITY))
         return CUDA_ERROR_INVALID_VALUE;
+    r = sim_fault_due(&sim.fail_unmap);
+    if (r != CUDA_SUCCESS)
+        return r;
     sim_lock();
-    if (sim.fail_unmap_result != CUDA_SUCCESS && sim.fail_unmap_skip-- == 0) {
-        r = sim.fail_unmap_result;
-        sim.fail_unmap_result = CUDA_SUCCESS;
-    } else {
-        r = unmap_locked((uintptr_t)ptr, size);
-    }
+    r = unmap_locked((uintptr_t)ptr, size);
     sim_unlock();
     return r;
 }
 
 int cuinterposeSimFailUnmap(unsigned skip, CUresult result)
 {
-    sim_lock();
-    sim.fail_unmap_skip = skip;
-    sim.fail_unmap_result = result;
-    sim_unlock();
+    sim_fault_arm(&sim.fail_unmap, skip, result);
     return 0;
 }
 

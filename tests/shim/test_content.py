@@ -74,6 +74,30 @@ def plain_cycle(control_dir: Path, w: Worker) -> str:
     return finish(w)
 
 
+def failed_op(c: Shim, op: wire.Op, call: str, result: str) -> wire.Reply:
+    """`op` fails (CUDA_FAILED, the shim FAILED), its message naming the driver call, its
+    result, and the allocation and offset where it failed; HANDSHAKE keeps the reason."""
+    reply = c.call(op)
+    assert reply.status == Status.CUDA_FAILED and reply.phase == Phase.FAILED, reply.message
+    assert re.fullmatch(
+        rf"{op.name}: {call} failed: {result} at chunk offset \d+ "
+        r"\(allocation [0-9a-f]{32}, \d+ bytes\)",
+        reply.message,
+    ), reply.message
+    assert c.ok(Op.HANDSHAKE).message == reply.message
+    return reply
+
+
+def native_cycle(c: Shim, spawn: Spawn, namespace: str, w: Worker) -> None:
+    """Capture, the native checkpoint and restore, then restore: every byte checked."""
+    for op in CAPTURE:
+        c.ok(op)
+    assert native_checkpoint_restore(spawn, namespace, [w.pid]) == [2]
+    for op in RESTORE:
+        c.ok(op)
+    assert intact(w)
+
+
 def settings(log: str, op: str) -> tuple[int, int, int, int, int]:
     """(chunks, chunk MiB, chunk MiB setting, threads used, threads allowed) from the
     shim's info line."""
@@ -245,14 +269,7 @@ def test_register_failure_fails_the_op(spawn: Spawn, control_dir: Path) -> None:
     assert why == "CUDA_ERROR_OUT_OF_MEMORY" and count > 0
     c.ok(Op.QUIESCE)
     c.ok(Op.PREPARE_MULTICAST)
-    reply = c.call(Op.SAVE_ALLOCATIONS)
-    assert reply.status == Status.CUDA_FAILED and reply.phase == Phase.FAILED
-    assert re.fullmatch(
-        r"SAVE_ALLOCATIONS: cuMemHostRegister failed: CUDA_ERROR_OUT_OF_MEMORY \(2\) at chunk "
-        r"offset \d+ \(allocation [0-9a-f]{32}, \d+ bytes\)",
-        reply.message,
-    ), reply.message
-    assert c.ok(Op.HANDSHAKE).message == reply.message
+    failed_op(c, Op.SAVE_ALLOCATIONS, "cuMemHostRegister", r"CUDA_ERROR_OUT_OF_MEMORY \(2\)")
     # Every worker was joined and nothing of the shim stays registered: the
     # application gets back exactly as many registrations as before.
     creator(UNREGISTER_ALL)
@@ -400,12 +417,7 @@ def test_a_reset_context_takes_the_kept_buffers_and_streams_along(
         "check(cu.cuCtxSetCurrent(check(cu.cuDevicePrimaryCtxRetain(dev))))\n"
         "result = None"
     )
-    for op in CAPTURE:
-        c.ok(op)
-    assert native_checkpoint_restore(spawn, sim_namespace, [creator.pid]) == [2]
-    for op in RESTORE:
-        c.ok(op)
-    assert intact(creator)
+    native_cycle(c, spawn, sim_namespace, creator)
     assert "warning" not in finish(creator)
 
 
@@ -447,13 +459,7 @@ def test_a_copy_failing_in_the_load_pipeline_undoes_the_load(
         f"import ctypes; ctypes.CDLL('libcuda.so.1').cuinterposeSimFailCopy({skip}, 999)\n"
         "result = None"
     )
-    reply = c.call(Op.LOAD_ALLOCATIONS)
-    assert reply.status == Status.CUDA_FAILED and reply.phase == Phase.FAILED, reply.message
-    assert re.fullmatch(
-        r"LOAD_ALLOCATIONS: cuMemcpyHtoDAsync failed: CUDA_ERROR_UNKNOWN \(999\) at chunk "
-        r"offset \d+ \(allocation [0-9a-f]{32}, \d+ bytes\)",
-        reply.message,
-    ), reply.message
+    failed_op(c, Op.LOAD_ALLOCATIONS, "cuMemcpyHtoDAsync", r"CUDA_ERROR_UNKNOWN \(999\)")
     assert c.ok(Op.ROLLBACK_ALLOCATIONS).phase == Phase.ROLLBACK_LOADED
     c.ok(Op.ROLLBACK_IMPORTS)
     assert intact(creator)
@@ -670,12 +676,7 @@ def test_resident_staging_memory(
     assert fits == (resident_mib == 64)
     c = Shim(control_dir, creator.pid)
     # Cycle 1, with the native checkpoint; cycle 2 rolled back; cycle 3 after it.
-    for op in CAPTURE:
-        c.ok(op)
-    assert native_checkpoint_restore(spawn, sim_namespace, [creator.pid]) == [2]
-    for op in RESTORE:
-        c.ok(op)
-    assert intact(creator)
+    native_cycle(c, spawn, sim_namespace, creator)
     creator(REFILL)
     for op in CAPTURE:
         c.ok(op)
