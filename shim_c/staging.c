@@ -756,7 +756,14 @@ static void pipe_drain(struct staging *s, struct worker *w)
 /* LOAD: one chunk through the bounce buffer, cut in `depth` pieces: piece j
  * of the worker's pipeline goes through slot j % depth, memcpy'd in once the
  * copy of piece j - depth (the same slot, maybe of the chunk before) is
- * done, then queued. The chunk's last copies stay in flight: 0 says its end
+ * done, then queued. Why across chunks: a chunk of 96 x 6 MiB's LOAD is 9
+ * MiB, three pieces, and each chunk used to start and end its pipeline
+ * empty; on the H200 (docs/benchmarks.md, session 9, alternated with the
+ * shim before it in one run) that LOAD ran at 34.9 and 37.6 GB/s against
+ * 31.8 and 33.3, the threads' waiting 0.070-0.072 thread-s against
+ * 0.089-0.101; the larger shapes, whose chunks hold 4-16 pieces, moved
+ * within their spread. (SAVE's chunks stay drained one by one: a pipeline
+ * across them did not move SAVE, session 6.) The chunk's last copies stay in flight: 0 says its end
  * is the pipeline's (pipe_settle); -1, after an error, that nothing of the
  * chunk is in flight any more and the caller ends it. */
 static int load_pipe(struct staging *s, struct worker *w, const struct task *k)
