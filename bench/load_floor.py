@@ -90,7 +90,7 @@ def measure_one(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     }
     out["unit"] = int(raw["unit"])
     for key in ("recreate_s", "copy_s", "memcpy_s", "overlap_s"):
-        if key not in raw:  # memcpy_s: staged only
+        if key not in raw:  # memcpy_s: not for a pinned source
             continue
         runs = [float(x) for x in raw[key]]
         out[key] = {"median": statistics.median(runs), "runs": runs}

@@ -66,9 +66,10 @@
  * Accounting: every copied chunk is counted in exactly one place, into
  * g.phase_bytes_done: run_copy, or for a LOAD through the bounce buffers,
  * whose pipeline runs on across chunks, pipe_settle when the chunk's last
- * copy is waited for (the queue is idle only once every chunk has ended). The first error wins (its message
- * names the call, the result, the allocation and the offset in it); after
- * it the workers drain the queue without running anything.
+ * copy is waited for (the queue is idle only once every chunk has ended).
+ * The first error wins (its message names the call, the result, the
+ * allocation and the offset in it); after it the workers drain the queue
+ * without running anything.
  */
 #include "shim.h"
 
@@ -251,21 +252,27 @@ static void bounce_free(struct bounce *b)
     b->p = NULL;
 }
 
+/* The slot has no stream or events any more (destroyed, or gone with their
+ * context). */
+static void slot_streams_forget(struct bounce *b)
+{
+    memset(b->done, 0, sizeof b->done);
+    b->stream = NULL;
+    b->sctx = NULL;
+}
+
 /* Destroy a slot's kept stream and events, its context current; failures
  * are only logged (nothing else can use them: the slot forgets them). */
 static void slot_streams_free(struct bounce *b)
 {
     CUresult r;
 
-    for (unsigned i = 0; i < STAGING_DEPTH_MAX; i++) {
+    for (unsigned i = 0; i < STAGING_DEPTH_MAX; i++)
         if (b->done[i] && (r = real.cuEventDestroy(b->done[i])) != CUDA_SUCCESS)
             shim_log(LOG_WARN, "cuEventDestroy of a staging event failed: %s", shim_cu_name(r));
-        b->done[i] = NULL;
-    }
     if (b->stream && (r = real.cuStreamDestroy(b->stream)) != CUDA_SUCCESS)
         shim_log(LOG_WARN, "cuStreamDestroy of a staging stream failed: %s", shim_cu_name(r));
-    b->stream = NULL;
-    b->sctx = NULL;
+    slot_streams_forget(b);
 }
 
 void staging_free_bounces(CUcontext ctx)
@@ -295,11 +302,8 @@ void staging_forget_ctx(CUcontext ctx)
                 shim_log(LOG_WARN, "munmap of a bounce buffer failed: %s", strerror(errno));
             b->p = NULL;
         }
-        if (b->sctx == ctx && b->spid == getpid()) {
-            memset(b->done, 0, sizeof b->done);
-            b->stream = NULL;
-            b->sctx = NULL;
-        }
+        if (b->sctx == ctx && b->spid == getpid())
+            slot_streams_forget(b);
     }
 }
 
@@ -381,9 +385,8 @@ static void worker_scrub(struct worker *w)
     w->dirtied = false;
 }
 
-static void worker_leave(struct staging *s, struct worker *w)
+static void worker_leave(struct worker *w)
 {
-    (void)s;
     worker_scrub(w);
     if (!w->entered)
         return;
@@ -409,9 +412,7 @@ static int slot_streams(struct staging *s, struct bounce *b, CUcontext ctx)
             shim_ctx_leave(pushed);
         }
     }
-    memset(b->done, 0, sizeof b->done);
-    b->stream = NULL;
-    b->sctx = NULL;
+    slot_streams_forget(b); /* a fork child's are its parent's */
     r = real.cuStreamCreate(&b->stream, CU_STREAM_NON_BLOCKING);
     if (r != CUDA_SUCCESS) {
         b->stream = NULL;
@@ -449,7 +450,7 @@ static int worker_use(struct staging *s, struct worker *w, CUcontext ctx)
     if (w->entered && w->ctx == ctx)
         return 0;
     pipe_drain(s, w);
-    worker_leave(s, w);
+    worker_leave(w);
     t0 = shim_now_ns();
     r = shim_ctx_enter(ctx, &w->pushed);
     if (r != CUDA_SUCCESS) {
@@ -763,9 +764,11 @@ static void pipe_drain(struct staging *s, struct worker *w)
  * 31.8 and 33.3, the threads' waiting 0.070-0.072 thread-s against
  * 0.089-0.101; the larger shapes, whose chunks hold 4-16 pieces, moved
  * within their spread. (SAVE's chunks stay drained one by one: a pipeline
- * across them did not move SAVE, session 6.) The chunk's last copies stay in flight: 0 says its end
- * is the pipeline's (pipe_settle); -1, after an error, that nothing of the
- * chunk is in flight any more and the caller ends it. */
+ * across them did not move SAVE, session 6.)
+ *
+ * The chunk's last copies stay in flight: 0 says its end is the pipeline's
+ * (pipe_settle); -1, after an error, that nothing of the chunk is in flight
+ * any more and the caller ends it. */
 static int load_pipe(struct staging *s, struct worker *w, const struct task *k)
 {
     unsigned depth = shim_settings()->staging_depth;
@@ -949,7 +952,7 @@ static bool take_one(struct staging *s, struct worker *w)
 
 static void worker_done(struct staging *s, struct worker *w)
 {
-    worker_leave(s, w);
+    worker_leave(w);
     pthread_mutex_lock(&s->lock);
     s->t.populate_ns += w->t.populate_ns;
     s->t.register_ns += w->t.register_ns;

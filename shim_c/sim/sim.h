@@ -406,6 +406,11 @@ SIM_HIDDEN void sim_acct_init(void);
 SIM_HIDDEN void sim_acct_add(int dev, long long delta);
 SIM_HIDDEN int sim_pid_alive(int pid);
 SIM_HIDDEN unsigned long long sim_acct_used(int dev);
+/* A test's injected failure: arm `f` (skip calls, then fail one with
+ * `result`); and, for each call it guards, the result to inject now, else
+ * CUDA_SUCCESS (it disarms as it fires). sim.mu not held. */
+SIM_HIDDEN void sim_fault_arm(struct sim_fault *f, unsigned skip, CUresult result);
+SIM_HIDDEN CUresult sim_fault_due(struct sim_fault *f);
 
 /* The body of every gated entry point: wait while the process is locked by
  * a checkpoint controller, count the call in flight, run it. */
@@ -425,10 +430,6 @@ SIM_HIDDEN CUresult sim_current_dev(int *dev);
 SIM_HIDDEN struct sim_ctx *sim_ctx_check(CUcontext c);
 /* The calling thread's current context, NULL when none (or destroyed). */
 SIM_HIDDEN struct sim_ctx *sim_current_ctx(void);
-/* Arm `f`; the result it injects now (disarmed as it fires), else
- * CUDA_SUCCESS. sim.mu not held (util.c). */
-SIM_HIDDEN void sim_fault_arm(struct sim_fault *f, unsigned skip, CUresult result);
-SIM_HIDDEN CUresult sim_fault_due(struct sim_fault *f);
 SIM_HIDDEN int sim_ctx_slot(const struct sim_ctx *c);
 /* sim.mu held: may device `dev` access the cuMemAlloc memory of `owner`
  * (its own device, or peer access enabled from a context of `dev`)? */

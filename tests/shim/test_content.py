@@ -549,6 +549,10 @@ def test_staging_benchmark_on_the_simulator(tmp_path: Path) -> None:
         )
         assert bounce["overlap_s"]["median"] > 0
         assert w["load_floor_piped"]["source"] == "piped"
+        # LOAD is held against the better of the two: the best this design allows.
+        best = max(bounce["overlap_gbps"], w["load_floor_piped"]["overlap_gbps"])
+        warm = w["variants"]["default"]["load"]["warm_gbps"]["median"]
+        assert f"{warm / best:.2f} of the bounce floor" in done.stdout
         # The setup's driver calls, timed inside it.
         setup = w["load"]["breakdown_s"]
         assert 0 < setup["create"]["median"] + setup["map"]["median"] <= setup["setup"]["max"]
@@ -695,7 +699,13 @@ def test_resident_staging_memory(
     assert [t["bytes"] for t in releases] == ([] if fits else [total, total])
     ops = [(t["op"], t) for t in lines if t not in releases]
     release = [] if fits else ["LOAD_ALLOCATIONS/release"]
-    assert [t["op"] for t in lines] == [
+    # The release thread starts before the LOAD writes its own line: the two lines come
+    # in either order, but both before the next SAVE's.
+    names = [t["op"] for t in lines]
+    for i, name in enumerate(names[:-1]):
+        if name == "LOAD_ALLOCATIONS/release" and names[i + 1] == "LOAD_ALLOCATIONS":
+            names[i], names[i + 1] = names[i + 1], name
+    assert names == [
         "SAVE_ALLOCATIONS",
         "LOAD_ALLOCATIONS",
         *release,
