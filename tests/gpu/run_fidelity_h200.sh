@@ -20,7 +20,7 @@ cd "$(dirname "$0")/../.."
 . tests/gpu/h200_env.sh
 status=0
 h200_build || exit 1
-shim=$PWD/build/shim_c/libcuinterpose.so
+shim=$(cuip_shim)
 [ -f "$shim" ] || { echo "no $shim after the build"; exit 1; }
 
 timeout 120 python3 tools/probe_fidelity.py >"$OUT/fidelity.jsonl" 2>"$OUT/fidelity.err" \

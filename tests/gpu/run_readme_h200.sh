@@ -35,12 +35,14 @@ cleanup() {
 trap cleanup EXIT
 : >"$OUT/summary.txt"
 h200_build || { echo "status 1" | tee "$OUT/status.txt"; exit 1; }
-# No wheel is installed there: `cuinterpose` and `python` as the README expects them.
+# `cuinterpose` and `python` as the README expects them: the installed wheel's command
+# where CUINTERPOSE_WHEEL names one, else the checkout's package run as a module.
 mkdir -p /tmp/bin
-printf '#!/bin/sh\nexec python3 -m cuinterpose "$@"\n' >/tmp/bin/cuinterpose
+[ -n "${CUINTERPOSE_WHEEL:-}" ] \
+  || printf '#!/bin/sh\nexec python3 -m cuinterpose "$@"\n' >/tmp/bin/cuinterpose
 # A wrapper, not a link: a link to a virtual environment's python3 loses its packages.
 printf '#!/bin/sh\nexec python3 "$@"\n' >/tmp/bin/python
-chmod +x /tmp/bin/cuinterpose /tmp/bin/python
+chmod +x /tmp/bin/*
 export PATH=/tmp/bin:$PATH
 rm -rf "$W" && mkdir -p "$W/two"
 python3 - <<'PY' || fail "README blocks"
@@ -61,7 +63,7 @@ err, dev = cu.cuDeviceGet(0)
 err, name = cu.cuDeviceGetName(128, dev)
 print("device", name.split(b"\0")[0].decode())') >"$OUT/name.txt" 2>&1 || fail "launch of the name probe"
 grep -q "cuinterpose launch: on the system's driver" "$OUT/name.txt" && note "ok launch says the system's driver" || fail "launch's driver line: $(head -1 "$OUT/name.txt")"
-grep -q "^device .*H200" "$OUT/name.txt" && note "ok $(grep '^device' "$OUT/name.txt")" || fail "cuDeviceGetName: $(grep '^device' "$OUT/name.txt")"
+grep -Eq "^device NVIDIA (H100|H200)" "$OUT/name.txt" && note "ok $(grep '^device' "$OUT/name.txt")" || fail "cuDeviceGetName: $(grep '^device' "$OUT/name.txt")"
 
 # 2. The session as written.
 (cd "$W" && timeout 120 bash -e session.sh) >"$OUT/session.log" 2>&1 && note "ok the README session" || fail "the README session (exit $?)"
