@@ -23,9 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from probe_driver_rules import check, ckpt, ok, out, restore, unlock  # run as tools/...
-
 from cuda.bindings import driver as cu
+from probe_driver_rules import check, ckpt, ok, out, restore, unlock  # run as tools/...
 
 MiB = 1 << 20
 SIZE = 64 * MiB
