@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a fresh H200 machine (two GPUs for the NCCL test) with this repository copied:
 # build the release libraries against the system cuda.h, run the real-GPU tests
-# (three processes, raw-import refusal, two-rank NCCL job) recording their traces,
+# (three processes, raw-import refusal, two-rank NCCL job; GPU_TESTS names others) recording their traces,
 # then the one-command suspend/resume next to the native checkpoint
 # (bench/suspend.py), the staging benchmark (bench/staging.py) and the gate's cost
 # per call (tests/gpu/quiesce_bench.py). Results in $OUT (at most 8 files):
@@ -32,7 +32,7 @@ h200_build || { status=1; finish; }
 
 mkdir -p /tmp/traces
 CUINTERPOSE_TRACE_OUT=/tmp/traces timeout "${GPU_TESTS_S:-240}" python3 -m pytest -p no:cacheprovider \
-  -v -rs -s tests/gpu 2>&1 | tee "$OUT/pytest-gpu.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed"
+  -v -rs -s ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/pytest-gpu.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 grep -Eq "[0-9]+ passed" "$OUT/pytest-gpu.log" || { echo "no GPU test ran"; status=1; }
 

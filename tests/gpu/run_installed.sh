@@ -9,6 +9,8 @@
 #              own, by host pid and by namespace pid, two pods with the same namespace pid
 #   fidelity   tests/gpu/run_fidelity_h200.sh (the bare driver against the shim)
 #   pytest     tests/gpu/run_h200.sh with BENCHES=none (the GPU tests)
+#   programs   tests/gpu/test_running_programs.py alone: torch training, transformers,
+#              JAX, numba and CuPy suspended while they run
 #   readme     tests/gpu/run_readme_h200.sh (README's session, outside the checkout)
 #   isolation  tests/gpu/run_isolation_h200.sh (legacy IPC isolation; owned memory's cost)
 #
@@ -75,6 +77,8 @@ for name in $STEPS; do
     pidns) step pidns 120 probe_pidns ;;
     fidelity) step fidelity 150 tests/gpu/run_fidelity_h200.sh ;;
     pytest) step pytest 300 env BENCHES=none GPU_TESTS_S=280 tests/gpu/run_h200.sh ;;
+    programs) step programs 400 env BENCHES=none GPU_TESTS_S=390 \
+      GPU_TESTS=tests/gpu/test_running_programs.py tests/gpu/run_h200.sh ;;
     readme) step readme 200 tests/gpu/run_readme_h200.sh ;;
     isolation) step isolation 200 env ALLOC_S=120 tests/gpu/run_isolation_h200.sh ;;
     *) echo "unknown step $name" | tee -a "$root/summary.txt"; status=1 ;;
