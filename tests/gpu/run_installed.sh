@@ -11,6 +11,11 @@
 #   pytest     tests/gpu/run_h200.sh with BENCHES=none (the GPU tests)
 #   programs   tests/gpu/test_running_programs.py alone: torch training, transformers,
 #              JAX, numba and CuPy suspended while they run
+#   keep       the kept host copy's GPU tests: the chunk hash's PTX against the known
+#              answers, the shim's own kernel and DMA path (tests/gpu/test_keep_*.py)
+#   keepbench  bench/staging.py on $SHAPES (default 1x8GiB and 2048x2MiB), the kept host
+#              copy off and on with 1 GiB rewritten before each later suspend, against the
+#              DtoH/HtoD ceilings and the native checkpoint of the same run
 #   readme     tests/gpu/run_readme_h200.sh (README's session, outside the checkout)
 #   isolation  tests/gpu/run_isolation_h200.sh (legacy IPC isolation; owned memory's cost)
 #
@@ -64,6 +69,24 @@ for case in sorted(set(here) | set(record)):
 PY
 }
 
+keep_tests() {
+  . tests/gpu/h200_env.sh
+  h200_build || return 1
+  python3 -m pytest -p no:cacheprovider -v -rs -s tests/gpu/test_keep_hash.py \
+    tests/gpu/test_keep_gpu.py 2>&1 | tee "$OUT/pytest-keep.log"
+  return "${PIPESTATUS[0]}"
+}
+
+keep_bench() {
+  . tests/gpu/h200_env.sh
+  h200_build || return 1
+  local only=() shape
+  for shape in ${SHAPES:-1x8GiB 2048x2MiB}; do only+=(--only "$shape"); done
+  python3 bench/staging.py --repeat "${REPEAT:-2}" --native-repeat 1 --load-floor-repeat 0 \
+    --floor-gib 0 --variant keep:SNAPSHOT_SHIM_KEEP_HOST_COPY=1 --rewrite-mib 1024 "${only[@]}" \
+    --out "$OUT/staging-keep.json" >"$OUT/staging-keep.log" 2>"$OUT/staging-keep.stderr"
+}
+
 probe_pidns() {
   . tests/gpu/h200_env.sh
   h200_build || return 1
@@ -77,8 +100,10 @@ for name in $STEPS; do
     pidns) step pidns 120 probe_pidns ;;
     fidelity) step fidelity 150 tests/gpu/run_fidelity_h200.sh ;;
     pytest) step pytest 300 env BENCHES=none GPU_TESTS_S=280 tests/gpu/run_h200.sh ;;
-    programs) step programs 400 env BENCHES=none GPU_TESTS_S=390 \
+    programs) step programs "${PROGRAMS_S:-400}" env BENCHES=none GPU_TESTS_S="${PROGRAMS_S:-400}" \
       GPU_TESTS=tests/gpu/test_running_programs.py tests/gpu/run_h200.sh ;;
+    keep) step keep "${KEEP_S:-120}" keep_tests ;;
+    keepbench) step keepbench "${KEEPBENCH_S:-300}" keep_bench ;;
     readme) step readme 200 tests/gpu/run_readme_h200.sh ;;
     isolation) step isolation 200 env ALLOC_S=120 tests/gpu/run_isolation_h200.sh ;;
     *) echo "unknown step $name" | tee -a "$root/summary.txt"; status=1 ;;
