@@ -1,5 +1,5 @@
-"""bench/results/README.md indexes the raw results of each session: a section headed by a
-prefix (`2026-12-02-h200-session8-*`) names its files by their tails (`-4-shapes.*`).
+"""bench/results/README.md indexes the raw results of each measuring round: a section headed
+by a prefix (`2026-12-02-h200-load-release-*`) names its files by their tails (`-4-shapes.*`).
 Every name it gives must match a file, so that no commit (a revert that took a run's
 files with it) leaves the tables of docs/benchmarks.md without their source."""
 
@@ -31,7 +31,7 @@ def named_files(text: str) -> list[tuple[str, str]]:
 
 
 def test_the_index_reads_a_sections_tails() -> None:
-    text = "## Session 9: `2026-x-*`\n- `-1-a.*`, `-1-b.log`: run `--quick`\n## Other\n`-z`\n"
+    text = "## A run (2026-x): `2026-x-*`\n- `-1-a.*`, `-1-b.log`: run `--quick`\n## Other\n`-z`\n"
     assert named_files(text) == [
         ("2026-x", "2026-x-1-a.*"),
         ("2026-x", "2026-x-1-b.log"),
