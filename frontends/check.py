@@ -182,9 +182,7 @@ def text_lines(found: list[Finding], *, quiet: bool) -> list[str]:
     return [f.line() for f in shown] + ([verdict] if failed or not quiet else [])
 
 
-def run(
-    *, control_dir: Path, driver: str, as_json: bool, out: TextIO, quiet: bool = False
-) -> int:
+def run(*, control_dir: Path, driver: str, as_json: bool, out: TextIO, quiet: bool = False) -> int:
     """``quiet`` thins the text report only: the JSON document is what was asked for."""
     found = findings(control_dir, driver)
     code = EXIT_CANNOT if any(f.verdict == "FAIL" for f in found) else EXIT_OK
