@@ -44,3 +44,26 @@ def test_every_result_the_index_names_is_in_the_repository() -> None:
     assert len(named) > 40, "the index names fewer files than it did: parsed wrong?"
     missing = [glob for _, glob in named if not fnmatch.filter(files, glob)]
     assert not missing, f"bench/results/README.md names files that are not there: {missing}"
+
+
+def titles_sent_to_docs(text: str) -> list[str]:
+    """The titles of the index's sections that send the reader to "the section of the
+    same title" in docs/benchmarks.md (the heading without its file prefix)."""
+    titles: list[str] = []
+    title = ""
+    for line in text.splitlines():
+        if line.startswith("## "):
+            title = line[3:].split(": `", 1)[0]
+        elif "the section of the same title" in line and title:
+            titles.append(title)
+    return titles
+
+
+def test_every_section_the_index_sends_to_is_in_the_docs() -> None:
+    docs = RESULTS.parents[1] / "docs" / "benchmarks.md"
+    headings = {line.lstrip("#").strip() for line in docs.read_text().splitlines() if
+                line.startswith("#")}  # fmt: skip
+    titles = titles_sent_to_docs((RESULTS / "README.md").read_text())
+    assert len(titles) >= 6, "the index sends to fewer sections than it did: parsed wrong?"
+    missing = [t for t in titles if t not in headings]
+    assert not missing, f"docs/benchmarks.md has no section titled: {missing}"
