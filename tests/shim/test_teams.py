@@ -343,3 +343,21 @@ def test_a_test_build_takes_the_trust_hook(
     assert f"control directory {control_dir} is owned by another user" in log, log
     assert "not in this build" not in log
     app.close_clean()
+
+
+def test_a_connection_whose_peer_cannot_be_named_is_refused_as_such(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
+) -> None:
+    """getsockopt(SO_PEERCRED) failing (a library preloaded after the shim makes it
+    fail): the control server refuses the connection and logs the reason, not a uid
+    read from credentials that were never filled in."""
+    failing = shimenv.test_program("libpeercred_fail.so")
+    env = {**shim_env, "LD_PRELOAD": f"{shim_env['LD_PRELOAD']} {failing}"}
+    app = spawn("app", env)
+    app.create_mapped(2 * int(app.check("granularity")["granularity"]))  # started
+    path = shimenv.wait_socket(control_dir, app.pid)
+    assert shimenv.raw_exchange(path, wire.Request(Op.HANDSHAKE).encode()) == b""
+    log = (tmp_path / "app.stderr").read_text()
+    assert "control connection refused: SO_PEERCRED: Operation not supported" in log, log
+    assert "control connection from uid" not in log
+    app.close_clean()
