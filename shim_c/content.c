@@ -187,8 +187,8 @@ static void free_hosts(void)
 /* A LOAD's staged copies, given back to the kernel on a thread of its own
  * once the bytes are on the device, so that the op (and the resume waiting
  * for it) does not wait for the kernel to free the pages: on one H200
- * (2026-12-02, docs/benchmarks.md, "LOAD's release") the teardown was 2.8-5.3 ms of a 48-53 ms
- * LOAD of 100 x 20 MiB and 10-29 ms of 128-225 ms for 2048 x 2 MiB inside
+ * (2026-12-02, commit c53ba93, docs/benchmarks.md) the teardown was 2.8-5.3
+ * ms of a 48-53 ms LOAD of 100 x 20 MiB and 10-29 ms of 128-225 ms for 2048 x 2 MiB inside
  * the op, 0.7-1.5 ms after. No allocation refers to these bytes
  * any more; the ranges are the slices coalesced where they lie back to
  * back. Every op that allocates or reads staging memory settles it first
