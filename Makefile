@@ -25,21 +25,23 @@ setup: $(STAMP)
 CMAKE_PYTHON = -DPython_EXECUTABLE=$(CURDIR)/$(BIN)/python
 
 # build/ is the release build (demo, GPU runs); build-asan/ the ASan+UBSan
-# build that the suite's C-facing tests run against.
+# build that the suite's C-facing tests run against. The test hooks
+# (CUINTERPOSE_TEST_HOOKS: a settings.c variable that changes whom the shim
+# trusts, one that holds a thread back) are in the sanitizer builds only.
 build: build-release build-asan
 
 build-release: $(STAMP)
-	cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_PYTHON) >/dev/null
+	cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUINTERPOSE_TEST_HOOKS=OFF $(CMAKE_PYTHON) >/dev/null
 	cmake --build build -j2
 
 build-asan: $(STAMP)
-	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUINTERPOSE_SANITIZE=ON $(CMAKE_PYTHON) >/dev/null
+	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCUINTERPOSE_SANITIZE=ON -DCUINTERPOSE_TEST_HOOKS=ON $(CMAKE_PYTHON) >/dev/null
 	cmake --build build-asan -j2
 
 # build-tsan/: the ThreadSanitizer build (the gate, the listener, the staging pool
 # and the simulator's streams are threads) that `make tsan` runs the threaded tests on.
 build-tsan: $(STAMP)
-	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCUINTERPOSE_TSAN=ON $(CMAKE_PYTHON) >/dev/null
+	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCUINTERPOSE_TSAN=ON -DCUINTERPOSE_TEST_HOOKS=ON $(CMAKE_PYTHON) >/dev/null
 	cmake --build build-tsan -j2
 
 # The H200 machines' toolkit has CUDA 13.0's cuda.h, older than the wheel's: where a

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 . tests/gpu/h200_env.sh
 [ $# -ge 1 ] || { sed -n '2,7p' "$0" >&2; exit 2; }
 # The NUMA layout beside the GPU's: where LOAD's memcpy and copies may cross sockets
-# (issue 30's lead, docs/benchmarks.md, session 8).
+# (issue 30's lead: one H200, 2026-12-02, commit c53ba93, docs/benchmarks.md).
 { nvidia-smi -L; nproc; free -g; lscpu | grep -iE '^(model name|socket|numa)'
   nvidia-smi topo -m; } >"$OUT/environment.txt" 2>&1
 h200_build || exit 1

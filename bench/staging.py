@@ -535,7 +535,7 @@ def report_workload(
     # The bounce floor is the better of the two: the best the design allows.
     bounce_floor = max((f["overlap_gbps"] for f in (bounce, piped) if f), default=float("nan"))
     # Shown, not taken for a floor: from Python threads it varied from 30 to 54 GB/s (16
-    # threads) and LOAD of 8 GiB beat it (session 8 of docs/benchmarks.md).
+    # threads) and LOAD of 8 GiB beat it (one H200, 2026-12-02, commit c53ba93).
     host = float((result.get("floor") or {}).get("best_load_memcpy", float("nan")))
     if host == host:
         out(f"  the host's memcpy out of resident memory into 8 MiB buffers: {host:.1f} GB/s")

@@ -173,7 +173,17 @@ def findings(control_dir: Path, driver: str) -> list[Finding]:
     ]
 
 
-def run(*, control_dir: Path, driver: str, as_json: bool, out: TextIO) -> int:
+def text_lines(found: list[Finding], *, quiet: bool) -> list[str]:
+    """The text report: every finding and the verdict; ``quiet`` (``-q``: nothing but
+    the errors), the FAILs and the verdict only when there is one, else nothing."""
+    failed = any(f.verdict == "FAIL" for f in found)
+    shown = [f for f in found if f.verdict == "FAIL" or not quiet]
+    verdict = "suspend cannot work here" if failed else "suspend can work here"
+    return [f.line() for f in shown] + ([verdict] if failed or not quiet else [])
+
+
+def run(*, control_dir: Path, driver: str, as_json: bool, out: TextIO, quiet: bool = False) -> int:
+    """``quiet`` thins the text report only: the JSON document is what was asked for."""
     found = findings(control_dir, driver)
     code = EXIT_CANNOT if any(f.verdict == "FAIL" for f in found) else EXIT_OK
     if as_json:
@@ -184,7 +194,5 @@ def run(*, control_dir: Path, driver: str, as_json: bool, out: TextIO) -> int:
                     "exit_code": code}  # fmt: skip
         out.write(json.dumps(document) + "\n")
     else:
-        for finding in found:
-            out.write(finding.line() + "\n")
-        out.write("suspend can work here\n" if code == EXIT_OK else "suspend cannot work here\n")
+        out.writelines(line + "\n" for line in text_lines(found, quiet=quiet))
     return code

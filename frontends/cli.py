@@ -351,7 +351,9 @@ def _diagram_options(diagram: argparse.ArgumentParser) -> None:
         "--machine",
         choices=sorted(MACHINES),
         required=True,
-        help="capture (prepare, suspend's first step) or restore (restore, resume's last)",
+        help="capture (prepare, suspend's first step), restore (restore, resume's last) or "
+        "rollback (back to running: recover's way back, and what undoes a failed capture "
+        "or restore)",
     )
 
 
@@ -368,7 +370,14 @@ def _verbs_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _demo_options(demo: argparse.ArgumentParser) -> None:
-    demo.add_argument("--driver", choices=("sim", "system"), default="sim")
+    demo.add_argument(
+        "--driver",
+        choices=("sim", "system"),
+        default="sim",
+        help="sim (the default): the simulated driver, no GPU needed; system: the machine's "
+        "NVIDIA driver and GPU (the multicast team is then left out: it runs on the "
+        "simulated driver only)",
+    )
 
 
 # A verb: what it said itself (an exit code), or its Outcome for main to say.
@@ -631,8 +640,9 @@ def _check(call: Invocation, out: TextIO, err: TextIO) -> int:
     from . import check
 
     return check.run(
-        control_dir=call.control_dir, driver=call.options.driver, as_json=call.options.json, out=out
-    )
+        control_dir=call.control_dir, driver=call.options.driver, as_json=call.options.json,
+        out=out, quiet=call.options.quiet,
+    )  # fmt: skip
 
 
 # Each verb: the options it adds to its parser, and what runs it (set_defaults(func=...)).

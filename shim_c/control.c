@@ -689,7 +689,12 @@ static void *conn_main(void *arg)
     long timeout_ms = shim_settings()->io_timeout_ms;
     uint64_t deadline = shim_now_ns() + ms_to_ns((uint64_t)timeout_ms);
 
-    if (getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cr, &cl) != 0 || !shim_trusted_uid(cr.uid)) {
+    /* Apart: when getsockopt fails, `cr` holds nothing to name. */
+    if (getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cr, &cl) != 0) {
+        shim_log(LOG_WARN, "control connection refused: SO_PEERCRED: %s", strerror(errno));
+        goto out;
+    }
+    if (!shim_trusted_uid(cr.uid)) {
         shim_log(LOG_WARN, "control connection from uid %d refused", (int)cr.uid);
         goto out;
     }

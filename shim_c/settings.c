@@ -8,6 +8,15 @@
  * and the default is used. The application must keep running, so a typo
  * never stops it; the warning is the place to see it.
  *
+ * Three kinds. User settings: the control dir, the participant id, the
+ * deadlines and leases, the content mode, what is staged and owned, the
+ * timing line, debug, and the gate (its 0 is for diagnosis, warned at
+ * start). Tuning knobs: the staging pool's (COPY_*, STAGING_*), each
+ * measured in docs/benchmarks.md. Test hooks (TRUST_UID, which changes whom
+ * the shim trusts, and TEST_RELEASE_DELAY_MS): compiled in only with
+ * CUINTERPOSE_TEST_HOOKS, a test build's; a release build names one that is
+ * set and ignores it.
+ *
  * Copy defaults (content.c says how they were measured):
  *  - SNAPSHOT_SHIM_COPY_THREADS: min(16, online CPUs). Populate and register
  *    are CPU work in the kernel that scales with threads; more threads than
@@ -198,6 +207,32 @@ static bool env_bounce_pin(void)
     return false;
 }
 
+#ifdef CUINTERPOSE_TEST_HOOKS
+static void test_hooks_load(struct shim_settings *s)
+{
+    /* Unset, or a bad value (named in the warning): the usual trust. */
+    s->trust_uid = (long)env_count(TRUST_UID_ENV, 0, UID_MAX_TRUSTED, UID_MAX_TRUSTED + 1,
+                                   "a uid");
+    if (s->trust_uid > (long)UID_MAX_TRUSTED)
+        s->trust_uid = -1;
+    s->test_release_delay_ms = (unsigned)env_count(RELEASE_DELAY_ENV, 0, 10000, 0,
+                                                   "a delay in ms");
+}
+#else
+/* A release build has no test hook: one asked for is named, so that nobody
+ * believes it took (above all SNAPSHOT_SHIM_TRUST_UID, whom the shim trusts). */
+static void test_hooks_load(struct shim_settings *s)
+{
+    static const char *const hooks[] = {TRUST_UID_ENV, RELEASE_DELAY_ENV};
+
+    (void)s;
+    for (size_t i = 0; i < sizeof hooks / sizeof hooks[0]; i++)
+        if (getenv(hooks[i]))
+            shim_log(LOG_WARN, "%s is a test hook, not in this build (a release one): "
+                     "ignored", hooks[i]);
+}
+#endif
+
 static void settings_load(void)
 {
     struct shim_settings *s = &settings;
@@ -249,20 +284,16 @@ static void settings_load(void)
                  "and a capture under running work can lose updates or fault", GATE_ENV);
     s->own_allocations = env_bool(OWN_ENV, true);
     s->own_small = env_bool(OWN_SMALL_ENV, false);
-    /* Unset, or a bad value (named in the warning): the usual trust. */
-    s->trust_uid = (long)env_count(TRUST_UID_ENV, 0, UID_MAX_TRUSTED, UID_MAX_TRUSTED + 1,
-                                   "a uid");
-    if (s->trust_uid > (long)UID_MAX_TRUSTED)
-        s->trust_uid = -1;
-    s->test_release_delay_ms = (unsigned)env_count(RELEASE_DELAY_ENV, 0, 10000, 0,
-                                                   "a delay in ms");
+    test_hooks_load(s);
 }
 
 bool shim_trusted_uid(uid_t uid)
 {
+#ifdef CUINTERPOSE_TEST_HOOKS
     long only = shim_settings()->trust_uid;
     if (only >= 0)
         return (long)uid == only;
+#endif
     return uid == 0 || uid == getuid();
 }
 

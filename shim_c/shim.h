@@ -160,13 +160,17 @@ struct shim_settings {
      * HANDSHAKE and INSPECT is another coordinator's to take this long after
      * it was taken (a stray HANDSHAKE must not hold the group). */
     long lease_handshake_ms;
-    /* SNAPSHOT_SHIM_TRUST_UID, a test hook: the one uid trusted instead of
-     * root and our own (peers, servers, the control dir's owner); -1 unset. */
+#ifdef CUINTERPOSE_TEST_HOOKS
+    /* Test hooks, in a test build only (CMake's CUINTERPOSE_TEST_HOOKS); a
+     * release build warns that their variables are ignored.
+     * SNAPSHOT_SHIM_TRUST_UID: the one uid trusted instead of root and our
+     * own (peers, servers, the control dir's owner); -1 unset. */
     long trust_uid;
-    /* SNAPSHOT_SHIM_TEST_RELEASE_DELAY_MS, a test hook: the thread that frees a
-     * LOAD's staged copies after the reply sleeps this long first, so that a
-     * test sees the ops that must wait for it wait. */
+    /* SNAPSHOT_SHIM_TEST_RELEASE_DELAY_MS: the thread that frees a LOAD's
+     * staged copies after the reply sleeps this long first, so that a test
+     * sees the ops that must wait for it wait. */
     unsigned test_release_delay_ms;
+#endif
     /* SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S: QUIESCE's deadline for a quiet point. */
     long quiesce_timeout_ms;
     /* SNAPSHOT_SHIM_GATE=0 (diagnosis, and the test that shows what the gate
@@ -181,8 +185,8 @@ struct shim_settings {
 };
 /* The settings, read from the environment on the first call. */
 SHIM_HIDDEN const struct shim_settings *shim_settings(void);
-/* Root or our own uid (only SNAPSHOT_SHIM_TRUST_UID when set): whom the shim
- * trusts as a peer, a server, or the control dir's owner. */
+/* Root or our own uid (in a test build, only SNAPSHOT_SHIM_TRUST_UID when
+ * set): whom the shim trusts as a peer, a server, or the control dir's owner. */
 SHIM_HIDDEN bool shim_trusted_uid(uid_t uid);
 
 /* ---------------------------------------------------------------- driver.c */

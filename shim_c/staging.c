@@ -181,8 +181,8 @@ static int no_populate;
  * stream and events too, made in `sctx` on first use: made and destroyed per
  * op they cost every thread ~1 ms at the op's start, beside the control
  * thread's re-creation calls, and its join at the end (thread-s "stream",
- * docs/benchmarks.md, session 9). A context destroyed takes what was made in
- * it (staging_forget_ctx). */
+ * one H200, 2026-12-02, commit b01d5a7, docs/benchmarks.md). A context
+ * destroyed takes what was made in it (staging_forget_ctx). */
 static struct bounce {
     void *p;
     size_t size;
@@ -759,12 +759,12 @@ static void pipe_drain(struct staging *s, struct worker *w)
  * copy of piece j - depth (the same slot, maybe of the chunk before) is
  * done, then queued. Why across chunks: a chunk of 96 x 6 MiB's LOAD is 9
  * MiB, three pieces, and each chunk used to start and end its pipeline
- * empty; on the H200 (docs/benchmarks.md, session 9, alternated with the
- * shim before it in one run) that LOAD ran at 34.9 and 37.6 GB/s against
+ * empty; on one H200 (2026-12-02, commit 22e4058, docs/benchmarks.md,
+ * alternated with the shim before it in one run) that LOAD ran at 34.9 and 37.6 GB/s against
  * 31.8 and 33.3, the threads' waiting 0.070-0.072 thread-s against
  * 0.089-0.101; the larger shapes, whose chunks hold 4-16 pieces, moved
  * within their spread. (SAVE's chunks stay drained one by one: a pipeline
- * across them did not move SAVE, session 6.)
+ * across them did not move SAVE: the same day, commit c9acf2e.)
  *
  * The chunk's last copies stay in flight: 0 says its end is the pipeline's
  * (pipe_settle); -1, after an error, that nothing of the chunk is in flight
@@ -1042,7 +1042,7 @@ static void *pool_populator(void *arg)
 /* ------------------------------------------------------------ the pool */
 /* Chunks per copy thread by default. SAVE memcpy's into fresh pages, whose
  * cost varies from page to page: smaller chunks balance the threads. On the
- * H200 (docs/benchmarks.md, session 5, the settings run in the order 8, 4,
+ * H200 (2026-12-02, commit 982e90e, docs/benchmarks.md; in the order 8, 4,
  * 8 in one process): 96 x 6 MiB SAVE 26.7 and 28.2 GB/s with 8 against
  * 24.3 with 4; 100 x 20 MiB the same within noise. LOAD keeps 4: 100 x 20
  * MiB loaded at 41.9-43.1 GB/s with 4 against 40.0 with 8. */
@@ -1187,7 +1187,7 @@ oom:
  * scheduling): once less than a chunk per thread remains to be queued, each
  * new one takes about 1/threads of what remains, at least 1 MiB, so that
  * the threads finish together and the op does not wait for one thread's
- * last large chunk (on the H200, docs/benchmarks.md, session 8: the copies
+ * last large chunk (one H200, 2026-12-02, commit c53ba93: the copies
  * left after the last re-creation, the drain, took 9.6-12 ms of a LOAD of
  * 2048 x 2 MiB, 0.4-0.6 ms with it). SAVE's chunks are small throughout. */
 static size_t task_cap(const struct staging *s)

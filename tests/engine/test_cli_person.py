@@ -469,6 +469,32 @@ def test_check_on_the_simulated_driver(work: Path) -> None:
         assert done.stdout.endswith("suspend cannot work here\n")
 
 
+def test_check_quiet_says_nothing_but_the_errors() -> None:
+    from cuinterpose.check import Finding, text_lines
+
+    ok = Finding("pidfd", "OK", "pidfd_open works")
+    warn = Finding("control directory", "WARN", "/x does not exist yet")
+    fail = Finding("driver", "FAIL", "no libcuda.so.1: install the NVIDIA driver")
+    assert text_lines([ok, warn], quiet=True) == []
+    assert text_lines([ok, fail, warn], quiet=True) == [fail.line(), "suspend cannot work here"]
+    assert text_lines([ok, warn], quiet=False) == [
+        ok.line(), warn.line(), "suspend can work here"
+    ]  # fmt: skip
+
+
+def test_check_q_on_the_simulated_driver_prints_nothing(work: Path) -> None:
+    build = REPO / "build"
+    if not (build / "shim_c" / "sim" / "libcuda.so.1").is_file():
+        pytest.skip("no build/: run `make build`")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LD_", "ASAN_"))}
+    env.update(CUINTERPOSE_BUILD_DIR=str(build), SNAPSHOT_CONTROL_DIR=str(work / "control"))
+    for argv in (("-q", "check"), ("check", "-q")):  # before the verb or after it
+        done = _cli(*argv, "--driver", "sim", env=env)
+        assert (done.returncode, done.stdout, done.stderr) == (0, "", ""), done
+    done = _cli("check", "--driver", "sim", env=env)  # without -q: a WARN (no directory yet)
+    assert "OK   driver" in done.stdout and "WARN control directory" in done.stdout, done
+
+
 # ------------------------------------------------------------------ help, version, API
 @pytest.mark.parametrize("verb", sorted(cli._VERBS))
 def test_every_verb_has_an_example_and_its_exit_codes_in_help(
@@ -478,6 +504,27 @@ def test_every_verb_has_an_example_and_its_exit_codes_in_help(
     text = capsys.readouterr().out
     assert "example:\n  " in text and "exit status" in text, text
     assert f"cuinterpose {verb}" in text.split("example:")[1] or verb in ("sim-path", "shim-path")
+
+
+def test_every_option_of_every_verb_says_what_it_does() -> None:
+    """Every flag has a help text, and a flag with choices names each one in it
+    (``diagram --machine rollback``, ``demo --driver``)."""
+    import argparse
+
+    verbs = next(
+        a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    silent, unnamed = [], []
+    for verb, parser in verbs.choices.items():
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            where = f"{verb} {action.option_strings[0]}"
+            if not action.help:
+                silent.append(where)
+            unnamed += [f"{where} {c}" for c in action.choices or () if str(c) not in action.help]
+    assert not silent, f"options without a help text: {silent}"
+    assert not unnamed, f"choices their option's help does not name: {unnamed}"
 
 
 def test_version_is_the_package_metadata() -> None:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import pytest
 from cuinterpose.engine import wire
 
 from tests import simenv, snippet
@@ -59,6 +60,24 @@ def shim_library(build: str | None = None) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} missing: run `make build`")
     return path
+
+
+def has_test_hooks(build: str | None = None) -> bool:
+    """Whether the shim of ``build`` has the test hooks compiled in (CMake's
+    CUINTERPOSE_TEST_HOOKS: the Makefile's build-asan/ and build-tsan/, never build/)."""
+    cache = simenv.BUILD_DIRS[build_kind(build)] / "CMakeCache.txt"
+    if not cache.is_file():
+        raise FileNotFoundError(f"{cache} missing: run `make build`")
+    return "CUINTERPOSE_TEST_HOOKS:BOOL=ON" in cache.read_text().splitlines()
+
+
+def needs_test_hooks(hook: str) -> None:
+    """Skip, naming ``hook`` and the build, when the shim the tests run has no hooks."""
+    if not has_test_hooks():
+        pytest.skip(
+            f"{hook} is a test hook: the {build_kind()} shim has none (run the "
+            "suite on build-asan/ or build-tsan/)"
+        )
 
 
 def test_program(name: str, build: str | None = None) -> Path:

@@ -735,6 +735,7 @@ def test_the_release_after_a_load_is_waited_for(spawn: Spawn, control_dir: Path)
     (SNAPSHOT_SHIM_TEST_RELEASE_DELAY_MS), the next cycle's SAVE still comes after the
     first release, so that host memory never holds two phases' copies, and the exit waits
     for the second one; the bytes of both cycles are right."""
+    shimenv.needs_test_hooks("SNAPSHOT_SHIM_TEST_RELEASE_DELAY_MS")
     creator = spawn(
         extra={"SNAPSHOT_SHIM_TIMING": "1", "SNAPSHOT_SHIM_TEST_RELEASE_DELAY_MS": "400"}
     )

@@ -290,6 +290,7 @@ def test_the_shim_serves_only_the_uid_it_trusts(
 ) -> None:
     # The test hook makes the shim trust uid NOBODY alone: the directory must be
     # NOBODY's, and this test's process (root) is then a stranger to it.
+    shimenv.needs_test_hooks("SNAPSHOT_SHIM_TRUST_UID")
     os.chown(control_dir, NOBODY, NOBODY)
     app = spawn("app", {**shim_env, "SNAPSHOT_SHIM_TRUST_UID": str(NOBODY)})
     app.create_mapped(2 * int(app.check("granularity")["granularity"]))  # started
@@ -298,4 +299,65 @@ def test_the_shim_serves_only_the_uid_it_trusts(
     assert shimenv.raw_exchange(path, wire.Request(Op.HANDSHAKE).encode()) == b""
     log = (tmp_path / "app.stderr").read_text()
     assert "control connection from uid 0 refused" in log
+    app.close_clean()
+
+
+# ---------------------------------------------------------------- the trust hook
+def _app_told_to_trust_nobody(
+    spawn: Spawn, build: str, control_dir: Path, sim_namespace: str
+) -> tuple[Worker, Path]:
+    """A shim of ``build`` on a control dir of this test's own uid, told by the test
+    hook to trust NOBODY alone; returns it once it has started (an allocation tracked)."""
+    env = shimenv.shim_env(build, control_dir=control_dir, namespace=sim_namespace)
+    app = spawn("app", {**env, "SNAPSHOT_SHIM_TRUST_UID": str(NOBODY)})
+    app.create_mapped(2 * int(app.check("granularity")["granularity"]))
+    return app, shimenv.socket_path(control_dir, app.pid)
+
+
+def test_the_release_shim_ignores_the_trust_hook(
+    spawn: Spawn, stack: None, control_dir: Path, sim_namespace: str, tmp_path: Path
+) -> None:
+    """The release library (build/, the wheel) has no test hook: told to trust NOBODY
+    alone, it keeps trusting root and its own uid (it serves this test on a directory
+    of this test's uid) and says the variable is ignored."""
+    if shimenv.has_test_hooks("release"):
+        pytest.fail("build/ has the test hooks compiled in (CUINTERPOSE_TEST_HOOKS=ON)")
+    app, path = _app_told_to_trust_nobody(spawn, "release", control_dir, sim_namespace)
+    shimenv.wait_socket(control_dir, app.pid)
+    reply = shimenv.raw_exchange(path, wire.Request(Op.HANDSHAKE).encode())
+    assert wire.Reply.decode(reply).status is Status.OK, reply
+    log = (tmp_path / "app.stderr").read_text()
+    assert "SNAPSHOT_SHIM_TRUST_UID is a test hook, not in this build" in log, log
+    app.close_clean()
+
+
+def test_a_test_build_takes_the_trust_hook(
+    spawn: Spawn, stack: None, control_dir: Path, sim_namespace: str, tmp_path: Path
+) -> None:
+    """The counterpart: the suite's build (build-asan/) trusts NOBODY alone, so the
+    directory of this test's uid is refused and nothing is served there."""
+    shimenv.needs_test_hooks("SNAPSHOT_SHIM_TRUST_UID")
+    app, path = _app_told_to_trust_nobody(spawn, shimenv.build_kind(), control_dir, sim_namespace)
+    assert not path.exists()
+    log = (tmp_path / "app.stderr").read_text()
+    assert f"control directory {control_dir} is owned by another user" in log, log
+    assert "not in this build" not in log
+    app.close_clean()
+
+
+def test_a_connection_whose_peer_cannot_be_named_is_refused_as_such(
+    spawn: Spawn, shim_env: dict[str, str], control_dir: Path, tmp_path: Path
+) -> None:
+    """getsockopt(SO_PEERCRED) failing (a library preloaded after the shim makes it
+    fail): the control server refuses the connection and logs the reason, not a uid
+    read from credentials that were never filled in."""
+    failing = shimenv.test_program("libpeercred_fail.so")
+    env = {**shim_env, "LD_PRELOAD": f"{shim_env['LD_PRELOAD']} {failing}"}
+    app = spawn("app", env)
+    app.create_mapped(2 * int(app.check("granularity")["granularity"]))  # started
+    path = shimenv.wait_socket(control_dir, app.pid)
+    assert shimenv.raw_exchange(path, wire.Request(Op.HANDSHAKE).encode()) == b""
+    log = (tmp_path / "app.stderr").read_text()
+    assert "control connection refused: SO_PEERCRED: Operation not supported" in log, log
+    assert "control connection from uid" not in log
     app.close_clean()

@@ -28,3 +28,8 @@ add_executable(shim_collide ${CMAKE_SOURCE_DIR}/tests/shim/c/collide_prog.c)
 target_include_directories(shim_collide PRIVATE ${CUINTERPOSE_CUDA_INCLUDE})
 target_link_libraries(shim_collide PRIVATE dl)
 set_target_properties(shim_collide PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${_shim_tests_dir})
+
+# Preloaded after the shim: getsockopt(SO_PEERCRED) fails, for the control
+# server's refusal of a peer it cannot name.
+add_library(peercred_fail SHARED ${CMAKE_SOURCE_DIR}/tests/shim/c/peercred_fail.c)
+set_target_properties(peercred_fail PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${_shim_tests_dir})
