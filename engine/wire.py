@@ -140,6 +140,18 @@ class RecordKind(enum.IntEnum):
     FETCH = 9
     # Sharing the shim does not own (op_flags: an Unowned), so it cannot rebuild it.
     UNOWNED_SHARING = 10
+    # The kept host copy's figures (SNAPSHOT_SHIM_KEEP_HOST_COPY): in the replies of
+    # SAVE/LOAD/ROLLBACK_ALLOCATIONS and STATUS, never in INSPECT's (see HostCopy).
+    HOST_COPY = 11
+
+
+class HashState(enum.IntEnum):
+    """HOST_COPY's op_flags: how a SAVE chose what to copy (protocol.h, cuip_hash)."""
+
+    NOT_SAVED = 0
+    COMPARED = 1
+    FIRST = 2
+    UNAVAILABLE = 3
 
 
 class Unowned(enum.IntEnum):
@@ -869,3 +881,45 @@ def _gpu_map_text(raw: bytes) -> str:
 def socket_name(namespace_pid: int) -> str:
     """The control socket's file name for a shim whose getpid() is ``namespace_pid``."""
     return f"{SOCKET_PREFIX}{namespace_pid}{SOCKET_SUFFIX}"
+
+
+@attrs.frozen
+class HostCopy:
+    """A HOST_COPY record, by name (protocol.h, ``cuip_host_copy_*``): the host memory the
+    kept copies hold (pinned) and how many there are, their hash tables' bytes, and in a
+    SAVE/LOAD reply the bytes the op copied, those it left unchanged, and how it chose."""
+
+    bytes: int
+    count: int
+    overhead: int
+    copied: int
+    unchanged: int
+    hash: HashState
+
+    @classmethod
+    def of(cls, record: Record) -> HostCopy:
+        if record.kind is not RecordKind.HOST_COPY:
+            raise WireError(f"a {record.kind.name} record is no HOST_COPY record")
+        try:
+            state = HashState(record.op_flags)
+        except ValueError as exc:
+            raise WireError(f"HOST_COPY record has unknown hash state {record.op_flags}") from exc
+        return cls(
+            record.size, record.address, record.member_offset, record.offset,
+            record.object_flags, state,
+        )  # fmt: skip
+
+    def record(self) -> Record:
+        return Record(
+            kind=RecordKind.HOST_COPY, size=self.bytes, address=self.count,
+            member_offset=self.overhead, offset=self.copied, object_flags=self.unchanged,
+            op_flags=int(self.hash),
+        )  # fmt: skip
+
+    @classmethod
+    def in_reply(cls, records: tuple[Record, ...]) -> HostCopy | None:
+        """The reply's HOST_COPY record, None when it carries none; two is a WireError."""
+        found = [r for r in records if r.kind is RecordKind.HOST_COPY]
+        if len(found) > 1:
+            raise WireError(f"a reply carries {len(found)} HOST_COPY records")
+        return cls.of(found[0]) if found else None

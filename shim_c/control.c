@@ -394,6 +394,12 @@ static void serve_status(struct reply *r, bool ask_driver)
         reply_msg(r, CUIP_STATUS_OK, "%s", held);
     }
     pthread_mutex_unlock(&g.lock);
+    if (!driver) {
+        uint64_t bytes, count, overhead;
+        keep_status(&bytes, &count, &overhead);
+        if ((keep_enabled() || count) && keep_record(r, 0, 0, CUIP_HASH_NOT_SAVED) != 0)
+            shim_log(LOG_WARN, "STATUS: out of memory for the kept host copy's record");
+    }
 }
 
 /* ------------------------------------------------------------ the lease */

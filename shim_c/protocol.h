@@ -402,6 +402,20 @@ enum cuip_record_kind {
      * (enum cuip_unowned), address and size the memory where known,
      * handle_count how many are live. Refuses the capture, like RAW_IMPORT. */
     CUIP_RECORD_UNOWNED_SHARING = 10,
+    /* The kept host copy (SNAPSHOT_SHIM_KEEP_HOST_COPY, specs/shim.md): one
+     * in the reply of SAVE_ALLOCATIONS, LOAD_ALLOCATIONS and
+     * ROLLBACK_ALLOCATIONS of a process in that mode, and of STATUS (asked
+     * for nothing else) of one that is in it or still holds copies. Not part
+     * of the topology. Its fields by name: cuip_host_copy_* below. */
+    CUIP_RECORD_HOST_COPY = 11,
+};
+
+/* HOST_COPY's hash state (in op_flags): how SAVE chose what to copy. */
+enum cuip_hash {
+    CUIP_HASH_NOT_SAVED = 0,   /* not a SAVE, or no kept copy in it */
+    CUIP_HASH_COMPARED = 1,    /* every kept copy's chunks compared: only changed ones copied */
+    CUIP_HASH_FIRST = 2,       /* hashed; some copies had no earlier hash: copied whole */
+    CUIP_HASH_UNAVAILABLE = 3, /* the hash kernel failed: everything copied; the message says why */
 };
 
 /* UNOWNED_SHARING's op_flags: which call made the sharing. */
@@ -464,6 +478,35 @@ struct cuip_record {
     uint32_t pid;                            /* FETCH only: the fetching process */
     struct cuip_access access[CUIP_ACCESS_MAX];
 };
+
+/* HOST_COPY's fields: the host memory the kept copies hold (pinned) and
+ * how many there are, the host memory of their hash tables; in an op's
+ * reply, the bytes it copied and those it left because they were unchanged,
+ * and the hash state (enum cuip_hash). */
+static inline uint64_t cuip_host_copy_bytes(const struct cuip_record *r) { return r->size; }
+static inline uint64_t cuip_host_copy_count(const struct cuip_record *r) { return r->address; }
+static inline uint64_t cuip_host_copy_overhead(const struct cuip_record *r)
+{
+    return r->member_offset;
+}
+static inline uint64_t cuip_host_copy_copied(const struct cuip_record *r) { return r->offset; }
+static inline uint64_t cuip_host_copy_unchanged(const struct cuip_record *r)
+{
+    return r->object_flags;
+}
+static inline uint64_t cuip_host_copy_hash(const struct cuip_record *r) { return r->op_flags; }
+static inline void cuip_set_host_copy(struct cuip_record *r, uint64_t bytes, uint64_t count,
+                                      uint64_t overhead, uint64_t copied, uint64_t unchanged,
+                                      uint64_t hash)
+{
+    r->kind = CUIP_RECORD_HOST_COPY;
+    r->size = bytes;
+    r->address = count;
+    r->member_offset = overhead;
+    r->offset = copied;
+    r->object_flags = unchanged;
+    r->op_flags = hash;
+}
 
 /* Capability: what the application holds instead of a raw CUDA FD. A sealed
  * memfd carries exactly these 128 bytes; it never crosses to the coordinator. */

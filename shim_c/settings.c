@@ -20,6 +20,9 @@
  *  - SNAPSHOT_SHIM_STAGING_RESIDENT_MIB: 0 (off; else the staging memory of a
  *    SAVE of at most this many MiB is kept, populated, from one cycle to the
  *    next: content.c).
+ *  - SNAPSHOT_SHIM_KEEP_HOST_COPY: 0 (1: a pinned host copy of every
+ *    allocation SAVE moves, made in the background and kept across cycles;
+ *    SAVE copies only what changed: keep.c).
  *  - SNAPSHOT_SHIM_TIMING: 0 (1: where a SAVE/LOAD's time went, on stderr).
  *  - SNAPSHOT_SHIM_STAGE_PRIVATE: 1 (SAVE moves every allocation this
  *    process created, shared or private; 0: private ones stay with the
@@ -72,6 +75,7 @@
 #define STAGING_THP_ENV "SNAPSHOT_SHIM_STAGING_THP"
 #define STAGING_BOUNCE_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB"
 #define STAGING_RESIDENT_ENV "SNAPSHOT_SHIM_STAGING_RESIDENT_MIB"
+#define KEEP_HOST_COPY_ENV "SNAPSHOT_SHIM_KEEP_HOST_COPY"
 #define TIMING_ENV "SNAPSHOT_SHIM_TIMING"
 #define STAGE_PRIVATE_ENV "SNAPSHOT_SHIM_STAGE_PRIVATE"
 #define STAGING_PREFAULT_ENV "SNAPSHOT_SHIM_STAGING_PREFAULT"
@@ -226,6 +230,7 @@ static void settings_load(void)
     s->staging_resident = (size_t)env_count(STAGING_RESIDENT_ENV, 0, RESIDENT_MIB_MAX, 0,
                                             "a size in MiB")
                           << 20;
+    s->keep_host_copy = env_bool(KEEP_HOST_COPY_ENV, false);
     s->timing = env_bool(TIMING_ENV, false);
     s->stage_private = env_bool(STAGE_PRIVATE_ENV, true);
     s->staging_prefault = env_bool(STAGING_PREFAULT_ENV, false);
