@@ -1,0 +1,270 @@
+"""The kept host copy (SNAPSHOT_SHIM_KEEP_HOST_COPY=1: shim_c/keep.c, content.c), on the
+simulated driver, whose cuLaunchKernel runs the C twin of the hash kernel (shim_c/sim/module.c).
+
+Each shape's bytes go round trip (the four shapes of docs/benchmarks.md, scaled down); the
+copies are pinned while the application runs, before the first SAVE, and STATUS says how
+much host memory they hold; a SAVE after an unchanged cycle copies nothing, one after one
+allocation was rewritten copies that allocation only; random single-byte flips between
+cycles are every one copied and restored; a hash kernel that does not load or run makes
+SAVE copy everything and say why; an allocation freed gives its copy back.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from pathlib import Path
+
+import pytest
+from cuinterpose.demo import Worker
+from cuinterpose.engine import wire
+
+from tests.shim.test_content import finish, make_shared
+from tests.shim.test_control import CAPTURE, RESTORE, Shim, native_checkpoint_restore
+from tests.simenv import Spawn
+
+Op, Status, Phase, HashState = wire.Op, wire.Status, wire.Phase, wire.HashState
+MIB = 1 << 20
+CHUNK = 2 * MIB  # keephash.h's KH_CHUNK
+KEEP = {"SNAPSHOT_SHIM_KEEP_HOST_COPY": "1", "SNAPSHOT_SHIM_COPY_THREADS": "3"}
+# How long the keeper may take to pin a few MiB; the wait ends as soon as STATUS says so.
+PIN_WAIT_S = 30.0
+
+
+def host_copy(reply: wire.Reply) -> wire.HostCopy:
+    found = wire.HostCopy.in_reply(reply.records)
+    assert found is not None, (reply.op, reply.records)
+    return found
+
+
+def status(c: Shim) -> wire.HostCopy:
+    return host_copy(c.ok(Op.STATUS))
+
+
+def wait_pinned(c: Shim, count: int) -> wire.HostCopy:
+    """STATUS until the keeper has pinned `count` copies (it does so in the background)."""
+    deadline = time.monotonic() + PIN_WAIT_S
+    while (now := status(c)).count != count:
+        assert time.monotonic() < deadline, f"{now.count} of {count} copies pinned"
+        time.sleep(0.02)
+    return now
+
+
+def digests(w: Worker) -> list[str]:
+    return list(w("result = [digest(va, size) for _, va, size, _ in A]"))
+
+
+def cycle(c: Shim, native: tuple[Spawn, str, Worker] | None = None) -> tuple[wire.Reply, ...]:
+    """Capture and restore (with the native checkpoint between when `native`): the SAVE
+    and LOAD replies."""
+    replies = {}
+    for op in CAPTURE:
+        replies[op] = c.ok(op)
+    if native:
+        spawn, namespace, w = native
+        assert native_checkpoint_restore(spawn, namespace, [w.pid]) == [2]
+    for op in RESTORE:
+        replies[op] = c.ok(op)
+    return replies[Op.SAVE_ALLOCATIONS], replies[Op.LOAD_ALLOCATIONS]
+
+
+# The four shapes of docs/benchmarks.md (1 x 8 GiB, 100 x 20 MiB, 96 x 6 MiB, 2048 x 2 MiB),
+# in allocations of granules (2 MiB in the simulator), scaled down to seconds.
+SHAPES = {
+    "one-large": [16],
+    "20MiB": [10] * 4,
+    "6MiB": [3] * 8,
+    "2MiB": [1] * 24,
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_round_trip_every_shape(
+    spawn: Spawn, control_dir: Path, sim_namespace: str, shape: str
+) -> None:
+    """The copies are pinned before the first SAVE; the first SAVE hashes and copies every
+    byte straight into them (no bounce buffer: no memcpy), the next one, nothing changed,
+    copies nothing; every byte back after each LOAD, with the native checkpoint between.
+    STATUS states the host memory: the allocations' sizes, plus 16 bytes a chunk."""
+    creator = spawn(extra={**KEEP, "SNAPSHOT_SHIM_TIMING": "1"})
+    sizes = SHAPES[shape]
+    gran = make_shared(creator, sizes, seed=300)
+    assert gran == CHUNK
+    total = sum(sizes) * gran
+    c = Shim(control_dir, creator.pid)
+    held = wait_pinned(c, len(sizes))
+    assert (held.bytes, held.overhead) == (total, 16 * (total // CHUNK + len(sizes)))
+    before = digests(creator)
+    save, load = cycle(c, (spawn, sim_namespace, creator))
+    first = host_copy(save)
+    assert (first.hash, first.copied, first.unchanged) == (HashState.FIRST, total, 0)
+    assert (save.stats.count, save.stats.bytes) == (len(sizes), total)
+    assert host_copy(load).copied == total
+    assert digests(creator) == before
+    save, load = cycle(c)
+    again = host_copy(save)
+    assert (again.hash, again.copied, again.unchanged) == (HashState.COMPARED, 0, total)
+    assert (save.stats.count, save.stats.bytes) == (len(sizes), total)
+    assert digests(creator) == before
+    assert status(c).bytes == total  # kept across cycles, nothing more
+    log = finish(creator)
+    saves = [json.loads(line.split(" ", 1)[1]) for line in log.splitlines()
+             if line.startswith("cuinterpose-timing ") and '"SAVE_ALLOCATIONS"' in line]  # fmt: skip
+    assert [(t["kept"], t["bytes_copied"], t["hash"]) for t in saves] == [
+        (True, total, "first"),
+        (True, 0, "compared"),
+    ]
+    # Straight DMA: nothing went through a bounce buffer, nothing was faulted in.
+    assert all(t["thread_s"]["memcpy"] == 0 and t["populate_method"] == "none" for t in saves)
+    assert "warning" not in log
+
+
+def test_rewritten_allocation_alone_is_copied(spawn: Spawn, control_dir: Path) -> None:
+    """After one allocation is rewritten, the next SAVE copies its chunks only, and the
+    summary (HOST_COPY) says how much it left."""
+    creator = spawn(extra=KEEP)
+    sizes = [4, 2, 5, 1]
+    gran = make_shared(creator, sizes, seed=500)
+    total = sum(sizes) * gran
+    c = Shim(control_dir, creator.pid)
+    wait_pinned(c, len(sizes))
+    cycle(c)
+    creator("h, va, size, _ = A[2]; fill(va, size, 4242); A[2] = (h, va, size, 4242)")
+    after = digests(creator)
+    save, _ = cycle(c)
+    kept = host_copy(save)
+    assert (kept.hash, kept.copied, kept.unchanged) == (
+        HashState.COMPARED, 5 * gran, total - 5 * gran
+    )  # fmt: skip
+    assert digests(creator) == after
+    # Half of one chunk rewritten: that chunk alone.
+    creator("h, va, size, _ = A[0]; check(cu.cuMemcpyHtoD(va + gran + 7, bytes(1000), 1000))")
+    after = digests(creator)
+    save, _ = cycle(c)
+    assert (host_copy(save).copied, host_copy(save).unchanged) == (gran, total - gran)
+    assert digests(creator) == after
+    assert "warning" not in finish(creator)
+
+
+FLIP = """
+import random as _r
+_rng = _r.Random({seed})
+touched = set()
+for _ in range({flips}):
+    k = _rng.randrange(len(A))
+    h, va, size, _s = A[k]
+    off = _rng.randrange(size)
+    buf = (ctypes.c_ubyte * 1)()
+    check(cu.cuMemcpyDtoH(ctypes.addressof(buf), va + off, 1))
+    new = bytes([buf[0] ^ _rng.randrange(1, 256)])
+    check(cu.cuMemcpyHtoD(va + off, new, 1))
+    touched.add((k, off // gran))
+result = sorted(touched)
+"""
+
+
+def test_random_flips_are_every_one_copied(spawn: Spawn, control_dir: Path) -> None:
+    """Between cycles, one to three bytes at random offsets of random allocations take
+    another value: each SAVE copies exactly the chunks they lie in (the hash missed none),
+    and after each LOAD every byte is what the application wrote."""
+    creator = spawn(extra=KEEP)
+    sizes = [3, 1, 4, 1, 5, 2]
+    gran = make_shared(creator, sizes, seed=700)
+    total = sum(sizes) * gran
+    c = Shim(control_dir, creator.pid)
+    wait_pinned(c, len(sizes))
+    cycle(c)
+    rng = random.Random(47)
+    for n in range(25):
+        touched = creator(FLIP.format(seed=rng.randrange(1 << 30), flips=rng.randrange(1, 4)))
+        after = digests(creator)
+        save, _ = cycle(c)
+        kept = host_copy(save)
+        assert kept.hash == HashState.COMPARED, n
+        assert (kept.copied, kept.unchanged) == (
+            len(touched) * gran, total - len(touched) * gran
+        ), (n, touched)  # fmt: skip
+        assert digests(creator) == after, n
+    assert "warning" not in finish(creator)
+
+
+@pytest.mark.parametrize(
+    ("helper", "first", "call", "result"),
+    [
+        ("cuinterposeSimFailModule", True, "cuModuleLoadData of the hash kernel", "INVALID_PTX"),
+        ("cuinterposeSimFailLaunch", False, "cuLaunchKernel of the hash kernel", "LAUNCH_FAILED"),
+    ],
+    ids=["load", "launch"],
+)
+def test_hash_failure_copies_everything_and_says_why(
+    spawn: Spawn, control_dir: Path, helper: str, first: bool, call: str, result: str
+) -> None:
+    """The kernel does not load (the first SAVE) or does not launch (a later one): that
+    SAVE copies every byte, its reply says why and its record says so (UNAVAILABLE), the
+    log too; the bytes come back; the next SAVE hashes again (copying every byte once more,
+    since the copy's hashes were dropped), and the one after copies nothing."""
+    code = {"INVALID_PTX": 218, "LAUNCH_FAILED": 719}[result]
+    creator = spawn(extra=KEEP)
+    sizes = [2, 3]
+    gran = make_shared(creator, sizes, seed=900)
+    total = sum(sizes) * gran
+    c = Shim(control_dir, creator.pid)
+    wait_pinned(c, len(sizes))
+    if not first:
+        cycle(c)
+    creator(f"ctypes.CDLL('libcuda.so.1').{helper}(0, {code}); result = None")
+    creator("h, va, size, _ = A[1]; fill(va, size, 77); A[1] = (h, va, size, 77)")
+    after = digests(creator)
+    save, _ = cycle(c)
+    kept = host_copy(save)
+    assert (kept.hash, kept.copied, kept.unchanged) == (HashState.UNAVAILABLE, total, 0)
+    assert re.fullmatch(
+        rf"SAVE_ALLOCATIONS copied every byte of the kept host copies: {call}.* failed: "
+        rf"CUDA_ERROR_{result}",
+        save.message,
+    ), save.message
+    assert digests(creator) == after
+    save, _ = cycle(c)
+    assert (host_copy(save).hash, host_copy(save).copied) == (HashState.FIRST, total)
+    save, _ = cycle(c)
+    assert (host_copy(save).hash, host_copy(save).copied) == (HashState.COMPARED, 0)
+    assert digests(creator) == after
+    log = finish(creator)
+    assert f"SAVE_ALLOCATIONS copies every byte of the kept host copies: {call}" in log, log
+
+
+def test_freed_allocation_gives_its_copy_back(spawn: Spawn, control_dir: Path) -> None:
+    """The copies follow the allocations: one released (unmapped and released) loses its
+    copy, a new one gets one, while the application runs; the host memory STATUS states is
+    the live allocations' sizes throughout."""
+    creator = spawn(extra=KEEP)
+    sizes = [2, 3, 1]
+    gran = make_shared(creator, sizes, seed=1100)
+    c = Shim(control_dir, creator.pid)
+    assert wait_pinned(c, 3).bytes == 6 * gran
+    creator("h, va, size, _ = A.pop(1); check(cu.cuMemUnmap(va, size)); check(cu.cuMemRelease(h))")
+    assert wait_pinned(c, 2).bytes == 3 * gran
+    creator(
+        "h = check(cu.cuMemCreate(4 * gran, prop(), 0)); va = map_rw(h, 4 * gran); "
+        "fill(va, 4 * gran, 5); A.append((h, va, 4 * gran, 5))"
+    )
+    assert wait_pinned(c, 3).bytes == 7 * gran
+    after = digests(creator)
+    save, _ = cycle(c)
+    assert host_copy(save).copied == 7 * gran
+    assert digests(creator) == after
+    assert "warning" not in finish(creator)
+
+
+def test_off_by_default(spawn: Spawn, control_dir: Path) -> None:
+    """Without the setting: no HOST_COPY record anywhere, nothing pinned for it."""
+    creator = spawn()
+    make_shared(creator, [2], seed=1)
+    c = Shim(control_dir, creator.pid)
+    assert wire.HostCopy.in_reply(c.ok(Op.STATUS).records) is None
+    save, load = cycle(c)
+    assert wire.HostCopy.in_reply(save.records) is None
+    assert wire.HostCopy.in_reply(load.records) is None
+    finish(creator)
