@@ -45,7 +45,7 @@ from .statefile import (
     write_state,
 )
 from .topology import Topology
-from .wire import VERSION, Op, Phase, Reply, Request, Status
+from .wire import VERSION, HostCopy, Op, Phase, Reply, Request, Status
 
 
 @attrs.frozen
@@ -264,6 +264,8 @@ def exchange(run: Run, step: Step, op: Op) -> OpEvent:
             [(r.participant, by_id[r.participant].endpoint.observed_pid, r.stats)
              for r in run.replies],
             elapsed,
+            {r.participant: (host, r.message) for r in run.replies
+             if (host := HostCopy.in_reply(r.records)) is not None},
         )  # fmt: skip
     return OpEvent(run.spec.name, op.name, elapsed, len(run.endpoints), transfer, kept)
 

@@ -292,6 +292,13 @@ def _launch_options(launch: argparse.ArgumentParser) -> None:
         action="store_true",
         help="become COMMAND (exec): the launcher's own pid is the one to name",
     )
+    launch.add_argument(
+        "--keep-host-copy",
+        action="store_true",
+        help="SNAPSHOT_SHIM_KEEP_HOST_COPY=1: the shim pins a host copy of every allocation "
+        "while COMMAND runs and keeps it across suspends, so that each suspend copies only "
+        "what changed (costs host memory the size of the allocations: specs/shim.md)",
+    )
     launch.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND...")
 
 
@@ -441,6 +448,7 @@ def _launch(args: argparse.Namespace, stderr: TextIO) -> int:
                 pidfile=args.pidfile,
                 exec_=args.exec_,
                 announce=None if args.quiet else stderr,
+                keep_host_copy=args.keep_host_copy,
             )
         )
     except launch.LaunchError as exc:

@@ -229,7 +229,7 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
 
 
 STATUS_COLUMNS: Final = ("pid", "ns pid", "native state", "shim phase", "participant",
-                         "in flight")  # fmt: skip
+                         "in flight", "kept host copy")  # fmt: skip
 
 
 def _status_cells(row: agent.ProcessStatus) -> tuple[str, ...]:
@@ -244,7 +244,16 @@ def _status_cells(row: agent.ProcessStatus) -> tuple[str, ...]:
         row.shim_phase or "(no socket)",
         row.participant or "",
         flight or row.problem,
+        _kept_cell(row),
     )
+
+
+def _kept_cell(row: agent.ProcessStatus) -> str:
+    """The host memory the kept host copies hold (pinned), and their hash tables."""
+    h = row.host_copy
+    if h is None:
+        return ""
+    return f"{h.bytes / (1 << 30):.2f} GiB pinned in {h.count} (+{h.overhead:,} B of hashes)"
 
 
 def _terminal(stream: TextIO) -> bool:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cuda.bindings import driver as cu  # noqa: E402
+from cuda.bindings import driver as cu
 
-from tests.keephash import reference  # noqa: E402
+from tests.keephash import reference
 
 
 def check(result: tuple[object, ...]) -> object:

@@ -110,8 +110,9 @@ def test_round_trip_every_shape(
     assert digests(creator) == before
     assert status(c).bytes == total  # kept across cycles, nothing more
     log = finish(creator)
-    saves = [json.loads(line.split(" ", 1)[1]) for line in log.splitlines()
-             if line.startswith("cuinterpose-timing ") and '"SAVE_ALLOCATIONS"' in line]  # fmt: skip
+    timed = [line.split(" ", 1)[1] for line in log.splitlines()
+             if line.startswith("cuinterpose-timing ")]  # fmt: skip
+    saves = [t for t in map(json.loads, timed) if t["op"] == "SAVE_ALLOCATIONS"]
     assert [(t["kept"], t["bytes_copied"], t["hash"]) for t in saves] == [
         (True, total, "first"),
         (True, 0, "compared"),
@@ -268,3 +269,47 @@ def test_off_by_default(spawn: Spawn, control_dir: Path) -> None:
     assert wire.HostCopy.in_reply(save.records) is None
     assert wire.HostCopy.in_reply(load.records) is None
     finish(creator)
+
+
+@pytest.mark.slow
+def test_suspend_summary_and_status_through_the_cli(
+    spawn: Spawn,
+    shim_env: dict[str, str],
+    plain_env: dict[str, str],
+    control_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """`cuinterpose status` states the host memory the kept copies hold; a second suspend,
+    nothing written in between, says (JSON and human) that it copied nothing and left every
+    byte; the group comes back intact."""
+    from tests.shim.agentgroup import build_group
+    from tests.shim.test_agent import process_args, run_cli, status_json
+
+    group = build_group(spawn, {**shim_env, **KEEP}, plain_env)
+    env = dict(plain_env)
+    deadline = time.monotonic() + PIN_WAIT_S
+    while (row := status_json(group, control_dir, env)[group.pids[0]])["host_copy"] is None or (
+        row["host_copy"]["copies"] < 2
+    ):
+        assert time.monotonic() < deadline, row
+        time.sleep(0.05)
+    assert row["host_copy"]["bytes"] == 2 * group.size  # the shared X and the private P
+    ckpt = tmp_path / "ckpt"
+    common = ["--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir)]
+    for n in range(2):
+        run = run_cli(["suspend", *common, *process_args(group), "--progress", "json"], env)
+        assert run.returncode == 0, run.stderr
+        staging = json.loads(run.stdout.splitlines()[-1])["staging"]
+        copied = 0 if n else 2 * group.size
+        assert (staging["kept"], staging["bytes_copied"], staging["bytes_unchanged"]) == (
+            True, copied, 2 * group.size - copied
+        ), staging  # fmt: skip
+        run = run_cli(["resume", *common, *process_args(group)], env)
+        assert run.returncode == 0, run.stderr
+        assert group.mismatches() == []
+    run = run_cli(["suspend", *common, *process_args(group), "--progress", "human"], env)
+    assert run.returncode == 0, run.stderr
+    assert "kept host copies: 0 B copied, 8.00 MiB unchanged" in run.stdout, run.stdout
+    assert run_cli(["resume", *common, *process_args(group)], env).returncode == 0
+    assert group.mismatches() == []
+    group.close()
