@@ -108,15 +108,65 @@ static void account(const struct keep_copy *c, int sign)
     }
 }
 
+/* A field of /proc/meminfo in bytes, or -1. */
+static long long meminfo(const char *field)
+{
+    char line[256];
+    size_t n = strlen(field);
+    long long kib = -1;
+    FILE *f = fopen("/proc/meminfo", "re");
+
+    if (!f)
+        return -1;
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, field, n) && line[n] == ':') {
+            kib = strtoll(line + n + 1, NULL, 10);
+            break;
+        }
+    fclose(f);
+    return kib < 0 ? -1 : kib * 1024;
+}
+
+/* Pinned memory cannot be swapped or reclaimed: a copy is pinned only while
+ * the host keeps KEEP_RESERVE_DIV-th of its memory (at least 1 GiB) available
+ * after it, so that the mode never takes the last of the host's memory from
+ * the application and its neighbours; past that its allocation goes through
+ * the staging memory and the SAVE says why. */
+#define KEEP_RESERVE_DIV 16
+static bool room_for(size_t len, char *why, size_t n)
+{
+    size_t hook = shim_settings()->test_host_available;
+    long long avail = hook ? (long long)hook : meminfo("MemAvailable");
+    long long total = hook ? (long long)hook : meminfo("MemTotal");
+    long long reserve = total / KEEP_RESERVE_DIV;
+
+    if (avail < 0 || total < 0)
+        return true; /* no /proc: the driver's own refusal is the bound */
+    if (reserve < (1ll << 30))
+        reserve = 1ll << 30;
+    if (avail - (long long)len >= reserve)
+        return true;
+    snprintf(why, n, "pinning %zu bytes would leave %lld of the host's %lld bytes available, "
+             "less than the %lld the kept host copy leaves free", len, avail - (long long)len,
+             total, reserve);
+    return false;
+}
+
 /* Pin `c` in its context: c->host, or c->why. */
 static void pin(struct keep_copy *c)
 {
     bool reg = shim_settings()->staging_bounce_register;
     bool pushed;
     void *p = NULL;
-    CUresult r = shim_ctx_enter(c->ctx, &pushed);
+    CUresult r;
 
     c->why[0] = 0;
+    if (!room_for(c->len, c->why, sizeof c->why)) {
+        shim_log(LOG_WARN, "kept host copy not pinned (its allocation goes through the staging "
+                 "memory): %s", c->why);
+        return;
+    }
+    r = shim_ctx_enter(c->ctx, &pushed);
     if (r != CUDA_SUCCESS) {
         snprintf(c->why, sizeof c->why, "cuCtxPushCurrent failed: %s", shim_cu_name(r));
         return;

@@ -72,6 +72,7 @@
 #define LEASE_HANDSHAKE_ENV "SNAPSHOT_LEASE_HANDSHAKE_S"
 #define TRUST_UID_ENV "SNAPSHOT_SHIM_TRUST_UID"
 #define RELEASE_DELAY_ENV "SNAPSHOT_SHIM_TEST_RELEASE_DELAY_MS"
+#define HOST_AVAILABLE_ENV "SNAPSHOT_SHIM_TEST_HOST_AVAILABLE_MIB"
 #define STAGING_THP_ENV "SNAPSHOT_SHIM_STAGING_THP"
 #define STAGING_BOUNCE_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB"
 #define STAGING_RESIDENT_ENV "SNAPSHOT_SHIM_STAGING_RESIDENT_MIB"
@@ -261,6 +262,9 @@ static void settings_load(void)
         s->trust_uid = -1;
     s->test_release_delay_ms = (unsigned)env_count(RELEASE_DELAY_ENV, 0, 10000, 0,
                                                    "a delay in ms");
+    s->test_host_available = (size_t)env_count(HOST_AVAILABLE_ENV, 0, RESIDENT_MIB_MAX, 0,
+                                               "a size in MiB")
+                             << 20;
 }
 
 bool shim_trusted_uid(uid_t uid)

@@ -173,6 +173,10 @@ struct shim_settings {
      * LOAD's staged copies after the reply sleeps this long first, so that a
      * test sees the ops that must wait for it wait. */
     unsigned test_release_delay_ms;
+    /* SNAPSHOT_SHIM_TEST_HOST_AVAILABLE_MIB (test hook, 0: unset): the host's
+     * available and total memory as keep.c's bound reads them, instead of
+     * /proc/meminfo, so that a test sees a pin refused. */
+    size_t test_host_available;
     /* SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S: QUIESCE's deadline for a quiet point. */
     long quiesce_timeout_ms;
     /* SNAPSHOT_SHIM_GATE=0 (diagnosis, and the test that shows what the gate

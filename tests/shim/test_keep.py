@@ -313,3 +313,33 @@ def test_suspend_summary_and_status_through_the_cli(
     assert run_cli(["resume", *common, *process_args(group)], env).returncode == 0
     assert group.mismatches() == []
     group.close()
+
+
+def test_a_copy_the_host_cannot_spare_is_not_pinned_and_says_so(
+    spawn: Spawn, control_dir: Path
+) -> None:
+    """A copy is pinned only while the host keeps 1/16 of its memory (at least 1 GiB)
+    available after it (SNAPSHOT_SHIM_TEST_HOST_AVAILABLE_MIB stands for /proc/meminfo):
+    with 1030 MiB available, 2 MiB is pinned and 10 MiB is not. The one not pinned goes
+    through the staging memory every cycle, the log says why; STATUS counts only what is
+    pinned; every byte comes back."""
+    creator = spawn(extra={**KEEP, "SNAPSHOT_SHIM_TEST_HOST_AVAILABLE_MIB": "1030"})
+    gran = make_shared(creator, [1, 5], seed=1300)
+    c = Shim(control_dir, creator.pid)
+    held = wait_pinned(c, 1)
+    assert held.bytes == gran
+    after = digests(creator)
+    for n in range(2):
+        save, _ = cycle(c)
+        kept = host_copy(save)
+        assert (kept.copied, kept.unchanged) == ((5 + (0 if n else 1)) * gran, gran if n else 0)
+        assert digests(creator) == after
+    assert status(c) == held
+    log = finish(creator)
+    assert re.search(
+        r"kept host copy not pinned \(its allocation goes through the staging memory\): "
+        rf"pinning {5 * gran} bytes would leave \d+ of the host's {1030 * MIB} bytes available, "
+        rf"less than the {1 << 30} the kept host copy leaves free",
+        log,
+    ), log
+    assert f"an allocation of {5 * gran} bytes has no kept host copy" in log
