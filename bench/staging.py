@@ -650,7 +650,9 @@ def _report_group(
         + (
             "after the reply in " + ", ".join(f"{x:.4f}" for x in w["released_after_s"]) + " s"
             if w.get("released_after_s")
-            else "never: kept" if w.get("kept") else "inside the op"
+            else "never: kept"
+            if w.get("kept")
+            else "inside the op"
         )
     )
     if w.get("kept"):
