@@ -190,7 +190,7 @@ class Run:
     def vllm(self) -> dict[str, Any]:
         job = self.job("vllm", self.bench.plain)
         runs = []
-        for i in range(self.args.repeat):
+        for i in range(self.args.vllm_repeat):
             sleep, wake = _ask(job, "sleep"), _ask(job, "wake")
             runs.append({"sleep": sleep, "wake": wake})
             if i == 0 and not job.check()["ok"]:
@@ -300,6 +300,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--only", action="append", choices=("native", "off", "on", "vllm", "gen"),
         help="run only these parts (the ceiling always runs)",
     )  # fmt: skip
+    parser.add_argument("--vllm-repeat", type=int, default=2, help="vLLM by hand: cycles")
+    parser.add_argument(
+        "--merge", type=Path,
+        help="a result of an earlier run on this machine (its --out): its parts are kept "
+        "and those run now added, so that a run cut in parts (10 min a command on the "
+        "device) reports as one; its ceiling is measured again and both kept",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     parts = args.only or ["native", "off", "on", "vllm"] + ([] if args.no_gen else ["gen"])
@@ -319,11 +326,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             [sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"],
             env=bench.plain, capture_output=True, text=True, check=True,
         )  # fmt: skip
+        earlier: dict[str, Any] = json.loads(args.merge.read_text()) if args.merge else {}
+        device = probe.stdout.strip()
+        if earlier and earlier.get("device") != device:
+            raise SystemExit(f"--merge {args.merge}: measured on {earlier.get('device')}, "
+                             f"not on this {device}")  # fmt: skip
         result: dict[str, Any] = {
-            "device": probe.stdout.strip(),
-            "args": vars(args) | {"out": str(args.out) if args.out else None},
+            **earlier,
+            "device": device,
+            "args": vars(args) | {"out": str(args.out) if args.out else None,
+                                  "merge": str(args.merge) if args.merge else None},
             "ceiling": run.ceiling(),
-        }
+        }  # fmt: skip
+        if earlier:
+            result["earlier_ceiling"] = earlier["ceiling"]
         save(result)
         try:
             for part in parts:
