@@ -134,6 +134,13 @@ _VERBS: Final = {
         "cuinterpose status\n  cuinterpose status --pid 4242 --json",
         READING_EXITS,
     ),
+    "host-copy": (
+        "turn the kept host copy on in running processes (their allocations pinned in "
+        "host memory in the background, each suspend copying only what changed), or give "
+        "every copy back (--give-back)",
+        "cuinterpose host-copy --pid 4242\n  cuinterpose host-copy --pid 4242 --give-back",
+        CHANGING_EXITS,
+    ),
     "check": (
         "can suspend work here? the driver, the native checkpoint API, cuda-bindings, "
         "the control directory, the shim, pidfd and ptrace (changes nothing)",
@@ -260,6 +267,16 @@ def _status_options(status_cmd: argparse.ArgumentParser) -> None:
         help="remove the control sockets of processes that are gone (nobody listens on "
         "them), then show the rest",
     )
+
+
+def _host_copy_options(host: argparse.ArgumentParser) -> None:
+    add_endpoints(host, required=True, driver=False)
+    host.add_argument(
+        "--give-back",
+        action="store_true",
+        help="free every kept host copy and turn the mode off (default: turn it on)",
+    )
+    host.add_argument("--json", action="store_true", help="print JSON instead of lines")
 
 
 def _check_options(check: argparse.ArgumentParser) -> None:
@@ -562,6 +579,12 @@ def _status(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
     return group_verbs.status(call, out, err)
 
 
+def _host_copy(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
+    from . import group_verbs
+
+    return group_verbs.host_copy(call, out, err)
+
+
 def _native(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
     from . import group_verbs
 
@@ -648,6 +671,7 @@ _COMMANDS: Final[dict[str, tuple[Callable[[argparse.ArgumentParser], None], Run]
     "suspend": (_suspend_options, _suspend),
     "resume": (_resume_options, _resume),
     "status": (_status_options, _status),
+    "host-copy": (_host_copy_options, _host_copy),
     "check": (_check_options, _check),
     "launch": (_launch_options, lambda c, o, e: _launch(c.options, e)),
     "prepare": (_prepare_options, _prepare),

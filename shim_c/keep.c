@@ -83,9 +83,14 @@ static struct {
     bool resolved;
 } K = {.run = PTHREAD_MUTEX_INITIALIZER};
 
+/* The mode: SNAPSHOT_SHIM_KEEP_HOST_COPY until a HOST_COPY request says
+ * otherwise (-1: not asked yet). */
+static int asked = -1;
+
 bool keep_enabled(void)
 {
-    return shim_settings()->keep_host_copy;
+    int a = __atomic_load_n(&asked, __ATOMIC_ACQUIRE);
+    return a < 0 ? shim_settings()->keep_host_copy : a == 1;
 }
 
 void keep_status(uint64_t *bytes, uint64_t *count, uint64_t *overhead)
@@ -355,7 +360,8 @@ static void *keeper(void *arg)
             return NULL;
         }
         pthread_mutex_lock(&g.lock);
-        due = g.phase == CUIP_PHASE_ACTIVE && !g.busy && (g.objs_gen != K.seen_gen || K.look);
+        due = keep_enabled() && g.phase == CUIP_PHASE_ACTIVE && !g.busy &&
+              (g.objs_gen != K.seen_gen || K.look);
         pthread_mutex_unlock(&g.lock);
         if (due) {
             K.look = false;
@@ -431,6 +437,19 @@ void keep_give_back(void)
     K.n = 0;
     K.look = true; /* pinned again once the application runs */
     pthread_mutex_unlock(&K.run);
+}
+
+void keep_request(bool keep)
+{
+    __atomic_store_n(&asked, keep ? 1 : 0, __ATOMIC_RELEASE);
+    if (keep) {
+        pthread_mutex_lock(&K.run);
+        K.look = true; /* everything there is, at the next look */
+        pthread_mutex_unlock(&K.run);
+        keep_start();
+        return;
+    }
+    keep_give_back();
 }
 
 void keep_forget_ctx(CUcontext ctx)

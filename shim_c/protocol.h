@@ -98,7 +98,13 @@ enum cuip_phase {
  * memory, checking every field of every part first (with nothing stored it
  * answers OK at once, the files unread). Neither
  * changes the phase; the reply's stat_count/stat_bytes say how many
- * allocations (bytes) moved, stat_copy_ns how long the I/O took. */
+ * allocations (bytes) moved, stat_copy_ns how long the I/O took.
+ * HOST_COPY (ACTIVE, no op in flight) asks for the kept host copy
+ * (specs/shim.md): CUIP_HOST_COPY_KEEP turns it on in a running process (the
+ * copies are pinned in the background from then on, as with
+ * SNAPSHOT_SHIM_KEEP_HOST_COPY=1 at start), CUIP_HOST_COPY_GIVE_BACK frees
+ * every copy and turns it off (cuip_host_copy_request); the reply carries one
+ * HOST_COPY record, what is held after it. Not a phase op. */
 #define CUIP_OPS(X)                                                            \
     X(HANDSHAKE, 1, CUIP_EVERY_PHASE, 0)                                       \
     X(INSPECT, 2, CUIP_IN(ACTIVE) | CUIP_IN(PREPARED) | CUIP_IN(QUIESCED), 0)  \
@@ -122,7 +128,8 @@ enum cuip_phase {
     X(STATUS, 16, CUIP_EVERY_PHASE, 0)                                         \
     X(QUIESCE, 17, CUIP_IN(ACTIVE) | CUIP_IN(QUIESCED), 0)                    \
     X(STORE_STAGED, 18, CUIP_IN(PREPARED), 0)                                  \
-    X(FETCH_STAGED, 19, CUIP_IN(PREPARED), 0)
+    X(FETCH_STAGED, 19, CUIP_IN(PREPARED), 0)                                  \
+    X(HOST_COPY, 20, CUIP_IN(ACTIVE), 0)
 
 enum cuip_op {
 #define CUIP_OP_ENUM(name, number, served_in, tears_down) CUIP_OP_##name = number,
@@ -351,6 +358,18 @@ static inline uint64_t cuip_status_ask(const struct cuip_header *h)
 static inline void cuip_set_status_ask(struct cuip_header *h, uint64_t ask)
 {
     h->stat_count = ask;
+}
+
+/* HOST_COPY request: what it asks (stat_count). */
+#define CUIP_HOST_COPY_KEEP 1u
+#define CUIP_HOST_COPY_GIVE_BACK 2u
+static inline uint64_t cuip_host_copy_request(const struct cuip_header *h)
+{
+    return h->stat_count;
+}
+static inline void cuip_set_host_copy_request(struct cuip_header *h, uint64_t what)
+{
+    h->stat_count = what;
 }
 
 /* STATUS reply: the op in flight (enum cuip_op, 0 when none), the bytes it

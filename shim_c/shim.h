@@ -925,6 +925,9 @@ SHIM_HIDDEN struct keep_copy *keep_of(const struct obj *o);
 /* Every kept copy freed (STORE_STAGED: the bytes are in the files, and a
  * CRIU image must not hold them); the keeper pins them again after a LOAD. */
 SHIM_HIDDEN void keep_give_back(void);
+/* HOST_COPY (control.c, ACTIVE, no op in flight): the mode on (the keeper
+ * started, everything pinned at its next look) or off (every copy freed). */
+SHIM_HIDDEN void keep_request(bool keep);
 /* A context destroyed took its cuMemHostAlloc'd copies and its module along. */
 SHIM_HIDDEN void keep_forget_ctx(CUcontext ctx);
 /* Pinned bytes, copies, and the hash tables' bytes (for STATUS). */

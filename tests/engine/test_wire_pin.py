@@ -128,6 +128,8 @@ def python_constants() -> dict[str, int | str]:
         "CUIP_STORED_STRIPE": wire.STORED_STRIPE,
         "CUIP_STORED_MAX_PARTS": wire.STORED_MAX_PARTS,
         "CUIP_EVERY_PHASE": phase_set(EVERY_PHASE),
+        "CUIP_HOST_COPY_KEEP": wire.HOST_COPY_KEEP,
+        "CUIP_HOST_COPY_GIVE_BACK": wire.HOST_COPY_GIVE_BACK,
         **CONTRACT_ONLY,
     }
     prefixes: list[tuple[str, type[enum.Enum]]] = [

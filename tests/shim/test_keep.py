@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import struct
 import time
 from pathlib import Path
 
@@ -288,7 +289,7 @@ def test_suspend_summary_and_status_through_the_cli(
     group = build_group(spawn, {**shim_env, **KEEP}, plain_env)
     env = dict(plain_env)
     deadline = time.monotonic() + PIN_WAIT_S
-    while (row := status_json(group, control_dir, env)[group.pids[0]])["host_copy"] is None or (
+    while (row := status_json(group, control_dir, env)[group.pids[0]]).get("host_copy") is None or (
         row["host_copy"]["copies"] < 2
     ):
         assert time.monotonic() < deadline, row
@@ -310,8 +311,24 @@ def test_suspend_summary_and_status_through_the_cli(
     run = run_cli(["suspend", *common, *process_args(group), "--progress", "human"], env)
     assert run.returncode == 0, run.stderr
     assert "kept host copies: 0 B copied, 8.00 MiB unchanged" in run.stdout, run.stdout
+    # Suspended: the copies hold the bytes, giving them back is refused, naming why.
+    where = ["--control-dir", str(control_dir), *process_args(group)]
+    run = run_cli(["host-copy", *where, "--give-back"], env)
+    assert run.returncode == 1 and "HOST_COPY answered WRONG_PHASE" in run.stderr, run.stderr
     assert run_cli(["resume", *common, *process_args(group)], env).returncode == 0
     assert group.mismatches() == []
+    # Given back by request: nothing held, the mode off; turned on again: pinned again.
+    run = run_cli(["host-copy", *where, "--give-back"], env)
+    assert run.returncode == 0, run.stderr
+    assert "kept host copy off, every copy given back" in run.stdout, run.stdout
+    assert status_json(group, control_dir, env)[group.pids[0]].get("host_copy") is None
+    run = run_cli(["host-copy", *where, "--json"], env)
+    assert run.returncode == 0, run.stderr
+    while (row := status_json(group, control_dir, env)[group.pids[0]]).get("host_copy") is None or (
+        row["host_copy"]["copies"] < 2
+    ):
+        assert time.monotonic() < deadline + PIN_WAIT_S, row
+        time.sleep(0.05)
     group.close()
 
 
@@ -343,3 +360,52 @@ def test_a_copy_the_host_cannot_spare_is_not_pinned_and_says_so(
         log,
     ), log
     assert f"an allocation of {5 * gran} bytes has no kept host copy" in log
+
+
+def test_host_copy_request_turns_the_mode_on_and_gives_everything_back(
+    spawn: Spawn, control_dir: Path
+) -> None:
+    """HOST_COPY over the wire, in a process started without the setting: KEEP pins a copy
+    of every allocation in the background (the next SAVE hashes them, the one after copies
+    nothing); GIVE_BACK frees every copy and turns the mode off (STATUS and SAVE carry no
+    HOST_COPY record any more); outside ACTIVE it is WRONG_PHASE and changes nothing; a
+    request asking anything else is BAD_REQUEST."""
+    from tests.shim import shimenv
+    from tests.shim.test_control import header
+
+    creator = spawn(extra={"SNAPSHOT_SHIM_COPY_THREADS": "3"})
+    sizes = [2, 3]
+    gran = make_shared(creator, sizes, seed=1500)
+    total = sum(sizes) * gran
+    c = Shim(control_dir, creator.pid)
+    assert wire.HostCopy.in_reply(c.ok(Op.STATUS).records) is None
+    after = digests(creator)
+    assert host_copy(c.ok(Op.HOST_COPY)).hash == HashState.NOT_SAVED
+    assert wait_pinned(c, 2).bytes == total
+    save, _ = cycle(c)
+    assert (host_copy(save).hash, host_copy(save).copied) == (HashState.FIRST, total)
+    save, _ = cycle(c)
+    assert (host_copy(save).hash, host_copy(save).copied) == (HashState.COMPARED, 0)
+    assert digests(creator) == after
+    for op in CAPTURE:  # PREPARED: the copies hold the staged bytes
+        c.ok(op)
+    refused = c.call(Op.HOST_COPY, give_back=True)
+    assert (refused.status, refused.phase) == (Status.WRONG_PHASE, Phase.PREPARED)
+    for op in RESTORE:
+        c.ok(op)
+    assert digests(creator) == after
+    given = host_copy(c.ok(Op.HOST_COPY, give_back=True))
+    assert (given.bytes, given.count) == (0, 0)
+    assert wire.HostCopy.in_reply(c.ok(Op.STATUS).records) is None
+    save, _ = cycle(c)
+    assert wire.HostCopy.in_reply(save.records) is None
+    assert digests(creator) == after
+    me = c.participant.encode()
+    for asked in (0, 3):
+        got = shimenv.raw_exchange(
+            c.path, bytes(header(op=Op.HOST_COPY, participant=me, stat_count=asked))
+        )
+        assert struct.unpack_from("<i", got, 8)[0] == Status.BAD_REQUEST, asked
+    with pytest.raises(wire.WireError, match="gives host copies back"):
+        wire.Request(Op.STATUS, give_back=True).encode()
+    assert "warning" not in finish(creator)
