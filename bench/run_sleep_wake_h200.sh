@@ -19,7 +19,8 @@ status=0
 { nvidia-smi; nproc; free -g; cat /sys/kernel/mm/transparent_hugepage/enabled; } \
   >"$OUT/environment.txt" 2>&1
 h200_build || exit 1
-timeout 120 python3 -m pytest -p no:cacheprovider -v -rs tests/gpu/test_keep_hash.py 2>&1 \
+timeout 180 python3 -m pytest -p no:cacheprovider -v -rs -s tests/gpu/test_keep_hash.py \
+  tests/gpu/test_keep_gpu.py 2>&1 \
   | tee "$OUT/pytest-keep-hash.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 PART=${PART:-shapes}
