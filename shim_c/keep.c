@@ -345,6 +345,32 @@ static void reconcile(bool retry)
         }
 }
 
+static struct keep_fn *kernel_of(CUcontext ctx, char *why, size_t n);
+static bool resolve_module_api(char *why, size_t n);
+
+/* The keeper loads the hash kernel of each context that holds copies, so
+ * that the driver's JIT compilation is not the first SAVE's to wait for; a
+ * failure here is only logged at debug level (the SAVE tries again and says
+ * why). Under `run`. */
+static void preload_kernels(void)
+{
+    char why[200];
+
+    if (!resolve_module_api(why, sizeof why))
+        return;
+    for (uint32_t i = 0; i < K.n; i++) {
+        bool pushed, first = true;
+        for (uint32_t j = 0; j < i; j++)
+            if (K.v[j]->ctx == K.v[i]->ctx)
+                first = false;
+        if (!first || !K.v[i]->host || shim_ctx_enter(K.v[i]->ctx, &pushed) != CUDA_SUCCESS)
+            continue;
+        if (!kernel_of(K.v[i]->ctx, why, sizeof why))
+            shim_log(LOG_DEBUG, "the hash kernel did not load ahead: %s", why);
+        shim_ctx_leave(pushed);
+    }
+}
+
 static void *keeper(void *arg)
 {
     (void)arg;
@@ -366,6 +392,7 @@ static void *keeper(void *arg)
         if (due) {
             K.look = false;
             reconcile(false);
+            preload_kernels();
         }
         pthread_mutex_unlock(&K.run);
     }

@@ -4,8 +4,11 @@
  * the PTX) and cuLaunchKernel runs its C twin (../keephash.h: the same
  * per-word steps and finalizers as the PTX) over the device memory, queued on
  * the stream like any work. Any other image is CUDA_ERROR_NOT_SUPPORTED:
- * the simulator cannot run it. cuinterposeSimFailModule and
- * cuinterposeSimFailLaunch inject failures (util.c's helper). */
+ * the simulator cannot run it. cuinterposeSimFailLaunch injects one failed
+ * launch (util.c's helper); cuinterposeSimFailModule fails every load after
+ * `skip` until it is called again with CUDA_SUCCESS (the shim loads the
+ * kernel ahead, on a thread of its own, and again at SAVE: one failure would
+ * land on whichever came first). */
 #include "sim.h"
 
 #include <stdlib.h>
@@ -75,7 +78,13 @@ CUresult CUDAAPI cuModuleLoadData(CUmodule *module, const void *image)
 
     if (!module || !image)
         return CUDA_ERROR_INVALID_VALUE;
-    r = sim_fault_due(&sim.fail_module);
+    sim_lock();
+    r = sim.fail_module.result;
+    if (r != CUDA_SUCCESS && sim.fail_module.skip > 0) {
+        sim.fail_module.skip--;
+        r = CUDA_SUCCESS;
+    }
+    sim_unlock();
     if (r != CUDA_SUCCESS)
         return r;
     if (!sim_current_ctx())

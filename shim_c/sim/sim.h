@@ -384,7 +384,7 @@ struct sim_state {
     int restore_refused; /* restores refused so far (NOT_SUPPORTED once) */
     /* A test's injected failures (cuinterposeSimFailUnmap, cuinterposeSimFailCopy). */
     struct sim_fault fail_unmap, fail_copy;
-    /* cuinterposeSimFailModule, cuinterposeSimFailLaunch (module.c). */
+    /* cuinterposeSimFailModule (sticky), cuinterposeSimFailLaunch (module.c). */
     struct sim_fault fail_module, fail_launch;
 };
 
@@ -652,7 +652,8 @@ SIM_EXPORT int cuinterposeSimFailUnmap(unsigned skip, CUresult result);
 /* The same for cuMemcpyHtoDAsync: `skip` calls of this process through, from
  * any thread, then the next one fails with `result`, nothing queued. */
 SIM_EXPORT int cuinterposeSimFailCopy(unsigned skip, CUresult result);
-/* The same for cuModuleLoadData and cuLaunchKernel (module.c). */
+/* The same for cuLaunchKernel; cuModuleLoadData fails every call after `skip`
+ * until called again with CUDA_SUCCESS (module.c). */
 SIM_EXPORT int cuinterposeSimFailModule(unsigned skip, CUresult result);
 SIM_EXPORT int cuinterposeSimFailLaunch(unsigned skip, CUresult result);
 SIM_EXPORT CUresult CUDAAPI cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy,

@@ -208,7 +208,10 @@ def test_hash_failure_copies_everything_and_says_why(
     log too; the bytes come back; the next SAVE hashes again (copying every byte once more,
     since the copy's hashes were dropped), and the one after copies nothing."""
     code = {"INVALID_PTX": 218, "LAUNCH_FAILED": 719}[result]
+    arm = f"ctypes.CDLL('libcuda.so.1').{helper}(0, {{}}); result = None"
     creator = spawn(extra=KEEP)
+    if first:  # before the shim loads the kernel ahead, and at every load until disarmed
+        creator(arm.format(code))
     sizes = [2, 3]
     gran = make_shared(creator, sizes, seed=900)
     total = sum(sizes) * gran
@@ -216,10 +219,12 @@ def test_hash_failure_copies_everything_and_says_why(
     wait_pinned(c, len(sizes))
     if not first:
         cycle(c)
-    creator(f"ctypes.CDLL('libcuda.so.1').{helper}(0, {code}); result = None")
+        creator(arm.format(code))
     creator("h, va, size, _ = A[1]; fill(va, size, 77); A[1] = (h, va, size, 77)")
     after = digests(creator)
     save, _ = cycle(c)
+    if first:
+        creator(arm.format(0))
     kept = host_copy(save)
     assert (kept.hash, kept.copied, kept.unchanged) == (HashState.UNAVAILABLE, total, 0)
     assert re.fullmatch(
