@@ -2,11 +2,11 @@
 # Regenerate shim_c/keep_hash_ptx.h, the PTX of shim_c/kernels/keep_hash.cu
 # that the shim carries as a C string (keep.c loads it with cuModuleLoadData,
 # the driver JIT-compiles it). Run after changing keep_hash.cu or keephash.h:
-#   tools/gen_keep_hash_ptx.sh [path/to/nvcc] > shim_c/keep_hash_ptx.h
+#   tools/gen_keep_hash_ptx.sh [path/to/nvcc] > shim_c/keep_hash_ptx.h   (or: make ptx)
 # Why compute_75 and PTX ISA 8.0: the oldest target nvcc 13 still emits, and
 # the ISA of CUDA 12.0, so that every driver from 525 on JIT-compiles it
 # (nvcc 13 writes 9.0, which only 580 and later read; the kernel uses nothing
-# newer than 8.0, as ptxas checks: tests/shim/test_keep.py).
+# newer than 8.0, as ptxas checks: tests/shim/test_keep_hash.py).
 set -eu
 NVCC=${1:-/usr/local/cuda/bin/nvcc}
 here=$(cd "$(dirname "$0")/.." && pwd)

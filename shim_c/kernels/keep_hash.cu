@@ -8,7 +8,7 @@
  * / 8, `out` two words per chunk.
  *
  * The shim carries the PTX of this file (keep_hash_ptx.h, made by
- * tools/gen_keep_hash_ptx.sh; tests/shim/test_keep.py checks it is current
+ * tools/gen_keep_hash_ptx.sh; tests/shim/test_keep_hash.py checks it is current
  * where nvcc is found).
  */
 #define KH_FN static __device__ __forceinline__
