@@ -167,6 +167,7 @@ result = sorted(touched)
 """
 
 
+@pytest.mark.threads  # make tsan: the keeper beside the ops
 def test_random_flips_are_every_one_copied(spawn: Spawn, control_dir: Path) -> None:
     """Between cycles, one to three bytes at random offsets of random allocations take
     another value: each SAVE copies exactly the chunks they lie in (the hash missed none),
@@ -367,6 +368,7 @@ def test_a_copy_the_host_cannot_spare_is_not_pinned_and_says_so(
     assert f"an allocation of {5 * gran} bytes has no kept host copy" in log
 
 
+@pytest.mark.threads  # make tsan: the keeper beside the ops
 def test_host_copy_request_turns_the_mode_on_and_gives_everything_back(
     spawn: Spawn, control_dir: Path
 ) -> None:
