@@ -12,6 +12,9 @@
 # checkpoint alone takes about a minute a cycle. GIB (49), CYCLES (20), REPEAT (3) and
 # BENCH_S (560, the timeout of the benchmark) change it; MERGE names an earlier part's
 # sleep-wake.json (copy it into the tree first) so that this one reports all parts.
+# PART=shapes: SHAPES="1x8GiB 100x20MiB" runs only those (two calls for the four, if one
+# does not fit), FLOOR_REPEAT (1) the driver's own LOAD pace per shape (bench/load_floor.py:
+# what LOAD of the small shapes is held against).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tests/gpu/h200_env.sh
@@ -25,10 +28,13 @@ timeout 180 python3 -m pytest -p no:cacheprovider -v -rs -s tests/gpu/test_keep_
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 PART=${PART:-shapes}
 if [ "$PART" = shapes ]; then
+  shapes=()
+  for w in ${SHAPES:-}; do shapes+=(--only "$w"); done
   timeout "${BENCH_S:-560}" python3 bench/staging.py --repeat "${REPEAT:-4}" --native-repeat 1 \
-    --load-floor-repeat 0 --floor-gib 0 --variant keep:SNAPSHOT_SHIM_KEEP_HOST_COPY=1 \
-    --rewrite-mib 1024 --out "$OUT/staging-keep.json" >"$OUT/staging-keep.log" \
-    2>"$OUT/staging-keep.stderr" || status=1
+    --load-floor-repeat "${FLOOR_REPEAT:-1}" --floor-gib 0 "${shapes[@]}" \
+    --variant keep:SNAPSHOT_SHIM_KEEP_HOST_COPY=1 --rewrite-mib 1024 \
+    --out "$OUT/staging-keep.json" >"$OUT/staging-keep.log" 2>"$OUT/staging-keep.stderr" \
+    || status=1
   cat "$OUT/staging-keep.log"; tail -5 "$OUT/staging-keep.stderr"
 else
   only=()
