@@ -31,7 +31,7 @@ if [ "$PART" = shapes ]; then
   shapes=()
   for w in ${SHAPES:-}; do shapes+=(--only "$w"); done
   timeout "${BENCH_S:-560}" python3 bench/staging.py --repeat "${REPEAT:-4}" --native-repeat 1 \
-    --load-floor-repeat "${FLOOR_REPEAT:-1}" --floor-gib 0 "${shapes[@]}" \
+    --load-floor-repeat "${FLOOR_REPEAT:-1}" --floor-gib 0 ${shapes[@]+"${shapes[@]}"} \
     --variant keep:SNAPSHOT_SHIM_KEEP_HOST_COPY=1 --rewrite-mib 1024 \
     --out "$OUT/staging-keep.json" >"$OUT/staging-keep.log" 2>"$OUT/staging-keep.stderr" \
     || status=1
