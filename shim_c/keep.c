@@ -97,7 +97,7 @@ void keep_status(uint64_t *bytes, uint64_t *count, uint64_t *overhead)
 {
     *bytes = __atomic_load_n(&K.bytes, __ATOMIC_RELAXED);
     *count = __atomic_load_n(&K.count, __ATOMIC_RELAXED);
-    /* the hash tables: 16 bytes a chunk of each copy */
+    /* the hash tables, at most: 16 bytes a chunk of each copy, its last one short */
     *overhead = (*bytes / KH_CHUNK + *count) * 16;
 }
 
