@@ -508,3 +508,17 @@ def test_a_host_copy_record_is_checked_before_use() -> None:
         HostCopy.of(Record(kind=RecordKind.HOST_COPY, op_flags=9))
     with pytest.raises(WireError, match="MAPPING record is no HOST_COPY record"):
         HostCopy.of(Record(kind=RecordKind.MAPPING))
+
+
+def test_a_host_copy_request_says_keep_or_give_back_and_nothing_else() -> None:
+    from cuinterpose.engine.wire import HOST_COPY_GIVE_BACK, HOST_COPY_KEEP, Header, Stats
+
+    for give_back in (False, True):
+        request = Request(Op.HOST_COPY, participant="ab" * 16, give_back=give_back)
+        assert decode_request(request.encode())[0] == request
+        want = HOST_COPY_GIVE_BACK if give_back else HOST_COPY_KEEP
+        assert Header.decode(request.encode()).stats == Stats(count=want)
+    for asked in (0, 3):
+        raw = Header(op=int(Op.HOST_COPY), participant="ab" * 16, stats=Stats(count=asked))
+        with pytest.raises(WireError, match="HOST_COPY request has stats set"):
+            decode_request(raw.encode())
