@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 .PHONY: all setup build build-release build-asan build-tsan build-system-headers typecheck-view demo \
-        test check tsan lint clean
+        test check tsan lint clean ptx
 
 all: build
 
@@ -90,6 +90,13 @@ check: build lint
 
 # The tests marked `threads` (the gate, the listener, the staging pool, the simulator's
 # streams) against build-tsan/; ThreadSanitizer runs them some 3 times slower.
+# The kept host copy's hash kernel as the PTX the shim carries (needs nvcc; CI and users
+# build from the committed header; tests/shim/test_keep_hash.py checks it is current).
+NVCC ?= /usr/local/cuda/bin/nvcc
+ptx:
+	tools/gen_keep_hash_ptx.sh $(NVCC) > shim_c/keep_hash_ptx.h.new
+	mv shim_c/keep_hash_ptx.h.new shim_c/keep_hash_ptx.h
+
 tsan: build-tsan
 	CUINTERPOSE_TEST_DRIVER=tsan $(BIN)/python -m pytest -q -m threads --timeout 300 tests/sim tests/shim
 

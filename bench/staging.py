@@ -23,7 +23,11 @@ pool start, setup, population, registration, copy, unregistration, release); eac
 command's total wall time and its steps (the process start, interpreter and imports,
 is the total less the steps) against the native path alone; the coordinator's own
 share (its capture or restore step outside the shim's SAVE/LOAD over the command's
-total). GB is 10^9 bytes. Each workload's lines go to stdout, and ``--out`` (the JSON) is
+total). With ``--variant keep:SNAPSHOT_SHIM_KEEP_HOST_COPY=1`` (issue 47) the group waits until
+``cuinterpose status`` says the kept host copies are pinned (the time is reported), and
+with ``--rewrite-mib N`` rewrites N MiB before each suspend after the first; each SAVE's
+bytes copied and left unchanged, and its hash, are reported. GB is 10^9 bytes. Each
+workload's lines go to stdout, and ``--out`` (the JSON) is
 rewritten, as soon as that workload is done: a run cut short keeps the ones finished.
 """
 
@@ -69,8 +73,23 @@ def _prop():
     p.location.id = 0
     p.requestedHandleTypes = POSIX
     return p
+GEN = {}  # (allocation, MiB) -> how many times REWRITE changed it
 def _value(k, mib):
-    return (0x9E3779B1 * (k + 1) + 0x85EBCA77 * (mib + 1)) & 0xFFFFFFFF
+    base = (0x9E3779B1 * (k + 1) + 0x85EBCA77 * (mib + 1)) & 0xFFFFFFFF
+    return base ^ ((0x5BD1E995 * GEN.get((k, mib), 0)) & 0xFFFFFFFF)
+def REWRITE(nmib):
+    # the next `nmib` MiB (cycling through every allocation's MiBs) take new values
+    global NEXT
+    n = 0
+    while n < nmib:
+        k, mib = NEXT
+        GEN[(k, mib)] = GEN.get((k, mib), 0) + 1
+        check(cu.cuMemsetD32(A[k][1] + (mib << 20), _value(k, mib), 1 << 18))
+        NEXT = (k, mib + 1) if mib + 1 < SIZE >> 20 else ((k + 1) % len(A), 0)
+        n += 1
+    check(cu.cuCtxSynchronize())
+    return n << 20
+NEXT = (0, 0)
 A = []
 for k in range(COUNT):
     h = check(cu.cuMemCreate(SIZE, _prop(), 0))
@@ -141,9 +160,11 @@ class Bench:
         repeat: int,
         native_repeat: int | None = None,
         load_floor_repeat: int = 3,
+        rewrite_mib: int = 0,
     ):
         self.driver, self.work, self.log, self.repeat = driver, work, log, repeat
         self.load_floor_repeat = load_floor_repeat
+        self.rewrite_mib = rewrite_mib
         self.native_repeat = repeat if native_repeat is None else native_repeat
         self.control = launch.ensure_control_dir(work / "control")
         base = coordinator_env()
@@ -195,6 +216,26 @@ class Bench:
             "htod_gbps": _stats([r["htod_gbps"] for r in runs]),
         }
 
+    def pinned(self, pid: int, count: int) -> float:
+        """SNAPSHOT_SHIM_KEEP_HOST_COPY: seconds until ``cuinterpose status`` says the
+        shim pinned the kept host copies of all ``count`` allocations (in the background,
+        while the application runs), so that the first suspend finds them made."""
+        start = time.perf_counter()
+        argv = [sys.executable, "-m", "cuinterpose", "status", "--control-dir",
+                str(self.control), "--process", str(pid), str(pid), "--json"]  # fmt: skip
+        while True:
+            proc = subprocess.run(
+                argv, env=coordinator_env(self.plain), capture_output=True, text=True,
+                timeout=120, check=False,
+            )  # fmt: skip
+            rows = json.loads(proc.stdout)["processes"] if proc.returncode == 0 else []
+            held = rows[0].get("host_copy") if rows else None
+            if held and held["copies"] >= count:
+                return time.perf_counter() - start
+            if time.perf_counter() - start > 1800:
+                raise SystemExit(f"the kept host copies were not pinned in 30 min: {held}")
+            time.sleep(0.2)
+
     def setup(self, w: Worker, count: int, size: int, unshared: bool) -> None:
         t = time.perf_counter()
         code = f"COUNT, SIZE, UNSHARED = {count}, {size}, {unshared}\n" + SETUP
@@ -209,13 +250,24 @@ class Bench:
         total = count * size
         creator = self.spawn(f"creator-{name}", {**self.shim, **extra})
         self.setup(creator, count, size, unshared=False)
+        kept = extra.get("SNAPSHOT_SHIM_KEEP_HOST_COPY") == "1"
+        pinned_s = self.pinned(creator.pid, count) if kept else None
+        if pinned_s is not None:
+            self.log(f"  kept host copies pinned {pinned_s:.2f} s after the setup")
+        rewritten: list[int] = []
         reps: list[dict[str, Any]] = []
         verified = None
         for i in range(self.repeat):
             tag = f"{name}-{i}"
+            if kept and self.rewrite_mib and i > 0:
+                creator.send(f"result = REWRITE({self.rewrite_mib})")
+                rewritten.append(int(creator.reply(timeout_s=1800)))
             sus = self.cli("suspend", creator.pid, tag)
             res = self.cli("resume", creator.pid, tag)
-            if i == 0:
+            # The first cycle checked; with rewrites the last one too (what SAVE left
+            # must still be right after the copies were changed and left again).
+            last = i == self.repeat - 1 and bool(rewritten)
+            if (i == 0 or last) and verified is not False:
                 creator.send("result = CHECK()")
                 bad = creator.reply(timeout_s=1800)
                 verified = bad == 0
@@ -247,6 +299,17 @@ class Bench:
             "populate_method": saves[0].get("populate_method"),
             "populated_ahead": [t.get("populated_ahead") for t in saves],
             "resident": [bool(t["resident"]) for t in saves],
+            # The kept host copy (SNAPSHOT_SHIM_KEEP_HOST_COPY): when it was pinned, what
+            # each SAVE copied and left, its hash (state, seconds, why not), the bytes
+            # rewritten before each suspend after the first.
+            "kept": kept,
+            "pinned_after_s": pinned_s,
+            "rewritten_bytes": rewritten,
+            "bytes_copied": [t.get("bytes_copied") for t in saves],
+            "bytes_unchanged": [t.get("bytes_unchanged") for t in saves],
+            "hash": [t.get("hash") for t in saves],
+            "hash_s": [t.get("hash_s") for t in saves],
+            "hash_why": [t.get("hash_why") for t in saves if t.get("hash_why")],
             # LOAD's staged copies freed on a thread of the shim's after the reply (none:
             # inside the op, its thread-s "release").
             "released_after_s": [
@@ -590,9 +653,24 @@ def _report_group(
         + (
             "after the reply in " + ", ".join(f"{x:.4f}" for x in w["released_after_s"]) + " s"
             if w.get("released_after_s")
+            else "never: kept"
+            if w.get("kept")
             else "inside the op"
         )
     )
+    if w.get("kept"):
+        # Per SAVE, in order: the first copies every byte, the unchanged ones nothing,
+        # those after a rewrite what was rewritten; its GB/s counts the bytes it holds
+        # (copied or found unchanged) over the op, the ceiling's terms for "at the DMA
+        # ceiling"; the hash's share.
+        out(
+            f"  kept host copies pinned {w['pinned_after_s']:.2f} s after the setup; SAVE "
+            f"copied {[c >> 20 for c in w['bytes_copied']]} MiB, left "
+            f"{[u >> 20 for u in w['bytes_unchanged']]} MiB (rewritten before each: "
+            f"{[r >> 20 for r in w['rewritten_bytes']]} MiB), hash {w['hash']} in "
+            f"{[round(float(h), 4) for h in w['hash_s']]} s"
+            + (f"; why not hashed: {w['hash_why']}" if w["hash_why"] else "")
+        )
     for label, op in (("SAVE", s), ("LOAD", ld)):
         b, t = op["breakdown_s"], op["thread_s"]
         out(
@@ -682,6 +760,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument(
+        "--rewrite-mib",
+        type=int,
+        default=0,
+        help="with SNAPSHOT_SHIM_KEEP_HOST_COPY=1 in a variant: rewrite this many MiB before "
+        "each suspend after the first (so that SAVE copies them, and only them)",
+    )
+    parser.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -727,7 +812,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="cip-staging-") as tmp:
         bench = Bench(
-            driver, Path(tmp), log, args.repeat, args.native_repeat, args.load_floor_repeat
+            driver,
+            Path(tmp),
+            log,
+            args.repeat,
+            args.native_repeat,
+            args.load_floor_repeat,
+            args.rewrite_mib,
         )
         try:
             probe = bench.spawn("device", bench.plain)

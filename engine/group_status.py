@@ -15,7 +15,7 @@ from .errors import AgentError
 from .manifest import Process, resume_hint
 from .native_checkpoint import NativeBackend, ProcessState, state_names
 from .serial import shape
-from .wire import InFlight, Op, Request
+from .wire import HostCopy, InFlight, Op, Request
 
 
 class StateRefused(AgentError):
@@ -33,10 +33,16 @@ def _in_flight(in_flight: InFlight | None) -> dict[str, Any] | None:
     }
 
 
+def _host_copy(host: HostCopy | None) -> dict[str, Any] | None:
+    if host is None:
+        return None
+    return {"bytes": host.bytes, "copies": host.count, "hash_table_bytes": host.overhead}
+
+
 @shape(
     flatten={"process": {"observed_pid": "observed_pid", "namespace_pid": "namespace_pid"}},
-    omit=frozenset({"in_flight", "problem"}),
-    convert={"in_flight": _in_flight},
+    omit=frozenset({"in_flight", "problem", "host_copy"}),
+    convert={"in_flight": _in_flight, "host_copy": _host_copy},
 )
 @attrs.frozen
 class ProcessStatus:
@@ -48,6 +54,9 @@ class ProcessStatus:
     participant: str | None = None
     in_flight: InFlight | None = None
     problem: str = ""  # why the shim did not answer, or its stored failure reason
+    # The host memory its kept host copies hold (SNAPSHOT_SHIM_KEEP_HOST_COPY); None when
+    # the shim is not in that mode and holds none.
+    host_copy: HostCopy | None = None
 
     def describe(self) -> str:
         shim = self.shim_phase or "no shim socket"
@@ -97,6 +106,7 @@ def status(
                 reply.participant,
                 InFlight.from_stats(reply.stats),
                 reply.message,
+                HostCopy.in_reply(reply.records),
             )
         )
     return tuple(out)

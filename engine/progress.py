@@ -17,14 +17,14 @@ Throughput figures, in GB/s (10**9 bytes per second):
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final, TextIO
 
 import attrs
 
 from .errors import check_title
 from .serial import shape, to_json
-from .wire import Stats
+from .wire import HashState, HostCopy, Stats
 
 _GB = 1e9
 _NS = 1e9
@@ -47,6 +47,13 @@ class ParticipantTransfer:
     allocation_bytes: int
     shim_elapsed_s: float
     copy_s: float
+    # The kept host copy (SNAPSHOT_SHIM_KEEP_HOST_COPY): the bytes this participant's
+    # SAVE/LOAD copied and those it left because they had not changed, and why a SAVE
+    # copied everything when its hash could not run. Without it every byte is copied.
+    kept: bool = False
+    bytes_copied: int = 0
+    bytes_unchanged: int = 0
+    note: str = ""
 
     @property
     def copy_gb_per_s(self) -> float:
@@ -62,19 +69,24 @@ class Transfer:
     gb_per_s: float
     copy_gb_per_s: float
     per_participant: tuple[ParticipantTransfer, ...] = ()
+    # Over every participant: the bytes copied (all of allocation_bytes where no kept host
+    # copy), those left unchanged in kept host copies, and why a SAVE copied everything.
+    bytes_copied: int = 0
+    bytes_unchanged: int = 0
+    notes: tuple[str, ...] = ()
 
     @classmethod
-    def from_stats(cls, stats: Sequence[tuple[str, int, Stats]], elapsed_s: float) -> Transfer:
-        """Aggregate (participant, pid, stats) of every reply; ``elapsed_s`` is the phase's."""
+    def from_stats(
+        cls,
+        stats: Sequence[tuple[str, int, Stats]],
+        elapsed_s: float,
+        kept: Mapping[str, tuple[HostCopy, str]] | None = None,
+    ) -> Transfer:
+        """Aggregate (participant, pid, stats) of every reply; ``elapsed_s`` is the phase's;
+        ``kept``: by participant, the HOST_COPY record of its reply and the reply's message."""
+        kept = kept or {}
         per = tuple(
-            ParticipantTransfer(
-                participant=participant,
-                pid=pid,
-                allocation_count=s.count,
-                allocation_bytes=s.bytes,
-                shim_elapsed_s=s.elapsed_ns / _NS,
-                copy_s=s.copy_ns / _NS,
-            )
+            _participant(participant, pid, s, kept.get(participant))
             for participant, pid, s in stats
         )
         total = sum(p.allocation_bytes for p in per)
@@ -84,7 +96,28 @@ class Transfer:
             gb_per_s=_rate(total, elapsed_s),
             copy_gb_per_s=_rate(total, sum(p.copy_s for p in per if p.allocation_bytes)),
             per_participant=per,
+            bytes_copied=sum(p.bytes_copied for p in per),
+            bytes_unchanged=sum(p.bytes_unchanged for p in per),
+            notes=tuple(f"pid {p.pid}: {p.note}" for p in per if p.note),
         )
+
+
+def _participant(
+    participant: str, pid: int, s: Stats, kept: tuple[HostCopy, str] | None
+) -> ParticipantTransfer:
+    host, message = kept if kept is not None else (None, "")
+    return ParticipantTransfer(
+        participant=participant,
+        pid=pid,
+        allocation_count=s.count,
+        allocation_bytes=s.bytes,
+        shim_elapsed_s=s.elapsed_ns / _NS,
+        copy_s=s.copy_ns / _NS,
+        kept=host is not None,
+        bytes_copied=host.copied if host is not None else s.bytes,
+        bytes_unchanged=host.unchanged if host is not None else 0,
+        note=message if host is not None and host.hash is HashState.UNAVAILABLE else "",
+    )
 
 
 @attrs.frozen
@@ -101,7 +134,8 @@ class NativeKept:
 _TRANSFER: Final = {
     name: name
     for name in (
-        "allocation_count", "allocation_bytes", "gb_per_s", "copy_gb_per_s", "per_participant"
+        "allocation_count", "allocation_bytes", "gb_per_s", "copy_gb_per_s", "per_participant",
+        "bytes_copied", "bytes_unchanged", "notes",
     )
 }  # fmt: skip
 
@@ -148,6 +182,13 @@ class StagingSummary:
     seconds: float
     gb_per_s: float
     native_kept: NativeKept
+    # Of allocation_bytes: those the shims copied and those their kept host copies
+    # already held (SNAPSHOT_SHIM_KEEP_HOST_COPY; without it, all copied), and why a
+    # SAVE copied everything where its hash could not run.
+    bytes_copied: int = 0
+    bytes_unchanged: int = 0
+    kept: bool = False
+    notes: tuple[str, ...] = ()
 
     @classmethod
     def from_phases(cls, phases: Sequence[OpEvent]) -> StagingSummary | None:
@@ -163,6 +204,10 @@ class StagingSummary:
             moved.elapsed_s,
             t.gb_per_s,
             kept or NativeKept(0, 0),
+            t.bytes_copied,
+            t.bytes_unchanged,
+            any(p.kept for p in t.per_participant),
+            t.notes,
         )
 
     def human(self) -> str:
@@ -173,6 +218,13 @@ class StagingSummary:
             f" {_count(self.native_kept.allocation_count, 'tracked allocation')},"
             f" {_size(self.native_kept.allocation_bytes)} (plus what the shims"
             " do not track: contexts, modules, pools)"
+            + (
+                f"; kept host copies: {_size(self.bytes_copied)} copied,"
+                f" {_size(self.bytes_unchanged)} unchanged"
+                if self.kept
+                else ""
+            )
+            + "".join(f"; copied everything, {note}" for note in self.notes)
         )
 
 

@@ -9,6 +9,7 @@ their step declares.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,7 +46,9 @@ from .statefile import (
     write_state,
 )
 from .topology import Topology
-from .wire import VERSION, Op, Phase, Reply, Request, Status
+from .wire import VERSION, HostCopy, Op, Phase, Reply, Request, Status, WireError
+
+_log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -264,8 +267,25 @@ def exchange(run: Run, step: Step, op: Op) -> OpEvent:
             [(r.participant, by_id[r.participant].endpoint.observed_pid, r.stats)
              for r in run.replies],
             elapsed,
+            _host_copies(run.replies),
         )  # fmt: skip
     return OpEvent(run.spec.name, op.name, elapsed, len(run.endpoints), transfer, kept)
+
+
+def _host_copies(replies: Sequence[Reply]) -> dict[str, tuple[HostCopy, str]]:
+    """Each reply's HOST_COPY record (the kept host copy's figures) with its message; a
+    reply whose records hold more than one is left out, and logged: the figures are the
+    summary's, the op succeeded."""
+    found: dict[str, tuple[HostCopy, str]] = {}
+    for r in replies:
+        try:
+            host = HostCopy.in_reply(r.records)
+        except WireError as exc:
+            _log.warning("participant %s (pid %d): %s", r.participant, r.pid, exc)
+            continue
+        if host is not None:
+            found[r.participant] = (host, r.message)
+    return found
 
 
 def _problem(

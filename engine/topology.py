@@ -33,6 +33,7 @@ _IDENTITY_FIELDS: Final[Mapping[RecordKind, tuple[str, ...]]] = {
     RecordKind.UNSUPPORTED_EXPORTABLE: ("size",),
     RecordKind.FETCH: (),
     RecordKind.UNOWNED_SHARING: ("op_flags", "address"),
+    RecordKind.HOST_COPY: (),
 }
 _T = TypeVar("_T")
 _HEX_FIELDS: Final = frozenset({"address", "offset", "member_offset", "op_flags", "object_flags"})

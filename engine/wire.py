@@ -83,6 +83,7 @@ class Op(enum.IntEnum):
     QUIESCE = 17  # closes the shim's gate until the process is quiet (specs/quiesce.md)
     STORE_STAGED = 18  # the staged copies into the file handed with the request
     FETCH_STAGED = 19  # and back from it (specs/criu.md)
+    HOST_COPY = 20  # the kept host copy on, or given back (specs/shim.md)
 
 
 # The ops whose request hands the shim open files (SCM_RIGHTS): always 1 to
@@ -140,6 +141,18 @@ class RecordKind(enum.IntEnum):
     FETCH = 9
     # Sharing the shim does not own (op_flags: an Unowned), so it cannot rebuild it.
     UNOWNED_SHARING = 10
+    # The kept host copy's figures (SNAPSHOT_SHIM_KEEP_HOST_COPY): in the replies of
+    # SAVE/LOAD/ROLLBACK_ALLOCATIONS and STATUS, never in INSPECT's (see HostCopy).
+    HOST_COPY = 11
+
+
+class HashState(enum.IntEnum):
+    """HOST_COPY's op_flags: how a SAVE chose what to copy (protocol.h, cuip_hash)."""
+
+    NOT_SAVED = 0
+    COMPARED = 1
+    FIRST = 2
+    UNAVAILABLE = 3
 
 
 class Unowned(enum.IntEnum):
@@ -453,6 +466,16 @@ def export_request_stats(size: int, withdraw: bool) -> Stats:
     return Stats(count=EXPORT_WITHDRAW if withdraw else 0, bytes=size)
 
 
+# A HOST_COPY request's stat_count: the kept host copy on, or every copy given back.
+HOST_COPY_KEEP: Final = 1
+HOST_COPY_GIVE_BACK: Final = 2
+
+
+def host_copy_request_stats(keep: bool) -> Stats:
+    """A HOST_COPY request's stat fields: keep (HOST_COPY_KEEP) or give back."""
+    return Stats(count=HOST_COPY_KEEP if keep else HOST_COPY_GIVE_BACK)
+
+
 def status_request_stats(ask_driver: bool, ask_devices: bool = False) -> Stats:
     """A STATUS request's stat fields: what it asks, as bits (ASK_DRIVER, ASK_DEVICES)."""
     return Stats(count=(ASK_DRIVER if ask_driver else 0) | (ASK_DEVICES if ask_devices else 0))
@@ -622,6 +645,9 @@ class Request:
     # stat_count).
     export_size: int = 0
     withdraw: bool = False
+    # HOST_COPY only: give every kept host copy back and turn the mode off; a HOST_COPY
+    # without it turns the mode on (carried in stat_count: HOST_COPY_GIVE_BACK, _KEEP).
+    give_back: bool = False
     # STORE_STAGED and FETCH_STAGED only (and always, 1 to STORED_MAX_PARTS): the open
     # files the request hands the shim, part k the k-th, sent with the header as
     # SCM_RIGHTS; not part of the encoded bytes.
@@ -650,6 +676,8 @@ class Request:
             raise WireError(f"{self.op.name} request carries a deadline (QUIESCE only)")
         if (self.ask_driver or self.ask_devices) and self.op is not Op.STATUS:
             raise WireError(f"{self.op.name} request asks what STATUS only answers")
+        if self.give_back and self.op is not Op.HOST_COPY:
+            raise WireError(f"{self.op.name} request gives host copies back (HOST_COPY only)")
         if self.gpu_map and self.op is not Op.LOAD_ALLOCATIONS:
             raise WireError(f"{self.op.name} request carries a GPU mapping (LOAD_ALLOCATIONS only)")
         if self.fds and self.op not in FILE_OPS:
@@ -673,6 +701,8 @@ class Request:
             stats = status_request_stats(self.ask_driver, self.ask_devices)
         elif exporting:
             stats = export_request_stats(self.export_size, self.withdraw)
+        elif self.op is Op.HOST_COPY:
+            stats = host_copy_request_stats(not self.give_back)
         else:
             stats = _NO_STATS
         # What Header(op, participant, ids, kind, stats).encode() packs, without
@@ -822,6 +852,8 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         allowed = status_request_stats(bool(ask & ASK_DRIVER), bool(ask & ASK_DEVICES))
     elif op is Op.EXPORT:
         allowed = export_request_stats(stats.bytes, bool(withdraw))
+    elif op is Op.HOST_COPY:
+        allowed = host_copy_request_stats(stats.count == HOST_COPY_KEEP)
     else:
         allowed = _NO_STATS
     if stats != allowed:
@@ -847,6 +879,7 @@ def decode_request(raw: bytes) -> tuple[Request, Header]:
         gpu_map=_gpu_map_text(text) if op is Op.LOAD_ALLOCATIONS else "",
         export_size=stats.bytes if op is Op.EXPORT else 0,
         withdraw=bool(withdraw),
+        give_back=op is Op.HOST_COPY and stats.count == HOST_COPY_GIVE_BACK,
     )
     request.encode()  # the same field rules as for sending
     return request, header
@@ -869,3 +902,45 @@ def _gpu_map_text(raw: bytes) -> str:
 def socket_name(namespace_pid: int) -> str:
     """The control socket's file name for a shim whose getpid() is ``namespace_pid``."""
     return f"{SOCKET_PREFIX}{namespace_pid}{SOCKET_SUFFIX}"
+
+
+@attrs.frozen
+class HostCopy:
+    """A HOST_COPY record, by name (protocol.h, ``cuip_host_copy_*``): the host memory the
+    kept copies hold (pinned) and how many there are, their hash tables' bytes, and in a
+    SAVE/LOAD reply the bytes the op copied, those it left unchanged, and how it chose."""
+
+    bytes: int
+    count: int
+    overhead: int
+    copied: int
+    unchanged: int
+    hash: HashState
+
+    @classmethod
+    def of(cls, record: Record) -> HostCopy:
+        if record.kind is not RecordKind.HOST_COPY:
+            raise WireError(f"a {record.kind.name} record is no HOST_COPY record")
+        try:
+            state = HashState(record.op_flags)
+        except ValueError as exc:
+            raise WireError(f"HOST_COPY record has unknown hash state {record.op_flags}") from exc
+        return cls(
+            record.size, record.address, record.member_offset, record.offset,
+            record.object_flags, state,
+        )  # fmt: skip
+
+    def record(self) -> Record:
+        return Record(
+            kind=RecordKind.HOST_COPY, size=self.bytes, address=self.count,
+            member_offset=self.overhead, offset=self.copied, object_flags=self.unchanged,
+            op_flags=int(self.hash),
+        )  # fmt: skip
+
+    @classmethod
+    def in_reply(cls, records: tuple[Record, ...]) -> HostCopy | None:
+        """The reply's HOST_COPY record, None when it carries none; two is a WireError."""
+        found = [r for r in records if r.kind is RecordKind.HOST_COPY]
+        if len(found) > 1:
+            raise WireError(f"a reply carries {len(found)} HOST_COPY records")
+        return cls.of(found[0]) if found else None

@@ -134,6 +134,13 @@ _VERBS: Final = {
         "cuinterpose status\n  cuinterpose status --pid 4242 --json",
         READING_EXITS,
     ),
+    "host-copy": (
+        "turn the kept host copy on in running processes (their allocations pinned in "
+        "host memory in the background, each suspend copying only what changed), or give "
+        "every copy back (--give-back)",
+        "cuinterpose host-copy --pid 4242\n  cuinterpose host-copy --pid 4242 --give-back",
+        CHANGING_EXITS,
+    ),
     "check": (
         "can suspend work here? the driver, the native checkpoint API, cuda-bindings, "
         "the control directory, the shim, pidfd and ptrace (changes nothing)",
@@ -262,6 +269,16 @@ def _status_options(status_cmd: argparse.ArgumentParser) -> None:
     )
 
 
+def _host_copy_options(host: argparse.ArgumentParser) -> None:
+    add_endpoints(host, required=True, driver=False)
+    host.add_argument(
+        "--give-back",
+        action="store_true",
+        help="free every kept host copy and turn the mode off (default: turn it on)",
+    )
+    host.add_argument("--json", action="store_true", help="print JSON instead of lines")
+
+
 def _check_options(check: argparse.ArgumentParser) -> None:
     check.add_argument("--control-dir", type=Path, help=f"default ${CONTROL_DIR_ENV}")
     add_driver(check)
@@ -291,6 +308,13 @@ def _launch_options(launch: argparse.ArgumentParser) -> None:
         dest="exec_",
         action="store_true",
         help="become COMMAND (exec): the launcher's own pid is the one to name",
+    )
+    launch.add_argument(
+        "--keep-host-copy",
+        action="store_true",
+        help="SNAPSHOT_SHIM_KEEP_HOST_COPY=1: the shim pins a host copy of every allocation "
+        "while COMMAND runs and keeps it across suspends, so that each suspend copies only "
+        "what changed (costs host memory the size of the allocations: specs/shim.md)",
     )
     launch.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND...")
 
@@ -450,6 +474,7 @@ def _launch(args: argparse.Namespace, stderr: TextIO) -> int:
                 pidfile=args.pidfile,
                 exec_=args.exec_,
                 announce=None if args.quiet else stderr,
+                keep_host_copy=args.keep_host_copy,
             )
         )
     except launch.LaunchError as exc:
@@ -563,6 +588,12 @@ def _status(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
     return group_verbs.status(call, out, err)
 
 
+def _host_copy(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
+    from . import group_verbs
+
+    return group_verbs.host_copy(call, out, err)
+
+
 def _native(call: Invocation, out: TextIO, err: TextIO) -> Outcome:
     from . import group_verbs
 
@@ -650,6 +681,7 @@ _COMMANDS: Final[dict[str, tuple[Callable[[argparse.ArgumentParser], None], Run]
     "suspend": (_suspend_options, _suspend),
     "resume": (_resume_options, _resume),
     "status": (_status_options, _status),
+    "host-copy": (_host_copy_options, _host_copy),
     "check": (_check_options, _check),
     "launch": (_launch_options, lambda c, o, e: _launch(c.options, e)),
     "prepare": (_prepare_options, _prepare),

@@ -228,8 +228,29 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
     return Outcome(EXIT_OK)
 
 
+def host_copy(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
+    """HOST_COPY to every named process (engine/host_copy.py): one line each; refused
+    (exit 1) when any did not do it, naming it and why."""
+    from .engine.host_copy import host_copy as ask
+
+    give_back = bool(call.options.give_back)
+    answers = ask(call.processes(), call.where(), give_back=give_back)
+    failed = [a.describe(give_back) for a in answers if a.problem]
+    if call.options.json:
+        from .engine.serial import to_json
+
+        document = {"processes": [to_json(a) for a in answers]}
+        return Outcome(EXIT_FAILED if failed else EXIT_OK, "refused" if failed else "done",
+                       tuple(failed), figures=document)  # fmt: skip
+    if failed:
+        return Outcome(EXIT_FAILED, "refused", tuple(failed))
+    for a in answers:
+        stdout.write(a.describe(give_back) + "\n")
+    return Outcome(EXIT_OK)
+
+
 STATUS_COLUMNS: Final = ("pid", "ns pid", "native state", "shim phase", "participant",
-                         "in flight")  # fmt: skip
+                         "in flight", "kept host copy")  # fmt: skip
 
 
 def _status_cells(row: agent.ProcessStatus) -> tuple[str, ...]:
@@ -244,7 +265,16 @@ def _status_cells(row: agent.ProcessStatus) -> tuple[str, ...]:
         row.shim_phase or "(no socket)",
         row.participant or "",
         flight or row.problem,
+        _kept_cell(row),
     )
+
+
+def _kept_cell(row: agent.ProcessStatus) -> str:
+    """The host memory the kept host copies hold (pinned), and their hash tables."""
+    h = row.host_copy
+    if h is None:
+        return ""
+    return f"{h.bytes / (1 << 30):.2f} GiB pinned in {h.count} (+{h.overhead:,} B of hashes)"
 
 
 def _terminal(stream: TextIO) -> bool:

@@ -27,6 +27,8 @@ from .engine.client import control_dir_length_problem, control_dir_problem
 DRIVERS: Final = ("sim", "system")
 DEFAULT_CONTROL_DIR: Final = Path("/snapshot-control")
 CONTROL_DIR_ENV: Final = "SNAPSHOT_CONTROL_DIR"
+# launch --keep-host-copy (shim_c/keep.c; specs/shim.md, "Kept host copy").
+KEEP_HOST_COPY_ENV: Final = "SNAPSHOT_SHIM_KEEP_HOST_COPY"
 
 
 class LaunchError(RuntimeError):
@@ -136,6 +138,7 @@ def launch(
     pidfile: Path | None = None,
     exec_: bool = False,
     announce: TextIO | None = None,
+    keep_host_copy: bool = False,
 ) -> int:
     """Run ``command`` under the shim and return its exit status.
 
@@ -144,7 +147,8 @@ def launch(
     is the program's (never returns unless the exec fails). A child killed by a
     signal gives 128 + the signal number, as a shell does. SIGINT and SIGTERM
     reaching this process are passed on to the child, and the child's own status is
-    still what is returned.
+    still what is returned. ``keep_host_copy`` sets SNAPSHOT_SHIM_KEEP_HOST_COPY=1 for
+    it (the variable as the environment has it otherwise).
     """
     if not command:
         raise LaunchError("no command to launch")
@@ -153,6 +157,8 @@ def launch(
     except artifacts.ArtifactMissingError as exc:
         raise LaunchError(str(exc)) from exc
     ensure_control_dir(Path(env[CONTROL_DIR_ENV]))
+    if keep_host_copy:
+        env[KEEP_HOST_COPY_ENV] = "1"
     if exec_:
         if pidfile is not None:
             _write_pidfile(Path(pidfile), os.getpid())

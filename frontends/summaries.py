@@ -123,6 +123,7 @@ class Summary:
             lines = [f"suspended {who} in {self.seconds:.3f} s"]
             if self.released is not None:
                 lines.append(self.released.human())
+            lines += self._kept_lines()
             return [
                 *lines,
                 f"where the bytes are: in the host memory of each process ({staged}); they "
@@ -136,6 +137,20 @@ class Summary:
         return [
             f"resumed {who} in {self.seconds:.3f} s{loaded}: every process is RUNNING, "
             "its sharing as before",
+        ]
+
+    def _kept_lines(self) -> list[str]:
+        """The kept host copies' figures (SNAPSHOT_SHIM_KEEP_HOST_COPY): what SAVE copied and
+        what it found unchanged, and why a process's SAVE copied everything."""
+        from .engine.released import size
+
+        s = self.staging or {}
+        if not s.get("kept"):
+            return []
+        return [
+            f"kept host copies: {size(int(s['bytes_copied']))} copied, "
+            f"{size(int(s['bytes_unchanged']))} unchanged since the last cycle",
+            *(f"copied everything, {note}" for note in s.get("notes", ())),
         ]
 
     @property

@@ -92,6 +92,8 @@ OPS: Final[tuple[WireOp, ...]] = (
     # images (specs/criu.md); the phase stays PREPARED.
     WireOp("STORE_STAGED", 18, ("PREPARED",)),
     WireOp("FETCH_STAGED", 19, ("PREPARED",)),
+    # The kept host copy on or given back in a running process (specs/shim.md).
+    WireOp("HOST_COPY", 20, ("ACTIVE",)),
 )
 
 OP: Final[Mapping[str, WireOp]] = {o.name: o for o in OPS}

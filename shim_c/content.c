@@ -56,6 +56,7 @@
  * registration, copy, unregistration, release, teardown).
  */
 #include "shim.h"
+#include "keephash.h"
 
 #include <errno.h>
 #include <signal.h>
@@ -79,6 +80,13 @@ static struct {
 /* One op's figures (nanoseconds of wall time unless the staging's). */
 struct stats {
     bool resident;              /* SAVE: into the resident mapping, already populated */
+    /* The kept host copy (keep.c): bytes the op copied and those it found
+     * unchanged, whether SAVE compared hashes (enum cuip_hash), and if it
+     * could not, why; the hash's wall time. */
+    uint64_t bytes_copied, bytes_unchanged;
+    uint32_t hash_state;
+    char hash_why[256];
+    uint64_t hash_ns;
     uint64_t count, bytes;
     uint64_t setup_ns;          /* the control thread producing work: maps, creates */
     uint64_t drain_ns;          /* waiting for the queue after the last item */
@@ -94,6 +102,8 @@ struct item {
     struct obj *o;
     CUdeviceptr va;
     bool temp;                  /* va is a temporary mapping: unmap after the copy */
+    struct keep_copy *kc;       /* SAVE: its pinned kept host copy, else NULL */
+    uint64_t *fresh;            /* SAVE: the device bytes' hashes (keep_hash), else NULL */
     CUmemGenericAllocationHandle h; /* LOAD: the re-created handle */
 };
 
@@ -166,12 +176,13 @@ static bool in_resident(const char *p)
 
 static void unmap_host(struct obj *o)
 {
-    if (in_resident(o->host))
+    if (o->host_kept || in_resident(o->host))
         ; /* kept for the next SAVE */
     else if (munmap(o->host, o->host_len) != 0)
         shim_log(LOG_WARN, "munmap of a saved copy failed: %s", strerror(errno));
     o->host = NULL;
     o->host_len = 0;
+    o->host_kept = false;
 }
 
 static void free_hosts(void)
@@ -302,7 +313,7 @@ static void release_hosts(struct item *items, uint32_t count)
         ranges = malloc((count ? count : 1) * sizeof *ranges);
     for (uint32_t i = 0; i < count; i++) {
         struct obj *o = items[i].o;
-        if (!ranges || in_resident(o->host)) {
+        if (!ranges || o->host_kept || in_resident(o->host)) {
             unmap_host(o);
             continue;
         }
@@ -426,6 +437,32 @@ static const char *populate_name(enum staging_populate how)
     return "none";
 }
 
+/* `text` for a JSON string: quotes, backslashes and controls dropped (a
+ * CUresult name and our own words are all it holds). */
+static void json_text(char *out, size_t n, const char *text)
+{
+    size_t k = 0;
+
+    for (; *text && k + 1 < n; text++)
+        if (*text != '"' && *text != '\\' && (unsigned char)*text >= 0x20)
+            out[k++] = *text;
+    out[k] = 0;
+}
+
+static const char *hash_name(uint32_t state)
+{
+    switch (state) {
+    case CUIP_HASH_COMPARED:
+        return "compared";
+    case CUIP_HASH_FIRST:
+        return "first";
+    case CUIP_HASH_UNAVAILABLE:
+        return "unavailable";
+    default:
+        return "none";
+    }
+}
+
 /* A finished op's figures: logged, in the reply, and with
  * SNAPSHOT_SHIM_TIMING=1 as one JSON line on stderr. */
 static void report_done(struct reply *r, const char *op, const struct stats *st, uint64_t t0)
@@ -444,8 +481,20 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
     r->h.stat_count = st->count;
     r->h.stat_bytes = st->bytes;
     r->h.stat_copy_ns = t->copy_wall_ns;
+    if (keep_enabled()) {
+        if (keep_record(r, st->bytes_copied, st->bytes_unchanged, st->hash_state) != 0)
+            shim_log(LOG_WARN, "%s: out of memory for the kept host copy's record", op);
+        if (st->hash_state == CUIP_HASH_UNAVAILABLE)
+            reply_msg(r, CUIP_STATUS_OK, "%s copied every byte of the kept host copies: %s",
+                      op, st->hash_why);
+        shim_log(LOG_INFO, "%s: kept host copies: %llu bytes copied, %llu unchanged (hash %s%s%s)",
+                 op, (unsigned long long)st->bytes_copied,
+                 (unsigned long long)st->bytes_unchanged, hash_name(st->hash_state),
+                 st->hash_why[0] ? ": " : "", st->hash_why);
+    }
     if (cfg->timing) {
-        char line[1536];
+        char line[2048], why[sizeof st->hash_why];
+        json_text(why, sizeof why, st->hash_why);
         int m = snprintf(
             line, sizeof line,
             "cuinterpose-timing {\"pid\": %d, \"op\": \"%s\", \"allocations\": %llu, "
@@ -454,6 +503,8 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             "\"depth\": %u, \"populate_threads\": %u, \"populate_method\": \"%s\", "
             "\"populated_ahead\": %llu, "
             "\"chunks_per_thread\": %u, \"resident\": %s, "
+            "\"kept\": %s, \"bytes_copied\": %llu, \"bytes_unchanged\": %llu, "
+            "\"hash\": \"%s\", \"hash_s\": %.6f, \"hash_why\": \"%s\", "
             "\"elapsed_s\": %.6f, \"setup_s\": %.6f, "
             "\"pool_start_s\": %.6f, \"drain_s\": %.6f, \"teardown_s\": %.6f, "
             "\"copy_wall_s\": %.6f, \"create_s\": %.6f, \"map_s\": %.6f, "
@@ -466,6 +517,9 @@ static void report_done(struct reply *r, const char *op, const struct stats *st,
             cfg->staging_bounce_keep ? "true" : "false", cfg->staging_depth,
             cfg->staging_ahead, populate_name(t->populate_how),
             (unsigned long long)t->populated_chunks, t->spread, st->resident ? "true" : "false",
+            keep_enabled() ? "true" : "false", (unsigned long long)st->bytes_copied,
+            (unsigned long long)st->bytes_unchanged, hash_name(st->hash_state),
+            (double)st->hash_ns / 1e9, why,
             (double)ns / 1e9, (double)st->setup_ns / 1e9, (double)t->pool_start_ns / 1e9,
             (double)st->drain_ns / 1e9, (double)st->teardown_ns / 1e9,
             (double)t->copy_wall_ns / 1e9, (double)st->create_ns / 1e9,
@@ -530,35 +584,159 @@ static void arena_put(char *arena, size_t len)
         shim_log(LOG_WARN, "munmap of staging memory failed: %s", strerror(errno));
 }
 
-/* The items' host slices in one staging mapping, queued as their VAs are
- * ready. On failure nothing is kept: no o->host is set, the mapping is
- * gone, every temporary mapping undone. */
-static int save_items(struct item *items, uint32_t count, uint64_t total, struct stats *st,
-                      char *msg, size_t n)
+/* The next run of chunks of a kept item whose hashes differ (all of them
+ * without hashes), from chunk *j on: bytes [*from, *to) of the allocation;
+ * false when none is left. */
+static bool next_run(const struct item *it, uint64_t *j, uint64_t *from, uint64_t *to)
+{
+    uint64_t size = it->o->size, chunks = (size + KH_CHUNK - 1) / KH_CHUNK, k;
+
+    while (*j < chunks && keep_chunk_same(it->kc, it->fresh, *j))
+        (*j)++;
+    if (*j == chunks)
+        return false;
+    for (k = *j; k < chunks && !keep_chunk_same(it->kc, it->fresh, k); k++)
+        ;
+    *from = *j * KH_CHUNK;
+    *to = k * KH_CHUNK < size ? k * KH_CHUNK : size;
+    *j = k;
+    return true;
+}
+
+/* SAVE with kept host copies: each kept item's VA, the hashes of its
+ * device bytes, and what moves (`*copy`, `*runs`). A failed hash copies
+ * everything and says why (st->hash_why); a failed VA fails the op. */
+static int plan_kept(struct item *items, uint32_t count, struct stats *st, uint64_t *copy,
+                     uint32_t *runs, char *msg, size_t n)
+{
+    struct keep_item *ki;
+    uint32_t nk = 0, k = 0;
+    uint64_t t0;
+    bool first = false;
+
+    for (uint32_t i = 0; i < count; i++)
+        if (items[i].kc)
+            nk++;
+    if (nk == 0)
+        return 0;
+    ki = calloc(nk, sizeof *ki);
+    if (!ki) {
+        snprintf(msg, n, "out of memory for %u kept items", nk);
+        return -1;
+    }
+    for (uint32_t i = 0; i < count; i++) {
+        struct item *it = &items[i];
+        bool pushed;
+        CUresult r;
+        if (!it->kc)
+            continue;
+        r = shim_ctx_enter(it->o->ctx, &pushed);
+        if (r != CUDA_SUCCESS) {
+            shim_fail(msg, n, "cuCtxPushCurrent", r);
+            name_allocation(msg, n, it->o);
+            free(ki);
+            return -1;
+        }
+        r = pick_va(it, it->o->real, msg, n) == 0 ? CUDA_SUCCESS : CUDA_ERROR_UNKNOWN;
+        shim_ctx_leave(pushed);
+        if (r != CUDA_SUCCESS) {
+            name_allocation(msg, n, it->o);
+            free(ki);
+            return -1;
+        }
+        ki[k++] = (struct keep_item){it->kc, it->va, it->o->ctx, NULL};
+        first = first || !it->kc->valid;
+    }
+    t0 = shim_now_ns();
+    if (keep_hash(ki, nk, st->hash_why, sizeof st->hash_why) != 0) {
+        st->hash_state = CUIP_HASH_UNAVAILABLE;
+        shim_log(LOG_WARN, "SAVE_ALLOCATIONS copies every byte of the kept host copies: %s",
+                 st->hash_why);
+    } else {
+        st->hash_state = first ? CUIP_HASH_FIRST : CUIP_HASH_COMPARED;
+    }
+    st->hash_ns = shim_now_ns() - t0;
+    k = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        struct item *it = &items[i];
+        uint64_t j = 0, from, to;
+        if (!it->kc)
+            continue;
+        it->fresh = ki[k++].fresh;
+        while (next_run(it, &j, &from, &to)) {
+            *copy += to - from;
+            (*runs)++;
+        }
+        st->bytes_unchanged += it->o->size;
+    }
+    st->bytes_unchanged -= *copy;
+    free(ki);
+    return 0;
+}
+
+/* The items' host slices: the kept host copies (SNAPSHOT_SHIM_KEEP_HOST_COPY),
+ * only their changed chunks copied, straight; the others in one staging
+ * mapping, queued as their VAs are ready. On failure nothing is kept: no
+ * o->host is set, the mapping is gone, every temporary mapping undone, and
+ * the kept copies are no longer trusted (their hashes dropped). */
+static int save_items(struct item *items, uint32_t count, struct stats *st, char *msg,
+                      size_t n)
 {
     size_t len = 0, off = 0;
-    char *arena;
-    struct staging *s;
-    uint32_t queued = 0;
+    char *arena = NULL;
+    struct staging *s = NULL;
+    uint32_t queued = 0, runs = 0, staged = 0;
+    uint64_t kept_copy = 0, total = 0;
     int rc = 0;
     uint64_t t0, t1;
     char ignored[8];
 
-    for (uint32_t i = 0; i < count; i++)
-        len += staging_len(items[i].o->size);
-    arena = arena_get(len, &st->resident, msg, n);
-    if (!arena)
-        return -1;
-    s = staging_start(true, st->resident, total, count, msg, n);
+    for (uint32_t i = 0; i < count; i++) {
+        struct keep_copy *c = keep_of(items[i].o);
+        items[i].kc = c && c->host ? c : NULL;
+        if (c && !c->host)
+            shim_log(LOG_WARN, "SAVE_ALLOCATIONS: an allocation of %llu bytes has no kept host "
+                     "copy (%s): staged through the staging memory",
+                     (unsigned long long)items[i].o->size, c->why);
+        if (!items[i].kc) {
+            len += staging_len(items[i].o->size);
+            total += items[i].o->size;
+            staged++;
+        }
+    }
+    if (plan_kept(items, count, st, &kept_copy, &runs, msg, n) != 0)
+        goto fail_vas;
+    total += kept_copy;
+    st->bytes_copied = total;
+    __atomic_store_n(&g.phase_bytes_total, total, __ATOMIC_RELAXED);
+    if (len) {
+        arena = arena_get(len, &st->resident, msg, n);
+        if (!arena)
+            goto fail_vas;
+    }
+    s = staging_start(true, st->resident, total ? total : 1, runs + staged, msg, n);
     if (!s) {
-        arena_put(arena, len);
-        return -1;
+        if (arena)
+            arena_put(arena, len);
+        goto fail_vas;
     }
     t0 = shim_now_ns();
     for (; queued < count && rc == 0; queued++) {
         struct item *it = &items[queued];
         bool pushed;
-        CUresult r = shim_ctx_enter(it->o->ctx, &pushed);
+        CUresult r;
+        if (it->kc) {
+            uint64_t j = 0, from, to;
+            while (rc == 0 && next_run(it, &j, &from, &to))
+                if (staging_add_range(s, it->o, it->kc->host + from, it->va + from, it->o->ctx,
+                                      from, to - from, true) != 0) {
+                    snprintf(msg, n, "the staging queue is full (an internal bound is wrong)");
+                    name_allocation(msg, n, it->o);
+                    rc = -1;
+                }
+            continue;
+        }
+        r = shim_ctx_enter(it->o->ctx, &pushed);
         if (r != CUDA_SUCCESS) {
             shim_fail(msg, n, "cuCtxPushCurrent", r);
             rc = -1;
@@ -581,25 +759,44 @@ static int save_items(struct item *items, uint32_t count, uint64_t total, struct
     staging_stop(s, &st->st);
     t0 = shim_now_ns();
     st->drain_ns = t0 - t1;
-    for (uint32_t i = 0; i < queued; i++)
+    for (uint32_t i = 0; i < count; i++)
         if (drop_va(&items[i], rc == 0 ? msg : ignored, rc == 0 ? n : sizeof ignored) != 0)
             rc = -1;
     if (rc != 0) {
-        arena_put(arena, len);
+        if (arena)
+            arena_put(arena, len);
+        for (uint32_t i = 0; i < count; i++)
+            if (items[i].kc)
+                keep_settle(items[i].kc, items[i].fresh, false);
         st->teardown_ns = shim_now_ns() - t0;
         return -1;
     }
     off = 0;
     for (uint32_t i = 0; i < count; i++) {
         struct obj *o = items[i].o;
-        o->host = arena + off;
-        o->host_len = staging_len(o->size);
-        off += o->host_len;
+        if (items[i].kc) {
+            keep_settle(items[i].kc, items[i].fresh, true);
+            o->host = items[i].kc->host;
+            o->host_len = items[i].kc->len;
+            o->host_kept = true;
+        } else {
+            o->host = arena + off;
+            o->host_len = staging_len(o->size);
+            o->host_kept = false;
+            off += o->host_len;
+        }
         st->count++;
         st->bytes += o->size;
     }
     st->teardown_ns = shim_now_ns() - t0;
     return 0;
+fail_vas:
+    for (uint32_t i = 0; i < count; i++) {
+        drop_va(&items[i], ignored, sizeof ignored);
+        if (items[i].kc)
+            keep_settle(items[i].kc, items[i].fresh, false);
+    }
+    return -1;
 }
 
 enum phase_result content_save(struct reply *r)
@@ -609,6 +806,7 @@ enum phase_result content_save(struct reply *r)
     uint64_t total, t0 = shim_now_ns();
     uint32_t count, k = 0;
     char msg[MSG_LEN];
+    bool held;
 
     memset(&st, 0, sizeof st);
     if (shim_settings()->native_content)
@@ -626,13 +824,18 @@ enum phase_result content_save(struct reply *r)
             items[k++].o = o;
     }
     /* Nothing is torn down before PREPARE_UNICAST: all stay live. */
-    if (count && save_items(items, count, total, &st, msg, sizeof msg) != 0) {
+    held = keep_begin() == 0;
+    if (count && save_items(items, count, &st, msg, sizeof msg) != 0) {
+        if (held)
+            keep_end();
         free(items);
         reply_msg(r, CUIP_STATUS_CUDA_FAILED, "SAVE_ALLOCATIONS: %s", msg);
         return PHASE_FAILED;
     }
     free(items);
     report_done(r, "SAVE_ALLOCATIONS", &st, t0);
+    if (held)
+        keep_end();
     return PHASE_DONE;
 }
 
@@ -741,7 +944,8 @@ static int load_items(struct item *items, uint32_t count, uint64_t total, bool k
         shim_ctx_leave(pushed);
         if (produce_rc != 0)
             break;
-        if (staging_add(s, it->o, it->o->host, it->va, it->o->ctx) != 0) {
+        if (staging_add_range(s, it->o, it->o->host, it->va, it->o->ctx, 0, it->o->size,
+                              it->o->host_kept) != 0) {
             snprintf(msg, n, "the staging queue is full (an internal bound is wrong)");
             drop_va(it, copy_msg, sizeof copy_msg);
             uncreate(it);
@@ -770,7 +974,7 @@ static int load_items(struct item *items, uint32_t count, uint64_t total, bool k
     }
     if (!keep && !shim_settings()->staging_release_after_reply) {
         for (uint32_t i = 0; i < made; i++)
-            if (!in_resident(items[i].o->host))
+            if (!items[i].o->host_kept && !in_resident(items[i].o->host))
                 staging_release(s, items[i].o->host, items[i].o->host_len);
         staging_wait(s, copy_msg, sizeof copy_msg);
     }
@@ -781,6 +985,7 @@ static int load_items(struct item *items, uint32_t count, uint64_t total, bool k
         struct obj *o = items[i].o;
         st->count++;
         st->bytes += o->size;
+        st->bytes_copied += o->size;
         pthread_mutex_lock(&g.lock);
         o->live = true;
         pthread_mutex_unlock(&g.lock);
@@ -878,6 +1083,7 @@ void content_free_staged(void)
 void content_drop_resident(void)
 {
     content_settle();
+    keep_give_back();
     if (!resident.p || resident_in_use())
         return;
     if (resident.pid == getpid() && munmap(resident.p, resident.len) != 0)

@@ -62,6 +62,10 @@ static bool request_stats_ok(const struct cuip_header *q)
     case CUIP_OP_FETCH_STAGED:
         return cuip_status_ask(q) <= CUIP_ASK_DRIVER && !q->stat_bytes && !q->stat_elapsed_ns &&
                !q->stat_copy_ns;
+    case CUIP_OP_HOST_COPY:
+        return (cuip_host_copy_request(q) == CUIP_HOST_COPY_KEEP ||
+                cuip_host_copy_request(q) == CUIP_HOST_COPY_GIVE_BACK) &&
+               !q->stat_bytes && !q->stat_elapsed_ns && !q->stat_copy_ns;
     default:
         return !q->stat_count && !q->stat_bytes && !q->stat_elapsed_ns && !q->stat_copy_ns;
     }
@@ -190,6 +194,7 @@ static phase_work_fn *phase_work(enum cuip_op op)
     case CUIP_OP_STATUS:
     case CUIP_OP_STORE_STAGED:
     case CUIP_OP_FETCH_STAGED:
+    case CUIP_OP_HOST_COPY:
         break; /* not phase ops */
     }
     return NULL;
@@ -394,6 +399,38 @@ static void serve_status(struct reply *r, bool ask_driver)
         reply_msg(r, CUIP_STATUS_OK, "%s", held);
     }
     pthread_mutex_unlock(&g.lock);
+    if (!driver) {
+        uint64_t bytes, count, overhead;
+        keep_status(&bytes, &count, &overhead);
+        if ((keep_enabled() || count) && keep_record(r, 0, 0, CUIP_HASH_NOT_SAVED) != 0)
+            shim_log(LOG_WARN, "STATUS: out of memory for the kept host copy's record");
+    }
+}
+
+/* HOST_COPY: only in ACTIVE with no op in flight (a copy given back between
+ * SAVE and LOAD would take the staged bytes along). */
+static void serve_host_copy(bool keep, struct reply *r)
+{
+    bool ok;
+
+    pthread_mutex_lock(&g.lock);
+    ok = g.phase == CUIP_PHASE_ACTIVE && !g.busy;
+    if (g.phase != CUIP_PHASE_ACTIVE)
+        reply_msg(r, CUIP_STATUS_WRONG_PHASE, "HOST_COPY needs phase ACTIVE; the shim is in "
+                  "phase %u", g.phase);
+    else if (g.busy)
+        reply_msg(r, CUIP_STATUS_REFUSED, "another phase op is running");
+    if (ok)
+        g.busy = true; /* no phase op starts while the copies are pinned or freed */
+    pthread_mutex_unlock(&g.lock);
+    if (!ok)
+        return;
+    keep_request(keep);
+    pthread_mutex_lock(&g.lock);
+    g.busy = false;
+    pthread_mutex_unlock(&g.lock);
+    if (keep_record(r, 0, 0, CUIP_HASH_NOT_SAVED) != 0)
+        reply_msg(r, CUIP_STATUS_INTERNAL, "HOST_COPY: out of memory for the reply's record");
 }
 
 /* ------------------------------------------------------------ the lease */
@@ -656,6 +693,9 @@ static void handle(const struct cuip_header *q, const char *text,
     case CUIP_OP_STORE_STAGED:
     case CUIP_OP_FETCH_STAGED:
         stored_serve(q->op, fds, r);
+        return;
+    case CUIP_OP_HOST_COPY:
+        serve_host_copy(cuip_host_copy_request(q) == CUIP_HOST_COPY_KEEP, r);
         return;
     default:
         if (q->op == CUIP_OP_QUIESCE) {

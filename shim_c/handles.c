@@ -63,6 +63,7 @@ struct obj *obj_new(enum obj_kind kind)
     o->kind = (uint8_t)kind;
     shim_random_id(o->id);
     slots[i] = o;
+    g.objs_gen++;
     return o;
 fail:
     free(o);
@@ -75,6 +76,7 @@ void obj_free(struct obj *o)
         return;
     if (o->slot < nslots && slots[o->slot] == o)
         slots[o->slot] = NULL;
+    g.objs_gen++;
     free(o->maps);
     free(o->binds);
     free(o->fetches);

@@ -393,6 +393,8 @@ static void start(void)
             }
         }
     }
+    if (g.listen_fd >= 0)
+        keep_start();
     if (g.listen_fd < 0)
         shim_log(LOG_WARN, "no control server: this process cannot be checkpointed with "
                  "cuinterpose");
@@ -411,6 +413,7 @@ static void atfork_child(void)
     obj_drop_all();
     owned_after_fork();
     unowned_after_fork();
+    keep_after_fork();
     if (g.listen_fd >= 0)
         close(g.listen_fd); /* the parent's socket file stays: it is the parent's */
     g.listen_fd = -1;

@@ -806,6 +806,7 @@ static void ctx_call_end(CUcontext ctx, struct ctx_objs *c, bool destroyed)
         drop_collected(ctx, c);
         pthread_mutex_unlock(&g.lock);
         staging_forget_ctx(ctx);
+        keep_forget_ctx(ctx);
     }
     free(c->h);
     gate_leave(GATE_SYNC);

@@ -98,7 +98,13 @@ enum cuip_phase {
  * memory, checking every field of every part first (with nothing stored it
  * answers OK at once, the files unread). Neither
  * changes the phase; the reply's stat_count/stat_bytes say how many
- * allocations (bytes) moved, stat_copy_ns how long the I/O took. */
+ * allocations (bytes) moved, stat_copy_ns how long the I/O took.
+ * HOST_COPY (ACTIVE, no op in flight) asks for the kept host copy
+ * (specs/shim.md): CUIP_HOST_COPY_KEEP turns it on in a running process (the
+ * copies are pinned in the background from then on, as with
+ * SNAPSHOT_SHIM_KEEP_HOST_COPY=1 at start), CUIP_HOST_COPY_GIVE_BACK frees
+ * every copy and turns it off (cuip_host_copy_request); the reply carries one
+ * HOST_COPY record, what is held after it. Not a phase op. */
 #define CUIP_OPS(X)                                                            \
     X(HANDSHAKE, 1, CUIP_EVERY_PHASE, 0)                                       \
     X(INSPECT, 2, CUIP_IN(ACTIVE) | CUIP_IN(PREPARED) | CUIP_IN(QUIESCED), 0)  \
@@ -122,7 +128,8 @@ enum cuip_phase {
     X(STATUS, 16, CUIP_EVERY_PHASE, 0)                                         \
     X(QUIESCE, 17, CUIP_IN(ACTIVE) | CUIP_IN(QUIESCED), 0)                    \
     X(STORE_STAGED, 18, CUIP_IN(PREPARED), 0)                                  \
-    X(FETCH_STAGED, 19, CUIP_IN(PREPARED), 0)
+    X(FETCH_STAGED, 19, CUIP_IN(PREPARED), 0)                                  \
+    X(HOST_COPY, 20, CUIP_IN(ACTIVE), 0)
 
 enum cuip_op {
 #define CUIP_OP_ENUM(name, number, served_in, tears_down) CUIP_OP_##name = number,
@@ -353,6 +360,18 @@ static inline void cuip_set_status_ask(struct cuip_header *h, uint64_t ask)
     h->stat_count = ask;
 }
 
+/* HOST_COPY request: what it asks (stat_count). */
+#define CUIP_HOST_COPY_KEEP 1u
+#define CUIP_HOST_COPY_GIVE_BACK 2u
+static inline uint64_t cuip_host_copy_request(const struct cuip_header *h)
+{
+    return h->stat_count;
+}
+static inline void cuip_set_host_copy_request(struct cuip_header *h, uint64_t what)
+{
+    h->stat_count = what;
+}
+
 /* STATUS reply: the op in flight (enum cuip_op, 0 when none), the bytes it
  * has copied so far, the bytes it copies in all (0 when it copies nothing),
  * how long it has run. */
@@ -402,6 +421,20 @@ enum cuip_record_kind {
      * (enum cuip_unowned), address and size the memory where known,
      * handle_count how many are live. Refuses the capture, like RAW_IMPORT. */
     CUIP_RECORD_UNOWNED_SHARING = 10,
+    /* The kept host copy (SNAPSHOT_SHIM_KEEP_HOST_COPY, specs/shim.md): one
+     * in the reply of SAVE_ALLOCATIONS, LOAD_ALLOCATIONS and
+     * ROLLBACK_ALLOCATIONS of a process in that mode, and of STATUS (asked
+     * for nothing else) of one that is in it or still holds copies. Not part
+     * of the topology. Its fields by name: cuip_host_copy_* below. */
+    CUIP_RECORD_HOST_COPY = 11,
+};
+
+/* HOST_COPY's hash state (in op_flags): how SAVE chose what to copy. */
+enum cuip_hash {
+    CUIP_HASH_NOT_SAVED = 0,   /* not a SAVE, or no kept copy in it */
+    CUIP_HASH_COMPARED = 1,    /* every kept copy's chunks compared: only changed ones copied */
+    CUIP_HASH_FIRST = 2,       /* hashed; some copies had no earlier hash: copied whole */
+    CUIP_HASH_UNAVAILABLE = 3, /* the hash kernel failed: everything copied; the message says why */
 };
 
 /* UNOWNED_SHARING's op_flags: which call made the sharing. */
@@ -464,6 +497,35 @@ struct cuip_record {
     uint32_t pid;                            /* FETCH only: the fetching process */
     struct cuip_access access[CUIP_ACCESS_MAX];
 };
+
+/* HOST_COPY's fields: the host memory the kept copies hold (pinned) and
+ * how many there are, the host memory of their hash tables; in an op's
+ * reply, the bytes it copied and those it left because they were unchanged,
+ * and the hash state (enum cuip_hash). */
+static inline uint64_t cuip_host_copy_bytes(const struct cuip_record *r) { return r->size; }
+static inline uint64_t cuip_host_copy_count(const struct cuip_record *r) { return r->address; }
+static inline uint64_t cuip_host_copy_overhead(const struct cuip_record *r)
+{
+    return r->member_offset;
+}
+static inline uint64_t cuip_host_copy_copied(const struct cuip_record *r) { return r->offset; }
+static inline uint64_t cuip_host_copy_unchanged(const struct cuip_record *r)
+{
+    return r->object_flags;
+}
+static inline uint64_t cuip_host_copy_hash(const struct cuip_record *r) { return r->op_flags; }
+static inline void cuip_set_host_copy(struct cuip_record *r, uint64_t bytes, uint64_t count,
+                                      uint64_t overhead, uint64_t copied, uint64_t unchanged,
+                                      uint64_t hash)
+{
+    r->kind = CUIP_RECORD_HOST_COPY;
+    r->size = bytes;
+    r->address = count;
+    r->member_offset = overhead;
+    r->offset = copied;
+    r->object_flags = unchanged;
+    r->op_flags = hash;
+}
 
 /* Capability: what the application holds instead of a raw CUDA FD. A sealed
  * memfd carries exactly these 128 bytes; it never crosses to the coordinator. */

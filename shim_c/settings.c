@@ -29,6 +29,9 @@
  *  - SNAPSHOT_SHIM_STAGING_RESIDENT_MIB: 0 (off; else the staging memory of a
  *    SAVE of at most this many MiB is kept, populated, from one cycle to the
  *    next: content.c).
+ *  - SNAPSHOT_SHIM_KEEP_HOST_COPY: 0 (1: a pinned host copy of every
+ *    allocation SAVE moves, made in the background and kept across cycles;
+ *    SAVE copies only what changed: keep.c).
  *  - SNAPSHOT_SHIM_TIMING: 0 (1: where a SAVE/LOAD's time went, on stderr).
  *  - SNAPSHOT_SHIM_STAGE_PRIVATE: 1 (SAVE moves every allocation this
  *    process created, shared or private; 0: private ones stay with the
@@ -78,9 +81,11 @@
 #define LEASE_HANDSHAKE_ENV "SNAPSHOT_LEASE_HANDSHAKE_S"
 #define TRUST_UID_ENV "SNAPSHOT_SHIM_TRUST_UID"
 #define RELEASE_DELAY_ENV "SNAPSHOT_SHIM_TEST_RELEASE_DELAY_MS"
+#define HOST_AVAILABLE_ENV "SNAPSHOT_SHIM_TEST_HOST_AVAILABLE_MIB"
 #define STAGING_THP_ENV "SNAPSHOT_SHIM_STAGING_THP"
 #define STAGING_BOUNCE_ENV "SNAPSHOT_SHIM_STAGING_BOUNCE_MIB"
 #define STAGING_RESIDENT_ENV "SNAPSHOT_SHIM_STAGING_RESIDENT_MIB"
+#define KEEP_HOST_COPY_ENV "SNAPSHOT_SHIM_KEEP_HOST_COPY"
 #define TIMING_ENV "SNAPSHOT_SHIM_TIMING"
 #define STAGE_PRIVATE_ENV "SNAPSHOT_SHIM_STAGE_PRIVATE"
 #define STAGING_PREFAULT_ENV "SNAPSHOT_SHIM_STAGING_PREFAULT"
@@ -217,13 +222,16 @@ static void test_hooks_load(struct shim_settings *s)
         s->trust_uid = -1;
     s->test_release_delay_ms = (unsigned)env_count(RELEASE_DELAY_ENV, 0, 10000, 0,
                                                    "a delay in ms");
+    s->test_host_available = (size_t)env_count(HOST_AVAILABLE_ENV, 0, RESIDENT_MIB_MAX, 0,
+                                               "a size in MiB")
+                             << 20;
 }
 #else
 /* A release build has no test hook: one asked for is named, so that nobody
  * believes it took (above all SNAPSHOT_SHIM_TRUST_UID, whom the shim trusts). */
 static void test_hooks_load(struct shim_settings *s)
 {
-    static const char *const hooks[] = {TRUST_UID_ENV, RELEASE_DELAY_ENV};
+    static const char *const hooks[] = {TRUST_UID_ENV, RELEASE_DELAY_ENV, HOST_AVAILABLE_ENV};
 
     (void)s;
     for (size_t i = 0; i < sizeof hooks / sizeof hooks[0]; i++)
@@ -261,6 +269,7 @@ static void settings_load(void)
     s->staging_resident = (size_t)env_count(STAGING_RESIDENT_ENV, 0, RESIDENT_MIB_MAX, 0,
                                             "a size in MiB")
                           << 20;
+    s->keep_host_copy = env_bool(KEEP_HOST_COPY_ENV, false);
     s->timing = env_bool(TIMING_ENV, false);
     s->stage_private = env_bool(STAGE_PRIVATE_ENV, true);
     s->staging_prefault = env_bool(STAGING_PREFAULT_ENV, false);

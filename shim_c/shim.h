@@ -14,7 +14,8 @@
  *               phase work
  *   unowned.c, owned.c, ipc.c   sharing the shim refuses, cudaMalloc memory it
  *               owns, legacy IPC over tracked sharing
- *   staging.c, content.c   the staging pool, SAVE and LOAD
+ *   staging.c, keep.c, content.c   the staging pool, the kept host copy
+ *               (pinned for good, hashed on the GPU), SAVE and LOAD
  *   quiesce.c   QUIESCE: closing the gate until the process is quiet
  *   rollback.c  the way back to ACTIVE (CUIP_ROLLBACK_OPS)
  *   control.c   the control server: connections, validation, phase machine
@@ -148,6 +149,11 @@ struct shim_settings {
      * the shim's, populated then cuMemHostRegister'd; alloc (default):
      * cuMemHostAlloc'd. */
     bool staging_bounce_register;
+    /* SNAPSHOT_SHIM_KEEP_HOST_COPY (default off): every allocation SAVE moves
+     * has a pinned host copy, made in the background while the application
+     * runs and kept across cycles; SAVE copies only the chunks whose hash
+     * changed (keep.c). */
+    bool keep_host_copy;
     char control_dir[4096];     /* as given (the default when unset); checked at start */
     /* SNAPSHOT_PARTICIPANT_ID as given, cut after one character too many so
      * that a long value still fails the length check; empty when unset. */
@@ -170,6 +176,10 @@ struct shim_settings {
      * staged copies after the reply sleeps this long first, so that a test
      * sees the ops that must wait for it wait. */
     unsigned test_release_delay_ms;
+    /* SNAPSHOT_SHIM_TEST_HOST_AVAILABLE_MIB (test hook, 0: unset): the host's
+     * available and total memory as keep.c's bound reads them, instead of
+     * /proc/meminfo, so that a test sees a pin refused. */
+    size_t test_host_available;
 #endif
     /* SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S: QUIESCE's deadline for a quiet point. */
     long quiesce_timeout_ms;
@@ -425,6 +435,9 @@ struct shim_state {
      * with __atomic_load_n while the op runs. */
     uint64_t phase_bytes_done;
     uint64_t phase_bytes_total;
+    /* Bumped (under lock) whenever an object is made or freed: the kept host
+     * copy's thread (keep.c) looks again at the table when it moved. */
+    uint64_t objs_gen;
     char reason[CUIP_MESSAGE_MAX + 1];
     int listen_fd;
     char control_dir[108];
@@ -539,6 +552,7 @@ struct obj {
     struct mc_binding *binds;
     uint32_t nbinds, capbinds;
     size_t host_len;              /* bytes mapped at `host` (staging_len(size)) */
+    bool host_kept;               /* `host` is the kept host copy's (keep.c): never unmapped */
     /* STORE_STAGED wrote the staged copy to the coordinator's file and freed
      * `host`; FETCH_STAGED reads it back (stored.c). */
     bool stored;
@@ -861,6 +875,12 @@ SHIM_HIDDEN struct staging *staging_start(bool to_host, bool populated, uint64_t
  * context `ctx`; it may start at once. Never blocks. */
 SHIM_HIDDEN int staging_add(struct staging *s, const struct obj *o, char *host, CUdeviceptr dev,
                             CUcontext ctx);
+/* The same for `len` bytes of `o` from `offset` on (`host` and `dev` are
+ * where they lie); `direct`: `host` is pinned for good (a kept host copy),
+ * copied straight, no bounce buffer. */
+SHIM_HIDDEN int staging_add_range(struct staging *s, const struct obj *o, char *host,
+                                  CUdeviceptr dev, CUcontext ctx, size_t offset, size_t len,
+                                  bool direct);
 /* Queue giving the pages of [host, host+len) back (after the copies). */
 SHIM_HIDDEN int staging_release(struct staging *s, char *host, size_t len);
 /* Wait until everything queued is done; -1 and the
@@ -868,6 +888,67 @@ SHIM_HIDDEN int staging_release(struct staging *s, char *host, size_t len);
 SHIM_HIDDEN int staging_wait(struct staging *s, char *msg, size_t n);
 /* Join the pool and free it; its figures in `t` (may be NULL). */
 SHIM_HIDDEN void staging_stop(struct staging *s, struct staging_times *t);
+
+/* ---------------------------------------------------------------- keep.c */
+/* The kept host copy of one allocation (SNAPSHOT_SHIM_KEEP_HOST_COPY). */
+struct keep_copy {
+    uint8_t id[CUIP_ID_LEN];      /* the allocation's */
+    uint64_t size;
+    size_t len;                   /* pinned bytes at `host` (staging_len(size)) */
+    char *host;                   /* NULL: not pinned (`why`) */
+    CUcontext ctx;                /* where it was pinned: the allocation's */
+    pid_t pid;
+    bool registered;              /* our mapping, registered; else cuMemHostAlloc'd */
+    bool tried;                   /* the keeper tried to pin it (it does not try again) */
+    bool seen;                    /* keep.c's reconcile */
+    /* `hash` (two words a KH_CHUNK) is the hash of what `host` holds, and
+     * `host` holds all of the allocation's bytes as of the last SAVE or LOAD */
+    bool valid;
+    uint64_t *hash;
+    char why[200];                /* why it is not pinned */
+};
+/* One allocation for keep_hash: its copy, a device VA mapping all of it in
+ * context `ctx`; `fresh`, malloc'd by keep_hash: the device bytes' hashes. */
+struct keep_item {
+    struct keep_copy *c;
+    CUdeviceptr va;
+    CUcontext ctx;
+    uint64_t *fresh;
+};
+SHIM_HIDDEN bool keep_enabled(void);
+/* The keeper thread (lifecycle.c's start, when the setting is on). */
+SHIM_HIDDEN void keep_start(void);
+/* In a fork child: no keeper, and the table's lock free. */
+SHIM_HIDDEN void keep_after_fork(void);
+/* An op's hold of the table: every allocation SAVE moves has an entry, pinned
+ * unless its pin failed (`why`); -1 when the mode is off (no hold). */
+SHIM_HIDDEN int keep_begin(void);
+SHIM_HIDDEN void keep_end(void);
+/* Between keep_begin and keep_end: the copy of `o`, NULL if none. */
+SHIM_HIDDEN struct keep_copy *keep_of(const struct obj *o);
+/* Every kept copy freed (STORE_STAGED: the bytes are in the files, and a
+ * CRIU image must not hold them); the keeper pins them again after a LOAD. */
+SHIM_HIDDEN void keep_give_back(void);
+/* HOST_COPY (control.c, ACTIVE, no op in flight): the mode on (the keeper
+ * started, everything pinned at its next look) or off (every copy freed). */
+SHIM_HIDDEN void keep_request(bool keep);
+/* A context destroyed took its cuMemHostAlloc'd copies and its module along. */
+SHIM_HIDDEN void keep_forget_ctx(CUcontext ctx);
+/* Pinned bytes, copies, and the hash tables' bytes (for STATUS). */
+SHIM_HIDDEN void keep_status(uint64_t *bytes, uint64_t *count, uint64_t *overhead);
+/* The device bytes of `items` hashed on the GPU: 0, or -1 and `why` (then no
+ * `fresh`). */
+SHIM_HIDDEN int keep_hash(struct keep_item *items, uint32_t n, char *why, size_t wn);
+/* Whether chunk `chunk` of the copy holds what `fresh` says the device does. */
+SHIM_HIDDEN bool keep_chunk_same(const struct keep_copy *c, const uint64_t *fresh,
+                                 uint64_t chunk);
+/* After a SAVE: `fresh` becomes the copy's hash when `ok` (else freed, and the
+ * copy no longer trusted). */
+SHIM_HIDDEN void keep_settle(struct keep_copy *c, uint64_t *fresh, bool ok);
+struct reply;
+/* One HOST_COPY record appended to the reply (protocol.h); -1 out of memory. */
+SHIM_HIDDEN int keep_record(struct reply *r, uint64_t copied, uint64_t unchanged,
+                            uint32_t hash);
 
 /* ---------------------------------------------------------------- content.c */
 SHIM_HIDDEN phase_work_fn content_save;

@@ -123,6 +123,7 @@ enum { POP_NONE = 0, POP_BUSY, POP_DONE, POP_COPYING };
 struct task {
     uint8_t kind;
     uint8_t pop;                /* POP_*, under lock once published */
+    bool direct;                /* host memory pinned for good (a kept host copy): no bounce */
     char *host;
     size_t len;
     size_t cap;                 /* published when len reaches it (task_cap) */
@@ -851,6 +852,37 @@ static int pinned_copy(struct staging *s, struct worker *w, const struct task *k
     return r == CUDA_SUCCESS ? 0 : -1;
 }
 
+/* One chunk between the device and a kept host copy (pinned for good): every
+ * segment's copy straight into or out of it, then one wait. A LOAD's bounce
+ * pipeline is drained first: its events are the slot's. */
+static int direct_copy(struct staging *s, struct worker *w, const struct task *k)
+{
+    CUresult r = CUDA_SUCCESS;
+    uint64_t t0;
+
+    pipe_drain(s, w);
+    if (has_failed(s))
+        return -1;
+    t0 = shim_now_ns();
+    copy_begin(s);
+    for (uint32_t i = 0; i < k->nseg && r == CUDA_SUCCESS; i++) {
+        const struct segment *sg = &s->segs[k->seg0 + i];
+        r = s->to_host ? real.cuMemcpyDtoHAsync(sg->host, sg->dev, sg->len, w->stream)
+                       : real.cuMemcpyHtoDAsync(sg->dev, sg->host, sg->len, w->stream);
+        if (r != CUDA_SUCCESS)
+            cu_fail(s, sg, s->to_host ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync", r);
+    }
+    if (r == CUDA_SUCCESS && (r = real.cuEventRecord(w->done[0], w->stream)) != CUDA_SUCCESS)
+        cu_fail(s, &s->segs[k->seg0], "cuEventRecord", r);
+    if (r == CUDA_SUCCESS && (r = real.cuEventSynchronize(w->done[0])) != CUDA_SUCCESS)
+        cu_fail(s, &s->segs[k->seg0], "cuEventSynchronize", r);
+    if (r != CUDA_SUCCESS && real.cuStreamSynchronize(w->stream) != CUDA_SUCCESS)
+        shim_log(LOG_WARN, "cuStreamSynchronize after a failed copy failed");
+    copy_end(s);
+    w->t.copy_ns += shim_now_ns() - t0;
+    return r == CUDA_SUCCESS ? 0 : -1;
+}
+
 /* One chunk, either way; its bytes are accounted here, or, for a LOAD
  * through the bounce buffers, when its last copy is waited for
  * (pipe_settle). True when the chunk's end is the pipeline's. */
@@ -861,6 +893,13 @@ static bool run_copy(struct staging *s, struct worker *w, const struct task *k)
 
     if (worker_use(s, w, k->ctx) != 0)
         return false;
+    if (k->direct) {
+        if (direct_copy(s, w, k) != 0)
+            return false;
+        __atomic_fetch_add(&g.phase_bytes_done, (uint64_t)k->len, __ATOMIC_RELAXED);
+        w->t.chunks++;
+        return false;
+    }
     if (!s->to_host && shim_settings()->staging_bounce)
         return load_pipe(s, w, k) == 0;
     /* Through the bounce buffers the memcpy faults the pages in; only a
@@ -1218,13 +1257,20 @@ static void publish(struct staging *s)
 int staging_add(struct staging *s, const struct obj *o, char *host, CUdeviceptr dev,
                 CUcontext ctx)
 {
+    return staging_add_range(s, o, host, dev, ctx, 0, o->size, false);
+}
+
+int staging_add_range(struct staging *s, const struct obj *o, char *host, CUdeviceptr dev,
+                      CUcontext ctx, size_t offset, size_t len, bool direct)
+{
     size_t done = 0;
 
-    while (done < o->size) {
+    while (done < len) {
         struct task *k = &s->tasks[s->ntasks];
         size_t take;
 
-        if (s->open && (k->host + k->len != host + done || k->ctx != ctx))
+        if (s->open &&
+            (k->host + k->len != host + done || k->ctx != ctx || k->direct != direct))
             publish(s);
         k = &s->tasks[s->ntasks];
         if (!s->open) {
@@ -1236,14 +1282,18 @@ int staging_add(struct staging *s, const struct obj *o, char *host, CUdeviceptr 
             k->seg0 = s->nsegs;
             k->ctx = ctx;
             k->cap = task_cap(s);
+            k->direct = direct;
+            /* nothing to fault in: populate threads pass it by */
+            k->pop = direct ? POP_DONE : POP_NONE;
             s->open = true;
         }
         if (s->nsegs == s->cap_segs)
             return -1;
-        take = o->size - done;
+        take = len - done;
         if (take > k->cap - k->len)
             take = k->cap - k->len;
-        s->segs[s->nsegs++] = (struct segment){host + done, dev + done, take, o, done};
+        s->segs[s->nsegs++] =
+            (struct segment){host + done, dev + done, take, o, offset + done};
         k->nseg++;
         k->len += take;
         done += take;

@@ -384,6 +384,8 @@ struct sim_state {
     int restore_refused; /* restores refused so far (NOT_SUPPORTED once) */
     /* A test's injected failures (cuinterposeSimFailUnmap, cuinterposeSimFailCopy). */
     struct sim_fault fail_unmap, fail_copy;
+    /* cuinterposeSimFailModule (sticky), cuinterposeSimFailLaunch (module.c). */
+    struct sim_fault fail_module, fail_launch;
 };
 
 extern struct sim_state sim SIM_HIDDEN;
@@ -650,6 +652,14 @@ SIM_EXPORT int cuinterposeSimFailUnmap(unsigned skip, CUresult result);
 /* The same for cuMemcpyHtoDAsync: `skip` calls of this process through, from
  * any thread, then the next one fails with `result`, nothing queued. */
 SIM_EXPORT int cuinterposeSimFailCopy(unsigned skip, CUresult result);
+/* The same for cuLaunchKernel; cuModuleLoadData fails every call after `skip`
+ * until called again with CUDA_SUCCESS (module.c). */
+SIM_EXPORT int cuinterposeSimFailModule(unsigned skip, CUresult result);
+SIM_EXPORT int cuinterposeSimFailLaunch(unsigned skip, CUresult result);
+SIM_EXPORT CUresult CUDAAPI cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy,
+                                                unsigned gz, unsigned bx, unsigned by,
+                                                unsigned bz, unsigned shared, CUstream s,
+                                                void **params, void **extra);
 /* For tests of QUIESCE (collective.c): a CUhostFn whose argument is one
  * rank's view of a collective; `arrived` (one word per rank) and `abandon`
  * lie in memory all ranks share. */

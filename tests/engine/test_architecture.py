@@ -213,7 +213,8 @@ def test_a_drifted_arrow_is_found() -> None:
     drifted = drifted.replace("`testing → engine, phases`", "`testing → engine, phases, launch`")
     assert arrow_drift(drifted, ROOT) == [
         "frontends/testing → engine, phases (not used: launch)",
-        "shim_c/lifecycle → content, control, handles, owned, settings, state, unowned, util "
+        "shim_c/lifecycle → content, control, handles, keep, owned, settings, state, unowned, "
+        "util "
         "(missing: handles)",
     ]
 

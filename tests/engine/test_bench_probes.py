@@ -81,3 +81,53 @@ def test_the_floor_never_takes_the_resident_copy_for_it(tmp_path: Path) -> None:
     fresh = [v for k, v in floor.items() if k.startswith("memcpy_thp_")]
     assert floor["best_memcpy"] == max(fresh), floor
     assert floor["best"]["case"] != "memcpy_resident_2", floor
+
+
+def test_the_sleep_wake_report_reads_what_the_run_writes() -> None:
+    """bench/sleep_wake.py (GPU only) reports from its JSON: a result of its shape gives
+    every line, the ratios against the native checkpoint and the ceilings."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import sleep_wake  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(BENCH))
+    gib = 1 << 30
+
+    def cyc(sus: float, res: float) -> dict[str, object]:
+        return {"suspend": {"seconds": sus}, "resume": {"seconds": res},
+                "check": {"ok": True}}  # fmt: skip
+
+    def op(name: str, elapsed: float, copied: int) -> dict[str, object]:
+        return {"op": name, "elapsed_s": elapsed, "bytes": 4 * gib, "bytes_copied": copied,
+                "hash_s": 0.01}  # fmt: skip
+
+    r, c = 1, 2
+    saves = [op("SAVE_ALLOCATIONS", 0.1, 4 * gib)] + [
+        op("SAVE_ALLOCATIONS", 0.02, 0) for _ in range(2 * r)
+    ] + [op("SAVE_ALLOCATIONS", 0.05, gib) for _ in range(c + r)]  # fmt: skip
+    loads = [op("LOAD_ALLOCATIONS", 0.09, 4 * gib) for _ in range(1 + 2 * r + c + r)]
+    result = {
+        "device": "NVIDIA H200",
+        "args": {"repeat": r, "cycles": c, "rewrite_gib": 1.0},
+        "ceiling": {"bytes": gib, "dtoh_gbps": {"median": 50.0, "min": 49.0, "max": 51.0},
+                    "htod_gbps": {"median": 50.0, "min": 49.0, "max": 51.0}},
+        "native": {"job": {"tensor_bytes": 4 * gib}, "cycles": [cyc(4.0, 2.0)]},
+        "off": {"command": [cyc(1.0, 0.5)], "library": [cyc(0.5, 0.3)],
+                "save": saves[:1], "load": loads[:1]},
+        "on": {"pinned_after_s": 3.0, "first": [cyc(0.5, 0.3)],
+               "unchanged_command": [cyc(0.4, 0.3)], "unchanged_library": [cyc(0.05, 0.1)],
+               "rewritten_library": [cyc(0.08, 0.1)] * c, "rewritten_command": [cyc(0.4, 0.3)],
+               "save": saves, "load": loads},
+        "vllm": {"cycles": [{"sleep": {"seconds": 0.5}, "wake": {"seconds": 0.25}}]},
+        "gen": {"cycles": [cyc(0.1, 0.1)] * 3, "save": saves[:3], "load": loads[:3]},
+    }  # fmt: skip
+    lines: list[str] = []
+    sleep_wake.report(result, lines.append)
+    text = "\n".join(lines)
+    assert "ceilings (pinned, 1 GiB): DtoH 50.0 [49.0, 51.0] GB/s" in text, text
+    assert "1 GiB rewritten" not in text and "1.0 GiB rewritten, library (2 cycles" in text
+    assert "suspend 0.080 [0.080, 0.080] s (50.0x the native)" in text, text
+    assert "unchanged SAVE: 0.0200 [0.0200, 0.0200] s, held/op 214.7" in text, text
+    assert "rewritten SAVE: 0.0500" in text and "copied 1.00 GiB" in text
+    assert "vLLM's sleep by hand: sleep 0.500 [0.500, 0.500] s (8.0x the native" in text
+    assert "generation and parameters right every time: True" in text

@@ -519,8 +519,8 @@ def test_launch_and_demo_delegate(monkeypatch: pytest.MonkeyPatch) -> None:
     def fake_launch(
         command: list[str], *, driver: str, control_dir: Path | None, **given: object
     ) -> int:
-        calls.append((command, driver, control_dir))
-        assert given.keys() == {"pidfile", "exec_", "announce"}
+        calls.append((command, driver, control_dir, given["keep_host_copy"]))
+        assert given.keys() == {"pidfile", "exec_", "announce", "keep_host_copy"}
         return 7
 
     def fake_demo(*, driver: str = "sim") -> int:
@@ -530,8 +530,11 @@ def test_launch_and_demo_delegate(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launch, "launch", fake_launch)
     monkeypatch.setattr(demo, "run_demo", fake_demo)
     assert run("launch", "--driver", "system", "--control-dir", "/c", "--", "app", "-x")[0] == 7
+    assert run("launch", "--keep-host-copy", "--driver", "sim", "--", "app")[0] == 7
     assert run("demo")[0] == 0
-    assert calls == [(["app", "-x"], "system", Path("/c")), "sim"]
+    assert calls == [
+        (["app", "-x"], "system", Path("/c"), False), (["app"], "sim", None, True), "sim"
+    ]  # fmt: skip
 
 
 def test_python_dash_m_and_exit_status() -> None:

@@ -208,7 +208,8 @@ def test_status_of_a_shim_to_a_pipe_loads_no_rich_and_no_machine(
         "lines = out.getvalue().splitlines()\n"
         "assert lines[0] == 'cuinterpose status', lines\n"
         "assert lines[1].split() == ['pid', 'ns', 'pid', 'native', 'state', 'shim', 'phase',\n"
-        "                            'participant', 'in', 'flight'], lines\n"
+        "                            'participant', 'in', 'flight', 'kept', 'host',\n"
+        "                            'copy'], lines\n"
         f"row = ['{os.getpid()}', '{os.getpid()}', 'RUNNING', 'ACTIVE']\n"
         "assert lines[2].split()[:4] == row, lines"
     )

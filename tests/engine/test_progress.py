@@ -115,3 +115,40 @@ def test_the_json_printer_writes_one_line_per_event() -> None:
         "phase",
         "done",
     ]
+
+
+def test_kept_host_copies_count_what_was_copied_and_what_was_not() -> None:
+    """A participant whose reply carries a HOST_COPY record (SNAPSHOT_SHIM_KEEP_HOST_COPY)
+    copied what the record says; one without copied all its bytes; a SAVE whose hash could
+    not run says why, naming the process. The summary says both, JSON and human."""
+    from cuinterpose.engine.progress import NativeKept, StagingSummary
+    from cuinterpose.engine.wire import HashState, HostCopy
+
+    kept = HostCopy(2 * GIB, 2, 4096, GIB // 4, GIB + 3 * GIB // 4, HashState.COMPARED)
+    blind = HostCopy(GIB, 1, 2048, GIB, 0, HashState.UNAVAILABLE)
+    why = "SAVE_ALLOCATIONS copied every byte of the kept host copies: cuLaunchKernel failed"
+    transfer = Transfer.from_stats(
+        [(A, 10, Stats(2, 2 * GIB, 1, 1)), (B, 11, Stats(1, GIB, 1, 1)),
+         (C, 12, Stats(1, GIB, 1, 1))],
+        elapsed_s=1.0,
+        kept={A: (kept, ""), B: (blind, why)},
+    )  # fmt: skip
+    assert (transfer.bytes_copied, transfer.bytes_unchanged) == (GIB // 4 + 2 * GIB, 7 * GIB // 4)
+    assert transfer.notes == (f"pid 11: {why}",)
+    moved = json.loads(json_line(OpEvent("capture", "SAVE_ALLOCATIONS", 1.0, 3, transfer)))
+    assert (moved["bytes_copied"], moved["bytes_unchanged"]) == (9 * GIB // 4, 7 * GIB // 4)
+    summary = StagingSummary.from_phases(
+        [OpEvent("capture", "SAVE_ALLOCATIONS", 1.0, 3, transfer), OpEvent("capture", "X", 0, 3)]
+    )
+    assert summary is not None and summary.native_kept == NativeKept(0, 0)
+    assert (summary.bytes_copied, summary.bytes_unchanged, summary.kept) == (
+        9 * GIB // 4, 7 * GIB // 4, True
+    )  # fmt: skip
+    text = summary.human()
+    assert "kept host copies: 2.25 GiB copied, 1.75 GiB unchanged" in text, text
+    assert f"copied everything, pid 11: {why}" in text
+    # Without kept copies: every byte copied, nothing said of them.
+    plain = Transfer.from_stats([(A, 1, Stats(1, GIB, 1, 1))], elapsed_s=1.0)
+    assert (plain.bytes_copied, plain.bytes_unchanged, plain.notes) == (GIB, 0, ())
+    alone = StagingSummary.from_phases([OpEvent("capture", "SAVE_ALLOCATIONS", 1.0, 1, plain)])
+    assert alone is not None and "kept host copies" not in alone.human()

@@ -26,7 +26,9 @@ def test_an_event_is_written_with_its_tag_renames_and_flattened_parts() -> None:
         "per_participant": [{
             "participant": "p1", "pid": 7, "allocation_count": 1, "allocation_bytes": 4096,
             "shim_elapsed_s": 0.5, "copy_s": 0.25, "copy_gb_per_s": 4096 / 0.25 / 1e9,
+            "kept": False, "bytes_copied": 0, "bytes_unchanged": 0, "note": "",
         }],
+        "bytes_copied": 0, "bytes_unchanged": 0, "notes": [],
         "native_kept_allocations": 2, "native_kept_bytes": 8192,
     }  # fmt: skip
     assert serial.to_json(CopyProgress("SAVE_ALLOCATIONS", 1, 2, 0.5))["phase"] == (

@@ -492,3 +492,33 @@ def test_load_allocations_carries_the_gpu_mapping_as_its_text() -> None:
         Request(Op.RESTORE_UNICAST, gpu_map=GPU_MAP).encode()
     with pytest.raises(WireError, match="ASCII bytes"):
         Request(Op.LOAD_ALLOCATIONS, gpu_map="x" * (wire.MESSAGE_MAX + 1)).encode()
+
+
+def test_a_host_copy_record_is_checked_before_use() -> None:
+    """HOST_COPY figures come from a shim: one record a reply at most, a known hash
+    state, and only a HOST_COPY record read as one."""
+    from cuinterpose.engine.wire import HashState, HostCopy, Record
+
+    good = HostCopy(1 << 20, 1, 16, 0, 1 << 20, HashState.COMPARED)
+    assert HostCopy.in_reply((good.record(),)) == good
+    assert HostCopy.in_reply(()) is None
+    with pytest.raises(WireError, match="carries 2 HOST_COPY records"):
+        HostCopy.in_reply((good.record(), good.record()))
+    with pytest.raises(WireError, match="unknown hash state 9"):
+        HostCopy.of(Record(kind=RecordKind.HOST_COPY, op_flags=9))
+    with pytest.raises(WireError, match="MAPPING record is no HOST_COPY record"):
+        HostCopy.of(Record(kind=RecordKind.MAPPING))
+
+
+def test_a_host_copy_request_says_keep_or_give_back_and_nothing_else() -> None:
+    from cuinterpose.engine.wire import HOST_COPY_GIVE_BACK, HOST_COPY_KEEP, Header, Stats
+
+    for give_back in (False, True):
+        request = Request(Op.HOST_COPY, participant="ab" * 16, give_back=give_back)
+        assert decode_request(request.encode())[0] == request
+        want = HOST_COPY_GIVE_BACK if give_back else HOST_COPY_KEEP
+        assert Header.decode(request.encode()).stats == Stats(count=want)
+    for asked in (0, 3):
+        raw = Header(op=int(Op.HOST_COPY), participant="ab" * 16, stats=Stats(count=asked))
+        with pytest.raises(WireError, match="HOST_COPY request has stats set"):
+            decode_request(raw.encode())

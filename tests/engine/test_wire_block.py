@@ -28,9 +28,11 @@ from cuinterpose.engine.wire import (
     Reply,
     Request,
     ResourceKind,
+    Stats,
     Status,
     WireError,
     decode_records,
+    host_copy_request_stats,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -326,6 +328,8 @@ def test_a_request_encodes_as_its_header_does(
                     authorization=authorization,
                     resource_kind=int(kind),
                     message_length=len(text),
+                    # HOST_COPY says what it asks: KEEP unless it gives back.
+                    stats=host_copy_request_stats(True) if op is Op.HOST_COPY else Stats(),
                 ).encode()
                 + text
             )

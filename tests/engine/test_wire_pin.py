@@ -128,6 +128,8 @@ def python_constants() -> dict[str, int | str]:
         "CUIP_STORED_STRIPE": wire.STORED_STRIPE,
         "CUIP_STORED_MAX_PARTS": wire.STORED_MAX_PARTS,
         "CUIP_EVERY_PHASE": phase_set(EVERY_PHASE),
+        "CUIP_HOST_COPY_KEEP": wire.HOST_COPY_KEEP,
+        "CUIP_HOST_COPY_GIVE_BACK": wire.HOST_COPY_GIVE_BACK,
         **CONTRACT_ONLY,
     }
     prefixes: list[tuple[str, type[enum.Enum]]] = [
@@ -139,6 +141,7 @@ def python_constants() -> dict[str, int | str]:
         ("CUIP_FLAG_", RecordFlag),
         ("CUIP_REPLY_", wire.ReplyFlag),
         ("CUIP_UNOWNED_", wire.Unowned),
+        ("CUIP_HASH_", wire.HashState),
         ("CUIP_", BindingKind),  # CUIP_BIND_MEM, CUIP_BIND_ADDR
     ]
     for prefix, enum_type in prefixes:
@@ -364,6 +367,9 @@ int main(void) {{
 DEADLINE_NS = 0x0102030405060708
 IN_FLIGHT = wire.InFlight(Op.LOAD_ALLOCATIONS, 0x1112131415161718, 0x2122232425262728, 0x313233)
 HELD = 0x0A0B
+HOST = wire.HostCopy(
+    0x0102030405060708, 0x11, 0x2122, 0x3132333435, 0x4142434445, wire.HashState.COMPARED
+)
 EXPORT_SIZE = 0x0C0D0E0F10111213
 
 PER_OP_PROGRAM = f"""
@@ -404,6 +410,18 @@ PER_OP_PROGRAM = f"""
     cuip_set_quiesce_held(&q, {HELD}ull);
     dump("quiesce_reply", &q, sizeof q);
     printf("read quiesce_reply %llu\\n", (unsigned long long)cuip_quiesce_held(&q));
+    struct cuip_record hr;
+    memset(&hr, 0, sizeof hr);
+    cuip_set_host_copy(&hr, {HOST.bytes}ull, {HOST.count}ull, {HOST.overhead}ull,
+                       {HOST.copied}ull, {HOST.unchanged}ull, CUIP_HASH_{HOST.hash.name});
+    dump("host_copy", &hr, sizeof hr);
+    printf("read host_copy %llu %llu %llu %llu %llu %llu\\n",
+           (unsigned long long)cuip_host_copy_bytes(&hr),
+           (unsigned long long)cuip_host_copy_count(&hr),
+           (unsigned long long)cuip_host_copy_overhead(&hr),
+           (unsigned long long)cuip_host_copy_copied(&hr),
+           (unsigned long long)cuip_host_copy_unchanged(&hr),
+           (unsigned long long)cuip_host_copy_hash(&hr));
 }}
 """
 
@@ -708,6 +726,13 @@ def test_the_per_op_stat_names_match_the_shims(c_layout: CLayout) -> None:
     held = dumps["quiesce_reply"]
     assert held[:96] == bytes(96) and wire.quiesce_held(_stat_fields(held)) == HELD
     assert reads["quiesce_reply"] == (HELD,)
+    # A HOST_COPY record: the C setter and HostCopy put each figure in the same field.
+    kept = dumps["host_copy"]
+    assert kept == HOST.record().encode()
+    assert wire.HostCopy.of(wire.Record.decode(kept)) == HOST
+    assert reads["host_copy"] == (
+        HOST.bytes, HOST.count, HOST.overhead, HOST.copied, HOST.unchanged, int(HOST.hash)
+    )
 
 
 def test_a_header_of_another_version_is_refused_by_number(c_layout: CLayout) -> None:

@@ -46,8 +46,8 @@ class Shim:
         assert reply.op == op and reply.participant == self.participant
         return reply
 
-    def ok(self, op: Op) -> wire.Reply:
-        reply = self.call(op)
+    def ok(self, op: Op, **kw: object) -> wire.Reply:
+        reply = self.call(op, **kw)
         assert reply.status == Status.OK, (op, reply.status, reply.message)
         return reply
 
