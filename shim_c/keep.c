@@ -140,7 +140,11 @@ static long long meminfo(const char *field)
 #define KEEP_RESERVE_DIV 16
 static bool room_for(size_t len, char *why, size_t n)
 {
+#ifdef CUINTERPOSE_TEST_HOOKS
     size_t hook = shim_settings()->test_host_available;
+#else
+    size_t hook = 0;
+#endif
     long long avail = hook ? (long long)hook : meminfo("MemAvailable");
     long long total = hook ? (long long)hook : meminfo("MemTotal");
     long long reserve = total / KEEP_RESERVE_DIV;

@@ -22,6 +22,7 @@ import pytest
 from cuinterpose.demo import Worker
 from cuinterpose.engine import wire
 
+from tests.shim import shimenv
 from tests.shim.test_content import finish, make_shared
 from tests.shim.test_control import CAPTURE, RESTORE, Shim, native_checkpoint_restore
 from tests.simenv import Spawn
@@ -346,6 +347,7 @@ def test_a_copy_the_host_cannot_spare_is_not_pinned_and_says_so(
     with 1030 MiB available, 2 MiB is pinned and 10 MiB is not. The one not pinned goes
     through the staging memory every cycle, the log says why; STATUS counts only what is
     pinned; every byte comes back."""
+    shimenv.needs_test_hooks("SNAPSHOT_SHIM_TEST_HOST_AVAILABLE_MIB")
     creator = spawn(extra={**KEEP, "SNAPSHOT_SHIM_TEST_HOST_AVAILABLE_MIB": "1030"})
     gran = make_shared(creator, [1, 5], seed=1300)
     c = Shim(control_dir, creator.pid)
@@ -377,7 +379,6 @@ def test_host_copy_request_turns_the_mode_on_and_gives_everything_back(
     nothing); GIVE_BACK frees every copy and turns the mode off (STATUS and SAVE carry no
     HOST_COPY record any more); outside ACTIVE it is WRONG_PHASE and changes nothing; a
     request asking anything else is BAD_REQUEST."""
-    from tests.shim import shimenv
     from tests.shim.test_control import header
 
     creator = spawn(extra={"SNAPSHOT_SHIM_COPY_THREADS": "3"})
