@@ -107,10 +107,11 @@ def test_every_resume_fetches_before_its_restore_when_files_are_there(work: Path
         assert "fetch_staged" not in [t.step for t in plain.timings]
 
 
-def header(participant: str, part: int, parts: int) -> bytes:
+def header(participant: str, part: int, parts: int, dump: str = "ab" * 16) -> bytes:
     return wire.STORED_HEADER_STRUCT.pack(
-        wire.STORED_MAGIC, wire.STORED_VERSION, 0, part, parts, 0, 4096, participant.encode()
-    )
+        wire.STORED_MAGIC, wire.STORED_VERSION, 0, part, parts, 0, 4096, participant.encode(),
+        bytes.fromhex(dump), 0,
+    )  # fmt: skip
 
 
 def test_fetch_refuses_a_missing_or_an_extra_part_naming_the_file(work: Path) -> None:
