@@ -31,13 +31,13 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
 import attrs
 
-from .client import ParticipantError, call_all
+from .client import Endpoint, ParticipantError, call_all
 from .detection import Where
 from .directory import untrusted
 from .errors import AgentError
@@ -367,15 +367,16 @@ def _exchange(
     pairs: list[tuple[Process, str]],
     parts: list[list[Path]],
     flags: int,
-    where: Where,
+    where: Where | Callable[[Process], Endpoint],
     timeout: float,
     identity: str,
 ) -> tuple[StoredFile, ...]:
     opened = _open_all(op, parts, flags)
     dump = bytes.fromhex(identity)
+    reach = where.endpoint if isinstance(where, Where) else where
     try:
         calls = [
-            (where.endpoint(p), Request(op, participant=i, resource_id=dump, fds=tuple(fds)), i)
+            (reach(p), Request(op, participant=i, resource_id=dump, fds=tuple(fds)), i)
             for (p, i), fds in zip(pairs, opened, strict=True)
         ]
         replies = call_all(calls, timeout=timeout)
@@ -557,12 +558,13 @@ def fetch_pairs(
     checkpoint_dir: Path,
     pairs: Sequence[tuple[Process, str]],
     *,
-    where: Where,
+    where: Where | Callable[[Process], Endpoint],
     options: Options | None = None,
     missing_ok: bool = False,
 ) -> tuple[StoredFile, ...]:
     """:func:`fetch` to processes named with their participant ids (a ``recover`` knows
-    them from the shims, where no manifest was written)."""
+    them from the shims, where no manifest was written), reached through ``where`` (or,
+    given a function, its endpoint for each process)."""
     options = options or Options()
     pairs = list(pairs)
     found = [parts_of(checkpoint_dir, i) for _, i in pairs]

@@ -1,0 +1,151 @@
+"""The staged bytes beside the images through the library, on real shims and the simulated
+driver (engine/stored.py, specs/criu.md "The stored format"): what a resume refuses
+before its native restore, and what ``recover`` fetches back.
+
+A creator/importer group suspended with ``store_beside=True`` (what the CRIU verbs do):
+- a part cut short, one others may write, one owned by uid 65534, one replaced by a
+  symbolic link, an earlier store's parts put in place of the newer ones: the resume
+  refuses each before its native restore (every process still CHECKPOINTED), naming the
+  file and, for another store's part, both identities; the true parts put back, the
+  resume brings every byte back;
+- the coordinator gone after its store (the processes natively restored and unlocked by
+  hand, the shims PREPARED with their bytes only in the files): ``cuinterpose recover``
+  fetches them back (every stripe's sum checked) and the group runs with its bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cuinterpose.engine import agent, stored
+from cuinterpose.engine.native_checkpoint import ProcessState
+
+from tests.shim.agentgroup import Group, WorkerBackend, build_group
+from tests.simenv import Spawn
+
+
+@pytest.fixture
+def group(spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str]) -> Group:
+    return build_group(spawn, shim_env, plain_env)
+
+
+def suspended(group: Group, ckpt: Path, control_dir: Path) -> WorkerBackend:
+    native = WorkerBackend(group.observer)
+    agent.suspend(
+        group.processes, ckpt, where=agent.Where(control_dir), native=native, store_beside=True
+    )
+    assert {native.state(p) for p in group.pids} == {ProcessState.CHECKPOINTED}
+    return native
+
+
+def refused_before_the_native_restore(
+    group: Group, native: WorkerBackend, ckpt: Path, control_dir: Path, *words: str
+) -> None:
+    with pytest.raises(stored.StoreFailed) as info:
+        agent.resume(ckpt, where=agent.Where(control_dir), native=native)
+    text = str(info.value)
+    assert text.startswith("resume refused: the staged bytes"), text
+    assert "nothing was changed" in text, text
+    for word in words:
+        assert word in text, text
+    assert not info.value.changed
+    assert {native.state(p) for p in group.pids} == {ProcessState.CHECKPOINTED}
+
+
+def test_bad_parts_are_refused_before_the_native_restore(
+    group: Group, control_dir: Path, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    native = suspended(group, ckpt, control_dir)
+    part = max(stored.stored_files(ckpt), key=lambda p: p.stat().st_size)  # one with data
+    good = part.read_bytes()
+    part.write_bytes(good[:-1])  # cut short by one byte
+    refused_before_the_native_restore(group, native, ckpt, control_dir, f"{part} has")
+    part.write_bytes(good)
+    for mode, owner, words in [
+        (0o666, 0, "is writable by group or others (mode 0666)"),
+        (0o600, 65534, "is owned by uid 65534"),
+    ]:
+        if owner and os.geteuid() != 0:
+            continue  # a file of uid 65534 needs root to make
+        os.chmod(part, mode)
+        os.chown(part, owner, owner)
+        refused_before_the_native_restore(group, native, ckpt, control_dir, str(part), words)
+    os.chown(part, 0, 0)
+    os.chmod(part, 0o600)
+    kept = tmp_path / "kept.bin"
+    part.rename(kept)
+    part.symlink_to(kept)
+    refused_before_the_native_restore(
+        group, native, ckpt, control_dir, f"{part} is a symbolic link (never followed)"
+    )
+    part.unlink()
+    kept.rename(part)
+    agent.resume(ckpt, where=agent.Where(control_dir), native=native)
+    assert group.mismatches() == []
+    group.close()
+
+
+def test_an_earlier_stores_parts_are_refused_naming_both_identities(
+    group: Group, control_dir: Path, tmp_path: Path
+) -> None:
+    """Suspended, resumed, suspended again into the same directory: the first store's
+    parts (the same processes, the same sizes) copied over the second's are refused by
+    the identity they carry, naming both; the second's put back, every byte returns."""
+    ckpt, earlier, newer = tmp_path / "ckpt", tmp_path / "earlier", tmp_path / "newer"
+    native = suspended(group, ckpt, control_dir)
+    first = stored.recorded_identity(ckpt)
+    shutil.copytree(ckpt, earlier)
+    agent.resume(ckpt, where=agent.Where(control_dir), native=native)
+    suspended(group, ckpt, control_dir)
+    second = stored.recorded_identity(ckpt)
+    assert first and second and first != second
+    shutil.copytree(ckpt, newer)
+    for path in stored.stored_files(ckpt):
+        shutil.copy2(earlier / path.name, path)
+    refused_before_the_native_restore(
+        group, native, ckpt, control_dir, f"is of dump {first}, not of dump {second}"
+    )
+    for path in stored.stored_files(ckpt):
+        shutil.copy2(newer / path.name, path)
+    agent.resume(ckpt, where=agent.Where(control_dir), native=native)
+    assert group.mismatches() == []
+    group.close()
+
+
+def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    env = dict(env)
+    env.pop("SNAPSHOT_CONTROL_DIR", None)
+    return subprocess.run(
+        [sys.executable, "-m", "cuinterpose", *args],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_recover_fetches_what_the_shims_stored(
+    group: Group, control_dir: Path, tmp_path: Path, plain_env: dict[str, str]
+) -> None:
+    """The coordinator gone once its store was done (its manifest removed: as if killed
+    before writing it), the processes brought back natively by hand: the shims are
+    PREPARED with their bytes only in the files, and ROLLBACK_ALLOCATIONS would refuse
+    (FETCH_STAGED first). ``cuinterpose recover`` fetches them and rolls back: every
+    byte back."""
+    ckpt = tmp_path / "ckpt"
+    native = suspended(group, ckpt, control_dir)
+    (ckpt / agent.MANIFEST_FILE_NAME).unlink()
+    for pid in group.pids:
+        native.restore(pid)
+        native.unlock(pid)
+    args = ["recover", "--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir)]
+    args += [w for p in group.pids for w in ("--process", str(p), str(p))]
+    done = run_cli([*args, "--driver", "sim"], plain_env)
+    assert done.returncode == 0, done.stderr + done.stdout
+    rows = agent.status(group.processes, agent.Where(control_dir), native)
+    assert {(r.native_state, r.shim_phase) for r in rows} == {("RUNNING", "ACTIVE")}
+    assert group.mismatches() == []
+    group.close()
