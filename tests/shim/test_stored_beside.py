@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from cuinterpose.engine.native_checkpoint import ProcessState
 
 from tests.shim.agentgroup import Group, WorkerBackend, build_group
 from tests.simenv import Spawn
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -141,6 +143,65 @@ def test_recover_fetches_what_the_shims_stored(
     for pid in group.pids:
         native.restore(pid)
         native.unlock(pid)
+    args = ["recover", "--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir)]
+    args += [w for p in group.pids for w in ("--process", str(p), str(p))]
+    done = run_cli([*args, "--driver", "sim"], plain_env)
+    assert done.returncode == 0, done.stderr + done.stdout
+    rows = agent.status(group.processes, agent.Where(control_dir), native)
+    assert {(r.native_state, r.shim_phase) for r in rows} == {("RUNNING", "ACTIVE")}
+    assert group.mismatches() == []
+    group.close()
+
+
+def stand_in_criu(path: Path) -> Path:
+    """A ``criu`` that says it is 4.2, passes ``check``, and whose dump never returns."""
+    path.write_text(
+        '#!/bin/sh\ncase "$1" in\n  --version) echo "Version: 4.2" ;;\n'
+        "  dump) exec sleep 60 ;;\nesac\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+def idle(group: Group, control_dir: Path, native: WorkerBackend) -> bool:
+    """No shim of the group has a phase op in flight (a STORE the dead coordinator sent
+    runs to its end in the shim)."""
+    rows = agent.status(group.processes, agent.Where(control_dir), native)
+    return all(r.in_flight is None or r.in_flight.op is None for r in rows)
+
+
+def test_criu_dump_killed_during_its_store_then_recover(
+    group: Group, control_dir: Path, tmp_path: Path, plain_env: dict[str, str]
+) -> None:
+    """``cuinterpose criu dump`` killed (SIGKILL, with its process group) once it created
+    the parts, while its shims store into them beside the native lock and checkpoint:
+    no manifest, or one without images. The processes brought back natively by hand
+    where the dead run left them LOCKED or CHECKPOINTED (``recover``'s native mixes are
+    another matter), ``cuinterpose recover`` fetches the stored bytes (every stripe's
+    sum checked) and the group runs with every byte."""
+    ckpt, images = tmp_path / "ckpt", tmp_path / "images"
+    env = {k: v for k, v in plain_env.items() if k != "SNAPSHOT_CONTROL_DIR"}
+    argv = [sys.executable, "-m", "cuinterpose", "criu", "dump", "--checkpoint-dir", str(ckpt),
+            "--images-dir", str(images), "--control-dir", str(control_dir), "--criu",
+            str(stand_in_criu(tmp_path / "criu")), "--tree", str(os.getpid()),
+            *(w for p in group.pids for w in ("--process", str(p), str(p)))]  # fmt: skip
+    run = subprocess.Popen(
+        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        wait_until(lambda: len(stored.stored_files(ckpt)) >= 2 or run.poll() is not None,
+                   "the dump created its parts")  # fmt: skip
+        assert run.poll() is None, run.communicate()[1]
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.communicate()
+    native = WorkerBackend(group.observer)
+    wait_until(lambda: idle(group, control_dir, native), "the shims' store ran to its end")
+    for pid in group.pids:
+        if native.state(pid) is ProcessState.CHECKPOINTED:
+            native.restore(pid)
+        if native.state(pid) is ProcessState.LOCKED:
+            native.unlock(pid)
     args = ["recover", "--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir)]
     args += [w for p in group.pids for w in ("--process", str(p), str(p))]
     done = run_cli([*args, "--driver", "sim"], plain_env)
