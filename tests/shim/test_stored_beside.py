@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cuinterpose.engine import agent, stored
+from cuinterpose.engine import agent, criu, stored
 from cuinterpose.engine.native_checkpoint import ProcessState
 
 from tests.shim.agentgroup import Group, WorkerBackend, build_group
@@ -206,6 +206,77 @@ def test_criu_dump_killed_during_its_store_then_recover(
     args += [w for p in group.pids for w in ("--process", str(p), str(p))]
     done = run_cli([*args, "--driver", "sim"], plain_env)
     assert done.returncode == 0, done.stderr + done.stdout
+    rows = agent.status(group.processes, agent.Where(control_dir), native)
+    assert {(r.native_state, r.shim_phase) for r in rows} == {("RUNNING", "ACTIVE")}
+    assert group.mismatches() == []
+    group.close()
+
+
+def criu_that_outlives(path: Path, finished: bool) -> Path:
+    """A ``criu`` whose dump says it started (``started`` in the images directory), waits
+    for ``go`` there (the test writes it once the coordinator is dead), then writes a
+    page file and its log, ending as CRIU's ends when the dump finished or failed, and
+    ``ended``. It kills no tree: the processes stay as a failed dump leaves them."""
+    last, code = ("Dumping finished successfully", 0) if finished else ("Dumping FAILED.", 1)
+    path.write_text(
+        "#!/bin/sh\n"
+        'dir=""; log=""; prev=""\n'
+        'for a in "$@"; do [ "$prev" = -D ] && dir=$a; [ "$prev" = -o ] && log=$a; prev=$a; done\n'
+        'case "$1" in\n'
+        '  --version) echo "Version: 4.2" ;;\n'
+        '  dump) touch "$dir/started"\n'
+        '    while [ ! -e "$dir/go" ]; do sleep 0.05; done\n'
+        '    echo "host pages" >"$dir/pages-1.img"\n'
+        f'    printf "(00.10) Writing stats\\n(00.20) {last}\\n" >"$log"\n'
+        f'    touch "$dir/ended"; exit {code} ;;\n'
+        "esac\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("finished", [True, False], ids=["criu-finished", "criu-failed"])
+def test_criu_dump_killed_as_criu_starts(
+    group: Group, control_dir: Path, tmp_path: Path, plain_env: dict[str, str], finished: bool
+) -> None:
+    """``cuinterpose criu dump`` killed (SIGKILL, itself alone) once its ``criu dump``
+    child started; CRIU carries on. Finished: its images are the group's (the manifest
+    and the images name the staged parts' identity from before CRIU ran) and a restore
+    takes them. Failed: a restore refuses them, saying the dump did not finish and which
+    command brings the group back; that command does, every byte checked. Either way
+    ``cuinterpose resume`` on the tree CRIU left (the stand-in kills none) brings every
+    byte back, the parts fetched under the images' identity."""
+    ckpt, images = tmp_path / "ckpt", tmp_path / "images"
+    env = {k: v for k, v in plain_env.items() if k != "SNAPSHOT_CONTROL_DIR"}
+    argv = [sys.executable, "-m", "cuinterpose", "criu", "dump", "--checkpoint-dir", str(ckpt),
+            "--images-dir", str(images), "--control-dir", str(control_dir), "--criu",
+            str(criu_that_outlives(tmp_path / "criu", finished)), "--tree", str(os.getpid()),
+            *(w for p in group.pids for w in ("--process", str(p), str(p)))]  # fmt: skip
+    run = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: (images / "started").exists() or run.poll() is not None,
+                   "criu dump started")  # fmt: skip
+        assert run.poll() is None, run.communicate()[1]
+    finally:
+        run.kill()  # the coordinator alone: its criu child lives on
+        run.communicate()
+    (images / "go").touch()
+    wait_until(lambda: (images / "ended").exists(), "criu dump ended")
+    manifest = agent.read_manifest(ckpt)
+    assert manifest.images is not None
+    assert manifest.images.identity == stored.recorded_identity(ckpt)
+    if finished:
+        criu.before_restore(ckpt, None, images)  # the images are the group's
+    else:
+        with pytest.raises(agent.ManifestError) as info:
+            criu.before_restore(ckpt, None, images)
+        text = str(info.value)
+        assert "was begun but never sealed, and did not finish" in text, text
+        assert "ends with '(00.20) Dumping FAILED.'" in text, text
+        assert f"cuinterpose resume --checkpoint-dir {ckpt}" in text, text
+    back = run_cli(["resume", "--checkpoint-dir", str(ckpt)], plain_env)
+    assert back.returncode == 0, back.stderr + back.stdout
+    native = WorkerBackend(group.observer)
     rows = agent.status(group.processes, agent.Where(control_dir), native)
     assert {(r.native_state, r.shim_phase) for r in rows} == {("RUNNING", "ACTIVE")}
     assert group.mismatches() == []
