@@ -21,6 +21,8 @@ Processes that are gone are left out and reported; the survivors are brought bac
 from __future__ import annotations
 
 import shlex
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -36,9 +38,11 @@ from .options import Options
 from .runner import RestoreResult, RollbackResult, restore, rollback
 from .statefile import STATE_FILE_NAME, StateFileError, read_state
 from .steps import check_endpoints
-from .wire import Op, Phase, Reply, Request
+from .wire import InFlight, Op, Phase, Reply, Request
 
 Action = Literal["nothing", "restored", "rolled back"]
+# How often a recover asks whether a store a dead coordinator sent is still running.
+_BUSY_POLL_S = 0.05
 
 
 @attrs.frozen
@@ -190,11 +194,32 @@ def _fetch_stored(
                 pairs.append((Process(b.endpoint.observed_pid, b.endpoint.namespace_pid),
                               b.participant))  # fmt: skip
         if pairs:
+            _stores_done([reach[p] for p, _ in pairs], [i for _, i in pairs], options)
             fetch_pairs(directory, pairs, where=reach.__getitem__, options=options)
     except StoreFailed as failed:
         raise CoordinatorError(
             "recover", "FETCH_STAGED", [Problem(line) for line in failed.lines()]
         ) from None
+
+
+_FILE_OPS = frozenset({Op.STORE_STAGED, Op.FETCH_STAGED})
+
+
+def _stores_done(endpoints: Sequence[Endpoint], ids: Sequence[str], options: Options) -> None:
+    """Wait, for at most the phase timeout, until no shim runs a STORE_STAGED or
+    FETCH_STAGED (one a dead coordinator sent runs to its end in the shim: its files are
+    complete only then). Past the timeout, the FETCH that follows says which is busy."""
+    deadline = time.monotonic() + options.phase_timeout
+    calls = [(e, Request(Op.STATUS, participant=i), i) for e, i in zip(endpoints, ids, strict=True)]
+    while time.monotonic() < deadline:
+        replies = options.transport(calls, timeout=options.phase_timeout)
+        busy = [
+            r for r in replies
+            if isinstance(r, Reply) and InFlight.from_stats(r.stats).op in _FILE_OPS
+        ]  # fmt: skip
+        if not busy:
+            return
+        threading.Event().wait(_BUSY_POLL_S)
 
 
 def _phases(before: Sequence[ProcessBefore]) -> set[Phase | None]:

@@ -39,7 +39,14 @@ from .native_checkpoint import (
 from .options import Options
 from .progress import StagingSummary
 from .statefile import StateFileError, utc_timestamp
-from .stored import StoreFailed, check_parts, fetch, stored_files
+from .stored import (
+    IDENTITY_FILE_NAME,
+    StoreFailed,
+    check_parts,
+    fetch,
+    recorded_identity,
+    stored_files,
+)
 from .watch import CopyWatcher
 
 # The runner and recovery (the machines, transitions) are imported where the coordinator
@@ -313,6 +320,13 @@ def _parts_fetchable(directory: Path, manifest: Manifest) -> None:
     restore, after which the group could no longer be left as it is."""
     ids = [p.participant for p in manifest.participants if p.participant]
     problems = check_parts(directory, ids)
+    dumped = manifest.images.identity if manifest.images is not None else None
+    recorded = None if problems else recorded_identity(directory)
+    if dumped is not None and recorded is not None and recorded != dumped:
+        problems.append(
+            f"the staged parts in {directory} are of dump {recorded} ({IDENTITY_FILE_NAME}), "
+            f"the images and the manifest of dump {dumped}: another dump's parts"
+        )
     if problems:
         raise StoreFailed(
             f"resume refused: the staged bytes in {directory} cannot be fetched:",
