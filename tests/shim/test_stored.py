@@ -22,6 +22,7 @@ import ctypes.util
 import os
 import socket
 import struct
+import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -447,3 +448,23 @@ def test_an_earlier_stores_parts_are_refused_naming_both(
         c.ok(op)
     assert intact(w)
     finish(w)
+
+
+CASES = [(0, 0, 1), (1, 5, 1), (31, 0, 7), (32, 1, 32), (33, 2, 5), (100, 2**63 + 9, 64),
+         (4096 + 17, 3, 1000), ((1 << 20) + 3, 2**64 - 1, 1 << 20), (3000, 4, 0)]  # fmt: skip
+
+
+@pytest.mark.skipif(_XXH64 is None, reason="libxxhash.so.0 is not installed")
+def test_the_sums_are_xxh64_whatever_the_pieces() -> None:
+    """shim_c/xxh64.h against the reference library (libxxhash): short inputs and tails,
+    every seed width, fed in pieces of any size across its 32-byte blocks, and zeros fed
+    as xxh64_zeros feeds an alignment gap."""
+    from tests.shim import shimenv
+
+    args = [f"{n}:{seed}:{split}" for n, seed, split in CASES]
+    out = subprocess.run([str(shimenv.test_program("xxh64_prog")), *args], capture_output=True,
+                         text=True, timeout=30, check=True).stdout.split()  # fmt: skip
+    assert _XXH64 is not None
+    for (n, seed, split), got in zip(CASES, out, strict=True):
+        data = bytes((i * 131 + 7) & 0xFF for i in range(n)) if split else bytes(n)
+        assert int(got, 16) == _XXH64(data, seed), (n, seed, split)

@@ -28,3 +28,8 @@ add_executable(shim_collide ${CMAKE_SOURCE_DIR}/tests/shim/c/collide_prog.c)
 target_include_directories(shim_collide PRIVATE ${CUINTERPOSE_CUDA_INCLUDE})
 target_link_libraries(shim_collide PRIVATE dl)
 set_target_properties(shim_collide PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${_shim_tests_dir})
+
+# shim_c/xxh64.h on chosen lengths, seeds and piece sizes (the stored parts' sums).
+add_executable(xxh64_prog ${CMAKE_SOURCE_DIR}/tests/shim/c/xxh64_prog.c)
+target_include_directories(xxh64_prog PRIVATE ${CMAKE_SOURCE_DIR}/shim_c)
+set_target_properties(xxh64_prog PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${_shim_tests_dir})
