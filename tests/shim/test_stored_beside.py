@@ -281,3 +281,32 @@ def test_criu_dump_killed_as_criu_starts(
     assert {(r.native_state, r.shim_phase) for r in rows} == {("RUNNING", "ACTIVE")}
     assert group.mismatches() == []
     group.close()
+
+
+def test_a_flipped_byte_found_by_the_fetch_then_recover(
+    group: Group, control_dir: Path, tmp_path: Path, plain_env: dict[str, str]
+) -> None:
+    """One data byte flipped (size, header and identity intact): only reading finds it,
+    so the resume's fetch refuses it after the native restore, naming the part and the
+    stripe, the bytes still in the files. The true part put back, ``cuinterpose
+    recover`` fetches it and restores: every byte back."""
+    ckpt = tmp_path / "ckpt"
+    native = suspended(group, ckpt, control_dir)
+    part = max(stored.stored_files(ckpt), key=lambda p: p.stat().st_size)
+    good = part.read_bytes()
+    bad = bytearray(good)
+    bad[-100] ^= 1
+    part.write_bytes(bytes(bad))
+    with pytest.raises(agent.ResumeFailed) as info:
+        agent.resume(ckpt, where=agent.Where(control_dir), native=native)
+    text = str(info.value)
+    assert "part 0: stripe 0 (file offset 4096" in text and "changed since" in text, text
+    part.write_bytes(good)
+    args = ["recover", "--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir)]
+    args += [w for p in group.pids for w in ("--process", str(p), str(p))]
+    done = run_cli([*args, "--driver", "sim"], plain_env)
+    assert done.returncode == 0, done.stderr + done.stdout
+    rows = agent.status(group.processes, agent.Where(control_dir), native)
+    assert {(r.native_state, r.shim_phase) for r in rows} == {("RUNNING", "ACTIVE")}
+    assert group.mismatches() == []
+    group.close()
