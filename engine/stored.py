@@ -473,13 +473,15 @@ def _table_layout(path: Path, n: int) -> Layout | str:
     """The layout part 0's header and table give (checked by its header first)."""
     try:
         with path.open("rb") as handle:
-            raw = handle.read(STORED_HEADER_STRUCT.size)
-            head = PartHeader.unpack(raw)
-            table = handle.read(head.count * STORED_ENTRY_STRUCT.size)
+            head = PartHeader.unpack(handle.read(STORED_HEADER_STRUCT.size))
+            want = head.count * STORED_ENTRY_STRUCT.size
+            # No more than the file holds: a count that lies costs no memory.
+            room = os.fstat(handle.fileno()).st_size - STORED_HEADER_STRUCT.size
+            table = handle.read(min(want, max(room, 0)))
     except OSError as exc:
         return f"{path}: {exc.strerror}"
-    if len(table) < head.count * STORED_ENTRY_STRUCT.size:
-        return f"{path}: its table is cut short"
+    if len(table) < want:
+        return f"{path}: its table of {head.count} entries is cut short"
     length = 0
     for i in range(head.count):
         _, size, offset = STORED_ENTRY_STRUCT.unpack_from(table, i * STORED_ENTRY_STRUCT.size)
