@@ -23,6 +23,7 @@ into it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -59,16 +60,16 @@ from .agent import (
 from .client import control_dir_problem
 from .directory import make_private, require_trusted
 from .errors import CoordinatorError
-from .images import check_identity, forget, private_directory, seal
+from .images import DUMP_LOG, check_identity, intend, private_directory, seal, withdraw
 from .native_checkpoint import DEFAULT_LOCK_TIMEOUT_MS, NativeBackend
 from .options import Options
 from .serial import shape
 from .statefile import StateFileError
+from .stored import IDENTITY_FILE_NAME as STORED_IDENTITY
 from .stored import StoreFailed, remove_parts
 
 CRIU_ENV: Final = "CUINTERPOSE_CRIU"
 MIN_VERSION: Final = (4, 0)
-DUMP_LOG: Final = "dump.log"
 RESTORE_LOG: Final = "restore.log"
 RESTORED_PIDFILE: Final = "criu-restored.pid"
 # The shim binds its listener under this name, then renames it to the published one
@@ -578,8 +579,11 @@ def dump(
 
     Refused before anything changes: a ``tree`` that does not hold every process (its
     pids as seen in ``proc``, default /proc), and a checkpoint or images directory not
-    to be trusted; both are created 0700 where missing. Once dumped, the images are
-    made private and sealed with the manifest (:func:`~.images.seal`).
+    to be trusted; both are created 0700 where missing. Before CRIU runs, the dump's
+    identity (the staged parts') goes into the images directory and the manifest
+    (:func:`~.images.intend`): a dump CRIU completes is restorable though this call dies
+    (its log says it finished); once dumped, the images are made private and sealed
+    (:func:`~.images.seal`). A dump that failed withdraws that identity.
 
     ``bytes_beside``: the staged GPU bytes go to files of ``checkpoint_dir`` before the
     dump, stored while the native checkpoint runs (:func:`~.suspension.suspend`'s
@@ -627,15 +631,20 @@ def dump(
             for p in done.manifest.participants:
                 if p.participant:
                     remove_parts(checkpoint_dir, p.participant)
-        forget(images)
+            (Path(checkpoint_dir) / STORED_IDENTITY).unlink(missing_ok=True)
+        # The dump's identity in the images and the manifest before CRIU runs: a dump it
+        # completes is restorable whoever dies first (engine/images.py).
+        intend(images, Path(checkpoint_dir))
         timing = _timed(
             "criu_dump",
             on_event,
             lambda: run_criu(criu, args, images / DUMP_LOG, timeout_s=criu_timeout_s),
             lambda: image_size(images).total,
         )
-    except (AgentError, OSError) as failure:  # criu dump failed
-        undone(failure)
+    except (AgentError, OSError, StateFileError) as failure:  # criu dump failed
+        with contextlib.suppress(OSError, StateFileError, AgentError):
+            withdraw(images, Path(checkpoint_dir))  # a restore refuses them all the same
+        undone(failure if not isinstance(failure, StateFileError) else OSError(str(failure)))
     try:
         manifest = seal(images, Path(checkpoint_dir))
     except (OSError, StateFileError, AgentError) as exc:

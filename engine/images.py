@@ -9,11 +9,16 @@ may write them decides what the group runs with, who may read them sees its data
   must pass the checkpoint directory's rule (:func:`~.directory.checkpoint_dir_problem`).
 - :func:`images_problem`: that rule for the images directory, and for every file in
   it: a regular file (no link), owned by us or root, writable by nobody else.
+- :func:`intend`: before CRIU runs, the dump's identity (the staged parts' beside
+  them, engine/stored.py, else a new one) written into the images directory
+  (``cuinterpose.images``, not yet sealed) and into the manifest, so that a dump CRIU
+  completes after its coordinator died is the group's all the same;
 - :func:`seal`: after a dump, the files made private (CRIU's pages follow the umask)
-  and one identity written into the images (``cuinterpose.images``) and into the
-  manifest; :func:`check_identity` refuses a restore whose images are not the ones
-  the manifest records (an older dump into the same checkpoint directory, another
-  group's), naming both, before CRIU runs.
+  and the identity record marked sealed; :func:`check_identity` refuses a restore
+  whose images are not the ones the manifest records (an older dump into the same
+  checkpoint directory, another group's), naming both, and images whose dump was
+  never sealed unless CRIU's own log says it finished (its last line), before CRIU
+  runs.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import stat
 from pathlib import Path
 from typing import Final
@@ -33,6 +39,11 @@ from .manifest import Images, Manifest, ManifestError, read_manifest, write_mani
 from .statefile import write_atomically
 
 IDENTITY_FILE_NAME: Final = "cuinterpose.images"
+# CRIU's log of the dump (``-o``), in the images directory: its last line says whether
+# the dump finished (CRIU's cr_dump_finish).
+DUMP_LOG: Final = "dump.log"
+DUMP_DONE: Final = "Dumping finished successfully"
+_LOG_TAIL: Final = 4096
 _IDENTITY_MAX: Final = 4096
 _WHAT: Final = "images directory"
 
@@ -107,23 +118,91 @@ def forget(images_dir: Path) -> None:
     (Path(images_dir) / IDENTITY_FILE_NAME).unlink(missing_ok=True)
 
 
-def seal(images_dir: Path, checkpoint_dir: Path) -> Manifest:
-    """After a dump: the images made private, and a new identity written into them and
-    into the manifest of ``checkpoint_dir`` (returned)."""
-    images = Path(images_dir).resolve()
-    directory = Path(checkpoint_dir)
-    manifest = read_manifest(directory)
-    _make_private(images)
-    identity = secrets.token_hex(16)
+def _dump_identity(checkpoint_dir: Path, manifest: Manifest, images: Path) -> str:
+    """The identity this dump's images take: the one the manifest recorded for them
+    (:func:`intend`), else the staged parts' beside them, else a new one."""
+    from .stored import new_identity, recorded_identity, stored_files
+
+    if manifest.images is not None and manifest.images.directory == str(images):
+        return manifest.images.identity
+    if stored_files(checkpoint_dir):
+        recorded = recorded_identity(checkpoint_dir)
+        if recorded is not None:
+            return recorded
+    return new_identity()
+
+
+def _record(images: Path, identity: str, directory: Path, manifest: Manifest, sealed: bool) -> None:
     body = {
         "identity": identity,
         "checkpoint_dir": str(directory.resolve()),
         "created_at": manifest.created_at,
+        "sealed": sealed,
     }
     write_atomically(images, IDENTITY_FILE_NAME, json.dumps(body).encode() + b"\n")
+
+
+def intend(images_dir: Path, checkpoint_dir: Path) -> Manifest:
+    """Before ``criu dump`` runs: the dump's identity (the staged parts' where they were
+    stored, else new) written into the images directory, not yet sealed, then into the
+    manifest of ``checkpoint_dir`` (returned), and an earlier dump's log removed: a dump
+    CRIU then completes is restorable whoever dies before :func:`seal` (its log says it
+    finished); one it does not complete is refused."""
+    images = Path(images_dir).resolve()
+    directory = Path(checkpoint_dir)
+    manifest = attrs.evolve(read_manifest(directory), images=None)
+    identity = _dump_identity(directory, manifest, images)
+    _record(images, identity, directory, manifest, sealed=False)
+    (images / DUMP_LOG).unlink(missing_ok=True)
+    intended = attrs.evolve(manifest, images=Images(identity, str(images)))
+    write_manifest(directory, intended)
+    return intended
+
+
+def withdraw(images_dir: Path, checkpoint_dir: Path) -> None:
+    """A dump that failed while its coordinator lives: what :func:`intend` wrote undone
+    (the manifest records no images, the images directory no identity)."""
+    images = Path(images_dir).resolve()
+    directory = Path(checkpoint_dir)
+    manifest = read_manifest(directory)
+    if manifest.images is not None and manifest.images.directory == str(images):
+        write_manifest(directory, attrs.evolve(manifest, images=None))
+    forget(images)
+
+
+def seal(images_dir: Path, checkpoint_dir: Path) -> Manifest:
+    """After a dump: the images made private, and the dump's identity (the one
+    :func:`intend` recorded, else the staged parts', else new) sealed into them and
+    written into the manifest of ``checkpoint_dir`` (returned)."""
+    images = Path(images_dir).resolve()
+    directory = Path(checkpoint_dir)
+    manifest = read_manifest(directory)
+    _make_private(images)
+    identity = _dump_identity(directory, manifest, images)
+    _record(images, identity, directory, manifest, sealed=True)
     sealed = attrs.evolve(manifest, images=Images(identity, str(images)))
     write_manifest(directory, sealed)
     return sealed
+
+
+def _dump_finished(images: Path) -> str | None:
+    """None when CRIU's log of the dump in ``images`` ends saying it finished; else why
+    not (no log, or its last line)."""
+    path = images / DUMP_LOG
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"there is no CRIU log of it ({path}: {exc.strerror})"
+    try:
+        size = os.fstat(fd).st_size
+        tail = os.pread(fd, _LOG_TAIL, max(0, size - _LOG_TAIL))
+    finally:
+        os.close(fd)
+    lines = [line.strip() for line in tail.decode(errors="replace").splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    if last.endswith(DUMP_DONE):
+        return None
+    return f"CRIU's log {path} ends with {last[-200:]!r}, not {DUMP_DONE!r}"
 
 
 def _read_identity(images_dir: Path) -> dict[str, str] | str:
@@ -147,9 +226,14 @@ def _read_identity(images_dir: Path) -> dict[str, str] | str:
     except ValueError:
         data = None
     keys = ("identity", "checkpoint_dir", "created_at")
-    if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in keys):
+    if (
+        not isinstance(data, dict)
+        or not all(isinstance(data.get(k), str) for k in keys)
+        or not isinstance(data.get("sealed", True), bool)
+    ):
         return f"{path} is not an identity record (malformed, or larger than {_IDENTITY_MAX} B)"
-    return {k: data[k] for k in keys}
+    # A record without "sealed" is of a cuinterpose that wrote it after the dump only.
+    return {**{k: data[k] for k in keys}, "sealed": "yes" if data.get("sealed", True) else ""}
 
 
 def check_identity(images_dir: Path, checkpoint_dir: Path, manifest: Manifest) -> None:
@@ -174,7 +258,20 @@ def check_identity(images_dir: Path, checkpoint_dir: Path, manifest: Manifest) -
     if isinstance(found, str):
         raise ManifestError(refused, [found, "nothing was changed"])
     if secrets.compare_digest(found["identity"], manifest.images.identity):
-        return
+        unfinished = None if found["sealed"] else _dump_finished(images)
+        if unfinished is None:
+            return
+        resume = shlex.join(["cuinterpose", "resume", "--checkpoint-dir", str(directory)])
+        raise ManifestError(
+            refused,
+            [
+                f"the dump into {images} (identity {found['identity']}) was begun but never "
+                f"sealed, and did not finish: {unfinished}",
+                "criu dump failed or was killed, and left the tree running (suspended): "
+                f"bring the group back with {resume}, then dump it again",
+                "nothing was changed",
+            ],
+        )
     theirs = Path(found["checkpoint_dir"])
     recorded = manifest.images.directory
     lines = [
@@ -194,10 +291,14 @@ def check_identity(images_dir: Path, checkpoint_dir: Path, manifest: Manifest) -
 
 
 __all__ = [
+    "DUMP_DONE",
+    "DUMP_LOG",
     "IDENTITY_FILE_NAME",
     "check_identity",
     "forget",
     "images_problem",
+    "intend",
     "private_directory",
     "seal",
+    "withdraw",
 ]

@@ -9,12 +9,20 @@ Every process is asked its phase (HANDSHAKE changes nothing). Then:
   (it died between prepare and restore), roll the survivors back, naming it;
 - anything else: roll back to ACTIVE with the staged bytes.
 
+Before either, the staged bytes of every PREPARED process that stored them beside the
+images (STORE_STAGED, engine/stored.py) and holds none in memory are fetched back from
+the checkpoint directory (FETCH_STAGED: a shim that holds them answers at once): a
+coordinator killed during or after the store, with or without a manifest, leaves them
+there, and neither a restore nor a rollback runs without them.
+
 Processes that are gone are left out and reported; the survivors are brought back.
 """
 
 from __future__ import annotations
 
 import shlex
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -24,15 +32,17 @@ import attrs
 from .client import Endpoint, ParticipantError
 from .directory import INTENT_FILE_NAME, clear_intent
 from .errors import CoordinatorError, Problem
-from .manifest import resume_hint
+from .manifest import Process, resume_hint
 from .native_checkpoint import NativeBackend, ProcessState, state_names
 from .options import Options
 from .runner import RestoreResult, RollbackResult, restore, rollback
 from .statefile import STATE_FILE_NAME, StateFileError, read_state
 from .steps import check_endpoints
-from .wire import Op, Phase, Reply, Request
+from .wire import InFlight, Op, Phase, Reply, Request
 
 Action = Literal["nothing", "restored", "rolled back"]
+# How often a recover asks whether a store a dead coordinator sent is still running.
+_BUSY_POLL_S = 0.05
 
 
 @attrs.frozen
@@ -133,6 +143,7 @@ def recover(
             clear_intent(directory)
         return RecoveryReport("nothing", before, None)
     try:
+        _fetch_stored(endpoints, directory, options, before)
         return _bring_back(endpoints, directory, options, before, interrupted, gpu_pairs)
     except CoordinatorError as error:
         if not error.destroyed and interrupted:
@@ -162,6 +173,53 @@ def _bring_back(
         result = rollback(endpoints, directory, options)
         return RecoveryReport("rolled back", tuple(before), result, missing)
     return RecoveryReport("rolled back", tuple(before), rollback(endpoints, directory, options))
+
+
+def _fetch_stored(
+    endpoints: Sequence[Endpoint],
+    directory: Path,
+    options: Options,
+    before: Sequence[ProcessBefore],
+) -> None:
+    """FETCH_STAGED to every PREPARED process whose parts the directory holds (the shim
+    checks them all, and every stripe's sum as it reads); CoordinatorError (step
+    FETCH_STAGED, nothing changed: the bytes stay in the files) when one cannot be."""
+    from .stored import StoreFailed, fetch_pairs, parts_of
+
+    reach = {Process(e.observed_pid, e.namespace_pid): e for e in endpoints}
+    pairs: list[tuple[Process, str]] = []
+    try:
+        for b in before:
+            if b.phase is Phase.PREPARED and b.participant and parts_of(directory, b.participant):
+                pairs.append((Process(b.endpoint.observed_pid, b.endpoint.namespace_pid),
+                              b.participant))  # fmt: skip
+        if pairs:
+            _stores_done([reach[p] for p, _ in pairs], [i for _, i in pairs], options)
+            fetch_pairs(directory, pairs, where=reach.__getitem__, options=options)
+    except StoreFailed as failed:
+        raise CoordinatorError(
+            "recover", "FETCH_STAGED", [Problem(line) for line in failed.lines()]
+        ) from None
+
+
+_FILE_OPS = frozenset({Op.STORE_STAGED, Op.FETCH_STAGED})
+
+
+def _stores_done(endpoints: Sequence[Endpoint], ids: Sequence[str], options: Options) -> None:
+    """Wait, for at most the phase timeout, until no shim runs a STORE_STAGED or
+    FETCH_STAGED (one a dead coordinator sent runs to its end in the shim: its files are
+    complete only then). Past the timeout, the FETCH that follows says which is busy."""
+    deadline = time.monotonic() + options.phase_timeout
+    calls = [(e, Request(Op.STATUS, participant=i), i) for e, i in zip(endpoints, ids, strict=True)]
+    while time.monotonic() < deadline:
+        replies = options.transport(calls, timeout=options.phase_timeout)
+        busy = [
+            r for r in replies
+            if isinstance(r, Reply) and InFlight.from_stats(r.stats).op in _FILE_OPS
+        ]  # fmt: skip
+        if not busy:
+            return
+        threading.Event().wait(_BUSY_POLL_S)
 
 
 def _phases(before: Sequence[ProcessBefore]) -> set[Phase | None]:

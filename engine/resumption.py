@@ -39,7 +39,14 @@ from .native_checkpoint import (
 from .options import Options
 from .progress import StagingSummary
 from .statefile import StateFileError, utc_timestamp
-from .stored import StoreFailed, fetch, stored_files
+from .stored import (
+    IDENTITY_FILE_NAME,
+    StoreFailed,
+    check_parts,
+    fetch,
+    recorded_identity,
+    stored_files,
+)
 from .watch import CopyWatcher
 
 # The runner and recovery (the machines, transitions) are imported where the coordinator
@@ -260,6 +267,8 @@ def resume(
     lost = [] if restored else _preflight(manifest, group, where, timeout)
     if lost:
         return _survivors(manifest, directory, group, lost, where, native, options, report)
+    if coordinate and stored_files(directory):
+        _parts_fetchable(directory, manifest)
     pids = [p.observed_pid for p in _natively_checkpointed(native, group, restored)]
     pairs = gpu_pairs(manifest, native, gpu_map) if gpu_map else ()
     endpoints = [where.endpoint(p) for p in group]
@@ -302,6 +311,28 @@ def resume(
     marked = _mark_resumed(directory, manifest, from_images=restored)
     warnings = (*(result.warnings if coordinate else ()), *marked)
     return ResumeResult(manifest, coordinate, tuple(report.timings), staging, warnings)
+
+
+def _parts_fetchable(directory: Path, manifest: Manifest) -> None:
+    """Refuse (:class:`StoreFailed`, nothing changed) a resume whose staged parts cannot be
+    fetched, as far as that is known without reading their data (every part there,
+    trusted, this dump's, of its size: :func:`~.stored.check_parts`), before the native
+    restore, after which the group could no longer be left as it is."""
+    ids = [p.participant for p in manifest.participants if p.participant]
+    problems = check_parts(directory, ids)
+    dumped = manifest.images.identity if manifest.images is not None else None
+    recorded = None if problems else recorded_identity(directory)
+    if dumped is not None and recorded is not None and recorded != dumped:
+        problems.append(
+            f"the staged parts in {directory} are of dump {recorded} ({IDENTITY_FILE_NAME}), "
+            f"the images and the manifest of dump {dumped}: another dump's parts"
+        )
+    if problems:
+        raise StoreFailed(
+            f"resume refused: the staged bytes in {directory} cannot be fetched:",
+            [*problems, "nothing was changed: put back the parts this checkpoint stored, "
+             "then resume again"],
+        )  # fmt: skip
 
 
 def _survivors(

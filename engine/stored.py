@@ -11,29 +11,62 @@ resumed), :func:`fetch` finds every part again and hands them back, in order, wi
 FETCH_STAGED; the shims read them into memory, checking every part first; the resume's
 LOAD_ALLOCATIONS then runs as after any suspend. Only descriptors cross the control
 socket: no path is shared with a process in another mount namespace.
+
+Every store has an identity (:func:`new_identity`), the dump's: the CRIU images are
+sealed with the same one (engine/images.py). :func:`store` records it first, in
+``cuinterpose.stored`` of the checkpoint directory (so that a coordinator killed
+during the store leaves it for ``recover``), then hands it to every shim, which writes
+it into every part and sums every stripe with it as the seed; a fetch names it again,
+and the shim refuses a part of any other dump, naming both. Every part is held to the
+checkpoint directory's trust rule (no link, a regular file, root's or ours, writable
+by nobody else) before it is opened for a shim, and :func:`check_parts` checks what
+can be known without reading the data (trust, headers, identity, sizes) before a
+resume's native restore.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from collections.abc import Sequence
+import secrets
+import stat
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
 import attrs
 
-from .client import ParticipantError, call_all
+from .client import Endpoint, ParticipantError, call_all
 from .detection import Where
+from .directory import untrusted
 from .errors import AgentError
 from .manifest import Manifest, Process
 from .options import Options
-from .wire import STORED_HEADER_STRUCT, STORED_MAGIC, STORED_VERSION, Op, Request, Status
+from .statefile import StateFileError, utc_timestamp, write_atomically
+from .wire import (
+    ID_LEN,
+    STORED_ALIGN,
+    STORED_ENTRY_STRUCT,
+    STORED_HEADER_STRUCT,
+    STORED_MAGIC,
+    STORED_STRIPE,
+    STORED_SUM_STRUCT,
+    STORED_VERSION,
+    Op,
+    Request,
+    Status,
+)
 
 FILE_PREFIX: Final = "staged-"
 FILE_SUFFIX: Final = ".bin"
 # A part's index as the shim's files are named: decimal, no leading zero.
 _INDEX: Final = re.compile(r"0|[1-9][0-9]{0,4}")
+# The identity of the newest store, written before any shim is asked (engine/images.py
+# seals the images with it).
+IDENTITY_FILE_NAME: Final = "cuinterpose.stored"
+_IDENTITY_MAX: Final = 4096
+_HEX_ID: Final = re.compile(r"[0-9a-f]{32}")
 
 
 class StoreFailed(AgentError):
@@ -82,18 +115,143 @@ def remove_parts(checkpoint_dir: Path, participant: str) -> None:
         path.unlink(missing_ok=True)
 
 
+def new_identity() -> str:
+    """A dump's identity: 16 random bytes, as 32 lowercase hex digits."""
+    return secrets.token_hex(ID_LEN)
+
+
+def record_identity(checkpoint_dir: Path, identity: str) -> None:
+    """``identity`` durably in ``cuinterpose.stored``, before any shim stores with it.
+    Raises :class:`StoreFailed` (nothing stored) when it cannot be written."""
+    body = {"identity": identity, "recorded_at": utc_timestamp()}
+    try:
+        write_atomically(Path(checkpoint_dir), IDENTITY_FILE_NAME, json.dumps(body).encode())
+    except StateFileError as exc:
+        raise StoreFailed("STORE_STAGED was not sent:", [str(exc)]) from None
+
+
+def recorded_identity(checkpoint_dir: Path) -> str | None:
+    """The identity of the newest store into ``checkpoint_dir``; None when none was
+    recorded (no store, or one by a cuinterpose before the stored format's version 3).
+    Raises :class:`StoreFailed` naming the file when it is a link, not a regular file
+    or not a record."""
+    path = Path(checkpoint_dir) / IDENTITY_FILE_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StoreFailed(
+            f"the staged bytes' identity: {path}:", [exc.strerror or str(exc)]
+        ) from None
+    try:
+        st = os.fstat(fd)
+        why = untrusted(st, os.getuid(), directory=False)
+        raw = os.read(fd, _IDENTITY_MAX + 1) if why is None else b""
+    finally:
+        os.close(fd)
+    if why is not None:
+        raise StoreFailed(f"the staged bytes' identity: {path} {why}: not trusted", [])
+    try:
+        data = json.loads(raw) if len(raw) <= _IDENTITY_MAX else None
+    except ValueError:
+        data = None
+    found = data.get("identity") if isinstance(data, dict) else None
+    if not isinstance(found, str) or not _HEX_ID.fullmatch(found):
+        raise StoreFailed(f"the staged bytes' identity: {path} is not an identity record", [])
+    return found
+
+
+# --------------------------------------------------------------- the layout
+# As shim_c/stored.c lays the parts out (protocol.h), to check them before a shim reads.
+def _align(value: int) -> int:
+    return -(-value // STORED_ALIGN) * STORED_ALIGN
+
+
+@attrs.frozen
+class Layout:
+    """The parts of one process's store: ``count`` allocations, ``parts`` files, a
+    stream of ``length`` bytes."""
+
+    count: int
+    parts: int
+    length: int
+
+    @property
+    def stripes(self) -> int:
+        return -(-self.length // STORED_STRIPE)
+
+    def mine(self, k: int) -> int:
+        """The stripes part k holds."""
+        return (self.stripes - 1 - k) // self.parts + 1 if k < self.stripes else 0
+
+    def sums_at(self, k: int) -> int:
+        return STORED_HEADER_STRUCT.size + (self.count * STORED_ENTRY_STRUCT.size if k == 0 else 0)
+
+    def head_end(self, k: int) -> int:
+        return self.sums_at(k) + self.mine(k) * STORED_SUM_STRUCT.size
+
+    def data_offset(self, k: int) -> int:
+        return _align(self.head_end(k))
+
+    def stripe_at(self, s: int) -> int:
+        """Stripe s's first byte in its part."""
+        return self.data_offset(s % self.parts) + s // self.parts * STORED_STRIPE
+
+    def size(self, k: int) -> int:
+        """What part k must measure."""
+        n = self.mine(k)
+        if not n:
+            return self.head_end(k)
+        data = n * STORED_STRIPE
+        if (self.stripes - 1) % self.parts == k:
+            data -= self.stripes * STORED_STRIPE - self.length
+        return self.data_offset(k) + data
+
+
+@attrs.frozen
+class PartHeader:
+    """A part's header (protocol.h's ``cuip_stored_header``), its text fields decoded."""
+
+    magic: int
+    version: int
+    count: int
+    part: int
+    parts: int
+    total: int  # the bytes of every allocation
+    data_offset: int
+    participant: str
+    identity: str
+    stripes: int
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> PartHeader:
+        magic, version, count, part, parts, total, offset, writer, identity, stripes = (
+            STORED_HEADER_STRUCT.unpack_from(raw)
+        )
+        return cls(
+            magic, version, count, part, parts, total, offset,
+            writer.rstrip(b"\0").decode(errors="replace"), identity.hex(), stripes,
+        )  # fmt: skip
+
+
+def _header(raw: bytes) -> PartHeader | None:
+    if len(raw) < STORED_HEADER_STRUCT.size:
+        return None
+    return PartHeader.unpack(raw)
+
+
 def _recorded_parts(path: Path) -> int | None:
     """The part count part 0's header records; None when it is no stored file of this
     version (the shim refuses it, saying why)."""
     try:
         with path.open("rb") as handle:
-            raw = handle.read(STORED_HEADER_STRUCT.size)
+            head = _header(handle.read(STORED_HEADER_STRUCT.size))
     except OSError:
         return None
-    if len(raw) < STORED_HEADER_STRUCT.size:
+    if head is None or (head.magic, head.version) != (STORED_MAGIC, STORED_VERSION):
         return None
-    magic, version, _, _, parts, _, _, _ = STORED_HEADER_STRUCT.unpack(raw)
-    return int(parts) if (magic, version) == (STORED_MAGIC, STORED_VERSION) else None
+    return head.parts
 
 
 def parts_of(checkpoint_dir: Path, participant: str) -> list[Path]:
@@ -137,18 +295,55 @@ def _pairs(manifest: Manifest, processes: Sequence[Process]) -> list[tuple[Proce
     return [(p, i) for p, i in pairs if i is not None]
 
 
+def _open_trusted(path: Path, flags: int) -> int | str:
+    """``path`` opened for a shim, or why not: an existing part (no O_CREAT) must pass the
+    checkpoint directory's rule, on its name (no link) and on what was opened (the same
+    file, a regular file, root's or ours, writable by nobody else), before a byte of it
+    is read."""
+    if not flags & os.O_CREAT:
+        try:
+            named = os.lstat(path)
+        except OSError as exc:
+            return f"{path}: {exc.strerror}"
+        if stat.S_ISLNK(named.st_mode) or not stat.S_ISREG(named.st_mode):
+            why = untrusted(named, os.getuid(), directory=False)
+            return f"staged part {path} {why}: not trusted, nothing of it was read"
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    st = os.fstat(fd)
+    why = untrusted(st, os.getuid(), directory=False)
+    if (
+        why is None
+        and not flags & os.O_CREAT
+        and (st.st_dev, st.st_ino)
+        != (
+            named.st_dev,
+            named.st_ino,
+        )
+    ):
+        why = "was replaced while it was opened"
+    if why is None:
+        return fd
+    os.close(fd)
+    mode = stat.S_IMODE(st.st_mode)
+    return f"staged part {path} {why} (mode {mode:04o}): not trusted, nothing of it was read"
+
+
 def _open_all(op: Op, parts: list[list[Path]], flags: int) -> list[list[int]]:
-    """Every part opened (the caller closes them); StoreFailed naming each that cannot be,
-    after closing those that were."""
+    """Every part opened (the caller closes them); StoreFailed naming each that cannot be
+    (or is not to be trusted), after closing those that were."""
     opened: list[list[int]] = []
     problems: list[str] = []
     for paths in parts:
         fds: list[int] = []
         for path in paths:
-            try:
-                fds.append(os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600))
-            except OSError as exc:
-                problems.append(f"{path}: {exc.strerror}")
+            got = _open_trusted(path, flags)
+            if isinstance(got, int):
+                fds.append(got)
+            else:
+                problems.append(got)
         opened.append(fds)
     if problems:
         _close_all(opened)
@@ -172,13 +367,16 @@ def _exchange(
     pairs: list[tuple[Process, str]],
     parts: list[list[Path]],
     flags: int,
-    where: Where,
+    where: Where | Callable[[Process], Endpoint],
     timeout: float,
+    identity: str,
 ) -> tuple[StoredFile, ...]:
     opened = _open_all(op, parts, flags)
+    dump = bytes.fromhex(identity)
+    reach = where.endpoint if isinstance(where, Where) else where
     try:
         calls = [
-            (where.endpoint(p), Request(op, participant=i, fds=tuple(fds)), i)
+            (reach(p), Request(op, participant=i, resource_id=dump, fds=tuple(fds)), i)
             for (p, i), fds in zip(pairs, opened, strict=True)
         ]
         replies = call_all(calls, timeout=timeout)
@@ -214,13 +412,17 @@ def store(
     where: Where,
     options: Options | None = None,
     staged_bytes: int = 0,
+    identity: str | None = None,
 ) -> tuple[StoredFile, ...]:
     """STORE_STAGED to every process of a prepared ``manifest``, each into
     ``options.stored_parts`` new files of ``checkpoint_dir`` (an earlier dump's parts of
-    the same process are removed first). Raises :class:`StoreFailed` naming every
-    process that failed."""
+    the same process are removed first), with ``identity`` (default a new one), recorded
+    first (:func:`record_identity`). Raises :class:`StoreFailed` naming every process
+    that failed."""
     options = options or Options()
+    identity = identity or new_identity()
     pairs = _pairs(manifest, manifest.processes())
+    record_identity(checkpoint_dir, identity)
     for _, i in pairs:
         remove_parts(checkpoint_dir, i)
     parts = [
@@ -233,7 +435,102 @@ def store(
         os.O_CREAT | os.O_EXCL | os.O_RDWR,
         where,
         options.timeout_for(staged_bytes),
+        identity,
     )
+
+
+def _part_problem(path: Path, k: int, n: int, participant: str, identity: str) -> str | None:
+    """Why part k of ``n`` cannot be what the shim of ``participant`` stored with
+    ``identity``, from its header; or None (its size is checked against the table)."""
+    try:
+        with path.open("rb") as handle:
+            head = _header(handle.read(STORED_HEADER_STRUCT.size))
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if head is None:
+        return f"{path} is shorter than a part's header ({STORED_HEADER_STRUCT.size} bytes)"
+    if head.magic != STORED_MAGIC:
+        return f"{path} is not a stored file (magic {head.magic:#x})"
+    if head.version != STORED_VERSION:
+        return (
+            f"{path} is of the stored format's version {head.version}; this cuinterpose "
+            f"reads version {STORED_VERSION} only (version 2 carries no identity and no "
+            "sums): fetch it with the cuinterpose that stored it"
+        )
+    if (head.part, head.parts) != (k, n):
+        return f"{path} says it is part {head.part} of {head.parts}, not part {k} of {n}"
+    if head.participant != participant:
+        return f"{path} was written by participant {head.participant}, not {participant}"
+    if head.identity != identity:
+        return (
+            f"{path} is of dump {head.identity}, not of dump {identity}, the newest store "
+            f"recorded in {IDENTITY_FILE_NAME} (an earlier store's part?)"
+        )
+    return None
+
+
+def _table_layout(path: Path, n: int) -> Layout | str:
+    """The layout part 0's header and table give (checked by its header first)."""
+    try:
+        with path.open("rb") as handle:
+            head = PartHeader.unpack(handle.read(STORED_HEADER_STRUCT.size))
+            want = head.count * STORED_ENTRY_STRUCT.size
+            # No more than the file holds: a count that lies costs no memory.
+            room = os.fstat(handle.fileno()).st_size - STORED_HEADER_STRUCT.size
+            table = handle.read(min(want, max(room, 0)))
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if len(table) < want:
+        return f"{path}: its table of {head.count} entries is cut short"
+    length = 0
+    for i in range(head.count):
+        _, size, offset = STORED_ENTRY_STRUCT.unpack_from(table, i * STORED_ENTRY_STRUCT.size)
+        length = max(length, offset + size)
+    return Layout(head.count, n, length)
+
+
+def check_parts(checkpoint_dir: Path, participants: Sequence[str]) -> list[str]:
+    """What can be known of the stored parts of ``participants`` without reading their
+    data, one line per problem (none: a fetch may go ahead): the identity recorded, and
+    for each participant that has parts, every part there, trusted (no link, a regular
+    file, root's or ours, writable by nobody else), a part of this dump by this
+    participant in its place, and of the size its table gives. The shim checks all of it
+    again, and every stripe's sum as it reads."""
+    try:
+        identity = recorded_identity(checkpoint_dir)
+        found = [(i, parts_of(checkpoint_dir, i)) for i in participants]
+    except StoreFailed as failure:
+        return list(failure.lines())
+    found = [(i, paths) for i, paths in found if paths]
+    if found and identity is None:
+        return [
+            f"{checkpoint_dir} holds staged parts but no {IDENTITY_FILE_NAME}: they were "
+            f"stored by a cuinterpose before the stored format's version {STORED_VERSION} "
+            "(fetch them with that one), or the record was removed"
+        ]
+    problems: list[str] = []
+    for participant, paths in found:
+        assert identity is not None
+        for k, path in enumerate(paths):
+            got = _open_trusted(path, os.O_RDONLY)
+            if isinstance(got, str):
+                problems.append(got)
+                continue
+            os.close(got)
+            why = _part_problem(path, k, len(paths), participant, identity)
+            if why is not None:
+                problems.append(why)
+        if problems:
+            continue
+        layout = _table_layout(paths[0], len(paths))
+        if isinstance(layout, str):
+            problems.append(layout)
+            continue
+        for k, path in enumerate(paths):
+            size, want = path.stat().st_size, layout.size(k)
+            if size != want:
+                problems.append(f"{path} has {size} bytes, its table says {want}")
+    return problems
 
 
 def fetch(
@@ -249,9 +546,29 @@ def fetch(
     have now), each from its parts in ``checkpoint_dir``; with ``missing_ok`` (after a
     STORE that failed for some) only to those that have parts. Raises
     :class:`StoreFailed`, naming a process without parts, or a part missing or too
-    many."""
+    many, or one :func:`check_parts` refuses."""
+    return fetch_pairs(
+        checkpoint_dir,
+        _pairs(manifest, processes),
+        where=where,
+        options=options,
+        missing_ok=missing_ok,
+    )
+
+
+def fetch_pairs(
+    checkpoint_dir: Path,
+    pairs: Sequence[tuple[Process, str]],
+    *,
+    where: Where | Callable[[Process], Endpoint],
+    options: Options | None = None,
+    missing_ok: bool = False,
+) -> tuple[StoredFile, ...]:
+    """:func:`fetch` to processes named with their participant ids (a ``recover`` knows
+    them from the shims, where no manifest was written), reached through ``where`` (or,
+    given a function, its endpoint for each process)."""
     options = options or Options()
-    pairs = _pairs(manifest, processes)
+    pairs = list(pairs)
     found = [parts_of(checkpoint_dir, i) for _, i in pairs]
     if missing_ok:
         kept = [(pair, f) for pair, f in zip(pairs, found, strict=True) if f]
@@ -263,16 +580,33 @@ def fetch(
     ]
     if absent:
         raise StoreFailed("FETCH_STAGED: processes whose staged bytes are not there:", absent)
-    size = sum(p.stat().st_size for paths in found for p in paths if p.exists())
-    return _exchange(Op.FETCH_STAGED, pairs, found, os.O_RDONLY, where, options.timeout_for(size))
+    if not pairs:
+        return ()
+    problems = check_parts(checkpoint_dir, [i for _, i in pairs])
+    if problems:
+        raise StoreFailed("FETCH_STAGED refused: the staged parts are not the ones stored:",
+                          problems)  # fmt: skip
+    identity = recorded_identity(checkpoint_dir)
+    assert identity is not None  # check_parts refuses parts without one
+    size = sum(p.stat().st_size for paths in found for p in paths)
+    return _exchange(
+        Op.FETCH_STAGED, pairs, found, os.O_RDONLY, where, options.timeout_for(size), identity
+    )
 
 
 __all__ = [
+    "IDENTITY_FILE_NAME",
+    "Layout",
+    "PartHeader",
     "StoreFailed",
     "StoredFile",
+    "check_parts",
     "fetch",
+    "fetch_pairs",
+    "new_identity",
     "part_path",
     "parts_of",
+    "recorded_identity",
     "remove_parts",
     "store",
     "stored_files",

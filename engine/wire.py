@@ -40,16 +40,19 @@ ASK_ALL: Final = ASK_DRIVER | ASK_DEVICES
 EXPORT_WITHDRAW: Final = 1
 
 # The stored files of STORE_STAGED / FETCH_STAGED (protocol.h, specs/protocol.md): per
-# process 1 to STORED_MAX_PARTS parts, each a header naming its index and the part count;
-# part 0's header followed by one entry per allocation. The bytes are one stream (each
-# allocation at the previous one's end rounded up to STORED_ALIGN) in STORED_STRIPE-byte
-# stripes, stripe s in part s mod parts.
+# process 1 to STORED_MAX_PARTS parts, each a header naming its index, the part count and
+# the dump's identity; part 0's header followed by one entry per allocation, then each
+# part's stripe sums (XXH64, uint64 each). The bytes are one stream (each allocation at
+# the previous one's end rounded up to STORED_ALIGN) in STORED_STRIPE-byte stripes,
+# stripe s in part s mod parts. STORE_STAGED and FETCH_STAGED name the dump in the
+# request's resource_id.
 STORED_MAGIC: Final = 0x47545343
-STORED_VERSION: Final = 2
+STORED_VERSION: Final = 3
 STORED_ALIGN: Final = 4096
 STORED_STRIPE: Final = 8 << 20
 STORED_MAX_PARTS: Final = 64
-STORED_HEADER_STRUCT: Final = struct.Struct("<IIIHHQQ32s")
+STORED_HEADER_STRUCT: Final = struct.Struct("<IIIHHQQ32s16sQ")
+STORED_SUM_STRUCT: Final = struct.Struct("<Q")
 STORED_ENTRY_STRUCT: Final = struct.Struct("<16sQQ")
 
 HEADER_STRUCT: Final = struct.Struct("<IHHiI32s16s16sIIIHHQQQQ")
@@ -648,6 +651,8 @@ class Request:
     # HOST_COPY only: give every kept host copy back and turn the mode off; a HOST_COPY
     # without it turns the mode on (carried in stat_count: HOST_COPY_GIVE_BACK, _KEEP).
     give_back: bool = False
+    # EXPORT: the allocation asked for. STORE_STAGED and FETCH_STAGED: the dump's identity
+    # (16 random bytes: the images' seal), written into every part, and expected in them.
     # STORE_STAGED and FETCH_STAGED only (and always, 1 to STORED_MAX_PARTS): the open
     # files the request hands the shim, part k the k-th, sent with the header as
     # SCM_RIGHTS; not part of the encoded bytes.
@@ -661,7 +666,7 @@ class Request:
     def encode(self) -> bytes:
         exporting = self.op is Op.EXPORT
         if not exporting and (
-            self.resource_id != ZERO_ID
+            (self.resource_id != ZERO_ID and self.op not in FILE_OPS)
             or self.resource_kind is not ResourceKind.NONE
             or self.fetcher
             or self.export_size

@@ -113,7 +113,10 @@ static bool validate(const struct cuip_header *q, struct reply *r)
             reply_msg(r, CUIP_STATUS_BAD_REQUEST, "EXPORT needs a resource kind and id");
             return false;
         }
-    } else if (!shim_is_zero(q->resource_id, CUIP_ID_LEN) || q->resource_kind) {
+    } else if (q->resource_kind || (!shim_is_zero(q->resource_id, CUIP_ID_LEN) &&
+                                    q->op != CUIP_OP_STORE_STAGED &&
+                                    q->op != CUIP_OP_FETCH_STAGED)) {
+        /* STORE_STAGED and FETCH_STAGED name the dump in resource_id (stored.c). */
         reply_msg(r, CUIP_STATUS_BAD_REQUEST, "%s request carries EXPORT-only fields",
                   op_name(q->op));
         return false;
@@ -692,7 +695,7 @@ static void handle(const struct cuip_header *q, const char *text,
         return;
     case CUIP_OP_STORE_STAGED:
     case CUIP_OP_FETCH_STAGED:
-        stored_serve(q->op, fds, r);
+        stored_serve(q, fds, r);
         return;
     case CUIP_OP_HOST_COPY:
         serve_host_copy(cuip_host_copy_request(q) == CUIP_HOST_COPY_KEEP, r);

@@ -262,7 +262,7 @@ struct cuip_header {
     int32_t status;                          /* 0 in requests */
     uint32_t count;                          /* records following; 0 in requests */
     char participant[CUIP_PARTICIPANT_LEN];  /* all zero in a HANDSHAKE request */
-    uint8_t resource_id[CUIP_ID_LEN];        /* EXPORT only */
+    uint8_t resource_id[CUIP_ID_LEN];        /* EXPORT; STORE/FETCH_STAGED: the dump */
     /* EXPORT: the capability's authorization. Every other request: the
      * coordinator's lease token (16 random bytes, one per run; all zero: a
      * client outside any lease, served only while no lease is held). */
@@ -574,20 +574,28 @@ struct cuip_ipc_handle {
  * each process's staged bytes in `parts` files, so that as many threads write
  * as many files at once (buffered writes to one file serialize on its inode;
  * specs/protocol.md). Every part starts with this header, naming its own
- * index and the part count; part 0 alone follows it with the `count`
- * entries. The data is one stream: the first allocation at 0, each next one
- * at the previous one's end rounded up to CUIP_STORED_ALIGN, in the order of
- * the shim's allocation table; an entry's offset is its place in the stream.
- * The stream is cut into CUIP_STORED_STRIPE-byte stripes, stripe s in part
- * s mod parts at that part's data_offset + (s / parts) * CUIP_STORED_STRIPE;
- * data_offset is the part's header (and, in part 0, table) end rounded up to
- * CUIP_STORED_ALIGN. A part holding no stripe ends at its header (part 0: its
- * table); any other ends at its last stripe's last byte. Everything follows
- * from the sizes and the part count: FETCH refuses any other file (each is
- * hostile input until every field is checked). Little-endian, as on the wire.
- * A request hands 1 to CUIP_STORED_MAX_PARTS descriptors, part k the k-th. */
+ * index, the part count and the dump's identity (STORE's request carries it
+ * in resource_id, FETCH's the one it expects); part 0 alone follows it with
+ * the `count` entries; then every part holds its stripes' sums. The data is
+ * one stream: the first allocation at 0, each next one at the previous one's
+ * end rounded up to CUIP_STORED_ALIGN, in the order of the shim's allocation
+ * table; an entry's offset is its place in the stream. The stream is cut into
+ * CUIP_STORED_STRIPE-byte stripes, stripe s in part s mod parts at that
+ * part's data_offset + (s / parts) * CUIP_STORED_STRIPE; part k's
+ * `stripes` sums (uint64 each, its stripes in order) follow its header (part
+ * 0: its table), and data_offset is their end rounded up to
+ * CUIP_STORED_ALIGN. A stripe's sum is XXH64 of its bytes as the file holds
+ * them (alignment gaps read as zeros; the stream's last stripe ends at the
+ * stream's end) with the seed cuip_stored_seed(identity, s): a stripe moved,
+ * or one of another dump, does not match. A part holding no stripe ends at
+ * its header (part 0: its table); any other ends at its last stripe's last
+ * byte. Everything follows from the sizes and the part count: FETCH refuses
+ * any other file (each is hostile input until every field is checked).
+ * Little-endian, as on the wire. A request hands 1 to CUIP_STORED_MAX_PARTS
+ * descriptors, part k the k-th. Version 2 (no identity, no sums) is refused
+ * by name. */
 #define CUIP_STORED_MAGIC 0x47545343u     /* bytes "CSTG" */
-#define CUIP_STORED_VERSION 2u
+#define CUIP_STORED_VERSION 3u
 #define CUIP_STORED_ALIGN 4096u
 #define CUIP_STORED_STRIPE (8u << 20)     /* a multiple of CUIP_STORED_ALIGN */
 #define CUIP_STORED_MAX_PARTS 64u         /* the shim's most copy threads */
@@ -601,6 +609,8 @@ struct cuip_stored_header {
     uint64_t bytes;                            /* the sum of the entries' sizes */
     uint64_t data_offset;                      /* this part's first stripe */
     char participant[CUIP_PARTICIPANT_LEN];    /* the writer's id: only it reads it back */
+    uint8_t identity[CUIP_ID_LEN];             /* the dump's (the images' seal) */
+    uint64_t stripes;                          /* this part's stripes: its sums */
 };
 
 struct cuip_stored_entry {
@@ -609,7 +619,16 @@ struct cuip_stored_entry {
     uint64_t offset;                           /* in the stream */
 };
 
-_Static_assert(sizeof(struct cuip_stored_header) == 64, "stored header is 64 bytes");
+/* Stripe s's XXH64 seed: the identity's first 8 bytes (little-endian) plus s. */
+static inline uint64_t cuip_stored_seed(const uint8_t identity[CUIP_ID_LEN], uint64_t s)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = v << 8 | identity[i];
+    return v + s;
+}
+
+_Static_assert(sizeof(struct cuip_stored_header) == 88, "stored header is 88 bytes");
 _Static_assert(sizeof(struct cuip_stored_entry) == 32, "stored entry is 32 bytes");
 _Static_assert(sizeof(struct cuip_ipc_handle) == 64, "IPC handle is 64 bytes");
 _Static_assert(sizeof(struct cuip_header) == 128, "header is 128 bytes");

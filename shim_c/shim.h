@@ -977,7 +977,8 @@ struct request_fds {
 };
 /* STORE_STAGED / FETCH_STAGED with the request's descriptors, part k the
  * k-th: the staged copies to and from the coordinator's files. */
-SHIM_HIDDEN void stored_serve(uint16_t op, const struct request_fds *fds, struct reply *r);
+SHIM_HIDDEN void stored_serve(const struct cuip_header *q, const struct request_fds *fds,
+                              struct reply *r);
 
 /* ---------------------------------------------------------------- quiesce.c */
 /* QUIESCE: the gate closed in two steps until every context of this process

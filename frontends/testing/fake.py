@@ -16,6 +16,7 @@ from bytes encoded once.
 
 from __future__ import annotations
 
+import array
 import errno
 import math
 import os
@@ -43,6 +44,11 @@ from ..engine.wire import (
     RECORDS_MAX,
     SOCKET_PREFIX,
     SOCKET_SUFFIX,
+    STORED_ALIGN,
+    STORED_HEADER_STRUCT,
+    STORED_MAGIC,
+    STORED_MAX_PARTS,
+    STORED_VERSION,
     VERSION,
     Header,
     Op,
@@ -85,6 +91,8 @@ _SEND_TIMEOUT_S: Final = 5.0
 _UCRED: Final = struct.Struct("3i")
 # A request's op (offset 6) and, 78 bytes on, its message_length (offset 84).
 _EXPORT_TEXT: Final = struct.Struct("<H76xI")
+_STORE: Final = struct.Struct("<H")  # the op, at offset 6 of a request
+_FDS_SPACE: Final = socket.CMSG_SPACE(STORED_MAX_PARTS * 4)
 _SUN_PATH_MAX: Final = 107
 
 
@@ -178,6 +186,7 @@ class _Conn:
         self.filled = 0
         self.out: memoryview | None = None
         self.registered = False
+        self.fds: list[int] = []  # STORE_STAGED / FETCH_STAGED's parts (SCM_RIGHTS)
 
 
 class _Conns:
@@ -208,6 +217,9 @@ class _Conns:
         return conn.sock
 
     def drop(self, conn: _Conn) -> None:
+        for fd in conn.fds:
+            os.close(fd)
+        conn.fds = []
         self.release(conn).close()
 
     def close_all(self) -> None:
@@ -480,7 +492,12 @@ class FakeParticipant:
                     # The client gave up while we were still writing.
                     conns.drop(conn)
                 return
-            got = conn.sock.recv_into(memoryview(conn.request)[conn.filled :])
+            got, ancillary, _, _ = conn.sock.recvmsg_into(
+                [memoryview(conn.request)[conn.filled :]], _FDS_SPACE
+            )
+            for level, kind, data in ancillary:
+                if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
+                    conn.fds += array.array("i", data[: len(data) - len(data) % 4])
         except (BlockingIOError, InterruptedError):
             conns.watch(conn, selectors.EVENT_READ)
             return
@@ -507,6 +524,13 @@ class FakeParticipant:
 
     def _dispatch(self, conn: _Conn, conns: _Conns) -> None:
         raw = bytes(conn.request)
+        fds, conn.fds = conn.fds, []
+        try:
+            if len(fds) and _STORE.unpack_from(raw, 6)[0] == Op.STORE_STAGED:
+                self._write_parts(raw, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
         if self.version != VERSION:
             self._reply_now(conn, self._refusal(raw, "bad magic or version"), conns)
             return
@@ -539,6 +563,25 @@ class FakeParticipant:
         with self._lock:
             self._workers.add(worker)
         worker.start()
+
+    def _write_parts(self, raw: bytes, fds: Sequence[int]) -> None:
+        """STORE_STAGED as a shim with nothing staged answers it: each part its header
+        (protocol.h's stored files) naming this participant and the request's dump, so
+        that the coordinator's checks before a fetch find the parts it handed."""
+        try:
+            request, _ = decode_request(raw)
+        except WireError:
+            return
+        if self.phase not in allowed_phases(Op.STORE_STAGED) or Op.STORE_STAGED in self.script:
+            return  # refused or scripted: the test says what happens
+        for k, fd in enumerate(fds):
+            try:
+                os.pwrite(fd, STORED_HEADER_STRUCT.pack(
+                    STORED_MAGIC, STORED_VERSION, 0, k, len(fds), 0, STORED_ALIGN,
+                    self.participant.encode(), request.resource_id, 0,
+                ), 0)  # fmt: skip
+            except OSError:
+                return  # a descriptor it cannot write: as a shim, nothing more
 
     def _reply_now(self, conn: _Conn, reply: bytes | None, conns: _Conns) -> None:
         if reply is None:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import stat
 from pathlib import Path
 
 import pytest
 from cuinterpose import criu_action
-from cuinterpose.engine import agent, criu, images
+from cuinterpose.engine import agent, criu, images, stored
 from cuinterpose.engine.native_checkpoint import ProcessState
 from cuinterpose.engine.wire import Phase
 from engine_harness import Team, team_of
@@ -227,3 +228,37 @@ def test_a_restore_past_its_time_limit_says_what_is_left_and_how_to_try_again(
     assert "CRIU wrote no pid file" in text
     again = f"cuinterpose criu restore --checkpoint-dir {work / 'ckpt'} --images-dir {work / 'img'}"
     assert f"then run again: {again}" in text, text
+
+
+def test_another_dumps_parts_with_their_record_are_refused_before_the_native_restore(
+    work: Path,
+) -> None:
+    """The staged parts and their identity record of another dump of the group (the same
+    participants) put beside this dump's images: a resume refuses them, naming both
+    identities, before any native call; its own put back, it resumes."""
+    fake = running()
+    binary = stand_in(work / "criu")
+    with team_of(TOPOLOGY, work / "control") as team:
+        other = dump_into(team, fake, work / "other", work / "img-other", binary)
+        restored(team, fake, work / "other")
+        this = dump_into(team, fake, work / "ckpt", work / "img", binary)
+        assert other.manifest.images is not None and this.manifest.images is not None
+        mine = work / "mine"
+        mine.mkdir()
+        names = [p.name for p in stored.stored_files(work / "ckpt")]
+        for name in [*names, stored.IDENTITY_FILE_NAME]:
+            shutil.move(work / "ckpt" / name, mine / name)
+            shutil.copy2(work / "other" / name, work / "ckpt" / name)
+        fake.states = {p: ProcessState.CHECKPOINTED for p in PIDS}
+        fake.calls.clear()
+        with pytest.raises(stored.StoreFailed) as info:
+            agent.resume(work / "ckpt", where=agent.Where(team.control_dir), native=fake)
+        text = str(info.value)
+        assert f"are of dump {other.manifest.images.identity}" in text, text
+        assert f"the images and the manifest of dump {this.manifest.images.identity}" in text
+        assert "nothing was changed" in text and not info.value.changed
+        assert [c for c in fake.calls if c[0] != "state"] == [], fake.calls
+        for name in [*names, stored.IDENTITY_FILE_NAME]:
+            shutil.copy2(mine / name, work / "ckpt" / name)
+        agent.resume(work / "ckpt", where=agent.Where(team.control_dir), native=fake)
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}

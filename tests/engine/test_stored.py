@@ -107,10 +107,11 @@ def test_every_resume_fetches_before_its_restore_when_files_are_there(work: Path
         assert "fetch_staged" not in [t.step for t in plain.timings]
 
 
-def header(participant: str, part: int, parts: int) -> bytes:
+def header(participant: str, part: int, parts: int, dump: str = "ab" * 16) -> bytes:
     return wire.STORED_HEADER_STRUCT.pack(
-        wire.STORED_MAGIC, wire.STORED_VERSION, 0, part, parts, 0, 4096, participant.encode()
-    )
+        wire.STORED_MAGIC, wire.STORED_VERSION, 0, part, parts, 0, 4096, participant.encode(),
+        bytes.fromhex(dump), 0,
+    )  # fmt: skip
 
 
 def test_fetch_refuses_a_missing_or_an_extra_part_naming_the_file(work: Path) -> None:
@@ -315,3 +316,54 @@ def test_an_unexpected_error_of_the_store_thread_is_said_not_lost(
         assert set(fake.states.values()) == {ProcessState.CHECKPOINTED}
         assert (work / "ckpt" / "manifest.json").exists()
         assert agent.resume(work / "ckpt", where=where, native=fake).coordinator_restored
+
+
+DUMP = "ab" * 16
+WHO = "c" * 32
+
+
+def part_bytes(k: int, n: int, count: int = 0, dump: str = DUMP, version: int = 3) -> bytes:
+    return wire.STORED_HEADER_STRUCT.pack(
+        wire.STORED_MAGIC, version, count, k, n, 0, 4096, WHO.encode(), bytes.fromhex(dump), 0
+    )
+
+
+@pytest.mark.parametrize(
+    ("parts", "words"),
+    [
+        ([part_bytes(0, 1, count=2**32 - 1)], "its table of 4294967295 entries is cut short"),
+        ([part_bytes(0, 1, version=2)], "is of the stored format's version 2"),
+        ([part_bytes(0, 1, dump="cd" * 16)], f"is of dump {'cd' * 16}, not of dump {DUMP}"),
+        ([part_bytes(1, 2), part_bytes(0, 2)], "says it is part 1 of 2, not part 0 of 2"),
+        ([part_bytes(0, 1) + b"\0"], "has 89 bytes, its table says 88"),
+        ([b"\0" * 10], "is shorter than a part's header (88 bytes)"),
+    ],
+    ids=["lying-count", "version-2", "another-dump", "out-of-order", "grown", "cut"],
+)
+def test_what_can_be_known_without_the_data_is_checked(
+    work: Path, parts: list[bytes], words: str
+) -> None:
+    """check_parts, a resume's check before its native restore: each hostile part named,
+    a count that lies read no further than the file (no memory taken for it)."""
+    stored.record_identity(work, DUMP)
+    for k, raw in enumerate(parts):
+        stored.part_path(work, WHO, k).write_bytes(raw)
+    problems = stored.check_parts(work, [WHO])
+    assert any(words in line for line in problems), problems
+
+
+def test_parts_without_an_identity_record_or_others_may_write_are_refused(work: Path) -> None:
+    path = stored.part_path(work, WHO, 0)
+    path.write_bytes(part_bytes(0, 1))
+    assert "holds staged parts but no cuinterpose.stored" in stored.check_parts(work, [WHO])[0]
+    stored.record_identity(work, DUMP)
+    assert stored.check_parts(work, [WHO]) == []
+    path.chmod(0o620)
+    assert "is writable by group or others (mode 0620)" in stored.check_parts(work, [WHO])[0]
+    path.chmod(0o600)
+    (work / "elsewhere.bin").write_bytes(part_bytes(0, 1))
+    path.unlink()
+    path.symlink_to(work / "elsewhere.bin")
+    assert "is a symbolic link (never followed)" in stored.check_parts(work, [WHO])[0]
+    (work / stored.IDENTITY_FILE_NAME).chmod(0o666)
+    assert "not trusted" in stored.check_parts(work, [WHO])[0]

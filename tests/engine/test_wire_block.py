@@ -312,7 +312,9 @@ def test_a_request_encodes_as_its_header_does(
         # Every other op carries its lease token in authorization; EXPORT's text
         # (the fetcher's id, all zero here) follows its header.
         exporting = op is Op.EXPORT
-        if not exporting and (resource_id != bytes(16) or kind):
+        # STORE_STAGED and FETCH_STAGED name the dump in resource_id.
+        named = resource_id != bytes(16) and op not in (Op.STORE_STAGED, Op.FETCH_STAGED)
+        if not exporting and (named or kind):
             return f"{op.name} request carries EXPORT-only fields"
         if op in (Op.HANDSHAKE, Op.RELEASE) and participant:
             return f"{op.name} request must not name a participant"

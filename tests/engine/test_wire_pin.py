@@ -596,7 +596,7 @@ def test_sizes_are_the_documented_ones(c_layout: CLayout) -> None:
         "cuip_stored_header": wire.STORED_HEADER_STRUCT.size,
         "cuip_stored_entry": wire.STORED_ENTRY_STRUCT.size,
     }
-    assert (wire.STORED_HEADER_STRUCT.size, wire.STORED_ENTRY_STRUCT.size) == (64, 32)
+    assert (wire.STORED_HEADER_STRUCT.size, wire.STORED_ENTRY_STRUCT.size) == (88, 32)
     assert Record.SIZE == wire.RECORD_SIZE == 288
     assert wire.HEADER_SIZE == 128
 

@@ -33,3 +33,8 @@ set_target_properties(shim_collide PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${_shim_t
 # server's refusal of a peer it cannot name.
 add_library(peercred_fail SHARED ${CMAKE_SOURCE_DIR}/tests/shim/c/peercred_fail.c)
 set_target_properties(peercred_fail PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${_shim_tests_dir})
+
+# shim_c/xxh64.h on chosen lengths, seeds and piece sizes (the stored parts' sums).
+add_executable(xxh64_prog ${CMAKE_SOURCE_DIR}/tests/shim/c/xxh64_prog.c)
+target_include_directories(xxh64_prog PRIVATE ${CMAKE_SOURCE_DIR}/shim_c)
+set_target_properties(xxh64_prog PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${_shim_tests_dir})
