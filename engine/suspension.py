@@ -71,11 +71,15 @@ if TYPE_CHECKING:
 
 
 class SuspendFailed(AgentError):
-    """A suspend failed; ``restored`` says whether the group runs as before."""
+    """A suspend failed, or (``stopped``) was stopped on request between its steps;
+    ``restored`` says whether the group runs as before."""
 
-    def __init__(self, what: str, lines: Sequence[str], *, restored: bool) -> None:
+    def __init__(
+        self, what: str, lines: Sequence[str], *, restored: bool, stopped: bool = False
+    ) -> None:
         super().__init__(what, lines, changed=not restored)
         self.restored = restored
+        self.stopped = stopped
 
 
 @attrs.frozen
@@ -309,8 +313,10 @@ def suspend(
         storing = _Storing.start(directory, bare, where, options, staged, report)
         undo = attrs.evolve(undo, storing=storing)
     try:
+        _stop_before(undo, "native_lock")
         with report.step("native_lock"):
             run_step(backend, "lock", pids, lock_timeout_ms=lock_timeout_ms)
+        _stop_before(undo, "native_checkpoint")
         with report.step("native_checkpoint"):
             run_step(backend, "checkpoint", pids)
     except NativeGroupError as failure:
@@ -436,7 +442,16 @@ def _fetch_back(undo: _Undo, lines: list[str]) -> bool:
     return True
 
 
-def _undo(undo: _Undo, lines: list[str]) -> NoReturn:
+def _stop_before(undo: _Undo, step: str) -> None:
+    """A run asked to stop (``Options.stop``: a signal) ends at a step boundary: before a
+    native step, what the suspend did so far is undone (the capture's own steps stop
+    in its machine, which rolls back)."""
+    stop = undo.options.stop
+    if stop is not None and stop.is_set():
+        _undo(undo, [f"stopped on request before {step}"], stopped=True)
+
+
+def _undo(undo: _Undo, lines: list[str], *, stopped: bool = False) -> NoReturn:
     """A native step of a suspend (or the manifest) failed: native restore and unlock what
     was done, then the coordinator restore (the stored copies fetched first); raise
     SuspendFailed with every step and every state. ``lines`` says what failed."""
@@ -455,7 +470,8 @@ def _undo(undo: _Undo, lines: list[str]) -> NoReturn:
 
         try:
             with undo.report.step("undo_coordinator_restore"):
-                options = attrs.evolve(undo.options, on_progress=undo.report.emit)
+                # An undo is never stopped half way: a second signal waits for it.
+                options = attrs.evolve(undo.options, on_progress=undo.report.emit, stop=None)
                 restore(undo.detection.endpoints, undo.directory, options)
             lines.append("coordinator restore done: bytes, VAs and sharing are back")
         except CoordinatorError as error:
@@ -466,4 +482,5 @@ def _undo(undo: _Undo, lines: list[str]) -> NoReturn:
     lines += [f"now {line}" for line in status_lines(undo.group, undo.where, undo.native)]
     if back:
         lines.append("the group runs as before the suspend")
-    raise SuspendFailed("suspend failed:", lines, restored=back)
+    what = "suspend stopped on request:" if stopped else "suspend failed:"
+    raise SuspendFailed(what, lines, restored=back, stopped=stopped)

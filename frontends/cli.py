@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, TextIO
 
-from . import __version__, artifacts, invocation, logs, targets
+from . import __version__, artifacts, invocation, logs, streams, targets
 from .arguments import (
     CHANGING_EXITS,
     CONTROL_DIR_ENV,
@@ -477,8 +477,9 @@ def main(
 ) -> int:
     """Run one command line; ``native``: the native calls to make instead of those on
     the driver ``--driver`` names (an embedder's backend, a test's fake)."""
-    out = stdout if stdout is not None else sys.stdout
-    err = stderr if stderr is not None else sys.stderr
+    # A closed pipe or a hung-up terminal must never stop a run half way (streams.py).
+    out = streams.sturdy(stdout if stdout is not None else sys.stdout)
+    err = streams.sturdy(stderr if stderr is not None else sys.stderr)
     given = list(sys.argv[1:] if argv is None else argv)
     try:
         try:

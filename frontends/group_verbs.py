@@ -75,7 +75,8 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
         # A suspend whose capture was rolled back: the group runs as it was (exit 1).
         if command == "suspend" and code == EXIT_ROLLED_BACK:
             code = EXIT_FAILED
-        return Outcome(code, "refused" if isinstance(error, Refused) else "", failure=error)
+        said = "refused" if isinstance(error, Refused) else running.outcome(error, code)
+        return Outcome(code, said, failure=error)
     except NativeUnavailableError as exc:
         return Outcome(EXIT_FAILED, "refused", invocation.no_driver(command, exc))  # fmt: skip
     if isinstance(done, Outcome):  # the verb failed after it changed something
@@ -117,6 +118,8 @@ def _suspend(
         code = EXIT_FAILED if failed.restored else EXIT_NEEDS_RECOVER
         outcome = "failed, undone: the group runs as before" if failed.restored else (
             "failed, not undone")  # fmt: skip
+        if failed.stopped:
+            outcome = outcome.replace("failed", "stopped on request", 1)
         return Outcome(code, outcome, failed.lines())
 
 
@@ -127,6 +130,7 @@ def _resume(
     options: Options,
     on_event: agent.AgentCallback,
 ) -> agent.ResumeResult | Outcome:
+    from . import running
     from .engine.resumption import ResumeFailed, resume
 
     try:
@@ -144,9 +148,11 @@ def _resume(
         if failed.running:
             outcome = OUTCOMES[EXIT_ROLLED_BACK] if not failed.lost else (
                 "a member is gone: the survivors run with the bytes they had")  # fmt: skip
+            outcome = running.outcome(failed, EXIT_ROLLED_BACK, outcome) or outcome
             return Outcome(EXIT_ROLLED_BACK, outcome, failed.lines())  # fmt: skip
         way_on = f"once every process is RUNNING, run: {call.recover_command()}"
-        return Outcome(EXIT_NEEDS_RECOVER, "", [*failed.lines(), way_on])  # fmt: skip
+        said = running.outcome(failed, EXIT_NEEDS_RECOVER)
+        return Outcome(EXIT_NEEDS_RECOVER, said, [*failed.lines(), way_on])  # fmt: skip
 
 
 class _NoDriver:

@@ -34,8 +34,8 @@ def run_machine(
     code, result, failure = _machine(spec, call, stdout, stderr)
     said = summaries.machine_summary(spec, call, result) if code == EXIT_OK else {}
     lines = said.pop("lines", [])
-    return Outcome(code, "refused" if isinstance(failure, Refused) else "",
-                   figures=said, human=lines, failure=failure)  # fmt: skip
+    outcome = "refused" if isinstance(failure, Refused) else running.outcome(failure, code)
+    return Outcome(code, outcome, figures=said, human=lines, failure=failure)
 
 
 Ran = tuple[int, object, "CoordinatorError | None"]  # the exit code, the result, the failure
@@ -93,7 +93,9 @@ def _machine(spec: MachineSpec | None, call: Invocation, stdout: TextIO, stderr:
         return refusal, None, None
     stop = threading.Event()
     where_now = running.Whereabouts(
-        running.progress(call.mode, stdout), undone=not call.options.no_rollback
+        running.progress(call.mode, stdout),
+        undone=not call.options.no_rollback,
+        machine=spec.name if spec is not None else "",
     )
     options = runner.Options(
         phase_timeout=timeout,

@@ -411,8 +411,10 @@ def test_sigint_is_acknowledged_at_once(work: Path) -> None:
         proc.kill()
         proc.communicate()
     assert still_running
-    assert said.startswith("cuinterpose: stopping after PREPARE_MULTICAST: "), said
-    assert "undone, the group runs as before" in said
+    # What it waits for: the op in flight, named before it ends.
+    assert said.startswith("cuinterpose: stopping: waiting for SAVE_ALLOCATIONS of the "
+                           "capture on every process to end; then "), said  # fmt: skip
+    assert "undone, and the group runs as before" in said
 
 
 # ------------------------------------------------------------------ the driver
