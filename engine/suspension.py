@@ -59,6 +59,7 @@ from .options import Options
 from .progress import StagingSummary
 from .released import Released, released
 from .statefile import StateFileError, utc_timestamp
+from .stopped import stopped
 from .watch import CopyWatcher
 from .wire import Op, Request, Status
 
@@ -120,12 +121,19 @@ def _ask_driver(endpoints: Sequence[Endpoint], timeout: float) -> _Asked:
     before ``require_states`` (which needs the driver loaded). The GPUs, whose report
     makes driver calls that a LOCKED or CHECKPOINTED process would hold, are asked once
     every process is known RUNNING, after the capture (:func:`_ask_gpus`)."""
-    replies = call_all([(e, Request(Op.STATUS, ask_driver=True), None) for e in endpoints],
-                       timeout=timeout)  # fmt: skip
+    # A stopped process answers nothing until continued: named at once, not waited for.
+    held = {e: stopped(e.observed_pid) for e in endpoints}
+    asked = [e for e in endpoints if not held[e]]
+    answers = iter(call_all([(e, Request(Op.STATUS, ask_driver=True), None) for e in asked],
+                            timeout=timeout))  # fmt: skip
     ids: list[str] = []
     drivers: dict[int, str] = {}
     problems: list[str] = []
-    for endpoint, reply in zip(endpoints, replies, strict=True):
+    for endpoint in endpoints:
+        if held[endpoint]:
+            problems.append(f"{endpoint.describe()}: {held[endpoint]}")
+            continue
+        reply = next(answers)
         if isinstance(reply, ParticipantError):
             problems.append(f"{reply} (looked in {endpoint.path.parent})")
         elif reply.status is not Status.OK:
@@ -135,6 +143,10 @@ def _ask_driver(endpoints: Sequence[Endpoint], timeout: float) -> _Asked:
             ids.append(reply.participant)
             if reply.message:  # empty: the application has not reached the driver yet
                 drivers[endpoint.observed_pid] = reply.message
+    if any(held.values()):
+        raise DetectionRefused(
+            "suspend refused, nothing was changed: a process of the group is stopped:", problems
+        )
     if problems:
         raise DetectionRefused("a shim did not say which driver it loaded:", problems)
     report = DriverReport(drivers)
