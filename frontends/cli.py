@@ -255,6 +255,12 @@ def _status_options(status_cmd: argparse.ArgumentParser) -> None:
     add_endpoints(status_cmd, required=False)
     status_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status_cmd.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="the checkpoint directory of the group's last run: status then names the "
+        "command that brings the group back or on (resume, recover)",
+    )
+    status_cmd.add_argument(
         "--clear-stale",
         action="store_true",
         help="remove the control sockets of processes that are gone (nobody listens on "

@@ -35,6 +35,9 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
     from .engine.native_checkpoint import NativeUnavailableError
     from .engine.options import Options
 
+    gone = running.interrupted_capture(call)
+    if gone:
+        return Outcome.refused(gone)
     processes = call.processes()
     mode = call.mode
     view = None
@@ -218,11 +221,16 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
     except NativeUnavailableError as exc:
         stderr.write(f"{PROG}: note: native states unknown: {exc}\n")
         rows = asked(processes, where, _NoDriver("no CUDA driver loaded"), seen=seen)
+    way_on = _way_on(call, rows)
+    if way_on:
+        stderr.write(f"{PROG}: note: {way_on[0]}\n")
     if call.options.json:
         from .engine.serial import to_json
 
         # One line, the summary itself: JSON lines like every verb's, and one document.
-        document = {"processes": [to_json(r) for r in rows]}
+        document: dict[str, Any] = {"processes": [to_json(r) for r in rows]}
+        if way_on and way_on[1]:
+            document["next"] = way_on[1]
         return Outcome(EXIT_OK, "done", (), figures=document)
     cells = [_status_cells(row) for row in rows]
     if _terminal(stdout):
@@ -232,6 +240,47 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
     else:
         _plain_table(stdout, "cuinterpose status", STATUS_COLUMNS, cells)
     return Outcome(EXIT_OK)
+
+
+# Shim phases a group rests in between runs: anything else is a run under way, or one
+# whose coordinator is gone.
+_AT_REST: Final = frozenset({"ACTIVE", "PREPARED", "not answering", None})
+
+
+def _way_on(call: Invocation, rows: Sequence[agent.ProcessStatus]) -> tuple[str, str] | None:
+    """What the person looking at a group stuck midway runs next, in a line, and the
+    command alone ("" where the checkpoint directory is not known): ``recover`` on the
+    run's directory for a run stopped midway, ``resume`` for a suspended group."""
+    from .engine.directory import interrupted_capture
+    from .engine.manifest import MANIFEST_FILE_NAME, ManifestError, read_manifest, recover_hint
+
+    directory = call.options.checkpoint_dir
+    midway = [r for r in rows if r.shim_phase not in _AT_REST or r.native_state == "LOCKED"]
+    if directory is None:
+        if not midway:
+            return None
+        where = shlex.join(["--control-dir", str(call.control_dir)])
+        return (
+            f"{', '.join(r.process.describe() for r in midway)}: a run stopped midway; unless "
+            f"one is under way, bring the group back with `cuinterpose recover "
+            f"--checkpoint-dir DIR {where}` (DIR: that run's checkpoint directory; "
+            f"`{call.status_command()} --checkpoint-dir DIR` names the command)",
+            "",
+        )
+    hint = recover_hint(directory, call.control_dir, call.proc_root)
+    if interrupted_capture(directory):
+        return f"a capture into {directory} was interrupted: run `{hint}`", hint
+    try:
+        manifest = read_manifest(directory) if (directory / MANIFEST_FILE_NAME).is_file() else None
+    except ManifestError:
+        manifest = None
+    if manifest is None or manifest.resumed_at:
+        return (f"a run stopped midway: run `{hint}`", hint) if midway else None
+    checkpointed = all(r.native_state == "CHECKPOINTED" for r in rows)
+    if checkpointed and not midway:
+        resume = shlex.join([PROG, "resume", "--checkpoint-dir", str(directory)])
+        return f"suspended into {directory}: run `{resume}`", resume
+    return f"the resume from {directory} stopped midway: run `{hint}`", hint
 
 
 STATUS_COLUMNS: Final = ("pid", "ns pid", "native state", "shim phase", "participant",

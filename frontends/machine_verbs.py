@@ -51,6 +51,8 @@ def _machine(spec: MachineSpec | None, call: Invocation, stdout: TextIO, stderr:
     from .engine.trace import TraceWriter
     from .phases import CAPTURE
 
+    if spec is not None and (gone := running.interrupted_capture(call)):
+        return say(gone, stderr), None, None
     endpoints = call.endpoints()
     timeout = step_timeout(call.options.step_timeout)
     if spec is not None:  # recover reports and leaves out the processes that are gone
@@ -126,7 +128,10 @@ def _machine(spec: MachineSpec | None, call: Invocation, stdout: TextIO, stderr:
                 result = runner.run_machine(spec, endpoints, checkpoint_dir, options)
             if spec is not None:
                 ran = result
-        for warning in getattr(result, "warnings", ()):
+        warnings = list(getattr(result, "warnings", ()))
+        if spec is None:
+            warnings += _suspend_done(checkpoint_dir)
+        for warning in warnings:
             stderr.write(f"{PROG}: note: {warning}\n")
     except GpuMapRefused as refused:
         return say(list(refused.lines()), stderr), None, None
@@ -138,6 +143,22 @@ def _machine(spec: MachineSpec | None, call: Invocation, stdout: TextIO, stderr:
         if writer is not None:
             writer.close()
     return EXIT_OK, ran, None
+
+
+def _suspend_done(checkpoint_dir: Path) -> tuple[str, ...]:
+    """Once recover brought the group back, a suspend of it that was never resumed (it
+    stopped midway, or recover undid it) is over: its manifest is marked resumed, so
+    that the directory takes the next suspend. The late steps' lines, if any."""
+    from .engine.manifest import MANIFEST_FILE_NAME, ManifestError, read_manifest
+    from .engine.resumption import mark_resumed
+
+    if not (checkpoint_dir / MANIFEST_FILE_NAME).is_file():
+        return ()
+    try:
+        manifest = read_manifest(checkpoint_dir)
+    except ManifestError:
+        return ()
+    return () if manifest.resumed_at else mark_resumed(checkpoint_dir, manifest, from_images=False)
 
 
 def _native_check(
@@ -169,18 +190,26 @@ def _native_check(
 def _recover_native_check(
     call: Invocation, endpoints: Sequence[Endpoint], stderr: TextIO
 ) -> int | None:
-    """recover refuses a process natively LOCKED or CHECKPOINTED, and fails closed."""
+    """recover takes any mix of native states back itself (the native restore of a
+    CHECKPOINTED process, the unlock of a LOCKED one: a suspend or resume stopped
+    between its native steps), said on stderr; a process still held after it fails the
+    recover (exit 4). No driver to ask: refused, unless --skip-native-check."""
+    from .arguments import EXIT_NEEDS_RECOVER
     from .engine.native_checkpoint import NativeUnavailableError
-    from .engine.recovery import native_blockers, native_check_refusal
+    from .engine.recovery import NativeStuck, native_back, native_check_refusal
 
     try:
-        blockers = native_blockers(call.native(), endpoints, call.options.checkpoint_dir)
+        done = native_back(call.native(), endpoints)
     except NativeUnavailableError as exc:
         if not call.options.skip_native_check:
             return say(native_check_refusal("recover", exc), stderr)
         stderr.write(f"{PROG}: note: the native state was not checked (--skip-native-check): "
                      f"{exc}\n")  # fmt: skip
         return None
-    if blockers:
-        return say(["recover refused: nothing was changed", *blockers], stderr)
+    except NativeStuck as stuck:
+        say(["recover failed: a process is still natively held", *stuck.lines,
+             "bring it back natively (`cuinterpose native --action restore`, then "
+             f"`--action unlock`), then run again: {call.recover_command()}"], stderr)  # fmt: skip
+        return EXIT_NEEDS_RECOVER
+    say(done, stderr)
     return None

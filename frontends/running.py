@@ -191,6 +191,24 @@ def stopping_on_signals(
             signal.signal(number, handler)
 
 
+def interrupted_capture(call: Invocation) -> list[str]:
+    """Why ``call`` must not run on its checkpoint directory: it holds the intent of a
+    capture whose coordinator is gone (killed mid-run), which only ``recover`` brings
+    back; the refusal names that one command. Empty when nothing is in the way."""
+    from .engine.directory import INTENT_FILE_NAME, interrupted_capture
+    from .engine.manifest import recover_hint
+
+    directory = getattr(call.options, "checkpoint_dir", None)
+    if directory is None or not interrupted_capture(directory):
+        return []
+    hint = recover_hint(directory, call.control_dir, call.proc_root)
+    return [
+        f"{call.command} refused, nothing was changed: a capture into {directory} was "
+        f"interrupted and its coordinator is gone ({INTENT_FILE_NAME} is there)",
+        f"bring the group back first: `{hint}`",
+    ]
+
+
 def outcome(error: BaseException | None, code: int, otherwise: str = "") -> str:
     """The summary's outcome for a run that ended in ``error`` with ``code``: a run
     stopped on request (a signal, the stop event) says "stopped", not "failed"."""
