@@ -14,6 +14,7 @@ undo fetches what was stored before the coordinator restore.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -286,9 +287,10 @@ def suspend(
             f"CHECKPOINTED by an earlier suspend comes back with {resume_hint(None)})",
         )
         ids: tuple[str | None, ...] = asked.ids or (None,) * len(group)
+        # Absolute: a resume may run from any directory (``--control-dir ../../c``).
         origin = Origin(
-            str(where.control_dir),
-            None if where.proc_root is None else str(where.proc_root),
+            os.path.abspath(where.control_dir),
+            None if where.proc_root is None else os.path.abspath(where.proc_root),
             asked.report.one(),
             tuple(start_ticks(p.observed_pid, where.proc_root) for p in group),
         )

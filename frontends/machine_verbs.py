@@ -158,7 +158,27 @@ def _suspend_done(checkpoint_dir: Path) -> tuple[str, ...]:
         manifest = read_manifest(checkpoint_dir)
     except ManifestError:
         return ()
-    return () if manifest.resumed_at else mark_resumed(checkpoint_dir, manifest, from_images=False)
+    if manifest.resumed_at:
+        return ()
+    return (*_capture_done(checkpoint_dir), *mark_resumed(checkpoint_dir, manifest,
+                                                          from_images=False))  # fmt: skip
+
+
+def _capture_done(checkpoint_dir: Path) -> tuple[str, ...]:
+    """The suspend's capture, rolled back by recover, is done with: its state file is
+    marked restored (as a resume's restore marks it), so that the next suspend's capture
+    takes the directory."""
+    from .engine.directory import mark_restored
+    from .engine.statefile import STATE_FILE_NAME, StateFileError, read_state
+
+    if not (checkpoint_dir / STATE_FILE_NAME).is_file():
+        return ()
+    try:
+        mark_restored(checkpoint_dir, read_state(checkpoint_dir))
+    except (StateFileError, OSError) as exc:
+        return (f"the group runs, but its capture could not be marked done ({exc}): the next "
+                f"suspend into {checkpoint_dir} needs another directory",)  # fmt: skip
+    return ()
 
 
 def _native_check(

@@ -67,12 +67,12 @@ def test_a_closed_pipe_stops_neither_suspend_nor_resume(
 
 @pytest.fixture
 def slow_group(spawn: Spawn, control_dir: Path, sim_namespace: str, plain: dict[str, str]) -> Group:
-    """The pair, each copy chunk a piece of stream work of 0.25 s on the simulated driver:
+    """The pair, each copy chunk a piece of stream work of 0.15 s on the simulated driver:
     a SAVE of the group's 8 MiB in 1 MiB chunks on one copy thread takes seconds."""
     if not (simenv.BUILD_DIRS["release"] / "shim_c" / "libcuinterpose.so").is_file():
         pytest.skip("build/ has no shim: run `make build`")
     shim = shimenv.shim_env("release", control_dir=control_dir, namespace=sim_namespace)
-    shim.update(CUINTERPOSE_SIM_WORK_US="250000", SNAPSHOT_SHIM_COPY_CHUNK_MIB="1",
+    shim.update(CUINTERPOSE_SIM_WORK_US="150000", SNAPSHOT_SHIM_COPY_CHUNK_MIB="1",
                 SNAPSHOT_SHIM_COPY_THREADS="1")  # fmt: skip
     observer = simenv.sim_env("release", namespace=sim_namespace)
     return build_group(spawn, shim, observer)
