@@ -133,6 +133,36 @@ def test_a_recorded_process_not_given_is_named_with_whether_it_runs(work: Path) 
         other.wait()
 
 
+def test_a_state_file_naming_an_extra_participant_says_which_one(work: Path) -> None:
+    """The state file names one process more than the group given, one that runs with no
+    shim (another group's record, or an edited one): the processes named are refused
+    with that one named as extra, not as one of the group to name."""
+    me, other = os.getpid(), subprocess.Popen(["sleep", "60"])
+    extra = subprocess.Popen(["sleep", "60"])
+    three = topologies.team(3, 2, multicast=False)
+    try:
+        with team_of(three, work / "control", pids={0: me, 1: other.pid, 2: extra.pid}) as t:
+            common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(t.control_dir)]
+            code, _, err = run("prepare", *common, *t.processes, "--progress", "none")
+            assert (code, err) == (0, "")
+            t.fakes[2].stop()  # its process runs on, no shim serves it
+            given = ["--pid", str(me), "--pid", str(other.pid)]
+            code, _, err = run("restore", *common, *given)
+            assert code == cli.EXIT_FAILED
+            assert (
+                f"recorded pid {extra.pid} is not given: it runs, with no shim in "
+                f"{t.control_dir}: no participant of the group, the record names it extra"
+            ) in err, err
+            assert f"names pid {extra.pid} extra" in err, err
+            assert f"the group's processes in it are pid {me}, pid {other.pid}" in err, err
+            assert "name the recorded ones, or none" not in err, err
+            assert {f.phase for f in t.fakes[:2]} == {Phase.PREPARED}  # nothing was sent
+    finally:
+        for child in (other, extra):
+            child.kill()
+            child.wait()
+
+
 def test_recover_without_a_record_says_so(work: Path) -> None:
     (work / "ckpt").mkdir()
     code, _, err = run("recover", "--checkpoint-dir", str(work / "ckpt"))
