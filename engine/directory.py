@@ -241,6 +241,18 @@ def interrupted_capture(directory: Path) -> bool:
         return False  # not a file under the name: the verbs' own checks refuse it
 
 
+def unrestored_capture(directory: Path) -> bool:
+    """Whether ``directory`` holds a completed capture's state file that no restore (nor
+    recover) has marked done."""
+    try:
+        if not _regular(Path(directory) / STATE_FILE_NAME):
+            return False
+        held = read_state(directory)
+    except (StateFileError, OSError):
+        return False  # unreadable: the verbs' own reads say what is wrong
+    return _restored_created_at(directory) != held.created_at
+
+
 def _regular(path: Path) -> bool:
     """Whether ``path`` exists, refusing anything but a regular file under the name."""
     try:

@@ -1,9 +1,10 @@
 """The ``cuinterpose`` command line.
 
 Exit status: :data:`EXIT_TABLE` (also in ``--help`` and specs/recovery.md); stderr
-names the participant, its pid, the phase and the reason. SIGINT and SIGTERM stop
-``prepare`` and ``restore`` at the next phase boundary (said at once on stderr); what
-was changed is then rolled back (status 3, or 4).
+names the participant, its pid, the phase and the reason. SIGINT, SIGTERM and SIGHUP
+stop a run at the next phase boundary (said at once on stderr, with what it waits for);
+what was changed is then rolled back (status 3, or 4). A closed stdout or stderr stops
+nothing (streams.py).
 
 The processes are named with ``--pid P`` or ``--process OBSERVED NS``; ``resume``,
 ``restore`` and ``recover`` default to the checkpoint directory's group, ``status``

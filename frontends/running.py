@@ -10,6 +10,7 @@ import json
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TextIO
 
 from .arguments import EXIT_FAILED, EXIT_NEEDS_RECOVER, EXIT_ROLLED_BACK
@@ -199,14 +200,36 @@ def interrupted_capture(call: Invocation) -> list[str]:
     from .engine.manifest import recover_hint
 
     directory = getattr(call.options, "checkpoint_dir", None)
-    if directory is None or not interrupted_capture(directory):
+    if directory is None:
         return []
     hint = recover_hint(directory, call.control_dir, call.proc_root)
+    if call.command == "resume" and _suspend_cut_short(directory):
+        return [
+            f"resume refused, nothing was changed: {directory} holds a capture and no "
+            "manifest: nothing was suspended into it (a suspend stopped between its capture "
+            "and its manifest, its coordinator gone, or a `prepare`)",
+            f"bring the group back with `{hint}` (it takes the native states back too)",
+        ]
+    if not interrupted_capture(directory):
+        return []
     return [
         f"{call.command} refused, nothing was changed: a capture into {directory} was "
         f"interrupted and its coordinator is gone ({INTENT_FILE_NAME} is there)",
         f"bring the group back first: `{hint}`",
     ]
+
+
+def _suspend_cut_short(directory: Path) -> bool:
+    """A suspend whose capture completed and whose manifest was never written: its
+    coordinator died between the capture and the end of its native steps."""
+    from .engine.directory import in_use, unrestored_capture
+    from .engine.manifest import MANIFEST_FILE_NAME
+
+    return (
+        not (directory / MANIFEST_FILE_NAME).exists()
+        and unrestored_capture(directory)
+        and in_use(directory) is None
+    )
 
 
 def outcome(error: BaseException | None, code: int, otherwise: str = "") -> str:

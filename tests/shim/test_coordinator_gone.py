@@ -230,3 +230,30 @@ def test_a_relative_control_dir_is_recorded_absolute(
     assert run.returncode == 0, run.stderr
     assert group.mismatches() == []
     group.close()
+
+
+def test_a_suspend_cut_short_after_its_capture_is_brought_back_by_the_command_resume_names(
+    group: Group, control_dir: Path, scratch: Path, plain: dict[str, str]
+) -> None:
+    """Where a suspend whose coordinator died after its capture leaves a group: the state
+    file and no manifest, the shims PREPARED, one process natively LOCKED (its lock
+    done, the other's not). resume refuses, naming recover; that recover unlocks it and
+    restores the group."""
+    where = ["--checkpoint-dir", "ck", "--control-dir", str(control_dir)]
+    run = cli(scratch, plain, "prepare", *where, *pids(group))
+    assert run.returncode == 0, run.stderr
+    run = cli(scratch, plain, "native", "--action", "lock", "--control-dir", str(control_dir),
+              "--pid", str(group.creator.pid))  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    run = cli(scratch, plain, "resume", *where)
+    assert run.returncode == 1, run.stderr
+    assert "holds a capture and no manifest" in run.stderr, run.stderr
+    hint = _recover_line(run.stderr)
+    assert states(scratch, plain, control_dir, *group.pids) == {
+        ("LOCKED", "PREPARED"), ("RUNNING", "PREPARED")}  # fmt: skip
+    run = cli(scratch, plain, shell=hint)
+    assert run.returncode == 0, run.stderr
+    assert f"pid {group.creator.pid}: native unlock done" in run.stderr, run.stderr
+    assert states(scratch, plain, control_dir, *group.pids) == {("RUNNING", "ACTIVE")}
+    assert group.mismatches() == []
+    group.close()
