@@ -251,7 +251,7 @@ def _way_on(call: Invocation, rows: Sequence[agent.ProcessStatus]) -> tuple[str,
     """What the person looking at a group stuck midway runs next, in a line, and the
     command alone ("" where the checkpoint directory is not known): ``recover`` on the
     run's directory for a run stopped midway, ``resume`` for a suspended group."""
-    from .engine.directory import interrupted_capture
+    from .engine.directory import in_use, interrupted_capture, unrestored_capture
     from .engine.manifest import MANIFEST_FILE_NAME, ManifestError, read_manifest, recover_hint
 
     directory = call.options.checkpoint_dir
@@ -274,6 +274,9 @@ def _way_on(call: Invocation, rows: Sequence[agent.ProcessStatus]) -> tuple[str,
         manifest = read_manifest(directory) if (directory / MANIFEST_FILE_NAME).is_file() else None
     except ManifestError:
         manifest = None
+    if manifest is None and unrestored_capture(directory) and in_use(directory) is None:
+        return (f"{directory} holds a capture not restored and no manifest (a prepare, or a "
+                f"suspend cut short): run `{hint}`", hint)  # fmt: skip
     if manifest is None or manifest.resumed_at:
         return (f"a run stopped midway: run `{hint}`", hint) if midway else None
     checkpointed = all(r.native_state == "CHECKPOINTED" for r in rows)

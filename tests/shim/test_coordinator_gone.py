@@ -251,6 +251,9 @@ def test_a_suspend_cut_short_after_its_capture_is_brought_back_by_the_command_re
     hint = _recover_line(run.stderr)
     assert states(scratch, plain, control_dir, *group.pids) == {
         ("LOCKED", "PREPARED"), ("RUNNING", "PREPARED")}  # fmt: skip
+    run = cli(scratch, plain, "status", "--control-dir", str(control_dir), "--checkpoint-dir",
+              "ck", "--json")  # fmt: skip
+    assert json.loads(run.stdout)["next"] == hint, run.stdout + run.stderr
     run = cli(scratch, plain, shell=hint)
     assert run.returncode == 0, run.stderr
     assert f"pid {group.creator.pid}: native unlock done" in run.stderr, run.stderr
