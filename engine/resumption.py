@@ -13,7 +13,7 @@ import attrs
 from . import discovery
 from .detection import Where, group_of
 from .directory import require_trusted
-from .errors import AgentError, CoordinatorError
+from .errors import AgentError, CoordinatorError, Interrupted
 from .events import AgentCallback, Reporter, bytes_moved, reporter
 from .gpus import GpuMap, GpuMapRefused, checkpointed, resolve
 from .group_status import StateRefused, require_states, status_lines
@@ -297,6 +297,11 @@ def resume(
             token = take_lease(endpoints, options.phase_timeout)
         except LeaseRefused as refused:
             raise AgentError("resume refused, nothing was changed:", refused.lines()) from None
+    if options.stop is not None and options.stop.is_set():  # a signal before any change
+        if token is not None:
+            release_lease(endpoints, token)
+        raise AgentError("resume stopped on request before its native restore:",
+                         ["nothing was changed: the group is suspended as it was"])  # fmt: skip
     try:
         if pids:
             with report.step("native_restore"):
@@ -320,6 +325,11 @@ def resume(
             ids = tuple(p.participant or "" for p in manifest.participants)
             with report.step("coordinator_restore") as moved:
                 engine_options = attrs.evolve(options, on_progress=report.emit)
+                if pids and options.stop is not None and options.stop.is_set():
+                    # Asked to stop once the native restore ran: the group cannot be
+                    # checkpointed again, and stopping here would leave it half done. It
+                    # is brought back running: the restore goes on to its end.
+                    engine_options = attrs.evolve(engine_options, stop=None)
                 with CopyWatcher(list(zip(endpoints, ids, strict=True)), report.emit):
                     result = restore(endpoints, directory, engine_options, gpu_pairs=pairs,
                                      lease=token)  # fmt: skip
@@ -338,7 +348,9 @@ def resume(
                 "with its bytes"
             )
         lines += [f"now {line}" for line in status_lines(group, where, native)]
-        raise ResumeFailed("resume failed:", lines, running=running) from failure
+        what = "resume stopped on request:" if isinstance(failure, Interrupted) else (
+            "resume failed:")  # fmt: skip
+        raise ResumeFailed(what, lines, running=running) from failure
     marked = mark_resumed(directory, manifest, from_images=restored)
     warnings = (*(result.warnings if coordinate else ()), *marked)
     return ResumeResult(manifest, coordinate, tuple(report.timings), staging, warnings)

@@ -53,7 +53,8 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
     # A resume cannot undo its native restore: it stops, and its last lines say where
     # the group is (running with its bytes, or what to run), as a failed resume does.
     then = "" if command == "suspend" else (
-        "the resume goes no further; the lines that follow say where the group is")  # fmt: skip
+        "before its native restore nothing is changed; after it the group is brought back "
+        "running (the restore goes on, or rolls back to the bytes of the suspend)")  # fmt: skip
     where_now = running.Whereabouts(on_event, then=then)
     stop = threading.Event()
     options = Options(phase_timeout=step_timeout(call.options.step_timeout), stop=stop)

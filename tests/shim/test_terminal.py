@@ -184,3 +184,34 @@ def test_ctrl_c_twice_says_what_it_waits_for_and_never_leaves_the_group_half_don
     assert states(scratch, plain, control_dir, *group.pids) == {("RUNNING", "ACTIVE")}
     assert group.mismatches() == []
     group.close()
+
+
+def _loading(control_dir: Path, pid: int) -> bool:
+    reply, _ = shimenv.request(shimenv.socket_path(control_dir, pid), wire.Request(wire.Op.STATUS))
+    return wire.InFlight.from_stats(reply.stats).op is wire.Op.LOAD_ALLOCATIONS
+
+
+def test_ctrl_c_during_a_resumes_load_brings_the_group_back_running(
+    slow_group: Group, control_dir: Path, scratch: Path, plain: dict[str, str]
+) -> None:
+    """Once the native restore ran, a resume cannot go back to checkpointed: stopped
+    during its LOAD, it rolls back to the bytes of the suspend; exit 3, reported as
+    stopped, the group running."""
+    group = slow_group
+    where = ["--checkpoint-dir", "ck", "--control-dir", str(control_dir)]
+    run = cli(scratch, plain, "suspend", *where, *pids(group))
+    assert run.returncode == 0, run.stderr
+    term = Terminal([str(BIN / "cuinterpose"), "resume", *where], scratch, plain)
+    term.until(lambda: _loading(control_dir, group.creator.pid), "the LOAD is in flight")
+    term.type(b"\x03")
+    said = re.compile(r"cuinterpose: stopping: waiting for LOAD_ALLOCATIONS[^\n]* to end; then "
+                      r"before its native restore nothing is changed; after it the group is "
+                      r"brought back running")  # fmt: skip
+    term.until(lambda: said.search(term.text), "the Ctrl-C is acknowledged")
+    assert term.end() == 3, term.text
+    assert "restore: stopped on request before" in term.text, term.text
+    assert "cuinterpose: resume stopped on request:" in term.text, term.text
+    assert "FAILED" not in term.text, term.text
+    assert states(scratch, plain, control_dir, *group.pids) == {("RUNNING", "ACTIVE")}
+    assert group.mismatches() == []
+    group.close()
