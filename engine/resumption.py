@@ -69,6 +69,11 @@ class ResumeFailed(AgentError):
         self.lost = tuple(lost)  # members gone since the suspend: the survivors came back
 
 
+class ResumeStopped(AgentError):
+    """A resume stopped on request (``Options.stop``) before its native restore: nothing
+    was changed."""
+
+
 @attrs.frozen
 class ResumeResult:
     manifest: Manifest
@@ -86,19 +91,21 @@ def _natively_checkpointed(
     restored: bool,
     directory: Path,
     where: Where,
+    prepared: bool = True,
 ) -> list[Process]:
     """The processes whose native restore and unlock are to come: all of them, each
     CHECKPOINTED; after a restore by CRIU, whose CUDA plugin (where installed) restores
     and unlocks by itself, those still CHECKPOINTED, the others RUNNING. A group of
     the manifest not all CHECKPOINTED but each RUNNING, LOCKED or CHECKPOINTED stopped
     midway (a resume or suspend whose coordinator was killed between or after its
-    native steps): refused, naming ``recover``, which takes any such mix back."""
+    native steps): refused, naming ``recover``, which takes any such mix back (a group
+    captured, ``prepared``: recover needs its shims)."""
     hint = "every process must be CHECKPOINTED by `cuinterpose suspend`"
     states = state_names(native, [p.observed_pid for p in group])
     if not restored:
         held = (ProcessState.RUNNING.name, ProcessState.LOCKED.name, ProcessState.CHECKPOINTED.name)
         found = {states[p.observed_pid] for p in group}
-        if found <= set(held) and found != {ProcessState.CHECKPOINTED.name}:
+        if prepared and found <= set(held) and found != {ProcessState.CHECKPOINTED.name}:
             recover = recover_hint(directory, where.control_dir, where.proc_root)
             raise StateRefused(
                 "resume refused, nothing was changed: the group is not as its suspend left "
@@ -282,8 +289,8 @@ def resume(
     lost = [] if restored else _preflight(manifest, group, where, timeout)
     if lost:
         return _survivors(manifest, directory, group, lost, where, native, options, report)
-    pids = [p.observed_pid for p in _natively_checkpointed(native, group, restored, directory,
-                                                           where)]  # fmt: skip
+    held = _natively_checkpointed(native, group, restored, directory, where, manifest.prepared)
+    pids = [p.observed_pid for p in held]
     pairs = gpu_pairs(manifest, native, gpu_map) if gpu_map else ()
     if pids and not gpu_map:
         require_same_gpus(manifest, native)
@@ -300,8 +307,8 @@ def resume(
     if options.stop is not None and options.stop.is_set():  # a signal before any change
         if token is not None:
             release_lease(endpoints, token)
-        raise AgentError("resume stopped on request before its native restore:",
-                         ["nothing was changed: the group is suspended as it was"])  # fmt: skip
+        raise ResumeStopped("resume stopped on request before its native restore:",
+                            ["nothing was changed: the group is suspended as it was"])  # fmt: skip
     try:
         if pids:
             with report.step("native_restore"):

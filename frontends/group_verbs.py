@@ -73,7 +73,9 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
             else:
                 done = _resume(call, processes, call.native(), options, where_now)
     except AgentError as error:
-        return Outcome(EXIT_FAILED, "refused", error.lines())
+        # A resume stopped before its native restore: nothing changed, on request.
+        said = "stopped on request: nothing was changed" if stop.is_set() else "refused"
+        return Outcome(EXIT_FAILED, said, error.lines())
     except CoordinatorError as error:
         code = running.failure(error, call, stderr)
         # A suspend whose capture was rolled back: the group runs as it was (exit 1).

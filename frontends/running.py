@@ -237,8 +237,7 @@ def outcome(error: BaseException | None, code: int, otherwise: str = "") -> str:
     stopped on request (a signal, the stop event) says "stopped", not "failed"."""
     from .engine.errors import Interrupted
 
-    if not isinstance(error, Interrupted) and not isinstance(error.__cause__ if error else None,
-                                                             Interrupted):  # fmt: skip
+    if error is None or not any(isinstance(e, Interrupted) for e in (error, error.__cause__)):
         return otherwise
     if code == EXIT_NEEDS_RECOVER:
         return "stopped on request: the group needs recover"
