@@ -416,7 +416,10 @@ class _Exchange:
                 f"incomplete reply within {self.timeout:g} s "
                 f"({self._received()} of {self._expected()} bytes)"
             )
-        self.fail(ParticipantTimeout, reason, self._claimed())
+        from .stopped import stopped
+
+        why = stopped(self.endpoint.observed_pid)  # the usual cause of a silent shim
+        self.fail(ParticipantTimeout, f"{reason}: {why}" if why else reason, self._claimed())
 
     # -- connection -----------------------------------------------------------
 

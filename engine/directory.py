@@ -212,6 +212,47 @@ def locked(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def in_use(directory: Path) -> str | None:
+    """Who holds the directory's lock now (a coordinator's run in flight), or None: a
+    look that changes nothing (no lock file is created, none is kept)."""
+    path = Path(directory) / LOCK_FILE_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None  # no lock file: nobody holds it
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _holder(fd)
+        return None
+    finally:
+        os.close(fd)  # the shared lock, if taken, goes with it
+
+
+def interrupted_capture(directory: Path) -> bool:
+    """Whether ``directory`` holds the intent of a capture whose coordinator is gone (no
+    run holds the directory's lock)."""
+    try:
+        return _regular(Path(directory) / INTENT_FILE_NAME) and in_use(directory) is None
+    except StateFileError:
+        return False  # not a file under the name: the verbs' own checks refuse it
+
+
+def unrestored_capture(directory: Path) -> bool:
+    """Whether ``directory`` holds a completed capture's state file that no restore (nor
+    recover) has marked done."""
+    try:
+        if not _regular(Path(directory) / STATE_FILE_NAME):
+            return False
+        held = read_state(directory)
+    except (StateFileError, OSError):
+        return False  # unreadable: the verbs' own reads say what is wrong
+    return _restored_created_at(directory) != held.created_at
+
+
 def _regular(path: Path) -> bool:
     """Whether ``path`` exists, refusing anything but a regular file under the name."""
     try:

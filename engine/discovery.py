@@ -93,9 +93,11 @@ def what_is_at(path: Path) -> str:
 def shim_drivers(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> DriverReport:
     """Ask every endpoint that has a socket which driver its shim loaded."""
     from .client import call_all
+    from .stopped import stopped
     from .wire import Op, Reply, Request, Status
 
-    asked = [e for e in endpoints if is_socket(e.path)]
+    # A stopped process's shim answers nothing until continued: not waited for.
+    asked = [e for e in endpoints if is_socket(e.path) and not stopped(e.observed_pid)]
     replies = call_all([(e, Request(Op.STATUS, ask_driver=True), None) for e in asked],
                        timeout=timeout)  # fmt: skip
     drivers: dict[int, str] = {}

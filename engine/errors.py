@@ -201,7 +201,9 @@ def not_quiet(error: CoordinatorError) -> bool:
 
 class Interrupted(StepFailed):
     """The run was asked to stop (a signal, or the embedder's stop event): it stopped at a
-    phase boundary."""
+    phase boundary. Said as "stopped", never as a failure: nothing went wrong."""
+
+    kind = "stopped"
 
 
 class VerificationFailed(StepFailed):

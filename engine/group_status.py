@@ -15,6 +15,7 @@ from .errors import AgentError
 from .manifest import Process, resume_hint
 from .native_checkpoint import NativeBackend, ProcessState, state_names
 from .serial import shape
+from .stopped import stopped
 from .wire import HostCopy, InFlight, Op, Request
 
 
@@ -81,14 +82,19 @@ def status(
         seen = look(group, where, heal=True)  # a removed socket its shim re-creates
     elif [s.process for s in seen] != list(group):
         raise ValueError("status: what was seen is not of these processes")
+    # A stopped process answers nothing until continued: named, not waited for.
+    held = {p: stopped(p.observed_pid, where.proc_root) for p in group}
     present = [s.evidence == "socket" for s in seen]
-    asked = [s.endpoint for s in seen if s.evidence == "socket"]
+    asked = [s.endpoint for s in seen if s.evidence == "socket" and not held[s.process]]
     answers = iter(call_all([(e, Request(Op.STATUS), None) for e in asked], timeout=timeout))
     out: list[ProcessStatus] = []
     for process, here in zip(group, present, strict=True):
         native_state = states[process.observed_pid]
         if not here:
             out.append(ProcessStatus(process, native_state, None))
+            continue
+        if held[process]:
+            out.append(ProcessStatus(process, native_state, "not answering", problem=held[process]))
             continue
         reply = next(answers)
         if isinstance(reply, ParticipantError):

@@ -271,3 +271,18 @@ def resume_hint(checkpoint_dir: Path | None) -> str:
         if held is not None and not held.resumed_at:
             return f"`cuinterpose resume --checkpoint-dir {shlex.quote(str(checkpoint_dir))}`"
     return "`cuinterpose resume --checkpoint-dir DIR` (DIR: the directory of their suspend)"
+
+
+def recover_hint(
+    checkpoint_dir: Path, control_dir: Path | None = None, proc_root: Path | None = None
+) -> str:
+    """The one command that brings back a group whose run stopped midway (its
+    coordinator killed, a resume stopped after its native restore): ``cuinterpose
+    recover`` on the run's directory, where the group lives; every verb that sees such
+    a group says this same line."""
+    words = ["cuinterpose", "recover", "--checkpoint-dir", str(checkpoint_dir)]
+    if proc_root is not None:
+        words += ["--proc-root", str(proc_root)]
+    elif control_dir is not None:
+        words += ["--control-dir", str(control_dir)]
+    return shlex.join(words)

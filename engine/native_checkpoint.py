@@ -396,9 +396,17 @@ def check_pids(pids: Sequence[int]) -> tuple[int, ...]:
 
 
 def state_names(backend: NativeBackend, pids: Sequence[int]) -> dict[int, str]:
-    """Each pid's state name, or why asking for it failed (for reports)."""
+    """Each pid's state name, or why asking for it failed (for reports). A stopped
+    process is not asked (the call may block while it stays stopped): its state is
+    unknown, and says why."""
+    from .stopped import run_state
+
     out: dict[int, str] = {}
     for pid in pids:
+        letter = run_state(pid)
+        if letter in ("T", "t"):
+            out[pid] = f"unknown (stopped: state {letter})"
+            continue
         try:
             out[pid] = backend.state(pid).name
         except NativeError as exc:

@@ -33,7 +33,7 @@ from .client import Endpoint, ParticipantError
 from .directory import INTENT_FILE_NAME, clear_intent
 from .errors import CoordinatorError, Problem
 from .manifest import Process, resume_hint
-from .native_checkpoint import NativeBackend, ProcessState, state_names
+from .native_checkpoint import NativeBackend, ProcessState, state_names, undo_suspend
 from .options import Options
 from .runner import RestoreResult, RollbackResult, restore, rollback
 from .statefile import STATE_FILE_NAME, StateFileError, read_state
@@ -90,21 +90,42 @@ def native_check_refusal(command: str, why: object) -> tuple[str, ...]:
     )
 
 
-def native_blockers(
-    native: NativeBackend, endpoints: Sequence[Endpoint], checkpoint_dir: Path | None = None
-) -> tuple[str, ...]:
-    """The processes ``recover`` must not touch: natively LOCKED or CHECKPOINTED (a
-    restore or rollback would wedge them). Gone or unknown ones are left to the survey.
-    Raises NativeUnavailableError when no driver can say."""
+class NativeStuck(Exception):
+    """``recover``'s native restore and unlock left a process natively held: one line
+    per fact (what ran, what each process is now)."""
+
+    def __init__(self, lines: Sequence[str]) -> None:
+        super().__init__(*lines)
+        self.lines = tuple(lines)
+
+
+def native_back(native: NativeBackend, endpoints: Sequence[Endpoint]) -> tuple[str, ...]:
+    """Bring every process natively RUNNING from any mix of RUNNING, LOCKED and
+    CHECKPOINTED (a suspend or resume stopped between its native steps): the native
+    restore of the CHECKPOINTED ones, then the unlock of the LOCKED ones, each process
+    on its own. The lines say what ran (none: nothing was held); :class:`NativeStuck`
+    when a process is still held after it. Gone or unknown ones are left to the survey."""
+    held = [e.observed_pid for e in endpoints if e in _natively_held(native, endpoints)]
+    if not held:
+        return ()
+    done = undo_suspend(native, held)
+    lines = tuple(f"native: {line}" for line in done)
+    still = _natively_held(native, endpoints)
+    if still:
+        states = state_names(native, [e.observed_pid for e in still])
+        raise NativeStuck(
+            [
+                *lines,
+                *(f"{e.describe()} is still natively {states[e.observed_pid]}" for e in still),
+            ]
+        )
+    return lines
+
+
+def _natively_held(native: NativeBackend, endpoints: Sequence[Endpoint]) -> list[Endpoint]:
     states = state_names(native, [e.observed_pid for e in endpoints])
     held = (ProcessState.LOCKED.name, ProcessState.CHECKPOINTED.name)
-    blocked = [e for e in endpoints if states[e.observed_pid] in held]
-    if not blocked:
-        return ()
-    return (
-        *(f"{e.describe()} is natively {states[e.observed_pid]}" for e in blocked),
-        f"bring it back first: {resume_hint(checkpoint_dir)}, or the native restore and unlock",
-    )
+    return [e for e in endpoints if states[e.observed_pid] in held]
 
 
 def survey(endpoints: Sequence[Endpoint], options: Options) -> tuple[ProcessBefore, ...]:

@@ -13,10 +13,11 @@ import attrs
 from . import discovery
 from .detection import Where, group_of
 from .directory import require_trusted
-from .errors import AgentError, CoordinatorError
+from .errors import AgentError, CoordinatorError, Interrupted
 from .events import AgentCallback, Reporter, bytes_moved, reporter
 from .gpus import GpuMap, GpuMapRefused, checkpointed, resolve
 from .group_status import StateRefused, require_states, status_lines
+from .lease import LeaseRefused, release_lease, take_lease
 from .manifest import (
     MANIFEST_FILE_NAME,
     Manifest,
@@ -24,12 +25,14 @@ from .manifest import (
     Process,
     Timing,
     read_manifest,
+    recover_hint,
     restore_plan,
     write_manifest,
 )
 from .native_checkpoint import (
     CudaBackend,
     NativeBackend,
+    NativeError,
     NativeGroupError,
     ProcessState,
     RemappingBackend,
@@ -73,6 +76,11 @@ class ResumeFailed(AgentError):
         self.lost = tuple(lost)  # members gone since the suspend: the survivors came back
 
 
+class ResumeStopped(AgentError):
+    """A resume stopped on request (``Options.stop``) before its native restore: nothing
+    was changed."""
+
+
 @attrs.frozen
 class ResumeResult:
     manifest: Manifest
@@ -85,16 +93,37 @@ class ResumeResult:
 
 
 def _natively_checkpointed(
-    native: NativeBackend, group: Sequence[Process], restored: bool
+    native: NativeBackend,
+    group: Sequence[Process],
+    restored: bool,
+    directory: Path,
+    where: Where,
+    prepared: bool = True,
 ) -> list[Process]:
     """The processes whose native restore and unlock are to come: all of them, each
     CHECKPOINTED; after a restore by CRIU, whose CUDA plugin (where installed) restores
-    and unlocks by itself, those still CHECKPOINTED, the others RUNNING."""
+    and unlocks by itself, those still CHECKPOINTED, the others RUNNING. A group of
+    the manifest not all CHECKPOINTED but each RUNNING, LOCKED or CHECKPOINTED stopped
+    midway (a resume or suspend whose coordinator was killed between or after its
+    native steps): refused, naming ``recover``, which takes any such mix back (a group
+    captured, ``prepared``: recover needs its shims)."""
     hint = "every process must be CHECKPOINTED by `cuinterpose suspend`"
+    states = state_names(native, [p.observed_pid for p in group])
     if not restored:
+        held = (ProcessState.RUNNING.name, ProcessState.LOCKED.name, ProcessState.CHECKPOINTED.name)
+        found = {states[p.observed_pid] for p in group}
+        if prepared and found <= set(held) and found != {ProcessState.CHECKPOINTED.name}:
+            recover = recover_hint(directory, where.control_dir, where.proc_root)
+            raise StateRefused(
+                "resume refused, nothing was changed: the group is not as its suspend left "
+                "it (a resume or suspend of it stopped midway, its coordinator gone):",
+                [
+                    *(f"{p.describe()} is natively {states[p.observed_pid]}" for p in group),
+                    f"bring it back with `{recover}` (it takes the native states back too)",
+                ],
+            )
         require_states(native, group, ProcessState.CHECKPOINTED, "resume", hint)
         return list(group)
-    states = state_names(native, [p.observed_pid for p in group])
     fine = (ProcessState.CHECKPOINTED.name, ProcessState.RUNNING.name)
     wrong = [
         f"{p.describe()} is {states[p.observed_pid]}, not CHECKPOINTED (nor RUNNING, "
@@ -269,10 +298,26 @@ def resume(
         return _survivors(manifest, directory, group, lost, where, native, options, report)
     if coordinate and stored_files(directory):
         _parts_fetchable(directory, manifest)
-    pids = [p.observed_pid for p in _natively_checkpointed(native, group, restored)]
+    held = _natively_checkpointed(native, group, restored, directory, where, manifest.prepared)
+    pids = [p.observed_pid for p in held]
     pairs = gpu_pairs(manifest, native, gpu_map) if gpu_map else ()
+    if pids and not gpu_map:
+        require_same_gpus(manifest, native)
     endpoints = [where.endpoint(p) for p in group]
     staging = None
+    # The lease before the first native step: a stray HANDSHAKE cannot then make the
+    # coordinator restore fail once the native restore ran (lease.py).
+    token = None
+    if pids and coordinate:
+        try:
+            token = take_lease(endpoints, options.phase_timeout)
+        except LeaseRefused as refused:
+            raise AgentError("resume refused, nothing was changed:", refused.lines()) from None
+    if options.stop is not None and options.stop.is_set():  # a signal before any change
+        if token is not None:
+            release_lease(endpoints, token)
+        raise ResumeStopped("resume stopped on request before its native restore:",
+                            ["nothing was changed: the group is suspended as it was"])  # fmt: skip
     try:
         if pids:
             with report.step("native_restore"):
@@ -282,21 +327,33 @@ def resume(
         if coordinate and stored_files(directory):
             # A CRIU dump stored the staged bytes beside the images (engine/stored.py):
             # in memory again before LOAD. A shim that stored nothing answers at once.
+            if token is not None:  # FETCH_STAGED carries no token: served while none holds
+                release_lease(endpoints, token)
             with report.step("fetch_staged") as moved:
                 got = fetch(directory, manifest, group, where=where, options=options,
                             missing_ok=True)  # fmt: skip
                 moved.append(sum(f.bytes for f in got))
+            if token is not None:  # again; a stray HANDSHAKE meanwhile is waited out
+                token = take_lease(endpoints, options.phase_timeout, before="the LOAD")
         if coordinate:
             from .runner import restore
 
             ids = tuple(p.participant or "" for p in manifest.participants)
             with report.step("coordinator_restore") as moved:
                 engine_options = attrs.evolve(options, on_progress=report.emit)
+                if pids and options.stop is not None and options.stop.is_set():
+                    # Asked to stop once the native restore ran: the group cannot be
+                    # checkpointed again, and stopping here would leave it half done. It
+                    # is brought back running: the restore goes on to its end.
+                    engine_options = attrs.evolve(engine_options, stop=None)
                 with CopyWatcher(list(zip(endpoints, ids, strict=True)), report.emit):
-                    result = restore(endpoints, directory, engine_options, gpu_pairs=pairs)
+                    result = restore(endpoints, directory, engine_options, gpu_pairs=pairs,
+                                     lease=token)  # fmt: skip
                 moved.append(bytes_moved(result.phases))
                 staging = StagingSummary.from_phases(result.phases)
-    except (NativeGroupError, CoordinatorError, StoreFailed) as failure:
+    except (NativeGroupError, CoordinatorError, StoreFailed, LeaseRefused) as failure:
+        if token is not None and not isinstance(failure, CoordinatorError):
+            release_lease(endpoints, token)  # the restore machine releases its own
         lines = list(failure.lines())
         running = isinstance(failure, CoordinatorError) and failure.rolled_back
         if running:
@@ -307,8 +364,10 @@ def resume(
                 "with its bytes"
             )
         lines += [f"now {line}" for line in status_lines(group, where, native)]
-        raise ResumeFailed("resume failed:", lines, running=running) from failure
-    marked = _mark_resumed(directory, manifest, from_images=restored)
+        what = "resume stopped on request:" if isinstance(failure, Interrupted) else (
+            "resume failed:")  # fmt: skip
+        raise ResumeFailed(what, lines, running=running) from failure
+    marked = mark_resumed(directory, manifest, from_images=restored)
     warnings = (*(result.warnings if coordinate else ()), *marked)
     return ResumeResult(manifest, coordinate, tuple(report.timings), staging, warnings)
 
@@ -350,7 +409,8 @@ def _survivors(
     bytes they had, without what the lost ones held), and ResumeFailed says so."""
     living = [p for p in group if p not in lost]
     lines = [f"{p.describe()} is gone since the suspend: left out" for p in lost]
-    pids = [p.observed_pid for p in _natively_checkpointed(native, living, False)]
+    pids = [p.observed_pid for p in _natively_checkpointed(native, living, False, directory,
+                                                           where)]  # fmt: skip
     endpoints = [where.endpoint(p) for p in living]
     try:
         with report.step("native_restore"):
@@ -374,13 +434,48 @@ def _survivors(
         lines.append("the survivors are not back")
         lines += [f"now {line}" for line in status_lines(living, where, native)]
         raise ResumeFailed("resume failed:", lines, running=False) from failure
-    lines += list(_mark_resumed(directory, manifest, from_images=False))
+    lines += list(mark_resumed(directory, manifest, from_images=False))
     lines += [f"now {line}" for line in status_lines(living, where, native)]
     lines.append(
         "the survivors run, with the bytes they had at suspend; what the lost processes "
         "held (their memory, and the sharing of it) is lost"
     )
     raise ResumeFailed("resume: a process of the group is gone:", lines, running=True, lost=lost)
+
+
+def require_same_gpus(manifest: Manifest, native: NativeBackend) -> None:
+    """A resume without ``--gpu-map`` goes back onto the GPUs of its suspend: refused
+    before the native restore (nothing changed) when one of them is not here, naming
+    the GPUs recorded, those here, and a mapping that would fit (ordinal to the same
+    ordinal where there is one). A backend that cannot list the GPUs here is not
+    checked: the shims' LOAD still refuses a GPU they never used."""
+    old = checkpointed(p.gpus for p in manifest.participants)
+    if not old or not isinstance(native, RemappingBackend):
+        return
+    try:
+        here = native.gpus()
+    except NativeError as exc:
+        raise GpuMapRefused(
+            "resume refused (nothing was changed): the GPUs here cannot be listed:",
+            [str(exc), "the manifest records " + ", ".join(g.describe() for g in old)],
+        ) from None
+    uuids = {g.uuid for g in here}
+    missing = [g for g in old if g.uuid not in uuids]
+    if not missing:
+        return
+    lines = [
+        *(f"{g.describe()} (recorded at suspend) is not here" for g in missing),
+        "here: " + (", ".join(g.describe() for g in here) or "no GPU"),
+    ]
+    proposal = GpuMap(tuple((str(g.ordinal), str(g.ordinal)) for g in old))
+    try:
+        resolve(proposal, old, here)
+        lines.append(f"to resume onto the GPUs here: --gpu-map {proposal.describe()}")
+    except GpuMapRefused:
+        lines.append("name a GPU here for each one recorded: --gpu-map OLD=NEW,...")
+    raise GpuMapRefused(
+        "resume refused (nothing was changed): the group was suspended on other GPUs:", lines
+    )
 
 
 def gpu_pairs(
@@ -410,7 +505,7 @@ def gpu_pairs(
     return resolve(gpu_map, old, here)
 
 
-def _mark_resumed(directory: Path, manifest: Manifest, *, from_images: bool) -> tuple[str, ...]:
+def mark_resumed(directory: Path, manifest: Manifest, *, from_images: bool) -> tuple[str, ...]:
     """Record the resume in the manifest (``from_images``: after a restore from images,
     which stay restorable), or, when it cannot be written, remove the manifest, so that
     the directory takes a new suspend either way. Never raises: the group runs already."""

@@ -121,16 +121,21 @@ def restore(
     options: Options | None = None,
     *,
     gpu_pairs: Sequence[tuple[str, str]] = (),
+    lease: bytes | None = None,
 ) -> RestoreResult:
     """Run the restore machine against the state file in ``checkpoint_dir``.
 
     ``gpu_pairs`` (old UUID, new UUID; :func:`.gpus.resolve`): the native restore put
     the processes onto those GPUs; every shim's LOAD_ALLOCATIONS checks it did.
+    ``lease``: the token of a lease the caller took already (a resume takes it before
+    its native restore): the run goes on under it, and releases it as it ends.
     Raises as :func:`capture` does; :class:`~.errors.VerificationFailed` when the
     rebuilt topology is invalid or differs from the captured one.
     """
     loop = _Loop(RESTORE, endpoints, Path(checkpoint_dir), options or Options())
     loop.run.gpu_map = wire_text(gpu_pairs)
+    if lease is not None:
+        loop.run.lease = lease
     _execute(loop)
     run = loop.run
     assert run.state_file is not None and run.topology is not None

@@ -14,6 +14,7 @@ undo fetches what was stored before the coordinator restore.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +60,7 @@ from .options import Options
 from .progress import StagingSummary
 from .released import Released, released
 from .statefile import StateFileError, utc_timestamp
+from .stopped import stopped
 from .watch import CopyWatcher
 from .wire import Op, Request, Status
 
@@ -71,11 +73,15 @@ if TYPE_CHECKING:
 
 
 class SuspendFailed(AgentError):
-    """A suspend failed; ``restored`` says whether the group runs as before."""
+    """A suspend failed, or (``stopped``) was stopped on request between its steps;
+    ``restored`` says whether the group runs as before."""
 
-    def __init__(self, what: str, lines: Sequence[str], *, restored: bool) -> None:
+    def __init__(
+        self, what: str, lines: Sequence[str], *, restored: bool, stopped: bool = False
+    ) -> None:
         super().__init__(what, lines, changed=not restored)
         self.restored = restored
+        self.stopped = stopped
 
 
 @attrs.frozen
@@ -116,12 +122,19 @@ def _ask_driver(endpoints: Sequence[Endpoint], timeout: float) -> _Asked:
     before ``require_states`` (which needs the driver loaded). The GPUs, whose report
     makes driver calls that a LOCKED or CHECKPOINTED process would hold, are asked once
     every process is known RUNNING, after the capture (:func:`_ask_gpus`)."""
-    replies = call_all([(e, Request(Op.STATUS, ask_driver=True), None) for e in endpoints],
-                       timeout=timeout)  # fmt: skip
+    # A stopped process answers nothing until continued: named at once, not waited for.
+    held = {e: stopped(e.observed_pid) for e in endpoints}
+    asked = [e for e in endpoints if not held[e]]
+    answers = iter(call_all([(e, Request(Op.STATUS, ask_driver=True), None) for e in asked],
+                            timeout=timeout))  # fmt: skip
     ids: list[str] = []
     drivers: dict[int, str] = {}
     problems: list[str] = []
-    for endpoint, reply in zip(endpoints, replies, strict=True):
+    for endpoint in endpoints:
+        if held[endpoint]:
+            problems.append(f"{endpoint.describe()}: {held[endpoint]}")
+            continue
+        reply = next(answers)
         if isinstance(reply, ParticipantError):
             problems.append(f"{reply} (looked in {endpoint.path.parent})")
         elif reply.status is not Status.OK:
@@ -131,6 +144,10 @@ def _ask_driver(endpoints: Sequence[Endpoint], timeout: float) -> _Asked:
             ids.append(reply.participant)
             if reply.message:  # empty: the application has not reached the driver yet
                 drivers[endpoint.observed_pid] = reply.message
+    if any(held.values()):
+        raise DetectionRefused(
+            "suspend refused, nothing was changed: a process of the group is stopped:", problems
+        )
     if problems:
         raise DetectionRefused("a shim did not say which driver it loaded:", problems)
     report = DriverReport(drivers)
@@ -270,9 +287,10 @@ def suspend(
             f"CHECKPOINTED by an earlier suspend comes back with {resume_hint(None)})",
         )
         ids: tuple[str | None, ...] = asked.ids or (None,) * len(group)
+        # Absolute: a resume may run from any directory (``--control-dir ../../c``).
         origin = Origin(
-            str(where.control_dir),
-            None if where.proc_root is None else str(where.proc_root),
+            os.path.abspath(where.control_dir),
+            None if where.proc_root is None else os.path.abspath(where.proc_root),
             asked.report.one(),
             tuple(start_ticks(p.observed_pid, where.proc_root) for p in group),
         )
@@ -309,8 +327,10 @@ def suspend(
         storing = _Storing.start(directory, bare, where, options, staged, report)
         undo = attrs.evolve(undo, storing=storing)
     try:
+        _stop_before(undo, "native_lock")
         with report.step("native_lock"):
             run_step(backend, "lock", pids, lock_timeout_ms=lock_timeout_ms)
+        _stop_before(undo, "native_checkpoint")
         with report.step("native_checkpoint"):
             run_step(backend, "checkpoint", pids)
     except NativeGroupError as failure:
@@ -436,7 +456,16 @@ def _fetch_back(undo: _Undo, lines: list[str]) -> bool:
     return True
 
 
-def _undo(undo: _Undo, lines: list[str]) -> NoReturn:
+def _stop_before(undo: _Undo, step: str) -> None:
+    """A run asked to stop (``Options.stop``: a signal) ends at a step boundary: before a
+    native step, what the suspend did so far is undone (the capture's own steps stop
+    in its machine, which rolls back)."""
+    stop = undo.options.stop
+    if stop is not None and stop.is_set():
+        _undo(undo, [f"stopped on request before {step}"], stopped=True)
+
+
+def _undo(undo: _Undo, lines: list[str], *, stopped: bool = False) -> NoReturn:
     """A native step of a suspend (or the manifest) failed: native restore and unlock what
     was done, then the coordinator restore (the stored copies fetched first); raise
     SuspendFailed with every step and every state. ``lines`` says what failed."""
@@ -455,7 +484,8 @@ def _undo(undo: _Undo, lines: list[str]) -> NoReturn:
 
         try:
             with undo.report.step("undo_coordinator_restore"):
-                options = attrs.evolve(undo.options, on_progress=undo.report.emit)
+                # An undo is never stopped half way: a second signal waits for it.
+                options = attrs.evolve(undo.options, on_progress=undo.report.emit, stop=None)
                 restore(undo.detection.endpoints, undo.directory, options)
             lines.append("coordinator restore done: bytes, VAs and sharing are back")
         except CoordinatorError as error:
@@ -466,4 +496,5 @@ def _undo(undo: _Undo, lines: list[str]) -> NoReturn:
     lines += [f"now {line}" for line in status_lines(undo.group, undo.where, undo.native)]
     if back:
         lines.append("the group runs as before the suspend")
-    raise SuspendFailed("suspend failed:", lines, restored=back)
+    what = "suspend stopped on request:" if stopped else "suspend failed:"
+    raise SuspendFailed(what, lines, restored=back, stopped=stopped)

@@ -1,9 +1,10 @@
 """The ``cuinterpose`` command line.
 
 Exit status: :data:`EXIT_TABLE` (also in ``--help`` and specs/recovery.md); stderr
-names the participant, its pid, the phase and the reason. SIGINT and SIGTERM stop
-``prepare`` and ``restore`` at the next phase boundary (said at once on stderr); what
-was changed is then rolled back (status 3, or 4).
+names the participant, its pid, the phase and the reason. SIGINT, SIGTERM and SIGHUP
+stop a run at the next phase boundary (said at once on stderr, with what it waits for);
+what was changed is then rolled back (status 3, or 4). A closed stdout or stderr stops
+nothing (streams.py).
 
 The processes are named with ``--pid P`` or ``--process OBSERVED NS``; ``resume``,
 ``restore`` and ``recover`` default to the checkpoint directory's group, ``status``
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, TextIO
 
-from . import __version__, artifacts, invocation, logs, targets
+from . import __version__, artifacts, invocation, logs, streams, targets
 from .arguments import (
     CHANGING_EXITS,
     CONTROL_DIR_ENV,
@@ -261,6 +262,12 @@ def _resume_options(resume: argparse.ArgumentParser) -> None:
 def _status_options(status_cmd: argparse.ArgumentParser) -> None:
     add_endpoints(status_cmd, required=False)
     status_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status_cmd.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="the checkpoint directory of the group's last run: status then names the "
+        "command that brings the group back or on (resume, recover)",
+    )
     status_cmd.add_argument(
         "--clear-stale",
         action="store_true",
@@ -511,8 +518,9 @@ def main(
 ) -> int:
     """Run one command line; ``native``: the native calls to make instead of those on
     the driver ``--driver`` names (an embedder's backend, a test's fake)."""
-    out = stdout if stdout is not None else sys.stdout
-    err = stderr if stderr is not None else sys.stderr
+    # A closed pipe or a hung-up terminal must never stop a run half way (streams.py).
+    out = streams.sturdy(stdout if stdout is not None else sys.stdout)
+    err = streams.sturdy(stderr if stderr is not None else sys.stderr)
     given = list(sys.argv[1:] if argv is None else argv)
     try:
         try:

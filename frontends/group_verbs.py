@@ -35,6 +35,9 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
     from .engine.native_checkpoint import NativeUnavailableError
     from .engine.options import Options
 
+    gone = running.interrupted_capture(call)
+    if gone:
+        return Outcome.refused(gone)
     processes = call.processes()
     mode = call.mode
     view = None
@@ -50,7 +53,8 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
     # A resume cannot undo its native restore: it stops, and its last lines say where
     # the group is (running with its bytes, or what to run), as a failed resume does.
     then = "" if command == "suspend" else (
-        "the resume goes no further; the lines that follow say where the group is")  # fmt: skip
+        "before its native restore nothing is changed; after it the group is brought back "
+        "running (the restore goes on, or rolls back to the bytes of the suspend)")  # fmt: skip
     where_now = running.Whereabouts(on_event, then=then)
     stop = threading.Event()
     options = Options(phase_timeout=step_timeout(call.options.step_timeout), stop=stop)
@@ -69,13 +73,16 @@ def agent_command(command: str, call: Invocation, stdout: TextIO, stderr: TextIO
             else:
                 done = _resume(call, processes, call.native(), options, where_now)
     except AgentError as error:
-        return Outcome(EXIT_FAILED, "refused", error.lines())
+        # A resume stopped before its native restore: nothing changed, on request.
+        said = "stopped on request: nothing was changed" if stop.is_set() else "refused"
+        return Outcome(EXIT_FAILED, said, error.lines())
     except CoordinatorError as error:
         code = running.failure(error, call, stderr)
         # A suspend whose capture was rolled back: the group runs as it was (exit 1).
         if command == "suspend" and code == EXIT_ROLLED_BACK:
             code = EXIT_FAILED
-        return Outcome(code, "refused" if isinstance(error, Refused) else "", failure=error)
+        said = "refused" if isinstance(error, Refused) else running.outcome(error, code)
+        return Outcome(code, said, failure=error)
     except NativeUnavailableError as exc:
         return Outcome(EXIT_FAILED, "refused", invocation.no_driver(command, exc))  # fmt: skip
     if isinstance(done, Outcome):  # the verb failed after it changed something
@@ -117,6 +124,8 @@ def _suspend(
         code = EXIT_FAILED if failed.restored else EXIT_NEEDS_RECOVER
         outcome = "failed, undone: the group runs as before" if failed.restored else (
             "failed, not undone")  # fmt: skip
+        if failed.stopped:
+            outcome = outcome.replace("failed", "stopped on request", 1)
         return Outcome(code, outcome, failed.lines())
 
 
@@ -127,6 +136,7 @@ def _resume(
     options: Options,
     on_event: agent.AgentCallback,
 ) -> agent.ResumeResult | Outcome:
+    from . import running
     from .engine.resumption import ResumeFailed, resume
 
     try:
@@ -144,9 +154,11 @@ def _resume(
         if failed.running:
             outcome = OUTCOMES[EXIT_ROLLED_BACK] if not failed.lost else (
                 "a member is gone: the survivors run with the bytes they had")  # fmt: skip
+            outcome = running.outcome(failed, EXIT_ROLLED_BACK, outcome) or outcome
             return Outcome(EXIT_ROLLED_BACK, outcome, failed.lines())  # fmt: skip
         way_on = f"once every process is RUNNING, run: {call.recover_command()}"
-        return Outcome(EXIT_NEEDS_RECOVER, "", [*failed.lines(), way_on])  # fmt: skip
+        said = running.outcome(failed, EXIT_NEEDS_RECOVER)
+        return Outcome(EXIT_NEEDS_RECOVER, said, [*failed.lines(), way_on])  # fmt: skip
 
 
 class _NoDriver:
@@ -212,11 +224,16 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
     except NativeUnavailableError as exc:
         stderr.write(f"{PROG}: note: native states unknown: {exc}\n")
         rows = asked(processes, where, _NoDriver("no CUDA driver loaded"), seen=seen)
+    way_on = _way_on(call, rows)
+    if way_on:
+        stderr.write(f"{PROG}: note: {way_on[0]}\n")
     if call.options.json:
         from .engine.serial import to_json
 
         # One line, the summary itself: JSON lines like every verb's, and one document.
-        document = {"processes": [to_json(r) for r in rows]}
+        document: dict[str, Any] = {"processes": [to_json(r) for r in rows]}
+        if way_on and way_on[1]:
+            document["next"] = way_on[1]
         return Outcome(EXIT_OK, "done", (), figures=document)
     cells = [_status_cells(row) for row in rows]
     if _terminal(stdout):
@@ -247,6 +264,50 @@ def host_copy(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
     for a in answers:
         stdout.write(a.describe(give_back) + "\n")
     return Outcome(EXIT_OK)
+
+
+# Shim phases a group rests in between runs: anything else is a run under way, or one
+# whose coordinator is gone.
+_AT_REST: Final = frozenset({"ACTIVE", "PREPARED", "not answering", None})
+
+
+def _way_on(call: Invocation, rows: Sequence[agent.ProcessStatus]) -> tuple[str, str] | None:
+    """What the person looking at a group stuck midway runs next, in a line, and the
+    command alone ("" where the checkpoint directory is not known): ``recover`` on the
+    run's directory for a run stopped midway, ``resume`` for a suspended group."""
+    from .engine.directory import in_use, interrupted_capture, unrestored_capture
+    from .engine.manifest import MANIFEST_FILE_NAME, ManifestError, read_manifest, recover_hint
+
+    directory = call.options.checkpoint_dir
+    midway = [r for r in rows if r.shim_phase not in _AT_REST or r.native_state == "LOCKED"]
+    if directory is None:
+        if not midway:
+            return None
+        where = shlex.join(["--control-dir", str(call.control_dir)])
+        return (
+            f"{', '.join(r.process.describe() for r in midway)}: a run stopped midway; unless "
+            f"one is under way, bring the group back with `cuinterpose recover "
+            f"--checkpoint-dir DIR {where}` (DIR: that run's checkpoint directory; "
+            f"`{call.status_command()} --checkpoint-dir DIR` names the command)",
+            "",
+        )
+    hint = recover_hint(directory, call.control_dir, call.proc_root)
+    if interrupted_capture(directory):
+        return f"a capture into {directory} was interrupted: run `{hint}`", hint
+    try:
+        manifest = read_manifest(directory) if (directory / MANIFEST_FILE_NAME).is_file() else None
+    except ManifestError:
+        manifest = None
+    if manifest is None and unrestored_capture(directory) and in_use(directory) is None:
+        return (f"{directory} holds a capture not restored and no manifest (a prepare, or a "
+                f"suspend cut short): run `{hint}`", hint)  # fmt: skip
+    if manifest is None or manifest.resumed_at:
+        return (f"a run stopped midway: run `{hint}`", hint) if midway else None
+    checkpointed = all(r.native_state == "CHECKPOINTED" for r in rows)
+    if checkpointed and not midway:
+        resume = shlex.join([PROG, "resume", "--checkpoint-dir", str(directory)])
+        return f"suspended into {directory}: run `{resume}`", resume
+    return f"the resume from {directory} stopped midway: run `{hint}`", hint
 
 
 STATUS_COLUMNS: Final = ("pid", "ns pid", "native state", "shim phase", "participant",

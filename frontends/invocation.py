@@ -187,7 +187,8 @@ def _group(call: Invocation) -> list[Pair]:
                 usage=True,
             )
         directory = None if args.processes_required else getattr(args, "checkpoint_dir", None)
-        return targets.resolve(given, directory, proc_root=call.proc_root)
+        return targets.resolve(given, directory, proc_root=call.proc_root,
+                               control_dir=call.control_dir)  # fmt: skip
     except targets.TargetError as error:
         if error.usage:
             text = "\n".join(f"{PROG}: error: {line}" for line in error.lines)

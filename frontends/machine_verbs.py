@@ -34,8 +34,8 @@ def run_machine(
     code, result, failure = _machine(spec, call, stdout, stderr)
     said = summaries.machine_summary(spec, call, result) if code == EXIT_OK else {}
     lines = said.pop("lines", [])
-    return Outcome(code, "refused" if isinstance(failure, Refused) else "",
-                   figures=said, human=lines, failure=failure)  # fmt: skip
+    outcome = "refused" if isinstance(failure, Refused) else running.outcome(failure, code)
+    return Outcome(code, outcome, figures=said, human=lines, failure=failure)
 
 
 Ran = tuple[int, object, "CoordinatorError | None"]  # the exit code, the result, the failure
@@ -51,6 +51,8 @@ def _machine(spec: MachineSpec | None, call: Invocation, stdout: TextIO, stderr:
     from .engine.trace import TraceWriter
     from .phases import CAPTURE
 
+    if spec is not None and (gone := running.interrupted_capture(call)):
+        return say(gone, stderr), None, None
     endpoints = call.endpoints()
     timeout = step_timeout(call.options.step_timeout)
     if spec is not None:  # recover reports and leaves out the processes that are gone
@@ -93,7 +95,9 @@ def _machine(spec: MachineSpec | None, call: Invocation, stdout: TextIO, stderr:
         return refusal, None, None
     stop = threading.Event()
     where_now = running.Whereabouts(
-        running.progress(call.mode, stdout), undone=not call.options.no_rollback
+        running.progress(call.mode, stdout),
+        undone=not call.options.no_rollback,
+        machine=spec.name if spec is not None else "",
     )
     options = runner.Options(
         phase_timeout=timeout,
@@ -124,7 +128,10 @@ def _machine(spec: MachineSpec | None, call: Invocation, stdout: TextIO, stderr:
                 result = runner.run_machine(spec, endpoints, checkpoint_dir, options)
             if spec is not None:
                 ran = result
-        for warning in getattr(result, "warnings", ()):
+        warnings = list(getattr(result, "warnings", ()))
+        if spec is None:
+            warnings += _suspend_done(checkpoint_dir)
+        for warning in warnings:
             stderr.write(f"{PROG}: note: {warning}\n")
     except GpuMapRefused as refused:
         return say(list(refused.lines()), stderr), None, None
@@ -136,6 +143,42 @@ def _machine(spec: MachineSpec | None, call: Invocation, stdout: TextIO, stderr:
         if writer is not None:
             writer.close()
     return EXIT_OK, ran, None
+
+
+def _suspend_done(checkpoint_dir: Path) -> tuple[str, ...]:
+    """Once recover brought the group back, a suspend of it that was never resumed (it
+    stopped midway, or recover undid it) is over: its manifest is marked resumed, so
+    that the directory takes the next suspend. The late steps' lines, if any."""
+    from .engine.manifest import MANIFEST_FILE_NAME, ManifestError, read_manifest
+    from .engine.resumption import mark_resumed
+
+    if not (checkpoint_dir / MANIFEST_FILE_NAME).is_file():
+        return ()
+    try:
+        manifest = read_manifest(checkpoint_dir)
+    except ManifestError:
+        return ()
+    if manifest.resumed_at:
+        return ()
+    return (*_capture_done(checkpoint_dir), *mark_resumed(checkpoint_dir, manifest,
+                                                          from_images=False))  # fmt: skip
+
+
+def _capture_done(checkpoint_dir: Path) -> tuple[str, ...]:
+    """The suspend's capture, rolled back by recover, is done with: its state file is
+    marked restored (as a resume's restore marks it), so that the next suspend's capture
+    takes the directory."""
+    from .engine.directory import mark_restored
+    from .engine.statefile import STATE_FILE_NAME, StateFileError, read_state
+
+    if not (checkpoint_dir / STATE_FILE_NAME).is_file():
+        return ()
+    try:
+        mark_restored(checkpoint_dir, read_state(checkpoint_dir))
+    except (StateFileError, OSError) as exc:
+        return (f"the group runs, but its capture could not be marked done ({exc}): the next "
+                f"suspend into {checkpoint_dir} needs another directory",)  # fmt: skip
+    return ()
 
 
 def _native_check(
@@ -167,18 +210,26 @@ def _native_check(
 def _recover_native_check(
     call: Invocation, endpoints: Sequence[Endpoint], stderr: TextIO
 ) -> int | None:
-    """recover refuses a process natively LOCKED or CHECKPOINTED, and fails closed."""
+    """recover takes any mix of native states back itself (the native restore of a
+    CHECKPOINTED process, the unlock of a LOCKED one: a suspend or resume stopped
+    between its native steps), said on stderr; a process still held after it fails the
+    recover (exit 4). No driver to ask: refused, unless --skip-native-check."""
+    from .arguments import EXIT_NEEDS_RECOVER
     from .engine.native_checkpoint import NativeUnavailableError
-    from .engine.recovery import native_blockers, native_check_refusal
+    from .engine.recovery import NativeStuck, native_back, native_check_refusal
 
     try:
-        blockers = native_blockers(call.native(), endpoints, call.options.checkpoint_dir)
+        done = native_back(call.native(), endpoints)
     except NativeUnavailableError as exc:
         if not call.options.skip_native_check:
             return say(native_check_refusal("recover", exc), stderr)
         stderr.write(f"{PROG}: note: the native state was not checked (--skip-native-check): "
                      f"{exc}\n")  # fmt: skip
         return None
-    if blockers:
-        return say(["recover refused: nothing was changed", *blockers], stderr)
+    except NativeStuck as stuck:
+        say(["recover failed: a process is still natively held", *stuck.lines,
+             "bring it back natively (`cuinterpose native --action restore`, then "
+             f"`--action unlock`), then run again: {call.recover_command()}"], stderr)  # fmt: skip
+        return EXIT_NEEDS_RECOVER
+    say(done, stderr)
     return None

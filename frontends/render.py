@@ -48,6 +48,7 @@ class HumanView:
         )
         self.tasks: dict[str, TaskID] = {}
         self.machine_failed = False  # the step's machine said FAILED already
+        self.machine_stopped = False  # ... or that it stopped on request
         self.phases: list[OpEvent] = []
 
     @contextlib.contextmanager
@@ -69,9 +70,11 @@ class HumanView:
         elif isinstance(event, StepEvent):
             if event.status == "done":
                 self.console.print(f"{event.step}: done in {event.seconds:.3f} s")
+            elif event.status == "failed" and self.machine_stopped:
+                self.console.print(f"{event.step}: stopped after {event.seconds:.3f} s")
             elif event.status == "failed" and not self.machine_failed:
                 self.console.print(f"{event.step}: FAILED after {event.seconds:.3f} s")
-            self.machine_failed = False
+            self.machine_failed = self.machine_stopped = False
         elif isinstance(event, OpEvent):
             self.phases.append(event)
             task = self.tasks.get(event.phase)
@@ -81,8 +84,11 @@ class HumanView:
         elif isinstance(event, FailedEvent):
             # Said when it happens, before the rollback's own lines; stderr has it in full.
             self.machine_failed = True
+            self.machine_stopped = event.kind == "stopped"  # on request: nothing failed
             if event.kind == "refused":
                 self.console.print(f"{event.headline()}: nothing was changed")
+            elif self.machine_stopped:
+                self.console.print(f"{event.machine}: stopped on request before {event.phase}")
             else:
                 self.console.print(f"{event.machine}: FAILED at {event.phase}")
         elif not (isinstance(event, DoneEvent) and event.machine != "rollback"):

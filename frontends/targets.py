@@ -83,9 +83,12 @@ def resolve(
     checkpoint_dir: Path | None,
     *,
     proc_root: Path | None,
+    control_dir: Path | None = None,
 ) -> list[Pair]:
     """``given``, else the checkpoint directory's group; a mismatch with the recorded
-    group is refused, naming both."""
+    group is refused, naming both. With ``control_dir``, a recorded process that runs
+    but has no shim there is named as no participant of the group: one the record
+    names extra."""
     try:
         recorded = from_checkpoint_dir(checkpoint_dir) if checkpoint_dir is not None else None
     except TargetError:
@@ -107,7 +110,9 @@ def resolve(
             )
         )
         if recorded is not None and set(given) != set(recorded[0]) and not survivors:
-            raise TargetError(_not_the_group(given, recorded[0], recorded[1], proc_root))
+            raise TargetError(
+                _not_the_group(given, recorded[0], recorded[1], proc_root, control_dir)
+            )
         return given
     if recorded is None:
         if checkpoint_dir is None:
@@ -127,11 +132,21 @@ def resolve(
 
 
 def _not_the_group(
-    given: list[Pair], recorded: list[Pair], source: str, proc_root: Path | None
+    given: list[Pair],
+    recorded: list[Pair],
+    source: str,
+    proc_root: Path | None,
+    control_dir: Path | None = None,
 ) -> list[str]:
     """Why ``given`` is not the group ``source`` records: each recorded process not
-    given (and whether it runs), each given one not recorded, and what to name."""
+    given (and whether it runs, or runs without a shim: extra), each given one not
+    recorded, and what to name."""
     runs = {pair: discovery.is_running(pair[0], proc_root) for pair in recorded}
+    extra = [
+        pair
+        for pair in recorded
+        if pair not in given and runs[pair] and not _has_shim(pair, control_dir, proc_root)
+    ]
     lines = [
         f"the processes given are not the group recorded in {source}:",
         f"given {describe(given)}",
@@ -139,16 +154,37 @@ def _not_the_group(
     ]
     lines += [
         f"recorded {describe([pair])} is not given: " + _whether_it_runs(pair[0], proc_root)
+        + (f", with no shim in {control_dir}: no participant of the group, the record names "
+           "it extra" if pair in extra else "")
         for pair in recorded
         if pair not in given
-    ]
+    ]  # fmt: skip
     lines += [f"{describe([pair])} is given but not recorded there" for pair in given
               if pair not in recorded]  # fmt: skip
     alive = [pair for pair in recorded if runs[pair]]
     hint = "name the recorded ones, or none (they are taken from there)"
-    if alive and len(alive) < len(recorded):
+    if extra:
+        members = [pair for pair in recorded if pair not in extra]
+        hint = (
+            f"{source} names {describe(extra)} extra (no shim: not a process of the group, "
+            f"the record edited or another group's): the group's processes in it are "
+            f"{describe(members) or 'none'}; a capture to restore must be of the group, "
+            "prepare it again"
+        )
+    elif alive and len(alive) < len(recorded):
         hint += f"; or only the survivors, {describe(alive)}, to leave the gone ones out"
     return [*lines, hint]
+
+
+def _has_shim(pair: Pair, control_dir: Path | None, proc_root: Path | None) -> bool:
+    """Whether a shim serves ``pair``'s socket (True when no control directory is known:
+    nothing to tell)."""
+    if control_dir is None:
+        return True
+    from .engine.client import endpoint_for
+
+    path = endpoint_for(pair[0], pair[1], control_dir=control_dir, proc_root=proc_root).path
+    return discovery.is_socket(path) and discovery.serves(path)
 
 
 def _whether_it_runs(pid: int, proc_root: Path | None) -> str:

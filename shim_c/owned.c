@@ -378,8 +378,10 @@ CUresult CUDAAPI cuMemAllocPitch(CUdeviceptr *dptr, size_t *pitch, size_t width,
         (elementSize != 4 && elementSize != 8 && elementSize != 16))
         return real.cuMemAllocPitch(dptr, pitch, width, height, elementSize);
     p = (width + PITCH_ALIGN - 1) / PITCH_ALIGN * PITCH_ALIGN;
+    /* Rows whose size does not fit size_t: the driver's own answer
+     * (INVALID_VALUE on the H200), not one of ours. */
     if (p < width || height > SIZE_MAX / p)
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return real.cuMemAllocPitch(dptr, pitch, width, height, elementSize);
     if (!owned_size(p * height))
         return real.cuMemAllocPitch(dptr, pitch, width, height, elementSize);
     if ((r = app_lock()) != CUDA_SUCCESS)

@@ -133,6 +133,36 @@ def test_a_recorded_process_not_given_is_named_with_whether_it_runs(work: Path) 
         other.wait()
 
 
+def test_a_state_file_naming_an_extra_participant_says_which_one(work: Path) -> None:
+    """The state file names one process more than the group given, one that runs with no
+    shim (another group's record, or an edited one): the processes named are refused
+    with that one named as extra, not as one of the group to name."""
+    me, other = os.getpid(), subprocess.Popen(["sleep", "60"])
+    extra = subprocess.Popen(["sleep", "60"])
+    three = topologies.team(3, 2, multicast=False)
+    try:
+        with team_of(three, work / "control", pids={0: me, 1: other.pid, 2: extra.pid}) as t:
+            common = ["--checkpoint-dir", str(work / "ckpt"), "--control-dir", str(t.control_dir)]
+            code, _, err = run("prepare", *common, *t.processes, "--progress", "none")
+            assert (code, err) == (0, "")
+            t.fakes[2].stop()  # its process runs on, no shim serves it
+            given = ["--pid", str(me), "--pid", str(other.pid)]
+            code, _, err = run("restore", *common, *given)
+            assert code == cli.EXIT_FAILED
+            assert (
+                f"recorded pid {extra.pid} is not given: it runs, with no shim in "
+                f"{t.control_dir}: no participant of the group, the record names it extra"
+            ) in err, err
+            assert f"names pid {extra.pid} extra" in err, err
+            assert f"the group's processes in it are pid {me}, pid {other.pid}" in err, err
+            assert "name the recorded ones, or none" not in err, err
+            assert {f.phase for f in t.fakes[:2]} == {Phase.PREPARED}  # nothing was sent
+    finally:
+        for child in (other, extra):
+            child.kill()
+            child.wait()
+
+
 def test_recover_without_a_record_says_so(work: Path) -> None:
     (work / "ckpt").mkdir()
     code, _, err = run("recover", "--checkpoint-dir", str(work / "ckpt"))
@@ -209,12 +239,12 @@ def test_refusals_of_checkpointed_processes_name_resume_with_its_directory(work:
                            "--progress", "none", native=fake)  # fmt: skip
         assert (code, err) == (0, "")
         resume = f"`cuinterpose resume --checkpoint-dir {ckpt}`"
-        # The directory holds the manifest of the suspend: the hint names it.
-        for verb, names in (("prepare", t.processes), ("recover", [])):
-            code, _, err = run(verb, "--checkpoint-dir", str(ckpt), *common, *names,
-                               "--progress", "none", native=fake)  # fmt: skip
-            assert code == cli.EXIT_FAILED, err
-            assert resume in err, err
+        # The directory holds the manifest of the suspend: the hint names it. (recover
+        # takes natively checkpointed processes back itself: tests/shim/test_deadends.py.)
+        code, _, err = run("prepare", "--checkpoint-dir", str(ckpt), *common, *t.processes,
+                           "--progress", "none", native=fake)  # fmt: skip
+        assert code == cli.EXIT_FAILED, err
+        assert resume in err, err
         # Another directory: nothing records where they were suspended; DIR says which.
         code, _, err = run("prepare", "--checkpoint-dir", str(work / "other"), *common,
                            *t.processes, "--progress", "none", native=fake)  # fmt: skip
@@ -411,8 +441,10 @@ def test_sigint_is_acknowledged_at_once(work: Path) -> None:
         proc.kill()
         proc.communicate()
     assert still_running
-    assert said.startswith("cuinterpose: stopping after PREPARE_MULTICAST: "), said
-    assert "undone, the group runs as before" in said
+    # What it waits for: the op in flight, named before it ends.
+    assert said.startswith("cuinterpose: stopping: waiting for SAVE_ALLOCATIONS of the "
+                           "capture on every process to end; then "), said  # fmt: skip
+    assert "undone, and the group runs as before" in said
 
 
 # ------------------------------------------------------------------ the driver

@@ -181,9 +181,7 @@ def test_a_suspend_stores_beside_the_native_steps_of_real_shims(
     where = agent.Where(control_dir)
     backend = FaultyBackend(native, "checkpoint", group.importer.pid) if fails else native
     events: list[agent.AgentEvent] = []
-    suspend = partial(
-        agent.suspend, group.processes, tmp_path, where=where, on_event=events.append
-    )
+    suspend = partial(agent.suspend, group.processes, tmp_path, where=where, on_event=events.append)
     if fails:
         with pytest.raises(agent.SuspendFailed) as info:
             suspend(native=backend, store_beside=True)
@@ -434,9 +432,9 @@ def test_ctrl_c_during_a_suspends_copy_is_acknowledged_at_once_with_the_bytes_in
     out, err = suspend.communicate(timeout=120)
     assert still_copying, said
     assert re.match(
-        r"cuinterpose: stopping after SAVE_ALLOCATIONS \(in flight: \d+(\.\d)? [KM]?i?B of "
-        r"8\.0 MiB copied\): "
-        "what was changed is undone, the group runs as before\n",
+        r"cuinterpose: stopping: waiting for SAVE_ALLOCATIONS on every process \(in flight: "
+        r"\d+(\.\d)? [KM]?i?B of 8\.0 MiB copied\) to end; "
+        "then what was changed is undone, and the group runs as before\n",
         said,
     ), said
     # One exit status for "the group runs as before": the interrupted capture was undone.

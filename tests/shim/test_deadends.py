@@ -384,28 +384,51 @@ def test_a_creator_lost_mid_restore_leaves_its_importer_running_with_its_own_mem
     importer.close_clean()
 
 
-def test_recover_refuses_a_natively_checkpointed_group_and_fails_closed(
+# How each process is left natively before recover: a suspend or a resume stopped
+# between its native steps (none, one, or both steps done on a process).
+NATIVE_MIXES = {
+    "checkpointed": ((), ()),
+    "locked+checkpointed": (("restore",), ()),
+    "running+locked": (("restore", "unlock"), ("restore",)),
+}
+
+
+@pytest.mark.parametrize("mix", sorted(NATIVE_MIXES))
+def test_recover_takes_any_mix_of_native_states_back_and_fails_closed(
     spawn: Spawn,
     shim_env: dict[str, str],
     plain_env: dict[str, str],
     control_dir: Path,
     tmp_path: Path,
+    mix: str,
 ) -> None:
-    """A restore or rollback of a process whose CUDA state is natively checkpointed
-    would wedge it: recover refuses, naming it, and refuses when it cannot tell."""
+    """A restore or rollback of a process whose CUDA state is natively locked or
+    checkpointed would wedge it: recover first takes every process back natively
+    itself (restore the CHECKPOINTED, unlock the LOCKED), whatever the mix, then brings
+    the group back; it refuses when no driver can tell the states."""
     pair = share(spawn, shim_env, SEED)
     ckpt = tmp_path / "checkpoint"
     common = ["--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir), *_processes(pair)]
     assert run_cli(["suspend", *common], plain_env).returncode == 0
-    refused = run_cli(["recover", *common, "--progress", "none"], plain_env)
-    assert refused.returncode == 1, refused.stdout + refused.stderr
-    assert f"pid {pair.creator.pid} (ns pid {pair.creator.pid})" in refused.stderr
-    assert "is natively CHECKPOINTED" in refused.stderr, refused.stderr
+    for pid, actions in zip(pair.pids, NATIVE_MIXES[mix], strict=True):
+        for action in actions:
+            step = ["native", "--action", action, "--control-dir", str(control_dir),
+                    "--process", str(pid), str(pid)]  # fmt: skip
+            assert run_cli(step, plain_env).returncode == 0, action
     blind = run_cli(["recover", *common, "--progress", "none"], _no_driver_env())
     assert blind.returncode == 1 and "recover refused: the native state" in blind.stderr
     assert _phases(pair, control_dir, plain_env) == {
         pair.creator.pid: "PREPARED",
         pair.importer.pid: "PREPARED",
     }
+    recovered = run_cli(["recover", *common, "--progress", "none"], plain_env)
+    assert recovered.returncode == 0, recovered.stdout + recovered.stderr
+    held = [p for p, actions in zip(pair.pids, NATIVE_MIXES[mix], strict=True)
+            if actions != ("restore", "unlock")]  # fmt: skip
+    for pid in held:
+        assert f"pid {pid}: native unlock done" in recovered.stderr, recovered.stderr
+    assert "recover: restored" in recovered.stdout, recovered.stdout
+    # The suspend is over: its directory takes the next one.
+    assert run_cli(["suspend", *common], plain_env).returncode == 0
     assert run_cli(["resume", *common], plain_env).returncode == 0
     running_as_before(pair, write_seed=SEED + 8)

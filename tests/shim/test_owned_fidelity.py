@@ -133,6 +133,25 @@ def test_a_pitch_whose_size_does_not_fit_is_invalid_value(
     app.close_clean()
 
 
+def test_a_pitch_whose_rows_overflow_answers_as_the_driver(
+    spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str]
+) -> None:
+    """513 bytes a row (1024 pitched) by 2^60 rows: a size past size_t. The shim owns
+    rows of that width, and answers what the driver answers for it (INVALID_VALUE, as
+    for a row of 2^62 bytes on the H200), never an out-of-memory of its own."""
+    overflow = "result = err(cu.cuMemAllocPitch(513, 1 << 60, 8)[0])"
+    bare = spawn("bare", plain_env)
+    assert bare(overflow) == "CUDA_ERROR_INVALID_VALUE"
+    app = spawn("app", shim_env)
+    assert app(overflow) == bare(overflow)
+    # A width it owns, on a count of rows that fits, is still owned (pitched by the shim).
+    ptr, pitch = app("d, p = check(cu.cuMemAllocPitch(513, 8, 8)); result = [int(d), int(p)]")
+    assert pitch == 1024 and app.check("address_range", va=ptr)["size"] == 8 * 1024
+    app.check("free", va=ptr)
+    bare.close_clean()
+    app.close_clean()
+
+
 def test_the_fidelity_probe_answers_as_the_h200_under_the_shim(shim_env: dict[str, str]) -> None:
     from tests.sim.test_fidelity_pointers import differences
 
