@@ -13,6 +13,7 @@ import attrs
 from . import discovery
 from .detection import Where, group_of
 from .directory import require_trusted
+from .driver_trust import LateBackend, reported_or_recorded
 from .errors import AgentError, CoordinatorError
 from .events import AgentCallback, Reporter, bytes_moved, reporter
 from .gpus import GpuMap, GpuMapRefused, checkpointed, resolve
@@ -28,7 +29,6 @@ from .manifest import (
     write_manifest,
 )
 from .native_checkpoint import (
-    CudaBackend,
     NativeBackend,
     NativeGroupError,
     ProcessState,
@@ -211,6 +211,20 @@ def _preflight(
     return lost
 
 
+def _trusted_native(manifest: Manifest, group: Sequence[Process], where: Where) -> NativeBackend:
+    """The native calls an agent gets by default: on the driver the shims report now (the
+    manifest's record when none says), held to the driver trust rule
+    (:mod:`.driver_trust`), chosen at the first native call: a refusal comes before
+    anything changes, and nothing untrusted is loaded."""
+    recorded = manifest.origin.driver if manifest.origin is not None else None
+
+    def choose() -> str | None:
+        endpoints = [where.endpoint(p) for p in group]
+        return reported_or_recorded(endpoints, recorded, where.proc_root)
+
+    return LateBackend(choose)
+
+
 def resume(
     checkpoint_dir: Path,
     *,
@@ -228,9 +242,12 @@ def resume(
     VAs and sharing back.
 
     ``where`` and ``native`` default to what the manifest recorded at suspend (the
-    control directory, the driver the shims reported). Before anything changes, every
-    living process's shim must answer (else :class:`AgentError`, nothing changed); a
-    process gone since the suspend does not strand the others: the survivors are
+    control directory; the driver the shims report now, else the one recorded, loaded
+    only if the coordinator trusts it: :mod:`.driver_trust`, else
+    :class:`~.native_checkpoint.NativeUnavailableError` with nothing changed). Before
+    anything changes, every living process's shim must answer (else
+    :class:`AgentError`, nothing changed); a process gone since the suspend does not
+    strand the others: the survivors are
     natively restored and unlocked, then rolled back to their bytes (the lost one named),
     and :class:`ResumeFailed` (``running``) says so.
 
@@ -255,7 +272,7 @@ def resume(
     group = _group(manifest, directory, processes, restored, where)
     coordinate = restore_plan(manifest, directory)
     if native is None:
-        native = CudaBackend(manifest.origin.driver if manifest.origin is not None else None)
+        native = _trusted_native(manifest, group, where)
     timeout = min(options.phase_timeout, _PREFLIGHT_S)
     lost = [] if restored else _preflight(manifest, group, where, timeout)
     if lost:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, TextIO
 
-from . import __version__, artifacts, invocation, logs, targets
+from . import __version__, invocation, logs, targets
 from .arguments import (
     CHANGING_EXITS,
     CONTROL_DIR_ENV,
@@ -404,7 +404,10 @@ NATIVE_ACTIONS: Final = ("lock", "checkpoint", "restore", "unlock", "state")
 _NO_VERB: Final = ""
 
 
-def _artifact(find: Callable[[], Path], stdout: TextIO, stderr: TextIO) -> int:
+def _artifact(which: str, stdout: TextIO, stderr: TextIO) -> int:
+    from .engine import artifacts  # only the verbs that print a library's path
+
+    find: Callable[[], Path] = getattr(artifacts, which)
     try:
         stdout.write(f"{find()}\n")
     except artifacts.ArtifactMissingError as exc:
@@ -604,11 +607,11 @@ def _diagram(call: Invocation, out: TextIO, err: TextIO) -> int:
 
 
 def _sim_path(call: Invocation, out: TextIO, err: TextIO) -> int:
-    return _artifact(artifacts.sim_library_dir, out, err)
+    return _artifact("sim_library_dir", out, err)
 
 
 def _shim_path(call: Invocation, out: TextIO, err: TextIO) -> int:
-    return _artifact(artifacts.shim_library, out, err)
+    return _artifact("shim_library", out, err)
 
 
 def _criu(call: Invocation, out: TextIO, err: TextIO) -> int:

@@ -6,7 +6,7 @@ simulated driver, its directory comes first on ``LD_LIBRARY_PATH``;
 ``SNAPSHOT_CONTROL_DIR`` names the control directory, created with mode 0700
 when missing, and refused when the shim would not trust it. Nothing is compiled
 here: the libraries are the installed package's, or a build tree's
-(:mod:`cuinterpose.artifacts`).
+(:mod:`cuinterpose.engine.artifacts`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from . import artifacts
+from .engine import artifacts
 from .engine.client import control_dir_length_problem, control_dir_problem
 
 DRIVERS: Final = ("sim", "system")

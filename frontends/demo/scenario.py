@@ -35,7 +35,8 @@ from typing import Any, ClassVar, Final
 
 import attrs
 
-from .. import artifacts, launch, native_calls
+from .. import launch, native_calls
+from ..engine import artifacts
 from .multicast import SIM_DEVICES_ENV, MulticastTeam
 from .multicast import allowed as multicast_allowed
 from .worker_client import DemoError, Worker

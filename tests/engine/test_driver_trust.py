@@ -1,4 +1,5 @@
-"""The coordinator loads only a driver it trusts (frontends/drivers.py): a shim's report
+"""The coordinator loads only a driver it trusts (engine/driver_trust.py, which the
+command line's ``--driver auto`` and the library's default native calls apply): a shim's report
 of which ``libcuda.so.1`` it runs on is the workload's word, and loading a library runs
 its constructors in the coordinator.
 
@@ -19,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cuinterpose import artifacts, cli, drivers
-from cuinterpose.engine import discovery
+from cuinterpose import cli, drivers
+from cuinterpose.engine import artifacts, discovery, driver_trust
 from cuinterpose.engine.native_checkpoint import NativeUnavailableError
 from cuinterpose.engine.wire import Op, Phase
 from engine_harness import Team, short_dir, team_of
@@ -62,7 +63,7 @@ def reporting(team: Team, path: str | Path) -> list[int]:
 
 
 def sim() -> Path:
-    return artifacts.sim_library_dir() / drivers.DRIVER_NAME
+    return artifacts.sim_library_dir() / driver_trust.DRIVER_NAME
 
 
 def test_a_driver_the_coordinator_does_not_know_is_refused_and_never_loaded(work: Path) -> None:
@@ -87,7 +88,7 @@ def test_a_driver_the_coordinator_does_not_know_is_refused_and_never_loaded(work
 def test_the_simulated_driver_is_accepted_by_file_and_loaded_by_its_own_path(
     work: Path,
 ) -> None:
-    link = work / "elsewhere" / drivers.DRIVER_NAME
+    link = work / "elsewhere" / driver_trust.DRIVER_NAME
     link.parent.mkdir()
     link.symlink_to(sim())
     with team_of(TOPOLOGY, work / "control") as team:
@@ -103,11 +104,11 @@ def test_the_simulated_driver_is_accepted_by_file_and_loaded_by_its_own_path(
 def test_the_system_driver_the_linker_finds_is_accepted(
     work: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    system = work / "lib" / drivers.DRIVER_NAME
+    system = work / "lib" / driver_trust.DRIVER_NAME
     system.parent.mkdir()
     shutil.copy(sim(), system)  # another file than the simulated one
     monkeypatch.setenv("LD_LIBRARY_PATH", str(system.parent))
-    assert drivers.system_driver() == system
+    assert driver_trust.system_driver() == system
     with team_of(TOPOLOGY, work / "control") as team:
         reporting(team, system)
         assert drivers.library("auto", lambda: team.endpoints) == str(system)
@@ -136,13 +137,13 @@ def test_through_proc_root_the_process_mappings_decide(work: Path) -> None:
         for pid in pids:
             maps(proc, pid, inside, sim())
         report = discovery.shim_drivers(team.endpoints)
-        assert drivers.trusted(report, proc) == str(sim())
+        assert driver_trust.trusted(report, proc) == str(sim())
         maps(proc, pids[1], inside, library)  # one maps another file under that name
         with pytest.raises(NativeUnavailableError, match=f"pid {pids[1]} reports: it is another"):
-            drivers.trusted(report, proc)
+            driver_trust.trusted(report, proc)
         maps(proc, pids[1], "/elsewhere/libcuda.so.1", sim())
         with pytest.raises(NativeUnavailableError, match=f"it maps no file {inside}"):
-            drivers.trusted(report, proc)
+            driver_trust.trusted(report, proc)
     assert not marker.exists()
 
 
@@ -162,7 +163,7 @@ def test_a_cli_suspend_asks_its_shims_once_before_handshake_and_loads_what_they_
         loaded.append(library)
         return fake
 
-    monkeypatch.setattr(drivers, "CudaBackend", backend)
+    monkeypatch.setattr(driver_trust, "CudaBackend", backend)
     with team_of(TOPOLOGY, work / "control") as team:
         reporting(team, sim())
         err = io.StringIO()
@@ -195,3 +196,45 @@ def test_whether_a_driver_needs_asan_is_read_from_its_dynamic_section(work: Path
     cut = work / "cut.so"
     cut.write_bytes(builds["build-asan"].read_bytes()[:200])
     assert not _needs_asan(str(cut))
+
+
+def test_the_library_default_refuses_a_driver_it_does_not_trust_and_an_agents_own_is_kept(
+    work: Path,
+) -> None:
+    """``cuinterpose.engine.suspend`` / ``resume`` with ``native`` left to its default
+    (README's embedding example) hold the driver a shim reports to the same rule as the
+    command line: a socket in the control directory answering ASK_DRIVER with its own
+    ``libcuda.so.1`` is refused, naming the path, the pid and why, before anything
+    changes, and the library's constructor never runs in the agent. An agent that
+    passes its own backend chose its driver: it is used as given."""
+    from cuinterpose import engine
+    from test_agent import running
+
+    library, marker = evil_library(work)
+    where = engine.Where(work / "control")
+    with team_of(TOPOLOGY, where.control_dir) as team:
+        pids = reporting(team, library)
+        group = [(p, p) for p in pids]
+        with pytest.raises(NativeUnavailableError) as info:
+            engine.suspend(group, work / "ckpt", where=where)
+        text = str(info.value)
+        assert f"refused to load the CUDA driver {library} that pid {pids[0]} reports" in text
+        assert "it is another file, not one this coordinator trusts" in text, text
+        assert "CudaBackend(library=PATH)" in text
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+        assert not (work / "ckpt" / "manifest.json").exists()
+
+        fake = running(pids)  # the agent's own backend: its choice, not the report's
+        done = engine.suspend(group, work / "ckpt", where=where, native=fake)
+        assert done.manifest.origin is not None and done.manifest.origin.driver == str(library)
+        assert {f.phase for f in team.fakes} == {Phase.PREPARED}
+        with pytest.raises(NativeUnavailableError, match=f"driver {library} that pid {pids[0]}"):
+            engine.resume(work / "ckpt")
+        assert {f.phase for f in team.fakes} == {Phase.PREPARED}  # nothing changed
+        for f in team.fakes:
+            f.driver = ""  # no shim says: the manifest's record is held to the same rule
+        with pytest.raises(NativeUnavailableError, match=f"driver {library} that the manifest"):
+            engine.resume(work / "ckpt")
+        engine.resume(work / "ckpt", native=fake)
+        assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+    assert not marker.exists()  # its constructor never ran in the agent
