@@ -16,6 +16,7 @@ import io
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -238,3 +239,83 @@ def test_the_library_default_refuses_a_driver_it_does_not_trust_and_an_agents_ow
         engine.resume(work / "ckpt", native=fake)
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
     assert not marker.exists()  # its constructor never ran in the agent
+
+
+def _in_new_mount_namespace(
+    over: Path, library: Path, argv: list[str], env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """``argv`` run in a mount namespace of its own (``unshare --mount``) where
+    ``library`` is bind-mounted over ``over``: a pod's ``libcuda.so.1`` over this
+    installation's simulated driver, as a coordinator that entered the pod sees it."""
+    script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+         str(library), str(over), *argv],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="unshare --mount and mount --bind need root")
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="no unshare (util-linux)")
+def test_a_coordinator_in_another_mount_namespace_loads_no_driver_from_it(work: Path) -> None:
+    """A coordinator run inside a pod's mount namespace sees the pod's files at its own
+    paths: a library mounted over the simulated driver passes the file-identity check
+    there. It loads no driver from it (specs/detection.md "Driver trust"): the command
+    refuses, naming the namespace and the way, whether the shims' report or ``--driver
+    sim`` names the path, and the library's constructor never runs. Only the namespace
+    named as trusted (``CUINTERPOSE_TRUSTED_MOUNT_NS``) would load it: the check, not
+    the setup, is what keeps it out."""
+    library, marker = evil_library(work)
+    command = str(Path(sys.executable).with_name("cuinterpose"))
+    env = {k: v for k, v in os.environ.items() if k != "CUINTERPOSE_TRUSTED_MOUNT_NS"}
+    with team_of(TOPOLOGY, work / "control") as team:
+        reporting(team, sim())
+        suspend = [command, "suspend", "--checkpoint-dir", str(work / "ckpt"), "--control-dir",
+                   str(team.control_dir), *team.processes, "--progress", "none"]  # fmt: skip
+        for driver in ("auto", "sim"):
+            done = _in_new_mount_namespace(sim(), library, [*suspend, "--driver", driver], env)
+            assert done.returncode == cli.EXIT_FAILED, (done.stdout, done.stderr)
+            assert "refused to load a CUDA driver: this process runs in mount namespace mnt:[" in (
+                done.stderr
+            ), done.stderr
+            assert "not that of pid 1, the init of its pid namespace" in done.stderr
+            assert "--proc-root /proc" in done.stderr and "CUINTERPOSE_TRUSTED_MOUNT_NS" in (
+                done.stderr
+            )
+            assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
+            assert not marker.exists(), driver  # its constructor never ran
+        trusting = [
+            "sh", "-c", 'CUINTERPOSE_TRUSTED_MOUNT_NS=$(readlink /proc/self/ns/mnt) exec "$@"',
+            "sh", *suspend,
+        ]  # fmt: skip
+        _in_new_mount_namespace(sim(), library, trusting, env)
+        assert marker.exists()  # told to trust that namespace, the file there is loaded
+
+
+def _proc(root: Path, self_pid: int, mine: str, init: str) -> Path:
+    for pid, link in ((self_pid, mine), (1, init)):
+        (root / str(pid) / "ns").mkdir(parents=True, exist_ok=True)
+        (root / str(pid) / "ns" / "mnt").symlink_to(link)
+    (root / "self").symlink_to(str(self_pid))
+    return root
+
+
+def test_whose_mount_namespace_is_decided_from_a_proc_of_this_pid_namespace(work: Path) -> None:
+    """pid 1's namespace alike: trusted; another: refused, naming both ways out; a /proc
+    in which this process is not ``self`` (a mount namespace entered without its pid
+    namespace: the pod's /proc) is refused before anything is read through it; a
+    namespace named in ``CUINTERPOSE_TRUSTED_MOUNT_NS`` trusts that one alone."""
+    from cuinterpose.engine import _mountns
+
+    me = os.getpid()
+    same = _proc(work / "same", me, "mnt:[7]", "mnt:[7]")
+    assert _mountns.foreign(same, {}) is None
+    other = _proc(work / "other", me, "mnt:[8]", "mnt:[7]")
+    why = _mountns.foreign(other, {})
+    assert why is not None and "runs in mount namespace mnt:[8], not that of pid 1" in why
+    assert _mountns.foreign(other, {_mountns.TRUST_ENV: "mnt:[8]"}) is None
+    why = _mountns.foreign(same, {_mountns.TRUST_ENV: "mnt:[8]"})
+    assert why is not None and "not mnt:[8], the one CUINTERPOSE_TRUSTED_MOUNT_NS trusts" in why
+    pods = _proc(work / "pods", me + 1, "mnt:[7]", "mnt:[7]")
+    why = _mountns.foreign(pods, {_mountns.TRUST_ENV: "mnt:[7]"})
+    assert why is not None and f"this process (pid {me}) is not {pods}/self ({me + 1})" in why
