@@ -16,7 +16,7 @@ from .directory import require_trusted
 from .driver_trust import LateBackend, reported_or_recorded
 from .errors import AgentError, CoordinatorError
 from .events import AgentCallback, Reporter, bytes_moved, reporter
-from .gpus import GpuMap, GpuMapRefused, checkpointed, resolve
+from .gpus import Gpu, GpuMap, GpuMapRefused, checkpointed, resolve_gpus
 from .group_status import StateRefused, require_states, status_lines
 from .manifest import (
     MANIFEST_FILE_NAME,
@@ -75,6 +75,48 @@ class ResumeResult:
     staging: StagingSummary | None = None
     # Late steps that did not go through after the group ran (the directory is usable).
     warnings: tuple[str, ...] = ()
+    # Resumed onto other GPUs (``gpu_map``): each process, the GPUs it left and those it
+    # runs on now; () when the map was not given.
+    moved: tuple[Moved, ...] = ()
+
+
+@attrs.frozen
+class GpuMove:
+    """A GPU a process used at suspend (the manifest's) and the one of this node that
+    took its place."""
+
+    left: Gpu
+    now: Gpu
+
+
+@attrs.frozen
+class Moved:
+    """A process resumed onto other GPUs: each GPU it left and the one it runs on now."""
+
+    pid: int
+    ns_pid: int
+    gpus: tuple[GpuMove, ...]
+
+    def describe(self) -> str:
+        who = Process(self.pid, self.ns_pid).describe()
+        if not self.gpus:
+            return f"{who} used no GPU at suspend: nothing moved"
+        moves = "; ".join(f"left {m.left.describe()}, runs on {m.now.describe()}"
+                          for m in self.gpus)  # fmt: skip
+        return f"{who}: {moves}"
+
+
+def _moved(
+    manifest: Manifest, group: Sequence[Process], mapped: Sequence[tuple[Gpu, Gpu]]
+) -> tuple[Moved, ...]:
+    """Which GPU each process left and which it runs on now (``group``: the manifest's
+    processes in its order, with the pids they have now)."""
+    onto = {was.uuid: now for was, now in mapped}
+    moved = []
+    for p, part in zip(group, manifest.participants, strict=True):
+        pairs = tuple(GpuMove(g, onto[g.uuid]) for g in part.gpus if g.uuid in onto)
+        moved.append(Moved(p.observed_pid, p.namespace_pid, pairs))
+    return tuple(moved)
 
 
 def _natively_checkpointed(
@@ -278,7 +320,8 @@ def resume(
     if lost:
         return _survivors(manifest, directory, group, lost, where, native, options, report)
     pids = [p.observed_pid for p in _natively_checkpointed(native, group, restored)]
-    pairs = gpu_pairs(manifest, native, gpu_map) if gpu_map else ()
+    mapped = gpu_pairs(manifest, native, gpu_map) if gpu_map else ()
+    pairs = tuple((was.uuid, now.uuid) for was, now in mapped)
     endpoints = [where.endpoint(p) for p in group]
     staging = None
     try:
@@ -318,7 +361,8 @@ def resume(
         raise ResumeFailed("resume failed:", lines, running=running) from failure
     marked = _mark_resumed(directory, manifest, from_images=restored)
     warnings = (*(result.warnings if coordinate else ()), *marked)
-    return ResumeResult(manifest, coordinate, tuple(report.timings), staging, warnings)
+    onto = _moved(manifest, group, mapped) if gpu_map else ()
+    return ResumeResult(manifest, coordinate, tuple(report.timings), staging, warnings, onto)
 
 
 def _survivors(
@@ -371,7 +415,7 @@ def _survivors(
 
 def gpu_pairs(
     manifest: Manifest, native: NativeBackend | None, gpu_map: GpuMap
-) -> tuple[tuple[str, str], ...]:
+) -> tuple[tuple[Gpu, Gpu], ...]:
     """``gpu_map`` resolved against the GPUs the manifest records and those ``native``
     sees here (None: a restore without the native step, whose GPUs are the manifest's
     own); refused before anything changes (gpus.resolve)."""
@@ -393,7 +437,7 @@ def gpu_pairs(
             f"--gpu-map {gpu_map.describe()} refused (nothing was changed):",
             [f"the native backend {type(native).__name__} cannot restore onto other GPUs"],
         )
-    return resolve(gpu_map, old, here)
+    return resolve_gpus(gpu_map, old, here)
 
 
 def _mark_resumed(directory: Path, manifest: Manifest, *, from_images: bool) -> tuple[str, ...]:
