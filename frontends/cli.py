@@ -257,8 +257,9 @@ def _status_options(status_cmd: argparse.ArgumentParser) -> None:
     status_cmd.add_argument(
         "--clear-stale",
         action="store_true",
-        help="remove the control sockets of processes that are gone (nobody listens on "
-        "them), then show the rest",
+        help="remove the control sockets of processes that exited (gone, or a zombie its "
+        "parent has not reaped; nobody listens on them), then show the rest; without it "
+        "such a process is shown as exited, its socket stale",
     )
 
 

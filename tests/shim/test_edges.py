@@ -1,0 +1,68 @@
+"""The edges a new user met (issue 49), through the installed ``cuinterpose`` command on
+real shims and the simulated driver: a zombie's status and its stale socket, a suspend
+of a process that is no CUDA process, inspect's text, launch --exec's pid line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from cuinterpose.engine.wire import socket_name
+
+from tests.simenv import Spawn
+
+BIN = Path(sys.executable).parent
+
+
+def cuinterpose(env: Mapping[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """The installed command, from a shell that names the control directory itself."""
+    env = {k: v for k, v in env.items() if k != "SNAPSHOT_CONTROL_DIR"}
+    return subprocess.run(
+        [str(BIN / "cuinterpose"), *args], env=env, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_status_says_a_zombie_exited_and_clear_stale_removes_its_socket(
+    spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str], control_dir: Path
+) -> None:
+    """A killed child its parent has not reaped keeps its pid and leaves its socket: the
+    listing says it exited and that the socket is stale (no CUDA error, no "not
+    answering"); named, it is refused saying so; ``--clear-stale`` removes the socket."""
+    worker = spawn("zombie", shim_env)
+    pid = worker.pid
+    sock = control_dir / socket_name(pid)
+    assert sock.is_socket()
+    os.kill(pid, signal.SIGKILL)
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie
+    where = ["--control-dir", str(control_dir)]
+    try:
+        listed = cuinterpose(plain_env, "status", *where)
+        named = cuinterpose(plain_env, "status", *where, "--pid", str(pid))
+        as_json = cuinterpose(plain_env, "status", *where, "--json")
+        assert sock.is_socket()  # only asked: nothing removed
+        cleared = cuinterpose(plain_env, "status", *where, "--clear-stale")
+    finally:
+        worker.kill()
+    exited = "exited (a zombie its parent has not reaped)"
+    assert listed.returncode == 0, listed.stderr
+    row = next(line for line in listed.stdout.splitlines() if line.startswith(str(pid)))
+    assert exited in row and "stale socket" in row, listed.stdout
+    assert "CUDA_ERROR" not in listed.stdout + listed.stderr, listed.stdout
+    assert "not answering" not in listed.stdout, listed.stdout
+    assert f"note: pid {pid} {exited}: its socket {sock} is stale" in listed.stderr
+    assert "--clear-stale" in listed.stderr
+    assert named.returncode == 1, named.stderr
+    assert f"pid {pid} {exited}: its socket {sock} is stale" in named.stderr, named.stderr
+    (doc,) = json.loads(as_json.stdout)["processes"]
+    assert (doc["observed_pid"], doc["native_state"], doc["shim_phase"]) == (
+        pid, exited, "stale socket"
+    )  # fmt: skip
+    assert cleared.returncode == 0, cleared.stderr
+    assert f"removed the stale socket {sock}" in cleared.stderr
+    assert not sock.exists()
