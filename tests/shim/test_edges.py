@@ -66,3 +66,24 @@ def test_status_says_a_zombie_exited_and_clear_stale_removes_its_socket(
     assert cleared.returncode == 0, cleared.stderr
     assert f"removed the stale socket {sock}" in cleared.stderr
     assert not sock.exists()
+
+
+def test_suspend_not_requested_of_a_process_that_is_no_cuda_one_says_so(
+    plain_env: dict[str, str], control_dir: Path, tmp_path: Path
+) -> None:
+    """A pid that never used CUDA: "not a CUDA process", nothing about a resume."""
+    plain = subprocess.Popen(["sleep", "60"])
+    try:
+        run = cuinterpose(plain_env, "suspend", "--not-requested", "--checkpoint-dir",
+                          str(tmp_path / "ckpt"), "--control-dir", str(control_dir),
+                          "--pid", str(plain.pid), "--progress", "none")  # fmt: skip
+        assert plain.poll() is None  # untouched
+    finally:
+        plain.kill()
+        plain.wait()
+    assert run.returncode == 1, run.stderr
+    assert f"pid {plain.pid} (ns pid {plain.pid}) is not a CUDA process of this driver" in (
+        run.stderr
+    ), run.stderr
+    assert "resume" not in run.stderr and "CHECKPOINTED" not in run.stderr, run.stderr
+    assert not (tmp_path / "ckpt" / "manifest.json").exists()
