@@ -173,7 +173,9 @@ _VERBS: Final = {
         CHANGING_EXITS,
     ),
     "inspect": (
-        "show the participants' topology (changes nothing)",
+        "show the participants' topology (changes nothing): each record with its size, "
+        "each allocation as its creator's or an importer's (naming the creator's pid); "
+        "--json has every field",
         "cuinterpose inspect --pid 4242 --json",
         READING_EXITS,
     ),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import shlex
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TextIO
 
 from . import invocation
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .engine.native_checkpoint import NativeBackend, ProcessState
     from .engine.options import Options
     from .engine.suspension import DriverChoice
+    from .engine.wire import Record
     from .invocation import Invocation
 
 
@@ -381,6 +382,7 @@ def inspect(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
             ]
         }
         return Outcome(EXIT_OK, "done", (), figures=document)
+    pids = {b.participant: b.endpoint.observed_pid for b in bound}
     for b in bound:
         mine = records[b.participant]
         stdout.write(
@@ -388,8 +390,26 @@ def inspect(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
             f"(ns pid {b.pid}) phase {b.phase.name}: {len(mine)} records\n"
         )
         for record in mine:
-            stdout.write(f"  {describe_record(record)}\n")
+            stdout.write(f"  {', '.join([describe_record(record), *_facts(record, pids)])}\n")
     return Outcome(EXIT_OK)
+
+
+def _facts(record: Record, pids: Mapping[str, int]) -> list[str]:
+    """What inspect's text adds to a record's identity (its JSON has every field): the
+    size, and an allocation's role: created here, or imported from its creator."""
+    from .engine.released import size
+    from .engine.wire import RecordFlag, RecordKind
+
+    facts = [f"{size(record.size)} ({record.size:,} B)"] if record.size else []
+    if record.kind in (RecordKind.ALLOCATION, RecordKind.MC_OBJECT):
+        if RecordFlag.CREATOR in record.flags:
+            facts.append("creator")
+        elif record.creator in pids:
+            facts.append(f"importer (created by pid {pids[record.creator]})")
+        else:
+            facts.append(f"importer (created by participant {record.creator or '?'}, "
+                         "not of this group)")  # fmt: skip
+    return facts
 
 
 def replay(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:

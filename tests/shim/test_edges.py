@@ -87,3 +87,34 @@ def test_suspend_not_requested_of_a_process_that_is_no_cuda_one_says_so(
     ), run.stderr
     assert "resume" not in run.stderr and "CHECKPOINTED" not in run.stderr, run.stderr
     assert not (tmp_path / "ckpt" / "manifest.json").exists()
+
+
+def test_inspect_text_shows_sizes_and_who_created_what(
+    spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str], control_dir: Path
+) -> None:
+    """What inspect's JSON has, its text says too: each record's size, and each
+    allocation's role (the creator's, or an importer's naming its creator)."""
+    from tests.shim.agentgroup import build_group
+
+    group = build_group(spawn, shim_env, plain_env)
+    where = ["--control-dir", str(control_dir), "--pid", str(group.creator.pid),
+             "--pid", str(group.importer.pid)]  # fmt: skip
+    text = cuinterpose(plain_env, "inspect", *where)
+    doc = cuinterpose(plain_env, "inspect", *where, "--json")
+    group.close()
+    assert text.returncode == 0 and doc.returncode == 0, text.stderr + doc.stderr
+    parts = json.loads(doc.stdout)["participants"]
+    creator, importer = (p["participant"] for p in parts)
+    size = group.size
+    mib = f"{size / (1 << 20):.1f} MiB ({size:,} B)"
+    lines = text.stdout.splitlines()
+    allocations = [line.strip() for line in lines if line.strip().startswith("ALLOCATION")]
+    shared = next(r["id"] for r in parts[1]["records"] if r["kind"] == "ALLOCATION")
+    assert f"ALLOCATION {shared}, {mib}, creator" in allocations, text.stdout
+    assert sum(line.endswith(", creator") for line in allocations) == 2  # X and P
+    assert f"ALLOCATION {shared}, {mib}, importer (created by pid {group.creator.pid})" in (
+        allocations
+    ), text.stdout
+    mapping = next(line for line in lines if line.strip().startswith("MAPPING"))
+    assert mapping.endswith(f"), {mib}"), text.stdout
+    assert creator != importer
