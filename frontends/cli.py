@@ -293,7 +293,8 @@ def _launch_options(launch: argparse.ArgumentParser) -> None:
         "--exec",
         dest="exec_",
         action="store_true",
-        help="become COMMAND (exec): the launcher's own pid is the one to name",
+        help="become COMMAND (exec): the launcher's own pid is the one to name (its pid "
+        "line, on stderr, says so before the exec)",
     )
     launch.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND...")
 

@@ -128,6 +128,17 @@ def _write_pidfile(path: Path, pid: int) -> None:
         raise LaunchError(f"cannot write the pid file {path}: {exc}") from exc
 
 
+def _announce(stream: TextIO | None, pid: int, command: Sequence[str], verb: str) -> None:
+    """The program's pid line, the one to name (``becomes``: this process, by exec)."""
+    if stream is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        stream.write(
+            f"cuinterpose launch: pid {pid} {verb} {shlex.join(command)} (name it: --pid {pid})\n"
+        )
+        stream.flush()  # before an exec, which drops what is buffered
+
+
 def launch(
     command: Sequence[str],
     *,
@@ -141,7 +152,7 @@ def launch(
 
     The program's pid (the one to name in ``suspend --pid``) goes to ``announce`` and
     to ``pidfile``. With ``exec_`` this process becomes the program, so its own pid
-    is the program's (never returns unless the exec fails). A child killed by a
+    is the program's, and is said before the exec (never returns unless the exec fails). A child killed by a
     signal gives 128 + the signal number, as a shell does. SIGINT and SIGTERM
     reaching this process are passed on to the child, and the child's own status is
     still what is returned.
@@ -156,6 +167,7 @@ def launch(
     if exec_:
         if pidfile is not None:
             _write_pidfile(Path(pidfile), os.getpid())
+        _announce(announce, os.getpid(), command, "becomes")
         try:
             os.execvpe(command[0], list(command), env)
         except OSError as exc:
@@ -171,13 +183,7 @@ def launch(
             child.kill()
             child.wait()
             raise
-    if announce is not None:
-        with contextlib.suppress(OSError):
-            announce.write(
-                f"cuinterpose launch: pid {child.pid} runs {shlex.join(command)} "
-                f"(name it: --pid {child.pid})\n"
-            )
-            announce.flush()
+    _announce(announce, child.pid, command, "runs")
 
     def forward(signum: int, _frame: object) -> None:
         child.send_signal(signum)
