@@ -152,10 +152,10 @@ def launch(
 
     The program's pid (the one to name in ``suspend --pid``) goes to ``announce`` and
     to ``pidfile``. With ``exec_`` this process becomes the program, so its own pid
-    is the program's, and is said before the exec (never returns unless the exec fails). A child killed by a
-    signal gives 128 + the signal number, as a shell does. SIGINT and SIGTERM
-    reaching this process are passed on to the child, and the child's own status is
-    still what is returned.
+    is the program's, and is said before the exec (never returns unless the exec
+    fails). A child killed by a signal gives 128 + the signal number, as a shell does.
+    SIGINT and SIGTERM reaching this process are passed on to the child, and the
+    child's own status is still what is returned.
     """
     if not command:
         raise LaunchError("no command to launch")
