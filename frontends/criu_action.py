@@ -103,7 +103,12 @@ _CHECK_EXITS: Final = (
 )
 # (one line, example, exit status) of every verb.
 _VERBS: Final = {
-    "check": ("which CRIU, and does `criu check` pass", "cuinterpose criu check", _CHECK_EXITS),
+    "check": (
+        "which CRIU, and does `criu check` pass; without a usable one (4.0 or later), what "
+        "to install and where the spec says more",
+        "cuinterpose criu check",
+        _CHECK_EXITS,
+    ),
     "dump": (
         "suspend the group, then criu dump its process tree (a failed dump resumes it)",
         "cuinterpose criu dump --checkpoint-dir /var/ckpt/job --images-dir /var/img/job "
