@@ -217,7 +217,10 @@ _VERBS: Final = {
         EXIT_TABLE + "(cuinterpose job VERB --help: each verb's example and options)",
     ),
     "demo": (
-        "run the end-to-end demo",
+        "run the end-to-end demo: three processes sharing GPU memory suspended and resumed, "
+        "every byte checked; the GPU memory it shows (cuMemGetInfo on every device the "
+        "processes use, once they hold all they share) is what the suspend saved, what it "
+        "freed, and what is used again after the resume",
         "cuinterpose demo",
         "exit status:\n  0  every byte came back\n  1  it did not",
     ),

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+import pytest
 from cuinterpose.engine.wire import socket_name
 
 from tests.simenv import Spawn
@@ -118,3 +120,31 @@ def test_inspect_text_shows_sizes_and_who_created_what(
     mapping = next(line for line in lines if line.strip().startswith("MAPPING"))
     assert mapping.endswith(f"), {mib}"), text.stdout
     assert creator != importer
+
+
+@pytest.mark.slow
+def test_the_demos_memory_figures_count_the_same_things(stack: None) -> None:
+    """``cuinterpose demo``: the memory used before the suspend is measured once the
+    multicast team is built, on every device the processes use, so that it, what the
+    suspend saved, what it freed and what is used after the resume are one figure."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LD_", "ASAN_"))}
+    run = subprocess.run([str(BIN / "cuinterpose"), "demo"], env=env, capture_output=True,
+                         text=True, timeout=300, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    text = run.stdout
+
+    def mib(pattern: str) -> str:
+        found = re.search(pattern, text)
+        assert found is not None, (pattern, text)
+        return found.group(1)
+
+    before = mib(
+        r"GPU memory used before the suspend: ([\d.]+ MiB) \(cuMemGetInfo on the "
+        r"3 devices the processes use: the allocations and the team's members"
+    )
+    saved = mib(r"saved 6 allocations \(shared and private\), ([\d.]+ MiB)")
+    freed = mib(r"GPU memory used 0\.0 MiB: ([\d.]+ MiB) freed while suspended")
+    after = mib(r"loaded 6 allocations, [\d.]+ MiB, LOAD .*; GPU memory used ([\d.]+ MiB) "
+                r"\(before the suspend: ")  # fmt: skip
+    assert before == saved == freed == after == "40.0 MiB", text
+    assert f"{freed} of GPU memory freed while suspended" in text.splitlines()[-1]
