@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import re
 import signal
 import subprocess
@@ -30,6 +31,33 @@ def cuinterpose(env: Mapping[str, str], *args: str) -> subprocess.CompletedProce
     )  # fmt: skip
 
 
+def on_a_terminal(env: Mapping[str, str], *args: str) -> str:
+    """What a person at a (wide) terminal sees of ``cuinterpose ARGS`` on stdout."""
+    env = {k: v for k, v in env.items() if k != "SNAPSHOT_CONTROL_DIR"}
+    env.update(COLUMNS="200", TERM="xterm")
+    main, sub = pty.openpty()
+    try:
+        with subprocess.Popen([str(BIN / "cuinterpose"), *args], env=env, stdout=sub,
+                              stderr=subprocess.DEVNULL) as proc:  # fmt: skip
+            os.close(sub)
+            sub = -1
+            chunks = []
+            while True:
+                try:
+                    chunk = os.read(main, 65536)
+                except OSError:  # EIO: the command closed the terminal
+                    break
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            proc.wait(timeout=120)
+    finally:
+        os.close(main)
+        if sub >= 0:
+            os.close(sub)
+    return b"".join(chunks).decode(errors="replace")
+
+
 def test_status_says_a_zombie_exited_and_clear_stale_removes_its_socket(
     spawn: Spawn, shim_env: dict[str, str], plain_env: dict[str, str], control_dir: Path
 ) -> None:
@@ -47,6 +75,7 @@ def test_status_says_a_zombie_exited_and_clear_stale_removes_its_socket(
         listed = cuinterpose(plain_env, "status", *where)
         named = cuinterpose(plain_env, "status", *where, "--pid", str(pid))
         as_json = cuinterpose(plain_env, "status", *where, "--json")
+        at_terminal = on_a_terminal(plain_env, "status", *where)
         assert sock.is_socket()  # only asked: nothing removed
         cleared = cuinterpose(plain_env, "status", *where, "--clear-stale")
     finally:
@@ -61,6 +90,9 @@ def test_status_says_a_zombie_exited_and_clear_stale_removes_its_socket(
     assert "--clear-stale" in listed.stderr
     assert named.returncode == 1, named.stderr
     assert f"pid {pid} {exited}: its socket {sock} is stale" in named.stderr, named.stderr
+    assert exited in " ".join(at_terminal.split()) and "stale socket" in at_terminal, (
+        at_terminal
+    )
     (doc,) = json.loads(as_json.stdout)["processes"]
     assert (doc["observed_pid"], doc["native_state"], doc["shim_phase"]) == (
         pid, exited, "stale socket"
