@@ -310,7 +310,8 @@ def _ended_state(process: agent.Process, where: agent.Where) -> str:
 def _ended(process: agent.Process, where: agent.Where) -> str:
     o, n = process.observed_pid, process.namespace_pid
     name = f"pid {o}" if o == n else process.describe()
-    return f"{name} {_ended_state(process, where)}"
+    state = _ended_state(process, where)
+    return f"{name} {state}" if state.startswith("exited") else f"{name} is {state}"
 
 
 _UNDO_ACTION: Final = {"lock": "unlock", "checkpoint": "restore", "restore": "checkpoint",
