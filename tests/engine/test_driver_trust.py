@@ -224,6 +224,8 @@ def test_the_library_default_refuses_a_driver_it_does_not_trust_and_an_agents_ow
         assert "CudaBackend(library=PATH)" in text
         assert {f.phase for f in team.fakes} == {Phase.ACTIVE}
         assert not (work / "ckpt" / "manifest.json").exists()
+        with pytest.raises(NativeUnavailableError, match=f"driver {library} that pid"):
+            engine.native_for(where, group)  # the native calls alone, the same rule
 
         fake = running(pids)  # the agent's own backend: its choice, not the report's
         done = engine.suspend(group, work / "ckpt", where=where, native=fake)
