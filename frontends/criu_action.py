@@ -546,11 +546,13 @@ def _restore(
         f"restored {len(done.processes)} process{'es' if len(done.processes) != 1 else ''} "
         f"from {args.images_dir} in {_seconds(done.timings):.3f} s: every process is RUNNING, "
         f"its GPU memory and sharing as before ({pids})",
+        *(f"onto other GPUs: {m.describe()}" for m in done.resumed.moved),
     ]
+    moved = {"gpus_moved": [to_json(m) for m in done.resumed.moved]} if args.gpu_map else {}
     return _finish(args, stdout, stderr, EXIT_OK, outcome="restored",
                    timings=[to_json(t) for t in done.timings], images=to_json(done.images),
                    processes=restored, removed=[str(p) for p in done.removed],
-                   human=human)  # fmt: skip
+                   human=human, **moved)  # fmt: skip
 
 
 def _action_script(

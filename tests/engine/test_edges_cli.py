@@ -1,13 +1,18 @@
 """The edges a new user met (issue 49) that need no shim, through the installed
-``cuinterpose`` command: what ``criu check`` tells a user of the package to install."""
+``cuinterpose`` command: what ``criu check`` tells a user of the package to install,
+and what ``criu restore --gpu-map`` says of where each process went."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, cast
 
+import pytest
 from test_criu import fake_criu
 
 BIN = Path(sys.executable).parent
@@ -38,3 +43,40 @@ def test_criu_check_names_what_to_install_and_links_the_spec(tmp_path: Path) -> 
         assert "tools/" not in said and "build_criu" not in said, said
     assert "no criu on PATH" in runs[0].stderr or "at least 4.0" in runs[0].stderr
     assert "CRIU 3.17: at least 4.0 is needed" in runs[1].stderr
+
+
+def test_criu_restore_onto_other_gpus_says_where_each_process_went(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``criu restore --gpu-map`` ends as ``resume --gpu-map`` does: which GPU each process
+    left and which it runs on, for a person and in its JSON summary (CRIU and the resume
+    stood in for: what is checked is what the command says of the resume's result)."""
+    from cuinterpose import criu_action
+    from cuinterpose.engine import Process, criu
+    from cuinterpose.engine.criu import ImageSize, RestoreResult
+    from cuinterpose.engine.gpus import Gpu
+    from cuinterpose.engine.resumption import GpuMove, Moved, ResumeResult
+
+    was, now = Gpu(0, "GPU-" + "0" * 8 + "-0000-0000-0000-" + "0" * 12), Gpu(1, "GPU-1")
+    moved = (Moved(4242, 7, (GpuMove(was, now),)),)
+
+    def restored(*args: object, **kwargs: object) -> RestoreResult:
+        resumed = ResumeResult(cast(Any, None), True, (), moved=moved)
+        return RestoreResult((Process(4242, 7),), (), ImageSize(0, 0, 0), resumed, ())
+
+    monkeypatch.setattr(criu, "usable_criu", lambda *a: criu.Criu(Path("/criu"), (4, 2)))
+    monkeypatch.setattr(criu, "restore", restored)
+    argv = ["restore", "--checkpoint-dir", str(tmp_path), "--images-dir", str(tmp_path),
+            "--control-dir", str(tmp_path), "--gpu-map", "0=1"]  # fmt: skip
+    for mode in ("human", "json"):
+        out, err = io.StringIO(), io.StringIO()
+        code = criu_action.main([*argv, "--progress", mode], stdout=out, stderr=err)
+        assert code == 0, err.getvalue()
+        if mode == "human":
+            assert f"onto other GPUs: pid 4242 (ns pid 7): left GPU 0 {was.uuid}, runs on " \
+                "GPU 1 GPU-1" in out.getvalue(), out.getvalue()  # fmt: skip
+        else:
+            summary = json.loads(out.getvalue().splitlines()[-1])
+            assert summary["gpus_moved"] == [{"pid": 4242, "ns_pid": 7, "gpus": [
+                {"left": {"ordinal": 0, "uuid": was.uuid, "name": "", "bytes": 0},
+                 "now": {"ordinal": 1, "uuid": "GPU-1", "name": "", "bytes": 0}}]}]  # fmt: skip
