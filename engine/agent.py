@@ -51,6 +51,8 @@ from .manifest import (
 )
 from .native_checkpoint import DEFAULT_LOCK_TIMEOUT_MS, NativeError
 from .resumption import (
+    GpuMove,
+    Moved,
     ResumeFailed,
     ResumeResult,
     gpu_pairs,
@@ -73,9 +75,11 @@ __all__ = [
     "Gpu",
     "GpuMap",
     "GpuMapRefused",
+    "GpuMove",
     "Group",
     "Manifest",
     "ManifestError",
+    "Moved",
     "NativeError",
     "Origin",
     "Participant",

@@ -101,6 +101,15 @@ class CriuDumpFailed(AgentError):
 
 
 # --------------------------------------------------------------- the binary
+# What to install, for a user of the package (who has no checkout and its tools/).
+INSTALL_HINT: Final = (
+    "install CRIU 4.0 or later, from the distribution where it packages 4.x (Debian 13 "
+    "and later: apt install criu), else built from its source (https://criu.org/Installation), "
+    f"and name it with --criu PATH or ${CRIU_ENV} where it is not on PATH; see "
+    "https://github.com/cuinterpose/cuinterpose/blob/main/specs/criu.md#criu-on-a-machine"
+)
+
+
 @attrs.frozen
 class Criu:
     path: Path
@@ -133,7 +142,7 @@ def find_criu(named: str | Path | None = None, environ: Mapping[str, str] | None
     if found is None:
         raise CriuUnavailable(
             f"no criu on PATH (nor in /usr/local/sbin, /usr/sbin, /sbin) and ${CRIU_ENV} is "
-            "unset: build CRIU 4.x with tools/build_criu.sh"
+            f"unset: {INSTALL_HINT}"
         )
     return Path(found)
 
@@ -171,7 +180,8 @@ def usable_criu(named: str | Path | None = None, environ: Mapping[str, str] | No
     if version[:2] < MIN_VERSION:
         raise CriuUnavailable(
             f"{path} is CRIU {'.'.join(map(str, version))}: at least 4.0 is needed (3.x "
-            "cannot restore a vDSO on recent kernels: `vdso: Unexpected rt vDSO area bounds`)"
+            "cannot restore a vDSO on recent kernels: `vdso: Unexpected rt vDSO area bounds`): "
+            + INSTALL_HINT
         )
     checked = run("check")
     if checked.returncode != 0:

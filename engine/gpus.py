@@ -146,17 +146,27 @@ def _find(ref: str, gpus: Sequence[Gpu], where: str) -> Gpu | str:
 def resolve(
     gpu_map: GpuMap, old: Sequence[Gpu], here: Sequence[Gpu]
 ) -> tuple[tuple[str, str], ...]:
-    """``gpu_map`` as (old UUID, new UUID) pairs; ``old``: the group's checkpointed GPUs
+    """``gpu_map`` as (old UUID, new UUID) pairs (:func:`resolve_gpus`)."""
+    return tuple((was.uuid, now.uuid) for was, now in resolve_gpus(gpu_map, old, here))
+
+
+def resolve_gpus(
+    gpu_map: GpuMap, old: Sequence[Gpu], here: Sequence[Gpu]
+) -> tuple[tuple[Gpu, Gpu], ...]:
+    """``gpu_map`` as (old GPU, new GPU) pairs; ``old``: the group's checkpointed GPUs
     (:func:`checkpointed`), ``here``: the restoring node's (total memory in ``bytes``).
-    Raises :class:`GpuMapRefused` with every problem, naming each GPU."""
+    Raises :class:`GpuMapRefused` with every problem, each said once, naming each GPU."""
     problems: list[str] = []
     pairs: list[tuple[Gpu, Gpu]] = []
+    named: set[str] = set()  # the old GPUs the map names, whether or not their target is here
     for old_ref, new_ref in gpu_map.pairs:
         was = _find(old_ref, old, "the group used (manifest)")
         now = _find(new_ref, here, "here")
         for found in (was, now):
             if isinstance(found, str):
                 problems.append(found)
+        if isinstance(was, Gpu):
+            named.add(was.uuid)
         if isinstance(was, Gpu) and isinstance(now, Gpu):
             pairs.append((was, now))
     for label, side in (("checkpointed", 0), ("target", 1)):
@@ -164,7 +174,6 @@ def resolve(
         for pair in pairs:
             seen[pair[side].uuid] = seen.get(pair[side].uuid, 0) + 1
         problems += [f"{label} GPU {u} is named {n} times" for u, n in seen.items() if n > 1]
-    named = {was.uuid for was, _ in pairs}
     problems += [
         f"{g.describe()} is missing: the mapping must name every GPU the group used"
         for g in old
@@ -182,7 +191,7 @@ def resolve(
         raise GpuMapRefused(
             f"--gpu-map {gpu_map.describe()} refused (nothing was changed):", problems
         )
-    return tuple((was.uuid, now.uuid) for was, now in pairs)
+    return tuple(pairs)
 
 
 def uuid_pairs(gpu_map: GpuMap) -> tuple[tuple[str, str], ...]:

@@ -18,6 +18,9 @@ from .serial import shape
 from .stopped import stopped
 from .wire import HostCopy, InFlight, Op, Request
 
+# What the driver's cuCheckpointProcessGetState answers for a pid with no CUDA state.
+_NOT_CUDA = "unknown (CUDA_ERROR_NOT_INITIALIZED)"
+
 
 class StateRefused(AgentError):
     """A process is not in the native state the command needs: nothing was done."""
@@ -143,9 +146,15 @@ def require_states(
         if states[p.observed_pid] not in ProcessState.__members__
         and not pid_visible(p.observed_pid)
     ]
+    # The driver has no CUDA state for a live process: it is none of its processes.
+    foreign = [p for p in odd if p not in gone and states[p.observed_pid] == _NOT_CUDA]
     wrong = [
         f"{p.describe()} is gone (no process has pid {p.observed_pid})"
         if p in gone
+        else f"{p.describe()} is not a CUDA process of this driver "
+        "(cuCheckpointProcessGetState answered CUDA_ERROR_NOT_INITIALIZED: it never "
+        "initialized CUDA, or runs on another driver)"
+        if p in foreign
         else f"{p.describe()} is {states[p.observed_pid]}, not {wanted.name}"
         for p in odd
     ]
@@ -154,8 +163,14 @@ def require_states(
             "a process that is gone cannot take part: `cuinterpose recover` brings the "
             "survivors back (specs/recovery.md)"
         )
+    if foreign:
+        wrong.append("name only the processes that use the GPU through this driver")
     if wrong:
-        raise StateRefused(f"{command} refused: {hint}", wrong)
+        # The caller's hint is about native states; a group whose only trouble is
+        # processes that are not CUDA ones (or gone) is told only that.
+        about_states = len(odd) > len(gone) + len(foreign)
+        raise StateRefused(f"{command} refused: {hint}" if about_states else
+                           f"{command} refused:", wrong)  # fmt: skip
 
 
 def require_natively_running(

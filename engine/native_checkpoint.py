@@ -24,6 +24,7 @@ from typing import Any, Final, Protocol, runtime_checkable
 
 import attrs
 
+from . import _mountns
 from .gpus import Gpu, uuid_bytes, uuid_text
 
 DEFAULT_LOCK_TIMEOUT_MS: Final = 10_000
@@ -167,7 +168,9 @@ class CudaBackend:
     """The calls through ``cuda.bindings.driver`` (imported, and ``cuInit(0)`` run, on
     first use), reaching ``library`` when given (the path of the ``libcuda.so.1`` the
     group's shims report, loaded first so that the bindings find it loaded), else
-    whichever ``libcuda.so.1`` the loader finds."""
+    whichever ``libcuda.so.1`` the loader finds. Nothing is loaded in a mount namespace
+    other than the init's of this process's pid namespace, unless trusted by name
+    (:mod:`._mountns`): there every path may be a pod's file."""
 
     def __init__(self, library: str | os.PathLike[str] | None = None) -> None:
         self._lock = threading.Lock()
@@ -204,6 +207,9 @@ class CudaBackend:
         with self._lock:
             if self._cu is not None:
                 return self._cu
+            foreign = _mountns.foreign()
+            if foreign is not None:  # every path here may be a pod's file: load none
+                raise NativeUnavailableError(f"refused to load a CUDA driver: {foreign}")
             self._preload()
             try:
                 module: Any = importlib.import_module("cuda.bindings.driver")

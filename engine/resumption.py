@@ -13,9 +13,10 @@ import attrs
 from . import discovery
 from .detection import Where, group_of
 from .directory import require_trusted
+from .driver_trust import LateBackend, reported_or_recorded
 from .errors import AgentError, CoordinatorError, Interrupted
 from .events import AgentCallback, Reporter, bytes_moved, reporter
-from .gpus import GpuMap, GpuMapRefused, checkpointed, resolve
+from .gpus import Gpu, GpuMap, GpuMapRefused, checkpointed, resolve_gpus
 from .group_status import StateRefused, require_states, status_lines
 from .lease import LeaseRefused, release_lease, take_lease
 from .manifest import (
@@ -30,7 +31,6 @@ from .manifest import (
     write_manifest,
 )
 from .native_checkpoint import (
-    CudaBackend,
     NativeBackend,
     NativeError,
     NativeGroupError,
@@ -90,6 +90,48 @@ class ResumeResult:
     staging: StagingSummary | None = None
     # Late steps that did not go through after the group ran (the directory is usable).
     warnings: tuple[str, ...] = ()
+    # Resumed onto other GPUs (``gpu_map``): each process, the GPUs it left and those it
+    # runs on now; () when the map was not given.
+    moved: tuple[Moved, ...] = ()
+
+
+@attrs.frozen
+class GpuMove:
+    """A GPU a process used at suspend (the manifest's) and the one of this node that
+    took its place."""
+
+    left: Gpu
+    now: Gpu
+
+
+@attrs.frozen
+class Moved:
+    """A process resumed onto other GPUs: each GPU it left and the one it runs on now."""
+
+    pid: int
+    ns_pid: int
+    gpus: tuple[GpuMove, ...]
+
+    def describe(self) -> str:
+        who = Process(self.pid, self.ns_pid).describe()
+        if not self.gpus:
+            return f"{who} used no GPU at suspend: nothing moved"
+        moves = "; ".join(f"left {m.left.describe()}, runs on {m.now.describe()}"
+                          for m in self.gpus)  # fmt: skip
+        return f"{who}: {moves}"
+
+
+def _moved(
+    manifest: Manifest, group: Sequence[Process], mapped: Sequence[tuple[Gpu, Gpu]]
+) -> tuple[Moved, ...]:
+    """Which GPU each process left and which it runs on now (``group``: the manifest's
+    processes in its order, with the pids they have now)."""
+    onto = {was.uuid: now for was, now in mapped}
+    moved = []
+    for p, part in zip(group, manifest.participants, strict=True):
+        pairs = tuple(GpuMove(g, onto[g.uuid]) for g in part.gpus if g.uuid in onto)
+        moved.append(Moved(p.observed_pid, p.namespace_pid, pairs))
+    return tuple(moved)
 
 
 def _natively_checkpointed(
@@ -247,6 +289,20 @@ def _preflight(
     return lost
 
 
+def _trusted_native(manifest: Manifest, group: Sequence[Process], where: Where) -> NativeBackend:
+    """The native calls an agent gets by default: on the driver the shims report now (the
+    manifest's record when none says), held to the driver trust rule
+    (:mod:`.driver_trust`), chosen at the first native call: a refusal comes before
+    anything changes, and nothing untrusted is loaded."""
+    recorded = manifest.origin.driver if manifest.origin is not None else None
+
+    def choose() -> str | None:
+        endpoints = [where.endpoint(p) for p in group]
+        return reported_or_recorded(endpoints, recorded, where.proc_root)
+
+    return LateBackend(choose)
+
+
 def resume(
     checkpoint_dir: Path,
     *,
@@ -264,9 +320,12 @@ def resume(
     VAs and sharing back.
 
     ``where`` and ``native`` default to what the manifest recorded at suspend (the
-    control directory, the driver the shims reported). Before anything changes, every
-    living process's shim must answer (else :class:`AgentError`, nothing changed); a
-    process gone since the suspend does not strand the others: the survivors are
+    control directory; the driver the shims report now, else the one recorded, loaded
+    only if the coordinator trusts it: :mod:`.driver_trust`, else
+    :class:`~.native_checkpoint.NativeUnavailableError` with nothing changed). Before
+    anything changes, every living process's shim must answer (else
+    :class:`AgentError`, nothing changed); a process gone since the suspend does not
+    strand the others: the survivors are
     natively restored and unlocked, then rolled back to their bytes (the lost one named),
     and :class:`ResumeFailed` (``running``) says so.
 
@@ -291,7 +350,7 @@ def resume(
     group = _group(manifest, directory, processes, restored, where)
     coordinate = restore_plan(manifest, directory)
     if native is None:
-        native = CudaBackend(manifest.origin.driver if manifest.origin is not None else None)
+        native = _trusted_native(manifest, group, where)
     timeout = min(options.phase_timeout, _PREFLIGHT_S)
     lost = [] if restored else _preflight(manifest, group, where, timeout)
     if lost:
@@ -300,7 +359,8 @@ def resume(
         _parts_fetchable(directory, manifest)
     held = _natively_checkpointed(native, group, restored, directory, where, manifest.prepared)
     pids = [p.observed_pid for p in held]
-    pairs = gpu_pairs(manifest, native, gpu_map) if gpu_map else ()
+    mapped = gpu_pairs(manifest, native, gpu_map) if gpu_map else ()
+    pairs = tuple((was.uuid, now.uuid) for was, now in mapped)
     if pids and not gpu_map:
         require_same_gpus(manifest, native)
     endpoints = [where.endpoint(p) for p in group]
@@ -369,7 +429,8 @@ def resume(
         raise ResumeFailed(what, lines, running=running) from failure
     marked = mark_resumed(directory, manifest, from_images=restored)
     warnings = (*(result.warnings if coordinate else ()), *marked)
-    return ResumeResult(manifest, coordinate, tuple(report.timings), staging, warnings)
+    onto = _moved(manifest, group, mapped) if gpu_map else ()
+    return ResumeResult(manifest, coordinate, tuple(report.timings), staging, warnings, onto)
 
 
 def _parts_fetchable(directory: Path, manifest: Manifest) -> None:
@@ -480,7 +541,7 @@ def require_same_gpus(manifest: Manifest, native: NativeBackend) -> None:
 
 def gpu_pairs(
     manifest: Manifest, native: NativeBackend | None, gpu_map: GpuMap
-) -> tuple[tuple[str, str], ...]:
+) -> tuple[tuple[Gpu, Gpu], ...]:
     """``gpu_map`` resolved against the GPUs the manifest records and those ``native``
     sees here (None: a restore without the native step, whose GPUs are the manifest's
     own); refused before anything changes (gpus.resolve)."""
@@ -502,7 +563,7 @@ def gpu_pairs(
             f"--gpu-map {gpu_map.describe()} refused (nothing was changed):",
             [f"the native backend {type(native).__name__} cannot restore onto other GPUs"],
         )
-    return resolve(gpu_map, old, here)
+    return resolve_gpus(gpu_map, old, here)
 
 
 def mark_resumed(directory: Path, manifest: Manifest, *, from_images: bool) -> tuple[str, ...]:

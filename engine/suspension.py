@@ -29,6 +29,7 @@ from .client import Endpoint, ParticipantError, call_all
 from .detection import Detection, DetectionRefused, Where, detect, group_of
 from .directory import require_trusted
 from .discovery import DriverMismatch, DriverReport, shim_drivers, start_ticks
+from .driver_trust import trusted
 from .errors import AgentError, CoordinatorError
 from .events import AgentCallback, Reporter, StepEvent, bytes_moved, reporter
 from .gpus import Gpu, parse_report
@@ -50,7 +51,6 @@ from .native_checkpoint import (
     CudaBackend,
     NativeBackend,
     NativeGroupError,
-    NativeUnavailableError,
     ProcessState,
     run_step,
     state_names,
@@ -190,23 +190,24 @@ def _ask_gpus(endpoints: Sequence[Endpoint], timeout: float) -> tuple[tuple[Gpu,
     return tuple(gpus)
 
 
-def _backend(native: NativeBackend | DriverChoice | None, report: DriverReport) -> NativeBackend:
+def _backend(
+    native: NativeBackend | DriverChoice | None, report: DriverReport, where: Where
+) -> NativeBackend:
     if isinstance(native, DriverChoice):
         return native.choose(report)
     if native is not None:
         return native
-    return CudaBackend(report.one())
+    return CudaBackend(trusted(report, where.proc_root))
 
 
 def native_for(where: Where, processes: Sequence[Process | tuple[int, int]]) -> CudaBackend:
     """The native calls on the driver the processes' shims report (its own STATUS
-    round: :func:`suspend` asks its shims once and needs none of this); none reporting,
-    the loader's ``libcuda.so.1``."""
+    round: :func:`suspend` asks its shims once and needs none of this), held to the
+    driver trust rule (:mod:`.driver_trust`: refused with
+    :class:`~.native_checkpoint.NativeUnavailableError`, nothing loaded); none
+    reporting, the loader's ``libcuda.so.1``."""
     endpoints = [where.endpoint(p) for p in group_of(processes)]
-    try:
-        return CudaBackend(shim_drivers(endpoints).one())
-    except DriverMismatch as exc:
-        raise NativeUnavailableError(f"{exc}: one driver per run") from exc
+    return CudaBackend(trusted(shim_drivers(endpoints), where.proc_root))
 
 
 def _fresh_directory(directory: Path) -> None:
@@ -247,8 +248,11 @@ def suspend(
     manifest. On return every process is CHECKPOINTED and its GPU memory is free.
 
     ``native``: the native calls; a :class:`DriverChoice`, to choose them from the
-    driver the shims report; None, those on that driver (the loader's search when none
-    reports one). The manifest records the driver with ``where``, for
+    driver the shims report; None, those on that driver if it is one the coordinator
+    trusts (:mod:`.driver_trust`: the system's or this installation's simulated one, by
+    file identity; else :class:`~.native_checkpoint.NativeUnavailableError` before
+    anything changes, nothing loaded), the loader's search when none reports one;
+    an agent's own backend is used as given. The manifest records the driver with ``where``, for
     :func:`~.resumption.resume`. Before the capture's HANDSHAKE the shims are sent one
     STATUS, asking the driver; the GPUs are asked after the capture.
 
@@ -277,7 +281,7 @@ def suspend(
         asked = _Asked((), DriverReport({}))
         if detection.mode == "cuinterpose":
             asked = _ask_driver(detection.endpoints, options.phase_timeout)
-        backend = _backend(native, asked.report)
+        backend = _backend(native, asked.report, where)
         require_states(
             backend,
             group,

@@ -171,8 +171,10 @@ def add_gpu_map(parser: argparse.ArgumentParser, *, native: bool = True) -> None
         "--gpu-map",
         type=gpu_map,
         metavar="OLD=NEW[,OLD=NEW...]",
-        help=f"restore onto other GPUs: {named}; every GPU the group used must be named",
-    )
+        help=f"restore onto other GPUs: {named}; every GPU the group used must be named"
+        + ("; resume then says which GPU each process left and which it runs on (its JSON "
+           "summary: gpus_moved)" if native else ""),
+    )  # fmt: skip
 
 
 def add_driver(parser: argparse.ArgumentParser) -> None:

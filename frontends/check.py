@@ -19,8 +19,8 @@ from typing import Literal, TextIO
 
 import attrs
 
-from . import artifacts, drivers
-from .engine import discovery
+from . import drivers
+from .engine import artifacts, discovery, driver_trust
 from .engine.client import control_dir_problem, endpoint_for
 from .engine.native_checkpoint import (
     CudaBackend,
@@ -60,10 +60,7 @@ def _library(control_dir: Path, driver: str) -> tuple[str | None, str]:
         endpoints = [
             endpoint_for(p, p, control_dir=control_dir) for p in discovery.shims_in(control_dir)
         ]
-        try:
-            reported = drivers.trusted(discovery.shim_drivers(endpoints))
-        except discovery.DriverMismatch as exc:
-            raise NativeUnavailableError(str(exc)) from exc
+        reported = driver_trust.trusted(discovery.shim_drivers(endpoints))
         if reported is not None:
             return reported, "the one the shims in the control directory report"
         # What `cuinterpose launch` would run a program on here (frontends/drivers.py).

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, TextIO
 
-from . import __version__, artifacts, invocation, logs, streams, targets
+from . import __version__, invocation, logs, streams, targets
 from .arguments import (
     CHANGING_EXITS,
     CONTROL_DIR_ENV,
@@ -181,7 +181,9 @@ _VERBS: Final = {
         CHANGING_EXITS,
     ),
     "inspect": (
-        "show the participants' topology (changes nothing)",
+        "show the participants' topology (changes nothing): each record with its size, "
+        "each allocation as its creator's or an importer's (naming the creator's pid); "
+        "--json has every field",
         "cuinterpose inspect --pid 4242 --json",
         READING_EXITS,
     ),
@@ -223,7 +225,10 @@ _VERBS: Final = {
         EXIT_TABLE + "(cuinterpose job VERB --help: each verb's example and options)",
     ),
     "demo": (
-        "run the end-to-end demo",
+        "run the end-to-end demo: three processes sharing GPU memory suspended and resumed, "
+        "every byte checked; the GPU memory it shows (cuMemGetInfo on every device the "
+        "processes use, once they hold all they share) is what the suspend saved, what it "
+        "freed, and what is used again after the resume",
         "cuinterpose demo",
         "exit status:\n  0  every byte came back\n  1  it did not",
     ),
@@ -271,8 +276,9 @@ def _status_options(status_cmd: argparse.ArgumentParser) -> None:
     status_cmd.add_argument(
         "--clear-stale",
         action="store_true",
-        help="remove the control sockets of processes that are gone (nobody listens on "
-        "them), then show the rest",
+        help="remove the control sockets of processes that exited (gone, or a zombie its "
+        "parent has not reaped; nobody listens on them), then show the rest; without it "
+        "such a process is shown as exited, its socket stale",
     )
 
 
@@ -314,7 +320,8 @@ def _launch_options(launch: argparse.ArgumentParser) -> None:
         "--exec",
         dest="exec_",
         action="store_true",
-        help="become COMMAND (exec): the launcher's own pid is the one to name",
+        help="become COMMAND (exec): the launcher's own pid is the one to name (its pid "
+        "line, on stderr, says so before the exec)",
     )
     launch.add_argument(
         "--keep-host-copy",
@@ -444,7 +451,10 @@ NATIVE_ACTIONS: Final = ("lock", "checkpoint", "restore", "unlock", "state")
 _NO_VERB: Final = ""
 
 
-def _artifact(find: Callable[[], Path], stdout: TextIO, stderr: TextIO) -> int:
+def _artifact(which: str, stdout: TextIO, stderr: TextIO) -> int:
+    from .engine import artifacts  # only the verbs that print a library's path
+
+    find: Callable[[], Path] = getattr(artifacts, which)
     try:
         stdout.write(f"{find()}\n")
     except artifacts.ArtifactMissingError as exc:
@@ -652,11 +662,11 @@ def _diagram(call: Invocation, out: TextIO, err: TextIO) -> int:
 
 
 def _sim_path(call: Invocation, out: TextIO, err: TextIO) -> int:
-    return _artifact(artifacts.sim_library_dir, out, err)
+    return _artifact("sim_library_dir", out, err)
 
 
 def _shim_path(call: Invocation, out: TextIO, err: TextIO) -> int:
-    return _artifact(artifacts.shim_library, out, err)
+    return _artifact("shim_library", out, err)
 
 
 def _criu(call: Invocation, out: TextIO, err: TextIO) -> int:

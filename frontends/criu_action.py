@@ -103,7 +103,12 @@ _CHECK_EXITS: Final = (
 )
 # (one line, example, exit status) of every verb.
 _VERBS: Final = {
-    "check": ("which CRIU, and does `criu check` pass", "cuinterpose criu check", _CHECK_EXITS),
+    "check": (
+        "which CRIU, and does `criu check` pass; without a usable one (4.0 or later), what "
+        "to install and where the spec says more",
+        "cuinterpose criu check",
+        _CHECK_EXITS,
+    ),
     "dump": (
         "suspend the group, then criu dump its process tree (a failed dump resumes it)",
         "cuinterpose criu dump --checkpoint-dir /var/ckpt/job --images-dir /var/img/job "
@@ -541,11 +546,13 @@ def _restore(
         f"restored {len(done.processes)} process{'es' if len(done.processes) != 1 else ''} "
         f"from {args.images_dir} in {_seconds(done.timings):.3f} s: every process is RUNNING, "
         f"its GPU memory and sharing as before ({pids})",
+        *(f"onto other GPUs: {m.describe()}" for m in done.resumed.moved),
     ]
+    moved = {"gpus_moved": [to_json(m) for m in done.resumed.moved]} if args.gpu_map else {}
     return _finish(args, stdout, stderr, EXIT_OK, outcome="restored",
                    timings=[to_json(t) for t in done.timings], images=to_json(done.images),
                    processes=restored, removed=[str(p) for p in done.removed],
-                   human=human)  # fmt: skip
+                   human=human, **moved)  # fmt: skip
 
 
 def _action_script(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import shlex
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TextIO
 
 from . import invocation
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .engine.native_checkpoint import NativeBackend, ProcessState
     from .engine.options import Options
     from .engine.suspension import DriverChoice
+    from .engine.wire import Record
     from .invocation import Invocation
 
 
@@ -196,34 +197,42 @@ def status(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
     processes = call.processes()
     where = call.where()
     named = bool(call.options.pid or call.options.process)
-    stale = [] if named else _stale(processes, where)
+    # A process that exited (gone, or a zombie its parent has not reaped) with its
+    # socket left behind, nobody serving it.
+    stale = _stale(processes, where)
     if stale and call.options.clear_stale:
         for path in remove_stale_sockets(stale, where):
             stderr.write(f"{PROG}: removed the stale socket {path}\n")
-        processes = [p for p in processes if p not in stale]
+        if not named:
+            processes = [p for p in processes if p not in stale]
         stale = []
     if not processes:
         return _no_shim(call, stdout)
     # heal: a status right after a socket was removed shows the shim that re-creates it.
     seen = look(Group(processes), where, heal=True)
     gone = [line for s in seen if (line := s.gone(where)) is not None]
-    if gone and named:
-        return Outcome(EXIT_FAILED, "refused", gone)
-    for process in stale:
-        path = where.endpoint(process).path
-        clear = f"{call.status_command()} --clear-stale"
-        stderr.write(
-            f"{PROG}: note: pid {process.observed_pid} is gone: its socket {path} is stale "
-            f"(`{clear}` removes it)\n"
-        )
+    clear = f"{call.status_command()} --clear-stale"
+    ended = {p: f"{_ended(p, where)}: its socket {where.endpoint(p).path} is stale "
+                f"(`{clear}` removes it)" for p in stale}  # fmt: skip
+    if (gone or ended) and named:
+        return Outcome(EXIT_FAILED, "refused", [*gone, *ended.values()])
+    for line in ended.values():
+        stderr.write(f"{PROG}: note: {line}\n")
     from .engine.group_status import status as asked  # a shim to ask: the verb's room, now
     from .engine.native_checkpoint import NativeUnavailableError
 
+    living = [p for p in processes if p not in ended]
+    seen = tuple(s for s in seen if s.process not in ended)
     try:
-        rows = asked(processes, where, call.native(), seen=seen)
+        rows = asked(living, where, call.native(), seen=seen) if living else ()
     except NativeUnavailableError as exc:
         stderr.write(f"{PROG}: note: native states unknown: {exc}\n")
-        rows = asked(processes, where, _NoDriver("no CUDA driver loaded"), seen=seen)
+        rows = asked(living, where, _NoDriver("no CUDA driver loaded"), seen=seen)
+    from .engine.group_status import ProcessStatus
+
+    said = {r.process: r for r in rows}
+    exited = {p: ProcessStatus(p, _ended_state(p, where), "stale socket") for p in ended}
+    rows = tuple(said.get(p) or exited[p] for p in processes)
     way_on = _way_on(call, rows)
     if way_on:
         stderr.write(f"{PROG}: note: {way_on[0]}\n")
@@ -367,16 +376,33 @@ def _no_shim(call: Invocation, stdout: TextIO) -> Outcome:
 
 
 def _stale(processes: Sequence[agent.Process], where: agent.Where) -> list[agent.Process]:
-    """The processes listed by their sockets that are gone: no such pid, and nobody
-    serves the socket."""
+    """The processes whose socket is left behind: the process exited (no such pid, or a
+    zombie its parent has not reaped), a socket is at its path, and nobody serves it."""
     from .engine import discovery
 
     return [
         p
         for p in processes
-        if not discovery.pid_exists(p.observed_pid, where.proc_root)
+        if not discovery.is_running(p.observed_pid, where.proc_root)
+        and discovery.is_socket(where.endpoint(p).path)
         and not discovery.serves(where.endpoint(p).path)
     ]
+
+
+def _ended_state(process: agent.Process, where: agent.Where) -> str:
+    """How a process that takes no part any more ended, as the native state column says it."""
+    from .engine import discovery
+
+    if discovery.pid_exists(process.observed_pid, where.proc_root):
+        return "exited (a zombie its parent has not reaped)"
+    return "gone (no such process)"
+
+
+def _ended(process: agent.Process, where: agent.Where) -> str:
+    o, n = process.observed_pid, process.namespace_pid
+    name = f"pid {o}" if o == n else process.describe()
+    state = _ended_state(process, where)
+    return f"{name} {state}" if state.startswith("exited") else f"{name} is {state}"
 
 
 _UNDO_ACTION: Final = {"lock": "unlock", "checkpoint": "restore", "restore": "checkpoint",
@@ -448,6 +474,7 @@ def inspect(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
             ]
         }
         return Outcome(EXIT_OK, "done", (), figures=document)
+    pids = {b.participant: b.endpoint.observed_pid for b in bound}
     for b in bound:
         mine = records[b.participant]
         stdout.write(
@@ -455,8 +482,26 @@ def inspect(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:
             f"(ns pid {b.pid}) phase {b.phase.name}: {len(mine)} records\n"
         )
         for record in mine:
-            stdout.write(f"  {describe_record(record)}\n")
+            stdout.write(f"  {', '.join([describe_record(record), *_facts(record, pids)])}\n")
     return Outcome(EXIT_OK)
+
+
+def _facts(record: Record, pids: Mapping[str, int]) -> list[str]:
+    """What inspect's text adds to a record's identity (its JSON has every field): the
+    size, and an allocation's role: created here, or imported from its creator."""
+    from .engine.released import size
+    from .engine.wire import RecordFlag, RecordKind
+
+    facts = [f"{size(record.size)} ({record.size:,} B)"] if record.size else []
+    if record.kind in (RecordKind.ALLOCATION, RecordKind.MC_OBJECT):
+        if RecordFlag.CREATOR in record.flags:
+            facts.append("creator")
+        elif record.creator in pids:
+            facts.append(f"importer (created by pid {pids[record.creator]})")
+        else:
+            facts.append(f"importer (created by participant {record.creator or '?'}, "
+                         "not of this group)")  # fmt: skip
+    return facts
 
 
 def replay(call: Invocation, stdout: TextIO, stderr: TextIO) -> Outcome:

@@ -6,7 +6,7 @@ simulated driver, its directory comes first on ``LD_LIBRARY_PATH``;
 ``SNAPSHOT_CONTROL_DIR`` names the control directory, created with mode 0700
 when missing, and refused when the shim would not trust it. Nothing is compiled
 here: the libraries are the installed package's, or a build tree's
-(:mod:`cuinterpose.artifacts`).
+(:mod:`cuinterpose.engine.artifacts`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from . import artifacts
+from .engine import artifacts
 from .engine.client import control_dir_length_problem, control_dir_problem
 
 DRIVERS: Final = ("sim", "system")
@@ -130,6 +130,17 @@ def _write_pidfile(path: Path, pid: int) -> None:
         raise LaunchError(f"cannot write the pid file {path}: {exc}") from exc
 
 
+def _announce(stream: TextIO | None, pid: int, command: Sequence[str], verb: str) -> None:
+    """The program's pid line, the one to name (``becomes``: this process, by exec)."""
+    if stream is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        stream.write(
+            f"cuinterpose launch: pid {pid} {verb} {shlex.join(command)} (name it: --pid {pid})\n"
+        )
+        stream.flush()  # before an exec, which drops what is buffered
+
+
 def launch(
     command: Sequence[str],
     *,
@@ -144,11 +155,11 @@ def launch(
 
     The program's pid (the one to name in ``suspend --pid``) goes to ``announce`` and
     to ``pidfile``. With ``exec_`` this process becomes the program, so its own pid
-    is the program's (never returns unless the exec fails). A child killed by a
-    signal gives 128 + the signal number, as a shell does. SIGINT and SIGTERM
-    reaching this process are passed on to the child, and the child's own status is
-    still what is returned. ``keep_host_copy`` sets SNAPSHOT_SHIM_KEEP_HOST_COPY=1 for
-    it (the variable as the environment has it otherwise).
+    is the program's, and is said before the exec (never returns unless the exec
+    fails). A child killed by a signal gives 128 + the signal number, as a shell does.
+    SIGINT and SIGTERM reaching this process are passed on to the child, and the
+    child's own status is still what is returned. ``keep_host_copy`` sets
+    SNAPSHOT_SHIM_KEEP_HOST_COPY=1 for it (the variable as the environment has it otherwise).
     """
     if not command:
         raise LaunchError("no command to launch")
@@ -162,6 +173,7 @@ def launch(
     if exec_:
         if pidfile is not None:
             _write_pidfile(Path(pidfile), os.getpid())
+        _announce(announce, os.getpid(), command, "becomes")
         try:
             os.execvpe(command[0], list(command), env)
         except OSError as exc:
@@ -177,13 +189,7 @@ def launch(
             child.kill()
             child.wait()
             raise
-    if announce is not None:
-        with contextlib.suppress(OSError):
-            announce.write(
-                f"cuinterpose launch: pid {child.pid} runs {shlex.join(command)} "
-                f"(name it: --pid {child.pid})\n"
-            )
-            announce.flush()
+    _announce(announce, child.pid, command, "runs")
 
     def forward(signum: int, _frame: object) -> None:
         child.send_signal(signum)

@@ -64,8 +64,8 @@ def machine_summary(spec: MachineSpec | None, call: Invocation, result: object) 
 
 @shape(
     exclude=frozenset({"command", "outcome", "checkpoint_dir"}),
-    rename={"next_command": "next", "released": "gpu_memory_released"},
-    omit=frozenset({"staging", "released"}),
+    rename={"next_command": "next", "released": "gpu_memory_released", "moved": "gpus_moved"},
+    omit=frozenset({"staging", "released", "moved"}),
     extra={"bytes_in": "released"},
 )
 @attrs.frozen
@@ -82,6 +82,8 @@ class Summary:
     checkpoint_dir: Path
     staging: dict[str, Any] | None = None  # the shims' staging figures (engine/agent.py)
     released: Released | None = None  # suspend: the GPU memory it released
+    # resume --gpu-map: which GPU each process left and which it runs on now
+    moved: tuple[agent.Moved, ...] = ()
 
     @classmethod
     def of(
@@ -107,6 +109,7 @@ class Summary:
             call.options.checkpoint_dir,
             to_json(done.staging) if done.staging is not None else None,
             freed,
+            () if command == "suspend" else cast("agent.ResumeResult", done).moved,
         )
 
     def lines(self) -> list[str]:
@@ -137,6 +140,7 @@ class Summary:
         return [
             f"resumed {who} in {self.seconds:.3f} s{loaded}: every process is RUNNING, "
             "its sharing as before",
+            *(f"onto other GPUs: {m.describe()}" for m in self.moved),
         ]
 
     def _kept_lines(self) -> list[str]:

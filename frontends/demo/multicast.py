@@ -109,6 +109,11 @@ class MulticastTeam:
     SEED_MEMBER: ClassVar[int] = 900  # + k: each member's own bytes
     SEED_WRITE: ClassVar[int] = 950  # + k: written through worker k's multicast mapping
 
+    @property
+    def member_bytes(self) -> int:
+        """The GPU memory the members hold: one allocation of ``size`` per device."""
+        return self.size * len(self.workers)
+
     def build(self) -> None:
         n = len(self.workers)
         for k, w in enumerate(self.workers):

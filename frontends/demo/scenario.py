@@ -35,7 +35,8 @@ from typing import Any, ClassVar, Final
 
 import attrs
 
-from .. import artifacts, launch, native_calls
+from .. import launch, native_calls
+from ..engine import artifacts
 from .multicast import SIM_DEVICES_ENV, MulticastTeam
 from .multicast import allowed as multicast_allowed
 from .worker_client import DemoError, Worker
@@ -250,6 +251,21 @@ def coordinator_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 # --------------------------------------------------------------- the demo
+# Device-wide memory in use, summed over devices 0..N-1, by the observer (plain driver).
+_USED: Final = """
+used = 0
+for ordinal in range({devices}):
+    ctx = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(ordinal))))
+    check(cu.cuCtxPushCurrent(ctx))
+    try:
+        free, total = check(cu.cuMemGetInfo())
+        used += int(total) - int(free)
+    finally:
+        check(cu.cuCtxPopCurrent())
+result = used
+"""
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
@@ -324,13 +340,15 @@ def _demo(
     out(f"cuinterpose demo: {driver} driver, control dir {control}")
     out("  processes: " + ", ".join(f"{w.name} pid {w.pid}" for w in scen.workers))
 
+    # The GPU memory in use on every device the processes use (the team puts one member
+    # on each worker's device), so that what is used, freed and saved count the same.
+    devices = len(scen.workers) if multicast_allowed(driver) else 1
+
     def used() -> int:
-        info = observer.check("mem_info")
-        return int(info["total"]) - int(info["free"])
+        return int(observer(_USED.format(devices=devices)))
 
     used_idle = used()
     scen.build()
-    used_before = used()
     out(
         f"  allocations: X {_mib(scen.x_size)} exportable, shared by all 3 (mapped twice in "
         f"{scen.twice.name}); Y {_mib(scen.y_size)} exportable, shared by 2; "
@@ -338,8 +356,7 @@ def _demo(
     )
     out(
         f"  filled {_mib(scen.x_size + scen.y_size + scen.p_size)}, seen through "
-        f"{len(scen.regions)} mapped ranges ({_mib(scen.region_bytes)}); GPU memory used "
-        f"{_mib(used_before - used_idle)} (cuMemGetInfo, device-wide)"
+        f"{len(scen.regions)} mapped ranges ({_mib(scen.region_bytes)})"
     )
     team: MulticastTeam | None = None
     if multicast_allowed(driver):
@@ -356,6 +373,14 @@ def _demo(
     bad = scen.mismatches() + (team.problems() if team else [])
     if bad:
         raise DemoError("before checkpoint: " + "; ".join(bad))
+    # Measured once everything the suspend saves exists: the team's members included.
+    used_before = used()
+    where = f"the {devices} devices the processes use" if devices > 1 else "device 0"
+    counted = "the allocations and the team's members" if team else "the allocations"
+    out(
+        f"  GPU memory used before the suspend: {_mib(used_before - used_idle)} "
+        f"(cuMemGetInfo on {where}: {counted}, each once)"
+    )
 
     # The CLI makes the native calls itself: it loads the same driver as the workers.
     def run(command: str) -> CliRun:
@@ -384,7 +409,7 @@ def _demo(
         f"  saved {save.get('allocation_count', '?')} allocations (shared and private), "
         f"{_mib(int(save.get('allocation_bytes', 0)))}, SAVE "
         f"{_gbps(save, 'gb_per_s', scen.staged_bytes, suspended.seconds)}; every process "
-        f"CHECKPOINTED; GPU memory used {_mib(used_suspended - used_idle)}, "
+        f"CHECKPOINTED; GPU memory used {_mib(used_suspended - used_idle)}: "
         f"{_mib(freed)} freed while suspended"
     )
     resumed = run("resume")
@@ -395,7 +420,7 @@ def _demo(
         f"  loaded {load.get('allocation_count', '?')} allocations, "
         f"{_mib(int(load.get('allocation_bytes', 0)))}, LOAD "
         f"{_gbps(load, 'gb_per_s', scen.staged_bytes, resumed.seconds)}; GPU memory used "
-        f"{_mib(used_after - used_idle)}"
+        f"{_mib(used_after - used_idle)} (before the suspend: {_mib(used_before - used_idle)})"
     )
 
     problems = scen.mismatches()
@@ -409,6 +434,7 @@ def _demo(
                 " every member"
             )
     expected_freed = scen.x_size + scen.y_size + scen.p_size
+    expected_freed += team.member_bytes if team is not None else 0
     if freed < expected_freed:
         problems.append(
             f"only {_mib(freed)} of GPU memory freed while suspended, "

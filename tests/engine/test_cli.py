@@ -480,7 +480,7 @@ def _libraries(root: Path, shim: Path, sim: Path) -> tuple[Path, Path]:
 def test_artifacts_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """CUINTERPOSE_BUILD_DIR alone when set; else the installed package, then the
     checkout's build/ (where an editable install finds `make build`'s libraries)."""
-    from cuinterpose import artifacts
+    from cuinterpose.engine import artifacts
 
     package = tmp_path / "site-packages" / "cuinterpose" / "lib"
     checkout = tmp_path / "checkout" / "build"

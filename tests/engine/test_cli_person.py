@@ -601,7 +601,8 @@ def test_launch_says_and_writes_the_programs_pid(work: Path, exec_: bool) -> Non
     pid = int(out)
     assert int(pidfile.read_text()) == pid
     if exec_:
-        assert pid == launcher.pid  # the launcher became the program
+        assert pid == launcher.pid  # the launcher became the program, and said its pid
+        assert f"cuinterpose launch: pid {pid} becomes " in err and f"--pid {pid}" in err, err
     else:
         assert pid != launcher.pid
         assert f"cuinterpose launch: pid {pid} runs " in err and f"--pid {pid}" in err

@@ -85,6 +85,16 @@ def test_a_map_onto_no_gpu_here_is_refused() -> None:
     assert "7 is no GPU the group used" in refused("7=1,0=0,1=1")
 
 
+def test_a_target_that_is_not_here_is_the_one_reason_given() -> None:
+    """GPU 0 is named (its target is what is wrong): not said missing as well."""
+    assert refused("0=5,1=1").splitlines() == ["5 is no GPU here"]
+    assert refused("0=5").splitlines() == [
+        "5 is no GPU here",
+        f"GPU 1 {uuid(0xA1)} ({H200}) is missing: the mapping must name every GPU the group "
+        "used",
+    ]
+
+
 def test_a_coordinator_restore_takes_uuids_only_each_once() -> None:
     assert uuid_pairs(GpuMap.parse(f"{uuid(1)}={uuid(2)}")) == ((uuid(1), uuid(2)),)
     with pytest.raises(GpuMapRefused, match="refused"):

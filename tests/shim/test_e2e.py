@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from cuinterpose import artifacts, demo, launch, native_calls
+from cuinterpose import demo, launch, native_calls
 from cuinterpose.demo import coordinator_env, pattern_digest
+from cuinterpose.engine import artifacts
 
 from tests.shim.workers.cycle import (
     assert_refused,

@@ -174,12 +174,21 @@ def test_a_gone_process_is_not_waited_for(
     """The client's retry is for live processes: a dead one's missing socket is final."""
     pair = share(spawn, shim_env, SEED)
     pair.importer.kill()
-    args = ["status", "--control-dir", str(control_dir), *_processes(pair), "--json"]
+    args = ["inspect", "--control-dir", str(control_dir), *_processes(pair)]
     run = run_cli(args, plain_env)
-    rows = {p["observed_pid"]: p for p in json.loads(run.stdout)["processes"]}
-    gone = json.dumps(rows[pair.importer.pid])
-    assert "connection refused" in gone and "retried" not in gone, gone  # SIGKILL: the file stays
-    assert rows[pair.creator.pid]["shim_phase"] == "ACTIVE"
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "connection refused" in run.stderr and "retried" not in run.stderr, run.stderr
+    # status says why without asking it: gone, its socket (SIGKILL: the file stays) stale.
+    args = ["status", "--control-dir", str(control_dir), *_processes(pair)]
+    run = run_cli(args, plain_env)
+    sock = control_dir / socket_name(pair.importer.pid)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"pid {pair.importer.pid} is gone (no such process): its socket {sock} is stale" in (
+        run.stderr
+    ), run.stderr
+    mine = ["status", "--control-dir", str(control_dir), "--pid", str(pair.creator.pid), "--json"]
+    run = run_cli(mine, plain_env)
+    assert [p["shim_phase"] for p in json.loads(run.stdout)["processes"]] == ["ACTIVE"]
     pair.creator.close_clean()
 
 

@@ -13,6 +13,7 @@ rolled back.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,13 +138,38 @@ def test_the_cli_refuses_a_map_missing_a_gpu_then_resumes_onto_gpu_1_by_uuid(
     assert refused.returncode == 1, refused.stderr
     assert f"GPU 0 {here[0].uuid}" in refused.stderr and "is missing" in refused.stderr
     assert "1 is no GPU the group used" in refused.stderr
+    # A target that is not here: that one reason, not also "GPU 0 is missing" (issue 49).
+    refused = run_cli(["resume", *common, "--progress", "none", "--gpu-map", "0=5"], plain_env)
+    assert refused.returncode == 1, refused.stderr
+    assert "5 is no GPU here" in refused.stderr and "is missing" not in refused.stderr, (
+        refused.stderr
+    )
     mapped = f"{here[0].uuid}={here[1].uuid}"
-    done = run_cli(["resume", *common, "--progress", "none", "--gpu-map", mapped], plain_env)
+    done = run_cli(["resume", *common, "--progress", "json", "--gpu-map", mapped], plain_env)
     assert done.returncode == 0, done.stderr
     assert group.mismatches() == []
     for worker in (group.creator, group.importer):
         assert uuid_text(bytes.fromhex(worker(WHERE))) == here[1].uuid
         assert devices_of(worker, where) == [here[1].uuid]
+    # The summary says where each process went, in JSON and for a person.
+    moved = json.loads(done.stdout.splitlines()[-1])["gpus_moved"]
+    assert [(m["pid"], m["ns_pid"]) for m in moved] == [(p, p) for p in group.pids]
+    for m in moved:
+        assert [(g["left"]["uuid"], g["now"]["uuid"]) for g in m["gpus"]] == [
+            (here[0].uuid, here[1].uuid)
+        ]
+        assert [(g["left"]["ordinal"], g["now"]["ordinal"]) for g in m["gpus"]] == [(0, 1)]
+    assert run_cli(["suspend", *common, "--progress", "none"], plain_env).returncode == 0
+    home = f"{here[1].uuid}={here[0].uuid}"
+    back = run_cli(["resume", *common, "--progress", "human", "--gpu-map", home], plain_env)
+    assert back.returncode == 0, back.stderr
+    for pid in group.pids:  # the ordinal each had in its own process, the UUID of the GPU
+        said = re.compile(rf"onto other GPUs: pid {pid} \(ns pid {pid}\): left GPU \d+ "
+                          rf"{here[1].uuid}.*, runs on GPU 0 {here[0].uuid}")  # fmt: skip
+        assert said.search(back.stdout), back.stdout
+    assert group.mismatches() == []
+    for worker in (group.creator, group.importer):
+        assert devices_of(worker, where) == [here[0].uuid]
     group.close()
 
 

@@ -22,7 +22,7 @@ SIM_DRIVER_NAME: Final = "libcuda.so.1"
 BUILD_DIR_ENV: Final = "CUINTERPOSE_BUILD_DIR"
 
 # In the installed package (CMake's install rules, pyproject.toml's install-dir).
-PACKAGE_LIB_DIR: Final = Path(__file__).resolve().parent / "lib"
+PACKAGE_LIB_DIR: Final = Path(__file__).resolve().parent.parent / "lib"
 # In a build tree: where shim_c/CMakeLists.txt and shim_c/sim put them.
 _TREE_SHIM: Final = Path("shim_c") / SHIM_NAME
 _TREE_SIM: Final = Path("shim_c") / "sim" / SIM_DRIVER_NAME
@@ -41,7 +41,7 @@ def build_dir() -> Path | None:
 def checkout_build_dir() -> Path | None:
     """``build/`` of the checkout this module runs from (an editable install), if it does."""
     top = Path(__file__).resolve().parent.parent
-    # Installed, the folder above is site-packages: no build tree belongs there.
+    # Installed, that is the package's own folder: no build tree belongs there.
     if not (top / "shim_c" / "CMakeLists.txt").is_file():
         return None
     return top / "build"
