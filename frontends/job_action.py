@@ -247,25 +247,35 @@ def _spec(args: argparse.Namespace) -> job.JobSpec:
         raise UsageError(f"{PROG}: error: {exc}") from None
 
 
-def _store_words(args: argparse.Namespace) -> list[str]:
-    """The options that name the job and its store, as given (for a printed command)."""
-    words = ["--job", args.job, "--store", args.store]
+_THEIR_CREDENTIALS: Final = "CRED"
+_THEIR_DIRECTORY: Final = "DIR"
+
+
+def _node_command(
+    args: argparse.Namespace,
+    verb: str,
+    node: str,
+    ckpt: str | None,
+    nodes: Sequence[str] | None = None,
+) -> str:
+    """The command line of ``verb`` on ``node``, with what this one was given (another
+    node's credentials file and checkpoint directory, where unknown, said in words)."""
+    own = node == getattr(args, "node", None)
+    words = ["cuinterpose", "job", verb, "--job", args.job, "--store", args.store]
     if args.store_credentials is not None:
-        words += ["--store-credentials", str(args.store_credentials)]
-    return words + (["--store-insecure"] if args.store_insecure else [])
-
-
-def _node_command(args: argparse.Namespace, verb: str, node: str, ckpt: str | None) -> str:
-    """The command line of ``verb`` on ``node``, with what this one was given."""
-    words = ["cuinterpose", "job", verb, *_store_words(args), "--node", node]
-    nodes = getattr(args, "nodes", None)
-    if nodes:
-        words += ["--nodes", ",".join(nodes)]
-    words += ["--checkpoint-dir", ckpt or "DIR"]
-    if getattr(args, "control_dir", None) is not None and node == getattr(args, "node", ""):
+        words += ["--store-credentials", str(args.store_credentials) if own else "CRED"]
+    words += ["--store-insecure"] if args.store_insecure else []
+    words += ["--node", node]
+    listed = nodes or getattr(args, "nodes", None)
+    if listed:
+        words += ["--nodes", ",".join(listed)]
+    words += ["--checkpoint-dir", ckpt or _THEIR_DIRECTORY]
+    if own and getattr(args, "control_dir", None) is not None:
         words += ["--control-dir", str(args.control_dir)]
     text = shlex.join(words)
-    return text if ckpt else text.replace("DIR", "<its checkpoint directory>")
+    if not own:
+        text = text.replace(" CRED ", f" <node {node}'s credentials file> ")
+    return text if ckpt else text.replace(" DIR", " <its checkpoint directory>")
 
 
 def _next(args: argparse.Namespace, outcome: job.NodeOutcome) -> str:
@@ -339,9 +349,12 @@ def _status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except (ValueError, jobstore.StoreError) as exc:
         err.write(f"{PROG} status: {exc}\n")
         return EXIT_FAILED
+    listed = [n["node"] for n in held["nodes"]]
     for node in held["nodes"]:
         if node["needs_recover"]:
-            node["next"] = _node_command(args, "recover", node["node"], node["checkpoint_dir"])
+            node["next"] = _node_command(
+                args, "recover", node["node"], node["checkpoint_dir"], listed
+            )
     if args.json:
         document = {"event": "summary", "command": "job status", **held, "exit_code": EXIT_OK}
         out.write(json.dumps(document) + "\n")

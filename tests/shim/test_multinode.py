@@ -25,7 +25,7 @@ from cuinterpose.engine import job
 from cuinterpose.engine.agent import Process, Where
 from cuinterpose.engine.job import NodeTarget
 from cuinterpose.engine.jobsession import JobSpec
-from cuinterpose.engine.jobstore import Address, Credentials
+from cuinterpose.engine.jobstore import Address, Credentials, Store, StoreError
 from cuinterpose.engine.options import Options
 from cuinterpose.engine.statefile import STATE_FILE_NAME
 
@@ -147,6 +147,14 @@ def test_a_coordinator_killed_mid_capture_rolls_back_every_node(
     arrive_until(held, "capture:PREPARE_UNICAST")  # SAVE_ALLOCATIONS done: torn down
     a, b = (n.start("suspend", etcd.url, JOB, everyone, *FAST) for n in group)
     wait_arrived(held, names(group), "capture:PREPARE_UNICAST")
+    # Held there by the gate, a says whom it waits for (an event line with --json).
+    assert a.stdout is not None
+    told = {}
+    while told.get("event") != "barrier-wait":
+        line = a.stdout.readline()
+        assert line, "a ended without telling its wait"
+        told = json.loads(line) if line.startswith("{") else {}
+    assert told["waiting_for"] == [GATE] and told["barrier"].endswith("capture:PREPARE_UNICAST")
     # A second job suspend on a node while the run is in progress: refused.
     second = outcome(group[0].start("suspend", etcd.url, JOB, everyone, *FAST))
     assert second["code"] == 1 and "already" in " ".join(second["lines"]), second
@@ -157,6 +165,26 @@ def test_a_coordinator_killed_mid_capture_rolls_back_every_node(
     assert "node(s) b lost the lease" in " ".join(first["lines"]), first
     abort = run_state(held)["abort"]
     assert abort["node"] == "a" and "lost the lease" in abort["reason"]
+    # Every node listed, b (its coordinator killed, no result) as needing job recover.
+    cred = str(group[0].credentials[JOB])
+    shown = subprocess.run(
+        [sys.executable, "-m", "cuinterpose", "job", "status", "--job", JOB, "--store",
+         etcd.url, "--store-credentials", cred],
+        capture_output=True, text=True, check=True, env=group[0].env(),
+    ).stdout  # fmt: skip
+    assert "node a: suspend: rolled back" in shown, shown
+    assert "node gate: in the run" in shown, shown
+    assert "node b: its coordinator ended without a result" in shown and "needs recover" in shown
+    assert "next (on node b): cuinterpose job recover --job train" in shown, shown
+    assert "<node b's credentials file>" in shown and "<its checkpoint directory>" in shown
+    assert "--node b --nodes a,b,gate" in shown, shown
+    held_json = json.loads(subprocess.run(
+        [sys.executable, "-m", "cuinterpose", "job", "status", "--job", JOB, "--store",
+         etcd.url, "--store-credentials", cred, "--json"],
+        capture_output=True, text=True, check=True, env=group[0].env(),
+    ).stdout)  # fmt: skip
+    assert held_json["needs_recover"] == ["b"] and held_json["exit_code"] == 0, held_json
+    assert "aborted" in held_json["outcome"] and "node(s) b need" in held_json["outcome"]
     recovered = outcome(group[1].start("recover", etcd.url, JOB, everyone, *FAST))
     assert recovered["code"] == 0, recovered  # rolled back: running, as `recover` says it
     held.finish({"code": 1})
@@ -193,6 +221,17 @@ def test_a_job_aborted_after_every_nodes_native_checkpoint_is_undone_everywhere(
     arrive_until(held, "suspended")
     runs = [n.start("suspend", etcd.url, JOB, everyone, *FAST) for n in group]
     wait_arrived(held, names(group), "suspended")  # both checkpointed natively, waiting
+    # Nobody but the job's nodes decides: an anonymous client and another job's user
+    # cannot write the commit (the store refuses), so nodes a and b are not fooled.
+    commit = held.run_key("commit")
+    anonymous = Store(Address.parse(etcd.url))
+    with pytest.raises(StoreError, match="user name is empty"):
+        anonymous.put(commit, {"by": GATE}, anonymous.clock() + 5)
+    other = Store(
+        Address.parse(etcd.url), credentials=Credentials.read(etcd.credentials("other", GATE))
+    )
+    with pytest.raises(StoreError, match="permission denied"):
+        other.put(commit, {"by": GATE}, other.clock() + 5)
     held.abort("suspended", "the gate's native checkpoint failed")
     results = [outcome(p) for p in runs]
     assert [r["code"] for r in results] == [3, 3], results
