@@ -57,3 +57,17 @@ def test_the_job_verbs_help_tells_the_jobs_own_exits() -> None:
     )
     assert "`cuinterpose job recover ...`" in done.stdout, done.stdout
     assert "`cuinterpose recover ...`" not in done.stdout, done.stdout
+
+
+def test_the_readme_lists_every_verb() -> None:
+    import re
+    from pathlib import Path
+
+    from cuinterpose.cli import _VERBS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("All the verbs:", 1)[1].split("\n\n", 2)[1]
+    listed = set(re.findall(r"^    cuinterpose ([a-z-]+)", block, re.M))
+    assert set(_VERBS) <= listed, sorted(set(_VERBS) - listed)
+    for verb in ("job suspend", "job resume", "job recover", "job status", "criu check"):
+        assert f"cuinterpose {verb}" in block, verb
