@@ -56,7 +56,9 @@ PREFIX: Final = "/cuinterpose/jobs/"
 # The file of the store's user and password, when no --store-credentials names one.
 CREDENTIALS_ENV: Final = "CUINTERPOSE_STORE_CREDENTIALS"
 # One HTTP request's own limit; the retries around it are bounded by the caller's deadline.
-REQUEST_TIMEOUT_S: Final = 2.0
+# Short: a write that reaches a member between leaders is held by etcd until its own
+# request timeout (5 s and more) while another member may answer at once.
+REQUEST_TIMEOUT_S: Final = 1.0
 RETRY_PAUSE_S: Final = 0.05
 # A store never reached since this client began is not a pause but a wrong address or an
 # etcd not running: said within this long, not after a barrier timeout.

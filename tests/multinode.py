@@ -137,13 +137,17 @@ def enrol(server: Etcd | Cluster, job: str, group: Sequence[Node]) -> None:
 
 
 def gate(
-    server: Etcd | Cluster, job: str, nodes: Sequence[str], verb: str = "suspend"
+    server: Etcd | Cluster,
+    job: str,
+    nodes: Sequence[str],
+    verb: str = "suspend",
+    lease_ttl: int = 2,
 ) -> Session:
     """The test's own node of the job (an etcd user of the job's role), joined (it starts
     the run)."""
     who = Credentials.read(server.credentials(job, GATE))
     spec = JobSpec(
-        job, GATE, tuple(nodes), addresses(server.url), barrier_timeout=30, lease_ttl=2,
+        job, GATE, tuple(nodes), addresses(server.url), barrier_timeout=30, lease_ttl=lease_ttl,
         credentials=who,
     )  # fmt: skip
     session = Session(spec, verb)  # type: ignore[arg-type]
