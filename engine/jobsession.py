@@ -416,8 +416,9 @@ class Session:
 
     # -- barriers ------------------------------------------------------------------
 
-    def arrive(self) -> str:
-        """Post this node's arrival at its next barrier; the barrier's name."""
+    def arrive(self, deadline: float | None = None) -> str:
+        """Post this node's arrival at its next barrier (trying until ``deadline``, else
+        the barrier timeout); the barrier's name."""
         name = self.barrier_name(self.seq)
         self.seq += 1
         assert self._node_keeper is not None, "arrive() before join()"
@@ -425,7 +426,7 @@ class Session:
         self.store.put(
             self.run_key(f"barriers/{name}/{self.spec.node}"),
             value,
-            self._bounded(self._deadline()),
+            self._deadline() if deadline is None else deadline,
             lease=self._node_keeper.lease,
         )
         return name
@@ -472,7 +473,7 @@ class Session:
             self.abort_and_raise(step, f"arrived at {step}, the job's barrier is {expected}")
         began = self.clock()
         try:
-            name = self.arrive()
+            name = self.arrive(self._bounded(self._deadline()))
         except StoreError as exc:
             self.abort_and_raise(step, self._silenced() or str(exc))
         deadline = began + self.spec.barrier_timeout

@@ -46,7 +46,6 @@ from tests.multinode import (
 from tests.shim import shimenv
 from tests.shim.agentgroup import WorkerBackend
 from tests.simenv import Spawn
-from tests.waiting import wait_until
 
 JOB = "train"
 # Short enough for the tests, long enough for a loaded two-core machine's keepalives.
@@ -291,7 +290,8 @@ def test_etcd_restarted_mid_run_the_job_completes_or_rolls_back_never_half(
 ) -> None:
     group = nodes(2)
     everyone = names(group, GATE)
-    held = gate(etcd, JOB, everyone)
+    # The gate's lease outlives the restart and the sign-in again that follows it.
+    held = gate(etcd, JOB, everyone, lease_ttl=5)
     arrive_until(held, "capture:SAVE_ALLOCATIONS")
     runs = [n.start("suspend", etcd.url, JOB, everyone, *FAST) for n in group]
     wait_arrived(held, names(group), "capture:SAVE_ALLOCATIONS")
@@ -306,9 +306,10 @@ def test_etcd_restarted_mid_run_the_job_completes_or_rolls_back_never_half(
     held.finish({"code": 0})
     if decision == "commit":
         resumes = [n.start("resume", etcd.url, JOB, everyone, *FAST) for n in group]
-        held = gate(etcd, JOB, everyone, "resume")
+        held = gate(etcd, JOB, everyone, "resume", lease_ttl=5)
         arrive_until(held, "resumed")
-        assert held.decide({})[0] == "commit"
+        resumed = held.decide({})
+        assert resumed[0] == "commit", (resumed, [outcome(p) for p in resumes])
         assert [outcome(p)["code"] for p in resumes] == [0, 0]
         held.finish({"code": 0})
     for node in group:
@@ -335,18 +336,16 @@ def test_the_store_gone_at_the_decision_leaves_it_to_recover_never_half(
     etcd.start()
     assert held._node_keeper is not None
     held._node_keeper.stop(revoke=True, deadline=held.clock() + 5)  # the gate is gone too
-    early = outcome(group[0].start("recover", etcd.url, JOB, everyone, *FAST))
-    # etcd renewed the leases it held by their TTL when it came back: until they end,
-    # the run is in progress for all it knows, and recover changes nothing.
-    assert early["code"] == 1 and "hold their lease" in early["lines"][0], early
-    wait_until(
-        lambda: not any(k.startswith("alive/") for k in run_state(held)),
-        "the nodes' leases ended",
-    )
+    # etcd renewed the leases it held by their TTL when it came back, but the nodes'
+    # coordinators have ended (this host, their pids gone): recover need not wait for
+    # those leases (tests/engine/test_jobstore_trust.py shows it with leases of 30 s);
+    # the first one aborts the undecided run, each undoes its suspend.
     recovers = [n.start("recover", etcd.url, JOB, everyone, *FAST) for n in group]
     recovered = [outcome(p) for p in recovers]
     assert [r["code"] for r in recovered] == [0, 0], recovered  # aborted: undone on each
-    assert "(suspend): abort" in recovered[0]["lines"][0], recovered
+    assert all("(suspend): abort" in r["lines"][0] for r in recovered), recovered
+    reason = run_state(held)["abort"]["reason"]
+    assert "the run ended undecided" in reason, reason
     for node in group:
         assert node.mismatches() == []
 
