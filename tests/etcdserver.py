@@ -125,6 +125,9 @@ class Etcd:
                 "--initial-cluster-token=cuinterpose-test",
                 f"--heartbeat-interval={heartbeat}",
                 f"--election-timeout={election}",
+                # Every session signs in: the least hashing cost keeps that cheap here
+                # (a deployment keeps etcd's default).
+                "--bcrypt-cost=4",
                 "--log-level=error",
             ],
             stdout=log,
@@ -198,9 +201,12 @@ class Etcd:
 
     def credentials(self, job: str, node: str, directory: Path | None = None) -> Path:
         """A file (0600, in ``directory``, else the server's) naming a new etcd user
-        ``<job>.<node>`` of the job's role."""
-        directory = directory or self.directory / "credentials"
+        ``<job>.<node>`` of the job's role (made once)."""
         user, password = f"{job}.{node}", secrets.token_urlsafe(16)
+        directory = directory or self.directory / "credentials"
+        path = directory / f"{user}.cred"
+        if path.is_file():  # made already (the user exists with that password)
+            return path
         try:
             self.add_user(user, password, [self.job_role(job)])
         except AdminError as exc:
@@ -209,8 +215,6 @@ class Etcd:
             token = self.root_token()
             admin(self.url, "auth/user/changepw", {"name": user, "password": password}, token)
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{user}.cred"
-        path.unlink(missing_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(f"{user}:{password}\n")
