@@ -66,6 +66,7 @@ def report(fault: str, figures: dict[str, float]) -> None:
     print(f"fault-cost {fault}: " + json.dumps({k: round(v, 3) for k, v in figures.items()}))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_leader_killed_at_every_barrier_and_at_the_decision(
     make: Callable[[int], list[Node]], tmp_path: Path
@@ -80,13 +81,15 @@ def test_the_leader_killed_at_every_barrier_and_at_the_decision(
         costs: dict[str, float] = {}
         for step in BARRIERS["suspend"][:-1]:
             wait_arrived(held, [n.name for n in group], step)
+            wait_until(cluster.healthy, "every member back")  # a quorum after the kill
             leader = cluster.leader()
             killed = time.monotonic()
             leader.kill()
             held.arrive()  # through whichever member leads next: the store's pause
             costs[step] = time.monotonic() - killed
-            leader.start()  # back before the next kill: a quorum stays
+            leader.launch()  # back (healthy) before the next kill: a quorum stays
         wait_arrived(held, [n.name for n in group], "suspended")
+        wait_until(cluster.healthy, "every member back")
         leader = cluster.leader()
         killed = time.monotonic()
         leader.kill()
@@ -171,6 +174,7 @@ class Proxy:
         self.thread.join(timeout=5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_node_cut_from_the_store_rolls_itself_back_when_its_lease_ends(
     make: Callable[[int], list[Node]], tmp_path: Path
