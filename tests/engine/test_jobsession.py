@@ -206,3 +206,42 @@ def test_recover_aborts_a_run_left_undecided_and_refuses_one_in_progress(
     held = reader(etcd, "j7").snapshot("/cuinterpose/jobs/j7/", a.clock() + 5)
     abort = held.values[a.run_key("abort")]
     assert abort["reason"] == "the run ended undecided" and abort["node"] == "b"
+
+
+def test_a_wait_is_told_after_a_second_then_every_five() -> None:
+    from cuinterpose.engine.jobsession import WAIT_EVERY_S, WAIT_FIRST_S
+
+    now = [100.0]
+    store = Store(Address("127.0.0.1", 1), clock=lambda: now[0])
+    told: list[tuple[str, tuple[str, ...], float, float]] = []
+    nodes = ("a", "b", "c")
+    session = Session(JobSpec("j", "a", nodes, Address("127.0.0.1", 1)), "suspend", store,
+                      on_wait=lambda *said: told.append(said))  # fmt: skip
+    began, last = now[0], 0.0
+    for step in (0.5, WAIT_FIRST_S, WAIT_FIRST_S + 1, WAIT_FIRST_S + WAIT_EVERY_S):
+        now[0] = began + step
+        last = session._told("005-capture:SAVE_ALLOCATIONS", {"c", "b"}, began, last)
+    assert told == [
+        ("005-capture:SAVE_ALLOCATIONS", ("b", "c"), WAIT_FIRST_S, 60.0),
+        ("005-capture:SAVE_ALLOCATIONS", ("b", "c"), WAIT_FIRST_S + WAIT_EVERY_S, 60.0),
+    ]
+
+
+def test_the_command_tells_a_wait_on_stderr_or_as_an_event() -> None:
+    import io
+    import json
+
+    from cuinterpose import job_action
+
+    out, err = io.StringIO(), io.StringIO()
+    job_action._Waits("a", "suspend", "human", out, err)("005-x", ("b", "c"), 3.2, 60)
+    assert err.getvalue() == (
+        "cuinterpose job suspend: node a at barrier 005-x, waiting for node(s) b,c (3 s of 60)\n"
+    )
+    job_action._Waits("a", "suspend", "json", out, err)("005-x", ("b",), 3.2, 60)
+    event = json.loads(out.getvalue())
+    assert event == {"event": "barrier-wait", "node": "a", "barrier": "005-x",
+                     "waiting_for": ["b"], "seconds": 3.2, "timeout": 60}  # fmt: skip
+    quiet = io.StringIO()
+    job_action._Waits("a", "suspend", "none", quiet, quiet)("005-x", ("b",), 3.2, 60)
+    assert quiet.getvalue() == ""
