@@ -154,6 +154,15 @@ def _boot_id() -> str:
         return ""
 
 
+def _pid_namespace() -> str:
+    """This process's pid namespace (``pid:[4026531836]``): a pid means the same process
+    only to a reader in the same one (two pods of one host may share a host name)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _start_time(pid: int) -> int | None:
     """A process's start time (clock ticks after boot), None when there is no such process."""
     try:
@@ -177,6 +186,7 @@ def coordinator_info() -> dict[str, Any]:
         "pid": pid,
         "host": socket.gethostname(),
         "boot": _boot_id(),
+        "pidns": _pid_namespace(),
         "start": _start_time(pid),
         "at": utc_timestamp(),
     }
@@ -185,8 +195,11 @@ def coordinator_info() -> dict[str, Any]:
 def coordinator_gone(info: object) -> bool:
     """Whether a member key's coordinator is known to have ended: recorded on this host
     (and boot) with a pid that no longer runs, or runs another process (its start time
-    differs). A coordinator of another host is never known gone (its lease says it)."""
+    differs). A coordinator of another host or pid namespace is never known gone (its
+    lease says it)."""
     if not isinstance(info, dict) or info.get("host") != socket.gethostname():
+        return False
+    if info.get("pidns") != _pid_namespace() or not _pid_namespace():
         return False
     pid, start = info.get("pid"), info.get("start")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
@@ -281,7 +294,7 @@ class Session:
                 continue
             members = snap.under(self.run_key("members/"))
             if members.get(me) != info:  # else: our own join, its answer lost (a retry)
-                self._refuse_joining(snap, current, expect, deadline)
+                self._refuse_joining(snap, current, expect)
                 joined = self.store.create(
                     {self.run_key(f"members/{me}"): info, self.run_key(f"alive/{me}"): info},
                     deadline,
@@ -318,7 +331,6 @@ class Session:
         snap: Snapshot,
         current: Mapping[str, Any],
         expect: Callable[[Snapshot], list[str]] | None,
-        deadline: float,
     ) -> None:
         job, me = self.spec.job, self.spec.node
         run = self.run_key()

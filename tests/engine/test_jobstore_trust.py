@@ -229,3 +229,19 @@ def test_a_coordinator_that_ended_blocks_no_later_run(etcd: Etcd) -> None:
     assert again.run_id != first
     again.abort("joined", "test done")
     again.finish({"code": 1})
+
+
+def test_a_coordinator_is_known_gone_only_on_its_own_host_and_pid_namespace() -> None:
+    from cuinterpose.engine.jobsession import coordinator_gone, coordinator_info
+
+    me = coordinator_info()
+    assert not coordinator_gone(me)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    assert coordinator_gone({**me, "pid": int(ended.stdout)})  # no such process now
+    assert coordinator_gone({**me, "start": me["start"] + 1})  # the pid is another's
+    assert coordinator_gone({**me, "boot": "another-boot"})  # rebooted since
+    assert not coordinator_gone({**me, "pid": int(ended.stdout), "host": "elsewhere"})
+    assert not coordinator_gone({**me, "pid": int(ended.stdout), "pidns": "pid:[1]"})
+    for hostile in (None, [], {"pid": "1"}, {**me, "pid": True}, {**me, "pid": -1}):
+        assert not coordinator_gone(hostile)
