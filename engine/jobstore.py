@@ -401,6 +401,12 @@ class Store:
                 f"etcd at {self.address} answers anyone: its authentication is off, so any "
                 "process that reaches it can write a job's decision"
             )
+        if self.credentials is None:
+            raise StoreError(
+                f"etcd at {self.address} has its authentication on and this node gave no "
+                f"credentials: name its credentials file with --store-credentials FILE "
+                f"(or ${CREDENTIALS_ENV})"
+            )
         self.opened = True
 
     # -- leases ------------------------------------------------------------------

@@ -161,6 +161,14 @@ def test_credentials_files_only_their_owner_reads(tmp_path: Path) -> None:
     assert from_env.returncode == 1 and "chmod 600" in from_env.stderr, from_env
 
 
+def test_no_credentials_for_a_store_with_authentication_is_said_at_once(etcd: Etcd) -> None:
+    anonymous = JobSpec("t5", "a", ("a",), Address.parse(etcd.url), lease_ttl=2)
+    with pytest.raises(StoreError, match="authentication on and this node gave no credentials"):
+        Session(anonymous, "suspend").join()
+    ran = cli("status", "--job", "t5", "--store", etcd.url)
+    assert ran.returncode == 1 and "--store-credentials FILE" in ran.stderr, ran
+
+
 def test_a_wrong_password_is_refused_naming_the_user(etcd: Etcd) -> None:
     etcd.credentials("t3", "a")
     store = Store(Address.parse(etcd.url), credentials=Credentials("t3.a", "not-it", "x.cred"))
