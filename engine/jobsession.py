@@ -345,7 +345,8 @@ class Session:
                 ],
             )
         members = snap.under(run + "members/")
-        if me in members:
+        decided = run + "abort" in snap.values or run + "commit" in snap.values
+        if me in members and not (decided and coordinator_gone(members[me])):
             pid = _field(members[me], "pid")
             if coordinator_gone(members[me]):
                 # Its coordinator died in the run: whatever it changed here needs recover,
@@ -361,7 +362,7 @@ class Session:
                 f"already (coordinator pid {pid} on {_field(members[me], 'host')}): one "
                 "command per node",
             )
-        if run + "abort" in snap.values or run + "commit" in snap.values:
+        if decided:  # (this node's own part of it ended: only others still at it)
             running = sorted(
                 n for n, i in snap.under(run + "alive/").items() if not coordinator_gone(i)
             )

@@ -229,6 +229,9 @@ def test_a_coordinator_that_ended_blocks_no_later_run(etcd: Etcd) -> None:
     held = Store(Address.parse(etcd.url), credentials=who(etcd, "t4", "eyes"))
     abort = held.snapshot(b.run_key("abort"), held.clock() + 5).values[b.run_key("abort")]
     assert abort["node"] == "a" and f"pid {pid}" in abort["reason"]
+    # Decided, b still rolling back: a waits for b, whatever its own ended coordinator.
+    with pytest.raises(JobRefused, match=r"is ending \(node\(s\) b still at it\)"):
+        Session(spec(etcd, "t4", "a", nodes, lease_ttl=2), "suspend").join()
     b.finish({"code": 1})
     # Decided now, its only live lease a dead coordinator's: the next run starts at once
     # (before, refused as "node a is in the run already" until that lease ended).
