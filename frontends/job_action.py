@@ -284,7 +284,7 @@ def _next(args: argparse.Namespace, outcome: job.NodeOutcome) -> str:
     if outcome.code == 4:
         return _node_command(args, "recover", args.node, ckpt)
     if outcome.verb == "suspend" and outcome.code == EXIT_OK:
-        return _node_command(args, "resume", args.node, ckpt) + "   # on every node"
+        return _node_command(args, "resume", args.node, ckpt)
     return ""
 
 
@@ -328,7 +328,8 @@ def _print(outcome: job.NodeOutcome, args: argparse.Namespace, out: TextIO, err:
         human=(
             *(outcome.lines if ok else ()),
             f"node {outcome.node}: {outcome.verb} {outcome.outcome}",
-            *((f"next: {then}",) if then and ok else ()),
+            # The job's resume is every node's: each runs its own.
+            *((f"next: {then}   # and the same on every node",) if then and ok else ()),
         ),
     )
     command = f"job {outcome.verb}"

@@ -90,6 +90,8 @@ def test_three_nodes_suspend_and_resume_every_byte(
     results = [outcome(p) for p in suspends]
     assert [r["code"] for r in results] == [0, 0, 0], results
     assert {r["decision"] for r in results} == {"commit"}
+    assert results[0]["next"].startswith("cuinterpose job resume --job train --store "), results
+    assert (results[0]["outcome"], results[0]["exit_code"]) == ("done", 0), results
     passed = [b["barrier"] for b in results[0]["barriers"]]
     assert passed[0] == "000-joined" and passed[-1].endswith("-suspended"), passed
     assert "004-capture:PREPARE_MULTICAST" in passed
