@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from cuinterpose.demo import Worker  # noqa: E402
 from cuinterpose.engine.jobsession import BARRIERS, JobSpec, Session  # noqa: E402
-from cuinterpose.engine.jobstore import Address  # noqa: E402
+from cuinterpose.engine.jobstore import Address, Credentials  # noqa: E402
 
 from tests import multinode  # noqa: E402
 from tests.etcdserver import Etcd, etcd_binary  # noqa: E402
@@ -46,8 +46,10 @@ from tests.etcdserver import Etcd, etcd_binary  # noqa: E402
 NAMES = tuple(f"n{i}" for i in range(16))
 
 
-def _bare_node(url: str, job: str, node: str, nodes: Sequence[str], out: Any) -> None:
-    session = Session(JobSpec(job, node, tuple(nodes), Address.parse(url), lease_ttl=5), "suspend")
+def _bare_node(url: str, cred: Path, job: str, node: str, nodes: Sequence[str], out: Any) -> None:
+    spec = JobSpec(job, node, tuple(nodes), Address.parse(url), lease_ttl=5,
+                   credentials=Credentials.read(cred))  # fmt: skip
+    session = Session(spec, "suspend")
     session.join()
     for step in BARRIERS["suspend"][:-1]:
         session.barrier(step)
@@ -56,7 +58,7 @@ def _bare_node(url: str, job: str, node: str, nodes: Sequence[str], out: Any) ->
     out.send((decision, session.waits))
 
 
-def bare(url: str, count: int, repeat: int) -> dict[str, dict[str, float]]:
+def bare(server: Etcd, count: int, repeat: int) -> dict[str, dict[str, float]]:
     """Per barrier, the medians over ``repeat`` runs of the last node's wait (the
     barrier's own cost: it waits for no one) and of the first node's (ms)."""
     last: dict[str, list[float]] = {}
@@ -64,10 +66,12 @@ def bare(url: str, count: int, repeat: int) -> dict[str, dict[str, float]]:
     for r in range(repeat):
         nodes = NAMES[:count]
         pipes, procs = [], []
+        job = f"bare{count}-{r}"
         for node in nodes:
             parent, child = multiprocessing.Pipe(duplex=False)
+            cred = server.credentials(job, node)  # an etcd user of the job's role
             proc = multiprocessing.Process(
-                target=_bare_node, args=(url, f"bare{count}-{r}", node, nodes, child)
+                target=_bare_node, args=(server.url, cred, job, node, nodes, child)
             )
             proc.start()
             pipes.append(parent)
@@ -94,9 +98,11 @@ def _spawn(root: Path) -> multinode.Spawn:
     return start
 
 
-def job(url: str, count: int, root: Path) -> dict[str, Any]:
+def job(server: Etcd, count: int, root: Path) -> dict[str, Any]:
+    url = server.url
     spawn = _spawn(root)
     group = [multinode.make_node(spawn, NAMES[i], 40 + 4 * i, root) for i in range(count)]
+    multinode.enrol(server, f"job{count}", group)
     names = [n.name for n in group]
     fast = ("--lease-ttl", "5", "--barrier-timeout", "120")
     report: dict[str, Any] = {}
@@ -143,14 +149,15 @@ def main() -> int:
     server = Etcd(binary, root / "etcd")
     (root / "etcd").mkdir()
     server.start()
+    server.secure()  # authentication on, as a job's store must have it
     results: dict[str, Any] = {"etcd": str(binary), "nodes": {}}
     try:
         for count in args.nodes:
-            entry: dict[str, Any] = {"bare_ms": bare(server.url, count, args.repeat)}
+            entry: dict[str, Any] = {"bare_ms": bare(server, count, args.repeat)}
             own = entry["bare_ms"]["last_node_ms"].values()
             entry["bare_median_ms"] = round(statistics.median(own), 2)
             if not args.no_job:
-                entry["job"] = job(server.url, count, root)
+                entry["job"] = job(server, count, root)
             results["nodes"][str(count)] = entry
             print(json.dumps({str(count): entry}), flush=True)
     finally:

@@ -40,11 +40,13 @@ from .jobsession import (
     JobAborted,
     JobRefused,
     JobSpec,
+    OnWait,
     Session,
     Verb,
+    coordinator_gone,
     job_snapshot,
 )
-from .jobstore import PREFIX, Snapshot, Store, StoreError
+from .jobstore import PREFIX, OpenStore, Snapshot, Store, StoreError
 from .manifest import MANIFEST_FILE_NAME
 from .native_checkpoint import NativeBackend, ProcessState, state_names
 from .options import Options
@@ -150,8 +152,21 @@ def _end(session: Session, code: int, lines: Sequence[str], decision: str = "") 
     return outcome
 
 
+# What to do about a store whose authentication is off (docs/multinode.md).
+OPEN_STORE_HINT: Final = (
+    "turn etcd's authentication on and give each node its credentials "
+    "(--store-credentials FILE; docs/multinode.md), or pass --store-insecure to let "
+    "anyone who reaches the store decide this job"
+)
+
+
 def _refused(spec: JobSpec, verb: str, lines: Sequence[str]) -> NodeOutcome:
     return NodeOutcome(spec.node, verb, REFUSED, tuple(lines))
+
+
+def _store_lines(exc: BaseException) -> list[str]:
+    lines = _lines(exc)
+    return [*lines, OPEN_STORE_HINT] if isinstance(exc, OpenStore) else lines
 
 
 def suspend_node(
@@ -162,14 +177,15 @@ def suspend_node(
     on_event: AgentCallback | None = None,
     logger: logging.Logger | None = None,
     store: Store | None = None,
+    on_wait: OnWait | None = None,
 ) -> NodeOutcome:
     """This node's part of the job's suspend: the agent's suspend, in lockstep with every
     other node, kept only when every node's went through (else undone here)."""
-    session = Session(spec, "suspend", store)
+    session = Session(spec, "suspend", store, on_wait=on_wait)
     try:
         session.join()
     except (JobRefused, StoreError) as exc:
-        return _refused(spec, "suspend", _lines(exc))
+        return _refused(spec, "suspend", _store_lines(exc))
     options = options or Options()
     try:
         session.barrier("joined")
@@ -267,15 +283,16 @@ def resume_node(
     on_event: AgentCallback | None = None,
     logger: logging.Logger | None = None,
     store: Store | None = None,
+    on_wait: OnWait | None = None,
 ) -> NodeOutcome:
     """This node's part of the job's resume: refused on every node before anything
     changes when any node cannot resume; then the agent's resume with a barrier after
     each step of the restore machine."""
-    session = Session(spec, "resume", store)
+    session = Session(spec, "resume", store, on_wait=on_wait)
     try:
         session.join(expect=_suspended(spec))
     except (JobRefused, StoreError) as exc:
-        return _refused(spec, "resume", _lines(exc))
+        return _refused(spec, "resume", _store_lines(exc))
     options = options or Options()
     try:
         manifest = read_manifest(target.checkpoint_dir)
@@ -322,18 +339,23 @@ def recover(
     *,
     options: Options | None = None,
     store: Store | None = None,
+    on_wait: OnWait | None = None,
 ) -> NodeOutcome:
     """Bring this node to where the job's last run decided: nothing when it committed a
     suspend (the group stays suspended), else the group back to running (a suspend
     undone by a resume, or the capture or restore rolled back or forward). A run left
-    undecided (its coordinators gone) is aborted first."""
-    store = store or Store(spec.store)
+    undecided (its coordinators gone) is aborted first. Back to running is done (exit
+    0), as the single-node recover says it; its lines say what was undone."""
+    del on_wait  # recover waits for no other node
+    store = store or Store(spec.store, credentials=spec.credentials)
     options = attrs.evolve(options or Options(), on_step=None)
     timeout = spec.barrier_timeout
     try:
+        if not store.opened:
+            store.open(store.clock() + timeout, insecure=spec.insecure)
         decision, run, verb = _decide_last(spec, store, timeout)
     except (JobRefused, StoreError) as exc:
-        return _refused(spec, "recover", _lines(exc))
+        return _refused(spec, "recover", _store_lines(exc))
     lines = [f"job {spec.job}'s run {run} ({verb}): {decision}"]
     manifest_path = target.checkpoint_dir / MANIFEST_FILE_NAME
     suspended_here = False
@@ -351,6 +373,7 @@ def recover(
     )
     if checkpointed:
         code, lines = _undo_suspend(target, options, None, None, lines)
+        code = DONE if code == ROLLED_BACK else code  # running again: what recover is for
         return _recorded(store, spec, run, NodeOutcome(spec.node, "recover", code, tuple(lines)))
     try:
         endpoints = [target.where.endpoint(p) for p in target.processes]
@@ -361,8 +384,7 @@ def recover(
     except CoordinatorError as error:
         outcome = NodeOutcome(spec.node, "recover", NEEDS_RECOVER, (*lines, *error.lines()), run)
         return _recorded(store, spec, run, outcome)
-    code = DONE if report.action == "nothing" else ROLLED_BACK
-    outcome = NodeOutcome(spec.node, "recover", code, (*lines, *report.lines()), run)
+    outcome = NodeOutcome(spec.node, "recover", DONE, (*lines, *report.lines()), run)
     return _recorded(store, spec, run, outcome)
 
 
@@ -380,13 +402,18 @@ def _decide_last(spec: JobSpec, store: Store, timeout: float) -> tuple[Decision,
     if run + "commit" in snap.values:
         return "commit", last, verb
     if run + "abort" not in snap.values:
-        alive = sorted(snap.under(run + "alive/"))
+        held = snap.under(run + "alive/")
+        alive = sorted(n for n, info in held.items() if not coordinator_gone(info))
         if alive:
             raise JobRefused(
                 f"job recover refused: job {spec.job}'s run {last} is in progress "
                 f"(node(s) {','.join(alive)} hold their lease)"
             )
-        record = {"node": spec.node, "step": "recover", "reason": "the run ended undecided"}
+        gone = ",".join(sorted(held))
+        reason = "the run ended undecided" + (
+            f" (node(s) {gone}: coordinator ended, its lease not yet)" if gone else ""
+        )
+        record = {"node": spec.node, "step": "recover", "reason": reason}
         store.create({run + "abort": record}, store.clock() + timeout, absent=(run + "commit",))
         return _decide_last(spec, store, timeout)
     return "abort", last, verb
@@ -407,20 +434,40 @@ def _recorded(store: Store, spec: JobSpec, run: str, outcome: NodeOutcome) -> No
 
 
 def status(job: str, store: Store, timeout: float = 10.0) -> dict[str, Any]:
-    """What the store holds of ``job``: the run in progress, the last run's decision and
-    each node's result, who holds a lease, the job manifest."""
+    """What the store holds of ``job``: the run in progress, the last run's decision, every
+    node of it (its result, whether it holds its lease, whether it needs ``job
+    recover``), the job manifest; ``outcome`` says the job's state in a few words."""
     snap = job_snapshot(store, job, timeout)
     keys = snap.under(f"{PREFIX}{job}/")
     last = keys.get("last")
+    last = last if isinstance(last, str) else None
     run_keys = {
         k[len(f"runs/{last}/") :]: v for k, v in keys.items() if k.startswith(f"runs/{last}/")
     }
     decision = "commit" if "commit" in run_keys else "abort" if "abort" in run_keys else None
+    current = keys.get("current")
+    manifest = keys.get("manifest")
+    nodes = _nodes_of(run_keys, current, manifest)
+    per_node = [_node_status(n, run_keys, decision, manifest) for n in nodes]
+    needs = [n["node"] for n in per_node if n["needs_recover"]]
+    if last is None:
+        outcome = "no run yet"
+    elif isinstance(current, dict) and current.get("run") == last and decision is None:
+        outcome = "run in progress"
+    elif decision is None:
+        outcome = "last run undecided: run `cuinterpose job recover` on every node"
+    else:
+        verb = str(run_keys.get("verb", "?"))
+        outcome = f"{verb} {'committed' if decision == 'commit' else 'aborted'}"
+    if needs and "recover" not in outcome:
+        outcome += f"; node(s) {','.join(needs)} need `cuinterpose job recover`"
     return {
         "job": job,
         "revision": snap.revision,
-        "current": keys.get("current"),
+        "outcome": outcome,
+        "current": current,
         "last_run": last,
+        "verb": run_keys.get("verb"),
         "decision": decision,
         "abort": run_keys.get("abort"),
         "members": sorted(k[len("members/") :] for k in run_keys if k.startswith("members/")),
@@ -428,7 +475,52 @@ def status(job: str, store: Store, timeout: float = 10.0) -> dict[str, Any]:
         "results": {
             k[len("results/") :]: v for k, v in run_keys.items() if k.startswith("results/")
         },
-        "manifest": keys.get("manifest"),
+        "nodes": per_node,
+        "needs_recover": needs,
+        "manifest": manifest,
+    }
+
+
+def _nodes_of(run_keys: dict[str, Any], current: Any, manifest: Any) -> list[str]:
+    """The last run's nodes: as its record names them (else every node the store names)."""
+    for record in (run_keys.get("record"), current):
+        listed = record.get("nodes") if isinstance(record, dict) else None
+        if isinstance(listed, list) and all(isinstance(n, str) for n in listed):
+            return list(listed)
+    named = {k.split("/", 1)[1] for k in run_keys if k.count("/") == 1 and "/" in k}
+    if isinstance(manifest, dict) and isinstance(manifest.get("nodes"), dict):
+        named |= set(manifest["nodes"])
+    return sorted(n for n in named if isinstance(n, str))
+
+
+def _node_status(
+    node: str, run_keys: dict[str, Any], decision: str | None, manifest: Any
+) -> dict[str, Any]:
+    """One node of the last run: its state in words, and whether it needs ``job recover``."""
+    result = run_keys.get(f"results/{node}")
+    member = run_keys.get(f"members/{node}")
+    alive = run_keys.get(f"alive/{node}")
+    entry = run_keys.get(f"nodes/{node}")
+    if not isinstance(entry, dict) and isinstance(manifest, dict):
+        entry = (manifest.get("nodes") or {}).get(node)
+    checkpoint_dir = entry.get("checkpoint_dir") if isinstance(entry, dict) else None
+    if isinstance(result, dict):
+        code = result.get("code")
+        state = f"{result.get('verb')}: {result.get('outcome')}"
+        needs = code == NEEDS_RECOVER
+    elif alive is not None and not coordinator_gone(alive):
+        state, needs = "in the run: its coordinator holds its lease", False
+    elif member is not None:
+        ended = "its coordinator ended" if decision else "its coordinator is gone"
+        state, needs = f"{ended} without a result: its group may be half-way", True
+    else:
+        state, needs = "never joined the run: nothing changed there", False
+    return {
+        "node": node,
+        "state": state,
+        "needs_recover": bool(needs),
+        "checkpoint_dir": checkpoint_dir if isinstance(checkpoint_dir, str) else None,
+        "result": result if isinstance(result, dict) else None,
     }
 
 

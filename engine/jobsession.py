@@ -18,13 +18,14 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Final, Literal
 
 import attrs
 
 from ..phases import CAPTURE, RESTORE
 from .errors import Interrupted, Problem
-from .jobstore import PREFIX, Address, Keeper, Snapshot, Store, StoreError
+from .jobstore import PREFIX, Address, Credentials, Keeper, Snapshot, Store, StoreError
 from .statefile import utc_timestamp
 
 __all__ = [
@@ -47,6 +48,14 @@ BARRIERS: Final[Mapping[str, tuple[str, ...]]] = {
 MACHINE_OF: Final[Mapping[str, str]] = {"suspend": CAPTURE.name, "resume": RESTORE.name}
 _NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 POLL_S: Final = 0.01
+# A wait at a barrier is told after this long, then every WAIT_EVERY_S (whom it waits for).
+WAIT_FIRST_S: Final = 1.0
+WAIT_EVERY_S: Final = 5.0
+# Writing the abort when this node is cut off from the store: tried briefly, the others
+# abort by themselves when its lease ends.
+CUT_OFF_WRITE_S: Final = 1.0
+# Told each wait: the barrier, the nodes not there yet, seconds waited, the timeout.
+OnWait = Callable[[str, tuple[str, ...], float, float], None]
 
 
 class JobRefused(Exception):
@@ -85,6 +94,10 @@ def check_name(what: str, name: str) -> str:
     return name
 
 
+def _members(value: Address | Sequence[Address]) -> tuple[Address, ...]:
+    return (value,) if isinstance(value, Address) else tuple(value)
+
+
 @attrs.frozen
 class JobSpec:
     """Which job, which node this is, every node of the job, and the store's bounds."""
@@ -92,11 +105,16 @@ class JobSpec:
     job: str = attrs.field(validator=lambda _i, _a, v: check_name("job", v))
     node: str = attrs.field(validator=lambda _i, _a, v: check_name("node", v))
     nodes: tuple[str, ...] = attrs.field(converter=tuple)
-    store: Address
+    # The store's members: one etcd client URL, or every member of a cluster.
+    store: tuple[Address, ...] = attrs.field(converter=_members)
     # How long a node waits at one barrier for the others (and for the store).
     barrier_timeout: float = 60.0
     # A node silent for this long (stopped, cut off) has lost its lease: the run aborts.
     lease_ttl: int = 10
+    # Who this node is to the store (an etcd user of the job's role), none: anonymous.
+    credentials: Credentials | None = None
+    # Go on against a store whose authentication is off (anyone can decide the job).
+    insecure: bool = False
 
     def __attrs_post_init__(self) -> None:
         for n in self.nodes:
@@ -121,13 +139,93 @@ def job_snapshot(store: Store, job: str, timeout: float) -> Snapshot:
     return store.snapshot(f"{PREFIX}{check_name('job', job)}/", time.monotonic() + timeout)
 
 
+def open_store(spec: JobSpec, timeout: float) -> Store:
+    """The spec's store, signed in, refused when anyone may write it (unless the spec is
+    insecure): :class:`~.jobstore.OpenStore`, a :class:`StoreError`."""
+    store = Store(spec.store, credentials=spec.credentials)
+    store.open(store.clock() + timeout, insecure=spec.insecure)
+    return store
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace (``pid:[4026531836]``): a pid means the same process
+    only to a reader in the same one (two pods of one host may share a host name)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> int | None:
+    """A process's start time (clock ticks after boot), None when there is no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rpartition(")")[2].split()
+    if fields[:1] == ["Z"]:  # ended, not yet reaped
+        return None
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def coordinator_info() -> dict[str, Any]:
+    """Who this coordinator is, for its member key: enough for a later command on the
+    same host to tell whether it still runs (pid, start time, boot)."""
+    pid = os.getpid()
+    return {
+        "pid": pid,
+        "host": socket.gethostname(),
+        "boot": _boot_id(),
+        "pidns": _pid_namespace(),
+        "start": _start_time(pid),
+        "at": utc_timestamp(),
+    }
+
+
+def coordinator_gone(info: object) -> bool:
+    """Whether a member key's coordinator is known to have ended: recorded on this host
+    (and boot) with a pid that no longer runs, or runs another process (its start time
+    differs). A coordinator of another host or pid namespace is never known gone (its
+    lease says it)."""
+    if not isinstance(info, dict) or info.get("host") != socket.gethostname():
+        return False
+    if info.get("pidns") != _pid_namespace() or not _pid_namespace():
+        return False
+    pid, start = info.get("pid"), info.get("start")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    if info.get("boot") and info.get("boot") != _boot_id():
+        return True
+    now = _start_time(pid)
+    return now is None or (isinstance(start, int) and now != start)
+
+
 class Session:
     """This node in one run: joined, kept alive by its lease, at its barriers."""
 
-    def __init__(self, spec: JobSpec, verb: Verb, store: Store | None = None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        verb: Verb,
+        store: Store | None = None,
+        *,
+        on_wait: OnWait | None = None,
+    ) -> None:
         self.spec = spec
         self.verb = verb
-        self.store = store or Store(spec.store)
+        self.store = store or Store(spec.store, credentials=spec.credentials)
+        self.on_wait = on_wait
+        self.cut_off = False  # this node lost the store for its lease's TTL
         self.clock: Callable[[], float] = self.store.clock
         self.run_id = ""
         self.seq = 0
@@ -160,8 +258,11 @@ class Session:
         Raises :class:`JobRefused` when another verb's run is in progress, this node is
         in it already (a second job command), the last run was left undecided (``job
         recover`` first), or ``expect`` refuses; :class:`StoreError` when the store
-        does not answer."""
+        does not answer, refuses the credentials or lets anyone write
+        (:class:`~.jobstore.OpenStore`)."""
         deadline = self._deadline()
+        if not self.store.opened:
+            self.store.open(deadline, insecure=self.spec.insecure)
         lease = self.store.grant(self.spec.lease_ttl, deadline)
         self._node_keeper = Keeper(self.store, lease, self.spec.lease_ttl)
         try:
@@ -175,6 +276,7 @@ class Session:
         self, lease: int, deadline: float, expect: Callable[[Snapshot], list[str]] | None
     ) -> None:
         me = self.spec.node
+        info = coordinator_info()
         while True:
             if self.clock() >= deadline:
                 raise StoreError(f"job {self.spec.job}: could not join a run in time")
@@ -188,22 +290,41 @@ class Session:
                     f"job {self.spec.job}: the store's {self.current_key} is not a run"
                 )
             self.run_id = current["run"]
-            self._refuse_joining(snap, current, expect)
-            info = {"pid": os.getpid(), "host": socket.gethostname(), "at": utc_timestamp()}
-            joined = self.store.create(
-                {self.run_key(f"members/{me}"): info, self.run_key(f"alive/{me}"): info},
-                deadline,
-                absent=(self.run_key(f"members/{me}"), self.run_key("abort")),
-                present=(self.current_key,),
-                lease=lease,
-                leased=(self.run_key(f"alive/{me}"),),
-            )
-            if joined:
-                self._current = dict(current)
-                run_lease = current.get("lease")
-                if isinstance(run_lease, int):
-                    self._run_keeper = Keeper(self.store, run_lease, self.spec.lease_ttl)
-                return
+            if self._ended(snap, current, deadline):
+                continue
+            members = snap.under(self.run_key("members/"))
+            if members.get(me) != info:  # else: our own join, its answer lost (a retry)
+                self._refuse_joining(snap, current, expect)
+                joined = self.store.create(
+                    {self.run_key(f"members/{me}"): info, self.run_key(f"alive/{me}"): info},
+                    deadline,
+                    absent=(self.run_key(f"members/{me}"), self.run_key("abort")),
+                    present=(self.current_key,),
+                    lease=lease,
+                    leased=(self.run_key(f"alive/{me}"),),
+                )
+                if not joined:
+                    continue  # read again: what changed says why (or that it did write)
+            self._current = dict(current)
+            run_lease = current.get("lease")
+            if isinstance(run_lease, int):
+                self._run_keeper = Keeper(self.store, run_lease, self.spec.lease_ttl)
+            return
+
+    def _ended(self, snap: Snapshot, current: Mapping[str, Any], deadline: float) -> bool:
+        """The run in progress is decided and none of its coordinators runs any more (each
+        one's lease gone, or its pid on this host ended): it is over, though its key
+        waits for its run lease; end it now (whether this deleted it or another did)."""
+        run = self.run_key()
+        if run + "abort" not in snap.values and run + "commit" not in snap.values:
+            return False
+        alive = snap.under(run + "alive/")
+        if any(not coordinator_gone(info) for info in alive.values()):
+            return False
+        self.store.create(
+            {}, deadline, delete=(self.current_key,), equal={self.current_key: current}
+        )
+        return True
 
     def _refuse_joining(
         self,
@@ -224,15 +345,31 @@ class Session:
                 ],
             )
         members = snap.under(run + "members/")
-        if me in members:
+        decided = run + "abort" in snap.values or run + "commit" in snap.values
+        if me in members and not (decided and coordinator_gone(members[me])):
+            pid = _field(members[me], "pid")
+            if coordinator_gone(members[me]):
+                # Its coordinator died in the run: whatever it changed here needs recover,
+                # and the run cannot go on without it.
+                reason = f"node {me}'s coordinator (pid {pid}) ended in the run"
+                self.abort("joined", reason)
+                raise JobRefused(
+                    f"job {self.verb} refused: {reason}; job {job}'s run {self.run_id} is aborted",
+                    [f"run `cuinterpose job recover` on node {me} first, then this again"],
+                )
             raise JobRefused(
                 f"job {self.verb} refused: node {me} is in job {job}'s run {self.run_id} "
-                f"already (coordinator pid {_field(members[me], 'pid')}): one command per node",
+                f"already (coordinator pid {pid} on {_field(members[me], 'host')}): one "
+                "command per node",
             )
-        if run + "abort" in snap.values or run + "commit" in snap.values:
+        if decided:  # (this node's own part of it ended: only others still at it)
+            running = sorted(
+                n for n, i in snap.under(run + "alive/").items() if not coordinator_gone(i)
+            )
             raise JobRefused(
-                f"job {self.verb} refused: job {job}'s run {self.run_id} is ending; try again "
-                "when `cuinterpose job status` shows no run in progress"
+                f"job {self.verb} refused: job {job}'s run {self.run_id} is ending (node(s) "
+                f"{','.join(running)} still at it); try again when `cuinterpose job status` "
+                "shows no run in progress"
             )
         problems = expect(snap) if expect else []
         if problems:
@@ -279,6 +416,8 @@ class Session:
                 self.current_key: record,
                 self.spec.prefix + "last": run_id,
                 f"{self.spec.prefix}runs/{run_id}/verb": self.verb,
+                # The run's nodes, kept once `current` goes (job status lists each).
+                f"{self.spec.prefix}runs/{run_id}/record": record,
             },
             deadline,
             absent=(self.current_key,),
@@ -290,8 +429,9 @@ class Session:
 
     # -- barriers ------------------------------------------------------------------
 
-    def arrive(self) -> str:
-        """Post this node's arrival at its next barrier; the barrier's name."""
+    def arrive(self, deadline: float | None = None) -> str:
+        """Post this node's arrival at its next barrier (trying until ``deadline``, else
+        the barrier timeout); the barrier's name."""
         name = self.barrier_name(self.seq)
         self.seq += 1
         assert self._node_keeper is not None, "arrive() before join()"
@@ -299,13 +439,41 @@ class Session:
         self.store.put(
             self.run_key(f"barriers/{name}/{self.spec.node}"),
             value,
-            self._deadline(),
+            self._deadline() if deadline is None else deadline,
             lease=self._node_keeper.lease,
         )
         return name
 
     def arrived(self, name: str, snap: Snapshot) -> set[str]:
         return set(snap.under(self.run_key(f"barriers/{name}/")))
+
+    def _bounded(self, deadline: float) -> float:
+        """A store request's deadline at a barrier: no later than the end of this node's
+        lease by silence (the store unheard that long has let it go)."""
+        if self._node_keeper is None:
+            return deadline
+        return min(deadline, self._node_keeper.silent_until())
+
+    def _silenced(self) -> str | None:
+        """Why this node must stop for want of the store (None: it may go on)."""
+        if self._node_keeper is None or self.clock() < self._node_keeper.silent_until():
+            return None
+        self.cut_off = True
+        return (
+            f"node {self.spec.node} lost its lease: cut off from the store "
+            f"{self.store.address} for {self.spec.lease_ttl} s"
+        )
+
+    def _told(self, name: str, waiting: set[str], began: float, told: float) -> float:
+        """Tell ``on_wait`` whom this node waits for, after WAIT_FIRST_S and every
+        WAIT_EVERY_S; when it was last told."""
+        now = self.clock()
+        if self.on_wait is None or not waiting or now - began < WAIT_FIRST_S:
+            return told
+        if told and now - told < WAIT_EVERY_S:
+            return told
+        self.on_wait(name, tuple(sorted(waiting)), now - began, self.spec.barrier_timeout)
+        return now
 
     def barrier(self, step: str) -> None:
         """Arrive at the barrier after ``step`` and wait for every node; raise
@@ -318,19 +486,22 @@ class Session:
             self.abort_and_raise(step, f"arrived at {step}, the job's barrier is {expected}")
         began = self.clock()
         try:
-            name = self.arrive()
+            name = self.arrive(self._bounded(self._deadline()))
         except StoreError as exc:
-            self.abort_and_raise(step, str(exc))
+            self.abort_and_raise(step, self._silenced() or str(exc))
         deadline = began + self.spec.barrier_timeout
+        told = 0.0
         while True:
             snap = self._read(step, deadline)
             self._stop_if_aborted(step, snap)
-            if self.arrived(name, snap) >= set(self.spec.nodes):
+            here = self.arrived(name, snap)
+            if here >= set(self.spec.nodes):
                 self.waits.append((name, self.clock() - began))
                 return
+            told = self._told(name, set(self.spec.nodes) - here, began, told)
             problem = self._liveness(snap)
             if problem is None and self.clock() >= deadline:
-                late = sorted(set(self.spec.nodes) - self.arrived(name, snap))
+                late = sorted(set(self.spec.nodes) - here)
                 problem = (
                     f"node(s) {','.join(late)} did not reach barrier {name} "
                     f"within {self.spec.barrier_timeout:g} s"
@@ -353,8 +524,11 @@ class Session:
 
     def _read(self, step: str, deadline: float) -> Snapshot:
         try:
-            return self.store.snapshot(self.run_key(), deadline)
+            return self.store.snapshot(self.run_key(), self._bounded(deadline))
         except StoreError as exc:
+            silenced = self._silenced()
+            if silenced is not None:
+                self.abort_and_raise(step, silenced)  # written if the store is back
             raise JobAborted(MACHINE_OF[self.verb], step, self.spec.node, str(exc)) from None
 
     def _stop_if_aborted(self, step: str, snap: Snapshot) -> None:
@@ -387,7 +561,7 @@ class Session:
         reason as the store holds them (this node's, or the one written first). Raises
         StoreError when the store does not answer."""
         record = {"node": self.spec.node, "step": step, "reason": reason, "at": utc_timestamp()}
-        deadline = self._deadline()
+        deadline = self.clock() + CUT_OFF_WRITE_S if self.cut_off else self._deadline()
         self.store.create(
             {self.run_key("abort"): record},
             deadline,
@@ -416,6 +590,7 @@ class Session:
         try:
             self.store.put(self.run_key(f"nodes/{self.spec.node}"), dict(entry), deadline)
             name = self.arrive()
+            told = 0.0
             while True:
                 snap = self.store.snapshot(self.run_key(), deadline)
                 commit = snap.values.get(self.run_key("commit"))
@@ -426,6 +601,7 @@ class Session:
                 if abort is not None:
                     return "abort", f"node {_field(abort, 'node')}: {_field(abort, 'reason')}"
                 here = self.arrived(name, snap)
+                told = self._told(name, set(self.spec.nodes) - here, began, told)
                 if here >= set(self.spec.nodes):
                     if not self._commit(snap, name, deadline):
                         time.sleep(POLL_S)  # a key of the barrier went meanwhile: read again
@@ -466,7 +642,8 @@ class Session:
     def finish(self, result: Mapping[str, Any]) -> None:
         """Record this node's result, and end the run once every node has one; the
         leases go (their keys with them). Never raises: the store bounds what is left."""
-        deadline = self.clock() + min(self.spec.barrier_timeout, 5.0)
+        limit = CUT_OFF_WRITE_S if self.cut_off else min(self.spec.barrier_timeout, 5.0)
+        deadline = self.clock() + limit
         try:
             if self.run_id:
                 self.store.put(self.run_key(f"results/{self.spec.node}"), dict(result), deadline)

@@ -221,8 +221,14 @@ _VERBS: Final = {
     ),
     "job": (
         "a job across nodes through etcd: suspend, resume, recover, status",
-        "cuinterpose job suspend --job J --store http://ETCD:2379 --node a --nodes a,b ...",
-        EXIT_TABLE + "(cuinterpose job VERB --help: each verb's example and options)",
+        "cuinterpose job suspend --job J --store http://ETCD:2379 --store-credentials FILE "
+        "--node a --nodes a,b ...",
+        # The job's own table is job_action.JOB_EXITS (loaded only when a job verb runs).
+        "exit status (each node's):\n  0  done\n  1  refused, nothing changed on the node\n"
+        "  2  usage error\n  3  the job aborted: rolled back, the node's group runs as before\n"
+        "  4  not back: run `cuinterpose job recover` on that node\n"
+        "(cuinterpose job VERB --help: each verb's example, options and exit statuses; "
+        "docs/multinode.md: how to run a job)",
     ),
     "demo": (
         "run the end-to-end demo: three processes sharing GPU memory suspended and resumed, "

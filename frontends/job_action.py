@@ -1,9 +1,15 @@
 """``cuinterpose job ...``: suspend, resume, recover and status of a job across nodes.
 
 Each of suspend, resume and recover runs once on every node, with the job's name, this
-node's name, every node's name and the store's address (specs/multinode.md); status
-reads the store from anywhere. Each prints its node's outcome (a line, or one JSON
-object with ``--json``) and exits with the node's status from the one table.
+node's name, every node's name, the store's address and this node's credentials
+(specs/multinode.md, docs/multinode.md); status reads the store from anywhere. Each
+says whom it waits for at a barrier, prints its node's outcome and the command that
+comes next (a line, or JSON with ``--json``) and exits with the node's status
+(:data:`JOB_EXITS`).
+
+The store's client is the ``multinode`` extra: this module imports the job modules only
+to run a verb, so that ``--help`` works without it and a verb says in one line what to
+install.
 """
 
 from __future__ import annotations
@@ -11,10 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Final, TextIO
+from typing import TYPE_CHECKING, Any, Final, TextIO
 
 from . import drivers, targets
 from .arguments import (
@@ -22,9 +29,7 @@ from .arguments import (
     DEFAULT_CONTROL_DIR,
     EXIT_FAILED,
     EXIT_OK,
-    EXIT_TABLE,
     EXIT_USAGE,
-    READING_EXITS,
     Formatter,
     Parser,
     UsageError,
@@ -35,35 +40,60 @@ from .arguments import (
     step_timeout,
     verb_adder,
 )
-from .engine import agent, job, jobstore, runner
-from .engine.native_checkpoint import NativeBackend
-from .engine.serial import to_json
 from .logs import configure, reset
 from .outcomes import Outcome, finish, output_mode
 
-PROG: Final = "cuinterpose job"
+if TYPE_CHECKING:
+    from .engine import job, jobstore
+    from .engine.native_checkpoint import NativeBackend
 
-_COMMON: Final = "--job J --store http://ETCD:2379 --node a --nodes a,b"
+PROG: Final = "cuinterpose job"
+CREDENTIALS_ENV: Final = "CUINTERPOSE_STORE_CREDENTIALS"  # engine.jobstore's, unimported
+EXTRA: Final = "pip install 'cuinterpose[multinode]'"
+
+# Each node's status; the job's is the worst of its nodes' (engine.job.job_code).
+JOB_EXITS: Final = """exit status (this node's; the job's is its worst node's):
+  0  done (suspend: suspended on every node; resume: this node runs; recover:
+     this node is where the job's last run decided, running or suspended)
+  1  refused, nothing changed on this node (another node's refusal, a second job
+     command, a store that refuses the credentials or lets anyone write)
+  2  usage error
+  3  the job aborted after this node's group changed: rolled back, it runs as
+     before (a resume: with the bytes it had at suspend)
+  4  this node is not back, or the job's decision is unknown: stderr prints
+     the `cuinterpose job recover ...` to run on this node
+"""
+STATUS_EXITS: Final = """exit status:
+  0  read (the lines say which nodes need `cuinterpose job recover`)
+  1  the store could not be read (stderr says why)
+  2  usage error"""
+
+_COMMON: Final = (
+    "--job J --store http://ETCD:2379 --store-credentials /etc/cuinterpose/a.cred "
+    "--node a --nodes a,b"
+)
 _VERBS: Final[Mapping[str, VerbHelp]] = {
     "suspend": (
         "suspend this node's group as part of the job: every node or none",
         f"cuinterpose job suspend {_COMMON} --checkpoint-dir /ckpt --pid 4242",
-        EXIT_TABLE,
+        JOB_EXITS,
     ),
     "resume": (
         "resume this node's group as part of the job's resume",
         f"cuinterpose job resume {_COMMON} --checkpoint-dir /ckpt",
-        EXIT_TABLE,
+        JOB_EXITS,
     ),
     "recover": (
         "bring this node to where the job's last run decided",
         f"cuinterpose job recover {_COMMON} --checkpoint-dir /ckpt",
-        EXIT_TABLE,
+        JOB_EXITS,
     ),
     "status": (
-        "what the store holds of the job: its run, decision, nodes and manifest",
-        "cuinterpose job status --job J --store http://ETCD:2379",
-        READING_EXITS,
+        "what the store holds of the job: its run, decision, every node (and which need "
+        "`job recover`) and its manifest",
+        "cuinterpose job status --job J --store http://ETCD:2379 "
+        "--store-credentials /etc/cuinterpose/a.cred",
+        STATUS_EXITS,
     ),
 }
 
@@ -88,7 +118,26 @@ def _ttl(text: str) -> int:
 def _store_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", required=True, help="the job's name (the same on every node)")
     parser.add_argument(
-        "--store", required=True, metavar="URL", help="etcd's client URL, http://HOST:PORT"
+        "--store",
+        required=True,
+        metavar="URL[,URL...]",
+        help="etcd's client URL, http://HOST:PORT (https:// with TLS); a cluster: every "
+        "member's, comma-separated",
+    )
+    parser.add_argument(
+        "--store-credentials",
+        type=Path,
+        metavar="FILE",
+        help=f"this node's etcd user, one line USER:PASSWORD in a file only you can read "
+        f"(mode 0600, owned by you; default ${CREDENTIALS_ENV})",
+    )
+    parser.add_argument(
+        "--store-insecure",
+        action="store_true",
+        help="go on against a store whose authentication is off: then any process that "
+        "reaches etcd can write this job's decision (commit a suspend some nodes never "
+        "made, abort a good one) or delete its run; for a store on loopback of a machine "
+        "you alone use",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of lines")
 
@@ -124,9 +173,11 @@ def _node_options(parser: argparse.ArgumentParser, *, processes: bool) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog=PROG,
-        description="A job across nodes, coordinated through etcd (specs/multinode.md)",
+        description="A job across nodes, coordinated through an etcd with authentication "
+        f"on: how to run one, docs/multinode.md; the design, specs/multinode.md (needs "
+        f"the multinode extra: {EXTRA})",
         formatter_class=Formatter,
-        epilog=EXIT_TABLE,
+        epilog=JOB_EXITS,
     )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     sub = verb_adder(verbs, _VERBS)
@@ -138,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _target(args: argparse.Namespace, backend: NativeBackend | None) -> job.NodeTarget:
+    from .engine import agent, job
+
     try:
         given = targets.named(args.pid, args.process)
         directory = None if args.verb == "suspend" else args.checkpoint_dir
@@ -157,7 +210,7 @@ def _target(args: argparse.Namespace, backend: NativeBackend | None) -> job.Node
         [where.endpoint(p) for p in processes]  # the same checks as every other verb's
     except ValueError as exc:
         raise UsageError(f"{PROG}: error: {exc}") from None
-    native = backend
+    native: NativeBackend | None = backend
     if native is None:  # the driver's: asked of the shims at the first native call
         native = drivers.LateBackend(
             args.driver, lambda: [where.endpoint(p) for p in processes], proc_root=args.proc_root
@@ -165,33 +218,118 @@ def _target(args: argparse.Namespace, backend: NativeBackend | None) -> job.Node
     return job.NodeTarget(tuple(processes), args.checkpoint_dir, where, native)
 
 
+def _credentials(args: argparse.Namespace) -> jobstore.Credentials | None:
+    """The credentials file the flag (else the environment) names, read and checked;
+    none named: anonymous (an open store, with --store-insecure)."""
+    from .engine import jobstore
+
+    path = args.store_credentials or os.environ.get(CREDENTIALS_ENV) or None
+    return None if path is None else jobstore.Credentials.read(path)
+
+
 def _spec(args: argparse.Namespace) -> job.JobSpec:
+    from .engine import job, jobstore
+
     try:
         return job.JobSpec(
             args.job,
             args.node,
             args.nodes,
-            jobstore.Address.parse(args.store),
+            jobstore.addresses(args.store),
             barrier_timeout=args.barrier_timeout,
             lease_ttl=args.lease_ttl,
+            credentials=_credentials(args),
+            insecure=args.store_insecure,
         )
+    except jobstore.CredentialsError:
+        raise
     except ValueError as exc:
         raise UsageError(f"{PROG}: error: {exc}") from None
+
+
+_THEIR_CREDENTIALS: Final = "CRED"
+_THEIR_DIRECTORY: Final = "DIR"
+
+
+def _node_command(
+    args: argparse.Namespace,
+    verb: str,
+    node: str,
+    ckpt: str | None,
+    nodes: Sequence[str] | None = None,
+) -> str:
+    """The command line of ``verb`` on ``node``, with what this one was given (another
+    node's credentials file and checkpoint directory, where unknown, said in words)."""
+    own = node == getattr(args, "node", None)
+    words = ["cuinterpose", "job", verb, "--job", args.job, "--store", args.store]
+    if args.store_credentials is not None:
+        words += ["--store-credentials", str(args.store_credentials) if own else "CRED"]
+    words += ["--store-insecure"] if args.store_insecure else []
+    words += ["--node", node]
+    listed = nodes or getattr(args, "nodes", None)
+    if listed:
+        words += ["--nodes", ",".join(listed)]
+    words += ["--checkpoint-dir", ckpt or _THEIR_DIRECTORY]
+    if own and getattr(args, "control_dir", None) is not None:
+        words += ["--control-dir", str(args.control_dir)]
+    text = shlex.join(words)
+    if not own:
+        text = text.replace(" CRED ", f" <node {node}'s credentials file> ")
+    return text if ckpt else text.replace(" DIR", " <its checkpoint directory>")
+
+
+def _next(args: argparse.Namespace, outcome: job.NodeOutcome) -> str:
+    """What to run after this node's outcome, on this node (every node for the job)."""
+    ckpt = str(args.checkpoint_dir)
+    if outcome.code == 4:
+        return _node_command(args, "recover", args.node, ckpt)
+    if outcome.verb == "suspend" and outcome.code == EXIT_OK:
+        return _node_command(args, "resume", args.node, ckpt)
+    return ""
+
+
+class _Waits:
+    """Tells whom a node waits for at a barrier: a line on stderr for a person, a JSON
+    event on stdout with --json (nothing with -q)."""
+
+    def __init__(self, node: str, verb: str, mode: str, out: TextIO, err: TextIO) -> None:
+        self.node, self.verb, self.mode, self.out, self.err = node, verb, mode, out, err
+
+    def __call__(self, barrier: str, waiting: tuple[str, ...], waited: float, limit: float) -> None:
+        if self.mode == "json":
+            event = {"event": "barrier-wait", "node": self.node, "barrier": barrier,
+                     "waiting_for": list(waiting), "seconds": round(waited, 3),
+                     "timeout": limit}  # fmt: skip
+            self.out.write(json.dumps(event) + "\n")
+            self.out.flush()
+        elif self.mode != "none":
+            self.err.write(
+                f"{PROG} {self.verb}: node {self.node} at barrier {barrier}, waiting for "
+                f"node(s) {','.join(waiting)} ({waited:.0f} s of {limit:g})\n"
+            )
+            self.err.flush()
 
 
 def _print(outcome: job.NodeOutcome, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """The node's end through the one writer of summaries (frontends/outcomes.py): with
     --json one summary line carrying the node's outcome (code, lines, run, decision,
-    waits); else its lines (on stderr when it did not succeed) and the node's line."""
+    waits, next); else its lines (on stderr when it did not succeed), the node's line
+    and the next command."""
+    from .engine.serial import to_json
+
     ok = outcome.code == EXIT_OK
+    then = _next(args, outcome)
+    lines = () if ok else (*outcome.lines, *((f"next: {then}",) if then else ()))
     ended = Outcome(
         outcome.code,
         outcome.outcome,
-        () if ok else outcome.lines,
-        figures=to_json(outcome),
+        lines,
+        figures={**to_json(outcome), **({"next": then} if then else {})},
         human=(
             *(outcome.lines if ok else ()),
             f"node {outcome.node}: {outcome.verb} {outcome.outcome}",
+            # The job's resume is every node's: each runs its own.
+            *((f"next: {then}   # and the same on every node",) if then and ok else ()),
         ),
     )
     command = f"job {outcome.verb}"
@@ -199,14 +337,28 @@ def _print(outcome: job.NodeOutcome, args: argparse.Namespace, out: TextIO, err:
 
 
 def _status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .engine import job, jobstore
+
     try:
-        address = jobstore.Address.parse(args.store)
-        held = job.status(args.job, jobstore.Store(address))
+        members = jobstore.addresses(args.store)
+        store = jobstore.Store(members, credentials=_credentials(args))
+        store.open(store.clock() + 10, insecure=args.store_insecure)
+        held = job.status(args.job, store)
+    except jobstore.OpenStore as exc:
+        err.write(f"{PROG} status: {exc}\n{PROG} status: {job.OPEN_STORE_HINT}\n")
+        return EXIT_FAILED
     except (ValueError, jobstore.StoreError) as exc:
         err.write(f"{PROG} status: {exc}\n")
         return EXIT_FAILED
+    listed = [n["node"] for n in held["nodes"]]
+    for node in held["nodes"]:
+        if node["needs_recover"]:
+            node["next"] = _node_command(
+                args, "recover", node["node"], node["checkpoint_dir"], listed
+            )
     if args.json:
-        out.write(json.dumps(held) + "\n")
+        document = {"event": "summary", "command": "job status", **held, "exit_code": EXIT_OK}
+        out.write(json.dumps(document) + "\n")
         return EXIT_OK
     current = held["current"]
     if not isinstance(current, dict):
@@ -219,12 +371,21 @@ def _status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if held["last_run"] is None:
         out.write("no run yet\n")
     else:
-        out.write(f"last run {held['last_run']}: {held['decision'] or 'undecided'}\n")
-    for node, result in sorted(held["results"].items()):
-        out.write(f"  node {node}: {result.get('verb')} {result.get('outcome')}\n")
+        verb = f" ({held['verb']})" if held["verb"] else ""
+        out.write(f"last run {held['last_run']}{verb}: {held['decision'] or 'undecided'}\n")
+        abort = held["abort"]
+        if isinstance(abort, dict):
+            out.write(f"  aborted by node {abort.get('node')}: {abort.get('reason')}\n")
+    for node in held["nodes"]:
+        mark = "  needs recover" if node["needs_recover"] else ""
+        out.write(f"  node {node['node']}: {node['state']}{mark}\n")
     manifest = held["manifest"]
-    if manifest:
+    if isinstance(manifest, dict):
         out.write(f"manifest: {manifest.get('state')} (run {manifest.get('run')})\n")
+    for node in held["nodes"]:
+        if node["needs_recover"]:
+            out.write(f"next (on node {node['node']}): {node['next']}\n")
+    out.write(f"outcome: {held['outcome']}\n")
     return EXIT_OK
 
 
@@ -257,14 +418,32 @@ def main(
 def _dispatch(
     args: argparse.Namespace, out: TextIO, err: TextIO, native: NativeBackend | None
 ) -> int:
-    if args.verb == "status":
-        return _status(args, out, err)
-    spec = _spec(args)
+    try:
+        import etcd3gw  # noqa: F401  # the multinode extra: said in one line, no traceback
+    except ImportError:
+        err.write(f"{PROG} {args.verb}: needs the multinode extra (etcd3gw): {EXTRA}\n")
+        return EXIT_FAILED
+    from .engine import agent, job, jobstore
+    from .engine.options import Options
+
+    try:
+        if args.verb == "status":
+            return _status(args, out, err)
+        spec = _spec(args)
+    except jobstore.CredentialsError as exc:
+        err.write(f"{PROG} {args.verb}: {exc}\n")
+        return EXIT_FAILED
     try:
         target = _target(args, native)
     except (agent.AgentError, OSError) as exc:
         err.write(f"{PROG} {args.verb}: {exc}\n")
         return EXIT_FAILED
-    options = runner.Options(phase_timeout=step_timeout(args.step_timeout))
-    verbs = {"suspend": job.suspend_node, "resume": job.resume_node, "recover": job.recover}
-    return _print(verbs[args.verb](spec, target, options=options), args, out, err)
+    options = Options(phase_timeout=step_timeout(args.step_timeout))
+    mode = output_mode(args, out)
+    waits = _Waits(args.node, args.verb, mode, out, err)
+    verbs: dict[str, Any] = {
+        "suspend": job.suspend_node,
+        "resume": job.resume_node,
+        "recover": job.recover,
+    }
+    return _print(verbs[args.verb](spec, target, options=options, on_wait=waits), args, out, err)

@@ -21,8 +21,9 @@ from typing import Any
 import attrs
 from cuinterpose.demo import Worker, pattern_digest
 from cuinterpose.engine.jobsession import BARRIERS, JobSpec, Session
-from cuinterpose.engine.jobstore import Address
+from cuinterpose.engine.jobstore import Credentials, addresses
 
+from tests.etcdserver import Cluster, Etcd
 from tests.shim import shimenv
 from tests.simenv import Spawn
 from tests.waiting import wait_until
@@ -40,6 +41,8 @@ class Node:
     size: int
     seed: int
     vas: dict[str, int] = attrs.field(factory=dict)
+    # The node's etcd user of each job (tests/etcdserver.py makes them): a credentials file.
+    credentials: dict[str, Path] = attrs.field(factory=dict)
 
     @property
     def pids(self) -> list[int]:
@@ -62,9 +65,11 @@ class Node:
         self, verb: str, url: str, job: str, nodes: Sequence[str], *extra: str
     ) -> list[str]:
         pids = [w for p in self.pids for w in ("--pid", str(p))] if verb == "suspend" else []
+        cred = self.credentials.get(job)
+        who = ["--store-credentials", str(cred)] if cred else []
         return [
             sys.executable, "-m", "cuinterpose", "job", verb, "--json",
-            "--job", job, "--store", url, "--node", self.name, "--nodes", ",".join(nodes),
+            "--job", job, "--store", url, *who, "--node", self.name, "--nodes", ",".join(nodes),
             "--checkpoint-dir", str(self.checkpoint_dir),
             "--control-dir", str(self.control_dir), *pids, *extra,
         ]  # fmt: skip
@@ -125,9 +130,26 @@ def remove_node(node: Node) -> None:
     Path(f"/dev/shm/cuinterpose-sim-{os.getuid()}-{namespace}").unlink(missing_ok=True)
 
 
-def gate(url: str, job: str, nodes: Sequence[str], verb: str = "suspend") -> Session:
-    """The test's own node of the job, joined (it starts the run)."""
-    spec = JobSpec(job, GATE, tuple(nodes), Address.parse(url), barrier_timeout=30, lease_ttl=2)
+def enrol(server: Etcd | Cluster, job: str, group: Sequence[Node]) -> None:
+    """Each node an etcd user of ``job``'s role, its credentials file in ``node.credentials``."""
+    for node in group:
+        node.credentials[job] = server.credentials(job, node.name)
+
+
+def gate(
+    server: Etcd | Cluster,
+    job: str,
+    nodes: Sequence[str],
+    verb: str = "suspend",
+    lease_ttl: int = 2,
+) -> Session:
+    """The test's own node of the job (an etcd user of the job's role), joined (it starts
+    the run)."""
+    who = Credentials.read(server.credentials(job, GATE))
+    spec = JobSpec(
+        job, GATE, tuple(nodes), addresses(server.url), barrier_timeout=30, lease_ttl=lease_ttl,
+        credentials=who,
+    )  # fmt: skip
     session = Session(spec, verb)  # type: ignore[arg-type]
     session.join()
     return session

