@@ -32,7 +32,7 @@ import attrs
 from .client import Endpoint, ParticipantError
 from .directory import INTENT_FILE_NAME, clear_intent
 from .errors import CoordinatorError, Problem
-from .manifest import Process, resume_hint
+from .manifest import Process
 from .native_checkpoint import NativeBackend, ProcessState, state_names, undo_suspend
 from .options import Options
 from .runner import RestoreResult, RollbackResult, restore, rollback

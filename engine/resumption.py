@@ -16,7 +16,7 @@ from .directory import require_trusted
 from .driver_trust import LateBackend, reported_or_recorded
 from .errors import AgentError, CoordinatorError, Interrupted
 from .events import AgentCallback, Reporter, bytes_moved, reporter
-from .gpus import Gpu, GpuMap, GpuMapRefused, checkpointed, resolve_gpus
+from .gpus import Gpu, GpuMap, GpuMapRefused, checkpointed, resolve, resolve_gpus
 from .group_status import StateRefused, require_states, status_lines
 from .lease import LeaseRefused, release_lease, take_lease
 from .manifest import (
