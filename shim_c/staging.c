@@ -34,8 +34,9 @@
  *    SAVE of 8 GiB was CPU-bound: populate 2.7 + memcpy 2.0 of 5.1 thread-s
  *    in a 0.34 s op on 16 CPUs, against a 0.18 s copy). Why 2 (4 MiB
  *    halves) by default: each piece is one copy and one event wait, and
- *    the larger pieces move more bytes per copy; on the H200 (session 7 of
- *    docs/benchmarks.md, both settings alternated in one run, two runs) LOAD
+ *    the larger pieces move more bytes per copy; on the H200 ("The bounce
+ *    buffer in two pieces", 2026-12-02, docs/benchmarks.md: both settings
+ *    alternated in one run, two runs) LOAD
  *    of 8 GiB ran at 48.2-48.7 GB/s with 2 against 45.3-46.5 with 4, and
  *    the small shapes gained 5-15% in the second run (100 x 20 MiB 42.7
  *    and 43.7 against 40.8 and 40.2); SAVE gained or held. Four pieces were
