@@ -4,7 +4,7 @@ coordinator restore when the manifest says prepared; the manifest marked resumed
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final, NoReturn
 
@@ -134,6 +134,38 @@ def _moved(
     return tuple(moved)
 
 
+def _way_back(
+    group: Sequence[Process],
+    states: Mapping[int, str],
+    directory: Path,
+    where: Where,
+    prepared: bool,
+) -> str:
+    """The one command that takes a group stopped midway back: ``recover`` for a group
+    captured (it needs the shims: it takes the native states back too); for a group
+    checkpointed natively only, the native steps on the processes that need them."""
+    if prepared:
+        recover = recover_hint(directory, where.control_dir, where.proc_root)
+        return f"bring it back with `{recover}` (it takes the native states back too)"
+    checkpointed = [p for p in group if states[p.observed_pid] == ProcessState.CHECKPOINTED.name]
+    held = [p for p in group if states[p.observed_pid] != ProcessState.RUNNING.name]
+    steps = [
+        *(f"`cuinterpose native --action restore {_named(p)}`" for p in checkpointed),
+        *(f"`cuinterpose native --action unlock {_named(p)}`" for p in held),
+    ]
+    return (
+        "a group checkpointed natively only has no shims for `cuinterpose recover`: bring "
+        "it back running with " + ", then ".join(steps)
+    )
+
+
+def _named(process: Process) -> str:
+    """The native verb's words for ``process``."""
+    if process.observed_pid == process.namespace_pid:
+        return f"--pid {process.observed_pid}"
+    return f"--process {process.observed_pid} {process.namespace_pid}"
+
+
 def _natively_checkpointed(
     native: NativeBackend,
     group: Sequence[Process],
@@ -147,21 +179,19 @@ def _natively_checkpointed(
     and unlocks by itself, those still CHECKPOINTED, the others RUNNING. A group of
     the manifest not all CHECKPOINTED but each RUNNING, LOCKED or CHECKPOINTED stopped
     midway (a resume or suspend whose coordinator was killed between or after its
-    native steps): refused, naming ``recover``, which takes any such mix back (a group
-    captured, ``prepared``: recover needs its shims)."""
+    native steps): refused, naming the way back (``_way_back``)."""
     hint = "every process must be CHECKPOINTED by `cuinterpose suspend`"
     states = state_names(native, [p.observed_pid for p in group])
     if not restored:
         held = (ProcessState.RUNNING.name, ProcessState.LOCKED.name, ProcessState.CHECKPOINTED.name)
         found = {states[p.observed_pid] for p in group}
-        if prepared and found <= set(held) and found != {ProcessState.CHECKPOINTED.name}:
-            recover = recover_hint(directory, where.control_dir, where.proc_root)
+        if found <= set(held) and found != {ProcessState.CHECKPOINTED.name}:
             raise StateRefused(
                 "resume refused, nothing was changed: the group is not as its suspend left "
                 "it (a resume or suspend of it stopped midway, its coordinator gone):",
                 [
                     *(f"{p.describe()} is natively {states[p.observed_pid]}" for p in group),
-                    f"bring it back with `{recover}` (it takes the native states back too)",
+                    _way_back(group, states, directory, where, prepared),
                 ],
             )
         require_states(native, group, ProcessState.CHECKPOINTED, "resume", hint)

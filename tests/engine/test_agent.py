@@ -578,13 +578,17 @@ def test_resume_refuses_other_processes_and_unsuspended_ones(work: Path, live: l
     with pytest.raises(agent.ManifestError, match="not the manifest's"):
         agent.resume(work / "ckpt", where=where, native=fake, processes=[(live[0], live[0])])
     # One brought back natively behind the tool's back (or by a resume stopped midway):
-    # refused, naming the one command that takes such a mix back.
+    # refused, naming what takes such a mix back: the group was checkpointed natively
+    # only (no shims for recover), so the native steps on the one still checkpointed.
     fake.states[live[0]] = ProcessState.RUNNING
     with pytest.raises(agent.StateRefused) as refused:
         agent.resume(work / "ckpt", where=where, native=fake)
     said = str(refused.value)
     assert f"pid {live[0]} (ns pid {live[0]}) is natively RUNNING" in said, said
-    assert f"`cuinterpose recover --checkpoint-dir {work / 'ckpt'} --control-dir" in said, said
+    assert "no shims for `cuinterpose recover`" in said, said
+    assert f"`cuinterpose native --action restore --pid {live[1]}`" in said, said
+    assert f"`cuinterpose native --action unlock --pid {live[1]}`" in said, said
+    assert f"--pid {live[0]}`" not in said, said
     assert fake.states[live[1]] is ProcessState.CHECKPOINTED  # nothing was changed
     fake.states[live[0]] = ProcessState.FAILED  # not a state recover takes back
     with pytest.raises(agent.StateRefused, match=rf"pid {live[0]} \(ns pid {live[0]}\) is FAILED"):
