@@ -102,18 +102,19 @@ def seconds(text: str) -> float:
 
 
 def add_control_dir(parser: argparse.ArgumentParser) -> None:
-    """``--control-dir`` or ``--proc-root``: where the shims' sockets are."""
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument(
+    """``--control-dir`` and ``--proc-root``: where the shims' sockets are (the control
+    directory, inside each process's root when the proc root is given)."""
+    parser.add_argument(
         "--control-dir",
         type=Path,
-        help=f"the shims' control directory "
-        f"(default ${CONTROL_DIR_ENV}, else {DEFAULT_CONTROL_DIR})",
+        help=f"the shims' control directory, with --proc-root the path inside each "
+        f"process's root (default ${CONTROL_DIR_ENV}, else {DEFAULT_CONTROL_DIR})",
     )
-    where.add_argument(
+    parser.add_argument(
         "--proc-root",
         type=Path,
-        help="reach each process's control directory through PROC_ROOT/<observed pid>/root",
+        help="reach each process's control directory inside its own root, "
+        "PROC_ROOT/<observed pid>/root (a coordinator outside the pods: /proc)",
     )
 
 

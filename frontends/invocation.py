@@ -115,7 +115,7 @@ class Invocation:
         words: list[str] = []
         if self.proc_root is not None:
             words += ["--proc-root", str(self.proc_root)]
-        elif self.control_dir != DEFAULT_CONTROL_DIR:
+        if self.control_dir != DEFAULT_CONTROL_DIR:
             words += ["--control-dir", str(self.control_dir)]
         chosen = getattr(self.options, "driver", "auto")
         if driver and chosen != "auto":
@@ -146,9 +146,10 @@ def of(args: argparse.Namespace, mode: str, *, native: NativeBackend | None = No
     origin = _origin(args)
     if origin is not None:
         call = attrs.evolve(call, recorded=origin.driver)
-        if given_dir is None and call.proc_root is None:
+        if given_dir is None:  # --proc-root alone still takes the recorded directory
             proc_root = None if origin.proc_root is None else Path(origin.proc_root)
-            call = attrs.evolve(call, control_dir=Path(origin.control_dir), proc_root=proc_root)
+            call = attrs.evolve(call, control_dir=Path(origin.control_dir),
+                                proc_root=call.proc_root or proc_root)  # fmt: skip
             logging.getLogger("cuinterpose.cli").debug(
                 "the group lives where %s/manifest.json says: %s",
                 args.checkpoint_dir,

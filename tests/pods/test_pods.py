@@ -1,0 +1,85 @@
+"""Pods as deployed: the coordinator on the host, the workloads in real pods (their own
+pid and mount namespaces, a private control directory each: tests/pods/podenv.py), each
+process named by its host pid and its namespace pid (specs/detection.md, "Containers").
+
+Every test ends with the processes running and their bytes checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.pods.conftest import MakePod, cli_env, run_cli
+from tests.pods.podenv import Pod, PodWorker
+from tests.shim.pair import Pair, running_as_before, share
+
+SEED = 43
+
+
+def pod_pair(pod: Pod, env: dict[str, str], seed: int = SEED) -> tuple[Pair, list[PodWorker]]:
+    """A creator and an importer sharing memory by POSIX FD, both in ``pod``."""
+    made: list[PodWorker] = []
+
+    def spawn(name: str, env: dict[str, str]) -> object:
+        made.append(pod.spawn(name, env))
+        return made[-1].worker
+
+    pair = share(spawn, env, seed)  # type: ignore[arg-type]
+    return pair, made
+
+
+def where(control_dir: Path) -> list[str]:
+    return ["--proc-root", "/proc", "--control-dir", str(control_dir)]
+
+
+def processes(workers: list[PodWorker]) -> list[str]:
+    return [word for w in workers for word in w.process_args()]
+
+
+def test_a_pod_round_trip_from_the_host_resumed_from_a_clean_shell(
+    make_pod: MakePod, pod_env: dict[str, str], pod_control_dir: Path, tmp_path: Path
+) -> None:
+    pod = make_pod()
+    pair, workers = pod_pair(pod, pod_env)
+    assert all(w.host != w.ns for w in workers)
+    ckpt = tmp_path / "ckpt"
+    env = cli_env(pod_control_dir)
+    run = run_cli(["suspend", "--checkpoint-dir", str(ckpt), *where(pod_control_dir),
+                   *processes(workers)], env)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    recorded = {(p["observed_pid"], p["namespace_pid"]) for p in manifest["participants"]}
+    assert recorded == {(w.host, w.ns) for w in workers}
+    # From a clean shell: no environment but PATH, in /; the manifest says where.
+    clean = subprocess.run(
+        ["env", "-i", f"PATH={os.environ['PATH']}", sys.executable, "-m", "cuinterpose",
+         "resume", "--checkpoint-dir", str(ckpt)],
+        cwd="/", capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    running_as_before(pair, write_seed=SEED + 1)
+
+
+def test_two_pods_with_the_same_namespace_pids_are_kept_apart(
+    make_pod: MakePod, pod_env: dict[str, str], pod_control_dir: Path, tmp_path: Path
+) -> None:
+    """Same namespace pids, same control directory path, one network namespace: the
+    suspend of one pod's pair reaches neither the other pod's shims nor its driver."""
+    first, second = make_pod(), make_pod()
+    ours, ours_workers = pod_pair(first, pod_env)
+    theirs, their_workers = pod_pair(second, pod_env, SEED + 10)
+    assert [w.ns for w in ours_workers] == [w.ns for w in their_workers]
+    ckpt = tmp_path / "ckpt"
+    env = cli_env(pod_control_dir)
+    run = run_cli(["suspend", "--checkpoint-dir", str(ckpt), *where(pod_control_dir),
+                   *processes(ours_workers)], env)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    # The other pod's pair runs on, shares live, while ours is suspended.
+    running_as_before(theirs, write_seed=SEED + 11)
+    resumed = run_cli(["resume", "--checkpoint-dir", str(ckpt)], env)
+    assert resumed.returncode == 0, resumed.stderr
+    running_as_before(ours, write_seed=SEED + 1)
