@@ -10,7 +10,6 @@ take it from there.
 
 from __future__ import annotations
 
-import os
 import socket
 import stat
 import time
@@ -33,18 +32,31 @@ Life = Literal["running", "zombie", "gone"]
 @attrs.frozen
 class Where:
     """Where the shims' sockets are: a control directory, reached directly or through
-    ``proc_root/<observed pid>/root`` (a coordinator outside the containers)."""
+    ``proc_root/<observed pid>/root`` (a coordinator outside the containers), and the
+    one uid besides root and the coordinator's own trusted there (``--trust-uid``).
+
+    A process's endpoint is made once per ``Where``: with a proc root, its control
+    directory is resolved inside its root at the first request and every later one of
+    the run goes through that resolution (engine/_rooted.py)."""
 
     control_dir: Path = attrs.field(converter=Path)
     proc_root: Path | None = None
+    trust_uid: int | None = None
+    _made: dict[Process, Endpoint] = attrs.field(factory=dict, eq=False, repr=False,
+                                                 init=False)  # fmt: skip
 
     def endpoint(self, process: Process) -> Endpoint:
-        return endpoint_for(
-            process.observed_pid,
-            process.namespace_pid,
-            control_dir=self.control_dir,
-            proc_root=self.proc_root,
-        )
+        made = self._made.get(process)
+        if made is None:
+            made = endpoint_for(
+                process.observed_pid,
+                process.namespace_pid,
+                control_dir=self.control_dir,
+                proc_root=self.proc_root,
+                trust_uid=self.trust_uid,
+            )
+            self._made[process] = made
+        return made
 
 
 class Group(tuple[Process, ...]):
@@ -83,14 +95,50 @@ class Detection:
     endpoints: tuple[Endpoint, ...]
 
 
-def socket_evidence(path: Path) -> Evidence:
+def socket_evidence(endpoint: Endpoint) -> tuple[Evidence, str]:
+    """What is at the endpoint's socket path, not followed (inside the process's root,
+    with no symbolic link at any component, where it is reached through a proc root),
+    and, for a path that is not a socket, what is there in words."""
+    if endpoint.rooted is not None:
+        problem = endpoint.rooted.resolve()
+        if problem is not None:
+            return ("absent", "") if endpoint.rooted.missing else ("other", problem)
     try:
-        info = os.lstat(path)
+        info = endpoint.entry()
     except FileNotFoundError:
-        return "absent"
-    except OSError:
-        return "other"
-    return "socket" if stat.S_ISSOCK(info.st_mode) else "other"
+        return "absent", ""
+    except OSError as exc:
+        return "other", f"something that cannot be looked at ({exc.strerror})"
+    if stat.S_ISSOCK(info.st_mode):
+        return "socket", ""
+    return "other", discovery.kind_of(info.st_mode)
+
+
+def pair_problem(process: Process, proc_root: Path | None) -> str | None:
+    """Why ``process`` is not the pair it is named by: the pid namespace that
+    ``/proc/<observed pid>/status`` (under ``proc_root``) says its last NSpid is, differs
+    from the namespace pid given. None when it agrees, or when there is no such process
+    (detection says that)."""
+    chain = discovery.nspids(process.observed_pid, proc_root)
+    if not chain or chain[-1] == process.namespace_pid:
+        return None
+    o, n, found = process.observed_pid, process.namespace_pid, chain[-1]
+    proc = proc_root or Path("/proc")
+    if o == n:
+        return (
+            f"pid {o} is ns pid {found} in its own pid namespace (NSpid {' '.join(map(str, chain))}"
+            f" in {proc}/{o}/status), not pid {n}: name it --process {o} {found}"
+            + (
+                ""
+                if proc_root is not None
+                else " and reach its control directory with --proc-root /proc"
+            )
+        )
+    return (
+        f"pid {o} (ns pid {n}) is not that pair: process {o} is ns pid {found} in its pid "
+        f"namespace (NSpid {' '.join(map(str, chain))} in {proc}/{o}/status); refused before "
+        f"anything was sent: name it --process {o} {found}, or the process whose ns pid is {n}"
+    )
 
 
 @attrs.frozen
@@ -104,15 +152,23 @@ class Sighting:
     evidence: Evidence
     there: str = ""
     life: Life = "running"  # looked at only where no socket is
+    mismatch: str | None = None  # the pair is not one process (pair_problem)
 
     def name(self) -> str:
-        o, n = self.process.observed_pid, self.process.namespace_pid
-        return f"pid {o}" if o == n else f"pid {o} (ns pid {n})"
+        return self.endpoint.name()
 
     def problem(self, requested: bool, where: Where) -> str | None:
         """What is wrong with this process for a group that did (or did not) request
         cuinterpose, in words a person acts on; None when nothing is."""
         path = self.endpoint.path
+        if self.mismatch is not None:
+            return self.mismatch
+        if (
+            self.evidence == "other"
+            and self.endpoint.rooted is not None
+            and self.there.startswith("control directory")
+        ):
+            return f"{self.name()}: {self.there}; nothing was sent"
         if self.evidence == "other":
             return (
                 f"{self.name()} has no control socket: at its path {path} there is "
@@ -157,14 +213,14 @@ def _life(process: Process, where: Where) -> Life:
 
 
 def _sight(process: Process, endpoint: Endpoint, where: Where) -> Sighting:
-    evidence = socket_evidence(endpoint.path)
-    there = discovery.what_is_at(endpoint.path) if evidence == "other" else ""
+    evidence, there = socket_evidence(endpoint)
     life = _life(process, where) if evidence == "absent" else "running"
-    return Sighting(process, endpoint, evidence, there, life)
+    return Sighting(process, endpoint, evidence, there, life,
+                    pair_problem(process, where.proc_root))  # fmt: skip
 
 
 def _healing(s: Sighting) -> bool:
-    return s.evidence == "absent" and s.life == "running"
+    return s.evidence == "absent" and s.life == "running" and s.mismatch is None
 
 
 def look(group: Group, where: Where, *, heal: bool) -> tuple[Sighting, ...]:

@@ -87,7 +87,28 @@ def what_is_at(path: Path) -> str:
         return "nothing"
     except OSError as exc:
         return f"something that cannot be looked at ({exc.strerror})"
+    return kind_of(mode)
+
+
+def kind_of(mode: int) -> str:
+    """A file of ``mode``, in words: "a socket", "a directory", ..."""
     return next((word for test, word in _KINDS if test(mode)), f"a file of mode {mode:o}")
+
+
+def nspids(pid: int, proc_root: Path | None = None) -> tuple[int, ...]:
+    """The NSpid line of ``/proc/<pid>/status`` (under ``proc_root``): the process's pid
+    in each pid namespace from that /proc's to its own; empty when there is no such
+    process or the line cannot be read."""
+    proc = Path(proc_root) if proc_root is not None else Path("/proc")
+    try:
+        text = (proc / str(pid) / "status").read_text()
+    except OSError:
+        return ()
+    for line in text.splitlines():
+        if line.startswith("NSpid:"):
+            words = line.split()[1:]
+            return tuple(int(w) for w in words) if all(w.isdigit() for w in words) else ()
+    return ()
 
 
 def shim_drivers(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> DriverReport:
@@ -95,7 +116,7 @@ def shim_drivers(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> Driv
     from .client import call_all
     from .wire import Op, Reply, Request, Status
 
-    asked = [e for e in endpoints if is_socket(e.path)]
+    asked = [e for e in endpoints if _has_socket(e)]
     replies = call_all([(e, Request(Op.STATUS, ask_driver=True), None) for e in asked],
                        timeout=timeout)  # fmt: skip
     drivers: dict[int, str] = {}
@@ -106,6 +127,13 @@ def shim_drivers(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> Driv
         else:  # not answering, or a shim older than the driver report
             silent.append(endpoint.observed_pid)
     return DriverReport(drivers, tuple(silent))
+
+
+def _has_socket(endpoint: Endpoint) -> bool:
+    try:
+        return stat.S_ISSOCK(endpoint.entry().st_mode)
+    except OSError:
+        return False
 
 
 def pid_exists(pid: int, proc_root: Path | None = None) -> bool:
@@ -182,7 +210,7 @@ def unanswered(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> dict[E
             continue
         why = reply.reason if isinstance(reply, ParticipantError) else str(reply)
         silent[endpoint] = (
-            f"pid {endpoint.observed_pid} (ns pid {endpoint.namespace_pid}): no shim answers "
+            f"{endpoint.name()}: no shim answers "
             f"at {endpoint.path} ({why}); looked in {endpoint.path.parent}"
         )
     return silent

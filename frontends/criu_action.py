@@ -266,11 +266,11 @@ def _where(args: argparse.Namespace, environ: Mapping[str, str]) -> agent.Where:
         origin = _origin(args)
         if origin is not None:
             root = None if origin.proc_root is None else Path(origin.proc_root)
-            return agent.Where(origin.control_dir, args.proc_root or root)
+            return agent.Where(origin.control_dir, args.proc_root or root, args.trust_uid)
     control = args.control_dir
     if control is None:
         control = Path(environ.get(CONTROL_DIR_ENV) or DEFAULT_CONTROL_DIR)
-    return agent.Where(control, args.proc_root)
+    return agent.Where(control, args.proc_root, args.trust_uid)
 
 
 def _native(

@@ -47,6 +47,9 @@ class Invocation:
     recorded: str | None = None  # the driver the manifest says the shims reported
     group: tuple[Pair, ...] = ()
     given: NativeBackend | None = None  # the caller's native calls, instead of --driver's
+    # The run's one Where (and so each process's one endpoint: with a proc root, its
+    # control directory resolved once for every request of the run).
+    _made: dict[str, agent.Where] = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
     @property
     def command(self) -> str:
@@ -55,16 +58,18 @@ class Invocation:
     def where(self) -> agent.Where:
         from .engine.detection import Where
 
-        return Where(self.control_dir, self.proc_root)
+        made = self._made.get("where")
+        if made is None:
+            trust = getattr(self.options, "trust_uid", None)
+            made = self._made["where"] = Where(self.control_dir, self.proc_root, trust)
+        return made
 
     def endpoints(self) -> list[Endpoint]:
-        from .engine.client import endpoint_for
+        from .engine.manifest import Process
 
+        where = self.where()
         try:
-            return [
-                endpoint_for(o, n, control_dir=self.control_dir, proc_root=self.proc_root)
-                for o, n in self.group
-            ]
+            return [where.endpoint(Process(o, n)) for o, n in self.group]
         except ValueError as exc:
             raise UsageError(f"{PROG}: error: {exc}") from None
 
@@ -117,6 +122,8 @@ class Invocation:
             words += ["--proc-root", str(self.proc_root)]
         if self.control_dir != DEFAULT_CONTROL_DIR:
             words += ["--control-dir", str(self.control_dir)]
+        if getattr(self.options, "trust_uid", None) is not None:
+            words += ["--trust-uid", str(self.options.trust_uid)]
         chosen = getattr(self.options, "driver", "auto")
         if driver and chosen != "auto":
             words += ["--driver", chosen]

@@ -83,3 +83,63 @@ def test_two_pods_with_the_same_namespace_pids_are_kept_apart(
     resumed = run_cli(["resume", "--checkpoint-dir", str(ckpt)], env)
     assert resumed.returncode == 0, resumed.stderr
     running_as_before(ours, write_seed=SEED + 1)
+
+
+def test_a_wrong_pair_and_swapped_pairs_are_refused_before_anything_is_sent(
+    make_pod: MakePod, pod_env: dict[str, str], pod_control_dir: Path, tmp_path: Path
+) -> None:
+    """The importer's host pid with another process's namespace pid, and the pair's two
+    pairs swapped: each refused naming the pid namespace's own pid for that process,
+    nothing changed (every shim ACTIVE, the group shares its bytes on)."""
+    pod = make_pod()
+    pair, (creator, importer) = pod_pair(pod, pod_env)
+    other = pod.spawn("other", pod_env)
+    env = cli_env(pod_control_dir)
+    wrong = [
+        ["--process", str(importer.host), str(other.ns)],
+        ["--process", str(creator.host), str(importer.ns),
+         "--process", str(importer.host), str(creator.ns)],
+    ]  # fmt: skip
+    for named in wrong:
+        ckpt = tmp_path / f"ckpt-{len(named)}"
+        run = run_cli(["suspend", "--checkpoint-dir", str(ckpt), *where(pod_control_dir),
+                       *named], env)  # fmt: skip
+        assert run.returncode == 1, run.stdout + run.stderr
+        first = int(named[1])
+        found = importer.ns if first == importer.host else creator.ns
+        assert f"pid {first} (ns pid {named[2]}) is not that pair" in run.stderr, run.stderr
+        assert f"process {first} is ns pid {found}" in run.stderr, run.stderr
+        assert not (ckpt / "manifest.json").exists()
+    status = run_cli(["status", *where(pod_control_dir), *processes([creator, importer, other]),
+                      "--json"], env)  # fmt: skip
+    assert status.returncode == 0, status.stderr
+    rows = json.loads(status.stdout)["processes"]
+    assert {(r["native_state"], r["shim_phase"]) for r in rows} == {("RUNNING", "ACTIVE")}
+    other.worker.close_clean()
+    running_as_before(pair, write_seed=SEED + 1)
+
+
+def test_a_socket_served_by_another_process_than_the_one_observed_is_refused(
+    make_pod: MakePod, pod_env: dict[str, str], pod_control_dir: Path
+) -> None:
+    """Past detection, every connection checks the server (SO_PEERCRED, in the
+    coordinator's pid namespace) is the observed process: the creator's host pid with
+    the importer's socket gets nothing sent."""
+    from cuinterpose.engine.client import UntrustedEndpoint, call, endpoint_for
+    from cuinterpose.engine.wire import Op, Request
+
+    pod = make_pod()
+    pair, (creator, importer) = pod_pair(pod, pod_env)
+    wrong = endpoint_for(creator.host, importer.ns, control_dir=pod_control_dir,
+                         proc_root=Path("/proc"))  # fmt: skip
+    try:
+        call(wrong, Request(Op.QUIESCE), timeout=10, expect_participant=None)
+    except UntrustedEndpoint as exc:
+        assert f"served by pid {importer.host}, not by pid {creator.host}" in str(exc)
+    else:
+        raise AssertionError("a QUIESCE went to the importer named by the creator's pid")
+    right = endpoint_for(importer.host, importer.ns, control_dir=pod_control_dir,
+                         proc_root=Path("/proc"))  # fmt: skip
+    reply = call(right, Request(Op.STATUS), timeout=10, expect_participant=None)
+    assert reply.pid == importer.ns
+    running_as_before(pair, write_seed=SEED + 1)
