@@ -15,7 +15,6 @@ is made through ctypes, and a kernel without it (before Linux 5.6) is refused by
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import weakref
@@ -27,11 +26,6 @@ _SYS_OPENAT2: Final = {"x86_64": 437, "aarch64": 437}
 RESOLVE_NO_MAGICLINKS: Final = 0x02
 RESOLVE_NO_SYMLINKS: Final = 0x04
 RESOLVE_IN_ROOT: Final = 0x10
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
-                ("resolve", ctypes.c_uint64))  # fmt: skip
 
 
 class RootedError(OSError):
@@ -48,8 +42,14 @@ def _syscall_number() -> int:
 def openat2(dir_fd: int, path: str, flags: int, resolve: int) -> int:
     """``openat2(2)``: a new descriptor, or :class:`RootedError` with the errno and
     what it means here."""
+    import ctypes  # only where a pod is reached (tests/engine/test_import_cost.py)
+
+    class OpenHow(ctypes.Structure):  # struct open_how
+        _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                    ("resolve", ctypes.c_uint64))  # fmt: skip
+
     libc = ctypes.CDLL(None, use_errno=True)
-    how = _OpenHow(flags, 0, resolve)
+    how = OpenHow(flags, 0, resolve)
     fd = libc.syscall(
         ctypes.c_long(_syscall_number()), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(path)),
         ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)),

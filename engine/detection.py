@@ -42,6 +42,7 @@ class Where:
     control_dir: Path = attrs.field(converter=Path)
     proc_root: Path | None = None
     trust_uid: int | None = None
+    check_peer: bool = True  # off only for a test's fakes (endpoint_for says why)
     _made: dict[Process, Endpoint] = attrs.field(factory=dict, eq=False, repr=False,
                                                  init=False)  # fmt: skip
 
@@ -54,6 +55,7 @@ class Where:
                 control_dir=self.control_dir,
                 proc_root=self.proc_root,
                 trust_uid=self.trust_uid,
+                check_peer=self.check_peer,
             )
             self._made[process] = made
         return made

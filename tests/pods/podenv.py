@@ -5,7 +5,8 @@ sees it: its own pid namespace (its processes have other pids there than on the 
 its own mount namespace with ``/proc`` of that pid namespace and a private 0700 tmpfs on
 its control directory (the same path in every pod, holding that pod's sockets only),
 optionally a user namespace (``--user --map-root-user``) and a root of its own
-(``pivot_root`` onto a tmpfs holding bind mounts of what its programs need). The
+(``pivot_root`` onto a tmpfs holding bind mounts of what its programs need, the control
+directory a 0700 directory of that tmpfs, which the pod may rename). The
 coordinator stays on the host, as the checkpoint agent does, and names each process by
 its host pid and its namespace pid (``--proc-root /proc --process H N``).
 
@@ -125,14 +126,15 @@ class Pod:
             return f"{private}; echo ok; exec sleep infinity >/dev/null"
         root = Path(tempfile.mkdtemp(prefix="root-", dir=self.scratch))
         lines = [f"mount -t tmpfs -o mode=0755 pod-root {root}"]
-        for path in (*_ROOT_BINDS, str(REPO), sys.prefix, sys.base_prefix, "/tmp"):
+        for path in (*_ROOT_BINDS, str(REPO), sys.prefix, sys.base_prefix):
             if Path(path).exists():
                 q = shlex.quote(str(root) + path)
                 lines.append(f"mkdir -p {q} && mount --rbind {shlex.quote(path)} {q}")
         inner = shlex.quote(str(root) + str(self.control_dir))
+        # The control directory is a 0700 directory of the root's own tmpfs, not a mount
+        # point: the pod may rename it, or any directory above it.
         lines += [
-            f"mkdir -p {inner} {root}/proc {root}/old",
-            f"mount -t tmpfs -o mode=0700 pod-control {inner}",
+            f"mkdir -p {inner} {root}/proc {root}/old {root}/tmp && chmod 0700 {inner}",
             f"cd {root} && pivot_root . old && mount -t proc proc /proc",
             "umount -l /old && rmdir /old && cd /",
             "echo ok; exec sleep infinity >/dev/null",
@@ -145,6 +147,11 @@ class Pod:
         """The argv prefix that runs a program in this pod (as its root)."""
         ns = ["-p", "-m"] + (["-U", "--preserve-credentials"] if self.user else [])
         return ["nsenter", "-t", str(self.init), *ns, "--root", "--wd=/", "--"]
+
+    def run(self, code: str) -> subprocess.Popen[str]:
+        """Python ``code`` run in this pod (as its root), its stdout a pipe."""
+        return subprocess.Popen([*self.enter(), sys.executable, "-c", code],
+                                stdout=subprocess.PIPE, text=True)  # fmt: skip
 
     def spawn(self, name: str, env: Mapping[str, str], **kwargs: object) -> PodWorker:
         """A worker in this pod on ``env``; nsenter and ``env`` run without its preload."""
