@@ -143,3 +143,119 @@ def test_a_socket_served_by_another_process_than_the_one_observed_is_refused(
     reply = call(right, Request(Op.STATUS), timeout=10, expect_participant=None)
     assert reply.pid == importer.ns
     running_as_before(pair, write_seed=SEED + 1)
+
+
+def _victim_and_attacker(
+    make_pod: MakePod, env: dict[str, str]
+) -> tuple[Pair, list[PodWorker], Pod, PodWorker]:
+    """A victim pod's sharing pair and an attacker pod whose one worker has the victim
+    creator's namespace pid (both pods have a root of their own, set up alike)."""
+    victim_pod, attacker_pod = make_pod(own_root=True), make_pod(own_root=True)
+    pair, victims = pod_pair(victim_pod, env)
+    attacker = attacker_pod.spawn("attacker", env)
+    assert attacker.ns == victims[0].ns, (attacker.ns, victims[0].ns)
+    return pair, victims, attacker_pod, attacker
+
+
+def _victims_untouched(victims: list[PodWorker], pod_control_dir: Path, pair: Pair) -> None:
+    status = run_cli(["status", *where(pod_control_dir), *processes(victims), "--json"],
+                     cli_env(pod_control_dir))  # fmt: skip
+    assert status.returncode == 0, status.stderr
+    rows = json.loads(status.stdout)["processes"]
+    assert {(r["native_state"], r["shim_phase"]) for r in rows} == {("RUNNING", "ACTIVE")}
+    running_as_before(pair, write_seed=SEED + 1)
+
+
+def test_an_intermediate_symlink_never_reaches_another_pod(
+    make_pod: MakePod, pod_env: dict[str, str], pod_control_dir: Path, tmp_path: Path
+) -> None:
+    """The attacker pod replaces ``/tmp`` (above its control directory) with a symbolic
+    link to the victim's ``/proc/<host pid>/root/tmp``: its operator's suspend of its
+    own process is refused by name, and the victim's shims never hear of it."""
+    pair, victims, attacker_pod, attacker = _victim_and_attacker(make_pod, pod_env)
+    victim_root = f"/proc/{victims[0].host}/root/tmp"
+    swap = attacker_pod.run(f"import os; os.rename('/tmp', '/tmp.real'); "
+                            f"os.symlink({victim_root!r}, '/tmp'); print('done')")  # fmt: skip
+    assert swap.communicate(timeout=60)[0].strip() == "done"
+    ckpt = tmp_path / "ckpt"
+    run = run_cli(["suspend", "--checkpoint-dir", str(ckpt), *where(pod_control_dir),
+                   *attacker.process_args()], cli_env(pod_control_dir))  # fmt: skip
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "symbolic link" in run.stderr, run.stderr
+    assert f"pid {attacker.host} (ns pid {attacker.ns})" in run.stderr, run.stderr
+    _victims_untouched(victims, pod_control_dir, pair)
+
+
+_RACE = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+ctl = sys.argv[1]
+os.symlink(sys.argv[2], ctl + ".link")
+print("racing", flush=True)
+n = 0
+while True:  # renameat2(AT_FDCWD, ctl, AT_FDCWD, ctl.link, RENAME_EXCHANGE)
+    if libc.renameat2(-100, ctl.encode(), -100, (ctl + ".link").encode(), 2) != 0:
+        raise OSError(ctypes.get_errno(), "renameat2")
+    n += 1
+"""
+
+_MEND = """
+import ctypes, os
+ctl = CTL
+if os.path.islink(ctl):
+    assert ctypes.CDLL(None).renameat2(-100, ctl.encode(), -100, (ctl + ".link").encode(), 2) == 0
+print("mended")
+"""
+
+
+def test_a_control_directory_swapped_with_a_symlink_in_a_loop_never_reaches_another_pod(
+    make_pod: MakePod, pod_env: dict[str, str], pod_control_dir: Path, tmp_path: Path
+) -> None:
+    """The attacker pod swaps its control directory with a symbolic link to the victim's
+    (``renameat2(RENAME_EXCHANGE)`` in a loop) while its operator asks for STATUS 40
+    times, each a run of its own (one resolution each), and suspends it: every answer is
+    its own shim's or a refusal, never the victim's, whose shims stay ACTIVE."""
+    from cuinterpose.engine.client import ParticipantError, call
+    from cuinterpose.engine.detection import Where
+    from cuinterpose.engine.manifest import Process
+    from cuinterpose.engine.wire import Op, Request
+
+    pair, victims, attacker_pod, attacker = _victim_and_attacker(make_pod, pod_env)
+    mine = Process(attacker.host, attacker.ns)
+    own = call(Where(pod_control_dir, Path("/proc")).endpoint(mine), Request(Op.STATUS),
+               timeout=10, expect_participant=None).participant  # fmt: skip
+    theirs = f"/proc/{victims[0].host}/root{pod_control_dir}"
+    race = subprocess.Popen(
+        [*attacker_pod.enter(), sys.executable, "-c", _RACE, str(pod_control_dir), theirs],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert race.stdout is not None and race.stdout.readline().strip() == "racing"
+        answered, refused = 0, 0
+        for _ in range(40):
+            endpoint = Where(pod_control_dir, Path("/proc")).endpoint(mine)
+            try:
+                reply = call(endpoint, Request(Op.STATUS), timeout=5, expect_participant=None)
+            except ParticipantError:
+                refused += 1
+                continue
+            assert reply.participant == own, "a STATUS was answered by another pod's shim"
+            answered += 1
+        run = run_cli(["suspend", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                       *where(pod_control_dir), *attacker.process_args()],
+                      cli_env(pod_control_dir))  # fmt: skip
+        assert race.poll() is None, "the race stopped"
+    finally:
+        race.kill()
+        race.wait()
+    # The race stopped wherever it was: the attacker's directory back at its name.
+    mend = attacker_pod.run(_MEND.replace("CTL", repr(str(pod_control_dir))))
+    assert mend.communicate(timeout=60)[0].strip() == "mended"
+    assert answered + refused == 40
+    if run.returncode == 0:  # it reached its own shim: bring it back
+        back = run_cli(["resume", "--checkpoint-dir", str(tmp_path / "ckpt")],
+                       cli_env(pod_control_dir))  # fmt: skip
+        assert back.returncode == 0, back.stderr
+    else:
+        assert run.returncode == 1, run.stdout + run.stderr
+    _victims_untouched(victims, pod_control_dir, pair)
