@@ -186,6 +186,16 @@ def start_ticks(pid: int, proc_root: Path | None = None) -> int:
     return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else 0
 
 
+def pid_namespace(pid: int, proc_root: Path | None = None) -> int:
+    """The pid namespace of ``pid`` (the inode of ``/proc/PID/ns/pid``); 0 when it
+    cannot be read."""
+    proc = Path(proc_root) if proc_root is not None else Path("/proc")
+    try:
+        return os.stat(proc / str(pid) / "ns" / "pid").st_ino
+    except OSError:
+        return 0
+
+
 def same_process(pid: int, started: int, proc_root: Path | None = None) -> bool:
     """Whether ``pid`` still names the process that had start time ``started`` (0: not
     recorded, then whether the pid names any process; a zombie is gone)."""

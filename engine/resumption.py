@@ -200,7 +200,7 @@ def _preflight(
                 *silent,
                 recorded,
                 "give the directory its shims serve in (--control-dir DIR, or --proc-root); "
-                f"`cuinterpose status --control-dir {where.control_dir}` lists the shims there",
+                f"`{_status_words(where, group)}` shows them",
             ],
         )
     if len(lost) == len(group):
@@ -398,3 +398,17 @@ def _mark_resumed(directory: Path, manifest: Manifest, *, from_images: bool) -> 
             f"({exc.strerror}): suspend into another directory next time",
         )
     return (f"the group runs, but {problem}; {path} was removed instead",)
+
+
+def _status_words(where: Where, group: Sequence[Process]) -> str:
+    """The status command that shows ``group`` where ``where`` says it lives (with a proc
+    root, status takes the processes by name: each control directory is its own)."""
+    import shlex
+
+    words = ["cuinterpose", "status"]
+    if where.proc_root is not None:
+        words += ["--proc-root", str(where.proc_root)]
+    words += ["--control-dir", str(where.control_dir)]
+    for p in group:
+        words += ["--process", str(p.observed_pid), str(p.namespace_pid)]
+    return shlex.join(words)

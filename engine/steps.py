@@ -19,7 +19,7 @@ from typing import Any, Final
 import attrs
 
 from ..phases import PHASE_OP, Action, MachineSpec, ProgressKind, Step
-from . import quiesce
+from . import discovery, quiesce
 from . import trace as tracing
 from .client import (
     BadReply,
@@ -403,6 +403,22 @@ def write_intent_file(run: Run) -> None:
     run.trace_extra["intent_path"] = str(run.intent_path)
 
 
+def _state_participant(bound: Bound) -> StateParticipant:
+    """What the intent and the state file record of a bound participant: its pid as its
+    shim says it, and the coordinator's pair, start time and pid namespace of it, by
+    which a recover or restore addresses it (specs/state-file.md)."""
+    endpoint = bound.endpoint
+    proc_root = endpoint.rooted.proc_root if endpoint.rooted is not None else None
+    observed = endpoint.observed_pid
+    return StateParticipant(
+        bound.participant,
+        bound.pid,
+        observed,
+        discovery.start_ticks(observed, proc_root),
+        discovery.pid_namespace(observed, proc_root),
+    )
+
+
 def _state_of(run: Run) -> CheckpointState:
     assert run.topology is not None
     return CheckpointState(
@@ -411,7 +427,7 @@ def _state_of(run: Run) -> CheckpointState:
         created_at=utc_timestamp(),
         participants=tuple(
             sorted(
-                (StateParticipant(b.participant, b.pid) for b in run.bound),
+                (_state_participant(b) for b in run.bound),
                 key=lambda p: p.participant,
             )
         ),

@@ -130,14 +130,23 @@ class Invocation:
         return words
 
     def status_command(self) -> str:
-        return shlex.join([PROG, "status", *self.where_words()])
+        """``status`` where the group lives; with a proc root, of the group's processes by
+        name (each control directory is its process's own: none to list them all)."""
+        words = [PROG, "status", *self.where_words()]
+        if self.proc_root is not None:
+            words += self._process_words()
+        return shlex.join(words)
 
-    def recover_command(self) -> str:
-        words = [PROG, "recover", "--checkpoint-dir", str(self.options.checkpoint_dir),
-                 *self.where_words()]  # fmt: skip
+    def _process_words(self) -> list[str]:
+        words: list[str] = []
         for observed, namespace in self.group:
             words += ["--pid", str(observed)] if observed == namespace else [
                 "--process", str(observed), str(namespace)]  # fmt: skip
+        return words
+
+    def recover_command(self) -> str:
+        words = [PROG, "recover", "--checkpoint-dir", str(self.options.checkpoint_dir),
+                 *self.where_words(), *self._process_words()]  # fmt: skip
         return shlex.join(words)
 
 

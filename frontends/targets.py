@@ -50,8 +50,9 @@ def named(pids: Sequence[int] | None, processes: Sequence[Sequence[int]] | None)
 
 def from_checkpoint_dir(directory: Path) -> tuple[list[Pair], str] | None:
     """The group a checkpoint directory records and where it says so; None when it
-    records none. The manifest names both pids; the state file only the namespace
-    pid (the same here, unless the processes live in another pid namespace)."""
+    records none. The manifest, the intent and the state file name both pids (a
+    version 1 state file or intent only the namespace pid: taken as the pid here too,
+    unless the processes live in another pid namespace)."""
     from .engine.manifest import MANIFEST_FILE_NAME, read_manifest
 
     directory = Path(directory)
@@ -75,7 +76,7 @@ def from_checkpoint_dir(directory: Path) -> tuple[list[Pair], str] | None:
         raise TargetError([f"the group's record in {directory} is unreadable: {exc}"]) from None
     if state is None:
         return None
-    return [(p.pid, p.pid) for p in state.participants], source
+    return [p.pair() for p in state.participants], source
 
 
 def resolve(
@@ -119,11 +120,28 @@ def resolve(
              "--pid PID"])  # fmt: skip
     from .engine.statefile import STATE_FILE_NAME
 
-    if proc_root is not None and recorded[1].endswith(STATE_FILE_NAME):
+    if (
+        proc_root is not None
+        and recorded[1].endswith(STATE_FILE_NAME)
+        and _unpaired(checkpoint_dir)
+    ):
         raise TargetError(
-            ["the state file holds namespace pids only: with --proc-root, name each process "
+            ["the state file (version 1) holds namespace pids only: with --proc-root, name each "
+             "process "
              "(--process OBSERVED NS)"], usage=True)  # fmt: skip
     return recorded[0]
+
+
+def _unpaired(checkpoint_dir: Path | None) -> bool:
+    """Whether the state file records a participant by its namespace pid alone."""
+    from .engine.statefile import StateFileError, read_state
+
+    if checkpoint_dir is None:
+        return False
+    try:
+        return any(not p.observed_pid for p in read_state(checkpoint_dir).participants)
+    except StateFileError:
+        return True
 
 
 def _not_the_group(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -259,3 +260,53 @@ def test_a_control_directory_swapped_with_a_symlink_in_a_loop_never_reaches_anot
     else:
         assert run.returncode == 1, run.stdout + run.stderr
     _victims_untouched(victims, pod_control_dir, pair)
+
+
+def _suspend_killed_at_save(
+    workers: list[PodWorker], pod_control_dir: Path, ckpt: Path
+) -> None:
+    """``cuinterpose suspend`` of the pod's processes, SIGKILLed once every shim has
+    saved its allocations (its SAVE_ALLOCATIONS event: the op done on every one)."""
+    argv = [sys.executable, "-m", "cuinterpose", "suspend", "--checkpoint-dir", str(ckpt),
+            *where(pod_control_dir), *processes(workers), "--progress", "json"]  # fmt: skip
+    run = subprocess.Popen(argv, env=cli_env(pod_control_dir), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert run.stdout is not None
+    try:
+        for line in run.stdout:
+            event = json.loads(line) if line.startswith("{") else {}
+            if event.get("event") == "phase" and event.get("phase") == "SAVE_ALLOCATIONS":
+                run.send_signal(signal.SIGKILL)
+                break
+        else:
+            raise AssertionError(f"the suspend ended before SAVE_ALLOCATIONS: {run.communicate()}")
+    finally:
+        run.kill()
+        run.wait()
+    assert run.returncode == -signal.SIGKILL
+
+
+def test_recover_after_a_coordinator_killed_mid_capture_of_a_pod(
+    make_pod: MakePod, pod_env: dict[str, str], pod_control_dir: Path, tmp_path: Path
+) -> None:
+    """The interrupted capture's intent records each process's pair: ``recover`` with the
+    pairs, and with none (taken from the intent), brings the pod's pair back."""
+    pod = make_pod()
+    pair, workers = pod_pair(pod, pod_env)
+    env = cli_env(pod_control_dir)
+    for named in (processes(workers), []):
+        ckpt = tmp_path / f"ckpt-{len(named)}"
+        _suspend_killed_at_save(workers, pod_control_dir, ckpt)
+        intent = json.loads((ckpt / "cuinterpose.intent").read_text())
+        assert {(p["observed_pid"], p["pid"]) for p in intent["participants"]} == {
+            (w.host, w.ns) for w in workers
+        }
+        status = run_cli(["status", *where(pod_control_dir), *processes(workers), "--json"],
+                         env)  # fmt: skip
+        rows = json.loads(status.stdout)["processes"]
+        assert {r["shim_phase"] for r in rows} == {"ALLOCATIONS_SAVED"}, rows
+        back = run_cli(["recover", "--checkpoint-dir", str(ckpt), *where(pod_control_dir),
+                        *named], env)  # fmt: skip
+        assert back.returncode == 0, back.stdout + back.stderr
+        assert not (ckpt / "cuinterpose.intent").exists()
+    running_as_before(pair, write_seed=SEED + 1)
