@@ -190,6 +190,13 @@ class Sighting:
             return gone
         if not requested:
             return None
+        if where.proc_root is None and discovery.other_mounts(self.process.observed_pid):
+            return (
+                f"{self.name()}: its control socket {path} does not exist here, and it runs "
+                "in another mount namespace (a container) whose control directory is its "
+                "own: reach it inside its root with --proc-root /proc (and --process "
+                "HOST_PID NS_PID)"
+            )
         return (
             f"{self.name()} has no shim: its control socket {path} does not exist; "
             + discovery.missing_shim_hint(self.process.observed_pid, path.parent)

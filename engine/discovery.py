@@ -196,6 +196,17 @@ def pid_namespace(pid: int, proc_root: Path | None = None) -> int:
         return 0
 
 
+def other_mounts(pid: int) -> bool:
+    """Whether ``pid`` runs in another mount namespace than the coordinator (a pod's
+    process, whose paths are not the coordinator's); False when it cannot be told."""
+    try:
+        theirs = os.stat(f"/proc/{pid}/ns/mnt").st_ino
+        ours = os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return False
+    return theirs != ours
+
+
 def same_process(pid: int, started: int, proc_root: Path | None = None) -> bool:
     """Whether ``pid`` still names the process that had start time ``started`` (0: not
     recorded, then whether the pid names any process; a zombie is gone)."""

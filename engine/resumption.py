@@ -4,6 +4,7 @@ coordinator restore when the manifest says prepared; the manifest marked resumed
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final, NoReturn
@@ -206,7 +207,7 @@ def _preflight(
     if len(lost) == len(group):
         raise ManifestError(
             "resume refused: every process of the group is gone:",
-            [f"{p.describe()}: no such process now" for p in group],
+            [f"{p.describe()}: no such process now" for p in group] + _elsewhere(manifest),
         )
     return lost
 
@@ -412,3 +413,18 @@ def _status_words(where: Where, group: Sequence[Process]) -> str:
     for p in group:
         words += ["--process", str(p.observed_pid), str(p.namespace_pid)]
     return shlex.join(words)
+
+
+def _elsewhere(manifest: Manifest) -> list[str]:
+    """Why every recorded pid may name nothing here: this coordinator runs in another pid
+    namespace than the one that suspended the group (inside a pod, say), whose pids the
+    manifest records."""
+    recorded = manifest.origin.coordinator_pid_namespace if manifest.origin else 0
+    here = discovery.pid_namespace(os.getpid())
+    if not recorded or not here or recorded == here:
+        return []
+    return [
+        f"this coordinator runs in another pid namespace (pid:[{here}]) than the one that "
+        f"suspended the group (pid:[{recorded}]), whose pids the manifest records: run "
+        "resume from there (the host, for a pod's processes)"
+    ]

@@ -122,13 +122,15 @@ def reply_problem(
     op: Op, phase: Phase | None, endpoint: Endpoint, result: Reply | ParticipantError
 ) -> Problem | None:
     """What is wrong with one participant's answer to ``op``, or None when nothing is."""
-    pid = endpoint.observed_pid
+    pid, ns = endpoint.observed_pid, endpoint.namespace_pid
     if isinstance(result, ParticipantError):
-        return Problem(f"{_error_kind(result)}: {result.reason}", result.participant, pid)
+        return Problem(f"{_error_kind(result)}: {result.reason}", result.participant, pid,
+                       namespace_pid=ns)  # fmt: skip
     if result.op is not op:  # the client checks this too; a transport stand-in may not
         return Problem(
-            f"reply echoes {result.op.name}, expected {op.name}", result.participant, pid
-        )
+            f"reply echoes {result.op.name}, expected {op.name}", result.participant, pid,
+            namespace_pid=ns,
+        )  # fmt: skip
     if result.status is not Status.OK:
         text = result.message or "no message"
         return Problem(
@@ -136,12 +138,14 @@ def reply_problem(
             result.participant,
             pid,
             result.not_quiet,
+            namespace_pid=ns,
         )
     if phase is not None and result.phase is not phase:
         return Problem(
             f"reported phase {result.phase.name} after {op.name}, expected {phase.name}",
             result.participant,
             pid,
+            namespace_pid=ns,
         )
     return None
 

@@ -55,6 +55,13 @@ def test_a_pod_round_trip_from_the_host_resumed_from_a_clean_shell(
     manifest = json.loads((ckpt / "manifest.json").read_text())
     recorded = {(p["observed_pid"], p["namespace_pid"]) for p in manifest["participants"]}
     assert recorded == {(w.host, w.ns) for w in workers}
+    # Run inside the pod's namespaces, where the host pids name nothing: refused, saying so.
+    inside = subprocess.run(
+        [*pod.enter(), sys.executable, "-m", "cuinterpose", "resume", "--checkpoint-dir",
+         str(ckpt)], env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert inside.returncode != 0, inside.stdout + inside.stderr
+    assert "this coordinator runs in another pid namespace" in inside.stderr, inside.stderr
     # From a clean shell: no environment but PATH, in /; the manifest says where.
     clean = subprocess.run(
         ["env", "-i", f"PATH={os.environ['PATH']}", sys.executable, "-m", "cuinterpose",
@@ -309,4 +316,27 @@ def test_recover_after_a_coordinator_killed_mid_capture_of_a_pod(
                         *named], env)  # fmt: skip
         assert back.returncode == 0, back.stdout + back.stderr
         assert not (ckpt / "cuinterpose.intent").exists()
+    running_as_before(pair, write_seed=SEED + 1)
+
+
+def test_the_words_for_a_pod_named_as_if_it_were_on_the_host(
+    make_pod: MakePod, pod_env: dict[str, str], pod_control_dir: Path, tmp_path: Path
+) -> None:
+    """A pod's process named by its host pid alone is refused naming the namespace pid
+    found (and --proc-root); by its pair without --proc-root, refused naming its mount
+    namespace instead of "start it with cuinterpose launch"; nothing changed."""
+    pod = make_pod()
+    pair, (creator, _) = pod_pair(pod, pod_env)
+    env = cli_env(pod_control_dir)
+    common = ["suspend", "--checkpoint-dir", str(tmp_path / "ckpt"),
+              "--control-dir", str(pod_control_dir)]  # fmt: skip
+    alone = run_cli([*common, "--pid", str(creator.host)], env)
+    assert alone.returncode == 1, alone.stdout + alone.stderr
+    assert f"pid {creator.host} is ns pid {creator.ns} in its own pid namespace" in alone.stderr
+    assert f"--process {creator.host} {creator.ns}" in alone.stderr
+    assert "--proc-root /proc" in alone.stderr
+    paired = run_cli([*common, *creator.process_args()], env)
+    assert paired.returncode == 1, paired.stdout + paired.stderr
+    assert "another mount namespace" in paired.stderr, paired.stderr
+    assert "cuinterpose launch" not in paired.stderr
     running_as_before(pair, write_seed=SEED + 1)
