@@ -14,6 +14,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,10 +53,11 @@ def sim_namespace(pod_control_dir: Path) -> Iterator[str]:
 
 @pytest.fixture
 def make_pod(pod_control_dir: Path, tmp_path: Path) -> Iterator[MakePod]:
-    """``make_pod(user=False, own_root=False, net=False)``: a pod, closed at teardown."""
+    """``make_pod(user=False, own_root=False, net=False, run_as=None)``: a pod, closed at
+    teardown."""
     made: list[podenv.Pod] = []
 
-    def make(**kwargs: bool) -> podenv.Pod:
+    def make(**kwargs: Any) -> podenv.Pod:
         pod = podenv.Pod(pod_control_dir, tmp_path, **kwargs)
         made.append(pod)
         return pod

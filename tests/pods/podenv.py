@@ -97,7 +97,14 @@ class Pod:
         user: bool = False,
         own_root: bool = False,
         net: bool = False,
+        run_as: int | None = None,
     ) -> None:
+        """``run_as``: the uid (and gid) its programs run as and its control directory
+        belongs to (a pod's non-root user); needs ``own_root`` (its bind mounts are
+        reached through directories of its own tmpfs, not through the host's /root)."""
+        if run_as is not None and not own_root:
+            raise ValueError("a pod with run_as needs own_root")
+        self.run_as = run_as
         self.control_dir = Path(control_dir)
         self.scratch = Path(scratch)
         self.user = user
@@ -135,6 +142,7 @@ class Pod:
         # point: the pod may rename it, or any directory above it.
         lines += [
             f"mkdir -p {inner} {root}/proc {root}/old {root}/tmp && chmod 0700 {inner}",
+            f"chown {self.run_as}:{self.run_as} {inner}" if self.run_as is not None else "true",
             f"cd {root} && pivot_root . old && mount -t proc proc /proc",
             "umount -l /old && rmdir /old && cd /",
             "echo ok; exec sleep infinity >/dev/null",
@@ -144,12 +152,16 @@ class Pod:
     # -- processes ----------------------------------------------------------
 
     def enter(self) -> list[str]:
-        """The argv prefix that runs a program in this pod (as its root)."""
+        """The argv prefix that runs a program in this pod (as its user)."""
         ns = ["-p", "-m"] + (["-U", "--preserve-credentials"] if self.user else [])
-        return ["nsenter", "-t", str(self.init), *ns, "--root", "--wd=/", "--"]
+        enter = ["nsenter", "-t", str(self.init), *ns, "--root", "--wd=/", "--"]
+        if self.run_as is not None:
+            uid = str(self.run_as)
+            enter += ["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "--"]
+        return enter
 
     def run(self, code: str) -> subprocess.Popen[str]:
-        """Python ``code`` run in this pod (as its root), its stdout a pipe."""
+        """Python ``code`` run in this pod (as its user), its stdout a pipe."""
         return subprocess.Popen([*self.enter(), sys.executable, "-c", code],
                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
 

@@ -340,3 +340,28 @@ def test_the_words_for_a_pod_named_as_if_it_were_on_the_host(
     assert "another mount namespace" in paired.stderr, paired.stderr
     assert "cuinterpose launch" not in paired.stderr
     running_as_before(pair, write_seed=SEED + 1)
+
+
+def test_a_pod_of_another_uid_is_trusted_only_when_the_operator_names_it(
+    make_pod: MakePod, pod_env: dict[str, str], pod_control_dir: Path, tmp_path: Path
+) -> None:
+    """A pod whose programs run as uid 65534 (its control directory theirs): refused by
+    default, naming the uid and --trust-uid; with --trust-uid 65534, suspended and
+    resumed from the host, bytes checked; --trust-uid of another uid changes nothing."""
+    pod = make_pod(own_root=True, run_as=65534)
+    pair, workers = pod_pair(pod, pod_env)
+    env = cli_env(pod_control_dir)
+    ckpt = tmp_path / "ckpt"
+    base = ["suspend", "--checkpoint-dir", str(ckpt), *where(pod_control_dir),
+            *processes(workers)]  # fmt: skip
+    for extra in ([], ["--trust-uid", "4242"]):
+        refused = run_cli([*base, *extra], env)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert "is owned by uid 65534" in refused.stderr, refused.stderr
+        assert "--trust-uid 65534" in refused.stderr, refused.stderr
+        assert not (ckpt / "manifest.json").exists()
+    done = run_cli([*base, "--trust-uid", "65534"], env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    back = run_cli(["resume", "--checkpoint-dir", str(ckpt), "--trust-uid", "65534"], env)
+    assert back.returncode == 0, back.stdout + back.stderr
+    running_as_before(pair, write_seed=SEED + 1)
