@@ -186,7 +186,7 @@ class Endpoint:
         return f"pid {o}" if o == n else f"pid {o} (ns pid {n})"
 
     def describe(self) -> str:
-        return f"{self.name()} at {self.path}"
+        return f"pid {self.observed_pid} (ns pid {self.namespace_pid}) at {self.path}"
 
     def entry(self) -> os.stat_result:
         """What is at the socket's path, not followed (through the rooted directory
