@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.pods.conftest import MakePod, cli_env, run_cli
 from tests.pods.podenv import Pod, PodWorker
 from tests.shim.pair import Pair, running_as_before, share
@@ -363,5 +365,30 @@ def test_a_pod_of_another_uid_is_trusted_only_when_the_operator_names_it(
     done = run_cli([*base, "--trust-uid", "65534"], env)
     assert done.returncode == 0, done.stdout + done.stderr
     back = run_cli(["resume", "--checkpoint-dir", str(ckpt), "--trust-uid", "65534"], env)
+    assert back.returncode == 0, back.stdout + back.stderr
+    running_as_before(pair, write_seed=SEED + 1)
+
+
+@pytest.mark.parametrize(
+    "kind", [{"net": True}, {"user": True}, {"own_root": True}], ids=["net", "user", "own_root"]
+)
+def test_a_pod_of_each_kind_round_trips_from_the_host(
+    make_pod: MakePod,
+    pod_env: dict[str, str],
+    pod_control_dir: Path,
+    tmp_path: Path,
+    kind: dict[str, bool],
+) -> None:
+    """A pod with a network namespace of its own (the simulated driver's native calls
+    reach it from there), a user namespace, or a root of its own: suspended and resumed
+    from the host by its pairs, bytes checked."""
+    pod = make_pod(**kind)
+    pair, workers = pod_pair(pod, pod_env)
+    ckpt = tmp_path / "ckpt"
+    env = cli_env(pod_control_dir)
+    run = run_cli(["suspend", "--checkpoint-dir", str(ckpt), *where(pod_control_dir),
+                   *processes(workers)], env)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    back = run_cli(["resume", "--checkpoint-dir", str(ckpt)], env)
     assert back.returncode == 0, back.stdout + back.stderr
     running_as_before(pair, write_seed=SEED + 1)
