@@ -99,8 +99,9 @@ def test_a_wrong_pair_and_swapped_pairs_are_refused_before_anything_is_sent(
     make_pod: MakePod, pod_env: dict[str, str], pod_control_dir: Path, tmp_path: Path
 ) -> None:
     """The importer's host pid with another process's namespace pid, and the pair's two
-    pairs swapped: each refused naming the pid namespace's own pid for that process,
-    nothing changed (every shim ACTIVE, the group shares its bytes on)."""
+    pairs swapped: each refused naming the pid namespace's own pid for that process; a
+    process named as if it ran on the host, refused saying how to name it; nothing
+    changed (every shim ACTIVE, the group shares its bytes on)."""
     pod = make_pod()
     pair, (creator, importer) = pod_pair(pod, pod_env)
     other = pod.spawn("other", pod_env)
@@ -120,6 +121,20 @@ def test_a_wrong_pair_and_swapped_pairs_are_refused_before_anything_is_sent(
         assert f"pid {first} (ns pid {named[2]}) is not that pair" in run.stderr, run.stderr
         assert f"process {first} is ns pid {found}" in run.stderr, run.stderr
         assert not (ckpt / "manifest.json").exists()
+    # Named as if on the host: by its host pid alone, the namespace pid found is named
+    # (and --proc-root); by its pair without --proc-root, its mount namespace is, not
+    # "start it with cuinterpose launch".
+    common = ["suspend", "--checkpoint-dir", str(tmp_path / "ckpt"),
+              "--control-dir", str(pod_control_dir)]  # fmt: skip
+    alone = run_cli([*common, "--pid", str(creator.host)], env)
+    assert alone.returncode == 1, alone.stdout + alone.stderr
+    assert f"pid {creator.host} is ns pid {creator.ns} in its own pid namespace" in alone.stderr
+    assert f"--process {creator.host} {creator.ns}" in alone.stderr
+    assert "--proc-root /proc" in alone.stderr
+    paired = run_cli([*common, *creator.process_args()], env)
+    assert paired.returncode == 1, paired.stdout + paired.stderr
+    assert "another mount namespace" in paired.stderr, paired.stderr
+    assert "cuinterpose launch" not in paired.stderr
     status = run_cli(["status", *where(pod_control_dir), *processes([creator, importer, other]),
                       "--json"], env)  # fmt: skip
     assert status.returncode == 0, status.stderr
@@ -318,29 +333,6 @@ def test_recover_after_a_coordinator_killed_mid_capture_of_a_pod(
                         *named], env)  # fmt: skip
         assert back.returncode == 0, back.stdout + back.stderr
         assert not (ckpt / "cuinterpose.intent").exists()
-    running_as_before(pair, write_seed=SEED + 1)
-
-
-def test_the_words_for_a_pod_named_as_if_it_were_on_the_host(
-    make_pod: MakePod, pod_env: dict[str, str], pod_control_dir: Path, tmp_path: Path
-) -> None:
-    """A pod's process named by its host pid alone is refused naming the namespace pid
-    found (and --proc-root); by its pair without --proc-root, refused naming its mount
-    namespace instead of "start it with cuinterpose launch"; nothing changed."""
-    pod = make_pod()
-    pair, (creator, _) = pod_pair(pod, pod_env)
-    env = cli_env(pod_control_dir)
-    common = ["suspend", "--checkpoint-dir", str(tmp_path / "ckpt"),
-              "--control-dir", str(pod_control_dir)]  # fmt: skip
-    alone = run_cli([*common, "--pid", str(creator.host)], env)
-    assert alone.returncode == 1, alone.stdout + alone.stderr
-    assert f"pid {creator.host} is ns pid {creator.ns} in its own pid namespace" in alone.stderr
-    assert f"--process {creator.host} {creator.ns}" in alone.stderr
-    assert "--proc-root /proc" in alone.stderr
-    paired = run_cli([*common, *creator.process_args()], env)
-    assert paired.returncode == 1, paired.stdout + paired.stderr
-    assert "another mount namespace" in paired.stderr, paired.stderr
-    assert "cuinterpose launch" not in paired.stderr
     running_as_before(pair, write_seed=SEED + 1)
 
 
