@@ -10,6 +10,8 @@ take it from there.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import stat
 import time
@@ -274,7 +276,7 @@ def remove_stale_sockets(
     """Remove the control sockets of ``processes`` that nobody listens on any more, so
     that processes recreated by a restore (CRIU) can bind them. A socket a live shim
     still serves, or a path that is not a socket, is refused by name, nothing removed."""
-    stale: list[Path] = []
+    stale: list[Endpoint] = []
     problems: list[str] = []
     for seen in look(group_of(processes), where, heal=False):
         process, path = seen.process, seen.endpoint.path
@@ -284,11 +286,14 @@ def remove_stale_sockets(
             problems.append(f"{process.describe()}: {path} is {seen.there}, not a socket; "
                             "not removed")  # fmt: skip
             continue
+        endpoint = seen.endpoint
+        address = (endpoint.rooted.address(path.name) if endpoint.rooted is not None
+                   else str(path))  # fmt: skip
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             try:
-                probe.connect(str(path))
+                probe.connect(address)
             except (ConnectionRefusedError, FileNotFoundError):
-                stale.append(path)
+                stale.append(endpoint)
                 continue
             except OSError as exc:
                 problems.append(f"{process.describe()}: {path}: {exc.strerror}; not removed")
@@ -296,6 +301,10 @@ def remove_stale_sockets(
         problems.append(f"{process.describe()}: {path} is served by a live shim; not removed")
     if problems:
         raise AgentError("stale socket removal refused:", problems)
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return tuple(stale)
+    for endpoint in stale:  # inside a process's root: through its one resolution
+        with contextlib.suppress(FileNotFoundError):
+            if endpoint.rooted is not None:
+                os.unlink(endpoint.path.name, dir_fd=endpoint.rooted.fd())
+            else:
+                endpoint.path.unlink()
+    return tuple(e.path for e in stale)
