@@ -231,7 +231,7 @@ def unanswered(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> dict[E
             continue
         why = reply.reason if isinstance(reply, ParticipantError) else str(reply)
         silent[endpoint] = (
-            f"{endpoint.name()}: no shim answers "
+            f"pid {endpoint.observed_pid} (ns pid {endpoint.namespace_pid}): no shim answers "
             f"at {endpoint.path} ({why}); looked in {endpoint.path.parent}"
         )
     return silent
