@@ -97,6 +97,10 @@ class RootedDir:
         self.missing = False  # the last resolve found no directory (or no process)
         self._finalizer: object = None
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # A copy (a pickled error's endpoint) holds no descriptor: it resolves anew.
+        return (type(self), (self.proc_root, self.pid, self.control_dir))
+
     def where(self) -> str:
         return f"{self.control_dir} inside the root of pid {self.pid} ({self.proc_root})"
 
@@ -108,10 +112,10 @@ class RootedDir:
         if self._fd is None and self._problem is None:
             try:
                 self._fd = open_in_root(self.proc_root, self.pid, self.control_dir)
-            except FileNotFoundError:
-                self.missing = True
-                return f"control directory {self.where()} does not exist"
             except OSError as exc:
+                if exc.errno == errno.ENOENT:  # openat2's own (RootedError) included
+                    self.missing = True
+                    return f"control directory {self.where()} does not exist"
                 self._problem = f"control directory {self.where()}: {exc.strerror}"
             else:
                 self._finalizer = weakref.finalize(self, os.close, self._fd)
