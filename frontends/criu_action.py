@@ -400,6 +400,8 @@ def _where_words(args: argparse.Namespace, where: agent.Where) -> list[str]:
         words += ["--proc-root", str(where.proc_root)]
     if where.control_dir != DEFAULT_CONTROL_DIR:
         words += ["--control-dir", str(where.control_dir)]
+    if args.trust_uid is not None:
+        words += ["--trust-uid", str(args.trust_uid)]
     if args.driver != "auto":
         words += ["--driver", args.driver]
     return words
@@ -411,6 +413,8 @@ def _script_argv(args: argparse.Namespace, processes: Sequence[agent.Process]) -
         words += ["--control-dir", str(args.control_dir)]
     if args.proc_root is not None:
         words += ["--proc-root", str(args.proc_root)]
+    if args.trust_uid is not None:
+        words += ["--trust-uid", str(args.trust_uid)]
     if args.before_restore_dir is not None:
         words += ["--before-restore-dir", str(args.before_restore_dir)]
     for p in processes:
