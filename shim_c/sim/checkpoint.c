@@ -133,21 +133,27 @@ static int innermost_pid(int pid)
 }
 
 /* A socket of process pid's network namespace: the controller's own when
- * they share one; else made there by this thread alone (setns of a network
- * namespace moves only the calling thread, and back it goes at once). */
+ * they share one, or when the process's cannot be entered (not ours to look
+ * at: then its service is out of reach, and the connect says so); else made
+ * there by this thread alone (setns of a network namespace moves only the
+ * calling thread, and back it goes at once). */
 static int socket_in_net_of(int pid)
 {
     char who[16], path[64];
+    unsigned long long theirs;
     int self = -1, there = -1, fd = -1;
 
     snprintf(who, sizeof who, "%d", pid);
-    if (ns_inode(who, "net") == ns_inode("thread-self", "net"))
+    theirs = ns_inode(who, "net");
+    if (theirs == 0 || theirs == ns_inode("thread-self", "net"))
         return socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     snprintf(path, sizeof path, "/proc/%d/ns/net", pid);
     there = open(path, O_RDONLY | O_CLOEXEC);
     self = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
-    if (there < 0 || self < 0 || setns(there, CLONE_NEWNET) != 0)
+    if (there < 0 || self < 0 || setns(there, CLONE_NEWNET) != 0) {
+        fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
         goto out;
+    }
     fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (setns(self, CLONE_NEWNET) != 0) { /* not back home: this thread must not go on */
         if (fd >= 0)
