@@ -7,6 +7,7 @@ Every test ends with the processes running and their bytes checked.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.pods.conftest import MakePod, cli_env, run_cli
-from tests.pods.podenv import Pod, PodWorker
+from tests.pods.podenv import Pod, PodWorker, only_child
 from tests.shim.pair import Pair, running_as_before, share
 
 SEED = 43
@@ -270,9 +271,10 @@ def test_a_control_directory_swapped_with_a_symlink_in_a_loop_never_reaches_anot
                        *where(pod_control_dir), *attacker.process_args()],
                       cli_env(pod_control_dir))  # fmt: skip
         assert race.poll() is None, "the race stopped"
-    finally:
-        race.kill()
-        race.wait()
+    finally:  # the racer itself (nsenter's child, in the pod), then nsenter
+        with contextlib.suppress(LookupError, OSError):
+            os.kill(only_child(race.pid), signal.SIGKILL)
+        race.wait(timeout=60)
     # The race stopped wherever it was: the attacker's directory back at its name.
     mend = attacker_pod.run(_MEND.replace("CTL", repr(str(pod_control_dir))))
     assert mend.communicate(timeout=60)[0].strip() == "mended"
