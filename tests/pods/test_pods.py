@@ -288,28 +288,31 @@ def test_a_control_directory_swapped_with_a_symlink_in_a_loop_never_reaches_anot
     _victims_untouched(victims, pod_control_dir, pair)
 
 
+_KILLED_SUSPEND = """
+import os, signal, sys
+from pathlib import Path
+from cuinterpose.engine import OpEvent, agent
+ckpt, ctl, *pids = sys.argv[1:]
+pairs = [(int(pids[i]), int(pids[i + 1])) for i in range(0, len(pids), 2)]
+def on_event(event):
+    if isinstance(event, OpEvent) and event.phase == "SAVE_ALLOCATIONS":
+        os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of any kind
+agent.suspend(pairs, Path(ckpt), where=agent.Where(Path(ctl), Path("/proc")), on_event=on_event)
+"""
+
+
 def _suspend_killed_at_save(
     workers: list[PodWorker], pod_control_dir: Path, ckpt: Path
 ) -> None:
-    """``cuinterpose suspend`` of the pod's processes, SIGKILLed once every shim has
-    saved its allocations (its SAVE_ALLOCATIONS event: the op done on every one)."""
-    argv = [sys.executable, "-m", "cuinterpose", "suspend", "--checkpoint-dir", str(ckpt),
-            *where(pod_control_dir), *processes(workers), "--progress", "json"]  # fmt: skip
-    run = subprocess.Popen(argv, env=cli_env(pod_control_dir), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)  # fmt: skip
-    assert run.stdout is not None
-    try:
-        for line in run.stdout:
-            event = json.loads(line) if line.startswith("{") else {}
-            if event.get("event") == "phase" and event.get("phase") == "SAVE_ALLOCATIONS":
-                run.send_signal(signal.SIGKILL)
-                break
-        else:
-            raise AssertionError(f"the suspend ended before SAVE_ALLOCATIONS: {run.communicate()}")
-    finally:
-        run.kill()
-        run.wait()
-    assert run.returncode == -signal.SIGKILL
+    """The engine's suspend of the pod's processes (the command's), SIGKILLed by itself
+    once every shim has saved its allocations (its SAVE_ALLOCATIONS event: the op done
+    on every one, and nothing sent since)."""
+    pairs = [str(pid) for w in workers for pid in (w.host, w.ns)]
+    run = subprocess.run(
+        [sys.executable, "-c", _KILLED_SUSPEND, str(ckpt), str(pod_control_dir), *pairs],
+        env=cli_env(pod_control_dir), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == -signal.SIGKILL, run.stdout + run.stderr
 
 
 def test_recover_after_a_coordinator_killed_mid_capture_of_a_pod(
