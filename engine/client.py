@@ -43,6 +43,7 @@ from typing import Final
 
 import attrs
 
+from ._rooted import RootedDir
 from .wire import (
     CONTROL_DIR_MAX,
     FILE_OPS,
@@ -77,12 +78,42 @@ _HEAL_RETRY_MAX_S: Final = 0.1
 _UCRED: Final = struct.Struct("3i")
 
 
-def uid_trusted(uid: int, own_uid: int) -> bool:
-    """Whom a client trusts as a server, and as a control directory's owner: root or itself."""
-    return uid in (0, own_uid)
+def uid_trusted(uid: int, own_uid: int, trust_uid: int | None = None) -> bool:
+    """Whom a client trusts as a server, and as a control directory's owner: root or
+    itself, and the one uid an operator named (``--trust-uid``)."""
+    return uid in (0, own_uid) or (trust_uid is not None and uid == trust_uid)
 
 
-def control_dir_problem(path: Path, own_uid: int | None = None) -> str | None:
+def _whom(own: int, trust_uid: int | None) -> str:
+    named = f", nor uid {trust_uid} (--trust-uid)" if trust_uid is not None else ""
+    return f"not root nor uid {own}{named}"
+
+
+def rooted_dir_problem(rooted: RootedDir, own_uid: int, trust_uid: int | None) -> str | None:
+    """Why the control directory of a process reached inside its root cannot be trusted
+    (resolved once: engine/_rooted.py), judged on the descriptor that every request of
+    the run goes through; None when it can."""
+    problem = rooted.resolve()
+    if problem is not None:
+        return problem
+    st = rooted.stat()
+    mode = stat.S_IMODE(st.st_mode)
+    if not uid_trusted(st.st_uid, own_uid, trust_uid):
+        why = f"is owned by uid {st.st_uid}, {_whom(own_uid, trust_uid)}"
+        fix = f"; to trust that uid's pods, give --trust-uid {st.st_uid}"
+    elif mode & (stat.S_IWGRP | stat.S_IWOTH):
+        why, fix = "is writable by group or others", ""
+    else:
+        return None
+    return (
+        f"control directory {rooted.where()} {why} (uid {st.st_uid}, mode {mode:04o}): "
+        f"not trusted{fix}"
+    )
+
+
+def control_dir_problem(
+    path: Path, own_uid: int | None = None, trust_uid: int | None = None
+) -> str | None:
     """Why the control directory ``path`` cannot be trusted, or None when it can.
 
     Refused: a symbolic link (the socket could be anywhere), anything not a
@@ -102,8 +133,8 @@ def control_dir_problem(path: Path, own_uid: int | None = None) -> str | None:
         why = "is a symbolic link"
     elif not stat.S_ISDIR(st.st_mode):
         why = "is not a directory"
-    elif not uid_trusted(st.st_uid, own):
-        why = f"is owned by uid {st.st_uid}, not root nor uid {own}"
+    elif not uid_trusted(st.st_uid, own, trust_uid):
+        why = f"is owned by uid {st.st_uid}, {_whom(own, trust_uid)}"
     elif mode & (stat.S_IWGRP | stat.S_IWOTH):
         why = "is writable by group or others"
     else:
@@ -132,14 +163,37 @@ def _positive_pid(instance: object, attribute: attrs.Attribute[int], value: int)
 
 @attrs.frozen
 class Endpoint:
-    """Where one participant listens, and the two PIDs it is known by."""
+    """Where one participant listens, and the two PIDs it is known by.
+
+    ``rooted``: the control directory resolved inside the process's root, through
+    which every request goes (a coordinator outside the pods: engine/_rooted.py).
+    ``peer_checked``: the socket's server (``SO_PEERCRED``, in the coordinator's pid
+    namespace) must be ``observed_pid`` before anything is sent. ``trust_uid``: a uid
+    besides root and the coordinator's own whose directory and server are trusted
+    (an operator's ``--trust-uid``). ``endpoint_for`` sets all three; an endpoint made
+    directly (a replayed trace's, a test's fake participant) has none."""
 
     observed_pid: int = attrs.field(validator=_positive_pid)
     namespace_pid: int = attrs.field(validator=_positive_pid)
     path: Path = attrs.field(converter=Path)
+    rooted: RootedDir | None = attrs.field(default=None, eq=False, repr=False)
+    peer_checked: bool = attrs.field(default=False, eq=False, repr=False)
+    trust_uid: int | None = attrs.field(default=None, eq=False, repr=False)
+
+    def name(self) -> str:
+        """The process, as every message names it."""
+        o, n = self.observed_pid, self.namespace_pid
+        return f"pid {o}" if o == n else f"pid {o} (ns pid {n})"
 
     def describe(self) -> str:
         return f"pid {self.observed_pid} (ns pid {self.namespace_pid}) at {self.path}"
+
+    def entry(self) -> os.stat_result:
+        """What is at the socket's path, not followed (through the rooted directory
+        where there is one); OSError as ``lstat`` raises it."""
+        if self.rooted is not None:
+            return self.rooted.lstat_entry(self.path.name)
+        return os.lstat(self.path)
 
 
 def endpoint_for(
@@ -148,13 +202,24 @@ def endpoint_for(
     *,
     control_dir: Path,
     proc_root: Path | None = None,
+    check_peer: bool = True,
+    trust_uid: int | None = None,
 ) -> Endpoint:
     """The endpoint of the shim in process ``observed_pid``.
 
     Without ``proc_root`` the control dir is reached directly (the coordinator
     shares the shim's mount namespace). With it, the path goes through the
     process's own root (``<proc-root>/<observed>/root<control-dir>``), so a
-    coordinator outside the container reaches the socket the shim bound inside.
+    coordinator outside the container reaches the socket the shim bound inside:
+    resolved once, inside that root, with no symbolic link at any component
+    (engine/_rooted.py), and every request goes through that one resolution.
+    ``check_peer``: where the process is named by a pair (a proc root, or two pids
+    that differ), the socket's server must be process ``observed_pid``: a socket named
+    by the namespace pid may be served by another process than the one observed (off
+    only for a test's fake participants, served by the test's own process). A process
+    named by one pid in the coordinator's own pid namespace and directory binds its
+    socket under that pid, in a directory only root or the coordinator can write; that
+    the pid is its own namespace's is detection's check (``pair_problem``).
     """
     _positive_pid(None, attrs.fields(Endpoint).observed_pid, observed_pid)
     _positive_pid(None, attrs.fields(Endpoint).namespace_pid, namespace_pid)
@@ -164,11 +229,14 @@ def endpoint_for(
         raise ValueError(too_long)
     name = socket_name(namespace_pid)
     if proc_root is None:
-        return Endpoint(observed_pid, namespace_pid, control_dir / name)
+        paired = check_peer and observed_pid != namespace_pid
+        return Endpoint(observed_pid, namespace_pid, control_dir / name, None, paired,
+                        trust_uid)  # fmt: skip
     if not control_dir.is_absolute():
         raise ValueError(f"control_dir must be absolute with proc_root, got {control_dir}")
     path = Path(proc_root) / str(observed_pid) / "root" / control_dir.relative_to("/") / name
-    return Endpoint(observed_pid, namespace_pid, path)
+    rooted = RootedDir(Path(proc_root), observed_pid, control_dir)
+    return Endpoint(observed_pid, namespace_pid, path, rooted, check_peer, trust_uid)
 
 
 class ParticipantError(Exception):
@@ -289,13 +357,23 @@ def call_all(
     ]
     poller = _Poller()
     own_uid = os.getuid()
-    judged: dict[Path, str | None] = {}
+    judged: dict[object, str | None] = {}
     try:
         for exchange in exchanges:
-            directory = exchange.endpoint.path.parent
-            if directory not in judged:
-                judged[directory] = control_dir_problem(directory, own_uid)
-            problem = judged[directory]
+            endpoint = exchange.endpoint
+            key: object = endpoint.rooted or (endpoint.path.parent, endpoint.trust_uid)
+            if key not in judged:
+                judged[key] = (
+                    rooted_dir_problem(endpoint.rooted, own_uid, endpoint.trust_uid)
+                    if endpoint.rooted is not None
+                    else control_dir_problem(endpoint.path.parent, own_uid, endpoint.trust_uid)
+                )
+            problem = judged[key]
+            if problem is None:
+                problem = _entry_problem(endpoint)
+            if problem is not None and endpoint.rooted is not None and endpoint.rooted.missing:
+                exchange.fail(ParticipantGone, problem, None)
+                continue
             if problem is not None:
                 exchange.fail(UntrustedEndpoint, problem, None)
                 continue
@@ -448,7 +526,7 @@ class _Exchange:
             return
         self.connected = True
         self._close_dir_fd()
-        untrusted = _server_problem(self.sock)
+        untrusted = _server_problem(self.sock, self.endpoint)
         if untrusted is not None:
             self.fail(UntrustedEndpoint, untrusted, None)
             return
@@ -495,6 +573,8 @@ class _Exchange:
         return True
 
     def _address(self) -> str:
+        if self.endpoint.rooted is not None:  # the run's one resolution, never the path
+            return self.endpoint.rooted.address(self.endpoint.path.name)
         path = os.fsencode(self.endpoint.path)
         if len(path) <= _SUN_PATH_MAX:
             return os.fsdecode(path)
@@ -637,8 +717,23 @@ class _Exchange:
         return str(HEADER_SIZE + len(self.buffer))
 
 
-def _server_problem(sock: socket.socket) -> str | None:
-    """Why the process serving ``sock`` is not trusted (another user), or None."""
+def _entry_problem(endpoint: Endpoint) -> str | None:
+    """Why the socket's own name is not to be connected to: a symbolic link there would
+    be followed by the connect, in the coordinator's mount namespace. Anything else (a
+    socket, nothing yet while a shim heals it) is the connect's to find out."""
+    try:
+        st = endpoint.entry()
+    except OSError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return f"the control socket {endpoint.path} is a symbolic link: not followed"
+    return None
+
+
+def _server_problem(sock: socket.socket, endpoint: Endpoint) -> str | None:
+    """Why the process serving ``sock`` is not the one to talk to, or None: another
+    user's, or (``peer_checked``) another process than the endpoint's. ``SO_PEERCRED``
+    gives the server's pid in the coordinator's pid namespace: the observed pid."""
     try:
         pid, uid, _ = _UCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
@@ -646,9 +741,15 @@ def _server_problem(sock: socket.socket) -> str | None:
     except OSError as exc:
         return f"SO_PEERCRED failed: {exc.strerror}"
     own = os.getuid()
-    if uid_trusted(uid, own):
-        return None
-    return f"the control socket is served by pid {pid} of uid {uid}, not root nor uid {own}"
+    if not uid_trusted(uid, own, endpoint.trust_uid):
+        return (f"the control socket is served by pid {pid} of uid {uid}, "
+                f"{_whom(own, endpoint.trust_uid)}")  # fmt: skip
+    if endpoint.peer_checked and pid != endpoint.observed_pid:
+        return (
+            f"the control socket is served by pid {pid}, not by {endpoint.name()}: "
+            "another process answers at that process's socket; nothing was sent"
+        )
+    return None
 
 
 def pid_visible(pid: int) -> bool:

@@ -10,6 +10,7 @@ take it from there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
@@ -33,18 +34,33 @@ Life = Literal["running", "zombie", "gone"]
 @attrs.frozen
 class Where:
     """Where the shims' sockets are: a control directory, reached directly or through
-    ``proc_root/<observed pid>/root`` (a coordinator outside the containers)."""
+    ``proc_root/<observed pid>/root`` (a coordinator outside the containers), and the
+    one uid besides root and the coordinator's own trusted there (``--trust-uid``).
+
+    A process's endpoint is made once per ``Where``: with a proc root, its control
+    directory is resolved inside its root at the first request and every later one of
+    the run goes through that resolution (engine/_rooted.py)."""
 
     control_dir: Path = attrs.field(converter=Path)
     proc_root: Path | None = None
+    trust_uid: int | None = None
+    check_peer: bool = True  # off only for a test's fakes (endpoint_for says why)
+    _made: dict[Process, Endpoint] = attrs.field(factory=dict, eq=False, repr=False,
+                                                 init=False)  # fmt: skip
 
     def endpoint(self, process: Process) -> Endpoint:
-        return endpoint_for(
-            process.observed_pid,
-            process.namespace_pid,
-            control_dir=self.control_dir,
-            proc_root=self.proc_root,
-        )
+        made = self._made.get(process)
+        if made is None:
+            made = endpoint_for(
+                process.observed_pid,
+                process.namespace_pid,
+                control_dir=self.control_dir,
+                proc_root=self.proc_root,
+                trust_uid=self.trust_uid,
+                check_peer=self.check_peer,
+            )
+            self._made[process] = made
+        return made
 
 
 class Group(tuple[Process, ...]):
@@ -83,14 +99,50 @@ class Detection:
     endpoints: tuple[Endpoint, ...]
 
 
-def socket_evidence(path: Path) -> Evidence:
+def socket_evidence(endpoint: Endpoint) -> tuple[Evidence, str]:
+    """What is at the endpoint's socket path, not followed (inside the process's root,
+    with no symbolic link at any component, where it is reached through a proc root),
+    and, for a path that is not a socket, what is there in words."""
+    if endpoint.rooted is not None:
+        problem = endpoint.rooted.resolve()
+        if problem is not None:
+            return ("absent", "") if endpoint.rooted.missing else ("other", problem)
     try:
-        info = os.lstat(path)
+        info = endpoint.entry()
     except FileNotFoundError:
-        return "absent"
-    except OSError:
-        return "other"
-    return "socket" if stat.S_ISSOCK(info.st_mode) else "other"
+        return "absent", ""
+    except OSError as exc:
+        return "other", f"something that cannot be looked at ({exc.strerror})"
+    if stat.S_ISSOCK(info.st_mode):
+        return "socket", ""
+    return "other", discovery.kind_of(info.st_mode)
+
+
+def pair_problem(process: Process, proc_root: Path | None) -> str | None:
+    """Why ``process`` is not the pair it is named by: the pid namespace that
+    ``/proc/<observed pid>/status`` (under ``proc_root``) says its last NSpid is, differs
+    from the namespace pid given. None when it agrees, or when there is no such process
+    (detection says that)."""
+    chain = discovery.nspids(process.observed_pid, proc_root)
+    if not chain or chain[-1] == process.namespace_pid:
+        return None
+    o, n, found = process.observed_pid, process.namespace_pid, chain[-1]
+    proc = proc_root or Path("/proc")
+    if o == n:
+        return (
+            f"pid {o} is ns pid {found} in its own pid namespace (NSpid {' '.join(map(str, chain))}"
+            f" in {proc}/{o}/status), not pid {n}: name it --process {o} {found}"
+            + (
+                ""
+                if proc_root is not None
+                else " and reach its control directory with --proc-root /proc"
+            )
+        )
+    return (
+        f"pid {o} (ns pid {n}) is not that pair: process {o} is ns pid {found} in its pid "
+        f"namespace (NSpid {' '.join(map(str, chain))} in {proc}/{o}/status); refused before "
+        f"anything was sent: name it --process {o} {found}, or the process whose ns pid is {n}"
+    )
 
 
 @attrs.frozen
@@ -104,15 +156,23 @@ class Sighting:
     evidence: Evidence
     there: str = ""
     life: Life = "running"  # looked at only where no socket is
+    mismatch: str | None = None  # the pair is not one process (pair_problem)
 
     def name(self) -> str:
-        o, n = self.process.observed_pid, self.process.namespace_pid
-        return f"pid {o}" if o == n else f"pid {o} (ns pid {n})"
+        return self.endpoint.name()
 
     def problem(self, requested: bool, where: Where) -> str | None:
         """What is wrong with this process for a group that did (or did not) request
         cuinterpose, in words a person acts on; None when nothing is."""
         path = self.endpoint.path
+        if self.mismatch is not None:
+            return self.mismatch
+        if (
+            self.evidence == "other"
+            and self.endpoint.rooted is not None
+            and self.there.startswith("control directory")
+        ):
+            return f"{self.name()}: {self.there}; nothing was sent"
         if self.evidence == "other":
             return (
                 f"{self.name()} has no control socket: at its path {path} there is "
@@ -132,6 +192,13 @@ class Sighting:
             return gone
         if not requested:
             return None
+        if where.proc_root is None and discovery.other_mounts(self.process.observed_pid):
+            return (
+                f"{self.name()}: its control socket {path} does not exist here, and it runs "
+                "in another mount namespace (a container) whose control directory is its "
+                "own: reach it inside its root with --proc-root /proc (and --process "
+                "HOST_PID NS_PID)"
+            )
         return (
             f"{self.name()} has no shim: its control socket {path} does not exist; "
             + discovery.missing_shim_hint(self.process.observed_pid, path.parent)
@@ -157,14 +224,14 @@ def _life(process: Process, where: Where) -> Life:
 
 
 def _sight(process: Process, endpoint: Endpoint, where: Where) -> Sighting:
-    evidence = socket_evidence(endpoint.path)
-    there = discovery.what_is_at(endpoint.path) if evidence == "other" else ""
+    evidence, there = socket_evidence(endpoint)
     life = _life(process, where) if evidence == "absent" else "running"
-    return Sighting(process, endpoint, evidence, there, life)
+    return Sighting(process, endpoint, evidence, there, life,
+                    pair_problem(process, where.proc_root))  # fmt: skip
 
 
 def _healing(s: Sighting) -> bool:
-    return s.evidence == "absent" and s.life == "running"
+    return s.evidence == "absent" and s.life == "running" and s.mismatch is None
 
 
 def look(group: Group, where: Where, *, heal: bool) -> tuple[Sighting, ...]:
@@ -209,7 +276,7 @@ def remove_stale_sockets(
     """Remove the control sockets of ``processes`` that nobody listens on any more, so
     that processes recreated by a restore (CRIU) can bind them. A socket a live shim
     still serves, or a path that is not a socket, is refused by name, nothing removed."""
-    stale: list[Path] = []
+    stale: list[Endpoint] = []
     problems: list[str] = []
     for seen in look(group_of(processes), where, heal=False):
         process, path = seen.process, seen.endpoint.path
@@ -219,11 +286,14 @@ def remove_stale_sockets(
             problems.append(f"{process.describe()}: {path} is {seen.there}, not a socket; "
                             "not removed")  # fmt: skip
             continue
+        endpoint = seen.endpoint
+        address = (endpoint.rooted.address(path.name) if endpoint.rooted is not None
+                   else str(path))  # fmt: skip
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             try:
-                probe.connect(str(path))
+                probe.connect(address)
             except (ConnectionRefusedError, FileNotFoundError):
-                stale.append(path)
+                stale.append(endpoint)
                 continue
             except OSError as exc:
                 problems.append(f"{process.describe()}: {path}: {exc.strerror}; not removed")
@@ -231,6 +301,10 @@ def remove_stale_sockets(
         problems.append(f"{process.describe()}: {path} is served by a live shim; not removed")
     if problems:
         raise AgentError("stale socket removal refused:", problems)
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return tuple(stale)
+    for endpoint in stale:  # inside a process's root: through its one resolution
+        with contextlib.suppress(FileNotFoundError):
+            if endpoint.rooted is not None:
+                os.unlink(endpoint.path.name, dir_fd=endpoint.rooted.fd())
+            else:
+                endpoint.path.unlink()
+    return tuple(e.path for e in stale)

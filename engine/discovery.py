@@ -87,7 +87,28 @@ def what_is_at(path: Path) -> str:
         return "nothing"
     except OSError as exc:
         return f"something that cannot be looked at ({exc.strerror})"
+    return kind_of(mode)
+
+
+def kind_of(mode: int) -> str:
+    """A file of ``mode``, in words: "a socket", "a directory", ..."""
     return next((word for test, word in _KINDS if test(mode)), f"a file of mode {mode:o}")
+
+
+def nspids(pid: int, proc_root: Path | None = None) -> tuple[int, ...]:
+    """The NSpid line of ``/proc/<pid>/status`` (under ``proc_root``): the process's pid
+    in each pid namespace from that /proc's to its own; empty when there is no such
+    process or the line cannot be read."""
+    proc = Path(proc_root) if proc_root is not None else Path("/proc")
+    try:
+        text = (proc / str(pid) / "status").read_text()
+    except OSError:
+        return ()
+    for line in text.splitlines():
+        if line.startswith("NSpid:"):
+            words = line.split()[1:]
+            return tuple(int(w) for w in words) if all(w.isdigit() for w in words) else ()
+    return ()
 
 
 def shim_drivers(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> DriverReport:
@@ -97,7 +118,7 @@ def shim_drivers(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> Driv
     from .wire import Op, Reply, Request, Status
 
     # A stopped process's shim answers nothing until continued: not waited for.
-    asked = [e for e in endpoints if is_socket(e.path) and not stopped(e.observed_pid)]
+    asked = [e for e in endpoints if _has_socket(e) and not stopped(e.observed_pid)]
     replies = call_all([(e, Request(Op.STATUS, ask_driver=True), None) for e in asked],
                        timeout=timeout)  # fmt: skip
     drivers: dict[int, str] = {}
@@ -108,6 +129,13 @@ def shim_drivers(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> Driv
         else:  # not answering, or a shim older than the driver report
             silent.append(endpoint.observed_pid)
     return DriverReport(drivers, tuple(silent))
+
+
+def _has_socket(endpoint: Endpoint) -> bool:
+    try:
+        return stat.S_ISSOCK(endpoint.entry().st_mode)
+    except OSError:
+        return False
 
 
 def pid_exists(pid: int, proc_root: Path | None = None) -> bool:
@@ -158,6 +186,27 @@ def start_ticks(pid: int, proc_root: Path | None = None) -> int:
         return 0
     fields = text.rpartition(")")[2].split()
     return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else 0
+
+
+def pid_namespace(pid: int, proc_root: Path | None = None) -> int:
+    """The pid namespace of ``pid`` (the inode of ``/proc/PID/ns/pid``); 0 when it
+    cannot be read."""
+    proc = Path(proc_root) if proc_root is not None else Path("/proc")
+    try:
+        return os.stat(proc / str(pid) / "ns" / "pid").st_ino
+    except OSError:
+        return 0
+
+
+def other_mounts(pid: int) -> bool:
+    """Whether ``pid`` runs in another mount namespace than the coordinator (a pod's
+    process, whose paths are not the coordinator's); False when it cannot be told."""
+    try:
+        theirs = os.stat(f"/proc/{pid}/ns/mnt").st_ino
+        ours = os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return False
+    return theirs != ours
 
 
 def same_process(pid: int, started: int, proc_root: Path | None = None) -> bool:

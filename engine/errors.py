@@ -30,13 +30,17 @@ class Problem:
     # The validation predicate that found it (specs/validation.md), for -v and JSON:
     # never part of the sentence a person reads.
     rule: str = ""
+    # The process's pid in its own pid namespace, where it differs from ``pid``.
+    namespace_pid: int | None = None
 
     def __str__(self) -> str:
         who = []
         if self.participant:
             who.append(f"participant {self.participant}")
         if self.pid is not None:
-            who.append(f"pid {self.pid}")
+            ns = self.namespace_pid
+            who.append(f"pid {self.pid}" if ns in (None, self.pid) else
+                       f"pid {self.pid} (ns pid {ns})")  # fmt: skip
         return f"{', '.join(who)}: {self.reason}" if who else self.reason
 
 

@@ -105,6 +105,11 @@ class Origin:
     proc_root: str | None = None
     driver: str | None = None
     started: tuple[int, ...] = ()
+    # Each participant's pid namespace (the inode of /proc/PID/ns/pid, in the
+    # participants' order; 0: unknown), and the suspending coordinator's own: its pids
+    # are that namespace's (absent in an older manifest).
+    pid_namespaces: tuple[int, ...] = ()
+    coordinator_pid_namespace: int = 0
 
 
 @attrs.frozen

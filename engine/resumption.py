@@ -4,6 +4,7 @@ coordinator restore when the manifest says prepared; the manifest marked resumed
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final, NoReturn
@@ -308,13 +309,13 @@ def _preflight(
                 *silent,
                 recorded,
                 "give the directory its shims serve in (--control-dir DIR, or --proc-root); "
-                f"`cuinterpose status --control-dir {where.control_dir}` lists the shims there",
+                f"`{_status_words(where, group)}` shows them",
             ],
         )
     if len(lost) == len(group):
         raise ManifestError(
             "resume refused: every process of the group is gone:",
-            [f"{p.describe()}: no such process now" for p in group],
+            [f"{p.describe()}: no such process now" for p in group] + _elsewhere(manifest),
         )
     return lost
 
@@ -615,3 +616,32 @@ def mark_resumed(directory: Path, manifest: Manifest, *, from_images: bool) -> t
             f"({exc.strerror}): suspend into another directory next time",
         )
     return (f"the group runs, but {problem}; {path} was removed instead",)
+
+
+def _status_words(where: Where, group: Sequence[Process]) -> str:
+    """The status command that shows ``group`` where ``where`` says it lives (with a proc
+    root, status takes the processes by name: each control directory is its own)."""
+    import shlex
+
+    words = ["cuinterpose", "status"]
+    if where.proc_root is not None:
+        words += ["--proc-root", str(where.proc_root)]
+    words += ["--control-dir", str(where.control_dir)]
+    for p in group:
+        words += ["--process", str(p.observed_pid), str(p.namespace_pid)]
+    return shlex.join(words)
+
+
+def _elsewhere(manifest: Manifest) -> list[str]:
+    """Why every recorded pid may name nothing here: this coordinator runs in another pid
+    namespace than the one that suspended the group (inside a pod, say), whose pids the
+    manifest records."""
+    recorded = manifest.origin.coordinator_pid_namespace if manifest.origin else 0
+    here = discovery.pid_namespace(os.getpid())
+    if not recorded or not here or recorded == here:
+        return []
+    return [
+        f"this coordinator runs in another pid namespace (pid:[{here}]) than the one that "
+        f"suspended the group (pid:[{recorded}]), whose pids the manifest records: run "
+        "resume from there (the host, for a pod's processes)"
+    ]

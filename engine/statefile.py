@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 
 STATE_FILE_NAME: Final = "cuinterpose.state"
 STATE_FORMAT: Final = "cuinterpose.state"
-STATE_VERSION: Final = 1
+STATE_VERSION: Final = 2
+# Version 1 has no observed pid, start time nor pid namespace per participant: read as 0.
+READABLE_STATE_VERSIONS: Final = (1, STATE_VERSION)
 # The protocol versions whose records a state file may hold: the record layout has
 # not changed since version 1, so one written by a version-1 coordinator reads the
 # same (its restore then meets the shims at HANDSHAKE, which refuses another
@@ -76,10 +78,22 @@ def _sorted_state_participants(
 
 @attrs.frozen
 class StateParticipant:
-    """A participant's durable id and the pid it had at capture."""
+    """A participant's durable id and the pid it had at capture: ``pid`` is its own (the
+    namespace pid, as its shim says it), ``observed_pid`` the coordinator's (its host
+    pid), ``started`` its start time (``/proc/PID/stat`` field 22, clock ticks) and
+    ``pid_namespace`` its pid namespace (the inode of ``/proc/PID/ns/pid``), which tell
+    the process from another one given its pid since. Version 1 files have none of
+    the three: 0, not recorded."""
 
     participant: str
     pid: int
+    observed_pid: int = 0
+    started: int = 0
+    pid_namespace: int = 0
+
+    def pair(self) -> tuple[int, int]:
+        """(observed, namespace): the pid twice where the observed one is not recorded."""
+        return (self.observed_pid or self.pid, self.pid)
 
 
 @attrs.frozen
@@ -225,6 +239,11 @@ def make_converter() -> cattrs.Converter:
     # A record lists only the fields its kind uses (the rest are zero by the protocol).
     conv.register_unstructure_hook(
         Record, make_dict_unstructure_fn(Record, conv, _cattrs_omit_if_default=True)
+    )
+    # A participant's pair, start time and pid namespace where known (0: not recorded).
+    conv.register_unstructure_hook(
+        StateParticipant,
+        make_dict_unstructure_fn(StateParticipant, conv, _cattrs_omit_if_default=True),
     )
     # Who fetched what (FETCH records) describes the running team, not the capture.
     conv.register_unstructure_hook(
@@ -474,11 +493,24 @@ def _participant_problems(
         seen.add(p.participant)
         if not 0 < p.pid <= _PID_MAX:
             problems.append(f"{where}: participant {p.participant} has pid {p.pid}, not a pid")
+        if isinstance(p, StateParticipant):
+            if not 0 <= p.observed_pid <= _PID_MAX:
+                problems.append(f"{where}: participant {p.participant} has observed pid "
+                                f"{p.observed_pid}, not a pid")  # fmt: skip
+            if p.started < 0 or p.pid_namespace < 0:
+                problems.append(f"{where}: participant {p.participant} has a negative start "
+                                "time or pid namespace")  # fmt: skip
     return problems
 
 
+_PARTICIPANT_KEYS: Final = frozenset({"participant", "pid", "observed_pid", "started",
+                                       "pid_namespace"})  # fmt: skip
+
+
 def _is_compact(value: object) -> bool:
-    return isinstance(value, dict) and ("kind" in value or value.keys() == {"participant", "pid"})
+    return isinstance(value, dict) and (
+        "kind" in value or ({"participant", "pid"} <= value.keys() <= _PARTICIPANT_KEYS)
+    )
 
 
 # What json.dumps(value, allow_nan=False) builds on every call, built once.
@@ -611,10 +643,17 @@ def decode_state(data: bytes, path: Path) -> CheckpointState:
     version = document.get("version")
     if type(version) is not int:
         raise StateFileError(path, f"has no integer version (got {version!r})")
-    if version != STATE_VERSION:
+    if version not in READABLE_STATE_VERSIONS:
         raise StateFileError(
-            path, f"has version {version}; this cuinterpose reads version {STATE_VERSION} only"
+            path,
+            f"has version {version}; this cuinterpose reads versions "
+            f"{' and '.join(map(str, READABLE_STATE_VERSIONS))} only",
         )
+    if version == 1 and any(
+        isinstance(p, dict) and p.keys() - {"participant", "pid"}
+        for p in document.get("participants", ()) or ()
+    ):
+        raise StateFileError(path, "is malformed: version 1 participants have two keys")
     body = {k: v for k, v in document.items() if k not in ("format", "version")}
     import cattrs
     from cattrs.v import transform_error

@@ -20,7 +20,7 @@ from typing import Any, Final
 import attrs
 
 from ..phases import PHASE_OP, Action, MachineSpec, ProgressKind, Step
-from . import quiesce
+from . import discovery, quiesce
 from . import trace as tracing
 from .client import (
     BadReply,
@@ -125,13 +125,15 @@ def reply_problem(
     op: Op, phase: Phase | None, endpoint: Endpoint, result: Reply | ParticipantError
 ) -> Problem | None:
     """What is wrong with one participant's answer to ``op``, or None when nothing is."""
-    pid = endpoint.observed_pid
+    pid, ns = endpoint.observed_pid, endpoint.namespace_pid
     if isinstance(result, ParticipantError):
-        return Problem(f"{_error_kind(result)}: {result.reason}", result.participant, pid)
+        return Problem(f"{_error_kind(result)}: {result.reason}", result.participant, pid,
+                       namespace_pid=ns)  # fmt: skip
     if result.op is not op:  # the client checks this too; a transport stand-in may not
         return Problem(
-            f"reply echoes {result.op.name}, expected {op.name}", result.participant, pid
-        )
+            f"reply echoes {result.op.name}, expected {op.name}", result.participant, pid,
+            namespace_pid=ns,
+        )  # fmt: skip
     if result.status is not Status.OK:
         text = result.message or "no message"
         return Problem(
@@ -139,12 +141,14 @@ def reply_problem(
             result.participant,
             pid,
             result.not_quiet,
+            namespace_pid=ns,
         )
     if phase is not None and result.phase is not phase:
         return Problem(
             f"reported phase {result.phase.name} after {op.name}, expected {phase.name}",
             result.participant,
             pid,
+            namespace_pid=ns,
         )
     return None
 
@@ -423,6 +427,22 @@ def write_intent_file(run: Run) -> None:
     run.trace_extra["intent_path"] = str(run.intent_path)
 
 
+def _state_participant(bound: Bound) -> StateParticipant:
+    """What the intent and the state file record of a bound participant: its pid as its
+    shim says it, and the coordinator's pair, start time and pid namespace of it, by
+    which a recover or restore addresses it (specs/state-file.md)."""
+    endpoint = bound.endpoint
+    proc_root = endpoint.rooted.proc_root if endpoint.rooted is not None else None
+    observed = endpoint.observed_pid
+    return StateParticipant(
+        bound.participant,
+        bound.pid,
+        observed,
+        discovery.start_ticks(observed, proc_root),
+        discovery.pid_namespace(observed, proc_root),
+    )
+
+
 def _state_of(run: Run) -> CheckpointState:
     assert run.topology is not None
     return CheckpointState(
@@ -431,7 +451,7 @@ def _state_of(run: Run) -> CheckpointState:
         created_at=utc_timestamp(),
         participants=tuple(
             sorted(
-                (StateParticipant(b.participant, b.pid) for b in run.bound),
+                (_state_participant(b) for b in run.bound),
                 key=lambda p: p.participant,
             )
         ),

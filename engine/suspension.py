@@ -28,7 +28,7 @@ from . import quiesce
 from .client import Endpoint, ParticipantError, call_all
 from .detection import Detection, DetectionRefused, Where, detect, group_of
 from .directory import require_trusted
-from .discovery import DriverMismatch, DriverReport, shim_drivers, start_ticks
+from .discovery import DriverMismatch, DriverReport, pid_namespace, shim_drivers, start_ticks
 from .driver_trust import trusted
 from .errors import AgentError, CoordinatorError
 from .events import AgentCallback, Reporter, StepEvent, bytes_moved, reporter
@@ -297,6 +297,8 @@ def suspend(
             None if where.proc_root is None else os.path.abspath(where.proc_root),
             asked.report.one(),
             tuple(start_ticks(p.observed_pid, where.proc_root) for p in group),
+            tuple(pid_namespace(p.observed_pid, where.proc_root) for p in group),
+            pid_namespace(os.getpid()),
         )
     prepared = False
     staging = None

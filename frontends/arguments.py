@@ -102,19 +102,38 @@ def seconds(text: str) -> float:
 
 
 def add_control_dir(parser: argparse.ArgumentParser) -> None:
-    """``--control-dir`` or ``--proc-root``: where the shims' sockets are."""
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument(
+    """``--control-dir`` and ``--proc-root``: where the shims' sockets are (the control
+    directory, inside each process's root when the proc root is given)."""
+    parser.add_argument(
         "--control-dir",
         type=Path,
-        help=f"the shims' control directory "
-        f"(default ${CONTROL_DIR_ENV}, else {DEFAULT_CONTROL_DIR})",
+        help=f"the shims' control directory, with --proc-root the path inside each "
+        f"process's root (default ${CONTROL_DIR_ENV}, else {DEFAULT_CONTROL_DIR})",
     )
-    where.add_argument(
+    parser.add_argument(
         "--proc-root",
         type=Path,
-        help="reach each process's control directory through PROC_ROOT/<observed pid>/root",
+        help="reach each process's control directory inside its own root, "
+        "PROC_ROOT/<observed pid>/root (a coordinator outside the pods: /proc)",
     )
+    parser.add_argument(
+        "--trust-uid",
+        type=_uid,
+        metavar="UID",
+        help="also trust control directories owned, and shims run, by this uid (a pod's "
+        "non-root user, or a user-namespaced pod's root as the host sees it); by default "
+        "only root and the coordinator's own uid are trusted",
+    )
+
+
+def _uid(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a numeric uid") from None
+    if not 0 <= value < 2**32 - 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a uid (0 to 4294967294)")
+    return value
 
 
 def add_processes(parser: argparse.ArgumentParser, *, required: bool = True) -> None:

@@ -267,15 +267,15 @@ def _origin(args: argparse.Namespace) -> agent.Origin | None:
 def _where(args: argparse.Namespace, environ: Mapping[str, str]) -> agent.Where:
     """--control-dir or --proc-root, else (restore) where the manifest says the group
     lived, else $SNAPSHOT_CONTROL_DIR, else the default."""
-    if args.control_dir is None and args.proc_root is None and args.verb == "restore":
+    if args.control_dir is None and args.verb == "restore":
         origin = _origin(args)
         if origin is not None:
             root = None if origin.proc_root is None else Path(origin.proc_root)
-            return agent.Where(origin.control_dir, root)
+            return agent.Where(origin.control_dir, args.proc_root or root, args.trust_uid)
     control = args.control_dir
     if control is None:
         control = Path(environ.get(CONTROL_DIR_ENV) or DEFAULT_CONTROL_DIR)
-    return agent.Where(control, args.proc_root)
+    return agent.Where(control, args.proc_root, args.trust_uid)
 
 
 def _native(
@@ -403,8 +403,10 @@ def _where_words(args: argparse.Namespace, where: agent.Where) -> list[str]:
     words: list[str] = []
     if where.proc_root is not None:
         words += ["--proc-root", str(where.proc_root)]
-    elif where.control_dir != DEFAULT_CONTROL_DIR:
+    if where.control_dir != DEFAULT_CONTROL_DIR:
         words += ["--control-dir", str(where.control_dir)]
+    if args.trust_uid is not None:
+        words += ["--trust-uid", str(args.trust_uid)]
     if args.driver != "auto":
         words += ["--driver", args.driver]
     return words
@@ -416,6 +418,8 @@ def _script_argv(args: argparse.Namespace, processes: Sequence[agent.Process]) -
         words += ["--control-dir", str(args.control_dir)]
     if args.proc_root is not None:
         words += ["--proc-root", str(args.proc_root)]
+    if args.trust_uid is not None:
+        words += ["--trust-uid", str(args.trust_uid)]
     if args.before_restore_dir is not None:
         words += ["--before-restore-dir", str(args.before_restore_dir)]
     for p in processes:

@@ -47,6 +47,9 @@ class Invocation:
     recorded: str | None = None  # the driver the manifest says the shims reported
     group: tuple[Pair, ...] = ()
     given: NativeBackend | None = None  # the caller's native calls, instead of --driver's
+    # The run's one Where (and so each process's one endpoint: with a proc root, its
+    # control directory resolved once for every request of the run).
+    _made: dict[str, agent.Where] = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
     @property
     def command(self) -> str:
@@ -55,16 +58,18 @@ class Invocation:
     def where(self) -> agent.Where:
         from .engine.detection import Where
 
-        return Where(self.control_dir, self.proc_root)
+        made = self._made.get("where")
+        if made is None:
+            trust = getattr(self.options, "trust_uid", None)
+            made = self._made["where"] = Where(self.control_dir, self.proc_root, trust)
+        return made
 
     def endpoints(self) -> list[Endpoint]:
-        from .engine.client import endpoint_for
+        from .engine.manifest import Process
 
+        where = self.where()
         try:
-            return [
-                endpoint_for(o, n, control_dir=self.control_dir, proc_root=self.proc_root)
-                for o, n in self.group
-            ]
+            return [where.endpoint(Process(o, n)) for o, n in self.group]
         except ValueError as exc:
             raise UsageError(f"{PROG}: error: {exc}") from None
 
@@ -115,22 +120,33 @@ class Invocation:
         words: list[str] = []
         if self.proc_root is not None:
             words += ["--proc-root", str(self.proc_root)]
-        elif self.control_dir != DEFAULT_CONTROL_DIR:
+        if self.control_dir != DEFAULT_CONTROL_DIR:
             words += ["--control-dir", str(self.control_dir)]
+        if getattr(self.options, "trust_uid", None) is not None:
+            words += ["--trust-uid", str(self.options.trust_uid)]
         chosen = getattr(self.options, "driver", "auto")
         if driver and chosen != "auto":
             words += ["--driver", chosen]
         return words
 
     def status_command(self) -> str:
-        return shlex.join([PROG, "status", *self.where_words()])
+        """``status`` where the group lives; with a proc root, of the group's processes by
+        name (each control directory is its process's own: none to list them all)."""
+        words = [PROG, "status", *self.where_words()]
+        if self.proc_root is not None:
+            words += self._process_words()
+        return shlex.join(words)
 
-    def recover_command(self) -> str:
-        words = [PROG, "recover", "--checkpoint-dir", str(self.options.checkpoint_dir),
-                 *self.where_words()]  # fmt: skip
+    def _process_words(self) -> list[str]:
+        words: list[str] = []
         for observed, namespace in self.group:
             words += ["--pid", str(observed)] if observed == namespace else [
                 "--process", str(observed), str(namespace)]  # fmt: skip
+        return words
+
+    def recover_command(self) -> str:
+        words = [PROG, "recover", "--checkpoint-dir", str(self.options.checkpoint_dir),
+                 *self.where_words(), *self._process_words()]  # fmt: skip
         return shlex.join(words)
 
 
@@ -146,9 +162,10 @@ def of(args: argparse.Namespace, mode: str, *, native: NativeBackend | None = No
     origin = _origin(args)
     if origin is not None:
         call = attrs.evolve(call, recorded=origin.driver)
-        if given_dir is None and call.proc_root is None:
+        if given_dir is None:  # --proc-root alone still takes the recorded directory
             proc_root = None if origin.proc_root is None else Path(origin.proc_root)
-            call = attrs.evolve(call, control_dir=Path(origin.control_dir), proc_root=proc_root)
+            call = attrs.evolve(call, control_dir=Path(origin.control_dir),
+                                proc_root=call.proc_root or proc_root)  # fmt: skip
             logging.getLogger("cuinterpose.cli").debug(
                 "the group lives where %s/manifest.json says: %s",
                 args.checkpoint_dir,

@@ -205,7 +205,7 @@ def _target(args: argparse.Namespace, backend: NativeBackend | None) -> job.Node
     control = args.control_dir
     if control is None:
         control = Path(os.environ.get(CONTROL_DIR_ENV) or DEFAULT_CONTROL_DIR)
-    where = agent.Where(control, args.proc_root)
+    where = agent.Where(control, args.proc_root, args.trust_uid)
     try:
         [where.endpoint(p) for p in processes]  # the same checks as every other verb's
     except ValueError as exc:

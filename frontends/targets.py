@@ -11,7 +11,7 @@ process, a process without a shim) the engine's detection says, once
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,8 +50,9 @@ def named(pids: Sequence[int] | None, processes: Sequence[Sequence[int]] | None)
 
 def from_checkpoint_dir(directory: Path) -> tuple[list[Pair], str] | None:
     """The group a checkpoint directory records and where it says so; None when it
-    records none. The manifest names both pids; the state file only the namespace
-    pid (the same here, unless the processes live in another pid namespace)."""
+    records none. The manifest, the intent and the state file name both pids (a
+    version 1 state file or intent only the namespace pid: taken as the pid here too,
+    unless the processes live in another pid namespace)."""
     from .engine.manifest import MANIFEST_FILE_NAME, read_manifest
 
     directory = Path(directory)
@@ -75,7 +76,7 @@ def from_checkpoint_dir(directory: Path) -> tuple[list[Pair], str] | None:
         raise TargetError([f"the group's record in {directory} is unreadable: {exc}"]) from None
     if state is None:
         return None
-    return [(p.pid, p.pid) for p in state.participants], source
+    return [p.pair() for p in state.participants], source
 
 
 def resolve(
@@ -99,19 +100,22 @@ def resolve(
         recorded = None
     if given:
         # The survivors alone may be named once the others are gone (recover brings
-        # them back: specs/recovery.md); anything else that differs is refused.
+        # them back: specs/recovery.md); anything else that differs is refused. A
+        # recorded pid that names a process started since is gone.
+        starts = recorded_starts(checkpoint_dir) if recorded is not None else {}
+
+        def runs(pair: Pair) -> bool:
+            return discovery.same_process(pair[0], starts.get(pair, 0), proc_root)
+
         survivors = (
             recorded is not None
             and set(given) < set(recorded[0])
             and all(discovery.is_running(observed, proc_root) for observed, _ in given)
-            and not any(
-                discovery.is_running(observed, proc_root)
-                for observed, _ in set(recorded[0]) - set(given)
-            )
+            and not any(runs(pair) for pair in set(recorded[0]) - set(given))
         )
         if recorded is not None and set(given) != set(recorded[0]) and not survivors:
             raise TargetError(
-                _not_the_group(given, recorded[0], recorded[1], proc_root, control_dir)
+                _not_the_group(given, recorded[0], recorded[1], runs, proc_root, control_dir)
             )
         return given
     if recorded is None:
@@ -124,24 +128,68 @@ def resolve(
              "--pid PID"])  # fmt: skip
     from .engine.statefile import STATE_FILE_NAME
 
-    if proc_root is not None and recorded[1].endswith(STATE_FILE_NAME):
+    if (
+        proc_root is not None
+        and recorded[1].endswith(STATE_FILE_NAME)
+        and _unpaired(checkpoint_dir)
+    ):
         raise TargetError(
-            ["the state file holds namespace pids only: with --proc-root, name each process "
+            ["the state file (version 1) holds namespace pids only: with --proc-root, name each "
+             "process "
              "(--process OBSERVED NS)"], usage=True)  # fmt: skip
     return recorded[0]
+
+
+def recorded_starts(directory: Path | None) -> dict[Pair, int]:
+    """Each recorded process's start time (clock ticks; 0 or absent: not recorded), by
+    pair: a recorded pid that names a process started at another time names another
+    process now."""
+    from .engine.manifest import MANIFEST_FILE_NAME, ManifestError, read_manifest
+
+    if directory is None:
+        return {}
+    try:
+        if (Path(directory) / MANIFEST_FILE_NAME).exists():
+            manifest = read_manifest(directory)
+            started = manifest.origin.started if manifest.origin is not None else ()
+            pairs = [(p.observed_pid, p.namespace_pid) for p in manifest.participants]
+            return dict(zip(pairs, started, strict=False))
+        from .engine.directory import read_intent
+        from .engine.statefile import STATE_FILE_NAME, read_state
+
+        state = read_intent(directory)
+        if state is None and (Path(directory) / STATE_FILE_NAME).exists():
+            state = read_state(directory)
+    except (ManifestError, OSError, ValueError):
+        return {}
+    return {} if state is None else {p.pair(): p.started for p in state.participants}
+
+
+def _unpaired(checkpoint_dir: Path | None) -> bool:
+    """Whether the state file records a participant by its namespace pid alone."""
+    from .engine.statefile import StateFileError, read_state
+
+    if checkpoint_dir is None:
+        return False
+    try:
+        return any(not p.observed_pid for p in read_state(checkpoint_dir).participants)
+    except StateFileError:
+        return True
 
 
 def _not_the_group(
     given: list[Pair],
     recorded: list[Pair],
     source: str,
+    same: Callable[[Pair], bool],
     proc_root: Path | None,
     control_dir: Path | None = None,
 ) -> list[str]:
     """Why ``given`` is not the group ``source`` records: each recorded process not
     given (and whether it runs, or runs without a shim: extra), each given one not
-    recorded, and what to name."""
-    runs = {pair: discovery.is_running(pair[0], proc_root) for pair in recorded}
+    recorded, and what to name. ``same``: whether a recorded pair still names the
+    process recorded."""
+    runs = {pair: same(pair) for pair in recorded}
     extra = [
         pair
         for pair in recorded
@@ -153,7 +201,8 @@ def _not_the_group(
         f"recorded {describe(recorded)}",
     ]
     lines += [
-        f"recorded {describe([pair])} is not given: " + _whether_it_runs(pair[0], proc_root)
+        f"recorded {describe([pair])} is not given: "
+        + _whether_it_runs(pair, runs[pair], proc_root)
         + (f", with no shim in {control_dir}: no participant of the group, the record names "
            "it extra" if pair in extra else "")
         for pair in recorded
@@ -187,9 +236,12 @@ def _has_shim(pair: Pair, control_dir: Path | None, proc_root: Path | None) -> b
     return discovery.is_socket(path) and discovery.serves(path)
 
 
-def _whether_it_runs(pid: int, proc_root: Path | None) -> str:
-    if discovery.is_running(pid, proc_root):
+def _whether_it_runs(pair: Pair, same: bool, proc_root: Path | None) -> str:
+    pid = pair[0]
+    if same:
         return "it runs"
+    if discovery.is_running(pid, proc_root):
+        return "its pid names another process now, started since (it is gone)"
     if discovery.pid_exists(pid, proc_root):
         return "it exited (a zombie its parent has not reaped: it is gone)"
     return "no process has that pid (it is gone)"

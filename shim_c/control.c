@@ -445,17 +445,37 @@ static void lease_drop(void)
     g.lease.pidfd = -1;
 }
 
-static void lease_take(const uint8_t token[CUIP_AUTH_LEN], pid_t pid, uint64_t now)
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77 /* Linux 6.5 */
+#endif
+
+/* A pidfd of the process at the other end of connection `s`: the holder's pid
+ * in this pid namespace when it has one here, else (a coordinator outside the
+ * pod: SO_PEERCRED says pid 0) the kernel's own of the peer, so that a holder
+ * killed outside the pod frees the lease at once too. -1 where neither works
+ * (then the holder's silence ends its lease). */
+static int peer_pidfd(int s, pid_t pid)
+{
+    int fd = -1;
+    socklen_t len = sizeof fd;
+
+#ifdef SYS_pidfd_open
+    /* A pidfd outlives a recycled pid: kill(pid, 0) could see a newcomer. */
+    if (pid > 0)
+        return (int)syscall(SYS_pidfd_open, pid, 0);
+#endif
+    if (s < 0 || getsockopt(s, SOL_SOCKET, SO_PEERPIDFD, &fd, &len) != 0 || len != sizeof fd)
+        return -1;
+    return fd;
+}
+
+static void lease_take(const uint8_t token[CUIP_AUTH_LEN], pid_t pid, int s, uint64_t now)
 {
     lease_drop();
     g.lease.held = true;
     memcpy(g.lease.token, token, CUIP_AUTH_LEN);
     g.lease.pid = pid;
-#ifdef SYS_pidfd_open
-    /* A pidfd outlives a recycled pid: kill(pid, 0) could see a newcomer. */
-    if (pid > 0)
-        g.lease.pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
-#endif
+    g.lease.pidfd = peer_pidfd(s, pid);
     g.lease.since_s = (int64_t)time(NULL);
     g.lease.taken_ns = now;
     g.lease.last_ns = now;
@@ -582,7 +602,7 @@ static void lease_refuse(struct reply *r, unsigned op, const char *why)
 
 /* Under g.lock: whether request `q` from process `peer` may go on, by the
  * lease rules; RELEASE is answered here. False: `r` says why. */
-static bool lease_admit(const struct cuip_header *q, pid_t peer, struct reply *r)
+static bool lease_admit(const struct cuip_header *q, pid_t peer, int s, struct reply *r)
 {
     bool token = !shim_is_zero(q->authorization, CUIP_AUTH_LEN);
     uint64_t now = shim_now_ns();
@@ -636,13 +656,13 @@ static bool lease_admit(const struct cuip_header *q, pid_t peer, struct reply *r
                   "(lapsed or released); HANDSHAKE takes it", op_name(q->op));
         return false;
     }
-    lease_take(q->authorization, peer, now);
+    lease_take(q->authorization, peer, s, now);
     shim_log(LOG_INFO, "coordinator lease taken by pid %d", (int)peer);
     return true;
 }
 
 static void handle(const struct cuip_header *q, const char *text,
-                   const struct request_fds *fds, pid_t peer, struct reply *r)
+                   const struct request_fds *fds, pid_t peer, int s, struct reply *r)
 {
     bool admitted;
 
@@ -666,7 +686,7 @@ static void handle(const struct cuip_header *q, const char *text,
         return;
     }
     pthread_mutex_lock(&g.lock);
-    admitted = lease_admit(q, peer, r);
+    admitted = lease_admit(q, peer, s, r);
     pthread_mutex_unlock(&g.lock);
     if (q->op == CUIP_OP_RELEASE && r->h.status == CUIP_STATUS_OK)
         unquiesce(); /* a run that stopped at QUIESCE needs no rollback */
@@ -760,7 +780,7 @@ static void *conn_main(void *arg)
     if (!r)
         goto out;
     reply_init(r, q.op);
-    handle(&q, text, &fds, cr.pid, r);
+    handle(&q, text, &fds, cr.pid, s, r);
     pthread_mutex_lock(&g.lock);
     r->h.phase = g.phase;
     pthread_mutex_unlock(&g.lock);

@@ -343,9 +343,10 @@ static enum phase_result quiesce_not_quiet(int idle, bool round, uint64_t starte
         gate_close(GATE_HOLD_SYNC);
         cuip_set_quiesce_held(&r->h, gate_held());
         reply_msg(r, CUIP_STATUS_PENDING,
-                  "QUIESCE: pid %d not quiet yet after %.0f ms%s %s: %s; %s; the gate stays "
+                  /* No pid: the coordinator names the process, by both of its pids. */
+                  "QUIESCE: not quiet yet after %.0f ms%s %s: %s; %s; the gate stays "
                   "closed until the next round",
-                  (int)getpid(), (double)(shim_now_ns() - started) / 1e6, moved, stage, why,
+                  (double)(shim_now_ns() - started) / 1e6, moved, stage, why,
                   held);
         return PHASE_PENDING;
     }

@@ -1,9 +1,14 @@
 /* Checkpoint API: the controller's calls and the per-process service.
  *
  * cuInit starts a thread listening on the abstract Unix socket
- * "cuinterpose-sim-ckpt-<pid>"; a controller's cuCheckpointProcess*(pid)
- * connects to it, sends one request, reads one reply. The service drives
- * this process's state machine:
+ * "cuinterpose-sim-ckpt-<pid namespace inode>-<pid in it>"; a controller's
+ * cuCheckpointProcess*(pid) names the process by its pid in the
+ * controller's own pid namespace (a pod's process by its host pid, as the
+ * real driver takes it), finds that process's pid namespace and its pid
+ * there in /proc/<pid>, and connects to that name, from the process's
+ * network namespace when it has another one. Two pods whose processes
+ * have the same namespace pid and share a network namespace so never
+ * collide. The service drives this process's state machine:
  *
  *   RUNNING --lock--> LOCKED --checkpoint--> CHECKPOINTED
  *   CHECKPOINTED --restore--> LOCKED --unlock--> RUNNING
@@ -33,8 +38,10 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -69,15 +76,96 @@ struct ck_rep {
     int32_t pad;
 };
 
-static socklen_t ck_addr(struct sockaddr_un *a, int pid)
+/* The service's name: the process's pid namespace (its nsfs inode) and its
+ * pid there, which no other process on the machine shares. */
+static socklen_t ck_addr(struct sockaddr_un *a, unsigned long long pidns, int nspid)
 {
     int n;
 
     memset(a, 0, sizeof(*a));
     a->sun_family = AF_UNIX;
     /* Abstract name: nothing to clean up when the process dies. */
-    n = snprintf(a->sun_path + 1, sizeof(a->sun_path) - 1, "cuinterpose-sim-ckpt-%d", pid);
+    n = snprintf(a->sun_path + 1, sizeof(a->sun_path) - 1, "cuinterpose-sim-ckpt-%llu-%d", pidns,
+                 nspid);
     return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+/* The inode of /proc/<who>/ns/<kind>; 0 where it cannot be read (no /proc in
+ * a pod's root: its service is then reached by no controller). */
+static unsigned long long ns_inode(const char *who, const char *kind)
+{
+    char path[64];
+    struct stat st;
+
+    snprintf(path, sizeof path, "/proc/%s/ns/%s", who, kind);
+    return stat(path, &st) == 0 ? (unsigned long long)st.st_ino : 0;
+}
+
+/* Process pid's own pid in its innermost pid namespace: the last field of
+ * the NSpid line of /proc/<pid>/status; -1 where there is none. */
+static int innermost_pid(int pid)
+{
+    char path[64], line[256];
+    int found = -1;
+    FILE *f;
+
+    snprintf(path, sizeof path, "/proc/%d/status", pid);
+    f = fopen(path, "re");
+    if (!f)
+        return -1;
+    while (fgets(line, sizeof line, f)) {
+        char *p = line + 6, *end;
+
+        if (strncmp(line, "NSpid:", 6) != 0)
+            continue;
+        for (;;) {
+            long v = strtol(p, &end, 10);
+
+            if (end == p)
+                break;
+            found = v > 0 && v <= INT32_MAX ? (int)v : -1;
+            p = end;
+        }
+        break;
+    }
+    fclose(f);
+    return found;
+}
+
+/* A socket of process pid's network namespace: the controller's own when
+ * they share one, or when the process's cannot be entered (not ours to look
+ * at: then its service is out of reach, and the connect says so); else made
+ * there by this thread alone (setns of a network namespace moves only the
+ * calling thread, and back it goes at once). */
+static int socket_in_net_of(int pid)
+{
+    char who[16], path[64];
+    unsigned long long theirs;
+    int self = -1, there = -1, fd = -1;
+
+    snprintf(who, sizeof who, "%d", pid);
+    theirs = ns_inode(who, "net");
+    if (theirs == 0 || theirs == ns_inode("thread-self", "net"))
+        return socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    snprintf(path, sizeof path, "/proc/%d/ns/net", pid);
+    there = open(path, O_RDONLY | O_CLOEXEC);
+    self = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+    if (there < 0 || self < 0 || setns(there, CLONE_NEWNET) != 0) {
+        fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        goto out;
+    }
+    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (setns(self, CLONE_NEWNET) != 0) { /* not back home: this thread must not go on */
+        if (fd >= 0)
+            close(fd);
+        abort();
+    }
+out:
+    if (there >= 0)
+        close(there);
+    if (self >= 0)
+        close(self);
+    return fd;
 }
 
 /* ---- the target's side (sim.mu held for the memory work) -------------- */
@@ -490,7 +578,7 @@ static void atfork_child(void)
 int sim_service_start(void)
 {
     struct sockaddr_un a;
-    socklen_t len = ck_addr(&a, (int)getpid());
+    socklen_t len = ck_addr(&a, ns_inode("self", "pid"), (int)getpid());
     pthread_attr_t attr;
     pthread_t t;
     int fd;
@@ -527,17 +615,24 @@ static CUresult call_req(int pid, struct ck_req *q, struct ck_rep *p)
 {
     struct sockaddr_un a;
     socklen_t len;
-    int fd;
+    char who[16];
+    int fd, nspid;
     CUresult r = CUDA_ERROR_INVALID_VALUE;
 
     if (pid <= 0)
         return CUDA_ERROR_INVALID_VALUE;
-    len = ck_addr(&a, pid);
-    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return CUDA_ERROR_OPERATING_SYSTEM;
     /* No service: a live process without CUDA is NOT_INITIALIZED, a pid
      * that does not exist OPERATING_SYSTEM (specs/records). */
+    if (kill(pid, 0) != 0 && errno == ESRCH)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    snprintf(who, sizeof who, "%d", pid);
+    nspid = innermost_pid(pid);
+    if (nspid <= 0) /* gone since, or its /proc entry unreadable */
+        return CUDA_ERROR_NOT_INITIALIZED;
+    len = ck_addr(&a, ns_inode(who, "pid"), nspid);
+    fd = socket_in_net_of(pid);
+    if (fd < 0)
+        return CUDA_ERROR_OPERATING_SYSTEM;
     if (connect(fd, (struct sockaddr *)&a, len) != 0) {
         r = (kill(pid, 0) != 0 && errno == ESRCH) ? CUDA_ERROR_OPERATING_SYSTEM
                                                     : CUDA_ERROR_NOT_INITIALIZED;

@@ -118,7 +118,7 @@ def test_file_is_readable_json_without_secrets(tmp_path: Path) -> None:
         "participants",
         "topology",
     ]
-    assert (document["format"], document["version"]) == ("cuinterpose.state", 1)
+    assert (document["format"], document["version"]) == ("cuinterpose.state", 2)
     records = document["topology"]["participants"][0]["records"]
     first = records[0]
     assert first["kind"] == "ALLOCATION"
@@ -280,7 +280,7 @@ def test_truncated(tmp_path: Path, keep: float) -> None:
 
 def test_corrupt_json(tmp_path: Path) -> None:
     path = write_state(tmp_path, example_state())
-    path.write_bytes(path.read_bytes().replace(b'"version": 1', b'"version" 1'))
+    path.write_bytes(path.read_bytes().replace(b'"version": 2', b'"version" 2'))
     expect_error(tmp_path, "is corrupt: not valid JSON", "line 3,")
 
 
@@ -306,7 +306,7 @@ def test_no_format(tmp_path: Path) -> None:
     expect_error(tmp_path, 'no "format" key')
 
 
-@pytest.mark.parametrize(("version", "says"), [(2, "has version 2"), ("1", "no integer version")])
+@pytest.mark.parametrize(("version", "says"), [(3, "has version 3"), ("1", "no integer version")])
 def test_unknown_version(tmp_path: Path, version: object, says: str) -> None:
     document = good_document(tmp_path)
     document["version"] = version
@@ -503,3 +503,30 @@ def test_the_example_in_the_spec_reads_back_and_is_what_the_engine_writes(tmp_pa
     state = st.decode_state(example.encode(), spec)
     assert state.topology == team(participants=2, allocations=1, multicast=False)
     assert st.encode_state(state).decode() == example
+
+
+def test_a_version_1_file_reads_with_its_pairs_unrecorded_and_version_2_records_them(
+    tmp_path: Path,
+) -> None:
+    """Version 1 (namespace pids only) still reads, each pair taken as the pid twice;
+    version 2 records the coordinator's pid, start time and pid namespace, and a
+    version 1 file carrying them is refused."""
+    state = example_state(participants=2, allocations=1)
+    path = write_state(tmp_path, state)
+    document = json.loads(path.read_text())
+    document["version"] = 1
+    rewrite(tmp_path, document)
+    old = read_state(tmp_path)
+    assert [p.pair() for p in old.participants] == [(p.pid, p.pid) for p in old.participants]
+    paired = attrs.evolve(state, participants=tuple(
+        attrs.evolve(p, observed_pid=4000 + i, started=77, pid_namespace=4026531836)
+        for i, p in enumerate(state.participants)))  # fmt: skip
+    write_state(tmp_path, paired)
+    back = read_state(tmp_path)
+    assert [p.pair() for p in back.participants] == [
+        (4000 + i, p.pid) for i, p in enumerate(state.participants)
+    ]
+    document = json.loads((tmp_path / STATE_FILE_NAME).read_text())
+    document["version"] = 1
+    rewrite(tmp_path, document)
+    expect_error(tmp_path, "version 1 participants have two keys")

@@ -282,7 +282,8 @@ def test_a_process_that_never_synchronizes_is_refused_and_runs_on(
         assert "the gate is open again and the process runs on" in text
     else:
         assert "QUIESCE: did not reach a quiet point within" in text
-        assert f"its last answer: QUIESCE: pid {creator.pid} not quiet yet after" in text
+        assert f"pid {creator.pid}" in text
+        assert "its last answer: QUIESCE: not quiet yet after" in text
     assert "device work still running" in text
     # The shim's refusal carries the typed reason (the NOT_QUIET flag), which is what
     # lets a capture start over; so does a participant the rounds left PENDING.
