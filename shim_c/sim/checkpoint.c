@@ -32,6 +32,7 @@
  * holding a multicast object is refused the same way. */
 #include "sim.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
@@ -101,15 +102,15 @@ static unsigned long long ns_inode(const char *who, const char *kind)
     return stat(path, &st) == 0 ? (unsigned long long)st.st_ino : 0;
 }
 
-/* Process pid's own pid in its innermost pid namespace: the last field of
- * the NSpid line of /proc/<pid>/status; -1 where there is none. */
-static int innermost_pid(int pid)
+/* The last field of the NSpid line of a status file (/proc/<pid>/status, or
+ * a thread's /proc/<pid>/task/<tid>/status): the pid or tid in the innermost
+ * pid namespace; -1 where there is none. */
+static int innermost_of(const char *path)
 {
-    char path[64], line[256];
+    char line[256];
     int found = -1;
     FILE *f;
 
-    snprintf(path, sizeof path, "/proc/%d/status", pid);
     f = fopen(path, "re");
     if (!f)
         return -1;
@@ -129,6 +130,45 @@ static int innermost_pid(int pid)
         break;
     }
     fclose(f);
+    return found;
+}
+
+/* Process pid's own pid in its innermost pid namespace. */
+static int innermost_pid(int pid)
+{
+    char path[64];
+
+    snprintf(path, sizeof path, "/proc/%d/status", pid);
+    return innermost_of(path);
+}
+
+/* The thread of process pid whose tid in the process's own pid namespace is
+ * ns_tid, as this process numbers it: the real driver gives a restore thread's
+ * id in the caller's numbering, the host's for an agent outside a pod
+ * (specs/records/2026-12-07-h100-pid-namespace.jsonl); -1 where no thread of
+ * pid has it (gone since). */
+static int tid_seen_here(int pid, int ns_tid)
+{
+    char path[96];
+    struct dirent *e;
+    int found = -1;
+    DIR *d;
+
+    snprintf(path, sizeof path, "/proc/%d/task", pid);
+    d = opendir(path);
+    if (!d)
+        return -1;
+    while (found < 0 && (e = readdir(d))) {
+        char *end;
+        long tid = strtol(e->d_name, &end, 10);
+
+        if (end == e->d_name || *end || tid <= 0 || tid > INT32_MAX)
+            continue;
+        snprintf(path, sizeof path, "/proc/%d/task/%ld/status", pid, tid);
+        if (innermost_of(path) == ns_tid)
+            found = (int)tid;
+    }
+    closedir(d);
     return found;
 }
 
@@ -748,11 +788,16 @@ CUresult CUDAAPI cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
 {
     struct ck_rep p;
     CUresult r;
+    int here;
 
     if (!tid)
         return CUDA_ERROR_INVALID_VALUE;
     r = call(pid, CK_TID, 0, &p);
-    if (r == CUDA_SUCCESS)
-        *tid = p.tid;
-    return r;
+    if (r != CUDA_SUCCESS)
+        return r;
+    here = tid_seen_here(pid, p.tid);
+    if (here < 0)
+        return CUDA_ERROR_OPERATING_SYSTEM; /* the thread is gone: as for an exited pid */
+    *tid = here;
+    return CUDA_SUCCESS;
 }

@@ -389,3 +389,49 @@ def test_a_pod_of_each_kind_round_trips_from_the_host(
     back = run_cli(["resume", "--checkpoint-dir", str(ckpt)], env)
     assert back.returncode == 0, back.stdout + back.stderr
     running_as_before(pair, write_seed=SEED + 1)
+
+
+_RESTORE_THREAD = """
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1])
+pid = int(sys.argv[2])
+lock = (ctypes.c_uint8 * 64)()
+ctypes.c_uint32.from_buffer(lock).value = 10000  # timeoutMs
+unlock = (ctypes.c_uint8 * 64)()
+tid = ctypes.c_int(0)
+said = {"lock": lib.cuCheckpointProcessLock(pid, lock)}
+said["tid_result"] = lib.cuCheckpointProcessGetRestoreThreadId(pid, ctypes.byref(tid))
+said["tid"] = tid.value
+said["unlock"] = lib.cuCheckpointProcessUnlock(pid, unlock)
+print(json.dumps(said))
+"""
+
+
+def test_the_restore_thread_id_is_given_in_the_hosts_numbering(
+    make_pod: MakePod, pod_env: dict[str, str], pod_control_dir: Path
+) -> None:
+    """As the real driver does (specs/records/2026-12-07-h100-pid-namespace.jsonl): asked
+    by the host pid of a pod's process, the restore thread's id is one of that process's
+    threads as the host numbers them, not its id inside the pod."""
+    from cuinterpose.engine import artifacts
+
+    pod = make_pod()
+    pair, workers = pod_pair(pod, pod_env)
+    host = workers[0].host
+    driver = artifacts.sim_library_dir() / "libcuda.so.1"
+    asked = subprocess.run(
+        [sys.executable, "-c", _RESTORE_THREAD, str(driver), str(host)],
+        env=cli_env(pod_control_dir), capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert asked.returncode == 0, asked.stderr
+    said = json.loads(asked.stdout.strip().splitlines()[-1])
+    assert said["lock"] == 0 and said["tid_result"] == 0 and said["unlock"] == 0, said
+    assert (Path("/proc") / str(host) / "task" / str(said["tid"])).is_dir(), said
+    in_pod = {
+        int(line.split()[-1])
+        for task in (Path("/proc") / str(host) / "task").iterdir()
+        for line in (task / "status").read_text().splitlines()
+        if line.startswith("NSpid:")
+    }
+    assert said["tid"] not in in_pod, f"the tid inside the pod was given: {said}"
+    running_as_before(pair, write_seed=SEED + 3)
