@@ -198,6 +198,30 @@ def run_on(
     )
 
 
+def finish_after_a_cycle(
+    kind: str,
+    shim_env: dict[str, str],
+    plain_env: dict[str, str],
+    control_dir: Path,
+    tmp_path: Path,
+) -> dict[str, Any]:
+    """Start ``kind`` under the shim, suspend and resume it while it works (run_on), then
+    have it finish: its verdict, the work units it did recorded, and the same program
+    through the native checkpoint alone beside it."""
+    program = Program(kind, shim_env, tmp_path / f"{kind}.log")
+    try:
+        run_on(program, kind, control_dir, tmp_path, plain_env)
+        assert program.proc.stdin is not None
+        program.proc.stdin.write("finish\n")
+        program.proc.stdin.flush()
+        verdict = program.answer(600.0)
+    finally:
+        program.end()
+    FIGURES[kind]["verdict"] = verdict
+    native_alone(kind, kind, plain_env, tmp_path)
+    return verdict
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _record() -> Iterator[None]:
     yield
@@ -211,38 +235,18 @@ def test_a_training_loop_trains_on_bit_identically(
     shim_env: dict[str, str], plain_env: dict[str, str], control_dir: Path, tmp_path: Path
 ) -> None:
     needs("torch")
-    program = Program("train", shim_env, tmp_path / "train.log")
-    try:
-        run_on(program, "train", control_dir, tmp_path, plain_env)
-        assert program.proc.stdin is not None
-        program.proc.stdin.write("finish\n")
-        program.proc.stdin.flush()
-        verdict = program.answer(600.0)
-    finally:
-        program.end()
-    FIGURES["train"]["steps"] = verdict["steps"]
+    verdict = finish_after_a_cycle("train", shim_env, plain_env, control_dir, tmp_path)
     assert verdict["steps"] > FIGURES["train"]["units_at_suspend"], verdict
     assert verdict["identical"], f"the weights differ from a run from scratch: {verdict}"
-    native_alone("train", "train", plain_env, tmp_path)
 
 
 def test_greedy_generation_gives_the_same_tokens_after_resume(
     shim_env: dict[str, str], plain_env: dict[str, str], control_dir: Path, tmp_path: Path
 ) -> None:
     needs("transformers")
-    program = Program("generate", shim_env, tmp_path / "generate.log")
-    try:
-        run_on(program, "generate", control_dir, tmp_path, plain_env)
-        assert program.proc.stdin is not None
-        program.proc.stdin.write("finish\n")
-        program.proc.stdin.flush()
-        verdict = program.answer(600.0)
-    finally:
-        program.end()
-    FIGURES["generate"]["generations"] = verdict["generations"]
+    verdict = finish_after_a_cycle("generate", shim_env, plain_env, control_dir, tmp_path)
     assert verdict["generations"] > FIGURES["generate"]["units_at_suspend"], verdict
     assert verdict["mismatches"] == 0, verdict
-    native_alone("generate", "generate", plain_env, tmp_path)
 
 
 def test_numba_ipc_sharing_survives_and_the_childs_write_reaches_the_parent(
@@ -297,16 +301,6 @@ def test_a_jax_loop_gives_the_same_result_after_resume(
     shim_env: dict[str, str], plain_env: dict[str, str], control_dir: Path, tmp_path: Path
 ) -> None:
     needs("jax")
-    program = Program("jax", shim_env, tmp_path / "jax.log")
-    try:
-        run_on(program, "jax", control_dir, tmp_path, plain_env)
-        assert program.proc.stdin is not None
-        program.proc.stdin.write("finish\n")
-        program.proc.stdin.flush()
-        verdict = program.answer(600.0)
-    finally:
-        program.end()
-    FIGURES["jax"]["iterations"] = verdict["iterations"]
+    verdict = finish_after_a_cycle("jax", shim_env, plain_env, control_dir, tmp_path)
     assert verdict["iterations"] > FIGURES["jax"]["units_at_suspend"], verdict
     assert verdict["mismatches"] == 0, verdict
-    native_alone("jax", "jax", plain_env, tmp_path)
