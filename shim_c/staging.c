@@ -811,6 +811,23 @@ fail:
     return -1;
 }
 
+/* Every segment of task k queued on the worker's stream, straight between the
+ * device and the segment's host memory (pinned by the caller); the first
+ * failure is recorded (cu_fail) and ends the queueing. */
+static CUresult copy_segments(struct staging *s, struct worker *w, const struct task *k)
+{
+    CUresult r = CUDA_SUCCESS;
+
+    for (uint32_t i = 0; i < k->nseg && r == CUDA_SUCCESS; i++) {
+        const struct segment *sg = &s->segs[k->seg0 + i];
+        r = s->to_host ? real.cuMemcpyDtoHAsync(sg->host, sg->dev, sg->len, w->stream)
+                       : real.cuMemcpyHtoDAsync(sg->dev, sg->host, sg->len, w->stream);
+        if (r != CUDA_SUCCESS)
+            cu_fail(s, sg, s->to_host ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync", r);
+    }
+    return r;
+}
+
 /* One chunk registered in place: [populate,] register, every segment's
  * copy, one sync, unregister. The registration never outlives the call,
  * whatever fails. */
@@ -828,13 +845,7 @@ static int pinned_copy(struct staging *s, struct worker *w, const struct task *k
         return -1;
     }
     copy_begin(s);
-    for (uint32_t i = 0; i < k->nseg && r == CUDA_SUCCESS; i++) {
-        const struct segment *sg = &s->segs[k->seg0 + i];
-        r = s->to_host ? real.cuMemcpyDtoHAsync(sg->host, sg->dev, sg->len, w->stream)
-                       : real.cuMemcpyHtoDAsync(sg->dev, sg->host, sg->len, w->stream);
-        if (r != CUDA_SUCCESS)
-            cu_fail(s, sg, s->to_host ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync", r);
-    }
+    r = copy_segments(s, w, k);
     /* Always drain the stream before the pages are unpinned. */
     r2 = real.cuStreamSynchronize(w->stream);
     copy_end(s);
@@ -866,13 +877,7 @@ static int direct_copy(struct staging *s, struct worker *w, const struct task *k
         return -1;
     t0 = shim_now_ns();
     copy_begin(s);
-    for (uint32_t i = 0; i < k->nseg && r == CUDA_SUCCESS; i++) {
-        const struct segment *sg = &s->segs[k->seg0 + i];
-        r = s->to_host ? real.cuMemcpyDtoHAsync(sg->host, sg->dev, sg->len, w->stream)
-                       : real.cuMemcpyHtoDAsync(sg->dev, sg->host, sg->len, w->stream);
-        if (r != CUDA_SUCCESS)
-            cu_fail(s, sg, s->to_host ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync", r);
-    }
+    r = copy_segments(s, w, k);
     if (r == CUDA_SUCCESS && (r = real.cuEventRecord(w->done[0], w->stream)) != CUDA_SUCCESS)
         cu_fail(s, &s->segs[k->seg0], "cuEventRecord", r);
     if (r == CUDA_SUCCESS && (r = real.cuEventSynchronize(w->done[0])) != CUDA_SUCCESS)
