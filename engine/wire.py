@@ -625,6 +625,8 @@ class Request:
 
     op: Op
     participant: str = ""
+    # EXPORT: the allocation asked for. STORE_STAGED and FETCH_STAGED: the dump's identity
+    # (16 random bytes: the images' seal), written into every part, and expected in them.
     resource_id: bytes = ZERO_ID
     authorization: bytes = ZERO_ID
     resource_kind: ResourceKind = ResourceKind.NONE
@@ -651,8 +653,6 @@ class Request:
     # HOST_COPY only: give every kept host copy back and turn the mode off; a HOST_COPY
     # without it turns the mode on (carried in stat_count: HOST_COPY_GIVE_BACK, _KEEP).
     give_back: bool = False
-    # EXPORT: the allocation asked for. STORE_STAGED and FETCH_STAGED: the dump's identity
-    # (16 random bytes: the images' seal), written into every part, and expected in them.
     # STORE_STAGED and FETCH_STAGED only (and always, 1 to STORED_MAX_PARTS): the open
     # files the request hands the shim, part k the k-th, sent with the header as
     # SCM_RIGHTS; not part of the encoded bytes.
