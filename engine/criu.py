@@ -228,13 +228,17 @@ def run_criu(
     *,
     timeout_s: float | None = None,
     environ: Mapping[str, str] | None = None,
+    own_session: bool = False,
 ) -> float:
     """Run ``criu ARGS -o LOG``; its seconds, or :class:`CriuFailed` with its errors.
 
     CRIU runs with umask 077, so that what it writes (the memory pages among them) is
     its owner's alone. Past ``timeout_s`` it is killed (:class:`CriuTimedOut`): its
     output goes to files, not pipes, so that a process it left holding them cannot
-    keep this call waiting."""
+    keep this call waiting. ``own_session``: CRIU in a session of its own, out of reach
+    of what is sent to this command's process group (a closed terminal's SIGHUP, a
+    Ctrl-C, a ``kill`` of the group), so that a dump it began is finished whoever
+    dies; this call still kills it at its time limit."""
     # LOG absolute: CRIU resolves ``-o`` against its work directory (``-D``).
     argv = [str(criu.path), *args, "-o", os.path.abspath(log), "-v4"]
     began = time.perf_counter()
@@ -247,6 +251,7 @@ def run_criu(
                 stdout=subprocess.DEVNULL,
                 stderr=err,
                 umask=0o077,
+                start_new_session=own_session,
             )
         except OSError as exc:
             raise CriuFailed(f"`{' '.join(argv)}` failed:", [str(exc)]) from None
@@ -648,7 +653,9 @@ def dump(
         timing = _timed(
             "criu_dump",
             on_event,
-            lambda: run_criu(criu, args, images / DUMP_LOG, timeout_s=criu_timeout_s),
+            lambda: run_criu(
+                criu, args, images / DUMP_LOG, timeout_s=criu_timeout_s, own_session=True
+            ),
             lambda: image_size(images).total,
         )
     except (AgentError, OSError, StateFileError) as failure:  # criu dump failed

@@ -235,30 +235,41 @@ def criu_that_outlives(path: Path, finished: bool) -> Path:
     return path
 
 
+@pytest.mark.parametrize("whole_group", [False, True], ids=["itself", "its-process-group"])
 @pytest.mark.parametrize("finished", [True, False], ids=["criu-finished", "criu-failed"])
 def test_criu_dump_killed_as_criu_starts(
-    group: Group, control_dir: Path, tmp_path: Path, plain_env: dict[str, str], finished: bool
+    group: Group,
+    control_dir: Path,
+    tmp_path: Path,
+    plain_env: dict[str, str],
+    finished: bool,
+    whole_group: bool,
 ) -> None:
-    """``cuinterpose criu dump`` killed (SIGKILL, itself alone) once its ``criu dump``
-    child started; CRIU carries on. Finished: its images are the group's (the manifest
-    and the images name the staged parts' identity from before CRIU ran) and a restore
-    takes them. Failed: a restore refuses them, saying the dump did not finish and which
-    command brings the group back; that command does, every byte checked. Either way
-    ``cuinterpose resume`` on the tree CRIU left (the stand-in kills none) brings every
-    byte back, the parts fetched under the images' identity."""
+    """``cuinterpose criu dump`` killed (SIGKILL: itself alone, or its whole process group, as
+    a terminal's end or ``kill -9 -PGID`` does) once its ``criu dump`` child started; CRIU
+    carries on (a session of its own). Finished: its images are the group's (the manifest
+    and the images name the staged parts' identity from before CRIU ran) and a restore takes
+    them. Failed: a restore refuses them, saying the dump did not finish and which command
+    brings the group back; that command does, every byte checked. Either way ``cuinterpose
+    resume`` on the tree CRIU left (the stand-in kills none) brings every byte back, the
+    parts fetched under the images' identity."""
     ckpt, images = tmp_path / "ckpt", tmp_path / "images"
     env = {k: v for k, v in plain_env.items() if k != "SNAPSHOT_CONTROL_DIR"}
     argv = [sys.executable, "-m", "cuinterpose", "criu", "dump", "--checkpoint-dir", str(ckpt),
             "--images-dir", str(images), "--control-dir", str(control_dir), "--criu",
             str(criu_that_outlives(tmp_path / "criu", finished)), "--tree", str(os.getpid()),
             *(w for p in group.pids for w in ("--process", str(p), str(p)))]  # fmt: skip
-    run = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           start_new_session=True)  # fmt: skip
     try:
         wait_until(lambda: (images / "started").exists() or run.poll() is not None,
                    "criu dump started")  # fmt: skip
         assert run.poll() is None, run.communicate()[1]
     finally:
-        run.kill()  # the coordinator alone: its criu child lives on
+        if whole_group:  # every process of the command's group: its criu is in none
+            os.killpg(run.pid, signal.SIGKILL)
+        else:
+            run.kill()
         run.communicate()
     (images / "go").touch()
     wait_until(lambda: (images / "ended").exists(), "criu dump ended")
