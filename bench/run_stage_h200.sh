@@ -30,7 +30,7 @@ if [ "${GPU_TESTS:-tests/gpu/test_gpu_checkpoint.py}" != none ]; then
 fi
 if [ "${BENCH_S:-180}" -gt 0 ]; then
   timeout "${BENCH_S:-180}" python3 bench/staging.py --repeat "${REPEAT:-3}" --out "$OUT/staging.json" \
-    ${STAGING_ARGS:---variant prefault:SNAPSHOT_SHIM_STAGING_PREFAULT=1 --variant-only 1x8GiB --variant-only 100x20MiB} \
+    ${STAGING_ARGS:-} \
     >"$OUT/staging.log" 2>/tmp/staging.stderr || status=1
   cat "$OUT/staging.log"; tail -5 /tmp/staging.stderr
 fi

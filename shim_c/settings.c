@@ -36,9 +36,6 @@
  *  - SNAPSHOT_SHIM_STAGE_PRIVATE: 1 (SAVE moves every allocation this
  *    process created, shared or private; 0: private ones stay with the
  *    native checkpoint, as before issue 19).
- *  - SNAPSHOT_SHIM_STAGING_PREFAULT: 0 (1: SAVE faults a chunk's fresh
- *    staging memory in with MADV_POPULATE_WRITE before copying through the
- *    bounce buffers, instead of letting the memcpy fault it: staging.c).
  *  - SNAPSHOT_SHIM_STAGING_DEPTH: 2 (pieces each bounce buffer is cut in,
  *    2..8: depth - 1 copies stay queued while the thread memcpy's one;
  *    why 2: staging.c).
@@ -225,13 +222,15 @@ static void test_hooks_load(struct shim_settings *s)
     s->test_host_available = (size_t)env_count(HOST_AVAILABLE_ENV, 0, RESIDENT_MIB_MAX, 0,
                                                "a size in MiB")
                              << 20;
+    s->staging_prefault = env_bool(STAGING_PREFAULT_ENV, false);
 }
 #else
 /* A release build has no test hook: one asked for is named, so that nobody
  * believes it took (above all SNAPSHOT_SHIM_TRUST_UID, whom the shim trusts). */
 static void test_hooks_load(struct shim_settings *s)
 {
-    static const char *const hooks[] = {TRUST_UID_ENV, RELEASE_DELAY_ENV, HOST_AVAILABLE_ENV};
+    static const char *const hooks[] = {TRUST_UID_ENV, RELEASE_DELAY_ENV, HOST_AVAILABLE_ENV,
+                                        STAGING_PREFAULT_ENV};
 
     (void)s;
     for (size_t i = 0; i < sizeof hooks / sizeof hooks[0]; i++)
@@ -272,7 +271,6 @@ static void settings_load(void)
     s->keep_host_copy = env_bool(KEEP_HOST_COPY_ENV, false);
     s->timing = env_bool(TIMING_ENV, false);
     s->stage_private = env_bool(STAGE_PRIVATE_ENV, true);
-    s->staging_prefault = env_bool(STAGING_PREFAULT_ENV, false);
     s->staging_depth = (unsigned)env_count(STAGING_DEPTH_ENV, 2, STAGING_DEPTH_MAX,
                                            DEPTH_DEFAULT, "a number of bounce pieces");
     s->staging_ahead = (unsigned)env_count(STAGING_AHEAD_ENV, 0, THREADS_MAX, 0,

@@ -126,9 +126,6 @@ struct shim_settings {
      * allocations this process created too; off, they stay with the native
      * checkpoint (not reported, not torn down). */
     bool stage_private;
-    /* SNAPSHOT_SHIM_STAGING_PREFAULT: fault a SAVE chunk's staging memory in
-     * before the bounce copies (default off: the memcpy faults it). */
-    bool staging_prefault;
     /* SNAPSHOT_SHIM_STAGING_DEPTH: pieces per bounce buffer (copies in flight
      * per thread + 1), 2..STAGING_DEPTH_MAX. */
     unsigned staging_depth;
@@ -180,6 +177,11 @@ struct shim_settings {
      * available and total memory as keep.c's bound reads them, instead of
      * /proc/meminfo, so that a test sees a pin refused. */
     size_t test_host_available;
+    /* SNAPSHOT_SHIM_STAGING_PREFAULT: fault a SAVE chunk's staging memory in
+     * before the bounce copies (off: the memcpy faults it). It measured no
+     * faster (docs/benchmarks.md, "Issue 19 measured"), so it is no tuning
+     * knob: a test sets it to see which SAVE found its memory populated. */
+    bool staging_prefault;
 #endif
     /* SNAPSHOT_SHIM_QUIESCE_TIMEOUT_S: QUIESCE's deadline for a quiet point. */
     long quiesce_timeout_ms;

@@ -889,6 +889,17 @@ static int direct_copy(struct staging *s, struct worker *w, const struct task *k
     return r == CUDA_SUCCESS ? 0 : -1;
 }
 
+/* SNAPSHOT_SHIM_STAGING_PREFAULT, a test hook (shim.h): false in a release
+ * build, whose settings have no such field. */
+static bool prefault_hook(void)
+{
+#ifdef CUINTERPOSE_TEST_HOOKS
+    return shim_settings()->staging_prefault;
+#else
+    return false;
+#endif
+}
+
 /* One chunk, either way; its bytes are accounted here, or, for a LOAD
  * through the bounce buffers, when its last copy is waited for
  * (pipe_settle). True when the chunk's end is the pipeline's. */
@@ -912,7 +923,7 @@ static bool run_copy(struct staging *s, struct worker *w, const struct task *k)
      * registration in place (or SNAPSHOT_SHIM_STAGING_PREFAULT=1) needs them
      * populated first. */
     if (s->to_host && !s->populated &&
-        (!shim_settings()->staging_bounce || shim_settings()->staging_prefault)) {
+        (!shim_settings()->staging_bounce || prefault_hook())) {
         t0 = shim_now_ns();
         if (populate(k->host, k->len) != 0) {
             int e = errno;
@@ -1210,7 +1221,7 @@ struct staging *staging_start(bool to_host, bool populated, uint64_t total, uint
         }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     s->plan_populate = to_host && !populated &&
-                       (s->nhelpers || !cfg->staging_bounce || cfg->staging_prefault);
+                       (s->nhelpers || !cfg->staging_bounce || prefault_hook());
     s->t.threads = s->started;
     s->t.chunk = s->chunk;
     s->t.pool_start_ns = shim_now_ns() - t0;

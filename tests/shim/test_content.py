@@ -221,6 +221,8 @@ def test_bad_setting_refused(
 ) -> None:
     """Like the timeouts (SNAPSHOT_PEER_TIMEOUT_S): a bad value is named in a warning
     and the default is used; the content still moves."""
+    if name == "SNAPSHOT_SHIM_STAGING_PREFAULT":
+        shimenv.needs_test_hooks(name)
     creator = spawn(extra={name: value, "SNAPSHOT_SHIM_DEBUG": "1"})
     make_shared(creator, [2], seed=7)
     log = plain_cycle(control_dir, creator)
@@ -663,12 +665,13 @@ def test_resident_staging_memory(
     after a rollback (whose staged bytes are dropped into the resident memory, not
     unmapped) and with the native checkpoint in between. A SAVE larger than the
     setting stages as without it."""
+    shimenv.needs_test_hooks("SNAPSHOT_SHIM_STAGING_PREFAULT")
     creator = spawn(
         extra={
             "SNAPSHOT_SHIM_STAGING_RESIDENT_MIB": str(resident_mib),
             "SNAPSHOT_SHIM_COPY_THREADS": "3",
             "SNAPSHOT_SHIM_TIMING": "1",
-            # Fresh staging memory populated in a pass of its own, so that the timing
+            # A test hook: fresh staging memory populated in a pass of its own, so that the timing
             # shows which SAVE found it populated (by default the memcpy faults it in).
             "SNAPSHOT_SHIM_STAGING_PREFAULT": "1",
         }
