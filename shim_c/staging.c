@@ -3,66 +3,44 @@
  * every allocation) between device memory and host memory through one
  * worker pool.
  *
- * Why it is shaped like this (measured on the H200, driver 580.159.04,
- * specs/records/2026-11-29-h200-host-staging.jsonl and
- * docs/benchmarks.md): the copy itself runs at ~55 GB/s; what costs is
- * everything around it, done once per allocation before: threads started
- * per allocation, first touch of 4 KiB pages (8.3 GB/s from 16 threads),
- * pinning and unpinning (cuMemHostRegister of plain memory ~11 GB/s), a
- * temporary mapping per allocation. So:
- *  - one pool per phase, started once; the control thread produces work
+ * Why it is shaped like this: the copy itself runs at the bus's ceiling;
+ * what costs is everything around it (starting threads, the kernel's first
+ * touch of fresh pages, pinning and unpinning, temporary mappings), so the
+ * engine does each of those once per phase, beside the copies, never once
+ * per allocation. The figures behind each choice are in docs/benchmarks.md
+ * (the round each line names) and specs/records/2026-11-29-h200-host-staging.jsonl.
+ *  - One pool per phase, started once: the control thread produces work
  *    (SAVE: the host slice of each allocation; LOAD: re-creating and
- *    mapping each allocation) while the pool already copies what is ready;
- *  - one queue of chunks across all allocations: a large allocation is
- *    split, small ones that lie next to each other in host memory share a
- *    chunk (one registration, one stream sync for many copies), so 2048
- *    allocations of 2 MiB cost ~64 registrations, not 2048;
- *  - each chunk is populated, registered, copied, synchronized and
- *    unregistered by one worker: population and pinning of one chunk run
- *    while other workers copy, and no registration outlives its chunk, so
- *    the native checkpoint and CRIU see plain anonymous memory between SAVE
- *    and LOAD and the pinned memory at any time is at most threads x chunk
- *    (with SNAPSHOT_SHIM_STAGING_BOUNCE_MIB=0);
- *  - by default nothing is pinned per phase at all: each thread copies
- *    through its own pinned bounce buffer (SNAPSHOT_SHIM_STAGING_BOUNCE_MIB,
- *    cuMemHostAlloc once, kept for the life of the process) and memcpy's
- *    between it and the staging memory, the buffer cut in
- *    SNAPSHOT_SHIM_STAGING_DEPTH pieces (bounce_save, load_pipe): the copy engine fills
- *    or drains up to depth - 1 pieces while the thread memcpy's another, and
- *    the thread waits on a blocking-sync event, so that a waiting worker
- *    gives its CPU to the ones that memcpy and fault pages (on the H200 a
- *    SAVE of 8 GiB was CPU-bound: populate 2.7 + memcpy 2.0 of 5.1 thread-s
- *    in a 0.34 s op on 16 CPUs, against a 0.18 s copy). Why 2 (4 MiB
- *    halves) by default: each piece is one copy and one event wait, and
- *    the larger pieces move more bytes per copy; on the H200 ("The bounce
- *    buffer in two pieces", 2026-12-02, docs/benchmarks.md: both settings
- *    alternated in one run, two runs) LOAD
- *    of 8 GiB ran at 48.2-48.7 GB/s with 2 against 45.3-46.5 with 4, and
- *    the small shapes gained 5-15% in the second run (100 x 20 MiB 42.7
- *    and 43.7 against 40.8 and 40.2); SAVE gained or held. Four pieces were
- *    the default while SAVE's chunks of 9 MiB (96 x 6 MiB) spent a third of
- *    their time in the pipeline's empty ends; its chunks are smaller now
- *    (SAVE_SPREAD). A
- *    larger buffer is no way to larger pieces: 16 MiB ones made LOAD 15-20%
- *    slower (its memcpy time doubled: the buffers no longer stay in cache);
- *  - the fault-in of fresh staging memory is CPU work of the kernel that
- *    scales with threads (first touch 47 GB/s from 16 threads with THP, 1.7
- *    from one); SNAPSHOT_SHIM_STAGING_POPULATE_THREADS more threads can do
- *    it ahead of the copies (pool_populator, MADV_POPULATE_WRITE: 42-50 GB/s
- *    from 16 threads against 37-39 for memset) while the copy threads wait
- *    on their copies, so that populating chunk k+1 overlaps copying chunk k;
- *  - through the bounce buffers, fresh staging memory is faulted in by the
- *    memcpy that fills it: each 2 MiB page zeroed by the kernel just before
- *    it is written, while it is still in cache, instead of a pass of its own
- *    over the whole chunk first (SNAPSHOT_SHIM_STAGING_PREFAULT=1 keeps that
- *    pass; a registration in place always needs it). Measured on the H200 (run 1 of
- *    docs/benchmarks.md): registering and unregistering 8 GiB in 64 MiB
- *    chunks from 16 threads cost 0.5 s per op, against 0.16 s of copy; the
- *    driver serializes that work, so more threads do not help. With
- *    SNAPSHOT_SHIM_STAGING_BOUNCE_MIB=0 each chunk is registered in place;
- *  - the staging memory is one anonymous mapping per phase advised
+ *    mapping each allocation) while the pool already copies what is ready.
+ *  - One queue of chunks across all allocations: a large allocation is
+ *    split, small ones next to each other in host memory share a chunk, so
+ *    that many small allocations cost few copies and waits.
+ *  - By default nothing is pinned per phase: each thread copies through
+ *    its own pinned bounce buffer (SNAPSHOT_SHIM_STAGING_BOUNCE_MIB, kept for
+ *    the life of the process) and memcpy's between it and the staging
+ *    memory. The buffer is cut in SNAPSHOT_SHIM_STAGING_DEPTH pieces
+ *    (bounce_save, load_pipe), so that the copy engine fills or drains one
+ *    while the thread memcpy's another; the thread waits on a blocking-sync
+ *    event, so that a waiting worker gives its CPU to those that memcpy and
+ *    fault pages. Two pieces, because each piece is one copy and one wait
+ *    and larger pieces move more per copy ("The bounce buffer in two
+ *    pieces"); not a larger buffer, whose memcpy no longer stays in cache
+ *    ("The bounce size, the driver's VMM pace").
+ *  - With SNAPSHOT_SHIM_STAGING_BOUNCE_MIB=0 each chunk is registered in
+ *    place instead: populated, registered, copied, synchronized and
+ *    unregistered by one worker, so that no registration outlives its chunk
+ *    and the native checkpoint and CRIU see plain anonymous memory; it is
+ *    slower, since the driver serializes the registrations ("Round 1").
+ *  - Fresh staging memory is faulted in by the memcpy that fills it (each
+ *    page zeroed by the kernel just before it is written, while in cache),
+ *    not by a pass of its own; SNAPSHOT_SHIM_STAGING_POPULATE_THREADS more
+ *    threads can fault it in ahead of the copies (pool_populator,
+ *    MADV_POPULATE_WRITE), which helps a cold SAVE and costs a warm one.
+ *  - The staging memory is one anonymous mapping per phase advised
  *    MADV_HUGEPAGE (staging_alloc): with 2 MiB pages the first touch, the
  *    pinning and the free each handle 512 times fewer pages.
+ *  - A kept host copy (keep.c) is pinned for good: its chunks go straight
+ *    between the device and it (direct_copy), no bounce buffer, no fault.
  *
  * Accounting: every copied chunk is counted in exactly one place, into
  * g.phase_bytes_done: run_copy, or for a LOAD through the bounce buffers,
