@@ -216,7 +216,11 @@ def _fetch_stored(
                               b.participant))  # fmt: skip
         if pairs:
             _stores_done([reach[p] for p, _ in pairs], [i for _, i in pairs], options)
-            fetch_pairs(directory, pairs, where=reach.__getitem__, options=options)
+            # No precheck: a shim the dead coordinator never sent its STORE still holds
+            # its bytes (its parts empty) and reads nothing; one that stored checks all.
+            fetch_pairs(
+                directory, pairs, where=reach.__getitem__, options=options, precheck=False
+            )
     except StoreFailed as failed:
         raise CoordinatorError(
             "recover", "FETCH_STAGED", [Problem(line) for line in failed.lines()]

@@ -563,10 +563,15 @@ def fetch_pairs(
     where: Where | Callable[[Process], Endpoint],
     options: Options | None = None,
     missing_ok: bool = False,
+    precheck: bool = True,
 ) -> tuple[StoredFile, ...]:
     """:func:`fetch` to processes named with their participant ids (a ``recover`` knows
     them from the shims, where no manifest was written), reached through ``where`` (or,
-    given a function, its endpoint for each process)."""
+    given a function, its endpoint for each process). Without ``precheck`` the parts are
+    not looked into first (:func:`check_parts`): only opened as trusted and handed over,
+    for a shim that may still hold its bytes in memory (a coordinator killed between
+    making the files and its STORE_STAGED) reads none of them, and one that stored
+    checks every field and sum as it reads."""
     options = options or Options()
     pairs = list(pairs)
     found = [parts_of(checkpoint_dir, i) for _, i in pairs]
@@ -582,12 +587,17 @@ def fetch_pairs(
         raise StoreFailed("FETCH_STAGED: processes whose staged bytes are not there:", absent)
     if not pairs:
         return ()
-    problems = check_parts(checkpoint_dir, [i for _, i in pairs])
+    problems = check_parts(checkpoint_dir, [i for _, i in pairs]) if precheck else []
     if problems:
         raise StoreFailed("FETCH_STAGED refused: the staged parts are not the ones stored:",
                           problems)  # fmt: skip
     identity = recorded_identity(checkpoint_dir)
-    assert identity is not None  # check_parts refuses parts without one
+    if identity is None:  # check_parts refuses parts without one
+        raise StoreFailed(
+            f"FETCH_STAGED refused: {checkpoint_dir} holds staged parts but no "
+            f"{IDENTITY_FILE_NAME} (the identity every part was stored with)",
+            [],
+        )
     size = sum(p.stat().st_size for paths in found for p in paths)
     return _exchange(
         Op.FETCH_STAGED, pairs, found, os.O_RDONLY, where, options.timeout_for(size), identity

@@ -45,6 +45,25 @@ def suspended(group: Group, ckpt: Path, control_dir: Path) -> WorkerBackend:
     return native
 
 
+def running_with_its_bytes(group: Group, control_dir: Path) -> None:
+    """Every process natively RUNNING, its shim ACTIVE, every byte as written."""
+    native = WorkerBackend(group.observer)
+    rows = agent.status(group.processes, agent.Where(control_dir), native)
+    assert {(r.native_state, r.shim_phase) for r in rows} == {("RUNNING", "ACTIVE")}
+    assert group.mismatches() == []
+    group.close()
+
+
+def recovered(group: Group, ckpt: Path, control_dir: Path, plain_env: dict[str, str]) -> None:
+    """``cuinterpose recover`` of the group from ``ckpt``, as a person types it; then
+    running_with_its_bytes."""
+    args = ["recover", "--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir)]
+    args += [w for p in group.pids for w in ("--process", str(p), str(p))]
+    done = run_cli([*args, "--driver", "sim"], plain_env)
+    assert done.returncode == 0, done.stderr + done.stdout
+    running_with_its_bytes(group, control_dir)
+
+
 def refused_before_the_native_restore(
     group: Group, native: WorkerBackend, ckpt: Path, control_dir: Path, *words: str
 ) -> None:
@@ -143,14 +162,26 @@ def test_recover_fetches_what_the_shims_stored(
     for pid in group.pids:
         native.restore(pid)
         native.unlock(pid)
-    args = ["recover", "--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir)]
-    args += [w for p in group.pids for w in ("--process", str(p), str(p))]
-    done = run_cli([*args, "--driver", "sim"], plain_env)
-    assert done.returncode == 0, done.stderr + done.stdout
-    rows = agent.status(group.processes, agent.Where(control_dir), native)
-    assert {(r.native_state, r.shim_phase) for r in rows} == {("RUNNING", "ACTIVE")}
-    assert group.mismatches() == []
-    group.close()
+    recovered(group, ckpt, control_dir, plain_env)
+
+
+def test_recover_after_a_coordinator_killed_before_its_store_reached_the_shims(
+    group: Group, control_dir: Path, tmp_path: Path, plain_env: dict[str, str]
+) -> None:
+    """The coordinator killed between making the parts and its STORE_STAGED: the parts
+    are empty and every shim still holds its bytes in memory. ``cuinterpose recover``
+    must not refuse the empty parts: the shims read none of them, and the group comes
+    back with every byte (the CRIU verb's own kill races this moment; here it is made)."""
+    ckpt = tmp_path / "ckpt"
+    native = WorkerBackend(group.observer)
+    agent.suspend(group.processes, ckpt, where=agent.Where(control_dir), native=native)
+    ids = [p.participant for p in agent.read_manifest(ckpt).participants if p.participant]
+    stored.record_identity(ckpt, stored.new_identity())
+    for i in ids:
+        for k in range(2):
+            os.close(os.open(stored.part_path(ckpt, i, k), os.O_CREAT | os.O_EXCL, 0o600))
+    (ckpt / agent.MANIFEST_FILE_NAME).unlink()
+    recovered(group, ckpt, control_dir, plain_env)
 
 
 def stand_in_criu(path: Path) -> Path:
@@ -175,10 +206,9 @@ def test_criu_dump_killed_during_its_store_then_recover(
 ) -> None:
     """``cuinterpose criu dump`` killed (SIGKILL, with its process group) once it created
     the parts, while its shims store into them beside the native lock and checkpoint:
-    no manifest, or one without images. The processes brought back natively by hand
-    where the dead run left them LOCKED or CHECKPOINTED (``recover``'s native mixes are
-    another matter), ``cuinterpose recover`` fetches the stored bytes (every stripe's
-    sum checked) and the group runs with every byte."""
+    no manifest, or one without images. ``cuinterpose recover`` takes back whatever native
+    states the dead run left, fetches the stored bytes (every stripe's sum checked) and
+    the group runs with every byte."""
     ckpt, images = tmp_path / "ckpt", tmp_path / "images"
     env = {k: v for k, v in plain_env.items() if k != "SNAPSHOT_CONTROL_DIR"}
     argv = [sys.executable, "-m", "cuinterpose", "criu", "dump", "--checkpoint-dir", str(ckpt),
@@ -197,19 +227,9 @@ def test_criu_dump_killed_during_its_store_then_recover(
         run.communicate()
     native = WorkerBackend(group.observer)
     wait_until(lambda: idle(group, control_dir, native), "the shims' store ran to its end")
-    for pid in group.pids:
-        if native.state(pid) is ProcessState.CHECKPOINTED:
-            native.restore(pid)
-        if native.state(pid) is ProcessState.LOCKED:
-            native.unlock(pid)
-    args = ["recover", "--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir)]
-    args += [w for p in group.pids for w in ("--process", str(p), str(p))]
-    done = run_cli([*args, "--driver", "sim"], plain_env)
-    assert done.returncode == 0, done.stderr + done.stdout
-    rows = agent.status(group.processes, agent.Where(control_dir), native)
-    assert {(r.native_state, r.shim_phase) for r in rows} == {("RUNNING", "ACTIVE")}
-    assert group.mismatches() == []
-    group.close()
+    # Whatever mix of native states the dead run left (LOCKED, CHECKPOINTED): recover
+    # takes it back itself.
+    recovered(group, ckpt, control_dir, plain_env)
 
 
 def criu_that_outlives(path: Path, finished: bool) -> Path:
@@ -287,11 +307,7 @@ def test_criu_dump_killed_as_criu_starts(
         assert f"cuinterpose resume --checkpoint-dir {ckpt}" in text, text
     back = run_cli(["resume", "--checkpoint-dir", str(ckpt)], plain_env)
     assert back.returncode == 0, back.stderr + back.stdout
-    native = WorkerBackend(group.observer)
-    rows = agent.status(group.processes, agent.Where(control_dir), native)
-    assert {(r.native_state, r.shim_phase) for r in rows} == {("RUNNING", "ACTIVE")}
-    assert group.mismatches() == []
-    group.close()
+    running_with_its_bytes(group, control_dir)
 
 
 def test_a_flipped_byte_found_by_the_fetch_then_recover(
@@ -313,11 +329,4 @@ def test_a_flipped_byte_found_by_the_fetch_then_recover(
     text = str(info.value)
     assert "part 0: stripe 0 (file offset 4096" in text and "changed since" in text, text
     part.write_bytes(good)
-    args = ["recover", "--checkpoint-dir", str(ckpt), "--control-dir", str(control_dir)]
-    args += [w for p in group.pids for w in ("--process", str(p), str(p))]
-    done = run_cli([*args, "--driver", "sim"], plain_env)
-    assert done.returncode == 0, done.stderr + done.stdout
-    rows = agent.status(group.processes, agent.Where(control_dir), native)
-    assert {(r.native_state, r.shim_phase) for r in rows} == {("RUNNING", "ACTIVE")}
-    assert group.mismatches() == []
-    group.close()
+    recovered(group, ckpt, control_dir, plain_env)
