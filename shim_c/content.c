@@ -589,7 +589,7 @@ static void arena_put(char *arena, size_t len)
  * false when none is left. */
 static bool next_run(const struct item *it, uint64_t *j, uint64_t *from, uint64_t *to)
 {
-    uint64_t size = it->o->size, chunks = (size + KH_CHUNK - 1) / KH_CHUNK, k;
+    uint64_t size = it->o->size, chunks = kh_chunks(size), k;
 
     while (*j < chunks && keep_chunk_same(it->kc, it->fresh, *j))
         (*j)++;

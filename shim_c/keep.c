@@ -53,6 +53,7 @@
 
 typedef CUresult (*module_load_fn)(CUmodule *, const void *);
 typedef CUresult (*module_fn_fn)(CUfunction *, CUmodule, const char *);
+typedef CUresult (*module_unload_fn)(CUmodule);
 typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
                               unsigned, unsigned, CUstream, void **, void **);
 
@@ -79,6 +80,7 @@ static struct {
     struct keep_fn fns[KEEP_CTXS];
     module_load_fn load;
     module_fn_fn get;
+    module_unload_fn unload;
     launch_fn launch;
     bool resolved;
 } K = {.run = PTHREAD_MUTEX_INITIALIZER};
@@ -231,13 +233,15 @@ static void unpin(struct keep_copy *c)
             if (r != CUDA_SUCCESS)
                 shim_log(LOG_WARN, "cuMemHostUnregister of a kept host copy failed: %s",
                          shim_cu_name(r));
-            if (munmap(c->host, c->len) != 0)
-                shim_log(LOG_WARN, "munmap of a kept host copy failed: %s", strerror(errno));
         } else if ((r = real.cuMemFreeHost(c->host)) != CUDA_SUCCESS) {
             shim_log(LOG_WARN, "cuMemFreeHost of a kept host copy failed: %s", shim_cu_name(r));
         }
         shim_ctx_leave(pushed);
     }
+    /* A registered copy is our own mapping: unmapped whether or not its context
+     * could be entered to unregister it (one gone takes its registrations along). */
+    if (c->pid == getpid() && c->registered && munmap(c->host, c->len) != 0)
+        shim_log(LOG_WARN, "munmap of a kept host copy failed: %s", strerror(errno));
     c->host = NULL;
     c->valid = false;
 }
@@ -305,13 +309,13 @@ static uint32_t plan(void)
             uint32_t nc = K.cap ? 2 * K.cap : 64;
             struct keep_copy **nv = realloc(K.v, nc * sizeof *nv);
             if (!nv)
-                break; /* the next look, or SAVE, tries again */
+                continue; /* the next look, or SAVE, tries again; the others are seen */
             K.v = nv;
             K.cap = nc;
         }
         c = calloc(1, sizeof *c);
         if (!c)
-            break;
+            continue;
         memcpy(c->id, o->id, CUIP_ID_LEN);
         c->size = o->size;
         c->len = staging_len(o->size);
@@ -512,12 +516,13 @@ static bool resolve_module_api(char *why, size_t n)
     if (!K.resolved) {
         K.load = (module_load_fn)shim_driver_symbol("cuModuleLoadData");
         K.get = (module_fn_fn)shim_driver_symbol("cuModuleGetFunction");
+        K.unload = (module_unload_fn)shim_driver_symbol("cuModuleUnload");
         K.launch = (launch_fn)shim_driver_symbol("cuLaunchKernel");
         K.resolved = true;
     }
-    if (!K.load || !K.get || !K.launch) {
-        snprintf(why, n, "the driver lacks cuModuleLoadData, cuModuleGetFunction or "
-                 "cuLaunchKernel");
+    if (!K.load || !K.get || !K.unload || !K.launch) {
+        snprintf(why, n, "the driver lacks cuModuleLoadData, cuModuleGetFunction, "
+                 "cuModuleUnload or cuLaunchKernel");
         return false;
     }
     return true;
@@ -553,17 +558,15 @@ static struct keep_fn *kernel_of(CUcontext ctx, char *why, size_t n)
     if (r != CUDA_SUCCESS) {
         snprintf(why, n, "cuModuleGetFunction or cuStreamCreate for the hash kernel failed: %s",
                  shim_cu_name(r));
-        f->mod = NULL; /* the module stays loaded with its context: a few KiB */
+        /* Unloaded: the keeper and every SAVE try again, and would pile them up. */
+        if ((r = K.unload(f->mod)) != CUDA_SUCCESS)
+            shim_log(LOG_WARN, "cuModuleUnload of the hash kernel failed: %s", shim_cu_name(r));
+        f->mod = NULL;
         return NULL;
     }
     f->ctx = ctx;
     f->pid = getpid();
     return f;
-}
-
-static uint64_t chunks_of(uint64_t size)
-{
-    return (size + KH_CHUNK - 1) / KH_CHUNK;
 }
 
 /* Hash the items of context `ctx` (current) into their `fresh` tables. */
@@ -578,7 +581,7 @@ static int hash_ctx(struct keep_item *items, uint32_t n, CUcontext ctx, char *wh
         return -1;
     for (uint32_t i = 0; i < n; i++)
         if (items[i].ctx == ctx)
-            total += chunks_of(items[i].c->size);
+            total += kh_chunks(items[i].c->size);
     if (total * 16 > f->out_len) {
         if (f->out && real.cuMemFree(f->out) != CUDA_SUCCESS)
             shim_log(LOG_WARN, "cuMemFree of the hash buffer failed");
@@ -602,7 +605,7 @@ static int hash_ctx(struct keep_item *items, uint32_t n, CUcontext ctx, char *wh
         struct keep_item *it = &items[i];
         unsigned long long base = it->va, words = it->c->size / 8;
         unsigned long long out = f->out + at * 16;
-        uint64_t chunks = chunks_of(it->c->size);
+        uint64_t chunks = kh_chunks(it->c->size);
         void *params[] = {&base, &words, &out};
         if (it->ctx != ctx)
             continue;
@@ -625,7 +628,7 @@ static int hash_ctx(struct keep_item *items, uint32_t n, CUcontext ctx, char *wh
         uint64_t chunks;
         if (items[i].ctx != ctx)
             continue;
-        chunks = chunks_of(items[i].c->size);
+        chunks = kh_chunks(items[i].c->size);
         items[i].fresh = malloc(chunks * 16);
         if (!items[i].fresh) {
             snprintf(why, wn, "out of memory for %llu hashes", (unsigned long long)chunks);
@@ -637,8 +640,14 @@ static int hash_ctx(struct keep_item *items, uint32_t n, CUcontext ctx, char *wh
     free(host);
     return 0;
 fail:
-    /* nothing may still write into `out` before it is used again */
-    real.cuStreamSynchronize(f->stream);
+    /* Nothing may still write into `out` before it is used again: past a failed
+     * wait the buffer is given up (the next SAVE makes another). */
+    if ((r = real.cuStreamSynchronize(f->stream)) != CUDA_SUCCESS) {
+        shim_log(LOG_WARN, "cuStreamSynchronize after a failed hash failed: %s; its buffer "
+                 "is left to its context", shim_cu_name(r));
+        f->out = 0;
+        f->out_len = 0;
+    }
     free(host);
     return -1;
 }

@@ -32,6 +32,12 @@
  * module by it. */
 #define KH_ENTRY "cuip_keep_hash"
 
+/* The chunks of an allocation of `size` bytes (the last one shorter). */
+KH_FN unsigned long long kh_chunks(unsigned long long size)
+{
+    return (size + KH_CHUNK - 1) / KH_CHUNK;
+}
+
 KH_FN unsigned long long kh_mix_a(unsigned long long x)
 {
     /* splitmix64's finalizer */
