@@ -188,6 +188,10 @@ class Endpoint:
     def describe(self) -> str:
         return f"pid {self.observed_pid} (ns pid {self.namespace_pid}) at {self.path}"
 
+    def proc_root(self) -> Path | None:
+        """The /proc the process is seen through (None: this process's own)."""
+        return self.rooted.proc_root if self.rooted is not None else None
+
     def entry(self) -> os.stat_result:
         """What is at the socket's path, not followed (through the rooted directory
         where there is one); OSError as ``lstat`` raises it."""
@@ -496,7 +500,8 @@ class _Exchange:
             )
         from .stopped import stopped
 
-        why = stopped(self.endpoint.observed_pid)  # the usual cause of a silent shim
+        # The usual cause of a silent shim.
+        why = stopped(self.endpoint.observed_pid, self.endpoint.proc_root())
         self.fail(ParticipantTimeout, f"{reason}: {why}" if why else reason, self._claimed())
 
     # -- connection -----------------------------------------------------------

@@ -79,17 +79,6 @@ _KINDS: Final = (
 )
 
 
-def what_is_at(path: Path) -> str:
-    """What sits at ``path`` (not followed), in words: "nothing", "a directory", ..."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return "nothing"
-    except OSError as exc:
-        return f"something that cannot be looked at ({exc.strerror})"
-    return kind_of(mode)
-
-
 def kind_of(mode: int) -> str:
     """A file of ``mode``, in words: "a socket", "a directory", ..."""
     return next((word for test, word in _KINDS if test(mode)), f"a file of mode {mode:o}")
@@ -118,7 +107,7 @@ def shim_drivers(endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> Driv
     from .wire import Op, Reply, Request, Status
 
     # A stopped process's shim answers nothing until continued: not waited for.
-    asked = [e for e in endpoints if _has_socket(e) and not stopped(e.observed_pid)]
+    asked = [e for e in endpoints if _has_socket(e) and not stopped(e.observed_pid, e.proc_root())]
     replies = call_all([(e, Request(Op.STATUS, ask_driver=True), None) for e in asked],
                        timeout=timeout)  # fmt: skip
     drivers: dict[int, str] = {}

@@ -72,11 +72,6 @@ def system_drivers() -> tuple[Path, ...]:
     return tuple(dict.fromkeys(Path(p) for p in found if os.path.isfile(p)))
 
 
-def system_driver() -> Path | None:
-    """The ``libcuda.so.1`` ``dlopen`` would find first here (None: there is none)."""
-    return next(iter(system_drivers()), None)
-
-
 def _identity(path: Path) -> Identity | None:
     try:
         st = os.stat(path)

@@ -194,8 +194,12 @@ def _dump_finished(images: Path) -> str | None:
     except OSError as exc:
         return f"there is no CRIU log of it ({path}: {exc.strerror})"
     try:
-        size = os.fstat(fd).st_size
-        tail = os.pread(fd, _LOG_TAIL, max(0, size - _LOG_TAIL))
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return f"its CRIU log {path} is not a regular file"
+        tail = os.pread(fd, _LOG_TAIL, max(0, st.st_size - _LOG_TAIL))
+    except OSError as exc:
+        return f"its CRIU log {path} cannot be read ({exc.strerror})"
     finally:
         os.close(fd)
     lines = [line.strip() for line in tail.decode(errors="replace").splitlines() if line.strip()]

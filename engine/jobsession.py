@@ -139,14 +139,6 @@ def job_snapshot(store: Store, job: str, timeout: float) -> Snapshot:
     return store.snapshot(f"{PREFIX}{check_name('job', job)}/", time.monotonic() + timeout)
 
 
-def open_store(spec: JobSpec, timeout: float) -> Store:
-    """The spec's store, signed in, refused when anyone may write it (unless the spec is
-    insecure): :class:`~.jobstore.OpenStore`, a :class:`StoreError`."""
-    store = Store(spec.store, credentials=spec.credentials)
-    store.open(store.clock() + timeout, insecure=spec.insecure)
-    return store
-
-
 def _boot_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()

@@ -98,6 +98,14 @@ class Address:
         bad_path = parts.path not in ("", "/")
         if parts.scheme not in ("http", "https") or not parts.hostname or bad_path:
             raise ValueError(f"{text!r} is not an etcd client URL (http://HOST:PORT)")
+        if parts.username is not None or parts.password is not None:
+            # A password in the URL would be said again in every next: line and log.
+            shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+            raise ValueError(
+                f"{shown}: a user or password in the store's URL is refused (it would be "
+                "printed and logged): give the user in a credentials file, "
+                "--store-credentials FILE"
+            )
         try:
             port = parts.port or 2379
         except ValueError:

@@ -105,7 +105,7 @@ def native_back(native: NativeBackend, endpoints: Sequence[Endpoint]) -> tuple[s
     restore of the CHECKPOINTED ones, then the unlock of the LOCKED ones, each process
     on its own. The lines say what ran (none: nothing was held); :class:`NativeStuck`
     when a process is still held after it. Gone or unknown ones are left to the survey."""
-    held = [e.observed_pid for e in endpoints if e in _natively_held(native, endpoints)]
+    held = [e.observed_pid for e in _natively_held(native, endpoints)]
     if not held:
         return ()
     done = undo_suspend(native, held)
@@ -218,9 +218,7 @@ def _fetch_stored(
             _stores_done([reach[p] for p, _ in pairs], [i for _, i in pairs], options)
             # No precheck: a shim the dead coordinator never sent its STORE still holds
             # its bytes (its parts empty) and reads nothing; one that stored checks all.
-            fetch_pairs(
-                directory, pairs, where=reach.__getitem__, options=options, precheck=False
-            )
+            fetch_pairs(directory, pairs, where=reach.__getitem__, options=options, precheck=False)
     except StoreFailed as failed:
         raise CoordinatorError(
             "recover", "FETCH_STAGED", [Problem(line) for line in failed.lines()]

@@ -511,16 +511,18 @@ def check_parts(checkpoint_dir: Path, participants: Sequence[str]) -> list[str]:
     problems: list[str] = []
     for participant, paths in found:
         assert identity is not None
+        own: list[str] = []  # this participant's: the layout is read only from good parts
         for k, path in enumerate(paths):
             got = _open_trusted(path, os.O_RDONLY)
             if isinstance(got, str):
-                problems.append(got)
+                own.append(got)
                 continue
             os.close(got)
             why = _part_problem(path, k, len(paths), participant, identity)
             if why is not None:
-                problems.append(why)
-        if problems:
+                own.append(why)
+        problems += own
+        if own:
             continue
         layout = _table_layout(paths[0], len(paths))
         if isinstance(layout, str):

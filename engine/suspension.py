@@ -123,7 +123,7 @@ def _ask_driver(endpoints: Sequence[Endpoint], timeout: float) -> _Asked:
     makes driver calls that a LOCKED or CHECKPOINTED process would hold, are asked once
     every process is known RUNNING, after the capture (:func:`_ask_gpus`)."""
     # A stopped process answers nothing until continued: named at once, not waited for.
-    held = {e: stopped(e.observed_pid) for e in endpoints}
+    held = {e: stopped(e.observed_pid, e.proc_root()) for e in endpoints}
     asked = [e for e in endpoints if not held[e]]
     answers = iter(call_all([(e, Request(Op.STATUS, ask_driver=True), None) for e in asked],
                             timeout=timeout))  # fmt: skip

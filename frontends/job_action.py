@@ -28,6 +28,7 @@ from .arguments import (
     CONTROL_DIR_ENV,
     DEFAULT_CONTROL_DIR,
     EXIT_FAILED,
+    EXIT_NEEDS_RECOVER,
     EXIT_OK,
     EXIT_USAGE,
     Formatter,
@@ -247,8 +248,7 @@ def _spec(args: argparse.Namespace) -> job.JobSpec:
         raise UsageError(f"{PROG}: error: {exc}") from None
 
 
-_THEIR_CREDENTIALS: Final = "CRED"
-_THEIR_DIRECTORY: Final = "DIR"
+_THEIR_DIRECTORY: Final = "<its checkpoint directory>"
 
 
 def _node_command(
@@ -263,7 +263,8 @@ def _node_command(
     own = node == getattr(args, "node", None)
     words = ["cuinterpose", "job", verb, "--job", args.job, "--store", args.store]
     if args.store_credentials is not None:
-        words += ["--store-credentials", str(args.store_credentials) if own else "CRED"]
+        their = f"<node {node}'s credentials file>"
+        words += ["--store-credentials", str(args.store_credentials) if own else their]
     words += ["--store-insecure"] if args.store_insecure else []
     words += ["--node", node]
     listed = nodes or getattr(args, "nodes", None)
@@ -272,16 +273,14 @@ def _node_command(
     words += ["--checkpoint-dir", ckpt or _THEIR_DIRECTORY]
     if own and getattr(args, "control_dir", None) is not None:
         words += ["--control-dir", str(args.control_dir)]
-    text = shlex.join(words)
-    if not own:
-        text = text.replace(" CRED ", f" <node {node}'s credentials file> ")
-    return text if ckpt else text.replace(" DIR", " <its checkpoint directory>")
+    # The placeholders said in words, unquoted: a person fills them in.
+    return " ".join(w if w.startswith("<") else shlex.quote(w) for w in words)
 
 
 def _next(args: argparse.Namespace, outcome: job.NodeOutcome) -> str:
     """What to run after this node's outcome, on this node (every node for the job)."""
     ckpt = str(args.checkpoint_dir)
-    if outcome.code == 4:
+    if outcome.code == EXIT_NEEDS_RECOVER:
         return _node_command(args, "recover", args.node, ckpt)
     if outcome.verb == "suspend" and outcome.code == EXIT_OK:
         return _node_command(args, "resume", args.node, ckpt)

@@ -109,7 +109,7 @@ def test_the_system_driver_the_linker_finds_is_accepted(
     system.parent.mkdir()
     shutil.copy(sim(), system)  # another file than the simulated one
     monkeypatch.setenv("LD_LIBRARY_PATH", str(system.parent))
-    assert driver_trust.system_driver() == system
+    assert driver_trust.system_drivers()[0] == system
     with team_of(TOPOLOGY, work / "control") as team:
         reporting(team, system)
         assert drivers.library("auto", lambda: team.endpoints) == str(system)

@@ -133,6 +133,10 @@ def test_names_and_addresses_are_checked() -> None:
     with pytest.raises(ValueError, match="not an etcd client URL"):
         Address.parse("https://h:1/x")
     assert Address.parse("10.0.0.1:2379") == Address("10.0.0.1", 2379)
+    # A password in the URL would be printed in every next: line: refused, not shown.
+    with pytest.raises(ValueError, match="--store-credentials FILE") as info:
+        Address.parse("http://root:s3cret@etcd:2379")
+    assert "s3cret" not in str(info.value) and "http://etcd:2379" in str(info.value)
 
 
 def test_a_store_that_never_answers_is_a_store_error(tmp_path: Path) -> None:
